@@ -1,0 +1,182 @@
+//! A fault-injecting wrapper: errors at chosen offsets or at a random rate, added latency,
+//! and a device that vanishes (every later I/O fails) at a chosen time or I/O count.
+//!
+//! The knobs are atomics in a shared [`FaultConfig`], so a test can change them while I/O
+//! runs. Reading them costs uncontended loads; this device is for tests, not production.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::{BlockDevice, CoreIo, IoHandle, IoOp, Tag};
+
+#[derive(Default)]
+pub struct FaultConfig {
+    /// Reads touching [fail_read_start, fail_read_end) fail with EIO.
+    pub fail_read_start: AtomicU64,
+    pub fail_read_end: AtomicU64,
+    /// Writes touching [fail_write_start, fail_write_end) fail with EIO.
+    pub fail_write_start: AtomicU64,
+    pub fail_write_end: AtomicU64,
+    /// Probability of a random EIO, in parts per million of I/Os.
+    pub error_ppm: AtomicU64,
+    /// Latency added to every completion, in microseconds.
+    pub latency_us: AtomicU64,
+    /// The device is gone: everything fails with ENODEV.
+    pub vanished: AtomicBool,
+    /// Vanish once this many I/Os have been submitted (0 = never).
+    pub vanish_after_ios: AtomicU64,
+    /// Vanish this many milliseconds after the device was opened (0 = never).
+    pub vanish_after_ms: AtomicU64,
+    ios: AtomicU64,
+}
+
+impl FaultConfig {
+    pub fn fail_reads(&self, start: u64, end: u64) {
+        self.fail_read_start.store(start, Relaxed);
+        self.fail_read_end.store(end, Relaxed);
+    }
+    pub fn fail_writes(&self, start: u64, end: u64) {
+        self.fail_write_start.store(start, Relaxed);
+        self.fail_write_end.store(end, Relaxed);
+    }
+    pub fn vanish(&self) {
+        self.vanished.store(true, Relaxed);
+    }
+    /// Apply one `key=value` setting (as used in device specs).
+    pub fn set(&self, key: &str, value: &str) -> io::Result<()> {
+        let bad = || io::Error::new(io::ErrorKind::InvalidInput, format!("fault device: bad setting {key}={value}"));
+        let num = || crate::parse_size(value).map_err(|_| bad());
+        match key {
+            "latency_us" => self.latency_us.store(num()?, Relaxed),
+            "error_ppm" => self.error_ppm.store(num()?, Relaxed),
+            "fail_read" | "fail_write" => {
+                let (a, b) = value.split_once('-').ok_or_else(bad)?;
+                let (a, b) = (crate::parse_size(a).map_err(|_| bad())?, crate::parse_size(b).map_err(|_| bad())?);
+                if key == "fail_read" {
+                    self.fail_reads(a, b)
+                } else {
+                    self.fail_writes(a, b)
+                }
+            }
+            "vanish_after_ios" => self.vanish_after_ios.store(num()?, Relaxed),
+            "vanish_after_ms" => self.vanish_after_ms.store(num()?, Relaxed),
+            _ => return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("fault device: unknown setting '{key}' (latency_us, error_ppm, fail_read=A-B, fail_write=A-B, vanish_after_ios, vanish_after_ms)"))),
+        }
+        Ok(())
+    }
+}
+
+pub struct FaultDevice {
+    inner: Arc<dyn BlockDevice>,
+    pub config: Arc<FaultConfig>,
+    opened: Instant,
+}
+
+impl FaultDevice {
+    pub fn new(inner: Arc<dyn BlockDevice>, config: Arc<FaultConfig>) -> Arc<FaultDevice> {
+        Arc::new(FaultDevice { inner, config, opened: Instant::now() })
+    }
+
+    /// The error (negative errno) this I/O should fail with, if any.
+    fn verdict(&self, op: &IoOp, rng: &mut u64) -> Option<i32> {
+        let c = &self.config;
+        let n = c.ios.fetch_add(1, Relaxed) + 1;
+        let after = c.vanish_after_ios.load(Relaxed);
+        let ms = c.vanish_after_ms.load(Relaxed);
+        if (after != 0 && n >= after) || (ms != 0 && self.opened.elapsed() >= Duration::from_millis(ms)) {
+            c.vanished.store(true, Relaxed);
+        }
+        if c.vanished.load(Relaxed) {
+            return Some(-libc::ENODEV);
+        }
+        let hits = |s: &AtomicU64, e: &AtomicU64, off: u64, len: u64| {
+            let (s, e) = (s.load(Relaxed), e.load(Relaxed));
+            s < e && off < e && off + len > s
+        };
+        match *op {
+            IoOp::Read { offset, len, .. } if hits(&c.fail_read_start, &c.fail_read_end, offset, len as u64) => {
+                return Some(-libc::EIO)
+            }
+            IoOp::Write { offset, len, .. } if hits(&c.fail_write_start, &c.fail_write_end, offset, len as u64) => {
+                return Some(-libc::EIO)
+            }
+            _ => {}
+        }
+        let ppm = c.error_ppm.load(Relaxed);
+        if ppm > 0 {
+            // xorshift64: cheap per-handle randomness.
+            *rng ^= *rng << 13;
+            *rng ^= *rng >> 7;
+            *rng ^= *rng << 17;
+            if *rng % 1_000_000 < ppm {
+                return Some(-libc::EIO);
+            }
+        }
+        None
+    }
+
+    fn sync_check(&self) -> io::Result<()> {
+        if self.config.vanished.load(Relaxed) {
+            return Err(io::Error::from_raw_os_error(libc::ENODEV));
+        }
+        Ok(())
+    }
+}
+
+struct FaultHandle {
+    dev: Arc<FaultDevice>,
+    inner: Box<dyn IoHandle>,
+    rng: u64,
+}
+
+impl IoHandle for FaultHandle {
+    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+        let latency = Duration::from_micros(self.dev.config.latency_us.load(Relaxed));
+        if let Some(err) = self.dev.verdict(&op, &mut self.rng) {
+            return io.complete_after(latency, tag, err);
+        }
+        let t = if latency.is_zero() { tag } else { io.delayed(tag, latency) };
+        self.inner.submit(io, op, t);
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+}
+
+impl BlockDevice for FaultDevice {
+    fn describe(&self) -> String {
+        format!("fault:{}", self.inner.describe())
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn alignment(&self) -> u32 {
+        self.inner.alignment()
+    }
+    fn is_volatile(&self) -> bool {
+        self.inner.is_volatile()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.sync_check()?;
+        self.inner.read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        self.sync_check()?;
+        self.inner.write_at(offset, buf)
+    }
+    fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.sync_check()?;
+        self.inner.write_zeroes_at(offset, len)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.sync_check()?;
+        self.inner.sync()
+    }
+    fn open_handle(self: Arc<Self>) -> Box<dyn IoHandle> {
+        let inner = self.inner.clone().open_handle();
+        let seed = (self.opened.elapsed().as_nanos() as u64) | 1;
+        Box::new(FaultHandle { dev: self, inner, rng: seed })
+    }
+}

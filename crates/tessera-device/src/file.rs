@@ -1,0 +1,236 @@
+//! Files and block devices, opened with O_DIRECT and driven through the core's io_uring.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use io_uring::{opcode, types};
+use tessera_io::AlignedBuf;
+
+use crate::{check_range, out_of_range, BlockDevice, CoreIo, IoHandle, IoOp, Tag};
+
+pub struct FileDevice {
+    file: File,
+    path: PathBuf,
+    size: u64,
+    is_block: bool,
+    direct: bool,
+    align: u32,
+}
+
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+const BLKSSZGET: libc::c_ulong = 0x1268;
+
+impl FileDevice {
+    /// Open an existing file or block device. With `create_size`, a missing regular file is
+    /// created (sparse) with that size.
+    pub fn open(path: &Path, create_size: Option<u64>) -> io::Result<Arc<FileDevice>> {
+        let ctx = |e: io::Error, what: &str| io::Error::new(e.kind(), format!("{}: {what}: {e}", path.display()));
+        if !path.exists() {
+            match create_size {
+                Some(sz) => {
+                    let f = OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| ctx(e, "cannot create"))?;
+                    f.set_len(sz).map_err(|e| ctx(e, "cannot size"))?;
+                }
+                None => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::NotFound,
+                        format!("{}: no such file or device (give PATH:SIZE to create a file)", path.display()),
+                    ))
+                }
+            }
+        }
+        let open = |direct: bool| {
+            let mut o = OpenOptions::new();
+            o.read(true).write(true);
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            o.open(path)
+        };
+        // Some filesystems refuse O_DIRECT; fall back to buffered I/O and say so.
+        let (file, direct) = match open(true) {
+            Ok(f) => (f, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                eprintln!("tessera: {}: O_DIRECT not supported here, using buffered I/O", path.display());
+                (open(false).map_err(|e| ctx(e, "cannot open"))?, false)
+            }
+            Err(e) => return Err(ctx(e, "cannot open")),
+        };
+        let meta = file.metadata().map_err(|e| ctx(e, "cannot stat"))?;
+        let is_block = meta.file_type().is_block_device();
+        let (mut size, mut align) = (meta.len(), 512u32);
+        if is_block {
+            let mut sz: u64 = 0;
+            let mut ssz: libc::c_int = 0;
+            // SAFETY: ioctls writing into properly typed locals on an open fd.
+            unsafe {
+                if libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut sz) != 0 {
+                    return Err(ctx(io::Error::last_os_error(), "cannot read block device size"));
+                }
+                if libc::ioctl(file.as_raw_fd(), BLKSSZGET, &mut ssz) == 0 && ssz > 0 {
+                    align = ssz as u32;
+                }
+            }
+            size = sz;
+        } else if !meta.file_type().is_file() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: not a regular file or block device", path.display())));
+        }
+        if let Some(want) = create_size {
+            if !is_block && want > size {
+                file.set_len(want).map_err(|e| ctx(e, "cannot grow"))?;
+                size = want;
+            }
+        }
+        if !direct {
+            align = 1;
+        }
+        size -= size % 4096;
+        Ok(Arc::new(FileDevice { file, path: path.to_path_buf(), size, is_block, direct, align }))
+    }
+
+    fn aligned(&self, offset: u64, len: usize, ptr: *const u8) -> bool {
+        let a = self.align as u64;
+        !self.direct || (offset % a == 0 && len as u64 % a == 0 && ptr as u64 % a == 0)
+    }
+
+    fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
+        // SAFETY: plain syscall on our fd.
+        let r = unsafe { libc::fallocate(self.file.as_raw_fd(), mode, offset as i64, len as i64) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
+    fn zero_mode(&self) -> libc::c_int {
+        if self.is_block {
+            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+        } else {
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+        }
+    }
+}
+
+struct FileHandle {
+    dev: Arc<FileDevice>,
+    fd: types::Fd,
+}
+
+impl IoHandle for FileHandle {
+    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+        let size = self.dev.size;
+        let entry = match op {
+            IoOp::Read { offset, len, buf } => {
+                if let Err(e) = check_range(size, offset, len as u64) {
+                    return io.complete(tag, e);
+                }
+                if !self.dev.aligned(offset, len as usize, buf) {
+                    return io.complete(tag, -libc::EINVAL);
+                }
+                opcode::Read::new(self.fd, buf, len).offset(offset).build()
+            }
+            IoOp::Write { offset, len, buf } => {
+                if let Err(e) = check_range(size, offset, len as u64) {
+                    return io.complete(tag, e);
+                }
+                if !self.dev.aligned(offset, len as usize, buf) {
+                    return io.complete(tag, -libc::EINVAL);
+                }
+                opcode::Write::new(self.fd, buf, len).offset(offset).build()
+            }
+            IoOp::Flush => opcode::Fsync::new(self.fd).flags(types::FsyncFlags::DATASYNC).build(),
+            IoOp::Discard { offset, len } => {
+                if let Err(e) = check_range(size, offset, len) {
+                    return io.complete(tag, e);
+                }
+                opcode::Fallocate::new(self.fd, len)
+                    .offset(offset)
+                    .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
+                    .build()
+            }
+            IoOp::WriteZeroes { offset, len, .. } => {
+                if let Err(e) = check_range(size, offset, len) {
+                    return io.complete(tag, e);
+                }
+                opcode::Fallocate::new(self.fd, len).offset(offset).mode(self.dev.zero_mode()).build()
+            }
+        };
+        // SAFETY: the fd lives as long as self.dev (held by this handle, which the caller
+        // keeps until completions drain); buffers are guaranteed by the submitter.
+        unsafe { io.push_sqe(entry.user_data(tag)) };
+    }
+    fn size(&self) -> u64 {
+        self.dev.size
+    }
+}
+
+impl BlockDevice for FileDevice {
+    fn describe(&self) -> String {
+        self.path.display().to_string()
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn alignment(&self) -> u32 {
+        self.align
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        check_range(self.size, offset, buf.len() as u64)
+            .map_err(|_| out_of_range(&self.describe(), offset, buf.len() as u64, self.size))?;
+        if self.aligned(offset, buf.len(), buf.as_ptr()) {
+            return self.file.read_exact_at(buf, offset);
+        }
+        // Bounce through an aligned buffer covering the aligned superset of the range.
+        let a = self.align as u64;
+        let start = offset - offset % a;
+        let end = (offset + buf.len() as u64).next_multiple_of(a);
+        let mut b = AlignedBuf::zeroed((end - start) as usize);
+        self.file.read_exact_at(&mut b.as_mut_slice()[..(end - start) as usize], start)?;
+        let s = (offset - start) as usize;
+        buf.copy_from_slice(&b.as_slice()[s..s + buf.len()]);
+        Ok(())
+    }
+    fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        check_range(self.size, offset, buf.len() as u64)
+            .map_err(|_| out_of_range(&self.describe(), offset, buf.len() as u64, self.size))?;
+        if self.aligned(offset, buf.len(), buf.as_ptr()) {
+            return self.file.write_all_at(buf, offset);
+        }
+        let a = self.align as u64;
+        let start = offset - offset % a;
+        let end = (offset + buf.len() as u64).next_multiple_of(a);
+        let n = (end - start) as usize;
+        let mut b = AlignedBuf::zeroed(n);
+        self.file.read_exact_at(&mut b.as_mut_slice()[..n], start)?;
+        let s = (offset - start) as usize;
+        b.as_mut_slice()[s..s + buf.len()].copy_from_slice(buf);
+        self.file.write_all_at(&b.as_slice()[..n], start)
+    }
+    fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        check_range(self.size, offset, len).map_err(|_| out_of_range(&self.describe(), offset, len, self.size))?;
+        if len == 0 || self.fallocate(self.zero_mode(), offset, len).is_ok() {
+            return Ok(());
+        }
+        // The filesystem cannot punch holes: write zeros.
+        let chunk = AlignedBuf::zeroed(1 << 20);
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(1 << 20) as usize;
+            self.write_at(offset + done, &chunk.as_slice()[..n])?;
+            done += n as u64;
+        }
+        Ok(())
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn open_handle(self: Arc<Self>) -> Box<dyn IoHandle> {
+        let fd = types::Fd(self.file.as_raw_fd());
+        Box::new(FileHandle { dev: self, fd })
+    }
+}

@@ -1,0 +1,257 @@
+//! The per-core I/O context and the block interface every layer implements.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::{Duration, Instant};
+
+use io_uring::{squeue, IoUring};
+
+use crate::buf::BufPool;
+use crate::reactor::RemoteCompleter;
+
+/// Addresses a completion: `(task id << 32) | slot` for task-owned operations. Tags with
+/// [`INTERNAL`] set belong to the core's join/delay table and never reach a task.
+pub type Tag = u64;
+
+/// Marks tags that name a join or delay entry on this core.
+pub(crate) const INTERNAL: u64 = 1 << 63;
+/// Marks io_uring user_data of the reactor's own operations (mailbox eventfd).
+pub(crate) const REACTOR: u64 = 1 << 62;
+
+/// Placeholder for contexts that have no reactor mailbox (unit tests, tools).
+pub const REMOTE_COMPLETER_NONE: Option<RemoteCompleter> = None;
+
+/// One block operation. Offsets and lengths are bytes. Buffers are raw pointers because
+/// they cross into the kernel (io_uring) and must outlive the call; the submitter keeps
+/// them alive and untouched until the completion arrives.
+#[derive(Clone, Copy, Debug)]
+pub enum IoOp {
+    Read { offset: u64, len: u32, buf: *mut u8 },
+    Write { offset: u64, len: u32, buf: *const u8 },
+    /// Make every write completed before this one durable.
+    Flush,
+    /// The range's contents become undefined and its space may be given back.
+    Discard { offset: u64, len: u64 },
+    /// The range reads back as zeros. `may_unmap` allows giving the space back.
+    WriteZeroes { offset: u64, len: u64, may_unmap: bool },
+}
+
+/// A per-core handle to a block target (device, pool or volume).
+///
+/// Contract: every `submit` results in exactly one completion for `tag`, delivered through
+/// `io` (possibly before `submit` returns, via the ready queue — never re-entrantly). The
+/// result is negative errno on failure, anything else on success.
+pub trait IoHandle {
+    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag);
+    /// Size of the target in bytes.
+    fn size(&self) -> u64;
+}
+
+struct Join {
+    parent: Tag,
+    remaining: u32,
+    result: i32,
+    delay: Duration,
+}
+
+/// Everything a core's datapath needs: its io_uring, its ready queue of synchronous
+/// completions, join/delay bookkeeping for split requests, timers and buffers.
+pub struct CoreIo {
+    pub core: usize,
+    pub(crate) ring: IoUring,
+    ready: VecDeque<(Tag, i32)>,
+    joins: Vec<Join>,
+    free_joins: Vec<u32>,
+    timers: BinaryHeap<Reverse<(Instant, u64, Tag, i32)>>,
+    timer_seq: u64,
+    /// SQEs pushed whose completions have not been reaped (excluding the reactor's own).
+    pub(crate) ring_inflight: usize,
+    pub bufs: BufPool,
+    remote: Option<RemoteCompleter>,
+}
+
+impl CoreIo {
+    /// A context with its own ring. `remote` lets other threads complete tags on this core.
+    pub fn new(core: usize, entries: u32, remote: Option<RemoteCompleter>) -> std::io::Result<CoreIo> {
+        let ring = IoUring::builder()
+            .setup_single_issuer()
+            .setup_coop_taskrun()
+            .setup_cqsize(entries * 4)
+            .build(entries)
+            .or_else(|_| IoUring::builder().setup_cqsize(entries * 4).build(entries))?;
+        Ok(CoreIo {
+            core,
+            ring,
+            ready: VecDeque::with_capacity(1024),
+            joins: Vec::new(),
+            free_joins: Vec::new(),
+            timers: BinaryHeap::new(),
+            timer_seq: 0,
+            ring_inflight: 0,
+            bufs: BufPool::default(),
+            remote,
+        })
+    }
+
+    /// Something other threads can use to complete a tag on this core (e.g. a flush served
+    /// by a pool's metadata thread).
+    pub fn remote_completer(&self) -> Option<RemoteCompleter> {
+        self.remote.clone()
+    }
+
+    /// Queue an io_uring operation whose user_data is a tag.
+    ///
+    /// # Safety
+    /// Every buffer and file descriptor the entry refers to must stay valid until its
+    /// completion is delivered.
+    pub unsafe fn push_sqe(&mut self, entry: squeue::Entry) {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.push_raw(entry) };
+        self.ring_inflight += 1;
+    }
+
+    pub(crate) unsafe fn push_raw(&mut self, entry: squeue::Entry) {
+        loop {
+            // SAFETY: the caller guarantees the entry's buffers outlive it.
+            if unsafe { self.ring.submission().push(&entry) }.is_ok() {
+                return;
+            }
+            // Submission queue full: hand what we have to the kernel and retry.
+            let _ = self.ring.submit();
+        }
+    }
+
+    /// Deliver a completion. Internal tags resolve their join immediately; task tags go to
+    /// the ready queue, which the reactor drains in order.
+    pub fn complete(&mut self, mut tag: Tag, mut res: i32) {
+        while tag & INTERNAL != 0 {
+            let idx = (tag & 0xffff_ffff) as usize;
+            let j = &mut self.joins[idx];
+            if res < 0 && j.result >= 0 {
+                j.result = res;
+            }
+            j.remaining -= 1;
+            if j.remaining > 0 {
+                return;
+            }
+            let (parent, result, delay) = (j.parent, j.result, j.delay);
+            self.free_joins.push(idx as u32);
+            if !delay.is_zero() {
+                self.complete_after(delay, parent, result);
+                return;
+            }
+            tag = parent;
+            res = result;
+        }
+        self.ready.push_back((tag, res));
+    }
+
+    fn new_join(&mut self, parent: Tag, parts: u32, delay: Duration) -> Tag {
+        let j = Join { parent, remaining: parts, result: 0, delay };
+        let idx = match self.free_joins.pop() {
+            Some(i) => {
+                self.joins[i as usize] = j;
+                i
+            }
+            None => {
+                self.joins.push(j);
+                (self.joins.len() - 1) as u32
+            }
+        };
+        INTERNAL | idx as u64
+    }
+
+    /// A child tag that completes `parent` once it has received `parts` completions, with
+    /// the first error seen (or 0). Used by layers that split one request into several.
+    pub fn join(&mut self, parent: Tag, parts: u32) -> Tag {
+        debug_assert!(parts > 0);
+        self.new_join(parent, parts, Duration::ZERO)
+    }
+
+    /// A child tag whose completion is passed on to `parent` after `delay` (fault injection).
+    pub fn delayed(&mut self, parent: Tag, delay: Duration) -> Tag {
+        self.new_join(parent, 1, delay)
+    }
+
+    /// Complete `tag` with `res` once `delay` has passed.
+    pub fn complete_after(&mut self, delay: Duration, tag: Tag, res: i32) {
+        self.timer_seq += 1;
+        self.timers.push(Reverse((Instant::now() + delay, self.timer_seq, tag, res)));
+    }
+
+    pub(crate) fn pop_ready(&mut self) -> Option<(Tag, i32)> {
+        self.ready.pop_front()
+    }
+
+    pub(crate) fn has_ready(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
+    /// Move due timers to the ready queue; return the time until the next one.
+    pub(crate) fn fire_timers(&mut self) -> Option<Duration> {
+        let now = Instant::now();
+        while let Some(Reverse((when, _, tag, res))) = self.timers.peek().copied() {
+            if when > now {
+                return Some(when - now);
+            }
+            self.timers.pop();
+            self.complete(tag, res);
+        }
+        None
+    }
+
+    /// Reap completed io_uring entries; returns how many task/device completions arrived.
+    /// Reactor-internal entries are returned through `internal`.
+    pub(crate) fn reap(&mut self, internal: &mut impl FnMut(u64, i32)) -> usize {
+        let mut n = 0;
+        // Collect first: completing may need &mut self while the CQ is borrowed.
+        let mut batch: [(u64, i32); 256] = [(0, 0); 256];
+        loop {
+            let mut got = 0;
+            for cqe in self.ring.completion() {
+                batch[got] = (cqe.user_data(), cqe.result());
+                got += 1;
+                if got == batch.len() {
+                    break;
+                }
+            }
+            if got == 0 {
+                return n;
+            }
+            for &(ud, res) in &batch[..got] {
+                if ud & REACTOR != 0 && ud & INTERNAL == 0 {
+                    internal(ud, res);
+                } else {
+                    self.ring_inflight -= 1;
+                    self.complete(ud, res);
+                    n += 1;
+                }
+            }
+        }
+    }
+
+    /// Drive this context without a reactor until nothing is in flight, handing every task
+    /// completion to `sink`. For tests and control-plane tools that use the datapath.
+    pub fn run_until_idle(&mut self, mut sink: impl FnMut(&mut CoreIo, Tag, i32)) {
+        loop {
+            while let Some((tag, res)) = self.pop_ready() {
+                sink(self, tag, res);
+            }
+            let next_timer = self.fire_timers();
+            if self.has_ready() {
+                continue;
+            }
+            if self.ring_inflight == 0 {
+                match next_timer {
+                    Some(d) => {
+                        std::thread::sleep(d);
+                        continue;
+                    }
+                    None => return,
+                }
+            }
+            let _ = self.ring.submit_and_wait(1);
+            self.reap(&mut |_, _| {});
+        }
+    }
+}

@@ -1,0 +1,18 @@
+//! The per-core runtime every Tessera datapath runs on.
+//!
+//! One [`Reactor`] per core owns one io_uring that carries both the core's sockets and its
+//! device I/O, so a request is received, served and answered on one core. Work on a core is
+//! organised as [`Task`]s (an NBD connection, a benchmark driver) that submit operations
+//! through the core's [`CoreIo`] and receive completions addressed by a [`Tag`].
+//!
+//! The block interface shared by every layer (device, pool, volume) is [`IoHandle`]: a
+//! per-core handle that accepts an [`IoOp`] and delivers exactly one completion for it.
+
+pub mod buf;
+pub mod core_io;
+pub mod hist;
+pub mod reactor;
+
+pub use buf::{AlignedBuf, BufPool};
+pub use core_io::{CoreIo, IoHandle, IoOp, Tag, REMOTE_COMPLETER_NONE};
+pub use reactor::{spawn_reactors, Mailbox, Reactor, ReactorConfig, RemoteCompleter, Task};

@@ -1,0 +1,305 @@
+//! The reactor loop: one thread per core, one io_uring, many tasks.
+
+use std::os::fd::RawFd;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use io_uring::{opcode, types, types::SubmitArgs, types::Timespec};
+
+use crate::core_io::{CoreIo, Tag, INTERNAL, REACTOR};
+
+/// Work living on one core: a connection, a benchmark driver. All its operations carry
+/// tags made with [`Reactor::tag`]`(id, slot)`.
+pub trait Task {
+    /// Called once when the task is installed on its core; `id` goes into its tags.
+    fn start(&mut self, io: &mut CoreIo, id: u32);
+    /// A completion for one of this task's operations (`slot` = low 32 bits of the tag).
+    fn on_complete(&mut self, io: &mut CoreIo, slot: u32, res: i32);
+    /// Called at the end of each loop iteration in which the task got completions: the
+    /// place to batch replies into one send.
+    fn flush(&mut self, _io: &mut CoreIo) {}
+    /// True once the task has nothing in flight and may be dropped.
+    fn finished(&self) -> bool;
+}
+
+/// A factory run on the target core, so tasks need not be `Send` themselves.
+pub type SpawnFn = Box<dyn FnOnce(&mut CoreIo) -> Box<dyn Task> + Send>;
+
+pub enum Msg {
+    Spawn(SpawnFn),
+    Complete(Tag, i32),
+    Stop,
+}
+
+/// A core's inbox for cross-core work; wakes the reactor through an eventfd that sits in
+/// its io_uring. Used for rare events (new connections, flush completions), never per I/O.
+pub struct Mailbox {
+    queue: Mutex<Vec<Msg>>,
+    efd: RawFd,
+    pub core: usize,
+}
+
+impl Mailbox {
+    fn new(core: usize) -> std::io::Result<Arc<Mailbox>> {
+        // SAFETY: plain syscall; the fd is owned by the mailbox and closed in Drop.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if efd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Arc::new(Mailbox { queue: Mutex::new(Vec::new()), efd, core }))
+    }
+
+    pub fn send(&self, m: Msg) {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).push(m);
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes from a valid u64 to our eventfd.
+        unsafe { libc::write(self.efd, &one as *const u64 as *const libc::c_void, 8) };
+    }
+
+    pub fn spawn(&self, f: SpawnFn) {
+        self.send(Msg::Spawn(f));
+    }
+
+    fn take(&self) -> Vec<Msg> {
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+impl Drop for Mailbox {
+    fn drop(&mut self) {
+        // SAFETY: closing the eventfd we own.
+        unsafe { libc::close(self.efd) };
+    }
+}
+
+/// Lets another thread complete a tag on a given core.
+pub type RemoteCompleter = Arc<Mailbox>;
+
+impl Mailbox {
+    pub fn complete(&self, tag: Tag, res: i32) {
+        self.send(Msg::Complete(tag, res));
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ReactorConfig {
+    /// Number of reactor threads (cores used).
+    pub cores: usize,
+    /// Pin reactor i to CPU i (modulo the CPUs available).
+    pub pin: bool,
+    /// Spin instead of sleeping in the kernel when idle.
+    pub busy_poll: bool,
+    /// io_uring submission queue entries per core.
+    pub ring_entries: u32,
+    /// Leave the loop once the last task has finished (benchmarks).
+    pub exit_when_idle: bool,
+}
+
+impl Default for ReactorConfig {
+    fn default() -> Self {
+        ReactorConfig { cores: 1, pin: true, busy_poll: false, ring_entries: 1024, exit_when_idle: false }
+    }
+}
+
+const MAILBOX_UD: u64 = REACTOR | 1;
+
+pub struct Reactor {
+    io: CoreIo,
+    tasks: Vec<Option<Box<dyn Task>>>,
+    free_ids: Vec<u32>,
+    dirty: Vec<u32>,
+    is_dirty: Vec<bool>,
+    mailbox: Arc<Mailbox>,
+    efd_buf: Box<u64>,
+    cfg: ReactorConfig,
+    live: usize,
+}
+
+impl Reactor {
+    /// Compose a task tag.
+    pub fn tag(task_id: u32, slot: u32) -> Tag {
+        ((task_id as u64) << 32) | slot as u64
+    }
+
+    pub fn new(core: usize, cfg: ReactorConfig) -> std::io::Result<Reactor> {
+        let mailbox = Mailbox::new(core)?;
+        let io = CoreIo::new(core, cfg.ring_entries, Some(mailbox.clone()))?;
+        Ok(Reactor {
+            io,
+            tasks: Vec::new(),
+            free_ids: Vec::new(),
+            dirty: Vec::new(),
+            is_dirty: Vec::new(),
+            mailbox,
+            efd_buf: Box::new(0),
+            cfg,
+            live: 0,
+        })
+    }
+
+    pub fn mailbox(&self) -> Arc<Mailbox> {
+        self.mailbox.clone()
+    }
+
+    fn arm_mailbox(&mut self) {
+        let e = opcode::Read::new(types::Fd(self.mailbox.efd), &mut *self.efd_buf as *mut u64 as *mut u8, 8)
+            .build()
+            .user_data(MAILBOX_UD);
+        // SAFETY: efd_buf is boxed and lives as long as the reactor; the eventfd too.
+        unsafe { self.io.push_raw(e) };
+    }
+
+    fn install(&mut self, f: SpawnFn) {
+        let task = f(&mut self.io);
+        let id = match self.free_ids.pop() {
+            Some(id) => id,
+            None => {
+                self.tasks.push(None);
+                self.is_dirty.push(false);
+                (self.tasks.len() - 1) as u32
+            }
+        };
+        self.tasks[id as usize] = Some(task);
+        self.live += 1;
+        if let Some(t) = self.tasks[id as usize].as_mut() {
+            t.start(&mut self.io, id);
+        }
+        self.mark(id);
+    }
+
+    fn mark(&mut self, id: u32) {
+        if !self.is_dirty[id as usize] {
+            self.is_dirty[id as usize] = true;
+            self.dirty.push(id);
+        }
+    }
+
+    fn dispatch_ready(&mut self) {
+        while let Some((tag, res)) = self.io.pop_ready() {
+            debug_assert!(tag & INTERNAL == 0);
+            let id = (tag >> 32) as u32;
+            if let Some(Some(t)) = self.tasks.get_mut(id as usize) {
+                t.on_complete(&mut self.io, tag as u32, res);
+                self.mark(id);
+            }
+        }
+    }
+
+    /// Returns false when the reactor should stop.
+    fn handle_mailbox(&mut self) -> bool {
+        let mut keep = true;
+        for m in self.mailbox.take() {
+            match m {
+                Msg::Spawn(f) => self.install(f),
+                Msg::Complete(tag, res) => self.io.complete(tag, res),
+                Msg::Stop => keep = false,
+            }
+        }
+        keep
+    }
+
+    /// Run until told to stop (or, with `exit_when_idle`, until no task is left).
+    pub fn run(&mut self) {
+        self.arm_mailbox();
+        let mut mailbox_fired = true; // drain anything sent before we started
+        loop {
+            if mailbox_fired {
+                mailbox_fired = false;
+                if !self.handle_mailbox() {
+                    return;
+                }
+            }
+            // Drain synchronous completions until quiet; they may cascade.
+            while self.io.has_ready() {
+                self.dispatch_ready();
+            }
+            // Batch end: let every task that saw activity flush its replies.
+            let dirty = std::mem::take(&mut self.dirty);
+            for &id in &dirty {
+                self.is_dirty[id as usize] = false;
+                let Some(t) = self.tasks[id as usize].as_mut() else { continue };
+                t.flush(&mut self.io);
+                if t.finished() {
+                    self.tasks[id as usize] = None;
+                    self.free_ids.push(id);
+                    self.live -= 1;
+                }
+            }
+            self.dirty = dirty;
+            self.dirty.clear();
+            // Flushing may have produced more ready completions (e.g. a task resubmitting).
+            if self.io.has_ready() {
+                continue;
+            }
+            if self.cfg.exit_when_idle && self.live == 0 {
+                return;
+            }
+            let next_timer = self.io.fire_timers();
+            if self.io.has_ready() {
+                continue;
+            }
+            let res = if self.cfg.busy_poll {
+                self.io.ring.submit()
+            } else if let Some(d) = next_timer {
+                let ts = Timespec::from(d.max(Duration::from_micros(1)));
+                let args = SubmitArgs::new().timespec(&ts);
+                self.io.ring.submitter().submit_with_args(1, &args)
+            } else {
+                self.io.ring.submit_and_wait(1)
+            };
+            if let Err(e) = res {
+                // ETIME: timer expired; EINTR/EBUSY: just retry.
+                if !matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) {
+                    eprintln!("tessera: core {}: io_uring_enter failed: {e}", self.io.core);
+                }
+            }
+            self.io.reap(&mut |ud, _res| {
+                if ud == MAILBOX_UD {
+                    mailbox_fired = true;
+                }
+            });
+            if mailbox_fired {
+                self.arm_mailbox();
+            }
+        }
+    }
+}
+
+fn pin_to_cpu(core: usize) {
+    // SAFETY: cpu_set_t is plain data; sched_setaffinity only reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let n = libc::sysconf(libc::_SC_NPROCESSORS_ONLN).max(1) as usize;
+        libc::CPU_SET(core % n, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+/// Start `cfg.cores` reactor threads; returns each core's mailbox and join handle.
+pub fn spawn_reactors(cfg: &ReactorConfig) -> std::io::Result<Vec<(Arc<Mailbox>, JoinHandle<()>)>> {
+    let mut out = Vec::new();
+    for core in 0..cfg.cores {
+        let cfg = cfg.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let h = std::thread::Builder::new().name(format!("tessera-core{core}")).spawn(move || {
+            if cfg.pin {
+                pin_to_cpu(core);
+            }
+            match Reactor::new(core, cfg) {
+                Ok(mut r) => {
+                    let _ = tx.send(Ok(r.mailbox()));
+                    r.run();
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                }
+            }
+        })?;
+        let mb = rx
+            .recv()
+            .map_err(|_| std::io::Error::other("reactor thread died during start"))??;
+        out.push((mb, h));
+    }
+    Ok(out)
+}
