@@ -1,0 +1,575 @@
+//! Byte-exact codecs for the structures of `docs/format.md`. Little-endian throughout;
+//! every 4 KiB metadata block ends with a CRC32C of the bytes before it.
+
+use crate::error::{Error, Result};
+
+pub const BLOCK: usize = 4096;
+pub const FORMAT_VERSION: u32 = 1;
+pub const DEV_DATA_START: u64 = 1 << 20;
+pub const JOURNAL_OFFSET: u64 = 4096;
+pub const JOURNAL_BLOCKS: u64 = 1024;
+pub const CATALOG_MAX: usize = 1 << 20;
+pub const RECORDS_PER_BLOCK: usize = (BLOCK - 4 - 40) / 12;
+pub const OWNER_FREE: u32 = 0;
+pub const OWNER_META: u32 = u32::MAX;
+
+pub const LABEL_MAGIC: &[u8; 8] = b"TSRDEV01";
+pub const SUPER_MAGIC: &[u8; 8] = b"TSRPOOL1";
+pub const CKPT_MAGIC: &[u8; 8] = b"TSRCKPT1";
+pub const JOURNAL_MAGIC: &[u8; 8] = b"TSRJRNL1";
+
+pub type Uuid = [u8; 16];
+
+/// Little-endian cursor writer over a fixed buffer.
+struct W<'a> {
+    b: &'a mut [u8],
+    at: usize,
+}
+impl W<'_> {
+    fn put(&mut self, v: &[u8]) {
+        self.b[self.at..self.at + v.len()].copy_from_slice(v);
+        self.at += v.len();
+    }
+    fn u32(&mut self, v: u32) {
+        self.put(&v.to_le_bytes())
+    }
+    fn u64(&mut self, v: u64) {
+        self.put(&v.to_le_bytes())
+    }
+}
+
+/// Little-endian reader that reports truncation as corruption instead of panicking.
+pub struct R<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+impl<'a> R<'a> {
+    pub fn new(b: &'a [u8]) -> Self {
+        R { b, at: 0 }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len())
+            .ok_or_else(|| Error::corrupt("metadata record is truncated"))?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    pub fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    pub fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+    pub fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    pub fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn uuid(&mut self) -> Result<Uuid> {
+        Ok(self.take(16)?.try_into().expect("16 bytes"))
+    }
+    fn string(&mut self, len: usize) -> Result<String> {
+        String::from_utf8(self.take(len)?.to_vec())
+            .map_err(|_| Error::corrupt("metadata name is not UTF-8"))
+    }
+}
+
+fn seal(block: &mut [u8; BLOCK]) {
+    let crc = crc32c::crc32c(&block[..BLOCK - 4]);
+    block[BLOCK - 4..].copy_from_slice(&crc.to_le_bytes());
+}
+
+fn crc_ok(block: &[u8]) -> bool {
+    block.len() == BLOCK && crc32c::crc32c(&block[..BLOCK - 4]).to_le_bytes() == block[BLOCK - 4..]
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayoutCode {
+    Concat = 1,
+    Raid0 = 2,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Label {
+    pub uuid: Uuid,
+    pub index: u32,
+    pub count: u32,
+    pub layout: LayoutCode,
+    pub stripe: u64,
+    pub data_len: u64,
+    pub unit_size: u64,
+    pub pool_name: String,
+}
+
+impl Label {
+    pub fn encode(&self) -> [u8; BLOCK] {
+        let mut b = [0u8; BLOCK];
+        let mut w = W { b: &mut b, at: 0 };
+        w.put(LABEL_MAGIC);
+        w.u32(FORMAT_VERSION);
+        w.u32(0);
+        w.put(&self.uuid);
+        w.u32(self.index);
+        w.u32(self.count);
+        w.u32(self.layout as u32);
+        w.u32(0);
+        w.u64(self.stripe);
+        w.u64(DEV_DATA_START);
+        w.u64(self.data_len);
+        w.u64(self.unit_size);
+        let name = self.pool_name.as_bytes();
+        w.put(&name[..name.len().min(64)]);
+        seal(&mut b);
+        b
+    }
+
+    /// `Ok(None)` when the block is not a Tessera label at all.
+    pub fn decode(b: &[u8]) -> Result<Option<Label>> {
+        if b.len() < BLOCK || &b[..8] != LABEL_MAGIC {
+            return Ok(None);
+        }
+        if !crc_ok(&b[..BLOCK]) {
+            return Err(Error::corrupt("device label checksum mismatch"));
+        }
+        let mut r = R::new(&b[8..]);
+        let version = r.u32()?;
+        if version != FORMAT_VERSION {
+            return Err(Error::corrupt(format!("device label has format version {version}; this Tessera reads version {FORMAT_VERSION}")));
+        }
+        r.u32()?;
+        let uuid = r.uuid()?;
+        let index = r.u32()?;
+        let count = r.u32()?;
+        let layout = match r.u32()? {
+            1 => LayoutCode::Concat,
+            2 => LayoutCode::Raid0,
+            n => {
+                return Err(Error::corrupt(format!(
+                    "device label names unknown layout {n}"
+                )))
+            }
+        };
+        r.u32()?;
+        let stripe = r.u64()?;
+        let _data_start = r.u64()?;
+        let data_len = r.u64()?;
+        let unit_size = r.u64()?;
+        let name = &b[80..144];
+        let end = name.iter().position(|&c| c == 0).unwrap_or(64);
+        let pool_name = String::from_utf8_lossy(&name[..end]).into_owned();
+        Ok(Some(Label {
+            uuid,
+            index,
+            count,
+            layout,
+            stripe,
+            data_len,
+            unit_size,
+            pool_name,
+        }))
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Superblock {
+    pub uuid: Uuid,
+    pub unit_size: u64,
+    pub total_units: u64,
+    pub meta_units: u64,
+    pub journal_blocks: u64,
+    pub slot_a: u64,
+    pub slot_b: u64,
+    pub slot_size: u64,
+    pub created: u64,
+}
+
+impl Superblock {
+    /// Compute the metadata geometry for a pool of `total_units` units.
+    pub fn plan(uuid: Uuid, unit_size: u64, total_units: u64, created: u64) -> Superblock {
+        let slot_size =
+            BLOCK as u64 + CATALOG_MAX as u64 + (8 * total_units).next_multiple_of(BLOCK as u64);
+        let slot_a = JOURNAL_OFFSET + JOURNAL_BLOCKS * BLOCK as u64;
+        let slot_b = slot_a + slot_size;
+        let meta_units = (slot_b + slot_size).div_ceil(unit_size);
+        Superblock {
+            uuid,
+            unit_size,
+            total_units,
+            meta_units,
+            journal_blocks: JOURNAL_BLOCKS,
+            slot_a,
+            slot_b,
+            slot_size,
+            created,
+        }
+    }
+
+    pub fn encode(&self) -> [u8; BLOCK] {
+        let mut b = [0u8; BLOCK];
+        let mut w = W { b: &mut b, at: 0 };
+        w.put(SUPER_MAGIC);
+        w.u32(FORMAT_VERSION);
+        w.u32(BLOCK as u32);
+        w.put(&self.uuid);
+        for v in [
+            self.unit_size,
+            self.total_units,
+            self.meta_units,
+            JOURNAL_OFFSET,
+            self.journal_blocks,
+            self.slot_a,
+            self.slot_b,
+            self.slot_size,
+            self.created,
+        ] {
+            w.u64(v);
+        }
+        seal(&mut b);
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Superblock> {
+        if b.len() < BLOCK || &b[..8] != SUPER_MAGIC {
+            return Err(Error::corrupt("pool superblock not found (bad magic)"));
+        }
+        if !crc_ok(&b[..BLOCK]) {
+            return Err(Error::corrupt("pool superblock checksum mismatch"));
+        }
+        let mut r = R::new(&b[8..]);
+        let version = r.u32()?;
+        if version != FORMAT_VERSION {
+            return Err(Error::corrupt(format!(
+                "pool superblock has format version {version}"
+            )));
+        }
+        r.u32()?;
+        let uuid = r.uuid()?;
+        let unit_size = r.u64()?;
+        let total_units = r.u64()?;
+        let meta_units = r.u64()?;
+        let _journal_offset = r.u64()?;
+        let journal_blocks = r.u64()?;
+        let slot_a = r.u64()?;
+        let slot_b = r.u64()?;
+        let slot_size = r.u64()?;
+        let created = r.u64()?;
+        let sb = Superblock {
+            uuid,
+            unit_size,
+            total_units,
+            meta_units,
+            journal_blocks,
+            slot_a,
+            slot_b,
+            slot_size,
+            created,
+        };
+        let expect = Superblock::plan(uuid, unit_size, total_units, created);
+        if sb != expect || !unit_size.is_power_of_two() {
+            return Err(Error::corrupt("pool superblock geometry is inconsistent"));
+        }
+        Ok(sb)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointHeader {
+    pub generation: u64,
+    pub journal_seq: u64,
+    pub catalog_len: u32,
+    pub catalog_crc: u32,
+    pub owner_entries: u64,
+    pub owner_crc: u32,
+    pub uuid: Uuid,
+}
+
+impl CheckpointHeader {
+    pub fn encode(&self) -> [u8; BLOCK] {
+        let mut b = [0u8; BLOCK];
+        let mut w = W { b: &mut b, at: 0 };
+        w.put(CKPT_MAGIC);
+        w.u32(FORMAT_VERSION);
+        w.u32(0);
+        w.u64(self.generation);
+        w.u64(self.journal_seq);
+        w.u32(self.catalog_len);
+        w.u32(self.catalog_crc);
+        w.u64(self.owner_entries);
+        w.u32(self.owner_crc);
+        w.put(&self.uuid);
+        seal(&mut b);
+        b
+    }
+
+    /// `None` for anything that is not a complete, valid header.
+    pub fn decode(b: &[u8]) -> Option<CheckpointHeader> {
+        if b.len() < BLOCK || &b[..8] != CKPT_MAGIC || !crc_ok(&b[..BLOCK]) {
+            return None;
+        }
+        let mut r = R::new(&b[8..]);
+        if r.u32().ok()? != FORMAT_VERSION {
+            return None;
+        }
+        r.u32().ok()?;
+        Some(CheckpointHeader {
+            generation: r.u64().ok()?,
+            journal_seq: r.u64().ok()?,
+            catalog_len: r.u32().ok()?,
+            catalog_crc: r.u32().ok()?,
+            owner_entries: r.u64().ok()?,
+            owner_crc: r.u32().ok()?,
+            uuid: r.uuid().ok()?,
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeRecord {
+    pub id: u32,
+    pub size: u64,
+    pub created: u64,
+    pub name: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportRecord {
+    pub name: String,
+    pub volume_id: u32,
+    pub read_only: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Catalog {
+    pub next_volume_id: u32,
+    pub volumes: Vec<VolumeRecord>,
+    pub exports: Vec<ExportRecord>,
+}
+
+impl Catalog {
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        let mut v = Vec::new();
+        v.extend_from_slice(&1u32.to_le_bytes());
+        v.extend_from_slice(&self.next_volume_id.to_le_bytes());
+        v.extend_from_slice(&(self.volumes.len() as u32).to_le_bytes());
+        for vol in &self.volumes {
+            v.extend_from_slice(&vol.id.to_le_bytes());
+            v.extend_from_slice(&vol.size.to_le_bytes());
+            v.extend_from_slice(&vol.created.to_le_bytes());
+            v.extend_from_slice(&(vol.name.len() as u16).to_le_bytes());
+            v.extend_from_slice(vol.name.as_bytes());
+        }
+        v.extend_from_slice(&(self.exports.len() as u32).to_le_bytes());
+        for e in &self.exports {
+            v.extend_from_slice(&(e.name.len() as u16).to_le_bytes());
+            v.extend_from_slice(e.name.as_bytes());
+            v.extend_from_slice(&e.volume_id.to_le_bytes());
+            v.push(e.read_only as u8);
+        }
+        if v.len() > CATALOG_MAX {
+            return Err(Error::new(
+                crate::ErrorKind::NoSpace,
+                "the pool catalog is full (too many volumes or exports)",
+            ));
+        }
+        Ok(v)
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Catalog> {
+        let mut r = R::new(b);
+        let version = r.u32()?;
+        if version != 1 {
+            return Err(Error::corrupt(format!(
+                "catalog version {version} is not supported"
+            )));
+        }
+        let next_volume_id = r.u32()?;
+        let nv = r.u32()? as usize;
+        let mut volumes = Vec::with_capacity(nv.min(4096));
+        for _ in 0..nv {
+            let id = r.u32()?;
+            let size = r.u64()?;
+            let created = r.u64()?;
+            let len = r.u16()? as usize;
+            volumes.push(VolumeRecord {
+                id,
+                size,
+                created,
+                name: r.string(len)?,
+            });
+        }
+        let ne = r.u32()? as usize;
+        let mut exports = Vec::with_capacity(ne.min(4096));
+        for _ in 0..ne {
+            let len = r.u16()? as usize;
+            let name = r.string(len)?;
+            let volume_id = r.u32()?;
+            let read_only = r.u8()? & 1 != 0;
+            exports.push(ExportRecord {
+                name,
+                volume_id,
+                read_only,
+            });
+        }
+        Ok(Catalog {
+            next_volume_id,
+            volumes,
+            exports,
+        })
+    }
+}
+
+/// One thin-map change: unit `pool_unit` now belongs to (`volume_id`, `volume_unit`),
+/// or is free when `volume_id` is 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub pool_unit: u32,
+    pub volume_id: u32,
+    pub volume_unit: u32,
+}
+
+pub fn encode_journal_block(uuid: &Uuid, seq: u64, records: &[Record]) -> [u8; BLOCK] {
+    assert!(records.len() <= RECORDS_PER_BLOCK);
+    let mut b = [0u8; BLOCK];
+    let mut w = W { b: &mut b, at: 0 };
+    w.put(JOURNAL_MAGIC);
+    w.u64(seq);
+    w.put(uuid);
+    w.u32(records.len() as u32);
+    w.u32(0);
+    for r in records {
+        w.u32(r.pool_unit);
+        w.u32(r.volume_id);
+        w.u32(r.volume_unit);
+    }
+    seal(&mut b);
+    b
+}
+
+/// The records of a journal block, if it is the valid block `seq` of pool `uuid`.
+pub fn decode_journal_block(b: &[u8], uuid: &Uuid, seq: u64) -> Option<Vec<Record>> {
+    if b.len() < BLOCK || &b[..8] != JOURNAL_MAGIC || !crc_ok(&b[..BLOCK]) {
+        return None;
+    }
+    let mut r = R::new(&b[8..]);
+    if r.u64().ok()? != seq || &r.uuid().ok()? != uuid {
+        return None;
+    }
+    let n = r.u32().ok()? as usize;
+    r.u32().ok()?;
+    if n > RECORDS_PER_BLOCK {
+        return None;
+    }
+    (0..n)
+        .map(|_| {
+            Some(Record {
+                pool_unit: r.u32().ok()?,
+                volume_id: r.u32().ok()?,
+                volume_unit: r.u32().ok()?,
+            })
+        })
+        .collect()
+}
+
+pub fn encode_owner_table(owners: &[(u32, u32)]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(owners.len() * 8);
+    for &(vol, unit) in owners {
+        v.extend_from_slice(&vol.to_le_bytes());
+        v.extend_from_slice(&unit.to_le_bytes());
+    }
+    v
+}
+
+pub fn decode_owner_table(b: &[u8]) -> Vec<(u32, u32)> {
+    b.chunks_exact(8)
+        .map(|c| {
+            (
+                u32::from_le_bytes(c[..4].try_into().expect("4")),
+                u32::from_le_bytes(c[4..].try_into().expect("4")),
+            )
+        })
+        .collect()
+}
+
+pub fn crc(b: &[u8]) -> u32 {
+    crc32c::crc32c(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_round_trip_and_crc() {
+        let l = Label {
+            uuid: [7; 16],
+            index: 1,
+            count: 4,
+            layout: LayoutCode::Raid0,
+            stripe: 65536,
+            data_len: 1 << 30,
+            unit_size: 1 << 20,
+            pool_name: "p".into(),
+        };
+        let mut b = l.encode();
+        assert_eq!(Label::decode(&b).unwrap(), Some(l));
+        b[100] ^= 1;
+        assert!(Label::decode(&b).is_err());
+        assert_eq!(Label::decode(&[0u8; BLOCK]).unwrap(), None);
+    }
+
+    #[test]
+    fn journal_block_checks_seq_and_uuid() {
+        let recs = vec![
+            Record {
+                pool_unit: 9,
+                volume_id: 2,
+                volume_unit: 3
+            };
+            RECORDS_PER_BLOCK
+        ];
+        let b = encode_journal_block(&[1; 16], 42, &recs);
+        assert_eq!(decode_journal_block(&b, &[1; 16], 42).unwrap(), recs);
+        assert!(decode_journal_block(&b, &[1; 16], 43).is_none());
+        assert!(decode_journal_block(&b, &[2; 16], 42).is_none());
+    }
+
+    #[test]
+    fn catalog_round_trip_and_truncation() {
+        let c = Catalog {
+            next_volume_id: 3,
+            volumes: vec![VolumeRecord {
+                id: 1,
+                size: 1 << 30,
+                created: 5,
+                name: "vol0".into(),
+            }],
+            exports: vec![ExportRecord {
+                name: "e".into(),
+                volume_id: 1,
+                read_only: true,
+            }],
+        };
+        let b = c.encode().unwrap();
+        assert_eq!(Catalog::decode(&b).unwrap(), c);
+        for cut in 0..b.len() {
+            assert!(Catalog::decode(&b[..cut]).is_err());
+        }
+    }
+
+    #[test]
+    fn superblock_round_trip() {
+        let s = Superblock::plan([3; 16], 1 << 20, 4096, 9);
+        assert_eq!(Superblock::decode(&s.encode()).unwrap(), s);
+        assert!(s.meta_units < 20);
+    }
+}

@@ -1,0 +1,20 @@
+//! Pools and thin volumes.
+//!
+//! - [`layout`]: how the pool's address space maps onto devices (concat, raid0).
+//! - [`format`]: byte-exact codecs of `docs/format.md`.
+//! - [`meta`]: superblock, checkpoints and journal on the pool's metadata region.
+//! - [`pool`]: allocation, commits, volume and export management.
+//! - [`volume`]: the thin map and the per-core volume datapath.
+
+pub mod error;
+pub mod format;
+pub mod layout;
+pub mod meta;
+pub mod pool;
+pub mod volume;
+
+pub use error::{Error, ErrorKind, Result};
+pub use format::ExportRecord;
+pub use layout::{Layout, LayoutHandle, LayoutKind};
+pub use pool::{uuid_string, validate_name, Pool, PoolOptions, PoolStatus, DEFAULT_UNIT_SIZE};
+pub use volume::{Volume, VolumeHandle, HOLE};

@@ -1,0 +1,875 @@
+//! A pool: devices under a layout, a metadata region, the unit allocator, the volumes
+//! carved from it, and the commit thread that makes thin-map changes durable.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering::{Relaxed, Release};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tessera_device::BlockDevice;
+use tessera_io::{RemoteCompleter, Tag};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::*;
+use crate::layout::{Layout, LayoutKind};
+use crate::meta::MetaStore;
+use crate::volume::{UnitMap, Volume, HOLE};
+
+/// Default allocation unit; see docs/architecture.md for the reasoning.
+pub const DEFAULT_UNIT_SIZE: u64 = 1 << 20;
+/// Unflushed thin-map changes are committed at least this often.
+pub const COMMIT_INTERVAL: Duration = Duration::from_secs(5);
+
+#[derive(Clone, Copy, Debug)]
+pub struct PoolOptions {
+    pub layout: LayoutKind,
+    pub unit_size: u64,
+    /// Overwrite devices that carry another pool's label.
+    pub force: bool,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            layout: LayoutKind::Concat,
+            unit_size: DEFAULT_UNIT_SIZE,
+            force: false,
+        }
+    }
+}
+
+pub(crate) enum CommitRequest {
+    Flush(RemoteCompleter, Tag),
+    Stop,
+}
+
+pub(crate) struct State {
+    pub owners: Vec<(u32, u32)>,
+    /// Free data units; popped from the end, so kept descending (lowest units first).
+    pub free: Vec<u32>,
+    /// Released units whose release is not yet durable.
+    pub pending_free: Vec<u32>,
+    pub records: Vec<Record>,
+    pub volumes: BTreeMap<u32, Arc<Volume>>,
+    pub exports: Vec<ExportRecord>,
+    pub next_volume_id: u32,
+}
+
+impl State {
+    fn catalog(&self) -> Catalog {
+        Catalog {
+            next_volume_id: self.next_volume_id,
+            volumes: self
+                .volumes
+                .values()
+                .map(|v| VolumeRecord {
+                    id: v.id,
+                    size: v.size(),
+                    created: v.created,
+                    name: v.name.clone(),
+                })
+                .collect(),
+            exports: self.exports.clone(),
+        }
+    }
+}
+
+struct JournalCursor {
+    next_seq: u64,
+    /// Journal sequence of the newest durable checkpoint.
+    ckpt_seq: u64,
+    ckpt_gen: u64,
+    newest_is_a: bool,
+    /// A failed commit may have left the journal in doubt: the next commit checkpoints.
+    force_checkpoint: bool,
+}
+
+/// Shared between the control plane, the commit thread and every volume handle.
+pub struct PoolCore {
+    pub name: String,
+    pub uuid: Uuid,
+    pub layout: Arc<Layout>,
+    pub(crate) meta: MetaStore,
+    pub(crate) state: Mutex<State>,
+    journal: Mutex<JournalCursor>,
+    pub unit_shift: u32,
+    pub(crate) commit_tx: Mutex<Sender<CommitRequest>>,
+}
+
+pub struct Pool {
+    pub core: Arc<PoolCore>,
+    committer: Mutex<Option<JoinHandle<()>>>,
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn random_uuid() -> Uuid {
+    let mut u = [0u8; 16];
+    // SAFETY: getrandom writes at most 16 bytes into u.
+    let n = unsafe { libc::getrandom(u.as_mut_ptr() as *mut libc::c_void, 16, 0) };
+    if n != 16 {
+        // Extremely unlikely; fall back to time and address entropy.
+        let t = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let salt = &t as *const u128 as u128;
+        u.copy_from_slice(&(t ^ salt).to_le_bytes());
+    }
+    u
+}
+
+pub fn uuid_string(u: &Uuid) -> String {
+    u.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl PoolCore {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn unit_size(&self) -> u64 {
+        1 << self.unit_shift
+    }
+
+    /// Allocate a unit for (`vol`, `unit`) unless one is already mapped; zero it first
+    /// unless the caller is about to overwrite it whole. Runs on a reactor core, under
+    /// the pool lock: this is the slow path taken once per unit.
+    pub(crate) fn allocate(
+        &self,
+        vol: &Volume,
+        unit: u64,
+        whole: bool,
+    ) -> std::result::Result<u32, i32> {
+        let mut s = self.lock();
+        if vol.is_deleted() {
+            return Err(-libc::ESHUTDOWN);
+        }
+        let map = vol.current_map();
+        let existing = map.get(unit);
+        if existing != HOLE {
+            return Ok(existing);
+        }
+        let p = s.free.pop().ok_or(-libc::ENOSPC)?;
+        if !whole {
+            if let Err(e) = self
+                .layout
+                .write_zeroes_at((p as u64) << self.unit_shift, self.unit_size())
+            {
+                s.free.push(p);
+                return Err(-e.raw_os_error().unwrap_or(libc::EIO));
+            }
+        }
+        s.owners[p as usize] = (vol.id, unit as u32);
+        s.records.push(Record {
+            pool_unit: p,
+            volume_id: vol.id,
+            volume_unit: unit as u32,
+        });
+        map.set(unit, p);
+        vol.allocated.fetch_add(1, Relaxed);
+        Ok(p)
+    }
+
+    /// Give units `[first, last]` of `vol` back to the pool.
+    pub(crate) fn unmap_units(&self, vol: &Volume, first: u64, last: u64) {
+        let mut s = self.lock();
+        let map = vol.current_map();
+        for u in first..=last {
+            let p = map.get(u);
+            if p == HOLE {
+                continue;
+            }
+            map.set(u, HOLE);
+            s.owners[p as usize] = (OWNER_FREE, 0);
+            s.pending_free.push(p);
+            s.records.push(Record {
+                pool_unit: p,
+                volume_id: OWNER_FREE,
+                volume_unit: 0,
+            });
+            vol.allocated.fetch_sub(1, Relaxed);
+        }
+    }
+
+    fn journal(&self) -> MutexGuard<'_, JournalCursor> {
+        self.journal.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Make every completed write and every thin-map change so far durable.
+    pub fn commit(&self) -> Result<()> {
+        let mut cur = self.journal();
+        let (records, freed) = {
+            let mut s = self.lock();
+            (
+                std::mem::take(&mut s.records),
+                std::mem::take(&mut s.pending_free),
+            )
+        };
+        let blocks = records.len().div_ceil(RECORDS_PER_BLOCK) as u64;
+        if cur.force_checkpoint
+            || cur.next_seq + blocks - cur.ckpt_seq > self.meta.sb.journal_blocks
+        {
+            // The snapshot taken by the checkpoint contains these records' effects.
+            let r = self.checkpoint_locked(&mut cur);
+            self.release(freed, r.is_ok());
+            return r;
+        }
+        let r = (|| {
+            self.layout
+                .sync()
+                .map_err(|e| Error::io("syncing data devices", e))?;
+            if !records.is_empty() {
+                self.meta
+                    .write_journal(cur.next_seq, &records)
+                    .map_err(|e| Error::io("writing the journal", e))?;
+                self.layout
+                    .sync()
+                    .map_err(|e| Error::io("syncing the journal", e))?;
+            }
+            Ok(())
+        })();
+        match r {
+            Ok(()) => {
+                cur.next_seq += blocks;
+                self.release(freed, true);
+                Ok(())
+            }
+            Err(e) => {
+                // Keep the changes in memory; the next commit writes a full checkpoint.
+                cur.force_checkpoint = true;
+                self.lock().records.splice(0..0, records);
+                self.release(freed, false);
+                Err(e)
+            }
+        }
+    }
+
+    fn release(&self, freed: Vec<u32>, durable: bool) {
+        let mut s = self.lock();
+        if durable {
+            s.free.extend(freed);
+        } else {
+            s.pending_free.extend(freed);
+        }
+    }
+
+    /// Write a full checkpoint of the current state (after catalog changes).
+    pub fn checkpoint(&self) -> Result<()> {
+        let mut cur = self.journal();
+        let freed = std::mem::take(&mut self.lock().pending_free);
+        let r = self.checkpoint_locked(&mut cur);
+        self.release(freed, r.is_ok());
+        r
+    }
+
+    fn checkpoint_locked(&self, cur: &mut JournalCursor) -> Result<()> {
+        // Snapshot first, sync data second: every unit the snapshot maps was zeroed or
+        // written before the snapshot, so the sync covers it.
+        let (catalog, owners) = {
+            let mut s = self.lock();
+            s.records.clear();
+            (s.catalog().encode()?, s.owners.clone())
+        };
+        let generation = cur.ckpt_gen + 1;
+        let slot_a = !cur.newest_is_a;
+        // A full ring ahead: no block of an earlier, possibly unfinished commit can match.
+        let journal_seq = cur.next_seq + self.meta.sb.journal_blocks;
+        let r = (|| {
+            self.layout
+                .sync()
+                .map_err(|e| Error::io("syncing data devices", e))?;
+            self.meta
+                .write_checkpoint(slot_a, generation, journal_seq, &catalog, &owners)
+                .map_err(|e| Error::io("writing a metadata checkpoint", e))?;
+            self.layout
+                .sync()
+                .map_err(|e| Error::io("syncing a metadata checkpoint", e))
+        })();
+        match r {
+            Ok(()) => {
+                cur.ckpt_gen = generation;
+                cur.ckpt_seq = journal_seq;
+                cur.next_seq = journal_seq;
+                cur.newest_is_a = slot_a;
+                cur.force_checkpoint = false;
+                Ok(())
+            }
+            Err(e) => {
+                cur.force_checkpoint = true;
+                Err(e)
+            }
+        }
+    }
+
+    pub(crate) fn request_flush(&self, rc: RemoteCompleter, tag: Tag) {
+        let tx = self.commit_tx.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.send(CommitRequest::Flush(rc.clone(), tag)).is_err() {
+            rc.complete(tag, -libc::ESHUTDOWN);
+        }
+    }
+}
+
+fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
+    loop {
+        let first = match rx.recv_timeout(COMMIT_INTERVAL) {
+            Ok(r) => Some(r),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        // Group commit: everything queued now rides on one commit.
+        let mut waiters = Vec::new();
+        let mut stop = false;
+        for r in first.into_iter().chain(rx.try_iter()) {
+            match r {
+                CommitRequest::Flush(rc, tag) => waiters.push((rc, tag)),
+                CommitRequest::Stop => stop = true,
+            }
+        }
+        let res = match core.commit() {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("tessera: pool {}: commit failed: {e}", core.name);
+                -libc::EIO
+            }
+        };
+        for (rc, tag) in waiters {
+            rc.complete(tag, res);
+        }
+        if stop {
+            return;
+        }
+    }
+}
+
+/// Status of a pool, as reported by the API.
+#[derive(Clone, Debug)]
+pub struct PoolStatus {
+    pub name: String,
+    pub uuid: String,
+    pub layout: String,
+    pub stripe_size: u64,
+    pub devices: Vec<String>,
+    pub unit_size: u64,
+    /// Bytes available to volumes (excluding metadata).
+    pub capacity: u64,
+    pub allocated: u64,
+    pub free: u64,
+    pub metadata: u64,
+    pub volumes: usize,
+    pub volatile: bool,
+}
+
+impl Pool {
+    /// Format `devices` as a new pool.
+    pub fn create(
+        name: &str,
+        devices: Vec<Arc<dyn BlockDevice>>,
+        opts: PoolOptions,
+    ) -> Result<Pool> {
+        validate_name("pool", name)?;
+        let unit = opts.unit_size;
+        if !unit.is_power_of_two() || !(64 << 10..=1 << 30).contains(&unit) {
+            return Err(Error::invalid(format!(
+                "allocation unit {unit} must be a power of two between 64K and 1G"
+            )));
+        }
+        if !opts.force {
+            for d in &devices {
+                let mut b = vec![0u8; BLOCK];
+                if d.read_at(0, &mut b).is_ok() {
+                    if let Ok(Some(l)) = Label::decode(&b) {
+                        return Err(Error::new(
+                            ErrorKind::AlreadyExists,
+                            format!("device {} already belongs to pool '{}'; destroy that pool first (or force)", d.describe(), l.pool_name),
+                        ));
+                    }
+                }
+            }
+        }
+        let layout = Arc::new(Layout::new(opts.layout, devices).map_err(Error::invalid)?);
+        let total_units = layout.size / unit;
+        if total_units >= u32::MAX as u64 {
+            return Err(Error::invalid(
+                "pool has too many allocation units; use a larger unit size",
+            ));
+        }
+        let uuid = random_uuid();
+        let sb = Superblock::plan(uuid, unit, total_units, now_secs());
+        if total_units <= sb.meta_units {
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!(
+                    "pool too small: its metadata needs {} MiB and the devices give {} MiB",
+                    (sb.meta_units * unit) >> 20,
+                    layout.size >> 20
+                ),
+            ));
+        }
+        let stripe = match opts.layout {
+            LayoutKind::Raid0 { stripe } => stripe,
+            LayoutKind::Concat => 0,
+        };
+        let code = match opts.layout {
+            LayoutKind::Concat => LayoutCode::Concat,
+            LayoutKind::Raid0 { .. } => LayoutCode::Raid0,
+        };
+        fn ioe(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
+            move |e| Error::io(what, e)
+        }
+        for (i, d) in layout.devices.iter().enumerate() {
+            let label = Label {
+                uuid,
+                index: i as u32,
+                count: layout.devices.len() as u32,
+                layout: code,
+                stripe,
+                data_len: layout.dev_data_len[i],
+                unit_size: unit,
+                pool_name: name.to_string(),
+            };
+            d.write_at(0, &label.encode())
+                .map_err(ioe(&format!("writing the label of {}", d.describe())))?;
+        }
+        let meta = MetaStore {
+            layout: layout.clone(),
+            sb: sb.clone(),
+        };
+        meta.write_superblock()
+            .map_err(ioe("writing the pool superblock"))?;
+        meta.clear_slot(false)
+            .map_err(ioe("clearing checkpoint slot B"))?;
+        let owners = initial_owners(&sb);
+        let catalog = Catalog {
+            next_volume_id: 1,
+            ..Default::default()
+        }
+        .encode()?;
+        meta.write_checkpoint(true, 1, 1, &catalog, &owners)
+            .map_err(ioe("writing the first checkpoint"))?;
+        layout.sync().map_err(ioe("syncing the new pool"))?;
+        Self::assemble(name, meta, Catalog::decode(&catalog)?, owners, 1, 1, true)
+    }
+
+    /// Open an existing pool from its devices (in label order).
+    pub fn open(devices: Vec<Arc<dyn BlockDevice>>) -> Result<Pool> {
+        let mut labels = Vec::new();
+        for d in &devices {
+            let mut b = vec![0u8; BLOCK];
+            d.read_at(0, &mut b)
+                .map_err(|e| Error::io(&format!("reading the label of {}", d.describe()), e))?;
+            let l = Label::decode(&b)
+                .map_err(|e| Error::corrupt(format!("{}: {e}", d.describe())))?
+                .ok_or_else(|| {
+                    Error::corrupt(format!("{} carries no Tessera label", d.describe()))
+                })?;
+            labels.push(l);
+        }
+        let first = labels
+            .first()
+            .ok_or_else(|| Error::invalid("a pool needs at least one device"))?
+            .clone();
+        for (i, (l, d)) in labels.iter().zip(&devices).enumerate() {
+            if l.uuid != first.uuid || l.count as usize != devices.len() || l.index as usize != i {
+                return Err(Error::corrupt(format!(
+                    "device {} is device {} of {} of pool '{}' ({}), expected device {i} of {} of pool {}",
+                    d.describe(),
+                    l.index,
+                    l.count,
+                    l.pool_name,
+                    uuid_string(&l.uuid),
+                    devices.len(),
+                    uuid_string(&first.uuid)
+                )));
+            }
+        }
+        let kind = match first.layout {
+            LayoutCode::Concat => LayoutKind::Concat,
+            LayoutCode::Raid0 => LayoutKind::Raid0 {
+                stripe: first.stripe,
+            },
+        };
+        let layout = Arc::new(Layout::new(kind, devices).map_err(Error::corrupt)?);
+        for (i, l) in labels.iter().enumerate() {
+            if layout.dev_data_len[i] < l.data_len {
+                return Err(Error::corrupt(format!(
+                    "device {} shrank since the pool was created",
+                    layout.devices[i].describe()
+                )));
+            }
+        }
+        let sb = MetaStore::read_superblock(&layout)?;
+        if sb.uuid != first.uuid
+            || sb.unit_size != first.unit_size
+            || sb.total_units * sb.unit_size > layout.size
+        {
+            return Err(Error::corrupt(
+                "pool superblock does not match the device labels",
+            ));
+        }
+        let meta = MetaStore { layout, sb };
+        let ck = meta.load_newest_checkpoint()?;
+        let mut owners = ck.owners;
+        let total = owners.len();
+        let next_seq = meta.replay(ck.header.journal_seq, |r| {
+            if (r.pool_unit as usize) < total {
+                owners[r.pool_unit as usize] = (r.volume_id, r.volume_unit);
+            }
+        })?;
+        let pool = Self::assemble(
+            &first.pool_name,
+            meta,
+            ck.catalog,
+            owners,
+            ck.header.generation,
+            next_seq,
+            ck.slot_is_a,
+        )?;
+        {
+            let mut cur = pool.core.journal();
+            cur.ckpt_seq = ck.header.journal_seq;
+        }
+        // Fold the replayed journal into a fresh checkpoint (and skip a journal lap).
+        pool.core.checkpoint()?;
+        Ok(pool)
+    }
+
+    fn assemble(
+        name: &str,
+        meta: MetaStore,
+        catalog: Catalog,
+        mut owners: Vec<(u32, u32)>,
+        gen: u64,
+        next_seq: u64,
+        newest_is_a: bool,
+    ) -> Result<Pool> {
+        let unit_shift = meta.sb.unit_size.trailing_zeros();
+        let (tx, rx) = channel();
+        let core = Arc::new(PoolCore {
+            name: name.to_string(),
+            uuid: meta.sb.uuid,
+            layout: meta.layout.clone(),
+            state: Mutex::new(State {
+                owners: Vec::new(),
+                free: Vec::new(),
+                pending_free: Vec::new(),
+                records: Vec::new(),
+                volumes: BTreeMap::new(),
+                exports: catalog.exports.clone(),
+                next_volume_id: catalog.next_volume_id.max(1),
+            }),
+            meta,
+            journal: Mutex::new(JournalCursor {
+                next_seq,
+                ckpt_seq: next_seq,
+                ckpt_gen: gen,
+                newest_is_a,
+                force_checkpoint: false,
+            }),
+            unit_shift,
+            commit_tx: Mutex::new(tx),
+        });
+        {
+            let mut s = core.lock();
+            let mut vols = BTreeMap::new();
+            for v in &catalog.volumes {
+                let units = v.size.div_ceil(core.unit_size());
+                vols.insert(
+                    v.id,
+                    Volume::new(
+                        core.clone(),
+                        v.id,
+                        v.name.clone(),
+                        v.size,
+                        v.created,
+                        UnitMap::new(units),
+                    ),
+                );
+            }
+            let meta_units = core.meta.sb.meta_units as usize;
+            let mut free = Vec::new();
+            for (p, o) in owners.iter_mut().enumerate() {
+                if p < meta_units {
+                    *o = (OWNER_META, 0);
+                    continue;
+                }
+                match vols.get(&o.0) {
+                    Some(v)
+                        if (o.1 as u64) < v.current_map().len()
+                            && v.current_map().get(o.1 as u64) == HOLE =>
+                    {
+                        v.current_map().set(o.1 as u64, p as u32);
+                        v.allocated.fetch_add(1, Relaxed);
+                    }
+                    _ => {
+                        // Free, or naming a volume/unit that no longer exists (a deleted
+                        // volume whose last checkpoint raced a crash): the unit is free.
+                        *o = (OWNER_FREE, 0);
+                        free.push(p as u32);
+                    }
+                }
+            }
+            free.reverse();
+            s.free = free;
+            s.owners = owners;
+            s.volumes = vols;
+        }
+        let c2 = core.clone();
+        let h = std::thread::Builder::new()
+            .name(format!("tessera-commit-{name}"))
+            .spawn(move || committer_loop(c2, rx))
+            .map_err(|e| Error::io("starting the commit thread", e))?;
+        Ok(Pool {
+            core,
+            committer: Mutex::new(Some(h)),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.core.name
+    }
+
+    pub fn status(&self) -> PoolStatus {
+        let s = self.core.lock();
+        let unit = self.core.unit_size();
+        let sb = &self.core.meta.sb;
+        let l = &self.core.layout;
+        let data_units = sb.total_units - sb.meta_units;
+        let free_units = (s.free.len() + s.pending_free.len()) as u64;
+        PoolStatus {
+            name: self.core.name.clone(),
+            uuid: uuid_string(&self.core.uuid),
+            layout: l.kind.name().to_string(),
+            stripe_size: match l.kind {
+                LayoutKind::Raid0 { stripe } => stripe,
+                LayoutKind::Concat => 0,
+            },
+            devices: l.devices.iter().map(|d| d.describe()).collect(),
+            unit_size: unit,
+            capacity: data_units * unit,
+            allocated: (data_units - free_units) * unit,
+            free: free_units * unit,
+            metadata: sb.meta_units * unit,
+            volumes: s.volumes.len(),
+            volatile: l.is_volatile(),
+        }
+    }
+
+    pub fn volumes(&self) -> Vec<Arc<Volume>> {
+        self.core.lock().volumes.values().cloned().collect()
+    }
+
+    pub fn volume(&self, name: &str) -> Option<Arc<Volume>> {
+        self.core
+            .lock()
+            .volumes
+            .values()
+            .find(|v| v.name == name)
+            .cloned()
+    }
+
+    pub fn volume_by_id(&self, id: u32) -> Option<Arc<Volume>> {
+        self.core.lock().volumes.get(&id).cloned()
+    }
+
+    /// Create a thin volume of `size` bytes (a multiple of 512). No space is taken yet.
+    pub fn create_volume(&self, name: &str, size: u64) -> Result<Arc<Volume>> {
+        validate_name("volume", name)?;
+        validate_volume_size(size, self.core.unit_size())?;
+        let vol = {
+            let mut s = self.core.lock();
+            if s.volumes.values().any(|v| v.name == name) {
+                return Err(Error::new(
+                    ErrorKind::AlreadyExists,
+                    format!("volume '{name}' already exists"),
+                ));
+            }
+            let id = s.next_volume_id;
+            s.next_volume_id += 1;
+            let vol = Volume::new(
+                self.core.clone(),
+                id,
+                name.to_string(),
+                size,
+                now_secs(),
+                UnitMap::new(size.div_ceil(self.core.unit_size())),
+            );
+            s.volumes.insert(id, vol.clone());
+            vol
+        };
+        if let Err(e) = self.core.checkpoint() {
+            self.core.lock().volumes.remove(&vol.id);
+            return Err(e);
+        }
+        Ok(vol)
+    }
+
+    /// Grow a volume. Shrinking is refused: it would silently drop data.
+    pub fn resize_volume(&self, vol: &Arc<Volume>, new_size: u64) -> Result<()> {
+        validate_volume_size(new_size, self.core.unit_size())?;
+        let old = vol.size();
+        if new_size < old {
+            return Err(Error::invalid(format!(
+                "volume '{}' is {old} bytes; shrinking to {new_size} is not supported",
+                vol.name
+            )));
+        }
+        if new_size == old {
+            return Ok(());
+        }
+        {
+            let _s = self.core.lock();
+            vol.grow(new_size, new_size.div_ceil(self.core.unit_size()));
+        }
+        self.core.checkpoint()
+    }
+
+    /// Delete a volume and give all its space back. Refused while clients hold it open.
+    pub fn delete_volume(&self, vol: &Arc<Volume>) -> Result<()> {
+        let open = vol.open_handles();
+        if open > 0 {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!("volume '{}' is busy: {open} open connection(s)", vol.name),
+            ));
+        }
+        {
+            let mut s = self.core.lock();
+            if let Some(e) = s.exports.iter().find(|e| e.volume_id == vol.id) {
+                return Err(Error::new(
+                    ErrorKind::Busy,
+                    format!(
+                        "volume '{}' is exported as '{}'; remove the export first",
+                        vol.name, e.name
+                    ),
+                ));
+            }
+            vol.mark_deleted();
+            let map = vol.current_map();
+            for u in 0..map.len() {
+                let p = map.get(u);
+                if p != HOLE {
+                    map.set(u, HOLE);
+                    s.owners[p as usize] = (OWNER_FREE, 0);
+                    s.pending_free.push(p);
+                }
+            }
+            vol.allocated.store(0, Release);
+            s.volumes.remove(&vol.id);
+        }
+        self.core.checkpoint()
+    }
+
+    pub fn exports(&self) -> Vec<ExportRecord> {
+        self.core.lock().exports.clone()
+    }
+
+    pub fn add_export(&self, e: ExportRecord) -> Result<()> {
+        validate_name("export", &e.name)?;
+        {
+            let mut s = self.core.lock();
+            if !s.volumes.contains_key(&e.volume_id) {
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    "volume not found in this pool",
+                ));
+            }
+            s.exports.push(e.clone());
+        }
+        if let Err(err) = self.core.checkpoint() {
+            self.core.lock().exports.retain(|x| x.name != e.name);
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    pub fn remove_export(&self, name: &str) -> Result<()> {
+        self.core.lock().exports.retain(|x| x.name != name);
+        self.core.checkpoint()
+    }
+
+    /// Commit now (used by tests and at shutdown).
+    pub fn commit(&self) -> Result<()> {
+        self.core.commit()
+    }
+
+    /// Final commit; stop the commit thread.
+    pub fn shutdown(&self) -> Result<()> {
+        let _ = self
+            .core
+            .commit_tx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(CommitRequest::Stop);
+        if let Some(h) = self
+            .committer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            let _ = h.join();
+        }
+        self.core.commit()
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let _ = self
+            .core
+            .commit_tx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(CommitRequest::Stop);
+        // Break the volume → pool reference cycle.
+        self.core.lock().volumes.clear();
+    }
+}
+
+fn initial_owners(sb: &Superblock) -> Vec<(u32, u32)> {
+    (0..sb.total_units)
+        .map(|p| {
+            if p < sb.meta_units {
+                (OWNER_META, 0)
+            } else {
+                (OWNER_FREE, 0)
+            }
+        })
+        .collect()
+}
+
+/// Names are what users type on command lines and in NBD URIs: keep them plain.
+pub fn validate_name(what: &str, name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && !name.starts_with('.');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!("bad {what} name '{name}': use 1-64 characters from A-Z a-z 0-9 - _ . (not starting with '.')")))
+    }
+}
+
+fn validate_volume_size(size: u64, unit: u64) -> Result<()> {
+    if size == 0 || size % 512 != 0 {
+        return Err(Error::invalid(format!(
+            "volume size {size} must be a non-zero multiple of 512 bytes"
+        )));
+    }
+    if size.div_ceil(unit) >= u32::MAX as u64 {
+        return Err(Error::invalid(
+            "volume too large for this pool's allocation unit",
+        ));
+    }
+    Ok(())
+}

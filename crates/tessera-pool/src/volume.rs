@@ -1,0 +1,379 @@
+//! Thin volumes: a map from volume units to pool units, filled on first write.
+//!
+//! The map is an array of atomics read without a lock on every I/O. It changes only on
+//! allocation, release and resize, which take the pool lock; readers on other cores see
+//! a new mapping after it was published (Release/Acquire), and a unit is zeroed before it
+//! is published, so no reader ever sees another volume's old data.
+
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
+use std::sync::{Arc, RwLock};
+
+use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
+
+use crate::layout::LayoutHandle;
+use crate::pool::PoolCore;
+
+/// Map entry of a unit that has no space yet: it reads as zeros.
+pub const HOLE: u32 = u32::MAX;
+
+pub struct UnitMap {
+    entries: Box<[AtomicU32]>,
+}
+
+impl UnitMap {
+    pub fn new(units: u64) -> Arc<UnitMap> {
+        Arc::new(UnitMap {
+            entries: (0..units).map(|_| AtomicU32::new(HOLE)).collect(),
+        })
+    }
+    #[inline]
+    pub fn get(&self, unit: u64) -> u32 {
+        self.entries
+            .get(unit as usize)
+            .map_or(HOLE, |e| e.load(Acquire))
+    }
+    pub(crate) fn set(&self, unit: u64, p: u32) {
+        self.entries[unit as usize].store(p, Release);
+    }
+    pub fn len(&self) -> u64 {
+        self.entries.len() as u64
+    }
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+pub struct Volume {
+    pub id: u32,
+    pub name: String,
+    pub created: u64,
+    size: AtomicU64,
+    map: RwLock<Arc<UnitMap>>,
+    /// Bumped whenever `map` is replaced (resize), so handles know to reload it.
+    map_gen: AtomicU64,
+    pub(crate) allocated: AtomicU64,
+    open_handles: AtomicUsize,
+    deleted: AtomicBool,
+    pub(crate) pool: Arc<PoolCore>,
+}
+
+impl Volume {
+    pub(crate) fn new(
+        pool: Arc<PoolCore>,
+        id: u32,
+        name: String,
+        size: u64,
+        created: u64,
+        map: Arc<UnitMap>,
+    ) -> Arc<Volume> {
+        Arc::new(Volume {
+            id,
+            name,
+            created,
+            size: AtomicU64::new(size),
+            map: RwLock::new(map),
+            map_gen: AtomicU64::new(0),
+            allocated: AtomicU64::new(0),
+            open_handles: AtomicUsize::new(0),
+            deleted: AtomicBool::new(false),
+            pool,
+        })
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size.load(Acquire)
+    }
+
+    /// Bytes of pool space this volume holds.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.allocated.load(Relaxed) << self.pool.unit_shift
+    }
+
+    pub fn pool_name(&self) -> &str {
+        &self.pool.name
+    }
+
+    pub fn open_handles(&self) -> usize {
+        self.open_handles.load(Relaxed)
+    }
+
+    pub(crate) fn is_deleted(&self) -> bool {
+        self.deleted.load(Acquire)
+    }
+
+    pub(crate) fn mark_deleted(&self) {
+        self.deleted.store(true, Release);
+    }
+
+    pub(crate) fn current_map(&self) -> Arc<UnitMap> {
+        self.map.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Called under the pool lock, so no allocation races the copy.
+    pub(crate) fn grow(&self, new_size: u64, units: u64) {
+        let old = self.current_map();
+        let new = UnitMap::new(units);
+        for u in 0..old.len() {
+            new.entries[u as usize].store(old.get(u), Relaxed);
+        }
+        *self.map.write().unwrap_or_else(|e| e.into_inner()) = new;
+        self.map_gen.fetch_add(1, Release);
+        self.size.store(new_size, Release);
+    }
+
+    /// Whether `[offset, offset+len)` is allocated, as runs of (length, allocated).
+    /// Lengths are clipped to the range; adjacent runs with the same state are merged.
+    pub fn allocation_runs(&self, offset: u64, len: u64, max_runs: usize) -> Vec<(u64, bool)> {
+        let map = self.current_map();
+        let shift = self.pool.unit_shift;
+        let end = offset.saturating_add(len).min(self.size());
+        let mut runs: Vec<(u64, bool)> = Vec::new();
+        let mut at = offset;
+        while at < end {
+            let u = at >> shift;
+            let seg_end = ((u + 1) << shift).min(end);
+            let alloc = map.get(u) != HOLE;
+            match runs.last_mut() {
+                Some((l, a)) if *a == alloc => *l += seg_end - at,
+                _ => {
+                    if runs.len() == max_runs {
+                        break;
+                    }
+                    runs.push((seg_end - at, alloc));
+                }
+            }
+            at = seg_end;
+        }
+        runs
+    }
+
+    /// A datapath handle for the calling core.
+    pub fn open_handle(self: &Arc<Self>) -> VolumeHandle {
+        self.open_handles.fetch_add(1, Relaxed);
+        let map = self.current_map();
+        VolumeHandle {
+            gen: self.map_gen.load(Acquire),
+            map,
+            layout: self.pool.layout.open_handle(),
+            shift: self.pool.unit_shift,
+            vol: self.clone(),
+        }
+    }
+}
+
+/// One core's handle to a volume.
+pub struct VolumeHandle {
+    vol: Arc<Volume>,
+    map: Arc<UnitMap>,
+    gen: u64,
+    layout: LayoutHandle,
+    shift: u32,
+}
+
+impl Drop for VolumeHandle {
+    fn drop(&mut self) {
+        self.vol.open_handles.fetch_sub(1, Relaxed);
+    }
+}
+
+impl VolumeHandle {
+    pub fn volume(&self) -> &Arc<Volume> {
+        &self.vol
+    }
+
+    #[inline]
+    fn refresh(&mut self) {
+        let g = self.vol.map_gen.load(Acquire);
+        if g != self.gen {
+            self.map = self.vol.current_map();
+            self.gen = g;
+        }
+    }
+
+    #[inline]
+    fn pool_offset(&self, p: u32, at: u64) -> u64 {
+        ((p as u64) << self.shift) | (at & ((1u64 << self.shift) - 1))
+    }
+
+    /// Split `[offset, offset+len)` at unit boundaries; call `f(unit, at, seg_len, range_off, tag)`.
+    #[inline]
+    fn for_units(
+        &mut self,
+        io: &mut CoreIo,
+        offset: u64,
+        len: u64,
+        tag: Tag,
+        mut f: impl FnMut(&mut Self, &mut CoreIo, u64, u64, u64, u64, Tag),
+    ) {
+        let first = offset >> self.shift;
+        let last = (offset + len - 1) >> self.shift;
+        if first == last {
+            return f(self, io, first, offset, len, 0, tag);
+        }
+        let t = io.join(tag, (last - first + 1) as u32);
+        let mut at = offset;
+        let end = offset + len;
+        while at < end {
+            let u = at >> self.shift;
+            let seg = (((u + 1) << self.shift).min(end)) - at;
+            f(self, io, u, at, seg, at - offset, t);
+            at += seg;
+        }
+    }
+}
+
+impl IoHandle for VolumeHandle {
+    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+        self.refresh();
+        let size = self.vol.size();
+        let (offset, len) = match op {
+            IoOp::Read { offset, len, .. } | IoOp::Write { offset, len, .. } => {
+                (offset, len as u64)
+            }
+            IoOp::Discard { offset, len } | IoOp::WriteZeroes { offset, len, .. } => (offset, len),
+            IoOp::Flush => {
+                match io.remote_completer() {
+                    Some(rc) => self.vol.pool.request_flush(rc, tag),
+                    None => {
+                        let r = self.vol.pool.commit().map_or(-libc::EIO, |_| 0);
+                        io.complete(tag, r);
+                    }
+                }
+                return;
+            }
+        };
+        if offset.checked_add(len).is_none_or(|e| e > size) {
+            return io.complete(tag, -libc::EINVAL);
+        }
+        if len == 0 {
+            return io.complete(tag, 0);
+        }
+        match op {
+            IoOp::Read { buf, .. } => {
+                self.for_units(io, offset, len, tag, |h, io, u, at, seg, roff, t| {
+                    let p = h.map.get(u);
+                    // SAFETY: roff + seg <= len, within the submitter's buffer.
+                    let b = unsafe { buf.add(roff as usize) };
+                    if p == HOLE {
+                        // SAFETY: as above.
+                        unsafe { std::ptr::write_bytes(b, 0, seg as usize) };
+                        io.complete(t, 0);
+                    } else {
+                        let off = h.pool_offset(p, at);
+                        h.layout.submit(
+                            io,
+                            IoOp::Read {
+                                offset: off,
+                                len: seg as u32,
+                                buf: b,
+                            },
+                            t,
+                        );
+                    }
+                })
+            }
+            IoOp::Write { buf, .. } => {
+                self.for_units(io, offset, len, tag, |h, io, u, at, seg, roff, t| {
+                    let mut p = h.map.get(u);
+                    if p == HOLE {
+                        match h.vol.pool.allocate(&h.vol, u, seg == 1u64 << h.shift) {
+                            Ok(n) => p = n,
+                            Err(e) => return io.complete(t, e),
+                        }
+                    }
+                    let off = h.pool_offset(p, at);
+                    // SAFETY: roff + seg <= len, within the submitter's buffer.
+                    let b = unsafe { buf.add(roff as usize) };
+                    h.layout.submit(
+                        io,
+                        IoOp::Write {
+                            offset: off,
+                            len: seg as u32,
+                            buf: b,
+                        },
+                        t,
+                    );
+                })
+            }
+            IoOp::Discard { .. } => {
+                self.release_whole_units(offset, len);
+                io.complete(tag, 0);
+            }
+            IoOp::WriteZeroes { may_unmap, .. } => {
+                self.write_zeroes(io, offset, len, may_unmap, tag)
+            }
+            IoOp::Flush => unreachable!("handled above"),
+        }
+    }
+
+    fn size(&self) -> u64 {
+        self.vol.size()
+    }
+}
+
+impl VolumeHandle {
+    /// Release every unit wholly inside the range; partial units are left alone
+    /// (discard is advisory).
+    fn release_whole_units(&mut self, offset: u64, len: u64) {
+        let unit = 1u64 << self.shift;
+        let first = offset.div_ceil(unit);
+        let end = offset + len;
+        // The volume's last unit may be partial: it counts as whole when the range
+        // reaches the end of the volume.
+        let last_excl = if end >= self.vol.size() {
+            end.div_ceil(unit)
+        } else {
+            end / unit
+        };
+        if last_excl > first {
+            self.vol.pool.unmap_units(&self.vol, first, last_excl - 1);
+        }
+    }
+
+    fn write_zeroes(&mut self, io: &mut CoreIo, offset: u64, len: u64, may_unmap: bool, tag: Tag) {
+        if may_unmap {
+            self.release_whole_units(offset, len);
+        }
+        // What is left: partial units (and, without may_unmap, everything) that are
+        // mapped get zeros written; holes already read as zeros, but NO_HOLE asks for
+        // space, so they are allocated (allocation zeroes them).
+        let mut ops: Vec<(u64, u64)> = Vec::new();
+        let mut err = 0;
+        let mut at = offset;
+        let end = offset + len;
+        while at < end {
+            let u = at >> self.shift;
+            let seg = (((u + 1) << self.shift).min(end)) - at;
+            let p = self.map.get(u);
+            if p != HOLE {
+                ops.push((self.pool_offset(p, at), seg));
+            } else if !may_unmap {
+                if let Err(e) = self.vol.pool.allocate(&self.vol, u, false) {
+                    err = e;
+                    break;
+                }
+            }
+            at += seg;
+        }
+        if err != 0 || ops.is_empty() {
+            return io.complete(tag, err);
+        }
+        let t = if ops.len() == 1 {
+            tag
+        } else {
+            io.join(tag, ops.len() as u32)
+        };
+        for (off, l) in ops {
+            self.layout.submit(
+                io,
+                IoOp::WriteZeroes {
+                    offset: off,
+                    len: l,
+                    may_unmap: false,
+                },
+                t,
+            );
+        }
+    }
+}

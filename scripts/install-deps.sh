@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Install the external tools Tessera's tests and benchmarks need.
+#
+# Idempotent: when every tool is already present it installs nothing and does
+# not touch the network. Otherwise it runs `apt-get update` once and installs
+# the Debian packages that provide the missing tools.
+#
+# Needed commands (Debian package in brackets):
+#   fio                                   [fio]
+#   qemu-img, qemu-io, qemu-nbd           [qemu-utils]
+#   nbdinfo, nbdcopy                      [libnbd-bin]
+#   nbdkit + its "memory" plugin          [nbdkit; on Debian 12 the memory
+#                                          plugin ships inside nbdkit itself,
+#                                          a separate nbdkit-plugin-memory
+#                                          package is used if a release has one]
+#
+# Non-interactive: never reads stdin, works with CI=true and no TTY.
+# Uses sudo (non-interactively) only when not root and sudo exists.
+set -euo pipefail
+
+export DEBIAN_FRONTEND=noninteractive
+
+log()  { printf 'install-deps: %s\n' "$*"; }
+warn() { printf 'install-deps: WARNING: %s\n' "$*" >&2; }
+die()  { printf 'install-deps: ERROR: %s\n' "$*" >&2; exit 1; }
+
+have() { command -v "$1" >/dev/null 2>&1; }
+
+# command -> Debian package
+declare -A PKG_OF=(
+  [fio]=fio
+  [qemu-img]=qemu-utils
+  [qemu-io]=qemu-utils
+  [qemu-nbd]=qemu-utils
+  [nbdinfo]=libnbd-bin
+  [nbdcopy]=libnbd-bin
+  [nbdkit]=nbdkit
+)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit)
+
+have_memory_plugin() {
+  have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1
+}
+
+# --- privilege helper -------------------------------------------------------
+SUDO=()
+if [[ "$(id -u)" -ne 0 ]]; then
+  if have sudo; then
+    # -n: never prompt (there is no stdin in CI); fail instead.
+    SUDO=(sudo -n env DEBIAN_FRONTEND=noninteractive)
+  else
+    SUDO=(__no_privilege__)
+  fi
+fi
+
+APT_OPTS=(
+  -y -q
+  -o Dpkg::Options::=--force-confdef
+  -o Dpkg::Options::=--force-confold
+  -o DPkg::Lock::Timeout=300
+)
+
+updated=0
+apt_update_once() {
+  if [[ "$updated" -eq 1 ]]; then return 0; fi
+  log "running apt-get update"
+  "${SUDO[@]}" apt-get "${APT_OPTS[@]}" update </dev/null \
+    || die "apt-get update failed"
+  updated=1
+}
+
+apt_install() {
+  [[ "$#" -gt 0 ]] || return 0
+  apt_update_once
+  log "installing: $*"
+  "${SUDO[@]}" apt-get "${APT_OPTS[@]}" install --no-install-recommends "$@" </dev/null \
+    || die "apt-get install $* failed"
+}
+
+# --- find what is missing ---------------------------------------------------
+missing_cmds=()
+declare -A want_pkgs=()
+for c in "${CMDS[@]}"; do
+  if ! have "$c"; then
+    missing_cmds+=("$c")
+    want_pkgs[${PKG_OF[$c]}]=1
+  fi
+done
+need_memory_plugin=0
+if ! have_memory_plugin; then
+  need_memory_plugin=1
+  want_pkgs[nbdkit]=1
+fi
+
+if [[ "${#missing_cmds[@]}" -eq 0 && "$need_memory_plugin" -eq 0 ]]; then
+  log "all tools present: ${CMDS[*]} + nbdkit memory plugin"
+else
+  if [[ "${#missing_cmds[@]}" -gt 0 ]]; then
+    log "missing commands: ${missing_cmds[*]}"
+  fi
+  if [[ "$need_memory_plugin" -eq 1 ]]; then
+    log "missing: nbdkit memory plugin"
+  fi
+
+  if ! have apt-get; then
+    die "apt-get not found; install these by hand: ${missing_cmds[*]} (and the nbdkit memory plugin)"
+  fi
+  if [[ "${SUDO[0]:-}" == "__no_privilege__" ]]; then
+    die "not root and sudo is not installed; cannot install: ${!want_pkgs[*]}"
+  fi
+
+  # shellcheck disable=SC2207  # package names contain no whitespace
+  pkgs=($(printf '%s\n' "${!want_pkgs[@]}" | sort))
+  apt_install "${pkgs[@]}"
+
+  # Some Debian/Ubuntu releases split nbdkit plugins into their own packages.
+  # If the memory plugin still is not loadable, install the package that
+  # provides it (if the archive has one).
+  if ! have_memory_plugin; then
+    if apt-cache show nbdkit-plugin-memory >/dev/null 2>&1; then
+      apt_install nbdkit-plugin-memory
+    fi
+  fi
+fi
+
+# --- verify -----------------------------------------------------------------
+still_missing=()
+for c in "${CMDS[@]}"; do
+  have "$c" || still_missing+=("$c")
+done
+have_memory_plugin || still_missing+=("nbdkit-memory-plugin")
+if [[ "${#still_missing[@]}" -gt 0 ]]; then
+  die "still missing after install: ${still_missing[*]}"
+fi
+
+if fio --enghelp=nbd </dev/null >/dev/null 2>&1; then
+  log "fio $(fio --version 2>/dev/null) has the nbd ioengine"
+else
+  warn "fio ($(fio --version 2>/dev/null || echo unknown)) was built WITHOUT the nbd ioengine"
+  warn "  (needs libnbd at fio build time); NBD fio tests and bench/nbd-peers.sh will not work."
+fi
+
+if ! have python3; then
+  warn "python3 not found; bench/nbd-peers.sh needs it to parse fio JSON."
+fi
+
+log "ok"

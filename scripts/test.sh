@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# THE command that runs every Tessera test.
+#
+#   scripts/test.sh                # everything
+#   scripts/test.sh nbd_           # extra args go to `cargo test` (here: a name filter)
+#   scripts/test.sh -- --nocapture
+#
+# Steps: install external tools (fio, qemu-utils, libnbd-bin, nbdkit), build
+# the release binaries (the integration tests spawn target/release/tessera),
+# then run the workspace tests in release mode.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT="$(pwd)"
+
+section() {
+  printf '\n==== %s ====\n' "$*"
+}
+
+START=$SECONDS
+step_start=$SECONDS
+step_done() {
+  printf -- '---- %s: %ds\n' "$1" "$((SECONDS - step_start))"
+  step_start=$SECONDS
+}
+
+section "install dependencies"
+scripts/install-deps.sh </dev/null
+step_done "install dependencies"
+
+section "toolchain"
+cargo --version
+rustc --version
+step_done "toolchain"
+
+# Integration tests that live outside the tessera-cli crate cannot use
+# CARGO_BIN_EXE_tessera; tell them where the built binary is.
+TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+export TESSERA="${TESSERA:-$TARGET_DIR/release/tessera}"
+
+section "build (cargo build --release --workspace --bins)"
+cargo build --release --workspace --bins
+step_done "build"
+
+section "test (cargo test --release --workspace $*)"
+cargo test --release --workspace "$@"
+step_done "test"
+
+section "all tests passed in $((SECONDS - START))s"
