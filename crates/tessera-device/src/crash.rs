@@ -29,7 +29,11 @@ impl CrashDevice {
     pub fn from_image(image: Vec<u8>) -> Arc<CrashDevice> {
         Arc::new(CrashDevice {
             size: image.len() as u64,
-            state: Mutex::new(State { current: image.clone(), durable: image, unflushed: Vec::new() }),
+            state: Mutex::new(State {
+                current: image.clone(),
+                durable: image,
+                unflushed: Vec::new(),
+            }),
         })
     }
 
@@ -95,7 +99,13 @@ impl IoHandle for CrashHandle {
             IoOp::Read { offset, len, buf } => check_range(d.size, offset, len as u64).map(|_| {
                 let s = d.st();
                 // SAFETY: the submitter guarantees buf holds len bytes.
-                unsafe { std::ptr::copy_nonoverlapping(s.current.as_ptr().add(offset as usize), buf, len as usize) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        s.current.as_ptr().add(offset as usize),
+                        buf,
+                        len as usize,
+                    )
+                };
                 len as i32
             }),
             IoOp::Write { offset, len, buf } => check_range(d.size, offset, len as u64).map(|_| {
@@ -143,7 +153,8 @@ impl BlockDevice for CrashDevice {
         Ok(())
     }
     fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
-        check_range(self.size, offset, len).map_err(|_| out_of_range("crash", offset, len, self.size))?;
+        check_range(self.size, offset, len)
+            .map_err(|_| out_of_range("crash", offset, len, self.size))?;
         self.record_write(offset, &vec![0u8; len as usize]);
         Ok(())
     }

@@ -46,7 +46,12 @@ impl FaultConfig {
     }
     /// Apply one `key=value` setting (as used in device specs).
     pub fn set(&self, key: &str, value: &str) -> io::Result<()> {
-        let bad = || io::Error::new(io::ErrorKind::InvalidInput, format!("fault device: bad setting {key}={value}"));
+        let bad = || {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("fault device: bad setting {key}={value}"),
+            )
+        };
         let num = || crate::parse_size(value).map_err(|_| bad());
         match key {
             "latency_us" => self.latency_us.store(num()?, Relaxed),
@@ -76,7 +81,11 @@ pub struct FaultDevice {
 
 impl FaultDevice {
     pub fn new(inner: Arc<dyn BlockDevice>, config: Arc<FaultConfig>) -> Arc<FaultDevice> {
-        Arc::new(FaultDevice { inner, config, opened: Instant::now() })
+        Arc::new(FaultDevice {
+            inner,
+            config,
+            opened: Instant::now(),
+        })
     }
 
     /// The error (negative errno) this I/O should fail with, if any.
@@ -85,7 +94,9 @@ impl FaultDevice {
         let n = c.ios.fetch_add(1, Relaxed) + 1;
         let after = c.vanish_after_ios.load(Relaxed);
         let ms = c.vanish_after_ms.load(Relaxed);
-        if (after != 0 && n >= after) || (ms != 0 && self.opened.elapsed() >= Duration::from_millis(ms)) {
+        if (after != 0 && n >= after)
+            || (ms != 0 && self.opened.elapsed() >= Duration::from_millis(ms))
+        {
             c.vanished.store(true, Relaxed);
         }
         if c.vanished.load(Relaxed) {
@@ -96,10 +107,14 @@ impl FaultDevice {
             s < e && off < e && off + len > s
         };
         match *op {
-            IoOp::Read { offset, len, .. } if hits(&c.fail_read_start, &c.fail_read_end, offset, len as u64) => {
+            IoOp::Read { offset, len, .. }
+                if hits(&c.fail_read_start, &c.fail_read_end, offset, len as u64) =>
+            {
                 return Some(-libc::EIO)
             }
-            IoOp::Write { offset, len, .. } if hits(&c.fail_write_start, &c.fail_write_end, offset, len as u64) => {
+            IoOp::Write { offset, len, .. }
+                if hits(&c.fail_write_start, &c.fail_write_end, offset, len as u64) =>
+            {
                 return Some(-libc::EIO)
             }
             _ => {}
@@ -137,7 +152,11 @@ impl IoHandle for FaultHandle {
         if let Some(err) = self.dev.verdict(&op, &mut self.rng) {
             return io.complete_after(latency, tag, err);
         }
-        let t = if latency.is_zero() { tag } else { io.delayed(tag, latency) };
+        let t = if latency.is_zero() {
+            tag
+        } else {
+            io.delayed(tag, latency)
+        };
         self.inner.submit(io, op, t);
     }
     fn size(&self) -> u64 {
@@ -177,6 +196,10 @@ impl BlockDevice for FaultDevice {
     fn open_handle(self: Arc<Self>) -> Box<dyn IoHandle> {
         let inner = self.inner.clone().open_handle();
         let seed = (self.opened.elapsed().as_nanos() as u64) | 1;
-        Box::new(FaultHandle { dev: self, inner, rng: seed })
+        Box::new(FaultHandle {
+            dev: self,
+            inner,
+            rng: seed,
+        })
     }
 }

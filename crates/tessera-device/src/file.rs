@@ -28,17 +28,26 @@ impl FileDevice {
     /// Open an existing file or block device. With `create_size`, a missing regular file is
     /// created (sparse) with that size.
     pub fn open(path: &Path, create_size: Option<u64>) -> io::Result<Arc<FileDevice>> {
-        let ctx = |e: io::Error, what: &str| io::Error::new(e.kind(), format!("{}: {what}: {e}", path.display()));
+        let ctx = |e: io::Error, what: &str| {
+            io::Error::new(e.kind(), format!("{}: {what}: {e}", path.display()))
+        };
         if !path.exists() {
             match create_size {
                 Some(sz) => {
-                    let f = OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| ctx(e, "cannot create"))?;
+                    let f = OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .open(path)
+                        .map_err(|e| ctx(e, "cannot create"))?;
                     f.set_len(sz).map_err(|e| ctx(e, "cannot size"))?;
                 }
                 None => {
                     return Err(io::Error::new(
                         io::ErrorKind::NotFound,
-                        format!("{}: no such file or device (give PATH:SIZE to create a file)", path.display()),
+                        format!(
+                            "{}: no such file or device (give PATH:SIZE to create a file)",
+                            path.display()
+                        ),
                     ))
                 }
             }
@@ -55,7 +64,10 @@ impl FileDevice {
         let (file, direct) = match open(true) {
             Ok(f) => (f, true),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                eprintln!("tessera: {}: O_DIRECT not supported here, using buffered I/O", path.display());
+                eprintln!(
+                    "tessera: {}: O_DIRECT not supported here, using buffered I/O",
+                    path.display()
+                );
                 (open(false).map_err(|e| ctx(e, "cannot open"))?, false)
             }
             Err(e) => return Err(ctx(e, "cannot open")),
@@ -69,7 +81,10 @@ impl FileDevice {
             // SAFETY: ioctls writing into properly typed locals on an open fd.
             unsafe {
                 if libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut sz) != 0 {
-                    return Err(ctx(io::Error::last_os_error(), "cannot read block device size"));
+                    return Err(ctx(
+                        io::Error::last_os_error(),
+                        "cannot read block device size",
+                    ));
                 }
                 if libc::ioctl(file.as_raw_fd(), BLKSSZGET, &mut ssz) == 0 && ssz > 0 {
                     align = ssz as u32;
@@ -77,7 +92,10 @@ impl FileDevice {
             }
             size = sz;
         } else if !meta.file_type().is_file() {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: not a regular file or block device", path.display())));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{}: not a regular file or block device", path.display()),
+            ));
         }
         if let Some(want) = create_size {
             if !is_block && want > size {
@@ -89,7 +107,14 @@ impl FileDevice {
             align = 1;
         }
         size -= size % 4096;
-        Ok(Arc::new(FileDevice { file, path: path.to_path_buf(), size, is_block, direct, align }))
+        Ok(Arc::new(FileDevice {
+            file,
+            path: path.to_path_buf(),
+            size,
+            is_block,
+            direct,
+            align,
+        }))
     }
 
     fn aligned(&self, offset: u64, len: usize, ptr: *const u8) -> bool {
@@ -143,7 +168,9 @@ impl IoHandle for FileHandle {
                 }
                 opcode::Write::new(self.fd, buf, len).offset(offset).build()
             }
-            IoOp::Flush => opcode::Fsync::new(self.fd).flags(types::FsyncFlags::DATASYNC).build(),
+            IoOp::Flush => opcode::Fsync::new(self.fd)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build(),
             IoOp::Discard { offset, len } => {
                 if let Err(e) = check_range(size, offset, len) {
                     return io.complete(tag, e);
@@ -157,7 +184,10 @@ impl IoHandle for FileHandle {
                 if let Err(e) = check_range(size, offset, len) {
                     return io.complete(tag, e);
                 }
-                opcode::Fallocate::new(self.fd, len).offset(offset).mode(self.dev.zero_mode()).build()
+                opcode::Fallocate::new(self.fd, len)
+                    .offset(offset)
+                    .mode(self.dev.zero_mode())
+                    .build()
             }
         };
         // SAFETY: the fd lives as long as self.dev (held by this handle, which the caller
@@ -190,7 +220,8 @@ impl BlockDevice for FileDevice {
         let start = offset - offset % a;
         let end = (offset + buf.len() as u64).next_multiple_of(a);
         let mut b = AlignedBuf::zeroed((end - start) as usize);
-        self.file.read_exact_at(&mut b.as_mut_slice()[..(end - start) as usize], start)?;
+        self.file
+            .read_exact_at(&mut b.as_mut_slice()[..(end - start) as usize], start)?;
         let s = (offset - start) as usize;
         buf.copy_from_slice(&b.as_slice()[s..s + buf.len()]);
         Ok(())
@@ -212,7 +243,8 @@ impl BlockDevice for FileDevice {
         self.file.write_all_at(&b.as_slice()[..n], start)
     }
     fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
-        check_range(self.size, offset, len).map_err(|_| out_of_range(&self.describe(), offset, len, self.size))?;
+        check_range(self.size, offset, len)
+            .map_err(|_| out_of_range(&self.describe(), offset, len, self.size))?;
         if len == 0 || self.fallocate(self.zero_mode(), offset, len).is_ok() {
             return Ok(());
         }

@@ -60,7 +60,8 @@ impl BlockDevice for NullDevice {
             .map_err(|_| out_of_range("null", offset, buf.len() as u64, self.size))
     }
     fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
-        check_range(self.size, offset, len).map_err(|_| out_of_range("null", offset, len, self.size))
+        check_range(self.size, offset, len)
+            .map_err(|_| out_of_range("null", offset, len, self.size))
     }
     fn sync(&self) -> io::Result<()> {
         Ok(())

@@ -27,7 +27,10 @@ impl RamDevice {
 
     pub fn named(size: u64, name: String) -> io::Result<Arc<RamDevice>> {
         if size == 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a RAM device needs a non-zero size"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a RAM device needs a non-zero size",
+            ));
         }
         // SAFETY: anonymous private mapping; checked for MAP_FAILED below.
         let p = unsafe {
@@ -43,7 +46,11 @@ impl RamDevice {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Arc::new(RamDevice { base: p as *mut u8, size, name }))
+        Ok(Arc::new(RamDevice {
+            base: p as *mut u8,
+            size,
+            name,
+        }))
     }
 
     /// A RAM device holding a copy of `image` (used to restart from a simulated crash).
@@ -69,7 +76,9 @@ impl RamDevice {
                     return e;
                 }
                 // SAFETY: range checked; the submitter guarantees buf holds len bytes.
-                unsafe { std::ptr::copy_nonoverlapping(self.base.add(offset as usize), buf, len as usize) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.base.add(offset as usize), buf, len as usize)
+                };
                 len as i32
             }
             IoOp::Write { offset, len, buf } => {
@@ -77,7 +86,9 @@ impl RamDevice {
                     return e;
                 }
                 // SAFETY: as above.
-                unsafe { std::ptr::copy_nonoverlapping(buf, self.base.add(offset as usize), len as usize) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(buf, self.base.add(offset as usize), len as usize)
+                };
                 len as i32
             }
             IoOp::Flush => 0,
@@ -130,18 +141,27 @@ impl BlockDevice for RamDevice {
         check_range(self.size, offset, buf.len() as u64)
             .map_err(|_| out_of_range(&self.name, offset, buf.len() as u64, self.size))?;
         // SAFETY: range checked.
-        unsafe { std::ptr::copy_nonoverlapping(self.base.add(offset as usize), buf.as_mut_ptr(), buf.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.base.add(offset as usize),
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        };
         Ok(())
     }
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
         check_range(self.size, offset, buf.len() as u64)
             .map_err(|_| out_of_range(&self.name, offset, buf.len() as u64, self.size))?;
         // SAFETY: range checked.
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), self.base.add(offset as usize), buf.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), self.base.add(offset as usize), buf.len())
+        };
         Ok(())
     }
     fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
-        check_range(self.size, offset, len).map_err(|_| out_of_range(&self.name, offset, len, self.size))?;
+        check_range(self.size, offset, len)
+            .map_err(|_| out_of_range(&self.name, offset, len, self.size))?;
         // SAFETY: range checked.
         unsafe { std::ptr::write_bytes(self.base.add(offset as usize), 0, len as usize) };
         Ok(())

@@ -14,8 +14,14 @@ use crate::{BlockDevice, FaultConfig, FaultDevice, FileDevice, NullDevice, RamDe
 pub enum DeviceSpec {
     Ram(u64),
     Null(u64),
-    File { path: PathBuf, create_size: Option<u64> },
-    Fault { inner: Box<DeviceSpec>, settings: Vec<(String, String)> },
+    File {
+        path: PathBuf,
+        create_size: Option<u64>,
+    },
+    Fault {
+        inner: Box<DeviceSpec>,
+        settings: Vec<(String, String)>,
+    },
 }
 
 fn invalid(msg: String) -> io::Error {
@@ -25,7 +31,10 @@ fn invalid(msg: String) -> io::Error {
 /// Parse `4096`, `64K`, `1M`, `4G`, `1T`, `512k`, `1GiB`, `1.5G`.
 pub fn parse_size(s: &str) -> io::Result<u64> {
     let t = s.trim();
-    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix("B")).unwrap_or(t);
+    let t = t
+        .strip_suffix("iB")
+        .or_else(|| t.strip_suffix("B"))
+        .unwrap_or(t);
     let (num, mult) = match t.chars().last() {
         Some(c) if c.is_ascii_alphabetic() => {
             let m: u64 = match c.to_ascii_uppercase() {
@@ -34,18 +43,26 @@ pub fn parse_size(s: &str) -> io::Result<u64> {
                 'G' => 1 << 30,
                 'T' => 1 << 40,
                 'P' => 1 << 50,
-                _ => return Err(invalid(format!("bad size '{s}': unknown unit '{c}' (use K, M, G, T)"))),
+                _ => {
+                    return Err(invalid(format!(
+                        "bad size '{s}': unknown unit '{c}' (use K, M, G, T)"
+                    )))
+                }
             };
             (&t[..t.len() - 1], m)
         }
         _ => (t, 1),
     };
     if let Ok(n) = num.parse::<u64>() {
-        return n.checked_mul(mult).ok_or_else(|| invalid(format!("bad size '{s}': too large")));
+        return n
+            .checked_mul(mult)
+            .ok_or_else(|| invalid(format!("bad size '{s}': too large")));
     }
     match num.parse::<f64>() {
         Ok(f) if f >= 0.0 && f.is_finite() => Ok((f * mult as f64) as u64),
-        _ => Err(invalid(format!("bad size '{s}' (examples: 4096, 64K, 1M, 4G)"))),
+        _ => Err(invalid(format!(
+            "bad size '{s}' (examples: 4096, 64K, 1M, 4G)"
+        ))),
     }
 }
 
@@ -66,10 +83,15 @@ impl DeviceSpec {
             let inner = DeviceSpec::parse(parts.next().unwrap_or(""))?;
             let mut settings = Vec::new();
             for p in parts.filter(|p| !p.is_empty()) {
-                let (k, v) = p.split_once('=').ok_or_else(|| invalid(format!("fault device: expected key=value, got '{p}'")))?;
+                let (k, v) = p.split_once('=').ok_or_else(|| {
+                    invalid(format!("fault device: expected key=value, got '{p}'"))
+                })?;
                 settings.push((k.to_string(), v.to_string()));
             }
-            return Ok(DeviceSpec::Fault { inner: Box::new(inner), settings });
+            return Ok(DeviceSpec::Fault {
+                inner: Box::new(inner),
+                settings,
+            });
         }
         if let Some(sz) = s.strip_prefix("ram:") {
             return Ok(DeviceSpec::Ram(parse_size(sz)?));
@@ -78,16 +100,24 @@ impl DeviceSpec {
             return Ok(DeviceSpec::Null(parse_size(sz)?));
         }
         if s.is_empty() {
-            return Err(invalid("empty device spec (use PATH, PATH:SIZE, ram:SIZE or null:SIZE)".into()));
+            return Err(invalid(
+                "empty device spec (use PATH, PATH:SIZE, ram:SIZE or null:SIZE)".into(),
+            ));
         }
         if let Some((p, sz)) = s.rsplit_once(':') {
             if let Ok(size) = parse_size(sz) {
                 if !p.is_empty() {
-                    return Ok(DeviceSpec::File { path: PathBuf::from(p), create_size: Some(size) });
+                    return Ok(DeviceSpec::File {
+                        path: PathBuf::from(p),
+                        create_size: Some(size),
+                    });
                 }
             }
         }
-        Ok(DeviceSpec::File { path: PathBuf::from(s), create_size: None })
+        Ok(DeviceSpec::File {
+            path: PathBuf::from(s),
+            create_size: None,
+        })
     }
 }
 
@@ -96,8 +126,14 @@ impl std::fmt::Display for DeviceSpec {
         match self {
             DeviceSpec::Ram(n) => write!(f, "ram:{}", format_size(*n)),
             DeviceSpec::Null(n) => write!(f, "null:{}", format_size(*n)),
-            DeviceSpec::File { path, create_size: None } => write!(f, "{}", path.display()),
-            DeviceSpec::File { path, create_size: Some(n) } => write!(f, "{}:{}", path.display(), format_size(*n)),
+            DeviceSpec::File {
+                path,
+                create_size: None,
+            } => write!(f, "{}", path.display()),
+            DeviceSpec::File {
+                path,
+                create_size: Some(n),
+            } => write!(f, "{}:{}", path.display(), format_size(*n)),
             DeviceSpec::Fault { inner, settings } => {
                 write!(f, "fault:{inner}")?;
                 for (k, v) in settings {
@@ -142,12 +178,24 @@ mod tests {
 
     #[test]
     fn specs() {
-        assert_eq!(DeviceSpec::parse("ram:1G").unwrap(), DeviceSpec::Ram(1 << 30));
+        assert_eq!(
+            DeviceSpec::parse("ram:1G").unwrap(),
+            DeviceSpec::Ram(1 << 30)
+        );
         assert_eq!(
             DeviceSpec::parse("/tmp/a.img:4G").unwrap(),
-            DeviceSpec::File { path: "/tmp/a.img".into(), create_size: Some(4 << 30) }
+            DeviceSpec::File {
+                path: "/tmp/a.img".into(),
+                create_size: Some(4 << 30)
+            }
         );
-        assert_eq!(DeviceSpec::parse("/dev/sdb").unwrap(), DeviceSpec::File { path: "/dev/sdb".into(), create_size: None });
+        assert_eq!(
+            DeviceSpec::parse("/dev/sdb").unwrap(),
+            DeviceSpec::File {
+                path: "/dev/sdb".into(),
+                create_size: None
+            }
+        );
         let f = DeviceSpec::parse("fault:ram:1M;latency_us=10").unwrap();
         assert_eq!(f.to_string(), "fault:ram:1M;latency_us=10");
         assert!(open_device(&DeviceSpec::parse("fault:ram:1M;bogus=1").unwrap()).is_err());

@@ -81,7 +81,9 @@ pub struct BufPool {
 
 impl Default for BufPool {
     fn default() -> Self {
-        BufPool { free: std::array::from_fn(|_| Vec::new()) }
+        BufPool {
+            free: std::array::from_fn(|_| Vec::new()),
+        }
     }
 }
 

@@ -26,14 +26,29 @@ pub const REMOTE_COMPLETER_NONE: Option<RemoteCompleter> = None;
 /// them alive and untouched until the completion arrives.
 #[derive(Clone, Copy, Debug)]
 pub enum IoOp {
-    Read { offset: u64, len: u32, buf: *mut u8 },
-    Write { offset: u64, len: u32, buf: *const u8 },
+    Read {
+        offset: u64,
+        len: u32,
+        buf: *mut u8,
+    },
+    Write {
+        offset: u64,
+        len: u32,
+        buf: *const u8,
+    },
     /// Make every write completed before this one durable.
     Flush,
     /// The range's contents become undefined and its space may be given back.
-    Discard { offset: u64, len: u64 },
+    Discard {
+        offset: u64,
+        len: u64,
+    },
     /// The range reads back as zeros. `may_unmap` allows giving the space back.
-    WriteZeroes { offset: u64, len: u64, may_unmap: bool },
+    WriteZeroes {
+        offset: u64,
+        len: u64,
+        may_unmap: bool,
+    },
 }
 
 /// A per-core handle to a block target (device, pool or volume).
@@ -72,7 +87,11 @@ pub struct CoreIo {
 
 impl CoreIo {
     /// A context with its own ring. `remote` lets other threads complete tags on this core.
-    pub fn new(core: usize, entries: u32, remote: Option<RemoteCompleter>) -> std::io::Result<CoreIo> {
+    pub fn new(
+        core: usize,
+        entries: u32,
+        remote: Option<RemoteCompleter>,
+    ) -> std::io::Result<CoreIo> {
         let ring = IoUring::builder()
             .setup_single_issuer()
             .setup_coop_taskrun()
@@ -147,7 +166,12 @@ impl CoreIo {
     }
 
     fn new_join(&mut self, parent: Tag, parts: u32, delay: Duration) -> Tag {
-        let j = Join { parent, remaining: parts, result: 0, delay };
+        let j = Join {
+            parent,
+            remaining: parts,
+            result: 0,
+            delay,
+        };
         let idx = match self.free_joins.pop() {
             Some(i) => {
                 self.joins[i as usize] = j;
@@ -176,7 +200,8 @@ impl CoreIo {
     /// Complete `tag` with `res` once `delay` has passed.
     pub fn complete_after(&mut self, delay: Duration, tag: Tag, res: i32) {
         self.timer_seq += 1;
-        self.timers.push(Reverse((Instant::now() + delay, self.timer_seq, tag, res)));
+        self.timers
+            .push(Reverse((Instant::now() + delay, self.timer_seq, tag, res)));
     }
 
     pub(crate) fn pop_ready(&mut self) -> Option<(Tag, i32)> {

@@ -17,7 +17,12 @@ pub struct Histogram {
 
 impl Default for Histogram {
     fn default() -> Self {
-        Histogram { counts: vec![0; GROUPS * SUB + SUB], total: 0, sum: 0, max: 0 }
+        Histogram {
+            counts: vec![0; GROUPS * SUB + SUB],
+            total: 0,
+            sum: 0,
+            max: 0,
+        }
     }
 }
 

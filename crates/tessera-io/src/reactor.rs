@@ -47,7 +47,11 @@ impl Mailbox {
         if efd < 0 {
             return Err(std::io::Error::last_os_error());
         }
-        Ok(Arc::new(Mailbox { queue: Mutex::new(Vec::new()), efd, core }))
+        Ok(Arc::new(Mailbox {
+            queue: Mutex::new(Vec::new()),
+            efd,
+            core,
+        }))
     }
 
     pub fn send(&self, m: Msg) {
@@ -98,7 +102,13 @@ pub struct ReactorConfig {
 
 impl Default for ReactorConfig {
     fn default() -> Self {
-        ReactorConfig { cores: 1, pin: true, busy_poll: false, ring_entries: 1024, exit_when_idle: false }
+        ReactorConfig {
+            cores: 1,
+            pin: true,
+            busy_poll: false,
+            ring_entries: 1024,
+            exit_when_idle: false,
+        }
     }
 }
 
@@ -143,9 +153,13 @@ impl Reactor {
     }
 
     fn arm_mailbox(&mut self) {
-        let e = opcode::Read::new(types::Fd(self.mailbox.efd), &mut *self.efd_buf as *mut u64 as *mut u8, 8)
-            .build()
-            .user_data(MAILBOX_UD);
+        let e = opcode::Read::new(
+            types::Fd(self.mailbox.efd),
+            &mut *self.efd_buf as *mut u64 as *mut u8,
+            8,
+        )
+        .build()
+        .user_data(MAILBOX_UD);
         // SAFETY: efd_buf is boxed and lives as long as the reactor; the eventfd too.
         unsafe { self.io.push_raw(e) };
     }
@@ -218,7 +232,9 @@ impl Reactor {
             let dirty = std::mem::take(&mut self.dirty);
             for &id in &dirty {
                 self.is_dirty[id as usize] = false;
-                let Some(t) = self.tasks[id as usize].as_mut() else { continue };
+                let Some(t) = self.tasks[id as usize].as_mut() else {
+                    continue;
+                };
                 t.flush(&mut self.io);
                 if t.finished() {
                     self.tasks[id as usize] = None;
@@ -250,7 +266,10 @@ impl Reactor {
             };
             if let Err(e) = res {
                 // ETIME: timer expired; EINTR/EBUSY: just retry.
-                if !matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) {
+                if !matches!(
+                    e.raw_os_error(),
+                    Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)
+                ) {
                     eprintln!("tessera: core {}: io_uring_enter failed: {e}", self.io.core);
                 }
             }
@@ -282,20 +301,22 @@ pub fn spawn_reactors(cfg: &ReactorConfig) -> std::io::Result<Vec<(Arc<Mailbox>,
     for core in 0..cfg.cores {
         let cfg = cfg.clone();
         let (tx, rx) = std::sync::mpsc::channel();
-        let h = std::thread::Builder::new().name(format!("tessera-core{core}")).spawn(move || {
-            if cfg.pin {
-                pin_to_cpu(core);
-            }
-            match Reactor::new(core, cfg) {
-                Ok(mut r) => {
-                    let _ = tx.send(Ok(r.mailbox()));
-                    r.run();
+        let h = std::thread::Builder::new()
+            .name(format!("tessera-core{core}"))
+            .spawn(move || {
+                if cfg.pin {
+                    pin_to_cpu(core);
                 }
-                Err(e) => {
-                    let _ = tx.send(Err(e));
+                match Reactor::new(core, cfg) {
+                    Ok(mut r) => {
+                        let _ = tx.send(Ok(r.mailbox()));
+                        r.run();
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                    }
                 }
-            }
-        })?;
+            })?;
         let mb = rx
             .recv()
             .map_err(|_| std::io::Error::other("reactor thread died during start"))??;

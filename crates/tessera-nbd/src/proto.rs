@@ -238,7 +238,13 @@ mod tests {
 
     #[test]
     fn request_round_trip() {
-        let h = RequestHeader { flags: 1, cmd: CMD_WRITE, cookie: 0xdead_beef, offset: 4096, length: 512 };
+        let h = RequestHeader {
+            flags: 1,
+            cmd: CMD_WRITE,
+            cookie: 0xdead_beef,
+            offset: 4096,
+            length: 512,
+        };
         let b = encode_request(&h);
         assert_eq!(parse_request(&b).unwrap(), Some(h));
         assert_eq!(parse_request(&b[..27]).unwrap(), None);
@@ -246,7 +252,13 @@ mod tests {
 
     #[test]
     fn bad_magic_is_an_error() {
-        let mut b = encode_request(&RequestHeader { flags: 0, cmd: 0, cookie: 0, offset: 0, length: 0 });
+        let mut b = encode_request(&RequestHeader {
+            flags: 0,
+            cmd: 0,
+            cookie: 0,
+            offset: 0,
+            length: 0,
+        });
         b[0] ^= 0xff;
         assert!(parse_request(&b).is_err());
     }

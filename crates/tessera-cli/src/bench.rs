@@ -1,0 +1,426 @@
+//! `tessera bench`: drive a device, pool or volume in-process from reactor cores, like
+//! SPDK's bdevperf, and report IOPS, bandwidth, latency percentiles and CPU per I/O.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use tessera_device::{open_device, parse_size, BlockDevice, DeviceSpec};
+use tessera_io::hist::Histogram;
+use tessera_io::{spawn_reactors, AlignedBuf, CoreIo, IoHandle, IoOp, Reactor, ReactorConfig, Task};
+use tessera_pool::{LayoutKind, Pool, PoolOptions, Volume};
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+pub enum Pattern {
+    Randread,
+    Randwrite,
+    Read,
+    Write,
+    Randrw,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+pub enum Target {
+    Device,
+    Pool,
+    Volume,
+}
+
+#[derive(Args, Clone)]
+pub struct BenchArgs {
+    /// Device spec (repeat for a pool): ram:1G, null:1G, /path[:SIZE], fault:...
+    #[arg(long = "device", required = true)]
+    devices: Vec<String>,
+    /// What to drive: the device itself, a pool over the devices, or a thin volume on it.
+    #[arg(long, value_enum, default_value = "device")]
+    target: Target,
+    /// Pool layout: concat or raid0.
+    #[arg(long, default_value = "concat")]
+    layout: String,
+    #[arg(long, default_value = "64K")]
+    stripe_size: String,
+    #[arg(long, default_value = "1M")]
+    unit_size: String,
+    #[arg(long, value_enum, default_value = "randread")]
+    pattern: Pattern,
+    /// Read percentage for randrw.
+    #[arg(long, default_value_t = 70)]
+    rwmix_read: u32,
+    #[arg(long, default_value = "4K")]
+    bs: String,
+    /// Queue depth per core.
+    #[arg(long, default_value_t = 128)]
+    qd: usize,
+    #[arg(long, default_value_t = 1)]
+    cores: usize,
+    /// Seconds to run.
+    #[arg(long, default_value_t = 10)]
+    time: u64,
+    /// Skip writing the whole target before measuring (reads then hit unwritten space:
+    /// zero pages on RAM, holes on volumes).
+    #[arg(long)]
+    no_prefill: bool,
+    /// Busy-poll the rings instead of sleeping.
+    #[arg(long)]
+    busy_poll: bool,
+}
+
+struct Report {
+    ios: u64,
+    bytes: u64,
+    errors: u64,
+    first_error: i32,
+    hist: Histogram,
+    cpu: Duration,
+    wall: Duration,
+}
+
+fn thread_cpu() -> Duration {
+    // SAFETY: getrusage fills a plain struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+struct BenchTask {
+    handle: Box<dyn IoHandle>,
+    id: u32,
+    pattern: Pattern,
+    rwmix: u64,
+    bs: u64,
+    base: u64,
+    blocks: u64,
+    seq_next: u64,
+    rng: u64,
+    bufs: Vec<AlignedBuf>,
+    started: Vec<Instant>,
+    inflight: usize,
+    deadline: Instant,
+    begin: Instant,
+    cpu0: Duration,
+    stop: Arc<AtomicBool>,
+    progress: Arc<AtomicU64>,
+    r: Option<Report>,
+    tx: Sender<Report>,
+    unreported: u64,
+}
+
+impl BenchTask {
+    fn next_op(&mut self, slot: usize) -> IoOp {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let (random, write) = match self.pattern {
+            Pattern::Randread => (true, false),
+            Pattern::Randwrite => (true, true),
+            Pattern::Read => (false, false),
+            Pattern::Write => (false, true),
+            Pattern::Randrw => (true, (self.rng >> 40) % 100 >= self.rwmix),
+        };
+        let block = if random {
+            self.rng % self.blocks
+        } else {
+            let b = self.seq_next;
+            self.seq_next = (b + 1) % self.blocks;
+            b
+        };
+        let offset = self.base + block * self.bs;
+        let buf = self.bufs[slot].as_mut_ptr();
+        if write {
+            IoOp::Write { offset, len: self.bs as u32, buf }
+        } else {
+            IoOp::Read { offset, len: self.bs as u32, buf }
+        }
+    }
+
+    fn issue(&mut self, io: &mut CoreIo, slot: usize, now: Instant) {
+        let op = self.next_op(slot);
+        self.started[slot] = now;
+        self.inflight += 1;
+        self.handle.submit(io, op, Reactor::tag(self.id, slot as u32));
+    }
+}
+
+impl Task for BenchTask {
+    fn start(&mut self, io: &mut CoreIo, id: u32) {
+        self.id = id;
+        self.cpu0 = thread_cpu();
+        self.begin = Instant::now();
+        let now = self.begin;
+        for s in 0..self.bufs.len() {
+            self.issue(io, s, now);
+        }
+    }
+
+    fn on_complete(&mut self, io: &mut CoreIo, slot: u32, res: i32) {
+        let now = Instant::now();
+        self.inflight -= 1;
+        let r = self.r.as_mut().expect("report");
+        let s = slot as usize;
+        r.hist.record(now.duration_since(self.started[s]).as_nanos() as u64);
+        if res < 0 {
+            if r.errors == 0 {
+                r.first_error = -res;
+            }
+            r.errors += 1;
+        } else {
+            r.ios += 1;
+            r.bytes += self.bs;
+        }
+        self.unreported += 1;
+        if self.unreported == 4096 {
+            self.progress.fetch_add(4096, Relaxed);
+            self.unreported = 0;
+        }
+        if now < self.deadline && !self.stop.load(Relaxed) {
+            self.issue(io, s, now);
+        }
+    }
+
+    fn finished(&self) -> bool {
+        self.inflight == 0
+    }
+}
+
+impl Drop for BenchTask {
+    fn drop(&mut self) {
+        if let Some(mut r) = self.r.take() {
+            r.cpu = thread_cpu().saturating_sub(self.cpu0);
+            r.wall = self.begin.elapsed();
+            let _ = self.tx.send(r);
+        }
+    }
+}
+
+/// What the benchmark drives: a handle factory plus the byte range to use.
+struct Subject {
+    open: Arc<dyn Fn() -> Box<dyn IoHandle> + Send + Sync>,
+    base: u64,
+    len: u64,
+    describe: String,
+    _keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
+    let devs: Vec<Arc<dyn BlockDevice>> = a
+        .devices
+        .iter()
+        .map(|d| open_device(&DeviceSpec::parse(d).map_err(|e| e.to_string())?).map_err(|e| format!("{d}: {e}")))
+        .collect::<Result<_, _>>()?;
+    if a.target == Target::Device {
+        if devs.len() != 1 {
+            return Err("--target device takes exactly one --device".into());
+        }
+        let d = devs[0].clone();
+        let len = d.size();
+        let describe = d.describe();
+        return Ok(Subject { open: Arc::new(move || d.clone().open_handle()), base: 0, len, describe, _keep: vec![] });
+    }
+    let stripe = parse_size(&a.stripe_size).map_err(|e| e.to_string())?;
+    let layout = match a.layout.as_str() {
+        "concat" => LayoutKind::Concat,
+        "raid0" => LayoutKind::Raid0 { stripe },
+        l => return Err(format!("unknown layout '{l}' (concat, raid0)")),
+    };
+    let unit_size = parse_size(&a.unit_size).map_err(|e| e.to_string())?;
+    let pool = Arc::new(Pool::create("bench", devs, PoolOptions { layout, unit_size, force: true }).map_err(|e| e.to_string())?);
+    let st = pool.status();
+    let describe = format!("{} pool over {} device(s) ({})", st.layout, st.devices.len(), st.devices.join(", "));
+    if a.target == Target::Pool {
+        // Drive the data region only: the metadata region stays intact.
+        let layout = pool.core.layout.clone();
+        return Ok(Subject {
+            open: Arc::new(move || Box::new(layout.open_handle()) as Box<dyn IoHandle>),
+            base: st.metadata,
+            len: st.capacity,
+            describe,
+            _keep: vec![pool],
+        });
+    }
+    let vol: Arc<Volume> = pool.create_volume("bench", st.capacity).map_err(|e| e.to_string())?;
+    let v2 = vol.clone();
+    Ok(Subject {
+        open: Arc::new(move || Box::new(v2.open_handle()) as Box<dyn IoHandle>),
+        base: 0,
+        len: st.capacity,
+        describe: format!("thin volume on {describe}"),
+        _keep: vec![pool, vol],
+    })
+}
+
+/// Write the whole range once so reads hit real data (and volumes have their space).
+fn prefill(s: &Subject) -> Result<(), String> {
+    let mut io = CoreIo::new(0, 256, None).map_err(|e| e.to_string())?;
+    let mut h = (s.open)();
+    let chunk = 1u64 << 20;
+    let mut buf = AlignedBuf::zeroed(chunk as usize);
+    for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
+        *b = (i * 131 % 251) as u8;
+    }
+    let mut off = 0;
+    let mut err = 0;
+    let t0 = Instant::now();
+    while off < s.len && err == 0 {
+        // Keep a few writes in flight for file-backed targets.
+        let mut n = 0;
+        while n < 16 && off < s.len {
+            let len = chunk.min(s.len - off);
+            h.submit(&mut io, IoOp::Write { offset: s.base + off, len: len as u32, buf: buf.as_ptr() }, n);
+            off += len;
+            n += 1;
+        }
+        io.run_until_idle(|_, _, r| {
+            if r < 0 {
+                err = r;
+            }
+        });
+    }
+    if err < 0 {
+        return Err(format!("prefill failed: {}", std::io::Error::from_raw_os_error(-err)));
+    }
+    eprintln!("prefill: wrote {} MiB in {:.1}s", s.len >> 20, t0.elapsed().as_secs_f64());
+    Ok(())
+}
+
+pub fn run(a: BenchArgs) -> Result<(), String> {
+    let bs = parse_size(&a.bs).map_err(|e| e.to_string())?;
+    if bs == 0 || bs > 32 << 20 {
+        return Err("block size must be between 1 byte and 32M".into());
+    }
+    if a.qd == 0 || a.qd > 4096 || a.cores == 0 {
+        return Err("queue depth must be 1..4096 and cores at least 1".into());
+    }
+    let subject = build_subject(&a)?;
+    let blocks = subject.len / bs;
+    if blocks == 0 {
+        return Err("target is smaller than one block".into());
+    }
+    if !a.no_prefill {
+        prefill(&subject)?;
+    }
+    let cfg = ReactorConfig { cores: a.cores, busy_poll: a.busy_poll, exit_when_idle: true, ..ReactorConfig::default() };
+    let (tx, rx) = channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let progress = Arc::new(AtomicU64::new(0));
+    let duration = Duration::from_secs(a.time);
+    eprintln!(
+        "bench: {} — {:?} bs={} qd={} cores={} for {}s",
+        subject.describe,
+        a.pattern,
+        tessera_device::format_size(bs),
+        a.qd,
+        a.cores,
+        a.time
+    );
+    let reactors = spawn_reactors(&cfg).map_err(|e| format!("cannot start reactors: {e}"))?;
+    // Each core works on its own slice of the target (no two cores share blocks).
+    let per_core = blocks / a.cores as u64;
+    for (core, (mb, _)) in reactors.iter().enumerate() {
+        let open = subject.open.clone();
+        let (tx, stop, progress) = (tx.clone(), stop.clone(), progress.clone());
+        let (pattern, rwmix, qd) = (a.pattern, a.rwmix_read as u64, a.qd);
+        let base = subject.base + core as u64 * per_core * bs;
+        let blocks = per_core.max(1);
+        mb.spawn(Box::new(move |io: &mut CoreIo| {
+            let bufs = (0..qd).map(|_| io.bufs.get(bs as usize)).collect();
+            Box::new(BenchTask {
+                handle: open(),
+                id: 0,
+                pattern,
+                rwmix,
+                bs,
+                base,
+                blocks,
+                seq_next: 0,
+                rng: 0x9E37_79B9_7F4A_7C15 ^ (core as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93),
+                bufs,
+                started: vec![Instant::now(); qd],
+                inflight: 0,
+                deadline: Instant::now() + duration,
+                begin: Instant::now(),
+                cpu0: Duration::ZERO,
+                stop,
+                progress,
+                r: Some(Report { ios: 0, bytes: 0, errors: 0, first_error: 0, hist: Histogram::default(), cpu: Duration::ZERO, wall: Duration::ZERO }),
+                tx,
+                unreported: 0,
+            }) as Box<dyn Task>
+        }));
+    }
+    drop(tx);
+    // Live progress, once a second.
+    let t0 = Instant::now();
+    let mut last = 0;
+    let mut reports = Vec::new();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(1)) {
+            Ok(r) => {
+                reports.push(r);
+                if reports.len() == a.cores {
+                    break;
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                let now = progress.load(Relaxed);
+                let rate = now - last;
+                last = now;
+                eprint!("\r[{:>3}s/{}s] {:>10.0} IOPS {:>9.1} MiB/s", t0.elapsed().as_secs(), a.time, rate as f64, (rate * bs) as f64 / 1048576.0);
+                let _ = std::io::stderr().flush();
+            }
+            Err(_) => break,
+        }
+    }
+    eprintln!();
+    for (_, h) in reactors {
+        let _ = h.join();
+    }
+    let mut hist = Histogram::default();
+    let (mut ios, mut bytes, mut errors, mut cpu, mut wall) = (0u64, 0u64, 0u64, Duration::ZERO, Duration::ZERO);
+    let mut first_error = 0;
+    for r in &reports {
+        hist.merge(&r.hist);
+        ios += r.ios;
+        bytes += r.bytes;
+        errors += r.errors;
+        cpu += r.cpu;
+        wall = wall.max(r.wall);
+        if first_error == 0 {
+            first_error = r.first_error;
+        }
+    }
+    let secs = wall.as_secs_f64().max(1e-9);
+    let iops = ios as f64 / secs;
+    let mibps = bytes as f64 / secs / 1048576.0;
+    let us = |ns: u64| ns as f64 / 1000.0;
+    let cpu_ns_per_io = if ios > 0 { cpu.as_nanos() as f64 / ios as f64 } else { 0.0 };
+    println!("target:     {}", subject.describe);
+    println!("workload:   {:?} bs={} qd={} cores={} time={:.1}s", a.pattern, tessera_device::format_size(bs), a.qd, a.cores, secs);
+    println!("throughput: {iops:.0} IOPS, {mibps:.1} MiB/s");
+    println!(
+        "latency:    mean {:.2} us, p50 {:.2} us, p99 {:.2} us, p99.9 {:.2} us, max {:.2} us",
+        hist.mean() / 1000.0,
+        us(hist.quantile(0.5)),
+        us(hist.quantile(0.99)),
+        us(hist.quantile(0.999)),
+        us(hist.max())
+    );
+    println!("cpu:        {:.1} ms per million I/Os ({:.2} cores busy)", cpu_ns_per_io, cpu.as_secs_f64() / secs);
+    if errors > 0 {
+        println!("errors:     {errors} (first: {})", std::io::Error::from_raw_os_error(first_error));
+    }
+    println!(
+        "RESULT iops={iops:.0} mibps={mibps:.1} mean_us={:.2} p50_us={:.2} p99_us={:.2} p999_us={:.2} cpu_ns_per_io={cpu_ns_per_io:.1} errors={errors}",
+        hist.mean() / 1000.0,
+        us(hist.quantile(0.5)),
+        us(hist.quantile(0.99)),
+        us(hist.quantile(0.999))
+    );
+    if errors > 0 && ios == 0 {
+        return Err("every I/O failed".into());
+    }
+    Ok(())
+}

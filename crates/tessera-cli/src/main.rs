@@ -1,0 +1,67 @@
+//! `tessera`: run a node (`up`, `node`), manage a running node over its API (`status`,
+//! `pool`, `volume`, `export`), and benchmark the engine in-process (`bench`).
+
+mod bench;
+mod manage;
+mod run;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Tessera block storage engine")]
+struct Cli {
+    /// Management API of the node: unix:PATH, a socket path, or HOST:PORT
+    /// (default: $TESSERA_API, else ./tessera-data/api.sock).
+    #[arg(long, global = true)]
+    api: Option<String>,
+    /// Print raw JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a node on the embedded default: DATA_DIR with a 4 GiB file-backed pool `pool0`,
+    /// a thin volume `vol0` and its NBD export (created on first start, reused after).
+    Up(run::UpArgs),
+    /// Run a node from a TOML configuration file.
+    Node {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Node status: capacity, allocation, pools, exports.
+    Status,
+    /// Manage pools.
+    #[command(subcommand)]
+    Pool(manage::PoolCmd),
+    /// Manage thin volumes.
+    #[command(subcommand)]
+    Volume(manage::VolumeCmd),
+    /// Manage NBD exports.
+    #[command(subcommand)]
+    Export(manage::ExportCmd),
+    /// In-process benchmark of a device, pool or volume (like SPDK's bdevperf).
+    Bench(bench::BenchArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let api = manage::endpoint(cli.api.as_deref());
+    let r = match cli.cmd {
+        Cmd::Up(a) => run::up(a),
+        Cmd::Node { config } => run::node_from_file(&config),
+        Cmd::Status => manage::status(&api, cli.json),
+        Cmd::Pool(c) => manage::pool(&api, c, cli.json),
+        Cmd::Volume(c) => manage::volume(&api, c, cli.json),
+        Cmd::Export(c) => manage::export(&api, c, cli.json),
+        Cmd::Bench(a) => bench::run(a),
+    };
+    if let Err(e) = r {
+        eprintln!("tessera: error: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,223 @@
+//! Management subcommands: thin clients of the node's HTTP/JSON API.
+
+use clap::Subcommand;
+use serde_json::{json, Value};
+
+use tessera_http::{request, Endpoint};
+
+pub fn endpoint(arg: Option<&str>) -> Endpoint {
+    let s = arg.map(str::to_string).or_else(|| std::env::var("TESSERA_API").ok()).unwrap_or_else(|| "tessera-data/api.sock".into());
+    Endpoint::parse(&s)
+}
+
+fn call(ep: &Endpoint, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+    let (status, text) = request(ep, method, path, body.as_ref()).map_err(|e| e.to_string())?;
+    let v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    if (200..300).contains(&status) {
+        Ok(v)
+    } else {
+        Err(v["error"].as_str().map(str::to_string).unwrap_or_else(|| format!("the node answered HTTP {status}")))
+    }
+}
+
+fn size(v: &Value) -> String {
+    v.as_u64().map(human).unwrap_or_else(|| "-".into())
+}
+
+/// Human sizes with one decimal (4.0G, 512.0M); exact values are in --json.
+fn human(n: u64) -> String {
+    let units = ["B", "K", "M", "G", "T", "P"];
+    let mut f = n as f64;
+    let mut i = 0;
+    while f >= 1024.0 && i + 1 < units.len() {
+        f /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{n}B")
+    } else {
+        format!("{f:.1}{}", units[i])
+    }
+}
+
+fn table(rows: Vec<Vec<String>>) {
+    let cols = rows.first().map_or(0, |r| r.len());
+    let w: Vec<usize> = (0..cols).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
+    for r in rows {
+        let line: Vec<String> = r.iter().enumerate().map(|(i, c)| format!("{c:<w$}", w = w[i])).collect();
+        println!("{}", line.join("  ").trim_end());
+    }
+}
+
+fn s(v: &Value) -> String {
+    match v {
+        Value::String(x) => x.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    }
+}
+
+pub fn status(ep: &Endpoint, raw: bool) -> Result<(), String> {
+    let v = call(ep, "GET", "/v1/status", None)?;
+    if raw {
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        return Ok(());
+    }
+    println!("Tessera {} — up {}s on {} core(s)", s(&v["version"]), v["uptime_seconds"], v["cores"]);
+    println!("capacity {}  allocated {}  free {}", size(&v["capacity"]), size(&v["allocated"]), size(&v["free"]));
+    println!("NBD: {}", v["nbd"].as_array().map(|a| a.iter().map(s).collect::<Vec<_>>().join(", ")).unwrap_or_default());
+    println!();
+    print_pools(&v["pools"]);
+    println!();
+    print_exports(&v["exports"]);
+    Ok(())
+}
+
+fn print_pools(v: &Value) {
+    let mut rows = vec![vec!["POOL".into(), "STATE".into(), "LAYOUT".into(), "CAPACITY".into(), "ALLOCATED".into(), "FREE".into(), "VOLUMES".into(), "DEVICES".into()]];
+    for p in v.as_array().into_iter().flatten() {
+        let devs = p["devices"].as_array().map(|d| d.iter().map(s).collect::<Vec<_>>().join(",")).unwrap_or_else(|| s(&p["error"]));
+        rows.push(vec![s(&p["name"]), s(&p["state"]), s(&p["layout"]), size(&p["capacity"]), size(&p["allocated"]), size(&p["free"]), s(&p["volumes"]), devs]);
+    }
+    table(rows);
+}
+
+fn print_volumes(v: &Value) {
+    let mut rows = vec![vec!["VOLUME".into(), "POOL".into(), "SIZE".into(), "ALLOCATED".into(), "EXPORTS".into(), "CONNECTIONS".into()]];
+    for x in v.as_array().into_iter().flatten() {
+        let ex = x["exports"].as_array().map(|d| d.iter().map(s).collect::<Vec<_>>().join(",")).unwrap_or_default();
+        rows.push(vec![s(&x["name"]), s(&x["pool"]), size(&x["size"]), size(&x["allocated"]), if ex.is_empty() { "-".into() } else { ex }, s(&x["connections"])]);
+    }
+    table(rows);
+}
+
+fn print_exports(v: &Value) {
+    let mut rows = vec![vec!["EXPORT".into(), "VOLUME".into(), "MODE".into(), "SIZE".into(), "CONNECTIONS".into(), "URI".into()]];
+    for x in v.as_array().into_iter().flatten() {
+        let mode = if x["read_only"].as_bool() == Some(true) { "ro" } else { "rw" };
+        let uri = x["uris"].as_array().and_then(|a| a.first()).map(s).unwrap_or_else(|| "-".into());
+        rows.push(vec![s(&x["name"]), s(&x["volume"]), mode.into(), size(&x["size"]), s(&x["connections"]), uri]);
+    }
+    table(rows);
+}
+
+fn show(v: &Value, raw: bool, f: fn(&Value)) {
+    if raw {
+        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    } else {
+        f(v)
+    }
+}
+
+#[derive(Subcommand)]
+pub enum PoolCmd {
+    /// Create a pool. DEVICE: /path (existing file or block device), /path:SIZE (file
+    /// created if missing), ram:SIZE, null:SIZE, or fault:INNER;key=value...
+    Create {
+        name: String,
+        #[arg(required = true)]
+        devices: Vec<String>,
+        /// concat or raid0.
+        #[arg(long, default_value = "concat")]
+        layout: String,
+        /// Stripe size for raid0 (power of two, 4K..16M).
+        #[arg(long)]
+        stripe_size: Option<String>,
+        /// Thin allocation unit (power of two, 64K..1G; default 1M).
+        #[arg(long)]
+        unit_size: Option<String>,
+        /// Overwrite devices that carry another pool's label.
+        #[arg(long)]
+        force: bool,
+    },
+    List,
+    /// Destroy an empty pool and wipe its device labels.
+    Destroy { name: String },
+}
+
+pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
+    match c {
+        PoolCmd::Create { name, devices, layout, stripe_size, unit_size, force } => {
+            let v = call(ep, "POST", "/v1/pools", Some(json!({"name": name, "devices": devices, "layout": layout, "stripe_size": stripe_size, "unit_size": unit_size, "force": force})))?;
+            show(&Value::Array(vec![v]), raw, print_pools);
+        }
+        PoolCmd::List => show(&call(ep, "GET", "/v1/pools", None)?, raw, print_pools),
+        PoolCmd::Destroy { name } => {
+            call(ep, "DELETE", &format!("/v1/pools/{name}"), None)?;
+            println!("pool {name} destroyed");
+        }
+    }
+    Ok(())
+}
+
+#[derive(Subcommand)]
+pub enum VolumeCmd {
+    /// Create a thin volume (no space is taken until it is written).
+    Create {
+        name: String,
+        #[arg(long)]
+        pool: String,
+        /// Size, e.g. 10G (a multiple of 512 bytes).
+        #[arg(long)]
+        size: String,
+    },
+    List,
+    /// Grow a volume (shrinking is refused).
+    Resize {
+        name: String,
+        #[arg(long)]
+        size: String,
+    },
+    /// Delete a volume and free its space (refused while exported or connected).
+    Delete { name: String },
+}
+
+pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<(), String> {
+    match c {
+        VolumeCmd::Create { name, pool, size } => {
+            let v = call(ep, "POST", "/v1/volumes", Some(json!({"name": name, "pool": pool, "size": size})))?;
+            show(&Value::Array(vec![v]), raw, print_volumes);
+        }
+        VolumeCmd::List => show(&call(ep, "GET", "/v1/volumes", None)?, raw, print_volumes),
+        VolumeCmd::Resize { name, size } => {
+            let v = call(ep, "PATCH", &format!("/v1/volumes/{name}"), Some(json!({"size": size})))?;
+            show(&Value::Array(vec![v]), raw, print_volumes);
+        }
+        VolumeCmd::Delete { name } => {
+            call(ep, "DELETE", &format!("/v1/volumes/{name}"), None)?;
+            println!("volume {name} deleted");
+        }
+    }
+    Ok(())
+}
+
+#[derive(Subcommand)]
+pub enum ExportCmd {
+    /// Export a volume over NBD under NAME.
+    Add {
+        name: String,
+        #[arg(long)]
+        volume: String,
+        #[arg(long)]
+        read_only: bool,
+    },
+    List,
+    /// Stop exporting (open connections keep their volume until they disconnect).
+    Remove { name: String },
+}
+
+pub fn export(ep: &Endpoint, c: ExportCmd, raw: bool) -> Result<(), String> {
+    match c {
+        ExportCmd::Add { name, volume, read_only } => {
+            let v = call(ep, "POST", "/v1/exports", Some(json!({"name": name, "volume": volume, "read_only": read_only})))?;
+            show(&Value::Array(vec![v]), raw, print_exports);
+        }
+        ExportCmd::List => show(&call(ep, "GET", "/v1/exports", None)?, raw, print_exports),
+        ExportCmd::Remove { name } => {
+            call(ep, "DELETE", &format!("/v1/exports/{name}"), None)?;
+            println!("export {name} removed");
+        }
+    }
+    Ok(())
+}
+

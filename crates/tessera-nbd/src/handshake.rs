@@ -1,0 +1,1363 @@
+//! Server side of the NBD fixed-newstyle handshake ("option haggling").
+//!
+//! [`negotiate`] runs on a blocking control-plane thread: it greets the client, answers
+//! options until the client picks an export (`NBD_OPT_GO` / `NBD_OPT_EXPORT_NAME`) or
+//! aborts, and returns what was agreed so the connection can be handed to a reactor core
+//! for the transmission phase.
+//!
+//! Everything the client sends is untrusted: every length field is bounds-checked against
+//! the data actually received, option payloads are capped before anything is allocated,
+//! and the number of options per connection is limited, so a hostile client can neither
+//! crash the thread nor make it allocate without bound. Read timeouts are the caller's
+//! business (set them on the socket before calling).
+//!
+//! Deliberate choices (all permitted by `doc/proto.md`):
+//! - TLS is not offered: `NBD_OPT_STARTTLS` gets `NBD_REP_ERR_UNSUP` (NOTLS mode).
+//! - An empty export name selects the *default export*, which is the first name returned
+//!   by [`ExportCatalog::list`]; with an empty catalogue there is no default export.
+//! - `NBD_INFO_BLOCK_SIZE` is always sent, requested or not, because the server enforces
+//!   512-byte alignment; [`Negotiated::block_size_negotiated`] records whether the client
+//!   asked for it (and therefore promised to honour it).
+//! - `NBD_FLAG_SEND_DF` is only advertised once structured replies were negotiated, as
+//!   the spec requires.
+
+use std::fmt;
+use std::io::{self, Read, Write};
+
+use crate::proto;
+
+/// Largest option payload we are willing to buffer. Real clients send a few hundred bytes
+/// at most (an export name is at most 4096 bytes by the spec's string rule).
+const MAX_OPTION_LEN: u32 = 64 * 1024;
+
+/// Largest oversized option payload we still read and throw away so that we can answer
+/// `NBD_REP_ERR_TOO_BIG` and stay in sync. Anything beyond this is treated as an attack
+/// and the connection is dropped rather than spending bandwidth on it.
+const MAX_DISCARD_LEN: u32 = 16 << 20;
+
+/// Options accepted on one connection before we give up on the client. Real clients need
+/// fewer than ten; the spec allows a hard disconnect on denial-of-service behaviour.
+const MAX_OPTIONS: usize = 1024;
+
+/// The spec's upper bound for any string (export names, messages, descriptions).
+const MAX_STRING: usize = 4096;
+
+/// Metadata context id handed out for `base:allocation` by `NBD_OPT_SET_META_CONTEXT`.
+pub const BASE_ALLOCATION_ID: u32 = 1;
+
+/// What the catalogue tells the handshake about one export.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportInfo {
+    pub size: u64,
+    pub read_only: bool,
+    pub description: String,
+}
+
+/// The set of exports a listener serves.
+pub trait ExportCatalog: Send + Sync {
+    /// Export names for `NBD_OPT_LIST`. The first entry is also the default export.
+    fn list(&self) -> Vec<String>;
+    fn lookup(&self, name: &str) -> Option<ExportInfo>;
+}
+
+/// The outcome of a successful negotiation: everything the transmission phase needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Negotiated {
+    /// Canonical export name (the default export's real name if the client sent "").
+    pub export_name: String,
+    pub size: u64,
+    pub read_only: bool,
+    pub structured_replies: bool,
+    /// Some(id) when base:allocation was selected with NBD_OPT_SET_META_CONTEXT for this export (use id 1).
+    pub base_allocation: Option<u32>,
+    /// The client requested NBD_INFO_BLOCK_SIZE in NBD_OPT_GO (so it promised to honour constraints).
+    pub block_size_negotiated: bool,
+    /// The client set NBD_FLAG_C_NO_ZEROES.
+    pub no_zeroes: bool,
+}
+
+impl Negotiated {
+    /// The transmission flags that were sent to the client for this export.
+    pub fn transmission_flags(&self) -> u16 {
+        export_flags(self.read_only, self.structured_replies)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HandshakeOutcome {
+    /// Option haggling finished; the stream is now in the transmission phase.
+    Transmission(Negotiated),
+    /// The client sent `NBD_OPT_ABORT`; just close the connection.
+    Closed,
+}
+
+/// Why negotiation failed. In every case the caller should simply close the connection:
+/// anything that could be reported to the client has already been reported.
+#[derive(Debug)]
+pub enum HandshakeError {
+    /// The socket failed or the client hung up (EOF shows up as `UnexpectedEof`).
+    Io(io::Error),
+    /// The client broke a rule that leaves no way to answer it (bad magic, unknown
+    /// client flags, an unknown export with `NBD_OPT_EXPORT_NAME`, ...).
+    Protocol(String),
+}
+
+impl fmt::Display for HandshakeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HandshakeError::Io(e) => write!(f, "NBD handshake I/O error: {e}"),
+            HandshakeError::Protocol(m) => write!(f, "NBD handshake protocol violation: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for HandshakeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            HandshakeError::Io(e) => Some(e),
+            HandshakeError::Protocol(_) => None,
+        }
+    }
+}
+
+impl From<io::Error> for HandshakeError {
+    fn from(e: io::Error) -> Self {
+        HandshakeError::Io(e)
+    }
+}
+
+fn protocol<T>(msg: impl Into<String>) -> Result<T, HandshakeError> {
+    Err(HandshakeError::Protocol(msg.into()))
+}
+
+/// Transmission flags for an export. `NBD_FLAG_SEND_DF` MUST be clear unless structured
+/// replies were negotiated (DF only means something for structured READ replies).
+fn export_flags(read_only: bool, structured_replies: bool) -> u16 {
+    let f = proto::transmission_flags(read_only);
+    if structured_replies {
+        f
+    } else {
+        f & !proto::TFLAG_SEND_DF
+    }
+}
+
+/// Run the server side of the fixed-newstyle handshake on `s`.
+///
+/// Returns [`HandshakeOutcome::Transmission`] once an export was selected (the next bytes
+/// on `s` are transmission-phase requests), [`HandshakeOutcome::Closed`] after
+/// `NBD_OPT_ABORT`, or an error after which the connection must be closed.
+pub fn negotiate<S: Read + Write>(
+    s: &mut S,
+    catalog: &dyn ExportCatalog,
+) -> Result<HandshakeOutcome, HandshakeError> {
+    let mut greeting = [0u8; 18];
+    greeting[0..8].copy_from_slice(&proto::NBDMAGIC.to_be_bytes());
+    greeting[8..16].copy_from_slice(&proto::IHAVEOPT.to_be_bytes());
+    greeting[16..18]
+        .copy_from_slice(&(proto::FLAG_FIXED_NEWSTYLE | proto::FLAG_NO_ZEROES).to_be_bytes());
+    s.write_all(&greeting)?;
+    s.flush()?;
+
+    let client_flags = read_u32(s)?;
+    let known = proto::CLIENT_FLAG_FIXED_NEWSTYLE | proto::CLIENT_FLAG_NO_ZEROES;
+    if client_flags & !known != 0 {
+        // The spec says the server MUST drop the connection on unknown client flags.
+        return protocol(format!("unknown client flags {client_flags:#010x}"));
+    }
+    if client_flags & proto::CLIENT_FLAG_FIXED_NEWSTYLE == 0 {
+        // Plain newstyle clients cannot parse option replies; we only speak fixed newstyle.
+        return protocol("client does not support fixed newstyle negotiation");
+    }
+
+    let mut st = State {
+        catalog,
+        no_zeroes: client_flags & proto::CLIENT_FLAG_NO_ZEROES != 0,
+        structured_replies: false,
+        meta_context_export: None,
+        out: Vec::new(),
+    };
+
+    for _ in 0..MAX_OPTIONS {
+        let mut hdr = [0u8; 16];
+        s.read_exact(&mut hdr)?;
+        let magic = u64::from_be_bytes(arr(&hdr[0..8]));
+        let opt = u32::from_be_bytes(arr(&hdr[8..12]));
+        let len = u32::from_be_bytes(arr(&hdr[12..16]));
+        if magic != proto::IHAVEOPT {
+            // Without the magic we cannot trust the length either, so no resync is possible.
+            return protocol(format!("bad option magic {magic:#018x}"));
+        }
+
+        if len > MAX_OPTION_LEN {
+            if opt == proto::OPT_EXPORT_NAME {
+                // EXPORT_NAME has no error reply; the only way to refuse is to hang up.
+                return protocol(format!("NBD_OPT_EXPORT_NAME with {len}-byte name"));
+            }
+            if len > MAX_DISCARD_LEN {
+                return protocol(format!("option {opt} with oversized {len}-byte payload"));
+            }
+            discard(s, u64::from(len))?;
+            if opt == proto::OPT_ABORT {
+                // The spec says data sent with ABORT is to be ignored, not rejected.
+                return Ok(abort(s));
+            }
+            st.error(
+                opt,
+                proto::REP_ERR_TOO_BIG,
+                &format!("option payload of {len} bytes exceeds {MAX_OPTION_LEN}"),
+            );
+            st.send(s)?;
+            continue;
+        }
+
+        // Always consume the whole payload before answering so the stream stays in sync.
+        let mut data = vec![0u8; len as usize];
+        s.read_exact(&mut data)?;
+
+        match opt {
+            proto::OPT_EXPORT_NAME => {
+                let n = st.export_name(s, &data)?;
+                return Ok(HandshakeOutcome::Transmission(n));
+            }
+            proto::OPT_ABORT => return Ok(abort(s)),
+            proto::OPT_LIST => st.list(&data),
+            proto::OPT_STRUCTURED_REPLY => {
+                if data.is_empty() {
+                    st.structured_replies = true;
+                    st.ack(opt);
+                } else {
+                    st.error(
+                        opt,
+                        proto::REP_ERR_INVALID,
+                        "NBD_OPT_STRUCTURED_REPLY takes no data",
+                    );
+                }
+            }
+            proto::OPT_INFO | proto::OPT_GO => {
+                if let Some(n) = st.info_or_go(opt, &data) {
+                    st.send(s)?;
+                    return Ok(HandshakeOutcome::Transmission(n));
+                }
+            }
+            proto::OPT_LIST_META_CONTEXT | proto::OPT_SET_META_CONTEXT => {
+                st.meta_context(opt, &data)
+            }
+            // STARTTLS: we run in NOTLS mode. EXTENDED_HEADERS: not implemented (64-bit
+            // headers would change every transmission-phase codec).
+            _ => st.error(
+                opt,
+                proto::REP_ERR_UNSUP,
+                &format!("option {opt} is not supported by this server"),
+            ),
+        }
+        st.send(s)?;
+    }
+    protocol(format!("client sent more than {MAX_OPTIONS} options"))
+}
+
+/// Reply to `NBD_OPT_ABORT`. The client may already have hung up (the spec tells servers
+/// to cope with that), so write errors are irrelevant: the session is over either way.
+fn abort<S: Write>(s: &mut S) -> HandshakeOutcome {
+    let mut out = Vec::with_capacity(20);
+    push_reply(&mut out, proto::OPT_ABORT, proto::REP_ACK, &[]);
+    let _ = s.write_all(&out).and_then(|()| s.flush());
+    HandshakeOutcome::Closed
+}
+
+/// Negotiation state carried between options.
+struct State<'a> {
+    catalog: &'a dyn ExportCatalog,
+    no_zeroes: bool,
+    structured_replies: bool,
+    /// Canonical name of the export `base:allocation` was selected for by the last
+    /// `NBD_OPT_SET_META_CONTEXT`, if that selected it.
+    meta_context_export: Option<String>,
+    /// Replies for the current option, written in one go to avoid small packets.
+    out: Vec<u8>,
+}
+
+/// A failure to handle an option that is reported to the client as an error reply.
+struct OptError {
+    rep: u32,
+    msg: String,
+}
+
+impl OptError {
+    fn invalid(msg: impl Into<String>) -> Self {
+        OptError {
+            rep: proto::REP_ERR_INVALID,
+            msg: msg.into(),
+        }
+    }
+}
+
+impl State<'_> {
+    fn send<S: Write>(&mut self, s: &mut S) -> io::Result<()> {
+        let r = s.write_all(&self.out).and_then(|()| s.flush());
+        self.out.clear();
+        r
+    }
+
+    fn ack(&mut self, opt: u32) {
+        push_reply(&mut self.out, opt, proto::REP_ACK, &[]);
+    }
+
+    fn error(&mut self, opt: u32, rep: u32, msg: &str) {
+        push_reply(
+            &mut self.out,
+            opt,
+            rep,
+            truncate_str(msg, MAX_STRING).as_bytes(),
+        );
+    }
+
+    /// Resolve a client-supplied name to a catalogue entry. The empty name means the
+    /// default export, which is the first name of [`ExportCatalog::list`].
+    fn resolve(&self, name: &[u8]) -> Result<(String, ExportInfo), OptError> {
+        let name = std::str::from_utf8(name)
+            .map_err(|_| OptError::invalid("export name is not valid UTF-8"))?;
+        let canonical = if name.is_empty() {
+            match self.catalog.list().into_iter().next() {
+                Some(n) => n,
+                None => {
+                    return Err(OptError {
+                        rep: proto::REP_ERR_UNKNOWN,
+                        msg: "this server has no default export".into(),
+                    })
+                }
+            }
+        } else {
+            name.to_owned()
+        };
+        match self.catalog.lookup(&canonical) {
+            Some(info) => Ok((canonical, info)),
+            None => Err(OptError {
+                rep: proto::REP_ERR_UNKNOWN,
+                msg: format!(
+                    "no export named \"{}\"",
+                    truncate_str(&canonical, 256).escape_debug()
+                ),
+            }),
+        }
+    }
+
+    fn negotiated(&self, name: String, info: &ExportInfo, block_size: bool) -> Negotiated {
+        // Block status is only usable if the contexts were selected for the very export
+        // that is now being entered (compared after resolving the default export).
+        let base_allocation = match &self.meta_context_export {
+            Some(n) if *n == name => Some(BASE_ALLOCATION_ID),
+            _ => None,
+        };
+        Negotiated {
+            export_name: name,
+            size: info.size,
+            read_only: info.read_only,
+            structured_replies: self.structured_replies,
+            base_allocation,
+            block_size_negotiated: block_size,
+            no_zeroes: self.no_zeroes,
+        }
+    }
+
+    /// `NBD_OPT_EXPORT_NAME`: the old way to finish; it cannot report errors.
+    fn export_name<S: Write>(
+        &mut self,
+        s: &mut S,
+        data: &[u8],
+    ) -> Result<Negotiated, HandshakeError> {
+        let (name, info) = match self.resolve(data) {
+            Ok(v) => v,
+            Err(e) => return protocol(format!("NBD_OPT_EXPORT_NAME: {}", e.msg)),
+        };
+        let n = self.negotiated(name, &info, false);
+        let mut out = Vec::with_capacity(10 + 124);
+        out.extend_from_slice(&n.size.to_be_bytes());
+        out.extend_from_slice(&n.transmission_flags().to_be_bytes());
+        if !self.no_zeroes {
+            out.extend_from_slice(&[0u8; 124]);
+        }
+        s.write_all(&out)?;
+        s.flush()?;
+        Ok(n)
+    }
+
+    fn list(&mut self, data: &[u8]) {
+        if !data.is_empty() {
+            self.error(
+                proto::OPT_LIST,
+                proto::REP_ERR_INVALID,
+                "NBD_OPT_LIST takes no data",
+            );
+            return;
+        }
+        for name in self.catalog.list() {
+            let mut p = Vec::with_capacity(4 + name.len());
+            p.extend_from_slice(&(name.len() as u32).to_be_bytes());
+            p.extend_from_slice(name.as_bytes());
+            push_reply(&mut self.out, proto::OPT_LIST, proto::REP_SERVER, &p);
+        }
+        self.ack(proto::OPT_LIST);
+    }
+
+    /// `NBD_OPT_INFO` / `NBD_OPT_GO`. Returns `Some` when GO succeeded (replies are queued
+    /// in `self.out` and must still be sent).
+    fn info_or_go(&mut self, opt: u32, data: &[u8]) -> Option<Negotiated> {
+        match self.try_info_or_go(opt, data) {
+            Ok(n) => n,
+            Err(e) => {
+                self.error(opt, e.rep, &e.msg);
+                None
+            }
+        }
+    }
+
+    fn try_info_or_go(&mut self, opt: u32, data: &[u8]) -> Result<Option<Negotiated>, OptError> {
+        // Layout: u32 name length, name, u16 request count, count x u16.
+        let mut r = Reader(data);
+        let name_len = r
+            .u32()
+            .ok_or_else(|| OptError::invalid("option data too short for the name length"))?;
+        let name = r
+            .take(name_len as usize)
+            .ok_or_else(|| OptError::invalid("export name length exceeds the option data"))?;
+        let count = r.u16().ok_or_else(|| {
+            OptError::invalid("option data too short for the information request count")
+        })?;
+        if r.0.len() != usize::from(count) * 2 {
+            return Err(OptError::invalid(format!(
+                "{count} information requests need {} bytes but {} remain",
+                usize::from(count) * 2,
+                r.0.len()
+            )));
+        }
+        let (mut want_name, mut want_desc, mut want_block) = (false, false, false);
+        while let Some(t) = r.u16() {
+            match t {
+                proto::INFO_NAME => want_name = true,
+                proto::INFO_DESCRIPTION => want_desc = true,
+                proto::INFO_BLOCK_SIZE => want_block = true,
+                _ => {} // INFO_EXPORT is always sent; unknown requests MUST be ignored.
+            }
+        }
+
+        let (canonical, info) = self.resolve(name)?;
+
+        let mut p = Vec::with_capacity(14);
+        p.extend_from_slice(&proto::INFO_EXPORT.to_be_bytes());
+        p.extend_from_slice(&info.size.to_be_bytes());
+        p.extend_from_slice(&export_flags(info.read_only, self.structured_replies).to_be_bytes());
+        push_reply(&mut self.out, opt, proto::REP_INFO, &p);
+
+        p.clear();
+        p.extend_from_slice(&proto::INFO_BLOCK_SIZE.to_be_bytes());
+        p.extend_from_slice(&proto::MIN_BLOCK.to_be_bytes());
+        p.extend_from_slice(&proto::PREFERRED_BLOCK.to_be_bytes());
+        p.extend_from_slice(&proto::MAX_PAYLOAD.to_be_bytes());
+        push_reply(&mut self.out, opt, proto::REP_INFO, &p);
+
+        if want_name {
+            p.clear();
+            p.extend_from_slice(&proto::INFO_NAME.to_be_bytes());
+            p.extend_from_slice(canonical.as_bytes());
+            push_reply(&mut self.out, opt, proto::REP_INFO, &p);
+        }
+        if want_desc {
+            p.clear();
+            p.extend_from_slice(&proto::INFO_DESCRIPTION.to_be_bytes());
+            p.extend_from_slice(truncate_str(&info.description, MAX_STRING).as_bytes());
+            push_reply(&mut self.out, opt, proto::REP_INFO, &p);
+        }
+        self.ack(opt);
+
+        if opt == proto::OPT_GO {
+            Ok(Some(self.negotiated(canonical, &info, want_block)))
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn meta_context(&mut self, opt: u32, data: &[u8]) {
+        let set = opt == proto::OPT_SET_META_CONTEXT;
+        if set {
+            // SET replaces the previous selection even when it fails.
+            self.meta_context_export = None;
+        }
+        match self.try_meta_context(set, data) {
+            Ok(selected) => {
+                if selected {
+                    let mut p = Vec::with_capacity(4 + proto::BASE_ALLOCATION.len());
+                    // LIST replies carry a reserved id that SHOULD be zero; SET hands out ours.
+                    let id = if set { BASE_ALLOCATION_ID } else { 0 };
+                    p.extend_from_slice(&id.to_be_bytes());
+                    p.extend_from_slice(proto::BASE_ALLOCATION.as_bytes());
+                    push_reply(&mut self.out, opt, proto::REP_META_CONTEXT, &p);
+                }
+                self.ack(opt);
+            }
+            // The selection was already cleared above, so a failed SET selects nothing.
+            Err(e) => self.error(opt, e.rep, &e.msg),
+        }
+    }
+
+    /// Returns whether `base:allocation` matched (and for SET, records the selection).
+    fn try_meta_context(&mut self, set: bool, data: &[u8]) -> Result<bool, OptError> {
+        if !self.structured_replies {
+            return Err(OptError::invalid(
+                "metadata contexts need NBD_OPT_STRUCTURED_REPLY first",
+            ));
+        }
+        // Layout: u32 name length, name, u32 query count, count x (u32 length, query).
+        let mut r = Reader(data);
+        let name_len = r
+            .u32()
+            .ok_or_else(|| OptError::invalid("option data too short for the name length"))?;
+        let name = r
+            .take(name_len as usize)
+            .ok_or_else(|| OptError::invalid("export name length exceeds the option data"))?;
+        let count = r
+            .u32()
+            .ok_or_else(|| OptError::invalid("option data too short for the query count"))?;
+        let mut matched = false;
+        // Each query occupies at least 4 bytes, so the loop is bounded by the data we hold.
+        for i in 0..count {
+            let qlen = r
+                .u32()
+                .ok_or_else(|| OptError::invalid(format!("query {i} of {count} is missing")))?;
+            let q = r.take(qlen as usize).ok_or_else(|| {
+                OptError::invalid(format!("query {i} length exceeds the option data"))
+            })?;
+            let hit = if set {
+                // "base:" is a LIST-only wildcard; SET must ignore it.
+                q == proto::BASE_ALLOCATION.as_bytes()
+            } else {
+                q == b"base:" || q == proto::BASE_ALLOCATION.as_bytes()
+            };
+            matched |= hit;
+        }
+        if !r.0.is_empty() {
+            return Err(OptError::invalid(format!(
+                "{} stray bytes after the last query",
+                r.0.len()
+            )));
+        }
+        if !set && count == 0 {
+            // No queries on LIST means "everything available on this export".
+            matched = true;
+        }
+        let (canonical, _) = self.resolve(name)?;
+        if set && matched {
+            self.meta_context_export = Some(canonical);
+        }
+        Ok(matched)
+    }
+}
+
+/// Append one option reply: magic, option, reply type, length, payload.
+fn push_reply(out: &mut Vec<u8>, opt: u32, rep: u32, payload: &[u8]) {
+    out.extend_from_slice(&proto::OPTION_REPLY_MAGIC.to_be_bytes());
+    out.extend_from_slice(&opt.to_be_bytes());
+    out.extend_from_slice(&rep.to_be_bytes());
+    // Payloads are built from capped strings, far below u32::MAX.
+    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    out.extend_from_slice(payload);
+}
+
+/// Longest prefix of `s` that is at most `max` bytes and ends on a character boundary.
+fn truncate_str(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// Read and drop exactly `n` bytes, without buffering them.
+fn discard<S: Read>(s: &mut S, n: u64) -> io::Result<()> {
+    let got = io::copy(&mut s.take(n), &mut io::sink())?;
+    if got < n {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "client hung up inside an option payload",
+        ));
+    }
+    Ok(())
+}
+
+fn read_u32<S: Read>(s: &mut S) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b)?;
+    Ok(u32::from_be_bytes(b))
+}
+
+fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(b);
+    a
+}
+
+/// Bounds-checked big-endian cursor over option data; every accessor returns `None`
+/// instead of panicking when the data runs out.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if n > self.0.len() {
+            return None;
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Some(head)
+    }
+    fn u16(&mut self) -> Option<u16> {
+        self.take(2).map(|b| u16::from_be_bytes(arr(b)))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4).map(|b| u32::from_be_bytes(arr(b)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Cursor;
+
+    /// In-memory stream: reads come from `input`, writes go to `output`.
+    struct Duplex {
+        input: Cursor<Vec<u8>>,
+        output: Vec<u8>,
+    }
+
+    impl Read for Duplex {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.input.read(buf)
+        }
+    }
+    impl Write for Duplex {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.output.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    struct Catalog;
+    impl ExportCatalog for Catalog {
+        fn list(&self) -> Vec<String> {
+            vec!["disk0".into(), "ro".into()]
+        }
+        fn lookup(&self, name: &str) -> Option<ExportInfo> {
+            match name {
+                "disk0" => Some(ExportInfo {
+                    size: 1 << 30,
+                    read_only: false,
+                    description: "first disk".into(),
+                }),
+                "ro" => Some(ExportInfo {
+                    size: 4096,
+                    read_only: true,
+                    description: String::new(),
+                }),
+                _ => None,
+            }
+        }
+    }
+
+    /// Builds the client side of a conversation.
+    struct Script(Vec<u8>);
+    impl Script {
+        fn new(flags: u32) -> Self {
+            Script(flags.to_be_bytes().to_vec())
+        }
+        fn fixed() -> Self {
+            Self::new(proto::CLIENT_FLAG_FIXED_NEWSTYLE | proto::CLIENT_FLAG_NO_ZEROES)
+        }
+        fn opt(mut self, opt: u32, data: &[u8]) -> Self {
+            self.0.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
+            self.0.extend_from_slice(&opt.to_be_bytes());
+            self.0.extend_from_slice(&(data.len() as u32).to_be_bytes());
+            self.0.extend_from_slice(data);
+            self
+        }
+        fn go_like(self, opt: u32, name: &str, infos: &[u16]) -> Self {
+            let mut d = (name.len() as u32).to_be_bytes().to_vec();
+            d.extend_from_slice(name.as_bytes());
+            d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+            for i in infos {
+                d.extend_from_slice(&i.to_be_bytes());
+            }
+            self.opt(opt, &d)
+        }
+        fn meta(self, opt: u32, name: &str, queries: &[&str]) -> Self {
+            let mut d = (name.len() as u32).to_be_bytes().to_vec();
+            d.extend_from_slice(name.as_bytes());
+            d.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+            for q in queries {
+                d.extend_from_slice(&(q.len() as u32).to_be_bytes());
+                d.extend_from_slice(q.as_bytes());
+            }
+            self.opt(opt, &d)
+        }
+        fn run(self) -> (Result<HandshakeOutcome, HandshakeError>, Vec<u8>) {
+            let mut d = Duplex {
+                input: Cursor::new(self.0),
+                output: Vec::new(),
+            };
+            let r = negotiate(&mut d, &Catalog);
+            (r, d.output)
+        }
+    }
+
+    #[derive(Debug, PartialEq, Eq)]
+    struct Rep {
+        opt: u32,
+        ty: u32,
+        data: Vec<u8>,
+    }
+
+    /// Checks the greeting and splits the rest of the server output into option replies.
+    /// Returns the replies and whatever trailing bytes did not form one.
+    fn parse_output(out: &[u8]) -> (Vec<Rep>, Vec<u8>) {
+        assert_eq!(&out[0..8], &proto::NBDMAGIC.to_be_bytes());
+        assert_eq!(&out[8..16], &proto::IHAVEOPT.to_be_bytes());
+        assert_eq!(
+            &out[16..18],
+            &(proto::FLAG_FIXED_NEWSTYLE | proto::FLAG_NO_ZEROES).to_be_bytes()
+        );
+        let mut rest = &out[18..];
+        let mut reps = Vec::new();
+        while rest.len() >= 20 && rest[0..8] == proto::OPTION_REPLY_MAGIC.to_be_bytes() {
+            let opt = u32::from_be_bytes(arr(&rest[8..12]));
+            let ty = u32::from_be_bytes(arr(&rest[12..16]));
+            let len = u32::from_be_bytes(arr(&rest[16..20])) as usize;
+            reps.push(Rep {
+                opt,
+                ty,
+                data: rest[20..20 + len].to_vec(),
+            });
+            rest = &rest[20 + len..];
+        }
+        (reps, rest.to_vec())
+    }
+
+    fn transmission(r: Result<HandshakeOutcome, HandshakeError>) -> Negotiated {
+        match r {
+            Ok(HandshakeOutcome::Transmission(n)) => n,
+            Ok(HandshakeOutcome::Closed) => panic!("unexpected Closed"),
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+
+    fn info_types(reps: &[Rep]) -> Vec<u16> {
+        reps.iter()
+            .filter(|r| r.ty == proto::REP_INFO)
+            .map(|r| u16::from_be_bytes(arr(&r.data[0..2])))
+            .collect()
+    }
+
+    #[test]
+    fn go_with_structured_replies_and_base_allocation() {
+        let (r, out) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(proto::OPT_SET_META_CONTEXT, "disk0", &["base:allocation"])
+            .go_like(
+                proto::OPT_GO,
+                "disk0",
+                &[
+                    proto::INFO_BLOCK_SIZE,
+                    proto::INFO_NAME,
+                    proto::INFO_DESCRIPTION,
+                ],
+            )
+            .run();
+        let n = transmission(r);
+        assert_eq!(
+            n,
+            Negotiated {
+                export_name: "disk0".into(),
+                size: 1 << 30,
+                read_only: false,
+                structured_replies: true,
+                base_allocation: Some(1),
+                block_size_negotiated: true,
+                no_zeroes: true,
+            }
+        );
+        let (reps, rest) = parse_output(&out);
+        assert!(rest.is_empty(), "nothing may follow the final ACK of GO");
+        assert_eq!(
+            reps[0],
+            Rep {
+                opt: proto::OPT_STRUCTURED_REPLY,
+                ty: proto::REP_ACK,
+                data: vec![]
+            }
+        );
+        let mut ctx = 1u32.to_be_bytes().to_vec();
+        ctx.extend_from_slice(b"base:allocation");
+        assert_eq!(
+            reps[1],
+            Rep {
+                opt: proto::OPT_SET_META_CONTEXT,
+                ty: proto::REP_META_CONTEXT,
+                data: ctx
+            }
+        );
+        assert_eq!(
+            reps[2],
+            Rep {
+                opt: proto::OPT_SET_META_CONTEXT,
+                ty: proto::REP_ACK,
+                data: vec![]
+            }
+        );
+        let go: Vec<_> = reps[3..].iter().collect();
+        assert!(go.iter().all(|r| r.opt == proto::OPT_GO));
+        assert_eq!(go.last().unwrap().ty, proto::REP_ACK);
+        let mut types = info_types(&reps[3..]);
+        types.sort();
+        assert_eq!(
+            types,
+            vec![
+                proto::INFO_EXPORT,
+                proto::INFO_NAME,
+                proto::INFO_DESCRIPTION,
+                proto::INFO_BLOCK_SIZE
+            ]
+        );
+        let export = reps
+            .iter()
+            .find(|r| r.ty == proto::REP_INFO && r.data[0..2] == [0, 0])
+            .unwrap();
+        assert_eq!(export.data.len(), 12);
+        assert_eq!(u64::from_be_bytes(arr(&export.data[2..10])), 1 << 30);
+        assert_eq!(
+            u16::from_be_bytes(arr(&export.data[10..12])),
+            proto::transmission_flags(false)
+        );
+        let bs = reps
+            .iter()
+            .find(|r| r.ty == proto::REP_INFO && r.data[0..2] == [0, 3])
+            .unwrap();
+        assert_eq!(bs.data.len(), 14);
+        assert_eq!(u32::from_be_bytes(arr(&bs.data[2..6])), proto::MIN_BLOCK);
+        assert_eq!(
+            u32::from_be_bytes(arr(&bs.data[6..10])),
+            proto::PREFERRED_BLOCK
+        );
+        assert_eq!(
+            u32::from_be_bytes(arr(&bs.data[10..14])),
+            proto::MAX_PAYLOAD
+        );
+        let desc = reps
+            .iter()
+            .find(|r| r.ty == proto::REP_INFO && r.data[0..2] == [0, 2])
+            .unwrap();
+        assert_eq!(&desc.data[2..], b"first disk");
+    }
+
+    #[test]
+    fn go_without_block_size_request_still_advertises_it() {
+        let (r, out) = Script::fixed().go_like(proto::OPT_GO, "ro", &[]).run();
+        let n = transmission(r);
+        assert!(!n.block_size_negotiated);
+        assert!(!n.structured_replies);
+        assert!(n.read_only);
+        assert_eq!(n.base_allocation, None);
+        let (reps, _) = parse_output(&out);
+        let mut types = info_types(&reps);
+        types.sort();
+        assert_eq!(types, vec![proto::INFO_EXPORT, proto::INFO_BLOCK_SIZE]);
+        // Without structured replies DF must not be advertised.
+        let export = reps
+            .iter()
+            .find(|r| r.ty == proto::REP_INFO && r.data[0..2] == [0, 0])
+            .unwrap();
+        let flags = u16::from_be_bytes(arr(&export.data[10..12]));
+        assert_eq!(flags & proto::TFLAG_SEND_DF, 0);
+        assert_ne!(flags & proto::TFLAG_READ_ONLY, 0);
+    }
+
+    #[test]
+    fn empty_name_selects_default_export() {
+        let (r, _) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(proto::OPT_SET_META_CONTEXT, "", &["base:allocation"])
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run();
+        let n = transmission(r);
+        assert_eq!(n.export_name, "disk0");
+        // "" and "disk0" name the same export, so the context applies.
+        assert_eq!(n.base_allocation, Some(1));
+    }
+
+    #[test]
+    fn meta_context_for_other_export_is_dropped() {
+        let (r, _) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(proto::OPT_SET_META_CONTEXT, "ro", &["base:allocation"])
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run();
+        assert_eq!(transmission(r).base_allocation, None);
+    }
+
+    #[test]
+    fn set_meta_context_replaces_selection() {
+        let (r, out) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(proto::OPT_SET_META_CONTEXT, "disk0", &["base:allocation"])
+            .meta(
+                proto::OPT_SET_META_CONTEXT,
+                "disk0",
+                &["base:", "qemu:dirty-bitmap:x"],
+            )
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run();
+        assert_eq!(transmission(r).base_allocation, None);
+        let (reps, _) = parse_output(&out);
+        // Second SET: nothing selected, just ACK.
+        assert_eq!(
+            reps[3],
+            Rep {
+                opt: proto::OPT_SET_META_CONTEXT,
+                ty: proto::REP_ACK,
+                data: vec![]
+            }
+        );
+    }
+
+    #[test]
+    fn list_meta_context() {
+        for queries in [
+            &[][..],
+            &["base:"][..],
+            &["base:allocation", "base:"][..],
+            &["x-foo:bar", "base:allocation"][..],
+        ] {
+            let (r, out) = Script::fixed()
+                .opt(proto::OPT_STRUCTURED_REPLY, &[])
+                .meta(proto::OPT_LIST_META_CONTEXT, "disk0", queries)
+                .opt(proto::OPT_ABORT, &[])
+                .run();
+            assert!(matches!(r, Ok(HandshakeOutcome::Closed)));
+            let (reps, _) = parse_output(&out);
+            let mut ctx = 0u32.to_be_bytes().to_vec();
+            ctx.extend_from_slice(b"base:allocation");
+            assert_eq!(
+                reps[1],
+                Rep {
+                    opt: proto::OPT_LIST_META_CONTEXT,
+                    ty: proto::REP_META_CONTEXT,
+                    data: ctx
+                },
+                "{queries:?}"
+            );
+            assert_eq!(reps[2].ty, proto::REP_ACK);
+            assert_eq!(
+                reps[3],
+                Rep {
+                    opt: proto::OPT_ABORT,
+                    ty: proto::REP_ACK,
+                    data: vec![]
+                }
+            );
+        }
+        // Unknown namespaces are ignored, not errors.
+        let (_, out) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(proto::OPT_LIST_META_CONTEXT, "disk0", &["x-foo:"])
+            .run();
+        let (reps, _) = parse_output(&out);
+        assert_eq!(
+            reps[1],
+            Rep {
+                opt: proto::OPT_LIST_META_CONTEXT,
+                ty: proto::REP_ACK,
+                data: vec![]
+            }
+        );
+    }
+
+    #[test]
+    fn meta_context_unknown_export_and_malformed() {
+        let mut bad = 5u32.to_be_bytes().to_vec();
+        bad.extend_from_slice(b"disk0");
+        bad.extend_from_slice(&2u32.to_be_bytes()); // claims 2 queries, has none
+        let (_, out) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(proto::OPT_LIST_META_CONTEXT, "nope", &[])
+            .opt(proto::OPT_SET_META_CONTEXT, &bad)
+            .run();
+        let (reps, _) = parse_output(&out);
+        assert_eq!(reps[1].ty, proto::REP_ERR_UNKNOWN);
+        assert_eq!(reps[2].ty, proto::REP_ERR_INVALID);
+        assert!(std::str::from_utf8(&reps[2].data).is_ok());
+    }
+
+    #[test]
+    fn set_meta_context_before_structured_reply_is_invalid() {
+        let (r, out) = Script::fixed()
+            .meta(proto::OPT_SET_META_CONTEXT, "disk0", &["base:allocation"])
+            .meta(proto::OPT_LIST_META_CONTEXT, "disk0", &[])
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run();
+        assert_eq!(transmission(r).base_allocation, None);
+        let (reps, _) = parse_output(&out);
+        assert_eq!(reps[0].opt, proto::OPT_SET_META_CONTEXT);
+        assert_eq!(reps[0].ty, proto::REP_ERR_INVALID);
+        assert!(!reps[0].data.is_empty(), "error carries a message");
+        assert_eq!(reps[1].ty, proto::REP_ERR_INVALID);
+    }
+
+    #[test]
+    fn export_name_with_and_without_zeroes() {
+        for (flags, zeroes) in [
+            (proto::CLIENT_FLAG_FIXED_NEWSTYLE, true),
+            (
+                proto::CLIENT_FLAG_FIXED_NEWSTYLE | proto::CLIENT_FLAG_NO_ZEROES,
+                false,
+            ),
+        ] {
+            let (r, out) = Script::new(flags).opt(proto::OPT_EXPORT_NAME, b"ro").run();
+            let n = transmission(r);
+            assert_eq!(n.export_name, "ro");
+            assert_eq!(n.no_zeroes, !zeroes);
+            assert!(!n.block_size_negotiated);
+            let tail = &out[18..];
+            assert_eq!(tail.len(), 10 + if zeroes { 124 } else { 0 });
+            assert_eq!(u64::from_be_bytes(arr(&tail[0..8])), 4096);
+            let f = u16::from_be_bytes(arr(&tail[8..10]));
+            assert_eq!(f, proto::transmission_flags(true) & !proto::TFLAG_SEND_DF);
+            assert!(tail[10..].iter().all(|&b| b == 0));
+        }
+    }
+
+    #[test]
+    fn export_name_after_structured_reply_keeps_df() {
+        let (r, out) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .opt(proto::OPT_EXPORT_NAME, b"")
+            .run();
+        let n = transmission(r);
+        assert_eq!(n.export_name, "disk0");
+        assert!(n.structured_replies);
+        let tail = &out[18 + 20..];
+        assert_eq!(
+            u16::from_be_bytes(arr(&tail[8..10])),
+            proto::transmission_flags(false)
+        );
+    }
+
+    #[test]
+    fn export_name_unknown_is_protocol_error() {
+        let (r, out) = Script::fixed()
+            .opt(proto::OPT_EXPORT_NAME, b"missing")
+            .run();
+        assert!(matches!(r, Err(HandshakeError::Protocol(_))));
+        assert_eq!(out.len(), 18, "nothing is sent before closing");
+    }
+
+    #[test]
+    fn list_exports() {
+        let (r, out) = Script::fixed()
+            .opt(proto::OPT_LIST, &[])
+            .opt(proto::OPT_LIST, b"x")
+            .opt(proto::OPT_ABORT, &[])
+            .run();
+        assert!(matches!(r, Ok(HandshakeOutcome::Closed)));
+        let (reps, rest) = parse_output(&out);
+        assert!(rest.is_empty());
+        let mut d0 = 5u32.to_be_bytes().to_vec();
+        d0.extend_from_slice(b"disk0");
+        let mut d1 = 2u32.to_be_bytes().to_vec();
+        d1.extend_from_slice(b"ro");
+        assert_eq!(
+            reps,
+            vec![
+                Rep {
+                    opt: proto::OPT_LIST,
+                    ty: proto::REP_SERVER,
+                    data: d0
+                },
+                Rep {
+                    opt: proto::OPT_LIST,
+                    ty: proto::REP_SERVER,
+                    data: d1
+                },
+                Rep {
+                    opt: proto::OPT_LIST,
+                    ty: proto::REP_ACK,
+                    data: vec![]
+                },
+                Rep {
+                    opt: proto::OPT_LIST,
+                    ty: proto::REP_ERR_INVALID,
+                    data: b"NBD_OPT_LIST takes no data".to_vec()
+                },
+                Rep {
+                    opt: proto::OPT_ABORT,
+                    ty: proto::REP_ACK,
+                    data: vec![]
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn unknown_options_are_unsupported_and_parsing_continues() {
+        let (r, out) = Script::fixed()
+            .opt(99, b"some payload")
+            .opt(proto::OPT_STARTTLS, &[])
+            .opt(proto::OPT_EXTENDED_HEADERS, &[])
+            .opt(4, &[]) // withdrawn PEEK_EXPORT
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run();
+        transmission(r);
+        let (reps, _) = parse_output(&out);
+        let errs: Vec<_> = reps[0..4].iter().map(|r| (r.opt, r.ty)).collect();
+        assert_eq!(
+            errs,
+            vec![
+                (99, proto::REP_ERR_UNSUP),
+                (proto::OPT_STARTTLS, proto::REP_ERR_UNSUP),
+                (proto::OPT_EXTENDED_HEADERS, proto::REP_ERR_UNSUP),
+                (4, proto::REP_ERR_UNSUP),
+            ]
+        );
+    }
+
+    #[test]
+    fn go_unknown_export_gets_err_unknown() {
+        let (r, out) = Script::fixed()
+            .go_like(proto::OPT_GO, "missing", &[])
+            .go_like(proto::OPT_INFO, "disk0", &[proto::INFO_NAME])
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run();
+        assert_eq!(transmission(r).export_name, "disk0");
+        let (reps, _) = parse_output(&out);
+        assert_eq!(reps[0].ty, proto::REP_ERR_UNKNOWN);
+        let msg = String::from_utf8(reps[0].data.clone()).unwrap();
+        assert!(msg.contains("missing"), "{msg}");
+        // INFO: export, block size, name, ACK; the session continues.
+        assert!(reps[1..5].iter().all(|r| r.opt == proto::OPT_INFO));
+        assert_eq!(reps[4].ty, proto::REP_ACK);
+        assert_eq!(reps[5].opt, proto::OPT_GO);
+    }
+
+    #[test]
+    fn malformed_go_is_invalid() {
+        let cases: Vec<Vec<u8>> = vec![
+            vec![],
+            vec![0, 0, 0],
+            vec![0, 0, 0, 0, 0],                // no request count
+            vec![0xff, 0xff, 0xff, 0xff, 0, 0], // name longer than data
+            vec![0, 0, 0, 0, 0, 2, 0, 3],       // two requests claimed, one present
+            vec![0, 0, 0, 0, 0, 0, 0],          // stray byte
+        ];
+        let mut script = Script::fixed();
+        for c in &cases {
+            script = script.opt(proto::OPT_GO, c);
+        }
+        let (r, out) = script.run();
+        assert!(
+            matches!(r, Err(HandshakeError::Io(_))),
+            "input ends after the bad options"
+        );
+        let (reps, _) = parse_output(&out);
+        assert_eq!(reps.len(), cases.len());
+        assert!(reps.iter().all(|r| r.ty == proto::REP_ERR_INVALID));
+    }
+
+    #[test]
+    fn oversized_options() {
+        let big = vec![0u8; MAX_OPTION_LEN as usize + 1];
+        let (r, out) = Script::fixed()
+            .opt(proto::OPT_GO, &big)
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run();
+        transmission(r);
+        let (reps, _) = parse_output(&out);
+        assert_eq!(reps[0].ty, proto::REP_ERR_TOO_BIG);
+
+        // Beyond the discard limit the connection is dropped without reading the payload.
+        let mut s = Script::fixed();
+        s.0.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
+        s.0.extend_from_slice(&proto::OPT_GO.to_be_bytes());
+        s.0.extend_from_slice(&(MAX_DISCARD_LEN + 1).to_be_bytes());
+        assert!(matches!(s.run().0, Err(HandshakeError::Protocol(_))));
+
+        // An oversized EXPORT_NAME cannot be answered.
+        let (r, _) = Script::fixed().opt(proto::OPT_EXPORT_NAME, &big).run();
+        assert!(matches!(r, Err(HandshakeError::Protocol(_))));
+    }
+
+    #[test]
+    fn bad_client_flags() {
+        assert!(matches!(
+            Script::new(0).run().0,
+            Err(HandshakeError::Protocol(_))
+        ));
+        assert!(matches!(
+            Script::new(proto::CLIENT_FLAG_FIXED_NEWSTYLE | 4).run().0,
+            Err(HandshakeError::Protocol(_))
+        ));
+    }
+
+    #[test]
+    fn bad_option_magic() {
+        let mut s = Script::fixed();
+        s.0.extend_from_slice(&proto::NBDMAGIC.to_be_bytes());
+        s.0.extend_from_slice(&[0u8; 8]);
+        let (r, _) = s.run();
+        match r {
+            Err(HandshakeError::Protocol(m)) => assert!(m.contains("magic"), "{m}"),
+            _ => panic!("expected protocol error"),
+        }
+    }
+
+    #[test]
+    fn truncated_input_is_an_error_never_a_panic() {
+        let full = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(proto::OPT_SET_META_CONTEXT, "disk0", &["base:allocation"])
+            .go_like(proto::OPT_GO, "disk0", &[proto::INFO_BLOCK_SIZE])
+            .0;
+        for cut in 0..full.len() {
+            let (r, _) = Script(full[..cut].to_vec()).run();
+            match r {
+                Err(HandshakeError::Io(e)) => assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof),
+                other => panic!(
+                    "cut at {cut}: expected EOF error, got {:?}",
+                    other.map(|_| ())
+                ),
+            }
+        }
+        transmission(Script(full).run().0);
+    }
+
+    #[test]
+    fn abort_ignores_write_errors() {
+        struct Broken(Cursor<Vec<u8>>, usize);
+        impl Read for Broken {
+            fn read(&mut self, b: &mut [u8]) -> io::Result<usize> {
+                self.0.read(b)
+            }
+        }
+        impl Write for Broken {
+            fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+                // Accept the greeting, then behave like a closed socket.
+                if self.1 >= 18 {
+                    return Err(io::ErrorKind::BrokenPipe.into());
+                }
+                self.1 += b.len();
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let script = Script::fixed().opt(proto::OPT_ABORT, b"ignored").0;
+        let mut b = Broken(Cursor::new(script), 0);
+        assert!(matches!(
+            negotiate(&mut b, &Catalog),
+            Ok(HandshakeOutcome::Closed)
+        ));
+    }
+
+    #[test]
+    fn too_many_options() {
+        let mut s = Script::fixed();
+        for _ in 0..=MAX_OPTIONS {
+            s = s.opt(1000, &[]);
+        }
+        assert!(matches!(s.run().0, Err(HandshakeError::Protocol(_))));
+    }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn check(input: Vec<u8>) {
+            let len = input.len();
+            let mut d = Duplex {
+                input: Cursor::new(input),
+                output: Vec::new(),
+            };
+            let r = negotiate(&mut d, &Catalog);
+            if let Ok(HandshakeOutcome::Transmission(n)) = &r {
+                assert!(Catalog.lookup(&n.export_name).is_some());
+                if n.base_allocation.is_some() {
+                    assert!(n.structured_replies);
+                }
+            }
+            // Replies are bounded by what the client sent: no amplification loops.
+            assert!(d.output.len() <= 18 + (len / 16 + 1) * (20 + 4096 + 64) * 4);
+        }
+
+        /// Arbitrary option numbers and payloads, correctly framed, so the fuzzing gets
+        /// past the framing and into the per-option parsers.
+        fn framed() -> impl Strategy<Value = Vec<u8>> {
+            let opt = prop_oneof![0u32..16, any::<u32>()];
+            let payload = prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..64),
+                // Plausible GO / META_CONTEXT bodies naming real exports.
+                (any::<bool>(), proptest::collection::vec(any::<u16>(), 0..4)).prop_map(
+                    |(ro, infos)| {
+                        let name: &[u8] = if ro { b"ro" } else { b"disk0" };
+                        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+                        d.extend_from_slice(name);
+                        d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+                        for i in infos {
+                            d.extend_from_slice(&(i % 5).to_be_bytes());
+                        }
+                        d
+                    }
+                ),
+                Just({
+                    let mut d = 5u32.to_be_bytes().to_vec();
+                    d.extend_from_slice(b"disk0");
+                    d.extend_from_slice(&1u32.to_be_bytes());
+                    d.extend_from_slice(&15u32.to_be_bytes());
+                    d.extend_from_slice(b"base:allocation");
+                    d
+                }),
+            ];
+            // Mostly valid client flags, sometimes garbage.
+            let flags = prop_oneof![
+                4 => Just(proto::CLIENT_FLAG_FIXED_NEWSTYLE | proto::CLIENT_FLAG_NO_ZEROES),
+                4 => Just(proto::CLIENT_FLAG_FIXED_NEWSTYLE),
+                1 => any::<u32>(),
+            ];
+            (flags, proptest::collection::vec((opt, payload), 0..12)).prop_map(|(flags, opts)| {
+                let mut s = Script::new(flags);
+                for (o, p) in opts {
+                    s = s.opt(o, &p);
+                }
+                s.0
+            })
+        }
+
+        proptest! {
+            #[test]
+            fn arbitrary_bytes_never_panic(input in proptest::collection::vec(any::<u8>(), 0..512)) {
+                check(input);
+            }
+
+            #[test]
+            fn arbitrary_bytes_after_valid_flags_never_panic(tail in proptest::collection::vec(any::<u8>(), 0..512)) {
+                let mut input = (proto::CLIENT_FLAG_FIXED_NEWSTYLE | proto::CLIENT_FLAG_NO_ZEROES).to_be_bytes().to_vec();
+                input.extend_from_slice(&tail);
+                check(input);
+            }
+
+            #[test]
+            fn framed_options_never_panic(input in framed()) {
+                check(input);
+            }
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! The node's TOML configuration. Every field has a default, so an empty file is a valid
+//! configuration; `[[pool]]`, `[[volume]]` and `[[export]]` entries are created at start
+//! when they do not exist yet (a declarative first setup), and left alone when they do.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeConfig {
+    /// Where the node keeps its registry and sockets.
+    pub data_dir: PathBuf,
+    /// Reactor cores (0 = every CPU).
+    pub cores: usize,
+    /// Spin on io_uring instead of sleeping when idle (lower latency, burns a core).
+    pub busy_poll: bool,
+    pub api: ApiConfig,
+    pub nbd: NbdConfig,
+    #[serde(rename = "pool")]
+    pub pools: Vec<PoolDecl>,
+    #[serde(rename = "volume")]
+    pub volumes: Vec<VolumeDecl>,
+    #[serde(rename = "export")]
+    pub exports: Vec<ExportDecl>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ApiConfig {
+    /// Unix socket of the management API (default: DATA_DIR/api.sock).
+    pub socket: Option<PathBuf>,
+    /// Optional TCP address of the management API, e.g. "127.0.0.1:9100".
+    pub tcp: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NbdConfig {
+    /// TCP addresses to serve NBD on.
+    pub listen: Vec<String>,
+    /// Optional Unix socket to serve NBD on.
+    pub unix: Option<PathBuf>,
+}
+
+impl Default for NbdConfig {
+    fn default() -> Self {
+        NbdConfig { listen: vec!["127.0.0.1:10809".into()], unix: None }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolDecl {
+    pub name: String,
+    pub devices: Vec<String>,
+    #[serde(default = "default_layout")]
+    pub layout: String,
+    pub stripe_size: Option<String>,
+    pub unit_size: Option<String>,
+}
+
+fn default_layout() -> String {
+    "concat".into()
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeDecl {
+    pub name: String,
+    pub pool: String,
+    pub size: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportDecl {
+    pub name: String,
+    pub volume: String,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            data_dir: PathBuf::from("tessera-data"),
+            cores: 0,
+            busy_poll: false,
+            api: ApiConfig::default(),
+            nbd: NbdConfig::default(),
+            pools: Vec::new(),
+            volumes: Vec::new(),
+            exports: Vec::new(),
+        }
+    }
+}
+
+impl NodeConfig {
+    pub fn load(path: &Path) -> Result<NodeConfig, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| format!("config {}: {e}", path.display()))
+    }
+
+    /// The embedded default: a 4 GiB file-backed pool, a 4 GiB thin volume `vol0`, and
+    /// its NBD export, all under `data_dir`.
+    pub fn embedded_default(data_dir: &Path) -> NodeConfig {
+        let img = data_dir.join("pool0.img");
+        NodeConfig {
+            data_dir: data_dir.to_path_buf(),
+            pools: vec![PoolDecl {
+                name: "pool0".into(),
+                devices: vec![format!("{}:4G", img.display())],
+                layout: "concat".into(),
+                stripe_size: None,
+                unit_size: None,
+            }],
+            volumes: vec![VolumeDecl { name: "vol0".into(), pool: "pool0".into(), size: "4G".into() }],
+            exports: vec![ExportDecl { name: "vol0".into(), volume: "vol0".into(), read_only: false }],
+            ..NodeConfig::default()
+        }
+    }
+
+    pub fn api_socket(&self) -> PathBuf {
+        self.api.socket.clone().unwrap_or_else(|| self.data_dir.join("api.sock"))
+    }
+
+    pub fn core_count(&self) -> usize {
+        if self.cores > 0 {
+            self.cores
+        } else {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_config_is_valid_and_unknown_keys_are_refused() {
+        let c: NodeConfig = toml::from_str("").unwrap();
+        assert_eq!(c.nbd.listen, vec!["127.0.0.1:10809".to_string()]);
+        assert!(toml::from_str::<NodeConfig>("cores = 2\nbogus = 1\n").is_err());
+        let c: NodeConfig = toml::from_str(
+            "data_dir = '/tmp/x'\n[nbd]\nlisten = []\n[[pool]]\nname = 'p'\ndevices = ['ram:1G']\nlayout = 'raid0'\nstripe_size = '64K'\n",
+        )
+        .unwrap();
+        assert_eq!(c.pools[0].layout, "raid0");
+        assert!(c.nbd.listen.is_empty());
+    }
+}

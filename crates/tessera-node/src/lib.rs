@@ -1,0 +1,11 @@
+//! A Tessera node: reactors on every core, pools from the registry, the management API
+//! and the NBD listeners, assembled from one configuration.
+
+pub mod api;
+pub mod config;
+pub mod listener;
+pub mod node;
+pub mod registry;
+
+pub use config::NodeConfig;
+pub use node::Node;

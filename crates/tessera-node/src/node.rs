@@ -1,0 +1,399 @@
+//! The node's state and every management operation. The API and the CLI are thin layers
+//! over these methods. Management runs on control-plane threads, never on a reactor.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Instant;
+
+use serde_json::{json, Value};
+use tessera_device::{format_size, open_device, parse_size, BlockDevice, DeviceSpec};
+use tessera_io::{spawn_reactors, Mailbox, ReactorConfig};
+use tessera_nbd::handshake::{ExportCatalog, ExportInfo};
+use tessera_pool::{Error, ErrorKind, ExportRecord, LayoutKind, Pool, PoolOptions, Volume, DEFAULT_UNIT_SIZE};
+
+use crate::config::NodeConfig;
+use crate::registry::{PoolEntry, Registry};
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+pub struct Node {
+    pub cfg: NodeConfig,
+    pools: RwLock<BTreeMap<String, Arc<Pool>>>,
+    /// Pools listed in the registry that could not be opened, with the reason.
+    offline: RwLock<BTreeMap<String, String>>,
+    registry: Registry,
+    entries: Mutex<Vec<PoolEntry>>,
+    /// Serialises management operations so that checks and changes do not interleave.
+    admin: Mutex<()>,
+    pub reactors: Vec<Arc<Mailbox>>,
+    next_core: AtomicUsize,
+    pub started: Instant,
+    pub nbd_addresses: RwLock<Vec<String>>,
+}
+
+fn not_found(what: &str, name: &str) -> Error {
+    Error::new(ErrorKind::NotFound, format!("{what} '{name}' not found"))
+}
+
+fn size_arg(what: &str, v: &str) -> Result<u64> {
+    parse_size(v).map_err(|e| Error::invalid(format!("{what}: {e}")))
+}
+
+impl Node {
+    /// Start the reactors and bring back every pool in the registry.
+    pub fn start(cfg: NodeConfig) -> std::result::Result<Arc<Node>, String> {
+        std::fs::create_dir_all(&cfg.data_dir).map_err(|e| format!("cannot create data directory {}: {e}", cfg.data_dir.display()))?;
+        let rcfg = ReactorConfig { cores: cfg.core_count(), busy_poll: cfg.busy_poll, ..ReactorConfig::default() };
+        let reactors = spawn_reactors(&rcfg).map_err(|e| format!("cannot start reactors (is io_uring available?): {e}"))?;
+        let registry = Registry::new(&cfg.data_dir);
+        let entries = registry.load()?;
+        let node = Arc::new(Node {
+            cfg,
+            pools: RwLock::new(BTreeMap::new()),
+            offline: RwLock::new(BTreeMap::new()),
+            registry,
+            entries: Mutex::new(entries.clone()),
+            admin: Mutex::new(()),
+            reactors: reactors.into_iter().map(|(m, _h)| m).collect(),
+            next_core: AtomicUsize::new(0),
+            started: Instant::now(),
+            nbd_addresses: RwLock::new(Vec::new()),
+        });
+        for e in entries {
+            match node.restore_pool(&e) {
+                Ok(p) => {
+                    node.pools.write().unwrap_or_else(|x| x.into_inner()).insert(e.name.clone(), Arc::new(p));
+                }
+                Err(err) => {
+                    eprintln!("tessera: pool '{}' is offline: {err}", e.name);
+                    node.offline.write().unwrap_or_else(|x| x.into_inner()).insert(e.name.clone(), err.to_string());
+                }
+            }
+        }
+        node.apply_declarations()?;
+        Ok(node)
+    }
+
+    fn restore_pool(&self, e: &PoolEntry) -> Result<Pool> {
+        let devs = open_devices(&e.devices)?;
+        if devs.iter().any(|d| d.is_volatile()) {
+            // RAM/null contents did not survive the restart: recreate the pool empty.
+            eprintln!("tessera: pool '{}' is on volatile devices; recreated empty", e.name);
+            let layout = layout_kind(&e.layout, e.stripe_size)?;
+            return Pool::create(&e.name, devs, PoolOptions { layout, unit_size: e.unit_size, force: true });
+        }
+        Pool::open(devs)
+    }
+
+    /// Create what the config declares and does not exist yet.
+    fn apply_declarations(&self) -> std::result::Result<(), String> {
+        let cfg = self.cfg.clone();
+        for p in &cfg.pools {
+            if self.pool(&p.name).is_err() && !self.offline.read().unwrap_or_else(|x| x.into_inner()).contains_key(&p.name) {
+                self.create_pool(&p.name, &p.devices, &p.layout, p.stripe_size.as_deref(), p.unit_size.as_deref(), false)
+                    .map_err(|e| format!("creating pool '{}' from the config: {e}", p.name))?;
+            }
+        }
+        for v in &cfg.volumes {
+            if self.find_volume(&v.name).is_err() {
+                let size = size_arg("volume size", &v.size).map_err(|e| e.to_string())?;
+                self.create_volume(&v.name, &v.pool, size).map_err(|e| format!("creating volume '{}' from the config: {e}", v.name))?;
+            }
+        }
+        for x in &cfg.exports {
+            if self.find_export(&x.name).is_none() {
+                self.add_export(&x.name, &x.volume, x.read_only).map_err(|e| format!("creating export '{}' from the config: {e}", x.name))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn admin(&self) -> MutexGuard<'_, ()> {
+        self.admin.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn pools(&self) -> Vec<Arc<Pool>> {
+        self.pools.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect()
+    }
+
+    pub fn pool(&self, name: &str) -> Result<Arc<Pool>> {
+        self.pools.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned().ok_or_else(|| not_found("pool", name))
+    }
+
+    pub fn find_volume(&self, name: &str) -> Result<(Arc<Pool>, Arc<Volume>)> {
+        for p in self.pools() {
+            if let Some(v) = p.volume(name) {
+                return Ok((p, v));
+            }
+        }
+        Err(not_found("volume", name))
+    }
+
+    pub fn find_export(&self, name: &str) -> Option<(Arc<Pool>, ExportRecord)> {
+        self.pools().into_iter().find_map(|p| p.exports().into_iter().find(|e| e.name == name).map(|e| (p.clone(), e)))
+    }
+
+    /// The volume behind an export, for a connection that negotiated it.
+    pub fn resolve_export(&self, name: &str) -> Option<(Arc<Volume>, bool)> {
+        let (p, e) = self.find_export(name)?;
+        Some((p.volume_by_id(e.volume_id)?, e.read_only))
+    }
+
+    /// The next reactor core for a new connection (round robin).
+    pub fn next_reactor(&self) -> Arc<Mailbox> {
+        let i = self.next_core.fetch_add(1, Relaxed) % self.reactors.len();
+        self.reactors[i].clone()
+    }
+
+    fn save_registry(&self, entries: &[PoolEntry]) -> Result<()> {
+        self.registry.save(entries).map_err(|e| Error::new(ErrorKind::Io, e))
+    }
+
+    pub fn create_pool(&self, name: &str, devices: &[String], layout: &str, stripe: Option<&str>, unit: Option<&str>, force: bool) -> Result<Value> {
+        let _g = self.admin();
+        if self.pool(name).is_ok() {
+            return Err(Error::new(ErrorKind::AlreadyExists, format!("pool '{name}' already exists")));
+        }
+        tessera_pool::validate_name("pool", name)?;
+        if devices.is_empty() {
+            return Err(Error::invalid("a pool needs at least one device"));
+        }
+        let stripe = match stripe {
+            Some(s) => size_arg("stripe size", s)?,
+            None => 64 << 10,
+        };
+        let unit_size = match unit {
+            Some(u) => size_arg("unit size", u)?,
+            None => DEFAULT_UNIT_SIZE,
+        };
+        let kind = layout_kind(layout, stripe)?;
+        let mut seen = std::collections::HashSet::new();
+        for d in devices {
+            if let Ok(DeviceSpec::File { path, .. }) = DeviceSpec::parse(d) {
+                if !seen.insert(path.clone()) {
+                    return Err(Error::invalid(format!("device {} is listed twice", path.display())));
+                }
+                if self.entries.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|e| e.devices.iter().any(|x| spec_path(x) == Some(path.clone()))) {
+                    return Err(Error::new(ErrorKind::AlreadyExists, format!("device {} is already used by a pool of this node", path.display())));
+                }
+            }
+        }
+        let devs = open_devices(devices)?;
+        let pool = Pool::create(name, devs, PoolOptions { layout: kind, unit_size, force })?;
+        let st = pool.status();
+        let entry = PoolEntry {
+            name: name.to_string(),
+            uuid: st.uuid.clone(),
+            // Record plain paths: a file is created once, with its size, and never again.
+            devices: devices.iter().map(|d| canonical_spec(d)).collect(),
+            layout: kind.name().to_string(),
+            stripe_size: st.stripe_size,
+            unit_size,
+        };
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries.push(entry);
+        if let Err(e) = self.save_registry(&entries) {
+            entries.pop();
+            return Err(e);
+        }
+        drop(entries);
+        let v = pool_json(&pool);
+        self.pools.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), Arc::new(pool));
+        Ok(v)
+    }
+
+    pub fn destroy_pool(&self, name: &str) -> Result<()> {
+        let _g = self.admin();
+        if let Some(_reason) = self.offline.write().unwrap_or_else(|e| e.into_inner()).remove(name) {
+            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            entries.retain(|e| e.name != name);
+            return self.save_registry(&entries);
+        }
+        let pool = self.pool(name)?;
+        let n = pool.volumes().len();
+        if n > 0 {
+            return Err(Error::new(ErrorKind::Busy, format!("pool '{name}' still has {n} volume(s); delete them first")));
+        }
+        pool.shutdown()?;
+        // Wipe the labels so the devices can be used again.
+        for d in &pool.core.layout.devices {
+            let _ = d.write_at(0, &[0u8; 4096]);
+            let _ = d.sync();
+        }
+        self.pools.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries.retain(|e| e.name != name);
+        self.save_registry(&entries)
+    }
+
+    pub fn create_volume(&self, name: &str, pool: &str, size: u64) -> Result<Value> {
+        let _g = self.admin();
+        if self.find_volume(name).is_ok() {
+            return Err(Error::new(ErrorKind::AlreadyExists, format!("volume '{name}' already exists")));
+        }
+        let p = self.pool(pool)?;
+        let v = p.create_volume(name, size)?;
+        Ok(self.volume_json(&p, &v))
+    }
+
+    pub fn resize_volume(&self, name: &str, size: u64) -> Result<Value> {
+        let _g = self.admin();
+        let (p, v) = self.find_volume(name)?;
+        p.resize_volume(&v, size)?;
+        Ok(self.volume_json(&p, &v))
+    }
+
+    pub fn delete_volume(&self, name: &str) -> Result<()> {
+        let _g = self.admin();
+        let (p, v) = self.find_volume(name)?;
+        p.delete_volume(&v)
+    }
+
+    pub fn add_export(&self, name: &str, volume: &str, read_only: bool) -> Result<Value> {
+        let _g = self.admin();
+        if self.find_export(name).is_some() {
+            return Err(Error::new(ErrorKind::AlreadyExists, format!("export '{name}' already exists")));
+        }
+        let (p, v) = self.find_volume(volume)?;
+        p.add_export(ExportRecord { name: name.to_string(), volume_id: v.id, read_only })?;
+        Ok(self.export_json(&p, &ExportRecord { name: name.to_string(), volume_id: v.id, read_only }))
+    }
+
+    pub fn remove_export(&self, name: &str) -> Result<()> {
+        let _g = self.admin();
+        let (p, _) = self.find_export(name).ok_or_else(|| not_found("export", name))?;
+        p.remove_export(name)
+    }
+
+    pub fn volume_json(&self, p: &Pool, v: &Volume) -> Value {
+        let exports: Vec<String> = p.exports().into_iter().filter(|e| e.volume_id == v.id).map(|e| e.name).collect();
+        json!({
+            "name": v.name, "pool": p.name(), "id": v.id, "size": v.size(), "allocated": v.allocated_bytes(),
+            "exports": exports, "connections": v.open_handles(), "created": v.created,
+        })
+    }
+
+    pub fn export_json(&self, p: &Pool, e: &ExportRecord) -> Value {
+        let vol = p.volume_by_id(e.volume_id);
+        let addrs = self.nbd_addresses.read().unwrap_or_else(|x| x.into_inner()).clone();
+        json!({
+            "name": e.name, "volume": vol.as_ref().map(|v| v.name.clone()), "read_only": e.read_only,
+            "size": vol.as_ref().map(|v| v.size()), "connections": vol.as_ref().map(|v| v.open_handles()),
+            "uris": addrs.iter().map(|a| format!("{a}/{}", e.name)).collect::<Vec<_>>(),
+        })
+    }
+
+    pub fn list_pools(&self) -> Value {
+        let mut v: Vec<Value> = self.pools().iter().map(|p| pool_json(p)).collect();
+        for (name, reason) in self.offline.read().unwrap_or_else(|e| e.into_inner()).iter() {
+            v.push(json!({"name": name, "state": "offline", "error": reason}));
+        }
+        Value::Array(v)
+    }
+
+    pub fn list_volumes(&self) -> Value {
+        let mut out = Vec::new();
+        for p in self.pools() {
+            for v in p.volumes() {
+                out.push(self.volume_json(&p, &v));
+            }
+        }
+        Value::Array(out)
+    }
+
+    pub fn list_exports(&self) -> Value {
+        let mut out = Vec::new();
+        for p in self.pools() {
+            for e in p.exports() {
+                out.push(self.export_json(&p, &e));
+            }
+        }
+        Value::Array(out)
+    }
+
+    pub fn status(&self) -> Value {
+        let pools = self.pools();
+        let (mut cap, mut alloc, mut vols) = (0u64, 0u64, 0usize);
+        for p in &pools {
+            let s = p.status();
+            cap += s.capacity;
+            alloc += s.allocated;
+            vols += s.volumes;
+        }
+        json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "uptime_seconds": self.started.elapsed().as_secs(),
+            "cores": self.reactors.len(),
+            "data_dir": self.cfg.data_dir,
+            "api_socket": self.cfg.api_socket(),
+            "nbd": *self.nbd_addresses.read().unwrap_or_else(|e| e.into_inner()),
+            "capacity": cap, "allocated": alloc, "free": cap - alloc,
+            "pools": self.list_pools(), "volumes": vols,
+            "exports": self.list_exports(),
+        })
+    }
+
+    /// Commit every pool (called at shutdown).
+    pub fn shutdown(&self) {
+        for p in self.pools() {
+            if let Err(e) = p.shutdown() {
+                eprintln!("tessera: pool {}: final commit failed: {e}", p.name());
+            }
+        }
+    }
+}
+
+impl ExportCatalog for Node {
+    fn list(&self) -> Vec<String> {
+        self.pools().iter().flat_map(|p| p.exports().into_iter().map(|e| e.name)).collect()
+    }
+    fn lookup(&self, name: &str) -> Option<ExportInfo> {
+        let (p, e) = self.find_export(name)?;
+        let v = p.volume_by_id(e.volume_id)?;
+        Some(ExportInfo { size: v.size(), read_only: e.read_only, description: format!("Tessera volume {} in pool {}", v.name, p.name()) })
+    }
+}
+
+fn layout_kind(layout: &str, stripe: u64) -> Result<LayoutKind> {
+    match layout {
+        "concat" => Ok(LayoutKind::Concat),
+        "raid0" => Ok(LayoutKind::Raid0 { stripe }),
+        other => Err(Error::invalid(format!("unknown layout '{other}' (this node supports concat and raid0)"))),
+    }
+}
+
+fn open_devices(specs: &[String]) -> Result<Vec<Arc<dyn BlockDevice>>> {
+    specs
+        .iter()
+        .map(|s| {
+            let spec = DeviceSpec::parse(s).map_err(|e| Error::invalid(e.to_string()))?;
+            open_device(&spec).map_err(|e| Error::new(ErrorKind::Io, format!("device {s}: {e}")))
+        })
+        .collect()
+}
+
+fn spec_path(s: &str) -> Option<std::path::PathBuf> {
+    match DeviceSpec::parse(s) {
+        Ok(DeviceSpec::File { path, .. }) => Some(path),
+        _ => None,
+    }
+}
+
+/// The spec to remember in the registry: files by path alone (they exist now).
+fn canonical_spec(s: &str) -> String {
+    match DeviceSpec::parse(s) {
+        Ok(DeviceSpec::File { path, .. }) => std::fs::canonicalize(&path).unwrap_or(path).display().to_string(),
+        _ => s.to_string(),
+    }
+}
+
+pub fn pool_json(p: &Pool) -> Value {
+    let s = p.status();
+    json!({
+        "name": s.name, "state": "online", "uuid": s.uuid, "layout": s.layout, "stripe_size": s.stripe_size,
+        "devices": s.devices, "unit_size": s.unit_size, "capacity": s.capacity, "allocated": s.allocated,
+        "free": s.free, "metadata": s.metadata, "volumes": s.volumes, "volatile": s.volatile,
+        "capacity_human": format_size(s.capacity),
+    })
+}

@@ -1,0 +1,50 @@
+//! `DATA_DIR/pools.json`: which devices make which pool (see docs/format.md §5).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PoolEntry {
+    pub name: String,
+    pub uuid: String,
+    pub devices: Vec<String>,
+    pub layout: String,
+    pub stripe_size: u64,
+    pub unit_size: u64,
+}
+
+pub struct Registry {
+    path: PathBuf,
+}
+
+impl Registry {
+    pub fn new(data_dir: &Path) -> Registry {
+        Registry { path: data_dir.join("pools.json") }
+    }
+
+    pub fn load(&self) -> Result<Vec<PoolEntry>, String> {
+        match std::fs::read_to_string(&self.path) {
+            Ok(t) => serde_json::from_str(&t).map_err(|e| format!("{}: {e}", self.path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(format!("{}: {e}", self.path.display())),
+        }
+    }
+
+    /// Replace the registry atomically: write a temporary file, fsync, rename, fsync dir.
+    pub fn save(&self, entries: &[PoolEntry]) -> Result<(), String> {
+        let tmp = self.path.with_extension("json.tmp");
+        let err = |e: std::io::Error| format!("saving {}: {e}", self.path.display());
+        let mut f = std::fs::File::create(&tmp).map_err(err)?;
+        f.write_all(serde_json::to_string_pretty(entries).expect("registry serialises").as_bytes()).map_err(err)?;
+        f.sync_all().map_err(err)?;
+        std::fs::rename(&tmp, &self.path).map_err(err)?;
+        if let Some(dir) = self.path.parent() {
+            if let Ok(d) = std::fs::File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(())
+    }
+}
