@@ -19,6 +19,9 @@ pub struct UpArgs {
     /// Busy-poll instead of sleeping when idle.
     #[arg(long)]
     busy_poll: bool,
+    /// Pin reactor i to CPU i.
+    #[arg(long)]
+    pin_cores: bool,
 }
 
 pub fn up(a: UpArgs) -> Result<(), String> {
@@ -27,6 +30,7 @@ pub fn up(a: UpArgs) -> Result<(), String> {
     cfg.nbd.unix = Some(a.data_dir.join("nbd.sock"));
     cfg.cores = a.cores;
     cfg.busy_poll = a.busy_poll;
+    cfg.pin_cores = a.pin_cores;
     serve(cfg)
 }
 

@@ -92,9 +92,11 @@ impl CoreIo {
         entries: u32,
         remote: Option<RemoteCompleter>,
     ) -> std::io::Result<CoreIo> {
+        // DEFER_TASKRUN: completions' task work runs inside our own io_uring_enter(GETEVENTS),
+        // so a wakeup costs no IPI and no extra context switch (measured: lower QD1 latency).
         let ring = IoUring::builder()
             .setup_single_issuer()
-            .setup_coop_taskrun()
+            .setup_defer_taskrun()
             .setup_cqsize(entries * 4)
             .build(entries)
             .or_else(|_| IoUring::builder().setup_cqsize(entries * 4).build(entries))?;

@@ -124,6 +124,8 @@ pub struct Reactor {
     efd_buf: Box<u64>,
     cfg: ReactorConfig,
     live: usize,
+    /// A task has been installed at least once (exit_when_idle waits for the first).
+    had_task: bool,
 }
 
 impl Reactor {
@@ -145,6 +147,7 @@ impl Reactor {
             efd_buf: Box::new(0),
             cfg,
             live: 0,
+            had_task: false,
         })
     }
 
@@ -176,6 +179,7 @@ impl Reactor {
         };
         self.tasks[id as usize] = Some(task);
         self.live += 1;
+        self.had_task = true;
         if let Some(t) = self.tasks[id as usize].as_mut() {
             t.start(&mut self.io, id);
         }
@@ -248,7 +252,7 @@ impl Reactor {
             if self.io.has_ready() {
                 continue;
             }
-            if self.cfg.exit_when_idle && self.live == 0 {
+            if self.cfg.exit_when_idle && self.had_task && self.live == 0 {
                 return;
             }
             let next_timer = self.io.fire_timers();
@@ -256,7 +260,10 @@ impl Reactor {
                 continue;
             }
             let res = if self.cfg.busy_poll {
-                self.io.ring.submit()
+                // GETEVENTS with min_complete 0: run deferred task work without sleeping.
+                // SAFETY: no argument struct is passed.
+                let pending = self.io.ring.submission().len() as u32;
+                unsafe { self.io.ring.submitter().enter::<libc::sigset_t>(pending, 0, 1, None) }
             } else if let Some(d) = next_timer {
                 let ts = Timespec::from(d.max(Duration::from_micros(1)));
                 let args = SubmitArgs::new().timespec(&ts);
