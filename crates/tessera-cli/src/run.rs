@@ -62,7 +62,7 @@ fn serve(cfg: NodeConfig) -> Result<(), String> {
     }
     if let Some(p) = node.cfg.nbd.unix.clone() {
         listener::start_nbd_unix(&node, &p).map_err(|e| e.to_string())?;
-        addrs.push(format!("nbd+unix://?socket={}&export=", p.display()));
+        addrs.push(format!("unix:{}", p.display()));
     }
     *node.nbd_addresses.write().unwrap_or_else(|e| e.into_inner()) =
         addrs.iter().filter(|a| a.starts_with("nbd://")).cloned().collect();
@@ -96,10 +96,9 @@ fn print_banner(node: &Node, addrs: &[String]) {
     for e in st["exports"].as_array().into_iter().flatten() {
         let name = e["name"].as_str().unwrap_or("?");
         for a in addrs {
-            if a.starts_with("nbd://") {
-                println!("tessera: export {name}: {a}/{name}");
-            } else {
-                println!("tessera: export {name}: {a}{name}");
+            match a.strip_prefix("unix:") {
+                Some(sock) => println!("tessera: export {name}: nbd+unix:///{name}?socket={sock}"),
+                None => println!("tessera: export {name}: {a}/{name}"),
             }
         }
     }

@@ -1,0 +1,207 @@
+//! Test harness: run a real `tessera` node process on loopback in a temporary data
+//! directory, talk to it with the CLI, restart it, kill it.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_tessera");
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A fresh, empty directory for one test (removed when the node is dropped).
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let base = std::env::var_os("TESSERA_TEST_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let d = base.join(format!("tessera-test-{}-{}-{}", tag, std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+pub struct TestNode {
+    pub child: Option<Child>,
+    pub dir: PathBuf,
+    pub data_dir: PathBuf,
+    pub port: u16,
+    /// Config file, when started with one (restart reuses it).
+    pub config: Option<PathBuf>,
+    pub log: PathBuf,
+    keep: bool,
+}
+
+impl TestNode {
+    /// `tessera up`: the embedded default (pool0 on a 4 GiB file, vol0 exported as vol0).
+    pub fn start_default(tag: &str) -> TestNode {
+        let dir = temp_dir(tag);
+        let mut n = TestNode { child: None, data_dir: dir.join("data"), dir, port: free_port(), config: None, log: PathBuf::new(), keep: false };
+        n.spawn();
+        n
+    }
+
+    /// `tessera node --config`, with `extra` TOML appended to a config that sets the data
+    /// directory, the NBD port, 2 cores and the NBD Unix socket DIR/nbd.sock.
+    pub fn start_with_config(tag: &str, extra: &str) -> TestNode {
+        let dir = temp_dir(tag);
+        let port = free_port();
+        let data_dir = dir.join("data");
+        let cfg = dir.join("tessera.toml");
+        let text = format!(
+            "data_dir = \"{}\"\ncores = 2\n[nbd]\nlisten = [\"127.0.0.1:{port}\"]\nunix = \"{}\"\n{extra}\n",
+            data_dir.display(),
+            dir.join("nbd.sock").display()
+        );
+        std::fs::write(&cfg, text).unwrap();
+        let mut n = TestNode { child: None, dir, data_dir, port, config: Some(cfg), log: PathBuf::new(), keep: false };
+        n.spawn();
+        n
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new(BIN);
+        match &self.config {
+            Some(c) => {
+                cmd.arg("node").arg("--config").arg(c);
+            }
+            None => {
+                cmd.arg("up").arg("--data-dir").arg(&self.data_dir).arg("--nbd").arg(format!("127.0.0.1:{}", self.port)).arg("--cores").arg("2");
+            }
+        }
+        self.log = self.dir.join(format!("node-{}.log", SEQ.fetch_add(1, Ordering::Relaxed)));
+        let err = std::fs::File::create(&self.log).unwrap();
+        let mut child = cmd.stdout(Stdio::piped()).stderr(err).stdin(Stdio::null()).spawn().expect("start tessera");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if line.starts_with("tessera: ready") {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("node did not become ready; log:\n{}", std::fs::read_to_string(&self.log).unwrap_or_default());
+        }
+        self.child = Some(child);
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn api(&self) -> String {
+        format!("unix:{}", self.data_dir.join("api.sock").display())
+    }
+
+    pub fn uri(&self, export: &str) -> String {
+        format!("nbd://127.0.0.1:{}/{export}", self.port)
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Run `tessera --api ... ARGS`.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(BIN).arg("--api").arg(self.api()).args(args).stdin(Stdio::null()).output().expect("run tessera cli")
+    }
+
+    /// Run the CLI and insist on success; returns stdout.
+    pub fn cli_ok(&self, args: &[&str]) -> String {
+        let o = self.cli(args);
+        assert!(o.status.success(), "tessera {args:?} failed: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// SIGKILL: no chance to commit anything.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: signalling our own child process.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    panic!("node did not stop on SIGTERM");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
+    /// Start again on the same data directory (after stop or kill9).
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop or kill the node first");
+        self.spawn();
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Keep the directory after the test (for debugging).
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+}
+
+impl Drop for TestNode {
+    fn drop(&mut self) {
+        self.kill9();
+        if !self.keep && !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Is an external tool installed? Tests that need one fail loudly when it is missing
+/// (scripts/install-deps.sh installs them), unless TESSERA_ALLOW_MISSING_TOOLS is set.
+pub fn require_tool(name: &str) -> bool {
+    let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().map(|o| o.status.success()).unwrap_or(false);
+    if !found {
+        if std::env::var_os("TESSERA_ALLOW_MISSING_TOOLS").is_some() {
+            eprintln!("skipping: {name} is not installed");
+            return false;
+        }
+        panic!("{name} is not installed: run scripts/install-deps.sh");
+    }
+    true
+}
+
+/// Run a command, insist on success, return stdout.
+pub fn run_ok(cmd: &mut Command) -> String {
+    let o = cmd.stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(o.status.success(), "{cmd:?} failed ({}):\n{}\n{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn path_str(p: &Path) -> String {
+    p.display().to_string()
+}
