@@ -22,6 +22,9 @@ pub struct UpArgs {
     /// Pin reactor i to CPU i.
     #[arg(long)]
     pin_cores: bool,
+    /// Microseconds a reactor keeps polling after activity before it sleeps (0 = never).
+    #[arg(long, default_value_t = 50)]
+    poll_us: u64,
 }
 
 pub fn up(a: UpArgs) -> Result<(), String> {
@@ -31,6 +34,7 @@ pub fn up(a: UpArgs) -> Result<(), String> {
     cfg.cores = a.cores;
     cfg.busy_poll = a.busy_poll;
     cfg.pin_cores = a.pin_cores;
+    cfg.poll_us = a.poll_us;
     serve(cfg)
 }
 

@@ -69,7 +69,7 @@ pub fn parse_size(s: &str) -> io::Result<u64> {
 /// The shortest exact rendering: 1G, 64K, 1536M, 4097.
 pub fn format_size(n: u64) -> String {
     for (shift, unit) in [(50, "P"), (40, "T"), (30, "G"), (20, "M"), (10, "K")] {
-        if n >= 1 << shift && n % (1u64 << shift) == 0 {
+        if n >= 1 << shift && n.is_multiple_of(1u64 << shift) {
             return format!("{}{unit}", n >> shift);
         }
     }

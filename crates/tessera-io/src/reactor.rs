@@ -94,6 +94,10 @@ pub struct ReactorConfig {
     pub pin: bool,
     /// Spin instead of sleeping in the kernel when idle.
     pub busy_poll: bool,
+    /// After activity, keep polling the ring this long before sleeping (hybrid polling):
+    /// a request that arrives within the window costs no wakeup. Zero disables; a reactor
+    /// with nothing to do for longer than this sleeps in the kernel.
+    pub poll_window: Duration,
     /// io_uring submission queue entries per core.
     pub ring_entries: u32,
     /// Leave the loop once the last task has finished (benchmarks).
@@ -106,6 +110,7 @@ impl Default for ReactorConfig {
             cores: 1,
             pin: true,
             busy_poll: false,
+            poll_window: Duration::from_micros(50),
             ring_entries: 1024,
             exit_when_idle: false,
         }
@@ -259,6 +264,17 @@ impl Reactor {
             if self.io.has_ready() {
                 continue;
             }
+            if !self.cfg.busy_poll && next_timer.is_none() && !self.cfg.poll_window.is_zero() && self.poll_briefly() {
+                self.io.reap(&mut |ud, _res| {
+                    if ud == MAILBOX_UD {
+                        mailbox_fired = true;
+                    }
+                });
+                if mailbox_fired {
+                    self.arm_mailbox();
+                }
+                continue;
+            }
             let res = if self.cfg.busy_poll {
                 // GETEVENTS with min_complete 0: run deferred task work without sleeping.
                 // SAFETY: no argument struct is passed.
@@ -288,6 +304,27 @@ impl Reactor {
             if mailbox_fired {
                 self.arm_mailbox();
             }
+        }
+    }
+}
+
+impl Reactor {
+    /// Poll the ring without sleeping for up to the poll window. True if completions
+    /// arrived (they are left in the CQ for the caller to reap).
+    fn poll_briefly(&mut self) -> bool {
+        let until = std::time::Instant::now() + self.cfg.poll_window;
+        loop {
+            let pending = self.io.ring.submission().len() as u32;
+            // GETEVENTS with min_complete 0 runs deferred task work without sleeping.
+            // SAFETY: no argument struct is passed.
+            let _ = unsafe { self.io.ring.submitter().enter::<libc::sigset_t>(pending, 0, 1, None) };
+            if !self.io.ring.completion().is_empty() {
+                return true;
+            }
+            if std::time::Instant::now() >= until {
+                return false;
+            }
+            std::hint::spin_loop();
         }
     }
 }

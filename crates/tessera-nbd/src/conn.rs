@@ -266,7 +266,9 @@ impl NbdConn {
             (sl.cmd, sl.flags, sl.offset, sl.len)
         };
         let writes = matches!(cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
-        let err = if flags & !CMD_FLAGS_KNOWN != 0 {
+        // DF only means something with structured replies; the handshake did not offer it.
+        let known = if self.opts.structured_replies { CMD_FLAGS_KNOWN } else { CMD_FLAGS_KNOWN & !CMD_FLAG_DF };
+        let err = if flags & !known != 0 {
             Some(EINVAL)
         } else if writes && self.opts.read_only {
             Some(EPERM)
@@ -288,11 +290,8 @@ impl NbdConn {
                 if len == 0 {
                     return self.finish(s, 0);
                 }
-                if self.opts.structured_replies {
-                    let runs = self.vol.volume().allocation_runs(offset, len as u64, 2);
-                    if runs.len() == 1 && !runs[0].1 {
-                        return self.finish_hole(s);
-                    }
+                if self.opts.structured_replies && self.vol.is_hole(offset, len as u64) {
+                    return self.finish_hole(s);
                 }
                 let mut buf = io.bufs.get(len as usize);
                 let op = IoOp::Read { offset, len, buf: buf.as_mut_ptr() };

@@ -207,7 +207,7 @@ pub fn errno_to_nbd(errno: i32) -> u32 {
         libc::EPERM | libc::EROFS | libc::EACCES => EPERM,
         libc::ENOMEM => ENOMEM,
         libc::EINVAL => EINVAL,
-        libc::ENOSPC | libc::EDQUOT => ENOSPC,
+        libc::ENOSPC | libc::EDQUOT | libc::EFBIG => ENOSPC,
         libc::EOVERFLOW => EOVERFLOW,
         libc::ENOTSUP => ENOTSUP,
         libc::ESHUTDOWN => ESHUTDOWN,

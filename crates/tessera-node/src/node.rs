@@ -44,7 +44,10 @@ impl Node {
     /// Start the reactors and bring back every pool in the registry.
     pub fn start(cfg: NodeConfig) -> std::result::Result<Arc<Node>, String> {
         std::fs::create_dir_all(&cfg.data_dir).map_err(|e| format!("cannot create data directory {}: {e}", cfg.data_dir.display()))?;
-        let rcfg = ReactorConfig { cores: cfg.core_count(), busy_poll: cfg.busy_poll, pin: cfg.pin_cores, ..ReactorConfig::default() };
+        let rcfg = ReactorConfig { cores: cfg.core_count(), busy_poll: cfg.busy_poll, pin: cfg.pin_cores,
+            poll_window: std::time::Duration::from_micros(cfg.poll_us),
+            ..ReactorConfig::default()
+        };
         let reactors = spawn_reactors(&rcfg).map_err(|e| format!("cannot start reactors (is io_uring available?): {e}"))?;
         let registry = Registry::new(&cfg.data_dir);
         let entries = registry.load()?;

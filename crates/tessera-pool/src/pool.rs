@@ -861,7 +861,7 @@ pub fn validate_name(what: &str, name: &str) -> Result<()> {
 }
 
 fn validate_volume_size(size: u64, unit: u64) -> Result<()> {
-    if size == 0 || size % 512 != 0 {
+    if size == 0 || !size.is_multiple_of(512) {
         return Err(Error::invalid(format!(
             "volume size {size} must be a non-zero multiple of 512 bytes"
         )));

@@ -182,6 +182,14 @@ impl VolumeHandle {
         &self.vol
     }
 
+    /// True when no byte of `[offset, offset+len)` has space, so it reads as zeros without
+    /// device I/O. Uses this core's cached map: no lock, no shared write, no allocation.
+    pub fn is_hole(&mut self, offset: u64, len: u64) -> bool {
+        self.refresh();
+        let last = (offset + len.max(1) - 1) >> self.shift;
+        ((offset >> self.shift)..=last).all(|u| self.map.get(u) == HOLE)
+    }
+
     #[inline]
     fn refresh(&mut self) {
         let g = self.vol.map_gen.load(Acquire);

@@ -4,7 +4,8 @@
 //! - the metadata always opens (never corrupt),
 //! - every block whose last write was followed by a completed flush reads back,
 //! - space accounting adds up (no leaks, no unit owned twice),
-//! and that the reopened pool survives a second crash the same way.
+//!
+//! The reopened pool survives a second crash the same way.
 
 mod common;
 
