@@ -38,6 +38,11 @@ step_done "toolchain"
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 export TESSERA="${TESSERA:-$TARGET_DIR/release/tessera}"
 
+section "format and lints (cargo fmt --check, cargo clippy -D warnings)"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+step_done "format and lints"
+
 section "build (cargo build --release --workspace --bins)"
 cargo build --release --workspace --bins
 step_done "build"
