@@ -16,8 +16,15 @@ static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// A fresh, empty directory for one test (removed when the node is dropped).
 pub fn temp_dir(tag: &str) -> PathBuf {
-    let base = std::env::var_os("TESSERA_TEST_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-    let d = base.join(format!("tessera-test-{}-{}-{}", tag, std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
+    let base = std::env::var_os("TESSERA_TEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let d = base.join(format!(
+        "tessera-test-{}-{}-{}",
+        tag,
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -25,7 +32,11 @@ pub fn temp_dir(tag: &str) -> PathBuf {
 
 /// A TCP port on 127.0.0.1 that was free a moment ago.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 pub struct TestNode {
@@ -43,7 +54,15 @@ impl TestNode {
     /// `tessera up`: the embedded default (pool0 on a 4 GiB file, vol0 exported as vol0).
     pub fn start_default(tag: &str) -> TestNode {
         let dir = temp_dir(tag);
-        let mut n = TestNode { child: None, data_dir: dir.join("data"), dir, port: free_port(), config: None, log: PathBuf::new(), keep: false };
+        let mut n = TestNode {
+            child: None,
+            data_dir: dir.join("data"),
+            dir,
+            port: free_port(),
+            config: None,
+            log: PathBuf::new(),
+            keep: false,
+        };
         n.spawn();
         n
     }
@@ -61,7 +80,15 @@ impl TestNode {
             dir.join("nbd.sock").display()
         );
         std::fs::write(&cfg, text).unwrap();
-        let mut n = TestNode { child: None, dir, data_dir, port, config: Some(cfg), log: PathBuf::new(), keep: false };
+        let mut n = TestNode {
+            child: None,
+            dir,
+            data_dir,
+            port,
+            config: Some(cfg),
+            log: PathBuf::new(),
+            keep: false,
+        };
         n.spawn();
         n
     }
@@ -73,12 +100,25 @@ impl TestNode {
                 cmd.arg("node").arg("--config").arg(c);
             }
             None => {
-                cmd.arg("up").arg("--data-dir").arg(&self.data_dir).arg("--nbd").arg(format!("127.0.0.1:{}", self.port)).arg("--cores").arg("2");
+                cmd.arg("up")
+                    .arg("--data-dir")
+                    .arg(&self.data_dir)
+                    .arg("--nbd")
+                    .arg(format!("127.0.0.1:{}", self.port))
+                    .arg("--cores")
+                    .arg("2");
             }
         }
-        self.log = self.dir.join(format!("node-{}.log", SEQ.fetch_add(1, Ordering::Relaxed)));
+        self.log = self
+            .dir
+            .join(format!("node-{}.log", SEQ.fetch_add(1, Ordering::Relaxed)));
         let err = std::fs::File::create(&self.log).unwrap();
-        let mut child = cmd.stdout(Stdio::piped()).stderr(err).stdin(Stdio::null()).spawn().expect("start tessera");
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(err)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start tessera");
         let out = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -91,7 +131,10 @@ impl TestNode {
         if rx.recv_timeout(Duration::from_secs(30)).is_err() {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("node did not become ready; log:\n{}", std::fs::read_to_string(&self.log).unwrap_or_default());
+            panic!(
+                "node did not become ready; log:\n{}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
         }
         self.child = Some(child);
     }
@@ -114,13 +157,24 @@ impl TestNode {
 
     /// Run `tessera --api ... ARGS`.
     pub fn cli(&self, args: &[&str]) -> Output {
-        Command::new(BIN).arg("--api").arg(self.api()).args(args).stdin(Stdio::null()).output().expect("run tessera cli")
+        Command::new(BIN)
+            .arg("--api")
+            .arg(self.api())
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run tessera cli")
     }
 
     /// Run the CLI and insist on success; returns stdout.
     pub fn cli_ok(&self, args: &[&str]) -> String {
         let o = self.cli(args);
-        assert!(o.status.success(), "tessera {args:?} failed: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "tessera {args:?} failed: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
@@ -184,7 +238,12 @@ impl Drop for TestNode {
 /// Is an external tool installed? Tests that need one fail loudly when it is missing
 /// (scripts/install-deps.sh installs them), unless TESSERA_ALLOW_MISSING_TOOLS is set.
 pub fn require_tool(name: &str) -> bool {
-    let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().map(|o| o.status.success()).unwrap_or(false);
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {name}"))
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
     if !found {
         if std::env::var_os("TESSERA_ALLOW_MISSING_TOOLS").is_some() {
             eprintln!("skipping: {name} is not installed");
@@ -197,8 +256,17 @@ pub fn require_tool(name: &str) -> bool {
 
 /// Run a command, insist on success, return stdout.
 pub fn run_ok(cmd: &mut Command) -> String {
-    let o = cmd.stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(o.status.success(), "{cmd:?} failed ({}):\n{}\n{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let o = cmd
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        o.status.success(),
+        "{cmd:?} failed ({}):\n{}\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
