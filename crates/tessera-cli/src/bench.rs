@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use clap::{Args, ValueEnum};
 use tessera_device::{open_device, parse_size, BlockDevice, DeviceSpec};
 use tessera_io::hist::Histogram;
-use tessera_io::{spawn_reactors, AlignedBuf, CoreIo, IoHandle, IoOp, Reactor, ReactorConfig, Task};
+use tessera_io::{
+    spawn_reactors, AlignedBuf, CoreIo, IoHandle, IoOp, Reactor, ReactorConfig, Task,
+};
 use tessera_pool::{LayoutKind, Pool, PoolOptions, Volume};
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
@@ -131,9 +133,17 @@ impl BenchTask {
         let offset = self.base + block * self.bs;
         let buf = self.bufs[slot].as_mut_ptr();
         if write {
-            IoOp::Write { offset, len: self.bs as u32, buf }
+            IoOp::Write {
+                offset,
+                len: self.bs as u32,
+                buf,
+            }
         } else {
-            IoOp::Read { offset, len: self.bs as u32, buf }
+            IoOp::Read {
+                offset,
+                len: self.bs as u32,
+                buf,
+            }
         }
     }
 
@@ -141,7 +151,8 @@ impl BenchTask {
         let op = self.next_op(slot);
         self.started[slot] = now;
         self.inflight += 1;
-        self.handle.submit(io, op, Reactor::tag(self.id, slot as u32));
+        self.handle
+            .submit(io, op, Reactor::tag(self.id, slot as u32));
     }
 }
 
@@ -161,7 +172,8 @@ impl Task for BenchTask {
         self.inflight -= 1;
         let r = self.r.as_mut().expect("report");
         let s = slot as usize;
-        r.hist.record(now.duration_since(self.started[s]).as_nanos() as u64);
+        r.hist
+            .record(now.duration_since(self.started[s]).as_nanos() as u64);
         if res < 0 {
             if r.errors == 0 {
                 r.first_error = -res;
@@ -209,7 +221,10 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
     let devs: Vec<Arc<dyn BlockDevice>> = a
         .devices
         .iter()
-        .map(|d| open_device(&DeviceSpec::parse(d).map_err(|e| e.to_string())?).map_err(|e| format!("{d}: {e}")))
+        .map(|d| {
+            open_device(&DeviceSpec::parse(d).map_err(|e| e.to_string())?)
+                .map_err(|e| format!("{d}: {e}"))
+        })
         .collect::<Result<_, _>>()?;
     if a.target == Target::Device {
         if devs.len() != 1 {
@@ -218,7 +233,13 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
         let d = devs[0].clone();
         let len = d.size();
         let describe = d.describe();
-        return Ok(Subject { open: Arc::new(move || d.clone().open_handle()), base: 0, len, describe, _keep: vec![] });
+        return Ok(Subject {
+            open: Arc::new(move || d.clone().open_handle()),
+            base: 0,
+            len,
+            describe,
+            _keep: vec![],
+        });
     }
     let stripe = parse_size(&a.stripe_size).map_err(|e| e.to_string())?;
     let layout = match a.layout.as_str() {
@@ -227,9 +248,25 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
         l => return Err(format!("unknown layout '{l}' (concat, raid0)")),
     };
     let unit_size = parse_size(&a.unit_size).map_err(|e| e.to_string())?;
-    let pool = Arc::new(Pool::create("bench", devs, PoolOptions { layout, unit_size, force: true }).map_err(|e| e.to_string())?);
+    let pool = Arc::new(
+        Pool::create(
+            "bench",
+            devs,
+            PoolOptions {
+                layout,
+                unit_size,
+                force: true,
+            },
+        )
+        .map_err(|e| e.to_string())?,
+    );
     let st = pool.status();
-    let describe = format!("{} pool over {} device(s) ({})", st.layout, st.devices.len(), st.devices.join(", "));
+    let describe = format!(
+        "{} pool over {} device(s) ({})",
+        st.layout,
+        st.devices.len(),
+        st.devices.join(", ")
+    );
     if a.target == Target::Pool {
         // Drive the data region only: the metadata region stays intact.
         let layout = pool.core.layout.clone();
@@ -241,7 +278,9 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
             _keep: vec![pool],
         });
     }
-    let vol: Arc<Volume> = pool.create_volume("bench", st.capacity).map_err(|e| e.to_string())?;
+    let vol: Arc<Volume> = pool
+        .create_volume("bench", st.capacity)
+        .map_err(|e| e.to_string())?;
     let v2 = vol.clone();
     Ok(Subject {
         open: Arc::new(move || Box::new(v2.open_handle()) as Box<dyn IoHandle>),
@@ -269,7 +308,15 @@ fn prefill(s: &Subject) -> Result<(), String> {
         let mut n = 0;
         while n < 16 && off < s.len {
             let len = chunk.min(s.len - off);
-            h.submit(&mut io, IoOp::Write { offset: s.base + off, len: len as u32, buf: buf.as_ptr() }, n);
+            h.submit(
+                &mut io,
+                IoOp::Write {
+                    offset: s.base + off,
+                    len: len as u32,
+                    buf: buf.as_ptr(),
+                },
+                n,
+            );
             off += len;
             n += 1;
         }
@@ -280,9 +327,16 @@ fn prefill(s: &Subject) -> Result<(), String> {
         });
     }
     if err < 0 {
-        return Err(format!("prefill failed: {}", std::io::Error::from_raw_os_error(-err)));
+        return Err(format!(
+            "prefill failed: {}",
+            std::io::Error::from_raw_os_error(-err)
+        ));
     }
-    eprintln!("prefill: wrote {} MiB in {:.1}s", s.len >> 20, t0.elapsed().as_secs_f64());
+    eprintln!(
+        "prefill: wrote {} MiB in {:.1}s",
+        s.len >> 20,
+        t0.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -302,7 +356,12 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
     if !a.no_prefill {
         prefill(&subject)?;
     }
-    let cfg = ReactorConfig { cores: a.cores, busy_poll: a.busy_poll, exit_when_idle: true, ..ReactorConfig::default() };
+    let cfg = ReactorConfig {
+        cores: a.cores,
+        busy_poll: a.busy_poll,
+        exit_when_idle: true,
+        ..ReactorConfig::default()
+    };
     let (tx, rx) = channel();
     let stop = Arc::new(AtomicBool::new(false));
     let progress = Arc::new(AtomicU64::new(0));
@@ -345,7 +404,15 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
                 cpu0: Duration::ZERO,
                 stop,
                 progress,
-                r: Some(Report { ios: 0, bytes: 0, errors: 0, first_error: 0, hist: Histogram::default(), cpu: Duration::ZERO, wall: Duration::ZERO }),
+                r: Some(Report {
+                    ios: 0,
+                    bytes: 0,
+                    errors: 0,
+                    first_error: 0,
+                    hist: Histogram::default(),
+                    cpu: Duration::ZERO,
+                    wall: Duration::ZERO,
+                }),
                 tx,
                 unreported: 0,
             }) as Box<dyn Task>
@@ -368,7 +435,13 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
                 let now = progress.load(Relaxed);
                 let rate = now - last;
                 last = now;
-                eprint!("\r[{:>3}s/{}s] {:>10.0} IOPS {:>9.1} MiB/s", t0.elapsed().as_secs(), a.time, rate as f64, (rate * bs) as f64 / 1048576.0);
+                eprint!(
+                    "\r[{:>3}s/{}s] {:>10.0} IOPS {:>9.1} MiB/s",
+                    t0.elapsed().as_secs(),
+                    a.time,
+                    rate as f64,
+                    (rate * bs) as f64 / 1048576.0
+                );
                 let _ = std::io::stderr().flush();
             }
             Err(_) => break,
@@ -379,7 +452,8 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
         let _ = h.join();
     }
     let mut hist = Histogram::default();
-    let (mut ios, mut bytes, mut errors, mut cpu, mut wall) = (0u64, 0u64, 0u64, Duration::ZERO, Duration::ZERO);
+    let (mut ios, mut bytes, mut errors, mut cpu, mut wall) =
+        (0u64, 0u64, 0u64, Duration::ZERO, Duration::ZERO);
     let mut first_error = 0;
     for r in &reports {
         hist.merge(&r.hist);
@@ -396,9 +470,20 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
     let iops = ios as f64 / secs;
     let mibps = bytes as f64 / secs / 1048576.0;
     let us = |ns: u64| ns as f64 / 1000.0;
-    let cpu_ns_per_io = if ios > 0 { cpu.as_nanos() as f64 / ios as f64 } else { 0.0 };
+    let cpu_ns_per_io = if ios > 0 {
+        cpu.as_nanos() as f64 / ios as f64
+    } else {
+        0.0
+    };
     println!("target:     {}", subject.describe);
-    println!("workload:   {:?} bs={} qd={} cores={} time={:.1}s", a.pattern, tessera_device::format_size(bs), a.qd, a.cores, secs);
+    println!(
+        "workload:   {:?} bs={} qd={} cores={} time={:.1}s",
+        a.pattern,
+        tessera_device::format_size(bs),
+        a.qd,
+        a.cores,
+        secs
+    );
     println!("throughput: {iops:.0} IOPS, {mibps:.1} MiB/s");
     println!(
         "latency:    mean {:.2} us, p50 {:.2} us, p99 {:.2} us, p99.9 {:.2} us, max {:.2} us",
@@ -408,9 +493,16 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
         us(hist.quantile(0.999)),
         us(hist.max())
     );
-    println!("cpu:        {:.1} ms per million I/Os ({:.2} cores busy)", cpu_ns_per_io, cpu.as_secs_f64() / secs);
+    println!(
+        "cpu:        {:.1} ms per million I/Os ({:.2} cores busy)",
+        cpu_ns_per_io,
+        cpu.as_secs_f64() / secs
+    );
     if errors > 0 {
-        println!("errors:     {errors} (first: {})", std::io::Error::from_raw_os_error(first_error));
+        println!(
+            "errors:     {errors} (first: {})",
+            std::io::Error::from_raw_os_error(first_error)
+        );
     }
     println!(
         "RESULT iops={iops:.0} mibps={mibps:.1} mean_us={:.2} p50_us={:.2} p99_us={:.2} p999_us={:.2} cpu_ns_per_io={cpu_ns_per_io:.1} errors={errors}",

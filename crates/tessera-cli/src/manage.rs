@@ -6,7 +6,10 @@ use serde_json::{json, Value};
 use tessera_http::{request, Endpoint};
 
 pub fn endpoint(arg: Option<&str>) -> Endpoint {
-    let s = arg.map(str::to_string).or_else(|| std::env::var("TESSERA_API").ok()).unwrap_or_else(|| "tessera-data/api.sock".into());
+    let s = arg
+        .map(str::to_string)
+        .or_else(|| std::env::var("TESSERA_API").ok())
+        .unwrap_or_else(|| "tessera-data/api.sock".into());
     Endpoint::parse(&s)
 }
 
@@ -16,7 +19,10 @@ fn call(ep: &Endpoint, method: &str, path: &str, body: Option<Value>) -> Result<
     if (200..300).contains(&status) {
         Ok(v)
     } else {
-        Err(v["error"].as_str().map(str::to_string).unwrap_or_else(|| format!("the node answered HTTP {status}")))
+        Err(v["error"]
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("the node answered HTTP {status}")))
     }
 }
 
@@ -42,9 +48,15 @@ fn human(n: u64) -> String {
 
 fn table(rows: Vec<Vec<String>>) {
     let cols = rows.first().map_or(0, |r| r.len());
-    let w: Vec<usize> = (0..cols).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
+    let w: Vec<usize> = (0..cols)
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
     for r in rows {
-        let line: Vec<String> = r.iter().enumerate().map(|(i, c)| format!("{c:<w$}", w = w[i])).collect();
+        let line: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<w$}", w = w[i]))
+            .collect();
         println!("{}", line.join("  ").trim_end());
     }
 }
@@ -63,9 +75,25 @@ pub fn status(ep: &Endpoint, raw: bool) -> Result<(), String> {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(());
     }
-    println!("Tessera {} — up {}s on {} core(s)", s(&v["version"]), v["uptime_seconds"], v["cores"]);
-    println!("capacity {}  allocated {}  free {}", size(&v["capacity"]), size(&v["allocated"]), size(&v["free"]));
-    println!("NBD: {}", v["nbd"].as_array().map(|a| a.iter().map(s).collect::<Vec<_>>().join(", ")).unwrap_or_default());
+    println!(
+        "Tessera {} — up {}s on {} core(s)",
+        s(&v["version"]),
+        v["uptime_seconds"],
+        v["cores"]
+    );
+    println!(
+        "capacity {}  allocated {}  free {}",
+        size(&v["capacity"]),
+        size(&v["allocated"]),
+        size(&v["free"])
+    );
+    println!(
+        "NBD: {}",
+        v["nbd"]
+            .as_array()
+            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default()
+    );
     println!();
     print_pools(&v["pools"]);
     println!();
@@ -74,29 +102,89 @@ pub fn status(ep: &Endpoint, raw: bool) -> Result<(), String> {
 }
 
 fn print_pools(v: &Value) {
-    let mut rows = vec![vec!["POOL".into(), "STATE".into(), "LAYOUT".into(), "CAPACITY".into(), "ALLOCATED".into(), "FREE".into(), "VOLUMES".into(), "DEVICES".into()]];
+    let mut rows = vec![vec![
+        "POOL".into(),
+        "STATE".into(),
+        "LAYOUT".into(),
+        "CAPACITY".into(),
+        "ALLOCATED".into(),
+        "FREE".into(),
+        "VOLUMES".into(),
+        "DEVICES".into(),
+    ]];
     for p in v.as_array().into_iter().flatten() {
-        let devs = p["devices"].as_array().map(|d| d.iter().map(s).collect::<Vec<_>>().join(",")).unwrap_or_else(|| s(&p["error"]));
-        rows.push(vec![s(&p["name"]), s(&p["state"]), s(&p["layout"]), size(&p["capacity"]), size(&p["allocated"]), size(&p["free"]), s(&p["volumes"]), devs]);
+        let devs = p["devices"]
+            .as_array()
+            .map(|d| d.iter().map(s).collect::<Vec<_>>().join(","))
+            .unwrap_or_else(|| s(&p["error"]));
+        rows.push(vec![
+            s(&p["name"]),
+            s(&p["state"]),
+            s(&p["layout"]),
+            size(&p["capacity"]),
+            size(&p["allocated"]),
+            size(&p["free"]),
+            s(&p["volumes"]),
+            devs,
+        ]);
     }
     table(rows);
 }
 
 fn print_volumes(v: &Value) {
-    let mut rows = vec![vec!["VOLUME".into(), "POOL".into(), "SIZE".into(), "ALLOCATED".into(), "EXPORTS".into(), "CONNECTIONS".into()]];
+    let mut rows = vec![vec![
+        "VOLUME".into(),
+        "POOL".into(),
+        "SIZE".into(),
+        "ALLOCATED".into(),
+        "EXPORTS".into(),
+        "CONNECTIONS".into(),
+    ]];
     for x in v.as_array().into_iter().flatten() {
-        let ex = x["exports"].as_array().map(|d| d.iter().map(s).collect::<Vec<_>>().join(",")).unwrap_or_default();
-        rows.push(vec![s(&x["name"]), s(&x["pool"]), size(&x["size"]), size(&x["allocated"]), if ex.is_empty() { "-".into() } else { ex }, s(&x["connections"])]);
+        let ex = x["exports"]
+            .as_array()
+            .map(|d| d.iter().map(s).collect::<Vec<_>>().join(","))
+            .unwrap_or_default();
+        rows.push(vec![
+            s(&x["name"]),
+            s(&x["pool"]),
+            size(&x["size"]),
+            size(&x["allocated"]),
+            if ex.is_empty() { "-".into() } else { ex },
+            s(&x["connections"]),
+        ]);
     }
     table(rows);
 }
 
 fn print_exports(v: &Value) {
-    let mut rows = vec![vec!["EXPORT".into(), "VOLUME".into(), "MODE".into(), "SIZE".into(), "CONNECTIONS".into(), "URI".into()]];
+    let mut rows = vec![vec![
+        "EXPORT".into(),
+        "VOLUME".into(),
+        "MODE".into(),
+        "SIZE".into(),
+        "CONNECTIONS".into(),
+        "URI".into(),
+    ]];
     for x in v.as_array().into_iter().flatten() {
-        let mode = if x["read_only"].as_bool() == Some(true) { "ro" } else { "rw" };
-        let uri = x["uris"].as_array().and_then(|a| a.first()).map(s).unwrap_or_else(|| "-".into());
-        rows.push(vec![s(&x["name"]), s(&x["volume"]), mode.into(), size(&x["size"]), s(&x["connections"]), uri]);
+        let mode = if x["read_only"].as_bool() == Some(true) {
+            "ro"
+        } else {
+            "rw"
+        };
+        let uri = x["uris"]
+            .as_array()
+            .and_then(|a| a.first())
+            .map(s)
+            .unwrap_or_else(|| "-".into());
+        rows.push(vec![
+            s(&x["name"]),
+            s(&x["volume"]),
+            mode.into(),
+            size(&x["size"]),
+            s(&x["connections"]),
+            uri,
+        ]);
     }
     table(rows);
 }
@@ -132,13 +220,29 @@ pub enum PoolCmd {
     },
     List,
     /// Destroy an empty pool and wipe its device labels.
-    Destroy { name: String },
+    Destroy {
+        name: String,
+    },
 }
 
 pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
     match c {
-        PoolCmd::Create { name, devices, layout, stripe_size, unit_size, force } => {
-            let v = call(ep, "POST", "/v1/pools", Some(json!({"name": name, "devices": devices, "layout": layout, "stripe_size": stripe_size, "unit_size": unit_size, "force": force})))?;
+        PoolCmd::Create {
+            name,
+            devices,
+            layout,
+            stripe_size,
+            unit_size,
+            force,
+        } => {
+            let v = call(
+                ep,
+                "POST",
+                "/v1/pools",
+                Some(
+                    json!({"name": name, "devices": devices, "layout": layout, "stripe_size": stripe_size, "unit_size": unit_size, "force": force}),
+                ),
+            )?;
             show(&Value::Array(vec![v]), raw, print_pools);
         }
         PoolCmd::List => show(&call(ep, "GET", "/v1/pools", None)?, raw, print_pools),
@@ -169,18 +273,30 @@ pub enum VolumeCmd {
         size: String,
     },
     /// Delete a volume and free its space (refused while exported or connected).
-    Delete { name: String },
+    Delete {
+        name: String,
+    },
 }
 
 pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<(), String> {
     match c {
         VolumeCmd::Create { name, pool, size } => {
-            let v = call(ep, "POST", "/v1/volumes", Some(json!({"name": name, "pool": pool, "size": size})))?;
+            let v = call(
+                ep,
+                "POST",
+                "/v1/volumes",
+                Some(json!({"name": name, "pool": pool, "size": size})),
+            )?;
             show(&Value::Array(vec![v]), raw, print_volumes);
         }
         VolumeCmd::List => show(&call(ep, "GET", "/v1/volumes", None)?, raw, print_volumes),
         VolumeCmd::Resize { name, size } => {
-            let v = call(ep, "PATCH", &format!("/v1/volumes/{name}"), Some(json!({"size": size})))?;
+            let v = call(
+                ep,
+                "PATCH",
+                &format!("/v1/volumes/{name}"),
+                Some(json!({"size": size})),
+            )?;
             show(&Value::Array(vec![v]), raw, print_volumes);
         }
         VolumeCmd::Delete { name } => {
@@ -203,13 +319,24 @@ pub enum ExportCmd {
     },
     List,
     /// Stop exporting (open connections keep their volume until they disconnect).
-    Remove { name: String },
+    Remove {
+        name: String,
+    },
 }
 
 pub fn export(ep: &Endpoint, c: ExportCmd, raw: bool) -> Result<(), String> {
     match c {
-        ExportCmd::Add { name, volume, read_only } => {
-            let v = call(ep, "POST", "/v1/exports", Some(json!({"name": name, "volume": volume, "read_only": read_only})))?;
+        ExportCmd::Add {
+            name,
+            volume,
+            read_only,
+        } => {
+            let v = call(
+                ep,
+                "POST",
+                "/v1/exports",
+                Some(json!({"name": name, "volume": volume, "read_only": read_only})),
+            )?;
             show(&Value::Array(vec![v]), raw, print_exports);
         }
         ExportCmd::List => show(&call(ep, "GET", "/v1/exports", None)?, raw, print_exports),
@@ -220,4 +347,3 @@ pub fn export(ep: &Endpoint, c: ExportCmd, raw: bool) -> Result<(), String> {
     }
     Ok(())
 }
-

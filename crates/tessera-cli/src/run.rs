@@ -68,8 +68,14 @@ fn serve(cfg: NodeConfig) -> Result<(), String> {
         listener::start_nbd_unix(&node, &p).map_err(|e| e.to_string())?;
         addrs.push(format!("unix:{}", p.display()));
     }
-    *node.nbd_addresses.write().unwrap_or_else(|e| e.into_inner()) =
-        addrs.iter().filter(|a| a.starts_with("nbd://")).cloned().collect();
+    *node
+        .nbd_addresses
+        .write()
+        .unwrap_or_else(|e| e.into_inner()) = addrs
+        .iter()
+        .filter(|a| a.starts_with("nbd://"))
+        .cloned()
+        .collect();
     print_banner(&node, &addrs);
     // Wait for SIGINT/SIGTERM, then commit every pool and leave.
     let mut sig: libc::c_int = 0;
@@ -86,15 +92,29 @@ fn serve(cfg: NodeConfig) -> Result<(), String> {
 
 fn print_banner(node: &Node, addrs: &[String]) {
     let st = node.status();
-    println!("tessera: node up on {} core(s), data in {}", node.reactors.len(), node.cfg.data_dir.display());
-    println!("tessera: management API: unix:{}", node.cfg.api_socket().display());
+    println!(
+        "tessera: node up on {} core(s), data in {}",
+        node.reactors.len(),
+        node.cfg.data_dir.display()
+    );
+    println!(
+        "tessera: management API: unix:{}",
+        node.cfg.api_socket().display()
+    );
     for p in st["pools"].as_array().into_iter().flatten() {
         println!(
             "tessera: pool {} ({}, {}) on {}",
             p["name"].as_str().unwrap_or("?"),
             p["layout"].as_str().unwrap_or("?"),
             p["capacity_human"].as_str().unwrap_or("?"),
-            p["devices"].as_array().map(|d| d.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(", ")).unwrap_or_default()
+            p["devices"]
+                .as_array()
+                .map(|d| d
+                    .iter()
+                    .filter_map(|x| x.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "))
+                .unwrap_or_default()
         );
     }
     for e in st["exports"].as_array().into_iter().flatten() {

@@ -119,7 +119,10 @@ impl FileDevice {
 
     fn aligned(&self, offset: u64, len: usize, ptr: *const u8) -> bool {
         let a = self.align as u64;
-        !self.direct || (offset.is_multiple_of(a) && (len as u64).is_multiple_of(a) && (ptr as u64).is_multiple_of(a))
+        !self.direct
+            || (offset.is_multiple_of(a)
+                && (len as u64).is_multiple_of(a)
+                && (ptr as u64).is_multiple_of(a))
     }
 
     fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {

@@ -264,7 +264,11 @@ impl Reactor {
             if self.io.has_ready() {
                 continue;
             }
-            if !self.cfg.busy_poll && next_timer.is_none() && !self.cfg.poll_window.is_zero() && self.poll_briefly() {
+            if !self.cfg.busy_poll
+                && next_timer.is_none()
+                && !self.cfg.poll_window.is_zero()
+                && self.poll_briefly()
+            {
                 self.io.reap(&mut |ud, _res| {
                     if ud == MAILBOX_UD {
                         mailbox_fired = true;
@@ -279,7 +283,12 @@ impl Reactor {
                 // GETEVENTS with min_complete 0: run deferred task work without sleeping.
                 // SAFETY: no argument struct is passed.
                 let pending = self.io.ring.submission().len() as u32;
-                unsafe { self.io.ring.submitter().enter::<libc::sigset_t>(pending, 0, 1, None) }
+                unsafe {
+                    self.io
+                        .ring
+                        .submitter()
+                        .enter::<libc::sigset_t>(pending, 0, 1, None)
+                }
             } else if let Some(d) = next_timer {
                 let ts = Timespec::from(d.max(Duration::from_micros(1)));
                 let args = SubmitArgs::new().timespec(&ts);
@@ -317,7 +326,12 @@ impl Reactor {
             let pending = self.io.ring.submission().len() as u32;
             // GETEVENTS with min_complete 0 runs deferred task work without sleeping.
             // SAFETY: no argument struct is passed.
-            let _ = unsafe { self.io.ring.submitter().enter::<libc::sigset_t>(pending, 0, 1, None) };
+            let _ = unsafe {
+                self.io
+                    .ring
+                    .submitter()
+                    .enter::<libc::sigset_t>(pending, 0, 1, None)
+            };
             if !self.io.ring.completion().is_empty() {
                 return true;
             }

@@ -61,7 +61,18 @@ struct Slot {
 
 impl Slot {
     fn new() -> Slot {
-        Slot { phase: Phase::Free, cookie: 0, cmd: 0, flags: 0, offset: 0, len: 0, buf: None, hdr: [0; 32], hdr_len: 0, data_len: 0 }
+        Slot {
+            phase: Phase::Free,
+            cookie: 0,
+            cmd: 0,
+            flags: 0,
+            offset: 0,
+            len: 0,
+            buf: None,
+            hdr: [0; 32],
+            hdr_len: 0,
+            data_len: 0,
+        }
     }
 }
 
@@ -138,7 +149,10 @@ impl NbdConn {
                 let slot = &mut self.slots[s as usize];
                 let buf = slot.buf.as_mut().expect("payload buffer");
                 // SAFETY: got < len <= capacity.
-                (unsafe { buf.as_mut_ptr().add(got) }, slot.len as usize - got)
+                (
+                    unsafe { buf.as_mut_ptr().add(got) },
+                    slot.len as usize - got,
+                )
             }
             None => {
                 if self.free.is_empty() {
@@ -148,12 +162,19 @@ impl NbdConn {
                     return; // parse() compacts first; a full buffer means a slot is awaited
                 }
                 // SAFETY: rend < RBUF_CAP.
-                (unsafe { self.rbuf.as_mut_ptr().add(self.rend) }, RBUF_CAP - self.rend)
+                (
+                    unsafe { self.rbuf.as_mut_ptr().add(self.rend) },
+                    RBUF_CAP - self.rend,
+                )
             }
         };
-        let e = opcode::Recv::new(types::Fd(self.fd.as_raw_fd()), ptr, len.min(u32::MAX as usize) as u32)
-            .build()
-            .user_data(self.tag(SLOT_RECV));
+        let e = opcode::Recv::new(
+            types::Fd(self.fd.as_raw_fd()),
+            ptr,
+            len.min(u32::MAX as usize) as u32,
+        )
+        .build()
+        .user_data(self.tag(SLOT_RECV));
         // SAFETY: the buffer is owned by this connection, which outlives the operation
         // (finished() waits for it).
         unsafe { io.push_sqe(e) };
@@ -205,7 +226,11 @@ impl NbdConn {
                     break;
                 }
             };
-            let payload = if h.cmd == CMD_WRITE { h.length as usize } else { 0 };
+            let payload = if h.cmd == CMD_WRITE {
+                h.length as usize
+            } else {
+                0
+            };
             if h.cmd == CMD_WRITE && h.length > MAX_PAYLOAD {
                 // We cannot skip 4 GiB of payload safely; the spec allows a disconnect.
                 eprintln!("tessera: nbd: closing connection: write of {} bytes exceeds the {MAX_PAYLOAD}-byte limit", h.length);
@@ -230,7 +255,8 @@ impl NbdConn {
             if payload > 0 {
                 let mut buf = io.bufs.get(payload);
                 let take = payload.min(have);
-                buf.as_mut_slice()[..take].copy_from_slice(&self.rbuf.as_slice()[self.rstart..self.rstart + take]);
+                buf.as_mut_slice()[..take]
+                    .copy_from_slice(&self.rbuf.as_slice()[self.rstart..self.rstart + take]);
                 self.rstart += take;
                 slot.buf = Some(buf);
                 if take < payload {
@@ -247,14 +273,18 @@ impl NbdConn {
             self.rend = 0;
         } else if self.rstart > 0 && (self.rstart >= RBUF_CAP / 2 || self.rend == RBUF_CAP) {
             let n = self.rend - self.rstart;
-            self.rbuf.as_mut_slice().copy_within(self.rstart..self.rend, 0);
+            self.rbuf
+                .as_mut_slice()
+                .copy_within(self.rstart..self.rend, 0);
             self.rstart = 0;
             self.rend = n;
         }
     }
 
     fn in_bounds(&self, s: &Slot) -> bool {
-        s.offset.checked_add(s.len as u64).is_some_and(|e| e <= self.vol.size())
+        s.offset
+            .checked_add(s.len as u64)
+            .is_some_and(|e| e <= self.vol.size())
     }
 
     /// Start serving the request in slot `s`.
@@ -267,7 +297,11 @@ impl NbdConn {
         };
         let writes = matches!(cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
         // DF only means something with structured replies; the handshake did not offer it.
-        let known = if self.opts.structured_replies { CMD_FLAGS_KNOWN } else { CMD_FLAGS_KNOWN & !CMD_FLAG_DF };
+        let known = if self.opts.structured_replies {
+            CMD_FLAGS_KNOWN
+        } else {
+            CMD_FLAGS_KNOWN & !CMD_FLAG_DF
+        };
         let err = if flags & !known != 0 {
             Some(EINVAL)
         } else if writes && self.opts.read_only {
@@ -294,7 +328,11 @@ impl NbdConn {
                     return self.finish_hole(s);
                 }
                 let mut buf = io.bufs.get(len as usize);
-                let op = IoOp::Read { offset, len, buf: buf.as_mut_ptr() };
+                let op = IoOp::Read {
+                    offset,
+                    len,
+                    buf: buf.as_mut_ptr(),
+                };
                 self.slots[idx].buf = Some(buf);
                 self.submit(io, op, tag);
             }
@@ -302,7 +340,10 @@ impl NbdConn {
                 if !self.in_bounds(&self.slots[idx]) {
                     return self.finish(s, ENOSPC);
                 }
-                let buf = self.slots[idx].buf.as_ref().map_or(std::ptr::null(), |b| b.as_ptr());
+                let buf = self.slots[idx]
+                    .buf
+                    .as_ref()
+                    .map_or(std::ptr::null(), |b| b.as_ptr());
                 self.submit(io, IoOp::Write { offset, len, buf }, tag);
             }
             CMD_FLUSH => self.submit(io, IoOp::Flush, tag),
@@ -310,7 +351,14 @@ impl NbdConn {
                 if !self.in_bounds(&self.slots[idx]) {
                     return self.finish(s, EINVAL);
                 }
-                self.submit(io, IoOp::Discard { offset, len: len as u64 }, tag);
+                self.submit(
+                    io,
+                    IoOp::Discard {
+                        offset,
+                        len: len as u64,
+                    },
+                    tag,
+                );
             }
             CMD_WRITE_ZEROES => {
                 if !self.in_bounds(&self.slots[idx]) {
@@ -321,7 +369,15 @@ impl NbdConn {
                     return self.finish(s, ENOTSUP);
                 }
                 let may_unmap = flags & CMD_FLAG_NO_HOLE == 0;
-                self.submit(io, IoOp::WriteZeroes { offset, len: len as u64, may_unmap }, tag);
+                self.submit(
+                    io,
+                    IoOp::WriteZeroes {
+                        offset,
+                        len: len as u64,
+                        may_unmap,
+                    },
+                    tag,
+                );
             }
             CMD_CACHE => {
                 // Data already lives on the devices; there is no cache tier to warm yet.
@@ -345,12 +401,22 @@ impl NbdConn {
 
     fn block_status(&mut self, io: &mut CoreIo, s: u16) {
         let idx = s as usize;
-        let Some(ctx) = self.opts.base_allocation else { return self.finish(s, EINVAL) };
+        let Some(ctx) = self.opts.base_allocation else {
+            return self.finish(s, EINVAL);
+        };
         if self.slots[idx].len == 0 || !self.in_bounds(&self.slots[idx]) {
             return self.finish(s, EINVAL);
         }
-        let (offset, len, flags) = (self.slots[idx].offset, self.slots[idx].len, self.slots[idx].flags);
-        let max = if flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS };
+        let (offset, len, flags) = (
+            self.slots[idx].offset,
+            self.slots[idx].len,
+            self.slots[idx].flags,
+        );
+        let max = if flags & CMD_FLAG_REQ_ONE != 0 {
+            1
+        } else {
+            MAX_EXTENTS
+        };
         let runs = self.vol.volume().allocation_runs(offset, len as u64, max);
         let mut buf = io.bufs.get(4 + 8 * runs.len());
         let b = buf.as_mut_slice();
@@ -362,7 +428,13 @@ impl NbdConn {
         }
         let plen = (4 + 8 * runs.len()) as u32;
         let sl = &mut self.slots[idx];
-        encode_structured_reply(&mut sl.hdr, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, sl.cookie, plen);
+        encode_structured_reply(
+            &mut sl.hdr,
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_BLOCK_STATUS,
+            sl.cookie,
+            plen,
+        );
         sl.hdr_len = STRUCTURED_REPLY_LEN as u8;
         sl.buf = Some(buf);
         sl.data_len = plen;
@@ -372,7 +444,13 @@ impl NbdConn {
 
     fn finish_hole(&mut self, s: u16) {
         let sl = &mut self.slots[s as usize];
-        encode_structured_reply(&mut sl.hdr, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, sl.cookie, 12);
+        encode_structured_reply(
+            &mut sl.hdr,
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_HOLE,
+            sl.cookie,
+            12,
+        );
         sl.hdr[20..28].copy_from_slice(&sl.offset.to_be_bytes());
         sl.hdr[28..32].copy_from_slice(&sl.len.to_be_bytes());
         sl.hdr_len = 32;
@@ -389,7 +467,13 @@ impl NbdConn {
         sl.data_len = 0;
         if err != 0 {
             if structured {
-                encode_structured_reply(&mut sl.hdr, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, sl.cookie, 6);
+                encode_structured_reply(
+                    &mut sl.hdr,
+                    REPLY_FLAG_DONE,
+                    REPLY_TYPE_ERROR,
+                    sl.cookie,
+                    6,
+                );
                 sl.hdr[20..24].copy_from_slice(&err.to_be_bytes());
                 sl.hdr[24..26].copy_from_slice(&0u16.to_be_bytes());
                 sl.hdr_len = 26;
@@ -399,7 +483,13 @@ impl NbdConn {
             }
         } else if is_read && sl.len > 0 {
             if structured {
-                encode_structured_reply(&mut sl.hdr, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, sl.cookie, 8 + sl.len);
+                encode_structured_reply(
+                    &mut sl.hdr,
+                    REPLY_FLAG_DONE,
+                    REPLY_TYPE_OFFSET_DATA,
+                    sl.cookie,
+                    8 + sl.len,
+                );
                 sl.hdr[20..28].copy_from_slice(&sl.offset.to_be_bytes());
                 sl.hdr_len = 28;
             } else {
@@ -424,7 +514,10 @@ impl NbdConn {
         if res < 0 {
             return self.finish(s, errno_to_nbd(-res));
         }
-        if sl.phase == Phase::Io && sl.flags & CMD_FLAG_FUA != 0 && matches!(sl.cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES) {
+        if sl.phase == Phase::Io
+            && sl.flags & CMD_FLAG_FUA != 0
+            && matches!(sl.cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES)
+        {
             // Forced unit access: the data is written; now make it (and its mapping) durable.
             sl.phase = Phase::FuaFlush;
             let tag = self.tag(s as u32);
@@ -464,10 +557,16 @@ impl NbdConn {
                 break;
             }
             let sl = &mut self.slots[s as usize];
-            self.iov.push(libc::iovec { iov_base: sl.hdr.as_mut_ptr() as *mut libc::c_void, iov_len: sl.hdr_len as usize });
+            self.iov.push(libc::iovec {
+                iov_base: sl.hdr.as_mut_ptr() as *mut libc::c_void,
+                iov_len: sl.hdr_len as usize,
+            });
             if sl.data_len > 0 {
                 let b = sl.buf.as_mut().expect("reply data buffer");
-                self.iov.push(libc::iovec { iov_base: b.as_mut_ptr() as *mut libc::c_void, iov_len: sl.data_len as usize });
+                self.iov.push(libc::iovec {
+                    iov_base: b.as_mut_ptr() as *mut libc::c_void,
+                    iov_len: sl.data_len as usize,
+                });
             }
             self.sending.push(s);
             taken += 1;
@@ -480,10 +579,13 @@ impl NbdConn {
     fn post_send(&mut self, io: &mut CoreIo) {
         self.msg.msg_iov = self.iov[self.iov_at..].as_mut_ptr();
         self.msg.msg_iovlen = self.iov.len() - self.iov_at;
-        let e = opcode::SendMsg::new(types::Fd(self.fd.as_raw_fd()), &*self.msg as *const libc::msghdr)
-            .flags(libc::MSG_NOSIGNAL as u32)
-            .build()
-            .user_data(self.tag(SLOT_SEND));
+        let e = opcode::SendMsg::new(
+            types::Fd(self.fd.as_raw_fd()),
+            &*self.msg as *const libc::msghdr,
+        )
+        .flags(libc::MSG_NOSIGNAL as u32)
+        .build()
+        .user_data(self.tag(SLOT_SEND));
         // SAFETY: msg, iov and the buffers they point to belong to this connection and are
         // not touched until the send completes.
         unsafe { io.push_sqe(e) };
@@ -546,7 +648,12 @@ impl Task for NbdConn {
         self.send(io);
         // Once drained (nothing in flight, nothing to send), wake our receive with a
         // shutdown so the connection can finish.
-        if self.draining && !self.shut && self.in_io == 0 && !self.send_posted && self.outq.is_empty() {
+        if self.draining
+            && !self.shut
+            && self.in_io == 0
+            && !self.send_posted
+            && self.outq.is_empty()
+        {
             self.shut = true;
             // SAFETY: shutting down our own socket.
             unsafe { libc::shutdown(self.fd.as_raw_fd(), libc::SHUT_RDWR) };

@@ -26,19 +26,29 @@ fn reply(r: Result<Value, Error>, ok: u16) -> Response {
 }
 
 fn field<'a>(body: &'a Value, name: &str) -> Result<&'a Value, Error> {
-    body.get(name).ok_or_else(|| Error::invalid(format!("missing field '{name}'")))
+    body.get(name)
+        .ok_or_else(|| Error::invalid(format!("missing field '{name}'")))
 }
 
 fn str_field(body: &Value, name: &str) -> Result<String, Error> {
-    field(body, name)?.as_str().map(str::to_string).ok_or_else(|| Error::invalid(format!("field '{name}' must be a string")))
+    field(body, name)?
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| Error::invalid(format!("field '{name}' must be a string")))
 }
 
 /// Sizes may be given as a number of bytes or as a string like "4G".
 fn size_field(body: &Value, name: &str) -> Result<u64, Error> {
     match field(body, name)? {
-        Value::Number(n) => n.as_u64().ok_or_else(|| Error::invalid(format!("field '{name}' must be a positive integer"))),
-        Value::String(s) => tessera_device::parse_size(s).map_err(|e| Error::invalid(e.to_string())),
-        _ => Err(Error::invalid(format!("field '{name}' must be a number of bytes or a size like \"4G\""))),
+        Value::Number(n) => n
+            .as_u64()
+            .ok_or_else(|| Error::invalid(format!("field '{name}' must be a positive integer"))),
+        Value::String(s) => {
+            tessera_device::parse_size(s).map_err(|e| Error::invalid(e.to_string()))
+        }
+        _ => Err(Error::invalid(format!(
+            "field '{name}' must be a number of bytes or a size like \"4G\""
+        ))),
     }
 }
 
@@ -62,41 +72,84 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
     match (req.method.as_str(), parts.as_slice()) {
         ("GET", ["v1", "status"]) => Response::json(200, &node.status()),
         ("GET", ["v1", "pools"]) => Response::json(200, &node.list_pools()),
-        ("GET", ["v1", "pools", name]) => reply(node.pool(name).map(|p| crate::node::pool_json(&p)), 200),
+        ("GET", ["v1", "pools", name]) => {
+            reply(node.pool(name).map(|p| crate::node::pool_json(&p)), 200)
+        }
         ("POST", ["v1", "pools"]) => reply(
             (|| {
                 let name = str_field(&body, "name")?;
                 let devices: Vec<String> = field(&body, "devices")?
                     .as_array()
-                    .ok_or_else(|| Error::invalid("field 'devices' must be a list of device specs"))?
+                    .ok_or_else(|| {
+                        Error::invalid("field 'devices' must be a list of device specs")
+                    })?
                     .iter()
-                    .map(|d| d.as_str().map(str::to_string).ok_or_else(|| Error::invalid("device specs must be strings")))
+                    .map(|d| {
+                        d.as_str()
+                            .map(str::to_string)
+                            .ok_or_else(|| Error::invalid("device specs must be strings"))
+                    })
                     .collect::<Result<_, _>>()?;
                 let layout = opt_str(&body, "layout").unwrap_or_else(|| "concat".into());
                 let force = body.get("force").and_then(Value::as_bool).unwrap_or(false);
-                node.create_pool(&name, &devices, &layout, opt_str(&body, "stripe_size").as_deref(), opt_str(&body, "unit_size").as_deref(), force)
+                node.create_pool(
+                    &name,
+                    &devices,
+                    &layout,
+                    opt_str(&body, "stripe_size").as_deref(),
+                    opt_str(&body, "unit_size").as_deref(),
+                    force,
+                )
             })(),
             201,
         ),
-        ("DELETE", ["v1", "pools", name]) => reply(node.destroy_pool(name).map(|_| json!({"deleted": name})), 200),
+        ("DELETE", ["v1", "pools", name]) => reply(
+            node.destroy_pool(name).map(|_| json!({"deleted": name})),
+            200,
+        ),
         ("GET", ["v1", "volumes"]) => Response::json(200, &node.list_volumes()),
-        ("GET", ["v1", "volumes", name]) => reply(node.find_volume(name).map(|(p, v)| node.volume_json(&p, &v)), 200),
+        ("GET", ["v1", "volumes", name]) => reply(
+            node.find_volume(name)
+                .map(|(p, v)| node.volume_json(&p, &v)),
+            200,
+        ),
         ("POST", ["v1", "volumes"]) => reply(
-            (|| node.create_volume(&str_field(&body, "name")?, &str_field(&body, "pool")?, size_field(&body, "size")?))(),
+            (|| {
+                node.create_volume(
+                    &str_field(&body, "name")?,
+                    &str_field(&body, "pool")?,
+                    size_field(&body, "size")?,
+                )
+            })(),
             201,
         ),
-        ("PATCH", ["v1", "volumes", name]) => reply((|| node.resize_volume(name, size_field(&body, "size")?))(), 200),
-        ("DELETE", ["v1", "volumes", name]) => reply(node.delete_volume(name).map(|_| json!({"deleted": name})), 200),
+        ("PATCH", ["v1", "volumes", name]) => reply(
+            (|| node.resize_volume(name, size_field(&body, "size")?))(),
+            200,
+        ),
+        ("DELETE", ["v1", "volumes", name]) => reply(
+            node.delete_volume(name).map(|_| json!({"deleted": name})),
+            200,
+        ),
         ("GET", ["v1", "exports"]) => Response::json(200, &node.list_exports()),
         ("POST", ["v1", "exports"]) => reply(
             (|| {
-                let ro = body.get("read_only").and_then(Value::as_bool).unwrap_or(false);
+                let ro = body
+                    .get("read_only")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
                 node.add_export(&str_field(&body, "name")?, &str_field(&body, "volume")?, ro)
             })(),
             201,
         ),
-        ("DELETE", ["v1", "exports", name]) => reply(node.remove_export(name).map(|_| json!({"deleted": name})), 200),
-        (_, ["v1", ..]) => Response::error(404, &format!("no such API route: {} {}", req.method, req.path)),
+        ("DELETE", ["v1", "exports", name]) => reply(
+            node.remove_export(name).map(|_| json!({"deleted": name})),
+            200,
+        ),
+        (_, ["v1", ..]) => Response::error(
+            404,
+            &format!("no such API route: {} {}", req.method, req.path),
+        ),
         _ => Response::error(404, "the Tessera API lives under /v1/"),
     }
 }

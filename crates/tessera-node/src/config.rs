@@ -53,7 +53,10 @@ pub struct NbdConfig {
 
 impl Default for NbdConfig {
     fn default() -> Self {
-        NbdConfig { listen: vec!["127.0.0.1:10809".into()], unix: None }
+        NbdConfig {
+            listen: vec!["127.0.0.1:10809".into()],
+            unix: None,
+        }
     }
 }
 
@@ -108,7 +111,8 @@ impl Default for NodeConfig {
 
 impl NodeConfig {
     pub fn load(path: &Path) -> Result<NodeConfig, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
         toml::from_str(&text).map_err(|e| format!("config {}: {e}", path.display()))
     }
 
@@ -125,21 +129,34 @@ impl NodeConfig {
                 stripe_size: None,
                 unit_size: None,
             }],
-            volumes: vec![VolumeDecl { name: "vol0".into(), pool: "pool0".into(), size: "4G".into() }],
-            exports: vec![ExportDecl { name: "vol0".into(), volume: "vol0".into(), read_only: false }],
+            volumes: vec![VolumeDecl {
+                name: "vol0".into(),
+                pool: "pool0".into(),
+                size: "4G".into(),
+            }],
+            exports: vec![ExportDecl {
+                name: "vol0".into(),
+                volume: "vol0".into(),
+                read_only: false,
+            }],
             ..NodeConfig::default()
         }
     }
 
     pub fn api_socket(&self) -> PathBuf {
-        self.api.socket.clone().unwrap_or_else(|| self.data_dir.join("api.sock"))
+        self.api
+            .socket
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("api.sock"))
     }
 
     pub fn core_count(&self) -> usize {
         if self.cores > 0 {
             self.cores
         } else {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
         }
     }
 }

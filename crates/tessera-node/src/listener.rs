@@ -27,11 +27,19 @@ fn bind_unix(path: &Path) -> io::Result<UnixListener> {
     if path.exists() {
         // A socket left by a previous run: remove it only if nobody answers on it.
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(io::Error::new(io::ErrorKind::AddrInUse, format!("{} is in use by a running process", path.display())));
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("{} is in use by a running process", path.display()),
+            ));
         }
         std::fs::remove_file(path)?;
     }
-    UnixListener::bind(path).map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {}: {e}", path.display())))
+    UnixListener::bind(path).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("cannot listen on {}: {e}", path.display()),
+        )
+    })
 }
 
 pub fn start_api(node: &Arc<Node>) -> io::Result<()> {
@@ -39,10 +47,15 @@ pub fn start_api(node: &Arc<Node>) -> io::Result<()> {
     let handler: tessera_http::Handler = Arc::new(move |req| crate::api::handle(&n, req));
     let l = bind_unix(&node.cfg.api_socket())?;
     let h = handler.clone();
-    std::thread::Builder::new().name("tessera-api".into()).spawn(move || tessera_http::serve_unix(l, h))?;
+    std::thread::Builder::new()
+        .name("tessera-api".into())
+        .spawn(move || tessera_http::serve_unix(l, h))?;
     if let Some(addr) = &node.cfg.api.tcp {
-        let l = TcpListener::bind(addr).map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))?;
-        std::thread::Builder::new().name("tessera-api-tcp".into()).spawn(move || tessera_http::serve_tcp(l, handler))?;
+        let l = TcpListener::bind(addr)
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))?;
+        std::thread::Builder::new()
+            .name("tessera-api-tcp".into())
+            .spawn(move || tessera_http::serve_tcp(l, handler))?;
     }
     Ok(())
 }
@@ -62,12 +75,21 @@ where
         }
     };
     let Some((vol, read_only)) = node.resolve_export(&n.export_name) else {
-        eprintln!("tessera: nbd: export '{}' vanished during the handshake", n.export_name);
+        eprintln!(
+            "tessera: nbd: export '{}' vanished during the handshake",
+            n.export_name
+        );
         return;
     };
-    let opts = ConnOptions { structured_replies: n.structured_replies, base_allocation: n.base_allocation, read_only: read_only || n.read_only };
+    let opts = ConnOptions {
+        structured_replies: n.structured_replies,
+        base_allocation: n.base_allocation,
+        read_only: read_only || n.read_only,
+    };
     let fd = into_fd(stream);
-    node.next_reactor().spawn(Box::new(move |_io| Box::new(NbdConn::new(fd, vol.open_handle(), opts))));
+    node.next_reactor().spawn(Box::new(move |_io| {
+        Box::new(NbdConn::new(fd, vol.open_handle(), opts))
+    }));
 }
 
 fn admit() -> bool {
@@ -79,59 +101,68 @@ fn admit() -> bool {
 }
 
 pub fn start_nbd_tcp(node: &Arc<Node>, addr: &str) -> io::Result<String> {
-    let l = TcpListener::bind(addr).map_err(|e| io::Error::new(e.kind(), format!("cannot listen for NBD on {addr}: {e}")))?;
+    let l = TcpListener::bind(addr)
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot listen for NBD on {addr}: {e}")))?;
     let local = l.local_addr()?.to_string();
     let node = node.clone();
-    std::thread::Builder::new().name("tessera-nbd-accept".into()).spawn(move || {
-        for s in l.incoming() {
-            let Ok(s) = s else { continue };
-            if !admit() {
-                continue; // dropping the stream closes it
+    std::thread::Builder::new()
+        .name("tessera-nbd-accept".into())
+        .spawn(move || {
+            for s in l.incoming() {
+                let Ok(s) = s else { continue };
+                if !admit() {
+                    continue; // dropping the stream closes it
+                }
+                let _ = s.set_nodelay(true);
+                let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+                let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
+                let node = node.clone();
+                let r = std::thread::Builder::new()
+                    .name("tessera-nbd-hs".into())
+                    .spawn(move || {
+                        serve_client(node, s, |s| {
+                            let _ = s.set_read_timeout(None);
+                            let _ = s.set_write_timeout(None);
+                            OwnedFd::from(s)
+                        });
+                        HANDSHAKES.fetch_sub(1, Relaxed);
+                    });
+                if r.is_err() {
+                    HANDSHAKES.fetch_sub(1, Relaxed);
+                }
             }
-            let _ = s.set_nodelay(true);
-            let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-            let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-            let node = node.clone();
-            let r = std::thread::Builder::new().name("tessera-nbd-hs".into()).spawn(move || {
-                serve_client(node, s, |s| {
-                    let _ = s.set_read_timeout(None);
-                    let _ = s.set_write_timeout(None);
-                    OwnedFd::from(s)
-                });
-                HANDSHAKES.fetch_sub(1, Relaxed);
-            });
-            if r.is_err() {
-                HANDSHAKES.fetch_sub(1, Relaxed);
-            }
-        }
-    })?;
+        })?;
     Ok(local)
 }
 
 pub fn start_nbd_unix(node: &Arc<Node>, path: &Path) -> io::Result<()> {
     let l = bind_unix(path)?;
     let node = node.clone();
-    std::thread::Builder::new().name("tessera-nbd-accept-unix".into()).spawn(move || {
-        for s in l.incoming() {
-            let Ok(s) = s else { continue };
-            if !admit() {
-                continue;
+    std::thread::Builder::new()
+        .name("tessera-nbd-accept-unix".into())
+        .spawn(move || {
+            for s in l.incoming() {
+                let Ok(s) = s else { continue };
+                if !admit() {
+                    continue;
+                }
+                let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+                let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
+                let node = node.clone();
+                let r = std::thread::Builder::new()
+                    .name("tessera-nbd-hs".into())
+                    .spawn(move || {
+                        serve_client(node, s, |s| {
+                            let _ = s.set_read_timeout(None);
+                            let _ = s.set_write_timeout(None);
+                            OwnedFd::from(s)
+                        });
+                        HANDSHAKES.fetch_sub(1, Relaxed);
+                    });
+                if r.is_err() {
+                    HANDSHAKES.fetch_sub(1, Relaxed);
+                }
             }
-            let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-            let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-            let node = node.clone();
-            let r = std::thread::Builder::new().name("tessera-nbd-hs".into()).spawn(move || {
-                serve_client(node, s, |s| {
-                    let _ = s.set_read_timeout(None);
-                    let _ = s.set_write_timeout(None);
-                    OwnedFd::from(s)
-                });
-                HANDSHAKES.fetch_sub(1, Relaxed);
-            });
-            if r.is_err() {
-                HANDSHAKES.fetch_sub(1, Relaxed);
-            }
-        }
-    })?;
+        })?;
     Ok(())
 }

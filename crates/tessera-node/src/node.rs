@@ -10,7 +10,9 @@ use serde_json::{json, Value};
 use tessera_device::{format_size, open_device, parse_size, BlockDevice, DeviceSpec};
 use tessera_io::{spawn_reactors, Mailbox, ReactorConfig};
 use tessera_nbd::handshake::{ExportCatalog, ExportInfo};
-use tessera_pool::{Error, ErrorKind, ExportRecord, LayoutKind, Pool, PoolOptions, Volume, DEFAULT_UNIT_SIZE};
+use tessera_pool::{
+    Error, ErrorKind, ExportRecord, LayoutKind, Pool, PoolOptions, Volume, DEFAULT_UNIT_SIZE,
+};
 
 use crate::config::NodeConfig;
 use crate::registry::{PoolEntry, Registry};
@@ -43,12 +45,21 @@ fn size_arg(what: &str, v: &str) -> Result<u64> {
 impl Node {
     /// Start the reactors and bring back every pool in the registry.
     pub fn start(cfg: NodeConfig) -> std::result::Result<Arc<Node>, String> {
-        std::fs::create_dir_all(&cfg.data_dir).map_err(|e| format!("cannot create data directory {}: {e}", cfg.data_dir.display()))?;
-        let rcfg = ReactorConfig { cores: cfg.core_count(), busy_poll: cfg.busy_poll, pin: cfg.pin_cores,
+        std::fs::create_dir_all(&cfg.data_dir).map_err(|e| {
+            format!(
+                "cannot create data directory {}: {e}",
+                cfg.data_dir.display()
+            )
+        })?;
+        let rcfg = ReactorConfig {
+            cores: cfg.core_count(),
+            busy_poll: cfg.busy_poll,
+            pin: cfg.pin_cores,
             poll_window: std::time::Duration::from_micros(cfg.poll_us),
             ..ReactorConfig::default()
         };
-        let reactors = spawn_reactors(&rcfg).map_err(|e| format!("cannot start reactors (is io_uring available?): {e}"))?;
+        let reactors = spawn_reactors(&rcfg)
+            .map_err(|e| format!("cannot start reactors (is io_uring available?): {e}"))?;
         let registry = Registry::new(&cfg.data_dir);
         let entries = registry.load()?;
         let node = Arc::new(Node {
@@ -66,11 +77,17 @@ impl Node {
         for e in entries {
             match node.restore_pool(&e) {
                 Ok(p) => {
-                    node.pools.write().unwrap_or_else(|x| x.into_inner()).insert(e.name.clone(), Arc::new(p));
+                    node.pools
+                        .write()
+                        .unwrap_or_else(|x| x.into_inner())
+                        .insert(e.name.clone(), Arc::new(p));
                 }
                 Err(err) => {
                     eprintln!("tessera: pool '{}' is offline: {err}", e.name);
-                    node.offline.write().unwrap_or_else(|x| x.into_inner()).insert(e.name.clone(), err.to_string());
+                    node.offline
+                        .write()
+                        .unwrap_or_else(|x| x.into_inner())
+                        .insert(e.name.clone(), err.to_string());
                 }
             }
         }
@@ -82,9 +99,20 @@ impl Node {
         let devs = open_devices(&e.devices)?;
         if devs.iter().any(|d| d.is_volatile()) {
             // RAM/null contents did not survive the restart: recreate the pool empty.
-            eprintln!("tessera: pool '{}' is on volatile devices; recreated empty", e.name);
+            eprintln!(
+                "tessera: pool '{}' is on volatile devices; recreated empty",
+                e.name
+            );
             let layout = layout_kind(&e.layout, e.stripe_size)?;
-            return Pool::create(&e.name, devs, PoolOptions { layout, unit_size: e.unit_size, force: true });
+            return Pool::create(
+                &e.name,
+                devs,
+                PoolOptions {
+                    layout,
+                    unit_size: e.unit_size,
+                    force: true,
+                },
+            );
         }
         Pool::open(devs)
     }
@@ -93,20 +121,35 @@ impl Node {
     fn apply_declarations(&self) -> std::result::Result<(), String> {
         let cfg = self.cfg.clone();
         for p in &cfg.pools {
-            if self.pool(&p.name).is_err() && !self.offline.read().unwrap_or_else(|x| x.into_inner()).contains_key(&p.name) {
-                self.create_pool(&p.name, &p.devices, &p.layout, p.stripe_size.as_deref(), p.unit_size.as_deref(), false)
-                    .map_err(|e| format!("creating pool '{}' from the config: {e}", p.name))?;
+            if self.pool(&p.name).is_err()
+                && !self
+                    .offline
+                    .read()
+                    .unwrap_or_else(|x| x.into_inner())
+                    .contains_key(&p.name)
+            {
+                self.create_pool(
+                    &p.name,
+                    &p.devices,
+                    &p.layout,
+                    p.stripe_size.as_deref(),
+                    p.unit_size.as_deref(),
+                    false,
+                )
+                .map_err(|e| format!("creating pool '{}' from the config: {e}", p.name))?;
             }
         }
         for v in &cfg.volumes {
             if self.find_volume(&v.name).is_err() {
                 let size = size_arg("volume size", &v.size).map_err(|e| e.to_string())?;
-                self.create_volume(&v.name, &v.pool, size).map_err(|e| format!("creating volume '{}' from the config: {e}", v.name))?;
+                self.create_volume(&v.name, &v.pool, size)
+                    .map_err(|e| format!("creating volume '{}' from the config: {e}", v.name))?;
             }
         }
         for x in &cfg.exports {
             if self.find_export(&x.name).is_none() {
-                self.add_export(&x.name, &x.volume, x.read_only).map_err(|e| format!("creating export '{}' from the config: {e}", x.name))?;
+                self.add_export(&x.name, &x.volume, x.read_only)
+                    .map_err(|e| format!("creating export '{}' from the config: {e}", x.name))?;
             }
         }
         Ok(())
@@ -117,11 +160,21 @@ impl Node {
     }
 
     pub fn pools(&self) -> Vec<Arc<Pool>> {
-        self.pools.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect()
+        self.pools
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
     }
 
     pub fn pool(&self, name: &str) -> Result<Arc<Pool>> {
-        self.pools.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned().ok_or_else(|| not_found("pool", name))
+        self.pools
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+            .ok_or_else(|| not_found("pool", name))
     }
 
     pub fn find_volume(&self, name: &str) -> Result<(Arc<Pool>, Arc<Volume>)> {
@@ -134,7 +187,12 @@ impl Node {
     }
 
     pub fn find_export(&self, name: &str) -> Option<(Arc<Pool>, ExportRecord)> {
-        self.pools().into_iter().find_map(|p| p.exports().into_iter().find(|e| e.name == name).map(|e| (p.clone(), e)))
+        self.pools().into_iter().find_map(|p| {
+            p.exports()
+                .into_iter()
+                .find(|e| e.name == name)
+                .map(|e| (p.clone(), e))
+        })
     }
 
     /// The volume behind an export, for a connection that negotiated it.
@@ -150,13 +208,26 @@ impl Node {
     }
 
     fn save_registry(&self, entries: &[PoolEntry]) -> Result<()> {
-        self.registry.save(entries).map_err(|e| Error::new(ErrorKind::Io, e))
+        self.registry
+            .save(entries)
+            .map_err(|e| Error::new(ErrorKind::Io, e))
     }
 
-    pub fn create_pool(&self, name: &str, devices: &[String], layout: &str, stripe: Option<&str>, unit: Option<&str>, force: bool) -> Result<Value> {
+    pub fn create_pool(
+        &self,
+        name: &str,
+        devices: &[String],
+        layout: &str,
+        stripe: Option<&str>,
+        unit: Option<&str>,
+        force: bool,
+    ) -> Result<Value> {
         let _g = self.admin();
         if self.pool(name).is_ok() {
-            return Err(Error::new(ErrorKind::AlreadyExists, format!("pool '{name}' already exists")));
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                format!("pool '{name}' already exists"),
+            ));
         }
         tessera_pool::validate_name("pool", name)?;
         if devices.is_empty() {
@@ -175,15 +246,38 @@ impl Node {
         for d in devices {
             if let Ok(DeviceSpec::File { path, .. }) = DeviceSpec::parse(d) {
                 if !seen.insert(path.clone()) {
-                    return Err(Error::invalid(format!("device {} is listed twice", path.display())));
+                    return Err(Error::invalid(format!(
+                        "device {} is listed twice",
+                        path.display()
+                    )));
                 }
-                if self.entries.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|e| e.devices.iter().any(|x| spec_path(x) == Some(path.clone()))) {
-                    return Err(Error::new(ErrorKind::AlreadyExists, format!("device {} is already used by a pool of this node", path.display())));
+                if self
+                    .entries
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                    .any(|e| e.devices.iter().any(|x| spec_path(x) == Some(path.clone())))
+                {
+                    return Err(Error::new(
+                        ErrorKind::AlreadyExists,
+                        format!(
+                            "device {} is already used by a pool of this node",
+                            path.display()
+                        ),
+                    ));
                 }
             }
         }
         let devs = open_devices(devices)?;
-        let pool = Pool::create(name, devs, PoolOptions { layout: kind, unit_size, force })?;
+        let pool = Pool::create(
+            name,
+            devs,
+            PoolOptions {
+                layout: kind,
+                unit_size,
+                force,
+            },
+        )?;
         let st = pool.status();
         let entry = PoolEntry {
             name: name.to_string(),
@@ -202,13 +296,21 @@ impl Node {
         }
         drop(entries);
         let v = pool_json(&pool);
-        self.pools.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), Arc::new(pool));
+        self.pools
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), Arc::new(pool));
         Ok(v)
     }
 
     pub fn destroy_pool(&self, name: &str) -> Result<()> {
         let _g = self.admin();
-        if let Some(_reason) = self.offline.write().unwrap_or_else(|e| e.into_inner()).remove(name) {
+        if let Some(_reason) = self
+            .offline
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name)
+        {
             let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
             entries.retain(|e| e.name != name);
             return self.save_registry(&entries);
@@ -216,7 +318,10 @@ impl Node {
         let pool = self.pool(name)?;
         let n = pool.volumes().len();
         if n > 0 {
-            return Err(Error::new(ErrorKind::Busy, format!("pool '{name}' still has {n} volume(s); delete them first")));
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!("pool '{name}' still has {n} volume(s); delete them first"),
+            ));
         }
         pool.shutdown()?;
         // Wipe the labels so the devices can be used again.
@@ -224,7 +329,10 @@ impl Node {
             let _ = d.write_at(0, &[0u8; 4096]);
             let _ = d.sync();
         }
-        self.pools.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+        self.pools
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         entries.retain(|e| e.name != name);
         self.save_registry(&entries)
@@ -233,7 +341,10 @@ impl Node {
     pub fn create_volume(&self, name: &str, pool: &str, size: u64) -> Result<Value> {
         let _g = self.admin();
         if self.find_volume(name).is_ok() {
-            return Err(Error::new(ErrorKind::AlreadyExists, format!("volume '{name}' already exists")));
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                format!("volume '{name}' already exists"),
+            ));
         }
         let p = self.pool(pool)?;
         let v = p.create_volume(name, size)?;
@@ -256,21 +367,42 @@ impl Node {
     pub fn add_export(&self, name: &str, volume: &str, read_only: bool) -> Result<Value> {
         let _g = self.admin();
         if self.find_export(name).is_some() {
-            return Err(Error::new(ErrorKind::AlreadyExists, format!("export '{name}' already exists")));
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                format!("export '{name}' already exists"),
+            ));
         }
         let (p, v) = self.find_volume(volume)?;
-        p.add_export(ExportRecord { name: name.to_string(), volume_id: v.id, read_only })?;
-        Ok(self.export_json(&p, &ExportRecord { name: name.to_string(), volume_id: v.id, read_only }))
+        p.add_export(ExportRecord {
+            name: name.to_string(),
+            volume_id: v.id,
+            read_only,
+        })?;
+        Ok(self.export_json(
+            &p,
+            &ExportRecord {
+                name: name.to_string(),
+                volume_id: v.id,
+                read_only,
+            },
+        ))
     }
 
     pub fn remove_export(&self, name: &str) -> Result<()> {
         let _g = self.admin();
-        let (p, _) = self.find_export(name).ok_or_else(|| not_found("export", name))?;
+        let (p, _) = self
+            .find_export(name)
+            .ok_or_else(|| not_found("export", name))?;
         p.remove_export(name)
     }
 
     pub fn volume_json(&self, p: &Pool, v: &Volume) -> Value {
-        let exports: Vec<String> = p.exports().into_iter().filter(|e| e.volume_id == v.id).map(|e| e.name).collect();
+        let exports: Vec<String> = p
+            .exports()
+            .into_iter()
+            .filter(|e| e.volume_id == v.id)
+            .map(|e| e.name)
+            .collect();
         json!({
             "name": v.name, "pool": p.name(), "id": v.id, "size": v.size(), "allocated": v.allocated_bytes(),
             "exports": exports, "connections": v.open_handles(), "created": v.created,
@@ -279,7 +411,11 @@ impl Node {
 
     pub fn export_json(&self, p: &Pool, e: &ExportRecord) -> Value {
         let vol = p.volume_by_id(e.volume_id);
-        let addrs = self.nbd_addresses.read().unwrap_or_else(|x| x.into_inner()).clone();
+        let addrs = self
+            .nbd_addresses
+            .read()
+            .unwrap_or_else(|x| x.into_inner())
+            .clone();
         json!({
             "name": e.name, "volume": vol.as_ref().map(|v| v.name.clone()), "read_only": e.read_only,
             "size": vol.as_ref().map(|v| v.size()), "connections": vol.as_ref().map(|v| v.open_handles()),
@@ -289,7 +425,12 @@ impl Node {
 
     pub fn list_pools(&self) -> Value {
         let mut v: Vec<Value> = self.pools().iter().map(|p| pool_json(p)).collect();
-        for (name, reason) in self.offline.read().unwrap_or_else(|e| e.into_inner()).iter() {
+        for (name, reason) in self
+            .offline
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
             v.push(json!({"name": name, "state": "offline", "error": reason}));
         }
         Value::Array(v)
@@ -349,12 +490,19 @@ impl Node {
 
 impl ExportCatalog for Node {
     fn list(&self) -> Vec<String> {
-        self.pools().iter().flat_map(|p| p.exports().into_iter().map(|e| e.name)).collect()
+        self.pools()
+            .iter()
+            .flat_map(|p| p.exports().into_iter().map(|e| e.name))
+            .collect()
     }
     fn lookup(&self, name: &str) -> Option<ExportInfo> {
         let (p, e) = self.find_export(name)?;
         let v = p.volume_by_id(e.volume_id)?;
-        Some(ExportInfo { size: v.size(), read_only: e.read_only, description: format!("Tessera volume {} in pool {}", v.name, p.name()) })
+        Some(ExportInfo {
+            size: v.size(),
+            read_only: e.read_only,
+            description: format!("Tessera volume {} in pool {}", v.name, p.name()),
+        })
     }
 }
 
@@ -362,7 +510,9 @@ fn layout_kind(layout: &str, stripe: u64) -> Result<LayoutKind> {
     match layout {
         "concat" => Ok(LayoutKind::Concat),
         "raid0" => Ok(LayoutKind::Raid0 { stripe }),
-        other => Err(Error::invalid(format!("unknown layout '{other}' (this node supports concat and raid0)"))),
+        other => Err(Error::invalid(format!(
+            "unknown layout '{other}' (this node supports concat and raid0)"
+        ))),
     }
 }
 
@@ -386,7 +536,10 @@ fn spec_path(s: &str) -> Option<std::path::PathBuf> {
 /// The spec to remember in the registry: files by path alone (they exist now).
 fn canonical_spec(s: &str) -> String {
     match DeviceSpec::parse(s) {
-        Ok(DeviceSpec::File { path, .. }) => std::fs::canonicalize(&path).unwrap_or(path).display().to_string(),
+        Ok(DeviceSpec::File { path, .. }) => std::fs::canonicalize(&path)
+            .unwrap_or(path)
+            .display()
+            .to_string(),
         _ => s.to_string(),
     }
 }

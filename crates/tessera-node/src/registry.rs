@@ -21,7 +21,9 @@ pub struct Registry {
 
 impl Registry {
     pub fn new(data_dir: &Path) -> Registry {
-        Registry { path: data_dir.join("pools.json") }
+        Registry {
+            path: data_dir.join("pools.json"),
+        }
     }
 
     pub fn load(&self) -> Result<Vec<PoolEntry>, String> {
@@ -37,7 +39,12 @@ impl Registry {
         let tmp = self.path.with_extension("json.tmp");
         let err = |e: std::io::Error| format!("saving {}: {e}", self.path.display());
         let mut f = std::fs::File::create(&tmp).map_err(err)?;
-        f.write_all(serde_json::to_string_pretty(entries).expect("registry serialises").as_bytes()).map_err(err)?;
+        f.write_all(
+            serde_json::to_string_pretty(entries)
+                .expect("registry serialises")
+                .as_bytes(),
+        )
+        .map_err(err)?;
         f.sync_all().map_err(err)?;
         std::fs::rename(&tmp, &self.path).map_err(err)?;
         if let Some(dir) = self.path.parent() {

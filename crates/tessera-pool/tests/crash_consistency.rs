@@ -28,7 +28,9 @@ fn crash_devs(images: Option<Vec<Vec<u8>>>) -> Vec<Arc<CrashDevice>> {
 }
 
 fn as_block(devs: &[Arc<CrashDevice>]) -> Vec<Arc<dyn BlockDevice>> {
-    devs.iter().map(|d| d.clone() as Arc<dyn BlockDevice>).collect()
+    devs.iter()
+        .map(|d| d.clone() as Arc<dyn BlockDevice>)
+        .collect()
 }
 
 struct Rng(u64);
@@ -66,7 +68,17 @@ fn workload(pool: &Pool, vol_name: &str, rng: &mut Rng, steps: usize, durable: &
             6 => {
                 // Trim one whole unit: its contents become unknown.
                 let u = rng.next() % (vol.size() / UNIT);
-                assert_eq!(run(&mut io, &mut h, IoOp::Discard { offset: u * UNIT, len: UNIT }), 0);
+                assert_eq!(
+                    run(
+                        &mut io,
+                        &mut h,
+                        IoOp::Discard {
+                            offset: u * UNIT,
+                            len: UNIT
+                        }
+                    ),
+                    0
+                );
                 for b in u * UNIT / BLK..(u + 1) * UNIT / BLK {
                     pending.insert(b, None);
                 }
@@ -94,11 +106,18 @@ fn verify(pool: &Pool, vol_name: &str, durable: &Durable) {
         match durable.get(&b) {
             Some(Some(want)) => assert_eq!(&got, want, "flushed block {b} lost"),
             Some(None) => {}
-            None => assert!(got.iter().all(|&x| x == 0), "never-written block {b} is not zero"),
+            None => assert!(
+                got.iter().all(|&x| x == 0),
+                "never-written block {b} is not zero"
+            ),
         }
     }
     let st = pool.status();
-    assert_eq!(st.allocated, vol.allocated_bytes(), "space leaked or double-owned");
+    assert_eq!(
+        st.allocated,
+        vol.allocated_bytes(),
+        "space leaked or double-owned"
+    );
     assert_eq!(st.allocated + st.free, st.capacity);
 }
 
@@ -107,8 +126,21 @@ fn flushed_data_and_metadata_survive_random_crashes() {
     for seed in 1..=12u64 {
         let mut rng = Rng(seed.wrapping_mul(0x2545F4914F6CDD1D));
         let devs = crash_devs(None);
-        let layout = if seed % 2 == 0 { LayoutKind::Raid0 { stripe: 16384 } } else { LayoutKind::Concat };
-        let pool = Pool::create("p", as_block(&devs), PoolOptions { layout, unit_size: UNIT, force: false }).unwrap();
+        let layout = if seed % 2 == 0 {
+            LayoutKind::Raid0 { stripe: 16384 }
+        } else {
+            LayoutKind::Concat
+        };
+        let pool = Pool::create(
+            "p",
+            as_block(&devs),
+            PoolOptions {
+                layout,
+                unit_size: UNIT,
+                force: false,
+            },
+        )
+        .unwrap();
         pool.create_volume("v", 4 << 20).unwrap();
         let mut durable = Durable::new();
         workload(&pool, "v", &mut rng, 300, &mut durable);
@@ -116,7 +148,8 @@ fn flushed_data_and_metadata_survive_random_crashes() {
         let images: Vec<Vec<u8>> = devs.iter().map(|d| d.crash_image(rng.next())).collect();
         drop(pool);
         let devs2 = crash_devs(Some(images));
-        let pool2 = Pool::open(as_block(&devs2)).unwrap_or_else(|e| panic!("seed {seed}: metadata corrupt after crash: {e}"));
+        let pool2 = Pool::open(as_block(&devs2))
+            .unwrap_or_else(|e| panic!("seed {seed}: metadata corrupt after crash: {e}"));
         verify(&pool2, "v", &durable);
         // Keep going on the recovered pool and crash again.
         workload(&pool2, "v", &mut rng, 200, &mut durable);
@@ -131,7 +164,15 @@ fn flushed_data_and_metadata_survive_random_crashes() {
 fn crash_during_volume_creation_leaves_a_consistent_catalog() {
     for seed in 1..=8u64 {
         let devs = crash_devs(None);
-        let pool = Pool::create("p", as_block(&devs), PoolOptions { unit_size: UNIT, ..Default::default() }).unwrap();
+        let pool = Pool::create(
+            "p",
+            as_block(&devs),
+            PoolOptions {
+                unit_size: UNIT,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         pool.create_volume("a", 1 << 20).unwrap();
         // Catalog changes are synchronous checkpoints: after create returns, it is durable.
         let images: Vec<Vec<u8>> = devs.iter().map(|d| d.crash_image(seed)).collect();
