@@ -19,9 +19,9 @@ pub struct UpArgs {
     /// Busy-poll instead of sleeping when idle.
     #[arg(long)]
     busy_poll: bool,
-    /// Pin reactor i to CPU i.
+    /// Do not pin reactor i to CPU i.
     #[arg(long)]
-    pin_cores: bool,
+    no_pin: bool,
     /// Microseconds a reactor keeps polling after activity before it sleeps (0 = never).
     #[arg(long, default_value_t = 50)]
     poll_us: u64,
@@ -33,7 +33,7 @@ pub fn up(a: UpArgs) -> Result<(), String> {
     cfg.nbd.unix = Some(a.data_dir.join("nbd.sock"));
     cfg.cores = a.cores;
     cfg.busy_poll = a.busy_poll;
-    cfg.pin_cores = a.pin_cores;
+    cfg.pin_cores = !a.no_pin;
     cfg.poll_us = a.poll_us;
     serve(cfg)
 }

@@ -83,6 +83,9 @@ pub struct CoreIo {
     pub(crate) ring_inflight: usize,
     pub bufs: BufPool,
     remote: Option<RemoteCompleter>,
+    /// Set by a task that expects its next event very soon (a client waiting on each
+    /// reply): the reactor then polls briefly before sleeping. Cleared every iteration.
+    pub poll_hint: bool,
 }
 
 impl CoreIo {
@@ -97,6 +100,7 @@ impl CoreIo {
         let ring = IoUring::builder()
             .setup_single_issuer()
             .setup_defer_taskrun()
+            .setup_taskrun_flag()
             .setup_cqsize(entries * 4)
             .build(entries)
             .or_else(|_| IoUring::builder().setup_cqsize(entries * 4).build(entries))?;
@@ -111,6 +115,7 @@ impl CoreIo {
             ring_inflight: 0,
             bufs: BufPool::default(),
             remote,
+            poll_hint: false,
         })
     }
 

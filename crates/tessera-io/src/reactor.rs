@@ -94,9 +94,10 @@ pub struct ReactorConfig {
     pub pin: bool,
     /// Spin instead of sleeping in the kernel when idle.
     pub busy_poll: bool,
-    /// After activity, keep polling the ring this long before sleeping (hybrid polling):
-    /// a request that arrives within the window costs no wakeup. Zero disables; a reactor
-    /// with nothing to do for longer than this sleeps in the kernel.
+    /// When a task hints that its next event is imminent ([`CoreIo::poll_hint`]), keep
+    /// polling the ring this long before sleeping (hybrid polling): a request arriving
+    /// within the window costs no wakeup. Zero disables; a reactor with nothing to do for
+    /// longer than this sleeps in the kernel.
     pub poll_window: Duration,
     /// io_uring submission queue entries per core.
     pub ring_entries: u32,

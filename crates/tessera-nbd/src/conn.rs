@@ -24,6 +24,9 @@ const RBUF_CAP: usize = 1 << 20;
 const MAX_IOV: usize = 1024;
 const SLOT_RECV: u32 = u32::MAX;
 const SLOT_SEND: u32 = u32::MAX - 1;
+/// Consecutive requests from a client with at most two outstanding that make the core
+/// poll for this connection's next request instead of sleeping.
+const LATENCY_STREAK: u32 = 64;
 /// Extents per BLOCK_STATUS reply.
 const MAX_EXTENTS: usize = 8192;
 
@@ -98,6 +101,11 @@ pub struct NbdConn {
     in_io: usize,
     /// No more requests will be read (DISC, EOF, protocol error).
     draining: bool,
+    /// Latency mode: the client waits on each reply, so the core polls for its next
+    /// request instead of sleeping (see `on_recv`). Entered after LATENCY_STREAK receives
+    /// of a single request while sleeping; left every LATENCY_PROBE to look again.
+    last_reply_cookie: u64,
+    shallow_streak: u32,
     /// The peer is gone or misbehaved: nothing more is sent.
     dead: bool,
     shut: bool,
@@ -131,6 +139,8 @@ impl NbdConn {
             send_posted: false,
             in_io: 0,
             draining: false,
+            last_reply_cookie: 0,
+            shallow_streak: 0,
             dead: false,
             shut: false,
         }
@@ -207,9 +217,34 @@ impl NbdConn {
             None => {
                 self.rend += n;
                 self.parse(io);
+                if self.latency_mode() {
+                    io.poll_hint = true;
+                }
             }
         }
         self.post_recv(io);
+    }
+
+    /// Decide whether this client waits on each reply (queue depth 1), in which case the
+    /// core polls for its next request: on this kind of machine a wakeup costs more than
+    /// serving the request, and a deep-queue client is served best by sleeping (requests
+    /// pile up meanwhile and one send answers many) and needs the CPU polling would burn.
+    ///
+    /// The client's queue depth is estimated from cookies: clients such as libnbd number
+    /// requests sequentially, so a new request's cookie minus the cookie of the last reply
+    /// we sent is about the number of requests the client has outstanding. Clients with
+    /// other cookie schemes look deep, and get the safe default: sleeping.
+    fn update_latency_mode(&mut self, cookie: u64) {
+        let depth = cookie.wrapping_sub(self.last_reply_cookie);
+        if depth <= 2 {
+            self.shallow_streak = self.shallow_streak.saturating_add(1);
+        } else {
+            self.shallow_streak = 0;
+        }
+    }
+
+    fn latency_mode(&self) -> bool {
+        self.shallow_streak >= LATENCY_STREAK
     }
 
     /// Parse and dispatch every complete request in the receive buffer.
@@ -245,6 +280,7 @@ impl NbdConn {
             }
             let Some(s) = self.free.pop() else { break };
             self.rstart += REQUEST_HEADER_LEN;
+            self.update_latency_mode(h.cookie);
             let slot = &mut self.slots[s as usize];
             slot.cookie = h.cookie;
             slot.cmd = h.cmd;
@@ -569,6 +605,7 @@ impl NbdConn {
                 });
             }
             self.sending.push(s);
+            self.last_reply_cookie = sl.cookie;
             taken += 1;
         }
         self.outq.drain(..taken);
