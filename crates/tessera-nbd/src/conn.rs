@@ -533,10 +533,11 @@ impl NbdConn {
                 sl.hdr_len = SIMPLE_REPLY_LEN as u8;
             }
             sl.data_len = sl.len;
-        } else if structured {
-            encode_structured_reply(&mut sl.hdr, REPLY_FLAG_DONE, REPLY_TYPE_NONE, sl.cookie, 0);
-            sl.hdr_len = STRUCTURED_REPLY_LEN as u8;
         } else {
+            // Success without payload: a simple reply even when structured replies were
+            // negotiated (the spec allows it for everything but READ and BLOCK_STATUS).
+            // It is 4 bytes shorter, and clients such as libnbd read it with one receive
+            // instead of two, which is CPU the client saves on every write.
             encode_simple_reply(&mut sl.hdr, 0, sl.cookie);
             sl.hdr_len = SIMPLE_REPLY_LEN as u8;
         }
