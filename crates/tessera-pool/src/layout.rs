@@ -239,34 +239,32 @@ pub struct LayoutHandle {
     handles: Vec<Box<dyn IoHandle>>,
 }
 
-impl LayoutHandle {
-    #[inline]
-    fn submit_piece(&mut self, io: &mut CoreIo, op: &IoOp, p: Piece, tag: Tag) {
-        let op = match *op {
-            // SAFETY (pointer arithmetic): range_offset < len of the caller's buffer.
-            IoOp::Read { buf, .. } => IoOp::Read {
-                offset: p.dev_offset,
-                len: p.len as u32,
-                buf: unsafe { buf.add(p.range_offset as usize) },
-            },
-            IoOp::Write { buf, .. } => IoOp::Write {
-                offset: p.dev_offset,
-                len: p.len as u32,
-                buf: unsafe { buf.add(p.range_offset as usize) },
-            },
-            IoOp::Discard { .. } => IoOp::Discard {
-                offset: p.dev_offset,
-                len: p.len,
-            },
-            IoOp::WriteZeroes { may_unmap, .. } => IoOp::WriteZeroes {
-                offset: p.dev_offset,
-                len: p.len,
-                may_unmap,
-            },
-            IoOp::Flush => IoOp::Flush,
-        };
-        self.handles[p.dev].submit(io, op, tag);
-    }
+#[inline]
+fn submit_piece(handles: &mut [Box<dyn IoHandle>], io: &mut CoreIo, op: &IoOp, p: Piece, tag: Tag) {
+    let op = match *op {
+        // SAFETY (pointer arithmetic): range_offset < len of the caller's buffer.
+        IoOp::Read { buf, .. } => IoOp::Read {
+            offset: p.dev_offset,
+            len: p.len as u32,
+            buf: unsafe { buf.add(p.range_offset as usize) },
+        },
+        IoOp::Write { buf, .. } => IoOp::Write {
+            offset: p.dev_offset,
+            len: p.len as u32,
+            buf: unsafe { buf.add(p.range_offset as usize) },
+        },
+        IoOp::Discard { .. } => IoOp::Discard {
+            offset: p.dev_offset,
+            len: p.len,
+        },
+        IoOp::WriteZeroes { may_unmap, .. } => IoOp::WriteZeroes {
+            offset: p.dev_offset,
+            len: p.len,
+            may_unmap,
+        },
+        IoOp::Flush => IoOp::Flush,
+    };
+    handles[p.dev].submit(io, op, tag);
 }
 
 impl IoHandle for LayoutHandle {
@@ -290,15 +288,17 @@ impl IoHandle for LayoutHandle {
         if len == 0 || end.is_none_or(|e| e > self.layout.size) {
             return io.complete(tag, if len == 0 { 0 } else { -libc::EINVAL });
         }
-        let n = self.layout.piece_count(offset, len);
+        // Split borrows instead of cloning the Arc: a clone would be an atomic write to
+        // a cache line every core shares.
+        let LayoutHandle { layout, handles } = self;
+        let n = layout.piece_count(offset, len);
         if n == 1 {
-            let p = self.layout.piece(offset, len);
-            return self.submit_piece(io, &op, p, tag);
+            let p = layout.piece(offset, len);
+            return submit_piece(handles, io, &op, p, tag);
         }
         let t = io.join(tag, n as u32);
-        let layout = self.layout.clone();
         for p in layout.pieces(offset, len) {
-            self.submit_piece(io, &op, p, t);
+            submit_piece(handles, io, &op, p, t);
         }
     }
 
