@@ -3,6 +3,7 @@
 
 mod bench;
 mod manage;
+mod nbd_perf;
 mod run;
 
 use std::path::PathBuf;
@@ -25,7 +26,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Run a node on the embedded default: DATA_DIR with a 4 GiB file-backed pool `pool0`,
+    /// Run a node on the embedded default: DATA_DIR with a file-backed pool `pool0` (4160 MiB),
     /// a thin volume `vol0` and its NBD export (created on first start, reused after).
     Up(run::UpArgs),
     /// Run a node from a TOML configuration file.
@@ -46,6 +47,8 @@ enum Cmd {
     Export(manage::ExportCmd),
     /// In-process benchmark of a device, pool or volume (like SPDK's bdevperf).
     Bench(bench::BenchArgs),
+    /// Pipelined NBD load generator (measures the server, not the client).
+    NbdPerf(nbd_perf::NbdPerfArgs),
 }
 
 fn main() {
@@ -59,6 +62,7 @@ fn main() {
         Cmd::Volume(c) => manage::volume(&api, c, cli.json),
         Cmd::Export(c) => manage::export(&api, c, cli.json),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::NbdPerf(a) => nbd_perf::run(a),
     };
     if let Err(e) = r {
         eprintln!("tessera: error: {e}");

@@ -115,15 +115,15 @@ impl NodeConfig {
         toml::from_str(&text).map_err(|e| format!("config {}: {e}", path.display()))
     }
 
-    /// The embedded default: a 4 GiB file-backed pool, a 4 GiB thin volume `vol0`, and
-    /// its NBD export, all under `data_dir`.
+    /// The embedded default: a file-backed pool with room for a fully written 4 GiB thin
+    /// volume `vol0` plus the pool's metadata, and its NBD export, all under `data_dir`.
     pub fn embedded_default(data_dir: &Path) -> NodeConfig {
         let img = data_dir.join("pool0.img");
         NodeConfig {
             data_dir: data_dir.to_path_buf(),
             pools: vec![PoolDecl {
                 name: "pool0".into(),
-                devices: vec![format!("{}:4G", img.display())],
+                devices: vec![format!("{}:4160M", img.display())],
                 layout: "concat".into(),
                 stripe_size: None,
                 unit_size: None,

@@ -69,6 +69,13 @@ where
     let n = match outcome {
         Ok(HandshakeOutcome::Transmission(n)) => n,
         Ok(HandshakeOutcome::Closed) => return,
+        // A client that hangs up during the handshake (e.g. after an unknown-export
+        // reply) is normal; anything else is worth a line in the log.
+        Err(tessera_nbd::handshake::HandshakeError::Io(e))
+            if e.kind() == std::io::ErrorKind::UnexpectedEof =>
+        {
+            return
+        }
         Err(e) => {
             eprintln!("tessera: nbd: handshake failed: {e}");
             return;
