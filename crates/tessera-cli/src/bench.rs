@@ -81,11 +81,8 @@ struct Report {
 }
 
 fn thread_cpu() -> Duration {
-    // SAFETY: getrusage fills a plain struct.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    let (user, sys) = crate::report::cpu_time(libc::RUSAGE_THREAD);
+    user + sys
 }
 
 struct BenchTask {
@@ -469,7 +466,6 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
     let secs = wall.as_secs_f64().max(1e-9);
     let iops = ios as f64 / secs;
     let mibps = bytes as f64 / secs / 1048576.0;
-    let us = |ns: u64| ns as f64 / 1000.0;
     let cpu_ns_per_io = if ios > 0 {
         cpu.as_nanos() as f64 / ios as f64
     } else {
@@ -485,14 +481,7 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
         secs
     );
     println!("throughput: {iops:.0} IOPS, {mibps:.1} MiB/s");
-    println!(
-        "latency:    mean {:.2} us, p50 {:.2} us, p99 {:.2} us, p99.9 {:.2} us, max {:.2} us",
-        hist.mean() / 1000.0,
-        us(hist.quantile(0.5)),
-        us(hist.quantile(0.99)),
-        us(hist.quantile(0.999)),
-        us(hist.max())
-    );
+    crate::report::print_latency(&hist);
     println!(
         "cpu:        {:.1} ms per million I/Os ({:.2} cores busy)",
         cpu_ns_per_io,
@@ -504,13 +493,7 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
             std::io::Error::from_raw_os_error(first_error)
         );
     }
-    println!(
-        "RESULT iops={iops:.0} mibps={mibps:.1} mean_us={:.2} p50_us={:.2} p99_us={:.2} p999_us={:.2} cpu_ns_per_io={cpu_ns_per_io:.1} errors={errors}",
-        hist.mean() / 1000.0,
-        us(hist.quantile(0.5)),
-        us(hist.quantile(0.99)),
-        us(hist.quantile(0.999))
-    );
+    crate::report::print_result(iops, mibps, &hist, cpu_ns_per_io, errors);
     if errors > 0 && ios == 0 {
         return Err("every I/O failed".into());
     }

@@ -4,6 +4,7 @@
 mod bench;
 mod manage;
 mod nbd_perf;
+mod report;
 mod run;
 
 use std::path::PathBuf;

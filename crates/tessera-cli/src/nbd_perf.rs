@@ -693,13 +693,9 @@ struct Report {
     wall: Duration,
 }
 
-/// Process CPU time (user, system) from getrusage(RUSAGE_SELF).
+/// Process CPU time (user, system).
 fn process_cpu() -> (Duration, Duration) {
-    // SAFETY: getrusage fills a plain struct.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    (tv(ru.ru_utime), tv(ru.ru_stime))
+    crate::report::cpu_time(libc::RUSAGE_SELF)
 }
 
 /// Check the workload against what the server negotiated; returns the number of blocks
@@ -905,7 +901,6 @@ pub fn run(a: NbdPerfArgs) -> Result<(), String> {
     let secs = wall.as_secs_f64().max(1e-9);
     let iops = ios as f64 / secs;
     let mibps = bytes as f64 / secs / 1048576.0;
-    let us = |ns: u64| ns as f64 / 1000.0;
     let completed = ios + errors;
     let per_io = |d: Duration| {
         if completed > 0 {
@@ -925,14 +920,7 @@ pub fn run(a: NbdPerfArgs) -> Result<(), String> {
         secs
     );
     println!("throughput: {iops:.0} IOPS, {mibps:.1} MiB/s");
-    println!(
-        "latency:    mean {:.2} us, p50 {:.2} us, p99 {:.2} us, p99.9 {:.2} us, max {:.2} us",
-        hist.mean() / 1000.0,
-        us(hist.quantile(0.5)),
-        us(hist.quantile(0.99)),
-        us(hist.quantile(0.999)),
-        us(hist.max())
-    );
+    crate::report::print_latency(&hist);
     println!(
         "client cpu: {:.0} ns per I/O (user {:.0}, sys {:.0}); {:.2} cores busy",
         cpu_ns_per_io,
@@ -949,13 +937,7 @@ pub fn run(a: NbdPerfArgs) -> Result<(), String> {
     for f in &failures {
         println!("failed:     {f}");
     }
-    println!(
-        "RESULT iops={iops:.0} mibps={mibps:.1} mean_us={:.2} p50_us={:.2} p99_us={:.2} p999_us={:.2} cpu_ns_per_io={cpu_ns_per_io:.1} errors={errors}",
-        hist.mean() / 1000.0,
-        us(hist.quantile(0.5)),
-        us(hist.quantile(0.99)),
-        us(hist.quantile(0.999))
-    );
+    crate::report::print_result(iops, mibps, &hist, cpu_ns_per_io, errors);
     if !failures.is_empty() {
         return Err(format!(
             "{} of {} connections failed",

@@ -99,12 +99,49 @@ where
     }));
 }
 
-fn admit() -> bool {
-    if HANDSHAKES.fetch_add(1, Relaxed) >= MAX_HANDSHAKES {
-        HANDSHAKES.fetch_sub(1, Relaxed);
-        return false;
+/// A socket the NBD listeners accept: TCP or Unix.
+trait NbdSocket: io::Read + io::Write + Into<OwnedFd> + Send + 'static {
+    fn set_timeouts(&self, t: Option<Duration>);
+}
+
+impl NbdSocket for std::net::TcpStream {
+    fn set_timeouts(&self, t: Option<Duration>) {
+        let _ = self.set_read_timeout(t);
+        let _ = self.set_write_timeout(t);
     }
-    true
+}
+
+impl NbdSocket for std::os::unix::net::UnixStream {
+    fn set_timeouts(&self, t: Option<Duration>) {
+        let _ = self.set_read_timeout(t);
+        let _ = self.set_write_timeout(t);
+    }
+}
+
+/// Accept connections forever: each gets a handshake thread (bounded by MAX_HANDSHAKES,
+/// timed out by HANDSHAKE_TIMEOUT), then moves to a reactor core.
+fn accept_loop<S: NbdSocket>(node: Arc<Node>, incoming: impl Iterator<Item = io::Result<S>>) {
+    for s in incoming {
+        let Ok(s) = s else { continue };
+        if HANDSHAKES.fetch_add(1, Relaxed) >= MAX_HANDSHAKES {
+            HANDSHAKES.fetch_sub(1, Relaxed);
+            continue; // dropping the stream closes it
+        }
+        s.set_timeouts(Some(HANDSHAKE_TIMEOUT));
+        let node = node.clone();
+        let r = std::thread::Builder::new()
+            .name("tessera-nbd-hs".into())
+            .spawn(move || {
+                serve_client(node, s, |s| {
+                    s.set_timeouts(None);
+                    s.into()
+                });
+                HANDSHAKES.fetch_sub(1, Relaxed);
+            });
+        if r.is_err() {
+            HANDSHAKES.fetch_sub(1, Relaxed);
+        }
+    }
 }
 
 pub fn start_nbd_tcp(node: &Arc<Node>, addr: &str) -> io::Result<String> {
@@ -115,29 +152,14 @@ pub fn start_nbd_tcp(node: &Arc<Node>, addr: &str) -> io::Result<String> {
     std::thread::Builder::new()
         .name("tessera-nbd-accept".into())
         .spawn(move || {
-            for s in l.incoming() {
-                let Ok(s) = s else { continue };
-                if !admit() {
-                    continue; // dropping the stream closes it
-                }
-                let _ = s.set_nodelay(true);
-                let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-                let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-                let node = node.clone();
-                let r = std::thread::Builder::new()
-                    .name("tessera-nbd-hs".into())
-                    .spawn(move || {
-                        serve_client(node, s, |s| {
-                            let _ = s.set_read_timeout(None);
-                            let _ = s.set_write_timeout(None);
-                            OwnedFd::from(s)
-                        });
-                        HANDSHAKES.fetch_sub(1, Relaxed);
-                    });
-                if r.is_err() {
-                    HANDSHAKES.fetch_sub(1, Relaxed);
-                }
-            }
+            accept_loop(
+                node,
+                l.incoming().map(|s| {
+                    let s = s?;
+                    let _ = s.set_nodelay(true);
+                    Ok(s)
+                }),
+            )
         })?;
     Ok(local)
 }
@@ -147,29 +169,6 @@ pub fn start_nbd_unix(node: &Arc<Node>, path: &Path) -> io::Result<()> {
     let node = node.clone();
     std::thread::Builder::new()
         .name("tessera-nbd-accept-unix".into())
-        .spawn(move || {
-            for s in l.incoming() {
-                let Ok(s) = s else { continue };
-                if !admit() {
-                    continue;
-                }
-                let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-                let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-                let node = node.clone();
-                let r = std::thread::Builder::new()
-                    .name("tessera-nbd-hs".into())
-                    .spawn(move || {
-                        serve_client(node, s, |s| {
-                            let _ = s.set_read_timeout(None);
-                            let _ = s.set_write_timeout(None);
-                            OwnedFd::from(s)
-                        });
-                        HANDSHAKES.fetch_sub(1, Relaxed);
-                    });
-                if r.is_err() {
-                    HANDSHAKES.fetch_sub(1, Relaxed);
-                }
-            }
-        })?;
+        .spawn(move || accept_loop(node, l.incoming()))?;
     Ok(())
 }
