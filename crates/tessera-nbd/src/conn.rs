@@ -24,9 +24,58 @@ const RBUF_CAP: usize = 1 << 20;
 const MAX_IOV: usize = 1024;
 const SLOT_RECV: u32 = u32::MAX;
 const SLOT_SEND: u32 = u32::MAX - 1;
-/// Consecutive requests from a client with at most two outstanding that make the core
-/// poll for this connection's next request instead of sleeping.
+/// Decides whether a client waits on each reply (queue depth 1), in which case its core
+/// polls for the next request: on this kind of machine a wakeup costs more than serving
+/// a request, while a deep-queue client is served best by sleeping (requests pile up
+/// meanwhile and one send answers many) and needs the CPU that polling would burn.
+///
+/// The client's queue depth is estimated from cookies while the core sleeps: clients such
+/// as libnbd number requests sequentially, and requests pile up while we sleep, so a new
+/// request's cookie minus the cookie of the last reply we sent is about the depth.
+/// Clients with other cookie schemes look deep and get the safe default: sleeping.
+/// While polling, the server outruns any client, so everything a client has outstanding
+/// waits on its side and even a deep queue looks shallow: latency mode therefore ends
+/// every LATENCY_PROBE to measure again while sleeping.
+#[derive(Default)]
+struct LatencyDetector {
+    last_reply_cookie: u64,
+    shallow_streak: u32,
+    since: Option<std::time::Instant>,
+}
+
+impl LatencyDetector {
+    fn on_reply(&mut self, cookie: u64) {
+        self.last_reply_cookie = cookie;
+    }
+
+    fn on_request(&mut self, cookie: u64, now: std::time::Instant) {
+        if let Some(since) = self.since {
+            if now.duration_since(since) >= LATENCY_PROBE {
+                self.since = None;
+                self.shallow_streak = 0;
+            }
+            return;
+        }
+        if cookie.wrapping_sub(self.last_reply_cookie) <= 2 {
+            self.shallow_streak += 1;
+            if self.shallow_streak >= LATENCY_STREAK {
+                self.since = Some(now);
+            }
+        } else {
+            self.shallow_streak = 0;
+        }
+    }
+
+    fn active(&self) -> bool {
+        self.since.is_some()
+    }
+}
+
+/// Consecutive requests (seen while sleeping) from a client with at most two outstanding
+/// that make the core poll for this connection's next request instead of sleeping.
 const LATENCY_STREAK: u32 = 64;
+/// How long latency mode lasts before the connection is looked at again while sleeping.
+const LATENCY_PROBE: std::time::Duration = std::time::Duration::from_millis(100);
 /// Extents per BLOCK_STATUS reply.
 const MAX_EXTENTS: usize = 8192;
 
@@ -104,8 +153,7 @@ pub struct NbdConn {
     /// Latency mode: the client waits on each reply, so the core polls for its next
     /// request instead of sleeping (see `on_recv`). Entered after LATENCY_STREAK receives
     /// of a single request while sleeping; left every LATENCY_PROBE to look again.
-    last_reply_cookie: u64,
-    shallow_streak: u32,
+    latency: LatencyDetector,
     /// The peer is gone or misbehaved: nothing more is sent.
     dead: bool,
     shut: bool,
@@ -139,8 +187,7 @@ impl NbdConn {
             send_posted: false,
             in_io: 0,
             draining: false,
-            last_reply_cookie: 0,
-            shallow_streak: 0,
+            latency: LatencyDetector::default(),
             dead: false,
             shut: false,
         }
@@ -217,34 +264,12 @@ impl NbdConn {
             None => {
                 self.rend += n;
                 self.parse(io);
-                if self.latency_mode() {
+                if self.latency.active() {
                     io.poll_hint = true;
                 }
             }
         }
         self.post_recv(io);
-    }
-
-    /// Decide whether this client waits on each reply (queue depth 1), in which case the
-    /// core polls for its next request: on this kind of machine a wakeup costs more than
-    /// serving the request, and a deep-queue client is served best by sleeping (requests
-    /// pile up meanwhile and one send answers many) and needs the CPU polling would burn.
-    ///
-    /// The client's queue depth is estimated from cookies: clients such as libnbd number
-    /// requests sequentially, so a new request's cookie minus the cookie of the last reply
-    /// we sent is about the number of requests the client has outstanding. Clients with
-    /// other cookie schemes look deep, and get the safe default: sleeping.
-    fn update_latency_mode(&mut self, cookie: u64) {
-        let depth = cookie.wrapping_sub(self.last_reply_cookie);
-        if depth <= 2 {
-            self.shallow_streak = self.shallow_streak.saturating_add(1);
-        } else {
-            self.shallow_streak = 0;
-        }
-    }
-
-    fn latency_mode(&self) -> bool {
-        self.shallow_streak >= LATENCY_STREAK
     }
 
     /// Parse and dispatch every complete request in the receive buffer.
@@ -280,7 +305,7 @@ impl NbdConn {
             }
             let Some(s) = self.free.pop() else { break };
             self.rstart += REQUEST_HEADER_LEN;
-            self.update_latency_mode(h.cookie);
+            self.latency.on_request(h.cookie, std::time::Instant::now());
             let slot = &mut self.slots[s as usize];
             slot.cookie = h.cookie;
             slot.cmd = h.cmd;
@@ -606,7 +631,7 @@ impl NbdConn {
                 });
             }
             self.sending.push(s);
-            self.last_reply_cookie = sl.cookie;
+            self.latency.on_reply(sl.cookie);
             taken += 1;
         }
         self.outq.drain(..taken);
@@ -700,5 +725,76 @@ impl Task for NbdConn {
 
     fn finished(&self) -> bool {
         self.shut && !self.recv_posted && !self.send_posted && self.in_io == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// A client that waits on each reply: request n, reply n, request n+1...
+    fn qd1(d: &mut LatencyDetector, from: u64, n: u64, now: Instant) {
+        for c in from..from + n {
+            d.on_request(c, now);
+            d.on_reply(c);
+        }
+    }
+
+    #[test]
+    fn a_qd1_client_enters_latency_mode() {
+        let mut d = LatencyDetector::default();
+        let t = Instant::now();
+        qd1(&mut d, 1, LATENCY_STREAK as u64 - 1, t);
+        assert!(!d.active());
+        qd1(&mut d, LATENCY_STREAK as u64, 1, t);
+        assert!(d.active());
+    }
+
+    #[test]
+    fn a_deep_queue_client_does_not() {
+        let mut d = LatencyDetector::default();
+        let t = Instant::now();
+        // 128 requests arrive before the first reply, as while the core sleeps.
+        for round in 0..100u64 {
+            for c in round * 128..(round + 1) * 128 {
+                d.on_request(c + 1, t);
+            }
+            d.on_reply((round + 1) * 128);
+        }
+        assert!(!d.active());
+    }
+
+    #[test]
+    fn latency_mode_ends_to_measure_again() {
+        let mut d = LatencyDetector::default();
+        let t = Instant::now();
+        qd1(&mut d, 1, LATENCY_STREAK as u64, t);
+        assert!(d.active());
+        // Still within the probe period: stays on whatever the cookies say.
+        d.on_request(10_000, t + Duration::from_millis(1));
+        assert!(d.active());
+        // After it, the connection is measured again from scratch.
+        d.on_request(10_001, t + LATENCY_PROBE);
+        assert!(!d.active());
+        // A deep queue seen while sleeping keeps it off.
+        d.on_reply(10_001);
+        d.on_request(10_200, t + LATENCY_PROBE);
+        assert!(!d.active());
+    }
+
+    #[test]
+    fn unordered_cookies_look_deep() {
+        let mut d = LatencyDetector::default();
+        let t = Instant::now();
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..1000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            d.on_request(x, t);
+            d.on_reply(x);
+        }
+        assert!(!d.active());
     }
 }
