@@ -276,6 +276,13 @@ pub enum VolumeCmd {
     Delete {
         name: String,
     },
+    /// Client I/O of a volume: IOPS, bandwidth and latency over an interval.
+    Stats {
+        name: String,
+        /// Sampling interval in seconds.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+    },
 }
 
 pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<(), String> {
@@ -302,6 +309,41 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<(), String> {
         VolumeCmd::Delete { name } => {
             call(ep, "DELETE", &format!("/v1/volumes/{name}"), None)?;
             println!("volume {name} deleted");
+        }
+        VolumeCmd::Stats { name, interval } => {
+            let ms = (interval * 1000.0).round().clamp(1.0, 60_000.0) as u64;
+            let v = call(
+                ep,
+                "GET",
+                &format!("/v1/volumes/{name}/stats?interval_ms={ms}"),
+                None,
+            )?;
+            if raw {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            } else {
+                let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+                let l = |k: &str| v["latency_us"][k].as_f64().unwrap_or(0.0);
+                println!("volume {name} over {ms} ms:");
+                println!(
+                    "  read   {:>10.0} IOPS {:>9.1} MiB/s",
+                    f("read_iops"),
+                    f("read_mibps")
+                );
+                println!(
+                    "  write  {:>10.0} IOPS {:>9.1} MiB/s",
+                    f("write_iops"),
+                    f("write_mibps")
+                );
+                println!("  other  {:>10.0} IOPS", f("other_iops"));
+                println!(
+                    "  latency mean {:.1} us, p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us",
+                    l("mean"),
+                    l("p50"),
+                    l("p99"),
+                    l("p999")
+                );
+                println!("  errors {}", v["errors"]);
+            }
         }
     }
     Ok(())

@@ -127,3 +127,97 @@ mod tests {
         assert_eq!(h.quantile(1.0), 15);
     }
 }
+
+/// A histogram written by one thread and read by others: the writer uses plain loads and
+/// stores (no atomic read-modify-write, so no locked instructions on the datapath); a
+/// reader's snapshot may miss the last few records, never more.
+pub struct SharedHistogram {
+    counts: Box<[std::sync::atomic::AtomicU64]>,
+    total: std::sync::atomic::AtomicU64,
+    sum: std::sync::atomic::AtomicU64,
+    max: std::sync::atomic::AtomicU64,
+}
+
+impl Default for SharedHistogram {
+    fn default() -> Self {
+        use std::sync::atomic::AtomicU64;
+        SharedHistogram {
+            counts: (0..GROUPS * SUB + SUB).map(|_| AtomicU64::new(0)).collect(),
+            total: AtomicU64::new(0),
+            sum: AtomicU64::new(0),
+            max: AtomicU64::new(0),
+        }
+    }
+}
+
+impl SharedHistogram {
+    /// Record a value. Only one thread may call this for a given histogram.
+    #[inline]
+    pub fn record_single_writer(&self, v: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let bump = |a: &std::sync::atomic::AtomicU64, by: u64| {
+            a.store(a.load(Relaxed).wrapping_add(by), Relaxed)
+        };
+        bump(&self.counts[Histogram::index(v)], 1);
+        bump(&self.total, 1);
+        bump(&self.sum, v);
+        if v > self.max.load(Relaxed) {
+            self.max.store(v, Relaxed);
+        }
+    }
+
+    /// Add this histogram's current contents to `into`.
+    pub fn snapshot_into(&self, into: &mut Histogram) {
+        use std::sync::atomic::Ordering::Relaxed;
+        for (a, b) in into.counts.iter_mut().zip(self.counts.iter()) {
+            *a += b.load(Relaxed);
+        }
+        into.total += self.total.load(Relaxed);
+        into.sum += self.sum.load(Relaxed) as u128;
+        into.max = into.max.max(self.max.load(Relaxed));
+    }
+}
+
+impl Histogram {
+    /// What was recorded after `earlier` (a snapshot of the same source).
+    pub fn since(&self, earlier: &Histogram) -> Histogram {
+        Histogram {
+            counts: self
+                .counts
+                .iter()
+                .zip(&earlier.counts)
+                .map(|(a, b)| a.saturating_sub(*b))
+                .collect(),
+            total: self.total.saturating_sub(earlier.total),
+            sum: self.sum.saturating_sub(earlier.sum),
+            // The maximum of a window is not recoverable from two snapshots; keep the
+            // later one's as an upper bound.
+            max: self.max,
+        }
+    }
+}
+
+#[cfg(test)]
+mod shared_tests {
+    use super::*;
+
+    #[test]
+    fn shared_snapshot_and_window() {
+        let s = SharedHistogram::default();
+        for v in 1..=1000 {
+            s.record_single_writer(v * 1000);
+        }
+        let mut a = Histogram::default();
+        s.snapshot_into(&mut a);
+        assert_eq!(a.count(), 1000);
+        for _ in 0..1000 {
+            s.record_single_writer(5_000_000);
+        }
+        let mut b = Histogram::default();
+        s.snapshot_into(&mut b);
+        let w = b.since(&a);
+        assert_eq!(w.count(), 1000);
+        let p50 = w.quantile(0.5) as f64;
+        assert!((p50 - 5_000_000.0).abs() / 5_000_000.0 < 0.07, "{p50}");
+    }
+}

@@ -270,6 +270,7 @@ impl Reactor {
                 && !self.cfg.poll_window.is_zero()
                 && self.poll_briefly()
             {
+                self.io.tick();
                 self.io.reap(&mut |ud, _res| {
                     if ud == MAILBOX_UD {
                         mailbox_fired = true;
@@ -306,6 +307,7 @@ impl Reactor {
                     eprintln!("tessera: core {}: io_uring_enter failed: {e}", self.io.core);
                 }
             }
+            self.io.tick();
             self.io.reap(&mut |ud, _res| {
                 if ud == MAILBOX_UD {
                     mailbox_fired = true;

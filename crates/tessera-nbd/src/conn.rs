@@ -13,7 +13,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 
 use io_uring::{opcode, types};
 use tessera_io::{AlignedBuf, CoreIo, IoHandle, IoOp, Reactor, Task};
-use tessera_pool::VolumeHandle;
+use tessera_pool::{IoClass, IoStats, VolumeHandle};
 
 use crate::proto::*;
 
@@ -106,6 +106,8 @@ struct Slot {
     offset: u64,
     len: u32,
     buf: Option<AlignedBuf>,
+    /// When the request was received (for latency figures).
+    start: std::time::Instant,
     hdr: [u8; 32],
     hdr_len: u8,
     data_len: u32,
@@ -121,6 +123,7 @@ impl Slot {
             offset: 0,
             len: 0,
             buf: None,
+            start: std::time::Instant::now(),
             hdr: [0; 32],
             hdr_len: 0,
             data_len: 0,
@@ -154,6 +157,7 @@ pub struct NbdConn {
     /// request instead of sleeping (see `on_recv`). Entered after LATENCY_STREAK receives
     /// of a single request while sleeping; left every LATENCY_PROBE to look again.
     latency: LatencyDetector,
+    stats: std::sync::Arc<IoStats>,
     /// The peer is gone or misbehaved: nothing more is sent.
     dead: bool,
     shut: bool,
@@ -167,6 +171,7 @@ impl NbdConn {
     pub fn new(fd: OwnedFd, vol: VolumeHandle, opts: ConnOptions) -> NbdConn {
         // SAFETY: msghdr is plain data; all-zero is a valid empty header.
         let msg: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
+        let stats = vol.volume().register_stats();
         NbdConn {
             fd,
             id: 0,
@@ -188,6 +193,7 @@ impl NbdConn {
             in_io: 0,
             draining: false,
             latency: LatencyDetector::default(),
+            stats,
             dead: false,
             shut: false,
         }
@@ -313,6 +319,7 @@ impl NbdConn {
             slot.offset = h.offset;
             slot.len = h.length;
             slot.data_len = 0;
+            slot.start = io.now();
             if payload > 0 {
                 let mut buf = io.bufs.get(payload);
                 let take = payload.min(have);
@@ -371,22 +378,22 @@ impl NbdConn {
             None
         };
         if let Some(e) = err {
-            return self.finish(s, e);
+            return self.finish(io, s, e);
         }
         self.slots[idx].phase = Phase::Io;
         match cmd {
             CMD_READ => {
                 if !self.in_bounds(&self.slots[idx]) {
-                    return self.finish(s, EINVAL);
+                    return self.finish(io, s, EINVAL);
                 }
                 if len > MAX_PAYLOAD {
-                    return self.finish(s, EOVERFLOW);
+                    return self.finish(io, s, EOVERFLOW);
                 }
                 if len == 0 {
-                    return self.finish(s, 0);
+                    return self.finish(io, s, 0);
                 }
                 if self.opts.structured_replies && self.vol.is_hole(offset, len as u64) {
-                    return self.finish_hole(s);
+                    return self.finish_hole(io, s);
                 }
                 let mut buf = io.bufs.get(len as usize);
                 let op = IoOp::Read {
@@ -399,7 +406,7 @@ impl NbdConn {
             }
             CMD_WRITE => {
                 if !self.in_bounds(&self.slots[idx]) {
-                    return self.finish(s, ENOSPC);
+                    return self.finish(io, s, ENOSPC);
                 }
                 let buf = self.slots[idx]
                     .buf
@@ -410,7 +417,7 @@ impl NbdConn {
             CMD_FLUSH => self.submit(io, IoOp::Flush, tag),
             CMD_TRIM => {
                 if !self.in_bounds(&self.slots[idx]) {
-                    return self.finish(s, EINVAL);
+                    return self.finish(io, s, EINVAL);
                 }
                 self.submit(
                     io,
@@ -423,11 +430,11 @@ impl NbdConn {
             }
             CMD_WRITE_ZEROES => {
                 if !self.in_bounds(&self.slots[idx]) {
-                    return self.finish(s, ENOSPC);
+                    return self.finish(io, s, ENOSPC);
                 }
                 // Zeroing with NO_HOLE means writing real zeros: not fast.
                 if flags & CMD_FLAG_FAST_ZERO != 0 && flags & CMD_FLAG_NO_HOLE != 0 {
-                    return self.finish(s, ENOTSUP);
+                    return self.finish(io, s, ENOTSUP);
                 }
                 let may_unmap = flags & CMD_FLAG_NO_HOLE == 0;
                 self.submit(
@@ -443,7 +450,7 @@ impl NbdConn {
             CMD_CACHE => {
                 // Data already lives on the devices; there is no cache tier to warm yet.
                 let ok = self.in_bounds(&self.slots[idx]);
-                self.finish(s, if ok { 0 } else { EINVAL });
+                self.finish(io, s, if ok { 0 } else { EINVAL });
             }
             CMD_BLOCK_STATUS => self.block_status(io, s),
             CMD_DISC => {
@@ -451,7 +458,7 @@ impl NbdConn {
                 self.release(io, s);
                 self.draining = true;
             }
-            _ => self.finish(s, EINVAL),
+            _ => self.finish(io, s, EINVAL),
         }
     }
 
@@ -463,10 +470,10 @@ impl NbdConn {
     fn block_status(&mut self, io: &mut CoreIo, s: u16) {
         let idx = s as usize;
         let Some(ctx) = self.opts.base_allocation else {
-            return self.finish(s, EINVAL);
+            return self.finish(io, s, EINVAL);
         };
         if self.slots[idx].len == 0 || !self.in_bounds(&self.slots[idx]) {
-            return self.finish(s, EINVAL);
+            return self.finish(io, s, EINVAL);
         }
         let (offset, len, flags) = (
             self.slots[idx].offset,
@@ -503,7 +510,20 @@ impl NbdConn {
         self.outq.push(s);
     }
 
-    fn finish_hole(&mut self, s: u16) {
+    /// Account a request whose reply is now queued.
+    fn record(&self, io: &CoreIo, s: u16, ok: bool) {
+        let sl = &self.slots[s as usize];
+        let (class, bytes) = match sl.cmd {
+            CMD_READ => (IoClass::Read, sl.len as u64),
+            CMD_WRITE => (IoClass::Write, sl.len as u64),
+            _ => (IoClass::Other, 0),
+        };
+        let ns = io.now().saturating_duration_since(sl.start).as_nanos() as u64;
+        self.stats.record(class, bytes, ns, ok);
+    }
+
+    fn finish_hole(&mut self, io: &CoreIo, s: u16) {
+        self.record(io, s, true);
         let sl = &mut self.slots[s as usize];
         encode_structured_reply(
             &mut sl.hdr,
@@ -521,7 +541,8 @@ impl NbdConn {
     }
 
     /// Build the reply for slot `s` with NBD error `err` (0 = success) and queue it.
-    fn finish(&mut self, s: u16, err: u32) {
+    fn finish(&mut self, io: &CoreIo, s: u16, err: u32) {
+        self.record(io, s, err == 0);
         let structured = self.opts.structured_replies;
         let sl = &mut self.slots[s as usize];
         let is_read = sl.cmd == CMD_READ;
@@ -574,7 +595,7 @@ impl NbdConn {
         self.in_io -= 1;
         let sl = &mut self.slots[s as usize];
         if res < 0 {
-            return self.finish(s, errno_to_nbd(-res));
+            return self.finish(io, s, errno_to_nbd(-res));
         }
         if sl.phase == Phase::Io
             && sl.flags & CMD_FLAG_FUA != 0
@@ -585,7 +606,7 @@ impl NbdConn {
             let tag = self.tag(s as u32);
             return self.submit(io, IoOp::Flush, tag);
         }
-        self.finish(s, 0);
+        self.finish(io, s, 0);
     }
 
     fn release(&mut self, io: &mut CoreIo, s: u16) {
@@ -690,6 +711,12 @@ impl NbdConn {
             self.parse(io);
         }
         self.post_recv(io);
+    }
+}
+
+impl Drop for NbdConn {
+    fn drop(&mut self) {
+        self.vol.volume().unregister_stats(&self.stats);
     }
 }
 

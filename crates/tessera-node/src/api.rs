@@ -113,6 +113,17 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
                 .map(|(p, v)| node.volume_json(&p, &v)),
             200,
         ),
+        ("GET", ["v1", "volumes", name, "stats"]) => {
+            let ms = match req.query_param("interval_ms").map(str::parse::<u64>) {
+                None => 1000,
+                Some(Ok(ms)) if (1..=60_000).contains(&ms) => ms,
+                Some(_) => return Response::error(400, "interval_ms must be between 1 and 60000"),
+            };
+            reply(
+                node.volume_stats(name, std::time::Duration::from_millis(ms)),
+                200,
+            )
+        }
         ("POST", ["v1", "volumes"]) => reply(
             (|| {
                 node.create_volume(

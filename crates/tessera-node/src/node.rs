@@ -409,6 +409,41 @@ impl Node {
         })
     }
 
+    /// Client I/O of a volume over a window of `interval`: rates, latency percentiles,
+    /// and the cumulative totals since the node started. Blocks for `interval`.
+    pub fn volume_stats(&self, name: &str, interval: std::time::Duration) -> Result<Value> {
+        let (_, v) = self.find_volume(name)?;
+        let a = v.stats();
+        std::thread::sleep(interval);
+        let b = v.stats();
+        let secs = interval.as_secs_f64().max(1e-3);
+        let rate = |x: u64, y: u64| (y.saturating_sub(x)) as f64 / secs;
+        let mib = |x: u64, y: u64| rate(x, y) / 1048576.0;
+        let w = b.latency.since(&a.latency);
+        let us = |ns: u64| ns as f64 / 1000.0;
+        Ok(json!({
+            "volume": name,
+            "interval_ms": interval.as_millis() as u64,
+            "read_iops": rate(a.reads, b.reads),
+            "write_iops": rate(a.writes, b.writes),
+            "other_iops": rate(a.others, b.others),
+            "read_mibps": mib(a.read_bytes, b.read_bytes),
+            "write_mibps": mib(a.write_bytes, b.write_bytes),
+            "errors": b.errors.saturating_sub(a.errors),
+            "latency_us": {
+                "requests": w.count(),
+                "mean": w.mean() / 1000.0,
+                "p50": us(w.quantile(0.5)),
+                "p99": us(w.quantile(0.99)),
+                "p999": us(w.quantile(0.999)),
+            },
+            "totals": {
+                "reads": b.reads, "writes": b.writes, "others": b.others,
+                "read_bytes": b.read_bytes, "write_bytes": b.write_bytes, "errors": b.errors,
+            },
+        }))
+    }
+
     pub fn export_json(&self, p: &Pool, e: &ExportRecord) -> Value {
         let vol = p.volume_by_id(e.volume_id);
         let addrs = self

@@ -17,4 +17,4 @@ pub use error::{Error, ErrorKind, Result};
 pub use format::ExportRecord;
 pub use layout::{Layout, LayoutHandle, LayoutKind};
 pub use pool::{uuid_string, validate_name, Pool, PoolOptions, PoolStatus, DEFAULT_UNIT_SIZE};
-pub use volume::{Volume, VolumeHandle, HOLE};
+pub use volume::{IoClass, IoStats, StatsSnapshot, Volume, VolumeHandle, HOLE};

@@ -1,0 +1,61 @@
+//! Per-volume client I/O figures: exact totals after the clients are done, live rates and
+//! latency percentiles while they run.
+
+mod common;
+
+use common::*;
+use tessera_nbd::client::{ClientOptions, NbdClient};
+
+fn stats(n: &TestNode, interval: &str) -> serde_json::Value {
+    let out = n.cli_ok(&["--json", "volume", "stats", "vol0", "--interval", interval]);
+    serde_json::from_str(&out).expect("stats JSON")
+}
+
+#[test]
+fn totals_are_exact_and_rates_are_live() {
+    let n = TestNode::start_default("stats");
+    let addr = n.addr();
+    // A background writer keeps the volume busy while we sample rates.
+    let writer = std::thread::spawn(move || {
+        let mut c = NbdClient::connect_tcp(&addr, "vol0", ClientOptions::default()).unwrap();
+        let block = vec![7u8; 4096];
+        let t = std::time::Instant::now();
+        let mut writes = 0u64;
+        while t.elapsed() < std::time::Duration::from_millis(1500) {
+            c.write((writes % 4096) * 4096, &block, false).unwrap();
+            writes += 1;
+        }
+        c.disconnect().unwrap();
+        writes
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let live = stats(&n, "0.5");
+    assert!(live["write_iops"].as_f64().unwrap() > 100.0, "{live}");
+    assert!(
+        live["latency_us"]["requests"].as_u64().unwrap() > 0,
+        "{live}"
+    );
+    assert!(live["latency_us"]["p99"].as_f64().unwrap() > 0.0, "{live}");
+    let writes = writer.join().unwrap();
+
+    // Reads on a second connection, then exact totals (connections closed and folded in).
+    let mut c = NbdClient::connect_tcp(&n.addr(), "vol0", ClientOptions::default()).unwrap();
+    let mut buf = vec![0u8; 8192];
+    for i in 0..100u64 {
+        c.read(i * 8192, &mut buf).unwrap();
+    }
+    c.flush().unwrap();
+    c.disconnect().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let t = &stats(&n, "0.01")["totals"];
+    assert_eq!(t["writes"].as_u64().unwrap(), writes, "{t}");
+    assert_eq!(t["write_bytes"].as_u64().unwrap(), writes * 4096, "{t}");
+    assert_eq!(t["reads"].as_u64().unwrap(), 100, "{t}");
+    assert_eq!(t["read_bytes"].as_u64().unwrap(), 100 * 8192, "{t}");
+    assert_eq!(t["others"].as_u64().unwrap(), 1, "the flush: {t}");
+    assert_eq!(t["errors"].as_u64().unwrap(), 0, "{t}");
+    // An unknown volume is a clear error.
+    let o = n.cli(&["volume", "stats", "nope"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not found"));
+}
