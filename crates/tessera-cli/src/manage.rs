@@ -276,6 +276,32 @@ pub enum VolumeCmd {
     Delete {
         name: String,
     },
+    /// Show or set a volume's QoS limits (live, persistent). Setting replaces every limit;
+    /// `--clear` removes them all.
+    Qos {
+        name: String,
+        #[arg(long)]
+        iops: Option<u64>,
+        #[arg(long)]
+        read_iops: Option<u64>,
+        #[arg(long)]
+        write_iops: Option<u64>,
+        /// Bandwidth limit, e.g. 100M (bytes per second).
+        #[arg(long)]
+        bw: Option<String>,
+        #[arg(long)]
+        read_bw: Option<String>,
+        #[arg(long)]
+        write_bw: Option<String>,
+        /// Refilling burst, in milliseconds of the rate (default 100).
+        #[arg(long)]
+        burst_ms: Option<u64>,
+        /// One-time burst, in milliseconds of the rate (default 0).
+        #[arg(long)]
+        one_time_burst_ms: Option<u64>,
+        #[arg(long)]
+        clear: bool,
+    },
     /// Client I/O of a volume: IOPS, bandwidth and latency over an interval.
     Stats {
         name: String,
@@ -309,6 +335,63 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<(), String> {
         VolumeCmd::Delete { name } => {
             call(ep, "DELETE", &format!("/v1/volumes/{name}"), None)?;
             println!("volume {name} deleted");
+        }
+        VolumeCmd::Qos {
+            name,
+            iops,
+            read_iops,
+            write_iops,
+            bw,
+            read_bw,
+            write_bw,
+            burst_ms,
+            one_time_burst_ms,
+            clear,
+        } => {
+            let size = |v: Option<String>| -> Result<Option<u64>, String> {
+                v.map(|x| tessera_device::parse_size(&x).map_err(|e| e.to_string()))
+                    .transpose()
+            };
+            let set = iops.is_some()
+                || read_iops.is_some()
+                || write_iops.is_some()
+                || bw.is_some()
+                || read_bw.is_some()
+                || write_bw.is_some()
+                || burst_ms.is_some()
+                || one_time_burst_ms.is_some();
+            let path = format!("/v1/volumes/{name}/qos");
+            let v = if clear {
+                call(ep, "DELETE", &path, None)?
+            } else if set {
+                let body = json!({
+                    "iops": iops, "read_iops": read_iops, "write_iops": write_iops,
+                    "bps": size(bw)?, "read_bps": size(read_bw)?, "write_bps": size(write_bw)?,
+                    "burst_ms": burst_ms, "one_time_burst_ms": one_time_burst_ms,
+                });
+                call(ep, "PUT", &path, Some(body))?
+            } else {
+                call(ep, "GET", &path, None)?
+            };
+            if raw {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            } else {
+                let set: Vec<String> = v
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .filter(|(_, x)| !x.is_null())
+                    .map(|(k, x)| format!("{k}={x}"))
+                    .collect();
+                println!(
+                    "volume {name} qos: {}",
+                    if set.is_empty() {
+                        "unlimited".to_string()
+                    } else {
+                        set.join(" ")
+                    }
+                );
+            }
         }
         VolumeCmd::Stats { name, interval } => {
             let ms = (interval * 1000.0).round().clamp(1.0, 60_000.0) as u64;

@@ -86,6 +86,9 @@ pub struct CoreIo {
     /// Set by a task that expects its next event very soon (a client waiting on each
     /// reply): the reactor then polls briefly before sleeping. Cleared every iteration.
     pub poll_hint: bool,
+    /// Per-core state that layers above share between their tasks on this core (e.g. a
+    /// volume's QoS limiter), keyed by the owner's choice.
+    pub locals: std::collections::HashMap<usize, Box<dyn std::any::Any>>,
     /// The time at the start of this reactor iteration: one clock read per batch of
     /// completions instead of one per request.
     now: Instant,
@@ -120,6 +123,7 @@ impl CoreIo {
             remote,
             poll_hint: false,
             now: Instant::now(),
+            locals: std::collections::HashMap::new(),
         })
     }
 

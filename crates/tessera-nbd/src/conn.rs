@@ -24,6 +24,33 @@ const RBUF_CAP: usize = 1 << 20;
 const MAX_IOV: usize = 1024;
 const SLOT_RECV: u32 = u32::MAX;
 const SLOT_SEND: u32 = u32::MAX - 1;
+const SLOT_QOS: u32 = u32::MAX - 2;
+/// The calling core's limiter for a volume, shared by every connection to that volume on
+/// this core (so the core's share of the limit is not multiplied by its connections).
+fn core_limiter(
+    io: &mut CoreIo,
+    qos: &std::sync::Arc<tessera_qos::VolumeQos>,
+) -> std::rc::Rc<std::cell::RefCell<tessera_qos::CoreLimiter>> {
+    use std::cell::RefCell;
+    use std::rc::{Rc, Weak};
+    let key = std::sync::Arc::as_ptr(qos) as usize;
+    if let Some(rc) = io
+        .locals
+        .get(&key)
+        .and_then(|b| b.downcast_ref::<Weak<RefCell<tessera_qos::CoreLimiter>>>())
+        .and_then(Weak::upgrade)
+    {
+        return rc;
+    }
+    let rc = Rc::new(RefCell::new(tessera_qos::CoreLimiter::new(
+        qos.clone(),
+        io.core,
+        std::time::Instant::now(),
+    )));
+    io.locals.insert(key, Box::new(Rc::downgrade(&rc)));
+    rc
+}
+
 /// Decides whether a client waits on each reply (queue depth 1), in which case its core
 /// polls for the next request: on this kind of machine a wakeup costs more than serving
 /// a request, while a deep-queue client is served best by sleeping (requests pile up
@@ -157,21 +184,24 @@ pub struct NbdConn {
     /// request instead of sleeping (see `on_recv`). Entered after LATENCY_STREAK receives
     /// of a single request while sleeping; left every LATENCY_PROBE to look again.
     latency: LatencyDetector,
+    /// This core's share of the volume's QoS limits (shared by its connections here).
+    qos: std::rc::Rc<std::cell::RefCell<tessera_qos::CoreLimiter>>,
+    /// Requests held back by QoS, in arrival order, and whether the retry timer is set.
+    throttled: std::collections::VecDeque<u16>,
+    qos_armed: bool,
     stats: std::sync::Arc<IoStats>,
     /// The peer is gone or misbehaved: nothing more is sent.
     dead: bool,
     shut: bool,
 }
 
-// SAFETY: msghdr holds raw pointers into this struct's own iov Vec; the connection is
-// created on one thread and then lives on exactly one reactor thread.
-unsafe impl Send for NbdConn {}
-
 impl NbdConn {
-    pub fn new(fd: OwnedFd, vol: VolumeHandle, opts: ConnOptions) -> NbdConn {
+    /// Build a connection on the core that will serve it (`io` is that core's context).
+    pub fn new(io: &mut CoreIo, fd: OwnedFd, vol: VolumeHandle, opts: ConnOptions) -> NbdConn {
         // SAFETY: msghdr is plain data; all-zero is a valid empty header.
         let msg: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
         let stats = vol.volume().register_stats();
+        let qos = core_limiter(io, &vol.volume().qos);
         NbdConn {
             fd,
             id: 0,
@@ -193,6 +223,9 @@ impl NbdConn {
             in_io: 0,
             draining: false,
             latency: LatencyDetector::default(),
+            qos,
+            throttled: std::collections::VecDeque::new(),
+            qos_armed: false,
             stats,
             dead: false,
             shut: false,
@@ -261,7 +294,7 @@ impl NbdConn {
                 let got = got + n;
                 if got == self.slots[s as usize].len as usize {
                     self.payload = None;
-                    self.dispatch(io, s);
+                    self.admit_or_park(io, s);
                     self.parse(io);
                 } else {
                     self.payload = Some((s, got));
@@ -333,7 +366,7 @@ impl NbdConn {
                     break;
                 }
             }
-            self.dispatch(io, s);
+            self.admit_or_park(io, s);
         }
         // Keep the unparsed tail at the front so the buffer never fills with consumed bytes.
         if self.rstart == self.rend {
@@ -508,6 +541,60 @@ impl NbdConn {
         sl.data_len = plen;
         sl.phase = Phase::Reply;
         self.outq.push(s);
+    }
+
+    /// Pass the request in slot `s` to the volume if the QoS limits allow it now, else hold
+    /// it (behind any already held, so a connection's requests keep their order).
+    fn admit_or_park(&mut self, io: &mut CoreIo, s: u16) {
+        if self.throttled.is_empty() {
+            match self.qos_admit(io, s) {
+                Ok(()) => return self.dispatch(io, s),
+                Err(wait) => self.arm_qos(io, wait),
+            }
+        }
+        self.throttled.push_back(s);
+    }
+
+    fn qos_admit(&mut self, io: &CoreIo, s: u16) -> Result<(), std::time::Duration> {
+        let sl = &self.slots[s as usize];
+        let (write, bytes) = match sl.cmd {
+            CMD_READ => (false, sl.len as u64),
+            CMD_WRITE => (true, sl.len as u64),
+            CMD_TRIM | CMD_WRITE_ZEROES => (true, 0),
+            // Flushes and metadata queries are not limited.
+            _ => return Ok(()),
+        };
+        self.qos.borrow_mut().admit(write, bytes, io.now())
+    }
+
+    fn arm_qos(&mut self, io: &mut CoreIo, wait: std::time::Duration) {
+        if !self.qos_armed {
+            self.qos_armed = true;
+            io.complete_after(wait, self.tag(SLOT_QOS), 0);
+        }
+    }
+
+    /// The QoS retry timer fired: serve held requests while the limits allow.
+    fn on_qos_timer(&mut self, io: &mut CoreIo) {
+        self.qos_armed = false;
+        while let Some(&s) = self.throttled.front() {
+            if self.dead {
+                // The client is gone: nobody waits for these.
+                self.throttled.pop_front();
+                self.release(io, s);
+                continue;
+            }
+            if let Err(wait) = self.qos_admit(io, s) {
+                self.arm_qos(io, wait);
+                return;
+            }
+            self.throttled.pop_front();
+            let held = io
+                .now()
+                .saturating_duration_since(self.slots[s as usize].start);
+            self.stats.add_throttled(held.as_nanos() as u64);
+            self.dispatch(io, s);
+        }
     }
 
     /// Account a request whose reply is now queued.
@@ -730,6 +817,7 @@ impl Task for NbdConn {
         match slot {
             SLOT_RECV => self.on_recv(io, res),
             SLOT_SEND => self.on_send(io, res),
+            SLOT_QOS => self.on_qos_timer(io),
             s => self.on_io(io, s as u16, res),
         }
     }
@@ -751,7 +839,12 @@ impl Task for NbdConn {
     }
 
     fn finished(&self) -> bool {
-        self.shut && !self.recv_posted && !self.send_posted && self.in_io == 0
+        self.shut
+            && !self.recv_posted
+            && !self.send_posted
+            && self.in_io == 0
+            && !self.qos_armed
+            && self.throttled.is_empty()
     }
 }
 

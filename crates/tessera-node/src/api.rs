@@ -113,6 +113,15 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
                 .map(|(p, v)| node.volume_json(&p, &v)),
             200,
         ),
+        ("GET", ["v1", "volumes", name, "qos"]) => reply(
+            node.find_volume(name).map(|(_, v)| serde_json::to_value(v.qos.limits()).unwrap_or(Value::Null)),
+            200,
+        ),
+        ("PUT", ["v1", "volumes", name, "qos"]) => match serde_json::from_value::<tessera_qos::QosLimits>(body.clone()) {
+            Ok(l) => reply(node.set_volume_qos(name, l), 200),
+            Err(e) => Response::error(400, &format!("bad QoS limits: {e} (fields: iops, read_iops, write_iops, bps, read_bps, write_bps, burst_ms, one_time_burst_ms)")),
+        },
+        ("DELETE", ["v1", "volumes", name, "qos"]) => reply(node.set_volume_qos(name, Default::default()), 200),
         ("GET", ["v1", "volumes", name, "stats"]) => {
             let ms = match req.query_param("interval_ms").map(str::parse::<u64>) {
                 None => 1000,

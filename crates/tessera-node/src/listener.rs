@@ -94,8 +94,8 @@ where
         read_only: read_only || n.read_only,
     };
     let fd = into_fd(stream);
-    node.next_reactor().spawn(Box::new(move |_io| {
-        Box::new(NbdConn::new(fd, vol.open_handle(), opts))
+    node.next_reactor().spawn(Box::new(move |io| {
+        Box::new(NbdConn::new(io, fd, vol.open_handle(), opts))
     }));
 }
 

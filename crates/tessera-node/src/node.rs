@@ -406,7 +406,16 @@ impl Node {
         json!({
             "name": v.name, "pool": p.name(), "id": v.id, "size": v.size(), "allocated": v.allocated_bytes(),
             "exports": exports, "connections": v.open_handles(), "created": v.created,
+            "qos": serde_json::to_value(v.qos.limits()).unwrap_or(Value::Null),
         })
+    }
+
+    /// Replace a volume's QoS limits (empty limits clear them). Live and persistent.
+    pub fn set_volume_qos(&self, name: &str, limits: tessera_qos::QosLimits) -> Result<Value> {
+        let _g = self.admin();
+        let (p, v) = self.find_volume(name)?;
+        p.set_volume_qos(&v, limits)?;
+        Ok(serde_json::to_value(v.qos.limits()).unwrap_or(Value::Null))
     }
 
     /// Client I/O of a volume over a window of `interval`: rates, latency percentiles,
@@ -430,6 +439,7 @@ impl Node {
             "read_mibps": mib(a.read_bytes, b.read_bytes),
             "write_mibps": mib(a.write_bytes, b.write_bytes),
             "errors": b.errors.saturating_sub(a.errors),
+            "throttled_ms": b.throttled_ns.saturating_sub(a.throttled_ns) as f64 / 1e6,
             "latency_us": {
                 "requests": w.count(),
                 "mean": w.mean() / 1000.0,
@@ -440,6 +450,7 @@ impl Node {
             "totals": {
                 "reads": b.reads, "writes": b.writes, "others": b.others,
                 "read_bytes": b.read_bytes, "write_bytes": b.write_bytes, "errors": b.errors,
+                "throttled_ms": b.throttled_ns as f64 / 1e6,
             },
         }))
     }

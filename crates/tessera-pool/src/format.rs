@@ -9,6 +9,8 @@ pub const DEV_DATA_START: u64 = 1 << 20;
 pub const JOURNAL_OFFSET: u64 = 4096;
 pub const JOURNAL_BLOCKS: u64 = 1024;
 pub const CATALOG_MAX: usize = 1 << 20;
+/// Version 2 adds per-volume QoS limits; version 1 catalogs are still read.
+pub const CATALOG_VERSION: u32 = 2;
 pub const RECORDS_PER_BLOCK: usize = (BLOCK - 4 - 40) / 12;
 pub const OWNER_FREE: u32 = 0;
 pub const OWNER_META: u32 = u32::MAX;
@@ -77,6 +79,12 @@ impl<'a> R<'a> {
     }
     fn uuid(&mut self) -> Result<Uuid> {
         Ok(self.take(16)?.try_into().expect("16 bytes"))
+    }
+    fn qos(&mut self) -> Result<tessera_qos::QosLimits> {
+        let (l, used) = tessera_qos::QosLimits::decode(&self.b[self.at..])
+            .map_err(|e| Error::corrupt(format!("volume QoS record: {e}")))?;
+        self.at += used;
+        Ok(l)
     }
     fn string(&mut self, len: usize) -> Result<String> {
         String::from_utf8(self.take(len)?.to_vec())
@@ -339,6 +347,7 @@ pub struct VolumeRecord {
     pub size: u64,
     pub created: u64,
     pub name: String,
+    pub qos: tessera_qos::QosLimits,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -358,7 +367,7 @@ pub struct Catalog {
 impl Catalog {
     pub fn encode(&self) -> Result<Vec<u8>> {
         let mut v = Vec::new();
-        v.extend_from_slice(&1u32.to_le_bytes());
+        v.extend_from_slice(&CATALOG_VERSION.to_le_bytes());
         v.extend_from_slice(&self.next_volume_id.to_le_bytes());
         v.extend_from_slice(&(self.volumes.len() as u32).to_le_bytes());
         for vol in &self.volumes {
@@ -367,6 +376,7 @@ impl Catalog {
             v.extend_from_slice(&vol.created.to_le_bytes());
             v.extend_from_slice(&(vol.name.len() as u16).to_le_bytes());
             v.extend_from_slice(vol.name.as_bytes());
+            vol.qos.encode(&mut v);
         }
         v.extend_from_slice(&(self.exports.len() as u32).to_le_bytes());
         for e in &self.exports {
@@ -387,7 +397,7 @@ impl Catalog {
     pub fn decode(b: &[u8]) -> Result<Catalog> {
         let mut r = R::new(b);
         let version = r.u32()?;
-        if version != 1 {
+        if version != 1 && version != CATALOG_VERSION {
             return Err(Error::corrupt(format!(
                 "catalog version {version} is not supported"
             )));
@@ -400,11 +410,19 @@ impl Catalog {
             let size = r.u64()?;
             let created = r.u64()?;
             let len = r.u16()? as usize;
+            let name = r.string(len)?;
+            // Version 1 catalogs predate QoS: no limits.
+            let qos = if version >= 2 {
+                r.qos()?
+            } else {
+                tessera_qos::QosLimits::default()
+            };
             volumes.push(VolumeRecord {
                 id,
                 size,
                 created,
-                name: r.string(len)?,
+                name,
+                qos,
             });
         }
         let ne = r.u32()? as usize;
@@ -552,6 +570,11 @@ mod tests {
                 size: 1 << 30,
                 created: 5,
                 name: "vol0".into(),
+                qos: tessera_qos::QosLimits {
+                    iops: Some(500),
+                    write_bps: Some(1 << 20),
+                    ..Default::default()
+                },
             }],
             exports: vec![ExportRecord {
                 name: "e".into(),

@@ -69,6 +69,7 @@ impl State {
                     size: v.size(),
                     created: v.created,
                     name: v.name.clone(),
+                    qos: v.qos.limits(),
                 })
                 .collect(),
             exports: self.exports.clone(),
@@ -590,6 +591,7 @@ impl Pool {
                         v.size,
                         v.created,
                         UnitMap::new(units),
+                        v.qos.clone(),
                     ),
                 );
             }
@@ -700,6 +702,7 @@ impl Pool {
                 size,
                 now_secs(),
                 UnitMap::new(size.div_ceil(self.core.unit_size())),
+                Default::default(),
             );
             s.volumes.insert(id, vol.clone());
             vol
@@ -765,6 +768,18 @@ impl Pool {
             s.volumes.remove(&vol.id);
         }
         self.core.checkpoint()
+    }
+
+    /// Set (or, with all fields empty, clear) a volume's QoS limits, live and durably.
+    pub fn set_volume_qos(&self, vol: &Arc<Volume>, limits: tessera_qos::QosLimits) -> Result<()> {
+        limits.validate().map_err(Error::invalid)?;
+        let old = vol.qos.limits();
+        vol.qos.set_limits(limits);
+        if let Err(e) = self.core.checkpoint() {
+            vol.qos.set_limits(old);
+            return Err(e);
+        }
+        Ok(())
     }
 
     pub fn exports(&self) -> Vec<ExportRecord> {

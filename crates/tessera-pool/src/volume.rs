@@ -56,6 +56,8 @@ pub struct IoStats {
     pub read_bytes: AtomicU64,
     pub write_bytes: AtomicU64,
     pub errors: AtomicU64,
+    /// Time requests spent held back by QoS limits, nanoseconds.
+    pub throttled_ns: AtomicU64,
     /// Request latency (receipt to reply queued), nanoseconds.
     pub latency: SharedHistogram,
 }
@@ -88,7 +90,14 @@ impl IoStats {
         self.latency.record_single_writer(latency_ns);
     }
 
+    #[inline]
+    pub fn add_throttled(&self, ns: u64) {
+        self.throttled_ns
+            .store(self.throttled_ns.load(Relaxed).wrapping_add(ns), Relaxed);
+    }
+
     fn add_to(&self, t: &mut StatsSnapshot) {
+        t.throttled_ns += self.throttled_ns.load(Relaxed);
         t.reads += self.reads.load(Relaxed);
         t.writes += self.writes.load(Relaxed);
         t.others += self.others.load(Relaxed);
@@ -108,6 +117,7 @@ pub struct StatsSnapshot {
     pub read_bytes: u64,
     pub write_bytes: u64,
     pub errors: u64,
+    pub throttled_ns: u64,
     pub latency: Histogram,
 }
 
@@ -130,6 +140,8 @@ pub struct Volume {
     open_handles: AtomicUsize,
     deleted: AtomicBool,
     stats: Mutex<VolumeStats>,
+    /// QoS limits, shared by every core serving this volume.
+    pub qos: Arc<tessera_qos::VolumeQos>,
     pub(crate) pool: Arc<PoolCore>,
 }
 
@@ -141,6 +153,7 @@ impl Volume {
         size: u64,
         created: u64,
         map: Arc<UnitMap>,
+        qos: tessera_qos::QosLimits,
     ) -> Arc<Volume> {
         Arc::new(Volume {
             id,
@@ -153,6 +166,7 @@ impl Volume {
             open_handles: AtomicUsize::new(0),
             deleted: AtomicBool::new(false),
             stats: Mutex::new(VolumeStats::default()),
+            qos: Arc::new(tessera_qos::VolumeQos::new(qos, std::time::Instant::now())),
             pool,
         })
     }

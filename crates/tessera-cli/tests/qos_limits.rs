@@ -1,0 +1,104 @@
+//! Per-volume QoS limits through a real node: accuracy under a load far above the limit,
+//! live changes, clearing, and persistence across kill -9.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+/// Run `tessera nbd-perf` and return (iops, mibps) from its RESULT line.
+fn perf(n: &TestNode, pattern: &str, secs: u64) -> (f64, f64) {
+    let out = run_ok(Command::new(BIN).args([
+        "nbd-perf",
+        "--uri",
+        &n.uri("vol0"),
+        "--pattern",
+        pattern,
+        "--qd",
+        "32",
+        "--size",
+        "64M",
+        "--time",
+        &secs.to_string(),
+    ]));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("RESULT"))
+        .expect("RESULT line");
+    let field = |k: &str| -> f64 {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{k}=")))
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(field("errors"), 0.0, "{line}");
+    (field("iops"), field("mibps"))
+}
+
+fn within(got: f64, want: f64, tol: f64) -> bool {
+    (got - want).abs() <= want * tol
+}
+
+#[test]
+fn limits_hold_change_live_and_persist() {
+    let mut n = TestNode::start_default("qos");
+    // Unlimited first: far above the limits used below.
+    let (free, _) = perf(&n, "randread", 1);
+    assert!(free > 20_000.0, "unlimited {free}");
+
+    // IOPS limit, 10 s under a load far above it: within 5% (the first 100 ms burst is 1%).
+    n.cli_ok(&["volume", "qos", "vol0", "--iops", "3000"]);
+    let (iops, _) = perf(&n, "randread", 10);
+    assert!(within(iops, 3000.0, 0.05), "iops limit 3000, got {iops}");
+
+    // Changed live: the new limit applies to the next run at once.
+    n.cli_ok(&["volume", "qos", "vol0", "--write-bw", "8M"]);
+    let (_, mibps) = perf(&n, "randwrite", 5);
+    assert!(
+        within(mibps, 8.0, 0.05),
+        "write bandwidth limit 8 MiB/s, got {mibps}"
+    );
+    // A write-only limit leaves reads alone.
+    let (reads, _) = perf(&n, "randread", 1);
+    assert!(reads > 10_000.0, "reads under a write limit: {reads}");
+
+    // Throttled time is reported.
+    let v: serde_json::Value = serde_json::from_str(&n.cli_ok(&[
+        "--json",
+        "volume",
+        "stats",
+        "vol0",
+        "--interval",
+        "0.01",
+    ]))
+    .unwrap();
+    assert!(
+        v["totals"]["throttled_ms"].as_f64().unwrap() > 1000.0,
+        "{v}"
+    );
+
+    // Bad limits are refused with a clear error and change nothing.
+    let o = n.cli(&["volume", "qos", "vol0", "--iops", "0"]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("at least 1"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+
+    // Persistent: survives kill -9.
+    n.kill9();
+    n.restart();
+    let shown = n.cli_ok(&["volume", "qos", "vol0"]);
+    assert!(shown.contains("write_bps=8388608"), "{shown}");
+    let (_, mibps) = perf(&n, "randwrite", 3);
+    assert!(within(mibps, 8.0, 0.08), "after restart {mibps}");
+
+    // Cleared: full speed again.
+    n.cli_ok(&["volume", "qos", "vol0", "--clear"]);
+    assert!(n.cli_ok(&["volume", "qos", "vol0"]).contains("unlimited"));
+    let (iops, _) = perf(&n, "randwrite", 1);
+    assert!(iops > 20_000.0, "cleared {iops}");
+}
