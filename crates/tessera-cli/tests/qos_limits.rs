@@ -102,3 +102,46 @@ fn limits_hold_change_live_and_persist() {
     let (iops, _) = perf(&n, "randwrite", 1);
     assert!(iops > 20_000.0, "cleared {iops}");
 }
+
+#[test]
+fn a_limit_changed_during_a_run_applies_within_a_second() {
+    let n = TestNode::start_default("qos-live");
+    n.cli_ok(&["volume", "qos", "vol0", "--iops", "1000"]);
+    let uri = n.uri("vol0");
+    let load = std::thread::spawn(move || {
+        run_ok(Command::new(BIN).args([
+            "nbd-perf",
+            "--uri",
+            &uri,
+            "--pattern",
+            "randread",
+            "--qd",
+            "32",
+            "--size",
+            "64M",
+            "--time",
+            "5",
+        ]))
+    });
+    let rate = |n: &TestNode| -> f64 {
+        let v: serde_json::Value = serde_json::from_str(&n.cli_ok(&[
+            "--json",
+            "volume",
+            "stats",
+            "vol0",
+            "--interval",
+            "0.8",
+        ]))
+        .unwrap();
+        v["read_iops"].as_f64().unwrap()
+    };
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    let before = rate(&n);
+    assert!(within(before, 1000.0, 0.15), "before the change: {before}");
+    n.cli_ok(&["volume", "qos", "vol0", "--iops", "4000"]);
+    // Measured from 200 ms after the change, over 0.8 s: inside the one-second bound.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let after = rate(&n);
+    assert!(within(after, 4000.0, 0.15), "after the change: {after}");
+    load.join().unwrap();
+}
