@@ -344,7 +344,8 @@ impl NbdConn {
             }
             let Some(s) = self.free.pop() else { break };
             self.rstart += REQUEST_HEADER_LEN;
-            self.latency.on_request(h.cookie, std::time::Instant::now());
+            // The batch timestamp, not a clock read per request.
+            self.latency.on_request(h.cookie, io.now());
             let slot = &mut self.slots[s as usize];
             slot.cookie = h.cookie;
             slot.cmd = h.cmd;

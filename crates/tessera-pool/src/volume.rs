@@ -461,45 +461,32 @@ impl VolumeHandle {
         if may_unmap {
             self.release_whole_units(offset, len);
         }
-        // What is left: partial units (and, without may_unmap, everything) that are
-        // mapped get zeros written; holes already read as zeros, but NO_HOLE asks for
-        // space, so they are allocated (allocation zeroes them).
-        let mut ops: Vec<(u64, u64)> = Vec::new();
-        let mut err = 0;
-        let mut at = offset;
-        let end = offset + len;
-        while at < end {
-            let u = at >> self.shift;
-            let seg = (((u + 1) << self.shift).min(end)) - at;
-            let p = self.map.get(u);
+        // What is left, unit by unit (like reads and writes: one join, no allocation):
+        // mapped parts get zeros written; holes already read as zeros, but NO_HOLE asks
+        // for space, so they are allocated (allocation zeroes them).
+        self.for_units(io, offset, len, tag, |h, io, u, at, seg, _roff, t| {
+            let p = h.map.get(u);
             if p != HOLE {
-                ops.push((self.pool_offset(p, at), seg));
-            } else if !may_unmap {
-                if let Err(e) = self.vol.pool.allocate(&self.vol, u, false) {
-                    err = e;
-                    break;
-                }
+                let offset = h.pool_offset(p, at);
+                h.layout.submit(
+                    io,
+                    IoOp::WriteZeroes {
+                        offset,
+                        len: seg,
+                        may_unmap: false,
+                    },
+                    t,
+                );
+            } else if may_unmap {
+                io.complete(t, 0);
+            } else {
+                let r = h
+                    .vol
+                    .pool
+                    .allocate(&h.vol, u, false)
+                    .map_or_else(|e| e, |_| 0);
+                io.complete(t, r);
             }
-            at += seg;
-        }
-        if err != 0 || ops.is_empty() {
-            return io.complete(tag, err);
-        }
-        let t = if ops.len() == 1 {
-            tag
-        } else {
-            io.join(tag, ops.len() as u32)
-        };
-        for (off, l) in ops {
-            self.layout.submit(
-                io,
-                IoOp::WriteZeroes {
-                    offset: off,
-                    len: l,
-                    may_unmap: false,
-                },
-                t,
-            );
-        }
+        });
     }
 }
