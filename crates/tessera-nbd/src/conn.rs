@@ -27,7 +27,8 @@ const SLOT_SEND: u32 = u32::MAX - 1;
 const SLOT_QOS: u32 = u32::MAX - 2;
 /// The calling core's limiter for a volume, shared by every connection to that volume on
 /// this core (so the core's share of the limit is not multiplied by its connections).
-fn core_limiter(
+/// Public so other protocols' connections (NVMe/TCP queues) share the same limiter.
+pub fn core_limiter(
     io: &mut CoreIo,
     qos: &std::sync::Arc<tessera_qos::VolumeQos>,
 ) -> std::rc::Rc<std::cell::RefCell<tessera_qos::CoreLimiter>> {
@@ -63,19 +64,20 @@ fn core_limiter(
 /// While polling, the server outruns any client, so everything a client has outstanding
 /// waits on its side and even a deep queue looks shallow: latency mode therefore ends
 /// every LATENCY_PROBE to measure again while sleeping.
+/// Public so NVMe/TCP queues use the same policy (fed with their own request sequence).
 #[derive(Default)]
-struct LatencyDetector {
+pub struct LatencyDetector {
     last_reply_cookie: u64,
     shallow_streak: u32,
     since: Option<std::time::Instant>,
 }
 
 impl LatencyDetector {
-    fn on_reply(&mut self, cookie: u64) {
+    pub fn on_reply(&mut self, cookie: u64) {
         self.last_reply_cookie = cookie;
     }
 
-    fn on_request(&mut self, cookie: u64, now: std::time::Instant) {
+    pub fn on_request(&mut self, cookie: u64, now: std::time::Instant) {
         if let Some(since) = self.since {
             if now.duration_since(since) >= LATENCY_PROBE {
                 self.since = None;
@@ -93,7 +95,7 @@ impl LatencyDetector {
         }
     }
 
-    fn active(&self) -> bool {
+    pub fn active(&self) -> bool {
         self.since.is_some()
     }
 }
