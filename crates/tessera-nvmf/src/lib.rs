@@ -1,0 +1,14 @@
+//! NVMe over Fabrics, TCP transport, for Tessera volumes.
+//!
+//! - [`pdu`]: the NVMe/TCP PDU codec (common header, ICReq/ICResp, capsules, data PDUs,
+//!   R2T, termination requests), digests, and the strict header validation that yields the
+//!   fatal error status (FES) a termination request must carry.
+//! - [`nvme`]: NVMe structures: submission and completion queue entries, status codes,
+//!   SGL descriptors, Fabrics commands, Identify data, log pages and features.
+//! - [`target`]: subsystems, controllers and the queue connection, a reactor [`tessera_io::Task`]
+//!   per queue.
+//! - [`initiator`]: a blocking host for tools and tests, and the pipelined queue the perf
+//!   load generator drives.
+
+pub mod nvme;
+pub mod pdu;
