@@ -4,6 +4,8 @@
 mod bench;
 mod manage;
 mod nbd_perf;
+mod nvmf_cmd;
+mod nvmf_perf;
 mod report;
 mod run;
 
@@ -50,6 +52,9 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Pipelined NBD load generator (measures the server, not the client).
     NbdPerf(nbd_perf::NbdPerfArgs),
+    /// NVMe/TCP: initiator (discover, identify, read, write, perf) and subsystems.
+    #[command(subcommand)]
+    Nvmf(nvmf_cmd::NvmfCmd),
 }
 
 fn main() {
@@ -64,6 +69,7 @@ fn main() {
         Cmd::Export(c) => manage::export(&api, c, cli.json),
         Cmd::Bench(a) => bench::run(a),
         Cmd::NbdPerf(a) => nbd_perf::run(a),
+        Cmd::Nvmf(c) => nvmf_cmd::run(&api, c, cli.json),
     };
     if let Err(e) = r {
         eprintln!("tessera: error: {e}");

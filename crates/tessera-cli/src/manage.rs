@@ -13,7 +13,12 @@ pub fn endpoint(arg: Option<&str>) -> Endpoint {
     Endpoint::parse(&s)
 }
 
-fn call(ep: &Endpoint, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+pub(crate) fn call(
+    ep: &Endpoint,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> Result<Value, String> {
     let (status, text) = request(ep, method, path, body.as_ref()).map_err(|e| e.to_string())?;
     let v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
     if (200..300).contains(&status) {

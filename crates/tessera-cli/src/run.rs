@@ -25,6 +25,12 @@ pub struct UpArgs {
     /// Microseconds a reactor keeps polling after activity before it sleeps (0 = never).
     #[arg(long, default_value_t = 50)]
     poll_us: u64,
+    /// NVMe/TCP I/O port ("" = no NVMe/TCP).
+    #[arg(long, default_value = "127.0.0.1:4420")]
+    nvmf: String,
+    /// NVMe/TCP discovery port ("" = none).
+    #[arg(long, default_value = "127.0.0.1:8009")]
+    nvmf_discovery: String,
 }
 
 pub fn up(a: UpArgs) -> Result<(), String> {
@@ -35,6 +41,9 @@ pub fn up(a: UpArgs) -> Result<(), String> {
     cfg.busy_poll = a.busy_poll;
     cfg.pin_cores = !a.no_pin;
     cfg.poll_us = a.poll_us;
+    cfg.nvmf.enabled = !a.nvmf.is_empty();
+    cfg.nvmf.listen = a.nvmf;
+    cfg.nvmf.discovery = a.nvmf_discovery;
     serve(cfg)
 }
 
@@ -76,7 +85,12 @@ fn serve(cfg: NodeConfig) -> Result<(), String> {
         .filter(|a| a.starts_with("nbd://"))
         .cloned()
         .collect();
+    // NVMe/TCP listens before the banner says ready.
+    let nvmf = tessera_node::nvmf::start(&node);
     print_banner(&node, &addrs);
+    for a in nvmf {
+        println!("tessera: NVMe/TCP: {a}");
+    }
     // Wait for SIGINT/SIGTERM, then commit every pool and leave.
     let mut sig: libc::c_int = 0;
     // SAFETY: waiting on the set blocked above.

@@ -18,7 +18,7 @@ fn status_of(e: &Error) -> u16 {
     }
 }
 
-fn reply(r: Result<Value, Error>, ok: u16) -> Response {
+pub(crate) fn reply(r: Result<Value, Error>, ok: u16) -> Response {
     match r {
         Ok(v) => Response::json(ok, &v),
         Err(e) => Response::error(status_of(&e), &e.message),
@@ -30,7 +30,7 @@ fn field<'a>(body: &'a Value, name: &str) -> Result<&'a Value, Error> {
         .ok_or_else(|| Error::invalid(format!("missing field '{name}'")))
 }
 
-fn str_field(body: &Value, name: &str) -> Result<String, Error> {
+pub(crate) fn str_field(body: &Value, name: &str) -> Result<String, Error> {
     field(body, name)?
         .as_str()
         .map(str::to_string)
@@ -166,6 +166,7 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
             node.remove_export(name).map(|_| json!({"deleted": name})),
             200,
         ),
+        (_, ["v1", "nvmf", ..]) => crate::nvmf_api::handle(node, req, &body, &parts[2..]),
         (_, ["v1", ..]) => Response::error(
             404,
             &format!("no such API route: {} {}", req.method, req.path),

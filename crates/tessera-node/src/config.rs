@@ -24,6 +24,7 @@ pub struct NodeConfig {
     pub pin_cores: bool,
     pub api: ApiConfig,
     pub nbd: NbdConfig,
+    pub nvmf: crate::nvmf::NvmfConfig,
     #[serde(rename = "pool")]
     pub pools: Vec<PoolDecl>,
     #[serde(rename = "volume")]
@@ -101,6 +102,7 @@ impl Default for NodeConfig {
             pin_cores: true,
             api: ApiConfig::default(),
             nbd: NbdConfig::default(),
+            nvmf: crate::nvmf::NvmfConfig::default(),
             pools: Vec::new(),
             volumes: Vec::new(),
             exports: Vec::new(),
@@ -138,6 +140,15 @@ impl NodeConfig {
                 volume: "vol0".into(),
                 read_only: false,
             }],
+            nvmf: crate::nvmf::NvmfConfig {
+                subsystems: vec![crate::nvmf::SubsystemDecl {
+                    nqn: crate::nvmf::default_nqn("vol0"),
+                    volumes: vec!["vol0".into()],
+                    allow_any_host: true,
+                    hosts: Vec::new(),
+                }],
+                ..Default::default()
+            },
             ..NodeConfig::default()
         }
     }

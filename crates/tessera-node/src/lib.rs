@@ -1,10 +1,12 @@
 //! A Tessera node: reactors on every core, pools from the registry, the management API
-//! and the NBD listeners, assembled from one configuration.
+//! and the NBD and NVMe/TCP listeners, assembled from one configuration.
 
 pub mod api;
 pub mod config;
 pub mod listener;
 pub mod node;
+pub mod nvmf;
+pub mod nvmf_api;
 pub mod registry;
 
 pub use config::NodeConfig;

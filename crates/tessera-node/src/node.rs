@@ -32,6 +32,8 @@ pub struct Node {
     next_core: AtomicUsize,
     pub started: Instant,
     pub nbd_addresses: RwLock<Vec<String>>,
+    /// NVMe/TCP subsystems and target (crate::nvmf).
+    pub nvmf: crate::nvmf::NvmfState,
 }
 
 fn not_found(what: &str, name: &str) -> Error {
@@ -62,6 +64,7 @@ impl Node {
             .map_err(|e| format!("cannot start reactors (is io_uring available?): {e}"))?;
         let registry = Registry::new(&cfg.data_dir);
         let entries = registry.load()?;
+        let nvmf = crate::nvmf::NvmfState::load(&cfg.data_dir)?;
         let node = Arc::new(Node {
             cfg,
             pools: RwLock::new(BTreeMap::new()),
@@ -73,6 +76,7 @@ impl Node {
             next_core: AtomicUsize::new(0),
             started: Instant::now(),
             nbd_addresses: RwLock::new(Vec::new()),
+            nvmf,
         });
         for e in entries {
             match node.restore_pool(&e) {
@@ -361,6 +365,14 @@ impl Node {
     pub fn delete_volume(&self, name: &str) -> Result<()> {
         let _g = self.admin();
         let (p, v) = self.find_volume(name)?;
+        if let Some(nqn) = self.nvmf.subsystem_using(&p.status().uuid, v.id) {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!(
+                    "volume '{name}' is a namespace of NVMe subsystem '{nqn}'; remove it first"
+                ),
+            ));
+        }
         p.delete_volume(&v)
     }
 

@@ -5,10 +5,14 @@
 //!   fatal error status (FES) a termination request must carry.
 //! - [`nvme`]: NVMe structures: submission and completion queue entries, status codes,
 //!   SGL descriptors, Fabrics commands, Identify data, log pages and features.
-//! - [`target`]: subsystems, controllers and the queue connection, a reactor [`tessera_io::Task`]
-//!   per queue.
+//! - [`target`]: subsystems (from a catalog the node implements), controllers shared by
+//!   their queues, the accept loop.
+//! - [`queue`]: one queue connection (admin or I/O), a reactor [`tessera_io::Task`].
 //! - [`initiator`]: a blocking host for tools and tests, and the pipelined queue the perf
 //!   load generator drives.
 
+pub mod initiator;
 pub mod nvme;
 pub mod pdu;
+pub mod queue;
+pub mod target;

@@ -1,0 +1,361 @@
+//! `tessera nvmf`: the NVMe/TCP initiator (discover, identify, read, write, perf) and the
+//! management of a node's NVMe/TCP subsystems over its API.
+
+use std::io::{Read as _, Write as _};
+
+use clap::{Args, Subcommand};
+use serde_json::{json, Value};
+use tessera_device::parse_size;
+use tessera_http::Endpoint;
+
+use crate::manage::call;
+use tessera_nvmf::initiator::{self, Controller, Options};
+use tessera_nvmf::nvme;
+use tessera_nvmf::pdu::{le16, le32, le64};
+
+#[derive(Args, Clone, Debug)]
+pub struct HostArgs {
+    /// Target address HOST:PORT.
+    #[arg(long, default_value = "127.0.0.1:4420")]
+    pub addr: String,
+    /// Host NQN (default: /etc/nvme/hostnqn, else a fixed Tessera one).
+    #[arg(long)]
+    pub hostnqn: Option<String>,
+    /// Header digest (CRC32C).
+    #[arg(long)]
+    pub hdgst: bool,
+    /// Data digest (CRC32C).
+    #[arg(long)]
+    pub ddgst: bool,
+}
+
+impl HostArgs {
+    pub fn options(&self) -> Options {
+        let mut o = Options {
+            hdgst: self.hdgst,
+            ddgst: self.ddgst,
+            ..Options::default()
+        };
+        if let Some(h) = &self.hostnqn {
+            o.hostnqn = h.clone();
+        }
+        o
+    }
+}
+
+#[derive(Subcommand)]
+pub enum NvmfCmd {
+    /// List the subsystems the discovery controller offers this host.
+    Discover {
+        #[command(flatten)]
+        host: HostArgs,
+    },
+    /// Connect and print Identify Controller and Identify Namespace.
+    Identify {
+        #[command(flatten)]
+        host: HostArgs,
+        #[arg(long)]
+        nqn: String,
+    },
+    /// Read bytes from a namespace to stdout (or --output).
+    Read {
+        #[command(flatten)]
+        host: HostArgs,
+        #[arg(long)]
+        nqn: String,
+        #[arg(long, default_value_t = 1)]
+        nsid: u32,
+        /// Byte offset (a multiple of the LBA size).
+        #[arg(long, default_value = "0")]
+        offset: String,
+        #[arg(long, default_value = "4K")]
+        length: String,
+        #[arg(long)]
+        output: Option<std::path::PathBuf>,
+    },
+    /// Write stdin (or --input) to a namespace.
+    Write {
+        #[command(flatten)]
+        host: HostArgs,
+        #[arg(long)]
+        nqn: String,
+        #[arg(long, default_value_t = 1)]
+        nsid: u32,
+        #[arg(long, default_value = "0")]
+        offset: String,
+        #[arg(long)]
+        input: Option<std::path::PathBuf>,
+    },
+    /// Pipelined load generator (measures the target, not the client).
+    Perf(crate::nvmf_perf::NvmfPerfArgs),
+    /// Manage the node's subsystems (over the API).
+    #[command(subcommand)]
+    Subsystem(SubsystemCmd),
+}
+
+#[derive(Subcommand)]
+pub enum SubsystemCmd {
+    /// Create a subsystem.
+    Add {
+        nqn: String,
+        /// Volumes to add as namespaces 1, 2, ...
+        #[arg(long = "volume")]
+        volumes: Vec<String>,
+        /// Let every host connect (otherwise only --host ones).
+        #[arg(long)]
+        allow_any_host: bool,
+        #[arg(long = "host")]
+        hosts: Vec<String>,
+    },
+    List,
+    /// Delete a subsystem (refused while hosts are connected).
+    Remove {
+        nqn: String,
+    },
+    /// Add a volume as a namespace.
+    AddNs {
+        nqn: String,
+        #[arg(long)]
+        volume: String,
+        #[arg(long, default_value_t = 0)]
+        nsid: u32,
+    },
+    RemoveNs {
+        nqn: String,
+        nsid: u32,
+    },
+    /// Allow a host NQN.
+    AddHost {
+        nqn: String,
+        host: String,
+    },
+    RemoveHost {
+        nqn: String,
+        host: String,
+    },
+}
+
+fn print_subsystems(v: &Value, raw: bool) {
+    if raw {
+        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+        return;
+    }
+    for s in v.as_array().into_iter().flatten() {
+        let ns: Vec<String> = s["namespaces"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|n| format!("{}={}", n["nsid"], n["volume"].as_str().unwrap_or("?")))
+            .collect();
+        let hosts = if s["allow_any_host"].as_bool() == Some(true) {
+            "any host".to_string()
+        } else {
+            format!("hosts: {}", s["hosts"])
+        };
+        println!(
+            "{}  namespaces: {}  {}  controllers: {}",
+            s["nqn"].as_str().unwrap_or("?"),
+            if ns.is_empty() {
+                "-".into()
+            } else {
+                ns.join(",")
+            },
+            hosts,
+            s["controllers"]
+        );
+    }
+}
+
+fn err(e: initiator::Error) -> String {
+    e.to_string()
+}
+
+fn ascii(b: &[u8]) -> String {
+    String::from_utf8_lossy(b)
+        .trim_end_matches([' ', '\0'])
+        .to_string()
+}
+
+pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<(), String> {
+    match c {
+        NvmfCmd::Discover { host } => {
+            let e = initiator::discover(&host.addr, &host.options()).map_err(err)?;
+            if raw {
+                let v: Vec<Value> = e
+                    .iter()
+                    .map(|x| json!({"subnqn": x.subnqn, "traddr": x.traddr, "trsvcid": x.trsvcid, "portid": x.portid, "subtype": x.subtype}))
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            } else if e.is_empty() {
+                println!("no subsystems for this host");
+            } else {
+                for x in e {
+                    println!(
+                        "{}  tcp {}:{}  (port {})",
+                        x.subnqn, x.traddr, x.trsvcid, x.portid
+                    );
+                }
+            }
+        }
+        NvmfCmd::Identify { host, nqn } => {
+            let mut c = Controller::connect(&host.addr, &nqn, &host.options(), 0).map_err(err)?;
+            let id = c.identify(nvme::CNS_CONTROLLER, 0).map_err(err)?;
+            let mut out = json!({
+                "cntlid": le16(&id, 78), "serial": ascii(&id[4..24]), "model": ascii(&id[24..64]),
+                "firmware": ascii(&id[64..72]), "subnqn": ascii(&id[768..1024]),
+                "mdts": id[77], "nn": le32(&id, 516), "ioccsz": le32(&id, 1792),
+            });
+            let mut nss = Vec::new();
+            for nsid in c.namespaces().map_err(err)? {
+                let n = c.identify(nvme::CNS_NAMESPACE, nsid).map_err(err)?;
+                let lba = 1u64 << n[130];
+                let nguid: String = n[104..120].iter().map(|b| format!("{b:02x}")).collect();
+                nss.push(json!({"nsid": nsid, "blocks": le64(&n, 0), "lba_size": lba,
+                    "size": le64(&n, 0) * lba, "used_blocks": le64(&n, 16), "nguid": nguid}));
+            }
+            out["namespaces"] = Value::Array(nss);
+            c.disconnect();
+            println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        }
+        NvmfCmd::Read {
+            host,
+            nqn,
+            nsid,
+            offset,
+            length,
+            output,
+        } => {
+            let off = parse_size(&offset).map_err(|e| format!("--offset: {e}"))?;
+            let len = parse_size(&length).map_err(|e| format!("--length: {e}"))?;
+            let mut c = Controller::connect(&host.addr, &nqn, &host.options(), 1).map_err(err)?;
+            let (_, lba) = c.namespace_size(nsid).map_err(err)?;
+            let lba64 = lba as u64;
+            if off % lba64 != 0 || len % lba64 != 0 || len == 0 {
+                return Err(format!(
+                    "--offset and --length must be multiples of the {lba}-byte LBA"
+                ));
+            }
+            let mut data = Vec::with_capacity(len as usize);
+            let chunk = 256 * lba64;
+            let mut at = off;
+            while at < off + len {
+                let n = chunk.min(off + len - at);
+                let d = c
+                    .read(0, nsid, at / lba64, (n / lba64) as u32, lba)
+                    .map_err(err)?;
+                data.extend_from_slice(&d);
+                at += n;
+            }
+            c.disconnect();
+            match output {
+                Some(p) => {
+                    std::fs::write(&p, &data).map_err(|e| format!("{}: {e}", p.display()))?
+                }
+                None => std::io::stdout()
+                    .write_all(&data)
+                    .map_err(|e| e.to_string())?,
+            }
+        }
+        NvmfCmd::Write {
+            host,
+            nqn,
+            nsid,
+            offset,
+            input,
+        } => {
+            let off = parse_size(&offset).map_err(|e| format!("--offset: {e}"))?;
+            let mut data = Vec::new();
+            match input {
+                Some(p) => data = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?,
+                None => {
+                    std::io::stdin()
+                        .read_to_end(&mut data)
+                        .map_err(|e| e.to_string())?;
+                }
+            }
+            let mut c = Controller::connect(&host.addr, &nqn, &host.options(), 1).map_err(err)?;
+            let (_, lba) = c.namespace_size(nsid).map_err(err)?;
+            let l = lba as usize;
+            if off % lba as u64 != 0 || data.is_empty() || data.len() % l != 0 {
+                return Err(format!(
+                    "the offset and the data length must be multiples of the {lba}-byte LBA"
+                ));
+            }
+            for (i, chunk) in data.chunks(256 * l).enumerate() {
+                let slba = off / lba as u64 + (i * 256) as u64;
+                c.write(0, nsid, slba, chunk, lba).map_err(err)?;
+            }
+            c.flush(0, nsid).map_err(err)?;
+            c.disconnect();
+            eprintln!("wrote {} bytes at offset {off}", data.len());
+        }
+        NvmfCmd::Perf(a) => crate::nvmf_perf::run(a)?,
+        NvmfCmd::Subsystem(s) => subsystem(ep, s, raw)?,
+    }
+    Ok(())
+}
+
+fn subsystem(ep: &Endpoint, c: SubsystemCmd, raw: bool) -> Result<(), String> {
+    let path = |nqn: &str| format!("/v1/nvmf/subsystems/{nqn}");
+    match c {
+        SubsystemCmd::Add {
+            nqn,
+            volumes,
+            allow_any_host,
+            hosts,
+        } => {
+            let mut v = call(
+                ep,
+                "POST",
+                "/v1/nvmf/subsystems",
+                Some(json!({"nqn": nqn, "allow_any_host": allow_any_host, "hosts": hosts})),
+            )?;
+            for vol in volumes {
+                v = call(
+                    ep,
+                    "POST",
+                    &format!("{}/namespaces", path(&nqn)),
+                    Some(json!({"volume": vol})),
+                )?;
+            }
+            print_subsystems(&Value::Array(vec![v]), raw);
+        }
+        SubsystemCmd::List => print_subsystems(&call(ep, "GET", "/v1/nvmf/subsystems", None)?, raw),
+        SubsystemCmd::Remove { nqn } => {
+            call(ep, "DELETE", &path(&nqn), None)?;
+            println!("subsystem {nqn} removed");
+        }
+        SubsystemCmd::AddNs { nqn, volume, nsid } => {
+            let v = call(
+                ep,
+                "POST",
+                &format!("{}/namespaces", path(&nqn)),
+                Some(json!({"volume": volume, "nsid": nsid})),
+            )?;
+            print_subsystems(&Value::Array(vec![v]), raw);
+        }
+        SubsystemCmd::RemoveNs { nqn, nsid } => {
+            call(
+                ep,
+                "DELETE",
+                &format!("{}/namespaces/{nsid}", path(&nqn)),
+                None,
+            )?;
+            println!("namespace {nsid} removed from {nqn}");
+        }
+        SubsystemCmd::AddHost { nqn, host } => {
+            let v = call(
+                ep,
+                "POST",
+                &format!("{}/hosts", path(&nqn)),
+                Some(json!({"nqn": host})),
+            )?;
+            print_subsystems(&Value::Array(vec![v]), raw);
+        }
+        SubsystemCmd::RemoveHost { nqn, host } => {
+            let v = call(ep, "DELETE", &format!("{}/hosts/{host}", path(&nqn)), None)?;
+            print_subsystems(&Value::Array(vec![v]), raw);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,413 @@
+//! The NVMe/TCP target: subsystems (from a [`Catalog`] the node implements), controllers
+//! shared by their queues, and the TCP accept loop that hands each connection (one queue)
+//! to a reactor core, round robin, where a [`crate::queue::NvmfQueue`] serves it.
+//!
+//! A controller is created by the Fabrics Connect of its admin queue (dynamic controller
+//! model: the host asks for CNTLID 0xFFFF) and ends when its admin queue closes, when its
+//! keep-alive timeout expires, or when the host clears CC.EN: then every one of its
+//! queues is shut down, wherever it runs. Queues of one controller live on different
+//! cores; what they share (CC/CSTS, keep-alive, features, error log, pending
+//! asynchronous events, the namespace list) sits behind one mutex here that the I/O path
+//! never takes: an I/O queue reads two atomics per command (ready, namespace generation).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::TcpListener;
+use std::os::fd::{OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Instant;
+
+use tessera_io::Mailbox;
+use tessera_pool::Volume;
+
+use crate::nvme::{self, DiscoveryEntry, ErrorEntry};
+
+/// The well-known NQN of the discovery subsystem.
+pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
+/// Largest H2CData payload we accept (advertised in ICResp).
+pub const MAXH2CDATA: u32 = 128 << 10;
+/// In-capsule data accepted on every queue: 8 KiB, so 4 KiB writes need no R2T round trip
+/// (and Connect's 1 KiB of data fits on the admin queue, whose capsule size is fixed).
+pub const IN_CAPSULE: usize = 8192;
+/// Queue entries (0's based): 512 commands per queue.
+pub const MQES: u16 = 511;
+/// I/O queues per controller.
+pub const MAX_IO_QUEUES: u16 = 64;
+/// Namespaces use 512-byte LBAs, the alignment the volumes enforce (as NBD's minimum
+/// block size says).
+pub const LBA_SHIFT: u8 = 9;
+/// Maximum data transfer: 2^8 pages of 4 KiB = 1 MiB per command.
+pub const MDTS: u8 = 8;
+pub const MAX_TRANSFER: usize = 4096 << MDTS;
+/// Asynchronous event requests held per controller, 0's based.
+pub const AERL: u8 = 3;
+/// Error log entries kept per controller.
+pub const ERROR_LOG: usize = 64;
+
+/// One namespace of a subsystem.
+#[derive(Clone)]
+pub struct NamespaceEntry {
+    pub nsid: u32,
+    pub volume: Arc<Volume>,
+    pub nguid: [u8; 16],
+    pub uuid: [u8; 16],
+    pub eui64: [u8; 8],
+}
+
+/// An NVM subsystem as the catalog describes it.
+#[derive(Clone)]
+pub struct SubsystemInfo {
+    pub nqn: String,
+    pub serial: String,
+    pub allow_any_host: bool,
+    pub hosts: Vec<String>,
+    pub namespaces: Vec<NamespaceEntry>,
+}
+
+impl SubsystemInfo {
+    pub fn allows(&self, hostnqn: &str) -> bool {
+        self.allow_any_host || self.hosts.iter().any(|h| h == hostnqn)
+    }
+}
+
+/// Where subsystems come from (the node's persistent configuration).
+pub trait Catalog: Send + Sync + 'static {
+    fn subsystem(&self, nqn: &str) -> Option<SubsystemInfo>;
+    fn subsystem_nqns(&self) -> Vec<String>;
+    /// Changes whenever the set of subsystems or their hosts change (discovery GENCTR).
+    fn generation(&self) -> u64;
+}
+
+/// A TCP port the target listens on (reported in the discovery log).
+#[derive(Clone, Debug)]
+pub struct Port {
+    pub traddr: String,
+    pub trsvcid: String,
+    pub portid: u16,
+    /// Serves NVM subsystems (not only discovery).
+    pub io: bool,
+}
+
+pub struct Target {
+    pub catalog: Arc<dyn Catalog>,
+    ports: RwLock<Vec<Port>>,
+    ctrls: Mutex<BTreeMap<u16, Arc<Controller>>>,
+    next_cntlid: Mutex<u16>,
+    pub started: Instant,
+}
+
+impl Target {
+    pub fn new(catalog: Arc<dyn Catalog>) -> Arc<Target> {
+        Arc::new(Target {
+            catalog,
+            ports: RwLock::new(Vec::new()),
+            ctrls: Mutex::new(BTreeMap::new()),
+            next_cntlid: Mutex::new(1),
+            started: Instant::now(),
+        })
+    }
+
+    pub fn add_port(&self, p: Port) {
+        self.ports
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(p);
+    }
+
+    pub fn ports(&self) -> Vec<Port> {
+        self.ports.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn ctrls(&self) -> MutexGuard<'_, BTreeMap<u16, Arc<Controller>>> {
+        self.ctrls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Milliseconds since the target started (the keep-alive clock).
+    pub fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// A new controller for an admin queue's Connect.
+    pub(crate) fn create_controller(
+        &self,
+        subnqn: &str,
+        sub: Option<SubsystemInfo>,
+        hostnqn: &str,
+        hostid: [u8; 16],
+        kato_ms: u32,
+    ) -> Option<Arc<Controller>> {
+        let mut ctrls = self.ctrls();
+        // CNTLIDs 1..=0xFFEF; skip ones in use (a long-lived node wraps around).
+        let cntlid = {
+            let mut next = self.next_cntlid.lock().unwrap_or_else(|e| e.into_inner());
+            let mut tries = 0;
+            while ctrls.contains_key(&*next) {
+                *next = if *next >= 0xFFEF { 1 } else { *next + 1 };
+                tries += 1;
+                if tries > 0xFFEF {
+                    return None;
+                }
+            }
+            let id = *next;
+            *next = if *next >= 0xFFEF { 1 } else { *next + 1 };
+            id
+        };
+        let c = Arc::new(Controller {
+            cntlid,
+            subnqn: subnqn.to_string(),
+            hostnqn: hostnqn.to_string(),
+            hostid,
+            discovery: sub.is_none(),
+            sub: RwLock::new(sub.map(Arc::new)),
+            ns_gen: AtomicU64::new(0),
+            ready: AtomicBool::new(false),
+            dead: AtomicBool::new(false),
+            last_ka: AtomicU64::new(self.now_ms()),
+            st: Mutex::new(CtrlState {
+                kato_ms,
+                aec: 0,
+                cc: 0,
+                csts: 0,
+                io_queues: MAX_IO_QUEUES,
+                queues: BTreeMap::new(),
+                errors: VecDeque::new(),
+                error_count: 0,
+                changed: Vec::new(),
+                aen: VecDeque::new(),
+            }),
+        });
+        ctrls.insert(cntlid, c.clone());
+        Some(c)
+    }
+
+    pub(crate) fn controller(&self, cntlid: u16) -> Option<Arc<Controller>> {
+        self.ctrls().get(&cntlid).cloned()
+    }
+
+    /// The admin queue closed: the controller ends and its I/O queues with it.
+    pub(crate) fn remove_controller(&self, c: &Controller, why: &str) {
+        self.ctrls().remove(&c.cntlid);
+        c.fail(why);
+    }
+
+    /// The namespaces of subsystem `nqn` changed: reload them in its controllers, which
+    /// report the change with an asynchronous event (namespace attribute changed).
+    pub fn subsystem_changed(&self, nqn: &str) {
+        let ctrls: Vec<Arc<Controller>> = self
+            .ctrls()
+            .values()
+            .filter(|c| c.subnqn == nqn)
+            .cloned()
+            .collect();
+        let fresh = self.catalog.subsystem(nqn);
+        for c in ctrls {
+            let old: Vec<u32> = c.namespaces().iter().map(|n| n.nsid).collect();
+            let new: Vec<u32> = fresh
+                .as_ref()
+                .map(|s| s.namespaces.iter().map(|n| n.nsid).collect())
+                .unwrap_or_default();
+            let mut changed: Vec<u32> = old
+                .iter()
+                .filter(|x| !new.contains(x))
+                .chain(new.iter().filter(|x| !old.contains(x)))
+                .copied()
+                .collect();
+            changed.sort_unstable();
+            *c.sub.write().unwrap_or_else(|e| e.into_inner()) = fresh.clone().map(Arc::new);
+            c.ns_gen.fetch_add(1, Release);
+            if !changed.is_empty() {
+                let mut st = c.state();
+                for id in changed {
+                    if !st.changed.contains(&id) {
+                        st.changed.push(id);
+                    }
+                }
+                if st.aec & nvme::AEC_NS_ATTR != 0 && !st.aen.contains(&nvme::AEN_NS_CHANGED) {
+                    st.aen.push_back(nvme::AEN_NS_CHANGED);
+                }
+            }
+        }
+    }
+
+    /// Controllers connected to subsystem `nqn` (the node refuses some changes meanwhile).
+    pub fn connected(&self, nqn: &str) -> usize {
+        self.ctrls().values().filter(|c| c.subnqn == nqn).count()
+    }
+
+    /// A summary of every controller, for the management API.
+    pub fn controllers(&self) -> Vec<ControllerSummary> {
+        self.ctrls()
+            .values()
+            .map(|c| {
+                let st = c.state();
+                ControllerSummary {
+                    cntlid: c.cntlid,
+                    subnqn: c.subnqn.clone(),
+                    hostnqn: c.hostnqn.clone(),
+                    queues: st.queues.len(),
+                    kato_ms: st.kato_ms,
+                }
+            })
+            .collect()
+    }
+
+    /// The discovery log for `hostnqn`: every NVM subsystem it may connect to, on every
+    /// I/O port.
+    pub fn discovery_entries(&self, hostnqn: &str) -> Vec<DiscoveryEntry> {
+        let ports = self.ports();
+        let mut out = Vec::new();
+        for nqn in self.catalog.subsystem_nqns() {
+            let Some(s) = self.catalog.subsystem(&nqn) else {
+                continue;
+            };
+            if !s.allows(hostnqn) {
+                continue;
+            }
+            for p in ports.iter().filter(|p| p.io) {
+                out.push(DiscoveryEntry {
+                    subtype: 2,
+                    portid: p.portid,
+                    trsvcid: p.trsvcid.clone(),
+                    traddr: p.traddr.clone(),
+                    subnqn: nqn.clone(),
+                    adrfam: if p.traddr.contains(':') { 2 } else { 1 },
+                });
+            }
+        }
+        out
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ControllerSummary {
+    pub cntlid: u16,
+    pub subnqn: String,
+    pub hostnqn: String,
+    pub queues: usize,
+    pub kato_ms: u32,
+}
+
+pub struct Controller {
+    pub cntlid: u16,
+    pub subnqn: String,
+    pub hostnqn: String,
+    pub hostid: [u8; 16],
+    pub discovery: bool,
+    sub: RwLock<Option<Arc<SubsystemInfo>>>,
+    /// Bumped when the namespace list changes; I/O queues reopen their handles.
+    pub ns_gen: AtomicU64,
+    /// CSTS.RDY: I/O commands are refused (Command Sequence Error) while clear.
+    pub ready: AtomicBool,
+    /// The controller has ended; its queues are being shut down.
+    pub dead: AtomicBool,
+    /// Last Keep Alive (target clock, ms).
+    pub last_ka: AtomicU64,
+    st: Mutex<CtrlState>,
+}
+
+pub(crate) struct CtrlState {
+    pub kato_ms: u32,
+    pub aec: u32,
+    pub cc: u32,
+    pub csts: u32,
+    /// I/O queues granted by Set Features (Number of Queues).
+    pub io_queues: u16,
+    /// Live queues: qid → socket, so that teardown can shut them down from any thread.
+    pub queues: BTreeMap<u16, RawFd>,
+    pub errors: VecDeque<ErrorEntry>,
+    pub error_count: u64,
+    pub changed: Vec<u32>,
+    pub aen: VecDeque<u32>,
+}
+
+impl Controller {
+    pub(crate) fn state(&self) -> MutexGuard<'_, CtrlState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn namespaces(&self) -> Vec<NamespaceEntry> {
+        self.sub
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|s| s.namespaces.clone())
+            .unwrap_or_default()
+    }
+
+    pub fn serial(&self) -> String {
+        self.sub
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|s| s.serial.clone())
+            .unwrap_or_else(|| "tessera-discovery".into())
+    }
+
+    /// End the controller: mark it dead and shut down every queue's socket (their tasks
+    /// then drain and close on their own cores). The sockets are registered under the
+    /// lock and unregistered before they are closed, so no fd here is ever stale.
+    pub(crate) fn fail(&self, why: &str) {
+        if !self.dead.swap(true, AcqRel) && !why.is_empty() {
+            eprintln!(
+                "tessera: nvmf: controller {} ({} from {}): {why}",
+                self.cntlid, self.subnqn, self.hostnqn
+            );
+        }
+        self.ready.store(false, Release);
+        let st = self.state();
+        for &fd in st.queues.values() {
+            // SAFETY: fd is a live socket owned by a queue task, which unregisters it
+            // (under this lock) before closing it.
+            unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+        }
+    }
+
+    /// Shut down the I/O queues only (controller reset by CC.EN 1 → 0).
+    pub(crate) fn reset_io_queues(&self, st: &CtrlState) {
+        for (&qid, &fd) in &st.queues {
+            if qid != 0 {
+                // SAFETY: as in `fail`.
+                unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+            }
+        }
+    }
+
+    pub(crate) fn register_queue(&self, qid: u16, fd: RawFd) -> bool {
+        let mut st = self.state();
+        if self.dead.load(Acquire) || st.queues.contains_key(&qid) {
+            return false;
+        }
+        st.queues.insert(qid, fd);
+        true
+    }
+
+    pub(crate) fn unregister_queue(&self, qid: u16) {
+        self.state().queues.remove(&qid);
+    }
+
+    pub(crate) fn record_error(&self, e: ErrorEntry) {
+        let mut st = self.state();
+        st.error_count += 1;
+        let count = st.error_count;
+        st.errors.push_front(ErrorEntry { count, ..e });
+        st.errors.truncate(ERROR_LOG);
+    }
+}
+
+/// Accept NVMe/TCP connections forever; each becomes a queue task on the core `next`
+/// picks. Everything after accept (ICReq, Connect) runs on that core.
+pub fn accept_loop(
+    l: TcpListener,
+    target: Arc<Target>,
+    next: impl Fn() -> Arc<Mailbox> + Send + 'static,
+) {
+    for s in l.incoming() {
+        let Ok(s) = s else { continue };
+        let _ = s.set_nodelay(true);
+        let fd: OwnedFd = s.into();
+        let t = target.clone();
+        next().spawn(Box::new(move |io| {
+            Box::new(crate::queue::NvmfQueue::new(io, fd, t))
+        }));
+    }
+}
