@@ -253,6 +253,9 @@ fn drive(
     let mut s = &q.stream;
     s.set_read_timeout(Some(Duration::from_secs(1)))
         .map_err(|x| x.to_string())?;
+    // A target that stops reading must not hang the tool: a stalled send is an error.
+    s.set_write_timeout(Some(STALL))
+        .map_err(|x| x.to_string())?;
     let fd = q.stream.as_raw_fd();
     let now_ns = || epoch.elapsed().as_nanos() as u64;
     for i in 0..e.slots.len() {

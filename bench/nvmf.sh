@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# NVMe/TCP vs Tessera's own NBD export, one node, one run: 4 KiB randread and randwrite at
+# QD128 and QD1 through `tessera nvmf perf` and `tessera nbd-perf`, then the ratios.
+# Usage: bench/nvmf.sh [SECONDS]   (default 10; the node is stopped at the end)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${1:-10}
+T=target/release/tessera
+cargo build --release --bin tessera >/dev/null
+DIR=$(mktemp -d /tmp/tessera-nvmf-bench.XXXXXX)
+NBD=127.0.0.1:20809; NVMF=127.0.0.1:24420; DISC=127.0.0.1:28009
+NQN=nqn.2024-01.io.tessera:vol0
+$T up --data-dir "$DIR/data" --nbd $NBD --nvmf $NVMF --nvmf-discovery $DISC >"$DIR/node.log" 2>&1 &
+NODE=$!
+trap 'kill $NODE 2>/dev/null; wait $NODE 2>/dev/null; rm -rf "$DIR"' EXIT
+for _ in $(seq 100); do grep -q "NVMe/TCP: nvme+tcp" "$DIR/node.log" && break; sleep 0.1; done
+echo "load before the run: $(cut -d' ' -f1-3 /proc/loadavg)"
+# Fill the range used so reads hit allocated space on both protocols.
+$T nvmf perf --addr $NVMF --nqn $NQN --pattern randwrite --qd 128 --size 1G --time 3 >/dev/null 2>&1
+iops() { grep '^RESULT' | sed 's/.*iops=\([0-9]*\).*mean_us=\([0-9.]*\).*/\1 \2/'; }
+declare -A R
+for pat in randread randwrite; do
+  for qd in 128 1; do
+    R[nvmf-$pat-$qd]=$($T nvmf perf --addr $NVMF --nqn $NQN --pattern $pat --qd $qd --size 1G --time "$SECS" 2>/dev/null | iops)
+    R[nbd-$pat-$qd]=$($T nbd-perf --uri nbd://$NBD/vol0 --pattern $pat --qd $qd --size 1G --time "$SECS" 2>/dev/null | iops)
+  done
+done
+printf '%-10s %4s %12s %10s %12s %10s %7s\n' pattern qd nvmf-iops nvmf-us nbd-iops nbd-us ratio
+for pat in randread randwrite; do
+  for qd in 128 1; do
+    read -r a am <<<"${R[nvmf-$pat-$qd]}"; read -r b bm <<<"${R[nbd-$pat-$qd]}"
+    printf '%-10s %4s %12s %10s %12s %10s %7.2f\n' $pat $qd "$a" "$am" "$b" "$bm" "$(echo "$a / $b" | bc -l)"
+  done
+done
+echo "load after the run: $(cut -d' ' -f1-3 /proc/loadavg)"
