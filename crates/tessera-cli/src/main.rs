@@ -48,6 +48,9 @@ enum Cmd {
     /// Manage NBD exports.
     #[command(subcommand)]
     Export(manage::ExportCmd),
+    /// QoS groups (tenants): volumes sharing one limit, with a stepped burst.
+    #[command(subcommand)]
+    Group(manage::GroupCmd),
     /// In-process benchmark of a device, pool or volume (like SPDK's bdevperf).
     Bench(bench::BenchArgs),
     /// Pipelined NBD load generator (measures the server, not the client).
@@ -67,6 +70,7 @@ fn main() {
         Cmd::Pool(c) => manage::pool(&api, c, cli.json),
         Cmd::Volume(c) => manage::volume(&api, c, cli.json),
         Cmd::Export(c) => manage::export(&api, c, cli.json),
+        Cmd::Group(c) => manage::group(&api, c, cli.json),
         Cmd::Bench(a) => bench::run(a),
         Cmd::NbdPerf(a) => nbd_perf::run(a),
         Cmd::Nvmf(c) => nvmf_cmd::run(&api, c, cli.json),

@@ -281,29 +281,18 @@ pub enum VolumeCmd {
     Delete {
         name: String,
     },
-    /// Show or set a volume's QoS limits (live, persistent). Setting replaces every limit;
-    /// `--clear` removes them all.
+    /// Show or set a volume's QoS limits, share weight and reads-first (live,
+    /// persistent). Setting replaces every control; `--clear` removes them all.
     Qos {
         name: String,
+        #[command(flatten)]
+        limits: LimitArgs,
+        /// Share weight when volumes compete for a saturated core (1-10000, default 100).
         #[arg(long)]
-        iops: Option<u64>,
+        weight: Option<u32>,
+        /// Serve this volume's reads before its writes when its core is saturated.
         #[arg(long)]
-        read_iops: Option<u64>,
-        #[arg(long)]
-        write_iops: Option<u64>,
-        /// Bandwidth limit, e.g. 100M (bytes per second).
-        #[arg(long)]
-        bw: Option<String>,
-        #[arg(long)]
-        read_bw: Option<String>,
-        #[arg(long)]
-        write_bw: Option<String>,
-        /// Refilling burst, in milliseconds of the rate (default 100).
-        #[arg(long)]
-        burst_ms: Option<u64>,
-        /// One-time burst, in milliseconds of the rate (default 0).
-        #[arg(long)]
-        one_time_burst_ms: Option<u64>,
+        reads_first: bool,
         #[arg(long)]
         clear: bool,
     },
@@ -343,37 +332,18 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<(), String> {
         }
         VolumeCmd::Qos {
             name,
-            iops,
-            read_iops,
-            write_iops,
-            bw,
-            read_bw,
-            write_bw,
-            burst_ms,
-            one_time_burst_ms,
+            limits,
+            weight,
+            reads_first,
             clear,
         } => {
-            let size = |v: Option<String>| -> Result<Option<u64>, String> {
-                v.map(|x| tessera_device::parse_size(&x).map_err(|e| e.to_string()))
-                    .transpose()
-            };
-            let set = iops.is_some()
-                || read_iops.is_some()
-                || write_iops.is_some()
-                || bw.is_some()
-                || read_bw.is_some()
-                || write_bw.is_some()
-                || burst_ms.is_some()
-                || one_time_burst_ms.is_some();
             let path = format!("/v1/volumes/{name}/qos");
             let v = if clear {
                 call(ep, "DELETE", &path, None)?
-            } else if set {
-                let body = json!({
-                    "iops": iops, "read_iops": read_iops, "write_iops": write_iops,
-                    "bps": size(bw)?, "read_bps": size(read_bw)?, "write_bps": size(write_bw)?,
-                    "burst_ms": burst_ms, "one_time_burst_ms": one_time_burst_ms,
-                });
+            } else if limits.any() || weight.is_some() || reads_first {
+                let mut body = limits.to_json()?;
+                body["weight"] = json!(weight);
+                body["reads_first"] = json!(reads_first);
                 call(ep, "PUT", &path, Some(body))?
             } else {
                 call(ep, "GET", &path, None)?
@@ -381,21 +351,7 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<(), String> {
             if raw {
                 println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             } else {
-                let set: Vec<String> = v
-                    .as_object()
-                    .into_iter()
-                    .flatten()
-                    .filter(|(_, x)| !x.is_null())
-                    .map(|(k, x)| format!("{k}={x}"))
-                    .collect();
-                println!(
-                    "volume {name} qos: {}",
-                    if set.is_empty() {
-                        "unlimited".to_string()
-                    } else {
-                        set.join(" ")
-                    }
-                );
+                println!("volume {name} qos: {}", limits_line(&v));
             }
         }
         VolumeCmd::Stats { name, interval } => {
@@ -473,6 +429,191 @@ pub fn export(ep: &Endpoint, c: ExportCmd, raw: bool) -> Result<(), String> {
         ExportCmd::Remove { name } => {
             call(ep, "DELETE", &format!("/v1/exports/{name}"), None)?;
             println!("export {name} removed");
+        }
+    }
+    Ok(())
+}
+
+/// The rate and burst flags shared by volume and group QoS commands.
+#[derive(clap::Args, Debug, Default)]
+pub struct LimitArgs {
+    #[arg(long)]
+    iops: Option<u64>,
+    #[arg(long)]
+    read_iops: Option<u64>,
+    #[arg(long)]
+    write_iops: Option<u64>,
+    /// Bandwidth limit, e.g. 100M (bytes per second).
+    #[arg(long)]
+    bw: Option<String>,
+    #[arg(long)]
+    read_bw: Option<String>,
+    #[arg(long)]
+    write_bw: Option<String>,
+    /// Refilling burst, in milliseconds of the rate (default 100).
+    #[arg(long)]
+    burst_ms: Option<u64>,
+    /// One-time burst, in milliseconds of the rate (default 0).
+    #[arg(long)]
+    one_time_burst_ms: Option<u64>,
+}
+
+impl LimitArgs {
+    fn any(&self) -> bool {
+        self.iops.is_some()
+            || self.read_iops.is_some()
+            || self.write_iops.is_some()
+            || self.bw.is_some()
+            || self.read_bw.is_some()
+            || self.write_bw.is_some()
+            || self.burst_ms.is_some()
+            || self.one_time_burst_ms.is_some()
+    }
+
+    /// The API's QoS limits object.
+    fn to_json(&self) -> Result<Value, String> {
+        let size = |v: &Option<String>| -> Result<Option<u64>, String> {
+            v.as_deref()
+                .map(|x| tessera_device::parse_size(x).map_err(|e| e.to_string()))
+                .transpose()
+        };
+        Ok(json!({
+            "iops": self.iops, "read_iops": self.read_iops, "write_iops": self.write_iops,
+            "bps": size(&self.bw)?, "read_bps": size(&self.read_bw)?, "write_bps": size(&self.write_bw)?,
+            "burst_ms": self.burst_ms, "one_time_burst_ms": self.one_time_burst_ms,
+        }))
+    }
+}
+
+/// `k=v` for every control set in a QoS limits object, or "unlimited".
+fn limits_line(v: &Value) -> String {
+    let set: Vec<String> = v
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(_, x)| !x.is_null())
+        .map(|(k, x)| format!("{k}={x}"))
+        .collect();
+    if set.is_empty() {
+        "unlimited".to_string()
+    } else {
+        set.join(" ")
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum GroupCmd {
+    /// Create a QoS group (tenant) or replace its limits: its member volumes share them.
+    Set {
+        name: String,
+        #[command(flatten)]
+        limits: LimitArgs,
+        /// Stepped burst: each step adds this percentage of the base limits.
+        #[arg(long, requires = "max_steps")]
+        step_pct: Option<u32>,
+        /// Stepped burst: the highest step.
+        #[arg(long, requires = "step_pct")]
+        max_steps: Option<u32>,
+        /// Stepped burst: time on a step before the next (ms).
+        #[arg(long, default_value_t = 1000)]
+        step_ms: u64,
+        /// Stepped burst: credit cap, in ms of the base rate, earned below base.
+        #[arg(long, default_value_t = 10_000)]
+        credit_ms: u64,
+    },
+    List,
+    Show {
+        name: String,
+    },
+    /// Delete a group; its volumes keep only their own limits.
+    Delete {
+        name: String,
+    },
+    /// Put a volume in a group (it leaves any other).
+    Add {
+        name: String,
+        volume: String,
+    },
+    /// Take a volume out of a group.
+    Remove {
+        name: String,
+        volume: String,
+    },
+}
+
+fn print_groups(v: &Value) {
+    for g in v.as_array().into_iter().flatten() {
+        let members: Vec<&str> = g["members"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        let mut line = format!(
+            "group {}: {} members [{}]",
+            g["name"].as_str().unwrap_or("?"),
+            limits_line(&g["limits"]),
+            members.join(", ")
+        );
+        if let Value::Object(st) = &g["step"] {
+            line += &format!(
+                " step +{}% x{} every {} ms, level {}, credits {} ms, now {}",
+                st["step_pct"],
+                st["max_steps"],
+                st["step_ms"],
+                g["level"],
+                g["credits_ms"],
+                limits_line(&g["effective"])
+            );
+        }
+        println!("{line}");
+    }
+}
+
+pub fn group(ep: &Endpoint, c: GroupCmd, raw: bool) -> Result<(), String> {
+    let one = |v: Value| Value::Array(vec![v]);
+    match c {
+        GroupCmd::Set {
+            name,
+            limits,
+            step_pct,
+            max_steps,
+            step_ms,
+            credit_ms,
+        } => {
+            let step = step_pct.zip(max_steps).map(|(p, m)| {
+                json!({"step_pct": p, "max_steps": m, "step_ms": step_ms, "credit_ms": credit_ms})
+            });
+            let body = json!({"limits": limits.to_json()?, "step": step});
+            let v = call(ep, "PUT", &format!("/v1/groups/{name}"), Some(body))?;
+            show(&one(v), raw, print_groups);
+        }
+        GroupCmd::List => show(&call(ep, "GET", "/v1/groups", None)?, raw, print_groups),
+        GroupCmd::Show { name } => {
+            let v = call(ep, "GET", &format!("/v1/groups/{name}"), None)?;
+            show(&one(v), raw, print_groups);
+        }
+        GroupCmd::Delete { name } => {
+            call(ep, "DELETE", &format!("/v1/groups/{name}"), None)?;
+            println!("group {name} deleted");
+        }
+        GroupCmd::Add { name, volume } => {
+            let v = call(
+                ep,
+                "PUT",
+                &format!("/v1/groups/{name}/members/{volume}"),
+                None,
+            )?;
+            show(&one(v), raw, print_groups);
+        }
+        GroupCmd::Remove { name, volume } => {
+            let v = call(
+                ep,
+                "DELETE",
+                &format!("/v1/groups/{name}/members/{volume}"),
+                None,
+            )?;
+            show(&one(v), raw, print_groups);
         }
     }
     Ok(())

@@ -92,6 +92,10 @@ pub struct CoreIo {
     /// The time at the start of this reactor iteration: one clock read per batch of
     /// completions instead of one per request.
     now: Instant,
+    /// Counts polls of the ring: work between two polls is one round (see `defer`).
+    round: u64,
+    /// Tags to complete in the next round, after the ring has been polled.
+    deferred: Vec<Tag>,
 }
 
 impl CoreIo {
@@ -124,6 +128,8 @@ impl CoreIo {
             poll_hint: false,
             now: Instant::now(),
             locals: std::collections::HashMap::new(),
+            round: 0,
+            deferred: Vec::new(),
         })
     }
 
@@ -135,6 +141,31 @@ impl CoreIo {
 
     pub(crate) fn tick(&mut self) {
         self.now = Instant::now();
+        self.round = self.round.wrapping_add(1);
+    }
+
+    /// The current round: it changes every time the ring is polled.
+    #[inline]
+    pub fn round(&self) -> u64 {
+        self.round
+    }
+
+    /// Complete `tag` (with 0) in the next round: after the replies queued so far have
+    /// been submitted and the ring polled for new arrivals, which are handled first.
+    /// A task uses it to yield the core (see the share scheduler in tessera-qos).
+    pub fn defer(&mut self, tag: Tag) {
+        self.deferred.push(tag);
+    }
+
+    pub(crate) fn has_deferred(&self) -> bool {
+        !self.deferred.is_empty()
+    }
+
+    /// Start the next round's deferred work (after the caller polled the ring).
+    pub(crate) fn release_deferred(&mut self) {
+        for tag in std::mem::take(&mut self.deferred) {
+            self.ready.push_back((tag, 0));
+        }
     }
 
     /// Something other threads can use to complete a tag on this core (e.g. a flush served
@@ -289,6 +320,13 @@ impl CoreIo {
             }
             let next_timer = self.fire_timers();
             if self.has_ready() {
+                continue;
+            }
+            if self.has_deferred() {
+                let _ = self.ring.submit();
+                self.tick();
+                self.reap(&mut |_, _| {});
+                self.release_deferred();
                 continue;
             }
             if self.ring_inflight == 0 {

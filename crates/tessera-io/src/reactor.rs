@@ -261,6 +261,31 @@ impl Reactor {
             if self.cfg.exit_when_idle && self.had_task && self.live == 0 {
                 return;
             }
+            if self.io.has_deferred() {
+                // A task yielded: submit what this round produced (its replies leave
+                // now), pick up what arrived meanwhile, then resume the deferred work
+                // behind those arrivals. No sleeping: there is work.
+                let pending = self.io.ring.submission().len() as u32;
+                // SAFETY: GETEVENTS with min_complete 0 and no argument struct.
+                let _ = unsafe {
+                    self.io
+                        .ring
+                        .submitter()
+                        .enter::<libc::sigset_t>(pending, 0, 1, None)
+                };
+                self.io.tick();
+                self.io.reap(&mut |ud, _res| {
+                    if ud == MAILBOX_UD {
+                        mailbox_fired = true;
+                    }
+                });
+                if mailbox_fired {
+                    self.arm_mailbox();
+                }
+                self.io.fire_timers();
+                self.io.release_deferred();
+                continue;
+            }
             let next_timer = self.io.fire_timers();
             if self.io.has_ready() {
                 continue;

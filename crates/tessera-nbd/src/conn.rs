@@ -25,32 +25,10 @@ const MAX_IOV: usize = 1024;
 const SLOT_RECV: u32 = u32::MAX;
 const SLOT_SEND: u32 = u32::MAX - 1;
 const SLOT_QOS: u32 = u32::MAX - 2;
-/// The calling core's limiter for a volume, shared by every connection to that volume on
-/// this core (so the core's share of the limit is not multiplied by its connections).
-/// Public so other protocols' connections (NVMe/TCP queues) share the same limiter.
-pub fn core_limiter(
-    io: &mut CoreIo,
-    qos: &std::sync::Arc<tessera_qos::VolumeQos>,
-) -> std::rc::Rc<std::cell::RefCell<tessera_qos::CoreLimiter>> {
-    use std::cell::RefCell;
-    use std::rc::{Rc, Weak};
-    let key = std::sync::Arc::as_ptr(qos) as usize;
-    if let Some(rc) = io
-        .locals
-        .get(&key)
-        .and_then(|b| b.downcast_ref::<Weak<RefCell<tessera_qos::CoreLimiter>>>())
-        .and_then(Weak::upgrade)
-    {
-        return rc;
-    }
-    let rc = Rc::new(RefCell::new(tessera_qos::CoreLimiter::new(
-        qos.clone(),
-        io.core,
-        std::time::Instant::now(),
-    )));
-    io.locals.insert(key, Box::new(Rc::downgrade(&rc)));
-    rc
-}
+const SLOT_ROUND: u32 = u32::MAX - 3;
+/// Re-exported for other protocols' connections (NVMe/TCP queues), which share the same
+/// per-core limiters and scheduler.
+pub use tessera_qos::gate::{core_limiter, Gate};
 
 /// Decides whether a client waits on each reply (queue depth 1), in which case its core
 /// polls for the next request: on this kind of machine a wakeup costs more than serving
@@ -186,11 +164,9 @@ pub struct NbdConn {
     /// request instead of sleeping (see `on_recv`). Entered after LATENCY_STREAK receives
     /// of a single request while sleeping; left every LATENCY_PROBE to look again.
     latency: LatencyDetector,
-    /// This core's share of the volume's QoS limits (shared by its connections here).
-    qos: std::rc::Rc<std::cell::RefCell<tessera_qos::CoreLimiter>>,
-    /// Requests held back by QoS, in arrival order, and whether the retry timer is set.
-    throttled: std::collections::VecDeque<u16>,
-    qos_armed: bool,
+    /// QoS admission: the volume's and its group's limits, then the core's shares.
+    gate: Gate,
+    released: Vec<tessera_qos::gate::Released>,
     stats: std::sync::Arc<IoStats>,
     /// The peer is gone or misbehaved: nothing more is sent.
     dead: bool,
@@ -203,7 +179,8 @@ impl NbdConn {
         // SAFETY: msghdr is plain data; all-zero is a valid empty header.
         let msg: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
         let stats = vol.volume().register_stats();
-        let qos = core_limiter(io, &vol.volume().qos);
+        // The tags are set in `start`, once the task id is known.
+        let gate = Gate::new(io, &vol.volume().qos, 0, 0);
         NbdConn {
             fd,
             id: 0,
@@ -225,9 +202,8 @@ impl NbdConn {
             in_io: 0,
             draining: false,
             latency: LatencyDetector::default(),
-            qos,
-            throttled: std::collections::VecDeque::new(),
-            qos_armed: false,
+            gate,
+            released: Vec::new(),
             stats,
             dead: false,
             shut: false,
@@ -546,58 +522,44 @@ impl NbdConn {
         self.outq.push(s);
     }
 
-    /// Pass the request in slot `s` to the volume if the QoS limits allow it now, else hold
-    /// it (behind any already held, so a connection's requests keep their order).
+    /// Pass the request in slot `s` to the volume if the gate (QoS limits, shares) lets
+    /// it through now; otherwise the gate holds it and hands it back from `on_gate`.
     fn admit_or_park(&mut self, io: &mut CoreIo, s: u16) {
-        if self.throttled.is_empty() {
-            match self.qos_admit(io, s) {
-                Ok(()) => return self.dispatch(io, s),
-                Err(wait) => self.arm_qos(io, wait),
-            }
-        }
-        self.throttled.push_back(s);
-    }
-
-    fn qos_admit(&mut self, io: &CoreIo, s: u16) -> Result<(), std::time::Duration> {
         let sl = &self.slots[s as usize];
-        let (write, bytes) = match sl.cmd {
-            CMD_READ => (false, sl.len as u64),
-            CMD_WRITE => (true, sl.len as u64),
-            CMD_TRIM | CMD_WRITE_ZEROES => (true, 0),
+        let charge = match sl.cmd {
+            CMD_READ => Some((false, sl.len as u64)),
+            CMD_WRITE => Some((true, sl.len as u64)),
+            CMD_TRIM | CMD_WRITE_ZEROES => Some((true, 0)),
             // Flushes and metadata queries are not limited.
-            _ => return Ok(()),
+            _ => None,
         };
-        self.qos.borrow_mut().admit(write, bytes, io.now())
-    }
-
-    fn arm_qos(&mut self, io: &mut CoreIo, wait: std::time::Duration) {
-        if !self.qos_armed {
-            self.qos_armed = true;
-            io.complete_after(wait, self.tag(SLOT_QOS), 0);
-        }
-    }
-
-    /// The QoS retry timer fired: serve held requests while the limits allow.
-    fn on_qos_timer(&mut self, io: &mut CoreIo) {
-        self.qos_armed = false;
-        while let Some(&s) = self.throttled.front() {
-            if self.dead {
-                // The client is gone: nobody waits for these.
-                self.throttled.pop_front();
-                self.release(io, s);
-                continue;
-            }
-            if let Err(wait) = self.qos_admit(io, s) {
-                self.arm_qos(io, wait);
-                return;
-            }
-            self.throttled.pop_front();
-            let held = io
-                .now()
-                .saturating_duration_since(self.slots[s as usize].start);
-            self.stats.add_throttled(held.as_nanos() as u64);
+        if self.gate.offer(io, s, charge) {
             self.dispatch(io, s);
         }
+    }
+
+    /// The gate's timer or round came: serve the requests it lets through now.
+    fn on_gate(&mut self, io: &mut CoreIo, slot: u32) {
+        let mut out = std::mem::take(&mut self.released);
+        if self.dead {
+            // The client is gone: nobody waits for held requests.
+            let mut slots = Vec::new();
+            self.gate.drain(&mut slots);
+            for s in slots {
+                self.release(io, s);
+            }
+        }
+        self.gate.wake(io, self.tag(slot), &mut out);
+        for r in out.drain(..) {
+            if r.throttled {
+                let held = io
+                    .now()
+                    .saturating_duration_since(self.slots[r.slot as usize].start);
+                self.stats.add_throttled(held.as_nanos() as u64);
+            }
+            self.dispatch(io, r.slot);
+        }
+        self.released = out;
     }
 
     /// Account a request whose reply is now queued.
@@ -813,6 +775,7 @@ impl Drop for NbdConn {
 impl Task for NbdConn {
     fn start(&mut self, io: &mut CoreIo, id: u32) {
         self.id = id;
+        self.gate.set_tags(self.tag(SLOT_QOS), self.tag(SLOT_ROUND));
         self.post_recv(io);
     }
 
@@ -820,7 +783,7 @@ impl Task for NbdConn {
         match slot {
             SLOT_RECV => self.on_recv(io, res),
             SLOT_SEND => self.on_send(io, res),
-            SLOT_QOS => self.on_qos_timer(io),
+            SLOT_QOS | SLOT_ROUND => self.on_gate(io, slot),
             s => self.on_io(io, s as u16, res),
         }
     }
@@ -846,8 +809,7 @@ impl Task for NbdConn {
             && !self.recv_posted
             && !self.send_posted
             && self.in_io == 0
-            && !self.qos_armed
-            && self.throttled.is_empty()
+            && self.gate.is_idle()
     }
 }
 

@@ -119,9 +119,28 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
         ),
         ("PUT", ["v1", "volumes", name, "qos"]) => match serde_json::from_value::<tessera_qos::QosLimits>(body.clone()) {
             Ok(l) => reply(node.set_volume_qos(name, l), 200),
-            Err(e) => Response::error(400, &format!("bad QoS limits: {e} (fields: iops, read_iops, write_iops, bps, read_bps, write_bps, burst_ms, one_time_burst_ms)")),
+            Err(e) => Response::error(400, &format!("bad QoS limits: {e} (fields: iops, read_iops, write_iops, bps, read_bps, write_bps, burst_ms, one_time_burst_ms, weight, reads_first)")),
         },
         ("DELETE", ["v1", "volumes", name, "qos"]) => reply(node.set_volume_qos(name, Default::default()), 200),
+        ("GET", ["v1", "groups"]) => Response::json(200, &node.groups.list()),
+        ("GET", ["v1", "groups", name]) => reply(node.groups.get(name), 200),
+        ("PUT", ["v1", "groups", name]) => {
+            #[derive(serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct Body {
+                #[serde(default)]
+                limits: tessera_qos::QosLimits,
+                #[serde(default)]
+                step: Option<tessera_qos::StepBurst>,
+            }
+            match serde_json::from_value::<Body>(body.clone()) {
+                Ok(b) => reply(node.put_group(name, b.limits, b.step), 200),
+                Err(e) => Response::error(400, &format!("bad group: {e} (fields: limits {{iops, read_iops, write_iops, bps, read_bps, write_bps, burst_ms, one_time_burst_ms}}, step {{step_pct, max_steps, step_ms, credit_ms}})")),
+            }
+        }
+        ("DELETE", ["v1", "groups", name]) => reply(node.delete_group(name).map(|_| json!({"deleted": name})), 200),
+        ("PUT", ["v1", "groups", name, "members", vol]) => reply(node.add_group_member(name, vol), 200),
+        ("DELETE", ["v1", "groups", name, "members", vol]) => reply(node.remove_group_member(name, vol), 200),
         ("GET", ["v1", "volumes", name, "stats"]) => {
             let ms = match req.query_param("interval_ms").map(str::parse::<u64>) {
                 None => 1000,

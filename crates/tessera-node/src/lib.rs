@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod config;
+pub mod groups;
 pub mod listener;
 pub mod node;
 pub mod nvmf;

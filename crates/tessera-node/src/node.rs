@@ -34,6 +34,8 @@ pub struct Node {
     pub nbd_addresses: RwLock<Vec<String>>,
     /// NVMe/TCP subsystems and target (crate::nvmf).
     pub nvmf: crate::nvmf::NvmfState,
+    /// QoS groups (tenants) and their stepped bursts.
+    pub groups: crate::groups::Groups,
 }
 
 fn not_found(what: &str, name: &str) -> Error {
@@ -65,6 +67,7 @@ impl Node {
         let registry = Registry::new(&cfg.data_dir);
         let entries = registry.load()?;
         let nvmf = crate::nvmf::NvmfState::load(&cfg.data_dir)?;
+        let groups = crate::groups::Groups::load(&cfg.data_dir)?;
         let node = Arc::new(Node {
             cfg,
             pools: RwLock::new(BTreeMap::new()),
@@ -77,6 +80,7 @@ impl Node {
             started: Instant::now(),
             nbd_addresses: RwLock::new(Vec::new()),
             nvmf,
+            groups,
         });
         for e in entries {
             match node.restore_pool(&e) {
@@ -96,6 +100,8 @@ impl Node {
             }
         }
         node.apply_declarations()?;
+        node.groups.bind_all(|n| node.volume_by_name(n));
+        node.start_ladder();
         Ok(node)
     }
 
@@ -362,6 +368,59 @@ impl Node {
         Ok(self.volume_json(&p, &v))
     }
 
+    fn volume_by_name(&self, name: &str) -> Option<Arc<Volume>> {
+        self.find_volume(name).ok().map(|(_, v)| v)
+    }
+
+    /// The stepped-burst control loop of the QoS groups, on its own thread; it stops
+    /// when the node is dropped.
+    fn start_ladder(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name("tessera-qos-ladder".into())
+            .spawn(move || {
+                let mut last = Instant::now();
+                loop {
+                    std::thread::sleep(crate::groups::LADDER_TICK);
+                    let Some(node) = weak.upgrade() else { return };
+                    let now = Instant::now();
+                    node.groups
+                        .ladder_tick(now - last, &|n| node.volume_by_name(n));
+                    last = now;
+                }
+            });
+        if let Err(e) = spawned {
+            eprintln!("tessera: cannot start the QoS ladder thread: {e}");
+        }
+    }
+
+    pub fn put_group(
+        &self,
+        name: &str,
+        limits: tessera_qos::QosLimits,
+        step: Option<tessera_qos::StepBurst>,
+    ) -> Result<Value> {
+        let _g = self.admin();
+        self.groups.put(name, limits, step)
+    }
+
+    pub fn delete_group(&self, name: &str) -> Result<()> {
+        let _g = self.admin();
+        self.groups.delete(name, |n| self.volume_by_name(n))
+    }
+
+    pub fn add_group_member(&self, name: &str, volume: &str) -> Result<Value> {
+        let _g = self.admin();
+        let (_, v) = self.find_volume(volume)?;
+        self.groups.add_member(name, &v)
+    }
+
+    pub fn remove_group_member(&self, name: &str, volume: &str) -> Result<Value> {
+        let _g = self.admin();
+        self.groups
+            .remove_member(name, volume, self.volume_by_name(volume))
+    }
+
     pub fn delete_volume(&self, name: &str) -> Result<()> {
         let _g = self.admin();
         let (p, v) = self.find_volume(name)?;
@@ -373,7 +432,9 @@ impl Node {
                 ),
             ));
         }
-        p.delete_volume(&v)
+        p.delete_volume(&v)?;
+        self.groups.forget_volume(name);
+        Ok(())
     }
 
     pub fn add_export(&self, name: &str, volume: &str, read_only: bool) -> Result<Value> {
@@ -419,6 +480,7 @@ impl Node {
             "name": v.name, "pool": p.name(), "id": v.id, "size": v.size(), "allocated": v.allocated_bytes(),
             "exports": exports, "connections": v.open_handles(), "created": v.created,
             "qos": serde_json::to_value(v.qos.limits()).unwrap_or(Value::Null),
+            "group": self.groups.group_of(&v.name),
         })
     }
 

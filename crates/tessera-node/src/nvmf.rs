@@ -8,7 +8,6 @@
 //! never changes across restarts.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -136,22 +135,8 @@ impl NvmfState {
 
     /// Replace the file atomically (temporary file, fsync, rename, fsync directory).
     fn save(&self, f: &NvmfFile) -> Result<(), Error> {
-        let tmp = self.path.with_extension("json.tmp");
-        let mut out = std::fs::File::create(&tmp).map_err(io_err)?;
-        out.write_all(
-            serde_json::to_string_pretty(f)
-                .expect("nvmf config serialises")
-                .as_bytes(),
-        )
-        .map_err(io_err)?;
-        out.sync_all().map_err(io_err)?;
-        std::fs::rename(&tmp, &self.path).map_err(io_err)?;
-        if let Some(d) = self.path.parent() {
-            if let Ok(d) = std::fs::File::open(d) {
-                let _ = d.sync_all();
-            }
-        }
-        Ok(())
+        let text = serde_json::to_string_pretty(f).expect("nvmf config serialises");
+        crate::registry::write_atomic(&self.path, text.as_bytes()).map_err(io_err)
     }
 
     /// Apply `change` to a copy, persist it, then make it live.

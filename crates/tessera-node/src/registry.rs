@@ -34,24 +34,26 @@ impl Registry {
         }
     }
 
-    /// Replace the registry atomically: write a temporary file, fsync, rename, fsync dir.
+    /// Replace the registry atomically.
     pub fn save(&self, entries: &[PoolEntry]) -> Result<(), String> {
-        let tmp = self.path.with_extension("json.tmp");
-        let err = |e: std::io::Error| format!("saving {}: {e}", self.path.display());
-        let mut f = std::fs::File::create(&tmp).map_err(err)?;
-        f.write_all(
-            serde_json::to_string_pretty(entries)
-                .expect("registry serialises")
-                .as_bytes(),
-        )
-        .map_err(err)?;
-        f.sync_all().map_err(err)?;
-        std::fs::rename(&tmp, &self.path).map_err(err)?;
-        if let Some(dir) = self.path.parent() {
-            if let Ok(d) = std::fs::File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
-        Ok(())
+        let text = serde_json::to_string_pretty(entries).expect("registry serialises");
+        write_atomic(&self.path, text.as_bytes())
     }
+}
+
+/// Replace the file at `path` atomically: write a temporary file, fsync, rename, fsync
+/// the directory. Shared by every JSON file the node keeps in its data directory.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    let tmp = path.with_extension("json.tmp");
+    let err = |e: std::io::Error| format!("saving {}: {e}", path.display());
+    let mut f = std::fs::File::create(&tmp).map_err(err)?;
+    f.write_all(bytes).map_err(err)?;
+    f.sync_all().map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)?;
+    if let Some(dir) = path.parent() {
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
 }

@@ -11,17 +11,14 @@
 //! the transport binding prescribes and the connection closes; a command error gets its
 //! NVMe status and the queue continues.
 
-use std::cell::RefCell;
-use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::rc::Rc;
 use std::sync::atomic::Ordering::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types};
 use tessera_io::{AlignedBuf, CoreIo, IoHandle, IoOp, Reactor, Task};
-use tessera_nbd::conn::{core_limiter, LatencyDetector};
+use tessera_nbd::conn::{Gate, LatencyDetector};
 use tessera_pool::{IoClass, IoStats, VolumeHandle};
 
 use crate::nvme::{self, *};
@@ -32,7 +29,10 @@ const RBUF_CAP: usize = 1 << 20;
 const MAX_IOV: usize = 1024;
 const SLOT_RECV: u32 = u32::MAX;
 const SLOT_SEND: u32 = u32::MAX - 1;
-const SLOT_QOS: u32 = u32::MAX - 2;
+/// Namespace `i`'s gate uses slots `SLOT_GATE - 2i` (limits timer) and
+/// `SLOT_GATE - 2i - 1` (share round); request slots are u16, far below.
+const SLOT_GATE: u32 = u32::MAX - 16;
+const SLOT_GATE_END: u32 = SLOT_GATE - 2 * 65536;
 const SLOT_TICK: u32 = u32::MAX - 3;
 /// The admin queue checks keep-alive and pending asynchronous events this often.
 const TICK: Duration = Duration::from_millis(100);
@@ -122,7 +122,8 @@ enum Out {
 struct Ns {
     nsid: u32,
     vol: VolumeHandle,
-    qos: Rc<RefCell<tessera_qos::CoreLimiter>>,
+    /// QoS admission for this namespace's volume (limits, group, shares).
+    gate: Gate,
     stats: Arc<IoStats>,
     blocks: u64,
 }
@@ -167,8 +168,7 @@ pub struct NvmfQueue {
     msg: Box<libc::msghdr>,
     send_posted: bool,
     in_io: usize,
-    throttled: VecDeque<u16>,
-    qos_armed: bool,
+    released: Vec<tessera_qos::gate::Released>,
     tick_armed: bool,
     started: Instant,
     latency: LatencyDetector,
@@ -217,8 +217,7 @@ impl NvmfQueue {
             msg,
             send_posted: false,
             in_io: 0,
-            throttled: VecDeque::new(),
-            qos_armed: false,
+            released: Vec::new(),
             tick_armed: false,
             started: Instant::now(),
             latency: LatencyDetector::default(),
@@ -589,7 +588,7 @@ impl NvmfQueue {
     /// I/O is in flight on the old handles).
     fn refresh_ns(&mut self, io: &mut CoreIo, ctrl: &Controller) {
         let g = ctrl.ns_gen.load(Acquire);
-        if g == self.ns_gen || self.in_io > 0 || !self.throttled.is_empty() {
+        if g == self.ns_gen || self.in_io > 0 || self.ns.iter().any(|n| !n.gate.is_idle()) {
             return;
         }
         self.ns_gen = g;
@@ -603,71 +602,72 @@ impl NvmfQueue {
         for e in ctrl.namespaces() {
             let vol = e.volume.open_handle();
             let stats = vol.volume().register_stats();
-            let qos = core_limiter(io, &vol.volume().qos);
+            let i = self.ns.len() as u32;
+            let gate = Gate::new(
+                io,
+                &vol.volume().qos,
+                self.tag(SLOT_GATE - 2 * i),
+                self.tag(SLOT_GATE - 2 * i - 1),
+            );
             let blocks = vol.size() >> target::LBA_SHIFT;
             self.ns.push(Ns {
                 nsid: e.nsid,
                 vol,
-                qos,
+                gate,
                 stats,
                 blocks,
             });
         }
     }
 
+    /// Pass the command to its volume if the namespace's gate (QoS limits, shares) lets
+    /// it through now; otherwise the gate holds it and hands it back from `on_gate`.
     fn admit_or_park(&mut self, io: &mut CoreIo, s: u16) {
-        if self.throttled.is_empty() {
-            match self.qos_admit(io, s) {
-                Ok(()) => return self.dispatch_io(io, s),
-                Err(wait) => self.arm_qos(io, wait),
-            }
+        let sl = &self.slots[s as usize];
+        let charge = match sl.sqe.opc {
+            IO_READ | IO_COMPARE => Some((false, (sl.sqe.nlb() as u64) << target::LBA_SHIFT)),
+            IO_WRITE => Some((true, (sl.sqe.nlb() as u64) << target::LBA_SHIFT)),
+            IO_WRITE_ZEROES | IO_DSM => Some((true, 0)),
+            _ => None,
+        };
+        let ns = sl.ns;
+        let Some(n) = self.ns.get_mut(ns) else {
+            // Flush of every namespace: no limit applies.
+            return self.dispatch_io(io, s);
+        };
+        if n.gate.offer(io, s, charge) {
+            return self.dispatch_io(io, s);
         }
         self.slots[s as usize].phase = Phase::Throttled;
-        self.throttled.push_back(s);
     }
 
-    fn qos_admit(&mut self, io: &CoreIo, s: u16) -> Result<(), Duration> {
-        let sl = &self.slots[s as usize];
-        let (write, bytes) = match sl.sqe.opc {
-            IO_READ | IO_COMPARE => (false, (sl.sqe.nlb() as u64) << target::LBA_SHIFT),
-            IO_WRITE => (true, (sl.sqe.nlb() as u64) << target::LBA_SHIFT),
-            IO_WRITE_ZEROES | IO_DSM => (true, 0),
-            _ => return Ok(()),
-        };
-        let Some(ns) = self.ns.get(sl.ns) else {
-            return Ok(());
-        };
-        ns.qos.borrow_mut().admit(write, bytes, io.now())
-    }
-
-    fn arm_qos(&mut self, io: &mut CoreIo, wait: Duration) {
-        if !self.qos_armed {
-            self.qos_armed = true;
-            io.complete_after(wait, self.tag(SLOT_QOS), 0);
+    /// Namespace `i`'s gate timer or round came: serve what it lets through now.
+    fn on_gate(&mut self, io: &mut CoreIo, slot: u32) {
+        let i = ((SLOT_GATE - slot) / 2) as usize;
+        if i >= self.ns.len() {
+            return; // a wake-up for namespaces reopened since
         }
-    }
-
-    fn on_qos_timer(&mut self, io: &mut CoreIo) {
-        self.qos_armed = false;
-        while let Some(&s) = self.throttled.front() {
-            if self.dead {
-                self.throttled.pop_front();
+        if self.dead {
+            let mut slots = Vec::new();
+            self.ns[i].gate.drain(&mut slots);
+            for s in slots {
                 self.active -= 1;
                 self.release(io, s);
-                continue;
             }
-            if let Err(wait) = self.qos_admit(io, s) {
-                self.arm_qos(io, wait);
-                return;
-            }
-            self.throttled.pop_front();
-            let sl = &self.slots[s as usize];
-            let held = io.now().saturating_duration_since(sl.start);
-            if let Some(ns) = self.ns.get(sl.ns) {
-                ns.stats.add_throttled(held.as_nanos() as u64);
-            }
-            self.dispatch_io(io, s);
         }
+        let mut out = std::mem::take(&mut self.released);
+        let tag = self.tag(slot);
+        self.ns[i].gate.wake(io, tag, &mut out);
+        for r in out.drain(..) {
+            if r.throttled {
+                let held = io
+                    .now()
+                    .saturating_duration_since(self.slots[r.slot as usize].start);
+                self.ns[i].stats.add_throttled(held.as_nanos() as u64);
+            }
+            self.dispatch_io(io, r.slot);
+        }
+        self.released = out;
     }
 
     fn submit(&mut self, io: &mut CoreIo, ns: usize, op: IoOp, tag: u64) {
@@ -1517,7 +1517,7 @@ impl Task for NvmfQueue {
         match slot {
             SLOT_RECV => self.on_recv(io, res),
             SLOT_SEND => self.on_send(io, res),
-            SLOT_QOS => self.on_qos_timer(io),
+            s if s <= SLOT_GATE && s > SLOT_GATE_END => self.on_gate(io, s),
             SLOT_TICK => self.on_tick(io),
             s => self.on_io(io, s as u16, res),
         }
@@ -1552,8 +1552,7 @@ impl Task for NvmfQueue {
             && !self.recv_posted
             && !self.send_posted
             && self.in_io == 0
-            && !self.qos_armed
             && !self.tick_armed
-            && self.throttled.is_empty()
+            && self.ns.iter().all(|n| n.gate.is_idle())
     }
 }

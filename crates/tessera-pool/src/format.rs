@@ -9,8 +9,9 @@ pub const DEV_DATA_START: u64 = 1 << 20;
 pub const JOURNAL_OFFSET: u64 = 4096;
 pub const JOURNAL_BLOCKS: u64 = 1024;
 pub const CATALOG_MAX: usize = 1 << 20;
-/// Version 2 adds per-volume QoS limits; version 1 catalogs are still read.
-pub const CATALOG_VERSION: u32 = 2;
+/// Version 2 adds per-volume QoS limits, version 3 their scheduling extension (share
+/// weight, reads first); version 1 and 2 catalogs are still read.
+pub const CATALOG_VERSION: u32 = 3;
 pub const RECORDS_PER_BLOCK: usize = (BLOCK - 4 - 40) / 12;
 pub const OWNER_FREE: u32 = 0;
 pub const OWNER_META: u32 = u32::MAX;
@@ -80,6 +81,14 @@ impl<'a> R<'a> {
     fn uuid(&mut self) -> Result<Uuid> {
         Ok(self.take(16)?.try_into().expect("16 bytes"))
     }
+    fn qos_sched(&mut self, q: &mut tessera_qos::QosLimits) -> Result<()> {
+        let used = q
+            .decode_sched(&self.b[self.at..])
+            .map_err(|e| Error::corrupt(format!("volume QoS record: {e}")))?;
+        self.at += used;
+        Ok(())
+    }
+
     fn qos(&mut self) -> Result<tessera_qos::QosLimits> {
         let (l, used) = tessera_qos::QosLimits::decode(&self.b[self.at..])
             .map_err(|e| Error::corrupt(format!("volume QoS record: {e}")))?;
@@ -377,6 +386,7 @@ impl Catalog {
             v.extend_from_slice(&(vol.name.len() as u16).to_le_bytes());
             v.extend_from_slice(vol.name.as_bytes());
             vol.qos.encode(&mut v);
+            vol.qos.encode_sched(&mut v);
         }
         v.extend_from_slice(&(self.exports.len() as u32).to_le_bytes());
         for e in &self.exports {
@@ -397,7 +407,7 @@ impl Catalog {
     pub fn decode(b: &[u8]) -> Result<Catalog> {
         let mut r = R::new(b);
         let version = r.u32()?;
-        if version != 1 && version != CATALOG_VERSION {
+        if !(1..=CATALOG_VERSION).contains(&version) {
             return Err(Error::corrupt(format!(
                 "catalog version {version} is not supported"
             )));
@@ -412,11 +422,14 @@ impl Catalog {
             let len = r.u16()? as usize;
             let name = r.string(len)?;
             // Version 1 catalogs predate QoS: no limits.
-            let qos = if version >= 2 {
+            let mut qos = if version >= 2 {
                 r.qos()?
             } else {
                 tessera_qos::QosLimits::default()
             };
+            if version >= 3 {
+                r.qos_sched(&mut qos)?;
+            }
             volumes.push(VolumeRecord {
                 id,
                 size,
@@ -573,6 +586,8 @@ mod tests {
                 qos: tessera_qos::QosLimits {
                     iops: Some(500),
                     write_bps: Some(1 << 20),
+                    weight: Some(300),
+                    reads_first: true,
                     ..Default::default()
                 },
             }],
@@ -587,6 +602,28 @@ mod tests {
         for cut in 0..b.len() {
             assert!(Catalog::decode(&b[..cut]).is_err());
         }
+    }
+
+    #[test]
+    fn version_2_catalogs_are_read_without_scheduling() {
+        let qos = tessera_qos::QosLimits {
+            iops: Some(7),
+            ..Default::default()
+        };
+        let mut b = Vec::new();
+        b.extend_from_slice(&2u32.to_le_bytes());
+        b.extend_from_slice(&2u32.to_le_bytes());
+        b.extend_from_slice(&1u32.to_le_bytes());
+        b.extend_from_slice(&1u32.to_le_bytes());
+        b.extend_from_slice(&(1u64 << 30).to_le_bytes());
+        b.extend_from_slice(&5u64.to_le_bytes());
+        b.extend_from_slice(&4u16.to_le_bytes());
+        b.extend_from_slice(b"vol0");
+        qos.encode(&mut b);
+        b.extend_from_slice(&0u32.to_le_bytes());
+        let c = Catalog::decode(&b).unwrap();
+        assert_eq!(c.volumes[0].qos, qos);
+        assert_eq!(c.volumes[0].qos.weight, None);
     }
 
     #[test]

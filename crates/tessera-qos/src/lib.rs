@@ -106,11 +106,17 @@
 //!   [`CoreLimiter`] clears its slot, so this needs a live but idle core).
 
 mod bucket;
+pub mod gate;
 mod limiter;
 mod limits;
+pub mod shares;
+mod step;
 
 pub use bucket::TokenBucket;
 pub use limiter::{CoreLimiter, VolumeQos, MAX_CORES, REBALANCE, STALE_MS};
 pub use limits::{
-    QosLimits, DEFAULT_BURST_MS, DEFAULT_ONE_TIME_BURST_MS, MAX_BURST_MS, MAX_ONE_TIME_BURST_MS,
+    QosLimits, DEFAULT_BURST_MS, DEFAULT_ONE_TIME_BURST_MS, DEFAULT_WEIGHT, MAX_BURST_MS,
+    MAX_ONE_TIME_BURST_MS, MAX_WEIGHT,
 };
+pub use shares::ShareScheduler;
+pub use step::{StepBurst, StepState};

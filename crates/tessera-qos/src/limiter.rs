@@ -132,6 +132,11 @@ pub struct VolumeQos {
     /// Volume-wide one-time burst left for each bucket kind; cores draw
     /// chunks from it at rebalance time.
     one_time_pool: [AtomicU64; KINDS],
+    /// The group (tenant) whose limits this volume's requests must also
+    /// pass, if any; `group_generation` is bumped when it changes so cores
+    /// notice with one load per request.
+    group: RwLock<Option<Arc<VolumeQos>>>,
+    group_generation: AtomicU64,
 }
 
 impl VolumeQos {
@@ -146,6 +151,8 @@ impl VolumeQos {
             cores_hint: AtomicUsize::new(0),
             live: AtomicU64::new(0),
             one_time_pool: std::array::from_fn(|_| AtomicU64::new(0)),
+            group: RwLock::new(None),
+            group_generation: AtomicU64::new(0),
         };
         q.set_limits(limits);
         q
@@ -172,6 +179,28 @@ impl VolumeQos {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Make this volume's requests pass `group`'s limits too (or stop, with
+    /// `None`). Cores pick the change up on their next request.
+    pub fn set_group(&self, group: Option<Arc<VolumeQos>>) {
+        *self.group.write().unwrap_or_else(|e| e.into_inner()) = group;
+        self.group_generation.fetch_add(1, Ordering::Release);
+    }
+
+    pub fn group(&self) -> Option<Arc<VolumeQos>> {
+        self.group.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Whether any core refused a request of this volume (or group) within
+    /// the last [`STALE_MS`]: "held at its limit right now".
+    pub fn throttled_now(&self, now: Instant) -> bool {
+        self.scan(MAX_CORES, self.epoch_ms(now)).throttled_cores > 0
+    }
+
+    /// Bumped on every [`set_group`](Self::set_group).
+    pub fn group_generation(&self) -> u64 {
+        self.group_generation.load(Ordering::Acquire)
     }
 
     /// Bumped on every [`set_limits`](Self::set_limits).
@@ -286,16 +315,51 @@ impl CoreLimiter {
     }
 
     fn admit_limited(&mut self, write: bool, bytes: u64, now: Instant) -> Result<(), Duration> {
-        self.maybe_rebalance(now);
-        self.period_count += 1;
-        let checks = if write {
+        self.check_limited(write, bytes, now)?;
+        self.commit_limited(write, bytes);
+        Ok(())
+    }
+
+    /// The first half of [`admit`](Self::admit), for a request that must pass
+    /// several limiters (its volume's and its group's): say whether every
+    /// bucket would admit it now, consuming nothing. Follow an `Ok` with
+    /// [`commit`](Self::commit) once all the limiters agreed; an `Err` needs
+    /// nothing more (the refusal is already counted as demand).
+    #[inline]
+    pub fn check(&mut self, write: bool, bytes: u64, now: Instant) -> Result<(), Duration> {
+        let g = self.shared.generation.load(Ordering::Acquire);
+        if g != self.generation {
+            self.reload(g, now);
+        }
+        if self.unlimited {
+            return Ok(());
+        }
+        self.check_limited(write, bytes, now)
+    }
+
+    /// Consume the tokens of a request that [`check`](Self::check) accepted
+    /// (in the same reactor iteration, so the balances cannot have moved).
+    #[inline]
+    pub fn commit(&mut self, write: bool, bytes: u64) {
+        if !self.unlimited {
+            self.commit_limited(write, bytes);
+        }
+    }
+
+    fn checks(write: bool, bytes: u64) -> [(usize, u64); 4] {
+        if write {
             [(IOPS, 1), (WRITE_IOPS, 1), (BPS, bytes), (WRITE_BPS, bytes)]
         } else {
             [(IOPS, 1), (READ_IOPS, 1), (BPS, bytes), (READ_BPS, bytes)]
-        };
-        // Check every bucket first...
+        }
+    }
+
+    fn check_limited(&mut self, write: bool, bytes: u64, now: Instant) -> Result<(), Duration> {
+        self.maybe_rebalance(now);
+        self.period_count += 1;
+        // Check every bucket first; consuming is `commit_limited`'s job.
         let mut refused: Option<Duration> = None;
-        for (k, cost) in checks {
+        for (k, cost) in Self::checks(write, bytes) {
             if let Some(b) = &mut self.buckets[k] {
                 b.refill(now);
                 if let Some(w) = b.wait_for(cost) {
@@ -307,13 +371,15 @@ impl CoreLimiter {
             self.period_throttled = true;
             return Err(w);
         }
-        // ...then consume from all of them.
-        for (k, cost) in checks {
+        Ok(())
+    }
+
+    fn commit_limited(&mut self, write: bool, bytes: u64) {
+        for (k, cost) in Self::checks(write, bytes) {
             if let Some(b) = &mut self.buckets[k] {
                 b.commit(cost);
             }
         }
-        Ok(())
     }
 
     /// Pick up new limits: keep existing buckets (balance clamped, debt

@@ -46,7 +46,20 @@ pub struct QosLimits {
     pub burst_ms: Option<u64>,
     /// One-time burst as this many ms of the rate; default 0.
     pub one_time_burst_ms: Option<u64>,
+    /// Share weight when volumes compete for a saturated core (see
+    /// [`ShareScheduler`](crate::ShareScheduler)); default [`DEFAULT_WEIGHT`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
+    /// Serve this volume's reads before its writes: reads are never held by
+    /// the share scheduler, only writes are.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reads_first: bool,
 }
+
+/// Share weight of a volume that sets none.
+pub const DEFAULT_WEIGHT: u32 = 100;
+/// Largest accepted share weight.
+pub const MAX_WEIGHT: u32 = 10_000;
 
 impl QosLimits {
     fn fields(&self) -> [Option<u64>; 8] {
@@ -64,6 +77,8 @@ impl QosLimits {
 
     fn from_fields(f: [Option<u64>; 8]) -> Self {
         QosLimits {
+            weight: None,
+            reads_first: false,
             iops: f[0],
             read_iops: f[1],
             write_iops: f[2],
@@ -91,6 +106,17 @@ impl QosLimits {
     /// True when no rate is limited (burst settings alone limit nothing).
     pub fn is_unlimited(&self) -> bool {
         self.rates().iter().all(Option::is_none)
+    }
+
+    /// The share weight, defaulted.
+    pub fn weight_or_default(&self) -> u32 {
+        self.weight.unwrap_or(DEFAULT_WEIGHT)
+    }
+
+    /// True when the volume asks the share scheduler for anything beyond the
+    /// default (a weight or reads-first).
+    pub fn has_scheduling(&self) -> bool {
+        self.weight.is_some() || self.reads_first
     }
 
     /// `burst_ms`, defaulted.
@@ -124,6 +150,11 @@ impl QosLimits {
                 ));
             }
         }
+        if let Some(w) = self.weight {
+            if w == 0 || w > MAX_WEIGHT {
+                return Err(format!("weight: {w} is outside 1..={MAX_WEIGHT}"));
+            }
+        }
         if let Some(b) = self.burst_ms {
             if b > MAX_BURST_MS {
                 return Err(format!(
@@ -154,6 +185,41 @@ impl QosLimits {
         for v in fields.iter().flatten() {
             out.extend_from_slice(&v.to_le_bytes());
         }
+    }
+
+    /// Append the scheduling extension (catalog version 3): a u8 mask, bit 0
+    /// `weight` present (then a little-endian u32 follows), bit 1
+    /// `reads_first`; other bits are reserved and written as 0.
+    pub fn encode_sched(&self, out: &mut Vec<u8>) {
+        let mask = u8::from(self.weight.is_some()) | (u8::from(self.reads_first) << 1);
+        out.push(mask);
+        if let Some(w) = self.weight {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+    }
+
+    /// Read the scheduling extension written by [`encode_sched`](Self::encode_sched)
+    /// into `self`; returns the number of bytes consumed.
+    pub fn decode_sched(&mut self, bytes: &[u8]) -> Result<usize, String> {
+        let (&mask, rest) = bytes
+            .split_first()
+            .ok_or_else(|| "QoS scheduling: empty input".to_string())?;
+        if mask & !0b11 != 0 {
+            return Err(format!(
+                "QoS scheduling: reserved bits set in mask {mask:#04x}"
+            ));
+        }
+        let mut used = 1;
+        self.weight = None;
+        if mask & 1 != 0 {
+            let head = rest
+                .first_chunk::<4>()
+                .ok_or_else(|| "QoS scheduling: truncated weight".to_string())?;
+            self.weight = Some(u32::from_le_bytes(*head));
+            used += 4;
+        }
+        self.reads_first = mask & 2 != 0;
+        Ok(used)
     }
 
     /// Decode from the start of `bytes`; returns the limits and the number of
@@ -281,6 +347,21 @@ mod tests {
             // Every strict prefix is an error, never a panic.
             for cut in 0..n {
                 prop_assert!(QosLimits::decode(&out[..cut]).is_err());
+            }
+        }
+
+        #[test]
+        fn sched_round_trip(weight in proptest::option::of(any::<u32>()), reads_first: bool, trailer in proptest::collection::vec(any::<u8>(), 0..8)) {
+            let l = QosLimits { weight, reads_first, ..Default::default() };
+            let mut out = Vec::new();
+            l.encode_sched(&mut out);
+            let n = out.len();
+            out.extend_from_slice(&trailer);
+            let mut d = QosLimits::default();
+            prop_assert_eq!(d.decode_sched(&out).unwrap(), n);
+            prop_assert_eq!(&d, &l);
+            for cut in 0..n {
+                prop_assert!(QosLimits::default().decode_sched(&out[..cut]).is_err());
             }
         }
 

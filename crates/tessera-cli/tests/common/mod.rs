@@ -70,12 +70,17 @@ impl TestNode {
     /// `tessera node --config`, with `extra` TOML appended to a config that sets the data
     /// directory, the NBD port, 2 cores and the NBD Unix socket DIR/nbd.sock.
     pub fn start_with_config(tag: &str, extra: &str) -> TestNode {
+        Self::start_with_cores(tag, 2, extra)
+    }
+
+    /// [`start_with_config`](Self::start_with_config) with `cores` reactor cores.
+    pub fn start_with_cores(tag: &str, cores: usize, extra: &str) -> TestNode {
         let dir = temp_dir(tag);
         let port = free_port();
         let data_dir = dir.join("data");
         let cfg = dir.join("tessera.toml");
         let text = format!(
-            "data_dir = \"{}\"\ncores = 2\n[nbd]\nlisten = [\"127.0.0.1:{port}\"]\nunix = \"{}\"\n{extra}\n",
+            "data_dir = \"{}\"\ncores = {cores}\n[nbd]\nlisten = [\"127.0.0.1:{port}\"]\nunix = \"{}\"\n{extra}\n",
             data_dir.display(),
             dir.join("nbd.sock").display()
         );
@@ -272,4 +277,62 @@ pub fn run_ok(cmd: &mut Command) -> String {
 
 pub fn path_str(p: &Path) -> String {
     p.display().to_string()
+}
+
+/// Figures from one `tessera nbd-perf` run.
+#[allow(dead_code)]
+pub struct PerfResult {
+    pub iops: f64,
+    pub mibps: f64,
+    pub line: String,
+}
+
+#[allow(dead_code)]
+impl PerfResult {
+    /// A `key=value` field of the RESULT line.
+    pub fn field(&self, k: &str) -> f64 {
+        self.line
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("no {k} in {}", self.line))
+            .parse()
+            .unwrap()
+    }
+}
+
+/// Run `tessera nbd-perf` against `uri` (4 KiB requests over the first 64 MiB) and parse
+/// its RESULT line; `extra` adds arguments. Fails the test on any I/O error.
+#[allow(dead_code)]
+pub fn nbd_perf(uri: &str, pattern: &str, qd: u32, secs: u64, extra: &[&str]) -> PerfResult {
+    let qd = qd.to_string();
+    let secs = secs.to_string();
+    let mut args = vec![
+        "nbd-perf",
+        "--uri",
+        uri,
+        "--pattern",
+        pattern,
+        "--qd",
+        &qd,
+        "--size",
+        "64M",
+        "--time",
+        &secs,
+    ];
+    args.extend_from_slice(extra);
+    let out = run_ok(Command::new(BIN).args(&args));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("RESULT"))
+        .expect("RESULT line")
+        .to_string();
+    let mut r = PerfResult {
+        iops: 0.0,
+        mibps: 0.0,
+        line,
+    };
+    assert_eq!(r.field("errors"), 0.0, "{}", r.line);
+    r.iops = r.field("iops");
+    r.mibps = r.field("mibps");
+    r
 }

@@ -1,0 +1,287 @@
+//! The admission gate a protocol connection (NBD, NVMe/TCP) puts in front of
+//! its volume: QoS limits (the volume's and its group's), then the core's
+//! share scheduler. One gate per connection; the limiters and the scheduler
+//! behind it are per core and shared by every connection on that core.
+//!
+//! A request offered to the gate either passes at once or is held; held
+//! requests come back, in order, from [`Gate::wake`] when the gate's timer
+//! (limits) or round (shares) tag completes on the connection's task.
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::rc::{Rc, Weak};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_io::{CoreIo, Tag};
+
+use crate::shares::{cost, FlowId};
+use crate::{CoreLimiter, ShareScheduler, VolumeQos};
+
+/// What a request costs the limits: `None` for requests no limit applies to
+/// (flushes, metadata queries).
+pub type Charge = Option<(bool, u64)>;
+
+/// A request that left the gate after being held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Released {
+    pub slot: u16,
+    /// It waited for the QoS limits (not only for a share round): the time
+    /// it was held counts as throttled time.
+    pub throttled: bool,
+}
+
+#[derive(Clone, Copy)]
+struct Held {
+    slot: u16,
+    charge: Charge,
+    throttled: bool,
+}
+
+/// The calling core's limiter for `qos`, shared by every connection to that
+/// volume (or group) on this core, so the core's share of the limit is not
+/// multiplied by its connections.
+pub fn core_limiter(io: &mut CoreIo, qos: &Arc<VolumeQos>) -> Rc<RefCell<CoreLimiter>> {
+    let key = Arc::as_ptr(qos) as usize;
+    if let Some(rc) = io
+        .locals
+        .get(&key)
+        .and_then(|b| b.downcast_ref::<Weak<RefCell<CoreLimiter>>>())
+        .and_then(Weak::upgrade)
+    {
+        return rc;
+    }
+    let rc = Rc::new(RefCell::new(CoreLimiter::new(
+        qos.clone(),
+        io.core,
+        Instant::now(),
+    )));
+    io.locals.insert(key, Box::new(Rc::downgrade(&rc)));
+    rc
+}
+
+/// The calling core's share scheduler (one per core).
+pub fn core_scheduler(io: &mut CoreIo) -> Rc<RefCell<ShareScheduler>> {
+    // The address of a private static: a key no volume's `Arc` can have.
+    static KEY: u8 = 0;
+    let key = &KEY as *const u8 as usize;
+    if let Some(rc) = io
+        .locals
+        .get(&key)
+        .and_then(|b| b.downcast_ref::<Rc<RefCell<ShareScheduler>>>())
+    {
+        return rc.clone();
+    }
+    let rc = Rc::new(RefCell::new(ShareScheduler::new()));
+    io.locals.insert(key, Box::new(rc.clone()));
+    rc
+}
+
+pub struct Gate {
+    qos: Arc<VolumeQos>,
+    limiter: Rc<RefCell<CoreLimiter>>,
+    group_generation: u64,
+    group: Option<Rc<RefCell<CoreLimiter>>>,
+    sched: Rc<RefCell<ShareScheduler>>,
+    flow: FlowId,
+    /// Limits generation the flow's weight was read at.
+    sched_generation: u64,
+    reads_first: bool,
+    /// Waiting for tokens, in arrival order.
+    held: VecDeque<Held>,
+    /// Admitted by the limits, waiting for a share round.
+    deferred: VecDeque<Held>,
+    timer_tag: Tag,
+    round_tag: Tag,
+    timer_armed: bool,
+    round_armed: bool,
+}
+
+impl Gate {
+    /// A gate on the calling core for a connection to the volume whose QoS
+    /// state is `qos`. `timer_tag` and `round_tag` are two of the
+    /// connection's task tags; when either completes, call [`Gate::wake`].
+    pub fn new(io: &mut CoreIo, qos: &Arc<VolumeQos>, timer_tag: Tag, round_tag: Tag) -> Gate {
+        let limiter = core_limiter(io, qos);
+        let sched = core_scheduler(io);
+        let flow = sched.borrow_mut().register(Arc::as_ptr(qos) as usize);
+        let mut g = Gate {
+            qos: qos.clone(),
+            limiter,
+            group_generation: u64::MAX,
+            group: None,
+            sched,
+            flow,
+            sched_generation: u64::MAX,
+            reads_first: false,
+            held: VecDeque::new(),
+            deferred: VecDeque::new(),
+            timer_tag,
+            round_tag,
+            timer_armed: false,
+            round_armed: false,
+        };
+        g.refresh(io);
+        g
+    }
+
+    /// Tags are usually only known once the task has its id.
+    pub fn set_tags(&mut self, timer_tag: Tag, round_tag: Tag) {
+        self.timer_tag = timer_tag;
+        self.round_tag = round_tag;
+    }
+
+    /// Pick up a changed group or weight (one load each per request).
+    #[inline]
+    fn refresh(&mut self, io: &mut CoreIo) {
+        let gg = self.qos.group_generation();
+        if gg != self.group_generation {
+            self.group_generation = gg;
+            self.group = self.qos.group().map(|g| core_limiter(io, &g));
+        }
+        let lg = self.qos.generation();
+        if lg != self.sched_generation {
+            self.sched_generation = lg;
+            let l = self.qos.limits();
+            self.reads_first = l.reads_first;
+            self.sched
+                .borrow_mut()
+                .configure(self.flow, l.weight_or_default(), l.reads_first);
+        }
+    }
+
+    /// Both limiters (volume, group) admit the request now, or the longest wait.
+    fn limits(&mut self, charge: Charge, now: Instant) -> Result<(), Duration> {
+        let Some((write, bytes)) = charge else {
+            return Ok(());
+        };
+        let mut vol = self.limiter.borrow_mut();
+        let a = vol.check(write, bytes, now);
+        let b = match &self.group {
+            Some(g) => g.borrow_mut().check(write, bytes, now),
+            None => Ok(()),
+        };
+        match (a, b) {
+            (Ok(()), Ok(())) => {
+                vol.commit(write, bytes);
+                if let Some(g) = &self.group {
+                    g.borrow_mut().commit(write, bytes);
+                }
+                Ok(())
+            }
+            (Err(x), Err(y)) => Err(x.max(y)),
+            (Err(x), _) | (_, Err(x)) => Err(x),
+        }
+    }
+
+    fn share(&mut self, io: &CoreIo, charge: Charge) -> bool {
+        let (write, bytes) = charge.unwrap_or((true, 0));
+        self.sched
+            .borrow_mut()
+            .admit(self.flow, write, cost(bytes), io.round(), io.now())
+    }
+
+    fn arm_timer(&mut self, io: &mut CoreIo, wait: Duration) {
+        if !self.timer_armed {
+            self.timer_armed = true;
+            io.complete_after(wait, self.timer_tag, 0);
+        }
+    }
+
+    fn arm_round(&mut self, io: &mut CoreIo) {
+        if !self.round_armed {
+            self.round_armed = true;
+            io.defer(self.round_tag);
+        }
+    }
+
+    /// Offer a request: `true` means dispatch it now; `false` means the gate
+    /// holds it and will hand it back from [`wake`](Self::wake). A
+    /// connection's requests leave in order, except that with reads-first a
+    /// read may pass writes waiting for a share round.
+    pub fn offer(&mut self, io: &mut CoreIo, slot: u16, charge: Charge) -> bool {
+        self.refresh(io);
+        if self.held.is_empty() {
+            match self.limits(charge, io.now()) {
+                Ok(()) => {
+                    let read = matches!(charge, Some((false, _)));
+                    let may_pass = self.deferred.is_empty() || (self.reads_first && read);
+                    if may_pass && self.share(io, charge) {
+                        return true;
+                    }
+                    self.deferred.push_back(Held {
+                        slot,
+                        charge,
+                        throttled: false,
+                    });
+                    self.arm_round(io);
+                    return false;
+                }
+                Err(wait) => self.arm_timer(io, wait),
+            }
+        }
+        self.held.push_back(Held {
+            slot,
+            charge,
+            throttled: true,
+        });
+        false
+    }
+
+    /// The timer or round tag completed (`tag` says which): hand back, in
+    /// order, the held requests that may now be dispatched.
+    pub fn wake(&mut self, io: &mut CoreIo, tag: Tag, out: &mut Vec<Released>) {
+        self.refresh(io);
+        if tag == self.timer_tag {
+            self.timer_armed = false;
+        } else {
+            self.round_armed = false;
+        }
+        // Requests waiting for a round first: they passed the limits earlier.
+        while let Some(h) = self.deferred.front().copied() {
+            if !self.share(io, h.charge) {
+                self.arm_round(io);
+                break;
+            }
+            self.deferred.pop_front();
+            out.push(Released {
+                slot: h.slot,
+                throttled: h.throttled,
+            });
+        }
+        while let Some(h) = self.held.front().copied() {
+            if let Err(wait) = self.limits(h.charge, io.now()) {
+                self.arm_timer(io, wait);
+                break;
+            }
+            self.held.pop_front();
+            if self.deferred.is_empty() && self.share(io, h.charge) {
+                out.push(Released {
+                    slot: h.slot,
+                    throttled: true,
+                });
+            } else {
+                self.deferred.push_back(h);
+                self.arm_round(io);
+            }
+        }
+    }
+
+    /// The client is gone: give back every held request (nobody waits for
+    /// them); the caller releases their resources.
+    pub fn drain(&mut self, out: &mut Vec<u16>) {
+        out.extend(self.deferred.drain(..).map(|h| h.slot));
+        out.extend(self.held.drain(..).map(|h| h.slot));
+    }
+
+    /// Nothing held and no wake-up pending: the connection may finish.
+    pub fn is_idle(&self) -> bool {
+        self.held.is_empty() && self.deferred.is_empty() && !self.timer_armed && !self.round_armed
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.sched.borrow_mut().unregister(self.flow);
+    }
+}
