@@ -51,6 +51,9 @@ enum Cmd {
     /// QoS groups (tenants): volumes sharing one limit, with a stepped burst.
     #[command(subcommand)]
     Group(manage::GroupCmd),
+    /// Background classes (scrub, rebuild, resync): limits and feedback throttling.
+    #[command(subcommand)]
+    Background(manage::BackgroundCmd),
     /// In-process benchmark of a device, pool or volume (like SPDK's bdevperf).
     Bench(bench::BenchArgs),
     /// Pipelined NBD load generator (measures the server, not the client).
@@ -71,6 +74,7 @@ fn main() {
         Cmd::Volume(c) => manage::volume(&api, c, cli.json),
         Cmd::Export(c) => manage::export(&api, c, cli.json),
         Cmd::Group(c) => manage::group(&api, c, cli.json),
+        Cmd::Background(c) => manage::background(&api, c, cli.json),
         Cmd::Bench(a) => bench::run(a),
         Cmd::NbdPerf(a) => nbd_perf::run(a),
         Cmd::Nvmf(c) => nvmf_cmd::run(&api, c, cli.json),

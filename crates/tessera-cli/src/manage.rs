@@ -228,6 +228,45 @@ pub enum PoolCmd {
     Destroy {
         name: String,
     },
+    /// Scrub a pool: re-read every allocated unit and the metadata in the background
+    /// (scrub class limits, backing off when client latency rises). Starts one unless
+    /// --status or --stop; --wait follows it with a progress bar until it ends.
+    Scrub {
+        name: String,
+        #[arg(long, conflicts_with = "stop")]
+        status: bool,
+        #[arg(long)]
+        stop: bool,
+        #[arg(long, conflicts_with = "stop")]
+        wait: bool,
+    },
+}
+
+/// One line for a scrub status: a progress bar, rate, ETA and findings.
+fn scrub_line(v: &Value) -> String {
+    let pct = v["percent"].as_f64().unwrap_or(0.0);
+    let filled = (pct / 5.0).round() as usize;
+    let bar = format!(
+        "[{}{}]",
+        "#".repeat(filled.min(20)),
+        ".".repeat(20 - filled.min(20))
+    );
+    let eta = v["eta_s"]
+        .as_f64()
+        .map(|e| format!(" eta {e:.0}s"))
+        .unwrap_or_default();
+    format!(
+        "scrub {} {}: {bar} {pct:.1}% {}/{} units, {} MiB/s{eta}, limit {} MiB/s ({} backoffs), {} read errors, {} metadata findings",
+        v["pool"].as_str().unwrap_or("?"),
+        v["state"].as_str().unwrap_or("?"),
+        v["units_done"],
+        v["units_total"],
+        v["rate_mibps"],
+        v["background"]["rate_limit_bps"].as_u64().unwrap_or(0) >> 20,
+        v["background"]["backoffs"],
+        v["read_errors"],
+        v["metadata_findings"].as_array().map_or(0, Vec::len),
+    )
 }
 
 pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
@@ -254,6 +293,50 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
         PoolCmd::Destroy { name } => {
             call(ep, "DELETE", &format!("/v1/pools/{name}"), None)?;
             println!("pool {name} destroyed");
+        }
+        PoolCmd::Scrub {
+            name,
+            status,
+            stop,
+            wait,
+        } => {
+            let path = format!("/v1/pools/{name}/scrub");
+            let mut v = if stop {
+                call(ep, "DELETE", &path, None)?
+            } else if status {
+                call(ep, "GET", &path, None)?
+            } else {
+                call(ep, "POST", &path, None)?
+            };
+            if wait {
+                use std::io::Write as _;
+                while v["state"] == "running" {
+                    if !raw {
+                        print!("\r{}", scrub_line(&v));
+                        let _ = std::io::stdout().flush();
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(500));
+                    v = call(ep, "GET", &path, None)?;
+                }
+                if !raw {
+                    println!("\r{}", scrub_line(&v));
+                }
+            }
+            if raw {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            } else {
+                if !wait {
+                    println!("{}", scrub_line(&v));
+                }
+                for e in v["metadata_findings"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .chain(v["errors"].as_array().into_iter().flatten())
+                {
+                    println!("  {}", e.as_str().unwrap_or_default());
+                }
+            }
         }
     }
     Ok(())
@@ -615,6 +698,67 @@ pub fn group(ep: &Endpoint, c: GroupCmd, raw: bool) -> Result<(), String> {
             )?;
             show(&one(v), raw, print_groups);
         }
+    }
+    Ok(())
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BackgroundCmd {
+    /// Show every background class's limits.
+    Show,
+    /// Set a class's limits (scrub, rebuild, resync); persistent.
+    Set {
+        class: String,
+        /// Maximum bandwidth, e.g. 200M (bytes per second).
+        #[arg(long)]
+        bw: String,
+        /// Client p99 latency (µs) above which the class backs off
+        /// (default: 1.5x the clients' p99 when the job starts).
+        #[arg(long)]
+        latency_target_us: Option<u64>,
+        /// Floor of the backed-off rate, percent of --bw.
+        #[arg(long, default_value_t = 1)]
+        min_pct: u32,
+    },
+    /// Back to the class's defaults.
+    Reset { class: String },
+}
+
+pub fn background(ep: &Endpoint, c: BackgroundCmd, raw: bool) -> Result<(), String> {
+    let v = match c {
+        BackgroundCmd::Show => call(ep, "GET", "/v1/background", None)?,
+        BackgroundCmd::Set {
+            class,
+            bw,
+            latency_target_us,
+            min_pct,
+        } => {
+            let bps = tessera_device::parse_size(&bw).map_err(|e| e.to_string())?;
+            let body =
+                json!({"bps": bps, "latency_target_us": latency_target_us, "min_pct": min_pct});
+            let v = call(ep, "PUT", &format!("/v1/background/{class}"), Some(body))?;
+            json!({ class: v })
+        }
+        BackgroundCmd::Reset { class } => {
+            let v = call(ep, "DELETE", &format!("/v1/background/{class}"), None)?;
+            json!({ class: v })
+        }
+    };
+    if raw {
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        return Ok(());
+    }
+    for (class, l) in v.as_object().into_iter().flatten() {
+        let target = l["latency_target_us"]
+            .as_u64()
+            .map_or("1.5x clients' p99 at start".to_string(), |t| {
+                format!("{t} µs")
+            });
+        println!(
+            "background {class}: {} MiB/s max, backs off above {target}, floor {}%",
+            l["bps"].as_u64().unwrap_or(0) >> 20,
+            l["min_pct"]
+        );
     }
     Ok(())
 }

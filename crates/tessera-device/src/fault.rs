@@ -132,9 +132,20 @@ impl FaultDevice {
         None
     }
 
-    fn sync_check(&self) -> io::Result<()> {
-        if self.config.vanished.load(Relaxed) {
+    /// The synchronous face (metadata, background passes) sees the same vanishing and
+    /// failing ranges as the datapath: a bad region is bad for every reader. Random
+    /// errors (`error_ppm`) stay on the datapath only, so a pool under a random-error
+    /// test can still open and commit its metadata.
+    fn sync_check(&self, range: Option<(&AtomicU64, &AtomicU64, u64, usize)>) -> io::Result<()> {
+        let c = &self.config;
+        if c.vanished.load(Relaxed) {
             return Err(io::Error::from_raw_os_error(libc::ENODEV));
+        }
+        if let Some((s, e, off, len)) = range {
+            let (s, e) = (s.load(Relaxed), e.load(Relaxed));
+            if s < e && off < e && off + len as u64 > s {
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
         }
         Ok(())
     }
@@ -178,19 +189,31 @@ impl BlockDevice for FaultDevice {
         self.inner.is_volatile()
     }
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.sync_check()?;
+        let c = &self.config;
+        self.sync_check(Some((
+            &c.fail_read_start,
+            &c.fail_read_end,
+            offset,
+            buf.len(),
+        )))?;
         self.inner.read_at(offset, buf)
     }
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
-        self.sync_check()?;
+        let c = &self.config;
+        self.sync_check(Some((
+            &c.fail_write_start,
+            &c.fail_write_end,
+            offset,
+            buf.len(),
+        )))?;
         self.inner.write_at(offset, buf)
     }
     fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.sync_check()?;
+        self.sync_check(None)?;
         self.inner.write_zeroes_at(offset, len)
     }
     fn sync(&self) -> io::Result<()> {
-        self.sync_check()?;
+        self.sync_check(None)?;
         self.inner.sync()
     }
     fn open_handle(self: Arc<Self>) -> Box<dyn IoHandle> {

@@ -122,6 +122,15 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
             Err(e) => Response::error(400, &format!("bad QoS limits: {e} (fields: iops, read_iops, write_iops, bps, read_bps, write_bps, burst_ms, one_time_burst_ms, weight, reads_first)")),
         },
         ("DELETE", ["v1", "volumes", name, "qos"]) => reply(node.set_volume_qos(name, Default::default()), 200),
+        ("GET", ["v1", "pools", name, "scrub"]) => reply(node.scrub_status(name), 200),
+        ("POST", ["v1", "pools", name, "scrub"]) => reply(node.start_scrub(name), 202),
+        ("DELETE", ["v1", "pools", name, "scrub"]) => reply(node.stop_scrub(name), 200),
+        ("GET", ["v1", "background"]) => Response::json(200, &node.background.list()),
+        ("PUT", ["v1", "background", class]) => match serde_json::from_value::<tessera_qos::BackgroundLimits>(body.clone()) {
+            Ok(l) => reply(node.background.put(class, Some(l)), 200),
+            Err(e) => Response::error(400, &format!("bad background limits: {e} (fields: bps, latency_target_us, min_pct)")),
+        },
+        ("DELETE", ["v1", "background", class]) => reply(node.background.put(class, None), 200),
         ("GET", ["v1", "groups"]) => Response::json(200, &node.groups.list()),
         ("GET", ["v1", "groups", name]) => reply(node.groups.get(name), 200),
         ("PUT", ["v1", "groups", name]) => {

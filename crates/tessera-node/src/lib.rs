@@ -2,6 +2,7 @@
 //! and the NBD and NVMe/TCP listeners, assembled from one configuration.
 
 pub mod api;
+pub mod background;
 pub mod config;
 pub mod groups;
 pub mod listener;
@@ -9,6 +10,7 @@ pub mod node;
 pub mod nvmf;
 pub mod nvmf_api;
 pub mod registry;
+pub mod scrub;
 
 pub use config::NodeConfig;
 pub use node::Node;

@@ -36,6 +36,9 @@ pub struct Node {
     pub nvmf: crate::nvmf::NvmfState,
     /// QoS groups (tenants) and their stepped bursts.
     pub groups: crate::groups::Groups,
+    /// Background classes' limits and the scrub jobs, by pool.
+    pub background: crate::background::Background,
+    scrubs: Mutex<BTreeMap<String, Arc<crate::scrub::ScrubJob>>>,
 }
 
 fn not_found(what: &str, name: &str) -> Error {
@@ -68,6 +71,7 @@ impl Node {
         let entries = registry.load()?;
         let nvmf = crate::nvmf::NvmfState::load(&cfg.data_dir)?;
         let groups = crate::groups::Groups::load(&cfg.data_dir)?;
+        let background = crate::background::Background::load(&cfg.data_dir)?;
         let node = Arc::new(Node {
             cfg,
             pools: RwLock::new(BTreeMap::new()),
@@ -81,6 +85,8 @@ impl Node {
             nbd_addresses: RwLock::new(Vec::new()),
             nvmf,
             groups,
+            background,
+            scrubs: Mutex::new(BTreeMap::new()),
         });
         for e in entries {
             match node.restore_pool(&e) {
@@ -392,6 +398,54 @@ impl Node {
         if let Err(e) = spawned {
             eprintln!("tessera: cannot start the QoS ladder thread: {e}");
         }
+    }
+
+    fn scrubs(&self) -> MutexGuard<'_, BTreeMap<String, Arc<crate::scrub::ScrubJob>>> {
+        self.scrubs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Start a scrub of `pool` in the scrub background class.
+    pub fn start_scrub(&self, pool: &str) -> Result<Value> {
+        let p = self.pool(pool)?;
+        let mut scrubs = self.scrubs();
+        if scrubs.get(pool).is_some_and(|j| j.is_running()) {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!("a scrub of pool '{pool}' is already running"),
+            ));
+        }
+        let limits = self.background.limits("scrub")?;
+        let job = crate::scrub::start(p, limits)
+            .map_err(|e| Error::io("starting the scrub thread", e))?;
+        let v = job.status();
+        scrubs.insert(pool.to_string(), job);
+        Ok(v)
+    }
+
+    pub fn stop_scrub(&self, pool: &str) -> Result<Value> {
+        self.pool(pool)?;
+        let scrubs = self.scrubs();
+        match scrubs.get(pool) {
+            Some(j) if j.is_running() => {
+                j.stop();
+                Ok(j.status())
+            }
+            _ => Err(Error::new(
+                ErrorKind::NotFound,
+                format!("no scrub of pool '{pool}' is running"),
+            )),
+        }
+    }
+
+    /// The running or last scrub of `pool`.
+    pub fn scrub_status(&self, pool: &str) -> Result<Value> {
+        self.pool(pool)?;
+        self.scrubs().get(pool).map(|j| j.status()).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotFound,
+                format!("pool '{pool}' has not been scrubbed since the node started"),
+            )
+        })
     }
 
     pub fn put_group(

@@ -771,6 +771,32 @@ impl Pool {
     }
 
     /// Set (or, with all fields empty, clear) a volume's QoS limits, live and durably.
+    /// Pool units (indexes) that hold volume data, in pool order: what a background pass
+    /// (scrub, rebuild) has to cover on a thin pool.
+    pub fn allocated_units(&self) -> Vec<u64> {
+        let s = self.core.lock();
+        s.owners
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| o.0 != OWNER_FREE && o.0 != OWNER_META)
+            .map(|(p, _)| p as u64)
+            .collect()
+    }
+
+    /// Re-read and check the metadata (superblock, both checkpoint slots) against their
+    /// checksums. Returns one line per finding; a slot that is merely older or cleared is
+    /// not a finding, both slots invalid is.
+    pub fn verify_metadata(&self) -> Vec<String> {
+        let mut found = Vec::new();
+        if let Err(e) = crate::meta::MetaStore::read_superblock(&self.core.layout) {
+            found.push(format!("superblock: {e}"));
+        }
+        if let Err(e) = self.core.meta.load_newest_checkpoint() {
+            found.push(format!("checkpoints: {e}"));
+        }
+        found
+    }
+
     pub fn set_volume_qos(&self, vol: &Arc<Volume>, limits: tessera_qos::QosLimits) -> Result<()> {
         limits.validate().map_err(Error::invalid)?;
         let old = vol.qos.limits();

@@ -105,6 +105,7 @@
 //!   been idle for an exact multiple of that looks fresh for 5 ms (dropping a
 //!   [`CoreLimiter`] clears its slot, so this needs a live but idle core).
 
+pub mod background;
 mod bucket;
 pub mod gate;
 mod limiter;
@@ -112,6 +113,7 @@ mod limits;
 pub mod shares;
 mod step;
 
+pub use background::{BackgroundLimits, Feedback};
 pub use bucket::TokenBucket;
 pub use limiter::{CoreLimiter, VolumeQos, MAX_CORES, REBALANCE, STALE_MS};
 pub use limits::{

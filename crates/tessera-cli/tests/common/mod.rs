@@ -300,7 +300,8 @@ impl PerfResult {
     }
 }
 
-/// Run `tessera nbd-perf` against `uri` (4 KiB requests over the first 64 MiB) and parse
+/// Run `tessera nbd-perf` against `uri` (4 KiB requests over the first 64 MiB unless
+/// `extra` says otherwise) and parse
 /// its RESULT line; `extra` adds arguments. Fails the test on any I/O error.
 #[allow(dead_code)]
 pub fn nbd_perf(uri: &str, pattern: &str, qd: u32, secs: u64, extra: &[&str]) -> PerfResult {
@@ -314,11 +315,12 @@ pub fn nbd_perf(uri: &str, pattern: &str, qd: u32, secs: u64, extra: &[&str]) ->
         pattern,
         "--qd",
         &qd,
-        "--size",
-        "64M",
         "--time",
         &secs,
     ];
+    if !extra.contains(&"--size") {
+        args.extend_from_slice(&["--size", "64M"]);
+    }
     args.extend_from_slice(extra);
     let out = run_ok(Command::new(BIN).args(&args));
     let line = out

@@ -1,0 +1,221 @@
+//! Scrub: a background pass over a pool that re-reads every allocated unit and the
+//! metadata, and reports what it found. It runs in the "scrub" background class: its
+//! own bandwidth limit, lowered automatically while the pool's clients see their p99
+//! latency rise (tessera_qos::background). On the redundant layouts it is the place
+//! where mirrors and parity are compared and repaired (the redundancy issue); on concat
+//! and raid0 it finds unreadable ranges before a client does.
+//!
+//! The pass runs on its own thread with the devices' synchronous face: it is background
+//! work by definition, and the feedback loop (not a reactor's budget) decides how much
+//! of the machine it may take.
+
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+use tessera_io::hist::Histogram;
+use tessera_pool::Pool;
+use tessera_qos::background::{BackgroundLimits, Feedback, FEEDBACK_TICK};
+use tessera_qos::TokenBucket;
+
+/// Bytes read per device request: small enough that a client request queued behind one
+/// on a shared disk does not wait long.
+const CHUNK: usize = 64 << 10;
+/// Read errors remembered in detail (all are counted).
+const MAX_REPORTED: usize = 100;
+
+#[derive(Default)]
+struct Progress {
+    state: &'static str,
+    started_unix: u64,
+    elapsed: Duration,
+    units_total: u64,
+    units_done: u64,
+    bytes_done: u64,
+    read_errors: u64,
+    errors: Vec<String>,
+    metadata: Vec<String>,
+    rate_limit_bps: u64,
+    target_us: f64,
+    backoffs: u64,
+    client_p99_us: Option<f64>,
+}
+
+pub struct ScrubJob {
+    pool: String,
+    stop: AtomicBool,
+    progress: Mutex<Progress>,
+}
+
+impl ScrubJob {
+    fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.progress().state == "running"
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Relaxed);
+    }
+
+    pub fn status(&self) -> Value {
+        let p = self.progress();
+        let secs = p.elapsed.as_secs_f64();
+        let rate = if secs > 0.0 {
+            p.bytes_done as f64 / secs
+        } else {
+            0.0
+        };
+        let pct = if p.units_total == 0 {
+            100.0
+        } else {
+            p.units_done as f64 * 100.0 / p.units_total as f64
+        };
+        let left_units = p.units_total.saturating_sub(p.units_done);
+        let eta = if p.units_done > 0 && p.state == "running" {
+            Some(secs / p.units_done as f64 * left_units as f64)
+        } else {
+            None
+        };
+        json!({
+            "pool": self.pool,
+            "state": p.state,
+            "started": p.started_unix,
+            "elapsed_s": (secs * 10.0).round() / 10.0,
+            "percent": (pct * 10.0).round() / 10.0,
+            "units_total": p.units_total,
+            "units_done": p.units_done,
+            "bytes_done": p.bytes_done,
+            "rate_mibps": (rate / 1048576.0 * 10.0).round() / 10.0,
+            "eta_s": eta.map(|e| e.round()),
+            "read_errors": p.read_errors,
+            "errors": p.errors,
+            "metadata_findings": p.metadata,
+            "background": {
+                "class": "scrub",
+                "rate_limit_bps": p.rate_limit_bps,
+                "latency_target_us": p.target_us.round(),
+                "client_p99_us": p.client_p99_us.map(f64::round),
+                "backoffs": p.backoffs,
+            },
+        })
+    }
+}
+
+/// The p99 of every client request of `pool`'s volumes completed since `last`
+/// (updated to now); `None` if there were none.
+fn client_p99(pool: &Pool, last: &mut Vec<(u32, Histogram)>) -> Option<f64> {
+    let mut window = Histogram::default();
+    let mut now = Vec::new();
+    for v in pool.volumes() {
+        let h = v.stats().latency;
+        if let Some((_, before)) = last.iter().find(|(id, _)| *id == v.id) {
+            window.merge(&h.since(before));
+        }
+        now.push((v.id, h));
+    }
+    *last = now;
+    (window.count() > 0).then(|| window.quantile(0.99) as f64 / 1000.0)
+}
+
+/// Start a scrub of `pool` in the background; the returned job reports progress.
+pub fn start(pool: Arc<Pool>, limits: BackgroundLimits) -> std::io::Result<Arc<ScrubJob>> {
+    let job = Arc::new(ScrubJob {
+        pool: pool.name().to_string(),
+        stop: AtomicBool::new(false),
+        progress: Mutex::new(Progress {
+            state: "running",
+            started_unix: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            rate_limit_bps: limits.bps,
+            ..Default::default()
+        }),
+    });
+    let j = job.clone();
+    std::thread::Builder::new()
+        .name(format!("tessera-scrub-{}", pool.name()))
+        .spawn(move || run(&pool, &j, &limits))?;
+    Ok(job)
+}
+
+fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
+    let t0 = Instant::now();
+    // The clients' latency just before we start is the baseline the target derives from.
+    let mut hist = Vec::new();
+    client_p99(pool, &mut hist);
+    std::thread::sleep(FEEDBACK_TICK);
+    let baseline = client_p99(pool, &mut hist);
+    let mut fb = Feedback::new(limits, limits.target_us(baseline));
+    let metadata = pool.verify_metadata();
+    let units = pool.allocated_units();
+    let unit = pool.core.unit_size();
+    {
+        let mut p = job.progress();
+        p.metadata = metadata;
+        p.units_total = units.len() as u64;
+        p.target_us = fb.target_us();
+    }
+    let now = Instant::now();
+    // A bucket of 100 ms of the rate: smooth, and a rate change applies within a tick.
+    let mut bucket = TokenBucket::new(fb.rate(), fb.rate() / 10, 0, now);
+    let mut next_tick = now + FEEDBACK_TICK;
+    let mut buf = vec![0u8; CHUNK];
+    let mut stopped = false;
+    'units: for &u in &units {
+        let base = u * unit;
+        let mut off = 0u64;
+        while off < unit {
+            if job.stop.load(Relaxed) {
+                stopped = true;
+                break 'units;
+            }
+            let now = Instant::now();
+            if now >= next_tick {
+                next_tick = now + FEEDBACK_TICK;
+                let p99 = client_p99(pool, &mut hist);
+                let rate = fb.observe(p99);
+                bucket.set_rate(rate, (rate / 10).max(CHUNK as u64), now);
+                let mut p = job.progress();
+                p.rate_limit_bps = rate;
+                p.backoffs = fb.backoffs();
+                p.client_p99_us = p99;
+                p.elapsed = t0.elapsed();
+            }
+            let len = (unit - off).min(CHUNK as u64) as usize;
+            if let Err(wait) = bucket.try_consume(len as u64, now) {
+                std::thread::sleep(wait.min(FEEDBACK_TICK));
+                continue;
+            }
+            let at = base + off;
+            if let Err(e) = pool.core.layout.read_at(at, &mut buf[..len]) {
+                let mut p = job.progress();
+                p.read_errors += 1;
+                if p.errors.len() < MAX_REPORTED {
+                    p.errors.push(format!(
+                        "unit {u}: read of {len} bytes at pool offset {at} failed: {e}"
+                    ));
+                }
+            }
+            off += len as u64;
+            job.progress().bytes_done += len as u64;
+        }
+        job.progress().units_done += 1;
+    }
+    let mut p = job.progress();
+    p.elapsed = t0.elapsed();
+    p.state = if stopped { "stopped" } else { "done" };
+    if !stopped {
+        eprintln!(
+            "tessera: scrub of pool '{}' done: {} units, {} read errors, {} metadata findings",
+            job.pool,
+            p.units_done,
+            p.read_errors,
+            p.metadata.len()
+        );
+    }
+}
