@@ -219,3 +219,20 @@ fn a_one_time_burst_is_served_then_repaid() {
     let then = nbd_perf(&n.uri("a"), "randread", 32, 3, &[]);
     assert!(within(then.iops, 1000.0, 0.06), "after burst {}", then.iops);
 }
+
+#[test]
+fn a_high_limit_is_held_without_stalling() {
+    let _s = serial();
+    // Regression: at high rates a refused request's retry timer is due almost at once;
+    // judged by a stale clock it was refused forever and the connection stalled.
+    let n = TestNode::start_with_config("qos-high", TWO_VOLUMES);
+    n.cli_ok(&["volume", "qos", "a", "--iops", "50000"]);
+    let r = nbd_perf(&n.uri("a"), "randread", 32, 3, &[]);
+    assert!(
+        within(r.iops, 50_000.0, 0.08),
+        "limit 50000, got {}",
+        r.iops
+    );
+    let r = nbd_perf(&n.uri("a"), "randread", 1, 1, &[]);
+    assert!(r.iops > 1000.0, "QD1 under a high limit: {}", r.iops);
+}

@@ -271,6 +271,10 @@ impl CoreIo {
     /// Move due timers to the ready queue; return the time until the next one.
     pub(crate) fn fire_timers(&mut self) -> Option<Duration> {
         let now = Instant::now();
+        // The timers' owners run next and judge by `now()`: it must not be older than the
+        // deadline that woke them (a QoS retry computed from a stale clock would be refused
+        // again, and the reactor would spin on a due timer without ever sleeping).
+        self.now = now;
         while let Some(Reverse((when, _, tag, res))) = self.timers.peek().copied() {
             if when > now {
                 return Some(when - now);

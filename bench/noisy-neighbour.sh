@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Noisy neighbour on one reactor core: volume A runs 4 KiB random writes at QD128 with no
+# limit, volume B runs 4 KiB random reads at QD1. B's p99 latency is measured alone, next
+# to A with no QoS, with B given a higher share weight, and with A given an IOPS limit.
+# The node has one reactor core, so both volumes are served by the same core.
+#
+#   bench/noisy-neighbour.sh          # RUNTIME=10 A_LIMIT=50000
+#
+# The node is started here, both volumes prefilled, and the node killed by PID.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+RUNTIME="${RUNTIME:-10}"; A_LIMIT="${A_LIMIT:-50000}"
+TESSERA="${TESSERA:-target/release/tessera}"
+[[ -x "$TESSERA" ]] || cargo build --release -p tessera-cli >&2
+
+WORK="$(mktemp -d /tmp/tessera-noisy.XXXXXX)"
+PID=""
+cleanup() { [[ -n "$PID" ]] && kill "$PID" 2>/dev/null; wait 2>/dev/null || true; rm -rf -- "$WORK"; }
+trap cleanup EXIT
+PORT=10909
+cat >"$WORK/node.toml" <<TOML
+data_dir = "$WORK/data"
+cores = 1
+[nbd]
+listen = ["127.0.0.1:$PORT"]
+[[pool]]
+name = "p"
+devices = ["ram:2G"]
+[[volume]]
+name = "a"
+pool = "p"
+size = "512M"
+[[volume]]
+name = "b"
+pool = "p"
+size = "512M"
+[[export]]
+name = "a"
+volume = "a"
+[[export]]
+name = "b"
+volume = "b"
+TOML
+"$TESSERA" node --config "$WORK/node.toml" >"$WORK/node.log" 2>&1 & PID=$!
+for _ in $(seq 1 100); do [[ -S "$WORK/data/api.sock" ]] && break; sleep 0.1; done
+cli() { "$TESSERA" --api "$WORK/data/api.sock" "$@" >/dev/null; }
+perf() { "$TESSERA" nbd-perf --uri "nbd://127.0.0.1:$PORT/$1" --pattern "$2" --qd "$3" --size 256M --time "$4" 2>/dev/null | grep '^RESULT'; }
+field() { sed -E "s/.* $1=([0-9.]+).*/\1/" <<<"$2"; }
+# Prefill: reads of written data, writes that overwrite (no allocation on the way).
+"$TESSERA" nbd-perf --uri "nbd://127.0.0.1:$PORT/a" --pattern randwrite --bs 1M --qd 16 --size 256M --time 2 >/dev/null 2>&1
+"$TESSERA" nbd-perf --uri "nbd://127.0.0.1:$PORT/b" --pattern randwrite --bs 1M --qd 16 --size 256M --time 2 >/dev/null 2>&1
+
+declare -A P99 IOPS AIOPS
+run_case() { # NAME [with A]
+  local name=$1 a_line="" b_line
+  if [[ ${2:-} == with-a ]]; then
+    perf a randwrite 128 "$((RUNTIME + 1))" >"$WORK/a.out" & local apid=$!
+    sleep 0.5
+    b_line=$(perf b randread 1 "$RUNTIME")
+    wait "$apid"; a_line=$(cat "$WORK/a.out")
+    AIOPS[$name]=$(field iops "$a_line")
+  else
+    AIOPS[$name]="-"
+    b_line=$(perf b randread 1 "$RUNTIME")
+  fi
+  P99[$name]=$(field p99_us "$b_line"); IOPS[$name]=$(field iops "$b_line")
+  echo "[noisy] $name: B $b_line${a_line:+ | A $a_line}" >&2
+}
+
+run_case "B alone"
+run_case "A unlimited, no QoS" with-a
+cli volume qos b --weight 1000; cli volume qos a --weight 100
+run_case "B weight 1000, A 100" with-a
+cli volume qos b --clear; cli volume qos a --iops "$A_LIMIT"
+run_case "A limited to $A_LIMIT IOPS" with-a
+
+echo
+echo "== Noisy neighbour on one core: B = 4K randread QD1, A = 4K randwrite QD128; ${RUNTIME}s each; $(nproc) CPUs"
+printf "%-30s %12s %10s %12s %10s\n" case "B p99 (us)" "vs alone" "B IOPS" "A IOPS"
+for c in "B alone" "A unlimited, no QoS" "B weight 1000, A 100" "A limited to $A_LIMIT IOPS"; do
+  printf "%-30s %12s %9.2fx %12s %10s\n" "$c" "${P99[$c]}" "$(awk -v a="${P99[$c]}" -v b="${P99[B alone]}" 'BEGIN{print a/b}')" "${IOPS[$c]}" "${AIOPS[$c]}"
+done
