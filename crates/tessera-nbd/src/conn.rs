@@ -20,6 +20,9 @@ use crate::proto::*;
 /// Requests a connection may have in flight; more wait in the socket buffer.
 pub const MAX_IN_FLIGHT: usize = 512;
 const RBUF_CAP: usize = 1 << 20;
+/// Receive size while the core is contended: about one share round of 4 KiB writes
+/// (tessera_qos::shares::ROUND_BUDGET requests with their headers).
+const RECV_CONTENDED: usize = 68 << 10;
 /// iovecs per sendmsg (the kernel's IOV_MAX is 1024).
 const MAX_IOV: usize = 1024;
 const SLOT_RECV: u32 = u32::MAX;
@@ -235,11 +238,16 @@ impl NbdConn {
                 if self.rend == RBUF_CAP {
                     return; // parse() compacts first; a full buffer means a slot is awaited
                 }
+                // While volumes compete for this core, take about one share round of
+                // requests per receive (see Gate::contended).
+                let room = RBUF_CAP - self.rend;
+                let len = if self.gate.contended() {
+                    room.min(RECV_CONTENDED)
+                } else {
+                    room
+                };
                 // SAFETY: rend < RBUF_CAP.
-                (
-                    unsafe { self.rbuf.as_mut_ptr().add(self.rend) },
-                    RBUF_CAP - self.rend,
-                )
+                (unsafe { self.rbuf.as_mut_ptr().add(self.rend) }, len)
             }
         };
         let e = opcode::Recv::new(

@@ -274,6 +274,14 @@ impl Gate {
         out.extend(self.held.drain(..).map(|h| h.slot));
     }
 
+    /// Several volumes compete for this core, or this connection has requests waiting
+    /// for a share round: the connection should take in only about a round's worth of
+    /// new requests at a time (receiving and copying a deep queue's payloads is work the
+    /// scheduler cannot split once it has been done).
+    pub fn contended(&self) -> bool {
+        !self.deferred.is_empty() || self.sched.borrow().active() > 1
+    }
+
     /// Nothing held and no wake-up pending: the connection may finish.
     pub fn is_idle(&self) -> bool {
         self.held.is_empty() && self.deferred.is_empty() && !self.timer_armed && !self.round_armed
