@@ -1,0 +1,349 @@
+//! QoS groups (tenants): several volumes share one set of limits, optionally with a
+//! stepped burst. Stored in `DATA_DIR/groups.json` (docs/format.md §7), because a group
+//! may hold volumes of several pools.
+//!
+//! Enforcement is the volumes' own machinery: a group is one more [`VolumeQos`] that every
+//! member's requests must also pass (see `tessera_qos::gate`), sharded per core and
+//! rebalanced like a volume's. The stepped burst is a control loop on a node thread
+//! ([`Groups::run_ladder`]) that raises and lowers the group's limits every tick.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tessera_pool::{Error, ErrorKind, Volume};
+use tessera_qos::{QosLimits, StepBurst, StepState, VolumeQos};
+
+/// How often the ladder looks at the groups.
+pub const LADDER_TICK: Duration = Duration::from_millis(100);
+
+/// A group as stored.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GroupConfig {
+    /// The base limits every member's requests share.
+    pub limits: QosLimits,
+    /// Stepped burst above the base, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<StepBurst>,
+    /// Member volumes, by name.
+    #[serde(default)]
+    pub members: Vec<String>,
+}
+
+struct Group {
+    cfg: GroupConfig,
+    qos: Arc<VolumeQos>,
+    ladder: Option<StepState>,
+    /// Member operation totals at the last tick, for the used fraction.
+    last_ops: u64,
+    last_bytes: u64,
+}
+
+pub struct Groups {
+    path: PathBuf,
+    groups: Mutex<BTreeMap<String, Group>>,
+}
+
+fn invalid(msg: String) -> Error {
+    Error::new(ErrorKind::InvalidInput, msg)
+}
+
+impl Groups {
+    pub fn load(data_dir: &Path) -> Result<Groups, String> {
+        let path = data_dir.join("groups.json");
+        let stored: BTreeMap<String, GroupConfig> = match std::fs::read_to_string(&path) {
+            Ok(t) => serde_json::from_str(&t).map_err(|e| format!("{}: {e}", path.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        let now = Instant::now();
+        let groups = stored
+            .into_iter()
+            .map(|(name, cfg)| {
+                let g = Group {
+                    qos: Arc::new(VolumeQos::new(cfg.limits.clone(), now)),
+                    ladder: cfg.step.as_ref().map(StepState::new),
+                    cfg,
+                    last_ops: 0,
+                    last_bytes: 0,
+                };
+                (name, g)
+            })
+            .collect();
+        Ok(Groups {
+            path,
+            groups: Mutex::new(groups),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Group>> {
+        self.groups.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn save(&self, groups: &BTreeMap<String, Group>) -> Result<(), Error> {
+        let stored: BTreeMap<&String, &GroupConfig> =
+            groups.iter().map(|(n, g)| (n, &g.cfg)).collect();
+        let text = serde_json::to_string_pretty(&stored).expect("groups serialise");
+        crate::registry::write_atomic(&self.path, text.as_bytes())
+            .map_err(|e| Error::new(ErrorKind::Io, e))
+    }
+
+    /// The group a volume belongs to, if any.
+    pub fn group_of(&self, volume: &str) -> Option<String> {
+        self.lock()
+            .iter()
+            .find(|(_, g)| g.cfg.members.iter().any(|m| m == volume))
+            .map(|(n, _)| n.clone())
+    }
+
+    /// Bind every existing member volume to its group (at start, and after a volume
+    /// with a member's name appears). `find` resolves a volume name.
+    pub fn bind_all(&self, find: impl Fn(&str) -> Option<Arc<Volume>>) {
+        for g in self.lock().values() {
+            for m in &g.cfg.members {
+                if let Some(v) = find(m) {
+                    v.qos.set_group(Some(g.qos.clone()));
+                }
+            }
+        }
+    }
+
+    /// Create a group or replace its limits and ladder (members are kept).
+    pub fn put(
+        &self,
+        name: &str,
+        limits: QosLimits,
+        step: Option<StepBurst>,
+    ) -> Result<Value, Error> {
+        if name.is_empty() || name.len() > 128 || name.contains('/') {
+            return Err(invalid(format!(
+                "group name '{name}' must be 1-128 characters without '/'"
+            )));
+        }
+        limits.validate().map_err(invalid)?;
+        if limits.has_scheduling() {
+            return Err(invalid(
+                "weight and reads_first are per volume, not per group".into(),
+            ));
+        }
+        if let Some(s) = &step {
+            s.validate().map_err(invalid)?;
+            if limits.is_unlimited() {
+                return Err(invalid(
+                    "a stepped burst needs a limit to step above".into(),
+                ));
+            }
+        }
+        let mut groups = self.lock();
+        let before = groups.get(name).map(|g| g.cfg.clone());
+        match groups.get_mut(name) {
+            Some(g) => {
+                g.cfg.limits = limits.clone();
+                g.cfg.step = step;
+                g.ladder = step.as_ref().map(StepState::new);
+                g.qos.set_limits(limits);
+            }
+            None => {
+                groups.insert(
+                    name.to_string(),
+                    Group {
+                        qos: Arc::new(VolumeQos::new(limits.clone(), Instant::now())),
+                        ladder: step.as_ref().map(StepState::new),
+                        cfg: GroupConfig {
+                            limits,
+                            step,
+                            members: Vec::new(),
+                        },
+                        last_ops: 0,
+                        last_bytes: 0,
+                    },
+                );
+            }
+        }
+        if let Err(e) = self.save(&groups) {
+            // Keep memory and disk in step: undo.
+            match before {
+                Some(cfg) => {
+                    let g = groups.get_mut(name).expect("just updated");
+                    g.qos.set_limits(cfg.limits.clone());
+                    g.ladder = cfg.step.as_ref().map(StepState::new);
+                    g.cfg = cfg;
+                }
+                None => {
+                    groups.remove(name);
+                }
+            }
+            return Err(e);
+        }
+        Ok(group_json(name, &groups[name]))
+    }
+
+    /// Delete a group; its members go back to their own limits only.
+    pub fn delete(
+        &self,
+        name: &str,
+        find: impl Fn(&str) -> Option<Arc<Volume>>,
+    ) -> Result<(), Error> {
+        let mut groups = self.lock();
+        let g = groups
+            .remove(name)
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("group '{name}' not found")))?;
+        if let Err(e) = self.save(&groups) {
+            groups.insert(name.to_string(), g);
+            return Err(e);
+        }
+        for m in &g.cfg.members {
+            if let Some(v) = find(m) {
+                v.qos.set_group(None);
+            }
+        }
+        Ok(())
+    }
+
+    /// Put `volume` in group `name` (leaving any other group).
+    pub fn add_member(&self, name: &str, volume: &Arc<Volume>) -> Result<Value, Error> {
+        let mut groups = self.lock();
+        if !groups.contains_key(name) {
+            return Err(Error::new(
+                ErrorKind::NotFound,
+                format!("group '{name}' not found"),
+            ));
+        }
+        let saved: Vec<(String, Vec<String>)> = groups
+            .iter()
+            .map(|(n, g)| (n.clone(), g.cfg.members.clone()))
+            .collect();
+        for g in groups.values_mut() {
+            g.cfg.members.retain(|m| *m != volume.name);
+        }
+        let g = groups.get_mut(name).expect("checked");
+        g.cfg.members.push(volume.name.clone());
+        g.cfg.members.sort();
+        if let Err(e) = self.save(&groups) {
+            for (n, members) in saved {
+                if let Some(g) = groups.get_mut(&n) {
+                    g.cfg.members = members;
+                }
+            }
+            return Err(e);
+        }
+        volume.qos.set_group(Some(groups[name].qos.clone()));
+        Ok(group_json(name, &groups[name]))
+    }
+
+    /// Take `volume` out of group `name`.
+    pub fn remove_member(
+        &self,
+        name: &str,
+        volume: &str,
+        v: Option<Arc<Volume>>,
+    ) -> Result<Value, Error> {
+        let mut groups = self.lock();
+        let g = groups
+            .get_mut(name)
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("group '{name}' not found")))?;
+        let Some(i) = g.cfg.members.iter().position(|m| m == volume) else {
+            return Err(Error::new(
+                ErrorKind::NotFound,
+                format!("volume '{volume}' is not a member of group '{name}'"),
+            ));
+        };
+        g.cfg.members.remove(i);
+        if let Err(e) = self.save(&groups) {
+            let g = groups.get_mut(name).expect("present");
+            g.cfg.members.insert(i, volume.to_string());
+            return Err(e);
+        }
+        if let Some(v) = v {
+            v.qos.set_group(None);
+        }
+        Ok(group_json(name, &groups[name]))
+    }
+
+    /// A volume was deleted: forget its memberships (a later volume of the same name
+    /// must not inherit them).
+    pub fn forget_volume(&self, volume: &str) {
+        let mut groups = self.lock();
+        let mut changed = false;
+        for g in groups.values_mut() {
+            let n = g.cfg.members.len();
+            g.cfg.members.retain(|m| m != volume);
+            changed |= g.cfg.members.len() != n;
+        }
+        if changed {
+            if let Err(e) = self.save(&groups) {
+                eprintln!("tessera: groups: {e}");
+            }
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Result<Value, Error> {
+        let groups = self.lock();
+        groups
+            .get(name)
+            .map(|g| group_json(name, g))
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("group '{name}' not found")))
+    }
+
+    pub fn list(&self) -> Value {
+        let groups = self.lock();
+        Value::Array(groups.iter().map(|(n, g)| group_json(n, g)).collect())
+    }
+
+    /// One ladder tick: for every group with a stepped burst, measure how much of its
+    /// base the members used since the last tick and whether the group is being held at
+    /// its limit, and step its limits up or down. `find` resolves member names.
+    pub fn ladder_tick(&self, elapsed: Duration, find: &dyn Fn(&str) -> Option<Arc<Volume>>) {
+        let now = Instant::now();
+        let mut groups = self.lock();
+        for g in groups.values_mut() {
+            let (Some(step), Some(ladder)) = (g.cfg.step, g.ladder.as_mut()) else {
+                continue;
+            };
+            let (mut ops, mut bytes) = (0u64, 0u64);
+            for m in &g.cfg.members {
+                if let Some(v) = find(m) {
+                    let s = v.stats();
+                    ops += s.reads + s.writes;
+                    bytes += s.read_bytes + s.write_bytes;
+                }
+            }
+            let (d_ops, d_bytes) = (
+                ops.saturating_sub(g.last_ops),
+                bytes.saturating_sub(g.last_bytes),
+            );
+            g.last_ops = ops;
+            g.last_bytes = bytes;
+            let secs = elapsed.as_secs_f64().max(1e-3);
+            // Used fraction of the base: the tightest of the combined limits.
+            let l = &g.cfg.limits;
+            let mut used: f64 = 0.0;
+            if let Some(i) = l.iops.or(l.write_iops).or(l.read_iops) {
+                used = used.max(d_ops as f64 / secs / i as f64);
+            }
+            if let Some(b) = l.bps.or(l.write_bps).or(l.read_bps) {
+                used = used.max(d_bytes as f64 / secs / b as f64);
+            }
+            let throttled = g.qos.throttled_now(now);
+            if let Some(level) = ladder.observe(&step, elapsed, used, throttled) {
+                g.qos.set_limits(step.scaled(&g.cfg.limits, level));
+            }
+        }
+    }
+}
+
+fn group_json(name: &str, g: &Group) -> Value {
+    let current = g.qos.limits();
+    json!({
+        "name": name,
+        "limits": g.cfg.limits,
+        "step": g.cfg.step,
+        "members": g.cfg.members,
+        "level": g.ladder.as_ref().map(|l| l.level()),
+        "credits_ms": g.ladder.as_ref().map(|l| l.credits_ms().round()),
+        "effective": current,
+    })
+}
