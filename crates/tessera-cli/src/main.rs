@@ -6,6 +6,7 @@ mod manage;
 mod nbd_perf;
 mod nvmf_cmd;
 mod nvmf_perf;
+mod perf_io;
 mod report;
 mod run;
 

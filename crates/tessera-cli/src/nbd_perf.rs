@@ -18,7 +18,6 @@
 
 use std::io::{self, Write as _};
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{channel, RecvTimeoutError};
 use std::sync::{Arc, Barrier};
@@ -29,6 +28,8 @@ use tessera_device::{format_size, parse_size};
 use tessera_io::hist::Histogram;
 use tessera_nbd::client::{nbd_error_to_io, ClientOptions, NbdClient};
 use tessera_nbd::proto;
+
+use crate::perf_io::{self, Buffers};
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
 pub enum Pattern {
@@ -80,8 +81,6 @@ const RECV_BUF: usize = 1 << 20;
 /// Largest structured error chunk accepted (a 4096-byte message plus slack, as the spec
 /// caps messages at 4096 bytes).
 const MAX_ERROR_CHUNK: usize = 64 * 1024;
-/// A connection with requests outstanding and no reply for this long is given up.
-const STALL: Duration = Duration::from_secs(10);
 const DEFAULT_PORT: u16 = 10809;
 
 /// Split `nbd://HOST[:PORT]/[EXPORT]` into `("HOST:PORT", "EXPORT")`.
@@ -172,15 +171,8 @@ struct Engine {
     inflight: usize,
     /// New requests are issued as slots complete (false once the time is up).
     issuing: bool,
-    /// Encoded requests not yet handed to the kernel: `out[out_pos..]`.
-    out: Vec<u8>,
-    out_pos: usize,
-    /// Data sent with every WRITE.
-    payload: Vec<u8>,
-    /// Received bytes not yet parsed: `inb[in_start..in_end]`.
-    inb: Vec<u8>,
-    in_start: usize,
-    in_end: usize,
+    /// Requests to send and replies received.
+    b: Buffers,
     /// Payload bytes of the current reply still to be skipped, and the slot that
     /// completes when they have been.
     skip: usize,
@@ -213,12 +205,12 @@ impl Engine {
             slots: vec![Slot::default(); qd],
             inflight: 0,
             issuing: true,
-            out: Vec::with_capacity(qd * proto::REQUEST_HEADER_LEN),
-            out_pos: 0,
-            payload,
-            inb: vec![0; RECV_BUF.max(2 * MAX_ERROR_CHUNK)],
-            in_start: 0,
-            in_end: 0,
+            b: Buffers::new(
+                payload,
+                RECV_BUF.max(4 * MAX_ERROR_CHUNK),
+                MAX_ERROR_CHUNK + proto::STRUCTURED_REPLY_LEN,
+                qd * proto::REQUEST_HEADER_LEN,
+            ),
             skip: 0,
             skip_then: None,
             hist: Histogram::default(),
@@ -256,9 +248,9 @@ impl Engine {
             offset,
             length: self.bs as u32,
         });
-        self.out.extend_from_slice(&h);
+        self.b.out.push_bytes(&h);
         if write {
-            self.out.extend_from_slice(&self.payload);
+            self.b.out.push_payload(0..self.b.payload.len());
         }
         self.slots[slot] = Slot {
             start: now,
@@ -311,25 +303,11 @@ impl Engine {
         }
     }
 
-    /// Room to receive into, after moving any partial reply to the front when the tail
-    /// is short.
-    fn recv_space(&mut self) -> &mut [u8] {
-        if self.in_start == self.in_end {
-            self.in_start = 0;
-            self.in_end = 0;
-        } else if self.inb.len() - self.in_end < MAX_ERROR_CHUNK + proto::STRUCTURED_REPLY_LEN {
-            self.inb.copy_within(self.in_start..self.in_end, 0);
-            self.in_end -= self.in_start;
-            self.in_start = 0;
-        }
-        &mut self.inb[self.in_end..]
-    }
-
     /// Parse every complete reply in the receive buffer, completing (and reissuing) their
     /// slots. Returns how many requests completed.
     fn parse(&mut self, now: u64) -> Result<u64, String> {
-        let mut p = self.in_start;
-        let end = self.in_end;
+        let mut p = self.b.in_start;
+        let end = self.b.in_end;
         let mut done = 0u64;
         let r = loop {
             if self.skip > 0 {
@@ -349,7 +327,7 @@ impl Engine {
             if avail < 4 {
                 break Ok(());
             }
-            let b = &self.inb[p..end];
+            let b = &self.b.inb[p..end];
             match be32(b) {
                 proto::SIMPLE_REPLY_MAGIC => {
                     if avail < proto::SIMPLE_REPLY_LEN {
@@ -479,158 +457,38 @@ impl Engine {
                 }
             }
         };
-        self.in_start = p;
+        self.b.in_start = p;
         r.map(|()| done)
     }
 }
 
-fn last_os_error() -> io::Error {
-    io::Error::last_os_error()
-}
+impl perf_io::Engine for Engine {
+    fn fill(&mut self, now: u64) {
+        Engine::fill(self, now)
+    }
 
-/// `send` without blocking; `Ok(0)` when the socket buffer is full.
-fn send_some(fd: RawFd, b: &[u8]) -> io::Result<usize> {
-    loop {
-        // SAFETY: b is a valid readable slice for its length.
-        let n = unsafe {
-            libc::send(
-                fd,
-                b.as_ptr().cast(),
-                b.len(),
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            )
-        };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = last_os_error();
-        match e.kind() {
-            io::ErrorKind::Interrupted => continue,
-            io::ErrorKind::WouldBlock => return Ok(0),
-            _ => return Err(e),
-        }
+    fn inflight(&self) -> usize {
+        self.inflight
+    }
+
+    fn stop_issuing(&mut self) {
+        self.issuing = false;
+    }
+
+    fn bufs(&mut self) -> &mut Buffers {
+        &mut self.b
+    }
+
+    fn parse(&mut self, now: u64) -> Result<u64, String> {
+        Engine::parse(self, now)
     }
 }
 
-/// `recv`; `Ok(None)` when nothing arrived (non-blocking, or the receive timeout hit).
-fn recv_some(fd: RawFd, b: &mut [u8], dontwait: bool) -> io::Result<Option<usize>> {
-    let flags = if dontwait { libc::MSG_DONTWAIT } else { 0 };
-    loop {
-        // SAFETY: b is a valid writable slice for its length.
-        let n = unsafe { libc::recv(fd, b.as_mut_ptr().cast(), b.len(), flags) };
-        if n >= 0 {
-            return Ok(Some(n as usize));
-        }
-        let e = last_os_error();
-        match e.kind() {
-            io::ErrorKind::Interrupted => continue,
-            io::ErrorKind::WouldBlock => return Ok(None),
-            _ => return Err(e),
-        }
-    }
-}
-
-/// Wait until the socket is readable or writable; returns `(readable, writable)`.
-fn poll_rw(fd: RawFd, timeout: Duration) -> io::Result<(bool, bool)> {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN | libc::POLLOUT,
-        revents: 0,
-    };
-    loop {
-        // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as libc::c_int) };
-        if n >= 0 {
-            let err = p.revents & (libc::POLLERR | libc::POLLHUP) != 0;
-            return Ok((
-                p.revents & libc::POLLIN != 0 || err,
-                p.revents & libc::POLLOUT != 0,
-            ));
-        }
-        let e = last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-}
-
-/// Run one connection until `deadline_ns` (ns since `epoch`), then drain it.
-fn drive(
-    e: &mut Engine,
-    stream: &TcpStream,
-    epoch: Instant,
-    deadline_ns: u64,
-    busy_poll: bool,
-    progress: &AtomicU64,
-) -> Result<(), String> {
-    let fd = stream.as_raw_fd();
-    // A blocking recv wakes up at least once a second to notice a stalled server.
-    stream
-        .set_read_timeout(Some(Duration::from_secs(1)))
-        .map_err(|err| format!("setting the receive timeout: {err}"))?;
-    let now_ns = || epoch.elapsed().as_nanos() as u64;
-    e.fill(now_ns());
-    let mut last_reply = Instant::now();
-    loop {
-        if e.out_pos < e.out.len() {
-            let n = send_some(fd, &e.out[e.out_pos..])
-                .map_err(|err| format!("sending requests: {err}"))?;
-            e.out_pos += n;
-            if e.out_pos == e.out.len() {
-                e.out.clear();
-                e.out_pos = 0;
-            }
-        }
-        if e.inflight == 0 && e.out.is_empty() {
-            return Ok(());
-        }
-        let got = if busy_poll {
-            recv_some(fd, e.recv_space(), true)
-        } else if e.out.is_empty() {
-            recv_some(fd, e.recv_space(), false)
-        } else {
-            // Part of the batch is still queued: wait for either direction, so a server
-            // that stops reading until we take its replies cannot deadlock us.
-            match poll_rw(fd, Duration::from_secs(1)) {
-                Ok((true, _)) => recv_some(fd, e.recv_space(), true),
-                Ok((false, true)) => continue,
-                Ok((false, false)) => Ok(None),
-                Err(err) => Err(err),
-            }
-        }
-        .map_err(|err| format!("receiving replies: {err}"))?;
-        match got {
-            None => {
-                if last_reply.elapsed() >= STALL {
-                    return Err(format!(
-                        "no reply for {} s with {} requests outstanding; giving up on \
-                         this connection",
-                        STALL.as_secs(),
-                        e.inflight
-                    ));
-                }
-            }
-            Some(0) => {
-                return Err(format!(
-                    "the server closed the connection with {} requests outstanding",
-                    e.inflight
-                ))
-            }
-            Some(n) => {
-                e.in_end += n;
-                let now = now_ns();
-                if now >= deadline_ns {
-                    e.issuing = false;
-                }
-                let done = e.parse(now)?;
-                if done > 0 {
-                    last_reply = Instant::now();
-                    progress.fetch_add(done, Relaxed);
-                }
-            }
-        }
-    }
-}
+const WORDS: perf_io::Words = perf_io::Words {
+    requests: "requests",
+    peer: "server",
+    conn: "connection",
+};
 
 /// A connected, negotiated socket.
 struct Conn {
@@ -814,13 +672,14 @@ pub fn run(a: NbdPerfArgs) -> Result<(), String> {
                 let mut e = Engine::new(pattern, rwmix, bs, blocks, qd, c.structured, seed);
                 barrier.wait();
                 let epoch = Instant::now();
-                let r = drive(
+                let r = perf_io::drive(
                     &mut e,
                     &c.stream,
                     epoch,
                     duration.as_nanos() as u64,
                     busy_poll,
                     &progress,
+                    &WORDS,
                 );
                 let wall = epoch.elapsed();
                 if r.is_ok() {
@@ -989,9 +848,9 @@ mod tests {
     fn feed(e: &mut Engine, bytes: &[u8], step: usize) -> Result<u64, String> {
         let mut done = 0;
         for piece in bytes.chunks(step) {
-            let space = e.recv_space();
+            let space = e.b.recv_space();
             space[..piece.len()].copy_from_slice(piece);
-            e.in_end += piece.len();
+            e.b.in_end += piece.len();
             done += e.parse(1000)?;
         }
         Ok(done)
@@ -1002,7 +861,7 @@ mod tests {
         for step in [1, 3, 7, 20, 64, 4096, 1 << 20] {
             let mut e = Engine::new(Pattern::Randread, 70, 512, 100, 4, true, 1);
             e.fill(0);
-            assert_eq!(e.out.len(), 4 * proto::REQUEST_HEADER_LEN);
+            assert_eq!(e.b.out.len(), 4 * proto::REQUEST_HEADER_LEN);
             e.issuing = false;
             let mut r = Vec::new();
             // Slot 2: two data chunks then DONE. Slot 0: hole + data. Slot 1: error.
@@ -1057,7 +916,7 @@ mod tests {
     fn simple_replies_and_reissue() {
         let mut e = Engine::new(Pattern::Randrw, 50, 4096, 1000, 8, false, 7);
         e.fill(0);
-        let first = e.out.len();
+        let first = e.b.out.len();
         let mut r = Vec::new();
         for slot in 0..8u64 {
             let mut h = [0u8; proto::SIMPLE_REPLY_LEN];
@@ -1070,7 +929,7 @@ mod tests {
         assert_eq!(feed(&mut e, &r, 1000), Ok(8));
         // Every completion was reissued.
         assert_eq!(e.inflight, 8);
-        assert!(e.out.len() > first);
+        assert!(e.b.out.len() > first);
         // A reply to a slot that is not outstanding is fatal.
         let mut e = Engine::new(Pattern::Randread, 70, 4096, 1000, 2, false, 7);
         let mut h = [0u8; proto::SIMPLE_REPLY_LEN];
@@ -1083,9 +942,14 @@ mod tests {
         let mut e = Engine::new(Pattern::Randwrite, 70, 4096, 10, 64, true, 3);
         e.fill(0);
         let stride = proto::REQUEST_HEADER_LEN + 4096;
-        assert_eq!(e.out.len(), 64 * stride);
+        assert_eq!(e.b.out.len(), 64 * stride);
+        let out = e.b.out.to_vec(&e.b.payload);
         for i in 0..64 {
-            let h = proto::parse_request(&e.out[i * stride..]).unwrap().unwrap();
+            assert_eq!(
+                &out[i * stride + proto::REQUEST_HEADER_LEN..][..4096],
+                &e.b.payload[..]
+            );
+            let h = proto::parse_request(&out[i * stride..]).unwrap().unwrap();
             assert_eq!(
                 (h.cmd, h.cookie, h.length),
                 (proto::CMD_WRITE, i as u64, 4096)
