@@ -405,6 +405,13 @@ impl NvmfQueue {
                 }
             }
         }
+        // The buffer may move only while no receive is posted into it: a posted receive
+        // writes at the offset it was given, so resetting or compacting under it (parse
+        // also runs from on_send, to resume after slots were freed) would drop what it
+        // brings and parse stale commands in its place. on_recv compacts instead.
+        if self.recv_posted {
+            return;
+        }
         if self.rstart == self.rend {
             self.rstart = 0;
             self.rend = 0;
