@@ -2,6 +2,7 @@
 # NVMe/TCP vs Tessera's own NBD export, one node, one run: 4 KiB randread and randwrite at
 # QD128 and QD1 through `tessera nvmf perf` and `tessera nbd-perf`, then the ratios.
 # Usage: bench/nvmf.sh [SECONDS]   (default 10; the node is stopped at the end)
+# Each run is bounded by `timeout`; a failed run stops the script with its output.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-10}
@@ -14,15 +15,25 @@ $T up --data-dir "$DIR/data" --nbd $NBD --nvmf $NVMF --nvmf-discovery $DISC >"$D
 NODE=$!
 trap 'kill $NODE 2>/dev/null; wait $NODE 2>/dev/null; rm -rf "$DIR"' EXIT
 for _ in $(seq 100); do grep -q "NVMe/TCP: nvme+tcp" "$DIR/node.log" && break; sleep 0.1; done
+grep -q "NVMe/TCP: nvme+tcp" "$DIR/node.log" || { echo "the node did not start:" >&2; cat "$DIR/node.log" >&2; exit 1; }
 echo "load before the run: $(cut -d' ' -f1-3 /proc/loadavg)"
+# run NAME CMD...: run one measurement (bounded in time), print "IOPS MEAN_US" from its
+# RESULT line; a failure prints its output and the node's log and stops the script.
+run() {
+  local name=$1; shift
+  if ! timeout $((SECS + 60)) "$@" >"$DIR/$name.out" 2>&1 || ! grep -q '^RESULT' "$DIR/$name.out"; then
+    { echo "$name failed:"; cat "$DIR/$name.out"; echo "node log:"; tail -20 "$DIR/node.log"; } >&2
+    return 1
+  fi
+  grep '^RESULT' "$DIR/$name.out" | sed 's/.*iops=\([0-9]*\).*mean_us=\([0-9.]*\).*/\1 \2/'
+}
 # Fill the range used so reads hit allocated space on both protocols.
-$T nvmf perf --addr $NVMF --nqn $NQN --pattern randwrite --qd 128 --size 1G --time 3 >/dev/null 2>&1
-iops() { grep '^RESULT' | sed 's/.*iops=\([0-9]*\).*mean_us=\([0-9.]*\).*/\1 \2/'; }
+run fill $T nvmf perf --addr $NVMF --nqn $NQN --pattern randwrite --qd 128 --size 1G --time 3 >/dev/null
 declare -A R
 for pat in randread randwrite; do
   for qd in 128 1; do
-    R[nvmf-$pat-$qd]=$($T nvmf perf --addr $NVMF --nqn $NQN --pattern $pat --qd $qd --size 1G --time "$SECS" 2>/dev/null | iops)
-    R[nbd-$pat-$qd]=$($T nbd-perf --uri nbd://$NBD/vol0 --pattern $pat --qd $qd --size 1G --time "$SECS" 2>/dev/null | iops)
+    R[nvmf-$pat-$qd]=$(run nvmf-$pat-$qd $T nvmf perf --addr $NVMF --nqn $NQN --pattern $pat --qd $qd --size 1G --time "$SECS")
+    R[nbd-$pat-$qd]=$(run nbd-$pat-$qd $T nbd-perf --uri nbd://$NBD/vol0 --pattern $pat --qd $qd --size 1G --time "$SECS")
   done
 done
 printf '%-10s %4s %12s %10s %12s %10s %7s\n' pattern qd nvmf-iops nvmf-us nbd-iops nbd-us ratio
