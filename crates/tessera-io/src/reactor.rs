@@ -290,11 +290,15 @@ impl Reactor {
             if self.io.has_ready() {
                 continue;
             }
-            if !self.cfg.busy_poll
-                && next_timer.is_none()
-                && !self.cfg.poll_window.is_zero()
-                && self.poll_briefly()
-            {
+            // Poll briefly before sleeping (hybrid polling). A pending timer (a keep-alive
+            // tick, a QoS retry) only shortens the poll: it used to cancel it, which cost
+            // every NVMe/TCP queue (its keep-alive tick is always armed) a wakeup per
+            // request at queue depth 1.
+            let window = next_timer.map_or(self.cfg.poll_window, |d| d.min(self.cfg.poll_window));
+            // The connections' queue-depth hint is not consulted: gating the poll on it made
+            // QD1 NBD 22 -> 64 us (measured); it is cleared per batch.
+            self.io.poll_hint = false;
+            if !self.cfg.busy_poll && !window.is_zero() && self.poll_briefly(window) {
                 self.io.tick();
                 self.io.reap(&mut |ud, _res| {
                     if ud == MAILBOX_UD {
@@ -348,8 +352,8 @@ impl Reactor {
 impl Reactor {
     /// Poll the ring without sleeping for up to the poll window. True if completions
     /// arrived (they are left in the CQ for the caller to reap).
-    fn poll_briefly(&mut self) -> bool {
-        let until = std::time::Instant::now() + self.cfg.poll_window;
+    fn poll_briefly(&mut self, window: Duration) -> bool {
+        let until = std::time::Instant::now() + window;
         loop {
             let pending = self.io.ring.submission().len() as u32;
             // GETEVENTS with min_complete 0 runs deferred task work without sleeping.
