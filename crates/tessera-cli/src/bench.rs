@@ -39,9 +39,15 @@ pub struct BenchArgs {
     /// What to drive: the device itself, a pool over the devices, or a thin volume on it.
     #[arg(long, value_enum, default_value = "device")]
     target: Target,
-    /// Pool layout: concat or raid0.
+    /// Pool layout: concat, raid0, raid1 or raid10.
     #[arg(long, default_value = "concat")]
     layout: String,
+    /// Mirrors: copies (raid1: the number of devices; raid10: default 2).
+    #[arg(long)]
+    copies: Option<u32>,
+    /// Mirrors: mark this device (index) failed after the prefill, to measure degraded I/O.
+    #[arg(long)]
+    fail_device: Option<usize>,
     #[arg(long, default_value = "64K")]
     stripe_size: String,
     #[arg(long, default_value = "1M")]
@@ -212,6 +218,7 @@ struct Subject {
     len: u64,
     describe: String,
     _keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+    pool: Option<Arc<Pool>>,
 }
 
 fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
@@ -236,13 +243,25 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
             len,
             describe,
             _keep: vec![],
+            pool: None,
         });
     }
     let stripe = parse_size(&a.stripe_size).map_err(|e| e.to_string())?;
     let layout = match a.layout.as_str() {
         "concat" => LayoutKind::Concat,
         "raid0" => LayoutKind::Raid0 { stripe },
-        l => return Err(format!("unknown layout '{l}' (concat, raid0)")),
+        "raid1" => LayoutKind::Raid1 {
+            copies: a.copies.unwrap_or(devs.len() as u32),
+        },
+        "raid10" => LayoutKind::Raid10 {
+            copies: a.copies.unwrap_or(2),
+            stripe,
+        },
+        l => {
+            return Err(format!(
+                "unknown layout '{l}' (concat, raid0, raid1, raid10)"
+            ))
+        }
     };
     let unit_size = parse_size(&a.unit_size).map_err(|e| e.to_string())?;
     let pool = Arc::new(
@@ -272,7 +291,8 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
             base: st.metadata,
             len: st.capacity,
             describe,
-            _keep: vec![pool],
+            _keep: vec![],
+            pool: Some(pool),
         });
     }
     let vol: Arc<Volume> = pool
@@ -284,7 +304,8 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
         base: 0,
         len: st.capacity,
         describe: format!("thin volume on {describe}"),
-        _keep: vec![pool, vol],
+        _keep: vec![vol],
+        pool: Some(pool),
     })
 }
 
@@ -352,6 +373,18 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
     }
     if !a.no_prefill {
         prefill(&subject)?;
+    }
+    if let Some(d) = a.fail_device {
+        let l = &subject
+            .pool
+            .as_ref()
+            .ok_or("--fail-device needs --target pool or volume")?
+            .core
+            .layout;
+        if !l.kind.is_mirror() || d >= l.devices.len() {
+            return Err("--fail-device takes a device index of a raid1/raid10 pool".into());
+        }
+        l.mark_failed(d, tessera_pool::layout::FAIL_GONE);
     }
     let cfg = ReactorConfig {
         cores: a.cores,

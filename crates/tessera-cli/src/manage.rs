@@ -118,9 +118,25 @@ fn print_pools(v: &Value) {
         "DEVICES".into(),
     ]];
     for p in v.as_array().into_iter().flatten() {
-        let devs = p["devices"]
+        let devs = p["device_states"]
             .as_array()
-            .map(|d| d.iter().map(s).collect::<Vec<_>>().join(","))
+            .map(|d| {
+                d.iter()
+                    .map(|x| {
+                        if x["state"] == "failed" {
+                            format!("{}(FAILED: {})", s(&x["device"]), s(&x["reason"]))
+                        } else {
+                            s(&x["device"])
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .or_else(|| {
+                p["devices"]
+                    .as_array()
+                    .map(|d| d.iter().map(s).collect::<Vec<_>>().join(","))
+            })
             .unwrap_or_else(|| s(&p["error"]));
         rows.push(vec![
             s(&p["name"]),
@@ -210,10 +226,13 @@ pub enum PoolCmd {
         name: String,
         #[arg(required = true)]
         devices: Vec<String>,
-        /// concat or raid0.
+        /// concat, raid0, raid1 (n-way mirror) or raid10 (striped mirror sets).
         #[arg(long, default_value = "concat")]
         layout: String,
-        /// Stripe size for raid0 (power of two, 4K..16M).
+        /// Mirrors: copies of each block (raid1: the number of devices; raid10: default 2).
+        #[arg(long)]
+        copies: Option<u32>,
+        /// Stripe size for raid0/raid10 (power of two, 4K..16M).
         #[arg(long)]
         stripe_size: Option<String>,
         /// Thin allocation unit (power of two, 64K..1G; default 1M).
@@ -275,6 +294,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
             name,
             devices,
             layout,
+            copies,
             stripe_size,
             unit_size,
             force,
@@ -284,7 +304,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
                 "POST",
                 "/v1/pools",
                 Some(
-                    json!({"name": name, "devices": devices, "layout": layout, "stripe_size": stripe_size, "unit_size": unit_size, "force": force}),
+                    json!({"name": name, "devices": devices, "layout": layout, "copies": copies, "stripe_size": stripe_size, "unit_size": unit_size, "force": force}),
                 ),
             )?;
             show(&Value::Array(vec![v]), raw, print_pools);

@@ -67,6 +67,15 @@ struct Join {
     remaining: u32,
     result: i32,
     delay: Duration,
+    /// Set by [`CoreIo::hooked`]: on an error, the hook decides how `parent` completes.
+    hook: Option<(u32, IoOp, u64)>,
+}
+
+/// Error handler for a [`CoreIo::hooked`] operation: it is called (instead of passing the
+/// error on) with the failed operation and the caller's context, and must complete
+/// `parent` exactly once. Used by mirrored layouts to fail over to another copy.
+pub trait ErrorHook {
+    fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32);
 }
 
 /// Everything a core's datapath needs: its io_uring, its ready queue of synchronous
@@ -96,6 +105,7 @@ pub struct CoreIo {
     round: u64,
     /// Tags to complete in the next round, after the ring has been polled.
     deferred: Vec<Tag>,
+    hooks: Vec<std::rc::Rc<dyn ErrorHook>>,
 }
 
 impl CoreIo {
@@ -130,6 +140,7 @@ impl CoreIo {
             locals: std::collections::HashMap::new(),
             round: 0,
             deferred: Vec::new(),
+            hooks: Vec::new(),
         })
     }
 
@@ -209,8 +220,14 @@ impl CoreIo {
             if j.remaining > 0 {
                 return;
             }
-            let (parent, result, delay) = (j.parent, j.result, j.delay);
+            let (parent, result, delay, hook) = (j.parent, j.result, j.delay, j.hook);
             self.free_joins.push(idx as u32);
+            if let Some((h, op, ctx)) = hook {
+                if result < 0 {
+                    let h = self.hooks[h as usize].clone();
+                    return h.on_error(self, parent, op, ctx, result);
+                }
+            }
             if !delay.is_zero() {
                 self.complete_after(delay, parent, result);
                 return;
@@ -227,6 +244,7 @@ impl CoreIo {
             remaining: parts,
             result: 0,
             delay,
+            hook: None,
         };
         let idx = match self.free_joins.pop() {
             Some(i) => {
@@ -246,6 +264,20 @@ impl CoreIo {
     pub fn join(&mut self, parent: Tag, parts: u32) -> Tag {
         debug_assert!(parts > 0);
         self.new_join(parent, parts, Duration::ZERO)
+    }
+
+    /// Register an error hook on this core; the returned id is for [`CoreIo::hooked`].
+    pub fn register_hook(&mut self, hook: std::rc::Rc<dyn ErrorHook>) -> u32 {
+        self.hooks.push(hook);
+        (self.hooks.len() - 1) as u32
+    }
+
+    /// A child tag for one operation `op`: success passes on to `parent`, an error goes to
+    /// hook `hook` (with `op` and `ctx`) instead, which then completes `parent`.
+    pub fn hooked(&mut self, parent: Tag, hook: u32, op: IoOp, ctx: u64) -> Tag {
+        let t = self.new_join(parent, 1, Duration::ZERO);
+        self.joins[(t & 0xffff_ffff) as usize].hook = Some((hook, op, ctx));
+        t
     }
 
     /// A child tag whose completion is passed on to `parent` after `delay` (fault injection).

@@ -90,7 +90,10 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
                             .ok_or_else(|| Error::invalid("device specs must be strings"))
                     })
                     .collect::<Result<_, _>>()?;
-                let layout = opt_str(&body, "layout").unwrap_or_else(|| "concat".into());
+                let mut layout = opt_str(&body, "layout").unwrap_or_else(|| "concat".into());
+                if let Some(c) = body.get("copies").and_then(Value::as_u64) {
+                    layout = format!("{layout}:{c}");
+                }
                 let force = body.get("force").and_then(Value::as_bool).unwrap_or(false);
                 node.create_pool(
                     &name,

@@ -119,7 +119,7 @@ impl Node {
                 "tessera: pool '{}' is on volatile devices; recreated empty",
                 e.name
             );
-            let layout = layout_kind(&e.layout, e.stripe_size)?;
+            let layout = layout_kind(&e.layout, e.stripe_size, devs.len())?;
             return Pool::create(
                 &e.name,
                 devs,
@@ -257,7 +257,7 @@ impl Node {
             Some(u) => size_arg("unit size", u)?,
             None => DEFAULT_UNIT_SIZE,
         };
-        let kind = layout_kind(layout, stripe)?;
+        let kind = layout_kind(layout, stripe, devices.len())?;
         let mut seen = std::collections::HashSet::new();
         for d in devices {
             if let Ok(DeviceSpec::File { path, .. }) = DeviceSpec::parse(d) {
@@ -300,7 +300,7 @@ impl Node {
             uuid: st.uuid.clone(),
             // Record plain paths: a file is created once, with its size, and never again.
             devices: devices.iter().map(|d| canonical_spec(d)).collect(),
-            layout: kind.name().to_string(),
+            layout: layout_spec(&kind),
             stripe_size: st.stripe_size,
             unit_size,
         };
@@ -680,13 +680,41 @@ impl ExportCatalog for Node {
     }
 }
 
-fn layout_kind(layout: &str, stripe: u64) -> Result<LayoutKind> {
-    match layout {
-        "concat" => Ok(LayoutKind::Concat),
-        "raid0" => Ok(LayoutKind::Raid0 { stripe }),
-        other => Err(Error::invalid(format!(
-            "unknown layout '{other}' (this node supports concat and raid0)"
+/// `layout` is a name, for mirrors optionally with `:COPIES` (raid1 defaults to one copy
+/// per device, raid10 to 2 copies).
+fn layout_kind(layout: &str, stripe: u64, ndev: usize) -> Result<LayoutKind> {
+    let (name, copies) = match layout.split_once(':') {
+        Some((n, c)) => (
+            n,
+            Some(
+                c.parse::<u32>()
+                    .map_err(|_| Error::invalid(format!("bad copies count '{c}'")))?,
+            ),
+        ),
+        None => (layout, None),
+    };
+    match (name, copies) {
+        ("concat", None) => Ok(LayoutKind::Concat),
+        ("raid0", None) => Ok(LayoutKind::Raid0 { stripe }),
+        ("raid1", c) => Ok(LayoutKind::Raid1 {
+            copies: c.unwrap_or(ndev as u32),
+        }),
+        ("raid10", c) => Ok(LayoutKind::Raid10 {
+            copies: c.unwrap_or(2),
+            stripe,
+        }),
+        (other, _) => Err(Error::invalid(format!(
+            "unknown layout '{other}' (this node supports concat, raid0, raid1 and raid10; copies only for raid1/raid10)"
         ))),
+    }
+}
+
+/// How the registry records a layout: mirrors with their copies.
+fn layout_spec(kind: &LayoutKind) -> String {
+    if kind.is_mirror() {
+        format!("{}:{}", kind.name(), kind.copies())
+    } else {
+        kind.name().to_string()
     }
 }
 
@@ -721,7 +749,11 @@ fn canonical_spec(s: &str) -> String {
 pub fn pool_json(p: &Pool) -> Value {
     let s = p.status();
     json!({
-        "name": s.name, "state": "online", "uuid": s.uuid, "layout": s.layout, "stripe_size": s.stripe_size,
+        "name": s.name, "state": s.state, "uuid": s.uuid, "layout": s.layout, "stripe_size": s.stripe_size,
+        "copies": s.copies,
+        "device_states": s.devices.iter().zip(&s.device_states).map(|(d, (st, why))| {
+            if why.is_empty() { json!({"device": d, "state": st}) } else { json!({"device": d, "state": st, "reason": why}) }
+        }).collect::<Vec<_>>(),
         "devices": s.devices, "unit_size": s.unit_size, "capacity": s.capacity, "allocated": s.allocated,
         "free": s.free, "metadata": s.metadata, "volumes": s.volumes, "volatile": s.volatile,
         "capacity_human": format_size(s.capacity),

@@ -114,6 +114,8 @@ fn crc_ok(block: &[u8]) -> bool {
 pub enum LayoutCode {
     Concat = 1,
     Raid0 = 2,
+    Raid1 = 3,
+    Raid10 = 4,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -126,6 +128,13 @@ pub struct Label {
     pub data_len: u64,
     pub unit_size: u64,
     pub pool_name: String,
+    /// Mirrors: copies of each block (0 in labels of concat/raid0 pools).
+    pub copies: u32,
+    /// Device state: the labels with the highest generation tell which devices failed.
+    pub state_gen: u64,
+    pub failed: u64,
+    /// Per device (index < 64): why it failed (`layout::FAIL_*`).
+    pub fail_reason: [u8; 64],
 }
 
 impl Label {
@@ -139,13 +148,17 @@ impl Label {
         w.u32(self.index);
         w.u32(self.count);
         w.u32(self.layout as u32);
-        w.u32(0);
+        w.u32(self.copies);
         w.u64(self.stripe);
         w.u64(DEV_DATA_START);
         w.u64(self.data_len);
         w.u64(self.unit_size);
         let name = self.pool_name.as_bytes();
         w.put(&name[..name.len().min(64)]);
+        w.at = 144;
+        w.u64(self.state_gen);
+        w.u64(self.failed);
+        w.put(&self.fail_reason);
         seal(&mut b);
         b
     }
@@ -170,13 +183,15 @@ impl Label {
         let layout = match r.u32()? {
             1 => LayoutCode::Concat,
             2 => LayoutCode::Raid0,
+            3 => LayoutCode::Raid1,
+            4 => LayoutCode::Raid10,
             n => {
                 return Err(Error::corrupt(format!(
                     "device label names unknown layout {n}"
                 )))
             }
         };
-        r.u32()?;
+        let copies = r.u32()?;
         let stripe = r.u64()?;
         let _data_start = r.u64()?;
         let data_len = r.u64()?;
@@ -184,7 +199,15 @@ impl Label {
         let name = &b[80..144];
         let end = name.iter().position(|&c| c == 0).unwrap_or(64);
         let pool_name = String::from_utf8_lossy(&name[..end]).into_owned();
+        let mut r = R::new(&b[144..]);
+        let state_gen = r.u64()?;
+        let failed = r.u64()?;
+        let fail_reason: [u8; 64] = b[160..224].try_into().expect("64 bytes");
         Ok(Some(Label {
+            copies,
+            state_gen,
+            failed,
+            fail_reason,
             uuid,
             index,
             count,
@@ -550,8 +573,21 @@ mod tests {
             data_len: 1 << 30,
             unit_size: 1 << 20,
             pool_name: "p".into(),
+            copies: 0,
+            state_gen: 0,
+            failed: 0,
+            fail_reason: [0; 64],
         };
         let mut b = l.encode();
+        // Old labels (reserved bytes zero) decode as "no device failed".
+        assert_eq!(&b[144..224], &[0u8; 80][..]);
+        let mut m = l.clone();
+        m.layout = LayoutCode::Raid10;
+        m.copies = 2;
+        m.state_gen = 3;
+        m.failed = 0b100;
+        m.fail_reason[2] = 2;
+        assert_eq!(Label::decode(&m.encode()).unwrap(), Some(m));
         assert_eq!(Label::decode(&b).unwrap(), Some(l));
         b[100] ^= 1;
         assert!(Label::decode(&b).is_err());

@@ -5,10 +5,12 @@
 //! that spans several devices is split, and the pieces share one join on the core.
 
 use std::io;
-use std::sync::Arc;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
 
 use tessera_device::BlockDevice;
-use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
+use tessera_io::{CoreIo, ErrorHook, IoHandle, IoOp, Tag};
 
 use crate::format::DEV_DATA_START;
 
@@ -19,6 +21,15 @@ pub enum LayoutKind {
     Raid0 {
         stripe: u64,
     },
+    /// Every device holds a full copy (`copies` = number of devices).
+    Raid1 {
+        copies: u32,
+    },
+    /// Devices form mirror sets of `copies` consecutive devices; stripes rotate over sets.
+    Raid10 {
+        copies: u32,
+        stripe: u64,
+    },
 }
 
 impl LayoutKind {
@@ -26,7 +37,55 @@ impl LayoutKind {
         match self {
             LayoutKind::Concat => "concat",
             LayoutKind::Raid0 { .. } => "raid0",
+            LayoutKind::Raid1 { .. } => "raid1",
+            LayoutKind::Raid10 { .. } => "raid10",
         }
+    }
+
+    /// Copies of each block (1 for concat and raid0).
+    pub fn copies(&self) -> u32 {
+        match *self {
+            LayoutKind::Raid1 { copies } | LayoutKind::Raid10 { copies, .. } => copies,
+            _ => 1,
+        }
+    }
+
+    pub fn stripe(&self) -> u64 {
+        match *self {
+            LayoutKind::Raid0 { stripe } | LayoutKind::Raid10 { stripe, .. } => stripe,
+            _ => 0,
+        }
+    }
+
+    pub fn is_mirror(&self) -> bool {
+        self.copies() > 1
+    }
+}
+
+/// Why a device was marked failed (stored in the labels, see docs/format.md).
+pub const FAIL_NONE: u8 = 0;
+pub const FAIL_READ: u8 = 1;
+pub const FAIL_WRITE: u8 = 2;
+pub const FAIL_GONE: u8 = 3;
+pub const FAIL_MISSING: u8 = 4;
+
+pub fn fail_reason_name(r: u8) -> &'static str {
+    match r {
+        FAIL_READ => "read error",
+        FAIL_WRITE => "write error",
+        FAIL_GONE => "device disappeared",
+        FAIL_MISSING => "missing at open (or failed before the restart)",
+        _ => "",
+    }
+}
+
+fn reason_of(op: &IoOp, res: i32) -> u8 {
+    if res == -libc::ENODEV {
+        FAIL_GONE
+    } else if matches!(op, IoOp::Read { .. }) {
+        FAIL_READ
+    } else {
+        FAIL_WRITE
     }
 }
 
@@ -40,6 +99,16 @@ pub struct Layout {
     /// Raid0: log2(stripe).
     stripe_shift: u32,
     pub size: u64,
+    /// Mirrors: copies per set and number of sets (1 and n otherwise... see `new`).
+    copies: u32,
+    sets: u64,
+    /// Bit d set: device d is failed and is neither read nor written. Read per request,
+    /// set with `fetch_or` on an error; persisted by the pool's commit thread.
+    pub failed: AtomicU64,
+    /// Failure bits already recorded durably in the labels.
+    pub failed_durable: AtomicU64,
+    /// Per device: why it failed (`FAIL_*`).
+    pub fail_reason: Vec<AtomicU8>,
 }
 
 /// A contiguous piece of a logical range on one device.
@@ -62,6 +131,9 @@ impl Layout {
             .iter()
             .map(|d| d.size().saturating_sub(DEV_DATA_START) & !4095)
             .collect();
+        if devices.len() > 64 {
+            return Err("a pool has at most 64 devices".into());
+        }
         if let Some(i) = usable.iter().position(|&u| u == 0) {
             return Err(format!(
                 "device {} is too small (a device needs more than 1 MiB)",
@@ -95,7 +167,50 @@ impl Layout {
                     per * devices.len() as u64,
                 )
             }
+            LayoutKind::Raid1 { copies } => {
+                if copies < 2 || copies as usize != devices.len() {
+                    return Err(format!(
+                        "raid1 keeps one copy per device: copies ({copies}) must equal the number of devices ({}), at least 2",
+                        devices.len()
+                    ));
+                }
+                let per = usable.iter().min().copied().unwrap_or(0);
+                (vec![per; devices.len()], Vec::new(), 63, per)
+            }
+            LayoutKind::Raid10 { copies, stripe } => {
+                if !stripe.is_power_of_two() || !(4096..=(16 << 20)).contains(&stripe) {
+                    return Err(format!(
+                        "stripe size {stripe} must be a power of two between 4K and 16M"
+                    ));
+                }
+                let n = devices.len();
+                if copies < 2 || !n.is_multiple_of(copies as usize) || n < 2 * copies as usize {
+                    return Err(format!(
+                        "raid10 with {copies} copies needs a multiple of {copies} devices, at least {} (got {n})",
+                        2 * copies.max(2)
+                    ));
+                }
+                let per = usable.iter().min().copied().unwrap_or(0) & !(stripe - 1);
+                if per == 0 {
+                    return Err("devices are smaller than one stripe".into());
+                }
+                let sets = (n / copies as usize) as u64;
+                (
+                    vec![per; n],
+                    Vec::new(),
+                    stripe.trailing_zeros(),
+                    per * sets,
+                )
+            }
         };
+        let (copies, sets) = match kind {
+            LayoutKind::Raid1 { copies } => (copies, 1),
+            LayoutKind::Raid10 { copies, .. } => (copies, (devices.len() / copies as usize) as u64),
+            _ => (1, devices.len() as u64),
+        };
+        let fail_reason = (0..devices.len())
+            .map(|_| AtomicU8::new(FAIL_NONE))
+            .collect();
         Ok(Layout {
             kind,
             devices,
@@ -103,6 +218,11 @@ impl Layout {
             starts,
             stripe_shift,
             size,
+            copies,
+            sets,
+            failed: AtomicU64::new(0),
+            failed_durable: AtomicU64::new(0),
+            fail_reason,
         })
     }
 
@@ -110,9 +230,10 @@ impl Layout {
     #[inline]
     pub fn piece_count(&self, offset: u64, len: u64) -> u64 {
         match self.kind {
-            LayoutKind::Raid0 { .. } => {
+            LayoutKind::Raid0 { .. } | LayoutKind::Raid10 { .. } => {
                 ((offset + len - 1) >> self.stripe_shift) - (offset >> self.stripe_shift) + 1
             }
+            LayoutKind::Raid1 { .. } => 1,
             LayoutKind::Concat => {
                 let first = self.concat_dev(offset);
                 let last = self.concat_dev(offset + len - 1);
@@ -127,10 +248,29 @@ impl Layout {
         self.starts.iter().rposition(|&s| s <= offset).unwrap_or(0)
     }
 
-    /// The first piece of `[offset, offset+len)`.
+    /// The first piece of `[offset, offset+len)`. For mirrors, `dev` is the first device
+    /// of the mirror set; every copy lives at the same `dev_offset` on its device.
     #[inline]
     pub fn piece(&self, offset: u64, len: u64) -> Piece {
         match self.kind {
+            LayoutKind::Raid10 { .. } => {
+                let shift = self.stripe_shift;
+                let stripe = 1u64 << shift;
+                let s = offset >> shift;
+                let within = offset & (stripe - 1);
+                Piece {
+                    dev: ((s % self.sets) * self.copies as u64) as usize,
+                    dev_offset: DEV_DATA_START + ((s / self.sets) << shift) + within,
+                    len: len.min(stripe - within),
+                    range_offset: 0,
+                }
+            }
+            LayoutKind::Raid1 { .. } => Piece {
+                dev: 0,
+                dev_offset: DEV_DATA_START + offset,
+                len,
+                range_offset: 0,
+            },
             LayoutKind::Raid0 { .. } => {
                 let shift = self.stripe_shift;
                 let stripe = 1u64 << shift;
@@ -181,11 +321,106 @@ impl Layout {
         }
     }
 
+    /// Mark device `d` failed for `reason` (first reason wins). Lock free.
+    pub fn mark_failed(&self, d: usize, reason: u8) {
+        let bit = 1u64 << d;
+        if self.failed.fetch_or(bit, Relaxed) & bit == 0 {
+            self.fail_reason[d].store(reason, Relaxed);
+            eprintln!(
+                "tessera: device {} marked failed: {}",
+                self.devices[d].describe(),
+                fail_reason_name(reason)
+            );
+        }
+    }
+
+    #[inline]
+    pub fn is_failed(&self, d: usize) -> bool {
+        self.failed.load(Relaxed) & (1 << d) != 0
+    }
+
+    /// Devices of the mirror set starting at `first` (all devices: one set per device
+    /// for concat/raid0).
+    #[inline]
+    fn set_of(&self, first: usize) -> std::ops::Range<usize> {
+        first..first + self.copies as usize
+    }
+
+    /// True when some mirror set (or, without mirrors, some device) has no healthy copy.
+    pub fn has_lost_data(&self) -> bool {
+        let f = self.failed.load(Relaxed);
+        (0..self.devices.len())
+            .step_by(self.copies as usize)
+            .any(|s| self.set_of(s).all(|d| f & (1 << d) != 0))
+    }
+
+    /// Run `io` on every healthy copy of a piece: the call succeeds when at least one
+    /// copy did; a copy that fails is marked failed.
+    fn each_copy(
+        &self,
+        p: &Piece,
+        what: u8,
+        mut io: impl FnMut(&Arc<dyn BlockDevice>) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let mut last = None;
+        let mut ok = false;
+        for d in self.set_of(p.dev) {
+            if self.is_failed(d) {
+                continue;
+            }
+            match io(&self.devices[d]) {
+                Ok(()) => ok = true,
+                Err(e) => {
+                    if self.copies > 1 {
+                        let r = if e.raw_os_error() == Some(libc::ENODEV) {
+                            FAIL_GONE
+                        } else {
+                            what
+                        };
+                        self.mark_failed(d, r);
+                    }
+                    last = Some(e);
+                }
+            }
+        }
+        match (ok, last) {
+            (true, _) => Ok(()),
+            (false, Some(e)) => Err(e),
+            (false, None) => Err(io::Error::from_raw_os_error(libc::EIO)),
+        }
+    }
+
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.check(offset, buf.len() as u64)?;
         for p in self.pieces(offset, buf.len() as u64) {
             let r = p.range_offset as usize..(p.range_offset + p.len) as usize;
-            self.devices[p.dev].read_at(p.dev_offset, &mut buf[r])?;
+            let mut done = false;
+            let mut last = None;
+            for d in self.set_of(p.dev) {
+                if self.is_failed(d) {
+                    continue;
+                }
+                match self.devices[d].read_at(p.dev_offset, &mut buf[r.clone()]) {
+                    Ok(()) => {
+                        done = true;
+                        break;
+                    }
+                    Err(e) => {
+                        if self.copies > 1 {
+                            let why = if e.raw_os_error() == Some(libc::ENODEV) {
+                                FAIL_GONE
+                            } else {
+                                FAIL_READ
+                            };
+                            self.mark_failed(d, why);
+                        }
+                        last = Some(e);
+                    }
+                }
+            }
+            if !done {
+                return Err(last.unwrap_or_else(|| io::Error::from_raw_os_error(libc::EIO)));
+            }
         }
         Ok(())
     }
@@ -194,7 +429,9 @@ impl Layout {
         self.check(offset, buf.len() as u64)?;
         for p in self.pieces(offset, buf.len() as u64) {
             let r = p.range_offset as usize..(p.range_offset + p.len) as usize;
-            self.devices[p.dev].write_at(p.dev_offset, &buf[r])?;
+            self.each_copy(&p, FAIL_WRITE, |d| {
+                d.write_at(p.dev_offset, &buf[r.clone()])
+            })?;
         }
         Ok(())
     }
@@ -202,16 +439,29 @@ impl Layout {
     pub fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
         self.check(offset, len)?;
         for p in self.pieces(offset, len) {
-            self.devices[p.dev].write_zeroes_at(p.dev_offset, p.len)?;
+            self.each_copy(&p, FAIL_WRITE, |d| d.write_zeroes_at(p.dev_offset, p.len))?;
         }
         Ok(())
     }
 
     pub fn sync(&self) -> io::Result<()> {
-        for d in &self.devices {
-            d.sync().map_err(|e| {
-                io::Error::new(e.kind(), format!("{}: sync failed: {e}", d.describe()))
-            })?;
+        for (i, d) in self.devices.iter().enumerate() {
+            if self.copies > 1 && self.is_failed(i) {
+                continue;
+            }
+            if let Err(e) = d.sync() {
+                if self.copies > 1 {
+                    self.mark_failed(i, FAIL_WRITE);
+                    continue;
+                }
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("{}: sync failed: {e}", d.describe()),
+                ));
+            }
+        }
+        if self.copies > 1 && self.has_lost_data() {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         Ok(())
     }
@@ -229,6 +479,8 @@ impl Layout {
                 .iter()
                 .map(|d| d.clone().open_handle())
                 .collect(),
+            hook: u32::MAX,
+            rr: 0,
         }
     }
 }
@@ -237,11 +489,65 @@ impl Layout {
 pub struct LayoutHandle {
     layout: Arc<Layout>,
     handles: Vec<Box<dyn IoHandle>>,
+    /// Mirrors: this core's error hook for the layout (registered on first use).
+    hook: u32,
+    /// Mirrors: spreads reads over the copies.
+    rr: u32,
+}
+
+/// Mirror error handling on a core: mark the device failed, then fail a read over to
+/// another healthy copy (read synchronously: this is the rare path, taken once per
+/// in-flight read when a device fails; later reads skip the device), or let a write
+/// succeed when another healthy copy took it.
+struct MirrorHook {
+    layout: Weak<Layout>,
+}
+
+impl ErrorHook for MirrorHook {
+    fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32) {
+        let Some(l) = self.layout.upgrade() else {
+            return io.complete(parent, res);
+        };
+        let dev = ctx as usize;
+        l.mark_failed(dev, reason_of(&op, res));
+        let first = dev - dev % l.copies as usize;
+        match op {
+            IoOp::Read { offset, len, buf } => {
+                // SAFETY: the buffer belongs to the request, which has not completed.
+                let b = unsafe { std::slice::from_raw_parts_mut(buf, len as usize) };
+                for d in l.set_of(first) {
+                    if l.is_failed(d) {
+                        continue;
+                    }
+                    match l.devices[d].read_at(offset, b) {
+                        Ok(()) => return io.complete(parent, len as i32),
+                        Err(e) => l.mark_failed(d, {
+                            if e.raw_os_error() == Some(libc::ENODEV) {
+                                FAIL_GONE
+                            } else {
+                                FAIL_READ
+                            }
+                        }),
+                    }
+                }
+                io.complete(parent, -libc::EIO)
+            }
+            _ => {
+                let alive = l.set_of(first).any(|d| !l.is_failed(d));
+                io.complete(parent, if alive { 0 } else { res })
+            }
+        }
+    }
 }
 
 #[inline]
 fn submit_piece(handles: &mut [Box<dyn IoHandle>], io: &mut CoreIo, op: &IoOp, p: Piece, tag: Tag) {
-    let op = match *op {
+    handles[p.dev].submit(io, piece_op(op, p), tag);
+}
+
+#[inline]
+fn piece_op(op: &IoOp, p: Piece) -> IoOp {
+    match *op {
         // SAFETY (pointer arithmetic): range_offset < len of the caller's buffer.
         IoOp::Read { buf, .. } => IoOp::Read {
             offset: p.dev_offset,
@@ -263,8 +569,86 @@ fn submit_piece(handles: &mut [Box<dyn IoHandle>], io: &mut CoreIo, op: &IoOp, p
             may_unmap,
         },
         IoOp::Flush => IoOp::Flush,
-    };
-    handles[p.dev].submit(io, op, tag);
+    }
+}
+
+impl LayoutHandle {
+    fn hook_id(&mut self, io: &mut CoreIo) -> u32 {
+        if self.hook == u32::MAX {
+            // One hook per (core, layout), shared by every handle on the core.
+            let key = Arc::as_ptr(&self.layout) as usize ^ 0x6d69_7272;
+            if let Some(id) = io.locals.get(&key).and_then(|b| b.downcast_ref::<u32>()) {
+                self.hook = *id;
+            } else {
+                let id = io.register_hook(Rc::new(MirrorHook {
+                    layout: Arc::downgrade(&self.layout),
+                }));
+                io.locals.insert(key, Box::new(id));
+                self.hook = id;
+            }
+        }
+        self.hook
+    }
+
+    /// Mirrors: reads go to one healthy copy (round robin), writes to every healthy copy.
+    fn submit_mirror(&mut self, io: &mut CoreIo, op: IoOp, offset: u64, len: u64, tag: Tag) {
+        let hook = self.hook_id(io);
+        let LayoutHandle {
+            layout,
+            handles,
+            rr,
+            ..
+        } = self;
+        let failed = layout.failed.load(Relaxed);
+        let c = layout.copies as usize;
+        let n = layout.piece_count(offset, len);
+        if let IoOp::Read { .. } = op {
+            *rr = rr.wrapping_add(1);
+            let t = if n == 1 { tag } else { io.join(tag, n as u32) };
+            for p in layout.pieces(offset, len) {
+                let pick = (0..c)
+                    .map(|k| p.dev + (*rr as usize + k) % c)
+                    .find(|&d| failed & (1 << d) == 0);
+                let Some(d) = pick else {
+                    io.complete(t, -libc::EIO);
+                    continue;
+                };
+                let mut q = p;
+                q.dev = d;
+                let sub = piece_op(&op, q);
+                let h = io.hooked(t, hook, sub, d as u64);
+                handles[d].submit(io, sub, h);
+            }
+            return;
+        }
+        // Writes, discards, zeroes: every healthy copy of every piece, one join.
+        let mut parts = 0u32;
+        for p in layout.pieces(offset, len) {
+            let alive = layout
+                .set_of(p.dev)
+                .filter(|&d| failed & (1 << d) == 0)
+                .count();
+            parts += alive.max(1) as u32;
+        }
+        let t = io.join(tag, parts);
+        for p in layout.pieces(offset, len) {
+            let mut any = false;
+            for d in layout.set_of(p.dev) {
+                if failed & (1 << d) != 0 {
+                    continue;
+                }
+                any = true;
+                let mut q = p;
+                q.dev = d;
+                let sub = piece_op(&op, q);
+                let h = io.hooked(t, hook, sub, d as u64);
+                handles[d].submit(io, sub, h);
+            }
+            if !any {
+                io.complete(t, -libc::EIO);
+            }
+        }
+    }
 }
 
 impl IoHandle for LayoutHandle {
@@ -276,10 +660,16 @@ impl IoHandle for LayoutHandle {
             }
             IoOp::Discard { offset, len } | IoOp::WriteZeroes { offset, len, .. } => (offset, len),
             IoOp::Flush => {
-                let n = self.handles.len();
+                let failed = self.layout.failed.load(Relaxed);
+                let n = self.handles.len() - failed.count_ones() as usize;
+                if n == 0 {
+                    return io.complete(tag, -libc::EIO);
+                }
                 let t = if n == 1 { tag } else { io.join(tag, n as u32) };
-                for h in &mut self.handles {
-                    h.submit(io, IoOp::Flush, t);
+                for (i, h) in self.handles.iter_mut().enumerate() {
+                    if failed & (1 << i) == 0 {
+                        h.submit(io, IoOp::Flush, t);
+                    }
                 }
                 return;
             }
@@ -288,9 +678,14 @@ impl IoHandle for LayoutHandle {
         if len == 0 || end.is_none_or(|e| e > self.layout.size) {
             return io.complete(tag, if len == 0 { 0 } else { -libc::EINVAL });
         }
+        if self.layout.copies > 1 {
+            return self.submit_mirror(io, op, offset, len, tag);
+        }
         // Split borrows instead of cloning the Arc: a clone would be an atomic write to
         // a cache line every core shares.
-        let LayoutHandle { layout, handles } = self;
+        let LayoutHandle {
+            layout, handles, ..
+        } = self;
         let n = layout.piece_count(offset, len);
         if n == 1 {
             let p = layout.piece(offset, len);

@@ -21,6 +21,8 @@ use crate::volume::{UnitMap, Volume, HOLE};
 pub const DEFAULT_UNIT_SIZE: u64 = 1 << 20;
 /// Unflushed thin-map changes are committed at least this often.
 pub const COMMIT_INTERVAL: Duration = Duration::from_secs(5);
+/// Mirrored pools: how soon a device failure is recorded in the labels.
+pub const FAILURE_POLL: Duration = Duration::from_millis(100);
 
 #[derive(Clone, Copy, Debug)]
 pub struct PoolOptions {
@@ -97,6 +99,8 @@ pub struct PoolCore {
     journal: Mutex<JournalCursor>,
     pub unit_shift: u32,
     pub(crate) commit_tx: Mutex<Sender<CommitRequest>>,
+    /// Generation of the device state in the labels, and each device's label.
+    dev_state: Mutex<(u64, Vec<Label>)>,
 }
 
 pub struct Pool {
@@ -204,8 +208,55 @@ impl PoolCore {
         self.journal.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Record newly failed devices in the labels of the healthy ones (a new state
+    /// generation), so a restart never reads a device that missed writes. Runs on the
+    /// commit thread (and before every commit), never on a reactor.
+    pub fn persist_device_state(&self) -> Result<()> {
+        let l = &self.layout;
+        let mut st = self.dev_state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let failed = l.failed.load(Relaxed);
+            if failed == l.failed_durable.load(Relaxed) {
+                return Ok(());
+            }
+            let gen = st.0 + 1;
+            let mut reasons = [0u8; 64];
+            for (i, r) in l.fail_reason.iter().enumerate() {
+                reasons[i] = r.load(Relaxed);
+            }
+            let mut written = 0;
+            for (i, d) in l.devices.iter().enumerate() {
+                if failed & (1 << i) != 0 {
+                    continue;
+                }
+                let label = Label {
+                    state_gen: gen,
+                    failed,
+                    fail_reason: reasons,
+                    ..st.1[i].clone()
+                };
+                match d.write_at(0, &label.encode()).and_then(|()| d.sync()) {
+                    Ok(()) => written += 1,
+                    Err(_) => l.mark_failed(i, crate::layout::FAIL_WRITE),
+                }
+            }
+            if written == 0 {
+                return Err(Error::io(
+                    "recording failed devices",
+                    std::io::Error::from_raw_os_error(libc::EIO),
+                ));
+            }
+            st.0 = gen;
+            if l.failed.load(Relaxed) == failed {
+                l.failed_durable.store(failed, Relaxed);
+                return Ok(());
+            }
+        }
+    }
+
     /// Make every completed write and every thin-map change so far durable.
     pub fn commit(&self) -> Result<()> {
+        self.persist_device_state()?;
         let mut cur = self.journal();
         let (records, freed) = {
             let mut s = self.lock();
@@ -319,12 +370,32 @@ impl PoolCore {
 }
 
 fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
+    let mut last = std::time::Instant::now();
     loop {
-        let first = match rx.recv_timeout(COMMIT_INTERVAL) {
+        // Mirrors: a device failure is recorded within FAILURE_POLL (and before any
+        // FLUSH is answered, since every commit records it first).
+        let wait = if core.layout.kind.is_mirror() {
+            FAILURE_POLL
+        } else {
+            COMMIT_INTERVAL
+        };
+        let first = match rx.recv_timeout(wait) {
             Ok(r) => Some(r),
-            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Timeout) => {
+                let l = &core.layout;
+                if l.failed.load(Relaxed) != l.failed_durable.load(Relaxed) {
+                    if let Err(e) = core.persist_device_state() {
+                        eprintln!("tessera: pool {}: {e}", core.name);
+                    }
+                }
+                if last.elapsed() < COMMIT_INTERVAL {
+                    continue;
+                }
+                None
+            }
             Err(RecvTimeoutError::Disconnected) => return,
         };
+        last = std::time::Instant::now();
         // Group commit: everything queued now rides on one commit.
         let mut waiters = Vec::new();
         let mut stop = false;
@@ -366,6 +437,11 @@ pub struct PoolStatus {
     pub metadata: u64,
     pub volumes: usize,
     pub volatile: bool,
+    /// "online", "degraded" (a device failed, every block still has a copy) or "failed".
+    pub state: String,
+    pub copies: u32,
+    /// Per device: "online" or "failed", and why it failed.
+    pub device_states: Vec<(String, String)>,
 }
 
 impl Pool {
@@ -414,17 +490,22 @@ impl Pool {
                 ),
             ));
         }
-        let stripe = match opts.layout {
-            LayoutKind::Raid0 { stripe } => stripe,
-            LayoutKind::Concat => 0,
-        };
+        let stripe = opts.layout.stripe();
         let code = match opts.layout {
             LayoutKind::Concat => LayoutCode::Concat,
             LayoutKind::Raid0 { .. } => LayoutCode::Raid0,
+            LayoutKind::Raid1 { .. } => LayoutCode::Raid1,
+            LayoutKind::Raid10 { .. } => LayoutCode::Raid10,
+        };
+        let copies = if opts.layout.is_mirror() {
+            opts.layout.copies()
+        } else {
+            0
         };
         fn ioe(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
             move |e| Error::io(what, e)
         }
+        let mut labels = Vec::new();
         for (i, d) in layout.devices.iter().enumerate() {
             let label = Label {
                 uuid,
@@ -435,7 +516,12 @@ impl Pool {
                 data_len: layout.dev_data_len[i],
                 unit_size: unit,
                 pool_name: name.to_string(),
+                copies,
+                state_gen: 0,
+                failed: 0,
+                fail_reason: [0; 64],
             };
+            labels.push(label.clone());
             d.write_at(0, &label.encode())
                 .map_err(ioe(&format!("writing the label of {}", d.describe())))?;
         }
@@ -456,27 +542,65 @@ impl Pool {
         meta.write_checkpoint(true, 1, 1, &catalog, &owners)
             .map_err(ioe("writing the first checkpoint"))?;
         layout.sync().map_err(ioe("syncing the new pool"))?;
-        Self::assemble(name, meta, Catalog::decode(&catalog)?, owners, 1, 1, true)
+        Self::assemble(
+            name,
+            meta,
+            Catalog::decode(&catalog)?,
+            owners,
+            (1, 1, true),
+            (0, labels),
+        )
     }
 
     /// Open an existing pool from its devices (in label order).
     pub fn open(devices: Vec<Arc<dyn BlockDevice>>) -> Result<Pool> {
-        let mut labels = Vec::new();
+        let mut found = Vec::new();
         for d in &devices {
             let mut b = vec![0u8; BLOCK];
-            d.read_at(0, &mut b)
-                .map_err(|e| Error::io(&format!("reading the label of {}", d.describe()), e))?;
-            let l = Label::decode(&b)
-                .map_err(|e| Error::corrupt(format!("{}: {e}", d.describe())))?
-                .ok_or_else(|| {
-                    Error::corrupt(format!("{} carries no Tessera label", d.describe()))
-                })?;
-            labels.push(l);
+            let l = d
+                .read_at(0, &mut b)
+                .map_err(|e| Error::io(&format!("reading the label of {}", d.describe()), e))
+                .and_then(|()| {
+                    Label::decode(&b)
+                        .map_err(|e| Error::corrupt(format!("{}: {e}", d.describe())))?
+                        .ok_or_else(|| {
+                            Error::corrupt(format!("{} carries no Tessera label", d.describe()))
+                        })
+                });
+            found.push(l);
+        }
+        // The device state comes from the newest readable label. A mirror opens without
+        // the devices whose label cannot be read (they are failed); other layouts need all.
+        let newest = found
+            .iter()
+            .filter_map(|l| l.as_ref().ok())
+            .max_by_key(|l| l.state_gen)
+            .cloned();
+        let mut missing = Vec::new();
+        let mut labels = Vec::new();
+        for (i, l) in found.into_iter().enumerate() {
+            match (l, &newest) {
+                (Ok(l), _) => labels.push(l),
+                (Err(e), Some(n)) if n.copies > 1 => {
+                    eprintln!("tessera: pool '{}': {e}; the device is failed", n.pool_name);
+                    let mut l = n.clone();
+                    l.index = i as u32;
+                    missing.push(i);
+                    labels.push(l);
+                }
+                (Err(e), _) => return Err(e),
+            }
         }
         let first = labels
             .first()
             .ok_or_else(|| Error::invalid("a pool needs at least one device"))?
             .clone();
+        let first = Label {
+            state_gen: newest.as_ref().map_or(0, |n| n.state_gen),
+            failed: newest.as_ref().map_or(0, |n| n.failed),
+            fail_reason: newest.as_ref().map_or([0; 64], |n| n.fail_reason),
+            ..first
+        };
         for (i, (l, d)) in labels.iter().zip(&devices).enumerate() {
             if l.uuid != first.uuid || l.count as usize != devices.len() || l.index as usize != i {
                 return Err(Error::corrupt(format!(
@@ -496,8 +620,33 @@ impl Pool {
             LayoutCode::Raid0 => LayoutKind::Raid0 {
                 stripe: first.stripe,
             },
+            LayoutCode::Raid1 => LayoutKind::Raid1 {
+                copies: first.copies,
+            },
+            LayoutCode::Raid10 => LayoutKind::Raid10 {
+                copies: first.copies,
+                stripe: first.stripe,
+            },
         };
         let layout = Arc::new(Layout::new(kind, devices).map_err(Error::corrupt)?);
+        // Devices recorded failed stay failed: they missed writes. So do missing ones.
+        for i in 0..layout.devices.len() {
+            if first.failed & (1 << i) != 0 {
+                layout.mark_failed(i, first.fail_reason[i].max(crate::layout::FAIL_MISSING));
+            }
+        }
+        layout
+            .failed_durable
+            .store(first.failed, std::sync::atomic::Ordering::Relaxed);
+        for &i in &missing {
+            layout.mark_failed(i, crate::layout::FAIL_MISSING);
+        }
+        if layout.has_lost_data() {
+            return Err(Error::corrupt(format!(
+                "pool '{}': every copy of some data is on failed or missing devices",
+                first.pool_name
+            )));
+        }
         for (i, l) in labels.iter().enumerate() {
             if layout.dev_data_len[i] < l.data_len {
                 return Err(Error::corrupt(format!(
@@ -529,9 +678,8 @@ impl Pool {
             meta,
             ck.catalog,
             owners,
-            ck.header.generation,
-            next_seq,
-            ck.slot_is_a,
+            (ck.header.generation, next_seq, ck.slot_is_a),
+            (first.state_gen, labels),
         )?;
         {
             let mut cur = pool.core.journal();
@@ -547,9 +695,8 @@ impl Pool {
         meta: MetaStore,
         catalog: Catalog,
         mut owners: Vec<(u32, u32)>,
-        gen: u64,
-        next_seq: u64,
-        newest_is_a: bool,
+        (gen, next_seq, newest_is_a): (u64, u64, bool),
+        (state_gen, labels): (u64, Vec<Label>),
     ) -> Result<Pool> {
         let unit_shift = meta.sb.unit_size.trailing_zeros();
         let (tx, rx) = channel();
@@ -576,6 +723,7 @@ impl Pool {
             }),
             unit_shift,
             commit_tx: Mutex::new(tx),
+            dev_state: Mutex::new((state_gen, labels)),
         });
         {
             let mut s = core.lock();
@@ -649,10 +797,25 @@ impl Pool {
             name: self.core.name.clone(),
             uuid: uuid_string(&self.core.uuid),
             layout: l.kind.name().to_string(),
-            stripe_size: match l.kind {
-                LayoutKind::Raid0 { stripe } => stripe,
-                LayoutKind::Concat => 0,
+            stripe_size: l.kind.stripe(),
+            state: if l.has_lost_data() {
+                "failed".into()
+            } else if l.failed.load(Relaxed) != 0 {
+                "degraded".into()
+            } else {
+                "online".into()
             },
+            copies: l.kind.copies(),
+            device_states: (0..l.devices.len())
+                .map(|i| {
+                    if l.is_failed(i) {
+                        let r = l.fail_reason[i].load(Relaxed);
+                        ("failed".into(), crate::layout::fail_reason_name(r).into())
+                    } else {
+                        ("online".into(), String::new())
+                    }
+                })
+                .collect(),
             devices: l.devices.iter().map(|d| d.describe()).collect(),
             unit_size: unit,
             capacity: data_units * unit,
