@@ -138,6 +138,11 @@ impl FaultDevice {
     /// test can still open and commit its metadata.
     fn sync_check(&self, range: Option<(&AtomicU64, &AtomicU64, u64, usize)>) -> io::Result<()> {
         let c = &self.config;
+        // A device timed to vanish is gone for every reader, not only the datapath.
+        let ms = c.vanish_after_ms.load(Relaxed);
+        if ms != 0 && self.opened.elapsed() >= Duration::from_millis(ms) {
+            c.vanished.store(true, Relaxed);
+        }
         if c.vanished.load(Relaxed) {
             return Err(io::Error::from_raw_os_error(libc::ENODEV));
         }
