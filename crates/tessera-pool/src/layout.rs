@@ -575,17 +575,25 @@ fn piece_op(op: &IoOp, p: Piece) -> IoOp {
 impl LayoutHandle {
     fn hook_id(&mut self, io: &mut CoreIo) -> u32 {
         if self.hook == u32::MAX {
-            // One hook per (core, layout), shared by every handle on the core.
+            // One hook per (core, layout), shared by every handle on the core. The entry
+            // remembers its layout: a new layout at a freed layout's address gets its own.
             let key = Arc::as_ptr(&self.layout) as usize ^ 0x6d69_7272;
-            if let Some(id) = io.locals.get(&key).and_then(|b| b.downcast_ref::<u32>()) {
-                self.hook = *id;
-            } else {
-                let id = io.register_hook(Rc::new(MirrorHook {
-                    layout: Arc::downgrade(&self.layout),
-                }));
-                io.locals.insert(key, Box::new(id));
-                self.hook = id;
-            }
+            let known = io
+                .locals
+                .get(&key)
+                .and_then(|b| b.downcast_ref::<(u32, Weak<Layout>)>())
+                .filter(|(_, w)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&self.layout)))
+                .filter(|(_, w)| w.strong_count() > 0)
+                .map(|(id, _)| *id);
+            self.hook = match known {
+                Some(id) => id,
+                None => {
+                    let w = Arc::downgrade(&self.layout);
+                    let id = io.register_hook(Rc::new(MirrorHook { layout: w.clone() }));
+                    io.locals.insert(key, Box::new((id, w)));
+                    id
+                }
+            };
         }
         self.hook
     }
@@ -665,10 +673,19 @@ impl IoHandle for LayoutHandle {
                 if n == 0 {
                     return io.complete(tag, -libc::EIO);
                 }
+                let mirror = self.layout.copies > 1;
+                let hook = if mirror { self.hook_id(io) } else { 0 };
                 let t = if n == 1 { tag } else { io.join(tag, n as u32) };
                 for (i, h) in self.handles.iter_mut().enumerate() {
                     if failed & (1 << i) == 0 {
-                        h.submit(io, IoOp::Flush, t);
+                        // Mirrors: a copy that cannot flush is failed, like one that
+                        // cannot write.
+                        let ti = if mirror {
+                            io.hooked(t, hook, IoOp::Flush, i as u64)
+                        } else {
+                            t
+                        };
+                        h.submit(io, IoOp::Flush, ti);
                     }
                 }
                 return;
