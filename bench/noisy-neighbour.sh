@@ -4,7 +4,7 @@
 # to A with no QoS, with B given a higher share weight, and with A given an IOPS limit.
 # The node has one reactor core, so both volumes are served by the same core.
 #
-#   bench/noisy-neighbour.sh          # RUNTIME=10 A_LIMIT=50000
+#   bench/noisy-neighbour.sh          # RUNTIME=10 A_LIMIT=50000 [B_CPU=0]
 #
 # The node is started here, both volumes prefilled, and the node killed by PID.
 set -euo pipefail
@@ -55,7 +55,12 @@ if [[ $B_RT == 1 ]] && chrt -f 10 true 2>/dev/null; then RT=(chrt -f 10); fi
 # with the reactor and every request waits for a scheduler slice.
 PIN=()
 if (( $(nproc) > 1 )); then PIN=(taskset -c "1-$(( $(nproc) - 1 ))"); fi
-perf_b() { "${PIN[@]}" "${RT[@]}" "$TESSERA" nbd-perf --uri "nbd://127.0.0.1:$PORT/b" --pattern randread --qd 1 --size 256M --time "$1" 2>/dev/null | grep '^RESULT'; }
+# B_CPU=0 puts B's client on the reactor's CPU instead (SCHED_FIFO, it preempts the
+# reactor when its reply arrives): the setup where B's client does not share a CPU with
+# A's load generator on a 2-CPU machine.
+PIN_B=("${PIN[@]}")
+if [[ -n ${B_CPU:-} ]]; then PIN_B=(taskset -c "$B_CPU"); fi
+perf_b() { "${PIN_B[@]}" "${RT[@]}" "$TESSERA" nbd-perf --uri "nbd://127.0.0.1:$PORT/b" --pattern randread --qd 1 --size 256M --time "$1" 2>/dev/null | grep '^RESULT'; }
 perf() { "${PIN[@]}" "$TESSERA" nbd-perf --uri "nbd://127.0.0.1:$PORT/$1" --pattern "$2" --qd "$3" --size 256M --time "$4" 2>/dev/null | grep '^RESULT'; }
 field() { sed -E "s/.* $1=([0-9.]+).*/\1/" <<<"$2"; }
 # Prefill: reads of written data, writes that overwrite (no allocation on the way).
@@ -63,9 +68,8 @@ field() { sed -E "s/.* $1=([0-9.]+).*/\1/" <<<"$2"; }
 "$TESSERA" nbd-perf --uri "nbd://127.0.0.1:$PORT/b" --pattern randwrite --bs 1M --qd 16 --size 256M --time 2 >/dev/null 2>&1
 
 declare -A P99 IOPS AIOPS SP99
-# Server-side p99 of B from the node's own stats over 4 s in the middle of a run. The
-# node timestamps requests with the reactor's per-round clock, so this is the time B's
-# requests waited in the server past the round they arrived in (0: never deferred).
+# Server-side p99 of B from the node's own stats over 4 s in the middle of a run: from
+# the batch that received a request to the batch that flushed its reply.
 server_p99() {
   sleep 2
   "$TESSERA" --api "$WORK/data/api.sock" --json volume stats b --interval 4 \
@@ -97,8 +101,8 @@ cli volume qos b --clear; cli volume qos a --iops "$A_LIMIT"
 run_case "A limited to $A_LIMIT IOPS" with-a
 
 echo
-echo "== Noisy neighbour on one core: B = 4K randread QD1, A = 4K randwrite QD128; ${RUNTIME}s each; $(nproc) CPUs; clients: ${PIN[*]:-unpinned}, B ${RT[*]:-normal priority}"
-printf "%-28s %11s %9s %17s %9s %9s\n" case "B p99 (us)" "vs alone" "server wait p99" "B IOPS" "A IOPS"
+echo "== Noisy neighbour on one core: B = 4K randread QD1, A = 4K randwrite QD128; ${RUNTIME}s each; $(nproc) CPUs; A's client: ${PIN[*]:-unpinned}, B's: ${PIN_B[*]:-unpinned} ${RT[*]:-normal priority}"
+printf "%-28s %11s %9s %17s %9s %9s\n" case "B p99 (us)" "vs alone" "server p99 (us)" "B IOPS" "A IOPS"
 for c in "B alone" "A unlimited, default shares" "B weight 1000, A 100" "A limited to $A_LIMIT IOPS"; do
   printf "%-28s %11s %8.2fx %17s %9s %9s\n" "$c" "${P99[$c]}" \
     "$(awk -v a="${P99[$c]}" -v b="${P99[B alone]}" 'BEGIN{print a/b}')" "${SP99[$c]}" \

@@ -155,6 +155,13 @@ impl CoreIo {
         self.round = self.round.wrapping_add(1);
     }
 
+    /// Re-read the clock without starting a new round: the reactor does it once before
+    /// its tasks flush a batch, so replies are timestamped when they leave, not when the
+    /// batch began (per-volume latency would read 0 for anything served within a round).
+    pub(crate) fn refresh_now(&mut self) {
+        self.now = Instant::now();
+    }
+
     /// The current round: it changes every time the ring is polled.
     #[inline]
     pub fn round(&self) -> u64 {

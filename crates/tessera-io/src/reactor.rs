@@ -240,6 +240,9 @@ impl Reactor {
             }
             // Batch end: let every task that saw activity flush its replies.
             let dirty = std::mem::take(&mut self.dirty);
+            if !dirty.is_empty() {
+                self.io.refresh_now();
+            }
             for &id in &dirty {
                 self.is_dirty[id as usize] = false;
                 let Some(t) = self.tasks[id as usize].as_mut() else {

@@ -170,6 +170,8 @@ pub struct NbdConn {
     /// QoS admission: the volume's and its group's limits, then the core's shares.
     gate: Gate,
     released: Vec<tessera_qos::gate::Released>,
+    /// Replies queued in this batch, to account when it is flushed.
+    unrecorded: Vec<(IoClass, u64, std::time::Instant, bool)>,
     stats: std::sync::Arc<IoStats>,
     /// The peer is gone or misbehaved: nothing more is sent.
     dead: bool,
@@ -207,6 +209,7 @@ impl NbdConn {
             latency: LatencyDetector::default(),
             gate,
             released: Vec::new(),
+            unrecorded: Vec::with_capacity(MAX_IN_FLIGHT),
             stats,
             dead: false,
             shut: false,
@@ -570,16 +573,16 @@ impl NbdConn {
         self.released = out;
     }
 
-    /// Account a request whose reply is now queued.
-    fn record(&self, io: &CoreIo, s: u16, ok: bool) {
+    /// Account a request whose reply is now queued; its latency is taken when the batch
+    /// of replies is flushed (`flush`), with the clock the reactor reads once per batch.
+    fn record(&mut self, _io: &CoreIo, s: u16, ok: bool) {
         let sl = &self.slots[s as usize];
         let (class, bytes) = match sl.cmd {
             CMD_READ => (IoClass::Read, sl.len as u64),
             CMD_WRITE => (IoClass::Write, sl.len as u64),
             _ => (IoClass::Other, 0),
         };
-        let ns = io.now().saturating_duration_since(sl.start).as_nanos() as u64;
-        self.stats.record(class, bytes, ns, ok);
+        self.unrecorded.push((class, bytes, sl.start, ok));
     }
 
     fn finish_hole(&mut self, io: &CoreIo, s: u16) {
@@ -797,6 +800,11 @@ impl Task for NbdConn {
     }
 
     fn flush(&mut self, io: &mut CoreIo) {
+        let now = io.now();
+        for (class, bytes, start, ok) in self.unrecorded.drain(..) {
+            let ns = now.saturating_duration_since(start).as_nanos() as u64;
+            self.stats.record(class, bytes, ns, ok);
+        }
         self.send(io);
         // Once drained (nothing in flight, nothing to send), wake our receive with a
         // shutdown so the connection can finish.

@@ -169,6 +169,9 @@ pub struct NvmfQueue {
     send_posted: bool,
     in_io: usize,
     released: Vec<tessera_qos::gate::Released>,
+    /// Completed I/O commands of this batch (namespace index, class, bytes, receipt,
+    /// success), accounted when the batch is flushed.
+    unrecorded: Vec<(usize, IoClass, u64, std::time::Instant, bool)>,
     tick_armed: bool,
     started: Instant,
     latency: LatencyDetector,
@@ -218,6 +221,7 @@ impl NvmfQueue {
             send_posted: false,
             in_io: 0,
             released: Vec::new(),
+            unrecorded: Vec::new(),
             tick_armed: false,
             started: Instant::now(),
             latency: LatencyDetector::default(),
@@ -1329,8 +1333,9 @@ impl NvmfQueue {
                     IO_WRITE => (IoClass::Write, bytes),
                     _ => (IoClass::Other, 0),
                 };
-                let ns_ = io.now().saturating_duration_since(sl.start).as_nanos() as u64;
-                ns.stats.record(class, bytes, ns_, status == 0);
+                // Timed when the batch is flushed (see `flush`).
+                self.unrecorded
+                    .push((self.slots[idx].ns, class, bytes, sl.start, status == 0));
             }
         }
         if status != 0 {
@@ -1531,6 +1536,13 @@ impl Task for NvmfQueue {
     }
 
     fn flush(&mut self, io: &mut CoreIo) {
+        let now = io.now();
+        for (n, class, bytes, start, ok) in self.unrecorded.drain(..) {
+            if let Some(ns) = self.ns.get(n) {
+                let t = now.saturating_duration_since(start).as_nanos() as u64;
+                ns.stats.record(class, bytes, t, ok);
+            }
+        }
         self.send(io);
         if self.draining
             && !self.shut
