@@ -86,4 +86,13 @@ fn mirror_failure_is_shown_and_survives_restart() {
     assert_eq!(pool(&n, "m10")["state"], "online");
     let v = n.cli_ok(&["volume", "list", "--json"]);
     assert!(v.contains("v1"), "{v}");
+
+    // A raid10 device that is gone at start: the pool comes up degraded without it.
+    n.stop();
+    std::fs::remove_file(n.dir.join("r1.img")).unwrap();
+    n.restart();
+    let p = pool(&n, "m10");
+    assert_eq!(p["state"], "degraded", "{p}");
+    assert_eq!(p["device_states"][1]["state"], "failed");
+    assert_eq!(p["device_states"][0]["state"], "online");
 }

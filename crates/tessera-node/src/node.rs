@@ -112,7 +112,23 @@ impl Node {
     }
 
     fn restore_pool(&self, e: &PoolEntry) -> Result<Pool> {
-        let devs = open_devices(&e.devices)?;
+        let devs = if e.layout.starts_with("raid1") {
+            // A mirror comes up without a device that cannot be opened (it is failed).
+            let devs: Vec<Arc<dyn BlockDevice>> = e
+                .devices
+                .iter()
+                .map(|s| match open_devices(std::slice::from_ref(s)) {
+                    Ok(mut d) => d.remove(0),
+                    Err(err) => {
+                        eprintln!("tessera: pool '{}': {err}", e.name);
+                        Arc::new(MissingDevice(s.clone())) as Arc<dyn BlockDevice>
+                    }
+                })
+                .collect();
+            devs
+        } else {
+            open_devices(&e.devices)?
+        };
         if devs.iter().any(|d| d.is_volatile()) {
             // RAM/null contents did not survive the restart: recreate the pool empty.
             eprintln!(
@@ -726,6 +742,45 @@ fn open_devices(specs: &[String]) -> Result<Vec<Arc<dyn BlockDevice>>> {
             open_device(&spec).map_err(|e| Error::new(ErrorKind::Io, format!("device {s}: {e}")))
         })
         .collect()
+}
+
+/// Stands in for a mirror's device that could not be opened: every I/O fails with ENODEV,
+/// so the pool marks it failed. Its size is large enough never to limit the layout.
+struct MissingDevice(String);
+
+struct MissingHandle;
+
+impl tessera_io::IoHandle for MissingHandle {
+    fn submit(&mut self, io: &mut tessera_io::CoreIo, _op: tessera_io::IoOp, tag: tessera_io::Tag) {
+        io.complete(tag, -libc::ENODEV)
+    }
+    fn size(&self) -> u64 {
+        1 << 60
+    }
+}
+
+impl BlockDevice for MissingDevice {
+    fn describe(&self) -> String {
+        format!("{} (missing)", self.0)
+    }
+    fn size(&self) -> u64 {
+        1 << 60
+    }
+    fn read_at(&self, _: u64, _: &mut [u8]) -> std::io::Result<()> {
+        Err(std::io::Error::from_raw_os_error(libc::ENODEV))
+    }
+    fn write_at(&self, _: u64, _: &[u8]) -> std::io::Result<()> {
+        Err(std::io::Error::from_raw_os_error(libc::ENODEV))
+    }
+    fn write_zeroes_at(&self, _: u64, _: u64) -> std::io::Result<()> {
+        Err(std::io::Error::from_raw_os_error(libc::ENODEV))
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        Err(std::io::Error::from_raw_os_error(libc::ENODEV))
+    }
+    fn open_handle(self: Arc<Self>) -> Box<dyn tessera_io::IoHandle> {
+        Box::new(MissingHandle)
+    }
 }
 
 fn spec_path(s: &str) -> Option<std::path::PathBuf> {
