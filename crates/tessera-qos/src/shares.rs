@@ -30,6 +30,12 @@
 //! capped by its weight (it asks for less than its share, which is what
 //! max-min fairness gives it), only by the per-round budget.
 //!
+//! Weights also set how long a round may be: a volume may use at most
+//! `ROUND_BUDGET * w / (highest active weight)` units per round (at least
+//! [`MIN_ROUND`]), so a high-weight volume's requests wait behind shorter
+//! rounds of the others even when it asks for little (a latency-sensitive
+//! volume given a high weight is served sooner, not only more).
+//!
 //! With a single active volume nothing is deferred: the scheduler costs one
 //! comparison per request and never adds a system call.
 //!
@@ -43,6 +49,8 @@ use std::time::{Duration, Instant};
 
 /// Cost units one volume may dispatch per round while several are active.
 pub const ROUND_BUDGET: u32 = 16;
+/// The shortest round a lighter volume is cut to by a heavier one's weight.
+pub const MIN_ROUND: u32 = 4;
 /// A volume counts as backlogged for this many rounds after one of its
 /// requests was deferred: its client may not have refilled its queue in
 /// every round, and its weight must still hold the others back meanwhile.
@@ -85,9 +93,10 @@ fn is_backlogged(f: &Flow, round: u64) -> bool {
 pub struct ShareScheduler {
     flows: Vec<Flow>,
     round: u64,
-    /// Recomputed at each round start: flows active within the window, and
-    /// the summed weight of flows backlogged in the previous round.
+    /// Recomputed at each round start: flows active within the window, the
+    /// summed weight of backlogged flows, and the highest active weight.
     active: u32,
+    max_active_weight: u32,
     backlogged_weight: u64,
 }
 
@@ -138,12 +147,13 @@ impl ShareScheduler {
 
     fn start_round(&mut self, round: u64, now: Instant) {
         self.round = round;
-        let (mut active, mut backlogged) = (0, 0u64);
+        let (mut active, mut backlogged, mut max_weight) = (0, 0u64, 0u32);
         for f in self.flows.iter().filter(|f| f.refs > 0) {
             if f.last_seen
                 .is_some_and(|t| now.saturating_duration_since(t) < ACTIVE_WINDOW)
             {
                 active += 1;
+                max_weight = max_weight.max(f.weight);
             }
             if is_backlogged(f, round) {
                 backlogged += u64::from(f.weight);
@@ -151,6 +161,7 @@ impl ShareScheduler {
         }
         self.active = active;
         self.backlogged_weight = backlogged;
+        self.max_active_weight = max_weight;
     }
 
     /// May a request of `cost` units from `id` be dispatched in `round`
@@ -166,6 +177,7 @@ impl ShareScheduler {
         {
             // Becoming active: count it at once rather than at the next round.
             self.active += 1;
+            self.max_active_weight = self.max_active_weight.max(f.weight);
         }
         f.last_seen = Some(now);
         if f.round != round {
@@ -176,7 +188,13 @@ impl ShareScheduler {
             f.used = f.used.saturating_add(cost);
             return true;
         }
-        let fits_round = f.used < ROUND_BUDGET;
+        // A heavier volume active on the core shortens this one's rounds in proportion
+        // (never below MIN_ROUND): the weight buys the heavier volume's requests a
+        // shorter wait behind this one's, whether or not it is backlogged.
+        let round_cap = (u64::from(ROUND_BUDGET) * u64::from(f.weight)
+            / u64::from(self.max_active_weight.max(f.weight)))
+        .max(u64::from(MIN_ROUND));
+        let fits_round = u64::from(f.used) < round_cap;
         let mine_backlogged = is_backlogged(f, round);
         let others = self.backlogged_weight.saturating_sub(if mine_backlogged {
             u64::from(f.weight)
@@ -291,6 +309,27 @@ mod tests {
             if r > 2 {
                 // Two volumes active: the heavy one is held to the round budget.
                 assert!(h <= ROUND_BUDGET, "heavy got {h} in round {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_heavier_light_volume_shortens_the_others_rounds() {
+        let mut s = ShareScheduler::new();
+        let heavy = s.register(1);
+        let light = s.register(2);
+        s.configure(heavy, 100, false);
+        s.configure(light, 1000, false);
+        let t0 = Instant::now();
+        for r in 1..=100u64 {
+            let now = t0 + Duration::from_micros(r * 10);
+            assert!(s.admit(light, false, 1, r, now));
+            let mut h = 0;
+            while h < 128 && s.admit(heavy, true, 1, r, now) {
+                h += 1;
+            }
+            if r > 1 {
+                assert_eq!(h, MIN_ROUND, "round {r}");
             }
         }
     }
