@@ -1318,25 +1318,23 @@ impl NvmfQueue {
         self.finish_with(io, s, status, 0)
     }
 
-    fn finish_with(&mut self, io: &mut CoreIo, s: u16, status: Status, dw1: u32) {
+    fn finish_with(&mut self, _io: &mut CoreIo, s: u16, status: Status, dw1: u32) {
         self.active -= 1;
         let idx = s as usize;
         let qid = self.qid;
         let sqe = self.slots[idx].sqe;
         // Per-volume statistics, as an NBD connection keeps them.
-        if self.qid != 0 && sqe.opc != FABRICS {
-            if let Some(ns) = self.ns.get(self.slots[idx].ns) {
-                let sl = &self.slots[idx];
-                let bytes = (sqe.nlb() as u64) << target::LBA_SHIFT;
-                let (class, bytes) = match sqe.opc {
-                    IO_READ => (IoClass::Read, bytes),
-                    IO_WRITE => (IoClass::Write, bytes),
-                    _ => (IoClass::Other, 0),
-                };
-                // Timed when the batch is flushed (see `flush`).
-                self.unrecorded
-                    .push((self.slots[idx].ns, class, bytes, sl.start, status == 0));
-            }
+        if self.qid != 0 && sqe.opc != FABRICS && self.slots[idx].ns < self.ns.len() {
+            let sl = &self.slots[idx];
+            let bytes = (sqe.nlb() as u64) << target::LBA_SHIFT;
+            let (class, bytes) = match sqe.opc {
+                IO_READ => (IoClass::Read, bytes),
+                IO_WRITE => (IoClass::Write, bytes),
+                _ => (IoClass::Other, 0),
+            };
+            // Timed when the batch is flushed (see `flush`).
+            self.unrecorded
+                .push((sl.ns, class, bytes, sl.start, status == 0));
         }
         if status != 0 {
             if let Some(c) = &self.ctrl {
