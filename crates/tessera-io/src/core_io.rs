@@ -69,6 +69,8 @@ struct Join {
     delay: Duration,
     /// Set by [`CoreIo::hooked`]: on an error, the hook decides how `parent` completes.
     hook: Option<(u32, IoOp, u64)>,
+    /// Set by [`CoreIo::tracked`]: the hook sees every completion, not only errors.
+    always: bool,
 }
 
 /// Error handler for a [`CoreIo::hooked`] operation: it is called (instead of passing the
@@ -76,6 +78,16 @@ struct Join {
 /// `parent` exactly once. Used by mirrored layouts to fail over to another copy.
 pub trait ErrorHook {
     fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32);
+
+    /// Called for every completion of a [`CoreIo::tracked`] operation (errors included);
+    /// must complete `parent` exactly once.
+    fn on_done(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32) {
+        if res < 0 {
+            self.on_error(io, parent, op, ctx, res)
+        } else {
+            io.complete(parent, res)
+        }
+    }
 }
 
 /// Everything a core's datapath needs: its io_uring, its ready queue of synchronous
@@ -228,8 +240,13 @@ impl CoreIo {
                 return;
             }
             let (parent, result, delay, hook) = (j.parent, j.result, j.delay, j.hook);
+            let always = j.always;
             self.free_joins.push(idx as u32);
             if let Some((h, op, ctx)) = hook {
+                if always {
+                    let h = self.hooks[h as usize].clone();
+                    return h.on_done(self, parent, op, ctx, result);
+                }
                 if result < 0 {
                     let h = self.hooks[h as usize].clone();
                     return h.on_error(self, parent, op, ctx, result);
@@ -252,6 +269,7 @@ impl CoreIo {
             result: 0,
             delay,
             hook: None,
+            always: false,
         };
         let idx = match self.free_joins.pop() {
             Some(i) => {
@@ -284,6 +302,17 @@ impl CoreIo {
     pub fn hooked(&mut self, parent: Tag, hook: u32, op: IoOp, ctx: u64) -> Tag {
         let t = self.new_join(parent, 1, Duration::ZERO);
         self.joins[(t & 0xffff_ffff) as usize].hook = Some((hook, op, ctx));
+        t
+    }
+
+    /// A child tag that completes `parent` after `parts` completions, through hook
+    /// `hook`'s `on_done` (with `ctx`) whatever the result: for layers that must see a
+    /// request end (the mirrors' rebuild tracks writes in flight).
+    pub fn tracked(&mut self, parent: Tag, parts: u32, hook: u32, ctx: u64) -> Tag {
+        let t = self.new_join(parent, parts, Duration::ZERO);
+        let j = &mut self.joins[(t & 0xffff_ffff) as usize];
+        j.hook = Some((hook, IoOp::Flush, ctx));
+        j.always = true;
         t
     }
 

@@ -214,8 +214,10 @@ impl PoolCore {
     pub fn persist_device_state(&self) -> Result<()> {
         let l = &self.layout;
         let mut st = self.dev_state.lock().unwrap_or_else(|e| e.into_inner());
+        // A device being rebuilt stays failed in the labels until its rebuild is done.
+        let unreadable = || l.failed.load(Relaxed) | l.rebuilding.load(Relaxed);
         loop {
-            let failed = l.failed.load(Relaxed);
+            let failed = unreadable();
             if failed == l.failed_durable.load(Relaxed) {
                 return Ok(());
             }
@@ -247,7 +249,7 @@ impl PoolCore {
                 ));
             }
             st.0 = gen;
-            if l.failed.load(Relaxed) == failed {
+            if unreadable() == failed {
                 l.failed_durable.store(failed, Relaxed);
                 return Ok(());
             }
@@ -800,6 +802,8 @@ impl Pool {
             stripe_size: l.kind.stripe(),
             state: if l.has_lost_data() {
                 "failed".into()
+            } else if l.rebuilding.load(Relaxed) != 0 {
+                "rebuilding".into()
             } else if l.failed.load(Relaxed) != 0 {
                 "degraded".into()
             } else {
@@ -811,6 +815,8 @@ impl Pool {
                     if l.is_failed(i) {
                         let r = l.fail_reason[i].load(Relaxed);
                         ("failed".into(), crate::layout::fail_reason_name(r).into())
+                    } else if l.rebuilding.load(Relaxed) & (1 << i) != 0 {
+                        ("rebuilding".into(), String::new())
                     } else {
                         ("online".into(), String::new())
                     }
@@ -944,6 +950,51 @@ impl Pool {
             .filter(|(_, o)| o.0 != OWNER_FREE && o.0 != OWNER_META)
             .map(|(p, _)| p as u64)
             .collect()
+    }
+
+    /// Pool units a rebuild has to copy: the metadata units and every allocated unit.
+    pub fn rebuild_units(&self) -> Vec<u64> {
+        let s = self.core.lock();
+        s.owners
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| o.0 != OWNER_FREE)
+            .map(|(p, _)| p as u64)
+            .collect()
+    }
+
+    /// Make device `d` of a mirror a write-only member to be rebuilt (see
+    /// `Layout::start_rebuild`).
+    pub fn start_rebuild(&self, d: usize) -> Result<()> {
+        self.core.layout.start_rebuild(d).map_err(Error::invalid)
+    }
+
+    /// Copy pool unit `u` onto the rebuilding device `d` (`buf`: scratch, any size that
+    /// divides the unit). Returns the bytes written to `d`.
+    pub fn rebuild_unit(&self, d: usize, u: u64, buf: &mut [u8]) -> Result<u64> {
+        let unit = self.core.unit_size();
+        let mut done = 0;
+        let mut off = 0;
+        while off < unit {
+            let len = (unit - off).min(buf.len() as u64) as usize;
+            done += self
+                .core
+                .layout
+                .rebuild_range(d, u * unit + off, &mut buf[..len])
+                .map_err(|e| Error::io("rebuilding", e))?;
+            off += len as u64;
+        }
+        Ok(done)
+    }
+
+    /// Device `d` holds every copied unit: it becomes readable, and the labels (a new
+    /// state generation, written to every healthy device including `d`) record it.
+    pub fn finish_rebuild(&self, d: usize) -> Result<()> {
+        let l = &self.core.layout;
+        l.sync()
+            .map_err(|e| Error::io("syncing before the rebuild completes", e))?;
+        l.finish_rebuild(d);
+        self.core.persist_device_state()
     }
 
     /// Re-read and check the metadata (superblock, both checkpoint slots) against their
