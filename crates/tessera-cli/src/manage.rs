@@ -259,6 +259,52 @@ pub enum PoolCmd {
         #[arg(long, conflicts_with = "stop")]
         wait: bool,
     },
+    /// Rebuild a failed device of a mirrored pool in place (a device that came back, or
+    /// a blank one at the same path), copying every allocated unit from its mirror in the
+    /// background (rebuild class limits). Starts one unless --status or --stop; --wait
+    /// follows it with a progress bar until it ends.
+    Rebuild {
+        name: String,
+        /// Device index (default: the only failed device).
+        #[arg(long)]
+        device: Option<usize>,
+        #[arg(long, conflicts_with = "stop")]
+        status: bool,
+        #[arg(long)]
+        stop: bool,
+        #[arg(long, conflicts_with = "stop")]
+        wait: bool,
+    },
+}
+
+/// One line for a rebuild status: a progress bar, rate and ETA.
+fn rebuild_line(v: &Value) -> String {
+    let pct = v["percent"].as_f64().unwrap_or(0.0);
+    let filled = (pct / 5.0).round() as usize;
+    let bar = format!(
+        "[{}{}]",
+        "#".repeat(filled.min(20)),
+        ".".repeat(20 - filled.min(20))
+    );
+    let eta = v["eta_s"]
+        .as_f64()
+        .map(|e| format!(" eta {e:.0}s"))
+        .unwrap_or_default();
+    let err = v["error"]
+        .as_str()
+        .map(|e| format!(": {e}"))
+        .unwrap_or_default();
+    format!(
+        "rebuild {} device {} {}{err}: {bar} {pct:.1}% {}/{} units, {} MiB/s{eta}, limit {} MiB/s ({} backoffs)",
+        v["pool"].as_str().unwrap_or("?"),
+        v["device"],
+        v["state"].as_str().unwrap_or("?"),
+        v["units_done"],
+        v["units_total"],
+        v["rate_mibps"],
+        v["background"]["rate_limit_bps"].as_u64().unwrap_or(0) >> 20,
+        v["background"]["backoffs"],
+    )
 }
 
 /// One line for a scrub status: a progress bar, rate, ETA and findings.
@@ -313,6 +359,41 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
         PoolCmd::Destroy { name } => {
             call(ep, "DELETE", &format!("/v1/pools/{name}"), None)?;
             println!("pool {name} destroyed");
+        }
+        PoolCmd::Rebuild {
+            name,
+            device,
+            status,
+            stop,
+            wait,
+        } => {
+            let path = format!("/v1/pools/{name}/rebuild");
+            let mut v = if stop {
+                call(ep, "DELETE", &path, None)?
+            } else if status {
+                call(ep, "GET", &path, None)?
+            } else {
+                call(ep, "POST", &path, Some(json!({ "device": device })))?
+            };
+            if wait {
+                use std::io::Write as _;
+                while v["state"] == "running" {
+                    if !raw {
+                        print!("\r{}", rebuild_line(&v));
+                        let _ = std::io::stdout().flush();
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(500));
+                    v = call(ep, "GET", &path, None)?;
+                }
+            }
+            if raw {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            } else {
+                println!("\r{}", rebuild_line(&v));
+            }
+            if wait && v["state"] != "done" {
+                return Err(format!("rebuild of pool {name} ended {}", v["state"]));
+            }
         }
         PoolCmd::Scrub {
             name,

@@ -73,7 +73,16 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
         ("GET", ["v1", "status"]) => Response::json(200, &node.status()),
         ("GET", ["v1", "pools"]) => Response::json(200, &node.list_pools()),
         ("GET", ["v1", "pools", name]) => {
-            reply(node.pool(name).map(|p| crate::node::pool_json(&p)), 200)
+            reply(
+                node.pool(name).map(|p| {
+                    let mut v = crate::node::pool_json(&p);
+                    if let Ok(r) = node.rebuild_status(name) {
+                        v["rebuild"] = r;
+                    }
+                    v
+                }),
+                200,
+            )
         }
         ("POST", ["v1", "pools"]) => reply(
             (|| {
@@ -125,6 +134,12 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
             Err(e) => Response::error(400, &format!("bad QoS limits: {e} (fields: iops, read_iops, write_iops, bps, read_bps, write_bps, burst_ms, one_time_burst_ms, weight, reads_first)")),
         },
         ("DELETE", ["v1", "volumes", name, "qos"]) => reply(node.set_volume_qos(name, Default::default()), 200),
+        ("GET", ["v1", "pools", name, "rebuild"]) => reply(node.rebuild_status(name), 200),
+        ("POST", ["v1", "pools", name, "rebuild"]) => reply(
+            node.start_rebuild(name, body.get("device").and_then(Value::as_u64).map(|d| d as usize)),
+            202,
+        ),
+        ("DELETE", ["v1", "pools", name, "rebuild"]) => reply(node.stop_rebuild(name), 200),
         ("GET", ["v1", "pools", name, "scrub"]) => reply(node.scrub_status(name), 200),
         ("POST", ["v1", "pools", name, "scrub"]) => reply(node.start_scrub(name), 202),
         ("DELETE", ["v1", "pools", name, "scrub"]) => reply(node.stop_scrub(name), 200),

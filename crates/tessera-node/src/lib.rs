@@ -9,6 +9,7 @@ pub mod listener;
 pub mod node;
 pub mod nvmf;
 pub mod nvmf_api;
+pub mod rebuild;
 pub mod registry;
 pub mod scrub;
 

@@ -39,6 +39,7 @@ pub struct Node {
     /// Background classes' limits and the scrub jobs, by pool.
     pub background: crate::background::Background,
     scrubs: Mutex<BTreeMap<String, Arc<crate::scrub::ScrubJob>>>,
+    rebuilds: Mutex<BTreeMap<String, Arc<crate::rebuild::RebuildJob>>>,
 }
 
 fn not_found(what: &str, name: &str) -> Error {
@@ -87,6 +88,7 @@ impl Node {
             groups,
             background,
             scrubs: Mutex::new(BTreeMap::new()),
+            rebuilds: Mutex::new(BTreeMap::new()),
         });
         for e in entries {
             match node.restore_pool(&e) {
@@ -102,6 +104,18 @@ impl Node {
                         .write()
                         .unwrap_or_else(|x| x.into_inner())
                         .insert(e.name.clone(), err.to_string());
+                }
+            }
+        }
+        // A rebuild the node was running when it stopped resumes from its cursor, before
+        // any client can write (the device missed nothing below the cursor).
+        for p in node.pools() {
+            if let Some((d, next)) = crate::rebuild::load_cursor(&node.cfg.data_dir, p.name()) {
+                if let Err(e) = node.run_rebuild(&p, d, next) {
+                    eprintln!(
+                        "tessera: pool '{}': cannot resume the rebuild of device {d}: {e}",
+                        p.name()
+                    );
                 }
             }
         }
@@ -451,6 +465,78 @@ impl Node {
                 format!("no scrub of pool '{pool}' is running"),
             )),
         }
+    }
+
+    fn rebuilds(&self) -> MutexGuard<'_, BTreeMap<String, Arc<crate::rebuild::RebuildJob>>> {
+        self.rebuilds.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn run_rebuild(&self, p: &Arc<Pool>, device: usize, from: u64) -> Result<Value> {
+        let mut jobs = self.rebuilds();
+        if jobs.get(p.name()).is_some_and(|j| j.is_running()) {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!("a rebuild of pool '{}' is already running", p.name()),
+            ));
+        }
+        let limits = self.background.limits("rebuild")?;
+        let job = crate::rebuild::start(p.clone(), device, from, limits, &self.cfg.data_dir)?;
+        let v = job.status();
+        jobs.insert(p.name().to_string(), job);
+        Ok(v)
+    }
+
+    /// Rebuild failed device `device` of mirrored pool `pool` (the only failed one when
+    /// `None`) in place — a device that came back, or a blank one at the same spec — in
+    /// the rebuild background class.
+    pub fn start_rebuild(&self, pool: &str, device: Option<usize>) -> Result<Value> {
+        let p = self.pool(pool)?;
+        let l = &p.core.layout;
+        let d = match device {
+            Some(d) => d,
+            None => {
+                let failed: Vec<usize> = (0..l.devices.len()).filter(|&i| l.is_failed(i)).collect();
+                match failed[..] {
+                    [d] => d,
+                    [] => return Err(Error::invalid(format!("pool '{pool}' has no failed device"))),
+                    _ => return Err(Error::invalid(format!("pool '{pool}' has several failed devices ({failed:?}): name one with \"device\""))),
+                }
+            }
+        };
+        if d >= l.devices.len() || !l.is_failed(d) {
+            return Err(Error::invalid(format!(
+                "device {d} of pool '{pool}' is not failed"
+            )));
+        }
+        self.run_rebuild(&p, d, 0)
+    }
+
+    pub fn stop_rebuild(&self, pool: &str) -> Result<Value> {
+        self.pool(pool)?;
+        match self.rebuilds().get(pool) {
+            Some(j) if j.is_running() => {
+                j.stop();
+                Ok(j.status())
+            }
+            _ => Err(Error::new(
+                ErrorKind::NotFound,
+                format!("no rebuild of pool '{pool}' is running"),
+            )),
+        }
+    }
+
+    /// The running or last rebuild of `pool`.
+    pub fn rebuild_status(&self, pool: &str) -> Result<Value> {
+        self.pool(pool)?;
+        self.rebuilds()
+            .get(pool)
+            .map(|j| j.status())
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NotFound,
+                    format!("pool '{pool}' has not been rebuilt since the node started"),
+                )
+            })
     }
 
     /// The running or last scrub of `pool`.

@@ -107,7 +107,7 @@ impl ScrubJob {
 
 /// The p99 of every client request of `pool`'s volumes completed since `last`
 /// (updated to now); `None` if there were none.
-fn client_p99(pool: &Pool, last: &mut Vec<(u32, Histogram)>) -> Option<f64> {
+pub(crate) fn client_p99(pool: &Pool, last: &mut Vec<(u32, Histogram)>) -> Option<f64> {
     let mut window = Histogram::default();
     let mut now = Vec::new();
     for v in pool.volumes() {

@@ -1,0 +1,274 @@
+//! Rebuild of a mirrored pool's device: a background job like scrub (its own thread, the
+//! "rebuild" background class: a bandwidth limit lowered while the pool's clients see
+//! their p99 latency rise), that copies the metadata units and every allocated unit onto
+//! a write-only member (tessera_pool::Layout::start_rebuild, docs/architecture.md).
+//!
+//! The cursor (the next pool unit to copy) is kept in `DATA_DIR/rebuild-POOL.json`,
+//! written after a device sync every `CURSOR_EVERY` units: a node that restarts resumes
+//! from it (units below it were copied, and every later write reached the device).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+use tessera_pool::Pool;
+use tessera_qos::background::{BackgroundLimits, Feedback, FEEDBACK_TICK};
+use tessera_qos::TokenBucket;
+
+use crate::scrub::client_p99;
+
+/// Bytes copied per step: small enough that a client request queued behind one on a
+/// shared disk does not wait long.
+const CHUNK: usize = 64 << 10;
+/// Units between two persisted cursors.
+const CURSOR_EVERY: u64 = 16;
+
+#[derive(Default)]
+struct Progress {
+    state: String,
+    device: usize,
+    started_unix: u64,
+    elapsed: Duration,
+    resumed_from: u64,
+    units_total: u64,
+    units_done: u64,
+    bytes_done: u64,
+    error: Option<String>,
+    rate_limit_bps: u64,
+    target_us: f64,
+    backoffs: u64,
+    client_p99_us: Option<f64>,
+}
+
+pub struct RebuildJob {
+    pool: String,
+    stop: AtomicBool,
+    progress: Mutex<Progress>,
+}
+
+/// The persisted cursor of a pool's rebuild.
+pub fn cursor_path(data_dir: &Path, pool: &str) -> PathBuf {
+    data_dir.join(format!("rebuild-{pool}.json"))
+}
+
+/// `(device, next unit)` of an unfinished rebuild of `pool`, if any.
+pub fn load_cursor(data_dir: &Path, pool: &str) -> Option<(usize, u64)> {
+    let t = std::fs::read_to_string(cursor_path(data_dir, pool)).ok()?;
+    let v: Value = serde_json::from_str(&t).ok()?;
+    Some((v["device"].as_u64()? as usize, v["next_unit"].as_u64()?))
+}
+
+fn save_cursor(path: &Path, device: usize, next: u64) {
+    let text = json!({"device": device, "next_unit": next}).to_string();
+    if let Err(e) = crate::registry::write_atomic(path, text.as_bytes()) {
+        eprintln!("tessera: cannot save the rebuild cursor: {e}");
+    }
+}
+
+impl RebuildJob {
+    fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.progress().state == "running"
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Relaxed);
+    }
+
+    pub fn status(&self) -> Value {
+        let p = self.progress();
+        let secs = p.elapsed.as_secs_f64();
+        let rate = if secs > 0.0 {
+            p.bytes_done as f64 / secs
+        } else {
+            0.0
+        };
+        let pct = if p.units_total == 0 {
+            100.0
+        } else {
+            p.units_done as f64 * 100.0 / p.units_total as f64
+        };
+        let left = p.units_total.saturating_sub(p.units_done);
+        let done_here = p.units_done.saturating_sub(p.resumed_from);
+        let eta =
+            (done_here > 0 && p.state == "running").then(|| secs / done_here as f64 * left as f64);
+        json!({
+            "pool": self.pool,
+            "device": p.device,
+            "state": p.state,
+            "started": p.started_unix,
+            "elapsed_s": (secs * 10.0).round() / 10.0,
+            "percent": (pct * 10.0).round() / 10.0,
+            "units_total": p.units_total,
+            "units_done": p.units_done,
+            "resumed_at_unit_count": p.resumed_from,
+            "bytes_done": p.bytes_done,
+            "rate_mibps": (rate / 1048576.0 * 10.0).round() / 10.0,
+            "eta_s": eta.map(|e| e.round()),
+            "error": p.error,
+            "background": {
+                "class": "rebuild",
+                "rate_limit_bps": p.rate_limit_bps,
+                "latency_target_us": p.target_us.round(),
+                "client_p99_us": p.client_p99_us.map(f64::round),
+                "backoffs": p.backoffs,
+            },
+        })
+    }
+}
+
+/// Start rebuilding device `device` of `pool` from pool unit `from` on (0: all), in the
+/// background; the device becomes a write-only member before this returns.
+pub fn start(
+    pool: Arc<Pool>,
+    device: usize,
+    from: u64,
+    limits: BackgroundLimits,
+    data_dir: &Path,
+) -> tessera_pool::Result<Arc<RebuildJob>> {
+    pool.start_rebuild(device)?;
+    let path = cursor_path(data_dir, pool.name());
+    save_cursor(&path, device, from);
+    let job = Arc::new(RebuildJob {
+        pool: pool.name().to_string(),
+        stop: AtomicBool::new(false),
+        progress: Mutex::new(Progress {
+            state: "running".into(),
+            device,
+            started_unix: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            rate_limit_bps: limits.bps,
+            ..Default::default()
+        }),
+    });
+    let j = job.clone();
+    std::thread::Builder::new()
+        .name(format!("tessera-rebuild-{}", pool.name()))
+        .spawn(move || run(&pool, &j, device, from, &limits, &path))
+        .map_err(|e| tessera_pool::Error::io("starting the rebuild thread", e))?;
+    Ok(job)
+}
+
+fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLimits, path: &Path) {
+    let t0 = Instant::now();
+    let all = pool.rebuild_units();
+    let unit = pool.core.unit_size();
+    // A resumed rebuild copies the metadata units again: the pool's open wrote them
+    // (a checkpoint) while the device was still failed.
+    let meta_units = pool.status().metadata / unit;
+    let todo = |u: u64| u >= from || u < meta_units;
+    let skipped = all.iter().filter(|&&u| !todo(u)).count() as u64;
+    {
+        let mut p = job.progress();
+        p.units_total = all.len() as u64;
+        p.units_done = skipped;
+        p.resumed_from = skipped;
+    }
+    let mut hist = Vec::new();
+    client_p99(pool, &mut hist);
+    std::thread::sleep(FEEDBACK_TICK);
+    let baseline = client_p99(pool, &mut hist);
+    let mut fb = Feedback::new(limits, limits.target_us(baseline));
+    job.progress().target_us = fb.target_us();
+    if from > 0 {
+        eprintln!(
+            "tessera: rebuild of device {d} of pool '{}' resumes at unit {from} ({skipped} of {} units done)",
+            job.pool,
+            all.len()
+        );
+    }
+    let now = Instant::now();
+    let mut bucket = TokenBucket::new(fb.rate(), fb.rate() / 10, 0, now);
+    let mut next_tick = now + FEEDBACK_TICK;
+    let mut buf = vec![0u8; CHUNK];
+    let mut since_save = 0;
+    let mut outcome: Result<bool, String> = Ok(true);
+    'units: for &u in all.iter().filter(|&&u| todo(u)) {
+        let mut off = 0u64;
+        while off < unit {
+            if job.stop.load(Relaxed) {
+                outcome = Ok(false);
+                break 'units;
+            }
+            let now = Instant::now();
+            if now >= next_tick {
+                next_tick = now + FEEDBACK_TICK;
+                let p99 = client_p99(pool, &mut hist);
+                let rate = fb.observe(p99);
+                bucket.set_rate(rate, (rate / 10).max(CHUNK as u64), now);
+                let mut p = job.progress();
+                p.rate_limit_bps = rate;
+                p.backoffs = fb.backoffs();
+                p.client_p99_us = p99;
+                p.elapsed = t0.elapsed();
+            }
+            let len = (unit - off).min(CHUNK as u64) as usize;
+            if let Err(wait) = bucket.try_consume(len as u64, now) {
+                std::thread::sleep(wait.min(FEEDBACK_TICK));
+                continue;
+            }
+            let at = u * unit + off;
+            match pool.core.layout.rebuild_range(d, at, &mut buf[..len]) {
+                Ok(n) => job.progress().bytes_done += n,
+                Err(e) => {
+                    outcome = Err(format!("unit {u}: {e}"));
+                    break 'units;
+                }
+            }
+            off += len as u64;
+        }
+        job.progress().units_done += 1;
+        since_save += 1;
+        if since_save >= CURSOR_EVERY {
+            since_save = 0;
+            // The copied units must be durable before the cursor says so.
+            if pool.core.layout.sync().is_ok() {
+                save_cursor(path, d, (u + 1).max(meta_units));
+            }
+        }
+    }
+    let outcome = outcome.and_then(|complete| {
+        if complete {
+            pool.finish_rebuild(d).map_err(|e| e.to_string())?;
+        }
+        Ok(complete)
+    });
+    // Only a node that dies mid-rebuild resumes from the cursor: a stopped or failed
+    // rebuild leaves the device failed (it misses writes from now on), so the next
+    // rebuild starts over.
+    if !matches!(outcome, Ok(true)) {
+        pool.core
+            .layout
+            .mark_failed(d, tessera_pool::layout::FAIL_MISSING);
+    }
+    let _ = std::fs::remove_file(path);
+    let mut p = job.progress();
+    p.elapsed = t0.elapsed();
+    match outcome {
+        Ok(true) => {
+            p.state = "done".into();
+            eprintln!(
+                "tessera: rebuild of device {d} of pool '{}' done: {} units, {:.1} s",
+                job.pool,
+                p.units_done,
+                p.elapsed.as_secs_f64()
+            );
+        }
+        Ok(false) => p.state = "stopped".into(),
+        Err(e) => {
+            eprintln!(
+                "tessera: rebuild of device {d} of pool '{}' failed: {e}",
+                job.pool
+            );
+            p.state = "failed".into();
+            p.error = Some(e);
+        }
+    }
+}
