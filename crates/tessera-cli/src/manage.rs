@@ -268,6 +268,9 @@ pub enum PoolCmd {
         /// Device index (default: the only failed device).
         #[arg(long)]
         device: Option<usize>,
+        /// Rebuild --device even if it is healthy (a full resync of that copy).
+        #[arg(long, requires = "device")]
+        force: bool,
         #[arg(long, conflicts_with = "stop")]
         status: bool,
         #[arg(long)]
@@ -363,6 +366,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
         PoolCmd::Rebuild {
             name,
             device,
+            force,
             status,
             stop,
             wait,
@@ -373,7 +377,12 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
             } else if status {
                 call(ep, "GET", &path, None)?
             } else {
-                call(ep, "POST", &path, Some(json!({ "device": device })))?
+                call(
+                    ep,
+                    "POST",
+                    &path,
+                    Some(json!({ "device": device, "force": force })),
+                )?
             };
             if wait {
                 use std::io::Write as _;

@@ -136,7 +136,11 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
         ("DELETE", ["v1", "volumes", name, "qos"]) => reply(node.set_volume_qos(name, Default::default()), 200),
         ("GET", ["v1", "pools", name, "rebuild"]) => reply(node.rebuild_status(name), 200),
         ("POST", ["v1", "pools", name, "rebuild"]) => reply(
-            node.start_rebuild(name, body.get("device").and_then(Value::as_u64).map(|d| d as usize)),
+            node.start_rebuild(
+                name,
+                body.get("device").and_then(Value::as_u64).map(|d| d as usize),
+                body.get("force").and_then(Value::as_bool).unwrap_or(false),
+            ),
             202,
         ),
         ("DELETE", ["v1", "pools", name, "rebuild"]) => reply(node.stop_rebuild(name), 200),

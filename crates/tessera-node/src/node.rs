@@ -488,8 +488,9 @@ impl Node {
 
     /// Rebuild failed device `device` of mirrored pool `pool` (the only failed one when
     /// `None`) in place — a device that came back, or a blank one at the same spec — in
-    /// the rebuild background class.
-    pub fn start_rebuild(&self, pool: &str, device: Option<usize>) -> Result<Value> {
+    /// the rebuild background class. `force`: rebuild a healthy device too (a full
+    /// resync of that copy).
+    pub fn start_rebuild(&self, pool: &str, device: Option<usize>, force: bool) -> Result<Value> {
         let p = self.pool(pool)?;
         let l = &p.core.layout;
         let d = match device {
@@ -503,7 +504,7 @@ impl Node {
                 }
             }
         };
-        if d >= l.devices.len() || !l.is_failed(d) {
+        if d >= l.devices.len() || !(force || l.is_failed(d)) {
             return Err(Error::invalid(format!(
                 "device {d} of pool '{pool}' is not failed"
             )));
