@@ -259,6 +259,15 @@ pub enum PoolCmd {
         #[arg(long, conflicts_with = "stop")]
         wait: bool,
     },
+    /// Put a new device (same size or larger, not ram/null) in place of failed device
+    /// --device of a mirrored pool. Takes effect at the next node start, where the
+    /// rebuild onto it starts by itself.
+    Replace {
+        name: String,
+        #[arg(long)]
+        device: usize,
+        new_device: String,
+    },
     /// Rebuild a failed device of a mirrored pool in place (a device that came back, or
     /// a blank one at the same path), copying every allocated unit from its mirror in the
     /// background (rebuild class limits). Starts one unless --status or --stop; --wait
@@ -362,6 +371,27 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
         PoolCmd::Destroy { name } => {
             call(ep, "DELETE", &format!("/v1/pools/{name}"), None)?;
             println!("pool {name} destroyed");
+        }
+        PoolCmd::Replace {
+            name,
+            device,
+            new_device,
+        } => {
+            let v = call(
+                ep,
+                "POST",
+                &format!("/v1/pools/{name}/replace"),
+                Some(json!({"device": device, "with": new_device})),
+            )?;
+            if raw {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            } else {
+                println!(
+                    "pool {name}: device {device} ({}) replaced by {}; restart the node to rebuild onto it",
+                    v["replaced"].as_str().unwrap_or("?"),
+                    v["with"].as_str().unwrap_or("?")
+                );
+            }
         }
         PoolCmd::Rebuild {
             name,

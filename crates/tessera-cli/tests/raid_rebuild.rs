@@ -150,4 +150,34 @@ fn raid1_rebuild_resumes_after_kill9_and_serves_alone() {
     assert_eq!(p["device_states"][0]["state"], "online", "{p}");
     assert_eq!(p["device_states"][1]["state"], "failed", "{p}");
     verify(&n, &model);
+
+    // Replace the lost device by a new one (another file): recorded, and at the next
+    // start the rebuild onto it runs by itself.
+    let c = format!("{d}/c.img:64M");
+    let small = n.cli(&[
+        "pool",
+        "replace",
+        "m",
+        "--device",
+        "1",
+        &format!("{d}/s.img:16M"),
+    ]);
+    assert!(!small.status.success(), "a smaller device was accepted");
+    let out = n.cli_ok(&["pool", "replace", "m", "--device", "1", &c]);
+    assert!(out.contains("restart"), "{out}");
+    n.stop();
+    n.restart();
+    let out = n.cli_ok(&["pool", "rebuild", "m", "--status", "--wait"]);
+    assert!(out.contains("done"), "{out}");
+    let p = pool(&n);
+    assert_eq!(p["state"], "online", "{p}");
+    assert!(p["devices"][1].as_str().unwrap().contains("c.img"), "{p}");
+    // And the original device can go now: c serves every byte.
+    n.stop();
+    std::fs::remove_file(n.dir.join("a.img")).unwrap();
+    n.restart();
+    let p = pool(&n);
+    assert_eq!(p["device_states"][0]["state"], "failed", "{p}");
+    assert_eq!(p["device_states"][1]["state"], "online", "{p}");
+    verify(&n, &model);
 }

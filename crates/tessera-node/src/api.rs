@@ -143,6 +143,13 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
             ),
             202,
         ),
+        ("POST", ["v1", "pools", name, "replace"]) => match (
+            body.get("device").and_then(Value::as_u64),
+            body.get("with").and_then(Value::as_str),
+        ) {
+            (Some(d), Some(w)) => reply(node.replace_device(name, d as usize, w), 200),
+            _ => Response::error(400, "replace needs {\"device\": index, \"with\": \"device spec\"}"),
+        },
         ("DELETE", ["v1", "pools", name, "rebuild"]) => reply(node.stop_rebuild(name), 200),
         ("GET", ["v1", "pools", name, "scrub"]) => reply(node.scrub_status(name), 200),
         ("POST", ["v1", "pools", name, "scrub"]) => reply(node.start_scrub(name), 202),

@@ -512,6 +512,89 @@ impl Node {
         self.run_rebuild(&p, d, 0)
     }
 
+    /// Put device spec `with` in place of failed device `index` of mirrored pool `pool`.
+    /// The layout's device list is fixed while a pool is open, so the replacement is
+    /// recorded (pools.json, the new device's label block cleared, a rebuild cursor at
+    /// unit 0) and takes effect at the next node start, where the rebuild onto it starts
+    /// by itself (docs/architecture.md "Rebuild job").
+    pub fn replace_device(&self, pool: &str, index: usize, with: &str) -> Result<Value> {
+        let _admin = self.admin.lock().unwrap_or_else(|e| e.into_inner());
+        let p = self.pool(pool)?;
+        let l = &p.core.layout;
+        if !l.kind.is_mirror() {
+            return Err(Error::invalid(format!(
+                "pool '{pool}' is {}: only raid1/raid10 devices can be replaced",
+                l.kind.name()
+            )));
+        }
+        if index >= l.devices.len() || !l.is_failed(index) {
+            return Err(Error::invalid(format!(
+                "device {index} of pool '{pool}' is not failed"
+            )));
+        }
+        if self.rebuilds().get(pool).is_some_and(|j| j.is_running()) {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!("a rebuild of pool '{pool}' is running"),
+            ));
+        }
+        let spec = canonical_spec(with);
+        let dev = open_devices(std::slice::from_ref(&with.to_string()))?.remove(0);
+        if dev.is_volatile() {
+            return Err(Error::invalid(
+                "a replacement must keep its contents across a restart (not ram/null)",
+            ));
+        }
+        let need = l.dev_data_len[index] + tessera_pool::format::DEV_DATA_START;
+        if dev.size() < need {
+            return Err(Error::invalid(format!(
+                "device {with} is smaller than the device it replaces ({} < {})",
+                format_size(dev.size()),
+                format_size(need)
+            )));
+        }
+        let mut b = vec![0u8; 4096];
+        if dev.read_at(0, &mut b).is_ok() {
+            if let Ok(Some(lab)) = tessera_pool::format::Label::decode(&b) {
+                if tessera_pool::uuid_string(&lab.uuid) != p.status().uuid {
+                    return Err(Error::new(
+                        ErrorKind::AlreadyExists,
+                        format!(
+                            "device {with} belongs to pool '{}'; destroy that pool first",
+                            lab.pool_name
+                        ),
+                    ));
+                }
+            }
+        }
+        // A cleared label: the pool opens it as failed, and the rebuild writes a full one.
+        dev.write_at(0, &[0u8; 4096])
+            .and_then(|()| dev.sync())
+            .map_err(|e| Error::io("clearing the replacement's label", e))?;
+        drop(dev);
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let before = entries.clone();
+        let e = entries
+            .iter_mut()
+            .find(|e| e.name == pool)
+            .ok_or_else(|| not_found("pool", pool))?;
+        let old = std::mem::replace(&mut e.devices[index], spec.clone());
+        if let Err(err) = self.save_registry(&entries) {
+            *entries = before;
+            return Err(err);
+        }
+        drop(entries);
+        crate::rebuild::save_cursor(
+            &crate::rebuild::cursor_path(&self.cfg.data_dir, pool),
+            index,
+            0,
+        );
+        Ok(json!({
+            "pool": pool, "device": index, "replaced": old, "with": spec,
+            "state": "recorded: restart the node; the rebuild onto the new device then starts by itself",
+        }))
+    }
+
     pub fn stop_rebuild(&self, pool: &str) -> Result<Value> {
         self.pool(pool)?;
         match self.rebuilds().get(pool) {

@@ -60,7 +60,7 @@ pub fn load_cursor(data_dir: &Path, pool: &str) -> Option<(usize, u64)> {
     Some((v["device"].as_u64()? as usize, v["next_unit"].as_u64()?))
 }
 
-fn save_cursor(path: &Path, device: usize, next: u64) {
+pub(crate) fn save_cursor(path: &Path, device: usize, next: u64) {
     let text = json!({"device": device, "next_unit": next}).to_string();
     if let Err(e) = crate::registry::write_atomic(path, text.as_bytes()) {
         eprintln!("tessera: cannot save the rebuild cursor: {e}");
