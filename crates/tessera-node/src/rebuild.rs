@@ -145,6 +145,7 @@ pub fn start(
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             rate_limit_bps: limits.bps,
+            units_total: pool.rebuild_units().len() as u64,
             ..Default::default()
         }),
     });
