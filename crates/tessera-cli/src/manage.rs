@@ -289,28 +289,18 @@ pub enum PoolCmd {
     },
 }
 
-/// One line for a rebuild status: a progress bar, rate and ETA.
-fn rebuild_line(v: &Value) -> String {
+/// The part of a background job's status line that scrub and rebuild share: a progress
+/// bar, units, rate, ETA and the class controller's limit.
+fn job_progress(v: &Value) -> String {
     let pct = v["percent"].as_f64().unwrap_or(0.0);
-    let filled = (pct / 5.0).round() as usize;
-    let bar = format!(
-        "[{}{}]",
-        "#".repeat(filled.min(20)),
-        ".".repeat(20 - filled.min(20))
-    );
+    let filled = ((pct / 5.0).round() as usize).min(20);
+    let bar = format!("[{}{}]", "#".repeat(filled), ".".repeat(20 - filled));
     let eta = v["eta_s"]
         .as_f64()
         .map(|e| format!(" eta {e:.0}s"))
         .unwrap_or_default();
-    let err = v["error"]
-        .as_str()
-        .map(|e| format!(": {e}"))
-        .unwrap_or_default();
     format!(
-        "rebuild {} device {} {}{err}: {bar} {pct:.1}% {}/{} units, {} MiB/s{eta}, limit {} MiB/s ({} backoffs)",
-        v["pool"].as_str().unwrap_or("?"),
-        v["device"],
-        v["state"].as_str().unwrap_or("?"),
+        "{bar} {pct:.1}% {}/{} units, {} MiB/s{eta}, limit {} MiB/s ({} backoffs)",
         v["units_done"],
         v["units_total"],
         v["rate_mibps"],
@@ -319,31 +309,52 @@ fn rebuild_line(v: &Value) -> String {
     )
 }
 
-/// One line for a scrub status: a progress bar, rate, ETA and findings.
-fn scrub_line(v: &Value) -> String {
-    let pct = v["percent"].as_f64().unwrap_or(0.0);
-    let filled = (pct / 5.0).round() as usize;
-    let bar = format!(
-        "[{}{}]",
-        "#".repeat(filled.min(20)),
-        ".".repeat(20 - filled.min(20))
-    );
-    let eta = v["eta_s"]
-        .as_f64()
-        .map(|e| format!(" eta {e:.0}s"))
+/// One line for a rebuild status.
+fn rebuild_line(v: &Value) -> String {
+    let err = v["error"]
+        .as_str()
+        .map(|e| format!(": {e}"))
         .unwrap_or_default();
     format!(
-        "scrub {} {}: {bar} {pct:.1}% {}/{} units, {} MiB/s{eta}, limit {} MiB/s ({} backoffs), {} read errors, {} metadata findings",
+        "rebuild {} device {} {}{err}: {}",
+        v["pool"].as_str().unwrap_or("?"),
+        v["device"],
+        v["state"].as_str().unwrap_or("?"),
+        job_progress(v),
+    )
+}
+
+/// One line for a scrub status, with its findings' counts.
+fn scrub_line(v: &Value) -> String {
+    format!(
+        "scrub {} {}: {}, {} read errors, {} metadata findings",
         v["pool"].as_str().unwrap_or("?"),
         v["state"].as_str().unwrap_or("?"),
-        v["units_done"],
-        v["units_total"],
-        v["rate_mibps"],
-        v["background"]["rate_limit_bps"].as_u64().unwrap_or(0) >> 20,
-        v["background"]["backoffs"],
+        job_progress(v),
         v["read_errors"],
         v["metadata_findings"].as_array().map_or(0, Vec::len),
     )
+}
+
+/// Follow a running job at `path` with a progress line until it ends; returns its last
+/// status.
+fn follow_job(
+    ep: &Endpoint,
+    path: &str,
+    mut v: Value,
+    raw: bool,
+    line: fn(&Value) -> String,
+) -> Result<Value, String> {
+    use std::io::Write as _;
+    while v["state"] == "running" {
+        if !raw {
+            print!("\r{}", line(&v));
+            let _ = std::io::stdout().flush();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        v = call(ep, "GET", path, None)?;
+    }
+    Ok(v)
 }
 
 pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
@@ -415,15 +426,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
                 )?
             };
             if wait {
-                use std::io::Write as _;
-                while v["state"] == "running" {
-                    if !raw {
-                        print!("\r{}", rebuild_line(&v));
-                        let _ = std::io::stdout().flush();
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(500));
-                    v = call(ep, "GET", &path, None)?;
-                }
+                v = follow_job(ep, &path, v, raw, rebuild_line)?;
             }
             if raw {
                 println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
@@ -449,25 +452,12 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
                 call(ep, "POST", &path, None)?
             };
             if wait {
-                use std::io::Write as _;
-                while v["state"] == "running" {
-                    if !raw {
-                        print!("\r{}", scrub_line(&v));
-                        let _ = std::io::stdout().flush();
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(500));
-                    v = call(ep, "GET", &path, None)?;
-                }
-                if !raw {
-                    println!("\r{}", scrub_line(&v));
-                }
+                v = follow_job(ep, &path, v, raw, scrub_line)?;
             }
             if raw {
                 println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             } else {
-                if !wait {
-                    println!("{}", scrub_line(&v));
-                }
+                println!("\r{}", scrub_line(&v));
                 for e in v["metadata_findings"]
                     .as_array()
                     .into_iter()

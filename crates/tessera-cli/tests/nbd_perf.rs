@@ -19,17 +19,7 @@ fn nbd_perf(n: &TestNode, pattern: &str) -> HashMap<String, f64> {
         "nbd-perf {pattern} failed: {stdout}{stderr}\nnode log:\n{}",
         n.log_text()
     );
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("RESULT "))
-        .unwrap_or_else(|| panic!("no RESULT line in:\n{stdout}{stderr}"));
-    line["RESULT ".len()..]
-        .split_whitespace()
-        .map(|kv| {
-            let (k, v) = kv.split_once('=').expect("key=value");
-            (k.to_string(), v.parse().expect("number"))
-        })
-        .collect()
+    result_fields(&stdout, &stderr, &format!("nbd-perf {pattern}"))
 }
 
 /// Fields every RESULT line carries besides iops and errors.

@@ -92,17 +92,7 @@ fn nvmf_perf(
         "{what} failed: {stdout}{stderr}\nnode log:\n{}",
         n.log_text()
     );
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("RESULT "))
-        .unwrap_or_else(|| panic!("{what}: no RESULT line in:\n{stdout}{stderr}"));
-    line["RESULT ".len()..]
-        .split_whitespace()
-        .map(|kv| {
-            let (k, v) = kv.split_once('=').expect("key=value");
-            (k.to_string(), v.parse().expect("number"))
-        })
-        .collect()
+    result_fields(&stdout, &stderr, &what)
 }
 
 #[test]

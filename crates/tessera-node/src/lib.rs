@@ -5,6 +5,7 @@ pub mod api;
 pub mod background;
 pub mod config;
 pub mod groups;
+mod job;
 pub mod listener;
 pub mod node;
 pub mod nvmf;

@@ -82,43 +82,31 @@ impl RebuildJob {
 
     pub fn status(&self) -> Value {
         let p = self.progress();
-        let secs = p.elapsed.as_secs_f64();
-        let rate = if secs > 0.0 {
-            p.bytes_done as f64 / secs
-        } else {
-            0.0
-        };
-        let pct = if p.units_total == 0 {
-            100.0
-        } else {
-            p.units_done as f64 * 100.0 / p.units_total as f64
-        };
-        let left = p.units_total.saturating_sub(p.units_done);
-        let done_here = p.units_done.saturating_sub(p.resumed_from);
-        let eta =
-            (done_here > 0 && p.state == "running").then(|| secs / done_here as f64 * left as f64);
-        json!({
-            "pool": self.pool,
-            "device": p.device,
-            "state": p.state,
-            "started": p.started_unix,
-            "elapsed_s": (secs * 10.0).round() / 10.0,
-            "percent": (pct * 10.0).round() / 10.0,
-            "units_total": p.units_total,
-            "units_done": p.units_done,
-            "resumed_at_unit_count": p.resumed_from,
-            "bytes_done": p.bytes_done,
-            "rate_mibps": (rate / 1048576.0 * 10.0).round() / 10.0,
-            "eta_s": eta.map(|e| e.round()),
-            "error": p.error,
-            "background": {
-                "class": "rebuild",
-                "rate_limit_bps": p.rate_limit_bps,
-                "latency_target_us": p.target_us.round(),
-                "client_p99_us": p.client_p99_us.map(f64::round),
-                "backoffs": p.backoffs,
-            },
-        })
+        let mut m = crate::job::Figures {
+            class: "rebuild",
+            running: p.state == "running",
+            elapsed: p.elapsed,
+            bytes_done: p.bytes_done,
+            units_done: p.units_done,
+            units_total: p.units_total,
+            counted_from: p.resumed_from,
+            rate_limit_bps: p.rate_limit_bps,
+            target_us: p.target_us,
+            client_p99_us: p.client_p99_us,
+            backoffs: p.backoffs,
+        }
+        .to_json();
+        for (k, v) in [
+            ("pool", json!(self.pool)),
+            ("device", json!(p.device)),
+            ("state", json!(p.state)),
+            ("started", json!(p.started_unix)),
+            ("resumed_at_unit_count", json!(p.resumed_from)),
+            ("error", json!(p.error)),
+        ] {
+            m.insert(k.to_string(), v);
+        }
+        Value::Object(m)
     }
 }
 

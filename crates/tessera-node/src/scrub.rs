@@ -63,45 +63,31 @@ impl ScrubJob {
 
     pub fn status(&self) -> Value {
         let p = self.progress();
-        let secs = p.elapsed.as_secs_f64();
-        let rate = if secs > 0.0 {
-            p.bytes_done as f64 / secs
-        } else {
-            0.0
-        };
-        let pct = if p.units_total == 0 {
-            100.0
-        } else {
-            p.units_done as f64 * 100.0 / p.units_total as f64
-        };
-        let left_units = p.units_total.saturating_sub(p.units_done);
-        let eta = if p.units_done > 0 && p.state == "running" {
-            Some(secs / p.units_done as f64 * left_units as f64)
-        } else {
-            None
-        };
-        json!({
-            "pool": self.pool,
-            "state": p.state,
-            "started": p.started_unix,
-            "elapsed_s": (secs * 10.0).round() / 10.0,
-            "percent": (pct * 10.0).round() / 10.0,
-            "units_total": p.units_total,
-            "units_done": p.units_done,
-            "bytes_done": p.bytes_done,
-            "rate_mibps": (rate / 1048576.0 * 10.0).round() / 10.0,
-            "eta_s": eta.map(|e| e.round()),
-            "read_errors": p.read_errors,
-            "errors": p.errors,
-            "metadata_findings": p.metadata,
-            "background": {
-                "class": "scrub",
-                "rate_limit_bps": p.rate_limit_bps,
-                "latency_target_us": p.target_us.round(),
-                "client_p99_us": p.client_p99_us.map(f64::round),
-                "backoffs": p.backoffs,
-            },
-        })
+        let mut m = crate::job::Figures {
+            class: "scrub",
+            running: p.state == "running",
+            elapsed: p.elapsed,
+            bytes_done: p.bytes_done,
+            units_done: p.units_done,
+            units_total: p.units_total,
+            counted_from: 0,
+            rate_limit_bps: p.rate_limit_bps,
+            target_us: p.target_us,
+            client_p99_us: p.client_p99_us,
+            backoffs: p.backoffs,
+        }
+        .to_json();
+        for (k, v) in [
+            ("pool", json!(self.pool)),
+            ("state", json!(p.state)),
+            ("started", json!(p.started_unix)),
+            ("read_errors", json!(p.read_errors)),
+            ("errors", json!(p.errors)),
+            ("metadata_findings", json!(p.metadata)),
+        ] {
+            m.insert(k.to_string(), v);
+        }
+        Value::Object(m)
     }
 }
 

@@ -338,3 +338,24 @@ pub fn nbd_perf(uri: &str, pattern: &str, qd: u32, secs: u64, extra: &[&str]) ->
     r.mibps = r.field("mibps");
     r
 }
+
+/// The `key=value` fields of the RESULT line a perf tool (`nbd-perf`, `nvmf perf`)
+/// printed on `stdout`; `what` and `stderr` go into the failure message.
+#[allow(dead_code)]
+pub fn result_fields(
+    stdout: &str,
+    stderr: &str,
+    what: &str,
+) -> std::collections::HashMap<String, f64> {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("RESULT "))
+        .unwrap_or_else(|| panic!("{what}: no RESULT line in:\n{stdout}{stderr}"));
+    line["RESULT ".len()..]
+        .split_whitespace()
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').expect("key=value");
+            (k.to_string(), v.parse().expect("number"))
+        })
+        .collect()
+}
