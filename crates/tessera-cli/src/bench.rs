@@ -39,7 +39,7 @@ pub struct BenchArgs {
     /// What to drive: the device itself, a pool over the devices, or a thin volume on it.
     #[arg(long, value_enum, default_value = "device")]
     target: Target,
-    /// Pool layout: concat, raid0, raid1 or raid10.
+    /// Pool layout: concat, raid0, raid1[:COPIES], raid10[:COPIES], raid5, raid6, ec:K+M.
     #[arg(long, default_value = "concat")]
     layout: String,
     /// Mirrors: copies (raid1: the number of devices; raid10: default 2).
@@ -247,22 +247,11 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
         });
     }
     let stripe = parse_size(&a.stripe_size).map_err(|e| e.to_string())?;
-    let layout = match a.layout.as_str() {
-        "concat" => LayoutKind::Concat,
-        "raid0" => LayoutKind::Raid0 { stripe },
-        "raid1" => LayoutKind::Raid1 {
-            copies: a.copies.unwrap_or(devs.len() as u32),
-        },
-        "raid10" => LayoutKind::Raid10 {
-            copies: a.copies.unwrap_or(2),
-            stripe,
-        },
-        l => {
-            return Err(format!(
-                "unknown layout '{l}' (concat, raid0, raid1, raid10)"
-            ))
-        }
+    let spec = match a.copies {
+        Some(c) => format!("{}:{c}", a.layout),
+        None => a.layout.clone(),
     };
+    let layout = LayoutKind::parse(&spec, stripe, devs.len())?;
     let unit_size = parse_size(&a.unit_size).map_err(|e| e.to_string())?;
     let pool = Arc::new(
         Pool::create(
@@ -381,8 +370,10 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
             .ok_or("--fail-device needs --target pool or volume")?
             .core
             .layout;
-        if !l.kind.is_mirror() || d >= l.devices.len() {
-            return Err("--fail-device takes a device index of a raid1/raid10 pool".into());
+        if !l.kind.is_redundant() || d >= l.devices.len() {
+            return Err(
+                "--fail-device takes a device index of a raid1/raid10/raid5/raid6/ec pool".into(),
+            );
         }
         l.mark_failed(d, tessera_pool::layout::FAIL_GONE);
     }

@@ -226,13 +226,15 @@ pub enum PoolCmd {
         name: String,
         #[arg(required = true)]
         devices: Vec<String>,
-        /// concat, raid0, raid1 (n-way mirror) or raid10 (striped mirror sets).
+        /// concat, raid0, raid1 (n-way mirror), raid10 (striped mirror sets), raid5 (XOR
+        /// parity), raid6 (P+Q parity) or ec:K+M (Reed-Solomon, e.g. ec:4+2).
         #[arg(long, default_value = "concat")]
         layout: String,
         /// Mirrors: copies of each block (raid1: the number of devices; raid10: default 2).
         #[arg(long)]
         copies: Option<u32>,
-        /// Stripe size for raid0/raid10 (power of two, 4K..16M).
+        /// Stripe size for raid0/raid10 (power of two, 4K..16M); chunk size for
+        /// raid5/raid6/ec (power of two, 4K..256K). Default 64K.
         #[arg(long)]
         stripe_size: Option<String>,
         /// Thin allocation unit (power of two, 64K..1G; default 1M).
@@ -243,15 +245,24 @@ pub enum PoolCmd {
         force: bool,
     },
     List,
+    /// A pool's state, and its rebuild and resync (after an unclean shutdown) if any.
+    Status {
+        name: String,
+    },
     /// Destroy an empty pool and wipe its device labels.
     Destroy {
         name: String,
     },
     /// Scrub a pool: re-read every allocated unit and the metadata in the background
-    /// (scrub class limits, backing off when client latency rises). Starts one unless
-    /// --status or --stop; --wait follows it with a progress bar until it ends.
+    /// (scrub class limits, backing off when client latency rises); on a mirror, compare
+    /// the copies and rewrite those that differ from the first readable copy (unless
+    /// --no-repair). Starts one unless --status or --stop; --wait follows it with a
+    /// progress bar until it ends.
     Scrub {
         name: String,
+        /// Only report mismatched copies, do not rewrite them.
+        #[arg(long, conflicts_with_all = ["stop", "status"])]
+        no_repair: bool,
         #[arg(long, conflicts_with = "stop")]
         status: bool,
         #[arg(long)]
@@ -327,11 +338,19 @@ fn rebuild_line(v: &Value) -> String {
 /// One line for a scrub status, with its findings' counts.
 fn scrub_line(v: &Value) -> String {
     format!(
-        "scrub {} {}: {}, {} read errors, {} metadata findings",
+        "{} {} {}: {}, {} read errors, {} bytes mismatched, {} repaired{}, {} metadata findings",
+        v["background"]["class"].as_str().unwrap_or("scrub"),
         v["pool"].as_str().unwrap_or("?"),
         v["state"].as_str().unwrap_or("?"),
         job_progress(v),
         v["read_errors"],
+        v["mismatched_bytes"],
+        v["repaired_bytes"],
+        if v["repair"] == false {
+            " (no repair)"
+        } else {
+            ""
+        },
         v["metadata_findings"].as_array().map_or(0, Vec::len),
     )
 }
@@ -379,6 +398,37 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
             show(&Value::Array(vec![v]), raw, print_pools);
         }
         PoolCmd::List => show(&call(ep, "GET", "/v1/pools", None)?, raw, print_pools),
+        PoolCmd::Status { name } => {
+            let v = call(ep, "GET", &format!("/v1/pools/{name}"), None)?;
+            if raw {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            } else {
+                println!(
+                    "pool {name}: {} {}, {} of {} allocated",
+                    v["state"].as_str().unwrap_or("?"),
+                    v["layout"].as_str().unwrap_or("?"),
+                    v["allocated"],
+                    v["capacity"],
+                );
+                for d in v["device_states"].as_array().into_iter().flatten() {
+                    println!(
+                        "  {} {}{}",
+                        d["device"].as_str().unwrap_or("?"),
+                        d["state"].as_str().unwrap_or("?"),
+                        d["reason"]
+                            .as_str()
+                            .map(|r| format!(" ({r})"))
+                            .unwrap_or_default()
+                    );
+                }
+                if v.get("rebuild").is_some() {
+                    println!("  {}", rebuild_line(&v["rebuild"]));
+                }
+                if v.get("resync").is_some() {
+                    println!("  {}", scrub_line(&v["resync"]));
+                }
+            }
+        }
         PoolCmd::Destroy { name } => {
             call(ep, "DELETE", &format!("/v1/pools/{name}"), None)?;
             println!("pool {name} destroyed");
@@ -439,6 +489,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
         }
         PoolCmd::Scrub {
             name,
+            no_repair,
             status,
             stop,
             wait,
@@ -449,7 +500,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
             } else if status {
                 call(ep, "GET", &path, None)?
             } else {
-                call(ep, "POST", &path, None)?
+                call(ep, "POST", &path, Some(json!({"repair": !no_repair})))?
             };
             if wait {
                 v = follow_job(ep, &path, v, raw, scrub_line)?;

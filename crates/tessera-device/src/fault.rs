@@ -1,8 +1,22 @@
 //! A fault-injecting wrapper: errors at chosen offsets or at a random rate, added latency,
-//! and a device that vanishes (every later I/O fails) at a chosen time or I/O count.
+//! a device that vanishes (every later I/O fails) at a chosen time or I/O count, and a
+//! device that stalls (hangs, for a bounded time).
 //!
 //! The knobs are atomics in a shared [`FaultConfig`], so a test can change them while I/O
 //! runs. Reading them costs uncontended loads; this device is for tests, not production.
+//!
+//! Spec keys (`fault:INNER;key=value;...`, see [`FaultConfig::set`]):
+//! - `latency_us=N`: every completion is N µs late;
+//! - `error_ppm=N`: random EIO on the datapath at N parts per million;
+//! - `fail_read=A-B`, `fail_write=A-B`: EIO for I/O touching the byte range [A, B);
+//! - `vanish_after_ios=N`, `vanish_after_ms=T`: the device disappears (ENODEV) after N I/Os
+//!   or T ms after it was opened;
+//! - `stall_ms=N`: the device hangs — every datapath I/O submitted while the knob is set
+//!   completes N ms late (errors included), and the synchronous face sleeps N ms before
+//!   each call. Bounded on purpose, so a test cannot hang forever; clearing the knob
+//!   ([`FaultConfig::unstall`]) does not hurry I/O already held;
+//! - `stall_after_ms=T`: the stall begins T ms after the device was opened (like
+//!   `vanish_after_ms`); it lasts `stall_ms`, or [`DEFAULT_STALL_MS`] if that is unset.
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -29,8 +43,17 @@ pub struct FaultConfig {
     pub vanish_after_ios: AtomicU64,
     /// Vanish this many milliseconds after the device was opened (0 = never).
     pub vanish_after_ms: AtomicU64,
+    /// Stall: every I/O submitted while this is set completes this many ms late (0 = no
+    /// stall, unless `stall_after_ms` started one).
+    pub stall_ms: AtomicU64,
+    /// Stall this many milliseconds after the device was opened (0 = never), for
+    /// `stall_ms` ms per I/O or [`DEFAULT_STALL_MS`] if that is 0.
+    pub stall_after_ms: AtomicU64,
     ios: AtomicU64,
 }
+
+/// How late an I/O completes under `stall_after_ms` when `stall_ms` is not set.
+pub const DEFAULT_STALL_MS: u64 = 30_000;
 
 impl FaultConfig {
     pub fn fail_reads(&self, start: u64, end: u64) {
@@ -43,6 +66,21 @@ impl FaultConfig {
     }
     pub fn vanish(&self) {
         self.vanished.store(true, Relaxed);
+    }
+    /// Vanish after `n` more I/Os (a crash test stops each device at its own point).
+    pub fn vanish_after_more(&self, n: u64) {
+        self.vanish_after_ios
+            .store(self.ios.load(Relaxed) + n.max(1), Relaxed);
+    }
+    /// Stall from now on: every I/O completes `delay` late (rounded down to ms; at least 1 ms).
+    pub fn stall(&self, delay: Duration) {
+        self.stall_ms
+            .store((delay.as_millis() as u64).max(1), Relaxed);
+    }
+    /// End the stall (`stall_ms` and `stall_after_ms`); I/O already held still waits.
+    pub fn unstall(&self) {
+        self.stall_after_ms.store(0, Relaxed);
+        self.stall_ms.store(0, Relaxed);
     }
     /// Apply one `key=value` setting (as used in device specs).
     pub fn set(&self, key: &str, value: &str) -> io::Result<()> {
@@ -67,7 +105,9 @@ impl FaultConfig {
             }
             "vanish_after_ios" => self.vanish_after_ios.store(num()?, Relaxed),
             "vanish_after_ms" => self.vanish_after_ms.store(num()?, Relaxed),
-            _ => return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("fault device: unknown setting '{key}' (latency_us, error_ppm, fail_read=A-B, fail_write=A-B, vanish_after_ios, vanish_after_ms)"))),
+            "stall_ms" => self.stall_ms.store(num()?, Relaxed),
+            "stall_after_ms" => self.stall_after_ms.store(num()?, Relaxed),
+            _ => return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("fault device: unknown setting '{key}' (latency_us, error_ppm, fail_read=A-B, fail_write=A-B, vanish_after_ios, vanish_after_ms, stall_ms, stall_after_ms)"))),
         }
         Ok(())
     }
@@ -86,6 +126,28 @@ impl FaultDevice {
             config,
             opened: Instant::now(),
         })
+    }
+
+    /// How long an I/O submitted now is held by the stall knobs (zero when not stalled).
+    fn stall_delay(&self) -> Duration {
+        let c = &self.config;
+        let ms = c.stall_ms.load(Relaxed);
+        let after = c.stall_after_ms.load(Relaxed);
+        if after == 0 {
+            return Duration::from_millis(ms);
+        }
+        if self.opened.elapsed() < Duration::from_millis(after) {
+            return Duration::ZERO;
+        }
+        Duration::from_millis(if ms == 0 { DEFAULT_STALL_MS } else { ms })
+    }
+
+    /// The synchronous face of a stall: the calling thread waits as long as an I/O would.
+    fn sync_stall(&self) {
+        let d = self.stall_delay();
+        if !d.is_zero() {
+            std::thread::sleep(d);
+        }
     }
 
     /// The error (negative errno) this I/O should fail with, if any.
@@ -164,7 +226,8 @@ struct FaultHandle {
 
 impl IoHandle for FaultHandle {
     fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
-        let latency = Duration::from_micros(self.dev.config.latency_us.load(Relaxed));
+        let latency = Duration::from_micros(self.dev.config.latency_us.load(Relaxed))
+            + self.dev.stall_delay();
         if let Some(err) = self.dev.verdict(&op, &mut self.rng) {
             return io.complete_after(latency, tag, err);
         }
@@ -194,6 +257,7 @@ impl BlockDevice for FaultDevice {
         self.inner.is_volatile()
     }
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.sync_stall();
         let c = &self.config;
         self.sync_check(Some((
             &c.fail_read_start,
@@ -204,6 +268,7 @@ impl BlockDevice for FaultDevice {
         self.inner.read_at(offset, buf)
     }
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        self.sync_stall();
         let c = &self.config;
         self.sync_check(Some((
             &c.fail_write_start,
@@ -214,10 +279,12 @@ impl BlockDevice for FaultDevice {
         self.inner.write_at(offset, buf)
     }
     fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.sync_stall();
         self.sync_check(None)?;
         self.inner.write_zeroes_at(offset, len)
     }
     fn sync(&self) -> io::Result<()> {
+        self.sync_stall();
         self.sync_check(None)?;
         self.inner.sync()
     }

@@ -5,6 +5,8 @@
 //!   (files, block devices) or completes inline (RAM, null);
 //! - a synchronous, thread-safe face ([`BlockDevice::read_at`] and friends) used by the
 //!   control plane and the metadata committer, which are not on a reactor core.
+//!
+//! [`Watchdog`] wraps datapath handles to report devices whose I/O hangs.
 
 use std::io;
 use std::sync::Arc;
@@ -17,13 +19,15 @@ pub mod file;
 pub mod null;
 pub mod ram;
 pub mod spec;
+pub mod watchdog;
 
 pub use crash::CrashDevice;
-pub use fault::{FaultConfig, FaultDevice};
+pub use fault::{FaultConfig, FaultDevice, DEFAULT_STALL_MS};
 pub use file::FileDevice;
 pub use null::NullDevice;
 pub use ram::RamDevice;
 pub use spec::{format_size, open_device, parse_size, DeviceSpec};
+pub use watchdog::{HangCallback, Watchdog};
 
 /// A block device shared between cores and the control plane.
 pub trait BlockDevice: Send + Sync {

@@ -126,3 +126,63 @@ fn specs_build_fault_devices_that_vanish_in_time() {
     let mut buf = vec![0u8; 512];
     assert_eq!(read(&mut io, &mut *h, 0, &mut buf), -libc::ENODEV);
 }
+
+#[test]
+fn a_stalled_device_completes_late_on_both_faces() {
+    let d = open_device(&DeviceSpec::parse("fault:ram:1M;stall_ms=30").unwrap()).unwrap();
+    let mut h = d.clone().open_handle();
+    let mut io = CoreIo::new(0, 16, None).unwrap();
+    let mut buf = vec![0u8; 512];
+    let t = Instant::now();
+    assert!(read(&mut io, &mut *h, 0, &mut buf) >= 0);
+    assert!(
+        t.elapsed() >= Duration::from_millis(30),
+        "{:?}",
+        t.elapsed()
+    );
+    let t = Instant::now();
+    d.read_at(0, &mut buf).unwrap();
+    d.write_at(0, &buf).unwrap();
+    assert!(
+        t.elapsed() >= Duration::from_millis(60),
+        "{:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn a_stall_can_start_late_and_be_cleared() {
+    let (dev, cfg, mut io) = setup();
+    cfg.set("stall_ms", "40").unwrap();
+    cfg.set("stall_after_ms", "50").unwrap();
+    let mut h = dev.clone().open_handle();
+    let mut buf = vec![0u8; 512];
+    let t = Instant::now();
+    assert!(read(&mut io, &mut *h, 0, &mut buf) >= 0);
+    assert!(t.elapsed() < Duration::from_millis(40), "{:?}", t.elapsed());
+    std::thread::sleep(Duration::from_millis(60));
+    let t = Instant::now();
+    assert!(read(&mut io, &mut *h, 0, &mut buf) >= 0);
+    assert!(
+        t.elapsed() >= Duration::from_millis(40),
+        "{:?}",
+        t.elapsed()
+    );
+    cfg.unstall();
+    let t = Instant::now();
+    assert!(read(&mut io, &mut *h, 0, &mut buf) >= 0);
+    dev.read_at(0, &mut buf).unwrap();
+    assert!(t.elapsed() < Duration::from_millis(40), "{:?}", t.elapsed());
+}
+
+#[test]
+fn unknown_settings_list_the_stall_keys() {
+    let err = FaultConfig::default()
+        .set("bogus", "1")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("stall_ms") && err.contains("stall_after_ms"),
+        "{err}"
+    );
+}

@@ -90,6 +90,10 @@ pub trait ErrorHook {
     }
 }
 
+/// A pending timer: (deadline, sequence, tag, result, background); see
+/// [`CoreIo::complete_after_background`].
+type Timer = (Instant, u64, Tag, i32, bool);
+
 /// Everything a core's datapath needs: its io_uring, its ready queue of synchronous
 /// completions, join/delay bookkeeping for split requests, timers and buffers.
 pub struct CoreIo {
@@ -98,8 +102,10 @@ pub struct CoreIo {
     ready: VecDeque<(Tag, i32)>,
     joins: Vec<Join>,
     free_joins: Vec<u32>,
-    timers: BinaryHeap<Reverse<(Instant, u64, Tag, i32)>>,
+    timers: BinaryHeap<Reverse<Timer>>,
     timer_seq: u64,
+    /// How many of `timers` are background timers.
+    background_timers: usize,
     /// SQEs pushed whose completions have not been reaped (excluding the reactor's own).
     pub(crate) ring_inflight: usize,
     pub bufs: BufPool,
@@ -144,6 +150,7 @@ impl CoreIo {
             free_joins: Vec::new(),
             timers: BinaryHeap::new(),
             timer_seq: 0,
+            background_timers: 0,
             ring_inflight: 0,
             bufs: BufPool::default(),
             remote,
@@ -193,8 +200,10 @@ impl CoreIo {
 
     /// Start the next round's deferred work (after the caller polled the ring).
     pub(crate) fn release_deferred(&mut self) {
+        // Through `complete`: a deferred internal tag (a layer's own continuation, e.g.
+        // a parity row waiting for its lock) resolves its join like any completion.
         for tag in std::mem::take(&mut self.deferred) {
-            self.ready.push_back((tag, 0));
+            self.complete(tag, 0);
         }
     }
 
@@ -323,9 +332,22 @@ impl CoreIo {
 
     /// Complete `tag` with `res` once `delay` has passed.
     pub fn complete_after(&mut self, delay: Duration, tag: Tag, res: i32) {
+        self.push_timer(delay, tag, res, false);
+    }
+
+    /// Like [`CoreIo::complete_after`], for housekeeping (a watchdog's periodic check):
+    /// the reactor fires it like any timer, but [`CoreIo::run_until_idle`] does not wait
+    /// for it once nothing else is pending (it fires in a later call when due).
+    pub fn complete_after_background(&mut self, delay: Duration, tag: Tag, res: i32) {
+        self.background_timers += 1;
+        self.push_timer(delay, tag, res, true);
+    }
+
+    fn push_timer(&mut self, delay: Duration, tag: Tag, res: i32, background: bool) {
         self.timer_seq += 1;
+        let when = Instant::now() + delay;
         self.timers
-            .push(Reverse((Instant::now() + delay, self.timer_seq, tag, res)));
+            .push(Reverse((when, self.timer_seq, tag, res, background)));
     }
 
     pub(crate) fn pop_ready(&mut self) -> Option<(Tag, i32)> {
@@ -343,11 +365,14 @@ impl CoreIo {
         // deadline that woke them (a QoS retry computed from a stale clock would be refused
         // again, and the reactor would spin on a due timer without ever sleeping).
         self.now = now;
-        while let Some(Reverse((when, _, tag, res))) = self.timers.peek().copied() {
+        while let Some(Reverse((when, _, tag, res, background))) = self.timers.peek().copied() {
             if when > now {
                 return Some(when - now);
             }
             self.timers.pop();
+            if background {
+                self.background_timers -= 1;
+            }
             self.complete(tag, res);
         }
         None
@@ -402,12 +427,14 @@ impl CoreIo {
                 continue;
             }
             if self.ring_inflight == 0 {
+                // Background timers alone do not keep the caller waiting.
+                let foreground = self.timers.len() > self.background_timers;
                 match next_timer {
-                    Some(d) => {
+                    Some(d) if foreground => {
                         std::thread::sleep(d);
                         continue;
                     }
-                    None => return,
+                    _ => return,
                 }
             }
             let _ = self.ring.submit_and_wait(1);

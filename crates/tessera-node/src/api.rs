@@ -79,6 +79,9 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
                     if let Ok(r) = node.rebuild_status(name) {
                         v["rebuild"] = r;
                     }
+                    if let Ok(r) = node.resync_status(name) {
+                        v["resync"] = r;
+                    }
                     v
                 }),
                 200,
@@ -152,7 +155,14 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
         },
         ("DELETE", ["v1", "pools", name, "rebuild"]) => reply(node.stop_rebuild(name), 200),
         ("GET", ["v1", "pools", name, "scrub"]) => reply(node.scrub_status(name), 200),
-        ("POST", ["v1", "pools", name, "scrub"]) => reply(node.start_scrub(name), 202),
+        ("POST", ["v1", "pools", name, "scrub"]) => match body.get("repair") {
+            None | Some(Value::Bool(_)) => reply(
+                node.start_scrub(name, body.get("repair").and_then(Value::as_bool).unwrap_or(true)),
+                202,
+            ),
+            Some(_) => Response::error(400, "field 'repair' must be true or false"),
+        },
+        ("GET", ["v1", "pools", name, "resync"]) => reply(node.resync_status(name), 200),
         ("DELETE", ["v1", "pools", name, "scrub"]) => reply(node.stop_scrub(name), 200),
         ("GET", ["v1", "background"]) => Response::json(200, &node.background.list()),
         ("PUT", ["v1", "background", class]) => match serde_json::from_value::<tessera_qos::BackgroundLimits>(body.clone()) {

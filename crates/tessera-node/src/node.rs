@@ -40,6 +40,8 @@ pub struct Node {
     pub background: crate::background::Background,
     scrubs: Mutex<BTreeMap<String, Arc<crate::scrub::ScrubJob>>>,
     rebuilds: Mutex<BTreeMap<String, Arc<crate::rebuild::RebuildJob>>>,
+    /// Mirror resyncs after an unclean shutdown (crate::scrub::start_resync), by pool.
+    resyncs: Mutex<BTreeMap<String, Arc<crate::scrub::ScrubJob>>>,
 }
 
 fn not_found(what: &str, name: &str) -> Error {
@@ -89,6 +91,7 @@ impl Node {
             background,
             scrubs: Mutex::new(BTreeMap::new()),
             rebuilds: Mutex::new(BTreeMap::new()),
+            resyncs: Mutex::new(BTreeMap::new()),
         });
         for e in entries {
             match node.restore_pool(&e) {
@@ -116,6 +119,26 @@ impl Node {
                         "tessera: pool '{}': cannot resume the rebuild of device {d}: {e}",
                         p.name()
                     );
+                }
+            }
+        }
+        // A mirrored pool whose previous run did not end with a clean shutdown may have
+        // copies that differ where a write was cut between them: resync it in the
+        // background (after a resumed rebuild). Parity pools recover from their journal.
+        for p in node.pools() {
+            if !p.opened_clean() && p.core.layout.kind.is_mirror() {
+                eprintln!(
+                    "tessera: pool '{}' was not shut down cleanly: resyncing its mirror copies",
+                    p.name()
+                );
+                match node.background.limits("resync").and_then(|l| {
+                    crate::scrub::start_resync(p.clone(), l)
+                        .map_err(|e| Error::io("starting the resync thread", e))
+                }) {
+                    Ok(job) => {
+                        node.resyncs().insert(p.name().to_string(), job);
+                    }
+                    Err(e) => eprintln!("tessera: pool '{}': cannot resync: {e}", p.name()),
                 }
             }
         }
@@ -434,9 +457,50 @@ impl Node {
         self.scrubs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Start a scrub of `pool` in the scrub background class.
-    pub fn start_scrub(&self, pool: &str) -> Result<Value> {
+    fn resyncs(&self) -> MutexGuard<'_, BTreeMap<String, Arc<crate::scrub::ScrubJob>>> {
+        self.resyncs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The running or last resync of `pool` (started at node start after an unclean
+    /// shutdown of a mirrored pool).
+    pub fn resync_status(&self, pool: &str) -> Result<Value> {
+        self.pool(pool)?;
+        self.resyncs().get(pool).map(|j| j.status()).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotFound,
+                format!("pool '{pool}' has not been resynced since the node started"),
+            )
+        })
+    }
+
+    /// Scrub, resync and rebuild of one pool exclude each other (they share the
+    /// layout's copy protocol). Checked with one job map locked at a time.
+    fn busy_with_copy_job(&self, pool: &str, except: &str) -> Option<&'static str> {
+        let running = |m: &BTreeMap<String, Arc<crate::scrub::ScrubJob>>| {
+            m.get(pool).is_some_and(|j| j.is_running())
+        };
+        if except != "scrub" && running(&self.scrubs()) {
+            return Some("scrub");
+        }
+        if except != "resync" && running(&self.resyncs()) {
+            return Some("resync");
+        }
+        if except != "rebuild" && self.rebuilds().get(pool).is_some_and(|j| j.is_running()) {
+            return Some("rebuild");
+        }
+        None
+    }
+
+    /// Start a scrub of `pool` in the scrub background class; `repair`: rewrite mirror
+    /// copies that differ from the first readable one.
+    pub fn start_scrub(&self, pool: &str, repair: bool) -> Result<Value> {
         let p = self.pool(pool)?;
+        if let Some(job) = self.busy_with_copy_job(pool, "scrub") {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!("a {job} of pool '{pool}' is running: scrub it after"),
+            ));
+        }
         let mut scrubs = self.scrubs();
         if scrubs.get(pool).is_some_and(|j| j.is_running()) {
             return Err(Error::new(
@@ -445,7 +509,7 @@ impl Node {
             ));
         }
         let limits = self.background.limits("scrub")?;
-        let job = crate::scrub::start(p, limits)
+        let job = crate::scrub::start(p, limits, repair)
             .map_err(|e| Error::io("starting the scrub thread", e))?;
         let v = job.status();
         scrubs.insert(pool.to_string(), job);
@@ -472,6 +536,12 @@ impl Node {
     }
 
     fn run_rebuild(&self, p: &Arc<Pool>, device: usize, from: u64) -> Result<Value> {
+        if let Some(job) = self.busy_with_copy_job(p.name(), "rebuild") {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!("a {job} of pool '{}' is running: stop it or wait", p.name()),
+            ));
+        }
         let mut jobs = self.rebuilds();
         if jobs.get(p.name()).is_some_and(|j| j.is_running()) {
             return Err(Error::new(
@@ -521,9 +591,9 @@ impl Node {
         let _admin = self.admin.lock().unwrap_or_else(|e| e.into_inner());
         let p = self.pool(pool)?;
         let l = &p.core.layout;
-        if !l.kind.is_mirror() {
+        if !l.kind.is_redundant() {
             return Err(Error::invalid(format!(
-                "pool '{pool}' is {}: only raid1/raid10 devices can be replaced",
+                "pool '{pool}' is {}: only devices of redundant pools (raid1/raid10/raid5/raid6/ec) can be replaced",
                 l.kind.name()
             )));
         }
@@ -866,42 +936,14 @@ impl ExportCatalog for Node {
     }
 }
 
-/// `layout` is a name, for mirrors optionally with `:COPIES` (raid1 defaults to one copy
-/// per device, raid10 to 2 copies).
+/// `layout` as users write it (see `LayoutKind::parse`).
 fn layout_kind(layout: &str, stripe: u64, ndev: usize) -> Result<LayoutKind> {
-    let (name, copies) = match layout.split_once(':') {
-        Some((n, c)) => (
-            n,
-            Some(
-                c.parse::<u32>()
-                    .map_err(|_| Error::invalid(format!("bad copies count '{c}'")))?,
-            ),
-        ),
-        None => (layout, None),
-    };
-    match (name, copies) {
-        ("concat", None) => Ok(LayoutKind::Concat),
-        ("raid0", None) => Ok(LayoutKind::Raid0 { stripe }),
-        ("raid1", c) => Ok(LayoutKind::Raid1 {
-            copies: c.unwrap_or(ndev as u32),
-        }),
-        ("raid10", c) => Ok(LayoutKind::Raid10 {
-            copies: c.unwrap_or(2),
-            stripe,
-        }),
-        (other, _) => Err(Error::invalid(format!(
-            "unknown layout '{other}' (this node supports concat, raid0, raid1 and raid10; copies only for raid1/raid10)"
-        ))),
-    }
+    LayoutKind::parse(layout, stripe, ndev).map_err(Error::invalid)
 }
 
-/// How the registry records a layout: mirrors with their copies.
+/// How the registry records a layout: mirrors with their copies, ec with k+m.
 fn layout_spec(kind: &LayoutKind) -> String {
-    if kind.is_mirror() {
-        format!("{}:{}", kind.name(), kind.copies())
-    } else {
-        kind.name().to_string()
-    }
+    kind.spec()
 }
 
 fn open_devices(specs: &[String]) -> Result<Vec<Arc<dyn BlockDevice>>> {
@@ -975,7 +1017,7 @@ pub fn pool_json(p: &Pool) -> Value {
     let s = p.status();
     json!({
         "name": s.name, "state": s.state, "uuid": s.uuid, "layout": s.layout, "stripe_size": s.stripe_size,
-        "copies": s.copies,
+        "copies": s.copies, "parity": s.parity, "layout_spec": s.spec,
         "device_states": s.devices.iter().zip(&s.device_states).map(|(d, (st, why))| {
             if why.is_empty() { json!({"device": d, "state": st}) } else { json!({"device": d, "state": st, "reason": why}) }
         }).collect::<Vec<_>>(),

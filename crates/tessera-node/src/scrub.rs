@@ -8,6 +8,12 @@
 //! The pass runs on its own thread with the devices' synchronous face: it is background
 //! work by definition, and the feedback loop (not a reactor's budget) decides how much
 //! of the machine it may take.
+//!
+//! Each chunk goes through `Layout::scrub_range` (tessera-pool/src/scrub.rs): mirrors
+//! compare their copies and, with `repair` (the default), rewrite the ones that differ
+//! from the first readable copy. The same job, in the "resync" background class and
+//! always repairing, is the mirror resync a node starts when a pool was not shut down
+//! cleanly (`start_resync`).
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -15,7 +21,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 use tessera_io::hist::Histogram;
-use tessera_pool::Pool;
+use tessera_pool::{Pool, ScrubFindings};
 use tessera_qos::background::{BackgroundLimits, Feedback, FEEDBACK_TICK};
 use tessera_qos::TokenBucket;
 
@@ -34,6 +40,8 @@ struct Progress {
     units_done: u64,
     bytes_done: u64,
     read_errors: u64,
+    /// What `scrub_range` found, summed over the pass (ranges capped at 100).
+    found: ScrubFindings,
     errors: Vec<String>,
     metadata: Vec<String>,
     rate_limit_bps: u64,
@@ -44,6 +52,9 @@ struct Progress {
 
 pub struct ScrubJob {
     pool: String,
+    /// Background class: "scrub", or "resync" (after an unclean shutdown).
+    class: &'static str,
+    repair: bool,
     stop: AtomicBool,
     progress: Mutex<Progress>,
 }
@@ -64,7 +75,7 @@ impl ScrubJob {
     pub fn status(&self) -> Value {
         let p = self.progress();
         let mut m = crate::job::Figures {
-            class: "scrub",
+            class: self.class,
             running: p.state == "running",
             elapsed: p.elapsed,
             bytes_done: p.bytes_done,
@@ -81,7 +92,20 @@ impl ScrubJob {
             ("pool", json!(self.pool)),
             ("state", json!(p.state)),
             ("started", json!(p.started_unix)),
+            ("repair", json!(self.repair)),
             ("read_errors", json!(p.read_errors)),
+            ("mismatched_bytes", json!(p.found.mismatched)),
+            ("repaired_bytes", json!(p.found.repaired)),
+            ("unreadable_bytes", json!(p.found.unreadable)),
+            (
+                "mismatched_ranges",
+                json!(p
+                    .found
+                    .ranges
+                    .iter()
+                    .map(|&(o, l)| json!({"offset": o, "len": l}))
+                    .collect::<Vec<_>>()),
+            ),
             ("errors", json!(p.errors)),
             ("metadata_findings", json!(p.metadata)),
         ] {
@@ -107,10 +131,36 @@ pub(crate) fn client_p99(pool: &Pool, last: &mut Vec<(u32, Histogram)>) -> Optio
     (window.count() > 0).then(|| window.quantile(0.99) as f64 / 1000.0)
 }
 
-/// Start a scrub of `pool` in the background; the returned job reports progress.
-pub fn start(pool: Arc<Pool>, limits: BackgroundLimits) -> std::io::Result<Arc<ScrubJob>> {
+/// Start a scrub of `pool` in the background (`repair`: make differing mirror copies
+/// equal); the returned job reports progress.
+pub fn start(
+    pool: Arc<Pool>,
+    limits: BackgroundLimits,
+    repair: bool,
+) -> std::io::Result<Arc<ScrubJob>> {
+    spawn(pool, limits, "scrub", repair)
+}
+
+/// Start the resync of a mirrored pool whose previous run did not end with a clean
+/// shutdown: a scrub with repair in the "resync" class over the metadata and every
+/// allocated unit (docs/architecture.md "Scrub and resync"). It starts after a rebuild
+/// of the pool (resumed at start) completes, and keeps no cursor: a node that stops
+/// before it completes resyncs from the start at the next start (the pool is still
+/// marked unclean then).
+pub fn start_resync(pool: Arc<Pool>, limits: BackgroundLimits) -> std::io::Result<Arc<ScrubJob>> {
+    spawn(pool, limits, "resync", true)
+}
+
+fn spawn(
+    pool: Arc<Pool>,
+    limits: BackgroundLimits,
+    class: &'static str,
+    repair: bool,
+) -> std::io::Result<Arc<ScrubJob>> {
     let job = Arc::new(ScrubJob {
         pool: pool.name().to_string(),
+        class,
+        repair,
         stop: AtomicBool::new(false),
         progress: Mutex::new(Progress {
             state: "running",
@@ -124,13 +174,21 @@ pub fn start(pool: Arc<Pool>, limits: BackgroundLimits) -> std::io::Result<Arc<S
     });
     let j = job.clone();
     std::thread::Builder::new()
-        .name(format!("tessera-scrub-{}", pool.name()))
+        .name(format!("tessera-{class}-{}", pool.name()))
         .spawn(move || run(&pool, &j, &limits))?;
     Ok(job)
 }
 
 fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
+    let layout = &pool.core.layout;
+    // A rebuild (resumed at start) uses the same copy protocol: the resync waits for it.
+    while layout.rebuilding.load(Relaxed) != 0 && !job.stop.load(Relaxed) {
+        std::thread::sleep(FEEDBACK_TICK);
+    }
     let t0 = Instant::now();
+    // Mirrors: client writes are tracked for the whole pass, so a repair never writes
+    // a stale copy over one (tessera_pool::scrub).
+    let _track = layout.kind.is_mirror().then(|| layout.track_writes());
     // The clients' latency just before we start is the baseline the target derives from.
     let mut hist = Vec::new();
     client_p99(pool, &mut hist);
@@ -138,7 +196,8 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
     let baseline = client_p99(pool, &mut hist);
     let mut fb = Feedback::new(limits, limits.target_us(baseline));
     let metadata = pool.verify_metadata();
-    let units = pool.allocated_units();
+    // The metadata units too: on a mirror their copies are compared like data.
+    let units = pool.rebuild_units();
     let unit = pool.core.unit_size();
     {
         let mut p = job.progress();
@@ -150,7 +209,6 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
     // A bucket of 100 ms of the rate: smooth, and a rate change applies within a tick.
     let mut bucket = TokenBucket::new(fb.rate(), fb.rate() / 10, 0, now);
     let mut next_tick = now + FEEDBACK_TICK;
-    let mut buf = vec![0u8; CHUNK];
     let mut stopped = false;
     'units: for &u in &units {
         let base = u * unit;
@@ -178,15 +236,31 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
                 continue;
             }
             let at = base + off;
-            if let Err(e) = pool.core.layout.read_at(at, &mut buf[..len]) {
-                let mut p = job.progress();
-                p.read_errors += 1;
-                if p.errors.len() < MAX_REPORTED {
-                    p.errors.push(format!(
-                        "unit {u}: read of {len} bytes at pool offset {at} failed: {e}"
-                    ));
+            let r = layout.scrub_range(at, len as u64, job.repair);
+            let mut p = job.progress();
+            match r {
+                Ok(f) => {
+                    p.found.add(&f);
+                    if f.unreadable > 0 {
+                        p.read_errors += 1;
+                        if p.errors.len() < MAX_REPORTED {
+                            p.errors.push(format!(
+                                "unit {u}: {} of {len} bytes at pool offset {at} unreadable on every copy",
+                                f.unreadable
+                            ));
+                        }
+                    }
+                }
+                Err(e) => {
+                    p.read_errors += 1;
+                    if p.errors.len() < MAX_REPORTED {
+                        p.errors.push(format!(
+                            "unit {u}: scrub of {len} bytes at pool offset {at} failed: {e}"
+                        ));
+                    }
                 }
             }
+            drop(p);
             off += len as u64;
             job.progress().bytes_done += len as u64;
         }
@@ -197,10 +271,13 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
     p.state = if stopped { "stopped" } else { "done" };
     if !stopped {
         eprintln!(
-            "tessera: scrub of pool '{}' done: {} units, {} read errors, {} metadata findings",
+            "tessera: {} of pool '{}' done: {} units, {} read errors, {} bytes mismatched, {} repaired, {} metadata findings",
+            job.class,
             job.pool,
             p.units_done,
             p.read_errors,
+            p.found.mismatched,
+            p.found.repaired,
             p.metadata.len()
         );
     }

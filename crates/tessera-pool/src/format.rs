@@ -116,6 +116,30 @@ pub enum LayoutCode {
     Raid0 = 2,
     Raid1 = 3,
     Raid10 = 4,
+    Raid5 = 5,
+    Raid6 = 6,
+    Ec = 7,
+}
+
+impl LayoutCode {
+    pub fn is_parity(self) -> bool {
+        matches!(self, LayoutCode::Raid5 | LayoutCode::Raid6 | LayoutCode::Ec)
+    }
+
+    /// Survives a device loss: a missing device's label can be done without at open.
+    pub fn is_redundant(self, copies: u32) -> bool {
+        self.is_parity() || copies > 1
+    }
+
+    /// Device offset where the layout's data begins (parity layouts keep their stripe
+    /// journal between the label and the data, docs/format.md §2.1).
+    pub fn data_start(self) -> u64 {
+        if self.is_parity() {
+            DEV_DATA_START + (16 << 20)
+        } else {
+            DEV_DATA_START
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -150,7 +174,7 @@ impl Label {
         w.u32(self.layout as u32);
         w.u32(self.copies);
         w.u64(self.stripe);
-        w.u64(DEV_DATA_START);
+        w.u64(self.layout.data_start());
         w.u64(self.data_len);
         w.u64(self.unit_size);
         let name = self.pool_name.as_bytes();
@@ -185,6 +209,9 @@ impl Label {
             2 => LayoutCode::Raid0,
             3 => LayoutCode::Raid1,
             4 => LayoutCode::Raid10,
+            5 => LayoutCode::Raid5,
+            6 => LayoutCode::Raid6,
+            7 => LayoutCode::Ec,
             n => {
                 return Err(Error::corrupt(format!(
                     "device label names unknown layout {n}"
@@ -324,6 +351,8 @@ impl Superblock {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CheckpointHeader {
+    /// `CKPT_FLAG_*` (offset 12; 0 in checkpoints written before flags existed).
+    pub flags: u32,
     pub generation: u64,
     pub journal_seq: u64,
     pub catalog_len: u32,
@@ -333,13 +362,16 @@ pub struct CheckpointHeader {
     pub uuid: Uuid,
 }
 
+/// Checkpoint flag: written by a clean shutdown (docs/format.md §3.2).
+pub const CKPT_FLAG_CLEAN: u32 = 1;
+
 impl CheckpointHeader {
     pub fn encode(&self) -> [u8; BLOCK] {
         let mut b = [0u8; BLOCK];
         let mut w = W { b: &mut b, at: 0 };
         w.put(CKPT_MAGIC);
         w.u32(FORMAT_VERSION);
-        w.u32(0);
+        w.u32(self.flags);
         w.u64(self.generation);
         w.u64(self.journal_seq);
         w.u32(self.catalog_len);
@@ -360,8 +392,9 @@ impl CheckpointHeader {
         if r.u32().ok()? != FORMAT_VERSION {
             return None;
         }
-        r.u32().ok()?;
+        let flags = r.u32().ok()?;
         Some(CheckpointHeader {
+            flags,
             generation: r.u64().ok()?,
             journal_seq: r.u64().ok()?,
             catalog_len: r.u32().ok()?,

@@ -30,6 +30,20 @@ pub enum LayoutKind {
         copies: u32,
         stripe: u64,
     },
+    /// Rotating single parity (XOR) over all devices: n-1 data chunks per row.
+    Raid5 {
+        stripe: u64,
+    },
+    /// Rotating P+Q parity (Linux md's RAID6 code): n-2 data chunks per row.
+    Raid6 {
+        stripe: u64,
+    },
+    /// Reed-Solomon erasure coding: k data and m parity chunks per row (k+m devices).
+    Ec {
+        k: u32,
+        m: u32,
+        stripe: u64,
+    },
 }
 
 impl LayoutKind {
@@ -39,6 +53,9 @@ impl LayoutKind {
             LayoutKind::Raid0 { .. } => "raid0",
             LayoutKind::Raid1 { .. } => "raid1",
             LayoutKind::Raid10 { .. } => "raid10",
+            LayoutKind::Raid5 { .. } => "raid5",
+            LayoutKind::Raid6 { .. } => "raid6",
+            LayoutKind::Ec { .. } => "ec",
         }
     }
 
@@ -52,13 +69,93 @@ impl LayoutKind {
 
     pub fn stripe(&self) -> u64 {
         match *self {
-            LayoutKind::Raid0 { stripe } | LayoutKind::Raid10 { stripe, .. } => stripe,
+            LayoutKind::Raid0 { stripe }
+            | LayoutKind::Raid10 { stripe, .. }
+            | LayoutKind::Raid5 { stripe }
+            | LayoutKind::Raid6 { stripe }
+            | LayoutKind::Ec { stripe, .. } => stripe,
             _ => 0,
         }
     }
 
+    /// Parity chunks per row (0 for the layouts without parity).
+    pub fn parity(&self) -> u32 {
+        match *self {
+            LayoutKind::Raid5 { .. } => 1,
+            LayoutKind::Raid6 { .. } => 2,
+            LayoutKind::Ec { m, .. } => m,
+            _ => 0,
+        }
+    }
+
+    pub fn is_parity(&self) -> bool {
+        self.parity() > 0
+    }
+
+    /// Survives the loss of at least one device.
+    pub fn is_redundant(&self) -> bool {
+        self.is_mirror() || self.is_parity()
+    }
+
     pub fn is_mirror(&self) -> bool {
         self.copies() > 1
+    }
+
+    /// A layout as users write it: `concat`, `raid0`, `raid1[:COPIES]` (default: one copy
+    /// per device), `raid10[:COPIES]` (default 2), `raid5`, `raid6`, `ec:K+M` (or `ec:M`,
+    /// K being the other devices); `stripe` is the stripe (parity: chunk) size.
+    pub fn parse(spec: &str, stripe: u64, ndev: usize) -> Result<LayoutKind, String> {
+        let (name, arg) = match spec.split_once(':') {
+            Some((n, a)) => (n, Some(a)),
+            None => (spec, None),
+        };
+        let num = |a: &str| {
+            a.parse::<u32>()
+                .map_err(|_| format!("bad number '{a}' in layout '{spec}'"))
+        };
+        match (name, arg) {
+            ("concat", None) => Ok(LayoutKind::Concat),
+            ("raid0", None) => Ok(LayoutKind::Raid0 { stripe }),
+            ("raid1", c) => Ok(LayoutKind::Raid1 {
+                copies: c.map(num).transpose()?.unwrap_or(ndev as u32),
+            }),
+            ("raid10", c) => Ok(LayoutKind::Raid10 {
+                copies: c.map(num).transpose()?.unwrap_or(2),
+                stripe,
+            }),
+            ("raid5", None) => Ok(LayoutKind::Raid5 { stripe }),
+            ("raid6", None) => Ok(LayoutKind::Raid6 { stripe }),
+            ("ec", Some(a)) => {
+                let (k, m) = match a.split_once('+') {
+                    Some((k, m)) => (num(k)?, num(m)?),
+                    None => {
+                        let m = num(a)?;
+                        ((ndev as u32).saturating_sub(m), m)
+                    }
+                };
+                if k == 0 || m == 0 || (k + m) as usize != ndev {
+                    return Err(format!(
+                        "layout '{spec}' needs k+m devices with k, m at least 1 (got {ndev} devices)"
+                    ));
+                }
+                Ok(LayoutKind::Ec { k, m, stripe })
+            }
+            ("ec", None) => Err("ec needs its shape: ec:K+M (e.g. ec:4+2)".into()),
+            (_, _) => Err(format!(
+                "unknown layout '{spec}' (concat, raid0, raid1[:COPIES], raid10[:COPIES], raid5, raid6, ec:K+M)"
+            )),
+        }
+    }
+
+    /// The inverse of [`LayoutKind::parse`] (without the stripe size).
+    pub fn spec(&self) -> String {
+        match *self {
+            LayoutKind::Raid1 { copies } | LayoutKind::Raid10 { copies, .. } => {
+                format!("{}:{copies}", self.name())
+            }
+            LayoutKind::Ec { k, m, .. } => format!("ec:{k}+{m}"),
+            _ => self.name().to_string(),
+        }
     }
 }
 
@@ -113,13 +210,17 @@ pub struct Layout {
     /// reads never do (docs/architecture.md "Rebuild").
     pub rebuilding: AtomicU64,
     /// Rebuild: the pool range `[start, end)` being copied (`u64::MAX` start: none).
-    copy_start: AtomicU64,
-    copy_end: AtomicU64,
+    pub(crate) copy_start: AtomicU64,
+    pub(crate) copy_end: AtomicU64,
     /// Set by a write that overlaps the range being copied: the copy is redone.
-    copy_dirty: AtomicBool,
+    pub(crate) copy_dirty: AtomicBool,
     /// Writes in flight while a rebuild runs, by epoch parity (see `begin_write`).
-    epoch: AtomicU64,
-    inflight: [AtomicU64; 2],
+    pub(crate) epoch: AtomicU64,
+    pub(crate) inflight: [AtomicU64; 2],
+    /// Scrub repair running (a count): writes are tracked as during a rebuild (scrub.rs).
+    pub(crate) tracking: AtomicU64,
+    /// Parity layouts: geometry, code, row locks and journal (crate::parity).
+    pub(crate) parity: Option<crate::parity::Parity>,
 }
 
 /// A contiguous piece of a logical range on one device.
@@ -151,6 +252,7 @@ impl Layout {
                 devices[i].describe()
             ));
         }
+        let min = usable.iter().min().copied().unwrap_or(0);
         let (dev_data_len, starts, stripe_shift, size) = match kind {
             LayoutKind::Concat => {
                 let mut starts = Vec::new();
@@ -213,6 +315,40 @@ impl Layout {
                     per * sets,
                 )
             }
+            // Sized below, with the parity geometry.
+            LayoutKind::Raid5 { .. } | LayoutKind::Raid6 { .. } | LayoutKind::Ec { .. } => {
+                (Vec::new(), Vec::new(), 0, 0)
+            }
+        };
+        let mut parity = None;
+        let (dev_data_len, stripe_shift, size) = if kind.is_parity() {
+            let mut p = crate::parity::Parity::new(
+                kind.parity() as usize,
+                devices.len(),
+                kind.stripe(),
+                min,
+            )?;
+            if let LayoutKind::Ec { k, m, .. } = kind {
+                if (k + m) as usize != devices.len() {
+                    return Err(format!(
+                        "ec {k}+{m} needs {} devices, got {}",
+                        k + m,
+                        devices.len()
+                    ));
+                }
+            }
+            if matches!(kind, LayoutKind::Raid6 { .. }) {
+                p.use_pq();
+            }
+            let r = (
+                vec![p.rows * p.chunk; devices.len()],
+                kind.stripe().trailing_zeros(),
+                p.rows * p.row_bytes,
+            );
+            parity = Some(p);
+            r
+        } else {
+            (dev_data_len, stripe_shift, size)
         };
         let (copies, sets) = match kind {
             LayoutKind::Raid1 { copies } => (copies, 1),
@@ -240,6 +376,8 @@ impl Layout {
             copy_dirty: AtomicBool::new(false),
             epoch: AtomicU64::new(0),
             inflight: [AtomicU64::new(0), AtomicU64::new(0)],
+            tracking: AtomicU64::new(0),
+            parity,
         })
     }
 
@@ -251,6 +389,9 @@ impl Layout {
                 ((offset + len - 1) >> self.stripe_shift) - (offset >> self.stripe_shift) + 1
             }
             LayoutKind::Raid1 { .. } => 1,
+            LayoutKind::Raid5 { stripe }
+            | LayoutKind::Raid6 { stripe }
+            | LayoutKind::Ec { stripe, .. } => (offset + len - 1) / stripe - offset / stripe + 1,
             LayoutKind::Concat => {
                 let first = self.concat_dev(offset);
                 let last = self.concat_dev(offset + len - 1);
@@ -279,6 +420,17 @@ impl Layout {
                     dev: ((s % self.sets) * self.copies as u64) as usize,
                     dev_offset: DEV_DATA_START + ((s / self.sets) << shift) + within,
                     len: len.min(stripe - within),
+                    range_offset: 0,
+                }
+            }
+            // The data chunk holding `offset` (parity chunks are not part of the space).
+            LayoutKind::Raid5 { .. } | LayoutKind::Raid6 { .. } | LayoutKind::Ec { .. } => {
+                let p = self.parity_geo();
+                let (r, i, off) = p.locate(offset);
+                Piece {
+                    dev: p.shard_dev(r, i),
+                    dev_offset: p.row_offset(r) + off,
+                    len: len.min(p.chunk - off),
                     range_offset: 0,
                 }
             }
@@ -328,7 +480,7 @@ impl Layout {
         })
     }
 
-    fn check(&self, offset: u64, len: u64) -> io::Result<()> {
+    pub(crate) fn check(&self, offset: u64, len: u64) -> io::Result<()> {
         match offset.checked_add(len) {
             Some(e) if e <= self.size => Ok(()),
             _ => Err(io::Error::new(
@@ -364,8 +516,38 @@ impl Layout {
     }
 
     #[inline]
-    fn is_readable(&self, d: usize) -> bool {
+    pub(crate) fn is_readable(&self, d: usize) -> bool {
         self.unreadable() & (1 << d) == 0
+    }
+
+    #[inline]
+    pub(crate) fn is_readable_dev(&self, d: usize) -> bool {
+        self.is_readable(d)
+    }
+
+    #[inline]
+    pub(crate) fn failed_bits(&self) -> u64 {
+        self.failed.load(Relaxed)
+    }
+
+    #[inline]
+    pub(crate) fn rebuilding_bits(&self) -> u64 {
+        self.rebuilding.load(Relaxed)
+    }
+
+    /// Parity layouts: the pool's UUID, stamped into stripe-journal records.
+    pub fn set_pool_uuid(&self, uuid: [u8; 16]) {
+        if let Some(p) = &self.parity {
+            let _ = p.uuid.set(uuid);
+        }
+    }
+
+    /// Parity layouts: zero the journal and data areas of a new pool.
+    pub fn format_parity(&self) -> io::Result<()> {
+        if self.parity.is_some() {
+            self.parity_format()?;
+        }
+        Ok(())
     }
 
     /// A write to pool range `[offset, offset+len)` starts while a rebuild may run: it
@@ -373,7 +555,7 @@ impl Layout {
     /// dirty when it overlaps it. Returns the token for `end_write`. (The epoch is
     /// re-checked after the increment so a rebuild that flips it always sees us.)
     #[inline]
-    fn begin_write(&self, offset: u64, len: u64) -> u64 {
+    pub(crate) fn begin_write(&self, offset: u64, len: u64) -> u64 {
         let e = loop {
             let e = self.epoch.load(SeqCst);
             self.inflight[(e & 1) as usize].fetch_add(1, SeqCst);
@@ -390,7 +572,7 @@ impl Layout {
     }
 
     #[inline]
-    fn end_write(&self, token: u64) {
+    pub(crate) fn end_write(&self, token: u64) {
         self.inflight[token as usize].fetch_sub(1, SeqCst);
     }
 
@@ -398,8 +580,8 @@ impl Layout {
     /// member. Its failed bit is cleared in memory only; the labels keep it failed until
     /// `finish_rebuild`, so a restart never reads it.
     pub fn start_rebuild(&self, d: usize) -> Result<(), String> {
-        if self.copies < 2 {
-            return Err("only mirrored layouts can be rebuilt".into());
+        if !self.kind.is_redundant() {
+            return Err("only mirrored and parity layouts can be rebuilt".into());
         }
         if d >= self.devices.len() {
             return Err(format!("no device {d}"));
@@ -408,9 +590,17 @@ impl Layout {
         if self.rebuilding.load(SeqCst) & bit != 0 {
             return Err(format!("device {d} is already being rebuilt"));
         }
-        let first = d - d % self.copies as usize;
-        if !self.set_of(first).any(|o| o != d && self.is_readable(o)) {
-            return Err(format!("device {d} has no healthy copy to rebuild from"));
+        if let Some(p) = &self.parity {
+            if (self.unreadable() | bit).count_ones() as usize > p.m {
+                return Err(format!(
+                    "device {d} cannot be rebuilt: too many other devices are failed or rebuilding"
+                ));
+            }
+        } else {
+            let first = d - d % self.copies as usize;
+            if !self.set_of(first).any(|o| o != d && self.is_readable(o)) {
+                return Err(format!("device {d} has no healthy copy to rebuild from"));
+            }
         }
         // Writes from now on reach the device; then it stops being failed.
         self.rebuilding.fetch_or(bit, SeqCst);
@@ -432,6 +622,14 @@ impl Layout {
     pub fn rebuild_range(&self, d: usize, offset: u64, buf: &mut [u8]) -> io::Result<u64> {
         let len = buf.len() as u64;
         self.check(offset, len)?;
+        if self.parity.is_some() {
+            // Rows are locked while rebuilt: no epoch protocol needed.
+            return if len == 0 {
+                Ok(0)
+            } else {
+                self.parity_rebuild_range(d, offset, len)
+            };
+        }
         let first = d - d % self.copies as usize;
         let copied = loop {
             self.copy_dirty.store(false, SeqCst);
@@ -497,13 +695,16 @@ impl Layout {
     /// Devices of the mirror set starting at `first` (all devices: one set per device
     /// for concat/raid0).
     #[inline]
-    fn set_of(&self, first: usize) -> std::ops::Range<usize> {
+    pub(crate) fn set_of(&self, first: usize) -> std::ops::Range<usize> {
         first..first + self.copies as usize
     }
 
     /// True when some mirror set (or, without mirrors, some device) has no healthy copy.
     pub fn has_lost_data(&self) -> bool {
         let f = self.unreadable();
+        if let Some(p) = &self.parity {
+            return f.count_ones() as usize > p.m;
+        }
         (0..self.devices.len())
             .step_by(self.copies as usize)
             .any(|s| self.set_of(s).all(|d| f & (1 << d) != 0))
@@ -547,6 +748,9 @@ impl Layout {
 
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.check(offset, buf.len() as u64)?;
+        if self.parity.is_some() {
+            return self.parity_read_at(offset, buf);
+        }
         for p in self.pieces(offset, buf.len() as u64) {
             let r = p.range_offset as usize..(p.range_offset + p.len) as usize;
             let mut done = false;
@@ -582,6 +786,9 @@ impl Layout {
 
     pub fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
         self.check(offset, buf.len() as u64)?;
+        if self.parity.is_some() {
+            return self.parity_write_at(offset, buf);
+        }
         let _w = self.sync_write(offset, buf.len() as u64);
         for p in self.pieces(offset, buf.len() as u64) {
             let r = p.range_offset as usize..(p.range_offset + p.len) as usize;
@@ -594,6 +801,17 @@ impl Layout {
 
     pub fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
         self.check(offset, len)?;
+        if self.parity.is_some() {
+            // Through the row writes, so parity follows; a MiB at a time.
+            let z = vec![0u8; len.min(1 << 20) as usize];
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(z.len() as u64);
+                self.parity_write_at(offset + done, &z[..n as usize])?;
+                done += n;
+            }
+            return Ok(());
+        }
         let _w = self.sync_write(offset, len);
         for p in self.pieces(offset, len) {
             self.each_copy(&p, FAIL_WRITE, |d| d.write_zeroes_at(p.dev_offset, p.len))?;
@@ -603,19 +821,20 @@ impl Layout {
 
     /// A synchronous write in flight while a rebuild runs (ends when dropped).
     fn sync_write(&self, offset: u64, len: u64) -> Option<WriteGuard<'_>> {
-        (self.rebuilding.load(SeqCst) != 0).then(|| WriteGuard {
+        (self.rebuilding.load(SeqCst) != 0 || self.tracking.load(SeqCst) != 0).then(|| WriteGuard {
             layout: self,
             token: self.begin_write(offset, len),
         })
     }
 
     pub fn sync(&self) -> io::Result<()> {
+        let redundant = self.kind.is_redundant();
         for (i, d) in self.devices.iter().enumerate() {
-            if self.copies > 1 && self.is_failed(i) {
+            if redundant && self.is_failed(i) {
                 continue;
             }
             if let Err(e) = d.sync() {
-                if self.copies > 1 {
+                if redundant {
                     self.mark_failed(i, FAIL_WRITE);
                     continue;
                 }
@@ -625,7 +844,7 @@ impl Layout {
                 ));
             }
         }
-        if self.copies > 1 && self.has_lost_data() {
+        if redundant && self.has_lost_data() {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         Ok(())
@@ -646,6 +865,7 @@ impl Layout {
                 .collect(),
             hook: u32::MAX,
             rr: 0,
+            engine: None,
         }
     }
 }
@@ -669,6 +889,8 @@ pub struct LayoutHandle {
     hook: u32,
     /// Mirrors: spreads reads over the copies.
     rr: u32,
+    /// Parity layouts: this core's row engine (crate::parity_io).
+    engine: Option<Rc<crate::parity_io::Engine>>,
 }
 
 /// Mirror error handling on a core: mark the device failed, then fail a read over to
@@ -824,7 +1046,7 @@ impl LayoutHandle {
                 .count();
             parts += alive.max(1) as u32;
         }
-        let t = if rebuilding == 0 {
+        let t = if rebuilding == 0 && layout.tracking.load(SeqCst) == 0 {
             io.join(tag, parts)
         } else {
             let token = layout.begin_write(offset, len);
@@ -853,6 +1075,17 @@ impl LayoutHandle {
 impl IoHandle for LayoutHandle {
     #[inline]
     fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+        if self.layout.parity.is_some() {
+            let e = match &self.engine {
+                Some(e) => e.clone(),
+                None => {
+                    let e = crate::parity_io::engine_for(io, &self.layout);
+                    self.engine = Some(e.clone());
+                    e
+                }
+            };
+            return e.submit(io, op, tag);
+        }
         let (offset, len) = match op {
             IoOp::Read { offset, len, .. } | IoOp::Write { offset, len, .. } => {
                 (offset, len as u64)

@@ -10,11 +10,15 @@ pub mod error;
 pub mod format;
 pub mod layout;
 pub mod meta;
+pub mod parity;
+mod parity_io;
 pub mod pool;
+pub mod scrub;
 pub mod volume;
 
 pub use error::{Error, ErrorKind, Result};
 pub use format::ExportRecord;
 pub use layout::{Layout, LayoutHandle, LayoutKind};
 pub use pool::{uuid_string, validate_name, Pool, PoolOptions, PoolStatus, DEFAULT_UNIT_SIZE};
+pub use scrub::ScrubFindings;
 pub use volume::{IoClass, IoStats, StatsSnapshot, Volume, VolumeHandle, HOLE};

@@ -47,10 +47,12 @@ impl MetaStore {
     }
 
     /// Write a full checkpoint into slot A or B. The header goes last, so a torn write
-    /// leaves a slot whose header (or payload CRC) does not validate.
+    /// leaves a slot whose header (or payload CRC) does not validate. `flags`:
+    /// `CKPT_FLAG_*`.
     pub fn write_checkpoint(
         &self,
         a: bool,
+        flags: u32,
         generation: u64,
         journal_seq: u64,
         catalog: &[u8],
@@ -68,6 +70,7 @@ impl MetaStore {
         self.layout
             .write_at(base + BLOCK as u64 + CATALOG_MAX as u64, &table)?;
         let h = CheckpointHeader {
+            flags,
             generation,
             journal_seq,
             catalog_len: catalog.len() as u32,

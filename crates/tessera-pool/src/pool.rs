@@ -106,6 +106,9 @@ pub struct PoolCore {
 pub struct Pool {
     pub core: Arc<PoolCore>,
     committer: Mutex<Option<JoinHandle<()>>>,
+    /// The previous run ended with a clean shutdown (its newest checkpoint carries
+    /// `CKPT_FLAG_CLEAN`); true for a new pool. See `opened_clean`.
+    was_clean: std::sync::atomic::AtomicBool,
 }
 
 fn now_secs() -> u64 {
@@ -325,6 +328,11 @@ impl PoolCore {
     }
 
     fn checkpoint_locked(&self, cur: &mut JournalCursor) -> Result<()> {
+        self.checkpoint_flags(cur, 0)
+    }
+
+    /// A checkpoint with `flags` (`CKPT_FLAG_CLEAN` only from `Pool::shutdown`).
+    fn checkpoint_flags(&self, cur: &mut JournalCursor, flags: u32) -> Result<()> {
         // Snapshot first, sync data second: every unit the snapshot maps was zeroed or
         // written before the snapshot, so the sync covers it.
         let (catalog, owners) = {
@@ -341,7 +349,7 @@ impl PoolCore {
                 .sync()
                 .map_err(|e| Error::io("syncing data devices", e))?;
             self.meta
-                .write_checkpoint(slot_a, generation, journal_seq, &catalog, &owners)
+                .write_checkpoint(slot_a, flags, generation, journal_seq, &catalog, &owners)
                 .map_err(|e| Error::io("writing a metadata checkpoint", e))?;
             self.layout
                 .sync()
@@ -376,7 +384,7 @@ fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
     loop {
         // Mirrors: a device failure is recorded within FAILURE_POLL (and before any
         // FLUSH is answered, since every commit records it first).
-        let wait = if core.layout.kind.is_mirror() {
+        let wait = if core.layout.kind.is_redundant() {
             FAILURE_POLL
         } else {
             COMMIT_INTERVAL
@@ -442,6 +450,10 @@ pub struct PoolStatus {
     /// "online", "degraded" (a device failed, every block still has a copy) or "failed".
     pub state: String,
     pub copies: u32,
+    /// Parity chunks per row (raid5 1, raid6 2, ec m; 0 otherwise).
+    pub parity: u32,
+    /// The layout as `LayoutKind::parse` reads it (e.g. `raid1:2`, `ec:4+2`).
+    pub spec: String,
     /// Per device: "online" or "failed", and why it failed.
     pub device_states: Vec<(String, String)>,
 }
@@ -481,6 +493,10 @@ impl Pool {
             ));
         }
         let uuid = random_uuid();
+        layout.set_pool_uuid(uuid);
+        layout
+            .format_parity()
+            .map_err(|e| Error::io("zeroing the parity pool's devices", e))?;
         let sb = Superblock::plan(uuid, unit, total_units, now_secs());
         if total_units <= sb.meta_units {
             return Err(Error::new(
@@ -498,11 +514,15 @@ impl Pool {
             LayoutKind::Raid0 { .. } => LayoutCode::Raid0,
             LayoutKind::Raid1 { .. } => LayoutCode::Raid1,
             LayoutKind::Raid10 { .. } => LayoutCode::Raid10,
+            LayoutKind::Raid5 { .. } => LayoutCode::Raid5,
+            LayoutKind::Raid6 { .. } => LayoutCode::Raid6,
+            LayoutKind::Ec { .. } => LayoutCode::Ec,
         };
+        // Mirrors record their copies, parity layouts their parity chunks per row.
         let copies = if opts.layout.is_mirror() {
             opts.layout.copies()
         } else {
-            0
+            opts.layout.parity()
         };
         fn ioe(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
             move |e| Error::io(what, e)
@@ -541,7 +561,7 @@ impl Pool {
             ..Default::default()
         }
         .encode()?;
-        meta.write_checkpoint(true, 1, 1, &catalog, &owners)
+        meta.write_checkpoint(true, 0, 1, 1, &catalog, &owners)
             .map_err(ioe("writing the first checkpoint"))?;
         layout.sync().map_err(ioe("syncing the new pool"))?;
         Self::assemble(
@@ -583,7 +603,7 @@ impl Pool {
         for (i, l) in found.into_iter().enumerate() {
             match (l, &newest) {
                 (Ok(l), _) => labels.push(l),
-                (Err(e), Some(n)) if n.copies > 1 => {
+                (Err(e), Some(n)) if n.layout.is_redundant(n.copies) => {
                     eprintln!("tessera: pool '{}': {e}; the device is failed", n.pool_name);
                     let mut l = n.clone();
                     l.index = i as u32;
@@ -629,6 +649,17 @@ impl Pool {
                 copies: first.copies,
                 stripe: first.stripe,
             },
+            LayoutCode::Raid5 => LayoutKind::Raid5 {
+                stripe: first.stripe,
+            },
+            LayoutCode::Raid6 => LayoutKind::Raid6 {
+                stripe: first.stripe,
+            },
+            LayoutCode::Ec => LayoutKind::Ec {
+                k: first.count - first.copies,
+                m: first.copies,
+                stripe: first.stripe,
+            },
         };
         let layout = Arc::new(Layout::new(kind, devices).map_err(Error::corrupt)?);
         // Devices recorded failed stay failed: they missed writes. So do missing ones.
@@ -657,6 +688,12 @@ impl Pool {
                 )));
             }
         }
+        // Parity layouts: finish or undo the row writes a crash interrupted before the
+        // metadata is read through them (docs/format.md §2.1).
+        layout.set_pool_uuid(first.uuid);
+        layout
+            .recover_journal()
+            .map_err(|e| Error::io("recovering the stripe journal", e))?;
         let sb = MetaStore::read_superblock(&layout)?;
         if sb.uuid != first.uuid
             || sb.unit_size != first.unit_size
@@ -687,7 +724,12 @@ impl Pool {
             let mut cur = pool.core.journal();
             cur.ckpt_seq = ck.header.journal_seq;
         }
+        pool.was_clean.store(
+            ck.header.flags & crate::format::CKPT_FLAG_CLEAN != 0,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         // Fold the replayed journal into a fresh checkpoint (and skip a journal lap).
+        // It has no clean flag: until the next clean shutdown the pool counts as open.
         pool.core.checkpoint()?;
         Ok(pool)
     }
@@ -781,6 +823,7 @@ impl Pool {
         Ok(Pool {
             core,
             committer: Mutex::new(Some(h)),
+            was_clean: std::sync::atomic::AtomicBool::new(true),
         })
     }
 
@@ -810,6 +853,8 @@ impl Pool {
                 "online".into()
             },
             copies: l.kind.copies(),
+            parity: l.kind.parity(),
+            spec: l.kind.spec(),
             device_states: (0..l.devices.len())
                 .map(|i| {
                     if l.is_failed(i) {
@@ -1071,7 +1116,28 @@ impl Pool {
         {
             let _ = h.join();
         }
-        self.core.commit()
+        self.core.commit()?;
+        // Every write is on every copy: record it (docs/format.md §3.2, clean-shutdown
+        // flag). Writes that arrive after this point are not covered by it.
+        let mut cur = self.core.journal();
+        let freed = std::mem::take(&mut self.core.lock().pending_free);
+        let r = self
+            .core
+            .checkpoint_flags(&mut cur, crate::format::CKPT_FLAG_CLEAN);
+        self.core.release(freed, r.is_ok());
+        r?;
+        // Parity layouts: every row write has finished; nothing to replay at the next open.
+        self.core
+            .layout
+            .clear_journal()
+            .map_err(|e| Error::io("emptying the stripe journal", e))
+    }
+
+    /// Whether the previous run of this pool ended with a clean shutdown (`shutdown`);
+    /// after an unclean one the copies of a mirror may differ and need a resync. Always
+    /// true for a pool created by this process.
+    pub fn opened_clean(&self) -> bool {
+        self.was_clean.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

@@ -1,0 +1,176 @@
+//! Scrub that verifies and repairs mirror copies, and the resync a node starts by itself
+//! for a mirrored pool that was not shut down cleanly: one copy's file is changed behind
+//! the node's back, and the scrub (or the resync) finds the difference and makes the
+//! copies equal again.
+
+mod common;
+use common::*;
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const MIB: u64 = 1 << 20;
+/// Device offset of the pool's data area (docs/format.md §1).
+const DEV_DATA_START: u64 = MIB;
+
+fn json(n: &TestNode, args: &[&str]) -> Value {
+    let out = n.cli_ok(args);
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("invalid JSON ({e}): {out}"))
+}
+
+/// A raid1 pool `m` of two 64 MiB files with a 32 MiB volume `v` (exported) filled by
+/// 1 MiB random writes.
+fn mirrored_pool(n: &TestNode) -> (String, String) {
+    let d = path_str(&n.dir);
+    let (a, b) = (format!("{d}/a.img"), format!("{d}/b.img"));
+    n.cli_ok(&[
+        "pool",
+        "create",
+        "m",
+        "--layout",
+        "raid1",
+        &format!("{a}:64M"),
+        &format!("{b}:64M"),
+    ]);
+    n.cli_ok(&["volume", "create", "v", "--pool", "m", "--size", "32M"]);
+    n.cli_ok(&["export", "add", "v", "--volume", "v"]);
+    nbd_perf(
+        &n.uri("v"),
+        "randwrite",
+        8,
+        2,
+        &["--bs", "1M", "--size", "32M"],
+    );
+    (a, b)
+}
+
+/// Flip 4 KiB of `file` at every MiB of its data area (metadata and data units alike).
+fn corrupt_every_mib(file: &str) {
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)
+        .unwrap();
+    for k in 0..60u64 {
+        let at = DEV_DATA_START + k * MIB + 8192;
+        let mut b = vec![0u8; 4096];
+        f.seek(SeekFrom::Start(at)).unwrap();
+        f.read_exact(&mut b).unwrap();
+        for x in &mut b {
+            *x ^= 0x5A;
+        }
+        f.seek(SeekFrom::Start(at)).unwrap();
+        f.write_all(&b).unwrap();
+    }
+    f.sync_all().unwrap();
+}
+
+fn read_file(file: &str, at: u64, len: u64) -> Vec<u8> {
+    let mut f = std::fs::File::open(Path::new(file)).unwrap();
+    let mut b = vec![0u8; len as usize];
+    f.seek(SeekFrom::Start(at)).unwrap();
+    f.read_exact(&mut b).unwrap();
+    b
+}
+
+/// Every mismatched range a status reports is equal in both files now.
+fn ranges_equal(v: &Value, a: &str, b: &str) {
+    let ranges = v["mismatched_ranges"].as_array().unwrap();
+    assert!(!ranges.is_empty(), "{v}");
+    for r in ranges {
+        let (o, l) = (r["offset"].as_u64().unwrap(), r["len"].as_u64().unwrap());
+        assert_eq!(
+            read_file(a, DEV_DATA_START + o, l),
+            read_file(b, DEV_DATA_START + o, l),
+            "range {r} still differs"
+        );
+    }
+}
+
+#[test]
+fn scrub_finds_and_repairs_a_copy_changed_on_disk() {
+    let mut n = TestNode::start_with_config("scrub-repair", "");
+    let (a, b) = mirrored_pool(&n);
+    n.stop();
+    corrupt_every_mib(&b);
+    n.restart();
+    // A clean shutdown: no resync.
+    let p = json(&n, &["--json", "pool", "status", "m"]);
+    assert!(p.get("resync").is_none(), "{p}");
+
+    // Report only.
+    let v = json(
+        &n,
+        &["--json", "pool", "scrub", "m", "--no-repair", "--wait"],
+    );
+    assert_eq!(v["state"], "done", "{v}");
+    assert_eq!(v["repair"], false, "{v}");
+    let found = v["mismatched_bytes"].as_u64().unwrap();
+    assert!(found >= 4096 && found.is_multiple_of(4096), "{v}");
+    assert_eq!(v["repaired_bytes"], 0, "{v}");
+    assert_eq!(v["unreadable_bytes"], 0, "{v}");
+
+    // Repair (the default): the same bytes, now rewritten.
+    let v = json(&n, &["--json", "pool", "scrub", "m", "--wait"]);
+    assert_eq!(v["state"], "done", "{v}");
+    assert_eq!(v["mismatched_bytes"].as_u64().unwrap(), found, "{v}");
+    assert_eq!(v["repaired_bytes"].as_u64().unwrap(), found, "{v}");
+    let text = n.cli_ok(&["pool", "scrub", "m", "--status"]);
+    assert!(
+        text.contains(&format!("{found} bytes mismatched, {found} repaired")),
+        "{text}"
+    );
+    // Copies are on disk equal where they differed (after a sync: stop the node).
+    n.stop();
+    ranges_equal(&v, &a, &b);
+    n.restart();
+    let v = json(&n, &["--json", "pool", "scrub", "m", "--wait"]);
+    assert_eq!(v["mismatched_bytes"], 0, "{v}");
+    assert_eq!(v["repaired_bytes"], 0, "{v}");
+    // The pool stayed healthy throughout.
+    let p = json(&n, &["--json", "pool", "status", "m"]);
+    assert_eq!(p["state"], "online", "{p}");
+}
+
+#[test]
+fn unclean_shutdown_of_a_mirror_starts_a_resync_that_completes() {
+    let mut n = TestNode::start_with_config("resync", "");
+    let (a, b) = mirrored_pool(&n);
+    n.kill9();
+    corrupt_every_mib(&b);
+    n.restart();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let v = loop {
+        let p = json(&n, &["--json", "pool", "status", "m"]);
+        let r = &p["resync"];
+        assert!(r.is_object(), "no resync after kill -9: {p}");
+        if r["state"] != "running" {
+            break r.clone();
+        }
+        assert!(Instant::now() < deadline, "resync did not finish: {p}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(v["state"], "done", "{v}");
+    assert_eq!(v["background"]["class"], "resync", "{v}");
+    assert_eq!(v["units_done"], v["units_total"], "{v}");
+    let found = v["mismatched_bytes"].as_u64().unwrap();
+    assert!(found >= 4096, "{v}");
+    assert_eq!(v["repaired_bytes"].as_u64().unwrap(), found, "{v}");
+    assert!(n.log_text().contains("not shut down cleanly"));
+    let text = n.cli_ok(&["pool", "status", "m"]);
+    assert!(text.contains("resync m done"), "{text}");
+    // A clean stop after that: the next start does not resync, and the copies agree.
+    n.stop();
+    ranges_equal(&v, &a, &b);
+    n.restart();
+    let p = json(&n, &["--json", "pool", "status", "m"]);
+    assert!(p.get("resync").is_none(), "{p}");
+    let v = json(
+        &n,
+        &["--json", "pool", "scrub", "m", "--no-repair", "--wait"],
+    );
+    assert_eq!(v["mismatched_bytes"], 0, "{v}");
+}

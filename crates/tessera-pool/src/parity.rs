@@ -1,0 +1,866 @@
+//! Parity layouts (raid5, raid6, ec k+m): row geometry, the parity code, per-row locks,
+//! the stripe journal that closes the write hole, and the synchronous face (metadata,
+//! rebuild, scrub, recovery). The per-core asynchronous datapath is in `parity_io`.
+//!
+//! A row is one chunk on every device: `k` data chunks and `m` parity chunks, the parity
+//! rotating over the devices (docs/format.md §2). Every write to a row holds the row's
+//! lock, an entry in a fixed table of atomics taken with a compare-and-swap — no global
+//! lock, and rows far apart never contend. Taking the lock also hands out the row's next
+//! *version*, which orders the row's journal records for recovery (format §2.1).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering::AcqRel, Ordering::Acquire, Ordering::Release};
+use std::sync::{Mutex, OnceLock};
+
+use tessera_parity::{pq_gen, pq_recover, pq_update, xor_into, xor_parity, ReedSolomon};
+
+use crate::format::DEV_DATA_START;
+use crate::layout::{Layout, FAIL_GONE, FAIL_READ, FAIL_WRITE};
+
+/// The stripe journal: 16 MiB per device right after the label.
+pub const JOURNAL_LEN: u64 = 16 << 20;
+/// Device offset of row 0.
+pub const PARITY_DATA_START: u64 = DEV_DATA_START + JOURNAL_LEN;
+/// The journal is 16 slices; row `r` always journals in slice `r mod 16`, so the records of
+/// one row are overwritten oldest first (recovery relies on it).
+pub const SLICES: u64 = 16;
+pub const SLICE_LEN: u64 = JOURNAL_LEN / SLICES;
+/// Largest chunk: a record (header + one chunk) must fit a slice several times over.
+pub const MAX_CHUNK: u64 = 256 << 10;
+const HEADER: usize = 4096;
+const MAGIC: &[u8; 8] = b"TSRSJ001";
+pub(crate) const KIND_CHUNK: u8 = 1;
+pub(crate) const KIND_FULL: u8 = 2;
+/// Entries of the row-lock table (rows `r` and `r + LOCKS` share one).
+const LOCKS: usize = 4096;
+const HELD: u64 = 1 << 63;
+
+/// The erasure code of a parity layout.
+pub(crate) enum Code {
+    /// raid5: P = XOR of the data.
+    Xor,
+    /// raid6: P and Q as Linux md.
+    Pq,
+    /// ec: systematic Cauchy Reed-Solomon.
+    Rs(ReedSolomon),
+}
+
+/// Geometry and shared state of a parity layout (one per `Layout`).
+pub struct Parity {
+    pub k: usize,
+    pub m: usize,
+    pub n: usize,
+    pub chunk: u64,
+    pub row_bytes: u64,
+    pub rows: u64,
+    pub(crate) code: Code,
+    locks: Box<[AtomicU64]>,
+    /// The pool's UUID, stamped into journal records (set once the pool knows it).
+    pub(crate) uuid: OnceLock<[u8; 16]>,
+    /// The journal's slices, each a ring shared (under a short lock) by the writers of
+    /// its rows.
+    rings: Box<[Mutex<Ring>]>,
+}
+
+impl Parity {
+    pub(crate) fn new(
+        kind_m: usize,
+        n: usize,
+        chunk: u64,
+        min_usable: u64,
+    ) -> Result<Parity, String> {
+        if !chunk.is_power_of_two() || !(4096..=MAX_CHUNK).contains(&chunk) {
+            return Err(format!(
+                "chunk (stripe) size {chunk} must be a power of two between 4K and 256K for parity layouts"
+            ));
+        }
+        if n > 64 || kind_m == 0 || n < kind_m + 2 {
+            return Err(format!(
+                "{n} devices cannot hold {kind_m} parity chunk(s) per row: at least {} devices are needed",
+                kind_m + 2
+            ));
+        }
+        let k = n - kind_m;
+        let rows = min_usable.saturating_sub(JOURNAL_LEN) / chunk;
+        if rows == 0 {
+            return Err(format!(
+                "devices are too small for a parity layout (each needs more than {} MiB)",
+                (DEV_DATA_START + JOURNAL_LEN) >> 20
+            ));
+        }
+        let code = match kind_m {
+            1 => Code::Xor,
+            2 if false => Code::Pq,
+            _ => Code::Rs(ReedSolomon::new(k, kind_m).map_err(|e| e.to_string())?),
+        };
+        Ok(Parity {
+            k,
+            m: kind_m,
+            n,
+            chunk,
+            row_bytes: k as u64 * chunk,
+            rows,
+            code,
+            locks: (0..LOCKS).map(|_| AtomicU64::new(0)).collect(),
+            uuid: OnceLock::new(),
+            rings: (0..SLICES).map(|s| Mutex::new(Ring::new(s))).collect(),
+        })
+    }
+
+    /// raid6 uses md's P+Q rather than Reed-Solomon's second row.
+    pub(crate) fn use_pq(&mut self) {
+        self.code = Code::Pq;
+    }
+
+    /// Device holding shard `s` (data `0..k`, then parity `k..n`) of row `r`.
+    #[inline]
+    pub fn shard_dev(&self, r: u64, s: usize) -> usize {
+        let p = self.n - 1 - (r % self.n as u64) as usize;
+        if s < self.k {
+            (p + self.m + s) % self.n
+        } else {
+            (p + s - self.k) % self.n
+        }
+    }
+
+    /// Device offset of row `r`.
+    #[inline]
+    pub fn row_offset(&self, r: u64) -> u64 {
+        PARITY_DATA_START + r * self.chunk
+    }
+
+    /// Pool offset -> (row, data shard, offset within the chunk).
+    #[inline]
+    pub fn locate(&self, offset: u64) -> (u64, usize, u64) {
+        let r = offset / self.row_bytes;
+        let within = offset - r * self.row_bytes;
+        (r, (within / self.chunk) as usize, within % self.chunk)
+    }
+
+    // ---- row locks -------------------------------------------------------------------
+
+    /// Take row `r`'s lock if it is free; returns the row's new version.
+    #[inline]
+    pub(crate) fn try_lock(&self, r: u64) -> Option<u64> {
+        let e = &self.locks[(r % LOCKS as u64) as usize];
+        let cur = e.load(Acquire);
+        if cur & HELD != 0 {
+            return None;
+        }
+        let v = (cur + 1) & !HELD;
+        e.compare_exchange(cur, v | HELD, AcqRel, Acquire)
+            .ok()
+            .map(|_| v)
+    }
+
+    #[inline]
+    pub(crate) fn unlock(&self, r: u64, version: u64) {
+        self.locks[(r % LOCKS as u64) as usize].store(version, Release);
+    }
+
+    /// Blocking lock for the synchronous face (never called on a reactor thread).
+    fn lock_sync(&self, r: u64) -> RowGuard<'_> {
+        let mut spins = 0u32;
+        loop {
+            if let Some(v) = self.try_lock(r) {
+                return RowGuard {
+                    p: self,
+                    row: r,
+                    version: v,
+                };
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// The journal ring row `r` writes its records in.
+    #[inline]
+    pub(crate) fn ring(&self, r: u64) -> std::sync::MutexGuard<'_, Ring> {
+        self.rings[(r % SLICES) as usize]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    // ---- the code ----------------------------------------------------------------------
+
+    /// Compute every parity shard from the data shards. `shards` holds n equal slices.
+    pub(crate) fn encode(&self, shards: &mut [&mut [u8]]) {
+        let (data, parity) = shards.split_at_mut(self.k);
+        let data: Vec<&[u8]> = data.iter().map(|d| &**d).collect();
+        match &self.code {
+            Code::Xor => xor_parity(parity[0], &data),
+            Code::Pq => {
+                let (p, q) = parity.split_at_mut(1);
+                pq_gen(&data, p[0], q[0]);
+            }
+            Code::Rs(rs) => rs
+                .encode(&data, parity)
+                .expect("shard shapes match the code"),
+        }
+    }
+
+    /// Read-modify-write of data shard `i`: `old` (overwritten: scratch) and `new` cover the
+    /// same range as each slice of `parity` (the m old parity shards, updated in place).
+    pub(crate) fn update(&self, old: &mut [u8], new: &[u8], i: usize, parity: &mut [&mut [u8]]) {
+        match &self.code {
+            Code::Xor => {
+                xor_into(parity[0], old);
+                xor_into(parity[0], new);
+            }
+            Code::Pq => {
+                let (p, q) = parity.split_at_mut(1);
+                pq_update(old, new, i, p[0], q[0]);
+            }
+            Code::Rs(rs) => {
+                xor_into(old, new);
+                rs.update_parity(old, i, parity)
+                    .expect("shard shapes match the code");
+            }
+        }
+    }
+
+    /// Rebuild the shards listed in `erased` (at most m) from the others.
+    pub(crate) fn reconstruct(&self, shards: &mut [&mut [u8]], erased: &[usize]) {
+        if erased.is_empty() {
+            return;
+        }
+        match &self.code {
+            Code::Xor => {
+                let e = erased[0];
+                let (before, rest) = shards.split_at_mut(e);
+                let (dst, after) = rest.split_first_mut().expect("index in range");
+                let others: Vec<&[u8]> = before.iter().chain(after.iter()).map(|s| &**s).collect();
+                xor_parity(dst, &others);
+            }
+            Code::Pq => pq_recover(shards, erased).expect("at most two erasures"),
+            Code::Rs(rs) => rs.reconstruct(shards, erased).expect("at most m erasures"),
+        }
+    }
+}
+
+/// A held row lock on the synchronous face.
+pub(crate) struct RowGuard<'a> {
+    p: &'a Parity,
+    row: u64,
+    pub version: u64,
+}
+
+impl Drop for RowGuard<'_> {
+    fn drop(&mut self) {
+        self.p.unlock(self.row, self.version);
+    }
+}
+
+// ---- journal ring ----------------------------------------------------------------------
+
+/// One writer's slice of the journal, used as a ring: records are placed in order and a
+/// record is not overwritten until the row write it protects has finished.
+pub(crate) struct Ring {
+    slice: u64,
+    /// Logical bytes handed out (physical = head mod SLICE_LEN).
+    head: u64,
+    /// Records not yet released, oldest first: (logical start, released).
+    live: VecDeque<(u64, bool)>,
+    /// Id of `live[0]`.
+    base: u64,
+}
+
+impl Ring {
+    pub(crate) fn new(slice: u64) -> Ring {
+        Ring {
+            slice,
+            head: 0,
+            live: VecDeque::new(),
+            base: 0,
+        }
+    }
+
+    /// Room for a record of `len` bytes: (device offset, id), or None while the ring is
+    /// full of unfinished writes.
+    pub(crate) fn alloc(&mut self, len: u64) -> Option<(u64, u64)> {
+        debug_assert!(len <= SLICE_LEN / 2 && len.is_multiple_of(4096));
+        let mut at = self.head;
+        if at % SLICE_LEN + len > SLICE_LEN {
+            at = at.next_multiple_of(SLICE_LEN);
+        }
+        let oldest = self.live.front().map_or(at, |&(s, _)| s);
+        if at + len - oldest > SLICE_LEN {
+            return None;
+        }
+        self.head = at + len;
+        self.live.push_back((at, false));
+        let id = self.base + self.live.len() as u64 - 1;
+        Some((DEV_DATA_START + self.slice * SLICE_LEN + at % SLICE_LEN, id))
+    }
+
+    pub(crate) fn release(&mut self, id: u64) {
+        if let Some(e) = self.live.get_mut((id - self.base) as usize) {
+            e.1 = true;
+        }
+        while self.live.front().is_some_and(|e| e.1) {
+            self.live.pop_front();
+            self.base += 1;
+        }
+    }
+}
+
+/// One journal record header (docs/format.md §2.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Record {
+    pub row: u64,
+    pub version: u64,
+    pub kind: u8,
+    pub dev: u8,
+    pub chunk_off: u32,
+    pub len: u32,
+    pub crc: u32,
+    pub participants: u64,
+}
+
+impl Record {
+    pub(crate) fn encode(&self, uuid: &[u8; 16], out: &mut [u8]) {
+        let h = &mut out[..HEADER];
+        h.fill(0);
+        h[0..8].copy_from_slice(MAGIC);
+        h[8..24].copy_from_slice(uuid);
+        h[24..32].copy_from_slice(&self.row.to_le_bytes());
+        h[32..40].copy_from_slice(&self.version.to_le_bytes());
+        h[40] = self.kind;
+        h[41] = self.dev;
+        h[44..48].copy_from_slice(&self.chunk_off.to_le_bytes());
+        h[48..52].copy_from_slice(&self.len.to_le_bytes());
+        h[52..56].copy_from_slice(&self.crc.to_le_bytes());
+        h[56..64].copy_from_slice(&self.participants.to_le_bytes());
+        let c = crc32c::crc32c(&h[..4092]);
+        h[4092..].copy_from_slice(&c.to_le_bytes());
+    }
+
+    pub(crate) fn decode(uuid: &[u8; 16], h: &[u8]) -> Option<Record> {
+        if h.len() < HEADER || &h[0..8] != MAGIC || &h[8..24] != uuid {
+            return None;
+        }
+        let c = u32::from_le_bytes(h[4092..4096].try_into().ok()?);
+        if crc32c::crc32c(&h[..4092]) != c {
+            return None;
+        }
+        let u64at = |a: usize| u64::from_le_bytes(h[a..a + 8].try_into().expect("8 bytes"));
+        let u32at = |a: usize| u32::from_le_bytes(h[a..a + 4].try_into().expect("4 bytes"));
+        Some(Record {
+            row: u64at(24),
+            version: u64at(32),
+            kind: h[40],
+            dev: h[41],
+            chunk_off: u32at(44),
+            len: u32at(48),
+            crc: u32at(52),
+            participants: u64at(56),
+        })
+    }
+}
+
+/// Bytes a record with `payload` bytes takes in the journal.
+#[inline]
+pub(crate) fn record_len(payload: u64) -> u64 {
+    HEADER as u64 + payload.next_multiple_of(4096)
+}
+
+fn why(e: &io::Error) -> u8 {
+    if e.raw_os_error() == Some(libc::ENODEV) {
+        FAIL_GONE
+    } else {
+        FAIL_READ
+    }
+}
+
+/// A journal record found at recovery, with its payload.
+type FoundRecord = (Record, Vec<u8>);
+
+/// What a parity scrub of some rows found (bytes).
+#[derive(Default, Debug, Clone)]
+pub struct RowScrub {
+    pub checked: u64,
+    /// Parity bytes that did not match the data.
+    pub mismatched: u64,
+    pub repaired: u64,
+    /// Bytes of rows with more chunks unreadable than the code can rebuild.
+    pub unreadable: u64,
+    /// Pool ranges (offset, length) of the rows that mismatched (at most 100).
+    pub ranges: Vec<(u64, u64)>,
+}
+
+/// What a synchronous row write changes: data shard, offset in the chunk, bytes.
+struct Seg<'a> {
+    shard: usize,
+    off: u64,
+    data: &'a [u8],
+}
+
+// ---- the synchronous face ----------------------------------------------------------------
+
+impl Layout {
+    pub(crate) fn parity_geo(&self) -> &Parity {
+        self.parity.as_ref().expect("a parity layout")
+    }
+
+    /// Read `[lo, hi)` of every shard of row `r` into `buf` (n × (hi−lo) bytes), the
+    /// unreadable ones rebuilt from the others. Caller holds the row lock.
+    fn read_row_sync(&self, r: u64, lo: u64, hi: u64, buf: &mut [u8]) -> io::Result<()> {
+        let p = self.parity_geo();
+        let span = (hi - lo) as usize;
+        loop {
+            let mut erased = Vec::new();
+            let mut retry = false;
+            for s in 0..p.n {
+                let d = p.shard_dev(r, s);
+                if !self.is_readable_dev(d) {
+                    erased.push(s);
+                    continue;
+                }
+                let b = &mut buf[s * span..(s + 1) * span];
+                if let Err(e) = self.devices[d].read_at(p.row_offset(r) + lo, b) {
+                    self.mark_failed(d, why(&e));
+                    retry = true;
+                    break;
+                }
+            }
+            if retry {
+                continue;
+            }
+            if erased.len() > p.m {
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
+            let mut shards: Vec<&mut [u8]> = buf[..p.n * span].chunks_mut(span).collect();
+            p.reconstruct(&mut shards, &erased);
+            return Ok(());
+        }
+    }
+
+    /// Synchronous read of pool range `[offset, offset+len)`.
+    pub(crate) fn parity_read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let p = self.parity_geo();
+        let mut done = 0usize;
+        while done < buf.len() {
+            let (r, i, off) = p.locate(offset + done as u64);
+            let n = ((p.chunk - off) as usize).min(buf.len() - done);
+            let d = p.shard_dev(r, i);
+            let dst = &mut buf[done..done + n];
+            let direct = self.is_readable_dev(d)
+                && match self.devices[d].read_at(p.row_offset(r) + off, dst) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        self.mark_failed(d, why(&e));
+                        false
+                    }
+                };
+            if !direct {
+                let _g = p.lock_sync(r);
+                let mut row = vec![0u8; p.n * n];
+                self.read_row_sync(r, off, off + n as u64, &mut row)?;
+                dst.copy_from_slice(&row[i * n..(i + 1) * n]);
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Synchronous write (metadata, tests): row by row, with the journal.
+    pub(crate) fn parity_write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let p = self.parity_geo();
+        let mut done = 0usize;
+        while done < data.len() {
+            let (r, _, _) = p.locate(offset + done as u64);
+            let row_end = ((r + 1) * p.row_bytes - offset) as usize;
+            let end = row_end.min(data.len());
+            let mut segs = Vec::new();
+            let mut at = done;
+            while at < end {
+                let (_, i, off) = p.locate(offset + at as u64);
+                let n = ((p.chunk - off) as usize).min(end - at);
+                segs.push(Seg {
+                    shard: i,
+                    off,
+                    data: &data[at..at + n],
+                });
+                at += n;
+            }
+            self.write_row_sync(r, &segs)?;
+            done = end;
+        }
+        Ok(())
+    }
+
+    /// Reconstruct-write of one row on the synchronous face: read the row's `[lo, hi)`
+    /// (rebuilding what is unreadable), apply the segments, recompute parity, journal the
+    /// changed chunks, then write them in place.
+    fn write_row_sync(&self, r: u64, segs: &[Seg<'_>]) -> io::Result<()> {
+        let p = self.parity_geo();
+        let lo = segs.iter().map(|s| s.off).min().unwrap_or(0);
+        let hi = segs
+            .iter()
+            .map(|s| s.off + s.data.len() as u64)
+            .max()
+            .unwrap_or(0);
+        let span = (hi - lo) as usize;
+        let g = p.lock_sync(r);
+        let mut row = vec![0u8; p.n * span];
+        self.read_row_sync(r, lo, hi, &mut row)?;
+        for s in segs {
+            let a = s.shard * span + (s.off - lo) as usize;
+            row[a..a + s.data.len()].copy_from_slice(s.data);
+        }
+        {
+            let mut shards: Vec<&mut [u8]> = row.chunks_mut(span).collect();
+            p.encode(&mut shards);
+        }
+        // What goes where: the changed data ranges and every parity chunk's [lo, hi).
+        let mut writes: Vec<(usize, u64, &[u8])> = Vec::new();
+        for s in segs {
+            let a = s.shard * span + (s.off - lo) as usize;
+            writes.push((s.shard, s.off, &row[a..a + s.data.len()]));
+        }
+        for s in p.k..p.n {
+            writes.push((s, lo, &row[s * span..(s + 1) * span]));
+        }
+        let failed = self.failed_bits();
+        let participants = writes
+            .iter()
+            .map(|w| 1u64 << p.shard_dev(r, w.0))
+            .fold(0, |a, b| a | b)
+            & !failed;
+        let max = writes.iter().map(|w| w.2.len() as u64).max().unwrap_or(0);
+        let rec_len = record_len(max);
+        let uuid = *p.uuid.get().unwrap_or(&[0; 16]);
+        let (at, id) = loop {
+            // Full of unfinished writes (reactors finish them on their own): wait.
+            if let Some(a) = p.ring(r).alloc(rec_len) {
+                break a;
+            }
+            std::thread::yield_now();
+        };
+        let mut jb = vec![0u8; rec_len as usize];
+        for &(s, off, bytes) in &writes {
+            let d = p.shard_dev(r, s);
+            if participants & (1 << d) == 0 {
+                continue;
+            }
+            Record {
+                row: r,
+                version: g.version,
+                kind: KIND_CHUNK,
+                dev: d as u8,
+                chunk_off: off as u32,
+                len: bytes.len() as u32,
+                crc: crc32c::crc32c(bytes),
+                participants,
+            }
+            .encode(&uuid, &mut jb);
+            jb[HEADER..HEADER + bytes.len()].copy_from_slice(bytes);
+            let l = record_len(bytes.len() as u64) as usize;
+            if let Err(e) = self.devices[d].write_at(at, &jb[..l]) {
+                let _ = e;
+                self.mark_failed(d, FAIL_WRITE);
+            }
+        }
+        for &(s, off, bytes) in &writes {
+            let d = p.shard_dev(r, s);
+            if self.failed_bits() & (1 << d) != 0 {
+                continue;
+            }
+            if self.devices[d]
+                .write_at(p.row_offset(r) + off, bytes)
+                .is_err()
+            {
+                self.mark_failed(d, FAIL_WRITE);
+            }
+        }
+        p.ring(r).release(id);
+        drop(g);
+        if self.failed_bits().count_ones() as usize > p.m {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        Ok(())
+    }
+
+    /// Rebuild device `d`'s chunks of the rows that `[offset, offset+len)` touches, from
+    /// the other devices. Each row is locked while it is rebuilt, so client writes (which
+    /// also reach `d`, a write-only member) cannot interleave. Returns bytes written.
+    pub(crate) fn parity_rebuild_range(&self, d: usize, offset: u64, len: u64) -> io::Result<u64> {
+        let p = self.parity_geo();
+        let first = offset / p.row_bytes;
+        let last = (offset + len - 1) / p.row_bytes;
+        let span = p.chunk as usize;
+        let mut row = vec![0u8; p.n * span];
+        let mut written = 0;
+        for r in first..=last {
+            if self.rebuilding_bits() & (1 << d) == 0 {
+                return Err(io::Error::other(format!(
+                    "device {d} failed during the rebuild"
+                )));
+            }
+            let _g = p.lock_sync(r);
+            self.read_row_sync(r, 0, p.chunk, &mut row)?;
+            let s = (0..p.n)
+                .find(|&s| p.shard_dev(r, s) == d)
+                .expect("every device holds a shard");
+            if let Err(e) =
+                self.devices[d].write_at(p.row_offset(r), &row[s * span..(s + 1) * span])
+            {
+                self.mark_failed(d, FAIL_WRITE);
+                return Err(e);
+            }
+            written += p.chunk;
+        }
+        Ok(written)
+    }
+
+    /// Parity scrub of the rows `[offset, offset+len)` touches: with every shard readable,
+    /// parity recomputed from the data must equal the stored parity; with `repair`, wrong
+    /// parity is rewritten (data is what the clients wrote; parity is derived from it).
+    pub(crate) fn parity_scrub_rows(
+        &self,
+        offset: u64,
+        len: u64,
+        repair: bool,
+    ) -> io::Result<RowScrub> {
+        let p = self.parity_geo();
+        let first = offset / p.row_bytes;
+        let last = (offset + len - 1) / p.row_bytes;
+        let span = p.chunk as usize;
+        let mut row = vec![0u8; p.n * span];
+        let mut want = vec![0u8; p.m * span];
+        let (mut checked, mut bad, mut fixed, mut lost) = (0, 0, 0, 0);
+        let mut ranges = Vec::new();
+        for r in first..=last {
+            let _g = p.lock_sync(r);
+            let unreadable = (0..p.n)
+                .filter(|&s| !self.is_readable_dev(p.shard_dev(r, s)))
+                .count();
+            if unreadable > p.m {
+                lost += p.row_bytes;
+                continue;
+            }
+            if unreadable > 0 {
+                // Degraded: nothing to compare parity with; the data is reconstructible.
+                checked += p.row_bytes;
+                continue;
+            }
+            if self.read_row_sync(r, 0, p.chunk, &mut row).is_err() {
+                lost += p.row_bytes;
+                continue;
+            }
+            want.copy_from_slice(&row[p.k * span..]);
+            {
+                let mut shards: Vec<&mut [u8]> = row.chunks_mut(span).collect();
+                p.encode(&mut shards);
+            }
+            checked += p.row_bytes;
+            if want != row[p.k * span..] {
+                bad += (p.m * span) as u64;
+                if ranges.len() < 100 {
+                    ranges.push((r * p.row_bytes, p.row_bytes));
+                }
+                if repair {
+                    let mut ok = true;
+                    for s in p.k..p.n {
+                        let d = p.shard_dev(r, s);
+                        if self.devices[d]
+                            .write_at(p.row_offset(r), &row[s * span..(s + 1) * span])
+                            .is_err()
+                        {
+                            self.mark_failed(d, FAIL_WRITE);
+                            ok = false;
+                        }
+                    }
+                    if ok {
+                        fixed += (p.m * span) as u64;
+                    }
+                }
+            }
+        }
+        Ok(RowScrub {
+            checked,
+            mismatched: bad,
+            repaired: fixed,
+            unreadable: lost,
+            ranges,
+        })
+    }
+
+    /// Zero every device's journal and data area (a new parity pool: zero data, zero
+    /// parity — every row consistent from the start).
+    pub(crate) fn parity_format(&self) -> io::Result<()> {
+        let p = self.parity_geo();
+        for d in &self.devices {
+            d.write_zeroes_at(DEV_DATA_START, JOURNAL_LEN + p.rows * p.chunk)?;
+        }
+        Ok(())
+    }
+
+    /// Recover after an unclean stop (docs/format.md §2.1): replay complete journaled
+    /// writes, resync the parity of rows whose last write may be torn, then empty the
+    /// journals. Returns (writes replayed, rows resynced, degraded rows left as they were).
+    /// Empty the stripe journal of every healthy device (a clean shutdown: every row write
+    /// has finished, so the next open has nothing to replay).
+    pub fn clear_journal(&self) -> io::Result<()> {
+        if self.parity.is_none() {
+            return Ok(());
+        }
+        for (d, dev) in self.devices.iter().enumerate() {
+            if self.is_failed(d) {
+                continue;
+            }
+            if dev
+                .write_zeroes_at(DEV_DATA_START, JOURNAL_LEN)
+                .and_then(|()| dev.sync())
+                .is_err()
+            {
+                self.mark_failed(d, FAIL_WRITE);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn recover_journal(&self) -> io::Result<(u64, u64, u64)> {
+        let Some(p) = self.parity.as_ref() else {
+            return Ok((0, 0, 0));
+        };
+        let uuid = *p
+            .uuid
+            .get()
+            .ok_or_else(|| io::Error::other("pool UUID not set"))?;
+        // (row, version) -> records found, with their payloads.
+        let mut txns: BTreeMap<(u64, u64), Vec<FoundRecord>> = BTreeMap::new();
+        let mut area = vec![0u8; JOURNAL_LEN as usize];
+        for d in 0..p.n {
+            if !self.is_readable_dev(d) {
+                continue;
+            }
+            if let Err(e) = self.devices[d].read_at(DEV_DATA_START, &mut area) {
+                self.mark_failed(d, why(&e));
+                continue;
+            }
+            let mut at = 0usize;
+            while at + HEADER <= area.len() {
+                let Some(rec) = Record::decode(&uuid, &area[at..at + HEADER]) else {
+                    at += 4096;
+                    continue;
+                };
+                let end = at + HEADER + rec.len as usize;
+                let ok = rec.dev as usize == d
+                    && end <= area.len()
+                    && (rec.kind == KIND_FULL
+                        || (rec.kind == KIND_CHUNK
+                            && crc32c::crc32c(&area[at + HEADER..end]) == rec.crc));
+                if ok {
+                    txns.entry((rec.row, rec.version))
+                        .or_default()
+                        .push((rec, area[at + HEADER..end].to_vec()));
+                    at += record_len(rec.len as u64) as usize;
+                } else {
+                    at += 4096;
+                }
+            }
+        }
+        let readable = !(self.failed_bits() | self.rebuilding_bits());
+        let mut resync: BTreeMap<u64, bool> = BTreeMap::new();
+        let mut replayed = 0;
+        // Only a row's newest write can be unfinished (the row lock orders them, and a
+        // row's records are overwritten oldest first); older ones are ignored.
+        let mut newest: BTreeMap<u64, u64> = BTreeMap::new();
+        for &(row, v) in txns.keys() {
+            newest.insert(row, v);
+        }
+        for ((row, v), recs) in &txns {
+            if *row >= p.rows || newest.get(row) != Some(v) {
+                continue;
+            }
+            let parts = recs[0].0.participants;
+            let have = recs.iter().fold(0u64, |a, (r, _)| a | 1 << r.dev);
+            let complete = parts & readable & !have == 0;
+            if complete && recs[0].0.kind == KIND_CHUNK {
+                for (rec, payload) in recs {
+                    let d = rec.dev as usize;
+                    if rec.chunk_off as u64 + payload.len() as u64 > p.chunk {
+                        continue;
+                    }
+                    let at = p.row_offset(*row) + rec.chunk_off as u64;
+                    if self.devices[d].write_at(at, payload).is_err() {
+                        self.mark_failed(d, FAIL_WRITE);
+                    }
+                }
+                replayed += 1;
+                resync.insert(*row, false);
+            } else {
+                resync.insert(*row, true);
+            }
+        }
+        let (mut synced, mut degraded) = (0, 0);
+        let span = p.chunk as usize;
+        let mut buf = vec![0u8; p.n * span];
+        for (&r, _) in resync.iter().filter(|(_, &need)| need) {
+            let all_data = (0..p.k).all(|s| self.is_readable_dev(p.shard_dev(r, s)));
+            if !all_data {
+                degraded += 1;
+                continue;
+            }
+            let mut ok = true;
+            for s in 0..p.k {
+                let d = p.shard_dev(r, s);
+                if self.devices[d]
+                    .read_at(p.row_offset(r), &mut buf[s * span..(s + 1) * span])
+                    .is_err()
+                {
+                    self.mark_failed(d, FAIL_READ);
+                    ok = false;
+                }
+            }
+            if !ok {
+                degraded += 1;
+                continue;
+            }
+            {
+                let mut shards: Vec<&mut [u8]> = buf.chunks_mut(span).collect();
+                p.encode(&mut shards);
+            }
+            for s in p.k..p.n {
+                let d = p.shard_dev(r, s);
+                if self.is_failed(d) {
+                    continue;
+                }
+                if self.devices[d]
+                    .write_at(p.row_offset(r), &buf[s * span..(s + 1) * span])
+                    .is_err()
+                {
+                    self.mark_failed(d, FAIL_WRITE);
+                }
+            }
+            synced += 1;
+        }
+        for d in 0..p.n {
+            if self.is_failed(d) {
+                continue;
+            }
+            // In-place writes first, then the journal goes: a crash in between replays again.
+            if self.devices[d].sync().is_err()
+                || self.devices[d]
+                    .write_zeroes_at(DEV_DATA_START, JOURNAL_LEN)
+                    .is_err()
+                || self.devices[d].sync().is_err()
+            {
+                self.mark_failed(d, FAIL_WRITE);
+            }
+        }
+        if replayed + synced + degraded > 0 {
+            eprintln!(
+                "tessera: stripe journal: {replayed} writes replayed, {synced} rows' parity resynced, {degraded} degraded rows left as they were"
+            );
+        }
+        Ok((replayed, synced, degraded))
+    }
+}

@@ -1,0 +1,835 @@
+//! The per-core datapath of the parity layouts (raid5, raid6, ec).
+//!
+//! Reads of healthy chunks go straight to their device, like raid0: no lock, no state.
+//! Everything else is a *row operation*, a small state machine kept in a per-core slab
+//! (one engine per core and layout, shared by every handle on the core):
+//!
+//! 1. **Lock** the row (a CAS in the shared row-lock table; if it is held, retry next
+//!    round with `CoreIo::defer`, so the core keeps serving other work).
+//! 2. **Plan and read**: a write that covers every data chunk of its column range needs no
+//!    read (*full*); otherwise read-modify-write (old data + old parity) or
+//!    reconstruct-write (the untouched data), whichever reads fewer chunks; with a device
+//!    failed or being rebuilt, *degraded*: read every readable chunk and decode the rest.
+//! 3. **Journal**: a record per device about to change (format §2.1), all written before …
+//! 4. **In place**: the new data and parity chunks.
+//! 5. **Done**: release the journal space and the row lock, complete the request.
+//!
+//! A device error marks the device failed (lock free, `Layout::mark_failed`); a phase
+//! that read from a device that has failed meanwhile is planned again (degraded). The
+//! client sees an error only when more than m devices are gone.
+//!
+//! Completions arrive through the core's hook mechanism, possibly while the engine is
+//! itself submitting (devices may complete synchronously), so every event goes through a
+//! queue that one trampoline loop drains: the engine is never re-entered.
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::sync::{Arc, Weak};
+
+use tessera_io::buf::AlignedBuf;
+use tessera_io::{CoreIo, ErrorHook, IoHandle, IoOp, Tag};
+
+use crate::layout::{Layout, FAIL_GONE, FAIL_READ, FAIL_WRITE};
+use crate::parity::{record_len, Parity, Record, KIND_CHUNK, KIND_FULL, MAX_CHUNK};
+
+/// Hook contexts: a device I/O inside a row operation, a direct (healthy) read, a flush.
+const CTX_DEV: u64 = 1 << 62;
+const CTX_FAST: u64 = 1 << 61;
+const CTX_FLUSH: u64 = 1 << 60;
+/// Attempts at planning one row operation (each failure marks a device failed first).
+const MAX_TRIES: u8 = 8;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Phase {
+    Lock,
+    Plan,
+    Compute,
+    Journal,
+    InPlace,
+    Done,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Full,
+    Rmw,
+    Rcw,
+    Degraded,
+}
+
+/// One data chunk's part of a row operation: bytes `[off, off+len)` of data shard
+/// `shard`, from (writes) or to (reads) `ptr`.
+#[derive(Clone, Copy, Debug)]
+struct Seg {
+    shard: usize,
+    off: u64,
+    len: u64,
+    ptr: usize,
+}
+
+/// A device write of a row operation: `len` bytes at device offset `at` from `ptr`.
+#[derive(Clone, Copy, Debug)]
+struct DevWrite {
+    dev: usize,
+    chunk_off: u64,
+    len: u64,
+    ptr: usize,
+}
+
+struct RowOp {
+    parent: Tag,
+    row: u64,
+    write: bool,
+    segs: Vec<Seg>,
+    lo: u64,
+    hi: u64,
+    phase: Phase,
+    mode: Mode,
+    version: u64,
+    /// Devices read in this attempt (a failure among them means: plan again).
+    read_set: u64,
+    /// Shards not read (rebuilt by decoding in degraded mode).
+    erased: Vec<usize>,
+    buf: Option<AlignedBuf>,
+    jbuf: Option<AlignedBuf>,
+    ring_id: Option<u64>,
+    writes: Vec<DevWrite>,
+    tries: u8,
+    result: i32,
+}
+
+impl RowOp {
+    fn new() -> RowOp {
+        RowOp {
+            parent: 0,
+            row: 0,
+            write: false,
+            segs: Vec::new(),
+            lo: 0,
+            hi: 0,
+            phase: Phase::Lock,
+            mode: Mode::Full,
+            version: 0,
+            read_set: 0,
+            erased: Vec::new(),
+            buf: None,
+            jbuf: None,
+            ring_id: None,
+            writes: Vec::new(),
+            tries: 0,
+            result: 0,
+        }
+    }
+}
+
+enum Event {
+    /// A new request from a handle.
+    Request(IoOp, Tag),
+    /// A row operation's phase finished (or its lock retry is due).
+    Step(u32),
+    /// A direct read failed: serve it degraded.
+    ReadFailed {
+        parent: Tag,
+        dev: usize,
+        offset: u64,
+        len: u64,
+        buf: usize,
+    },
+}
+
+struct State {
+    handles: Vec<Box<dyn IoHandle>>,
+    ops: Vec<RowOp>,
+    free: Vec<u32>,
+    zeros: AlignedBuf,
+}
+
+/// The parity datapath of one layout on one core.
+pub(crate) struct Engine {
+    layout: Weak<Layout>,
+    hook: Cell<u32>,
+    st: RefCell<State>,
+    pending: RefCell<VecDeque<Event>>,
+    active: Cell<bool>,
+}
+
+/// The engine of `layout` on this core (created on first use).
+pub(crate) fn engine_for(io: &mut CoreIo, layout: &Arc<Layout>) -> Rc<Engine> {
+    let key = Arc::as_ptr(layout) as usize ^ 0x7061_7269;
+    if let Some((e, w)) = io
+        .locals
+        .get(&key)
+        .and_then(|b| b.downcast_ref::<(Rc<Engine>, Weak<Layout>)>())
+    {
+        if std::ptr::eq(w.as_ptr(), Arc::as_ptr(layout)) && w.strong_count() > 0 {
+            return e.clone();
+        }
+    }
+    let e = Rc::new(Engine {
+        layout: Arc::downgrade(layout),
+        hook: Cell::new(0),
+        st: RefCell::new(State {
+            handles: layout
+                .devices
+                .iter()
+                .map(|d| d.clone().open_handle())
+                .collect(),
+            ops: Vec::new(),
+            free: Vec::new(),
+            zeros: AlignedBuf::zeroed(MAX_CHUNK as usize),
+        }),
+        pending: RefCell::new(VecDeque::new()),
+        active: Cell::new(false),
+    });
+    let id = io.register_hook(e.clone());
+    e.hook.set(id);
+    io.locals
+        .insert(key, Box::new((e.clone(), Arc::downgrade(layout))));
+    e
+}
+
+fn fail_reason(op: &IoOp, res: i32) -> u8 {
+    if res == -libc::ENODEV {
+        FAIL_GONE
+    } else if matches!(op, IoOp::Read { .. }) {
+        FAIL_READ
+    } else {
+        FAIL_WRITE
+    }
+}
+
+impl ErrorHook for Engine {
+    fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32) {
+        let Some(l) = self.layout.upgrade() else {
+            return io.complete(parent, res);
+        };
+        let dev = (ctx & 0xff) as usize;
+        l.mark_failed(dev, fail_reason(&op, res));
+        if ctx & CTX_FAST != 0 {
+            if let IoOp::Read { offset, len, buf } = op {
+                self.pending.borrow_mut().push_back(Event::ReadFailed {
+                    parent,
+                    dev,
+                    offset,
+                    len: len as u64,
+                    buf: buf as usize,
+                });
+                return self.run(io);
+            }
+        }
+        if ctx & CTX_FLUSH != 0 {
+            let m = l.parity_geo().m as u32;
+            return io.complete(
+                parent,
+                if l.failed_bits().count_ones() <= m {
+                    0
+                } else {
+                    res
+                },
+            );
+        }
+        // Inside a row operation: the phase sees the failed bit and plans again.
+        io.complete(parent, 0)
+    }
+
+    fn on_done(&self, io: &mut CoreIo, _parent: Tag, _op: IoOp, ctx: u64, _res: i32) {
+        self.pending.borrow_mut().push_back(Event::Step(ctx as u32));
+        self.run(io)
+    }
+}
+
+impl Engine {
+    pub(crate) fn submit(&self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+        self.pending.borrow_mut().push_back(Event::Request(op, tag));
+        self.run(io)
+    }
+
+    /// Drain the event queue unless an outer call is already doing it.
+    fn run(&self, io: &mut CoreIo) {
+        if self.active.replace(true) {
+            return;
+        }
+        let Some(l) = self.layout.upgrade() else {
+            // The pool is gone: fail what is queued.
+            while let Some(e) = self.pending.borrow_mut().pop_front() {
+                if let Event::Request(_, tag) = e {
+                    io.complete(tag, -libc::ENODEV);
+                }
+            }
+            self.active.set(false);
+            return;
+        };
+        loop {
+            let ev = self.pending.borrow_mut().pop_front();
+            let Some(ev) = ev else { break };
+            let mut st = self.st.borrow_mut();
+            match ev {
+                Event::Request(op, tag) => self.request(io, &l, &mut st, op, tag),
+                Event::Step(id) => self.step(io, &l, &mut st, id),
+                Event::ReadFailed {
+                    parent,
+                    dev,
+                    offset,
+                    len,
+                    buf,
+                } => self.read_failed(io, &l, &mut st, parent, dev, offset, len, buf),
+            }
+        }
+        self.active.set(false);
+    }
+
+    fn new_op(&self, st: &mut State, parent: Tag, row: u64, write: bool) -> u32 {
+        let id = match st.free.pop() {
+            Some(i) => i,
+            None => {
+                st.ops.push(RowOp::new());
+                (st.ops.len() - 1) as u32
+            }
+        };
+        let op = &mut st.ops[id as usize];
+        op.parent = parent;
+        op.row = row;
+        op.write = write;
+        op.segs.clear();
+        op.phase = Phase::Lock;
+        op.tries = 0;
+        op.result = 0;
+        op.ring_id = None;
+        op.writes.clear();
+        id
+    }
+
+    fn request(&self, io: &mut CoreIo, l: &Layout, st: &mut State, op: IoOp, tag: Tag) {
+        let p = l.parity_geo();
+        let (offset, len, ptr) = match op {
+            IoOp::Read { offset, len, buf } => (offset, len as u64, buf as usize),
+            IoOp::Write { offset, len, buf } => (offset, len as u64, buf as usize),
+            IoOp::WriteZeroes { offset, len, .. } => (offset, len, 0),
+            // Discarding part of a row would leave its parity describing bytes that are
+            // no longer there; the space stays allocated (docs/architecture.md).
+            IoOp::Discard { .. } => return io.complete(tag, 0),
+            IoOp::Flush => return self.flush(io, l, st, tag),
+        };
+        if len == 0 || offset.checked_add(len).is_none_or(|e| e > l.size) {
+            return io.complete(tag, if len == 0 { 0 } else { -libc::EINVAL });
+        }
+        let hook = self.hook.get();
+        if let IoOp::Read { .. } = op {
+            let first = offset / p.chunk;
+            let last = (offset + len - 1) / p.chunk;
+            let n = last - first + 1;
+            let t = if n == 1 { tag } else { io.join(tag, n as u32) };
+            let unreadable = l.failed_bits() | l.rebuilding_bits();
+            let mut done = 0;
+            while done < len {
+                let (r, i, off) = p.locate(offset + done);
+                let piece = (p.chunk - off).min(len - done);
+                let d = p.shard_dev(r, i);
+                if unreadable & (1 << d) == 0 {
+                    let sub = IoOp::Read {
+                        offset: p.row_offset(r) + off,
+                        len: piece as u32,
+                        buf: (ptr + done as usize) as *mut u8,
+                    };
+                    let h = io.hooked(t, hook, sub, CTX_FAST | d as u64);
+                    st.handles[d].submit(io, sub, h);
+                } else {
+                    let id = self.new_op(st, t, r, false);
+                    st.ops[id as usize].segs.push(Seg {
+                        shard: i,
+                        off,
+                        len: piece,
+                        ptr: ptr + done as usize,
+                    });
+                    self.pending.borrow_mut().push_back(Event::Step(id));
+                }
+                done += piece;
+            }
+            return;
+        }
+        // Writes and zeroes: one row operation per row.
+        let zeros = matches!(op, IoOp::WriteZeroes { .. });
+        let first = offset / p.row_bytes;
+        let last = (offset + len - 1) / p.row_bytes;
+        let rows = last - first + 1;
+        let t = if rows == 1 {
+            tag
+        } else {
+            io.join(tag, rows as u32)
+        };
+        let zero_ptr = st.zeros.as_ptr() as usize;
+        let mut done = 0;
+        for r in first..=last {
+            let id = self.new_op(st, t, r, true);
+            let row_end = ((r + 1) * p.row_bytes - offset).min(len);
+            while done < row_end {
+                let (_, i, off) = p.locate(offset + done);
+                let piece = (p.chunk - off).min(row_end - done);
+                st.ops[id as usize].segs.push(Seg {
+                    shard: i,
+                    off,
+                    len: piece,
+                    ptr: if zeros { zero_ptr } else { ptr + done as usize },
+                });
+                done += piece;
+            }
+            self.pending.borrow_mut().push_back(Event::Step(id));
+        }
+    }
+
+    fn flush(&self, io: &mut CoreIo, l: &Layout, st: &mut State, tag: Tag) {
+        let failed = l.failed_bits();
+        let live: Vec<usize> = (0..st.handles.len())
+            .filter(|d| failed & (1 << d) == 0)
+            .collect();
+        if live.is_empty() {
+            return io.complete(tag, -libc::EIO);
+        }
+        let t = if live.len() == 1 {
+            tag
+        } else {
+            io.join(tag, live.len() as u32)
+        };
+        let hook = self.hook.get();
+        for d in live {
+            let h = io.hooked(t, hook, IoOp::Flush, CTX_FLUSH | d as u64);
+            st.handles[d].submit(io, IoOp::Flush, h);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn read_failed(
+        &self,
+        _io: &mut CoreIo,
+        l: &Layout,
+        st: &mut State,
+        parent: Tag,
+        dev: usize,
+        offset: u64,
+        len: u64,
+        buf: usize,
+    ) {
+        let p = l.parity_geo();
+        let rel = offset - crate::parity::PARITY_DATA_START;
+        let (r, off) = (rel / p.chunk, rel % p.chunk);
+        let shard = (0..p.k)
+            .find(|&s| p.shard_dev(r, s) == dev)
+            .expect("a direct read goes to a data shard");
+        let id = self.new_op(st, parent, r, false);
+        st.ops[id as usize].segs.push(Seg {
+            shard,
+            off,
+            len,
+            ptr: buf,
+        });
+        self.pending.borrow_mut().push_back(Event::Step(id));
+    }
+
+    /// Advance row operation `id` as far as it goes without waiting.
+    fn step(&self, io: &mut CoreIo, l: &Layout, st: &mut State, id: u32) {
+        let p = l.parity_geo();
+        let hook = self.hook.get();
+        loop {
+            let phase = st.ops[id as usize].phase;
+            match phase {
+                Phase::Lock => {
+                    let op = &mut st.ops[id as usize];
+                    match p.try_lock(op.row) {
+                        Some(v) => {
+                            op.version = v;
+                            op.phase = Phase::Plan;
+                        }
+                        None => {
+                            // Held by another request: try again next round.
+                            let t = io.tracked(0, 1, hook, id as u64);
+                            io.defer(t);
+                            return;
+                        }
+                    }
+                }
+                Phase::Plan => {
+                    let op = &mut st.ops[id as usize];
+                    op.tries += 1;
+                    if op.tries > MAX_TRIES {
+                        op.result = -libc::EIO;
+                        op.phase = Phase::Done;
+                        continue;
+                    }
+                    let reads = self.plan(io, l, p, st, id, hook);
+                    let op = &mut st.ops[id as usize];
+                    if op.phase == Phase::Done {
+                        continue;
+                    }
+                    op.phase = Phase::Compute;
+                    if reads > 0 {
+                        return;
+                    }
+                }
+                Phase::Compute => {
+                    let op = &mut st.ops[id as usize];
+                    if op.read_set & l.failed_bits() != 0 {
+                        // A device failed under our reads: plan again, degraded.
+                        op.phase = Phase::Plan;
+                        continue;
+                    }
+                    compute(p, op);
+                    if !op.write {
+                        op.phase = Phase::Done;
+                        continue;
+                    }
+                    op.phase = Phase::Journal;
+                }
+                Phase::Journal => {
+                    match self.journal(io, l, p, st, id, hook) {
+                        None => {
+                            // The journal slice is full of unfinished writes: next round.
+                            let t = io.tracked(0, 1, hook, id as u64);
+                            io.defer(t);
+                            return;
+                        }
+                        Some(n) => {
+                            st.ops[id as usize].phase = Phase::InPlace;
+                            if n > 0 {
+                                return;
+                            }
+                        }
+                    }
+                }
+                Phase::InPlace => {
+                    let n = self.in_place(io, l, p, st, id, hook);
+                    st.ops[id as usize].phase = Phase::Done;
+                    if n > 0 {
+                        return;
+                    }
+                }
+                Phase::Done => return self.finish(io, l, p, st, id),
+            }
+        }
+    }
+
+    /// Choose how to do the row operation and issue its reads; returns how many.
+    fn plan(
+        &self,
+        io: &mut CoreIo,
+        l: &Layout,
+        p: &Parity,
+        st: &mut State,
+        id: u32,
+        hook: u32,
+    ) -> u32 {
+        let failed = l.failed_bits();
+        let unreadable = failed | l.rebuilding_bits();
+        let State { handles, ops, .. } = st;
+        let op = &mut ops[id as usize];
+        let row = op.row;
+        let lo = op.segs.iter().map(|s| s.off).min().unwrap_or(0);
+        let hi = op.segs.iter().map(|s| s.off + s.len).max().unwrap_or(0);
+        op.lo = lo;
+        op.hi = hi;
+        let span = hi - lo;
+        let readable = |s: usize| unreadable & (1 << p.shard_dev(row, s)) == 0;
+        let covered = |s: usize| {
+            op.segs
+                .iter()
+                .any(|g| g.shard == s && g.off == lo && g.len == span)
+        };
+        op.mode = if !op.write {
+            Mode::Degraded
+        } else if (0..p.k).all(covered) {
+            Mode::Full
+        } else {
+            let rmw_ok = op.segs.iter().all(|g| readable(g.shard))
+                && (p.k..p.n).all(|s| l.rebuilding_bits() & (1 << p.shard_dev(row, s)) == 0);
+            let rcw_ok = (0..p.k).all(|s| covered(s) || readable(s));
+            let rmw_cost = op.segs.len() + (p.k..p.n).filter(|&s| readable(s)).count();
+            let rcw_cost = (0..p.k).filter(|&s| !covered(s)).count();
+            if rmw_ok && (!rcw_ok || rmw_cost <= rcw_cost) {
+                Mode::Rmw
+            } else if rcw_ok {
+                Mode::Rcw
+            } else {
+                Mode::Degraded
+            }
+        };
+        if op
+            .buf
+            .as_ref()
+            .is_none_or(|b| b.capacity() < p.n * span as usize)
+        {
+            if let Some(b) = op.buf.take() {
+                io.bufs.put(b);
+            }
+            op.buf = Some(io.bufs.get(p.n * span as usize));
+        }
+        let base = op.buf.as_mut().expect("allocated above").as_mut_ptr() as usize;
+        // (shard, offset in chunk, length, buffer address)
+        let mut reads: [(usize, u64, u64, usize); 64] = [(0, 0, 0, 0); 64];
+        let mut nreads = 0;
+        op.erased.clear();
+        match op.mode {
+            Mode::Full => {}
+            Mode::Rmw => {
+                for g in &op.segs {
+                    reads[nreads] = (
+                        g.shard,
+                        g.off,
+                        g.len,
+                        base + g.shard * span as usize + (g.off - lo) as usize,
+                    );
+                    nreads += 1;
+                }
+                for s in p.k..p.n {
+                    if readable(s) {
+                        reads[nreads] = (s, lo, span, base + s * span as usize);
+                        nreads += 1;
+                    }
+                }
+            }
+            Mode::Rcw => {
+                for s in 0..p.k {
+                    if !covered(s) {
+                        reads[nreads] = (s, lo, span, base + s * span as usize);
+                        nreads += 1;
+                    }
+                }
+            }
+            Mode::Degraded => {
+                for s in 0..p.n {
+                    if readable(s) {
+                        reads[nreads] = (s, lo, span, base + s * span as usize);
+                        nreads += 1;
+                    } else {
+                        op.erased.push(s);
+                    }
+                }
+                if op.erased.len() > p.m {
+                    op.result = -libc::EIO;
+                    op.phase = Phase::Done;
+                    return 0;
+                }
+            }
+        }
+        op.read_set = reads[..nreads]
+            .iter()
+            .fold(0, |a, r| a | 1 << p.shard_dev(row, r.0));
+        if nreads == 0 {
+            return 0;
+        }
+        let t = io.tracked(0, nreads as u32, hook, id as u64);
+        for &(s, off, len, at) in &reads[..nreads] {
+            let d = p.shard_dev(row, s);
+            let sub = IoOp::Read {
+                offset: p.row_offset(row) + off,
+                len: len as u32,
+                buf: at as *mut u8,
+            };
+            let h = io.hooked(t, hook, sub, CTX_DEV | d as u64);
+            handles[d].submit(io, sub, h);
+        }
+        nreads as u32
+    }
+
+    /// Write the journal records; returns how many, or None when the slice is full.
+    fn journal(
+        &self,
+        io: &mut CoreIo,
+        l: &Layout,
+        p: &Parity,
+        st: &mut State,
+        id: u32,
+        hook: u32,
+    ) -> Option<u32> {
+        let failed = l.failed_bits();
+        let State { handles, ops, .. } = st;
+        let op = &mut ops[id as usize];
+        let row = op.row;
+        let span = op.hi - op.lo;
+        let base = op.buf.as_ref().expect("planned").as_ptr() as usize;
+        if op.writes.is_empty() {
+            for g in &op.segs {
+                op.writes.push(DevWrite {
+                    dev: p.shard_dev(row, g.shard),
+                    chunk_off: g.off,
+                    len: g.len,
+                    ptr: g.ptr,
+                });
+            }
+            for s in p.k..p.n {
+                op.writes.push(DevWrite {
+                    dev: p.shard_dev(row, s),
+                    chunk_off: op.lo,
+                    len: span,
+                    ptr: base + s * span as usize,
+                });
+            }
+        }
+        let full = op.mode == Mode::Full;
+        let live = |w: &DevWrite| failed & (1 << w.dev) == 0;
+        // Full rows: payload-free records on m+1 of the devices written; partial rows: one
+        // record with its new bytes per device written.
+        let recs: Vec<DevWrite> = if full {
+            op.writes
+                .iter()
+                .filter(|w| live(w))
+                .take(p.m + 1)
+                .copied()
+                .collect()
+        } else {
+            op.writes.iter().filter(|w| live(w)).copied().collect()
+        };
+        let participants = recs.iter().fold(0u64, |a, w| a | 1 << w.dev);
+        let rec_len = if full {
+            record_len(0)
+        } else {
+            record_len(recs.iter().map(|w| w.len).max().unwrap_or(0))
+        };
+        let (at, rid) = p.ring(row).alloc(rec_len)?;
+        op.ring_id = Some(rid);
+        if recs.is_empty() {
+            return Some(0);
+        }
+        let total = rec_len as usize * recs.len();
+        if op.jbuf.as_ref().is_none_or(|b| b.capacity() < total) {
+            if let Some(b) = op.jbuf.take() {
+                io.bufs.put(b);
+            }
+            op.jbuf = Some(io.bufs.get(total));
+        }
+        let jb = op.jbuf.as_mut().expect("allocated above").as_mut_slice();
+        let uuid = *p.uuid.get().unwrap_or(&[0; 16]);
+        let t = io.tracked(0, recs.len() as u32, hook, id as u64);
+        for (i, w) in recs.iter().enumerate() {
+            let slot = &mut jb[i * rec_len as usize..(i + 1) * rec_len as usize];
+            let payload_len = if full { 0 } else { w.len as usize };
+            // SAFETY: w.ptr points at w.len bytes: the client's buffer (alive until the
+            // request completes), the engine's zero chunk or this operation's buffer.
+            let payload = unsafe { std::slice::from_raw_parts(w.ptr as *const u8, payload_len) };
+            Record {
+                row,
+                version: op.version,
+                kind: if full { KIND_FULL } else { KIND_CHUNK },
+                dev: w.dev as u8,
+                chunk_off: w.chunk_off as u32,
+                len: payload_len as u32,
+                crc: crc32c::crc32c(payload),
+                participants,
+            }
+            .encode(&uuid, slot);
+            slot[4096..4096 + payload_len].copy_from_slice(payload);
+            let l = record_len(payload_len as u64) as u32;
+            let sub = IoOp::Write {
+                offset: at,
+                len: l,
+                buf: slot.as_ptr(),
+            };
+            let h = io.hooked(t, hook, sub, CTX_DEV | w.dev as u64);
+            handles[w.dev].submit(io, sub, h);
+        }
+        Some(recs.len() as u32)
+    }
+
+    fn in_place(
+        &self,
+        io: &mut CoreIo,
+        l: &Layout,
+        p: &Parity,
+        st: &mut State,
+        id: u32,
+        hook: u32,
+    ) -> u32 {
+        let failed = l.failed_bits();
+        let State { handles, ops, .. } = st;
+        let op = &mut ops[id as usize];
+        let n = op
+            .writes
+            .iter()
+            .filter(|w| failed & (1 << w.dev) == 0)
+            .count() as u32;
+        if n == 0 {
+            return 0;
+        }
+        let t = io.tracked(0, n, hook, id as u64);
+        for w in op.writes.iter().filter(|w| failed & (1 << w.dev) == 0) {
+            let sub = IoOp::Write {
+                offset: p.row_offset(op.row) + w.chunk_off,
+                len: w.len as u32,
+                buf: w.ptr as *const u8,
+            };
+            let h = io.hooked(t, hook, sub, CTX_DEV | w.dev as u64);
+            handles[w.dev].submit(io, sub, h);
+        }
+        n
+    }
+
+    fn finish(&self, io: &mut CoreIo, l: &Layout, p: &Parity, st: &mut State, id: u32) {
+        let State { ops, free, .. } = st;
+        let op = &mut ops[id as usize];
+        if let Some(r) = op.ring_id.take() {
+            p.ring(op.row).release(r);
+        }
+        if op.tries > 0 {
+            p.unlock(op.row, op.version);
+        }
+        let mut res = op.result;
+        if res == 0 && op.write && l.failed_bits().count_ones() as usize > p.m {
+            res = -libc::EIO;
+        }
+        if let Some(b) = op.buf.take() {
+            io.bufs.put(b);
+        }
+        if let Some(b) = op.jbuf.take() {
+            io.bufs.put(b);
+        }
+        let parent = op.parent;
+        free.push(id);
+        io.complete(parent, res);
+    }
+}
+
+/// The arithmetic of a row operation once its reads are in.
+fn compute(p: &Parity, op: &mut RowOp) {
+    let span = (op.hi - op.lo) as usize;
+    let lo = op.lo;
+    let buf = op.buf.as_mut().expect("planned").as_mut_slice();
+    let buf = &mut buf[..p.n * span];
+    match op.mode {
+        Mode::Rmw => {
+            let (data, parity) = buf.split_at_mut(p.k * span);
+            for g in &op.segs {
+                let a = (g.off - lo) as usize;
+                let b = a + g.len as usize;
+                // SAFETY: g.ptr points at g.len bytes of the request's source.
+                let new = unsafe { std::slice::from_raw_parts(g.ptr as *const u8, g.len as usize) };
+                let old = &mut data[g.shard * span + a..g.shard * span + b];
+                let mut ps: Vec<&mut [u8]> =
+                    parity.chunks_mut(span).map(|c| &mut c[a..b]).collect();
+                p.update(old, new, g.shard, &mut ps);
+            }
+        }
+        Mode::Full | Mode::Rcw | Mode::Degraded => {
+            if op.mode == Mode::Degraded {
+                let mut shards: Vec<&mut [u8]> = buf.chunks_mut(span).collect();
+                p.reconstruct(&mut shards, &op.erased);
+            }
+            if !op.write {
+                for g in &op.segs {
+                    let a = g.shard * span + (g.off - lo) as usize;
+                    // SAFETY: g.ptr is the reader's buffer of g.len bytes.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(g.ptr as *mut u8, g.len as usize) };
+                    dst.copy_from_slice(&buf[a..a + g.len as usize]);
+                }
+                return;
+            }
+            for g in &op.segs {
+                let a = g.shard * span + (g.off - lo) as usize;
+                // SAFETY: as above, the request's source.
+                let new = unsafe { std::slice::from_raw_parts(g.ptr as *const u8, g.len as usize) };
+                buf[a..a + g.len as usize].copy_from_slice(new);
+            }
+            let mut shards: Vec<&mut [u8]> = buf.chunks_mut(span).collect();
+            p.encode(&mut shards);
+        }
+    }
+}
