@@ -271,14 +271,19 @@ pub enum PoolCmd {
         wait: bool,
     },
     /// Put a new device (same size or larger, not ram/null) in place of failed device
-    /// --device of a mirrored pool. Takes effect at the next node start, where the
-    /// rebuild onto it starts by itself.
+    /// --device of a redundant pool, live: the rebuild onto it starts at once (follow it
+    /// with `pool rebuild NAME --status --wait`). Recorded in pools.json, so a restart
+    /// keeps it (and resumes an unfinished rebuild).
     Replace {
         name: String,
         #[arg(long)]
         device: usize,
         new_device: String,
     },
+    /// Hot spares of a redundant pool: when a device fails, the node puts the first
+    /// spare in its place and rebuilds onto it by itself.
+    #[command(subcommand)]
+    Spare(SpareCmd),
     /// Rebuild a failed device of a mirrored pool in place (a device that came back, or
     /// a blank one at the same path), copying every allocated unit from its mirror in the
     /// background (rebuild class limits). Starts one unless --status or --stop; --wait
@@ -298,6 +303,27 @@ pub enum PoolCmd {
         #[arg(long, conflicts_with = "stop")]
         wait: bool,
     },
+}
+
+#[derive(Subcommand)]
+pub enum SpareCmd {
+    /// Add a hot spare (a device spec like `pool create` takes; at least as large as the
+    /// pool's devices, not ram/null). It is not written until it replaces a device.
+    Add { name: String, device: String },
+    /// Remove a hot spare.
+    Remove { name: String, device: String },
+    /// List a pool's hot spares (in the order they are used).
+    List { name: String },
+}
+
+fn print_spares(v: &Value) {
+    let spares = v["spares"].as_array().cloned().unwrap_or_default();
+    if spares.is_empty() {
+        println!("pool {}: no hot spares", v["pool"].as_str().unwrap_or("?"));
+    }
+    for s in spares {
+        println!("{}", s.as_str().unwrap_or("?"));
+    }
 }
 
 /// The part of a background job's status line that scrub and rebuild share: a progress
@@ -421,6 +447,10 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
                             .unwrap_or_default()
                     );
                 }
+                if let Some(sp) = v["spares"].as_array().filter(|s| !s.is_empty()) {
+                    let sp: Vec<&str> = sp.iter().filter_map(Value::as_str).collect();
+                    println!("  hot spares: {}", sp.join(", "));
+                }
                 if v.get("rebuild").is_some() {
                     println!("  {}", rebuild_line(&v["rebuild"]));
                 }
@@ -448,11 +478,32 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
                 println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             } else {
                 println!(
-                    "pool {name}: device {device} ({}) replaced by {}; restart the node to rebuild onto it",
+                    "pool {name}: device {device} ({}) replaced by {}: {}",
                     v["replaced"].as_str().unwrap_or("?"),
-                    v["with"].as_str().unwrap_or("?")
+                    v["with"].as_str().unwrap_or("?"),
+                    v["state"].as_str().unwrap_or("?")
                 );
             }
+        }
+        PoolCmd::Spare(c) => {
+            let v = match c {
+                SpareCmd::Add { name, device } => call(
+                    ep,
+                    "POST",
+                    &format!("/v1/pools/{name}/spares"),
+                    Some(json!({ "device": device })),
+                )?,
+                SpareCmd::Remove { name, device } => call(
+                    ep,
+                    "DELETE",
+                    &format!("/v1/pools/{name}/spares"),
+                    Some(json!({ "device": device })),
+                )?,
+                SpareCmd::List { name } => {
+                    call(ep, "GET", &format!("/v1/pools/{name}/spares"), None)?
+                }
+            };
+            show(&v, raw, print_spares);
         }
         PoolCmd::Rebuild {
             name,

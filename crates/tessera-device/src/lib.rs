@@ -7,6 +7,7 @@
 //!   control plane and the metadata committer, which are not on a reactor core.
 //!
 //! [`Watchdog`] wraps datapath handles to report devices whose I/O hangs.
+//! [`SwappableDevice`] lets a pool replace a device while it runs.
 
 use std::io;
 use std::sync::Arc;
@@ -19,6 +20,7 @@ pub mod file;
 pub mod null;
 pub mod ram;
 pub mod spec;
+pub mod swap;
 pub mod watchdog;
 
 pub use crash::CrashDevice;
@@ -27,6 +29,7 @@ pub use file::FileDevice;
 pub use null::NullDevice;
 pub use ram::RamDevice;
 pub use spec::{format_size, open_device, parse_size, DeviceSpec};
+pub use swap::SwappableDevice;
 pub use watchdog::{HangCallback, Watchdog};
 
 /// A block device shared between cores and the control plane.

@@ -300,6 +300,11 @@ impl CoreIo {
         self.new_join(parent, parts, Duration::ZERO)
     }
 
+    /// Join entries allocated and free (a leak check for layers' tests).
+    pub fn join_slots(&self) -> (usize, usize) {
+        (self.joins.len(), self.free_joins.len())
+    }
+
     /// Register an error hook on this core; the returned id is for [`CoreIo::hooked`].
     pub fn register_hook(&mut self, hook: std::rc::Rc<dyn ErrorHook>) -> u32 {
         self.hooks.push(hook);

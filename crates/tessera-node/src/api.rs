@@ -75,7 +75,7 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
         ("GET", ["v1", "pools", name]) => {
             reply(
                 node.pool(name).map(|p| {
-                    let mut v = crate::node::pool_json(&p);
+                    let mut v = node.pool_value(&p);
                     if let Ok(r) = node.rebuild_status(name) {
                         v["rebuild"] = r;
                     }
@@ -154,6 +154,19 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
             _ => Response::error(400, "replace needs {\"device\": index, \"with\": \"device spec\"}"),
         },
         ("DELETE", ["v1", "pools", name, "rebuild"]) => reply(node.stop_rebuild(name), 200),
+        ("GET", ["v1", "pools", name, "spares"]) => reply(node.list_spares(name), 200),
+        ("POST", ["v1", "pools", name, "spares"]) => match body.get("device").and_then(Value::as_str) {
+            Some(d) => reply(node.add_spare(name, d), 201),
+            None => Response::error(400, "adding a spare needs {\"device\": \"device spec\"}"),
+        },
+        // The spec may hold slashes: it comes in the body (or ?device=).
+        ("DELETE", ["v1", "pools", name, "spares"]) => {
+            let from_body = req.json_body().ok().and_then(|b| b.get("device").and_then(Value::as_str).map(str::to_string));
+            match from_body.or_else(|| req.query_param("device").map(str::to_string)) {
+                Some(d) => reply(node.remove_spare(name, &d), 200),
+                None => Response::error(400, "removing a spare needs {\"device\": \"device spec\"}"),
+            }
+        }
         ("GET", ["v1", "pools", name, "scrub"]) => reply(node.scrub_status(name), 200),
         ("POST", ["v1", "pools", name, "scrub"]) => match body.get("repair") {
             None | Some(Value::Bool(_)) => reply(

@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
 use serde_json::{json, Value};
-use tessera_device::{format_size, open_device, parse_size, BlockDevice, DeviceSpec};
+use tessera_device::{
+    format_size, open_device, parse_size, BlockDevice, DeviceSpec, SwappableDevice,
+};
 use tessera_io::{spawn_reactors, Mailbox, ReactorConfig};
 use tessera_nbd::handshake::{ExportCatalog, ExportInfo};
 use tessera_pool::{
@@ -42,7 +44,15 @@ pub struct Node {
     rebuilds: Mutex<BTreeMap<String, Arc<crate::rebuild::RebuildJob>>>,
     /// Mirror resyncs after an unclean shutdown (crate::scrub::start_resync), by pool.
     resyncs: Mutex<BTreeMap<String, Arc<crate::scrub::ScrubJob>>>,
+    /// The device slots of each redundant pool: a replacement or a hot spare is swapped
+    /// into them live (docs/architecture.md "Device replacement and hot spares").
+    slots: Mutex<BTreeMap<String, Vec<Arc<SwappableDevice>>>>,
+    /// Hot spares the node has opened, by spec (which pool lists which: `entries`).
+    spare_devs: Mutex<BTreeMap<String, Arc<dyn BlockDevice>>>,
 }
+
+/// How often the node looks for a failed device a hot spare can replace.
+pub const SPARE_TICK: std::time::Duration = std::time::Duration::from_millis(500);
 
 fn not_found(what: &str, name: &str) -> Error {
     Error::new(ErrorKind::NotFound, format!("{what} '{name}' not found"))
@@ -92,14 +102,30 @@ impl Node {
             scrubs: Mutex::new(BTreeMap::new()),
             rebuilds: Mutex::new(BTreeMap::new()),
             resyncs: Mutex::new(BTreeMap::new()),
+            slots: Mutex::new(BTreeMap::new()),
+            spare_devs: Mutex::new(BTreeMap::new()),
         });
         for e in entries {
+            for s in &e.spares {
+                match open_devices(std::slice::from_ref(s)) {
+                    Ok(mut d) => {
+                        node.spare_devs().insert(s.clone(), d.remove(0));
+                    }
+                    Err(err) => eprintln!(
+                        "tessera: pool '{}': hot spare {s} cannot be opened (it is tried again when needed): {err}",
+                        e.name
+                    ),
+                }
+            }
             match node.restore_pool(&e) {
-                Ok(p) => {
+                Ok((p, slots)) => {
                     node.pools
                         .write()
                         .unwrap_or_else(|x| x.into_inner())
                         .insert(e.name.clone(), Arc::new(p));
+                    if !slots.is_empty() {
+                        node.slots_map().insert(e.name.clone(), slots);
+                    }
                 }
                 Err(err) => {
                     eprintln!("tessera: pool '{}' is offline: {err}", e.name);
@@ -145,12 +171,17 @@ impl Node {
         node.apply_declarations()?;
         node.groups.bind_all(|n| node.volume_by_name(n));
         node.start_ladder();
+        node.start_spare_watch();
         Ok(node)
     }
 
-    fn restore_pool(&self, e: &PoolEntry) -> Result<Pool> {
-        let devs = if e.layout.starts_with("raid1") {
-            // A mirror comes up without a device that cannot be opened (it is failed).
+    fn restore_pool(&self, e: &PoolEntry) -> Result<(Pool, Vec<Arc<SwappableDevice>>)> {
+        let redundant = e.layout.starts_with("raid1")
+            || layout_kind(&e.layout, e.stripe_size, e.devices.len())
+                .is_ok_and(|k| k.is_redundant());
+        let devs = if redundant {
+            // A redundant pool comes up without a device that cannot be opened (it is
+            // failed; a hot spare or `pool replace` can take its place).
             let devs: Vec<Arc<dyn BlockDevice>> = e
                 .devices
                 .iter()
@@ -166,14 +197,16 @@ impl Node {
         } else {
             open_devices(&e.devices)?
         };
-        if devs.iter().any(|d| d.is_volatile()) {
+        let volatile = devs.iter().any(|d| d.is_volatile());
+        let (devs, slots) = wrap_slots(redundant, devs);
+        if volatile {
             // RAM/null contents did not survive the restart: recreate the pool empty.
             eprintln!(
                 "tessera: pool '{}' is on volatile devices; recreated empty",
                 e.name
             );
             let layout = layout_kind(&e.layout, e.stripe_size, devs.len())?;
-            return Pool::create(
+            let p = Pool::create(
                 &e.name,
                 devs,
                 PoolOptions {
@@ -181,9 +214,13 @@ impl Node {
                     unit_size: e.unit_size,
                     force: true,
                 },
-            );
+            )?;
+            fit_slots(&p, &slots);
+            return Ok((p, slots));
         }
-        Pool::open(devs)
+        let p = Pool::open(devs)?;
+        fit_slots(&p, &slots);
+        Ok((p, slots))
     }
 
     /// Create what the config declares and does not exist yet.
@@ -325,7 +362,12 @@ impl Node {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .iter()
-                    .any(|e| e.devices.iter().any(|x| spec_path(x) == Some(path.clone())))
+                    .any(|e| {
+                        e.devices
+                            .iter()
+                            .chain(&e.spares)
+                            .any(|x| spec_path(x) == Some(path.clone()))
+                    })
                 {
                     return Err(Error::new(
                         ErrorKind::AlreadyExists,
@@ -338,6 +380,7 @@ impl Node {
             }
         }
         let devs = open_devices(devices)?;
+        let (devs, slots) = wrap_slots(kind.is_redundant(), devs);
         let pool = Pool::create(
             name,
             devs,
@@ -347,6 +390,7 @@ impl Node {
                 force,
             },
         )?;
+        fit_slots(&pool, &slots);
         let st = pool.status();
         let entry = PoolEntry {
             name: name.to_string(),
@@ -356,6 +400,7 @@ impl Node {
             layout: layout_spec(&kind),
             stripe_size: st.stripe_size,
             unit_size,
+            spares: Vec::new(),
         };
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         entries.push(entry);
@@ -364,11 +409,14 @@ impl Node {
             return Err(e);
         }
         drop(entries);
-        let v = pool_json(&pool);
+        let v = self.pool_value(&pool);
         self.pools
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(name.to_string(), Arc::new(pool));
+        if !slots.is_empty() {
+            self.slots_map().insert(name.to_string(), slots);
+        }
         Ok(v)
     }
 
@@ -402,7 +450,14 @@ impl Node {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(name);
+        self.slots_map().remove(name);
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = entries.iter().find(|e| e.name == name) {
+            let mut sd = self.spare_devs();
+            for s in &e.spares {
+                sd.remove(s);
+            }
+        }
         entries.retain(|e| e.name != name);
         self.save_registry(&entries)
     }
@@ -582,46 +637,95 @@ impl Node {
         self.run_rebuild(&p, d, 0)
     }
 
-    /// Put device spec `with` in place of failed device `index` of mirrored pool `pool`.
-    /// The layout's device list is fixed while a pool is open, so the replacement is
-    /// recorded (pools.json, the new device's label block cleared, a rebuild cursor at
-    /// unit 0) and takes effect at the next node start, where the rebuild onto it starts
-    /// by itself (docs/architecture.md "Rebuild job").
+    /// Put device spec `with` in place of failed device `index` of redundant pool `pool`,
+    /// live: the new device is checked (size, not volatile, not another pool's), its
+    /// label block cleared, its spec written to pools.json with a rebuild cursor at unit
+    /// 0, it is swapped into the slot and the rebuild onto it starts at once
+    /// (docs/architecture.md "Device replacement and hot spares"). If the slot cannot
+    /// take it live (see `replace_live`), the replacement is only recorded and takes
+    /// effect at the next node start.
     pub fn replace_device(&self, pool: &str, index: usize, with: &str) -> Result<Value> {
-        let _admin = self.admin.lock().unwrap_or_else(|e| e.into_inner());
+        let _admin = self.admin();
         let p = self.pool(pool)?;
+        let dev = open_devices(std::slice::from_ref(&with.to_string()))?.remove(0);
+        // Canonical once the device exists (a `path:SIZE` file is created by the open).
+        let spec = canonical_spec(with);
+        self.replace_live(&p, index, &spec, dev, false)
+    }
+
+    /// Is device `d` of `p` one a replacement may take the place of?
+    fn check_replaceable(&self, p: &Pool, d: usize) -> Result<()> {
         let l = &p.core.layout;
+        let pool = p.name();
         if !l.kind.is_redundant() {
             return Err(Error::invalid(format!(
                 "pool '{pool}' is {}: only devices of redundant pools (raid1/raid10/raid5/raid6/ec) can be replaced",
                 l.kind.name()
             )));
         }
-        if index >= l.devices.len() || !l.is_failed(index) {
+        if d >= l.devices.len() || !l.is_failed(d) {
             return Err(Error::invalid(format!(
-                "device {index} of pool '{pool}' is not failed"
+                "device {d} of pool '{pool}' is not failed"
             )));
         }
-        if self.rebuilds().get(pool).is_some_and(|j| j.is_running()) {
+        if let Some(job) = self.busy_with_copy_job(pool, "") {
             return Err(Error::new(
                 ErrorKind::Busy,
-                format!("a rebuild of pool '{pool}' is running"),
+                format!("a {job} of pool '{pool}' is running: replace the device when it ends"),
             ));
         }
-        let spec = canonical_spec(with);
-        let dev = open_devices(std::slice::from_ref(&with.to_string()))?.remove(0);
+        Ok(())
+    }
+
+    /// Can `dev` (spec `spec`) join pool `p` in a slot that needs `need` bytes? Not
+    /// volatile, large enough, not used by another pool of this node (`except_spare`:
+    /// the spare being put to use), no other pool's label.
+    fn check_new_device(
+        &self,
+        p: &Pool,
+        spec: &str,
+        dev: &dyn BlockDevice,
+        need: u64,
+        except_spare: bool,
+    ) -> Result<()> {
         if dev.is_volatile() {
-            return Err(Error::invalid(
-                "a replacement must keep its contents across a restart (not ram/null)",
-            ));
+            return Err(Error::invalid(format!(
+                "device {spec} does not keep its contents across a restart (ram/null): it cannot replace a pool device"
+            )));
         }
-        let need = l.dev_data_len[index] + tessera_pool::format::DEV_DATA_START;
         if dev.size() < need {
             return Err(Error::invalid(format!(
-                "device {with} is smaller than the device it replaces ({} < {})",
+                "device {spec} is smaller than the pool's devices ({} < {})",
                 format_size(dev.size()),
                 format_size(need)
             )));
+        }
+        if let Some(path) = spec_path(spec) {
+            let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            for e in entries.iter() {
+                let member = e
+                    .devices
+                    .iter()
+                    .any(|x| spec_path(x).as_ref() == Some(&path));
+                let spare = e
+                    .spares
+                    .iter()
+                    .any(|x| spec_path(x).as_ref() == Some(&path));
+                if member || (spare && !(except_spare && e.name == p.name())) {
+                    return Err(Error::new(
+                        ErrorKind::AlreadyExists,
+                        format!(
+                            "device {spec} is already {} pool '{}'",
+                            if member {
+                                "a device of"
+                            } else {
+                                "a hot spare of"
+                            },
+                            e.name
+                        ),
+                    ));
+                }
+            }
         }
         let mut b = vec![0u8; 4096];
         if dev.read_at(0, &mut b).is_ok() {
@@ -630,39 +734,288 @@ impl Node {
                     return Err(Error::new(
                         ErrorKind::AlreadyExists,
                         format!(
-                            "device {with} belongs to pool '{}'; destroy that pool first",
+                            "device {spec} belongs to pool '{}'; destroy that pool first",
                             lab.pool_name
                         ),
                     ));
                 }
             }
         }
-        // A cleared label: the pool opens it as failed, and the rebuild writes a full one.
+        Ok(())
+    }
+
+    /// Put `dev` (spec `spec`; `spare`: taken from the pool's hot spares) in place of
+    /// failed device `index` of `p` and start the rebuild onto it. The caller holds the
+    /// admin lock. Order, so that a crash at any point leaves a pool a restart handles:
+    /// clear the new device's label block (it then opens as failed), record the spec in
+    /// pools.json (and drop it from the spares), save a rebuild cursor at unit 0, swap
+    /// the device into the slot, start the rebuild (which makes it a write-only member).
+    /// A slot that cannot take the device live (a pool opened without swappable slots,
+    /// or a device with a coarser alignment than the slot's I/O) leaves the replacement
+    /// recorded for the next start, as `"state"` says.
+    fn replace_live(
+        &self,
+        p: &Arc<Pool>,
+        index: usize,
+        spec: &str,
+        dev: Arc<dyn BlockDevice>,
+        spare: bool,
+    ) -> Result<Value> {
+        let pool = p.name();
+        self.check_replaceable(p, index)?;
+        let need = slot_need(p, index);
+        self.check_new_device(p, spec, &*dev, need, spare)?;
+        // A cleared label: the pool (re)opens it as failed, and the rebuild writes a full one.
         dev.write_at(0, &[0u8; 4096])
             .and_then(|()| dev.sync())
-            .map_err(|e| Error::io("clearing the replacement's label", e))?;
-        drop(dev);
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        let before = entries.clone();
-        let e = entries
-            .iter_mut()
-            .find(|e| e.name == pool)
-            .ok_or_else(|| not_found("pool", pool))?;
-        let old = std::mem::replace(&mut e.devices[index], spec.clone());
-        if let Err(err) = self.save_registry(&entries) {
-            *entries = before;
-            return Err(err);
+            .map_err(|e| Error::io("clearing the new device's label", e))?;
+        let old = {
+            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            let before = entries.clone();
+            let e = entries
+                .iter_mut()
+                .find(|e| e.name == pool)
+                .ok_or_else(|| not_found("pool", pool))?;
+            let old = std::mem::replace(&mut e.devices[index], spec.to_string());
+            if spare {
+                e.spares.retain(|s| s != spec);
+            }
+            if let Err(err) = self.save_registry(&entries) {
+                *entries = before;
+                return Err(err);
+            }
+            old
+        };
+        if spare {
+            self.spare_devs().remove(spec);
         }
-        drop(entries);
         crate::rebuild::save_cursor(
             &crate::rebuild::cursor_path(&self.cfg.data_dir, pool),
             index,
             0,
         );
-        Ok(json!({
-            "pool": pool, "device": index, "replaced": old, "with": spec,
-            "state": "recorded: restart the node; the rebuild onto the new device then starts by itself",
-        }))
+        let slot = self
+            .slots_map()
+            .get(pool)
+            .and_then(|s| s.get(index).cloned());
+        let swapped = match slot {
+            Some(slot) => slot.swap(dev),
+            None => Err("the pool was opened without swappable device slots".to_string()),
+        };
+        if let Err(why) = swapped {
+            eprintln!(
+                "tessera: pool '{pool}': device {index} cannot be replaced live ({why}); {spec} takes its place at the next node start"
+            );
+            return Ok(json!({
+                "pool": pool, "device": index, "replaced": old, "with": spec, "live": false,
+                "state": format!("recorded ({why}): restart the node; the rebuild onto the new device then starts by itself"),
+            }));
+        }
+        eprintln!(
+            "tessera: pool '{pool}': device {index} ({old}) replaced by {spec}{}; rebuilding onto it",
+            if spare { " (hot spare)" } else { "" }
+        );
+        let mut v = json!({
+            "pool": pool, "device": index, "replaced": old, "with": spec, "live": true,
+            "spare": spare, "state": "rebuilding",
+        });
+        match self.run_rebuild(p, index, 0) {
+            Ok(r) => v["rebuild"] = r,
+            Err(e) => {
+                // The device is in place and recorded; the cursor makes the next start
+                // rebuild it, and `pool rebuild` can start it now.
+                eprintln!("tessera: pool '{pool}': the rebuild onto {spec} did not start: {e}");
+                v["state"] = json!(format!("replaced; the rebuild did not start: {e}"));
+            }
+        }
+        Ok(v)
+    }
+
+    fn slots_map(&self) -> MutexGuard<'_, BTreeMap<String, Vec<Arc<SwappableDevice>>>> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn spare_devs(&self) -> MutexGuard<'_, BTreeMap<String, Arc<dyn BlockDevice>>> {
+        self.spare_devs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The hot spares of `pool` (specs, in the order they are used).
+    pub fn spares(&self, pool: &str) -> Vec<String> {
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|e| e.name == pool)
+            .map(|e| e.spares.clone())
+            .unwrap_or_default()
+    }
+
+    pub fn list_spares(&self, pool: &str) -> Result<Value> {
+        self.pool(pool)?;
+        Ok(json!({"pool": pool, "spares": self.spares(pool)}))
+    }
+
+    /// Add hot spare `spec` to redundant pool `pool`: the device is opened and checked
+    /// (not volatile, at least as large as what any of the pool's devices holds, not
+    /// another pool's) but not written until it replaces a failed device.
+    pub fn add_spare(&self, pool: &str, spec: &str) -> Result<Value> {
+        let _g = self.admin();
+        let p = self.pool(pool)?;
+        let l = &p.core.layout;
+        if !l.kind.is_redundant() {
+            return Err(Error::invalid(format!(
+                "pool '{pool}' is {}: only redundant pools (raid1/raid10/raid5/raid6/ec) have hot spares",
+                l.kind.name()
+            )));
+        }
+        let dev = open_devices(std::slice::from_ref(&spec.to_string()))?.remove(0);
+        let canon = canonical_spec(spec);
+        if self.spares(pool).contains(&canon) {
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                format!("{canon} is already a hot spare of pool '{pool}'"),
+            ));
+        }
+        let need = (0..l.devices.len())
+            .map(|i| slot_need(&p, i))
+            .max()
+            .unwrap_or(0);
+        self.check_new_device(&p, &canon, &*dev, need, false)?;
+        {
+            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            let before = entries.clone();
+            let e = entries
+                .iter_mut()
+                .find(|e| e.name == pool)
+                .ok_or_else(|| not_found("pool", pool))?;
+            e.spares.push(canon.clone());
+            if let Err(err) = self.save_registry(&entries) {
+                *entries = before;
+                return Err(err);
+            }
+        }
+        self.spare_devs().insert(canon, dev);
+        self.list_spares(pool)
+    }
+
+    /// Remove hot spare `spec` (as added, or its canonical form) from `pool`.
+    pub fn remove_spare(&self, pool: &str, spec: &str) -> Result<Value> {
+        let _g = self.admin();
+        self.pool(pool)?;
+        let canon = canonical_spec(spec);
+        let path = spec_path(spec).map(|p| std::fs::canonicalize(&p).unwrap_or(p));
+        let same = |s: &String| {
+            *s == spec
+                || *s == canon
+                || (path.is_some()
+                    && spec_path(s).map(|p| std::fs::canonicalize(&p).unwrap_or(p)) == path)
+        };
+        let removed = {
+            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            let before = entries.clone();
+            let e = entries
+                .iter_mut()
+                .find(|e| e.name == pool)
+                .ok_or_else(|| not_found("pool", pool))?;
+            let removed: Vec<String> = e.spares.iter().filter(|s| same(s)).cloned().collect();
+            if removed.is_empty() {
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!("{spec} is not a hot spare of pool '{pool}'"),
+                ));
+            }
+            e.spares.retain(|s| !same(s));
+            if let Err(err) = self.save_registry(&entries) {
+                *entries = before;
+                return Err(err);
+            }
+            removed
+        };
+        let mut sd = self.spare_devs();
+        for s in removed {
+            sd.remove(&s);
+        }
+        drop(sd);
+        self.list_spares(pool)
+    }
+
+    /// Watch the redundant pools with hot spares every `SPARE_TICK` (its own thread; it
+    /// stops when the node is dropped).
+    fn start_spare_watch(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name("tessera-spares".into())
+            .spawn(move || loop {
+                std::thread::sleep(SPARE_TICK);
+                let Some(node) = weak.upgrade() else { return };
+                node.spare_tick();
+            });
+        if let Err(e) = spawned {
+            eprintln!("tessera: cannot start the hot spare thread: {e}");
+        }
+    }
+
+    /// One look at the pools: a failed device (not being rebuilt) of a pool that has a
+    /// hot spare, no copy job running and no lost data is replaced by the first usable
+    /// spare, live, and rebuilt. A spare that cannot be used (gone, too small, another
+    /// pool's label...) is dropped from the list, with the reason on stderr.
+    fn spare_tick(&self) {
+        let candidates: Vec<String> = self
+            .entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|e| !e.spares.is_empty())
+            .map(|e| e.name.clone())
+            .collect();
+        for name in candidates {
+            let Ok(p) = self.pool(&name) else { continue };
+            let l = &p.core.layout;
+            let failed = |l: &tessera_pool::Layout| (0..l.devices.len()).find(|&i| l.is_failed(i));
+            if !l.kind.is_redundant()
+                || failed(l).is_none()
+                || l.has_lost_data()
+                || self.busy_with_copy_job(&name, "").is_some()
+            {
+                continue;
+            }
+            let _g = self.admin();
+            // Again under the admin lock: a `pool replace` may have just run.
+            let Some(d) = failed(l) else { continue };
+            if self.busy_with_copy_job(&name, "").is_some() {
+                continue;
+            }
+            for spec in self.spares(&name) {
+                let dev = match self.spare_devs().get(&spec).cloned() {
+                    Some(d) => Ok(d),
+                    None => open_devices(std::slice::from_ref(&spec)).map(|mut d| d.remove(0)),
+                };
+                let r = dev.and_then(|dev| self.replace_live(&p, d, &spec, dev, true));
+                match r {
+                    Ok(_) => break,
+                    Err(e) if e.kind == ErrorKind::Busy => break,
+                    Err(e) => {
+                        eprintln!(
+                            "tessera: pool '{name}': hot spare {spec} cannot replace device {d}: {e}; removed from the spare list"
+                        );
+                        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+                        if let Some(e) = entries.iter_mut().find(|e| e.name == name) {
+                            e.spares.retain(|s| *s != spec);
+                        }
+                        let _ = self.save_registry(&entries);
+                        drop(entries);
+                        self.spare_devs().remove(&spec);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A pool's JSON (`pool_json`) with the node's view of it: its hot spares.
+    pub fn pool_value(&self, p: &Pool) -> Value {
+        let mut v = pool_json(p);
+        v["spares"] = json!(self.spares(p.name()));
+        v
     }
 
     pub fn stop_rebuild(&self, pool: &str) -> Result<Value> {
@@ -854,7 +1207,7 @@ impl Node {
     }
 
     pub fn list_pools(&self) -> Value {
-        let mut v: Vec<Value> = self.pools().iter().map(|p| pool_json(p)).collect();
+        let mut v: Vec<Value> = self.pools().iter().map(|p| self.pool_value(p)).collect();
         for (name, reason) in self
             .offline
             .read()
@@ -992,6 +1345,42 @@ impl BlockDevice for MissingDevice {
     }
     fn open_handle(self: Arc<Self>) -> Box<dyn tessera_io::IoHandle> {
         Box::new(MissingHandle)
+    }
+}
+
+/// Wrap the devices of a redundant pool in swappable slots (other layouts: as they are).
+fn wrap_slots(
+    redundant: bool,
+    devs: Vec<Arc<dyn BlockDevice>>,
+) -> (Vec<Arc<dyn BlockDevice>>, Vec<Arc<SwappableDevice>>) {
+    if !redundant {
+        return (devs, Vec::new());
+    }
+    let slots: Vec<Arc<SwappableDevice>> = devs.into_iter().map(SwappableDevice::new).collect();
+    let devs = slots
+        .iter()
+        .map(|s| s.clone() as Arc<dyn BlockDevice>)
+        .collect();
+    (devs, slots)
+}
+
+/// Bytes device `i` of `p` must have: its data start (1 MiB; 17 MiB for parity layouts,
+/// whose stripe journal precedes the data, docs/format.md §1) plus its data length.
+fn slot_need(p: &Pool, i: usize) -> u64 {
+    let l = &p.core.layout;
+    let start = if l.kind.is_parity() {
+        tessera_pool::format::DEV_DATA_START + (16 << 20)
+    } else {
+        tessera_pool::format::DEV_DATA_START
+    };
+    l.dev_data_len[i] + start
+}
+
+/// What a device swapped into a slot must hold: what the layout uses of the slot (a
+/// stand-in for a missing device claims a huge size).
+fn fit_slots(p: &Pool, slots: &[Arc<SwappableDevice>]) {
+    for (i, s) in slots.iter().enumerate() {
+        s.set_required_size(slot_need(p, i));
     }
 }
 

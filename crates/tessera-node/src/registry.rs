@@ -13,6 +13,9 @@ pub struct PoolEntry {
     pub layout: String,
     pub stripe_size: u64,
     pub unit_size: u64,
+    /// Hot spares of a redundant pool (device specs), absent when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spares: Vec<String>,
 }
 
 pub struct Registry {

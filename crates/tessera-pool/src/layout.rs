@@ -327,6 +327,11 @@ impl Layout {
                 devices.len(),
                 kind.stripe(),
                 min,
+                devices
+                    .iter()
+                    .map(|d| d.alignment() as u64)
+                    .max()
+                    .unwrap_or(1),
             )?;
             if let LayoutKind::Ec { k, m, .. } = kind {
                 if (k + m) as usize != devices.len() {

@@ -28,7 +28,10 @@ pub const SLICES: u64 = 16;
 pub const SLICE_LEN: u64 = JOURNAL_LEN / SLICES;
 /// Largest chunk: a record (header + one chunk) must fit a slice several times over.
 pub const MAX_CHUNK: u64 = 256 << 10;
-const HEADER: usize = 4096;
+/// Bytes of a record header covered by its CRC (the CRC follows them).
+const HEADER_FIELDS: usize = 80;
+/// Recovery looks for record headers at every multiple of this.
+const SCAN_STEP: usize = 512;
 const MAGIC: &[u8; 8] = b"TSRSJ001";
 pub(crate) const KIND_CHUNK: u8 = 1;
 pub(crate) const KIND_FULL: u8 = 2;
@@ -61,6 +64,9 @@ pub struct Parity {
     /// The journal's slices, each a ring shared (under a short lock) by the writers of
     /// its rows.
     rings: Box<[Mutex<Ring>]>,
+    /// Journal block: a record's header takes one, its payload starts at the next. 512,
+    /// or the devices' largest logical block size (O_DIRECT alignment).
+    pub block: u64,
 }
 
 impl Parity {
@@ -69,6 +75,7 @@ impl Parity {
         n: usize,
         chunk: u64,
         min_usable: u64,
+        align: u64,
     ) -> Result<Parity, String> {
         if !chunk.is_power_of_two() || !(4096..=MAX_CHUNK).contains(&chunk) {
             return Err(format!(
@@ -105,6 +112,7 @@ impl Parity {
             locks: (0..LOCKS).map(|_| AtomicU64::new(0)).collect(),
             uuid: OnceLock::new(),
             rings: (0..SLICES).map(|s| Mutex::new(Ring::new(s))).collect(),
+            block: align.max(SCAN_STEP as u64).next_power_of_two(),
         })
     }
 
@@ -177,6 +185,11 @@ impl Parity {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// The pool's UUID as stamped into journal records.
+    pub(crate) fn uuid(&self) -> [u8; 16] {
+        *self.uuid.get().unwrap_or(&[0; 16])
     }
 
     /// The journal ring row `r` writes its records in.
@@ -281,10 +294,12 @@ impl Ring {
         }
     }
 
-    /// Room for a record of `len` bytes: (device offset, id), or None while the ring is
-    /// full of unfinished writes.
-    pub(crate) fn alloc(&mut self, len: u64) -> Option<(u64, u64)> {
-        debug_assert!(len <= SLICE_LEN / 2 && len.is_multiple_of(4096));
+    /// Room for a record of `len` bytes: (device offset, id, watermark), or None while
+    /// the ring is full of unfinished writes. Ids number the slice's records in order
+    /// (the record's sequence number); the watermark is the id of the oldest record not
+    /// yet released — every older one belongs to a finished row write.
+    pub(crate) fn alloc(&mut self, len: u64) -> Option<(u64, u64, u64)> {
+        debug_assert!(len <= SLICE_LEN / 2 && len.is_multiple_of(SCAN_STEP as u64));
         let mut at = self.head;
         if at % SLICE_LEN + len > SLICE_LEN {
             at = at.next_multiple_of(SLICE_LEN);
@@ -296,7 +311,11 @@ impl Ring {
         self.head = at + len;
         self.live.push_back((at, false));
         let id = self.base + self.live.len() as u64 - 1;
-        Some((DEV_DATA_START + self.slice * SLICE_LEN + at % SLICE_LEN, id))
+        Some((
+            DEV_DATA_START + self.slice * SLICE_LEN + at % SLICE_LEN,
+            id,
+            self.base,
+        ))
     }
 
     pub(crate) fn release(&mut self, id: u64) {
@@ -310,64 +329,143 @@ impl Ring {
     }
 }
 
-/// One journal record header (docs/format.md §2.1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// One journal record's header (docs/format.md §2.1): a row write's new chunk contents,
+/// described by entries (shard, offset in the chunk, length) whose bytes follow the
+/// header, each starting on a journal block.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Record {
+    pub seq: u64,
+    pub watermark: u64,
     pub row: u64,
     pub version: u64,
     pub kind: u8,
-    pub dev: u8,
-    pub chunk_off: u32,
-    pub len: u32,
+    /// Total payload bytes (entries padded to journal blocks).
+    pub payload: u32,
     pub crc: u32,
-    pub participants: u64,
+    /// Devices holding a copy of this record.
+    pub holders: u64,
+    /// (shard, offset in chunk, length)
+    pub entries: Vec<(u8, u32, u32)>,
+}
+
+/// Bytes of a header with `n` entries, before its CRC.
+#[inline]
+fn header_fields(n: usize) -> usize {
+    HEADER_FIELDS + 16 * n
+}
+
+/// A record header's fixed fields.
+pub(crate) struct RecordHead {
+    /// The record's sequence number in its slice, and the slice's watermark then.
+    pub seq: u64,
+    pub watermark: u64,
+    pub row: u64,
+    pub version: u64,
+    pub kind: u8,
+    pub payload: u32,
+    pub crc: u32,
+    pub holders: u64,
+}
+
+/// Write a record header with `entries` (shard, offset in chunk, length) into `out`.
+pub(crate) fn encode_header(
+    uuid: &[u8; 16],
+    r: RecordHead,
+    entries: &[(u8, u32, u32)],
+    out: &mut [u8],
+) {
+    let h = out;
+    let f = header_fields(entries.len());
+    h[..f + 4].fill(0);
+    h[0..8].copy_from_slice(MAGIC);
+    h[8..24].copy_from_slice(uuid);
+    h[24..32].copy_from_slice(&r.row.to_le_bytes());
+    h[32..40].copy_from_slice(&r.version.to_le_bytes());
+    h[40] = r.kind;
+    h[41] = entries.len() as u8;
+    h[44..48].copy_from_slice(&r.payload.to_le_bytes());
+    h[48..52].copy_from_slice(&r.crc.to_le_bytes());
+    h[56..64].copy_from_slice(&r.holders.to_le_bytes());
+    h[64..72].copy_from_slice(&r.seq.to_le_bytes());
+    h[72..80].copy_from_slice(&r.watermark.to_le_bytes());
+    for (i, &(shard, off, len)) in entries.iter().enumerate() {
+        let e = &mut h[HEADER_FIELDS + 16 * i..HEADER_FIELDS + 16 * i + 16];
+        e[0] = shard;
+        e[4..8].copy_from_slice(&off.to_le_bytes());
+        e[8..12].copy_from_slice(&len.to_le_bytes());
+    }
+    let c = crc32c::crc32c(&h[..f]);
+    h[f..f + 4].copy_from_slice(&c.to_le_bytes());
 }
 
 impl Record {
-    pub(crate) fn encode(&self, uuid: &[u8; 16], out: &mut [u8]) {
-        let h = &mut out[..HEADER];
-        h.fill(0);
-        h[0..8].copy_from_slice(MAGIC);
-        h[8..24].copy_from_slice(uuid);
-        h[24..32].copy_from_slice(&self.row.to_le_bytes());
-        h[32..40].copy_from_slice(&self.version.to_le_bytes());
-        h[40] = self.kind;
-        h[41] = self.dev;
-        h[44..48].copy_from_slice(&self.chunk_off.to_le_bytes());
-        h[48..52].copy_from_slice(&self.len.to_le_bytes());
-        h[52..56].copy_from_slice(&self.crc.to_le_bytes());
-        h[56..64].copy_from_slice(&self.participants.to_le_bytes());
-        let c = crc32c::crc32c(&h[..4092]);
-        h[4092..].copy_from_slice(&c.to_le_bytes());
-    }
-
     pub(crate) fn decode(uuid: &[u8; 16], h: &[u8]) -> Option<Record> {
-        if h.len() < HEADER || &h[0..8] != MAGIC || &h[8..24] != uuid {
+        if h.len() < HEADER_FIELDS + 4 || &h[0..8] != MAGIC || &h[8..24] != uuid {
             return None;
         }
-        let c = u32::from_le_bytes(h[4092..4096].try_into().ok()?);
-        if crc32c::crc32c(&h[..4092]) != c {
+        let n = h[41] as usize;
+        let f = header_fields(n);
+        if h.len() < f + 4 {
+            return None;
+        }
+        let c = u32::from_le_bytes(h[f..f + 4].try_into().ok()?);
+        if crc32c::crc32c(&h[..f]) != c {
             return None;
         }
         let u64at = |a: usize| u64::from_le_bytes(h[a..a + 8].try_into().expect("8 bytes"));
         let u32at = |a: usize| u32::from_le_bytes(h[a..a + 4].try_into().expect("4 bytes"));
         Some(Record {
+            seq: u64at(64),
+            watermark: u64at(72),
             row: u64at(24),
             version: u64at(32),
             kind: h[40],
-            dev: h[41],
-            chunk_off: u32at(44),
-            len: u32at(48),
-            crc: u32at(52),
-            participants: u64at(56),
+            payload: u32at(44),
+            crc: u32at(48),
+            holders: u64at(56),
+            entries: (0..n)
+                .map(|i| {
+                    let e = HEADER_FIELDS + 16 * i;
+                    (h[e], u32at(e + 4), u32at(e + 8))
+                })
+                .collect(),
         })
     }
 }
 
-/// Bytes a record with `payload` bytes takes in the journal.
-#[inline]
-pub(crate) fn record_len(payload: u64) -> u64 {
-    HEADER as u64 + payload.next_multiple_of(4096)
+impl Parity {
+    /// Bytes of a record header: room for an entry per device, in journal blocks.
+    #[inline]
+    pub(crate) fn header_len(&self) -> u64 {
+        ((header_fields(self.n) + 4) as u64).next_multiple_of(self.block)
+    }
+
+    /// Payload bytes an entry of `len` bytes takes (entries start on journal blocks).
+    #[inline]
+    pub(crate) fn entry_len(&self, len: u64) -> u64 {
+        len.next_multiple_of(self.block)
+    }
+
+    /// The devices that keep a row write's record: the row's writable parity devices. If
+    /// all of them are lost, every data chunk of the row is readable as it is, so the
+    /// record is only needed while one of them lives.
+    pub(crate) fn record_holders(&self, r: u64, failed: u64) -> u64 {
+        (self.k..self.n)
+            .map(|s| 1u64 << self.shard_dev(r, s))
+            .fold(0, |a, b| a | b)
+            & !failed
+    }
+
+    /// The devices that keep a full-row write's marker: m + 1 writable devices of the row
+    /// (parity first), so one survives any m failures.
+    pub(crate) fn marker_holders(&self, r: u64, failed: u64) -> u64 {
+        (self.k..self.n)
+            .chain(0..self.k)
+            .map(|s| self.shard_dev(r, s))
+            .filter(|&d| failed & (1 << d) == 0)
+            .take(self.m + 1)
+            .fold(0, |a, d| a | 1 << d)
+    }
 }
 
 fn why(e: &io::Error) -> u8 {
@@ -377,9 +475,6 @@ fn why(e: &io::Error) -> u8 {
         FAIL_READ
     }
 }
-
-/// A journal record found at recovery, with its payload.
-type FoundRecord = (Record, Vec<u8>);
 
 /// What a parity scrub of some rows found (bytes).
 #[derive(Default, Debug, Clone)]
@@ -528,42 +623,45 @@ impl Layout {
             writes.push((s, lo, &row[s * span..(s + 1) * span]));
         }
         let failed = self.failed_bits();
-        let participants = writes
+        let holders = p.record_holders(r, failed);
+        let payload: u64 = writes.iter().map(|w| p.entry_len(w.2.len() as u64)).sum();
+        let hl = p.header_len() as usize;
+        let rec_len = hl as u64 + payload;
+        let mut jb = vec![0u8; rec_len as usize];
+        let mut at_p = hl;
+        for &(_, _, bytes) in &writes {
+            jb[at_p..at_p + bytes.len()].copy_from_slice(bytes);
+            at_p += p.entry_len(bytes.len() as u64) as usize;
+        }
+        let entries: Vec<(u8, u32, u32)> = writes
             .iter()
-            .map(|w| 1u64 << p.shard_dev(r, w.0))
-            .fold(0, |a, b| a | b)
-            & !failed;
-        let max = writes.iter().map(|w| w.2.len() as u64).max().unwrap_or(0);
-        let rec_len = record_len(max);
-        let uuid = *p.uuid.get().unwrap_or(&[0; 16]);
-        let (at, id) = loop {
+            .map(|w| (w.0 as u8, w.1 as u32, w.2.len() as u32))
+            .collect();
+        let crc = crc32c::crc32c(&jb[hl..]);
+        let (at, id, watermark) = loop {
             // Full of unfinished writes (reactors finish them on their own): wait.
             if let Some(a) = p.ring(r).alloc(rec_len) {
                 break a;
             }
             std::thread::yield_now();
         };
-        let mut jb = vec![0u8; rec_len as usize];
-        for &(s, off, bytes) in &writes {
-            let d = p.shard_dev(r, s);
-            if participants & (1 << d) == 0 {
-                continue;
-            }
-            Record {
+        encode_header(
+            &p.uuid(),
+            RecordHead {
+                seq: id,
+                watermark,
                 row: r,
                 version: g.version,
                 kind: KIND_CHUNK,
-                dev: d as u8,
-                chunk_off: off as u32,
-                len: bytes.len() as u32,
-                crc: crc32c::crc32c(bytes),
-                participants,
-            }
-            .encode(&uuid, &mut jb);
-            jb[HEADER..HEADER + bytes.len()].copy_from_slice(bytes);
-            let l = record_len(bytes.len() as u64) as usize;
-            if let Err(e) = self.devices[d].write_at(at, &jb[..l]) {
-                let _ = e;
+                payload: payload as u32,
+                crc,
+                holders,
+            },
+            &entries,
+            &mut jb[..hl],
+        );
+        for d in (0..p.n).filter(|d| holders & (1 << d) != 0) {
+            if self.devices[d].write_at(at, &jb).is_err() {
                 self.mark_failed(d, FAIL_WRITE);
             }
         }
@@ -734,9 +832,10 @@ impl Layout {
             .uuid
             .get()
             .ok_or_else(|| io::Error::other("pool UUID not set"))?;
-        // (row, version) -> records found, with their payloads.
-        let mut txns: BTreeMap<(u64, u64), Vec<FoundRecord>> = BTreeMap::new();
+        // Every valid record found: (slice, record, payload).
+        let mut found: Vec<(u64, Record, Vec<u8>)> = Vec::new();
         let mut area = vec![0u8; JOURNAL_LEN as usize];
+        let hl = p.header_len() as usize;
         for d in 0..p.n {
             if !self.is_readable_dev(d) {
                 continue;
@@ -746,64 +845,74 @@ impl Layout {
                 continue;
             }
             let mut at = 0usize;
-            while at + HEADER <= area.len() {
-                let Some(rec) = Record::decode(&uuid, &area[at..at + HEADER]) else {
-                    at += 4096;
+            while at + hl <= area.len() {
+                let Some(rec) = Record::decode(&uuid, &area[at..at + hl]) else {
+                    at += SCAN_STEP;
                     continue;
                 };
-                let end = at + HEADER + rec.len as usize;
-                let ok = rec.dev as usize == d
-                    && end <= area.len()
+                let end = at + hl + rec.payload as usize;
+                let ok = end <= area.len()
+                    && rec.row < p.rows
+                    && rec.holders & (1 << d) != 0
                     && (rec.kind == KIND_FULL
                         || (rec.kind == KIND_CHUNK
-                            && crc32c::crc32c(&area[at + HEADER..end]) == rec.crc));
-                if ok {
-                    txns.entry((rec.row, rec.version))
-                        .or_default()
-                        .push((rec, area[at + HEADER..end].to_vec()));
-                    at += record_len(rec.len as u64) as usize;
-                } else {
-                    at += 4096;
+                            && crc32c::crc32c(&area[at + hl..end]) == rec.crc));
+                if !ok {
+                    at += SCAN_STEP;
+                    continue;
                 }
+                found.push((at as u64 / SLICE_LEN, rec, area[at + hl..end].to_vec()));
+                at = end;
             }
         }
-        let readable = !(self.failed_bits() | self.rebuilding_bits());
-        let mut resync: BTreeMap<u64, bool> = BTreeMap::new();
-        let mut replayed = 0;
-        // Only a row's newest write can be unfinished (the row lock orders them, and a
-        // row's records are overwritten oldest first); older ones are ignored.
-        let mut newest: BTreeMap<u64, u64> = BTreeMap::new();
-        for &(row, v) in txns.keys() {
-            newest.insert(row, v);
+        // A record older than its slice's newest watermark belongs to a finished write
+        // (and may be older than a write whose record is already overwritten): ignored.
+        let mut wm = [0u64; SLICES as usize];
+        for (slice, rec, _) in &found {
+            let w = &mut wm[*slice as usize];
+            *w = (*w).max(rec.watermark);
         }
-        for ((row, v), recs) in &txns {
-            if *row >= p.rows || newest.get(row) != Some(v) {
+        let mut newest: BTreeMap<u64, (u64, Record, Vec<u8>)> = BTreeMap::new();
+        for (slice, rec, payload) in found {
+            if rec.seq < wm[slice as usize] {
                 continue;
             }
-            let parts = recs[0].0.participants;
-            let have = recs.iter().fold(0u64, |a, (r, _)| a | 1 << r.dev);
-            let complete = parts & readable & !have == 0;
-            if complete && recs[0].0.kind == KIND_CHUNK {
-                for (rec, payload) in recs {
-                    let d = rec.dev as usize;
-                    if rec.chunk_off as u64 + payload.len() as u64 > p.chunk {
-                        continue;
-                    }
-                    let at = p.row_offset(*row) + rec.chunk_off as u64;
-                    if self.devices[d].write_at(at, payload).is_err() {
+            if newest.get(&rec.row).is_none_or(|n| n.0 < rec.version) {
+                newest.insert(rec.row, (rec.version, rec, payload));
+            }
+        }
+        // Only a row's newest write can be unfinished (the row lock orders a row's
+        // writes). A chunk update is
+        // rolled forward from any copy of its record; a full-row write (no payload) gets
+        // its parity recomputed from the data.
+        let mut resync = Vec::new();
+        let mut replayed = 0;
+        for (&row, (_, rec, payload)) in &newest {
+            if rec.kind != KIND_CHUNK {
+                resync.push(row);
+                continue;
+            }
+            let mut at = 0usize;
+            for &(shard, off, len) in &rec.entries {
+                let (shard, len) = (shard as usize, len as usize);
+                if shard < p.n && off as u64 + len as u64 <= p.chunk && at + len <= payload.len() {
+                    let d = p.shard_dev(row, shard);
+                    if !self.is_failed(d)
+                        && self.devices[d]
+                            .write_at(p.row_offset(row) + off as u64, &payload[at..at + len])
+                            .is_err()
+                    {
                         self.mark_failed(d, FAIL_WRITE);
                     }
                 }
-                replayed += 1;
-                resync.insert(*row, false);
-            } else {
-                resync.insert(*row, true);
+                at += p.entry_len(len as u64) as usize;
             }
+            replayed += 1;
         }
         let (mut synced, mut degraded) = (0, 0);
         let span = p.chunk as usize;
         let mut buf = vec![0u8; p.n * span];
-        for (&r, _) in resync.iter().filter(|(_, &need)| need) {
+        for &r in &resync {
             let all_data = (0..p.k).all(|s| self.is_readable_dev(p.shard_dev(r, s)));
             if !all_data {
                 degraded += 1;

@@ -31,7 +31,7 @@ use tessera_io::buf::AlignedBuf;
 use tessera_io::{CoreIo, ErrorHook, IoHandle, IoOp, Tag};
 
 use crate::layout::{Layout, FAIL_GONE, FAIL_READ, FAIL_WRITE};
-use crate::parity::{record_len, Parity, Record, KIND_CHUNK, KIND_FULL, MAX_CHUNK};
+use crate::parity::{encode_header, Parity, RecordHead, KIND_CHUNK, KIND_FULL, MAX_CHUNK};
 
 /// Hook contexts: a device I/O inside a row operation, a direct (healthy) read, a flush.
 const CTX_DEV: u64 = 1 << 62;
@@ -71,6 +71,7 @@ struct Seg {
 /// A device write of a row operation: `len` bytes at device offset `at` from `ptr`.
 #[derive(Clone, Copy, Debug)]
 struct DevWrite {
+    shard: usize,
     dev: usize,
     chunk_off: u64,
     len: u64,
@@ -630,7 +631,8 @@ impl Engine {
         nreads as u32
     }
 
-    /// Write the journal records; returns how many, or None when the slice is full.
+    /// Write the row's journal record to its holders (docs/format.md §2.1); returns how
+    /// many writes were issued, or None while the journal slice is full.
     fn journal(
         &self,
         io: &mut CoreIo,
@@ -649,6 +651,7 @@ impl Engine {
         if op.writes.is_empty() {
             for g in &op.segs {
                 op.writes.push(DevWrite {
+                    shard: g.shard,
                     dev: p.shard_dev(row, g.shard),
                     chunk_off: g.off,
                     len: g.len,
@@ -657,6 +660,7 @@ impl Engine {
             }
             for s in p.k..p.n {
                 op.writes.push(DevWrite {
+                    shard: s,
                     dev: p.shard_dev(row, s),
                     chunk_off: op.lo,
                     len: span,
@@ -665,68 +669,82 @@ impl Engine {
             }
         }
         let full = op.mode == Mode::Full;
-        let live = |w: &DevWrite| failed & (1 << w.dev) == 0;
-        // Full rows: payload-free records on m+1 of the devices written; partial rows: one
-        // record with its new bytes per device written.
-        let recs: Vec<DevWrite> = if full {
-            op.writes
-                .iter()
-                .filter(|w| live(w))
-                .take(p.m + 1)
-                .copied()
-                .collect()
+        let holders = if full {
+            p.marker_holders(row, failed)
         } else {
-            op.writes.iter().filter(|w| live(w)).copied().collect()
+            p.record_holders(row, failed)
         };
-        let participants = recs.iter().fold(0u64, |a, w| a | 1 << w.dev);
-        let rec_len = if full {
-            record_len(0)
-        } else {
-            record_len(recs.iter().map(|w| w.len).max().unwrap_or(0))
-        };
-        let (at, rid) = p.ring(row).alloc(rec_len)?;
-        op.ring_id = Some(rid);
-        if recs.is_empty() {
+        if holders == 0 {
+            // No parity left to protect: the chunks go straight in place.
             return Some(0);
         }
-        let total = rec_len as usize * recs.len();
-        if op.jbuf.as_ref().is_none_or(|b| b.capacity() < total) {
+        let live = |w: &&DevWrite| failed & (1 << w.dev) == 0;
+        let hl = p.header_len();
+        let payload: u64 = if full {
+            0
+        } else {
+            op.writes
+                .iter()
+                .filter(live)
+                .map(|w| p.entry_len(w.len))
+                .sum()
+        };
+        let rec_len = hl + payload;
+        let (at, rid, watermark) = p.ring(row).alloc(rec_len)?;
+        op.ring_id = Some(rid);
+        if op
+            .jbuf
+            .as_ref()
+            .is_none_or(|b| b.capacity() < rec_len as usize)
+        {
             if let Some(b) = op.jbuf.take() {
                 io.bufs.put(b);
             }
-            op.jbuf = Some(io.bufs.get(total));
+            op.jbuf = Some(io.bufs.get(rec_len as usize));
         }
         let jb = op.jbuf.as_mut().expect("allocated above").as_mut_slice();
-        let uuid = *p.uuid.get().unwrap_or(&[0; 16]);
-        let t = io.tracked(0, recs.len() as u32, hook, id as u64);
-        for (i, w) in recs.iter().enumerate() {
-            let slot = &mut jb[i * rec_len as usize..(i + 1) * rec_len as usize];
-            let payload_len = if full { 0 } else { w.len as usize };
-            // SAFETY: w.ptr points at w.len bytes: the client's buffer (alive until the
-            // request completes), the engine's zero chunk or this operation's buffer.
-            let payload = unsafe { std::slice::from_raw_parts(w.ptr as *const u8, payload_len) };
-            Record {
+        let mut entries = [(0u8, 0u32, 0u32); 64];
+        let mut ne = 0;
+        let mut at_p = hl as usize;
+        if !full {
+            for w in op.writes.iter().filter(live) {
+                // SAFETY: w.ptr points at w.len bytes: the client's buffer (alive until
+                // the request completes), the engine's zero chunk or this op's buffer.
+                let src = unsafe { std::slice::from_raw_parts(w.ptr as *const u8, w.len as usize) };
+                jb[at_p..at_p + w.len as usize].copy_from_slice(src);
+                at_p += p.entry_len(w.len) as usize;
+                entries[ne] = (w.shard as u8, w.chunk_off as u32, w.len as u32);
+                ne += 1;
+            }
+        }
+        let (hdr, body) = jb.split_at_mut(hl as usize);
+        encode_header(
+            &p.uuid(),
+            RecordHead {
+                seq: rid,
+                watermark,
                 row,
                 version: op.version,
                 kind: if full { KIND_FULL } else { KIND_CHUNK },
-                dev: w.dev as u8,
-                chunk_off: w.chunk_off as u32,
-                len: payload_len as u32,
-                crc: crc32c::crc32c(payload),
-                participants,
-            }
-            .encode(&uuid, slot);
-            slot[4096..4096 + payload_len].copy_from_slice(payload);
-            let l = record_len(payload_len as u64) as u32;
+                payload: payload as u32,
+                crc: crc32c::crc32c(&body[..payload as usize]),
+                holders,
+            },
+            &entries[..ne],
+            hdr,
+        );
+        let n = holders.count_ones();
+        let t = io.tracked(0, n, hook, id as u64);
+        for d in (0..p.n).filter(|d| holders & (1 << d) != 0) {
             let sub = IoOp::Write {
                 offset: at,
-                len: l,
-                buf: slot.as_ptr(),
+                len: rec_len as u32,
+                buf: jb.as_ptr(),
             };
-            let h = io.hooked(t, hook, sub, CTX_DEV | w.dev as u64);
-            handles[w.dev].submit(io, sub, h);
+            let h = io.hooked(t, hook, sub, CTX_DEV | d as u64);
+            handles[d].submit(io, sub, h);
         }
-        Some(recs.len() as u32)
+        Some(n)
     }
 
     fn in_place(
