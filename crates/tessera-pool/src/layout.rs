@@ -165,6 +165,11 @@ pub const FAIL_READ: u8 = 1;
 pub const FAIL_WRITE: u8 = 2;
 pub const FAIL_GONE: u8 = 3;
 pub const FAIL_MISSING: u8 = 4;
+pub const FAIL_TIMEOUT: u8 = 5;
+
+/// A redundant pool's device whose I/O has not completed for this long is marked failed
+/// (the Linux NVMe driver's default I/O timeout).
+pub const DEFAULT_DEVICE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 pub fn fail_reason_name(r: u8) -> &'static str {
     match r {
@@ -172,6 +177,7 @@ pub fn fail_reason_name(r: u8) -> &'static str {
         FAIL_WRITE => "write error",
         FAIL_GONE => "device disappeared",
         FAIL_MISSING => "missing at open (or failed before the restart)",
+        FAIL_TIMEOUT => "I/O timed out (device hung)",
         _ => "",
     }
 }
@@ -221,6 +227,9 @@ pub struct Layout {
     pub(crate) tracking: AtomicU64,
     /// Parity layouts: geometry, code, row locks and journal (crate::parity).
     pub(crate) parity: Option<crate::parity::Parity>,
+    /// Redundant layouts: marks a device whose I/O hangs failed (set before handles are
+    /// opened; see `watch_devices`).
+    watchdog: std::sync::Mutex<Option<Arc<tessera_device::Watchdog>>>,
 }
 
 /// A contiguous piece of a logical range on one device.
@@ -383,6 +392,7 @@ impl Layout {
             inflight: [AtomicU64::new(0), AtomicU64::new(0)],
             tracking: AtomicU64::new(0),
             parity,
+            watchdog: std::sync::Mutex::new(None),
         })
     }
 
@@ -860,14 +870,50 @@ impl Layout {
     }
 
     /// Datapath handle for the calling core.
+    /// Mark a device failed when an I/O to it has not completed for `timeout` (redundant
+    /// layouts only: elsewhere there is nothing to fail over to). Applies to handles opened
+    /// from now on. The operation itself still waits for the device (its buffer may be in
+    /// the kernel's hands); every later one avoids the device.
+    pub fn watch_devices(self: &Arc<Self>, timeout: std::time::Duration) {
+        if !self.kind.is_redundant() {
+            return;
+        }
+        let weak = Arc::downgrade(self);
+        let dog = tessera_device::Watchdog::new(
+            timeout,
+            Arc::new(move |d| {
+                if let Some(l) = weak.upgrade() {
+                    l.mark_failed(d, FAIL_TIMEOUT);
+                }
+            }),
+        );
+        *self.watchdog.lock().unwrap_or_else(|e| e.into_inner()) = Some(dog);
+    }
+
+    /// Per-core handles of every device (behind the watchdog when one is set).
+    pub(crate) fn device_handles(&self) -> Vec<Box<dyn IoHandle>> {
+        let dog = self
+            .watchdog
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        self.devices
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let h = d.clone().open_handle();
+                match &dog {
+                    Some(w) => w.wrap(i, h),
+                    None => h,
+                }
+            })
+            .collect()
+    }
+
     pub fn open_handle(self: &Arc<Self>) -> LayoutHandle {
         LayoutHandle {
             layout: self.clone(),
-            handles: self
-                .devices
-                .iter()
-                .map(|d| d.clone().open_handle())
-                .collect(),
+            handles: self.device_handles(),
             hook: u32::MAX,
             rr: 0,
             engine: None,

@@ -177,11 +177,7 @@ pub(crate) fn engine_for(io: &mut CoreIo, layout: &Arc<Layout>) -> Rc<Engine> {
         layout: Arc::downgrade(layout),
         hook: Cell::new(0),
         st: RefCell::new(State {
-            handles: layout
-                .devices
-                .iter()
-                .map(|d| d.clone().open_handle())
-                .collect(),
+            handles: layout.device_handles(),
             ops: Vec::new(),
             free: Vec::new(),
             zeros: AlignedBuf::zeroed(MAX_CHUNK as usize),

@@ -608,3 +608,67 @@ fn row_operations_release_their_joins() {
         "{all} join entries for at most 8 requests in flight"
     );
 }
+
+/// A device that stops answering (every I/O held for seconds) is marked failed after the
+/// timeout, and I/O goes on without it: for a mirror and for a parity layout.
+#[test]
+fn a_hung_device_is_marked_failed_and_io_continues() {
+    for kind in [
+        LayoutKind::Raid1 { copies: 2 },
+        LayoutKind::Raid5 { stripe: 16 << 10 },
+    ] {
+        let n = if kind.is_mirror() { 2 } else { 4 };
+        let ram: Vec<Arc<RamDevice>> = (0..n).map(|_| RamDevice::new(DEV_SIZE).unwrap()).collect();
+        let (pool, cfgs) = parity_pool(&ram, kind);
+        let layout = pool.core.layout.clone();
+        layout.watch_devices(std::time::Duration::from_millis(100));
+        let base = pool.status().metadata;
+        let mut io = core();
+        let mut h = layout.open_handle();
+        let mut model = vec![0u8; 1 << 20];
+        let mut rng = Rng(17);
+        for (i, c) in model.chunks_mut(64 << 10).enumerate() {
+            c.copy_from_slice(&pattern(i as u64, c.len()));
+            assert_eq!(write(&mut io, &mut h, base + (i as u64) * (64 << 10), c), 0);
+        }
+        cfgs[1].stall(std::time::Duration::from_millis(1500));
+        let start = std::time::Instant::now();
+        let mut marked = None;
+        while start.elapsed() < std::time::Duration::from_secs(5) {
+            let off = 4096 * rng.below((model.len() / 4096 - 4) as u64) as usize;
+            let data = pattern(rng.next(), 8192);
+            assert_eq!(
+                write(&mut io, &mut h, base + off as u64, &data),
+                0,
+                "{kind:?}"
+            );
+            model[off..off + 8192].copy_from_slice(&data);
+            let got = read(&mut io, &mut h, base + off as u64, 8192).expect("read");
+            assert!(got == data, "{kind:?}: read back differs");
+            if marked.is_none() && layout.is_failed(1) {
+                marked = Some(start.elapsed());
+            }
+            if marked.is_some_and(|m| start.elapsed() > m + std::time::Duration::from_millis(300)) {
+                break;
+            }
+        }
+        let m =
+            marked.unwrap_or_else(|| panic!("{kind:?}: the hung device was never marked failed"));
+        assert!(
+            m < std::time::Duration::from_millis(2500),
+            "{kind:?}: marked after {m:?}"
+        );
+        let st = pool.status();
+        assert_eq!(st.device_states[1].0, "failed");
+        assert!(
+            st.device_states[1].1.contains("timed out"),
+            "{:?}",
+            st.device_states[1]
+        );
+        cfgs[1].unstall();
+        for (i, c) in model.chunks(64 << 10).enumerate() {
+            let got = read(&mut io, &mut h, base + (i as u64) * (64 << 10), c.len()).unwrap();
+            assert!(got == c, "{kind:?}: chunk {i} differs after the hang");
+        }
+    }
+}
