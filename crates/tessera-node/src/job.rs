@@ -5,6 +5,22 @@ use std::time::Duration;
 
 use serde_json::{json, Map, Value};
 
+/// Run the calling background-job thread at idle CPU priority (`SCHED_IDLE`): it gets
+/// only CPU time that the reactors and the clients leave. The class's bandwidth limit and
+/// latency feedback bound its device load; this bounds its CPU load, which the feedback
+/// cannot see (a busy CPU delays a client's next request, not the node's service time).
+pub(crate) fn background_priority() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: plain syscall on the calling thread with a valid parameter block.
+    let r = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    if r != 0 {
+        eprintln!(
+            "tessera: background job keeps normal CPU priority: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 /// A job's progress and controller figures, as its status shows them.
 pub(crate) struct Figures<'a> {
     pub class: &'a str,

@@ -140,7 +140,10 @@ pub fn start(
     let j = job.clone();
     std::thread::Builder::new()
         .name(format!("tessera-rebuild-{}", pool.name()))
-        .spawn(move || run(&pool, &j, device, from, &limits, &path))
+        .spawn(move || {
+            crate::job::background_priority();
+            run(&pool, &j, device, from, &limits, &path)
+        })
         .map_err(|e| tessera_pool::Error::io("starting the rebuild thread", e))?;
     Ok(job)
 }

@@ -175,7 +175,10 @@ fn spawn(
     let j = job.clone();
     std::thread::Builder::new()
         .name(format!("tessera-{class}-{}", pool.name()))
-        .spawn(move || run(&pool, &j, &limits))?;
+        .spawn(move || {
+            crate::job::background_priority();
+            run(&pool, &j, &limits)
+        })?;
     Ok(job)
 }
 
