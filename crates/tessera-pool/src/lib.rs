@@ -1,6 +1,9 @@
 //! Pools and thin volumes.
 //!
-//! - [`layout`]: how the pool's address space maps onto devices (concat, raid0).
+//! - [`layout`]: how the pool's address space maps onto devices (concat, raid0, raid1,
+//!   raid10, raid5, raid6, ec k+m).
+//! - [`parity`]: parity geometry, row locks, the stripe journal and its recovery (the
+//!   per-core parity datapath is `parity_io`); [`scrub`]: verify and repair.
 //! - [`format`]: byte-exact codecs of `docs/format.md`.
 //! - [`meta`]: superblock, checkpoints and journal on the pool's metadata region.
 //! - [`pool`]: allocation, commits, volume and export management.
