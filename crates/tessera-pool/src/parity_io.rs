@@ -620,8 +620,10 @@ impl Engine {
                 }
             }
             Mode::Degraded => {
+                // Any k chunks determine the row: read k readable ones (data first, so a
+                // parity shard is computed only when it must be) and rebuild the rest.
                 for s in 0..p.n {
-                    if readable(s) {
+                    if readable(s) && nreads < p.k {
                         reads[nreads] = (s, lo, span, base + s * span as usize);
                         nreads += 1;
                     } else {
