@@ -22,6 +22,9 @@ pub struct NodeConfig {
     /// Pin reactor i to CPU i (default). Measured on the 2-core VM: with polling, an
     /// unpinned reactor and its client end up sharing a CPU and both slow down.
     pub pin_cores: bool,
+    /// A device of a redundant pool whose I/O has not completed for this many
+    /// milliseconds is marked failed (default 30000, as the Linux NVMe driver).
+    pub device_timeout_ms: u64,
     pub api: ApiConfig,
     pub nbd: NbdConfig,
     pub nvmf: crate::nvmf::NvmfConfig,
@@ -100,6 +103,7 @@ impl Default for NodeConfig {
             busy_poll: false,
             poll_us: 50,
             pin_cores: true,
+            device_timeout_ms: 30_000,
             api: ApiConfig::default(),
             nbd: NbdConfig::default(),
             nvmf: crate::nvmf::NvmfConfig::default(),

@@ -65,6 +65,9 @@ fn size_arg(what: &str, v: &str) -> Result<u64> {
 impl Node {
     /// Start the reactors and bring back every pool in the registry.
     pub fn start(cfg: NodeConfig) -> std::result::Result<Arc<Node>, String> {
+        tessera_pool::layout::set_device_timeout(std::time::Duration::from_millis(
+            cfg.device_timeout_ms,
+        ));
         std::fs::create_dir_all(&cfg.data_dir).map_err(|e| {
             format!(
                 "cannot create data directory {}: {e}",

@@ -171,6 +171,18 @@ pub const FAIL_TIMEOUT: u8 = 5;
 /// (the Linux NVMe driver's default I/O timeout).
 pub const DEFAULT_DEVICE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
+static DEVICE_TIMEOUT_MS: AtomicU64 = AtomicU64::new(30_000);
+
+/// The device timeout pools opened or created from now on use (the node's
+/// `device_timeout_ms`).
+pub fn set_device_timeout(t: std::time::Duration) {
+    DEVICE_TIMEOUT_MS.store(t.as_millis().max(1) as u64, Relaxed);
+}
+
+pub fn device_timeout() -> std::time::Duration {
+    std::time::Duration::from_millis(DEVICE_TIMEOUT_MS.load(Relaxed))
+}
+
 pub fn fail_reason_name(r: u8) -> &'static str {
     match r {
         FAIL_READ => "read error",

@@ -486,7 +486,7 @@ impl Pool {
             }
         }
         let layout = Arc::new(Layout::new(opts.layout, devices).map_err(Error::invalid)?);
-        layout.watch_devices(crate::layout::DEFAULT_DEVICE_TIMEOUT);
+        layout.watch_devices(crate::layout::device_timeout());
         let total_units = layout.size / unit;
         if total_units >= u32::MAX as u64 {
             return Err(Error::invalid(
@@ -663,7 +663,7 @@ impl Pool {
             },
         };
         let layout = Arc::new(Layout::new(kind, devices).map_err(Error::corrupt)?);
-        layout.watch_devices(crate::layout::DEFAULT_DEVICE_TIMEOUT);
+        layout.watch_devices(crate::layout::device_timeout());
         // Devices recorded failed stay failed: they missed writes. So do missing ones.
         for i in 0..layout.devices.len() {
             if first.failed & (1 << i) != 0 {

@@ -603,7 +603,11 @@ fn row_operations_release_their_joins() {
     }
     let (all, free) = io.join_slots();
     // One entry may stay: the device watchdog's check timer (it disarms a tick later).
-    assert!(all - free <= 1, "join entries leaked: {} in use", all - free);
+    assert!(
+        all - free <= 1,
+        "join entries leaked: {} in use",
+        all - free
+    );
     assert!(
         all < 512,
         "{all} join entries for at most 8 requests in flight"
