@@ -343,7 +343,7 @@ fn fio_verify_over_nbd_on_raid6_with_a_device_failing_mid_run() {
     }
     let n = TestNode::start_with_config("raid6-fio", "");
     let d = path_str(&n.dir);
-    let mut devs: Vec<String> = (0..6).map(|i| format!("{d}/d{i}.img:64M")).collect();
+    let mut devs: Vec<String> = (0..5).map(|i| format!("{d}/d{i}.img:64M")).collect();
     devs[2] = format!("fault:{d}/d2.img:64M;vanish_after_ms={VANISH_MS}");
     let mut args = vec![
         "pool",
@@ -518,20 +518,39 @@ fn kill9_during_parity_rebuild_resumes_and_completes() {
     assert!(done_before < total, "{before}");
     assert_eq!(pool(&n, "p")["state"], "rebuilding");
     n.kill9();
-    let cursor = n.data_dir.join("rebuild-p.json");
+    // The cursor the node persisted (every 16 units, after a device sync) is past 0.
+    let cursor_path = n.data_dir.join("rebuild-p.json");
+    let text = std::fs::read_to_string(&cursor_path)
+        .unwrap_or_else(|e| panic!("no rebuild cursor at {}: {e}", cursor_path.display()));
+    let cursor: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(cursor["device"], 1, "{text}");
+    let next_unit = cursor["next_unit"].as_u64().unwrap();
     assert!(
-        cursor.exists(),
-        "no rebuild cursor at {} after the kill",
-        cursor.display()
+        next_unit > 0,
+        "cursor still at unit 0 after {before}: {text}"
     );
     n.restart();
 
-    // It resumes from its cursor, not from 0.
-    let v = rebuild_json(&n, "p");
-    let resumed = v["resumed_at_unit_count"].as_u64().unwrap();
-    assert!(resumed > 0, "did not resume: {v} (was {before})");
+    // It resumes from its cursor, not from 0. (The job's thread fills in
+    // `resumed_at_unit_count` when it starts running, which can be a moment after the
+    // node is ready on a busy machine: wait for it, boundedly.)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (v, resumed) = loop {
+        let v = rebuild_json(&n, "p");
+        let resumed = v["resumed_at_unit_count"].as_u64().unwrap();
+        if resumed > 0 || Instant::now() > deadline {
+            break (v, resumed);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        resumed > 0,
+        "did not resume: {v} (was {before}, cursor {text})"
+    );
     assert!(resumed <= done_before, "{v} vs {before}");
-    eprintln!("rebuild killed at {done_before}/{total} units, resumed at {resumed}");
+    eprintln!(
+        "rebuild killed at {done_before}/{total} units, cursor at unit {next_unit}, resumed with {resumed} units done"
+    );
     // Client writes while it runs.
     {
         let mut c = connect(&n, "v");

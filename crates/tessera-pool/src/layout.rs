@@ -829,15 +829,7 @@ impl Layout {
     pub fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
         self.check(offset, len)?;
         if self.parity.is_some() {
-            // Through the row writes, so parity follows; a MiB at a time.
-            let z = vec![0u8; len.min(1 << 20) as usize];
-            let mut done = 0;
-            while done < len {
-                let n = (len - done).min(z.len() as u64);
-                self.parity_write_at(offset + done, &z[..n as usize])?;
-                done += n;
-            }
-            return Ok(());
+            return self.parity_zero(offset, len);
         }
         let _w = self.sync_write(offset, len);
         for p in self.pieces(offset, len) {

@@ -604,6 +604,79 @@ impl Layout {
         Ok(())
     }
 
+    /// Zero pool range `[offset, offset+len)` (a unit going back to the free list): whole
+    /// rows are zeroed on every device — data and parity, so the row stays consistent —
+    /// after a full-row marker (docs/format.md §2.1) so that a crash in between gets the
+    /// row's parity resynced; rows shared with a neighbouring range get their part
+    /// written as zeros through the journaled row write. Synchronous face: never on a
+    /// reactor thread (it waits for row locks held by reactor I/O).
+    pub(crate) fn parity_zero(&self, offset: u64, len: u64) -> io::Result<()> {
+        let p = self.parity_geo();
+        let end = offset + len;
+        let mut at = offset;
+        let zeros = vec![0u8; p.row_bytes as usize];
+        while at < end {
+            let r = at / p.row_bytes;
+            let row_start = r * p.row_bytes;
+            let row_end = row_start + p.row_bytes;
+            if at == row_start && row_end <= end {
+                let g = p.lock_sync(r);
+                let failed = self.failed_bits();
+                let holders = p.marker_holders(r, failed);
+                let hl = p.header_len();
+                let (jat, id, watermark) = loop {
+                    if let Some(a) = p.ring(r).alloc(hl) {
+                        break a;
+                    }
+                    std::thread::yield_now();
+                };
+                let mut jb = vec![0u8; hl as usize];
+                encode_header(
+                    &p.uuid(),
+                    RecordHead {
+                        seq: id,
+                        watermark,
+                        row: r,
+                        version: g.version,
+                        kind: KIND_FULL,
+                        payload: 0,
+                        crc: 0,
+                        holders,
+                    },
+                    &[],
+                    &mut jb,
+                );
+                for d in (0..p.n).filter(|d| holders & (1 << d) != 0) {
+                    if self.devices[d].write_at(jat, &jb).is_err() {
+                        self.mark_failed(d, FAIL_WRITE);
+                    }
+                }
+                for d in 0..p.n {
+                    if self.is_failed(d) {
+                        continue;
+                    }
+                    if self.devices[d]
+                        .write_zeroes_at(p.row_offset(r), p.chunk)
+                        .is_err()
+                    {
+                        self.mark_failed(d, FAIL_WRITE);
+                    }
+                }
+                p.ring(r).release(id);
+                drop(g);
+                at = row_end;
+            } else {
+                let n = (row_end.min(end) - at) as usize;
+                self.parity_write_at(at, &zeros[..n])?;
+                at += n as u64;
+            }
+        }
+        if self.failed_bits().count_ones() as usize > p.m {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        Ok(())
+    }
+
     /// Reconstruct-write of one row on the synchronous face: read the row's `[lo, hi)`
     /// (rebuilding what is unreadable), apply the segments, recompute parity, journal the
     /// changed chunks, then write them in place.

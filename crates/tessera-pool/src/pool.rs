@@ -166,7 +166,10 @@ impl PoolCore {
             return Ok(existing);
         }
         let p = s.free.pop().ok_or(-libc::ENOSPC)?;
-        if !whole {
+        // Parity layouts keep free units zeroed (zeroed before they are released, see
+        // `zero_freed`): zeroing here, on a reactor, could wait for a row lock that this
+        // very reactor's in-flight I/O holds (a unit's edge row is shared with the next).
+        if !whole && self.layout.parity.is_none() {
             if let Err(e) = self
                 .layout
                 .write_zeroes_at((p as u64) << self.unit_shift, self.unit_size())
@@ -259,6 +262,26 @@ impl PoolCore {
         }
     }
 
+    /// Units of a parity pool are zeroed before they go back to the free list (the
+    /// commit that frees them comes after), so allocation never zeroes on a reactor and a
+    /// unit is zero whenever it is free, also after a crash. Units that cannot be zeroed
+    /// stay pending. Runs on the commit thread (never a reactor).
+    fn zero_freed(&self, freed: Vec<u32>) -> Vec<u32> {
+        if self.layout.parity.is_none() || freed.is_empty() {
+            return freed;
+        }
+        let unit = self.unit_size();
+        let (ok, bad): (Vec<u32>, Vec<u32>) = freed.into_iter().partition(|&p| {
+            self.layout
+                .write_zeroes_at((p as u64) << self.unit_shift, unit)
+                .is_ok()
+        });
+        if !bad.is_empty() {
+            self.lock().pending_free.extend(bad);
+        }
+        ok
+    }
+
     /// Make every completed write and every thin-map change so far durable.
     pub fn commit(&self) -> Result<()> {
         self.persist_device_state()?;
@@ -270,6 +293,7 @@ impl PoolCore {
                 std::mem::take(&mut s.pending_free),
             )
         };
+        let freed = self.zero_freed(freed);
         let blocks = records.len().div_ceil(RECORDS_PER_BLOCK) as u64;
         if cur.force_checkpoint
             || cur.next_seq + blocks - cur.ckpt_seq > self.meta.sb.journal_blocks
@@ -322,6 +346,7 @@ impl PoolCore {
     pub fn checkpoint(&self) -> Result<()> {
         let mut cur = self.journal();
         let freed = std::mem::take(&mut self.lock().pending_free);
+        let freed = self.zero_freed(freed);
         let r = self.checkpoint_locked(&mut cur);
         self.release(freed, r.is_ok());
         r
@@ -1123,6 +1148,7 @@ impl Pool {
         // flag). Writes that arrive after this point are not covered by it.
         let mut cur = self.core.journal();
         let freed = std::mem::take(&mut self.core.lock().pending_free);
+        let freed = self.core.zero_freed(freed);
         let r = self
             .core
             .checkpoint_flags(&mut cur, crate::format::CKPT_FLAG_CLEAN);
