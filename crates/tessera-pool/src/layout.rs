@@ -1139,7 +1139,7 @@ impl IoHandle for LayoutHandle {
                     e
                 }
             };
-            return e.submit(io, op, tag);
+            return e.submit(io, &self.layout, op, tag);
         }
         let (offset, len) = match op {
             IoOp::Read { offset, len, .. } | IoOp::Write { offset, len, .. } => {
