@@ -3,7 +3,11 @@
 
 #![allow(dead_code)]
 
+use std::sync::Arc;
+
+use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
 use tessera_io::{CoreIo, IoHandle, IoOp};
+use tessera_pool::format::DEV_DATA_START;
 
 pub fn core() -> CoreIo {
     CoreIo::new(0, 64, None).expect("io_uring")
@@ -69,4 +73,47 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
             x as u8
         })
         .collect()
+}
+
+/// xorshift64: reproducible randomness for the model tests.
+pub struct Rng(pub u64);
+impl Rng {
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Put each RAM device behind a fault-injecting device with its own knobs.
+pub fn wrap(inner: &[Arc<RamDevice>]) -> (Vec<Arc<dyn BlockDevice>>, Vec<Arc<FaultConfig>>) {
+    let cfgs: Vec<Arc<FaultConfig>> = inner.iter().map(|_| Arc::default()).collect();
+    let devs = inner
+        .iter()
+        .zip(&cfgs)
+        .map(|(r, c)| FaultDevice::new(r.clone(), c.clone()) as Arc<dyn BlockDevice>)
+        .collect();
+    (devs, cfgs)
+}
+
+/// How a device fails in the model tests.
+#[derive(Clone, Copy, Debug)]
+pub enum Fault {
+    Vanish,
+    FailReads,
+    FailWrites,
+}
+
+/// Make the device behind `c` fail as `f` (its data area; the label stays readable).
+pub fn inject(c: &FaultConfig, f: Fault) {
+    match f {
+        Fault::Vanish => c.vanish(),
+        Fault::FailReads => c.fail_reads(DEV_DATA_START, u64::MAX),
+        Fault::FailWrites => c.fail_writes(DEV_DATA_START, u64::MAX),
+    }
 }

@@ -33,16 +33,6 @@ fn as_block(devs: &[Arc<CrashDevice>]) -> Vec<Arc<dyn BlockDevice>> {
         .collect()
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 /// Per block: the content guaranteed after a crash (None = unknown since last flush).
 type Durable = HashMap<u64, Option<Vec<u8>>>;
 

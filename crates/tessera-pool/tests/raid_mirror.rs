@@ -9,51 +9,13 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
+use tessera_device::{BlockDevice, RamDevice};
 use tessera_io::{IoHandle, IoOp};
 use tessera_pool::format::DEV_DATA_START;
 use tessera_pool::{LayoutKind, Pool, PoolOptions};
 
 const DEV_SIZE: u64 = 24 << 20;
 const VOL_SIZE: usize = 8 << 20;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-fn wrap(inner: &[Arc<RamDevice>]) -> (Vec<Arc<dyn BlockDevice>>, Vec<Arc<FaultConfig>>) {
-    let cfgs: Vec<Arc<FaultConfig>> = inner.iter().map(|_| Arc::default()).collect();
-    let devs = inner
-        .iter()
-        .zip(&cfgs)
-        .map(|(r, c)| FaultDevice::new(r.clone(), c.clone()) as Arc<dyn BlockDevice>)
-        .collect();
-    (devs, cfgs)
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Fault {
-    Vanish,
-    FailReads,
-    FailWrites,
-}
-
-fn inject(c: &FaultConfig, f: Fault) {
-    match f {
-        Fault::Vanish => c.vanish(),
-        Fault::FailReads => c.fail_reads(DEV_DATA_START, u64::MAX),
-        Fault::FailWrites => c.fail_writes(DEV_DATA_START, u64::MAX),
-    }
-}
 
 /// Read everything back with several reads in flight at once.
 fn verify_all(io: &mut tessera_io::CoreIo, h: &mut dyn IoHandle, model: &[u8]) {

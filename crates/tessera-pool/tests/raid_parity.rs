@@ -13,49 +13,10 @@ use std::sync::Arc;
 use common::*;
 use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
 use tessera_io::{CoreIo, IoHandle, IoOp};
-use tessera_pool::format::DEV_DATA_START;
 use tessera_pool::{Layout, LayoutKind, Pool, PoolOptions};
 
 const DEV_SIZE: u64 = 40 << 20;
 const VOL_SIZE: usize = 12 << 20;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-fn wrap(inner: &[Arc<RamDevice>]) -> (Vec<Arc<dyn BlockDevice>>, Vec<Arc<FaultConfig>>) {
-    let cfgs: Vec<Arc<FaultConfig>> = inner.iter().map(|_| Arc::default()).collect();
-    let devs = inner
-        .iter()
-        .zip(&cfgs)
-        .map(|(r, c)| FaultDevice::new(r.clone(), c.clone()) as Arc<dyn BlockDevice>)
-        .collect();
-    (devs, cfgs)
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Fault {
-    Vanish,
-    FailReads,
-    FailWrites,
-}
-
-fn inject(c: &FaultConfig, f: Fault) {
-    match f {
-        Fault::Vanish => c.vanish(),
-        Fault::FailReads => c.fail_reads(DEV_DATA_START, u64::MAX),
-        Fault::FailWrites => c.fail_writes(DEV_DATA_START, u64::MAX),
-    }
-}
 
 fn verify_all(io: &mut CoreIo, h: &mut dyn IoHandle, model: &[u8], what: &str) {
     let chunk = 96 << 10;

@@ -15,19 +15,6 @@ use tessera_pool::{LayoutKind, Pool, PoolOptions};
 const DEV_SIZE: u64 = 24 << 20;
 const VOL_SIZE: usize = 8 << 20;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 fn verify_all(io: &mut tessera_io::CoreIo, h: &mut dyn IoHandle, model: &[u8]) {
     let chunk = 256 << 10;
     for off in (0..model.len()).step_by(chunk) {
