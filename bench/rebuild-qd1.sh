@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuild rate with no client load, then how many IOPS a QD1 4 KiB randread client keeps
-# while a rebuild runs at the default class rate (512 MiB/s). A node on 1 reactor core,
+# while a rebuild runs at a class rate of BW (default 256M, the class's default). A node on 1 reactor core,
 # a pool on RAM devices, a 3 GiB volume with ~1.8 GiB allocated, NBD on loopback.
 #
 #   LAYOUT=raid1 DEVS="ram:2G ram:2G" bench/rebuild-qd1.sh
@@ -39,7 +39,7 @@ for rep in 1 2; do
   $T pool rebuild m --device 1 --force --wait >/dev/null 2>&1
   echo "no client load, rep $rep: $(grep 'rebuild of' "$DIR/node.log" | tail -1)"
 done
-$T background set rebuild --bw 512M >/dev/null
+$T background set rebuild --bw "${BW:-256M}" >/dev/null
 for rep in 1 2; do
   before=$($P --bs 4K --pattern randread --qd 1 --time 3 2>&1 | grep -o "iops=[0-9]*" | cut -d= -f2)
   ($P --bs 4K --pattern randread --qd 1 --time 4 2>&1 | grep -o "iops=[0-9]*" | cut -d= -f2 > "$DIR/during") &
