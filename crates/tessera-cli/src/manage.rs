@@ -284,9 +284,10 @@ pub enum PoolCmd {
     /// spare in its place and rebuilds onto it by itself.
     #[command(subcommand)]
     Spare(SpareCmd),
-    /// Rebuild a failed device of a mirrored pool in place (a device that came back, or
-    /// a blank one at the same path), copying every allocated unit from its mirror in the
-    /// background (rebuild class limits). Starts one unless --status or --stop; --wait
+    /// Rebuild a failed device of a redundant pool in place (a device that came back, or
+    /// a blank one at the same path): every allocated unit is copied from a mirror or
+    /// reconstructed from the other devices of a parity pool, in the background (rebuild
+    /// class limits). Starts one unless --status or --stop; --wait
     /// follows it with a progress bar until it ends.
     Rebuild {
         name: String,

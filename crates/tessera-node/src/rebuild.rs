@@ -1,7 +1,8 @@
-//! Rebuild of a mirrored pool's device: a background job like scrub (its own thread, the
-//! "rebuild" background class: a bandwidth limit lowered while the pool's clients see
-//! their p99 latency rise), that copies the metadata units and every allocated unit onto
-//! a write-only member (tessera_pool::Layout::start_rebuild, docs/architecture.md).
+//! Rebuild of a redundant pool's device (mirror or parity): a background job like scrub
+//! (its own thread at idle CPU priority, the "rebuild" background class: a bandwidth limit
+//! lowered while the pool's clients see their p99 latency rise), that copies (mirrors) or
+//! reconstructs (parity) the metadata units and every allocated unit onto a write-only
+//! member (tessera_pool::Layout::start_rebuild, docs/architecture.md).
 //!
 //! The cursor (the next pool unit to copy) is kept in `DATA_DIR/rebuild-POOL.json`,
 //! written after a device sync every `CURSOR_EVERY` units: a node that restarts resumes

@@ -173,6 +173,20 @@ pub(crate) fn engine_for(io: &mut CoreIo, layout: &Arc<Layout>) -> Rc<Engine> {
             return e.clone();
         }
     }
+    // Engines of layouts that are gone (pools closed or deleted) give their device
+    // handles back; the core's hook table keeps only their empty shell.
+    io.locals.retain(
+        |_, b| match b.downcast_ref::<(Rc<Engine>, Weak<Layout>)>() {
+            Some((e, w)) if w.strong_count() == 0 => {
+                if let Ok(mut st) = e.st.try_borrow_mut() {
+                    st.handles.clear();
+                    st.ops.clear();
+                }
+                false
+            }
+            _ => true,
+        },
+    );
     let e = Rc::new(Engine {
         layout: Arc::downgrade(layout),
         hook: Cell::new(0),

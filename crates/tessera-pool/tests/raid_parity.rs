@@ -716,3 +716,39 @@ fn allocating_units_never_waits_on_the_cores_own_row_locks() {
     rx.recv_timeout(std::time::Duration::from_secs(120))
         .expect("allocation deadlocked (or took over 2 minutes)");
 }
+
+/// A core's parity engine gives its device handles back once its pool is gone (the next
+/// engine created on the core sweeps), so a deleted pool's devices are not held open.
+#[test]
+fn a_gone_pools_engine_releases_its_devices() {
+    let mut io = core();
+    let ram: Vec<Arc<RamDevice>> = (0..3).map(|_| RamDevice::new(DEV_SIZE).unwrap()).collect();
+    {
+        let devs: Vec<Arc<dyn BlockDevice>> = ram
+            .iter()
+            .map(|r| r.clone() as Arc<dyn BlockDevice>)
+            .collect();
+        let l = Arc::new(Layout::new(LayoutKind::Raid5 { stripe: 16 << 10 }, devs).unwrap());
+        l.set_pool_uuid([1; 16]);
+        let mut h = l.open_handle();
+        assert_eq!(write(&mut io, &mut h, 0, &[7u8; 4096]), 0);
+    }
+    assert!(
+        Arc::strong_count(&ram[0]) > 1,
+        "the engine holds a handle while alive"
+    );
+    let other: Vec<Arc<dyn BlockDevice>> = (0..3)
+        .map(|_| RamDevice::new(DEV_SIZE).unwrap() as Arc<dyn BlockDevice>)
+        .collect();
+    let l2 = Arc::new(Layout::new(LayoutKind::Raid5 { stripe: 16 << 10 }, other).unwrap());
+    l2.set_pool_uuid([2; 16]);
+    let mut h2 = l2.open_handle();
+    assert_eq!(write(&mut io, &mut h2, 0, &[8u8; 4096]), 0);
+    for r in &ram {
+        assert_eq!(
+            Arc::strong_count(r),
+            1,
+            "a gone layout's device is still held"
+        );
+    }
+}
