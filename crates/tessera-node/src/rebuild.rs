@@ -123,6 +123,12 @@ pub fn start(
     pool.start_rebuild(device)?;
     let path = cursor_path(data_dir, pool.name());
     save_cursor(&path, device, from);
+    // What a resumed rebuild skips, known before the thread starts: status right after
+    // a restart shows where it resumed (a test read 0 on a busy machine otherwise).
+    let unit = pool.core.unit_size();
+    let meta_units = pool.status().metadata / unit;
+    let all = pool.rebuild_units();
+    let skipped = all.iter().filter(|&&u| u < from && u >= meta_units).count() as u64;
     let job = Arc::new(RebuildJob {
         pool: pool.name().to_string(),
         stop: AtomicBool::new(false),
@@ -134,17 +140,16 @@ pub fn start(
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             rate_limit_bps: limits.bps,
-            units_total: pool.rebuild_units().len() as u64,
+            units_total: all.len() as u64,
+            units_done: skipped,
+            resumed_from: skipped,
             ..Default::default()
         }),
     });
     let j = job.clone();
     std::thread::Builder::new()
         .name(format!("tessera-rebuild-{}", pool.name()))
-        .spawn(move || {
-            crate::job::background_priority();
-            run(&pool, &j, device, from, &limits, &path)
-        })
+        .spawn(move || run(&pool, &j, device, from, &limits, &path))
         .map_err(|e| tessera_pool::Error::io("starting the rebuild thread", e))?;
     Ok(job)
 }
@@ -180,6 +185,7 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     let now = Instant::now();
     let mut bucket = TokenBucket::new(fb.rate(), fb.rate() / 10, 0, now);
     let mut next_tick = now + FEEDBACK_TICK;
+    let mut cpu = crate::job::CpuPriority::start();
     let mut buf = vec![0u8; CHUNK];
     let mut since_save = 0;
     let mut outcome: Result<bool, String> = Ok(true);
@@ -194,9 +200,14 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
             if now >= next_tick {
                 next_tick = now + FEEDBACK_TICK;
                 let p99 = client_p99(pool, &mut hist);
+                let limit = fb.rate();
                 let rate = fb.observe(p99);
                 bucket.set_rate(rate, (rate / 10).max(CHUNK as u64), now);
                 let mut p = job.progress();
+                cpu.tick(
+                    p.bytes_done,
+                    (limit as f64 * FEEDBACK_TICK.as_secs_f64()) as u64,
+                );
                 p.rate_limit_bps = rate;
                 p.backoffs = fb.backoffs();
                 p.client_p99_us = p99;

@@ -175,10 +175,7 @@ fn spawn(
     let j = job.clone();
     std::thread::Builder::new()
         .name(format!("tessera-{class}-{}", pool.name()))
-        .spawn(move || {
-            crate::job::background_priority();
-            run(&pool, &j, &limits)
-        })?;
+        .spawn(move || run(&pool, &j, &limits))?;
     Ok(job)
 }
 
@@ -212,6 +209,7 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
     // A bucket of 100 ms of the rate: smooth, and a rate change applies within a tick.
     let mut bucket = TokenBucket::new(fb.rate(), fb.rate() / 10, 0, now);
     let mut next_tick = now + FEEDBACK_TICK;
+    let mut cpu = crate::job::CpuPriority::start();
     let mut stopped = false;
     'units: for &u in &units {
         let base = u * unit;
@@ -225,9 +223,14 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
             if now >= next_tick {
                 next_tick = now + FEEDBACK_TICK;
                 let p99 = client_p99(pool, &mut hist);
+                let limit = fb.rate();
                 let rate = fb.observe(p99);
                 bucket.set_rate(rate, (rate / 10).max(CHUNK as u64), now);
                 let mut p = job.progress();
+                cpu.tick(
+                    p.bytes_done,
+                    (limit as f64 * FEEDBACK_TICK.as_secs_f64()) as u64,
+                );
                 p.rate_limit_bps = rate;
                 p.backoffs = fb.backoffs();
                 p.client_p99_us = p99;
