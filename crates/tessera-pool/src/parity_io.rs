@@ -626,15 +626,18 @@ impl Engine {
                 Mode::Degraded
             }
         };
-        if op
-            .buf
-            .as_ref()
-            .is_none_or(|b| b.capacity() < p.n * span as usize)
-        {
+        // A full-row write needs room for its parity only (the data stays in the
+        // request): a smaller buffer, more of which stays in the caches.
+        let need = if op.mode == Mode::Full {
+            p.m * span as usize
+        } else {
+            p.n * span as usize
+        };
+        if op.buf.as_ref().is_none_or(|b| b.capacity() < need) {
             if let Some(b) = op.buf.take() {
                 io.bufs.put(b);
             }
-            op.buf = Some(io.bufs.get(p.n * span as usize));
+            op.buf = Some(io.bufs.get(need));
         }
         let base = op.buf.as_mut().expect("allocated above").as_mut_ptr() as usize;
         op.rmw = None;
@@ -750,6 +753,7 @@ impl Engine {
             Some((pe, el, _)) => {
                 op.jbuf.as_ref().expect("planned").as_ptr() as usize + pe + (s - p.k) * el
             }
+            None if op.mode == Mode::Full => base + (s - p.k) * span as usize,
             None => base + s * span as usize,
         };
         if op.writes.is_empty() {
@@ -934,6 +938,19 @@ fn compute(p: &Parity, op: &mut RowOp) {
     let span = (op.hi - op.lo) as usize;
     let lo = op.lo;
     let buf = op.buf.as_mut().expect("planned").as_mut_slice();
+    if op.mode == Mode::Full {
+        // Every data chunk of the column range is in the request: encode from it (no
+        // copy); the in-place data writes come from it too. `buf` holds the parity only.
+        let mut data: [&[u8]; 64] = [&[]; 64];
+        for g in &op.segs {
+            // SAFETY: the request's source, g.len (= span) bytes.
+            data[g.shard] =
+                unsafe { std::slice::from_raw_parts(g.ptr as *const u8, g.len as usize) };
+        }
+        let mut parity: Vec<&mut [u8]> = buf[..p.m * span].chunks_mut(span).collect();
+        p.encode_from(&data[..p.k], &mut parity);
+        return;
+    }
     let buf = &mut buf[..p.n * span];
     match op.mode {
         Mode::Rmw => {
@@ -966,19 +983,6 @@ fn compute(p: &Parity, op: &mut RowOp) {
                         unsafe { std::slice::from_raw_parts_mut(g.ptr as *mut u8, g.len as usize) };
                     dst.copy_from_slice(&buf[a..a + g.len as usize]);
                 }
-                return;
-            }
-            if op.mode == Mode::Full {
-                // Every data chunk of the column range is in the request: encode from it
-                // (no copy); the in-place data writes come from it too.
-                let mut data: [&[u8]; 64] = [&[]; 64];
-                for g in &op.segs {
-                    // SAFETY: the request's source, g.len (= span) bytes.
-                    data[g.shard] =
-                        unsafe { std::slice::from_raw_parts(g.ptr as *const u8, g.len as usize) };
-                }
-                let mut parity: Vec<&mut [u8]> = buf[p.k * span..].chunks_mut(span).collect();
-                p.encode_from(&data[..p.k], &mut parity);
                 return;
             }
             for g in &op.segs {
