@@ -384,6 +384,30 @@ fn scrub_line(v: &Value) -> String {
 
 /// Follow a running job at `path` with a progress line until it ends; returns its last
 /// status.
+/// A background job's `--stop` (DELETE), `--status` (GET) or start (POST `start`), then
+/// with `--wait` its progress line until it ends.
+fn job_call(
+    ep: &Endpoint,
+    path: &str,
+    (stop, status, wait): (bool, bool, bool),
+    start: Value,
+    raw: bool,
+    line: fn(&Value) -> String,
+) -> Result<Value, String> {
+    let v = if stop {
+        call(ep, "DELETE", path, None)?
+    } else if status {
+        call(ep, "GET", path, None)?
+    } else {
+        call(ep, "POST", path, Some(start))?
+    };
+    if wait {
+        follow_job(ep, path, v, raw, line)
+    } else {
+        Ok(v)
+    }
+}
+
 fn follow_job(
     ep: &Endpoint,
     path: &str,
@@ -515,21 +539,8 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
             wait,
         } => {
             let path = format!("/v1/pools/{name}/rebuild");
-            let mut v = if stop {
-                call(ep, "DELETE", &path, None)?
-            } else if status {
-                call(ep, "GET", &path, None)?
-            } else {
-                call(
-                    ep,
-                    "POST",
-                    &path,
-                    Some(json!({ "device": device, "force": force })),
-                )?
-            };
-            if wait {
-                v = follow_job(ep, &path, v, raw, rebuild_line)?;
-            }
+            let start = json!({ "device": device, "force": force });
+            let v = job_call(ep, &path, (stop, status, wait), start, raw, rebuild_line)?;
             if raw {
                 println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             } else {
@@ -547,16 +558,8 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
             wait,
         } => {
             let path = format!("/v1/pools/{name}/scrub");
-            let mut v = if stop {
-                call(ep, "DELETE", &path, None)?
-            } else if status {
-                call(ep, "GET", &path, None)?
-            } else {
-                call(ep, "POST", &path, Some(json!({"repair": !no_repair})))?
-            };
-            if wait {
-                v = follow_job(ep, &path, v, raw, scrub_line)?;
-            }
+            let start = json!({ "repair": !no_repair });
+            let v = job_call(ep, &path, (stop, status, wait), start, raw, scrub_line)?;
             if raw {
                 println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             } else {

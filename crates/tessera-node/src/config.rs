@@ -103,7 +103,7 @@ impl Default for NodeConfig {
             busy_poll: false,
             poll_us: 50,
             pin_cores: true,
-            device_timeout_ms: 30_000,
+            device_timeout_ms: tessera_pool::layout::DEFAULT_DEVICE_TIMEOUT.as_millis() as u64,
             api: ApiConfig::default(),
             nbd: NbdConfig::default(),
             nvmf: crate::nvmf::NvmfConfig::default(),

@@ -1,7 +1,13 @@
-//! What every background job (scrub, rebuild) reports the same way: progress over pool
-//! units, rate, ETA, and the state of its background class's feedback controller.
+//! What every background job (scrub, resync, rebuild) shares: how it paces itself
+//! ([`Pacer`]: bandwidth bucket, latency feedback, CPU priority) and how it reports
+//! progress over pool units, rate, ETA and its controller's state ([`Figures`]).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use tessera_io::hist::Histogram;
+use tessera_pool::Pool;
+use tessera_qos::background::{BackgroundLimits, Feedback, FEEDBACK_TICK};
+use tessera_qos::TokenBucket;
 
 use serde_json::{json, Map, Value};
 
@@ -55,6 +61,102 @@ impl CpuPriority {
         if ok {
             self.idle = idle;
         }
+    }
+}
+
+/// The p99 of every client request of `pool`'s volumes completed since `last`
+/// (updated to now); `None` if there were none.
+pub(crate) fn client_p99(pool: &Pool, last: &mut Vec<(u32, Histogram)>) -> Option<f64> {
+    let mut window = Histogram::default();
+    let mut now = Vec::new();
+    for v in pool.volumes() {
+        let h = v.stats().latency;
+        if let Some((_, before)) = last.iter().find(|(id, _)| *id == v.id) {
+            window.merge(&h.since(before));
+        }
+        now.push((v.id, h));
+    }
+    *last = now;
+    (window.count() > 0).then(|| window.quantile(0.99) as f64 / 1000.0)
+}
+
+/// What a feedback tick decided, for the job's status.
+pub(crate) struct Tick {
+    pub rate: u64,
+    pub backoffs: u64,
+    pub client_p99_us: Option<f64>,
+}
+
+/// How a background job paces itself, the same for every job: its class's bandwidth
+/// bucket, the AIMD feedback on the pool's clients' p99 (re-read every
+/// `FEEDBACK_TICK`), and the job thread's CPU priority.
+pub(crate) struct Pacer {
+    hist: Vec<(u32, Histogram)>,
+    fb: Feedback,
+    bucket: TokenBucket,
+    next_tick: Instant,
+    cpu: CpuPriority,
+    /// Bytes per request: the bucket always holds at least one.
+    chunk: u64,
+}
+
+impl Pacer {
+    /// Measure the clients' baseline p99 (one tick) and start at the class's rate; puts
+    /// the calling thread at idle CPU priority.
+    pub fn start(pool: &Pool, limits: &BackgroundLimits, chunk: u64) -> Pacer {
+        let mut hist = Vec::new();
+        client_p99(pool, &mut hist);
+        std::thread::sleep(FEEDBACK_TICK);
+        let baseline = client_p99(pool, &mut hist);
+        let fb = Feedback::new(limits, limits.target_us(baseline));
+        let now = Instant::now();
+        Pacer {
+            hist,
+            bucket: TokenBucket::new(fb.rate(), fb.rate() / 10, 0, now),
+            fb,
+            next_tick: now + FEEDBACK_TICK,
+            cpu: CpuPriority::start(),
+            chunk,
+        }
+    }
+
+    pub fn target_us(&self) -> f64 {
+        self.fb.target_us()
+    }
+
+    /// Before each request of `len` bytes. At a feedback tick the rate follows the
+    /// clients' p99 and the CPU priority the job's progress (`bytes_done`, read only
+    /// then), and the tick's figures are returned for the status. `Err(wait)`: the
+    /// bucket is empty; sleep that long and ask again.
+    pub fn pace(
+        &mut self,
+        pool: &Pool,
+        len: u64,
+        bytes_done: impl FnOnce() -> u64,
+    ) -> (Option<Tick>, Result<(), Duration>) {
+        let now = Instant::now();
+        let mut tick = None;
+        if now >= self.next_tick {
+            self.next_tick = now + FEEDBACK_TICK;
+            let p99 = client_p99(pool, &mut self.hist);
+            let limit = self.fb.rate();
+            let rate = self.fb.observe(p99);
+            self.bucket.set_rate(rate, (rate / 10).max(self.chunk), now);
+            self.cpu.tick(
+                bytes_done(),
+                (limit as f64 * FEEDBACK_TICK.as_secs_f64()) as u64,
+            );
+            tick = Some(Tick {
+                rate,
+                backoffs: self.fb.backoffs(),
+                client_p99_us: p99,
+            });
+        }
+        let admit = self
+            .bucket
+            .try_consume(len, now)
+            .map_err(|wait| wait.min(FEEDBACK_TICK));
+        (tick, admit)
     }
 }
 

@@ -15,10 +15,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 use tessera_pool::Pool;
-use tessera_qos::background::{BackgroundLimits, Feedback, FEEDBACK_TICK};
-use tessera_qos::TokenBucket;
-
-use crate::scrub::client_p99;
+use tessera_qos::background::BackgroundLimits;
 
 /// Bytes copied per step: small enough that a client request queued behind one on a
 /// shared disk does not wait long.
@@ -169,12 +166,8 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
         p.units_done = skipped;
         p.resumed_from = skipped;
     }
-    let mut hist = Vec::new();
-    client_p99(pool, &mut hist);
-    std::thread::sleep(FEEDBACK_TICK);
-    let baseline = client_p99(pool, &mut hist);
-    let mut fb = Feedback::new(limits, limits.target_us(baseline));
-    job.progress().target_us = fb.target_us();
+    let mut pacer = crate::job::Pacer::start(pool, limits, CHUNK as u64);
+    job.progress().target_us = pacer.target_us();
     if from > 0 {
         eprintln!(
             "tessera: rebuild of device {d} of pool '{}' resumes at unit {from} ({skipped} of {} units done)",
@@ -182,10 +175,6 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
             all.len()
         );
     }
-    let now = Instant::now();
-    let mut bucket = TokenBucket::new(fb.rate(), fb.rate() / 10, 0, now);
-    let mut next_tick = now + FEEDBACK_TICK;
-    let mut cpu = crate::job::CpuPriority::start();
     let mut buf = vec![0u8; CHUNK];
     let mut since_save = 0;
     let mut outcome: Result<bool, String> = Ok(true);
@@ -196,26 +185,17 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
                 outcome = Ok(false);
                 break 'units;
             }
-            let now = Instant::now();
-            if now >= next_tick {
-                next_tick = now + FEEDBACK_TICK;
-                let p99 = client_p99(pool, &mut hist);
-                let limit = fb.rate();
-                let rate = fb.observe(p99);
-                bucket.set_rate(rate, (rate / 10).max(CHUNK as u64), now);
+            let len = (unit - off).min(CHUNK as u64) as usize;
+            let (tick, admit) = pacer.pace(pool, len as u64, || job.progress().bytes_done);
+            if let Some(t) = tick {
                 let mut p = job.progress();
-                cpu.tick(
-                    p.bytes_done,
-                    (limit as f64 * FEEDBACK_TICK.as_secs_f64()) as u64,
-                );
-                p.rate_limit_bps = rate;
-                p.backoffs = fb.backoffs();
-                p.client_p99_us = p99;
+                p.rate_limit_bps = t.rate;
+                p.backoffs = t.backoffs;
+                p.client_p99_us = t.client_p99_us;
                 p.elapsed = t0.elapsed();
             }
-            let len = (unit - off).min(CHUNK as u64) as usize;
-            if let Err(wait) = bucket.try_consume(len as u64, now) {
-                std::thread::sleep(wait.min(FEEDBACK_TICK));
+            if let Err(wait) = admit {
+                std::thread::sleep(wait);
                 continue;
             }
             let at = u * unit + off;

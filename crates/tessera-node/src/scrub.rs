@@ -20,10 +20,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
-use tessera_io::hist::Histogram;
 use tessera_pool::{Pool, ScrubFindings};
-use tessera_qos::background::{BackgroundLimits, Feedback, FEEDBACK_TICK};
-use tessera_qos::TokenBucket;
+use tessera_qos::background::{BackgroundLimits, FEEDBACK_TICK};
 
 /// Bytes read per device request: small enough that a client request queued behind one
 /// on a shared disk does not wait long.
@@ -115,22 +113,6 @@ impl ScrubJob {
     }
 }
 
-/// The p99 of every client request of `pool`'s volumes completed since `last`
-/// (updated to now); `None` if there were none.
-pub(crate) fn client_p99(pool: &Pool, last: &mut Vec<(u32, Histogram)>) -> Option<f64> {
-    let mut window = Histogram::default();
-    let mut now = Vec::new();
-    for v in pool.volumes() {
-        let h = v.stats().latency;
-        if let Some((_, before)) = last.iter().find(|(id, _)| *id == v.id) {
-            window.merge(&h.since(before));
-        }
-        now.push((v.id, h));
-    }
-    *last = now;
-    (window.count() > 0).then(|| window.quantile(0.99) as f64 / 1000.0)
-}
-
 /// Start a scrub of `pool` in the background (`repair`: make differing mirror copies
 /// equal); the returned job reports progress.
 pub fn start(
@@ -190,11 +172,7 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
     // a stale copy over one (tessera_pool::scrub).
     let _track = layout.kind.is_mirror().then(|| layout.track_writes());
     // The clients' latency just before we start is the baseline the target derives from.
-    let mut hist = Vec::new();
-    client_p99(pool, &mut hist);
-    std::thread::sleep(FEEDBACK_TICK);
-    let baseline = client_p99(pool, &mut hist);
-    let mut fb = Feedback::new(limits, limits.target_us(baseline));
+    let mut pacer = crate::job::Pacer::start(pool, limits, CHUNK as u64);
     let metadata = pool.verify_metadata();
     // The metadata units too: on a mirror their copies are compared like data.
     let units = pool.rebuild_units();
@@ -203,13 +181,8 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
         let mut p = job.progress();
         p.metadata = metadata;
         p.units_total = units.len() as u64;
-        p.target_us = fb.target_us();
+        p.target_us = pacer.target_us();
     }
-    let now = Instant::now();
-    // A bucket of 100 ms of the rate: smooth, and a rate change applies within a tick.
-    let mut bucket = TokenBucket::new(fb.rate(), fb.rate() / 10, 0, now);
-    let mut next_tick = now + FEEDBACK_TICK;
-    let mut cpu = crate::job::CpuPriority::start();
     let mut stopped = false;
     'units: for &u in &units {
         let base = u * unit;
@@ -219,26 +192,17 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
                 stopped = true;
                 break 'units;
             }
-            let now = Instant::now();
-            if now >= next_tick {
-                next_tick = now + FEEDBACK_TICK;
-                let p99 = client_p99(pool, &mut hist);
-                let limit = fb.rate();
-                let rate = fb.observe(p99);
-                bucket.set_rate(rate, (rate / 10).max(CHUNK as u64), now);
+            let len = (unit - off).min(CHUNK as u64) as usize;
+            let (tick, admit) = pacer.pace(pool, len as u64, || job.progress().bytes_done);
+            if let Some(t) = tick {
                 let mut p = job.progress();
-                cpu.tick(
-                    p.bytes_done,
-                    (limit as f64 * FEEDBACK_TICK.as_secs_f64()) as u64,
-                );
-                p.rate_limit_bps = rate;
-                p.backoffs = fb.backoffs();
-                p.client_p99_us = p99;
+                p.rate_limit_bps = t.rate;
+                p.backoffs = t.backoffs;
+                p.client_p99_us = t.client_p99_us;
                 p.elapsed = t0.elapsed();
             }
-            let len = (unit - off).min(CHUNK as u64) as usize;
-            if let Err(wait) = bucket.try_consume(len as u64, now) {
-                std::thread::sleep(wait.min(FEEDBACK_TICK));
+            if let Err(wait) = admit {
+                std::thread::sleep(wait);
                 continue;
             }
             let at = base + off;

@@ -171,7 +171,7 @@ pub const FAIL_TIMEOUT: u8 = 5;
 /// (the Linux NVMe driver's default I/O timeout).
 pub const DEFAULT_DEVICE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
-static DEVICE_TIMEOUT_MS: AtomicU64 = AtomicU64::new(30_000);
+static DEVICE_TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_DEVICE_TIMEOUT.as_millis() as u64);
 
 /// The device timeout pools opened or created from now on use (the node's
 /// `device_timeout_ms`).
@@ -343,10 +343,9 @@ impl Layout {
         };
         let mut parity = None;
         let (dev_data_len, stripe_shift, size) = if kind.is_parity() {
-            let mut p = crate::parity::Parity::new(
-                kind.parity() as usize,
+            let p = crate::parity::Parity::new(
+                kind,
                 devices.len(),
-                kind.stripe(),
                 min,
                 devices
                     .iter()
@@ -354,18 +353,6 @@ impl Layout {
                     .max()
                     .unwrap_or(1),
             )?;
-            if let LayoutKind::Ec { k, m, .. } = kind {
-                if (k + m) as usize != devices.len() {
-                    return Err(format!(
-                        "ec {k}+{m} needs {} devices, got {}",
-                        k + m,
-                        devices.len()
-                    ));
-                }
-            }
-            if matches!(kind, LayoutKind::Raid6 { .. }) {
-                p.use_pq();
-            }
             let r = (
                 vec![p.rows * p.chunk; devices.len()],
                 kind.stripe().trailing_zeros(),
@@ -545,11 +532,6 @@ impl Layout {
     #[inline]
     pub(crate) fn is_readable(&self, d: usize) -> bool {
         self.unreadable() & (1 << d) == 0
-    }
-
-    #[inline]
-    pub(crate) fn is_readable_dev(&self, d: usize) -> bool {
-        self.is_readable(d)
     }
 
     #[inline]
@@ -1131,15 +1113,9 @@ impl IoHandle for LayoutHandle {
     #[inline]
     fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         if self.layout.parity.is_some() {
-            let e = match &self.engine {
-                Some(e) => e.clone(),
-                None => {
-                    let e = crate::parity_io::engine_for(io, &self.layout);
-                    self.engine = Some(e.clone());
-                    e
-                }
-            };
-            return e.submit(io, &self.layout, op, tag);
+            let LayoutHandle { layout, engine, .. } = self;
+            let e = engine.get_or_insert_with(|| crate::parity_io::engine_for(io, layout));
+            return e.submit(io, layout, op, tag);
         }
         let (offset, len) = match op {
             IoOp::Read { offset, len, .. } | IoOp::Write { offset, len, .. } => {

@@ -16,7 +16,7 @@ use std::sync::{Mutex, OnceLock};
 use tessera_parity::{pq_gen, pq_recover, pq_update, xor_into, xor_parity, ReedSolomon};
 
 use crate::format::DEV_DATA_START;
-use crate::layout::{Layout, FAIL_GONE, FAIL_READ, FAIL_WRITE};
+use crate::layout::{Layout, LayoutKind, FAIL_GONE, FAIL_READ, FAIL_WRITE};
 
 /// The stripe journal: 16 MiB per device right after the label.
 pub const JOURNAL_LEN: u64 = 16 << 20;
@@ -70,13 +70,20 @@ pub struct Parity {
 }
 
 impl Parity {
+    /// The geometry of parity layout `kind` over `n` devices of at least `min_usable`
+    /// bytes past the label, with logical blocks of `align` bytes.
     pub(crate) fn new(
-        kind_m: usize,
+        kind: LayoutKind,
         n: usize,
-        chunk: u64,
         min_usable: u64,
         align: u64,
     ) -> Result<Parity, String> {
+        let (kind_m, chunk) = (kind.parity() as usize, kind.stripe());
+        if let LayoutKind::Ec { k, m, .. } = kind {
+            if (k + m) as usize != n {
+                return Err(format!("ec {k}+{m} needs {} devices, got {n}", k + m));
+            }
+        }
         if !chunk.is_power_of_two() || !(4096..=MAX_CHUNK).contains(&chunk) {
             return Err(format!(
                 "chunk (stripe) size {chunk} must be a power of two between 4K and 256K for parity layouts"
@@ -105,9 +112,9 @@ impl Parity {
                 (((SLICE_LEN - header) / n as u64).next_power_of_two() / 2) >> 10
             ));
         }
-        let code = match kind_m {
-            1 => Code::Xor,
-            2 if false => Code::Pq,
+        let code = match kind {
+            LayoutKind::Raid5 { .. } => Code::Xor,
+            LayoutKind::Raid6 { .. } => Code::Pq,
             _ => Code::Rs(ReedSolomon::new(k, kind_m).map_err(|e| e.to_string())?),
         };
         Ok(Parity {
@@ -123,11 +130,6 @@ impl Parity {
             rings: (0..SLICES).map(|s| Mutex::new(Ring::new(s))).collect(),
             block: align.max(SCAN_STEP as u64).next_power_of_two(),
         })
-    }
-
-    /// raid6 uses md's P+Q rather than Reed-Solomon's second row.
-    pub(crate) fn use_pq(&mut self) {
-        self.code = Code::Pq;
     }
 
     /// Device holding shard `s` (data `0..k`, then parity `k..n`) of row `r`.
@@ -372,7 +374,6 @@ pub(crate) struct Record {
     pub kind: u8,
     /// Total payload bytes (entries padded to journal blocks).
     pub payload: u32,
-    pub crc: u32,
     /// Devices holding a copy of this record.
     pub holders: u64,
     /// (shard, offset in chunk, length)
@@ -394,7 +395,6 @@ pub(crate) struct RecordHead {
     pub version: u64,
     pub kind: u8,
     pub payload: u32,
-    pub crc: u32,
     pub holders: u64,
 }
 
@@ -415,7 +415,6 @@ pub(crate) fn encode_header(
     h[40] = r.kind;
     h[41] = entries.len() as u8;
     h[44..48].copy_from_slice(&r.payload.to_le_bytes());
-    h[48..52].copy_from_slice(&r.crc.to_le_bytes());
     h[56..64].copy_from_slice(&r.holders.to_le_bytes());
     h[64..72].copy_from_slice(&r.seq.to_le_bytes());
     h[72..80].copy_from_slice(&r.watermark.to_le_bytes());
@@ -452,7 +451,6 @@ impl Record {
             version: u64at(32),
             kind: h[40],
             payload: u32at(44),
-            crc: u32at(48),
             holders: u64at(56),
             entries: (0..n)
                 .map(|i| {
@@ -544,7 +542,7 @@ impl Layout {
             let mut retry = false;
             for s in 0..p.n {
                 let d = p.shard_dev(r, s);
-                if !self.is_readable_dev(d) {
+                if !self.is_readable(d) {
                     erased.push(s);
                     continue;
                 }
@@ -576,7 +574,7 @@ impl Layout {
             let n = ((p.chunk - off) as usize).min(buf.len() - done);
             let d = p.shard_dev(r, i);
             let dst = &mut buf[done..done + n];
-            let direct = self.is_readable_dev(d)
+            let direct = self.is_readable(d)
                 && match self.devices[d].read_at(p.row_offset(r) + off, dst) {
                     Ok(()) => true,
                     Err(e) => {
@@ -657,7 +655,6 @@ impl Layout {
                         version: g.version,
                         kind: KIND_FULL,
                         payload: 0,
-                        crc: 0,
                         holders,
                     },
                     &[],
@@ -741,7 +738,6 @@ impl Layout {
             .iter()
             .map(|w| (w.0 as u8, w.1 as u32, w.2.len() as u32))
             .collect();
-        let crc = 0;
         let (at, id, watermark) = loop {
             // Full of unfinished writes (reactors finish them on their own): wait.
             if let Some(a) = p.ring(r).alloc(rec_len) {
@@ -758,7 +754,6 @@ impl Layout {
                 version: g.version,
                 kind: KIND_CHUNK,
                 payload: payload as u32,
-                crc,
                 holders,
             },
             &entries,
@@ -841,7 +836,7 @@ impl Layout {
         for r in first..=last {
             let _g = p.lock_sync(r);
             let unreadable = (0..p.n)
-                .filter(|&s| !self.is_readable_dev(p.shard_dev(r, s)))
+                .filter(|&s| !self.is_readable(p.shard_dev(r, s)))
                 .count();
             if unreadable > p.m {
                 lost += p.row_bytes;
@@ -941,7 +936,7 @@ impl Layout {
         let mut area = vec![0u8; JOURNAL_LEN as usize];
         let hl = p.header_len() as usize;
         for d in 0..p.n {
-            if !self.is_readable_dev(d) {
+            if !self.is_readable(d) {
                 continue;
             }
             if let Err(e) = self.devices[d].read_at(DEV_DATA_START, &mut area) {
@@ -1015,7 +1010,7 @@ impl Layout {
         let span = p.chunk as usize;
         let mut buf = vec![0u8; p.n * span];
         for &r in &resync {
-            let all_data = (0..p.k).all(|s| self.is_readable_dev(p.shard_dev(r, s)));
+            let all_data = (0..p.k).all(|s| self.is_readable(p.shard_dev(r, s)));
             if !all_data {
                 degraded += 1;
                 continue;

@@ -819,25 +819,20 @@ impl Engine {
         let mut entries = [(0u8, 0u32, 0u32); 64];
         let mut ne = 0;
         let mut at_p = hl as usize;
-        if op.rmw.is_some() {
-            // Parity is already in its entries; the data entries take the new bytes.
-            for w in &op.writes {
-                if w.shard < p.k {
-                    // SAFETY: the request's source, w.len bytes.
+        if !full {
+            // Entries in write order. Read-modify-write laid the record out at planning
+            // (every write has an entry, its parity is already in place); otherwise the
+            // writes to live devices are copied in.
+            let rmw = op.rmw.is_some();
+            for w in op.writes.iter().filter(|w| rmw || live(w)) {
+                if !(rmw && w.shard >= p.k) {
+                    // SAFETY: w.ptr points at w.len bytes: the client's buffer (alive
+                    // until the request completes), the engine's zero chunk or this op's
+                    // buffer.
                     let src =
                         unsafe { std::slice::from_raw_parts(w.ptr as *const u8, w.len as usize) };
                     jb[at_p..at_p + w.len as usize].copy_from_slice(src);
-                    at_p += p.entry_len(w.len) as usize;
                 }
-                entries[ne] = (w.shard as u8, w.chunk_off as u32, w.len as u32);
-                ne += 1;
-            }
-        } else if !full {
-            for w in op.writes.iter().filter(live) {
-                // SAFETY: w.ptr points at w.len bytes: the client's buffer (alive until
-                // the request completes), the engine's zero chunk or this op's buffer.
-                let src = unsafe { std::slice::from_raw_parts(w.ptr as *const u8, w.len as usize) };
-                jb[at_p..at_p + w.len as usize].copy_from_slice(src);
                 at_p += p.entry_len(w.len) as usize;
                 entries[ne] = (w.shard as u8, w.chunk_off as u32, w.len as u32);
                 ne += 1;
@@ -853,9 +848,6 @@ impl Engine {
                 version: op.version,
                 kind: if full { KIND_FULL } else { KIND_CHUNK },
                 payload: payload as u32,
-                // Not computed: see docs/format.md §2.1 (the watermark, not a checksum,
-                // tells a live record from an overwritten one).
-                crc: 0,
                 holders,
             },
             &entries[..ne],

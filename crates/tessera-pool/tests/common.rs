@@ -117,3 +117,45 @@ pub fn inject(c: &FaultConfig, f: Fault) {
         Fault::FailWrites => c.fail_writes(DEV_DATA_START, u64::MAX),
     }
 }
+
+/// Read the whole of `model.len()` back (96 KiB reads, 8 in flight) and compare; `what`
+/// names the situation in a failure.
+pub fn verify_all(io: &mut CoreIo, h: &mut dyn IoHandle, model: &[u8], what: &str) {
+    let chunk = 96 << 10;
+    let batch = 8;
+    let mut bufs = vec![vec![0u8; chunk]; batch];
+    for start in (0..model.len()).step_by(chunk * batch) {
+        let mut n = 0;
+        for (i, b) in bufs.iter_mut().enumerate() {
+            let off = start + i * chunk;
+            if off >= model.len() {
+                break;
+            }
+            let len = chunk.min(model.len() - off);
+            h.submit(
+                io,
+                IoOp::Read {
+                    offset: off as u64,
+                    len: len as u32,
+                    buf: b.as_mut_ptr(),
+                },
+                i as u64,
+            );
+            n += 1;
+        }
+        let mut done = 0;
+        io.run_until_idle(|_, _, r| {
+            assert!(r >= 0, "{what}: read failed with {r}");
+            done += 1;
+        });
+        assert_eq!(done, n);
+        for (i, b) in bufs.iter().enumerate().take(n) {
+            let off = start + i * chunk;
+            let len = chunk.min(model.len() - off);
+            if b[..len] != model[off..off + len] {
+                let at = (0..len).find(|&j| b[j] != model[off + j]).unwrap();
+                panic!("{what}: data differs at {}", off + at);
+            }
+        }
+    }
+}

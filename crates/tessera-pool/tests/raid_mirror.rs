@@ -17,42 +17,6 @@ use tessera_pool::{LayoutKind, Pool, PoolOptions};
 const DEV_SIZE: u64 = 24 << 20;
 const VOL_SIZE: usize = 8 << 20;
 
-/// Read everything back with several reads in flight at once.
-fn verify_all(io: &mut tessera_io::CoreIo, h: &mut dyn IoHandle, model: &[u8]) {
-    let chunk = 128 << 10;
-    let batch = 8;
-    let mut bufs = vec![vec![0u8; chunk]; batch];
-    for start in (0..model.len()).step_by(chunk * batch) {
-        let mut n = 0;
-        for (i, b) in bufs.iter_mut().enumerate() {
-            let off = start + i * chunk;
-            if off >= model.len() {
-                break;
-            }
-            h.submit(
-                io,
-                IoOp::Read {
-                    offset: off as u64,
-                    len: chunk as u32,
-                    buf: b.as_mut_ptr(),
-                },
-                i as u64,
-            );
-            n += 1;
-        }
-        let mut done = 0;
-        io.run_until_idle(|_, _, r| {
-            assert!(r >= 0, "read failed with {r}");
-            done += 1;
-        });
-        assert_eq!(done, n);
-        for (i, b) in bufs.iter().enumerate().take(n) {
-            let off = start + i * chunk;
-            assert!(b[..] == model[off..off + chunk], "data differs at {off}");
-        }
-    }
-}
-
 fn scenario(kind: LayoutKind, ndev: usize, victim: usize, fault: Fault, seed: u64) {
     let ram: Vec<Arc<RamDevice>> = (0..ndev)
         .map(|_| RamDevice::new(DEV_SIZE).unwrap())
@@ -125,7 +89,7 @@ fn scenario(kind: LayoutKind, ndev: usize, victim: usize, fault: Fault, seed: u6
         }
     }
     assert_eq!(flush(&mut io, &mut h), 0);
-    verify_all(&mut io, &mut h, &model);
+    verify_all(&mut io, &mut h, &model, "mirror");
     let st = pool.status();
     assert_eq!(st.device_states[victim].0, "failed", "{kind:?} {fault:?}");
     for (i, s) in st.device_states.iter().enumerate() {
@@ -147,7 +111,7 @@ fn scenario(kind: LayoutKind, ndev: usize, victim: usize, fault: Fault, seed: u6
     assert_eq!(st.state, "degraded");
     let vol = pool.volume("v").unwrap();
     let mut h = vol.open_handle();
-    verify_all(&mut io, &mut h, &model);
+    verify_all(&mut io, &mut h, &model, "mirror");
     drop(h);
     pool.shutdown().unwrap();
     drop(vol);
@@ -164,7 +128,7 @@ fn scenario(kind: LayoutKind, ndev: usize, victim: usize, fault: Fault, seed: u6
     assert_eq!(st.state, "degraded");
     let vol = pool.volume("v").unwrap();
     let mut h = vol.open_handle();
-    verify_all(&mut io, &mut h, &model);
+    verify_all(&mut io, &mut h, &model, "mirror");
 }
 
 #[test]

@@ -18,46 +18,6 @@ use tessera_pool::{Layout, LayoutKind, Pool, PoolOptions};
 const DEV_SIZE: u64 = 40 << 20;
 const VOL_SIZE: usize = 12 << 20;
 
-fn verify_all(io: &mut CoreIo, h: &mut dyn IoHandle, model: &[u8], what: &str) {
-    let chunk = 96 << 10;
-    let batch = 8;
-    let mut bufs = vec![vec![0u8; chunk]; batch];
-    for start in (0..model.len()).step_by(chunk * batch) {
-        let mut n = 0;
-        for (i, b) in bufs.iter_mut().enumerate() {
-            let off = start + i * chunk;
-            if off >= model.len() {
-                break;
-            }
-            let len = chunk.min(model.len() - off);
-            h.submit(
-                io,
-                IoOp::Read {
-                    offset: off as u64,
-                    len: len as u32,
-                    buf: b.as_mut_ptr(),
-                },
-                i as u64,
-            );
-            n += 1;
-        }
-        let mut done = 0;
-        io.run_until_idle(|_, _, r| {
-            assert!(r >= 0, "{what}: read failed with {r}");
-            done += 1;
-        });
-        assert_eq!(done, n);
-        for (i, b) in bufs.iter().enumerate().take(n) {
-            let off = start + i * chunk;
-            let len = chunk.min(model.len() - off);
-            if b[..len] != model[off..off + len] {
-                let at = (0..len).find(|&j| b[j] != model[off + j]).unwrap();
-                panic!("{what}: data differs at {}", off + at);
-            }
-        }
-    }
-}
-
 /// A batch of concurrent, non-overlapping random writes (sizes from 512 bytes to several
 /// rows), applied to the model; every one must succeed.
 fn write_batch(io: &mut CoreIo, h: &mut dyn IoHandle, model: &mut [u8], rng: &mut Rng, row: usize) {

@@ -15,14 +15,6 @@ use tessera_pool::{LayoutKind, Pool, PoolOptions};
 const DEV_SIZE: u64 = 24 << 20;
 const VOL_SIZE: usize = 8 << 20;
 
-fn verify_all(io: &mut tessera_io::CoreIo, h: &mut dyn IoHandle, model: &[u8]) {
-    let chunk = 256 << 10;
-    for off in (0..model.len()).step_by(chunk) {
-        let got = read(io, h, off as u64, chunk).expect("read");
-        assert!(got[..] == model[off..off + chunk], "data differs at {off}");
-    }
-}
-
 /// A batch of concurrent, non-overlapping random writes, recorded in `model`.
 fn write_batch(io: &mut tessera_io::CoreIo, h: &mut dyn IoHandle, model: &mut [u8], rng: &mut Rng) {
     let mut bufs: Vec<Vec<u8>> = Vec::new();
@@ -129,7 +121,7 @@ fn rebuild_scenario(kind: LayoutKind, ndev: usize, victim: usize, other: usize, 
     let st = pool.status();
     assert_eq!(st.state, "online");
     assert!(st.device_states.iter().all(|(s, _)| s == "online"));
-    verify_all(&mut io, &mut h, &model);
+    verify_all(&mut io, &mut h, &model, "rebuild");
 
     // The other copy fails: every byte comes from the rebuilt device.
     // (Writes reach every copy, so they find it gone whatever the reads' rotation.)
@@ -138,7 +130,7 @@ fn rebuild_scenario(kind: LayoutKind, ndev: usize, victim: usize, other: usize, 
         write_batch(&mut io, &mut h, &mut model, &mut rng);
     }
     assert!(pool.core.layout.is_failed(other));
-    verify_all(&mut io, &mut h, &model);
+    verify_all(&mut io, &mut h, &model, "rebuild");
     assert_eq!(flush(&mut io, &mut h), 0);
     drop(h);
     drop(vol);
@@ -152,7 +144,7 @@ fn rebuild_scenario(kind: LayoutKind, ndev: usize, victim: usize, other: usize, 
     assert!(!pool.core.layout.is_failed(victim));
     let vol = pool.volume("v").unwrap();
     let mut h = vol.open_handle();
-    verify_all(&mut io, &mut h, &model);
+    verify_all(&mut io, &mut h, &model, "rebuild");
 }
 
 #[test]
@@ -220,5 +212,5 @@ fn a_device_mid_rebuild_stays_failed_after_reopen() {
     );
     let vol = pool.volume("v").unwrap();
     let mut h = vol.open_handle();
-    verify_all(&mut io, &mut h, &model);
+    verify_all(&mut io, &mut h, &model, "rebuild");
 }
