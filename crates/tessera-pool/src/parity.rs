@@ -943,10 +943,14 @@ impl Layout {
                 self.mark_failed(d, why(&e));
                 continue;
             }
-            let mut at = 0usize;
-            while at + hl <= area.len() {
+            // Every header position is examined, not only the ends of records found:
+            // a slice is shared by rows whose records go to different devices, so this
+            // device may still hold an old record's header whose span a newer record
+            // (written only where the old one's tail was) has since overwritten in part.
+            // Skipping that old span would miss the newer record.
+            let mut here: Vec<(usize, usize, Record)> = Vec::new();
+            for at in (0..=area.len() - hl).step_by(SCAN_STEP) {
                 let Some(rec) = Record::decode(&uuid, &area[at..at + hl]) else {
-                    at += SCAN_STEP;
                     continue;
                 };
                 let end = at + hl + rec.payload as usize;
@@ -954,12 +958,29 @@ impl Layout {
                     && rec.row < p.rows
                     && rec.holders & (1 << d) != 0
                     && (rec.kind == KIND_FULL || rec.kind == KIND_CHUNK);
-                if !ok {
-                    at += SCAN_STEP;
-                    continue;
+                if ok {
+                    here.push((at, end, rec));
                 }
-                found.push((at as u64 / SLICE_LEN, rec, area[at + hl..end].to_vec()));
-                at = end;
+            }
+            // Of two overlapping records, the one with the lower sequence was overwritten
+            // (a record's bytes are reused only after its write finished): dropped.
+            let mut live = vec![true; here.len()];
+            for i in 0..here.len() {
+                for j in i + 1..here.len() {
+                    if here[j].0 >= here[i].1 {
+                        break;
+                    }
+                    if here[i].2.seq < here[j].2.seq {
+                        live[i] = false;
+                    } else {
+                        live[j] = false;
+                    }
+                }
+            }
+            for ((at, end, rec), live) in here.into_iter().zip(live) {
+                if live {
+                    found.push((at as u64 / SLICE_LEN, rec, area[at + hl..end].to_vec()));
+                }
             }
         }
         // A record older than its slice's newest watermark belongs to a finished write
@@ -1068,5 +1089,110 @@ impl Layout {
             );
         }
         Ok((replayed, synced, degraded))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use tessera_device::{BlockDevice, RamDevice};
+
+    /// Write a record (header, then each entry's bytes on its own journal block) at
+    /// `at` bytes into `dev`'s journal.
+    fn put_record(
+        l: &Layout,
+        dev: usize,
+        at: u64,
+        head: RecordHead,
+        entries: &[(u8, u32, Vec<u8>)],
+    ) {
+        let p = l.parity_geo();
+        let desc: Vec<(u8, u32, u32)> = entries
+            .iter()
+            .map(|(s, o, b)| (*s, *o, b.len() as u32))
+            .collect();
+        let mut rec = vec![0u8; (p.header_len() + head.payload as u64) as usize];
+        encode_header(&p.uuid(), head, &desc, &mut rec);
+        let mut pos = p.header_len() as usize;
+        for (_, _, b) in entries {
+            rec[pos..pos + b.len()].copy_from_slice(b);
+            pos += p.entry_len(b.len() as u64) as usize;
+        }
+        l.devices[dev].write_at(DEV_DATA_START + at, &rec).unwrap();
+    }
+
+    /// A slice is shared by rows whose records go to different devices, so a device can
+    /// keep an old record's header while a newer record (of another row, also held by
+    /// this device) overwrote the old record's tail. Recovery must find the newer record
+    /// instead of skipping the old record's whole span.
+    #[test]
+    fn recovery_finds_a_record_written_over_an_old_records_tail() {
+        let devs: Vec<Arc<dyn BlockDevice>> = (0..3)
+            .map(|_| RamDevice::new(24 << 20).unwrap() as Arc<dyn BlockDevice>)
+            .collect();
+        let l = Layout::new(LayoutKind::Raid5 { stripe: 4096 }, devs).unwrap();
+        l.set_pool_uuid([7; 16]);
+        l.format_parity().unwrap();
+        let p = l.parity_geo();
+        // Two rows of slice 0 whose parity (and so whose records) is on the same device.
+        let newer_row = 8;
+        let holder = p.shard_dev(newer_row, 2);
+        let old_row = (16..)
+            .step_by(SLICES as usize)
+            .find(|&r| p.shard_dev(r, 2) == holder)
+            .unwrap();
+        let hl = p.header_len();
+        // The old record: a whole data chunk, its header intact at the slice's start.
+        put_record(
+            &l,
+            holder,
+            0,
+            RecordHead {
+                seq: 3,
+                watermark: 3,
+                row: old_row,
+                version: 1,
+                kind: KIND_CHUNK,
+                payload: 4096,
+                holders: 1 << holder,
+            },
+            &[(0, 0, vec![0xAA; 4096])],
+        );
+        // The newer record starts inside the old one's payload: one sector of data and
+        // its parity (the other data chunk is zero, so parity = data).
+        let new = vec![0x5C; 512];
+        put_record(
+            &l,
+            holder,
+            hl + 2048,
+            RecordHead {
+                seq: 9,
+                watermark: 9,
+                row: newer_row,
+                version: 1,
+                kind: KIND_CHUNK,
+                payload: 1024,
+                holders: 1 << holder,
+            },
+            &[(0, 512, new.clone()), (2, 512, new.clone())],
+        );
+        let (replayed, _, _) = l.recover_journal().unwrap();
+        assert_eq!(replayed, 1, "only the newer record is live");
+        let mut got = vec![0u8; 512];
+        for s in [0, 2] {
+            l.devices[p.shard_dev(newer_row, s)]
+                .read_at(p.row_offset(newer_row) + 512, &mut got)
+                .unwrap();
+            assert_eq!(
+                got, new,
+                "shard {s} of the newer record's row was not rolled forward"
+            );
+        }
+        // The overwritten old record was not replayed.
+        l.devices[p.shard_dev(old_row, 0)]
+            .read_at(p.row_offset(old_row), &mut got)
+            .unwrap();
+        assert_eq!(got, vec![0u8; 512]);
     }
 }
