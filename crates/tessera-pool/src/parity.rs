@@ -475,25 +475,14 @@ impl Parity {
         len.next_multiple_of(self.block)
     }
 
-    /// The devices that keep a row write's record: the row's writable parity devices. If
-    /// all of them are lost, every data chunk of the row is readable as it is, so the
-    /// record is only needed while one of them lives.
+    /// The devices that keep a row write's record (or a full-row write's marker): the
+    /// row's writable parity devices. If all of them are lost, every data chunk of the
+    /// row is readable as it is, so the record is only needed while one of them lives.
     pub(crate) fn record_holders(&self, r: u64, failed: u64) -> u64 {
         (self.k..self.n)
             .map(|s| 1u64 << self.shard_dev(r, s))
             .fold(0, |a, b| a | b)
             & !failed
-    }
-
-    /// The devices that keep a full-row write's marker: m + 1 writable devices of the row
-    /// (parity first), so one survives any m failures.
-    pub(crate) fn marker_holders(&self, r: u64, failed: u64) -> u64 {
-        (self.k..self.n)
-            .chain(0..self.k)
-            .map(|s| self.shard_dev(r, s))
-            .filter(|&d| failed & (1 << d) == 0)
-            .take(self.m + 1)
-            .fold(0, |a, d| a | 1 << d)
     }
 }
 
@@ -634,10 +623,13 @@ impl Layout {
             let r = at / p.row_bytes;
             let row_start = r * p.row_bytes;
             let row_end = row_start + p.row_bytes;
-            if at == row_start && row_end <= end {
+            // A degraded row is zeroed through the journaled row write instead: a torn
+            // row missing a chunk cannot be resynced from a marker.
+            let healthy = (0..p.n).all(|s| !self.is_failed(p.shard_dev(r, s)));
+            if at == row_start && row_end <= end && healthy {
                 let g = p.lock_sync(r);
                 let failed = self.failed_bits();
-                let holders = p.marker_holders(r, failed);
+                let holders = p.record_holders(r, failed);
                 let hl = p.header_len();
                 let (jat, id, watermark) = loop {
                     if let Some(a) = p.ring(r).alloc(hl) {

@@ -776,12 +776,12 @@ impl Engine {
                 });
             }
         }
-        let full = op.mode == Mode::Full;
-        let holders = if full {
-            p.marker_holders(row, failed)
-        } else {
-            p.record_holders(row, failed)
-        };
+        // A full-row write on a healthy row journals a marker only: recovery recomputes
+        // the parity of a torn row from its data. With a chunk of the row missing that
+        // cannot be done, so a degraded full-row write journals its bytes like any other.
+        let row_devs = (0..p.n).fold(0u64, |a, s| a | 1 << p.shard_dev(row, s));
+        let full = op.mode == Mode::Full && failed & row_devs == 0;
+        let holders = p.record_holders(row, failed);
         if holders == 0 {
             // No parity left to protect: the chunks go straight in place.
             return Some(0);

@@ -344,8 +344,11 @@ fn read_layout(io: &mut CoreIo, h: &mut dyn IoHandle, size: u64) -> Vec<u8> {
 /// its journal. Then (1) every 512-byte sector holds its last acknowledged contents or
 /// those of a write that was in flight, and (2) with any one device (and, for m = 2,
 /// any two) failed, degraded reads return exactly what the healthy layout returns — no
-/// row reconstructs wrongly.
-fn crash_scenario(kind: LayoutKind, ndev: usize, seed: u64) {
+/// row reconstructs wrongly. With `pre_failed`, that device is failed from the start
+/// (every write degraded, the crash hits a degraded pool) and stays failed after the
+/// restart; the other sets then add to it.
+fn crash_scenario(kind: LayoutKind, ndev: usize, seed: u64, pre_failed: Option<usize>) {
+    let pre: u64 = pre_failed.map_or(0, |d| 1 << d);
     let size_per_dev = 24u64 << 20;
     let ram: Vec<Arc<RamDevice>> = (0..ndev)
         .map(|_| RamDevice::new(size_per_dev).unwrap())
@@ -363,6 +366,9 @@ fn crash_scenario(kind: LayoutKind, ndev: usize, seed: u64) {
     let layout = Arc::new(Layout::new(kind, devs).unwrap());
     layout.set_pool_uuid(uuid);
     layout.format_parity().unwrap();
+    layout
+        .failed
+        .store(pre, std::sync::atomic::Ordering::SeqCst);
     let size = layout.size as usize;
     let row = row_bytes(kind, ndev);
     let mut committed = vec![0u8; size];
@@ -436,6 +442,9 @@ fn crash_scenario(kind: LayoutKind, ndev: usize, seed: u64) {
         .collect();
     let layout = Arc::new(Layout::new(kind, devs).unwrap());
     layout.set_pool_uuid(uuid);
+    layout
+        .failed
+        .store(pre, std::sync::atomic::Ordering::SeqCst);
     layout.recover_journal().unwrap();
     let mut h = layout.open_handle();
     let healthy = read_layout(&mut io, &mut h, layout.size);
@@ -460,14 +469,16 @@ fn crash_scenario(kind: LayoutKind, ndev: usize, seed: u64) {
         );
     }
     let m = kind.parity() as usize;
-    let mut sets: Vec<u64> = (0..ndev).map(|d| 1u64 << d).collect();
-    if m >= 2 {
+    // Failure sets on top of `pre`, up to m devices in all.
+    let mut sets: Vec<u64> = (0..ndev).map(|d| pre | 1u64 << d).collect();
+    if m >= 2 && pre == 0 {
         for a in 0..ndev {
             for b in a + 1..ndev {
                 sets.push(1 << a | 1 << b);
             }
         }
     }
+    sets.retain(|s| s.count_ones() as usize <= m && *s != pre);
     for set in sets {
         layout
             .failed
@@ -484,14 +495,14 @@ fn crash_scenario(kind: LayoutKind, ndev: usize, seed: u64) {
 #[test]
 fn write_hole_is_closed_raid5() {
     for seed in 1..=12 {
-        crash_scenario(LayoutKind::Raid5 { stripe: 8 << 10 }, 4, seed);
+        crash_scenario(LayoutKind::Raid5 { stripe: 8 << 10 }, 4, seed, None);
     }
 }
 
 #[test]
 fn write_hole_is_closed_raid6() {
     for seed in 21..=30 {
-        crash_scenario(LayoutKind::Raid6 { stripe: 8 << 10 }, 5, seed);
+        crash_scenario(LayoutKind::Raid6 { stripe: 8 << 10 }, 5, seed, None);
     }
 }
 
@@ -506,6 +517,28 @@ fn write_hole_is_closed_ec_4_2() {
             },
             6,
             seed,
+            None,
+        );
+    }
+}
+
+/// The write hole on a degraded pool: every write (full rows included) leaves a chunk
+/// out, so a torn row cannot be repaired by recomputing parity from the data — its
+/// journal record must carry the data.
+#[test]
+fn write_hole_is_closed_on_a_degraded_pool() {
+    for seed in 61..=84 {
+        crash_scenario(
+            LayoutKind::Raid5 { stripe: 8 << 10 },
+            4,
+            seed,
+            Some(seed as usize % 4),
+        );
+        crash_scenario(
+            LayoutKind::Raid6 { stripe: 8 << 10 },
+            5,
+            seed,
+            Some(seed as usize % 5),
         );
     }
 }
