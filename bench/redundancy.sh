@@ -14,7 +14,7 @@
 #      to raid0;
 #   3. full-stripe sequential write (bs = data chunks x chunk size: 320K for raid5 over 6
 #      at 64K, 256K for raid5 over 5, raid6 and ec:4+2, 384K for raid0) against the ideal
-#      raid0 x k/n (see the (+) note in the output about raid5 over 6);
+#      raid0 x k/n (`--target pool` starts on a full stripe, so every write is a whole row);
 #   4. parity kernel speed (`cargo run --release -p tessera-parity --example
 #      parity_bench`), the rows of the backend it detected.
 #
@@ -133,9 +133,8 @@ done
 # 3. full-stripe sequential writes (k data chunks per row)
 run "sw-raid0" "${SIX[@]}" --layout raid0 "${CH[@]}" --pattern write --bs "$(kib 6)"
 run "sw-raid5" "${SIX[@]}" --layout raid5 "${CH[@]}" --pattern write --bs "$(kib 5)"
-# raid5 over 6 has 320K rows, which do not divide the 1 MiB-aligned start of the data
-# region `tessera bench --target pool` drives: those writes straddle two rows. Over 5
-# devices (256K rows) they are row-aligned.
+# `tessera bench --target pool` starts on a full stripe, so 320K writes on raid5 over 6
+# are whole rows too; raid5 over 5 (256K rows) is kept as the 4-data-chunk case.
 run "sw-raid5x5" "${SIX[@]:2}" --layout raid5 "${CH[@]}" --pattern write --bs "$(kib 4)"
 run "sw-raid6" "${SIX[@]}" --layout raid6 "${CH[@]}" --pattern write --bs "$(kib 4)"
 run "sw-ec42" "${SIX[@]}" --layout ec:4+2 "${CH[@]}" --pattern write --bs "$(kib 4)"
@@ -229,10 +228,8 @@ for l in ["raid0", "raid5", "raid5x5", "raid6", "ec42"]:
 print()
 print("(*) raid1 is a 2-way mirror over 2 RAM devices, the others use 6: its ratios to")
 print("    raid0 compare different device counts (on RAM, one core drives either).")
-print("(+) raid5 over 6 devices has 320K rows; the bench drives the pool from the end of its")
-print("    metadata region (a multiple of the 1 MiB unit), so its 320K writes straddle two")
-print("    rows (read-modify-write, not full-stripe). Over 5 devices the 256K rows divide")
-print("    1 MiB and every write is one whole row; its ideal is raid0 (6 dev) x 4/5.")
+print("(+) raid5 over 5 devices: 4 data chunks per row like raid6 and ec 4+2; its ideal is")
+print("    raid0 (6 dev) x 4/5.")
 PY
 
 if ((PARITY_OK)); then

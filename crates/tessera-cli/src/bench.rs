@@ -273,12 +273,15 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
         st.devices.join(", ")
     );
     if a.target == Target::Pool {
-        // Drive the data region only: the metadata region stays intact.
+        // Drive the data region only: the metadata region stays intact. It starts on a
+        // full stripe, so that writes of a stripe's size are whole-stripe writes (a
+        // parity row of 5 x 64K does not divide the 1 MiB metadata region).
         let layout = pool.core.layout.clone();
+        let base = st.metadata.next_multiple_of(layout.full_stripe());
         return Ok(Subject {
             open: Arc::new(move || Box::new(layout.open_handle()) as Box<dyn IoHandle>),
-            base: st.metadata,
-            len: st.capacity,
+            base,
+            len: st.capacity - (base - st.metadata),
             describe,
             _keep: vec![],
             pool: Some(pool),

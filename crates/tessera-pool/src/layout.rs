@@ -395,6 +395,20 @@ impl Layout {
         })
     }
 
+    /// Bytes of one full stripe: the write size (and alignment) that touches every data
+    /// device once — a parity row (`k` chunks), a raid0/raid10 stripe across the devices;
+    /// 4 KiB for layouts without one (concat, raid1).
+    pub fn full_stripe(&self) -> u64 {
+        match (&self.parity, self.kind) {
+            (Some(p), _) => p.row_bytes,
+            (None, LayoutKind::Raid0 { stripe }) => stripe * self.devices.len() as u64,
+            (None, LayoutKind::Raid10 { stripe, copies }) => {
+                stripe * (self.devices.len() as u64 / copies as u64)
+            }
+            _ => 4096,
+        }
+    }
+
     /// Number of device pieces `[offset, offset+len)` splits into (len > 0).
     #[inline]
     pub fn piece_count(&self, offset: u64, len: u64) -> u64 {

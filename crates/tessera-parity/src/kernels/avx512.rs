@@ -35,17 +35,6 @@ unsafe fn gmul(m: __m512i, x: __m512i) -> __m512i {
     _mm512_gf2p8affine_epi64_epi8::<0>(x, m)
 }
 
-/// 2*x: add each byte to itself, XOR 0x1d into the bytes whose top bit was set.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,gfni")]
-unsafe fn mul2(x: __m512i) -> __m512i {
-    let top = _mm512_movepi8_mask(x);
-    _mm512_xor_si512(
-        _mm512_add_epi8(x, x),
-        _mm512_maskz_mov_epi8(top, _mm512_set1_epi8(0x1d)),
-    )
-}
-
 const U: usize = 4; // vectors per iteration of the XOR / P+Q loops (256 bytes)
 const W: usize = 64 * U;
 
@@ -94,25 +83,33 @@ pub(crate) unsafe fn xor_gen(dst: &mut [u8], srcs: &[&[u8]]) -> usize {
 
 #[target_feature(enable = "avx512f,avx512bw,gfni")]
 pub(crate) unsafe fn pq_gen(srcs: &[&[u8]], p: &mut [u8], q: &mut [u8]) -> usize {
-    let Some((last, rest)) = srcs.split_last() else {
+    let Some((first, rest)) = srcs.split_first() else {
         return 0;
     };
+    // Q = sum of g^i D_i with each product one independent `vgf2p8affineqb` (D_0's
+    // coefficient is 1: a plain XOR), rather than Horner's rule (Q = 2Q ^ D_i), whose
+    // multiply-by-2 is four instructions on one dependency chain per vector.
+    let mut mats = [0u64; 255];
+    for (i, m) in mats.iter_mut().enumerate().take(srcs.len()).skip(1) {
+        *m = AFFINE[crate::gf::exp(i) as usize];
+    }
     let n = p.len() / W * W;
     let (pp, qp) = (p.as_mut_ptr(), q.as_mut_ptr());
     let mut off = 0;
     while off < n {
-        let l = last.as_ptr().add(off);
+        let f = first.as_ptr().add(off);
         let mut pv = [_mm512_setzero_si512(); U];
         for (u, v) in pv.iter_mut().enumerate() {
-            *v = ld(l.add(64 * u));
+            *v = ld(f.add(64 * u));
         }
         let mut qv = pv;
-        for s in rest.iter().rev() {
+        for (i, s) in rest.iter().enumerate() {
             let sp = s.as_ptr().add(off);
+            let m = _mm512_set1_epi64(mats[i + 1] as i64);
             for u in 0..U {
                 let d = ld(sp.add(64 * u));
                 pv[u] = _mm512_xor_si512(pv[u], d);
-                qv[u] = _mm512_xor_si512(mul2(qv[u]), d);
+                qv[u] = _mm512_xor_si512(qv[u], gmul(m, d));
             }
         }
         for u in 0..U {
