@@ -169,6 +169,10 @@ pub const FAIL_TIMEOUT: u8 = 5;
 
 /// A redundant pool's device whose I/O has not completed for this long is marked failed
 /// (the Linux NVMe driver's default I/O timeout).
+/// Attempts at copying (or comparing) a mirror range that a client write overlapped,
+/// before new writes to the range are held back for the next attempt.
+const HOLD_AFTER: u32 = 4;
+
 pub const DEFAULT_DEVICE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 static DEVICE_TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_DEVICE_TIMEOUT.as_millis() as u64);
@@ -232,6 +236,10 @@ pub struct Layout {
     pub(crate) copy_end: AtomicU64,
     /// Set by a write that overlaps the range being copied: the copy is redone.
     pub(crate) copy_dirty: AtomicBool,
+    /// Set after a range was found dirty `HOLD_AFTER` times: new writes to it wait until
+    /// the copy is done (see `quiet_range`), so a block rewritten without pause cannot
+    /// starve a rebuild or scrub.
+    pub(crate) copy_hold: AtomicBool,
     /// Writes in flight while a rebuild runs, by epoch parity (see `begin_write`).
     pub(crate) epoch: AtomicU64,
     pub(crate) inflight: [AtomicU64; 2],
@@ -387,6 +395,7 @@ impl Layout {
             copy_start: AtomicU64::new(u64::MAX),
             copy_end: AtomicU64::new(0),
             copy_dirty: AtomicBool::new(false),
+            copy_hold: AtomicBool::new(false),
             epoch: AtomicU64::new(0),
             inflight: [AtomicU64::new(0), AtomicU64::new(0)],
             tracking: AtomicU64::new(0),
@@ -599,6 +608,51 @@ impl Layout {
         self.inflight[token as usize].fetch_sub(1, SeqCst);
     }
 
+    /// True while writes to `[offset, offset+len)` must wait: a rebuild or scrub holds
+    /// the range it is copying (`quiet_range`).
+    #[inline]
+    pub(crate) fn held(&self, offset: u64, len: u64) -> bool {
+        self.copy_hold.load(SeqCst)
+            && offset < self.copy_end.load(SeqCst)
+            && offset + len > self.copy_start.load(SeqCst)
+    }
+
+    /// Run `f` (a copy or comparison of mirror range `[at, at+len)`) until it ran with no
+    /// client write to the range in flight or started meanwhile: the range is published,
+    /// the writes that started before are waited for, and `f` is run again when a write
+    /// overlapped it. After `HOLD_AFTER` such attempts, new writes to the range wait
+    /// while `f` runs (mirror handles defer them, the synchronous face yields), so the
+    /// loop ends even under a client that rewrites the range without pause.
+    pub(crate) fn quiet_range<T>(
+        &self,
+        at: u64,
+        len: u64,
+        mut f: impl FnMut() -> io::Result<T>,
+    ) -> io::Result<T> {
+        let mut attempt = 0u32;
+        let r = loop {
+            self.copy_dirty.store(false, SeqCst);
+            self.copy_end.store(at + len, SeqCst);
+            self.copy_start.store(at, SeqCst);
+            if attempt >= HOLD_AFTER {
+                self.copy_hold.store(true, SeqCst);
+            }
+            // Wait for the writes that started before the range was published.
+            let old = self.epoch.fetch_add(1, SeqCst);
+            while self.inflight[(old & 1) as usize].load(SeqCst) != 0 {
+                std::thread::yield_now();
+            }
+            match f() {
+                Ok(v) if !self.copy_dirty.load(SeqCst) => break Ok(v),
+                Ok(_) => attempt += 1,
+                Err(e) => break Err(e),
+            }
+        };
+        self.copy_hold.store(false, SeqCst);
+        self.copy_start.store(u64::MAX, SeqCst);
+        r
+    }
+
     /// Start rebuilding device `d` (failed, or a replacement): it becomes a write-only
     /// member. Its failed bit is cleared in memory only; the labels keep it failed until
     /// `finish_rebuild`, so a restart never reads it.
@@ -654,22 +708,13 @@ impl Layout {
             };
         }
         let first = d - d % self.copies as usize;
-        let copied = loop {
-            self.copy_dirty.store(false, SeqCst);
-            self.copy_end.store(offset + len, SeqCst);
-            self.copy_start.store(offset, SeqCst);
-            // Wait for the writes that started before the range was published.
-            let old = self.epoch.fetch_add(1, SeqCst);
-            while self.inflight[(old & 1) as usize].load(SeqCst) != 0 {
-                std::thread::yield_now();
-            }
+        self.quiet_range(offset, len, || {
             let mut copied = 0;
             for p in self.pieces(offset, len) {
                 if p.dev != first {
                     continue;
                 }
                 if self.rebuilding.load(SeqCst) & (1 << d) == 0 {
-                    self.copy_start.store(u64::MAX, SeqCst);
                     return Err(io::Error::other(format!(
                         "device {d} failed during the rebuild"
                     )));
@@ -697,22 +742,16 @@ impl Layout {
                     }
                 }
                 if !done {
-                    self.copy_start.store(u64::MAX, SeqCst);
                     return Err(io::Error::from_raw_os_error(libc::EIO));
                 }
                 if let Err(e) = self.devices[d].write_at(p.dev_offset, b) {
                     self.mark_failed(d, FAIL_WRITE);
-                    self.copy_start.store(u64::MAX, SeqCst);
                     return Err(e);
                 }
                 copied += p.len;
             }
-            if !self.copy_dirty.load(SeqCst) {
-                break copied;
-            }
-        };
-        self.copy_start.store(u64::MAX, SeqCst);
-        Ok(copied)
+            Ok(copied)
+        })
     }
 
     /// Devices of the mirror set starting at `first` (all devices: one set per device
@@ -834,9 +873,16 @@ impl Layout {
         Ok(())
     }
 
-    /// A synchronous write in flight while a rebuild runs (ends when dropped).
+    /// A synchronous write in flight while a rebuild runs (ends when dropped). It waits
+    /// while a rebuild or scrub holds its range (never on a reactor thread).
     fn sync_write(&self, offset: u64, len: u64) -> Option<WriteGuard<'_>> {
-        (self.rebuilding.load(SeqCst) != 0 || self.tracking.load(SeqCst) != 0).then(|| WriteGuard {
+        if self.rebuilding.load(SeqCst) == 0 && self.tracking.load(SeqCst) == 0 {
+            return None;
+        }
+        while self.held(offset, len) {
+            std::thread::yield_now();
+        }
+        Some(WriteGuard {
             layout: self,
             token: self.begin_write(offset, len),
         })
@@ -915,6 +961,7 @@ impl Layout {
             layout: self.clone(),
             handles: self.device_handles(),
             hook: u32::MAX,
+            mirror: None,
             rr: 0,
             engine: None,
         }
@@ -938,6 +985,7 @@ pub struct LayoutHandle {
     handles: Vec<Box<dyn IoHandle>>,
     /// Mirrors: this core's error hook for the layout (registered on first use).
     hook: u32,
+    mirror: Option<Rc<MirrorHook>>,
     /// Mirrors: spreads reads over the copies.
     rr: u32,
     /// Parity layouts: this core's row engine (crate::parity_io).
@@ -950,6 +998,59 @@ pub struct LayoutHandle {
 /// succeed when another healthy copy took it.
 struct MirrorHook {
     layout: Weak<Layout>,
+    /// This hook's id on its core.
+    id: std::cell::Cell<u32>,
+    /// Writes waiting for a rebuild's or scrub's hold on their range to lift
+    /// (`Layout::quiet_range`): (op, offset, len, tag), retried every round.
+    waiting: std::cell::RefCell<std::collections::VecDeque<(IoOp, u64, u64, Tag)>>,
+    /// Device handles the waiting writes are submitted through (opened on first need).
+    handles: std::cell::RefCell<Vec<Box<dyn IoHandle>>>,
+}
+
+/// `MirrorHook::on_done` context of the retry of held writes (other contexts are epoch
+/// tokens, 0 or 1).
+const CTX_HELD: u64 = 1 << 62;
+
+impl MirrorHook {
+    /// Hold write `op` until its range is released; the first one waiting schedules the
+    /// retry.
+    fn hold(&self, io: &mut CoreIo, op: IoOp, offset: u64, len: u64, tag: Tag) {
+        let mut w = self.waiting.borrow_mut();
+        if w.is_empty() {
+            let t = io.tracked(0, 1, self.id.get(), CTX_HELD);
+            io.defer(t);
+        }
+        w.push_back((op, offset, len, tag));
+    }
+
+    /// Submit the waiting writes whose range is no longer held; the others wait on.
+    fn retry(&self, io: &mut CoreIo) {
+        let Some(l) = self.layout.upgrade() else {
+            for (_, _, _, tag) in self.waiting.take() {
+                io.complete(tag, -libc::ENODEV);
+            }
+            return;
+        };
+        let ready: Vec<_> = {
+            let mut w = self.waiting.borrow_mut();
+            let all = std::mem::take(&mut *w);
+            let (held, ready): (Vec<_>, Vec<_>) =
+                all.into_iter().partition(|&(_, o, n, _)| l.held(o, n));
+            w.extend(held);
+            if !w.is_empty() {
+                let t = io.tracked(0, 1, self.id.get(), CTX_HELD);
+                io.defer(t);
+            }
+            ready
+        };
+        let mut handles = self.handles.borrow_mut();
+        if handles.is_empty() {
+            *handles = l.device_handles();
+        }
+        for (op, offset, len, tag) in ready {
+            mirror_write(&l, &mut handles, io, op, offset, len, tag, self.id.get());
+        }
+    }
 }
 
 impl ErrorHook for MirrorHook {
@@ -988,8 +1089,12 @@ impl ErrorHook for MirrorHook {
         }
     }
 
-    /// The end of a client write tracked while a rebuild runs (`ctx`: epoch parity).
+    /// The end of a client write tracked while a rebuild runs (`ctx`: epoch parity), or
+    /// the retry of held writes.
     fn on_done(&self, io: &mut CoreIo, parent: Tag, _op: IoOp, ctx: u64, res: i32) {
+        if ctx == CTX_HELD {
+            return self.retry(io);
+        }
         if let Some(l) = self.layout.upgrade() {
             l.end_write(ctx);
         }
@@ -1038,19 +1143,27 @@ impl LayoutHandle {
             let known = io
                 .locals
                 .get(&key)
-                .and_then(|b| b.downcast_ref::<(u32, Weak<Layout>)>())
+                .and_then(|b| b.downcast_ref::<(Rc<MirrorHook>, Weak<Layout>)>())
                 .filter(|(_, w)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&self.layout)))
                 .filter(|(_, w)| w.strong_count() > 0)
-                .map(|(id, _)| *id);
-            self.hook = match known {
-                Some(id) => id,
+                .map(|(h, _)| h.clone());
+            let h = match known {
+                Some(h) => h,
                 None => {
                     let w = Arc::downgrade(&self.layout);
-                    let id = io.register_hook(Rc::new(MirrorHook { layout: w.clone() }));
-                    io.locals.insert(key, Box::new((id, w)));
-                    id
+                    let h = Rc::new(MirrorHook {
+                        layout: w.clone(),
+                        id: std::cell::Cell::new(0),
+                        waiting: Default::default(),
+                        handles: Default::default(),
+                    });
+                    h.id.set(io.register_hook(h.clone()));
+                    io.locals.insert(key, Box::new((h.clone(), w)));
+                    h
                 }
             };
+            self.hook = h.id.get();
+            self.mirror = Some(h);
         }
         self.hook
     }
@@ -1088,37 +1201,59 @@ impl LayoutHandle {
             }
             return;
         }
-        // Writes, discards, zeroes: every healthy copy of every piece, one join.
-        let mut parts = 0u32;
-        for p in layout.pieces(offset, len) {
-            let alive = layout
-                .set_of(p.dev)
-                .filter(|&d| failed & (1 << d) == 0)
-                .count();
-            parts += alive.max(1) as u32;
+        // Writes, discards, zeroes: held back while a rebuild or scrub holds their range.
+        if (rebuilding != 0 || layout.tracking.load(SeqCst) != 0) && layout.held(offset, len) {
+            let h = self.mirror.as_ref().expect("registered by hook_id");
+            return h.hold(io, op, offset, len, tag);
         }
-        let t = if rebuilding == 0 && layout.tracking.load(SeqCst) == 0 {
-            io.join(tag, parts)
-        } else {
-            let token = layout.begin_write(offset, len);
-            io.tracked(tag, parts, hook, token)
-        };
-        for p in layout.pieces(offset, len) {
-            let mut any = false;
-            for d in layout.set_of(p.dev) {
-                if failed & (1 << d) != 0 {
-                    continue;
-                }
-                any = true;
-                let mut q = p;
-                q.dev = d;
-                let sub = piece_op(&op, q);
-                let h = io.hooked(t, hook, sub, d as u64);
-                handles[d].submit(io, sub, h);
+        mirror_write(layout, handles, io, op, offset, len, tag, hook);
+    }
+}
+
+/// A mirror write (or discard, zeroes): every healthy copy of every piece, one join; tracked
+/// while a rebuild or scrub runs.
+#[allow(clippy::too_many_arguments)]
+fn mirror_write(
+    layout: &Layout,
+    handles: &mut [Box<dyn IoHandle>],
+    io: &mut CoreIo,
+    op: IoOp,
+    offset: u64,
+    len: u64,
+    tag: Tag,
+    hook: u32,
+) {
+    let failed = layout.failed.load(Relaxed);
+    let rebuilding = layout.rebuilding.load(Relaxed);
+    let mut parts = 0u32;
+    for p in layout.pieces(offset, len) {
+        let alive = layout
+            .set_of(p.dev)
+            .filter(|&d| failed & (1 << d) == 0)
+            .count();
+        parts += alive.max(1) as u32;
+    }
+    let t = if rebuilding == 0 && layout.tracking.load(SeqCst) == 0 {
+        io.join(tag, parts)
+    } else {
+        let token = layout.begin_write(offset, len);
+        io.tracked(tag, parts, hook, token)
+    };
+    for p in layout.pieces(offset, len) {
+        let mut any = false;
+        for d in layout.set_of(p.dev) {
+            if failed & (1 << d) != 0 {
+                continue;
             }
-            if !any {
-                io.complete(t, -libc::EIO);
-            }
+            any = true;
+            let mut q = p;
+            q.dev = d;
+            let sub = piece_op(&op, q);
+            let h = io.hooked(t, hook, sub, d as u64);
+            handles[d].submit(io, sub, h);
+        }
+        if !any {
+            io.complete(t, -libc::EIO);
         }
     }
 }

@@ -50,10 +50,6 @@ const BLOCK: usize = 4096;
 /// How long [`Layout::track_writes`] waits, when it switches tracking on, for the writes
 /// that were issued untracked just before.
 pub const TRACK_GRACE: Duration = Duration::from_millis(200);
-/// Comparisons of one piece disturbed by client writes after which the scrub pauses a
-/// millisecond between attempts (it never gives up: a repair it wrote may be stale until a
-/// comparison that no write disturbed follows it, as for a rebuild's copy).
-const SPIN_ATTEMPTS: u32 = 16;
 
 /// What a scrub of a range found (and did).
 #[derive(Default, Debug, Clone)]
@@ -194,29 +190,14 @@ impl Layout {
             b.resize(n, 0);
         }
         let blocks = n.div_ceil(BLOCK);
-        for attempt in 0u32.. {
-            // Publish the range, then wait for the writes counted before it was published
-            // (the rebuild's protocol, layout.rs `rebuild_range`).
-            self.copy_dirty.store(false, SeqCst);
-            self.copy_end.store(at + p.len, SeqCst);
-            self.copy_start.store(at, SeqCst);
-            let old = self.epoch.fetch_add(1, SeqCst);
-            while self.inflight[(old & 1) as usize].load(SeqCst) != 0 {
-                std::thread::yield_now();
-            }
+        // The rebuild's protocol (layout.rs `quiet_range`): compared again until no write
+        // overlapped the comparison.
+        let piece = self.quiet_range(at, p.len, || {
             let mut piece = ScrubFindings::default();
-            let r = self.compare_piece(at, p, repair, bufs, blocks, &mut piece);
-            let dirty = self.copy_dirty.load(SeqCst);
-            self.copy_start.store(u64::MAX, SeqCst);
-            r?;
-            if !dirty {
-                f.add(&piece);
-                return Ok(());
-            }
-            if attempt >= SPIN_ATTEMPTS {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
+            self.compare_piece(at, p, repair, bufs, blocks, &mut piece)?;
+            Ok(piece)
+        })?;
+        f.add(&piece);
         Ok(())
     }
 
