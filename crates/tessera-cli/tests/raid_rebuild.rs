@@ -108,10 +108,13 @@ fn raid1_rebuild_resumes_after_kill9_and_serves_alone() {
     assert_eq!(v["state"], "running", "{v}");
     assert_eq!(v["device"], 0, "{v}");
     assert_eq!(pool(&n)["state"], "rebuilding");
+    // Client writes until the rebuild is past its first persisted cursor (every 16
+    // units; a fixed 2.5 s was not always enough on a loaded machine), well before its
+    // end (39 units).
     let mut c = connect(&n);
-    let t0 = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(40);
     let mut gen = 3;
-    while t0.elapsed() < Duration::from_millis(2500) {
+    let before = loop {
         write_blocks(
             &mut c,
             &mut model,
@@ -119,12 +122,16 @@ fn raid1_rebuild_resumes_after_kill9_and_serves_alone() {
             gen,
         );
         gen += 1;
-        std::thread::sleep(Duration::from_millis(200));
-    }
+        let v = rebuild_json(&n);
+        assert_eq!(v["state"], "running", "rebuild ended before the kill: {v}");
+        if v["units_done"].as_u64().unwrap() >= 20 {
+            break v;
+        }
+        assert!(Instant::now() < deadline, "rebuild made no progress: {v}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
     drop(c);
-    let before = rebuild_json(&n);
     let done_before = before["units_done"].as_u64().unwrap();
-    assert!(done_before > 0 && before["state"] == "running", "{before}");
     n.kill9();
     n.restart();
 
