@@ -74,6 +74,10 @@ pub struct BenchArgs {
     /// Busy-poll the rings instead of sleeping.
     #[arg(long)]
     busy_poll: bool,
+    /// Parity pools: do not flush stripe-journal records and rows (the node's
+    /// `parity_journal_flush = false`), to measure what power-loss safety costs.
+    #[arg(long)]
+    no_journal_flush: bool,
 }
 
 struct Report {
@@ -358,6 +362,7 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
     if a.qd == 0 || a.qd > 4096 || a.cores == 0 {
         return Err("queue depth must be 1..4096 and cores at least 1".into());
     }
+    tessera_pool::layout::set_journal_flush(!a.no_journal_flush);
     let subject = build_subject(&a)?;
     let blocks = subject.len / bs;
     if blocks == 0 {

@@ -25,6 +25,12 @@ pub struct NodeConfig {
     /// A device of a redundant pool whose I/O has not completed for this many
     /// milliseconds is marked failed (default 30000, as the Linux NVMe driver).
     pub device_timeout_ms: u64,
+    /// Parity pools (raid5/raid6/ec) flush each stripe-journal record before the row is
+    /// written in place, and the row before the record is released (default on): this
+    /// closes the write hole across a power loss, at the cost of two device flushes per
+    /// group of row writes on devices that keep data (files, block devices; never RAM).
+    /// Off, the hole stays closed for a process crash only.
+    pub parity_journal_flush: bool,
     pub api: ApiConfig,
     pub nbd: NbdConfig,
     pub nvmf: crate::nvmf::NvmfConfig,
@@ -104,6 +110,7 @@ impl Default for NodeConfig {
             poll_us: 50,
             pin_cores: true,
             device_timeout_ms: tessera_pool::layout::DEFAULT_DEVICE_TIMEOUT.as_millis() as u64,
+            parity_journal_flush: true,
             api: ApiConfig::default(),
             nbd: NbdConfig::default(),
             nvmf: crate::nvmf::NvmfConfig::default(),

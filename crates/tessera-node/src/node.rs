@@ -68,6 +68,7 @@ impl Node {
         tessera_pool::layout::set_device_timeout(std::time::Duration::from_millis(
             cfg.device_timeout_ms,
         ));
+        tessera_pool::layout::set_journal_flush(cfg.parity_journal_flush);
         std::fs::create_dir_all(&cfg.data_dir).map_err(|e| {
             format!(
                 "cannot create data directory {}: {e}",

@@ -187,6 +187,16 @@ pub fn device_timeout() -> std::time::Duration {
     std::time::Duration::from_millis(DEVICE_TIMEOUT_MS.load(Relaxed))
 }
 
+static JOURNAL_FLUSH: AtomicBool = AtomicBool::new(true);
+
+/// Whether parity pools flush their stripe-journal records before writing rows in place
+/// (the node's `parity_journal_flush`, default on): what closes the write hole across a
+/// power loss on devices with a volatile write cache. Off, it is closed for a process
+/// crash only (devices with power-loss protection make the flush nearly free anyway).
+pub fn set_journal_flush(on: bool) {
+    JOURNAL_FLUSH.store(on, Relaxed);
+}
+
 pub fn fail_reason_name(r: u8) -> &'static str {
     match r {
         FAIL_READ => "read error",
@@ -247,6 +257,9 @@ pub struct Layout {
     pub(crate) tracking: AtomicU64,
     /// Parity layouts: geometry, code, row locks and journal (crate::parity).
     pub(crate) parity: Option<crate::parity::Parity>,
+    /// Bit d set: device d keeps data across a power loss (not RAM): parity journal
+    /// records written to it are flushed before the row is written in place.
+    nonvolatile: u64,
     /// Redundant layouts: marks a device whose I/O hangs failed (set before handles are
     /// opened; see `watch_devices`).
     watchdog: std::sync::Mutex<Option<Arc<tessera_device::Watchdog>>>,
@@ -379,6 +392,9 @@ impl Layout {
         let fail_reason = (0..devices.len())
             .map(|_| AtomicU8::new(FAIL_NONE))
             .collect();
+        let nonvolatile = (0..devices.len())
+            .filter(|&d| !devices[d].is_volatile())
+            .fold(0u64, |a, d| a | 1 << d);
         Ok(Layout {
             kind,
             devices,
@@ -400,6 +416,7 @@ impl Layout {
             inflight: [AtomicU64::new(0), AtomicU64::new(0)],
             tracking: AtomicU64::new(0),
             parity,
+            nonvolatile,
             watchdog: std::sync::Mutex::new(None),
         })
     }
@@ -909,6 +926,17 @@ impl Layout {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         Ok(())
+    }
+
+    /// Devices whose journal records must be flushed before in-place writes (none when
+    /// `set_journal_flush(false)`).
+    #[inline]
+    pub(crate) fn journal_flush_devs(&self) -> u64 {
+        if JOURNAL_FLUSH.load(Relaxed) {
+            self.nonvolatile
+        } else {
+            0
+        }
     }
 
     pub fn is_volatile(&self) -> bool {

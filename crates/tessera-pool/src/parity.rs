@@ -35,6 +35,8 @@ const SCAN_STEP: usize = 512;
 const MAGIC: &[u8; 8] = b"TSRSJ001";
 pub(crate) const KIND_CHUNK: u8 = 1;
 pub(crate) const KIND_FULL: u8 = 2;
+/// Record header flag: bytes 48..52 hold the payload's CRC32C.
+const FLAG_PAYLOAD_CRC: u8 = 1;
 /// Entries of the row-lock table (rows `r` and `r + LOCKS` share one).
 const LOCKS: usize = 4096;
 const HELD: u64 = 1 << 63;
@@ -376,6 +378,9 @@ pub(crate) struct Record {
     pub payload: u32,
     /// Devices holding a copy of this record.
     pub holders: u64,
+    /// CRC32C of the payload, when the writer set one (journal flushes on: a power loss
+    /// may tear a record that never reached its flush).
+    pub payload_crc: Option<u32>,
     /// (shard, offset in chunk, length)
     pub entries: Vec<(u8, u32, u32)>,
 }
@@ -396,6 +401,7 @@ pub(crate) struct RecordHead {
     pub kind: u8,
     pub payload: u32,
     pub holders: u64,
+    pub payload_crc: Option<u32>,
 }
 
 /// Write a record header with `entries` (shard, offset in chunk, length) into `out`.
@@ -415,6 +421,10 @@ pub(crate) fn encode_header(
     h[40] = r.kind;
     h[41] = entries.len() as u8;
     h[44..48].copy_from_slice(&r.payload.to_le_bytes());
+    if let Some(c) = r.payload_crc {
+        h[42] = FLAG_PAYLOAD_CRC;
+        h[48..52].copy_from_slice(&c.to_le_bytes());
+    }
     h[56..64].copy_from_slice(&r.holders.to_le_bytes());
     h[64..72].copy_from_slice(&r.seq.to_le_bytes());
     h[72..80].copy_from_slice(&r.watermark.to_le_bytes());
@@ -452,6 +462,7 @@ impl Record {
             kind: h[40],
             payload: u32at(44),
             holders: u64at(56),
+            payload_crc: (h[42] & FLAG_PAYLOAD_CRC != 0).then(|| u32at(48)),
             entries: (0..n)
                 .map(|i| {
                     let e = HEADER_FIELDS + 16 * i;
@@ -648,6 +659,7 @@ impl Layout {
                         kind: KIND_FULL,
                         payload: 0,
                         holders,
+                        payload_crc: None,
                     },
                     &[],
                     &mut jb,
@@ -657,6 +669,7 @@ impl Layout {
                         self.mark_failed(d, FAIL_WRITE);
                     }
                 }
+                self.flush_durable(holders);
                 for d in 0..p.n {
                     if self.is_failed(d) {
                         continue;
@@ -668,6 +681,7 @@ impl Layout {
                         self.mark_failed(d, FAIL_WRITE);
                     }
                 }
+                self.flush_durable(u64::MAX);
                 p.ring(r).release(id);
                 drop(g);
                 at = row_end;
@@ -681,6 +695,18 @@ impl Layout {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         Ok(())
+    }
+
+    /// Make what was just written to devices `devs` durable (the synchronous face of the
+    /// datapath's group flush): journal records before the row is written in place, the
+    /// in-place writes before their record is released.
+    fn flush_durable(&self, devs: u64) {
+        let devs = devs & self.journal_flush_devs();
+        for d in (0..self.devices.len()).filter(|d| devs & (1 << d) != 0) {
+            if !self.is_failed(d) && self.devices[d].sync().is_err() {
+                self.mark_failed(d, FAIL_WRITE);
+            }
+        }
     }
 
     /// Reconstruct-write of one row on the synchronous face: read the row's `[lo, hi)`
@@ -737,6 +763,8 @@ impl Layout {
             }
             std::thread::yield_now();
         };
+        let payload_crc = (holders & self.journal_flush_devs() != 0)
+            .then(|| crc32c::crc32c(&jb[hl..rec_len as usize]));
         encode_header(
             &p.uuid(),
             RecordHead {
@@ -747,6 +775,7 @@ impl Layout {
                 kind: KIND_CHUNK,
                 payload: payload as u32,
                 holders,
+                payload_crc,
             },
             &entries,
             &mut jb[..hl],
@@ -756,6 +785,7 @@ impl Layout {
                 self.mark_failed(d, FAIL_WRITE);
             }
         }
+        self.flush_durable(holders);
         for &(s, off, bytes) in &writes {
             let d = p.shard_dev(r, s);
             if self.failed_bits() & (1 << d) != 0 {
@@ -768,6 +798,7 @@ impl Layout {
                 self.mark_failed(d, FAIL_WRITE);
             }
         }
+        self.flush_durable(writes.iter().fold(0, |a, w| a | 1 << p.shard_dev(r, w.0)));
         p.ring(r).release(id);
         drop(g);
         if self.failed_bits().count_ones() as usize > p.m {
@@ -946,10 +977,15 @@ impl Layout {
                     continue;
                 };
                 let end = at + hl + rec.payload as usize;
+                // A record whose payload does not match its checksum was torn by a power
+                // loss before its flush completed: its row was not written in place.
                 let ok = end <= area.len()
                     && rec.row < p.rows
                     && rec.holders & (1 << d) != 0
-                    && (rec.kind == KIND_FULL || rec.kind == KIND_CHUNK);
+                    && (rec.kind == KIND_FULL || rec.kind == KIND_CHUNK)
+                    && rec
+                        .payload_crc
+                        .is_none_or(|c| crc32c::crc32c(&area[at + hl..end]) == c);
                 if ok {
                     here.push((at, end, rec));
                 }
@@ -1104,13 +1140,19 @@ mod tests {
             .iter()
             .map(|(s, o, b)| (*s, *o, b.len() as u32))
             .collect();
-        let mut rec = vec![0u8; (p.header_len() + head.payload as u64) as usize];
-        encode_header(&p.uuid(), head, &desc, &mut rec);
-        let mut pos = p.header_len() as usize;
+        let hl = p.header_len() as usize;
+        let mut rec = vec![0u8; hl + head.payload as usize];
+        let mut pos = hl;
         for (_, _, b) in entries {
             rec[pos..pos + b.len()].copy_from_slice(b);
             pos += p.entry_len(b.len() as u64) as usize;
         }
+        // A checksum, when asked for, is the payload's.
+        let head = RecordHead {
+            payload_crc: head.payload_crc.map(|_| crc32c::crc32c(&rec[hl..])),
+            ..head
+        };
+        encode_header(&p.uuid(), head, &desc, &mut rec[..hl]);
         l.devices[dev].write_at(DEV_DATA_START + at, &rec).unwrap();
     }
 
@@ -1148,6 +1190,7 @@ mod tests {
                 kind: KIND_CHUNK,
                 payload: 4096,
                 holders: 1 << holder,
+                payload_crc: None,
             },
             &[(0, 0, vec![0xAA; 4096])],
         );
@@ -1166,6 +1209,7 @@ mod tests {
                 kind: KIND_CHUNK,
                 payload: 1024,
                 holders: 1 << holder,
+                payload_crc: None,
             },
             &[(0, 512, new.clone()), (2, 512, new.clone())],
         );
@@ -1186,5 +1230,61 @@ mod tests {
             .read_at(p.row_offset(old_row), &mut got)
             .unwrap();
         assert_eq!(got, vec![0u8; 512]);
+    }
+
+    /// A record written with a payload checksum (journal flushes on) is replayed when
+    /// its payload is whole, and ignored when a power loss tore it (a sector of the
+    /// payload never reached the media): its row was never written in place.
+    #[test]
+    fn recovery_ignores_a_torn_record_and_replays_a_whole_one() {
+        for torn in [false, true] {
+            let devs: Vec<Arc<dyn BlockDevice>> = (0..3)
+                .map(|_| RamDevice::new(24 << 20).unwrap() as Arc<dyn BlockDevice>)
+                .collect();
+            let l = Layout::new(LayoutKind::Raid5 { stripe: 4096 }, devs).unwrap();
+            l.set_pool_uuid([9; 16]);
+            l.format_parity().unwrap();
+            let p = l.parity_geo();
+            let row = 5;
+            let holder = p.shard_dev(row, 2);
+            let new = vec![0x3C; 1024];
+            put_record(
+                &l,
+                holder,
+                (row % SLICES) * SLICE_LEN,
+                RecordHead {
+                    seq: 0,
+                    watermark: 0,
+                    row,
+                    version: 1,
+                    kind: KIND_CHUNK,
+                    payload: 2048,
+                    holders: 1 << holder,
+                    payload_crc: Some(0),
+                },
+                &[(0, 0, new.clone()), (2, 0, new.clone())],
+            );
+            if torn {
+                // The payload's last sector still holds what was there before.
+                l.devices[holder]
+                    .write_at(
+                        DEV_DATA_START + (row % SLICES) * SLICE_LEN + p.header_len() + 1536,
+                        &[0u8; 512],
+                    )
+                    .unwrap();
+            }
+            let (replayed, _, _) = l.recover_journal().unwrap();
+            let mut got = vec![0u8; 1024];
+            l.devices[p.shard_dev(row, 0)]
+                .read_at(p.row_offset(row), &mut got)
+                .unwrap();
+            if torn {
+                assert_eq!(replayed, 0, "a torn record was replayed");
+                assert_eq!(got, vec![0u8; 1024]);
+            } else {
+                assert_eq!(replayed, 1);
+                assert_eq!(got, new);
+            }
+        }
     }
 }

@@ -10,9 +10,16 @@
 //!    read (*full*); otherwise read-modify-write (old data + old parity) or
 //!    reconstruct-write (the untouched data), whichever reads fewer chunks; with a device
 //!    failed or being rebuilt, *degraded*: read every readable chunk and decode the rest.
-//! 3. **Journal**: a record per device about to change (format §2.1), all written before …
-//! 4. **In place**: the new data and parity chunks.
-//! 5. **Done**: release the journal space and the row lock, complete the request.
+//! 3. **Journal**: one record with the write's new bytes (a header-only marker for a
+//!    full row with no failed device) on each of the row's parity devices (format §2.1),
+//!    completed before anything goes in place.
+//! 4. **Flush** (devices that keep data only): the record's holders are flushed before
+//!    any chunk is overwritten — one flush per core shared by every row write waiting
+//!    (power-loss ordering, format §2.1 *Durability*).
+//! 5. **In place**: the new data and parity chunks.
+//! 6. **Settle** (same devices): the devices written are flushed before the record is
+//!    released, since recovery never replays a released record.
+//! 7. **Done**: release the journal space and the row lock, complete the request.
 //!
 //! A device error marks the device failed (lock free, `Layout::mark_failed`); a phase
 //! that read from a device that has failed meanwhile is planned again (degraded). The
@@ -37,6 +44,8 @@ use crate::parity::{encode_header, Parity, RecordHead, KIND_CHUNK, KIND_FULL, MA
 const CTX_DEV: u64 = 1 << 62;
 const CTX_FAST: u64 = 1 << 61;
 const CTX_FLUSH: u64 = 1 << 60;
+/// `Event::Step` id of the group flush's completion.
+const GROUP_FLUSH: u32 = u32::MAX;
 /// Attempts at planning one row operation (each failure marks a device failed first).
 const MAX_TRIES: u8 = 8;
 
@@ -46,7 +55,12 @@ enum Phase {
     Plan,
     Compute,
     Journal,
+    /// Waiting for the records to be durable (a group flush of their non-volatile holders).
+    Flush,
     InPlace,
+    /// Waiting for the in-place writes to be durable before the record is released
+    /// (group flush of the devices written).
+    Settle,
     Done,
 }
 
@@ -100,6 +114,8 @@ struct RowOp {
     buf: Option<AlignedBuf>,
     jbuf: Option<AlignedBuf>,
     ring_id: Option<u64>,
+    /// Devices the journal record (or marker) went to.
+    holders: u64,
     writes: Vec<DevWrite>,
     tries: u8,
     result: i32,
@@ -123,6 +139,7 @@ impl RowOp {
             buf: None,
             jbuf: None,
             ring_id: None,
+            holders: 0,
             writes: Vec::new(),
             tries: 0,
             result: 0,
@@ -150,6 +167,14 @@ struct State {
     ops: Vec<RowOp>,
     free: Vec<u32>,
     zeros: AlignedBuf,
+    /// Group commit of journal records (power-loss ordering, docs/format.md §2.1): the
+    /// row operations whose records the flush in flight covers, and those waiting for
+    /// the next flush (their records completed after it was issued), with the devices
+    /// each group must flush.
+    flushing: Vec<u32>,
+    flushing_busy: bool,
+    flush_next: Vec<u32>,
+    flush_next_devs: u64,
 }
 
 /// The parity datapath of one layout on one core.
@@ -195,6 +220,10 @@ pub(crate) fn engine_for(io: &mut CoreIo, layout: &Arc<Layout>) -> Rc<Engine> {
             ops: Vec::new(),
             free: Vec::new(),
             zeros: AlignedBuf::zeroed(MAX_CHUNK as usize),
+            flushing: Vec::new(),
+            flushing_busy: false,
+            flush_next: Vec::new(),
+            flush_next_devs: 0,
         }),
         pending: RefCell::new(VecDeque::new()),
         active: Cell::new(false),
@@ -339,6 +368,7 @@ impl Engine {
             let mut st = self.st.borrow_mut();
             match ev {
                 Event::Request(op, tag) => self.request(io, &l, &mut st, op, tag),
+                Event::Step(GROUP_FLUSH) => self.group_flushed(io, &l, &mut st),
                 Event::Step(id) => self.step(io, &l, &mut st, id),
                 Event::ReadFailed {
                     parent,
@@ -369,6 +399,7 @@ impl Engine {
         op.tries = 0;
         op.result = 0;
         op.ring_id = None;
+        op.holders = 0;
         op.writes.clear();
         op.rmw = None;
         id
@@ -563,18 +594,43 @@ impl Engine {
                             return;
                         }
                         Some(n) => {
-                            st.ops[id as usize].phase = Phase::InPlace;
+                            st.ops[id as usize].phase = Phase::Flush;
                             if n > 0 {
                                 return;
                             }
                         }
                     }
                 }
+                Phase::Flush => {
+                    // The records must be durable before any chunk is overwritten: a
+                    // device with a volatile cache may otherwise keep an in-place write
+                    // and lose the record across a power loss.
+                    let op = &mut st.ops[id as usize];
+                    op.phase = Phase::InPlace;
+                    let devs = op.holders & l.journal_flush_devs();
+                    if devs != 0 {
+                        return self.join_group_flush(io, l, st, id, devs);
+                    }
+                }
                 Phase::InPlace => {
                     let n = self.in_place(io, l, p, st, id, hook);
-                    st.ops[id as usize].phase = Phase::Done;
+                    st.ops[id as usize].phase = Phase::Settle;
                     if n > 0 {
                         return;
+                    }
+                }
+                Phase::Settle => {
+                    // Released records are never replayed, so a record outlives its row
+                    // write only until the chunks it describes are durable.
+                    let op = &mut st.ops[id as usize];
+                    op.phase = Phase::Done;
+                    let devs = if op.ring_id.is_some() {
+                        op.writes.iter().fold(0u64, |a, w| a | 1 << w.dev) & l.journal_flush_devs()
+                    } else {
+                        0
+                    };
+                    if devs != 0 {
+                        return self.join_group_flush(io, l, st, id, devs);
                     }
                 }
                 Phase::Done => return self.finish(io, l, p, st, id),
@@ -782,6 +838,7 @@ impl Engine {
         let row_devs = (0..p.n).fold(0u64, |a, s| a | 1 << p.shard_dev(row, s));
         let full = op.mode == Mode::Full && failed & row_devs == 0;
         let holders = p.record_holders(row, failed);
+        op.holders = holders;
         if holders == 0 {
             // No parity left to protect: the chunks go straight in place.
             return Some(0);
@@ -838,6 +895,10 @@ impl Engine {
                 ne += 1;
             }
         }
+        // Records that are flushed for power-loss safety carry a payload checksum: one
+        // torn by a power loss before its flush must not be replayed.
+        let payload_crc = (!full && holders & l.journal_flush_devs() != 0)
+            .then(|| crc32c::crc32c(&jb[hl as usize..rec_len as usize]));
         let hdr = &mut jb[..hl as usize];
         encode_header(
             &p.uuid(),
@@ -849,6 +910,7 @@ impl Engine {
                 kind: if full { KIND_FULL } else { KIND_CHUNK },
                 payload: payload as u32,
                 holders,
+                payload_crc,
             },
             &entries[..ne],
             hdr,
@@ -898,6 +960,45 @@ impl Engine {
             handles[w.dev].submit(io, sub, h);
         }
         n
+    }
+
+    /// Row operation `id` continues (in its next phase) once `devs` are flushed.
+    fn join_group_flush(&self, io: &mut CoreIo, l: &Layout, st: &mut State, id: u32, devs: u64) {
+        st.flush_next.push(id);
+        st.flush_next_devs |= devs;
+        if !st.flushing_busy {
+            self.start_group_flush(io, l, st);
+        }
+    }
+
+    /// Flush the devices of the operations waiting for one; they go in place when it
+    /// completes (`group_flushed`). One flush covers every record completed before it.
+    fn start_group_flush(&self, io: &mut CoreIo, l: &Layout, st: &mut State) {
+        let devs = st.flush_next_devs & !l.failed_bits();
+        st.flush_next_devs = 0;
+        std::mem::swap(&mut st.flushing, &mut st.flush_next);
+        st.flushing_busy = true;
+        let hook = self.hook.get();
+        let n = devs.count_ones();
+        let t = io.tracked(0, n.max(1), hook, GROUP_FLUSH as u64);
+        if n == 0 {
+            return io.complete(t, 0);
+        }
+        for d in (0..st.handles.len()).filter(|d| devs & (1 << d) != 0) {
+            // A failed flush marks the device failed (its records no longer count).
+            let h = io.hooked(t, hook, IoOp::Flush, CTX_DEV | d as u64);
+            st.handles[d].submit(io, IoOp::Flush, h);
+        }
+    }
+
+    fn group_flushed(&self, io: &mut CoreIo, l: &Layout, st: &mut State) {
+        st.flushing_busy = false;
+        for id in std::mem::take(&mut st.flushing) {
+            self.pending.borrow_mut().push_back(Event::Step(id));
+        }
+        if !st.flush_next.is_empty() {
+            self.start_group_flush(io, l, st);
+        }
     }
 
     fn finish(&self, io: &mut CoreIo, l: &Layout, p: &Parity, st: &mut State, id: u32) {
