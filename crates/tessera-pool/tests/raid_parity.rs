@@ -365,6 +365,59 @@ fn random_batch(rng: &mut Rng, size: usize, row: usize) -> Vec<(usize, Vec<u8>)>
     batch
 }
 
+/// Issue every write of `batch` at once and drive them to completion; false if any failed.
+fn run_batch(io: &mut CoreIo, h: &mut dyn IoHandle, batch: &[(usize, Vec<u8>)]) -> bool {
+    for (i, (off, b)) in batch.iter().enumerate() {
+        h.submit(
+            io,
+            IoOp::Write {
+                offset: *off as u64,
+                len: b.len() as u32,
+                buf: b.as_ptr(),
+            },
+            i as u64,
+        );
+    }
+    let mut ok = true;
+    io.run_until_idle(|_, _, r| ok &= r >= 0);
+    ok
+}
+
+/// With each set of devices failed in turn, the whole layout reads back as `healthy`:
+/// no row reconstructs wrongly.
+fn assert_degraded_reads_match(
+    layout: &Arc<Layout>,
+    io: &mut CoreIo,
+    healthy: &[u8],
+    sets: &[u64],
+    row: usize,
+    what: &str,
+) {
+    for &set in sets {
+        layout
+            .failed
+            .store(set, std::sync::atomic::Ordering::SeqCst);
+        let mut h = layout.open_handle();
+        let degraded = read_layout(io, &mut h, layout.size);
+        if degraded != healthy {
+            let at = (0..healthy.len())
+                .find(|&i| degraded[i] != healthy[i])
+                .unwrap();
+            panic!(
+                "{what}: with devices {set:#b} failed, byte {at} reconstructs wrongly (row {})",
+                at / row
+            );
+        }
+    }
+}
+
+/// Every set of up to `m` failed devices among `ndev` that contains `base`.
+fn failure_sets(ndev: usize, m: usize, base: u64) -> Vec<u64> {
+    (1u64..1 << ndev)
+        .filter(|s| s & base == base && *s != base && s.count_ones() as usize <= m)
+        .collect()
+}
+
 /// The write hole: every device stops taking writes at a random moment while rows are
 /// half written (a crash); the layout is reopened over the same devices and recovers
 /// its journal. Then (1) every 512-byte sector holds its last acknowledged contents or
@@ -416,20 +469,7 @@ fn crash_scenario(kind: LayoutKind, ndev: usize, seed: u64, pre_failed: Option<u
     let mut maybe: Vec<(usize, Vec<u8>)> = Vec::new();
     for _ in 0..2000 {
         let batch = random_batch(&mut rng, size, row);
-        for (i, (off, b)) in batch.iter().enumerate() {
-            h.submit(
-                &mut io,
-                IoOp::Write {
-                    offset: *off as u64,
-                    len: b.len() as u32,
-                    buf: b.as_ptr(),
-                },
-                i as u64,
-            );
-        }
-        let mut failed = false;
-        io.run_until_idle(|_, _, r| failed |= r < 0);
-        if failed {
+        if !run_batch(&mut io, &mut h, &batch) {
             maybe = batch;
             break;
         }
@@ -475,28 +515,9 @@ fn crash_scenario(kind: LayoutKind, ndev: usize, seed: u64, pre_failed: Option<u
             "{kind:?} seed {seed}: sector {s} holds neither its old nor its new contents"
         );
     }
-    let m = kind.parity() as usize;
-    // Failure sets on top of `pre`, up to m devices in all.
-    let mut sets: Vec<u64> = (0..ndev).map(|d| pre | 1u64 << d).collect();
-    if m >= 2 && pre == 0 {
-        for a in 0..ndev {
-            for b in a + 1..ndev {
-                sets.push(1 << a | 1 << b);
-            }
-        }
-    }
-    sets.retain(|s| s.count_ones() as usize <= m && *s != pre);
-    for set in sets {
-        layout
-            .failed
-            .store(set, std::sync::atomic::Ordering::SeqCst);
-        let mut h = layout.open_handle();
-        let degraded = read_layout(&mut io, &mut h, layout.size);
-        if degraded != healthy {
-            let at = (0..size).find(|&i| degraded[i] != healthy[i]).unwrap();
-            panic!("{kind:?} seed {seed}: with devices {set:#b} failed, byte {at} reconstructs wrongly (row {})", at / row);
-        }
-    }
+    let sets = failure_sets(ndev, kind.parity() as usize, pre);
+    let what = format!("{kind:?} seed {seed}");
+    assert_degraded_reads_match(&layout, &mut io, &healthy, &sets, row, &what);
 }
 
 #[test]
@@ -843,19 +864,7 @@ fn power_loss_scenario(kind: LayoutKind, ndev: usize, seed: u64) {
                 since[off / 512 + i].push(digest(sec));
             }
         }
-        for (i, (off, b)) in batch.iter().enumerate() {
-            h.submit(
-                &mut io,
-                IoOp::Write {
-                    offset: *off as u64,
-                    len: b.len() as u32,
-                    buf: b.as_ptr(),
-                },
-                i as u64,
-            );
-        }
-        let mut failed = false;
-        io.run_until_idle(|_, _, r| failed |= r < 0);
+        let mut failed = !run_batch(&mut io, &mut h, &batch);
         if failed {
             crashed = true;
             break;
@@ -894,29 +903,9 @@ fn power_loss_scenario(kind: LayoutKind, ndev: usize, seed: u64) {
             "{kind:?} seed {seed}: sector {s} holds a version never written since the last flush"
         );
     }
-    let m = kind.parity() as usize;
-    let mut sets: Vec<u64> = (0..ndev).map(|d| 1u64 << d).collect();
-    if m >= 2 {
-        for a in 0..ndev {
-            for b in a + 1..ndev {
-                sets.push(1 << a | 1 << b);
-            }
-        }
-    }
-    for set in sets {
-        layout
-            .failed
-            .store(set, std::sync::atomic::Ordering::SeqCst);
-        let mut h = layout.open_handle();
-        let degraded = read_layout(&mut io, &mut h, layout.size);
-        if degraded != healthy {
-            let at = (0..size).find(|&i| degraded[i] != healthy[i]).unwrap();
-            panic!(
-                "{kind:?} seed {seed}: after a power loss, with devices {set:#b} failed, byte {at} reconstructs wrongly (row {})",
-                at / row
-            );
-        }
-    }
+    let sets = failure_sets(ndev, kind.parity() as usize, 0);
+    let what = format!("{kind:?} seed {seed}, after a power loss");
+    assert_degraded_reads_match(&layout, &mut io, &healthy, &sets, row, &what);
 }
 
 #[test]
