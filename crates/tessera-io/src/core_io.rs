@@ -194,6 +194,14 @@ impl CoreIo {
         self.deferred.push(tag);
     }
 
+    /// Call hook `hook`'s `on_done` with `ctx` in the next round: a layer's own
+    /// continuation that must wait (a parity row whose lock is held, a write held back by
+    /// a rebuild), yielding the core meanwhile.
+    pub fn defer_hook(&mut self, hook: u32, ctx: u64) {
+        let t = self.tracked(0, 1, hook, ctx);
+        self.defer(t);
+    }
+
     pub(crate) fn has_deferred(&self) -> bool {
         !self.deferred.is_empty()
     }

@@ -323,6 +323,22 @@ impl Node {
             .map_err(|e| Error::new(ErrorKind::Io, e))
     }
 
+    /// Change pool `pool`'s registry entry with `f` and save the registry; when `f` or the
+    /// save fails, the entries stay as they were.
+    fn edit_entry<T>(&self, pool: &str, f: impl FnOnce(&mut PoolEntry) -> Result<T>) -> Result<T> {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let before = entries.clone();
+        let e = entries
+            .iter_mut()
+            .find(|e| e.name == pool)
+            .ok_or_else(|| not_found("pool", pool))?;
+        let r = f(e).and_then(|r| self.save_registry(&entries).map(|()| r));
+        if r.is_err() {
+            *entries = before;
+        }
+        r
+    }
+
     pub fn create_pool(
         &self,
         name: &str,
@@ -773,23 +789,12 @@ impl Node {
         dev.write_at(0, &[0u8; 4096])
             .and_then(|()| dev.sync())
             .map_err(|e| Error::io("clearing the new device's label", e))?;
-        let old = {
-            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-            let before = entries.clone();
-            let e = entries
-                .iter_mut()
-                .find(|e| e.name == pool)
-                .ok_or_else(|| not_found("pool", pool))?;
-            let old = std::mem::replace(&mut e.devices[index], spec.to_string());
+        let old = self.edit_entry(pool, |e| {
             if spare {
                 e.spares.retain(|s| s != spec);
             }
-            if let Err(err) = self.save_registry(&entries) {
-                *entries = before;
-                return Err(err);
-            }
-            old
-        };
+            Ok(std::mem::replace(&mut e.devices[index], spec.to_string()))
+        })?;
         if spare {
             self.spare_devs().remove(spec);
         }
@@ -885,19 +890,10 @@ impl Node {
             .max()
             .unwrap_or(0);
         self.check_new_device(&p, &canon, &*dev, need, false)?;
-        {
-            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-            let before = entries.clone();
-            let e = entries
-                .iter_mut()
-                .find(|e| e.name == pool)
-                .ok_or_else(|| not_found("pool", pool))?;
+        self.edit_entry(pool, |e| {
             e.spares.push(canon.clone());
-            if let Err(err) = self.save_registry(&entries) {
-                *entries = before;
-                return Err(err);
-            }
-        }
+            Ok(())
+        })?;
         self.spare_devs().insert(canon, dev);
         self.list_spares(pool)
     }
@@ -914,13 +910,7 @@ impl Node {
                 || (path.is_some()
                     && spec_path(s).map(|p| std::fs::canonicalize(&p).unwrap_or(p)) == path)
         };
-        let removed = {
-            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-            let before = entries.clone();
-            let e = entries
-                .iter_mut()
-                .find(|e| e.name == pool)
-                .ok_or_else(|| not_found("pool", pool))?;
+        let removed = self.edit_entry(pool, |e| {
             let removed: Vec<String> = e.spares.iter().filter(|s| same(s)).cloned().collect();
             if removed.is_empty() {
                 return Err(Error::new(
@@ -929,12 +919,8 @@ impl Node {
                 ));
             }
             e.spares.retain(|s| !same(s));
-            if let Err(err) = self.save_registry(&entries) {
-                *entries = before;
-                return Err(err);
-            }
-            removed
-        };
+            Ok(removed)
+        })?;
         let mut sd = self.spare_devs();
         for s in removed {
             sd.remove(&s);
@@ -1002,12 +988,10 @@ impl Node {
                         eprintln!(
                             "tessera: pool '{name}': hot spare {spec} cannot replace device {d}: {e}; removed from the spare list"
                         );
-                        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-                        if let Some(e) = entries.iter_mut().find(|e| e.name == name) {
+                        let _ = self.edit_entry(&name, |e| {
                             e.spares.retain(|s| *s != spec);
-                        }
-                        let _ = self.save_registry(&entries);
-                        drop(entries);
+                            Ok(())
+                        });
                         self.spare_devs().remove(&spec);
                     }
                 }

@@ -208,13 +208,23 @@ pub fn fail_reason_name(r: u8) -> &'static str {
     }
 }
 
-fn reason_of(op: &IoOp, res: i32) -> u8 {
+/// Why a device failed, from a datapath operation's error result.
+pub(crate) fn reason_of(op: &IoOp, res: i32) -> u8 {
     if res == -libc::ENODEV {
         FAIL_GONE
     } else if matches!(op, IoOp::Read { .. }) {
         FAIL_READ
     } else {
         FAIL_WRITE
+    }
+}
+
+/// Why a device failed, from a synchronous call's error: gone (ENODEV), else `other`.
+pub(crate) fn error_reason(e: &io::Error, other: u8) -> u8 {
+    if e.raw_os_error() == Some(libc::ENODEV) {
+        FAIL_GONE
+    } else {
+        other
     }
 }
 
@@ -748,14 +758,7 @@ impl Layout {
                             done = true;
                             break;
                         }
-                        Err(e) => self.mark_failed(
-                            s,
-                            if e.raw_os_error() == Some(libc::ENODEV) {
-                                FAIL_GONE
-                            } else {
-                                FAIL_READ
-                            },
-                        ),
+                        Err(e) => self.mark_failed(s, error_reason(&e, FAIL_READ)),
                     }
                 }
                 if !done {
@@ -807,12 +810,7 @@ impl Layout {
                 Ok(()) => ok |= self.is_readable(d),
                 Err(e) => {
                     if self.copies > 1 {
-                        let r = if e.raw_os_error() == Some(libc::ENODEV) {
-                            FAIL_GONE
-                        } else {
-                            what
-                        };
-                        self.mark_failed(d, r);
+                        self.mark_failed(d, error_reason(&e, what));
                     }
                     last = Some(e);
                 }
@@ -845,12 +843,7 @@ impl Layout {
                     }
                     Err(e) => {
                         if self.copies > 1 {
-                            let why = if e.raw_os_error() == Some(libc::ENODEV) {
-                                FAIL_GONE
-                            } else {
-                                FAIL_READ
-                            };
-                            self.mark_failed(d, why);
+                            self.mark_failed(d, error_reason(&e, FAIL_READ));
                         }
                         last = Some(e);
                     }
@@ -1045,8 +1038,7 @@ impl MirrorHook {
     fn hold(&self, io: &mut CoreIo, op: IoOp, offset: u64, len: u64, tag: Tag) {
         let mut w = self.waiting.borrow_mut();
         if w.is_empty() {
-            let t = io.tracked(0, 1, self.id.get(), CTX_HELD);
-            io.defer(t);
+            io.defer_hook(self.id.get(), CTX_HELD);
         }
         w.push_back((op, offset, len, tag));
     }
@@ -1066,8 +1058,7 @@ impl MirrorHook {
                 all.into_iter().partition(|&(_, o, n, _)| l.held(o, n));
             w.extend(held);
             if !w.is_empty() {
-                let t = io.tracked(0, 1, self.id.get(), CTX_HELD);
-                io.defer(t);
+                io.defer_hook(self.id.get(), CTX_HELD);
             }
             ready
         };
@@ -1099,13 +1090,7 @@ impl ErrorHook for MirrorHook {
                     }
                     match l.devices[d].read_at(offset, b) {
                         Ok(()) => return io.complete(parent, len as i32),
-                        Err(e) => l.mark_failed(d, {
-                            if e.raw_os_error() == Some(libc::ENODEV) {
-                                FAIL_GONE
-                            } else {
-                                FAIL_READ
-                            }
-                        }),
+                        Err(e) => l.mark_failed(d, error_reason(&e, FAIL_READ)),
                     }
                 }
                 io.complete(parent, -libc::EIO)

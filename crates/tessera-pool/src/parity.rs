@@ -16,7 +16,7 @@ use std::sync::{Mutex, OnceLock};
 use tessera_parity::{pq_gen, pq_recover, pq_update, xor_into, xor_parity, ReedSolomon};
 
 use crate::format::DEV_DATA_START;
-use crate::layout::{Layout, LayoutKind, FAIL_GONE, FAIL_READ, FAIL_WRITE};
+use crate::layout::{error_reason, Layout, LayoutKind, FAIL_READ, FAIL_WRITE};
 
 /// The stripe journal: 16 MiB per device right after the label.
 pub const JOURNAL_LEN: u64 = 16 << 20;
@@ -364,24 +364,11 @@ impl Ring {
     }
 }
 
-/// One journal record's header (docs/format.md §2.1): a row write's new chunk contents,
-/// described by entries (shard, offset in the chunk, length) whose bytes follow the
+/// One journal record as recovery reads it (docs/format.md §2.1): its header's fixed
+/// fields and its entries (shard, offset in the chunk, length), whose bytes follow the
 /// header, each starting on a journal block.
-#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Record {
-    pub seq: u64,
-    pub watermark: u64,
-    pub row: u64,
-    pub version: u64,
-    pub kind: u8,
-    /// Total payload bytes (entries padded to journal blocks).
-    pub payload: u32,
-    /// Devices holding a copy of this record.
-    pub holders: u64,
-    /// CRC32C of the payload, when the writer set one (journal flushes on: a power loss
-    /// may tear a record that never reached its flush).
-    pub payload_crc: Option<u32>,
-    /// (shard, offset in chunk, length)
+    pub head: RecordHead,
     pub entries: Vec<(u8, u32, u32)>,
 }
 
@@ -399,8 +386,12 @@ pub(crate) struct RecordHead {
     pub row: u64,
     pub version: u64,
     pub kind: u8,
+    /// Total payload bytes (entries padded to journal blocks).
     pub payload: u32,
+    /// Devices holding a copy of this record.
     pub holders: u64,
+    /// CRC32C of the payload, when the writer set one (journal flushes on: a power loss
+    /// may tear a record that never reached its flush).
     pub payload_crc: Option<u32>,
 }
 
@@ -455,14 +446,16 @@ impl Record {
         let u64at = |a: usize| u64::from_le_bytes(h[a..a + 8].try_into().expect("8 bytes"));
         let u32at = |a: usize| u32::from_le_bytes(h[a..a + 4].try_into().expect("4 bytes"));
         Some(Record {
-            seq: u64at(64),
-            watermark: u64at(72),
-            row: u64at(24),
-            version: u64at(32),
-            kind: h[40],
-            payload: u32at(44),
-            holders: u64at(56),
-            payload_crc: (h[42] & FLAG_PAYLOAD_CRC != 0).then(|| u32at(48)),
+            head: RecordHead {
+                seq: u64at(64),
+                watermark: u64at(72),
+                row: u64at(24),
+                version: u64at(32),
+                kind: h[40],
+                payload: u32at(44),
+                holders: u64at(56),
+                payload_crc: (h[42] & FLAG_PAYLOAD_CRC != 0).then(|| u32at(48)),
+            },
             entries: (0..n)
                 .map(|i| {
                     let e = HEADER_FIELDS + 16 * i;
@@ -494,14 +487,6 @@ impl Parity {
             .map(|s| 1u64 << self.shard_dev(r, s))
             .fold(0, |a, b| a | b)
             & !failed
-    }
-}
-
-fn why(e: &io::Error) -> u8 {
-    if e.raw_os_error() == Some(libc::ENODEV) {
-        FAIL_GONE
-    } else {
-        FAIL_READ
     }
 }
 
@@ -548,7 +533,7 @@ impl Layout {
                 }
                 let b = &mut buf[s * span..(s + 1) * span];
                 if let Err(e) = self.devices[d].read_at(p.row_offset(r) + lo, b) {
-                    self.mark_failed(d, why(&e));
+                    self.mark_failed(d, error_reason(&e, FAIL_READ));
                     retry = true;
                     break;
                 }
@@ -578,7 +563,7 @@ impl Layout {
                 && match self.devices[d].read_at(p.row_offset(r) + off, dst) {
                     Ok(()) => true,
                     Err(e) => {
-                        self.mark_failed(d, why(&e));
+                        self.mark_failed(d, error_reason(&e, FAIL_READ));
                         false
                     }
                 };
@@ -963,7 +948,7 @@ impl Layout {
                 continue;
             }
             if let Err(e) = self.devices[d].read_at(DEV_DATA_START, &mut area) {
-                self.mark_failed(d, why(&e));
+                self.mark_failed(d, error_reason(&e, FAIL_READ));
                 continue;
             }
             // Every header position is examined, not only the ends of records found:
@@ -976,14 +961,15 @@ impl Layout {
                 let Some(rec) = Record::decode(&uuid, &area[at..at + hl]) else {
                     continue;
                 };
-                let end = at + hl + rec.payload as usize;
+                let end = at + hl + rec.head.payload as usize;
                 // A record whose payload does not match its checksum was torn by a power
                 // loss before its flush completed: its row was not written in place.
                 let ok = end <= area.len()
-                    && rec.row < p.rows
-                    && rec.holders & (1 << d) != 0
-                    && (rec.kind == KIND_FULL || rec.kind == KIND_CHUNK)
+                    && rec.head.row < p.rows
+                    && rec.head.holders & (1 << d) != 0
+                    && (rec.head.kind == KIND_FULL || rec.head.kind == KIND_CHUNK)
                     && rec
+                        .head
                         .payload_crc
                         .is_none_or(|c| crc32c::crc32c(&area[at + hl..end]) == c);
                 if ok {
@@ -998,7 +984,7 @@ impl Layout {
                     if here[j].0 >= here[i].1 {
                         break;
                     }
-                    if here[i].2.seq < here[j].2.seq {
+                    if here[i].2.head.seq < here[j].2.head.seq {
                         live[i] = false;
                     } else {
                         live[j] = false;
@@ -1016,15 +1002,18 @@ impl Layout {
         let mut wm = [0u64; SLICES as usize];
         for (slice, rec, _) in &found {
             let w = &mut wm[*slice as usize];
-            *w = (*w).max(rec.watermark);
+            *w = (*w).max(rec.head.watermark);
         }
-        let mut newest: BTreeMap<u64, (u64, Record, Vec<u8>)> = BTreeMap::new();
+        let mut newest: BTreeMap<u64, (Record, Vec<u8>)> = BTreeMap::new();
         for (slice, rec, payload) in found {
-            if rec.seq < wm[slice as usize] {
+            if rec.head.seq < wm[slice as usize] {
                 continue;
             }
-            if newest.get(&rec.row).is_none_or(|n| n.0 < rec.version) {
-                newest.insert(rec.row, (rec.version, rec, payload));
+            if newest
+                .get(&rec.head.row)
+                .is_none_or(|n| n.0.head.version < rec.head.version)
+            {
+                newest.insert(rec.head.row, (rec, payload));
             }
         }
         // Only a row's newest write can be unfinished (the row lock orders a row's
@@ -1033,8 +1022,8 @@ impl Layout {
         // its parity recomputed from the data.
         let mut resync = Vec::new();
         let mut replayed = 0;
-        for (&row, (_, rec, payload)) in &newest {
-            if rec.kind != KIND_CHUNK {
+        for (&row, (rec, payload)) in &newest {
+            if rec.head.kind != KIND_CHUNK {
                 resync.push(row);
                 continue;
             }

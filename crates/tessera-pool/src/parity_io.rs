@@ -37,7 +37,7 @@ use std::sync::{Arc, Weak};
 use tessera_io::buf::AlignedBuf;
 use tessera_io::{CoreIo, ErrorHook, IoHandle, IoOp, Tag};
 
-use crate::layout::{Layout, FAIL_GONE, FAIL_READ, FAIL_WRITE};
+use crate::layout::{reason_of, Layout};
 use crate::parity::{encode_header, Parity, RecordHead, KIND_CHUNK, KIND_FULL, MAX_CHUNK};
 
 /// Hook contexts: a device I/O inside a row operation, a direct (healthy) read, a flush.
@@ -235,23 +235,13 @@ pub(crate) fn engine_for(io: &mut CoreIo, layout: &Arc<Layout>) -> Rc<Engine> {
     e
 }
 
-fn fail_reason(op: &IoOp, res: i32) -> u8 {
-    if res == -libc::ENODEV {
-        FAIL_GONE
-    } else if matches!(op, IoOp::Read { .. }) {
-        FAIL_READ
-    } else {
-        FAIL_WRITE
-    }
-}
-
 impl ErrorHook for Engine {
     fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32) {
         let Some(l) = self.layout.upgrade() else {
             return io.complete(parent, res);
         };
         let dev = (ctx & 0xff) as usize;
-        l.mark_failed(dev, fail_reason(&op, res));
+        l.mark_failed(dev, reason_of(&op, res));
         if ctx & CTX_FAST != 0 {
             if let IoOp::Read { offset, len, buf } = op {
                 self.pending.borrow_mut().push_back(Event::ReadFailed {
@@ -547,8 +537,7 @@ impl Engine {
                         }
                         None => {
                             // Held by another request: try again next round.
-                            let t = io.tracked(0, 1, hook, id as u64);
-                            io.defer(t);
+                            io.defer_hook(hook, id as u64);
                             return;
                         }
                     }
@@ -589,8 +578,7 @@ impl Engine {
                     match self.journal(io, l, p, st, id, hook) {
                         None => {
                             // The journal slice is full of unfinished writes: next round.
-                            let t = io.tracked(0, 1, hook, id as u64);
-                            io.defer(t);
+                            io.defer_hook(hook, id as u64);
                             return;
                         }
                         Some(n) => {

@@ -41,7 +41,7 @@ use std::io;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
-use crate::layout::{Layout, Piece, FAIL_GONE, FAIL_READ, FAIL_WRITE};
+use crate::layout::{error_reason, Layout, Piece, FAIL_GONE, FAIL_READ, FAIL_WRITE};
 
 /// Mismatched pool ranges reported in detail (all are counted).
 pub const MAX_RANGES: usize = 100;
@@ -100,14 +100,6 @@ pub struct WriteTracking<'a> {
 impl Drop for WriteTracking<'_> {
     fn drop(&mut self) {
         self.layout.tracking.fetch_sub(1, SeqCst);
-    }
-}
-
-fn fail_reason(e: &io::Error, other: u8) -> u8 {
-    if e.raw_os_error() == Some(libc::ENODEV) {
-        FAIL_GONE
-    } else {
-        other
     }
 }
 
@@ -274,7 +266,7 @@ impl Layout {
                     if let Err(err) =
                         self.devices[d].write_at(p.dev_offset + r.start as u64, &src[r])
                     {
-                        self.mark_failed(d, fail_reason(&err, FAIL_WRITE));
+                        self.mark_failed(d, error_reason(&err, FAIL_WRITE));
                         ok = false;
                         break;
                     }
@@ -285,7 +277,7 @@ impl Layout {
                 // remaps a bad sector when it is written).
                 scratch.resize(n, 0);
                 if let Err(err) = self.devices[d].read_at(p.dev_offset, &mut scratch) {
-                    self.mark_failed(d, fail_reason(&err, FAIL_READ));
+                    self.mark_failed(d, error_reason(&err, FAIL_READ));
                     ok = false;
                 }
             }
