@@ -104,9 +104,7 @@ impl RecvBuf {
             self.end = 0;
         } else if self.start > 0 && (self.start >= self.capacity() / 2 || self.is_full()) {
             let n = self.end - self.start;
-            self.buf
-                .as_mut_slice()
-                .copy_within(self.start..self.end, 0);
+            self.buf.as_mut_slice().copy_within(self.start..self.end, 0);
             self.start = 0;
             self.end = n;
         }

@@ -1135,6 +1135,15 @@ impl Node {
         })
     }
 
+    /// A volume as the protocols export it: the volume and the QoS state its
+    /// connections are admitted by.
+    pub fn export_of(&self, vol: &Arc<Volume>) -> tessera_export::Export<Volume> {
+        tessera_export::Export {
+            target: vol.clone(),
+            qos: vol.qos.clone(),
+        }
+    }
+
     /// Replace a volume's QoS limits (empty limits clear them). Live and persistent.
     pub fn set_volume_qos(&self, name: &str, limits: tessera_qos::QosLimits) -> Result<Value> {
         let _g = self.admin();
