@@ -7,7 +7,7 @@
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use tessera_export::{ExportHandle, ExportTarget, StatsRegistry};
 pub use tessera_export::{IoClass, IoStats, StatsSnapshot};
@@ -58,8 +58,11 @@ pub struct Volume {
     open_handles: AtomicUsize,
     deleted: AtomicBool,
     stats: StatsRegistry,
-    /// QoS limits, shared by every core serving this volume.
-    pub qos: Arc<tessera_qos::VolumeQos>,
+    /// QoS limits found in pool metadata written before QoS moved to the node's catalog
+    /// (docs/format.md §3.2, legacy). Written back by every checkpoint until the node has
+    /// taken them into its catalog ([`Volume::clear_legacy_qos`]), so a crash in between
+    /// loses nothing. New volumes have none.
+    legacy_qos: Mutex<Option<tessera_qos::QosLimits>>,
     pub(crate) pool: Arc<PoolCore>,
 }
 
@@ -71,7 +74,7 @@ impl Volume {
         size: u64,
         created: u64,
         map: Arc<UnitMap>,
-        qos: tessera_qos::QosLimits,
+        legacy_qos: tessera_qos::QosLimits,
     ) -> Arc<Volume> {
         Arc::new(Volume {
             id,
@@ -84,13 +87,29 @@ impl Volume {
             open_handles: AtomicUsize::new(0),
             deleted: AtomicBool::new(false),
             stats: StatsRegistry::default(),
-            qos: Arc::new(tessera_qos::VolumeQos::new(qos, std::time::Instant::now())),
+            legacy_qos: Mutex::new(
+                (legacy_qos != tessera_qos::QosLimits::default()).then_some(legacy_qos),
+            ),
             pool,
         })
     }
 
     pub fn size(&self) -> u64 {
         self.size.load(Acquire)
+    }
+
+    /// QoS limits this volume's pool metadata still carries from before QoS moved to the
+    /// node's catalog, if any (read once by the node, which migrates them).
+    pub fn legacy_qos(&self) -> Option<tessera_qos::QosLimits> {
+        self.legacy_qos
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The node's catalog holds the legacy limits now: the next checkpoint drops them.
+    pub fn clear_legacy_qos(&self) {
+        *self.legacy_qos.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// Bytes of pool space this volume holds.
@@ -438,5 +457,43 @@ impl ExportHandle for VolumeHandle {
     #[inline]
     fn is_hole(&mut self, offset: u64, len: u64) -> bool {
         VolumeHandle::is_hole(self, offset, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tessera_device::{BlockDevice, RamDevice};
+    use tessera_qos::QosLimits;
+
+    use crate::{Pool, PoolOptions};
+
+    /// QoS limits in pool metadata (written before QoS moved to the node's catalog) are
+    /// read back, and written back by checkpoints, until the node has taken them.
+    #[test]
+    fn legacy_qos_limits_are_kept_until_cleared() {
+        let dev: Arc<dyn BlockDevice> = RamDevice::new(64 << 20).unwrap();
+        let pool = Pool::create("p", vec![dev.clone()], PoolOptions::default()).unwrap();
+        let vol = pool.create_volume("v", 8 << 20).unwrap();
+        assert_eq!(vol.legacy_qos(), None);
+        let limits = QosLimits {
+            iops: Some(1000),
+            ..QosLimits::default()
+        };
+        // As an older version wrote it.
+        *vol.legacy_qos.lock().unwrap() = Some(limits.clone());
+        pool.core.checkpoint().unwrap();
+        drop((vol, pool));
+
+        let pool = Pool::open(vec![dev.clone()]).unwrap();
+        let vol = pool.volume_by_id(1).unwrap();
+        assert_eq!(vol.legacy_qos(), Some(limits));
+        vol.clear_legacy_qos();
+        pool.core.checkpoint().unwrap();
+        drop((vol, pool));
+
+        let pool = Pool::open(vec![dev]).unwrap();
+        assert_eq!(pool.volume_by_id(1).unwrap().legacy_qos(), None);
     }
 }
