@@ -10,7 +10,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::Instant;
 
 use io_uring::{opcode, types};
-use tessera_io::{AlignedBuf, CoreIo, Tag};
+use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag};
 
 use crate::stats::{IoClass, IoStats};
 
@@ -428,6 +428,19 @@ impl StatsBatch {
             }
         }
     }
+}
+
+/// A buffer from the core's pool and the read of `len` bytes at `offset` into it. The
+/// buffer must stay with the request until the read completes.
+#[inline]
+pub fn read_into_new_buf(io: &mut CoreIo, offset: u64, len: u32) -> (AlignedBuf, IoOp) {
+    let mut buf = io.bufs.get(len as usize);
+    let op = IoOp::Read {
+        offset,
+        len,
+        buf: buf.as_mut_ptr(),
+    };
+    (buf, op)
 }
 
 /// Time a request spent held at the QoS gate, counted as throttled.

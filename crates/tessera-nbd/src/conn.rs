@@ -16,7 +16,9 @@
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use tessera_export::conn::{add_throttled, FreeList, RecvBuf, SendDone, Socket, StatsBatch};
+use tessera_export::conn::{
+    add_throttled, read_into_new_buf, FreeList, RecvBuf, SendDone, Socket, StatsBatch,
+};
 use tessera_export::{Export, ExportHandle, ExportTarget, Gate, IoClass, IoStats, Released};
 use tessera_io::{AlignedBuf, CoreIo, IoOp, Reactor, Task};
 use tracing::warn;
@@ -319,12 +321,7 @@ impl<T: ExportTarget> NbdConn<T> {
                 if self.opts.structured_replies && self.vol.is_hole(offset, len as u64) {
                     return self.finish_hole(io, s);
                 }
-                let mut buf = io.bufs.get(len as usize);
-                let op = IoOp::Read {
-                    offset,
-                    len,
-                    buf: buf.as_mut_ptr(),
-                };
+                let (buf, op) = read_into_new_buf(io, offset, len);
                 self.slots[idx].buf = Some(buf);
                 self.submit(io, op, tag);
             }

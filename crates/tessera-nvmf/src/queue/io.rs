@@ -2,7 +2,7 @@
 //! admission at the gate, and Read, Write, Compare, Flush, Write Zeroes and Dataset
 //! Management on the targets.
 
-use tessera_export::conn::add_throttled;
+use tessera_export::conn::{add_throttled, read_into_new_buf};
 use tessera_export::{ExportHandle, ExportTarget};
 use tessera_io::{CoreIo, IoOp};
 
@@ -154,12 +154,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 let len = len as u32;
                 match sqe.opc {
                     IO_READ => {
-                        let mut buf = io.bufs.get(len as usize);
-                        let op = IoOp::Read {
-                            offset,
-                            len,
-                            buf: buf.as_mut_ptr(),
-                        };
+                        let (buf, op) = read_into_new_buf(io, offset, len);
                         self.slots[idx].buf = Some(buf);
                         self.slots[idx].c2h_len = len;
                         self.submit(io, ns, op, tag);
@@ -169,12 +164,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
                         self.submit(io, ns, IoOp::Write { offset, len, buf }, tag);
                     }
                     _ => {
-                        let mut buf = io.bufs.get(len as usize);
-                        let op = IoOp::Read {
-                            offset,
-                            len,
-                            buf: buf.as_mut_ptr(),
-                        };
+                        let (buf, op) = read_into_new_buf(io, offset, len);
                         self.slots[idx].buf2 = Some(buf);
                         self.slots[idx].phase = Phase::CompareRead;
                         self.submit(io, ns, op, tag);
