@@ -8,12 +8,20 @@
 //!
 //! Per request there is no heap allocation: slots are preallocated, data buffers come from
 //! the core's pool, and reply headers live in the slot.
+//!
+//! The socket, receive buffer, slot free list, gathered send and stats batching are the
+//! export layer's (`tessera_export::conn`), shared with NVMe/TCP queues; this file keeps
+//! the NBD requests and replies.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
-use io_uring::{opcode, types};
-use tessera_io::{AlignedBuf, CoreIo, IoHandle, IoOp, Reactor, Task};
-use tessera_pool::{IoClass, IoStats, VolumeHandle};
+use tessera_export::conn::{
+    add_throttled, read_into_new_buf, FreeList, RecvBuf, SendDone, Socket, StatsBatch,
+};
+use tessera_export::{Export, ExportHandle, ExportTarget, Gate, IoClass, IoStats, Released};
+use tessera_io::{AlignedBuf, CoreIo, IoOp, Reactor, Task};
+use tracing::warn;
 
 use crate::proto::*;
 
@@ -23,69 +31,10 @@ const RBUF_CAP: usize = 1 << 20;
 /// Receive size while the core is contended: about one share round of 4 KiB writes
 /// (tessera_qos::shares::ROUND_BUDGET requests with their headers).
 const RECV_CONTENDED: usize = 68 << 10;
-/// iovecs per sendmsg (the kernel's IOV_MAX is 1024).
-const MAX_IOV: usize = 1024;
 const SLOT_RECV: u32 = u32::MAX;
 const SLOT_SEND: u32 = u32::MAX - 1;
 const SLOT_QOS: u32 = u32::MAX - 2;
 const SLOT_ROUND: u32 = u32::MAX - 3;
-/// Re-exported for other protocols' connections (NVMe/TCP queues), which share the same
-/// per-core limiters and scheduler.
-pub use tessera_qos::gate::{core_limiter, Gate};
-
-/// Decides whether a client waits on each reply (queue depth 1), in which case its core
-/// polls for the next request: on this kind of machine a wakeup costs more than serving
-/// a request, while a deep-queue client is served best by sleeping (requests pile up
-/// meanwhile and one send answers many) and needs the CPU that polling would burn.
-///
-/// The client's queue depth is estimated from cookies while the core sleeps: clients such
-/// as libnbd number requests sequentially, and requests pile up while we sleep, so a new
-/// request's cookie minus the cookie of the last reply we sent is about the depth.
-/// Clients with other cookie schemes look deep and get the safe default: sleeping.
-/// While polling, the server outruns any client, so everything a client has outstanding
-/// waits on its side and even a deep queue looks shallow: latency mode therefore ends
-/// every LATENCY_PROBE to measure again while sleeping.
-/// Public so NVMe/TCP queues use the same policy (fed with their own request sequence).
-#[derive(Default)]
-pub struct LatencyDetector {
-    last_reply_cookie: u64,
-    shallow_streak: u32,
-    since: Option<std::time::Instant>,
-}
-
-impl LatencyDetector {
-    pub fn on_reply(&mut self, cookie: u64) {
-        self.last_reply_cookie = cookie;
-    }
-
-    pub fn on_request(&mut self, cookie: u64, now: std::time::Instant) {
-        if let Some(since) = self.since {
-            if now.duration_since(since) >= LATENCY_PROBE {
-                self.since = None;
-                self.shallow_streak = 0;
-            }
-            return;
-        }
-        if cookie.wrapping_sub(self.last_reply_cookie) <= 2 {
-            self.shallow_streak += 1;
-            if self.shallow_streak >= LATENCY_STREAK {
-                self.since = Some(now);
-            }
-        } else {
-            self.shallow_streak = 0;
-        }
-    }
-
-    pub fn active(&self) -> bool {
-        self.since.is_some()
-    }
-}
-
-/// Consecutive requests (seen while sleeping) from a client with at most two outstanding
-/// that make the core poll for this connection's next request instead of sleeping.
-const LATENCY_STREAK: u32 = 64;
-/// How long latency mode lasts before the connection is looked at again while sleeping.
-const LATENCY_PROBE: std::time::Duration = std::time::Duration::from_millis(100);
 /// Extents per BLOCK_STATUS reply.
 const MAX_EXTENTS: usize = 8192;
 
@@ -141,78 +90,54 @@ impl Slot {
     }
 }
 
-pub struct NbdConn {
-    fd: OwnedFd,
+pub struct NbdConn<T: ExportTarget> {
+    sock: Socket,
     id: u32,
-    vol: VolumeHandle,
+    target: Arc<T>,
+    vol: T::Handle,
     opts: ConnOptions,
-    rbuf: AlignedBuf,
-    rstart: usize,
-    rend: usize,
-    recv_posted: bool,
+    rbuf: RecvBuf,
     /// Slot receiving a large payload, and how many bytes of it have arrived.
     payload: Option<(u16, usize)>,
     slots: Vec<Slot>,
-    free: Vec<u16>,
+    free: FreeList,
     outq: Vec<u16>,
     sending: Vec<u16>,
-    iov: Vec<libc::iovec>,
-    iov_at: usize,
-    msg: Box<libc::msghdr>,
-    send_posted: bool,
     in_io: usize,
-    /// No more requests will be read (DISC, EOF, protocol error).
-    draining: bool,
-    /// Latency mode: the client waits on each reply, so the core polls for its next
-    /// request instead of sleeping (see `on_recv`). Entered after LATENCY_STREAK receives
-    /// of a single request while sleeping; left every LATENCY_PROBE to look again.
-    latency: LatencyDetector,
     /// QoS admission: the volume's and its group's limits, then the core's shares.
     gate: Gate,
-    released: Vec<tessera_qos::gate::Released>,
+    released: Vec<Released>,
     /// Replies queued in this batch, to account when it is flushed.
-    unrecorded: Vec<(IoClass, u64, std::time::Instant, bool)>,
-    stats: std::sync::Arc<IoStats>,
-    /// The peer is gone or misbehaved: nothing more is sent.
-    dead: bool,
-    shut: bool,
+    unrecorded: StatsBatch,
+    stats: Arc<IoStats>,
 }
 
-impl NbdConn {
+impl<T: ExportTarget> NbdConn<T> {
     /// Build a connection on the core that will serve it (`io` is that core's context).
-    pub fn new(io: &mut CoreIo, fd: OwnedFd, vol: VolumeHandle, opts: ConnOptions) -> NbdConn {
-        // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-        let msg: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
-        let stats = vol.volume().register_stats();
+    /// A read-only target is served read-only whatever the handshake said.
+    pub fn new(io: &mut CoreIo, fd: OwnedFd, export: &Export<T>, mut opts: ConnOptions) -> Self {
+        let target = export.target.clone();
+        opts.read_only |= target.read_only();
+        let stats = target.register_stats();
         // The tags are set in `start`, once the task id is known.
-        let gate = Gate::new(io, &vol.volume().qos, 0, 0);
+        let gate = Gate::new(io, &export.qos, 0, 0);
         NbdConn {
-            fd,
+            sock: Socket::new(fd),
             id: 0,
-            vol,
+            vol: target.open(),
+            target,
             opts,
-            rbuf: AlignedBuf::zeroed(RBUF_CAP),
-            rstart: 0,
-            rend: 0,
-            recv_posted: false,
+            rbuf: RecvBuf::new(RBUF_CAP),
             payload: None,
             slots: (0..MAX_IN_FLIGHT).map(|_| Slot::new()).collect(),
-            free: (0..MAX_IN_FLIGHT as u16).rev().collect(),
+            free: FreeList::new(MAX_IN_FLIGHT),
             outq: Vec::with_capacity(MAX_IN_FLIGHT),
             sending: Vec::with_capacity(MAX_IN_FLIGHT),
-            iov: Vec::with_capacity(MAX_IOV),
-            iov_at: 0,
-            msg,
-            send_posted: false,
             in_io: 0,
-            draining: false,
-            latency: LatencyDetector::default(),
             gate,
             released: Vec::new(),
-            unrecorded: Vec::with_capacity(MAX_IN_FLIGHT),
+            unrecorded: StatsBatch::with_capacity(MAX_IN_FLIGHT),
             stats,
-            dead: false,
-            shut: false,
         }
     }
 
@@ -221,9 +146,10 @@ impl NbdConn {
     }
 
     fn post_recv(&mut self, io: &mut CoreIo) {
-        if self.recv_posted || self.draining {
+        if !self.sock.may_recv() {
             return;
         }
+        let tag = self.tag(SLOT_RECV);
         let (ptr, len) = match self.payload {
             Some((s, got)) => {
                 let slot = &mut self.slots[s as usize];
@@ -238,46 +164,32 @@ impl NbdConn {
                 if self.free.is_empty() {
                     return; // resume when a slot frees up
                 }
-                if self.rend == RBUF_CAP {
+                if self.rbuf.is_full() {
                     return; // parse() compacts first; a full buffer means a slot is awaited
                 }
                 // While volumes compete for this core, take about one share round of
                 // requests per receive (see Gate::contended).
-                let room = RBUF_CAP - self.rend;
-                let len = if self.gate.contended() {
-                    room.min(RECV_CONTENDED)
+                let max = if self.gate.contended() {
+                    RECV_CONTENDED
                 } else {
-                    room
+                    usize::MAX
                 };
-                // SAFETY: rend < RBUF_CAP.
-                (unsafe { self.rbuf.as_mut_ptr().add(self.rend) }, len)
+                self.rbuf.room(max)
             }
         };
-        let e = opcode::Recv::new(
-            types::Fd(self.fd.as_raw_fd()),
-            ptr,
-            len.min(u32::MAX as usize) as u32,
-        )
-        .build()
-        .user_data(self.tag(SLOT_RECV));
-        // SAFETY: the buffer is owned by this connection, which outlives the operation
-        // (finished() waits for it).
-        unsafe { io.push_sqe(e) };
-        self.recv_posted = true;
+        // SAFETY: the receive buffer and the slot's payload buffer are owned by this
+        // connection and stay put until the receive completes: the payload slot is not
+        // released and the buffer not compacted while a receive is posted, and
+        // finished() waits for it.
+        unsafe { self.sock.post_recv(io, ptr, len, tag) };
     }
 
     fn on_recv(&mut self, io: &mut CoreIo, res: i32) {
-        self.recv_posted = false;
-        if res <= 0 {
-            // EOF or error: the client went away (or half-closed). Finish what is in
-            // flight, send what can still be sent, then close.
-            self.draining = true;
-            if res < 0 {
-                self.dead = true;
-            }
+        // EOF or error: the client went away (or half-closed). Finish what is in flight,
+        // send what can still be sent, then close.
+        let Some(n) = self.sock.recv_done(res) else {
             return;
-        }
-        let n = res as usize;
+        };
         match self.payload {
             Some((s, got)) => {
                 let got = got + n;
@@ -290,11 +202,8 @@ impl NbdConn {
                 }
             }
             None => {
-                self.rend += n;
+                self.rbuf.filled(n);
                 self.parse(io);
-                if self.latency.active() {
-                    io.poll_hint = true;
-                }
             }
         }
         self.post_recv(io);
@@ -302,15 +211,15 @@ impl NbdConn {
 
     /// Parse and dispatch every complete request in the receive buffer.
     fn parse(&mut self, io: &mut CoreIo) {
-        while !self.draining && self.payload.is_none() {
-            let avail = &self.rbuf.as_slice()[self.rstart..self.rend];
+        while !self.sock.draining && self.payload.is_none() {
+            let avail = self.rbuf.unparsed();
             let h = match parse_request(avail) {
                 Ok(Some(h)) => h,
                 Ok(None) => break,
                 Err(e) => {
-                    eprintln!("tessera: nbd: closing connection: {e}");
-                    self.draining = true;
-                    self.dead = true;
+                    warn!(error = %e, "nbd: closing connection");
+                    self.sock.draining = true;
+                    self.sock.dead = true;
                     break;
                 }
             };
@@ -321,9 +230,13 @@ impl NbdConn {
             };
             if h.cmd == CMD_WRITE && h.length > MAX_PAYLOAD {
                 // We cannot skip 4 GiB of payload safely; the spec allows a disconnect.
-                eprintln!("tessera: nbd: closing connection: write of {} bytes exceeds the {MAX_PAYLOAD}-byte limit", h.length);
-                self.draining = true;
-                self.dead = true;
+                warn!(
+                    bytes = h.length,
+                    limit = MAX_PAYLOAD,
+                    "nbd: closing connection: write payload exceeds the limit"
+                );
+                self.sock.draining = true;
+                self.sock.dead = true;
                 break;
             }
             let have = avail.len() - REQUEST_HEADER_LEN;
@@ -332,9 +245,7 @@ impl NbdConn {
                 break; // wait for the rest of the payload in the buffer
             }
             let Some(s) = self.free.pop() else { break };
-            self.rstart += REQUEST_HEADER_LEN;
-            // The batch timestamp, not a clock read per request.
-            self.latency.on_request(h.cookie, io.now());
+            self.rbuf.consume(REQUEST_HEADER_LEN);
             let slot = &mut self.slots[s as usize];
             slot.cookie = h.cookie;
             slot.cmd = h.cmd;
@@ -346,9 +257,8 @@ impl NbdConn {
             if payload > 0 {
                 let mut buf = io.bufs.get(payload);
                 let take = payload.min(have);
-                buf.as_mut_slice()[..take]
-                    .copy_from_slice(&self.rbuf.as_slice()[self.rstart..self.rstart + take]);
-                self.rstart += take;
+                buf.as_mut_slice()[..take].copy_from_slice(&self.rbuf.unparsed()[..take]);
+                self.rbuf.consume(take);
                 slot.buf = Some(buf);
                 if take < payload {
                     slot.phase = Phase::Payload;
@@ -358,24 +268,17 @@ impl NbdConn {
             }
             self.admit_or_park(io, s);
         }
-        // Keep the unparsed tail at the front so the buffer never fills with consumed bytes.
-        if self.rstart == self.rend {
-            self.rstart = 0;
-            self.rend = 0;
-        } else if self.rstart > 0 && (self.rstart >= RBUF_CAP / 2 || self.rend == RBUF_CAP) {
-            let n = self.rend - self.rstart;
-            self.rbuf
-                .as_mut_slice()
-                .copy_within(self.rstart..self.rend, 0);
-            self.rstart = 0;
-            self.rend = n;
+        // parse() also runs from on_send (slots were freed), possibly with a receive
+        // posted into the buffer: it must not move under it.
+        if !self.sock.recv_posted() {
+            self.rbuf.compact();
         }
     }
 
     fn in_bounds(&self, s: &Slot) -> bool {
         s.offset
             .checked_add(s.len as u64)
-            .is_some_and(|e| e <= self.vol.size())
+            .is_some_and(|e| e <= self.target.size())
     }
 
     /// Start serving the request in slot `s`.
@@ -418,12 +321,7 @@ impl NbdConn {
                 if self.opts.structured_replies && self.vol.is_hole(offset, len as u64) {
                     return self.finish_hole(io, s);
                 }
-                let mut buf = io.bufs.get(len as usize);
-                let op = IoOp::Read {
-                    offset,
-                    len,
-                    buf: buf.as_mut_ptr(),
-                };
+                let (buf, op) = read_into_new_buf(io, offset, len);
                 self.slots[idx].buf = Some(buf);
                 self.submit(io, op, tag);
             }
@@ -479,15 +377,18 @@ impl NbdConn {
             CMD_DISC => {
                 // No reply; finish everything in flight, then close.
                 self.release(io, s);
-                self.draining = true;
+                self.sock.draining = true;
             }
             _ => self.finish(io, s, EINVAL),
         }
     }
 
+    /// Hand `op` to the target; its buffer (if any) is the buffer of the slot `tag` names.
     fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: u64) {
         self.in_io += 1;
-        self.vol.submit(io, op, tag);
+        // SAFETY: a Read or Write buffer is the slot's `buf`, which stays with the slot
+        // (not released, not reused) until the slot's I/O completes in on_io.
+        unsafe { self.vol.submit(io, op, tag) };
     }
 
     fn block_status(&mut self, io: &mut CoreIo, s: u16) {
@@ -508,7 +409,7 @@ impl NbdConn {
         } else {
             MAX_EXTENTS
         };
-        let runs = self.vol.volume().allocation_runs(offset, len as u64, max);
+        let runs = self.target.allocation_runs(offset, len as u64, max);
         let mut buf = io.bufs.get(4 + 8 * runs.len());
         let b = buf.as_mut_slice();
         b[0..4].copy_from_slice(&ctx.to_be_bytes());
@@ -552,7 +453,7 @@ impl NbdConn {
     /// The gate's timer or round came: serve the requests it lets through now.
     fn on_gate(&mut self, io: &mut CoreIo, slot: u32) {
         let mut out = std::mem::take(&mut self.released);
-        if self.dead {
+        if self.sock.dead {
             // The client is gone: nobody waits for held requests.
             let mut slots = Vec::new();
             self.gate.drain(&mut slots);
@@ -563,10 +464,7 @@ impl NbdConn {
         self.gate.wake(io, self.tag(slot), &mut out);
         for r in out.drain(..) {
             if r.throttled {
-                let held = io
-                    .now()
-                    .saturating_duration_since(self.slots[r.slot as usize].start);
-                self.stats.add_throttled(held.as_nanos() as u64);
+                add_throttled(&self.stats, self.slots[r.slot as usize].start, io.now());
             }
             self.dispatch(io, r.slot);
         }
@@ -582,7 +480,7 @@ impl NbdConn {
             CMD_WRITE => (IoClass::Write, sl.len as u64),
             _ => (IoClass::Other, 0),
         };
-        self.unrecorded.push((class, bytes, sl.start, ok));
+        self.unrecorded.push(0, class, bytes, sl.start, ok);
     }
 
     fn finish_hole(&mut self, io: &CoreIo, s: u16) {
@@ -683,10 +581,10 @@ impl NbdConn {
 
     /// Send every queued reply in one sendmsg.
     fn send(&mut self, io: &mut CoreIo) {
-        if self.send_posted || self.outq.is_empty() {
+        if self.sock.send_posted() || self.outq.is_empty() {
             return;
         }
-        if self.dead {
+        if self.sock.dead {
             let q = std::mem::take(&mut self.outq);
             for &s in &q {
                 self.release(io, s);
@@ -695,73 +593,34 @@ impl NbdConn {
             self.outq.clear();
             return;
         }
-        self.iov.clear();
+        let batch = self.sock.batch();
+        batch.clear();
         self.sending.clear();
         let mut taken = 0;
         for &s in &self.outq {
-            if self.iov.len() + 2 > MAX_IOV {
+            if !batch.has_room(2) {
                 break;
             }
-            let sl = &mut self.slots[s as usize];
-            self.iov.push(libc::iovec {
-                iov_base: sl.hdr.as_mut_ptr() as *mut libc::c_void,
-                iov_len: sl.hdr_len as usize,
-            });
+            let sl = &self.slots[s as usize];
+            batch.push(sl.hdr.as_ptr(), sl.hdr_len as usize);
             if sl.data_len > 0 {
-                let b = sl.buf.as_mut().expect("reply data buffer");
-                self.iov.push(libc::iovec {
-                    iov_base: b.as_mut_ptr() as *mut libc::c_void,
-                    iov_len: sl.data_len as usize,
-                });
+                let b = sl.buf.as_ref().expect("reply data buffer");
+                batch.push(b.as_ptr(), sl.data_len as usize);
             }
             self.sending.push(s);
-            self.latency.on_reply(sl.cookie);
             taken += 1;
         }
         self.outq.drain(..taken);
-        self.iov_at = 0;
-        self.post_send(io);
-    }
-
-    fn post_send(&mut self, io: &mut CoreIo) {
-        self.msg.msg_iov = self.iov[self.iov_at..].as_mut_ptr();
-        self.msg.msg_iovlen = self.iov.len() - self.iov_at;
-        let e = opcode::SendMsg::new(
-            types::Fd(self.fd.as_raw_fd()),
-            &*self.msg as *const libc::msghdr,
-        )
-        .flags(libc::MSG_NOSIGNAL as u32)
-        .build()
-        .user_data(self.tag(SLOT_SEND));
-        // SAFETY: msg, iov and the buffers they point to belong to this connection and are
-        // not touched until the send completes.
-        unsafe { io.push_sqe(e) };
-        self.send_posted = true;
+        let tag = self.tag(SLOT_SEND);
+        // SAFETY: the iovecs point at the headers and buffers of the slots in `sending`,
+        // which are released only in on_send, once the send is over.
+        unsafe { self.sock.post_send(io, tag) };
     }
 
     fn on_send(&mut self, io: &mut CoreIo, res: i32) {
-        self.send_posted = false;
-        if res < 0 {
-            self.dead = true;
-            self.draining = true;
-        } else {
-            // Partial send: advance through the iovecs and send the rest.
-            let mut n = res as usize;
-            while n > 0 && self.iov_at < self.iov.len() {
-                let v = &mut self.iov[self.iov_at];
-                if n >= v.iov_len {
-                    n -= v.iov_len;
-                    self.iov_at += 1;
-                } else {
-                    // SAFETY: advancing within the same buffer.
-                    v.iov_base = unsafe { (v.iov_base as *mut u8).add(n) } as *mut libc::c_void;
-                    v.iov_len -= n;
-                    n = 0;
-                }
-            }
-            if self.iov_at < self.iov.len() {
-                return self.post_send(io);
-            }
+        let tag = self.tag(SLOT_SEND);
+        if self.sock.send_done(io, res, tag) == SendDone::Partial {
+            return;
         }
         let sent = std::mem::take(&mut self.sending);
         for &s in &sent {
@@ -777,13 +636,13 @@ impl NbdConn {
     }
 }
 
-impl Drop for NbdConn {
+impl<T: ExportTarget> Drop for NbdConn<T> {
     fn drop(&mut self) {
-        self.vol.volume().unregister_stats(&self.stats);
+        self.target.unregister_stats(&self.stats);
     }
 }
 
-impl Task for NbdConn {
+impl<T: ExportTarget> Task for NbdConn<T> {
     fn start(&mut self, io: &mut CoreIo, id: u32) {
         self.id = id;
         self.gate.set_tags(self.tag(SLOT_QOS), self.tag(SLOT_ROUND));
@@ -800,102 +659,16 @@ impl Task for NbdConn {
     }
 
     fn flush(&mut self, io: &mut CoreIo) {
-        let now = io.now();
-        for (class, bytes, start, ok) in self.unrecorded.drain(..) {
-            let ns = now.saturating_duration_since(start).as_nanos() as u64;
-            self.stats.record(class, bytes, ns, ok);
-        }
+        let stats = &self.stats;
+        self.unrecorded.flush(io.now(), |_| Some(stats));
         self.send(io);
         // Once drained (nothing in flight, nothing to send), wake our receive with a
         // shutdown so the connection can finish.
-        if self.draining
-            && !self.shut
-            && self.in_io == 0
-            && !self.send_posted
-            && self.outq.is_empty()
-        {
-            self.shut = true;
-            // SAFETY: shutting down our own socket.
-            unsafe { libc::shutdown(self.fd.as_raw_fd(), libc::SHUT_RDWR) };
-        }
+        let idle = self.in_io == 0 && self.outq.is_empty();
+        self.sock.shut_down_when_idle(idle);
     }
 
     fn finished(&self) -> bool {
-        self.shut
-            && !self.recv_posted
-            && !self.send_posted
-            && self.in_io == 0
-            && self.gate.is_idle()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::{Duration, Instant};
-
-    /// A client that waits on each reply: request n, reply n, request n+1...
-    fn qd1(d: &mut LatencyDetector, from: u64, n: u64, now: Instant) {
-        for c in from..from + n {
-            d.on_request(c, now);
-            d.on_reply(c);
-        }
-    }
-
-    #[test]
-    fn a_qd1_client_enters_latency_mode() {
-        let mut d = LatencyDetector::default();
-        let t = Instant::now();
-        qd1(&mut d, 1, LATENCY_STREAK as u64 - 1, t);
-        assert!(!d.active());
-        qd1(&mut d, LATENCY_STREAK as u64, 1, t);
-        assert!(d.active());
-    }
-
-    #[test]
-    fn a_deep_queue_client_does_not() {
-        let mut d = LatencyDetector::default();
-        let t = Instant::now();
-        // 128 requests arrive before the first reply, as while the core sleeps.
-        for round in 0..100u64 {
-            for c in round * 128..(round + 1) * 128 {
-                d.on_request(c + 1, t);
-            }
-            d.on_reply((round + 1) * 128);
-        }
-        assert!(!d.active());
-    }
-
-    #[test]
-    fn latency_mode_ends_to_measure_again() {
-        let mut d = LatencyDetector::default();
-        let t = Instant::now();
-        qd1(&mut d, 1, LATENCY_STREAK as u64, t);
-        assert!(d.active());
-        // Still within the probe period: stays on whatever the cookies say.
-        d.on_request(10_000, t + Duration::from_millis(1));
-        assert!(d.active());
-        // After it, the connection is measured again from scratch.
-        d.on_request(10_001, t + LATENCY_PROBE);
-        assert!(!d.active());
-        // A deep queue seen while sleeping keeps it off.
-        d.on_reply(10_001);
-        d.on_request(10_200, t + LATENCY_PROBE);
-        assert!(!d.active());
-    }
-
-    #[test]
-    fn unordered_cookies_look_deep() {
-        let mut d = LatencyDetector::default();
-        let t = Instant::now();
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        for _ in 0..1000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            d.on_request(x, t);
-            d.on_reply(x);
-        }
-        assert!(!d.active());
+        self.sock.is_closed() && self.in_io == 0 && self.gate.is_idle()
     }
 }

@@ -129,7 +129,7 @@ pub fn handle(node: &Arc<Node>, req: &Request) -> Response {
             200,
         ),
         ("GET", ["v1", "volumes", name, "qos"]) => reply(
-            node.find_volume(name).map(|(_, v)| serde_json::to_value(v.qos.limits()).unwrap_or(Value::Null)),
+            node.find_volume(name).map(|(_, v)| serde_json::to_value(node.groups.volume_qos(&v).limits()).unwrap_or(Value::Null)),
             200,
         ),
         ("PUT", ["v1", "volumes", name, "qos"]) => match serde_json::from_value::<tessera_qos::QosLimits>(body.clone()) {

@@ -1,3 +1,11 @@
+//! The node's QoS catalog: each volume's limits and QoS groups.
+//!
+//! Volume limits are stored in `DATA_DIR/volume_qos.json` (docs/format.md §7.1), by volume
+//! name, and each volume has one runtime [`VolumeQos`] here that every connection to it
+//! is admitted by (the export layer's `Export`). The pools know nothing of QoS; limits
+//! that older pool metadata still carries are taken over the first time the volume's
+//! QoS is looked up ([`Groups::volume_qos`]).
+//!
 //! QoS groups (tenants): several volumes share one set of limits, optionally with a
 //! stepped burst. Stored in `DATA_DIR/groups.json` (docs/format.md §7), because a group
 //! may hold volumes of several pools.
@@ -16,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tessera_pool::{Error, ErrorKind, Volume};
 use tessera_qos::{QosLimits, StepBurst, StepState, VolumeQos};
+use tracing::{info, warn};
 
 /// How often the ladder looks at the groups.
 pub const LADDER_TICK: Duration = Duration::from_millis(100);
@@ -45,6 +54,18 @@ struct Group {
 pub struct Groups {
     path: PathBuf,
     groups: Mutex<BTreeMap<String, Group>>,
+    volumes_path: PathBuf,
+    /// Never locked together with `groups`.
+    volumes: Mutex<VolumeTable>,
+}
+
+/// Per-volume QoS, by volume name.
+#[derive(Default)]
+struct VolumeTable {
+    /// Limits as stored (volumes whose limits were never set are absent).
+    stored: BTreeMap<String, QosLimits>,
+    /// The runtime state of every volume looked up since the node started.
+    live: BTreeMap<String, Arc<VolumeQos>>,
 }
 
 fn invalid(msg: String) -> Error {
@@ -73,10 +94,93 @@ impl Groups {
                 (name, g)
             })
             .collect();
+        let volumes_path = data_dir.join("volume_qos.json");
+        let stored: BTreeMap<String, QosLimits> = match std::fs::read_to_string(&volumes_path) {
+            Ok(t) => {
+                serde_json::from_str(&t).map_err(|e| format!("{}: {e}", volumes_path.display()))?
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) => return Err(format!("{}: {e}", volumes_path.display())),
+        };
         Ok(Groups {
             path,
             groups: Mutex::new(groups),
+            volumes_path,
+            volumes: Mutex::new(VolumeTable {
+                stored,
+                live: BTreeMap::new(),
+            }),
         })
+    }
+
+    fn volumes(&self) -> std::sync::MutexGuard<'_, VolumeTable> {
+        self.volumes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn save_volumes(&self, t: &VolumeTable) -> Result<(), Error> {
+        let text = serde_json::to_string_pretty(&t.stored).expect("volume limits serialise");
+        crate::registry::write_atomic(&self.volumes_path, text.as_bytes())
+            .map_err(|e| Error::new(ErrorKind::Io, e))
+    }
+
+    /// The QoS state every connection to `volume` is admitted by (one per volume, made on
+    /// first use, bound to the volume's group if it has one). Limits the volume's pool
+    /// metadata still carries from an older version are moved into the catalog here.
+    pub fn volume_qos(&self, volume: &Volume) -> Arc<VolumeQos> {
+        let qos = {
+            let mut t = self.volumes();
+            if let Some(q) = t.live.get(&volume.name) {
+                return q.clone();
+            }
+            if !t.stored.contains_key(&volume.name) {
+                if let Some(l) = volume.legacy_qos() {
+                    t.stored.insert(volume.name.clone(), l);
+                    match self.save_volumes(&t) {
+                        Ok(()) => {
+                            info!(volume = %volume.name, "qos: limits moved from pool metadata to the node's catalog");
+                            volume.clear_legacy_qos();
+                        }
+                        // Served from memory; the pool keeps them, the next start retries.
+                        Err(e) => {
+                            warn!(volume = %volume.name, error = %e, "qos: cannot save migrated limits")
+                        }
+                    }
+                }
+            }
+            let limits = t.stored.get(&volume.name).cloned().unwrap_or_default();
+            let q = Arc::new(VolumeQos::new(limits, Instant::now()));
+            t.live.insert(volume.name.clone(), q.clone());
+            q
+        };
+        let group = self
+            .lock()
+            .values()
+            .find(|g| g.cfg.members.contains(&volume.name))
+            .map(|g| g.qos.clone());
+        if group.is_some() {
+            qos.set_group(group);
+        }
+        qos
+    }
+
+    /// Replace a volume's limits (empty limits clear them): live at once and persistent.
+    /// Returns the limits now in force.
+    pub fn set_volume_qos(&self, volume: &Volume, limits: QosLimits) -> Result<QosLimits, Error> {
+        limits.validate().map_err(invalid)?;
+        let qos = self.volume_qos(volume);
+        let mut t = self.volumes();
+        // Cleared limits stay as an entry: the catalog, not limits an older version may
+        // have left in the pool's metadata (not yet rewritten there), decides.
+        let before = t.stored.insert(volume.name.clone(), limits.clone());
+        if let Err(e) = self.save_volumes(&t) {
+            match before {
+                Some(l) => t.stored.insert(volume.name.clone(), l),
+                None => t.stored.remove(&volume.name),
+            };
+            return Err(e);
+        }
+        qos.set_limits(limits);
+        Ok(qos.limits())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Group>> {
@@ -102,11 +206,14 @@ impl Groups {
     /// Bind every existing member volume to its group (at start, and after a volume
     /// with a member's name appears). `find` resolves a volume name.
     pub fn bind_all(&self, find: impl Fn(&str) -> Option<Arc<Volume>>) {
-        for g in self.lock().values() {
-            for m in &g.cfg.members {
-                if let Some(v) = find(m) {
-                    v.qos.set_group(Some(g.qos.clone()));
-                }
+        let members: Vec<(String, Arc<VolumeQos>)> = self
+            .lock()
+            .values()
+            .flat_map(|g| g.cfg.members.iter().map(|m| (m.clone(), g.qos.clone())))
+            .collect();
+        for (m, group) in members {
+            if let Some(v) = find(&m) {
+                self.volume_qos(&v).set_group(Some(group));
             }
         }
     }
@@ -195,9 +302,10 @@ impl Groups {
             groups.insert(name.to_string(), g);
             return Err(e);
         }
+        drop(groups);
         for m in &g.cfg.members {
             if let Some(v) = find(m) {
-                v.qos.set_group(None);
+                self.volume_qos(&v).set_group(None);
             }
         }
         Ok(())
@@ -205,6 +313,8 @@ impl Groups {
 
     /// Put `volume` in group `name` (leaving any other group).
     pub fn add_member(&self, name: &str, volume: &Arc<Volume>) -> Result<Value, Error> {
+        // Before the group lock: looking up the volume's QoS may take it.
+        let qos = self.volume_qos(volume);
         let mut groups = self.lock();
         if !groups.contains_key(name) {
             return Err(Error::new(
@@ -230,7 +340,7 @@ impl Groups {
             }
             return Err(e);
         }
-        volume.qos.set_group(Some(groups[name].qos.clone()));
+        qos.set_group(Some(groups[name].qos.clone()));
         Ok(group_json(name, &groups[name]))
     }
 
@@ -241,6 +351,7 @@ impl Groups {
         volume: &str,
         v: Option<Arc<Volume>>,
     ) -> Result<Value, Error> {
+        let qos = v.map(|v| self.volume_qos(&v));
         let mut groups = self.lock();
         let g = groups
             .get_mut(name)
@@ -257,15 +368,24 @@ impl Groups {
             g.cfg.members.insert(i, volume.to_string());
             return Err(e);
         }
-        if let Some(v) = v {
-            v.qos.set_group(None);
+        if let Some(q) = qos {
+            q.set_group(None);
         }
         Ok(group_json(name, &groups[name]))
     }
 
-    /// A volume was deleted: forget its memberships (a later volume of the same name
-    /// must not inherit them).
+    /// A volume was deleted: forget its limits and memberships (a later volume of the
+    /// same name must not inherit them).
     pub fn forget_volume(&self, volume: &str) {
+        {
+            let mut t = self.volumes();
+            t.live.remove(volume);
+            if t.stored.remove(volume).is_some() {
+                if let Err(e) = self.save_volumes(&t) {
+                    warn!(volume, error = %e, "qos: cannot save the volume limits");
+                }
+            }
+        }
         let mut groups = self.lock();
         let mut changed = false;
         for g in groups.values_mut() {
@@ -275,7 +395,7 @@ impl Groups {
         }
         if changed {
             if let Err(e) = self.save(&groups) {
-                eprintln!("tessera: groups: {e}");
+                warn!(error = %e, "qos: cannot save the groups");
             }
         }
     }

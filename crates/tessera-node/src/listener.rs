@@ -88,6 +88,7 @@ where
         );
         return;
     };
+    let export = node.export_of(&vol);
     let opts = ConnOptions {
         structured_replies: n.structured_replies,
         base_allocation: n.base_allocation,
@@ -95,7 +96,7 @@ where
     };
     let fd = into_fd(stream);
     node.next_reactor().spawn(Box::new(move |io| {
-        Box::new(NbdConn::new(io, fd, vol.open_handle(), opts))
+        Box::new(NbdConn::new(io, fd, &export, opts))
     }));
 }
 

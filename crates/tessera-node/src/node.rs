@@ -1130,17 +1130,26 @@ impl Node {
         json!({
             "name": v.name, "pool": p.name(), "id": v.id, "size": v.size(), "allocated": v.allocated_bytes(),
             "exports": exports, "connections": v.open_handles(), "created": v.created,
-            "qos": serde_json::to_value(v.qos.limits()).unwrap_or(Value::Null),
+            "qos": serde_json::to_value(self.groups.volume_qos(v).limits()).unwrap_or(Value::Null),
             "group": self.groups.group_of(&v.name),
         })
+    }
+
+    /// A volume as the protocols export it: the volume and the QoS state its
+    /// connections are admitted by.
+    pub fn export_of(&self, vol: &Arc<Volume>) -> tessera_export::Export<Volume> {
+        tessera_export::Export {
+            target: vol.clone(),
+            qos: self.groups.volume_qos(vol),
+        }
     }
 
     /// Replace a volume's QoS limits (empty limits clear them). Live and persistent.
     pub fn set_volume_qos(&self, name: &str, limits: tessera_qos::QosLimits) -> Result<Value> {
         let _g = self.admin();
-        let (p, v) = self.find_volume(name)?;
-        p.set_volume_qos(&v, limits)?;
-        Ok(serde_json::to_value(v.qos.limits()).unwrap_or(Value::Null))
+        let (_, v) = self.find_volume(name)?;
+        let limits = self.groups.set_volume_qos(&v, limits)?;
+        Ok(serde_json::to_value(limits).unwrap_or(Value::Null))
     }
 
     /// Client I/O of a volume over a window of `interval`: rates, latency percentiles,

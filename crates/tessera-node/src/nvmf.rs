@@ -91,7 +91,7 @@ pub struct NvmfFile {
 pub struct NvmfState {
     path: PathBuf,
     file: Mutex<NvmfFile>,
-    target: OnceLock<Arc<Target>>,
+    target: OnceLock<Arc<Target<Volume>>>,
     pub addresses: Mutex<Vec<String>>,
 }
 
@@ -166,7 +166,7 @@ impl NvmfState {
             .map(|s| s.nqn.clone())
     }
 
-    pub fn target(&self) -> Option<&Arc<Target>> {
+    pub fn target(&self) -> Option<&Arc<Target<Volume>>> {
         self.target.get()
     }
 
@@ -221,8 +221,8 @@ impl NodeCatalog {
     }
 }
 
-impl Catalog for NodeCatalog {
-    fn subsystem(&self, nqn: &str) -> Option<SubsystemInfo> {
+impl Catalog<Volume> for NodeCatalog {
+    fn subsystem(&self, nqn: &str) -> Option<SubsystemInfo<Volume>> {
         let node = self.0.upgrade()?;
         let rec = node
             .nvmf
@@ -240,7 +240,7 @@ impl Catalog for NodeCatalog {
                     volume_ids(&parse_uuid(&n.pool_uuid).unwrap_or_default(), n.volume_id);
                 Some(NamespaceEntry {
                     nsid: n.nsid,
-                    volume,
+                    export: node.export_of(&volume),
                     nguid,
                     uuid,
                     eui64,

@@ -17,8 +17,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
+use tessera_export::{Export, ExportTarget};
 use tessera_io::Mailbox;
-use tessera_pool::Volume;
+use tracing::warn;
 
 use crate::nvme::{self, DiscoveryEntry, ErrorEntry};
 
@@ -44,35 +45,59 @@ pub const AERL: u8 = 3;
 /// Error log entries kept per controller.
 pub const ERROR_LOG: usize = 64;
 
-/// One namespace of a subsystem.
-#[derive(Clone)]
-pub struct NamespaceEntry {
+/// One namespace of a subsystem: an export target (with its QoS state) and the IDs the
+/// host sees.
+pub struct NamespaceEntry<T> {
     pub nsid: u32,
-    pub volume: Arc<Volume>,
+    pub export: Export<T>,
     pub nguid: [u8; 16],
     pub uuid: [u8; 16],
     pub eui64: [u8; 8],
 }
 
+impl<T> Clone for NamespaceEntry<T> {
+    fn clone(&self) -> Self {
+        NamespaceEntry {
+            nsid: self.nsid,
+            export: self.export.clone(),
+            nguid: self.nguid,
+            uuid: self.uuid,
+            eui64: self.eui64,
+        }
+    }
+}
+
 /// An NVM subsystem as the catalog describes it.
-#[derive(Clone)]
-pub struct SubsystemInfo {
+pub struct SubsystemInfo<T> {
     pub nqn: String,
     pub serial: String,
     pub allow_any_host: bool,
     pub hosts: Vec<String>,
-    pub namespaces: Vec<NamespaceEntry>,
+    pub namespaces: Vec<NamespaceEntry<T>>,
 }
 
-impl SubsystemInfo {
+impl<T> Clone for SubsystemInfo<T> {
+    fn clone(&self) -> Self {
+        SubsystemInfo {
+            nqn: self.nqn.clone(),
+            serial: self.serial.clone(),
+            allow_any_host: self.allow_any_host,
+            hosts: self.hosts.clone(),
+            namespaces: self.namespaces.clone(),
+        }
+    }
+}
+
+impl<T> SubsystemInfo<T> {
     pub fn allows(&self, hostnqn: &str) -> bool {
         self.allow_any_host || self.hosts.iter().any(|h| h == hostnqn)
     }
 }
 
-/// Where subsystems come from (the node's persistent configuration).
-pub trait Catalog: Send + Sync + 'static {
-    fn subsystem(&self, nqn: &str) -> Option<SubsystemInfo>;
+/// Where subsystems come from (the node's persistent configuration). `T` is the type of
+/// the export targets its namespaces are.
+pub trait Catalog<T>: Send + Sync + 'static {
+    fn subsystem(&self, nqn: &str) -> Option<SubsystemInfo<T>>;
     fn subsystem_nqns(&self) -> Vec<String>;
     /// Changes whenever the set of subsystems or their hosts change (discovery GENCTR).
     fn generation(&self) -> u64;
@@ -88,16 +113,16 @@ pub struct Port {
     pub io: bool,
 }
 
-pub struct Target {
-    pub catalog: Arc<dyn Catalog>,
+pub struct Target<T> {
+    pub catalog: Arc<dyn Catalog<T>>,
     ports: RwLock<Vec<Port>>,
-    ctrls: Mutex<BTreeMap<u16, Arc<Controller>>>,
+    ctrls: Mutex<BTreeMap<u16, Arc<Controller<T>>>>,
     next_cntlid: Mutex<u16>,
     pub started: Instant,
 }
 
-impl Target {
-    pub fn new(catalog: Arc<dyn Catalog>) -> Arc<Target> {
+impl<T: ExportTarget> Target<T> {
+    pub fn new(catalog: Arc<dyn Catalog<T>>) -> Arc<Target<T>> {
         Arc::new(Target {
             catalog,
             ports: RwLock::new(Vec::new()),
@@ -118,7 +143,7 @@ impl Target {
         self.ports.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn ctrls(&self) -> MutexGuard<'_, BTreeMap<u16, Arc<Controller>>> {
+    fn ctrls(&self) -> MutexGuard<'_, BTreeMap<u16, Arc<Controller<T>>>> {
         self.ctrls.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -131,11 +156,11 @@ impl Target {
     pub(crate) fn create_controller(
         &self,
         subnqn: &str,
-        sub: Option<SubsystemInfo>,
+        sub: Option<SubsystemInfo<T>>,
         hostnqn: &str,
         hostid: [u8; 16],
         kato_ms: u32,
-    ) -> Option<Arc<Controller>> {
+    ) -> Option<Arc<Controller<T>>> {
         let mut ctrls = self.ctrls();
         // CNTLIDs 1..=0xFFEF; skip ones in use (a long-lived node wraps around).
         let cntlid = {
@@ -180,12 +205,12 @@ impl Target {
         Some(c)
     }
 
-    pub(crate) fn controller(&self, cntlid: u16) -> Option<Arc<Controller>> {
+    pub(crate) fn controller(&self, cntlid: u16) -> Option<Arc<Controller<T>>> {
         self.ctrls().get(&cntlid).cloned()
     }
 
     /// The admin queue closed: the controller ends and its I/O queues with it.
-    pub(crate) fn remove_controller(&self, c: &Controller, why: &str) {
+    pub(crate) fn remove_controller(&self, c: &Controller<T>, why: &str) {
         self.ctrls().remove(&c.cntlid);
         c.fail(why);
     }
@@ -193,7 +218,7 @@ impl Target {
     /// The namespaces of subsystem `nqn` changed: reload them in its controllers, which
     /// report the change with an asynchronous event (namespace attribute changed).
     pub fn subsystem_changed(&self, nqn: &str) {
-        let ctrls: Vec<Arc<Controller>> = self
+        let ctrls: Vec<Arc<Controller<T>>> = self
             .ctrls()
             .values()
             .filter(|c| c.subnqn == nqn)
@@ -287,13 +312,13 @@ pub struct ControllerSummary {
     pub kato_ms: u32,
 }
 
-pub struct Controller {
+pub struct Controller<T> {
     pub cntlid: u16,
     pub subnqn: String,
     pub hostnqn: String,
     pub hostid: [u8; 16],
     pub discovery: bool,
-    sub: RwLock<Option<Arc<SubsystemInfo>>>,
+    sub: RwLock<Option<Arc<SubsystemInfo<T>>>>,
     /// Bumped when the namespace list changes; I/O queues reopen their handles.
     pub ns_gen: AtomicU64,
     /// CSTS.RDY: I/O commands are refused (Command Sequence Error) while clear.
@@ -320,12 +345,12 @@ pub(crate) struct CtrlState {
     pub aen: VecDeque<u32>,
 }
 
-impl Controller {
+impl<T> Controller<T> {
     pub(crate) fn state(&self) -> MutexGuard<'_, CtrlState> {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn namespaces(&self) -> Vec<NamespaceEntry> {
+    pub fn namespaces(&self) -> Vec<NamespaceEntry<T>> {
         self.sub
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -348,9 +373,11 @@ impl Controller {
     /// lock and unregistered before they are closed, so no fd here is ever stale.
     pub(crate) fn fail(&self, why: &str) {
         if !self.dead.swap(true, AcqRel) && !why.is_empty() {
-            eprintln!(
-                "tessera: nvmf: controller {} ({} from {}): {why}",
-                self.cntlid, self.subnqn, self.hostnqn
+            warn!(
+                cntlid = self.cntlid,
+                subnqn = %self.subnqn,
+                hostnqn = %self.hostnqn,
+                "nvmf: controller ends: {why}"
             );
         }
         self.ready.store(false, Release);
@@ -396,9 +423,9 @@ impl Controller {
 
 /// Accept NVMe/TCP connections forever; each becomes a queue task on the core `next`
 /// picks. Everything after accept (ICReq, Connect) runs on that core.
-pub fn accept_loop(
+pub fn accept_loop<T: ExportTarget>(
     l: TcpListener,
-    target: Arc<Target>,
+    target: Arc<Target<T>>,
     next: impl Fn() -> Arc<Mailbox> + Send + 'static,
 ) {
     for s in l.incoming() {

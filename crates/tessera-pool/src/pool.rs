@@ -71,7 +71,7 @@ impl State {
                     size: v.size(),
                     created: v.created,
                     name: v.name.clone(),
-                    qos: v.qos.limits(),
+                    qos: v.legacy_qos().unwrap_or_default(),
                 })
                 .collect(),
             exports: self.exports.clone(),
@@ -1081,17 +1081,6 @@ impl Pool {
             found.push(format!("checkpoints: {e}"));
         }
         found
-    }
-
-    pub fn set_volume_qos(&self, vol: &Arc<Volume>, limits: tessera_qos::QosLimits) -> Result<()> {
-        limits.validate().map_err(Error::invalid)?;
-        let old = vol.qos.limits();
-        vol.qos.set_limits(limits);
-        if let Err(e) = self.core.checkpoint() {
-            vol.qos.set_limits(old);
-            return Err(e);
-        }
-        Ok(())
     }
 
     pub fn exports(&self) -> Vec<ExportRecord> {

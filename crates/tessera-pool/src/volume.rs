@@ -9,7 +9,8 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, RwLock};
 
-use tessera_io::hist::{Histogram, SharedHistogram};
+use tessera_export::{ExportHandle, ExportTarget, StatsRegistry};
+pub use tessera_export::{IoClass, IoStats, StatsSnapshot};
 use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
 use crate::layout::LayoutHandle;
@@ -45,89 +46,6 @@ impl UnitMap {
     }
 }
 
-/// Client I/O figures of one connection. Written only by the connection's core (plain
-/// loads and stores, no atomic read-modify-write), read by the API.
-#[derive(Default)]
-pub struct IoStats {
-    pub reads: AtomicU64,
-    pub writes: AtomicU64,
-    /// FLUSH, TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS.
-    pub others: AtomicU64,
-    pub read_bytes: AtomicU64,
-    pub write_bytes: AtomicU64,
-    pub errors: AtomicU64,
-    /// Time requests spent held back by QoS limits, nanoseconds.
-    pub throttled_ns: AtomicU64,
-    /// Request latency (receipt to reply queued), nanoseconds.
-    pub latency: SharedHistogram,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum IoClass {
-    Read,
-    Write,
-    Other,
-}
-
-impl IoStats {
-    #[inline]
-    pub fn record(&self, class: IoClass, bytes: u64, latency_ns: u64, ok: bool) {
-        let bump = |a: &AtomicU64, by: u64| a.store(a.load(Relaxed).wrapping_add(by), Relaxed);
-        match class {
-            IoClass::Read => {
-                bump(&self.reads, 1);
-                bump(&self.read_bytes, bytes);
-            }
-            IoClass::Write => {
-                bump(&self.writes, 1);
-                bump(&self.write_bytes, bytes);
-            }
-            IoClass::Other => bump(&self.others, 1),
-        }
-        if !ok {
-            bump(&self.errors, 1);
-        }
-        self.latency.record_single_writer(latency_ns);
-    }
-
-    #[inline]
-    pub fn add_throttled(&self, ns: u64) {
-        self.throttled_ns
-            .store(self.throttled_ns.load(Relaxed).wrapping_add(ns), Relaxed);
-    }
-
-    fn add_to(&self, t: &mut StatsSnapshot) {
-        t.throttled_ns += self.throttled_ns.load(Relaxed);
-        t.reads += self.reads.load(Relaxed);
-        t.writes += self.writes.load(Relaxed);
-        t.others += self.others.load(Relaxed);
-        t.read_bytes += self.read_bytes.load(Relaxed);
-        t.write_bytes += self.write_bytes.load(Relaxed);
-        t.errors += self.errors.load(Relaxed);
-        self.latency.snapshot_into(&mut t.latency);
-    }
-}
-
-/// A volume's cumulative client I/O figures since the node started.
-#[derive(Clone, Default)]
-pub struct StatsSnapshot {
-    pub reads: u64,
-    pub writes: u64,
-    pub others: u64,
-    pub read_bytes: u64,
-    pub write_bytes: u64,
-    pub errors: u64,
-    pub throttled_ns: u64,
-    pub latency: Histogram,
-}
-
-#[derive(Default)]
-struct VolumeStats {
-    live: Vec<Arc<IoStats>>,
-    /// Figures of connections that have closed.
-    retired: StatsSnapshot,
-}
-
 pub struct Volume {
     pub id: u32,
     pub name: String,
@@ -139,9 +57,12 @@ pub struct Volume {
     pub(crate) allocated: AtomicU64,
     open_handles: AtomicUsize,
     deleted: AtomicBool,
-    stats: Mutex<VolumeStats>,
-    /// QoS limits, shared by every core serving this volume.
-    pub qos: Arc<tessera_qos::VolumeQos>,
+    stats: StatsRegistry,
+    /// QoS limits found in pool metadata written before QoS moved to the node's catalog
+    /// (docs/format.md §3.2, legacy). Written back by every checkpoint until the node has
+    /// taken them into its catalog ([`Volume::clear_legacy_qos`]), so a crash in between
+    /// loses nothing. New volumes have none.
+    legacy_qos: Mutex<Option<tessera_qos::QosLimits>>,
     pub(crate) pool: Arc<PoolCore>,
 }
 
@@ -153,7 +74,7 @@ impl Volume {
         size: u64,
         created: u64,
         map: Arc<UnitMap>,
-        qos: tessera_qos::QosLimits,
+        legacy_qos: tessera_qos::QosLimits,
     ) -> Arc<Volume> {
         Arc::new(Volume {
             id,
@@ -165,14 +86,30 @@ impl Volume {
             allocated: AtomicU64::new(0),
             open_handles: AtomicUsize::new(0),
             deleted: AtomicBool::new(false),
-            stats: Mutex::new(VolumeStats::default()),
-            qos: Arc::new(tessera_qos::VolumeQos::new(qos, std::time::Instant::now())),
+            stats: StatsRegistry::default(),
+            legacy_qos: Mutex::new(
+                (legacy_qos != tessera_qos::QosLimits::default()).then_some(legacy_qos),
+            ),
             pool,
         })
     }
 
     pub fn size(&self) -> u64 {
         self.size.load(Acquire)
+    }
+
+    /// QoS limits this volume's pool metadata still carries from before QoS moved to the
+    /// node's catalog, if any (read once by the node, which migrates them).
+    pub fn legacy_qos(&self) -> Option<tessera_qos::QosLimits> {
+        self.legacy_qos
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The node's catalog holds the legacy limits now: the next checkpoint drops them.
+    pub fn clear_legacy_qos(&self) {
+        *self.legacy_qos.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// Bytes of pool space this volume holds.
@@ -240,30 +177,17 @@ impl Volume {
 
     /// A stats block for one connection; hand it back with [`Volume::unregister_stats`].
     pub fn register_stats(&self) -> Arc<IoStats> {
-        let s = Arc::new(IoStats::default());
-        self.stats
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .live
-            .push(s.clone());
-        s
+        self.stats.register()
     }
 
     /// Fold a closed connection's figures into the volume's totals.
     pub fn unregister_stats(&self, s: &Arc<IoStats>) {
-        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        st.live.retain(|x| !Arc::ptr_eq(x, s));
-        s.add_to(&mut st.retired);
+        self.stats.unregister(s)
     }
 
     /// Cumulative figures of every connection, open or closed.
     pub fn stats(&self) -> StatsSnapshot {
-        let st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        let mut t = st.retired.clone();
-        for s in &st.live {
-            s.add_to(&mut t);
-        }
-        t
+        self.stats.snapshot()
     }
 
     /// A datapath handle for the calling core.
@@ -488,5 +412,88 @@ impl VolumeHandle {
                 io.complete(t, r);
             }
         });
+    }
+}
+
+/// The thin volume as an export target: what NBD and NVMe/TCP serve.
+impl ExportTarget for Volume {
+    type Handle = VolumeHandle;
+
+    fn size(&self) -> u64 {
+        Volume::size(self)
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        Volume::allocated_bytes(self)
+    }
+
+    fn allocation_runs(&self, offset: u64, len: u64, max_runs: usize) -> Vec<(u64, bool)> {
+        Volume::allocation_runs(self, offset, len, max_runs)
+    }
+
+    fn register_stats(&self) -> Arc<IoStats> {
+        Volume::register_stats(self)
+    }
+
+    fn unregister_stats(&self, stats: &Arc<IoStats>) {
+        Volume::unregister_stats(self, stats)
+    }
+
+    fn stats(&self) -> StatsSnapshot {
+        Volume::stats(self)
+    }
+
+    fn open(self: &Arc<Self>) -> VolumeHandle {
+        self.open_handle()
+    }
+}
+
+impl ExportHandle for VolumeHandle {
+    #[inline]
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+        IoHandle::submit(self, io, op, tag)
+    }
+
+    #[inline]
+    fn is_hole(&mut self, offset: u64, len: u64) -> bool {
+        VolumeHandle::is_hole(self, offset, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tessera_device::{BlockDevice, RamDevice};
+    use tessera_qos::QosLimits;
+
+    use crate::{Pool, PoolOptions};
+
+    /// QoS limits in pool metadata (written before QoS moved to the node's catalog) are
+    /// read back, and written back by checkpoints, until the node has taken them.
+    #[test]
+    fn legacy_qos_limits_are_kept_until_cleared() {
+        let dev: Arc<dyn BlockDevice> = RamDevice::new(64 << 20).unwrap();
+        let pool = Pool::create("p", vec![dev.clone()], PoolOptions::default()).unwrap();
+        let vol = pool.create_volume("v", 8 << 20).unwrap();
+        assert_eq!(vol.legacy_qos(), None);
+        let limits = QosLimits {
+            iops: Some(1000),
+            ..QosLimits::default()
+        };
+        // As an older version wrote it.
+        *vol.legacy_qos.lock().unwrap() = Some(limits.clone());
+        pool.core.checkpoint().unwrap();
+        drop((vol, pool));
+
+        let pool = Pool::open(vec![dev.clone()]).unwrap();
+        let vol = pool.volume_by_id(1).unwrap();
+        assert_eq!(vol.legacy_qos(), Some(limits));
+        vol.clear_legacy_qos();
+        pool.core.checkpoint().unwrap();
+        drop((vol, pool));
+
+        let pool = Pool::open(vec![dev]).unwrap();
+        assert_eq!(pool.volume_by_id(1).unwrap().legacy_qos(), None);
     }
 }

@@ -1,0 +1,148 @@
+//! Client I/O figures: one block per connection, written only by the core serving it,
+//! and a registry per export target that sums them (open and closed connections).
+
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
+
+use tessera_io::hist::{Histogram, SharedHistogram};
+
+/// Client I/O figures of one connection. Written only by the connection's core (plain
+/// loads and stores, no atomic read-modify-write), read by the API.
+#[derive(Default)]
+pub struct IoStats {
+    pub reads: AtomicU64,
+    pub writes: AtomicU64,
+    /// FLUSH, TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS.
+    pub others: AtomicU64,
+    pub read_bytes: AtomicU64,
+    pub write_bytes: AtomicU64,
+    pub errors: AtomicU64,
+    /// Time requests spent held back by QoS limits, nanoseconds.
+    pub throttled_ns: AtomicU64,
+    /// Request latency (receipt to reply queued), nanoseconds.
+    pub latency: SharedHistogram,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum IoClass {
+    Read,
+    Write,
+    Other,
+}
+
+impl IoStats {
+    #[inline]
+    pub fn record(&self, class: IoClass, bytes: u64, latency_ns: u64, ok: bool) {
+        let bump = |a: &AtomicU64, by: u64| a.store(a.load(Relaxed).wrapping_add(by), Relaxed);
+        match class {
+            IoClass::Read => {
+                bump(&self.reads, 1);
+                bump(&self.read_bytes, bytes);
+            }
+            IoClass::Write => {
+                bump(&self.writes, 1);
+                bump(&self.write_bytes, bytes);
+            }
+            IoClass::Other => bump(&self.others, 1),
+        }
+        if !ok {
+            bump(&self.errors, 1);
+        }
+        self.latency.record_single_writer(latency_ns);
+    }
+
+    #[inline]
+    pub fn add_throttled(&self, ns: u64) {
+        self.throttled_ns
+            .store(self.throttled_ns.load(Relaxed).wrapping_add(ns), Relaxed);
+    }
+
+    fn add_to(&self, t: &mut StatsSnapshot) {
+        t.throttled_ns += self.throttled_ns.load(Relaxed);
+        t.reads += self.reads.load(Relaxed);
+        t.writes += self.writes.load(Relaxed);
+        t.others += self.others.load(Relaxed);
+        t.read_bytes += self.read_bytes.load(Relaxed);
+        t.write_bytes += self.write_bytes.load(Relaxed);
+        t.errors += self.errors.load(Relaxed);
+        self.latency.snapshot_into(&mut t.latency);
+    }
+}
+
+/// An export target's cumulative client I/O figures since the node started.
+#[derive(Clone, Default)]
+pub struct StatsSnapshot {
+    pub reads: u64,
+    pub writes: u64,
+    pub others: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub errors: u64,
+    pub throttled_ns: u64,
+    pub latency: Histogram,
+}
+
+/// The stats blocks of one target's connections. Control plane only: connections
+/// register when they open and unregister when they close, never per I/O.
+#[derive(Default)]
+pub struct StatsRegistry {
+    inner: Mutex<Registered>,
+}
+
+#[derive(Default)]
+struct Registered {
+    live: Vec<Arc<IoStats>>,
+    /// Figures of connections that have closed.
+    retired: StatsSnapshot,
+}
+
+impl StatsRegistry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registered> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A stats block for one connection; hand it back with [`StatsRegistry::unregister`].
+    pub fn register(&self) -> Arc<IoStats> {
+        let s = Arc::new(IoStats::default());
+        self.lock().live.push(s.clone());
+        s
+    }
+
+    /// Fold a closed connection's figures into the totals.
+    pub fn unregister(&self, s: &Arc<IoStats>) {
+        let mut st = self.lock();
+        st.live.retain(|x| !Arc::ptr_eq(x, s));
+        s.add_to(&mut st.retired);
+    }
+
+    /// Cumulative figures of every connection, open or closed.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let st = self.lock();
+        let mut t = st.retired.clone();
+        for s in &st.live {
+            s.add_to(&mut t);
+        }
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closed_connections_keep_counting() {
+        let reg = StatsRegistry::default();
+        let a = reg.register();
+        let b = reg.register();
+        a.record(IoClass::Read, 4096, 10, true);
+        b.record(IoClass::Write, 512, 10, false);
+        reg.unregister(&a);
+        b.record(IoClass::Other, 0, 10, true);
+        let s = reg.snapshot();
+        assert_eq!((s.reads, s.writes, s.others, s.errors), (1, 1, 1, 1));
+        assert_eq!((s.read_bytes, s.write_bytes), (4096, 512));
+        assert_eq!(s.latency.count(), 3);
+    }
+}
