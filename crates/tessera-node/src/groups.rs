@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use tessera_api::GroupInfo;
 use tessera_pool::{Error, ErrorKind, Volume};
 use tessera_qos::{QosLimits, StepBurst, StepState, VolumeQos};
 
@@ -117,7 +117,7 @@ impl Groups {
         name: &str,
         limits: QosLimits,
         step: Option<StepBurst>,
-    ) -> Result<Value, Error> {
+    ) -> Result<GroupInfo, Error> {
         if name.is_empty() || name.len() > 128 || name.contains('/') {
             return Err(invalid(format!(
                 "group name '{name}' must be 1-128 characters without '/'"
@@ -204,7 +204,7 @@ impl Groups {
     }
 
     /// Put `volume` in group `name` (leaving any other group).
-    pub fn add_member(&self, name: &str, volume: &Arc<Volume>) -> Result<Value, Error> {
+    pub fn add_member(&self, name: &str, volume: &Arc<Volume>) -> Result<GroupInfo, Error> {
         let mut groups = self.lock();
         if !groups.contains_key(name) {
             return Err(Error::new(
@@ -240,7 +240,7 @@ impl Groups {
         name: &str,
         volume: &str,
         v: Option<Arc<Volume>>,
-    ) -> Result<Value, Error> {
+    ) -> Result<GroupInfo, Error> {
         let mut groups = self.lock();
         let g = groups
             .get_mut(name)
@@ -275,12 +275,12 @@ impl Groups {
         }
         if changed {
             if let Err(e) = self.save(&groups) {
-                eprintln!("tessera: groups: {e}");
+                tracing::error!(error = %e, "cannot save the QoS groups");
             }
         }
     }
 
-    pub fn get(&self, name: &str) -> Result<Value, Error> {
+    pub fn get(&self, name: &str) -> Result<GroupInfo, Error> {
         let groups = self.lock();
         groups
             .get(name)
@@ -288,9 +288,9 @@ impl Groups {
             .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("group '{name}' not found")))
     }
 
-    pub fn list(&self) -> Value {
+    pub fn list(&self) -> Vec<GroupInfo> {
         let groups = self.lock();
-        Value::Array(groups.iter().map(|(n, g)| group_json(n, g)).collect())
+        groups.iter().map(|(n, g)| group_json(n, g)).collect()
     }
 
     /// One ladder tick: for every group with a stepped burst, measure how much of its
@@ -335,15 +335,14 @@ impl Groups {
     }
 }
 
-fn group_json(name: &str, g: &Group) -> Value {
-    let current = g.qos.limits();
-    json!({
-        "name": name,
-        "limits": g.cfg.limits,
-        "step": g.cfg.step,
-        "members": g.cfg.members,
-        "level": g.ladder.as_ref().map(|l| l.level()),
-        "credits_ms": g.ladder.as_ref().map(|l| l.credits_ms().round()),
-        "effective": current,
-    })
+fn group_json(name: &str, g: &Group) -> GroupInfo {
+    GroupInfo {
+        name: name.to_string(),
+        limits: g.cfg.limits.clone(),
+        step: g.cfg.step,
+        members: g.cfg.members.clone(),
+        level: g.ladder.as_ref().map(|l| l.level()),
+        credits_ms: g.ladder.as_ref().map(|l| l.credits_ms().round()),
+        effective: g.qos.limits(),
+    }
 }
