@@ -113,10 +113,12 @@ impl Cmd {
 
 /// Leveled, timestamped log lines on stderr; `RUST_LOG` filters them (default `info`).
 fn init_logging(format: LogFormat) {
+    use std::io::IsTerminal as _;
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
