@@ -65,3 +65,85 @@ impl From<String> for SizeArg {
         SizeArg::Text(s)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_offline_pool_reads_back_as_offline() {
+        let e: PoolEntry =
+            serde_json::from_str(r#"{"name": "p", "state": "offline", "error": "gone"}"#)
+                .unwrap();
+        assert_eq!(e.name(), "p");
+        assert!(matches!(e, PoolEntry::Offline(ref o) if o.error == "gone"));
+    }
+
+    #[test]
+    fn a_healthy_device_has_no_reason_on_the_wire() {
+        let d = DeviceState {
+            device: "/a".into(),
+            state: "online".into(),
+            reason: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&d).unwrap(),
+            r#"{"device":"/a","state":"online"}"#
+        );
+    }
+
+    #[test]
+    fn sizes_are_numbers_or_strings() {
+        let v: CreateVolume =
+            serde_json::from_str(r#"{"name": "v", "pool": "p", "size": 4096}"#).unwrap();
+        assert_eq!(v.size, SizeArg::Bytes(4096));
+        let v: CreateVolume =
+            serde_json::from_str(r#"{"name": "v", "pool": "p", "size": "4G"}"#).unwrap();
+        assert_eq!(v.size.as_text(), "4G");
+    }
+
+    #[test]
+    fn optional_request_fields_may_be_null_or_absent() {
+        let p: CreatePool = serde_json::from_str(
+            r#"{"name": "p", "devices": ["ram:1G"], "copies": null, "stripe_size": null}"#,
+        )
+        .unwrap();
+        assert_eq!(p.layout, None);
+        assert!(!p.force);
+        let s: ScrubRequest = serde_json::from_str("{}").unwrap();
+        assert!(s.repair);
+    }
+
+    #[test]
+    fn a_job_status_is_flat_on_the_wire() {
+        let r = RebuildStatus {
+            pool: "m".into(),
+            device: 1,
+            state: JOB_DONE.into(),
+            started: 1,
+            resumed_at_unit_count: 0,
+            error: None,
+            progress: JobProgress {
+                elapsed_s: 1.0,
+                percent: 100.0,
+                units_total: 4,
+                units_done: 4,
+                bytes_done: 4 << 20,
+                rate_mibps: 4.0,
+                eta_s: None,
+                background: ClassFigures {
+                    class: "rebuild".into(),
+                    rate_limit_bps: 1,
+                    latency_target_us: 2000.0,
+                    client_p99_us: None,
+                    backoffs: 0,
+                },
+            },
+        };
+        let text = serde_json::to_string(&r).unwrap();
+        assert!(text.contains(r#""percent":100.0"#), "{text}");
+        assert!(text.contains(r#""error":null"#), "{text}");
+        let back: RebuildStatus = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, r);
+    }
+}
