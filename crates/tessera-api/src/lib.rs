@@ -73,8 +73,7 @@ mod tests {
     #[test]
     fn an_offline_pool_reads_back_as_offline() {
         let e: PoolEntry =
-            serde_json::from_str(r#"{"name": "p", "state": "offline", "error": "gone"}"#)
-                .unwrap();
+            serde_json::from_str(r#"{"name": "p", "state": "offline", "error": "gone"}"#).unwrap();
         assert_eq!(e.name(), "p");
         assert!(matches!(e, PoolEntry::Offline(ref o) if o.error == "gone"));
     }

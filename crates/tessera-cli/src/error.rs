@@ -64,9 +64,19 @@ impl From<String> for CliError {
     }
 }
 
+/// A node that cannot start: a wrong configuration is an invalid argument, anything else
+/// (devices, data directory, ports, io_uring) leaves the node unavailable.
 impl From<tessera_node::error::StartError> for CliError {
     fn from(e: tessera_node::error::StartError) -> CliError {
-        CliError::Unavailable(e.to_string())
+        use tessera_node::error::{Error, StartError};
+        match &e {
+            StartError::Config(_)
+            | StartError::Declaration {
+                source: Error::Invalid(_),
+                ..
+            } => CliError::Invalid(e.to_string()),
+            _ => CliError::Unavailable(e.to_string()),
+        }
     }
 }
 
