@@ -1,9 +1,21 @@
-//! Management subcommands: thin clients of the node's HTTP/JSON API.
+//! Management subcommands: thin clients of the node's HTTP/JSON API. Requests and replies
+//! are the types of `tessera_api`; `--json` prints a reply as the node sent it.
+
+use std::collections::BTreeMap;
 
 use clap::Subcommand;
-use serde_json::{json, Value};
-
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tessera_api::{
+    BackgroundLimits, BackgroundList, CreateExport, CreatePool, CreateVolume, Deleted, ErrorReply,
+    ExportInfo, GroupInfo, JobProgress, NodeStatus, PoolEntry, PoolInfo, PutGroup, QosLimits,
+    RebuildRequest, RebuildStatus, ReplaceReply, ReplaceRequest, ResizeVolume, ScrubRequest,
+    ScrubStatus, SizeArg, SpareList, SpareRequest, StepBurst, VolumeInfo, VolumeStats, JOB_DONE,
+    JOB_RUNNING,
+};
 use tessera_http::{request, Endpoint};
+
+use crate::error::{CliError, Result};
 
 pub fn endpoint(arg: Option<&str>) -> Endpoint {
     let s = arg
@@ -13,26 +25,61 @@ pub fn endpoint(arg: Option<&str>) -> Endpoint {
     Endpoint::parse(&s)
 }
 
-pub(crate) fn call(
+/// One request to the node; a 2xx reply is read as `T`, any other as the node's error.
+fn exchange<T: DeserializeOwned>(
     ep: &Endpoint,
     method: &str,
     path: &str,
-    body: Option<Value>,
-) -> Result<Value, String> {
-    let (status, text) = request(ep, method, path, body.as_ref()).map_err(|e| e.to_string())?;
-    let v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    body: Option<serde_json::Value>,
+) -> Result<T> {
+    let (status, text) = request(ep, method, path, body.as_ref())
+        .map_err(|e| CliError::Unavailable(e.to_string()))?;
     if (200..300).contains(&status) {
-        Ok(v)
+        serde_json::from_str(&text).map_err(|e| {
+            CliError::Failed(format!(
+                "the node's reply to {method} {path} is not understood: {e}"
+            ))
+        })
     } else {
-        Err(v["error"]
-            .as_str()
-            .map(str::to_string)
-            .unwrap_or_else(|| format!("the node answered HTTP {status}")))
+        let message = serde_json::from_str::<ErrorReply>(&text)
+            .map(|r| r.error)
+            .unwrap_or_else(|_| format!("the node answered HTTP {status}"));
+        Err(CliError::Api { status, message })
     }
 }
 
-fn size(v: &Value) -> String {
-    v.as_u64().map(human).unwrap_or_else(|| "-".into())
+pub(crate) fn get<T: DeserializeOwned>(ep: &Endpoint, path: &str) -> Result<T> {
+    exchange(ep, "GET", path, None)
+}
+
+pub(crate) fn delete<T: DeserializeOwned>(ep: &Endpoint, path: &str) -> Result<T> {
+    exchange(ep, "DELETE", path, None)
+}
+
+/// `method` with `body` as JSON.
+pub(crate) fn send<B: Serialize, T: DeserializeOwned>(
+    ep: &Endpoint,
+    method: &str,
+    path: &str,
+    body: &B,
+) -> Result<T> {
+    let v = serde_json::to_value(body)
+        .map_err(|e| CliError::Failed(format!("cannot encode the request: {e}")))?;
+    exchange(ep, method, path, Some(v))
+}
+
+/// A reply as JSON, for `--json`.
+pub(crate) fn print_json<T: Serialize + ?Sized>(v: &T) {
+    println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+}
+
+/// `--json`: the reply as JSON; otherwise the human form `f` prints.
+fn show<T: Serialize + ?Sized>(v: &T, raw: bool, f: impl FnOnce(&T)) {
+    if raw {
+        print_json(v)
+    } else {
+        f(v)
+    }
 }
 
 /// Human sizes with one decimal (4.0G, 512.0M); exact values are in --json.
@@ -51,6 +98,10 @@ fn human(n: u64) -> String {
     }
 }
 
+fn opt<T: ToString>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_string(), |x| x.to_string())
+}
+
 fn table(rows: Vec<Vec<String>>) {
     let cols = rows.first().map_or(0, |r| r.len());
     let w: Vec<usize> = (0..cols)
@@ -66,47 +117,29 @@ fn table(rows: Vec<Vec<String>>) {
     }
 }
 
-fn s(v: &Value) -> String {
-    match v {
-        Value::String(x) => x.clone(),
-        Value::Null => "-".into(),
-        other => other.to_string(),
-    }
-}
-
-pub fn status(ep: &Endpoint, raw: bool) -> Result<(), String> {
-    let v = call(ep, "GET", "/v1/status", None)?;
-    if raw {
-        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-        return Ok(());
-    }
-    println!(
-        "Tessera {} — up {}s on {} core(s)",
-        s(&v["version"]),
-        v["uptime_seconds"],
-        v["cores"]
-    );
-    println!(
-        "capacity {}  allocated {}  free {}",
-        size(&v["capacity"]),
-        size(&v["allocated"]),
-        size(&v["free"])
-    );
-    println!(
-        "NBD: {}",
-        v["nbd"]
-            .as_array()
-            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(", "))
-            .unwrap_or_default()
-    );
-    println!();
-    print_pools(&v["pools"]);
-    println!();
-    print_exports(&v["exports"]);
+pub fn status(ep: &Endpoint, raw: bool) -> Result<()> {
+    let v: NodeStatus = get(ep, "/v1/status")?;
+    show(&v, raw, |v| {
+        println!(
+            "Tessera {} — up {}s on {} core(s)",
+            v.version, v.uptime_seconds, v.cores
+        );
+        println!(
+            "capacity {}  allocated {}  free {}",
+            human(v.capacity),
+            human(v.allocated),
+            human(v.free)
+        );
+        println!("NBD: {}", v.nbd.join(", "));
+        println!();
+        print_pools(&v.pools);
+        println!();
+        print_exports(&v.exports);
+    });
     Ok(())
 }
 
-fn print_pools(v: &Value) {
+fn print_pools(pools: &[PoolEntry]) {
     let mut rows = vec![vec![
         "POOL".into(),
         "STATE".into(),
@@ -117,42 +150,41 @@ fn print_pools(v: &Value) {
         "VOLUMES".into(),
         "DEVICES".into(),
     ]];
-    for p in v.as_array().into_iter().flatten() {
-        let devs = p["device_states"]
-            .as_array()
-            .map(|d| {
-                d.iter()
-                    .map(|x| {
-                        if x["state"] == "failed" {
-                            format!("{}(FAILED: {})", s(&x["device"]), s(&x["reason"]))
-                        } else {
-                            s(&x["device"])
-                        }
+    for e in pools {
+        rows.push(match e {
+            PoolEntry::Online(p) => {
+                let devs = p
+                    .device_states
+                    .iter()
+                    .map(|d| match (&d.reason, d.is_failed()) {
+                        (r, true) => format!("{}(FAILED: {})", d.device, opt(r.as_deref())),
+                        _ => d.device.clone(),
                     })
                     .collect::<Vec<_>>()
-                    .join(",")
-            })
-            .or_else(|| {
-                p["devices"]
-                    .as_array()
-                    .map(|d| d.iter().map(s).collect::<Vec<_>>().join(","))
-            })
-            .unwrap_or_else(|| s(&p["error"]));
-        rows.push(vec![
-            s(&p["name"]),
-            s(&p["state"]),
-            s(&p["layout"]),
-            size(&p["capacity"]),
-            size(&p["allocated"]),
-            size(&p["free"]),
-            s(&p["volumes"]),
-            devs,
-        ]);
+                    .join(",");
+                vec![
+                    p.name.clone(),
+                    p.state.clone(),
+                    p.layout.clone(),
+                    human(p.capacity),
+                    human(p.allocated),
+                    human(p.free),
+                    p.volumes.to_string(),
+                    devs,
+                ]
+            }
+            PoolEntry::Offline(p) => {
+                let mut row = vec![p.name.clone(), p.state.clone()];
+                row.extend(std::iter::repeat_n("-".to_string(), 5));
+                row.push(p.error.clone());
+                row
+            }
+        });
     }
     table(rows);
 }
 
-fn print_volumes(v: &Value) {
+fn print_volumes(vols: &[VolumeInfo]) {
     let mut rows = vec![vec![
         "VOLUME".into(),
         "POOL".into(),
@@ -161,24 +193,21 @@ fn print_volumes(v: &Value) {
         "EXPORTS".into(),
         "CONNECTIONS".into(),
     ]];
-    for x in v.as_array().into_iter().flatten() {
-        let ex = x["exports"]
-            .as_array()
-            .map(|d| d.iter().map(s).collect::<Vec<_>>().join(","))
-            .unwrap_or_default();
+    for x in vols {
+        let ex = x.exports.join(",");
         rows.push(vec![
-            s(&x["name"]),
-            s(&x["pool"]),
-            size(&x["size"]),
-            size(&x["allocated"]),
+            x.name.clone(),
+            x.pool.clone(),
+            human(x.size),
+            human(x.allocated),
             if ex.is_empty() { "-".into() } else { ex },
-            s(&x["connections"]),
+            x.connections.to_string(),
         ]);
     }
     table(rows);
 }
 
-fn print_exports(v: &Value) {
+fn print_exports(exports: &[ExportInfo]) {
     let mut rows = vec![vec![
         "EXPORT".into(),
         "VOLUME".into(),
@@ -187,35 +216,17 @@ fn print_exports(v: &Value) {
         "CONNECTIONS".into(),
         "URI".into(),
     ]];
-    for x in v.as_array().into_iter().flatten() {
-        let mode = if x["read_only"].as_bool() == Some(true) {
-            "ro"
-        } else {
-            "rw"
-        };
-        let uri = x["uris"]
-            .as_array()
-            .and_then(|a| a.first())
-            .map(s)
-            .unwrap_or_else(|| "-".into());
+    for x in exports {
         rows.push(vec![
-            s(&x["name"]),
-            s(&x["volume"]),
-            mode.into(),
-            size(&x["size"]),
-            s(&x["connections"]),
-            uri,
+            x.name.clone(),
+            opt(x.volume.as_deref()),
+            if x.read_only { "ro" } else { "rw" }.into(),
+            x.size.map_or_else(|| "-".into(), human),
+            opt(x.connections),
+            opt(x.uris.first()),
         ]);
     }
     table(rows);
-}
-
-fn show(v: &Value, raw: bool, f: fn(&Value)) {
-    if raw {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-    } else {
-        f(v)
-    }
 }
 
 #[derive(Subcommand)]
@@ -244,15 +255,18 @@ pub enum PoolCmd {
         #[arg(long)]
         force: bool,
     },
+    /// List the pools (with those the node could not open).
     List,
     /// A pool's state, and its rebuild and resync (after an unclean shutdown) if any.
     Status {
         name: String,
+        /// Exit with code 7 when the pool is degraded or failed (for scripts and health
+        /// checks).
+        #[arg(long)]
+        check: bool,
     },
     /// Destroy an empty pool and wipe its device labels.
-    Destroy {
-        name: String,
-    },
+    Destroy { name: String },
     /// Scrub a pool: re-read every allocated unit and the metadata in the background
     /// (scrub class limits, backing off when client latency rises); on a mirror, compare
     /// the copies and rewrite those that differ from the first readable copy (unless
@@ -317,117 +331,140 @@ pub enum SpareCmd {
     List { name: String },
 }
 
-fn print_spares(v: &Value) {
-    let spares = v["spares"].as_array().cloned().unwrap_or_default();
-    if spares.is_empty() {
-        println!("pool {}: no hot spares", v["pool"].as_str().unwrap_or("?"));
+fn print_spares(v: &SpareList) {
+    if v.spares.is_empty() {
+        println!("pool {}: no hot spares", v.pool);
     }
-    for s in spares {
-        println!("{}", s.as_str().unwrap_or("?"));
+    for s in &v.spares {
+        println!("{s}");
     }
 }
 
 /// The part of a background job's status line that scrub and rebuild share: a progress
 /// bar, units, rate, ETA and the class controller's limit.
-fn job_progress(v: &Value) -> String {
-    let pct = v["percent"].as_f64().unwrap_or(0.0);
+fn job_progress(v: &JobProgress) -> String {
+    let pct = v.percent;
     let filled = ((pct / 5.0).round() as usize).min(20);
     let bar = format!("[{}{}]", "#".repeat(filled), ".".repeat(20 - filled));
-    let eta = v["eta_s"]
-        .as_f64()
-        .map(|e| format!(" eta {e:.0}s"))
-        .unwrap_or_default();
+    let eta = v.eta_s.map(|e| format!(" eta {e:.0}s")).unwrap_or_default();
     format!(
-        "{bar} {pct:.1}% {}/{} units, {} MiB/s{eta}, limit {} MiB/s ({} backoffs)",
-        v["units_done"],
-        v["units_total"],
-        v["rate_mibps"],
-        v["background"]["rate_limit_bps"].as_u64().unwrap_or(0) >> 20,
-        v["background"]["backoffs"],
+        "{bar} {pct:.1}% {}/{} units, {:.1} MiB/s{eta}, limit {} MiB/s ({} backoffs)",
+        v.units_done,
+        v.units_total,
+        v.rate_mibps,
+        v.background.rate_limit_bps >> 20,
+        v.background.backoffs,
     )
 }
 
 /// One line for a rebuild status.
-fn rebuild_line(v: &Value) -> String {
-    let err = v["error"]
-        .as_str()
+fn rebuild_line(v: &RebuildStatus) -> String {
+    let err = v
+        .error
+        .as_ref()
         .map(|e| format!(": {e}"))
         .unwrap_or_default();
     format!(
         "rebuild {} device {} {}{err}: {}",
-        v["pool"].as_str().unwrap_or("?"),
-        v["device"],
-        v["state"].as_str().unwrap_or("?"),
-        job_progress(v),
+        v.pool,
+        v.device,
+        v.state,
+        job_progress(&v.progress),
     )
 }
 
 /// One line for a scrub status, with its findings' counts.
-fn scrub_line(v: &Value) -> String {
+fn scrub_line(v: &ScrubStatus) -> String {
     format!(
         "{} {} {}: {}, {} read errors, {} bytes mismatched, {} repaired{}, {} metadata findings",
-        v["background"]["class"].as_str().unwrap_or("scrub"),
-        v["pool"].as_str().unwrap_or("?"),
-        v["state"].as_str().unwrap_or("?"),
-        job_progress(v),
-        v["read_errors"],
-        v["mismatched_bytes"],
-        v["repaired_bytes"],
-        if v["repair"] == false {
-            " (no repair)"
-        } else {
-            ""
-        },
-        v["metadata_findings"].as_array().map_or(0, Vec::len),
+        v.progress.background.class,
+        v.pool,
+        v.state,
+        job_progress(&v.progress),
+        v.read_errors,
+        v.mismatched_bytes,
+        v.repaired_bytes,
+        if v.repair { "" } else { " (no repair)" },
+        v.metadata_findings.len(),
     )
 }
 
-/// Follow a running job at `path` with a progress line until it ends; returns its last
-/// status.
-/// A background job's `--stop` (DELETE), `--status` (GET) or start (POST `start`), then
-/// with `--wait` its progress line until it ends.
-fn job_call(
-    ep: &Endpoint,
-    path: &str,
-    (stop, status, wait): (bool, bool, bool),
-    start: Value,
-    raw: bool,
-    line: fn(&Value) -> String,
-) -> Result<Value, String> {
-    let v = if stop {
-        call(ep, "DELETE", path, None)?
-    } else if status {
-        call(ep, "GET", path, None)?
-    } else {
-        call(ep, "POST", path, Some(start))?
-    };
-    if wait {
-        follow_job(ep, path, v, raw, line)
-    } else {
-        Ok(v)
+/// A job's state, whatever the job.
+trait JobState {
+    fn state(&self) -> &str;
+}
+
+impl JobState for ScrubStatus {
+    fn state(&self) -> &str {
+        &self.state
     }
 }
 
-fn follow_job(
+impl JobState for RebuildStatus {
+    fn state(&self) -> &str {
+        &self.state
+    }
+}
+
+/// A background job's `--stop` (DELETE), `--status` (GET) or start (POST `start`), then
+/// with `--wait` its progress line until it ends; returns its last status.
+fn job_call<T: DeserializeOwned + JobState, B: Serialize>(
     ep: &Endpoint,
     path: &str,
-    mut v: Value,
+    (stop, status, wait): (bool, bool, bool),
+    start: &B,
     raw: bool,
-    line: fn(&Value) -> String,
-) -> Result<Value, String> {
-    use std::io::Write as _;
-    while v["state"] == "running" {
-        if !raw {
-            print!("\r{}", line(&v));
-            let _ = std::io::stdout().flush();
+    line: fn(&T) -> String,
+) -> Result<T> {
+    let mut v: T = if stop {
+        delete(ep, path)?
+    } else if status {
+        get(ep, path)?
+    } else {
+        send(ep, "POST", path, start)?
+    };
+    if wait {
+        use std::io::Write as _;
+        while v.state() == JOB_RUNNING {
+            if !raw {
+                print!("\r{}", line(&v));
+                let _ = std::io::stdout().flush();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            v = get(ep, path)?;
         }
-        std::thread::sleep(std::time::Duration::from_millis(500));
-        v = call(ep, "GET", path, None)?;
     }
     Ok(v)
 }
 
-pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
+fn print_pool_status(v: &PoolInfo) {
+    println!(
+        "pool {}: {} {}, {} of {} allocated",
+        v.name, v.state, v.layout, v.allocated, v.capacity,
+    );
+    for d in &v.device_states {
+        println!(
+            "  {} {}{}",
+            d.device,
+            d.state,
+            d.reason
+                .as_ref()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default()
+        );
+    }
+    if !v.spares.is_empty() {
+        println!("  hot spares: {}", v.spares.join(", "));
+    }
+    if let Some(r) = &v.rebuild {
+        println!("  {}", rebuild_line(r));
+    }
+    if let Some(r) = &v.resync {
+        println!("  {}", scrub_line(r));
+    }
+}
+
+pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
     match c {
         PoolCmd::Create {
             name,
@@ -438,54 +475,32 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
             unit_size,
             force,
         } => {
-            let v = call(
-                ep,
-                "POST",
-                "/v1/pools",
-                Some(
-                    json!({"name": name, "devices": devices, "layout": layout, "copies": copies, "stripe_size": stripe_size, "unit_size": unit_size, "force": force}),
-                ),
-            )?;
-            show(&Value::Array(vec![v]), raw, print_pools);
+            let body = CreatePool {
+                name,
+                devices,
+                layout: Some(layout),
+                copies,
+                stripe_size: stripe_size.map(SizeArg::from),
+                unit_size: unit_size.map(SizeArg::from),
+                force,
+            };
+            let v: PoolInfo = send(ep, "POST", "/v1/pools", &body)?;
+            let one = [PoolEntry::Online(Box::new(v))];
+            show(&one[..], raw, print_pools);
         }
-        PoolCmd::List => show(&call(ep, "GET", "/v1/pools", None)?, raw, print_pools),
-        PoolCmd::Status { name } => {
-            let v = call(ep, "GET", &format!("/v1/pools/{name}"), None)?;
-            if raw {
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-            } else {
-                println!(
-                    "pool {name}: {} {}, {} of {} allocated",
-                    v["state"].as_str().unwrap_or("?"),
-                    v["layout"].as_str().unwrap_or("?"),
-                    v["allocated"],
-                    v["capacity"],
-                );
-                for d in v["device_states"].as_array().into_iter().flatten() {
-                    println!(
-                        "  {} {}{}",
-                        d["device"].as_str().unwrap_or("?"),
-                        d["state"].as_str().unwrap_or("?"),
-                        d["reason"]
-                            .as_str()
-                            .map(|r| format!(" ({r})"))
-                            .unwrap_or_default()
-                    );
-                }
-                if let Some(sp) = v["spares"].as_array().filter(|s| !s.is_empty()) {
-                    let sp: Vec<&str> = sp.iter().filter_map(Value::as_str).collect();
-                    println!("  hot spares: {}", sp.join(", "));
-                }
-                if v.get("rebuild").is_some() {
-                    println!("  {}", rebuild_line(&v["rebuild"]));
-                }
-                if v.get("resync").is_some() {
-                    println!("  {}", scrub_line(&v["resync"]));
-                }
+        PoolCmd::List => {
+            let v: Vec<PoolEntry> = get(ep, "/v1/pools")?;
+            show(&v[..], raw, print_pools);
+        }
+        PoolCmd::Status { name, check } => {
+            let v: PoolInfo = get(ep, &format!("/v1/pools/{name}"))?;
+            show(&v, raw, print_pool_status);
+            if check && v.is_degraded() {
+                return Err(CliError::Degraded(format!("pool {name} is {}", v.state)));
             }
         }
         PoolCmd::Destroy { name } => {
-            call(ep, "DELETE", &format!("/v1/pools/{name}"), None)?;
+            let _: Deleted = delete(ep, &format!("/v1/pools/{name}"))?;
             println!("pool {name} destroyed");
         }
         PoolCmd::Replace {
@@ -493,40 +508,33 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
             device,
             new_device,
         } => {
-            let v = call(
-                ep,
-                "POST",
-                &format!("/v1/pools/{name}/replace"),
-                Some(json!({"device": device, "with": new_device})),
-            )?;
-            if raw {
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-            } else {
+            let body = ReplaceRequest {
+                device,
+                with: new_device,
+            };
+            let v: ReplaceReply = send(ep, "POST", &format!("/v1/pools/{name}/replace"), &body)?;
+            show(&v, raw, |v| {
                 println!(
                     "pool {name}: device {device} ({}) replaced by {}: {}",
-                    v["replaced"].as_str().unwrap_or("?"),
-                    v["with"].as_str().unwrap_or("?"),
-                    v["state"].as_str().unwrap_or("?")
-                );
-            }
+                    v.replaced, v.with, v.state
+                )
+            });
         }
         PoolCmd::Spare(c) => {
-            let v = match c {
-                SpareCmd::Add { name, device } => call(
+            let v: SpareList = match c {
+                SpareCmd::Add { name, device } => send(
                     ep,
                     "POST",
                     &format!("/v1/pools/{name}/spares"),
-                    Some(json!({ "device": device })),
+                    &SpareRequest { device },
                 )?,
-                SpareCmd::Remove { name, device } => call(
+                SpareCmd::Remove { name, device } => send(
                     ep,
                     "DELETE",
                     &format!("/v1/pools/{name}/spares"),
-                    Some(json!({ "device": device })),
+                    &SpareRequest { device },
                 )?,
-                SpareCmd::List { name } => {
-                    call(ep, "GET", &format!("/v1/pools/{name}/spares"), None)?
-                }
+                SpareCmd::List { name } => get(ep, &format!("/v1/pools/{name}/spares"))?,
             };
             show(&v, raw, print_spares);
         }
@@ -539,15 +547,14 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
             wait,
         } => {
             let path = format!("/v1/pools/{name}/rebuild");
-            let start = json!({ "device": device, "force": force });
-            let v = job_call(ep, &path, (stop, status, wait), start, raw, rebuild_line)?;
-            if raw {
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-            } else {
-                println!("\r{}", rebuild_line(&v));
-            }
-            if wait && v["state"] != "done" {
-                return Err(format!("rebuild of pool {name} ended {}", v["state"]));
+            let start = RebuildRequest { device, force };
+            let v = job_call(ep, &path, (stop, status, wait), &start, raw, rebuild_line)?;
+            show(&v, raw, |v| println!("\r{}", rebuild_line(v)));
+            if wait && v.state != JOB_DONE {
+                return Err(CliError::Failed(format!(
+                    "rebuild of pool {name} ended {}",
+                    v.state
+                )));
             }
         }
         PoolCmd::Scrub {
@@ -558,21 +565,14 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<(), String> {
             wait,
         } => {
             let path = format!("/v1/pools/{name}/scrub");
-            let start = json!({ "repair": !no_repair });
-            let v = job_call(ep, &path, (stop, status, wait), start, raw, scrub_line)?;
-            if raw {
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-            } else {
-                println!("\r{}", scrub_line(&v));
-                for e in v["metadata_findings"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .chain(v["errors"].as_array().into_iter().flatten())
-                {
-                    println!("  {}", e.as_str().unwrap_or_default());
+            let start = ScrubRequest { repair: !no_repair };
+            let v = job_call(ep, &path, (stop, status, wait), &start, raw, scrub_line)?;
+            show(&v, raw, |v| {
+                println!("\r{}", scrub_line(v));
+                for e in v.metadata_findings.iter().chain(&v.errors) {
+                    println!("  {e}");
                 }
-            }
+            });
         }
     }
     Ok(())
@@ -589,6 +589,7 @@ pub enum VolumeCmd {
         #[arg(long)]
         size: String,
     },
+    /// List the volumes of every pool.
     List,
     /// Grow a volume (shrinking is refused).
     Resize {
@@ -597,9 +598,7 @@ pub enum VolumeCmd {
         size: String,
     },
     /// Delete a volume and free its space (refused while exported or connected).
-    Delete {
-        name: String,
-    },
+    Delete { name: String },
     /// Show or set a volume's QoS limits, share weight and reads-first (live,
     /// persistent). Setting replaces every control; `--clear` removes them all.
     Qos {
@@ -624,29 +623,47 @@ pub enum VolumeCmd {
     },
 }
 
-pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<(), String> {
+fn print_stats(v: &VolumeStats) {
+    let l = &v.latency_us;
+    println!("volume {} over {} ms:", v.volume, v.interval_ms);
+    println!(
+        "  read   {:>10.0} IOPS {:>9.1} MiB/s",
+        v.read_iops, v.read_mibps
+    );
+    println!(
+        "  write  {:>10.0} IOPS {:>9.1} MiB/s",
+        v.write_iops, v.write_mibps
+    );
+    println!("  other  {:>10.0} IOPS", v.other_iops);
+    println!(
+        "  latency mean {:.1} us, p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us",
+        l.mean, l.p50, l.p99, l.p999
+    );
+    println!("  errors {}", v.errors);
+}
+
+pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
     match c {
         VolumeCmd::Create { name, pool, size } => {
-            let v = call(
-                ep,
-                "POST",
-                "/v1/volumes",
-                Some(json!({"name": name, "pool": pool, "size": size})),
-            )?;
-            show(&Value::Array(vec![v]), raw, print_volumes);
+            let body = CreateVolume {
+                name,
+                pool,
+                size: size.into(),
+            };
+            let v: VolumeInfo = send(ep, "POST", "/v1/volumes", &body)?;
+            show(&[v][..], raw, print_volumes);
         }
-        VolumeCmd::List => show(&call(ep, "GET", "/v1/volumes", None)?, raw, print_volumes),
+        VolumeCmd::List => {
+            let v: Vec<VolumeInfo> = get(ep, "/v1/volumes")?;
+            show(&v[..], raw, print_volumes);
+        }
         VolumeCmd::Resize { name, size } => {
-            let v = call(
-                ep,
-                "PATCH",
-                &format!("/v1/volumes/{name}"),
-                Some(json!({"size": size})),
-            )?;
-            show(&Value::Array(vec![v]), raw, print_volumes);
+            let body = ResizeVolume { size: size.into() };
+            let v: VolumeInfo = send(ep, "PATCH", &format!("/v1/volumes/{name}"), &body)?;
+            show(&[v][..], raw, print_volumes);
         }
         VolumeCmd::Delete { name } => {
-            call(ep, "DELETE", &format!("/v1/volumes/{name}"), None)?;
+            let _: Deleted = delete(ep, &format!("/v1/volumes/{name}"))?;
             println!("volume {name} deleted");
         }
         VolumeCmd::Qos {
@@ -657,56 +674,26 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<(), String> {
             clear,
         } => {
             let path = format!("/v1/volumes/{name}/qos");
-            let v = if clear {
-                call(ep, "DELETE", &path, None)?
+            let v: QosLimits = if clear {
+                delete(ep, &path)?
             } else if limits.any() || weight.is_some() || reads_first {
-                let mut body = limits.to_json()?;
-                body["weight"] = json!(weight);
-                body["reads_first"] = json!(reads_first);
-                call(ep, "PUT", &path, Some(body))?
+                let body = QosLimits {
+                    weight,
+                    reads_first,
+                    ..limits.to_limits()?
+                };
+                send(ep, "PUT", &path, &body)?
             } else {
-                call(ep, "GET", &path, None)?
+                get(ep, &path)?
             };
-            if raw {
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-            } else {
-                println!("volume {name} qos: {}", limits_line(&v));
-            }
+            show(&v, raw, |v| {
+                println!("volume {name} qos: {}", limits_line(v))
+            });
         }
         VolumeCmd::Stats { name, interval } => {
             let ms = (interval * 1000.0).round().clamp(1.0, 60_000.0) as u64;
-            let v = call(
-                ep,
-                "GET",
-                &format!("/v1/volumes/{name}/stats?interval_ms={ms}"),
-                None,
-            )?;
-            if raw {
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-            } else {
-                let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
-                let l = |k: &str| v["latency_us"][k].as_f64().unwrap_or(0.0);
-                println!("volume {name} over {ms} ms:");
-                println!(
-                    "  read   {:>10.0} IOPS {:>9.1} MiB/s",
-                    f("read_iops"),
-                    f("read_mibps")
-                );
-                println!(
-                    "  write  {:>10.0} IOPS {:>9.1} MiB/s",
-                    f("write_iops"),
-                    f("write_mibps")
-                );
-                println!("  other  {:>10.0} IOPS", f("other_iops"));
-                println!(
-                    "  latency mean {:.1} us, p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us",
-                    l("mean"),
-                    l("p50"),
-                    l("p99"),
-                    l("p999")
-                );
-                println!("  errors {}", v["errors"]);
-            }
+            let v: VolumeStats = get(ep, &format!("/v1/volumes/{name}/stats?interval_ms={ms}"))?;
+            show(&v, raw, print_stats);
         }
     }
     Ok(())
@@ -722,31 +709,33 @@ pub enum ExportCmd {
         #[arg(long)]
         read_only: bool,
     },
+    /// List the exports and their URIs.
     List,
     /// Stop exporting (open connections keep their volume until they disconnect).
-    Remove {
-        name: String,
-    },
+    Remove { name: String },
 }
 
-pub fn export(ep: &Endpoint, c: ExportCmd, raw: bool) -> Result<(), String> {
+pub fn export(ep: &Endpoint, c: ExportCmd, raw: bool) -> Result<()> {
     match c {
         ExportCmd::Add {
             name,
             volume,
             read_only,
         } => {
-            let v = call(
-                ep,
-                "POST",
-                "/v1/exports",
-                Some(json!({"name": name, "volume": volume, "read_only": read_only})),
-            )?;
-            show(&Value::Array(vec![v]), raw, print_exports);
+            let body = CreateExport {
+                name,
+                volume,
+                read_only,
+            };
+            let v: ExportInfo = send(ep, "POST", "/v1/exports", &body)?;
+            show(&[v][..], raw, print_exports);
         }
-        ExportCmd::List => show(&call(ep, "GET", "/v1/exports", None)?, raw, print_exports),
+        ExportCmd::List => {
+            let v: Vec<ExportInfo> = get(ep, "/v1/exports")?;
+            show(&v[..], raw, print_exports);
+        }
         ExportCmd::Remove { name } => {
-            call(ep, "DELETE", &format!("/v1/exports/{name}"), None)?;
+            let _: Deleted = delete(ep, &format!("/v1/exports/{name}"))?;
             println!("export {name} removed");
         }
     }
@@ -789,30 +778,49 @@ impl LimitArgs {
             || self.one_time_burst_ms.is_some()
     }
 
-    /// The API's QoS limits object.
-    fn to_json(&self) -> Result<Value, String> {
-        let size = |v: &Option<String>| -> Result<Option<u64>, String> {
+    /// The API's QoS limits (no weight, not reads-first).
+    fn to_limits(&self) -> Result<QosLimits> {
+        let size = |v: &Option<String>| -> Result<Option<u64>> {
             v.as_deref()
-                .map(|x| tessera_device::parse_size(x).map_err(|e| e.to_string()))
+                .map(|x| {
+                    tessera_device::parse_size(x).map_err(|e| CliError::Invalid(e.to_string()))
+                })
                 .transpose()
         };
-        Ok(json!({
-            "iops": self.iops, "read_iops": self.read_iops, "write_iops": self.write_iops,
-            "bps": size(&self.bw)?, "read_bps": size(&self.read_bw)?, "write_bps": size(&self.write_bw)?,
-            "burst_ms": self.burst_ms, "one_time_burst_ms": self.one_time_burst_ms,
-        }))
+        Ok(QosLimits {
+            iops: self.iops,
+            read_iops: self.read_iops,
+            write_iops: self.write_iops,
+            bps: size(&self.bw)?,
+            read_bps: size(&self.read_bw)?,
+            write_bps: size(&self.write_bw)?,
+            burst_ms: self.burst_ms,
+            one_time_burst_ms: self.one_time_burst_ms,
+            weight: None,
+            reads_first: false,
+        })
     }
 }
 
-/// `k=v` for every control set in a QoS limits object, or "unlimited".
-fn limits_line(v: &Value) -> String {
-    let set: Vec<String> = v
-        .as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(_, x)| !x.is_null())
-        .map(|(k, x)| format!("{k}={x}"))
-        .collect();
+/// `k=v` for every control set in QoS limits, or "unlimited".
+fn limits_line(l: &QosLimits) -> String {
+    let mut set: Vec<String> = [
+        ("iops", l.iops),
+        ("read_iops", l.read_iops),
+        ("write_iops", l.write_iops),
+        ("bps", l.bps),
+        ("read_bps", l.read_bps),
+        ("write_bps", l.write_bps),
+        ("burst_ms", l.burst_ms),
+        ("one_time_burst_ms", l.one_time_burst_ms),
+        ("weight", l.weight.map(u64::from)),
+    ]
+    .into_iter()
+    .filter_map(|(k, v)| v.map(|v| format!("{k}={v}")))
+    .collect();
+    if l.reads_first {
+        set.push("reads_first=true".into());
+    }
     if set.is_empty() {
         "unlimited".to_string()
     } else {
@@ -840,58 +848,43 @@ pub enum GroupCmd {
         #[arg(long, default_value_t = 10_000)]
         credit_ms: u64,
     },
+    /// List the groups.
     List,
-    Show {
-        name: String,
-    },
+    /// Show one group: limits, members, stepped-burst level.
+    Show { name: String },
     /// Delete a group; its volumes keep only their own limits.
-    Delete {
-        name: String,
-    },
+    Delete { name: String },
     /// Put a volume in a group (it leaves any other).
-    Add {
-        name: String,
-        volume: String,
-    },
+    Add { name: String, volume: String },
     /// Take a volume out of a group.
-    Remove {
-        name: String,
-        volume: String,
-    },
+    Remove { name: String, volume: String },
 }
 
-fn print_groups(v: &Value) {
-    for g in v.as_array().into_iter().flatten() {
-        let members: Vec<&str> = g["members"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_str)
-            .collect();
+fn print_groups(groups: &[GroupInfo]) {
+    for g in groups {
         let mut line = format!(
             "group {}: {} members [{}]",
-            g["name"].as_str().unwrap_or("?"),
-            limits_line(&g["limits"]),
-            members.join(", ")
+            g.name,
+            limits_line(&g.limits),
+            g.members.join(", ")
         );
-        if let Value::Object(st) = &g["step"] {
+        if let Some(st) = &g.step {
             line += &format!(
                 " step +{}% x{} every {} ms, level {}, credits {} ms, now {}",
-                st["step_pct"],
-                st["max_steps"],
-                st["step_ms"],
-                g["level"],
-                g["credits_ms"],
-                limits_line(&g["effective"])
+                st.step_pct,
+                st.max_steps,
+                st.step_ms,
+                opt(g.level),
+                opt(g.credits_ms),
+                limits_line(&g.effective)
             );
         }
         println!("{line}");
     }
 }
 
-pub fn group(ep: &Endpoint, c: GroupCmd, raw: bool) -> Result<(), String> {
-    let one = |v: Value| Value::Array(vec![v]);
-    match c {
+pub fn group(ep: &Endpoint, c: GroupCmd, raw: bool) -> Result<()> {
+    let v: GroupInfo = match c {
         GroupCmd::Set {
             name,
             limits,
@@ -900,41 +893,42 @@ pub fn group(ep: &Endpoint, c: GroupCmd, raw: bool) -> Result<(), String> {
             step_ms,
             credit_ms,
         } => {
-            let step = step_pct.zip(max_steps).map(|(p, m)| {
-                json!({"step_pct": p, "max_steps": m, "step_ms": step_ms, "credit_ms": credit_ms})
-            });
-            let body = json!({"limits": limits.to_json()?, "step": step});
-            let v = call(ep, "PUT", &format!("/v1/groups/{name}"), Some(body))?;
-            show(&one(v), raw, print_groups);
+            let step = step_pct
+                .zip(max_steps)
+                .map(|(step_pct, max_steps)| StepBurst {
+                    step_pct,
+                    max_steps,
+                    step_ms,
+                    credit_ms,
+                });
+            let body = PutGroup {
+                limits: limits.to_limits()?,
+                step,
+            };
+            send(ep, "PUT", &format!("/v1/groups/{name}"), &body)?
         }
-        GroupCmd::List => show(&call(ep, "GET", "/v1/groups", None)?, raw, print_groups),
-        GroupCmd::Show { name } => {
-            let v = call(ep, "GET", &format!("/v1/groups/{name}"), None)?;
-            show(&one(v), raw, print_groups);
+        GroupCmd::List => {
+            let v: Vec<GroupInfo> = get(ep, "/v1/groups")?;
+            show(&v[..], raw, print_groups);
+            return Ok(());
         }
+        GroupCmd::Show { name } => get(ep, &format!("/v1/groups/{name}"))?,
         GroupCmd::Delete { name } => {
-            call(ep, "DELETE", &format!("/v1/groups/{name}"), None)?;
+            let _: Deleted = delete(ep, &format!("/v1/groups/{name}"))?;
             println!("group {name} deleted");
+            return Ok(());
         }
-        GroupCmd::Add { name, volume } => {
-            let v = call(
-                ep,
-                "PUT",
-                &format!("/v1/groups/{name}/members/{volume}"),
-                None,
-            )?;
-            show(&one(v), raw, print_groups);
-        }
+        GroupCmd::Add { name, volume } => exchange(
+            ep,
+            "PUT",
+            &format!("/v1/groups/{name}/members/{volume}"),
+            None,
+        )?,
         GroupCmd::Remove { name, volume } => {
-            let v = call(
-                ep,
-                "DELETE",
-                &format!("/v1/groups/{name}/members/{volume}"),
-                None,
-            )?;
-            show(&one(v), raw, print_groups);
+            delete(ep, &format!("/v1/groups/{name}/members/{volume}"))?
         }
-    }
+    };
+    show(&[v][..], raw, print_groups);
     Ok(())
 }
 
@@ -960,41 +954,43 @@ pub enum BackgroundCmd {
     Reset { class: String },
 }
 
-pub fn background(ep: &Endpoint, c: BackgroundCmd, raw: bool) -> Result<(), String> {
-    let v = match c {
-        BackgroundCmd::Show => call(ep, "GET", "/v1/background", None)?,
+pub fn background(ep: &Endpoint, c: BackgroundCmd, raw: bool) -> Result<()> {
+    let v: BackgroundList = match c {
+        BackgroundCmd::Show => get(ep, "/v1/background")?,
         BackgroundCmd::Set {
             class,
             bw,
             latency_target_us,
             min_pct,
         } => {
-            let bps = tessera_device::parse_size(&bw).map_err(|e| e.to_string())?;
-            let body =
-                json!({"bps": bps, "latency_target_us": latency_target_us, "min_pct": min_pct});
-            let v = call(ep, "PUT", &format!("/v1/background/{class}"), Some(body))?;
-            json!({ class: v })
+            let bps = tessera_device::parse_size(&bw)
+                .map_err(|e| CliError::Invalid(format!("--bw: {e}")))?;
+            let body = BackgroundLimits {
+                bps,
+                latency_target_us,
+                min_pct,
+            };
+            let v: BackgroundLimits = send(ep, "PUT", &format!("/v1/background/{class}"), &body)?;
+            BTreeMap::from([(class, v)])
         }
         BackgroundCmd::Reset { class } => {
-            let v = call(ep, "DELETE", &format!("/v1/background/{class}"), None)?;
-            json!({ class: v })
+            let v: BackgroundLimits = delete(ep, &format!("/v1/background/{class}"))?;
+            BTreeMap::from([(class, v)])
         }
     };
-    if raw {
-        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-        return Ok(());
-    }
-    for (class, l) in v.as_object().into_iter().flatten() {
-        let target = l["latency_target_us"]
-            .as_u64()
-            .map_or("1.5x clients' p99 at start".to_string(), |t| {
-                format!("{t} µs")
-            });
-        println!(
-            "background {class}: {} MiB/s max, backs off above {target}, floor {}%",
-            l["bps"].as_u64().unwrap_or(0) >> 20,
-            l["min_pct"]
-        );
-    }
+    show(&v, raw, |v| {
+        for (class, l) in v {
+            let target = l
+                .latency_target_us
+                .map_or("1.5x clients' p99 at start".to_string(), |t| {
+                    format!("{t} µs")
+                });
+            println!(
+                "background {class}: {} MiB/s max, backs off above {target}, floor {}%",
+                l.bps >> 20,
+                l.min_pct
+            );
+        }
+    });
     Ok(())
 }

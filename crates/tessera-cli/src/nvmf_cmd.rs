@@ -8,7 +8,9 @@ use serde_json::{json, Value};
 use tessera_device::parse_size;
 use tessera_http::Endpoint;
 
-use crate::manage::call;
+use crate::error::{CliError, Result};
+use crate::manage::{delete, get, print_json, send};
+use tessera_api::{AddHost, AddNamespace, CreateSubsystem, Deleted, SubsystemInfo};
 use tessera_nvmf::initiator::{self, Controller, Options};
 use tessera_nvmf::nvme;
 use tessera_nvmf::pdu::{le16, le32, le64};
@@ -107,11 +109,10 @@ pub enum SubsystemCmd {
         #[arg(long = "host")]
         hosts: Vec<String>,
     },
+    /// List the subsystems, their namespaces, hosts and controllers.
     List,
     /// Delete a subsystem (refused while hosts are connected).
-    Remove {
-        nqn: String,
-    },
+    Remove { nqn: String },
     /// Add a volume as a namespace.
     AddNs {
         nqn: String,
@@ -120,54 +121,47 @@ pub enum SubsystemCmd {
         #[arg(long, default_value_t = 0)]
         nsid: u32,
     },
-    RemoveNs {
-        nqn: String,
-        nsid: u32,
-    },
+    /// Remove a namespace (by its ID).
+    RemoveNs { nqn: String, nsid: u32 },
     /// Allow a host NQN.
-    AddHost {
-        nqn: String,
-        host: String,
-    },
-    RemoveHost {
-        nqn: String,
-        host: String,
-    },
+    AddHost { nqn: String, host: String },
+    /// Disallow a host NQN.
+    RemoveHost { nqn: String, host: String },
 }
 
-fn print_subsystems(v: &Value, raw: bool) {
+fn print_subsystems(v: &[SubsystemInfo], raw: bool) {
     if raw {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+        print_json(v);
         return;
     }
-    for s in v.as_array().into_iter().flatten() {
-        let ns: Vec<String> = s["namespaces"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|n| format!("{}={}", n["nsid"], n["volume"].as_str().unwrap_or("?")))
+    for s in v {
+        let ns: Vec<String> = s
+            .namespaces
+            .iter()
+            .map(|n| format!("{}={}", n.nsid, n.volume))
             .collect();
-        let hosts = if s["allow_any_host"].as_bool() == Some(true) {
+        let hosts = if s.allow_any_host {
             "any host".to_string()
         } else {
-            format!("hosts: {}", s["hosts"])
+            format!("hosts: {:?}", s.hosts)
         };
         println!(
             "{}  namespaces: {}  {}  controllers: {}",
-            s["nqn"].as_str().unwrap_or("?"),
+            s.nqn,
             if ns.is_empty() {
                 "-".into()
             } else {
                 ns.join(",")
             },
             hosts,
-            s["controllers"]
+            s.controllers
         );
     }
 }
 
-fn err(e: initiator::Error) -> String {
-    e.to_string()
+/// The target could not be reached or refused the command.
+fn err(e: initiator::Error) -> CliError {
+    CliError::Unavailable(e.to_string())
 }
 
 fn ascii(b: &[u8]) -> String {
@@ -176,7 +170,7 @@ fn ascii(b: &[u8]) -> String {
         .to_string()
 }
 
-pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<(), String> {
+pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
     match c {
         NvmfCmd::Discover { host } => {
             let e = initiator::discover(&host.addr, &host.options()).map_err(err)?;
@@ -225,15 +219,17 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<(), String> {
             length,
             output,
         } => {
-            let off = parse_size(&offset).map_err(|e| format!("--offset: {e}"))?;
-            let len = parse_size(&length).map_err(|e| format!("--length: {e}"))?;
+            let off =
+                parse_size(&offset).map_err(|e| CliError::Invalid(format!("--offset: {e}")))?;
+            let len =
+                parse_size(&length).map_err(|e| CliError::Invalid(format!("--length: {e}")))?;
             let mut c = Controller::connect(&host.addr, &nqn, &host.options(), 1).map_err(err)?;
             let (_, lba) = c.namespace_size(nsid).map_err(err)?;
             let lba64 = lba as u64;
             if off % lba64 != 0 || len % lba64 != 0 || len == 0 {
-                return Err(format!(
+                return Err(CliError::Invalid(format!(
                     "--offset and --length must be multiples of the {lba}-byte LBA"
-                ));
+                )));
             }
             let mut data = Vec::with_capacity(len as usize);
             let chunk = 256 * lba64;
@@ -248,12 +244,9 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<(), String> {
             }
             c.disconnect();
             match output {
-                Some(p) => {
-                    std::fs::write(&p, &data).map_err(|e| format!("{}: {e}", p.display()))?
-                }
-                None => std::io::stdout()
-                    .write_all(&data)
-                    .map_err(|e| e.to_string())?,
+                Some(p) => std::fs::write(&p, &data)
+                    .map_err(|e| CliError::Unavailable(format!("{}: {e}", p.display())))?,
+                None => std::io::stdout().write_all(&data)?,
             }
         }
         NvmfCmd::Write {
@@ -263,23 +256,25 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<(), String> {
             offset,
             input,
         } => {
-            let off = parse_size(&offset).map_err(|e| format!("--offset: {e}"))?;
+            let off =
+                parse_size(&offset).map_err(|e| CliError::Invalid(format!("--offset: {e}")))?;
             let mut data = Vec::new();
             match input {
-                Some(p) => data = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?,
+                Some(p) => {
+                    data = std::fs::read(&p)
+                        .map_err(|e| CliError::Unavailable(format!("{}: {e}", p.display())))?
+                }
                 None => {
-                    std::io::stdin()
-                        .read_to_end(&mut data)
-                        .map_err(|e| e.to_string())?;
+                    std::io::stdin().read_to_end(&mut data)?;
                 }
             }
             let mut c = Controller::connect(&host.addr, &nqn, &host.options(), 1).map_err(err)?;
             let (_, lba) = c.namespace_size(nsid).map_err(err)?;
             let l = lba as usize;
             if off % lba as u64 != 0 || data.is_empty() || data.len() % l != 0 {
-                return Err(format!(
+                return Err(CliError::Invalid(format!(
                     "the offset and the data length must be multiples of the {lba}-byte LBA"
-                ));
+                )));
             }
             for (i, chunk) in data.chunks(256 * l).enumerate() {
                 let slba = off / lba as u64 + (i * 256) as u64;
@@ -295,7 +290,7 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn subsystem(ep: &Endpoint, c: SubsystemCmd, raw: bool) -> Result<(), String> {
+fn subsystem(ep: &Endpoint, c: SubsystemCmd, raw: bool) -> Result<()> {
     let path = |nqn: &str| format!("/v1/nvmf/subsystems/{nqn}");
     match c {
         SubsystemCmd::Add {
@@ -304,57 +299,46 @@ fn subsystem(ep: &Endpoint, c: SubsystemCmd, raw: bool) -> Result<(), String> {
             allow_any_host,
             hosts,
         } => {
-            let mut v = call(
-                ep,
-                "POST",
-                "/v1/nvmf/subsystems",
-                Some(json!({"nqn": nqn, "allow_any_host": allow_any_host, "hosts": hosts})),
-            )?;
-            for vol in volumes {
-                v = call(
-                    ep,
-                    "POST",
-                    &format!("{}/namespaces", path(&nqn)),
-                    Some(json!({"volume": vol})),
-                )?;
+            let body = CreateSubsystem {
+                nqn: nqn.clone(),
+                allow_any_host,
+                hosts: Some(hosts),
+            };
+            let mut v: SubsystemInfo = send(ep, "POST", "/v1/nvmf/subsystems", &body)?;
+            for volume in volumes {
+                let body = AddNamespace { volume, nsid: 0 };
+                v = send(ep, "POST", &format!("{}/namespaces", path(&nqn)), &body)?;
             }
-            print_subsystems(&Value::Array(vec![v]), raw);
+            print_subsystems(&[v], raw);
         }
-        SubsystemCmd::List => print_subsystems(&call(ep, "GET", "/v1/nvmf/subsystems", None)?, raw),
+        SubsystemCmd::List => {
+            let v: Vec<SubsystemInfo> = get(ep, "/v1/nvmf/subsystems")?;
+            print_subsystems(&v, raw);
+        }
         SubsystemCmd::Remove { nqn } => {
-            call(ep, "DELETE", &path(&nqn), None)?;
+            let _: Deleted = delete(ep, &path(&nqn))?;
             println!("subsystem {nqn} removed");
         }
         SubsystemCmd::AddNs { nqn, volume, nsid } => {
-            let v = call(
-                ep,
-                "POST",
-                &format!("{}/namespaces", path(&nqn)),
-                Some(json!({"volume": volume, "nsid": nsid})),
-            )?;
-            print_subsystems(&Value::Array(vec![v]), raw);
+            let body = AddNamespace {
+                volume,
+                nsid: nsid.into(),
+            };
+            let v: SubsystemInfo = send(ep, "POST", &format!("{}/namespaces", path(&nqn)), &body)?;
+            print_subsystems(&[v], raw);
         }
         SubsystemCmd::RemoveNs { nqn, nsid } => {
-            call(
-                ep,
-                "DELETE",
-                &format!("{}/namespaces/{nsid}", path(&nqn)),
-                None,
-            )?;
+            let _: Deleted<u32> = delete(ep, &format!("{}/namespaces/{nsid}", path(&nqn)))?;
             println!("namespace {nsid} removed from {nqn}");
         }
         SubsystemCmd::AddHost { nqn, host } => {
-            let v = call(
-                ep,
-                "POST",
-                &format!("{}/hosts", path(&nqn)),
-                Some(json!({"nqn": host})),
-            )?;
-            print_subsystems(&Value::Array(vec![v]), raw);
+            let body = AddHost { nqn: host };
+            let v: SubsystemInfo = send(ep, "POST", &format!("{}/hosts", path(&nqn)), &body)?;
+            print_subsystems(&[v], raw);
         }
         SubsystemCmd::RemoveHost { nqn, host } => {
-            let v = call(ep, "DELETE", &format!("{}/hosts/{host}", path(&nqn)), None)?;
-            print_subsystems(&Value::Array(vec![v]), raw);
+            let v: SubsystemInfo = delete(ep, &format!("{}/hosts/{host}", path(&nqn)))?;
+            print_subsystems(&[v], raw);
         }
     }
     Ok(())

@@ -3,7 +3,11 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
+use tessera_api::PoolEntry;
 use tessera_node::{listener, Node, NodeConfig};
+use tracing::info;
+
+use crate::error::Result;
 
 #[derive(Args)]
 pub struct UpArgs {
@@ -33,7 +37,7 @@ pub struct UpArgs {
     nvmf_discovery: String,
 }
 
-pub fn up(a: UpArgs) -> Result<(), String> {
+pub fn up(a: UpArgs) -> Result<()> {
     let mut cfg = NodeConfig::embedded_default(&a.data_dir);
     cfg.nbd.listen = vec![a.nbd];
     cfg.nbd.unix = Some(a.data_dir.join("nbd.sock"));
@@ -47,7 +51,7 @@ pub fn up(a: UpArgs) -> Result<(), String> {
     serve(cfg)
 }
 
-pub fn node_from_file(path: &Path) -> Result<(), String> {
+pub fn node_from_file(path: &Path) -> Result<()> {
     serve(NodeConfig::load(path)?)
 }
 
@@ -64,17 +68,17 @@ fn block_signals() -> libc::sigset_t {
     }
 }
 
-fn serve(cfg: NodeConfig) -> Result<(), String> {
+fn serve(cfg: NodeConfig) -> Result<()> {
     let set = block_signals();
     let node = Node::start(cfg)?;
-    listener::start_api(&node).map_err(|e| e.to_string())?;
+    listener::start_api(&node)?;
     let mut addrs = Vec::new();
     for l in node.cfg.nbd.listen.clone() {
-        let a = listener::start_nbd_tcp(&node, &l).map_err(|e| e.to_string())?;
+        let a = listener::start_nbd_tcp(&node, &l)?;
         addrs.push(format!("nbd://{a}"));
     }
     if let Some(p) = node.cfg.nbd.unix.clone() {
-        listener::start_nbd_unix(&node, &p).map_err(|e| e.to_string())?;
+        listener::start_nbd_unix(&node, &p)?;
         addrs.push(format!("unix:{}", p.display()));
     }
     *node
@@ -95,7 +99,7 @@ fn serve(cfg: NodeConfig) -> Result<(), String> {
     let mut sig: libc::c_int = 0;
     // SAFETY: waiting on the set blocked above.
     unsafe { libc::sigwait(&set, &mut sig) };
-    eprintln!("tessera: signal {sig}: committing metadata and stopping");
+    info!(signal = sig, "committing metadata and stopping");
     node.shutdown();
     let _ = std::fs::remove_file(node.cfg.api_socket());
     if let Some(p) = &node.cfg.nbd.unix {
@@ -115,24 +119,22 @@ fn print_banner(node: &Node, addrs: &[String]) {
         "tessera: management API: unix:{}",
         node.cfg.api_socket().display()
     );
-    for p in st["pools"].as_array().into_iter().flatten() {
-        println!(
-            "tessera: pool {} ({}, {}) on {}",
-            p["name"].as_str().unwrap_or("?"),
-            p["layout"].as_str().unwrap_or("?"),
-            p["capacity_human"].as_str().unwrap_or("?"),
-            p["devices"]
-                .as_array()
-                .map(|d| d
-                    .iter()
-                    .filter_map(|x| x.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", "))
-                .unwrap_or_default()
-        );
+    for p in &st.pools {
+        match p {
+            PoolEntry::Online(p) => println!(
+                "tessera: pool {} ({}, {}) on {}",
+                p.name,
+                p.layout,
+                p.capacity_human,
+                p.devices.join(", ")
+            ),
+            PoolEntry::Offline(p) => {
+                println!("tessera: pool {} (offline: {})", p.name, p.error)
+            }
+        }
     }
-    for e in st["exports"].as_array().into_iter().flatten() {
-        let name = e["name"].as_str().unwrap_or("?");
+    for e in &st.exports {
+        let name = &e.name;
         for a in addrs {
             match a.strip_prefix("unix:") {
                 Some(sock) => println!("tessera: export {name}: nbd+unix:///{name}?socket={sock}"),
@@ -140,8 +142,8 @@ fn print_banner(node: &Node, addrs: &[String]) {
             }
         }
     }
-    if let Some(e) = st["exports"].as_array().and_then(|a| a.first()) {
-        if let (Some(name), Some(a)) = (e["name"].as_str(), addrs.first()) {
+    if let Some(e) = st.exports.first() {
+        if let (name, Some(a)) = (&e.name, addrs.first()) {
             println!("tessera: try: nbdinfo {a}/{name}   |   qemu-img info {a}/{name}");
             println!("tessera: ready {a}/{name}");
         }

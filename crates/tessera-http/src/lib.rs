@@ -1,6 +1,6 @@
 //! Minimal HTTP/1.1 transport for Tessera's JSON control API.
 //!
-//! This crate deliberately depends on nothing but `std` and `serde_json`. It
+//! This crate deliberately depends on nothing but `std`, `serde` and `serde_json`. It
 //! implements exactly the subset of HTTP/1.1 the control plane needs:
 //!
 //! * **Server** ([`serve_unix`], [`serve_tcp`]): one thread per connection,
@@ -55,6 +55,15 @@ impl Request {
         }
         serde_json::from_slice(&self.body)
     }
+
+    /// Parses the body as JSON into `T`. An empty (or all-whitespace) body is read as
+    /// JSON `null` (so a body type whose fields all have defaults may be left out).
+    pub fn body_as<T: serde::de::DeserializeOwned>(&self) -> serde_json::Result<T> {
+        if self.body.iter().all(u8::is_ascii_whitespace) {
+            return serde_json::from_str("null").or_else(|_| serde_json::from_str("{}"));
+        }
+        serde_json::from_slice(&self.body)
+    }
 }
 
 /// A response produced by a [`Handler`]. The body is JSON text.
@@ -66,10 +75,10 @@ pub struct Response {
 
 impl Response {
     /// A response whose body is `value` serialized as JSON.
-    pub fn json(status: u16, value: &serde_json::Value) -> Response {
-        Response {
-            status,
-            body: value.to_string(),
+    pub fn json<T: serde::Serialize + ?Sized>(status: u16, value: &T) -> Response {
+        match serde_json::to_string(value) {
+            Ok(body) => Response { status, body },
+            Err(e) => Response::error(500, &format!("the reply does not serialise: {e}")),
         }
     }
 

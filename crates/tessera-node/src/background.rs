@@ -5,9 +5,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use serde_json::Value;
-use tessera_pool::{Error, ErrorKind};
+use tessera_api::BackgroundList;
 use tessera_qos::BackgroundLimits;
+
+use crate::error::{Error, StartError};
 
 /// The classes a node knows and their defaults (bytes per second).
 pub const CLASSES: [(&str, u64); 3] = [
@@ -24,19 +25,20 @@ pub struct Background {
 }
 
 fn unknown(class: &str) -> Error {
-    Error::new(
-        ErrorKind::NotFound,
-        format!("background class '{class}' not found (classes: scrub, rebuild, resync)"),
-    )
+    Error::not_found(format!(
+        "background class '{class}' not found (classes: scrub, rebuild, resync)"
+    ))
 }
 
 impl Background {
-    pub fn load(data_dir: &Path) -> Result<Background, String> {
+    pub fn load(data_dir: &Path) -> Result<Background, StartError> {
         let path = data_dir.join("background.json");
+        let bad =
+            |e: &dyn std::fmt::Display| StartError::Catalog(format!("{}: {e}", path.display()));
         let set = match std::fs::read_to_string(&path) {
-            Ok(t) => serde_json::from_str(&t).map_err(|e| format!("{}: {e}", path.display()))?,
+            Ok(t) => serde_json::from_str(&t).map_err(|e| bad(&e))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
-            Err(e) => return Err(format!("{}: {e}", path.display())),
+            Err(e) => return Err(bad(&e)),
         };
         Ok(Background {
             path,
@@ -62,25 +64,23 @@ impl Background {
             .unwrap_or_else(|| BackgroundLimits::new(default)))
     }
 
-    pub fn list(&self) -> Value {
-        let mut out = serde_json::Map::new();
-        for (c, _) in CLASSES {
-            let l = self.limits(c).expect("known class");
-            out.insert(
-                c.to_string(),
-                serde_json::to_value(l).unwrap_or(Value::Null),
-            );
-        }
-        Value::Object(out)
+    pub fn list(&self) -> BackgroundList {
+        CLASSES
+            .iter()
+            .map(|(c, _)| (c.to_string(), self.limits(c).expect("known class")))
+            .collect()
     }
 
     /// Set (`Some`) or reset to the default (`None`) a class's settings; persistent.
     /// Running jobs pick the change up when they next start.
-    pub fn put(&self, class: &str, limits: Option<BackgroundLimits>) -> Result<Value, Error> {
+    pub fn put(
+        &self,
+        class: &str,
+        limits: Option<BackgroundLimits>,
+    ) -> Result<BackgroundLimits, Error> {
         self.limits(class)?;
         if let Some(l) = &limits {
-            l.validate()
-                .map_err(|e| Error::new(ErrorKind::InvalidInput, e))?;
+            l.validate().map_err(Error::Invalid)?;
         }
         let mut set = self.lock();
         let mut next = set.clone();
@@ -89,10 +89,9 @@ impl Background {
             None => next.remove(class),
         };
         let text = serde_json::to_string_pretty(&next).expect("background settings serialise");
-        crate::registry::write_atomic(&self.path, text.as_bytes())
-            .map_err(|e| Error::new(ErrorKind::Io, e))?;
+        crate::registry::write_atomic(&self.path, text.as_bytes())?;
         *set = next;
         drop(set);
-        Ok(serde_json::to_value(self.limits(class)?).unwrap_or(Value::Null))
+        self.limits(class)
     }
 }

@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::error::StartError;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -122,10 +123,12 @@ impl Default for NodeConfig {
 }
 
 impl NodeConfig {
-    pub fn load(path: &Path) -> Result<NodeConfig, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
-        toml::from_str(&text).map_err(|e| format!("config {}: {e}", path.display()))
+    pub fn load(path: &Path) -> Result<NodeConfig, StartError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            StartError::Config(format!("cannot read config {}: {e}", path.display()))
+        })?;
+        toml::from_str(&text)
+            .map_err(|e| StartError::Config(format!("config {}: {e}", path.display())))
     }
 
     /// The embedded default: a file-backed pool with room for a fully written 4 GiB thin

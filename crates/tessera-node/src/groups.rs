@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use tessera_api::GroupInfo;
 use tessera_pool::{Error, ErrorKind, Volume};
 use tessera_qos::{QosLimits, StepBurst, StepState, VolumeQos};
 use tracing::{info, warn};
@@ -224,7 +224,7 @@ impl Groups {
         name: &str,
         limits: QosLimits,
         step: Option<StepBurst>,
-    ) -> Result<Value, Error> {
+    ) -> Result<GroupInfo, Error> {
         if name.is_empty() || name.len() > 128 || name.contains('/') {
             return Err(invalid(format!(
                 "group name '{name}' must be 1-128 characters without '/'"
@@ -312,7 +312,7 @@ impl Groups {
     }
 
     /// Put `volume` in group `name` (leaving any other group).
-    pub fn add_member(&self, name: &str, volume: &Arc<Volume>) -> Result<Value, Error> {
+    pub fn add_member(&self, name: &str, volume: &Arc<Volume>) -> Result<GroupInfo, Error> {
         // Before the group lock: looking up the volume's QoS may take it.
         let qos = self.volume_qos(volume);
         let mut groups = self.lock();
@@ -350,7 +350,7 @@ impl Groups {
         name: &str,
         volume: &str,
         v: Option<Arc<Volume>>,
-    ) -> Result<Value, Error> {
+    ) -> Result<GroupInfo, Error> {
         let qos = v.map(|v| self.volume_qos(&v));
         let mut groups = self.lock();
         let g = groups
@@ -400,7 +400,7 @@ impl Groups {
         }
     }
 
-    pub fn get(&self, name: &str) -> Result<Value, Error> {
+    pub fn get(&self, name: &str) -> Result<GroupInfo, Error> {
         let groups = self.lock();
         groups
             .get(name)
@@ -408,9 +408,9 @@ impl Groups {
             .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("group '{name}' not found")))
     }
 
-    pub fn list(&self) -> Value {
+    pub fn list(&self) -> Vec<GroupInfo> {
         let groups = self.lock();
-        Value::Array(groups.iter().map(|(n, g)| group_json(n, g)).collect())
+        groups.iter().map(|(n, g)| group_json(n, g)).collect()
     }
 
     /// One ladder tick: for every group with a stepped burst, measure how much of its
@@ -455,15 +455,14 @@ impl Groups {
     }
 }
 
-fn group_json(name: &str, g: &Group) -> Value {
-    let current = g.qos.limits();
-    json!({
-        "name": name,
-        "limits": g.cfg.limits,
-        "step": g.cfg.step,
-        "members": g.cfg.members,
-        "level": g.ladder.as_ref().map(|l| l.level()),
-        "credits_ms": g.ladder.as_ref().map(|l| l.credits_ms().round()),
-        "effective": current,
-    })
+fn group_json(name: &str, g: &Group) -> GroupInfo {
+    GroupInfo {
+        name: name.to_string(),
+        limits: g.cfg.limits.clone(),
+        step: g.cfg.step,
+        members: g.cfg.members.clone(),
+        level: g.ladder.as_ref().map(|l| l.level()),
+        credits_ms: g.ladder.as_ref().map(|l| l.credits_ms().round()),
+        effective: g.qos.limits(),
+    }
 }

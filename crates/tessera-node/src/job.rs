@@ -9,7 +9,7 @@ use tessera_pool::Pool;
 use tessera_qos::background::{BackgroundLimits, Feedback, FEEDBACK_TICK};
 use tessera_qos::TokenBucket;
 
-use serde_json::{json, Map, Value};
+use tessera_api::{ClassFigures, JobProgress};
 
 /// The CPU priority of a background-job thread. It runs at idle priority (`SCHED_IDLE`):
 /// it only gets CPU time that the reactors and the clients leave, which keeps a QD1
@@ -178,8 +178,8 @@ pub(crate) struct Figures<'a> {
 }
 
 impl Figures<'_> {
-    /// The common status fields; a job adds its own to the returned object.
-    pub fn to_json(&self) -> Map<String, Value> {
+    /// The common status fields; a job's status adds its own.
+    pub fn progress(&self) -> JobProgress {
         let secs = self.elapsed.as_secs_f64();
         let rate = if secs > 0.0 {
             self.bytes_done as f64 / secs
@@ -194,25 +194,21 @@ impl Figures<'_> {
         let left = self.units_total.saturating_sub(self.units_done);
         let done_here = self.units_done.saturating_sub(self.counted_from);
         let eta = (done_here > 0 && self.running).then(|| secs / done_here as f64 * left as f64);
-        let v = json!({
-            "elapsed_s": (secs * 10.0).round() / 10.0,
-            "percent": (pct * 10.0).round() / 10.0,
-            "units_total": self.units_total,
-            "units_done": self.units_done,
-            "bytes_done": self.bytes_done,
-            "rate_mibps": (rate / 1048576.0 * 10.0).round() / 10.0,
-            "eta_s": eta.map(|e| e.round()),
-            "background": {
-                "class": self.class,
-                "rate_limit_bps": self.rate_limit_bps,
-                "latency_target_us": self.target_us.round(),
-                "client_p99_us": self.client_p99_us.map(f64::round),
-                "backoffs": self.backoffs,
+        JobProgress {
+            elapsed_s: (secs * 10.0).round() / 10.0,
+            percent: (pct * 10.0).round() / 10.0,
+            units_total: self.units_total,
+            units_done: self.units_done,
+            bytes_done: self.bytes_done,
+            rate_mibps: (rate / 1048576.0 * 10.0).round() / 10.0,
+            eta_s: eta.map(|e| e.round()),
+            background: ClassFigures {
+                class: self.class.to_string(),
+                rate_limit_bps: self.rate_limit_bps,
+                latency_target_us: self.target_us.round(),
+                client_p99_us: self.client_p99_us.map(f64::round),
+                backoffs: self.backoffs,
             },
-        });
-        match v {
-            Value::Object(m) => m,
-            _ => unreachable!("a JSON object literal"),
         }
     }
 }

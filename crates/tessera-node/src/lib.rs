@@ -4,12 +4,12 @@
 pub mod api;
 pub mod background;
 pub mod config;
+pub mod error;
 pub mod groups;
 mod job;
 pub mod listener;
 pub mod node;
 pub mod nvmf;
-pub mod nvmf_api;
 pub mod rebuild;
 pub mod registry;
 pub mod scrub;

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use tessera_api::{ControllerInfo, NamespaceInfo, SubsystemInfo as SubsystemReply};
 use tessera_nvmf::target::{Catalog, NamespaceEntry, Port, SubsystemInfo, Target};
 use tessera_pool::{Error, ErrorKind, Volume};
 
@@ -293,22 +293,37 @@ fn nf(what: &str, name: &str) -> Error {
 }
 
 impl Node {
-    pub fn nvmf_subsystem_json(&self, s: &SubsystemRecord) -> Value {
+    pub fn nvmf_subsystem_json(&self, s: &SubsystemRecord) -> SubsystemReply {
         let connected = self.nvmf.target().map_or(0, |t| t.connected(&s.nqn));
-        json!({
-            "nqn": s.nqn, "serial": s.serial, "allow_any_host": s.allow_any_host, "hosts": s.hosts,
-            "namespaces": s.namespaces.iter().map(|n| json!({"nsid": n.nsid, "volume": n.volume})).collect::<Vec<_>>(),
-            "controllers": connected,
-            "addresses": *self.nvmf.addresses.lock().unwrap_or_else(|e| e.into_inner()),
-        })
+        SubsystemReply {
+            nqn: s.nqn.clone(),
+            serial: s.serial.clone(),
+            allow_any_host: s.allow_any_host,
+            hosts: s.hosts.clone(),
+            namespaces: s
+                .namespaces
+                .iter()
+                .map(|n| NamespaceInfo {
+                    nsid: n.nsid,
+                    volume: n.volume.clone(),
+                })
+                .collect(),
+            controllers: connected,
+            addresses: self
+                .nvmf
+                .addresses
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+        }
     }
 
-    pub fn nvmf_list(&self) -> Value {
+    pub fn nvmf_list(&self) -> Vec<SubsystemReply> {
         let subs = self.nvmf.file().subsystems.clone();
-        Value::Array(subs.iter().map(|s| self.nvmf_subsystem_json(s)).collect())
+        subs.iter().map(|s| self.nvmf_subsystem_json(s)).collect()
     }
 
-    pub fn nvmf_get(&self, nqn: &str) -> Result<Value, Error> {
+    pub fn nvmf_get(&self, nqn: &str) -> Result<SubsystemReply, Error> {
         let s = self
             .nvmf
             .file()
@@ -325,7 +340,7 @@ impl Node {
         nqn: &str,
         allow_any_host: bool,
         hosts: &[String],
-    ) -> Result<Value, Error> {
+    ) -> Result<SubsystemReply, Error> {
         valid_nqn(nqn)?;
         for h in hosts {
             valid_host(h)?;
@@ -379,7 +394,12 @@ impl Node {
     }
 
     /// Add `volume` as a namespace (`nsid` 0 = the lowest free one).
-    pub fn nvmf_add_namespace(&self, nqn: &str, volume: &str, nsid: u32) -> Result<Value, Error> {
+    pub fn nvmf_add_namespace(
+        &self,
+        nqn: &str,
+        volume: &str,
+        nsid: u32,
+    ) -> Result<SubsystemReply, Error> {
         let (p, v) = self.find_volume(volume)?;
         let pool_uuid = p.status().uuid;
         let rec = self.nvmf.update(|f| {
@@ -446,7 +466,7 @@ impl Node {
         add: Option<&str>,
         remove: Option<&str>,
         any: Option<bool>,
-    ) -> Result<Value, Error> {
+    ) -> Result<SubsystemReply, Error> {
         if let Some(h) = add {
             valid_host(h)?;
         }
@@ -476,17 +496,21 @@ impl Node {
         Ok(self.nvmf_subsystem_json(&rec))
     }
 
-    pub fn nvmf_controllers(&self) -> Value {
+    pub fn nvmf_controllers(&self) -> Vec<ControllerInfo> {
         let cs = self
             .nvmf
             .target()
             .map(|t| t.controllers())
             .unwrap_or_default();
-        Value::Array(
-            cs.iter()
-                .map(|c| json!({"cntlid": c.cntlid, "subnqn": c.subnqn, "hostnqn": c.hostnqn, "queues": c.queues, "kato_ms": c.kato_ms}))
-                .collect(),
-        )
+        cs.iter()
+            .map(|c| ControllerInfo {
+                cntlid: c.cntlid,
+                subnqn: c.subnqn.clone(),
+                hostnqn: c.hostnqn.clone(),
+                queues: c.queues,
+                kato_ms: c.kato_ms,
+            })
+            .collect()
     }
 }
 

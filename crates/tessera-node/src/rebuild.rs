@@ -13,9 +13,11 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use tessera_api::RebuildStatus;
 use tessera_pool::Pool;
 use tessera_qos::background::BackgroundLimits;
+use tracing::{error, info};
 
 /// Bytes copied per step: small enough that a client request queued behind one on a
 /// shared disk does not wait long.
@@ -54,14 +56,25 @@ pub fn cursor_path(data_dir: &Path, pool: &str) -> PathBuf {
 /// `(device, next unit)` of an unfinished rebuild of `pool`, if any.
 pub fn load_cursor(data_dir: &Path, pool: &str) -> Option<(usize, u64)> {
     let t = std::fs::read_to_string(cursor_path(data_dir, pool)).ok()?;
-    let v: Value = serde_json::from_str(&t).ok()?;
-    Some((v["device"].as_u64()? as usize, v["next_unit"].as_u64()?))
+    let c: Cursor = serde_json::from_str(&t).ok()?;
+    Some((c.device, c.next_unit))
+}
+
+/// `DATA_DIR/rebuild-POOL.json`.
+#[derive(Serialize, Deserialize)]
+struct Cursor {
+    device: usize,
+    next_unit: u64,
 }
 
 pub(crate) fn save_cursor(path: &Path, device: usize, next: u64) {
-    let text = json!({"device": device, "next_unit": next}).to_string();
+    let text = serde_json::to_string(&Cursor {
+        device,
+        next_unit: next,
+    })
+    .expect("a cursor serialises");
     if let Err(e) = crate::registry::write_atomic(path, text.as_bytes()) {
-        eprintln!("tessera: cannot save the rebuild cursor: {e}");
+        error!(error = %e, "cannot save the rebuild cursor");
     }
 }
 
@@ -78,9 +91,9 @@ impl RebuildJob {
         self.stop.store(true, Relaxed);
     }
 
-    pub fn status(&self) -> Value {
+    pub fn status(&self) -> RebuildStatus {
         let p = self.progress();
-        let mut m = crate::job::Figures {
+        let progress = crate::job::Figures {
             class: "rebuild",
             running: p.state == "running",
             elapsed: p.elapsed,
@@ -93,18 +106,16 @@ impl RebuildJob {
             client_p99_us: p.client_p99_us,
             backoffs: p.backoffs,
         }
-        .to_json();
-        for (k, v) in [
-            ("pool", json!(self.pool)),
-            ("device", json!(p.device)),
-            ("state", json!(p.state)),
-            ("started", json!(p.started_unix)),
-            ("resumed_at_unit_count", json!(p.resumed_from)),
-            ("error", json!(p.error)),
-        ] {
-            m.insert(k.to_string(), v);
+        .progress();
+        RebuildStatus {
+            pool: self.pool.clone(),
+            device: p.device,
+            state: p.state.to_string(),
+            started: p.started_unix,
+            resumed_at_unit_count: p.resumed_from,
+            error: p.error.clone(),
+            progress,
         }
-        Value::Object(m)
     }
 }
 
@@ -169,10 +180,9 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     let mut pacer = crate::job::Pacer::start(pool, limits, CHUNK as u64);
     job.progress().target_us = pacer.target_us();
     if from > 0 {
-        eprintln!(
-            "tessera: rebuild of device {d} of pool '{}' resumes at unit {from} ({skipped} of {} units done)",
-            job.pool,
-            all.len()
+        info!(
+            pool = %job.pool, device = d, unit = from, done = skipped, units = all.len(),
+            "rebuild resumes"
         );
     }
     let mut buf = vec![0u8; CHUNK];
@@ -238,19 +248,15 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     match outcome {
         Ok(true) => {
             p.state = "done".into();
-            eprintln!(
-                "tessera: rebuild of device {d} of pool '{}' done: {} units, {:.1} s",
-                job.pool,
-                p.units_done,
-                p.elapsed.as_secs_f64()
+            info!(
+                pool = %job.pool, device = d, units = p.units_done,
+                seconds = p.elapsed.as_secs_f64(),
+                "rebuild done"
             );
         }
         Ok(false) => p.state = "stopped".into(),
         Err(e) => {
-            eprintln!(
-                "tessera: rebuild of device {d} of pool '{}' failed: {e}",
-                job.pool
-            );
+            error!(pool = %job.pool, device = d, error = %e, "rebuild failed");
             p.state = "failed".into();
             p.error = Some(e);
         }

@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::{SaveError, StartError};
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct PoolEntry {
     pub name: String,
@@ -29,16 +31,19 @@ impl Registry {
         }
     }
 
-    pub fn load(&self) -> Result<Vec<PoolEntry>, String> {
+    pub fn load(&self) -> Result<Vec<PoolEntry>, StartError> {
+        let bad = |e: &dyn std::fmt::Display| {
+            StartError::Catalog(format!("{}: {e}", self.path.display()))
+        };
         match std::fs::read_to_string(&self.path) {
-            Ok(t) => serde_json::from_str(&t).map_err(|e| format!("{}: {e}", self.path.display())),
+            Ok(t) => serde_json::from_str(&t).map_err(|e| bad(&e)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-            Err(e) => Err(format!("{}: {e}", self.path.display())),
+            Err(e) => Err(bad(&e)),
         }
     }
 
     /// Replace the registry atomically.
-    pub fn save(&self, entries: &[PoolEntry]) -> Result<(), String> {
+    pub fn save(&self, entries: &[PoolEntry]) -> Result<(), SaveError> {
         let text = serde_json::to_string_pretty(entries).expect("registry serialises");
         write_atomic(&self.path, text.as_bytes())
     }
@@ -46,9 +51,12 @@ impl Registry {
 
 /// Replace the file at `path` atomically: write a temporary file, fsync, rename, fsync
 /// the directory. Shared by every JSON file the node keeps in its data directory.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SaveError> {
     let tmp = path.with_extension("json.tmp");
-    let err = |e: std::io::Error| format!("saving {}: {e}", path.display());
+    let err = |source: std::io::Error| SaveError {
+        path: path.to_path_buf(),
+        source,
+    };
     let mut f = std::fs::File::create(&tmp).map_err(err)?;
     f.write_all(bytes).map_err(err)?;
     f.sync_all().map_err(err)?;

@@ -19,9 +19,10 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use serde_json::{json, Value};
+use tessera_api::{Range, ScrubStatus};
 use tessera_pool::{Pool, ScrubFindings};
 use tessera_qos::background::{BackgroundLimits, FEEDBACK_TICK};
+use tracing::info;
 
 /// Bytes read per device request: small enough that a client request queued behind one
 /// on a shared disk does not wait long.
@@ -70,9 +71,9 @@ impl ScrubJob {
         self.stop.store(true, Relaxed);
     }
 
-    pub fn status(&self) -> Value {
+    pub fn status(&self) -> ScrubStatus {
         let p = self.progress();
-        let mut m = crate::job::Figures {
+        let progress = crate::job::Figures {
             class: self.class,
             running: p.state == "running",
             elapsed: p.elapsed,
@@ -85,31 +86,26 @@ impl ScrubJob {
             client_p99_us: p.client_p99_us,
             backoffs: p.backoffs,
         }
-        .to_json();
-        for (k, v) in [
-            ("pool", json!(self.pool)),
-            ("state", json!(p.state)),
-            ("started", json!(p.started_unix)),
-            ("repair", json!(self.repair)),
-            ("read_errors", json!(p.read_errors)),
-            ("mismatched_bytes", json!(p.found.mismatched)),
-            ("repaired_bytes", json!(p.found.repaired)),
-            ("unreadable_bytes", json!(p.found.unreadable)),
-            (
-                "mismatched_ranges",
-                json!(p
-                    .found
-                    .ranges
-                    .iter()
-                    .map(|&(o, l)| json!({"offset": o, "len": l}))
-                    .collect::<Vec<_>>()),
-            ),
-            ("errors", json!(p.errors)),
-            ("metadata_findings", json!(p.metadata)),
-        ] {
-            m.insert(k.to_string(), v);
+        .progress();
+        ScrubStatus {
+            pool: self.pool.clone(),
+            state: p.state.to_string(),
+            started: p.started_unix,
+            repair: self.repair,
+            read_errors: p.read_errors,
+            mismatched_bytes: p.found.mismatched,
+            repaired_bytes: p.found.repaired,
+            unreadable_bytes: p.found.unreadable,
+            mismatched_ranges: p
+                .found
+                .ranges
+                .iter()
+                .map(|&(offset, len)| Range { offset, len })
+                .collect(),
+            errors: p.errors.clone(),
+            metadata_findings: p.metadata.clone(),
+            progress,
         }
-        Value::Object(m)
     }
 }
 
@@ -240,15 +236,11 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
     p.elapsed = t0.elapsed();
     p.state = if stopped { "stopped" } else { "done" };
     if !stopped {
-        eprintln!(
-            "tessera: {} of pool '{}' done: {} units, {} read errors, {} bytes mismatched, {} repaired, {} metadata findings",
-            job.class,
-            job.pool,
-            p.units_done,
-            p.read_errors,
-            p.found.mismatched,
-            p.found.repaired,
-            p.metadata.len()
+        info!(
+            job = job.class, pool = %job.pool, units = p.units_done,
+            read_errors = p.read_errors, mismatched_bytes = p.found.mismatched,
+            repaired_bytes = p.found.repaired, metadata_findings = p.metadata.len(),
+            "{} done", job.class
         );
     }
 }

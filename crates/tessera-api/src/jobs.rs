@@ -1,0 +1,77 @@
+//! Background jobs' status: scrub, resync (a scrub in the resync class) and rebuild.
+
+use serde::{Deserialize, Serialize};
+
+/// The background class controller's view of a job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClassFigures {
+    /// "scrub", "resync" or "rebuild".
+    pub class: String,
+    /// The rate the class's feedback allows now (bytes per second).
+    pub rate_limit_bps: u64,
+    pub latency_target_us: f64,
+    /// Clients' p99 over the last feedback tick (absent when they were idle).
+    pub client_p99_us: Option<f64>,
+    /// Times the feedback lowered the rate.
+    pub backoffs: u64,
+}
+
+/// Progress fields every job status has.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobProgress {
+    pub elapsed_s: f64,
+    pub percent: f64,
+    pub units_total: u64,
+    pub units_done: u64,
+    pub bytes_done: u64,
+    pub rate_mibps: f64,
+    /// Seconds left (absent when unknown or not running).
+    pub eta_s: Option<f64>,
+    pub background: ClassFigures,
+}
+
+/// A mismatched pool range a scrub found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Range {
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// `GET /v1/pools/NAME/scrub` (and `.../resync`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScrubStatus {
+    pub pool: String,
+    /// "running", "done", "stopped" or "failed".
+    pub state: String,
+    /// Unix time the job started.
+    pub started: u64,
+    pub repair: bool,
+    pub read_errors: u64,
+    pub mismatched_bytes: u64,
+    pub repaired_bytes: u64,
+    pub unreadable_bytes: u64,
+    pub mismatched_ranges: Vec<Range>,
+    pub errors: Vec<String>,
+    pub metadata_findings: Vec<String>,
+    #[serde(flatten)]
+    pub progress: JobProgress,
+}
+
+/// `GET /v1/pools/NAME/rebuild`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RebuildStatus {
+    pub pool: String,
+    pub device: usize,
+    /// "running", "done", "stopped" or "failed".
+    pub state: String,
+    pub started: u64,
+    /// Units already rebuilt when this run resumed.
+    pub resumed_at_unit_count: u64,
+    pub error: Option<String>,
+    #[serde(flatten)]
+    pub progress: JobProgress,
+}
+
+/// A job's state strings.
+pub const JOB_RUNNING: &str = "running";
+pub const JOB_DONE: &str = "done";

@@ -1,0 +1,194 @@
+//! `/v1/pools`: pools, their devices, hot spares and device replacement.
+
+use serde::{Deserialize, Serialize};
+
+use crate::jobs::{RebuildStatus, ScrubStatus};
+use crate::SizeArg;
+
+/// One device of a pool and its health.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceState {
+    pub device: String,
+    /// "online" or "failed".
+    pub state: String,
+    /// Why the device failed (absent while it is online).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl DeviceState {
+    pub fn is_failed(&self) -> bool {
+        self.state == "failed"
+    }
+}
+
+/// A pool the node has open (`GET /v1/pools/NAME`, and the entries of `GET /v1/pools`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PoolInfo {
+    pub name: String,
+    /// "online", "degraded" (a device failed, every block still has a copy) or "failed".
+    pub state: String,
+    pub uuid: String,
+    pub layout: String,
+    pub stripe_size: u64,
+    pub copies: u32,
+    /// Parity chunks per row (raid5 1, raid6 2, ec m; 0 otherwise).
+    pub parity: u32,
+    /// The layout as `pool create --layout` takes it (e.g. `raid1:2`, `ec:4+2`).
+    pub layout_spec: String,
+    pub device_states: Vec<DeviceState>,
+    pub devices: Vec<String>,
+    pub unit_size: u64,
+    /// Bytes available to volumes (metadata excluded).
+    pub capacity: u64,
+    pub allocated: u64,
+    pub free: u64,
+    pub metadata: u64,
+    pub volumes: usize,
+    /// On RAM or null devices: recreated empty at every node start.
+    pub volatile: bool,
+    /// `capacity` in binary units, for people (e.g. "4.0G").
+    pub capacity_human: String,
+    /// Hot spares (device specs, in the order they are used).
+    #[serde(default)]
+    pub spares: Vec<String>,
+    /// The running or last rebuild (only in `GET /v1/pools/NAME`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuild: Option<RebuildStatus>,
+    /// The running or last resync after an unclean shutdown (only in `GET /v1/pools/NAME`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resync: Option<ScrubStatus>,
+}
+
+impl PoolInfo {
+    /// Is any device failed, or the pool not fully online?
+    pub fn is_degraded(&self) -> bool {
+        self.state != "online" || self.device_states.iter().any(DeviceState::is_failed)
+    }
+}
+
+/// A pool listed in the registry that the node could not open.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OfflinePool {
+    pub name: String,
+    /// Always "offline".
+    pub state: String,
+    /// Why it could not be opened.
+    pub error: String,
+}
+
+/// An entry of `GET /v1/pools`: an open pool, or one that could not be opened.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum PoolEntry {
+    Online(Box<PoolInfo>),
+    Offline(OfflinePool),
+}
+
+impl PoolEntry {
+    pub fn name(&self) -> &str {
+        match self {
+            PoolEntry::Online(p) => &p.name,
+            PoolEntry::Offline(p) => &p.name,
+        }
+    }
+
+    pub fn state(&self) -> &str {
+        match self {
+            PoolEntry::Online(p) => &p.state,
+            PoolEntry::Offline(p) => &p.state,
+        }
+    }
+}
+
+/// `POST /v1/pools`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreatePool {
+    pub name: String,
+    /// Device specs: /path, /path:SIZE, ram:SIZE, null:SIZE, fault:INNER;key=value...
+    pub devices: Vec<String>,
+    /// concat (default), raid0, raid1, raid10, raid5, raid6 or ec:K+M.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<String>,
+    /// Mirrors: copies of each block (appended to the layout as `layout:copies`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copies: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stripe_size: Option<SizeArg>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unit_size: Option<SizeArg>,
+    /// Overwrite devices that carry another pool's label.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// `GET/POST/DELETE /v1/pools/NAME/spares`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpareList {
+    pub pool: String,
+    pub spares: Vec<String>,
+}
+
+/// `POST /v1/pools/NAME/spares`, and `DELETE` (or `?device=`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpareRequest {
+    pub device: String,
+}
+
+/// `POST /v1/pools/NAME/replace`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplaceRequest {
+    /// Index of the failed device.
+    pub device: usize,
+    /// Spec of the device that takes its place.
+    pub with: String,
+}
+
+/// The reply to a replacement (by `pool replace` or by a hot spare).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplaceReply {
+    pub pool: String,
+    pub device: usize,
+    /// The spec the slot had.
+    pub replaced: String,
+    pub with: String,
+    /// Swapped in now (`false`: recorded, takes effect at the next node start).
+    pub live: bool,
+    /// The new device was a hot spare (only for a live replacement).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spare: Option<bool>,
+    /// "rebuilding", or what happened instead.
+    pub state: String,
+    /// The rebuild onto the new device, when it started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuild: Option<RebuildStatus>,
+}
+
+/// `POST /v1/pools/NAME/rebuild`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RebuildRequest {
+    /// Device index (default: the only failed device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<usize>,
+    /// Rebuild `device` even if it is healthy.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// `POST /v1/pools/NAME/scrub`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScrubRequest {
+    /// Rewrite mirror copies that differ from the first readable one (default true).
+    #[serde(default = "yes")]
+    pub repair: bool,
+}
+
+impl Default for ScrubRequest {
+    fn default() -> ScrubRequest {
+        ScrubRequest { repair: true }
+    }
+}
+
+fn yes() -> bool {
+    true
+}

@@ -1,0 +1,80 @@
+//! `/v1/volumes`: thin volumes, their QoS and their I/O statistics.
+
+use serde::{Deserialize, Serialize};
+use tessera_qos::QosLimits;
+
+use crate::SizeArg;
+
+/// `GET /v1/volumes/NAME`, and the entries of `GET /v1/volumes`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VolumeInfo {
+    pub name: String,
+    pub pool: String,
+    /// The volume's ID in its pool.
+    pub id: u32,
+    /// Virtual size in bytes.
+    pub size: u64,
+    /// Bytes of pool space it holds.
+    pub allocated: u64,
+    /// Names of the NBD exports of this volume.
+    pub exports: Vec<String>,
+    /// Open handles (client connections).
+    pub connections: usize,
+    /// Unix time of creation.
+    pub created: u64,
+    pub qos: QosLimits,
+    /// The QoS group it belongs to.
+    pub group: Option<String>,
+}
+
+/// `POST /v1/volumes`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateVolume {
+    pub name: String,
+    pub pool: String,
+    pub size: SizeArg,
+}
+
+/// `PATCH /v1/volumes/NAME`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResizeVolume {
+    pub size: SizeArg,
+}
+
+/// Latency over a stats window, in microseconds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LatencyWindow {
+    pub requests: u64,
+    pub mean: f64,
+    pub p50: f64,
+    pub p99: f64,
+    pub p999: f64,
+}
+
+/// Totals since the node started.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IoTotals {
+    pub reads: u64,
+    pub writes: u64,
+    pub others: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub errors: u64,
+    pub throttled_ms: f64,
+}
+
+/// `GET /v1/volumes/NAME/stats?interval_ms=N`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VolumeStats {
+    pub volume: String,
+    pub interval_ms: u64,
+    pub read_iops: f64,
+    pub write_iops: f64,
+    pub other_iops: f64,
+    pub read_mibps: f64,
+    pub write_mibps: f64,
+    pub errors: u64,
+    pub throttled_ms: f64,
+    pub latency_us: LatencyWindow,
+    pub totals: IoTotals,
+}

@@ -1,0 +1,89 @@
+//! The CLI's errors and the one place they become an exit code ([`CliError::exit_code`]).
+//! The codes are documented in `tessera --help` (main.rs) and the README.
+
+/// Exit codes of the `tessera` command.
+pub mod exit {
+    /// The command did what it was asked.
+    pub const OK: i32 = 0;
+    /// The node refused the operation (no such object, already exists, busy), a job
+    /// ended badly, or another failure not listed below.
+    pub const FAILURE: i32 = 1;
+    /// The command line is wrong (unknown command or flag, missing argument).
+    pub const USAGE: i32 = 2;
+    /// An argument's value is invalid (a size, a layout, a limit), as the CLI or the node
+    /// (HTTP 400) found.
+    pub const INVALID: i32 = 5;
+    /// The node or a device is unavailable: the API cannot be reached, an I/O error, the
+    /// node failed internally (HTTP 5xx) or its pool is full.
+    pub const UNAVAILABLE: i32 = 6;
+    /// `pool status --check`: the pool is degraded or failed.
+    pub const DEGRADED: i32 = 7;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The node answered the request with an error (HTTP `status`, its message).
+    #[error("{message}")]
+    Api { status: u16, message: String },
+    /// The node cannot be reached, or a local file, device or target failed.
+    #[error("{0}")]
+    Unavailable(String),
+    /// An argument the CLI checks itself is wrong.
+    #[error("{0}")]
+    Invalid(String),
+    /// `pool status --check` found the pool degraded or failed.
+    #[error("{0}")]
+    Degraded(String),
+    /// Anything else: a job that ended badly, a load generator's error.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl CliError {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Api { status, .. } => match status {
+                400 => exit::INVALID,
+                500..=599 => exit::UNAVAILABLE,
+                // Not found (404) and conflicts (409) keep the code scripts and tests
+                // have always seen.
+                _ => exit::FAILURE,
+            },
+            CliError::Unavailable(_) => exit::UNAVAILABLE,
+            CliError::Invalid(_) => exit::INVALID,
+            CliError::Degraded(_) => exit::DEGRADED,
+            CliError::Failed(_) => exit::FAILURE,
+        }
+    }
+}
+
+/// The load generators and the node runner still report errors as text.
+impl From<String> for CliError {
+    fn from(e: String) -> CliError {
+        CliError::Failed(e)
+    }
+}
+
+/// A node that cannot start: a wrong configuration is an invalid argument, anything else
+/// (devices, data directory, ports, io_uring) leaves the node unavailable.
+impl From<tessera_node::error::StartError> for CliError {
+    fn from(e: tessera_node::error::StartError) -> CliError {
+        use tessera_node::error::{Error, StartError};
+        match &e {
+            StartError::Config(_)
+            | StartError::Declaration {
+                source: Error::Invalid(_),
+                ..
+            } => CliError::Invalid(e.to_string()),
+            _ => CliError::Unavailable(e.to_string()),
+        }
+    }
+}
+
+impl From<std::io::Error> for CliError {
+    fn from(e: std::io::Error) -> CliError {
+        CliError::Unavailable(e.to_string())
+    }
+}
+
+pub type Result<T> = std::result::Result<T, CliError>;

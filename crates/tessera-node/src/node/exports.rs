@@ -1,0 +1,83 @@
+//! NBD exports: which volume is served under which name.
+
+use std::sync::Arc;
+
+use tessera_api::ExportInfo;
+use tessera_pool::{ExportRecord, Pool, Volume};
+
+use super::{Error, Node, Result};
+
+impl Node {
+    pub fn find_export(&self, name: &str) -> Option<(Arc<Pool>, ExportRecord)> {
+        self.pools().into_iter().find_map(|p| {
+            p.exports()
+                .into_iter()
+                .find(|e| e.name == name)
+                .map(|e| (p.clone(), e))
+        })
+    }
+
+    /// The volume behind an export, for a connection that negotiated it.
+    pub fn resolve_export(&self, name: &str) -> Option<(Arc<Volume>, bool)> {
+        let (p, e) = self.find_export(name)?;
+        Some((p.volume_by_id(e.volume_id)?, e.read_only))
+    }
+
+    pub fn add_export(&self, name: &str, volume: &str, read_only: bool) -> Result<ExportInfo> {
+        let _g = self.admin();
+        if self.find_export(name).is_some() {
+            return Err(Error::already_exists(format!(
+                "export '{name}' already exists"
+            )));
+        }
+        let (p, v) = self.find_volume(volume)?;
+        p.add_export(ExportRecord {
+            name: name.to_string(),
+            volume_id: v.id,
+            read_only,
+        })?;
+        Ok(self.export_info(
+            &p,
+            &ExportRecord {
+                name: name.to_string(),
+                volume_id: v.id,
+                read_only,
+            },
+        ))
+    }
+
+    pub fn remove_export(&self, name: &str) -> Result<()> {
+        let _g = self.admin();
+        let (p, _) = self
+            .find_export(name)
+            .ok_or_else(|| Error::missing("export", name))?;
+        Ok(p.remove_export(name)?)
+    }
+
+    pub fn export_info(&self, p: &Pool, e: &ExportRecord) -> ExportInfo {
+        let vol = p.volume_by_id(e.volume_id);
+        let addrs = self
+            .nbd_addresses
+            .read()
+            .unwrap_or_else(|x| x.into_inner())
+            .clone();
+        ExportInfo {
+            name: e.name.clone(),
+            volume: vol.as_ref().map(|v| v.name.clone()),
+            read_only: e.read_only,
+            size: vol.as_ref().map(|v| v.size()),
+            connections: vol.as_ref().map(|v| v.open_handles()),
+            uris: addrs.iter().map(|a| format!("{a}/{}", e.name)).collect(),
+        }
+    }
+
+    pub fn list_exports(&self) -> Vec<ExportInfo> {
+        let mut out = Vec::new();
+        for p in self.pools() {
+            for e in p.exports() {
+                out.push(self.export_info(&p, &e));
+            }
+        }
+        out
+    }
+}

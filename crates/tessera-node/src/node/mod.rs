@@ -1,0 +1,392 @@
+//! The node's state and every management operation. The API and the CLI are thin layers
+//! over these methods. Management runs on control-plane threads, never on a reactor.
+//!
+//! The operations are grouped by what they manage, one `impl Node` per file: pools
+//! (`pools.rs`), volumes (`volumes.rs`), NBD exports (`exports.rs`), background jobs
+//! (`jobs.rs`: scrub, resync, rebuild), device replacement and hot spares (`spares.rs`),
+//! QoS groups (`qos.rs`), and the devices the pools are opened on (`devices.rs`). This
+//! file holds the state, starting the node and the lookups every part uses. Operations
+//! answer with the types of `tessera_api`; the JSON is made at the API edge (crate::api).
+
+mod devices;
+mod exports;
+mod jobs;
+mod pools;
+mod qos;
+mod spares;
+mod volumes;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Instant;
+
+use tessera_api::NodeStatus;
+use tessera_device::{parse_size, BlockDevice, SwappableDevice};
+use tessera_io::{spawn_reactors, Mailbox, ReactorConfig};
+use tessera_nbd::handshake::{ExportCatalog, ExportInfo};
+use tessera_pool::{Pool, PoolOptions, Volume};
+use tracing::{error, info, warn};
+
+use crate::config::NodeConfig;
+pub use crate::error::{Error, Result, StartError};
+use crate::registry::{PoolEntry, Registry};
+use devices::{fit_slots, open_devices, wrap_slots, MissingDevice};
+use pools::layout_kind;
+
+pub struct Node {
+    pub cfg: NodeConfig,
+    pools: RwLock<BTreeMap<String, Arc<Pool>>>,
+    /// Pools listed in the registry that could not be opened, with the reason.
+    offline: RwLock<BTreeMap<String, String>>,
+    registry: Registry,
+    entries: Mutex<Vec<PoolEntry>>,
+    /// Serialises management operations so that checks and changes do not interleave.
+    admin: Mutex<()>,
+    pub reactors: Vec<Arc<Mailbox>>,
+    next_core: AtomicUsize,
+    pub started: Instant,
+    pub nbd_addresses: RwLock<Vec<String>>,
+    /// NVMe/TCP subsystems and target (crate::nvmf).
+    pub nvmf: crate::nvmf::NvmfState,
+    /// QoS groups (tenants) and their stepped bursts.
+    pub groups: crate::groups::Groups,
+    /// Background classes' limits and the scrub jobs, by pool.
+    pub background: crate::background::Background,
+    scrubs: Mutex<BTreeMap<String, Arc<crate::scrub::ScrubJob>>>,
+    rebuilds: Mutex<BTreeMap<String, Arc<crate::rebuild::RebuildJob>>>,
+    /// Mirror resyncs after an unclean shutdown (crate::scrub::start_resync), by pool.
+    resyncs: Mutex<BTreeMap<String, Arc<crate::scrub::ScrubJob>>>,
+    /// The device slots of each redundant pool: a replacement or a hot spare is swapped
+    /// into them live (docs/architecture.md "Device replacement and hot spares").
+    slots: Mutex<BTreeMap<String, Vec<Arc<SwappableDevice>>>>,
+    /// Hot spares the node has opened, by spec (which pool lists which: `entries`).
+    spare_devs: Mutex<BTreeMap<String, Arc<dyn BlockDevice>>>,
+}
+
+/// How often the node looks for a failed device a hot spare can replace.
+pub const SPARE_TICK: std::time::Duration = std::time::Duration::from_millis(500);
+
+fn size_arg(what: &str, v: &str) -> Result<u64> {
+    parse_size(v).map_err(|e| Error::invalid(format!("{what}: {e}")))
+}
+
+impl Node {
+    /// Start the reactors and bring back every pool in the registry.
+    pub fn start(cfg: NodeConfig) -> std::result::Result<Arc<Node>, StartError> {
+        tessera_pool::layout::set_device_timeout(std::time::Duration::from_millis(
+            cfg.device_timeout_ms,
+        ));
+        tessera_pool::layout::set_journal_flush(cfg.parity_journal_flush);
+        std::fs::create_dir_all(&cfg.data_dir).map_err(|source| StartError::DataDir {
+            path: cfg.data_dir.clone(),
+            source,
+        })?;
+        let rcfg = ReactorConfig {
+            cores: cfg.core_count(),
+            busy_poll: cfg.busy_poll,
+            pin: cfg.pin_cores,
+            poll_window: std::time::Duration::from_micros(cfg.poll_us),
+            ..ReactorConfig::default()
+        };
+        let reactors = spawn_reactors(&rcfg).map_err(StartError::Reactors)?;
+        let registry = Registry::new(&cfg.data_dir);
+        let entries = registry.load()?;
+        let nvmf = crate::nvmf::NvmfState::load(&cfg.data_dir).map_err(StartError::Catalog)?;
+        let groups = crate::groups::Groups::load(&cfg.data_dir).map_err(StartError::Catalog)?;
+        let background = crate::background::Background::load(&cfg.data_dir)?;
+        let node = Arc::new(Node {
+            cfg,
+            pools: RwLock::new(BTreeMap::new()),
+            offline: RwLock::new(BTreeMap::new()),
+            registry,
+            entries: Mutex::new(entries.clone()),
+            admin: Mutex::new(()),
+            reactors: reactors.into_iter().map(|(m, _h)| m).collect(),
+            next_core: AtomicUsize::new(0),
+            started: Instant::now(),
+            nbd_addresses: RwLock::new(Vec::new()),
+            nvmf,
+            groups,
+            background,
+            scrubs: Mutex::new(BTreeMap::new()),
+            rebuilds: Mutex::new(BTreeMap::new()),
+            resyncs: Mutex::new(BTreeMap::new()),
+            slots: Mutex::new(BTreeMap::new()),
+            spare_devs: Mutex::new(BTreeMap::new()),
+        });
+        for e in entries {
+            for s in &e.spares {
+                match open_devices(std::slice::from_ref(s)) {
+                    Ok(mut d) => {
+                        node.spare_devs().insert(s.clone(), d.remove(0));
+                    }
+                    Err(err) => warn!(
+                        pool = %e.name, device = %s, error = %err,
+                        "hot spare cannot be opened (it is tried again when needed)"
+                    ),
+                }
+            }
+            match node.restore_pool(&e) {
+                Ok((p, slots)) => {
+                    node.pools
+                        .write()
+                        .unwrap_or_else(|x| x.into_inner())
+                        .insert(e.name.clone(), Arc::new(p));
+                    if !slots.is_empty() {
+                        node.slots_map().insert(e.name.clone(), slots);
+                    }
+                }
+                Err(err) => {
+                    error!(pool = %e.name, error = %err, "pool is offline");
+                    node.offline
+                        .write()
+                        .unwrap_or_else(|x| x.into_inner())
+                        .insert(e.name.clone(), err.to_string());
+                }
+            }
+        }
+        // A rebuild the node was running when it stopped resumes from its cursor, before
+        // any client can write (the device missed nothing below the cursor).
+        for p in node.pools() {
+            if let Some((d, next)) = crate::rebuild::load_cursor(&node.cfg.data_dir, p.name()) {
+                if let Err(e) = node.run_rebuild(&p, d, next) {
+                    error!(pool = %p.name(), device = d, error = %e, "cannot resume the rebuild");
+                }
+            }
+        }
+        // A mirrored pool whose previous run did not end with a clean shutdown may have
+        // copies that differ where a write was cut between them: resync it in the
+        // background (after a resumed rebuild). Parity pools recover from their journal.
+        for p in node.pools() {
+            if !p.opened_clean() && p.core.layout.kind.is_mirror() {
+                warn!(
+                    pool = %p.name(),
+                    "pool was not shut down cleanly: resyncing its mirror copies"
+                );
+                match node.background.limits("resync").and_then(|l| {
+                    crate::scrub::start_resync(p.clone(), l)
+                        .map_err(|e| Error::io("starting the resync thread", e))
+                }) {
+                    Ok(job) => {
+                        node.resyncs().insert(p.name().to_string(), job);
+                    }
+                    Err(e) => error!(pool = %p.name(), error = %e, "cannot resync"),
+                }
+            }
+        }
+        node.apply_declarations()?;
+        node.groups.bind_all(|n| node.volume_by_name(n));
+        node.start_ladder();
+        node.start_spare_watch();
+        Ok(node)
+    }
+
+    fn restore_pool(&self, e: &PoolEntry) -> Result<(Pool, Vec<Arc<SwappableDevice>>)> {
+        let redundant = e.layout.starts_with("raid1")
+            || layout_kind(&e.layout, e.stripe_size, e.devices.len())
+                .is_ok_and(|k| k.is_redundant());
+        let devs = if redundant {
+            // A redundant pool comes up without a device that cannot be opened (it is
+            // failed; a hot spare or `pool replace` can take its place).
+            let devs: Vec<Arc<dyn BlockDevice>> = e
+                .devices
+                .iter()
+                .map(|s| match open_devices(std::slice::from_ref(s)) {
+                    Ok(mut d) => d.remove(0),
+                    Err(err) => {
+                        warn!(pool = %e.name, device = %s, error = %err, "device cannot be opened: it is failed");
+                        Arc::new(MissingDevice(s.clone())) as Arc<dyn BlockDevice>
+                    }
+                })
+                .collect();
+            devs
+        } else {
+            open_devices(&e.devices)?
+        };
+        let volatile = devs.iter().any(|d| d.is_volatile());
+        let (devs, slots) = wrap_slots(redundant, devs);
+        if volatile {
+            // RAM/null contents did not survive the restart: recreate the pool empty.
+            info!(pool = %e.name, "pool is on volatile devices; recreated empty");
+            let layout = layout_kind(&e.layout, e.stripe_size, devs.len())?;
+            let p = Pool::create(
+                &e.name,
+                devs,
+                PoolOptions {
+                    layout,
+                    unit_size: e.unit_size,
+                    force: true,
+                },
+            )?;
+            fit_slots(&p, &slots);
+            return Ok((p, slots));
+        }
+        let p = Pool::open(devs)?;
+        fit_slots(&p, &slots);
+        Ok((p, slots))
+    }
+
+    /// Create what the config declares and does not exist yet.
+    fn apply_declarations(&self) -> std::result::Result<(), StartError> {
+        let cfg = self.cfg.clone();
+        for p in &cfg.pools {
+            if self.pool(&p.name).is_err()
+                && !self
+                    .offline
+                    .read()
+                    .unwrap_or_else(|x| x.into_inner())
+                    .contains_key(&p.name)
+            {
+                self.create_pool(
+                    &p.name,
+                    &p.devices,
+                    &p.layout,
+                    p.stripe_size.as_deref(),
+                    p.unit_size.as_deref(),
+                    false,
+                )
+                .map_err(|source| StartError::Declaration {
+                    what: "pool",
+                    name: p.name.clone(),
+                    source,
+                })?;
+            }
+        }
+        for v in &cfg.volumes {
+            if self.find_volume(&v.name).is_err() {
+                size_arg("volume size", &v.size)
+                    .and_then(|size| self.create_volume(&v.name, &v.pool, size))
+                    .map_err(|source| StartError::Declaration {
+                        what: "volume",
+                        name: v.name.clone(),
+                        source,
+                    })?;
+            }
+        }
+        for x in &cfg.exports {
+            if self.find_export(&x.name).is_none() {
+                self.add_export(&x.name, &x.volume, x.read_only)
+                    .map_err(|source| StartError::Declaration {
+                        what: "export",
+                        name: x.name.clone(),
+                        source,
+                    })?;
+            }
+        }
+        Ok(())
+    }
+
+    fn admin(&self) -> MutexGuard<'_, ()> {
+        self.admin.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn pools(&self) -> Vec<Arc<Pool>> {
+        self.pools
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    pub fn pool(&self, name: &str) -> Result<Arc<Pool>> {
+        self.pools
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::missing("pool", name))
+    }
+
+    pub fn find_volume(&self, name: &str) -> Result<(Arc<Pool>, Arc<Volume>)> {
+        for p in self.pools() {
+            if let Some(v) = p.volume(name) {
+                return Ok((p, v));
+            }
+        }
+        Err(Error::missing("volume", name))
+    }
+
+    /// The next reactor core for a new connection (round robin).
+    pub fn next_reactor(&self) -> Arc<Mailbox> {
+        let i = self.next_core.fetch_add(1, Relaxed) % self.reactors.len();
+        self.reactors[i].clone()
+    }
+
+    fn save_registry(&self, entries: &[PoolEntry]) -> Result<()> {
+        Ok(self.registry.save(entries)?)
+    }
+
+    /// Change pool `pool`'s registry entry with `f` and save the registry; when `f` or the
+    /// save fails, the entries stay as they were.
+    fn edit_entry<T>(&self, pool: &str, f: impl FnOnce(&mut PoolEntry) -> Result<T>) -> Result<T> {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let before = entries.clone();
+        let e = entries
+            .iter_mut()
+            .find(|e| e.name == pool)
+            .ok_or_else(|| Error::missing("pool", pool))?;
+        let r = f(e).and_then(|r| self.save_registry(&entries).map(|()| r));
+        if r.is_err() {
+            *entries = before;
+        }
+        r
+    }
+
+    pub fn status(&self) -> NodeStatus {
+        let pools = self.pools();
+        let (mut cap, mut alloc, mut vols) = (0u64, 0u64, 0usize);
+        for p in &pools {
+            let s = p.status();
+            cap += s.capacity;
+            alloc += s.allocated;
+            vols += s.volumes;
+        }
+        NodeStatus {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            uptime_seconds: self.started.elapsed().as_secs(),
+            cores: self.reactors.len(),
+            data_dir: self.cfg.data_dir.clone(),
+            api_socket: self.cfg.api_socket(),
+            nbd: self
+                .nbd_addresses
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            capacity: cap,
+            allocated: alloc,
+            free: cap - alloc,
+            pools: self.list_pools(),
+            volumes: vols,
+            exports: self.list_exports(),
+        }
+    }
+
+    /// Commit every pool (called at shutdown).
+    pub fn shutdown(&self) {
+        for p in self.pools() {
+            if let Err(e) = p.shutdown() {
+                error!(pool = %p.name(), error = %e, "final commit failed");
+            }
+        }
+    }
+}
+
+impl ExportCatalog for Node {
+    fn list(&self) -> Vec<String> {
+        self.pools()
+            .iter()
+            .flat_map(|p| p.exports().into_iter().map(|e| e.name))
+            .collect()
+    }
+    fn lookup(&self, name: &str) -> Option<ExportInfo> {
+        let (p, e) = self.find_export(name)?;
+        let v = p.volume_by_id(e.volume_id)?;
+        Some(ExportInfo {
+            size: v.size(),
+            read_only: e.read_only,
+            description: format!("Tessera volume {} in pool {}", v.name, p.name()),
+        })
+    }
+}

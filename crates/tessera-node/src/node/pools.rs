@@ -1,0 +1,239 @@
+//! Pools: create, destroy, list, and how a pool is shown.
+
+use std::sync::Arc;
+
+use tessera_api::{DeviceState, OfflinePool, PoolEntry, PoolInfo};
+use tessera_device::{format_size, DeviceSpec};
+use tessera_pool::{LayoutKind, Pool, PoolOptions, DEFAULT_UNIT_SIZE};
+
+use super::devices::{canonical_spec, fit_slots, open_devices, spec_path, wrap_slots};
+use super::{size_arg, Error, Node, Result};
+use crate::registry::PoolEntry as RegistryEntry;
+
+impl Node {
+    pub fn create_pool(
+        &self,
+        name: &str,
+        devices: &[String],
+        layout: &str,
+        stripe: Option<&str>,
+        unit: Option<&str>,
+        force: bool,
+    ) -> Result<PoolInfo> {
+        let _g = self.admin();
+        if self.pool(name).is_ok() {
+            return Err(Error::already_exists(format!(
+                "pool '{name}' already exists"
+            )));
+        }
+        tessera_pool::validate_name("pool", name)?;
+        if devices.is_empty() {
+            return Err(Error::invalid("a pool needs at least one device"));
+        }
+        let stripe = match stripe {
+            Some(s) => size_arg("stripe size", s)?,
+            None => 64 << 10,
+        };
+        let unit_size = match unit {
+            Some(u) => size_arg("unit size", u)?,
+            None => DEFAULT_UNIT_SIZE,
+        };
+        let kind = layout_kind(layout, stripe, devices.len())?;
+        let mut seen = std::collections::HashSet::new();
+        for d in devices {
+            if let Ok(DeviceSpec::File { path, .. }) = DeviceSpec::parse(d) {
+                if !seen.insert(path.clone()) {
+                    return Err(Error::invalid(format!(
+                        "device {} is listed twice",
+                        path.display()
+                    )));
+                }
+                if self
+                    .entries
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                    .any(|e| {
+                        e.devices
+                            .iter()
+                            .chain(&e.spares)
+                            .any(|x| spec_path(x) == Some(path.clone()))
+                    })
+                {
+                    return Err(Error::already_exists(format!(
+                        "device {} is already used by a pool of this node",
+                        path.display()
+                    )));
+                }
+            }
+        }
+        let devs = open_devices(devices)?;
+        let (devs, slots) = wrap_slots(kind.is_redundant(), devs);
+        let pool = Pool::create(
+            name,
+            devs,
+            PoolOptions {
+                layout: kind,
+                unit_size,
+                force,
+            },
+        )?;
+        fit_slots(&pool, &slots);
+        let st = pool.status();
+        let entry = RegistryEntry {
+            name: name.to_string(),
+            uuid: st.uuid.clone(),
+            // Record plain paths: a file is created once, with its size, and never again.
+            devices: devices.iter().map(|d| canonical_spec(d)).collect(),
+            layout: layout_spec(&kind),
+            stripe_size: st.stripe_size,
+            unit_size,
+            spares: Vec::new(),
+        };
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries.push(entry);
+        if let Err(e) = self.save_registry(&entries) {
+            entries.pop();
+            return Err(e);
+        }
+        drop(entries);
+        let v = self.pool_info(&pool);
+        self.pools
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), Arc::new(pool));
+        if !slots.is_empty() {
+            self.slots_map().insert(name.to_string(), slots);
+        }
+        Ok(v)
+    }
+
+    pub fn destroy_pool(&self, name: &str) -> Result<()> {
+        let _g = self.admin();
+        if let Some(_reason) = self
+            .offline
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name)
+        {
+            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            entries.retain(|e| e.name != name);
+            return self.save_registry(&entries);
+        }
+        let pool = self.pool(name)?;
+        let n = pool.volumes().len();
+        if n > 0 {
+            return Err(Error::busy(format!(
+                "pool '{name}' still has {n} volume(s); delete them first"
+            )));
+        }
+        pool.shutdown()?;
+        // Wipe the labels so the devices can be used again.
+        for d in &pool.core.layout.devices {
+            let _ = d.write_at(0, &[0u8; 4096]);
+            let _ = d.sync();
+        }
+        self.pools
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+        self.slots_map().remove(name);
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = entries.iter().find(|e| e.name == name) {
+            let mut sd = self.spare_devs();
+            for s in &e.spares {
+                sd.remove(s);
+            }
+        }
+        entries.retain(|e| e.name != name);
+        self.save_registry(&entries)
+    }
+
+    /// A pool's status (`pool_status`) with the node's view of it: its hot spares.
+    pub fn pool_info(&self, p: &Pool) -> PoolInfo {
+        PoolInfo {
+            spares: self.spares(p.name()),
+            ..pool_status(p)
+        }
+    }
+
+    /// A pool with its running or last rebuild and resync, if any.
+    pub fn pool_detail(&self, name: &str) -> Result<PoolInfo> {
+        let p = self.pool(name)?;
+        Ok(PoolInfo {
+            rebuild: self.rebuild_status(name).ok(),
+            resync: self.resync_status(name).ok(),
+            ..self.pool_info(&p)
+        })
+    }
+
+    /// The open pools, then those of the registry that could not be opened.
+    pub fn list_pools(&self) -> Vec<PoolEntry> {
+        let mut v: Vec<PoolEntry> = self
+            .pools()
+            .iter()
+            .map(|p| PoolEntry::Online(Box::new(self.pool_info(p))))
+            .collect();
+        for (name, reason) in self
+            .offline
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            v.push(PoolEntry::Offline(OfflinePool {
+                name: name.clone(),
+                state: "offline".into(),
+                error: reason.clone(),
+            }));
+        }
+        v
+    }
+}
+
+/// What the pool itself reports (no spares, no jobs).
+pub fn pool_status(p: &Pool) -> PoolInfo {
+    let s = p.status();
+    let device_states = s
+        .devices
+        .iter()
+        .zip(&s.device_states)
+        .map(|(d, (st, why))| DeviceState {
+            device: d.clone(),
+            state: st.clone(),
+            reason: (!why.is_empty()).then(|| why.clone()),
+        })
+        .collect();
+    PoolInfo {
+        capacity_human: format_size(s.capacity),
+        name: s.name,
+        state: s.state,
+        uuid: s.uuid,
+        layout: s.layout,
+        stripe_size: s.stripe_size,
+        copies: s.copies,
+        parity: s.parity,
+        layout_spec: s.spec,
+        device_states,
+        devices: s.devices,
+        unit_size: s.unit_size,
+        capacity: s.capacity,
+        allocated: s.allocated,
+        free: s.free,
+        metadata: s.metadata,
+        volumes: s.volumes,
+        volatile: s.volatile,
+        spares: Vec::new(),
+        rebuild: None,
+        resync: None,
+    }
+}
+
+/// `layout` as users write it (see `LayoutKind::parse`).
+pub(super) fn layout_kind(layout: &str, stripe: u64, ndev: usize) -> Result<LayoutKind> {
+    LayoutKind::parse(layout, stripe, ndev).map_err(Error::invalid)
+}
+
+/// How the registry records a layout: mirrors with their copies, ec with k+m.
+fn layout_spec(kind: &LayoutKind) -> String {
+    kind.spec()
+}

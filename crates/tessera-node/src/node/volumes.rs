@@ -1,0 +1,147 @@
+//! Thin volumes: create, resize, delete, list, QoS limits and I/O statistics.
+
+use std::sync::Arc;
+
+use tessera_api::{IoTotals, LatencyWindow, VolumeInfo, VolumeStats};
+use tessera_pool::{Pool, Volume};
+use tessera_qos::QosLimits;
+
+use super::{Error, Node, Result};
+
+impl Node {
+    pub fn create_volume(&self, name: &str, pool: &str, size: u64) -> Result<VolumeInfo> {
+        let _g = self.admin();
+        if self.find_volume(name).is_ok() {
+            return Err(Error::already_exists(format!(
+                "volume '{name}' already exists"
+            )));
+        }
+        let p = self.pool(pool)?;
+        let v = p.create_volume(name, size)?;
+        Ok(self.volume_info(&p, &v))
+    }
+
+    pub fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+        let _g = self.admin();
+        let (p, v) = self.find_volume(name)?;
+        p.resize_volume(&v, size)?;
+        Ok(self.volume_info(&p, &v))
+    }
+
+    pub(super) fn volume_by_name(&self, name: &str) -> Option<Arc<Volume>> {
+        self.find_volume(name).ok().map(|(_, v)| v)
+    }
+
+    pub fn delete_volume(&self, name: &str) -> Result<()> {
+        let _g = self.admin();
+        let (p, v) = self.find_volume(name)?;
+        if let Some(nqn) = self.nvmf.subsystem_using(&p.status().uuid, v.id) {
+            return Err(Error::busy(format!(
+                "volume '{name}' is a namespace of NVMe subsystem '{nqn}'; remove it first"
+            )));
+        }
+        p.delete_volume(&v)?;
+        self.groups.forget_volume(name);
+        Ok(())
+    }
+
+    /// A volume of the pool it was found in.
+    pub fn volume(&self, name: &str) -> Result<VolumeInfo> {
+        let (p, v) = self.find_volume(name)?;
+        Ok(self.volume_info(&p, &v))
+    }
+
+    pub fn volume_info(&self, p: &Pool, v: &Volume) -> VolumeInfo {
+        let exports: Vec<String> = p
+            .exports()
+            .into_iter()
+            .filter(|e| e.volume_id == v.id)
+            .map(|e| e.name)
+            .collect();
+        VolumeInfo {
+            name: v.name.clone(),
+            pool: p.name().to_string(),
+            id: v.id,
+            size: v.size(),
+            allocated: v.allocated_bytes(),
+            exports,
+            connections: v.open_handles(),
+            created: v.created,
+            qos: self.groups.volume_qos(v).limits(),
+            group: self.groups.group_of(&v.name),
+        }
+    }
+
+    /// Replace a volume's QoS limits (empty limits clear them). Live and persistent.
+    pub fn set_volume_qos(&self, name: &str, limits: QosLimits) -> Result<QosLimits> {
+        let _g = self.admin();
+        let (_, v) = self.find_volume(name)?;
+        Ok(self.groups.set_volume_qos(&v, limits)?)
+    }
+
+    /// A volume as the protocols export it: the volume and the QoS state its
+    /// connections are admitted by.
+    pub fn export_of(&self, vol: &Arc<Volume>) -> tessera_export::Export<Volume> {
+        tessera_export::Export {
+            target: vol.clone(),
+            qos: self.groups.volume_qos(vol),
+        }
+    }
+
+    /// A volume's QoS limits.
+    pub fn volume_qos(&self, name: &str) -> Result<QosLimits> {
+        let (_, v) = self.find_volume(name)?;
+        Ok(self.groups.volume_qos(&v).limits())
+    }
+
+    /// Client I/O of a volume over a window of `interval`: rates, latency percentiles,
+    /// and the cumulative totals since the node started. Blocks for `interval`.
+    pub fn volume_stats(&self, name: &str, interval: std::time::Duration) -> Result<VolumeStats> {
+        let (_, v) = self.find_volume(name)?;
+        let a = v.stats();
+        std::thread::sleep(interval);
+        let b = v.stats();
+        let secs = interval.as_secs_f64().max(1e-3);
+        let rate = |x: u64, y: u64| (y.saturating_sub(x)) as f64 / secs;
+        let mib = |x: u64, y: u64| rate(x, y) / 1048576.0;
+        let w = b.latency.since(&a.latency);
+        let us = |ns: u64| ns as f64 / 1000.0;
+        Ok(VolumeStats {
+            volume: name.to_string(),
+            interval_ms: interval.as_millis() as u64,
+            read_iops: rate(a.reads, b.reads),
+            write_iops: rate(a.writes, b.writes),
+            other_iops: rate(a.others, b.others),
+            read_mibps: mib(a.read_bytes, b.read_bytes),
+            write_mibps: mib(a.write_bytes, b.write_bytes),
+            errors: b.errors.saturating_sub(a.errors),
+            throttled_ms: b.throttled_ns.saturating_sub(a.throttled_ns) as f64 / 1e6,
+            latency_us: LatencyWindow {
+                requests: w.count(),
+                mean: w.mean() / 1000.0,
+                p50: us(w.quantile(0.5)),
+                p99: us(w.quantile(0.99)),
+                p999: us(w.quantile(0.999)),
+            },
+            totals: IoTotals {
+                reads: b.reads,
+                writes: b.writes,
+                others: b.others,
+                read_bytes: b.read_bytes,
+                write_bytes: b.write_bytes,
+                errors: b.errors,
+                throttled_ms: b.throttled_ns as f64 / 1e6,
+            },
+        })
+    }
+
+    pub fn list_volumes(&self) -> Vec<VolumeInfo> {
+        let mut out = Vec::new();
+        for p in self.pools() {
+            for v in p.volumes() {
+                out.push(self.volume_info(&p, &v));
+            }
+        }
+        out
+    }
+}
