@@ -283,6 +283,11 @@ impl BlockDevice for FaultDevice {
         self.sync_check(None)?;
         self.inner.write_zeroes_at(offset, len)
     }
+    fn fill_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.sync_stall();
+        self.sync_check(None)?;
+        self.inner.fill_zeroes_at(offset, len)
+    }
     fn sync(&self) -> io::Result<()> {
         self.sync_stall();
         self.sync_check(None)?;

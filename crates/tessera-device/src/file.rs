@@ -252,6 +252,28 @@ impl BlockDevice for FileDevice {
             return Ok(());
         }
         // The filesystem cannot punch holes: write zeros.
+        self.write_zero_blocks(offset, len)
+    }
+    fn fill_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        check_range(self.size, offset, len)
+            .map_err(|_| out_of_range(&self.describe(), offset, len, self.size))?;
+        if self.is_block {
+            return self.write_zeroes_at(offset, len);
+        }
+        self.write_zero_blocks(offset, len)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn open_handle(self: Arc<Self>) -> Box<dyn IoHandle> {
+        let fd = types::Fd(self.file.as_raw_fd());
+        Box::new(FileHandle { dev: self, fd })
+    }
+}
+
+impl FileDevice {
+    /// Write zero bytes over the range (its blocks end up allocated and written).
+    fn write_zero_blocks(&self, offset: u64, len: u64) -> io::Result<()> {
         let chunk = AlignedBuf::zeroed(1 << 20);
         let mut done = 0;
         while done < len {
@@ -260,12 +282,5 @@ impl BlockDevice for FileDevice {
             done += n as u64;
         }
         Ok(())
-    }
-    fn sync(&self) -> io::Result<()> {
-        self.file.sync_data()
-    }
-    fn open_handle(self: Arc<Self>) -> Box<dyn IoHandle> {
-        let fd = types::Fd(self.file.as_raw_fd());
-        Box::new(FileHandle { dev: self, fd })
     }
 }

@@ -118,6 +118,9 @@ impl BlockDevice for SwappableDevice {
     fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
         self.current().write_zeroes_at(offset, len)
     }
+    fn fill_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.current().fill_zeroes_at(offset, len)
+    }
     fn sync(&self) -> io::Result<()> {
         self.current().sync()
     }

@@ -872,13 +872,26 @@ impl Layout {
     }
 
     pub fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.zero_range(offset, len, false)
+    }
+
+    /// Zero a range ahead of its use, so that small writes into it later cost what
+    /// rewrites cost (see `BlockDevice::fill_zeroes_at`). Not for a reactor thread.
+    pub fn fill_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.zero_range(offset, len, true)
+    }
+
+    fn zero_range(&self, offset: u64, len: u64, fill: bool) -> io::Result<()> {
         self.check(offset, len)?;
         if self.parity.is_some() {
             return self.parity_zero(offset, len);
         }
         let _w = self.sync_write(offset, len);
         for p in self.pieces(offset, len) {
-            self.each_copy(&p, FAIL_WRITE, |d| d.write_zeroes_at(p.dev_offset, p.len))?;
+            self.each_copy(&p, FAIL_WRITE, |d| match fill {
+                true => d.fill_zeroes_at(p.dev_offset, p.len),
+                false => d.write_zeroes_at(p.dev_offset, p.len),
+            })?;
         }
         Ok(())
     }

@@ -494,7 +494,7 @@ fn zeroer_loop(core: Arc<PoolCore>) {
         s.zeroing = Some(p);
         let epoch = s.zero_epoch;
         drop(s);
-        let r = core.layout.write_zeroes_at((p as u64) << core.unit_shift, unit);
+        let r = core.layout.fill_zeroes_at((p as u64) << core.unit_shift, unit);
         s = core.lock();
         s.zeroing = None;
         if r.is_ok() && s.zero_epoch == epoch {
