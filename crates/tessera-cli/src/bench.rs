@@ -265,6 +265,10 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
                 layout,
                 unit_size,
                 force: true,
+                tuning: tessera_pool::PoolTuning {
+                    journal_flush: !a.no_journal_flush,
+                    ..Default::default()
+                },
             },
         )
         .map_err(|e| e.to_string())?,
@@ -362,7 +366,6 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
     if a.qd == 0 || a.qd > 4096 || a.cores == 0 {
         return Err("queue depth must be 1..4096 and cores at least 1".into());
     }
-    tessera_pool::layout::set_journal_flush(!a.no_journal_flush);
     let subject = build_subject(&a)?;
     let blocks = subject.len / bs;
     if blocks == 0 {

@@ -167,35 +167,13 @@ pub const FAIL_GONE: u8 = 3;
 pub const FAIL_MISSING: u8 = 4;
 pub const FAIL_TIMEOUT: u8 = 5;
 
-/// A redundant pool's device whose I/O has not completed for this long is marked failed
-/// (the Linux NVMe driver's default I/O timeout).
 /// Attempts at copying (or comparing) a mirror range that a client write overlapped,
 /// before new writes to the range are held back for the next attempt.
 const HOLD_AFTER: u32 = 4;
 
+/// A redundant pool's device whose I/O has not completed for this long is marked failed
+/// (the Linux NVMe driver's default I/O timeout).
 pub const DEFAULT_DEVICE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-
-static DEVICE_TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_DEVICE_TIMEOUT.as_millis() as u64);
-
-/// The device timeout pools opened or created from now on use (the node's
-/// `device_timeout_ms`).
-pub fn set_device_timeout(t: std::time::Duration) {
-    DEVICE_TIMEOUT_MS.store(t.as_millis().max(1) as u64, Relaxed);
-}
-
-pub fn device_timeout() -> std::time::Duration {
-    std::time::Duration::from_millis(DEVICE_TIMEOUT_MS.load(Relaxed))
-}
-
-static JOURNAL_FLUSH: AtomicBool = AtomicBool::new(true);
-
-/// Whether parity pools flush their stripe-journal records before writing rows in place
-/// (the node's `parity_journal_flush`, default on): what closes the write hole across a
-/// power loss on devices with a volatile write cache. Off, it is closed for a process
-/// crash only (devices with power-loss protection make the flush nearly free anyway).
-pub fn set_journal_flush(on: bool) {
-    JOURNAL_FLUSH.store(on, Relaxed);
-}
 
 pub fn fail_reason_name(r: u8) -> &'static str {
     match r {
@@ -273,6 +251,8 @@ pub struct Layout {
     /// Redundant layouts: marks a device whose I/O hangs failed (set before handles are
     /// opened; see `watch_devices`).
     watchdog: std::sync::Mutex<Option<Arc<tessera_device::Watchdog>>>,
+    /// `PoolTuning::journal_flush` (set once at open; read by parity writes).
+    journal_flush: AtomicBool,
 }
 
 /// A contiguous piece of a logical range on one device.
@@ -428,6 +408,7 @@ impl Layout {
             parity,
             nonvolatile,
             watchdog: std::sync::Mutex::new(None),
+            journal_flush: AtomicBool::new(true),
         })
     }
 
@@ -935,10 +916,10 @@ impl Layout {
     }
 
     /// Devices whose journal records must be flushed before in-place writes (none when
-    /// `set_journal_flush(false)`).
+    /// the pool's `PoolTuning::journal_flush` is off).
     #[inline]
     pub(crate) fn journal_flush_devs(&self) -> u64 {
-        if JOURNAL_FLUSH.load(Relaxed) {
+        if self.journal_flush.load(Relaxed) {
             self.nonvolatile
         } else {
             0
@@ -954,6 +935,13 @@ impl Layout {
     /// layouts only: elsewhere there is nothing to fail over to). Applies to handles opened
     /// from now on. The operation itself still waits for the device (its buffer may be in
     /// the kernel's hands); every later one avoids the device.
+    /// Apply the pool's tuning: journal flushes, and the device watchdog of redundant
+    /// layouts. Once, right after `Layout::new`.
+    pub(crate) fn apply_tuning(self: &Arc<Self>, t: &crate::pool::PoolTuning) {
+        self.journal_flush.store(t.journal_flush, Relaxed);
+        self.watch_devices(t.device_timeout);
+    }
+
     pub fn watch_devices(self: &Arc<Self>, timeout: std::time::Duration) {
         if !self.kind.is_redundant() {
             return;

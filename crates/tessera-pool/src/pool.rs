@@ -28,12 +28,15 @@ pub const FAILURE_POLL: Duration = Duration::from_millis(100);
 /// stay free (counted as free space), so the reserve costs no capacity.
 const ZERO_RESERVE: usize = 32;
 
+/// How a new pool is made ([`Pool::create`]).
 #[derive(Clone, Copy, Debug)]
 pub struct PoolOptions {
     pub layout: LayoutKind,
     pub unit_size: u64,
     /// Overwrite devices that carry another pool's label.
     pub force: bool,
+    /// How it behaves while open.
+    pub tuning: PoolTuning,
 }
 
 impl Default for PoolOptions {
@@ -42,6 +45,30 @@ impl Default for PoolOptions {
             layout: LayoutKind::Concat,
             unit_size: DEFAULT_UNIT_SIZE,
             force: false,
+            tuning: PoolTuning::default(),
+        }
+    }
+}
+
+/// How an open pool behaves: the node's configuration, not stored in the pool. Given to
+/// [`Pool::create`] (in [`PoolOptions`]) and [`Pool::open_with`].
+#[derive(Clone, Copy, Debug)]
+pub struct PoolTuning {
+    /// A redundant pool's device whose I/O has not completed for this long is marked
+    /// failed (the node's `device_timeout_ms`).
+    pub device_timeout: Duration,
+    /// Parity pools flush their stripe-journal records before writing rows in place (the
+    /// node's `parity_journal_flush`): what closes the write hole across a power loss on
+    /// devices with a volatile write cache. Off, it is closed for a process crash only
+    /// (devices with power-loss protection make the flush nearly free anyway).
+    pub journal_flush: bool,
+}
+
+impl Default for PoolTuning {
+    fn default() -> Self {
+        PoolTuning {
+            device_timeout: crate::layout::DEFAULT_DEVICE_TIMEOUT,
+            journal_flush: true,
         }
     }
 }
@@ -494,7 +521,9 @@ fn zeroer_loop(core: Arc<PoolCore>) {
         s.zeroing = Some(p);
         let epoch = s.zero_epoch;
         drop(s);
-        let r = core.layout.fill_zeroes_at((p as u64) << core.unit_shift, unit);
+        let r = core
+            .layout
+            .fill_zeroes_at((p as u64) << core.unit_shift, unit);
         s = core.lock();
         s.zeroing = None;
         if r.is_ok() && s.zero_epoch == epoch {
@@ -504,7 +533,10 @@ fn zeroer_loop(core: Arc<PoolCore>) {
         }
         core.zero_done.notify_all();
         if let Err(e) = r {
-            eprintln!("tessera: pool {}: zeroing a free unit failed: {e}", core.name);
+            eprintln!(
+                "tessera: pool {}: zeroing a free unit failed: {e}",
+                core.name
+            );
             // Leave it to the allocator (which reports the error to its client) until
             // the next allocation asks again.
             wanted = false;
@@ -619,7 +651,7 @@ impl Pool {
             }
         }
         let layout = Arc::new(Layout::new(opts.layout, devices).map_err(Error::invalid)?);
-        layout.watch_devices(crate::layout::device_timeout());
+        layout.apply_tuning(&opts.tuning);
         let total_units = layout.size / unit;
         if total_units >= u32::MAX as u64 {
             return Err(Error::invalid(
@@ -708,8 +740,13 @@ impl Pool {
         )
     }
 
-    /// Open an existing pool from its devices (in label order).
+    /// Open an existing pool from its devices (in label order), tuned by default.
     pub fn open(devices: Vec<Arc<dyn BlockDevice>>) -> Result<Pool> {
+        Pool::open_with(devices, PoolTuning::default())
+    }
+
+    /// Open an existing pool from its devices (in label order).
+    pub fn open_with(devices: Vec<Arc<dyn BlockDevice>>, tuning: PoolTuning) -> Result<Pool> {
         let mut found = Vec::new();
         for d in &devices {
             let mut b = vec![0u8; BLOCK];
@@ -796,7 +833,7 @@ impl Pool {
             },
         };
         let layout = Arc::new(Layout::new(kind, devices).map_err(Error::corrupt)?);
-        layout.watch_devices(crate::layout::device_timeout());
+        layout.apply_tuning(&tuning);
         // Devices recorded failed stay failed: they missed writes. So do missing ones.
         for i in 0..layout.devices.len() {
             if first.failed & (1 << i) != 0 {
@@ -1267,12 +1304,7 @@ impl Pool {
     fn stop_zeroer(&self) {
         self.core.lock().zeroer_stop = true;
         self.core.zero_wanted.notify_all();
-        if let Some(h) = self
-            .zeroer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        if let Some(h) = self.zeroer.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = h.join();
         }
     }

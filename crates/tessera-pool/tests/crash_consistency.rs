@@ -128,6 +128,7 @@ fn flushed_data_and_metadata_survive_random_crashes() {
                 layout,
                 unit_size: UNIT,
                 force: false,
+                ..PoolOptions::default()
             },
         )
         .unwrap();

@@ -29,6 +29,7 @@ fn scenario(kind: LayoutKind, ndev: usize, victim: usize, fault: Fault, seed: u6
             layout: kind,
             unit_size: 64 << 10,
             force: false,
+            ..PoolOptions::default()
         },
     )
     .unwrap();
@@ -184,6 +185,7 @@ fn losing_every_copy_of_a_set_fails_only_its_stripes() {
             layout: LayoutKind::Raid10 { copies: 2, stripe },
             unit_size: 64 << 10,
             force: false,
+            ..PoolOptions::default()
         },
     )
     .unwrap();

@@ -85,6 +85,7 @@ fn parity_pool(ram: &[Arc<RamDevice>], kind: LayoutKind) -> (Pool, Vec<Arc<Fault
             layout: kind,
             unit_size: 64 << 10,
             force: false,
+            ..PoolOptions::default()
         },
     )
     .unwrap();
@@ -678,6 +679,7 @@ fn allocating_units_never_waits_on_the_cores_own_row_locks() {
                 layout: LayoutKind::Raid5 { stripe: 64 << 10 },
                 unit_size: 1 << 20,
                 force: false,
+                ..PoolOptions::default()
             },
         )
         .unwrap();

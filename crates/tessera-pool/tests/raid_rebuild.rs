@@ -66,6 +66,7 @@ fn rebuild_scenario(kind: LayoutKind, ndev: usize, victim: usize, other: usize, 
                 layout: kind,
                 unit_size: 64 << 10,
                 force: false,
+                ..PoolOptions::default()
             },
         )
         .unwrap(),
@@ -183,6 +184,7 @@ fn a_device_mid_rebuild_stays_failed_after_reopen() {
             layout: LayoutKind::Raid1 { copies: 2 },
             unit_size: 64 << 10,
             force: false,
+            ..PoolOptions::default()
         },
     )
     .unwrap();

@@ -89,6 +89,7 @@ fn setup(copies: u32, remap: bool) -> Setup {
             layout: LayoutKind::Raid1 { copies },
             unit_size: UNIT,
             force: false,
+            ..PoolOptions::default()
         },
     )
     .unwrap();

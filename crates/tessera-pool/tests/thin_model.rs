@@ -59,6 +59,7 @@ fn pool(layout: LayoutKind) -> Pool {
             layout,
             unit_size: 64 << 10,
             force: false,
+            ..PoolOptions::default()
         },
     )
     .unwrap()

@@ -42,7 +42,10 @@ fn leave_old_data(pool: &Pool) {
 fn wait_for_reserve(pool: &Pool) {
     let until = Instant::now() + Duration::from_secs(10);
     while pool.zeroed_units() < 8 {
-        assert!(Instant::now() < until, "the zeroer did not refill its reserve");
+        assert!(
+            Instant::now() < until,
+            "the zeroer did not refill its reserve"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -66,8 +69,10 @@ fn sparse_writes(
 fn partly_written_units_read_zeroes_after_reuse_and_reopen() {
     for layout in [LayoutKind::Concat, LayoutKind::Raid1 { copies: 2 }] {
         let ram: Vec<Arc<RamDevice>> = (0..2).map(|_| RamDevice::new(DEV_SIZE).unwrap()).collect();
-        let devs: Vec<Arc<dyn BlockDevice>> =
-            ram.iter().map(|r| r.clone() as Arc<dyn BlockDevice>).collect();
+        let devs: Vec<Arc<dyn BlockDevice>> = ram
+            .iter()
+            .map(|r| r.clone() as Arc<dyn BlockDevice>)
+            .collect();
         let pool = Pool::create("z", devs.clone(), options(layout)).unwrap();
         leave_old_data(&pool);
         let vol = pool.create_volume("v", VOL_SIZE).unwrap();
@@ -115,9 +120,14 @@ fn units_zeroed_before_a_rebuild_are_not_trusted_after_it() {
     let reserved = pool.zeroed_units();
     assert!(reserved > 0);
     ram[1]
-        .write_at(DEV_DATA_START, &vec![0x5A; (DEV_SIZE - DEV_DATA_START) as usize])
+        .write_at(
+            DEV_DATA_START,
+            &vec![0x5A; (DEV_SIZE - DEV_DATA_START) as usize],
+        )
         .unwrap();
-    cfgs[1].vanished.store(false, std::sync::atomic::Ordering::Relaxed);
+    cfgs[1]
+        .vanished
+        .store(false, std::sync::atomic::Ordering::Relaxed);
 
     pool.start_rebuild(1).unwrap();
     let mut buf = vec![0u8; UNIT as usize];
