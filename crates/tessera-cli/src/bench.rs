@@ -158,8 +158,13 @@ impl BenchTask {
         let op = self.next_op(slot);
         self.started[slot] = now;
         self.inflight += 1;
-        self.handle
-            .submit(io, op, Reactor::tag(self.id, slot as u32));
+        // SAFETY: slot `slot`'s buffer (`bufs[slot]`) belongs to this driver, which issues
+        // the slot again only after its completion and is not dropped while I/O is
+        // in flight.
+        unsafe {
+            self.handle
+                .submit(io, op, Reactor::tag(self.id, slot as u32))
+        };
     }
 }
 
@@ -326,15 +331,18 @@ fn prefill(s: &Subject) -> Result<(), String> {
         let mut n = 0;
         while n < 16 && off < s.len {
             let len = chunk.min(s.len - off);
-            h.submit(
-                &mut io,
-                IoOp::Write {
-                    offset: s.base + off,
-                    len: len as u32,
-                    buf: buf.as_ptr(),
-                },
-                n,
-            );
+            // SAFETY: `buf` is only read by these writes and outlives the drain below.
+            unsafe {
+                h.submit(
+                    &mut io,
+                    IoOp::Write {
+                        offset: s.base + off,
+                        len: len as u32,
+                        buf: buf.as_ptr(),
+                    },
+                    n,
+                )
+            };
             off += len;
             n += 1;
         }

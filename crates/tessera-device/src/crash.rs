@@ -93,7 +93,7 @@ impl CrashDevice {
 struct CrashHandle(Arc<CrashDevice>);
 
 impl IoHandle for CrashHandle {
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         let d = &self.0;
         let r = match op {
             IoOp::Read { offset, len, buf } => check_range(d.size, offset, len as u64).map(|_| {

@@ -225,7 +225,7 @@ struct FaultHandle {
 }
 
 impl IoHandle for FaultHandle {
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         let latency = Duration::from_micros(self.dev.config.latency_us.load(Relaxed))
             + self.dev.stall_delay();
         if let Some(err) = self.dev.verdict(&op, &mut self.rng) {

@@ -150,7 +150,7 @@ struct FileHandle {
 }
 
 impl IoHandle for FileHandle {
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         let size = self.dev.size;
         let entry = match op {
             IoOp::Read { offset, len, buf } => {

@@ -115,7 +115,7 @@ struct RamHandle(Arc<RamDevice>);
 
 impl IoHandle for RamHandle {
     #[inline]
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         let r = self.0.exec(op);
         io.complete(tag, r);
     }

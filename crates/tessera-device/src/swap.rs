@@ -160,7 +160,7 @@ impl SwapHandle {
 
 impl IoHandle for SwapHandle {
     #[inline]
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         let g = self.dev.generation.load(Ordering::Acquire);
         if g != self.generation {
             self.reopen(g);
@@ -237,11 +237,13 @@ mod tests {
         let b = vec![0xBBu8; BLK];
         // 8 slow writes in flight on the old device, then the swap, then 8 more.
         for i in 0..8 {
-            h.submit(&mut io, write_op(&a, i), i as Tag);
+            // SAFETY: `a` and `b` outlive the drain below and are only read meanwhile.
+            unsafe { h.submit(&mut io, write_op(&a, i), i as Tag) };
         }
         s.swap(new.clone()).unwrap();
         for i in 0..8 {
-            h.submit(&mut io, write_op(&b, 8 + i), 8 + i as Tag);
+            // SAFETY: `a` and `b` outlive the drain below and are only read meanwhile.
+            unsafe { h.submit(&mut io, write_op(&b, 8 + i), 8 + i as Tag) };
         }
         let mut done = vec![None; 16];
         let t = Instant::now();
@@ -302,7 +304,9 @@ mod tests {
                 let bufs: Vec<Vec<u8>> = (0..16).map(|_| vec![v; BLK]).collect();
                 for (i, b) in bufs.iter().enumerate() {
                     let block = (round % 32) * 16 + i as u64;
-                    h.submit(&mut io, write_op(b, block), i as Tag);
+                    // SAFETY: `bufs` lives until after the drain that ends this round, and
+                    // is only read meanwhile.
+                    unsafe { h.submit(&mut io, write_op(b, block), i as Tag) };
                     sub.fetch_add(1, SeqCst);
                     if saw {
                         after.push((block, b[0]));

@@ -226,7 +226,7 @@ impl Watched {
 
 impl IoHandle for Watched {
     #[inline]
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         if !matches!(&self.attached, Some(a) if std::ptr::eq(a.io, &*io)) {
             self.attach(io);
         }

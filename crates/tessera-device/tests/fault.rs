@@ -10,7 +10,9 @@ use tessera_io::{CoreIo, IoHandle, IoOp};
 
 fn run(io: &mut CoreIo, h: &mut dyn IoHandle, op: IoOp) -> i32 {
     let mut res = None;
-    h.submit(io, op, 1);
+    // SAFETY: the callers' buffers outlive this call, which drains the completion before it
+    // returns.
+    unsafe { h.submit(io, op, 1) };
     io.run_until_idle(|_, _, r| res = Some(r));
     res.expect("one completion")
 }

@@ -23,7 +23,8 @@ pub const REMOTE_COMPLETER_NONE: Option<RemoteCompleter> = None;
 
 /// One block operation. Offsets and lengths are bytes. Buffers are raw pointers because
 /// they cross into the kernel (io_uring) and must outlive the call; the submitter keeps
-/// them alive and untouched until the completion arrives.
+/// them alive and untouched until the completion arrives (the contract of
+/// [`IoHandle::submit`], which is why it is `unsafe`).
 #[derive(Clone, Copy, Debug)]
 pub enum IoOp {
     Read {
@@ -57,7 +58,15 @@ pub enum IoOp {
 /// `io` (possibly before `submit` returns, via the ready queue — never re-entrantly). The
 /// result is negative errno on failure, anything else on success.
 pub trait IoHandle {
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag);
+    /// Start `op`; its completion arrives for `tag`.
+    ///
+    /// # Safety
+    /// For a [`IoOp::Read`] or [`IoOp::Write`], `buf` must point to `len` bytes that are
+    /// valid (writable, for a read) and stay so until the completion for `tag` has been
+    /// delivered: not freed, not moved, and not touched by anyone else meanwhile (the
+    /// kernel or a device may read or write them at any time until then). The other
+    /// operations carry no pointer.
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag);
     /// Size of the target in bytes.
     fn size(&self) -> u64;
 }

@@ -487,7 +487,11 @@ impl NbdConn {
 
     fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: u64) {
         self.in_io += 1;
-        self.vol.submit(io, op, tag);
+        // SAFETY: the buffer of every Read/Write submitted here is held by the request's
+        // slot (`buf`), which keeps it until the completion for `tag` arrives; the
+        // connection is not dropped while I/O is in flight (`finished` waits for
+        // `in_io` to reach 0).
+        unsafe { self.vol.submit(io, op, tag) };
     }
 
     fn block_status(&mut self, io: &mut CoreIo, s: u16) {

@@ -683,7 +683,11 @@ impl NvmfQueue {
 
     fn submit(&mut self, io: &mut CoreIo, ns: usize, op: IoOp, tag: u64) {
         self.in_io += 1;
-        self.ns[ns].vol.submit(io, op, tag);
+        // SAFETY: the buffer of every Read/Write submitted here is held by the command's
+        // slot (`buf` or `buf2`), which keeps it until the completion for `tag`
+        // arrives; the queue is not dropped while I/O is in flight (it waits for
+        // `in_io` to reach 0).
+        unsafe { self.ns[ns].vol.submit(io, op, tag) };
     }
 
     /// The byte range of an LBA-addressed command, if it lies inside the namespace.
@@ -709,7 +713,8 @@ impl NvmfQueue {
             let child = io.join(tag, self.ns.len() as u32);
             self.in_io += 1;
             for n in &mut self.ns {
-                n.vol.submit(io, IoOp::Flush, child);
+                // SAFETY: a flush carries no buffer.
+                unsafe { n.vol.submit(io, IoOp::Flush, child) };
             }
             return;
         }
@@ -807,7 +812,8 @@ impl NvmfQueue {
                 let child = io.join(tag, ops.len() as u32);
                 self.in_io += 1;
                 for op in ops {
-                    self.ns[ns].vol.submit(io, op, child);
+                    // SAFETY: a discard carries no buffer.
+                    unsafe { self.ns[ns].vol.submit(io, op, child) };
                 }
             }
             _ => self.finish(io, s, SC_INVALID_OPCODE | DNR),

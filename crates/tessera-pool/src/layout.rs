@@ -1068,7 +1068,9 @@ impl MirrorHook {
             *handles = l.device_handles();
         }
         for (op, offset, len, tag) in ready {
-            mirror_write(&l, &mut handles, io, op, offset, len, tag, self.id.get());
+            // SAFETY: a held write's buffer is still its submitter's to keep valid: its
+            // completion has not been delivered (`hold` only queued it).
+            unsafe { mirror_write(&l, &mut handles, io, op, offset, len, tag, self.id.get()) };
         }
     }
 }
@@ -1116,8 +1118,16 @@ impl ErrorHook for MirrorHook {
     }
 }
 
+/// # Safety
+/// As [`IoHandle::submit`] for `op`'s buffer.
 #[inline]
-fn submit_piece(handles: &mut [Box<dyn IoHandle>], io: &mut CoreIo, op: &IoOp, p: Piece, tag: Tag) {
+unsafe fn submit_piece(
+    handles: &mut [Box<dyn IoHandle>],
+    io: &mut CoreIo,
+    op: &IoOp,
+    p: Piece,
+    tag: Tag,
+) {
     handles[p.dev].submit(io, piece_op(op, p), tag);
 }
 
@@ -1183,7 +1193,10 @@ impl LayoutHandle {
     }
 
     /// Mirrors: reads go to one healthy copy (round robin), writes to every healthy copy.
-    fn submit_mirror(&mut self, io: &mut CoreIo, op: IoOp, offset: u64, len: u64, tag: Tag) {
+    ///
+    /// # Safety
+    /// As [`IoHandle::submit`] for `op`'s buffer.
+    unsafe fn submit_mirror(&mut self, io: &mut CoreIo, op: IoOp, offset: u64, len: u64, tag: Tag) {
         let hook = self.hook_id(io);
         let LayoutHandle {
             layout,
@@ -1226,8 +1239,11 @@ impl LayoutHandle {
 
 /// A mirror write (or discard, zeroes): every healthy copy of every piece, one join; tracked
 /// while a rebuild or scrub runs.
+///
+/// # Safety
+/// As [`IoHandle::submit`] for `op`'s buffer.
 #[allow(clippy::too_many_arguments)]
-fn mirror_write(
+unsafe fn mirror_write(
     layout: &Layout,
     handles: &mut [Box<dyn IoHandle>],
     io: &mut CoreIo,
@@ -1274,7 +1290,7 @@ fn mirror_write(
 
 impl IoHandle for LayoutHandle {
     #[inline]
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         if self.layout.parity.is_some() {
             let LayoutHandle { layout, engine, .. } = self;
             let e = engine.get_or_insert_with(|| crate::parity_io::engine_for(io, layout));

@@ -276,7 +276,12 @@ impl ErrorHook for Engine {
 }
 
 impl Engine {
-    pub(crate) fn submit(&self, io: &mut CoreIo, layout: &Layout, op: IoOp, tag: Tag) {
+    /// Take a request (queued when the engine is busy; its buffer is used until it
+    /// completes).
+    ///
+    /// # Safety
+    /// As [`tessera_io::IoHandle::submit`] for `op`'s buffer.
+    pub(crate) unsafe fn submit(&self, io: &mut CoreIo, layout: &Layout, op: IoOp, tag: Tag) {
         if let IoOp::Read { offset, len, buf } = op {
             if self.read_direct(io, layout, offset, len as u64, buf as usize, tag) {
                 return;
@@ -325,7 +330,10 @@ impl Engine {
                 buf: (ptr + done as usize) as *mut u8,
             };
             let h = io.hooked(t, hook, sub, CTX_FAST | d as u64);
-            st.handles[d].submit(io, sub, h);
+            // SAFETY: `ptr` is the request's buffer, valid until the request completes
+            // (Engine::submit's contract); the request completes through `t`, after
+            // this piece.
+            unsafe { st.handles[d].submit(io, sub, h) };
             done += piece;
         }
         drop(st);
@@ -428,7 +436,10 @@ impl Engine {
                         buf: (ptr + done as usize) as *mut u8,
                     };
                     let h = io.hooked(t, hook, sub, CTX_FAST | d as u64);
-                    st.handles[d].submit(io, sub, h);
+                    // SAFETY: `ptr` is the request's buffer, valid until the request
+                    // completes (Engine::submit's contract); the request completes
+                    // through `t`, after this piece.
+                    unsafe { st.handles[d].submit(io, sub, h) };
                 } else {
                     let id = self.new_op(st, t, r, false);
                     st.ops[id as usize].segs.push(Seg {
@@ -489,7 +500,8 @@ impl Engine {
         let hook = self.hook.get();
         for d in live {
             let h = io.hooked(t, hook, IoOp::Flush, CTX_FLUSH | d as u64);
-            st.handles[d].submit(io, IoOp::Flush, h);
+            // SAFETY: a flush carries no buffer.
+            unsafe { st.handles[d].submit(io, IoOp::Flush, h) };
         }
     }
 
@@ -769,7 +781,9 @@ impl Engine {
                 buf: at as *mut u8,
             };
             let h = io.hooked(t, hook, sub, CTX_DEV | d as u64);
-            handles[d].submit(io, sub, h);
+            // SAFETY: `at` points into this row op's buffer, which the op keeps until
+            // `finish`, after every read of the op has completed.
+            unsafe { handles[d].submit(io, sub, h) };
         }
         nreads as u32
     }
@@ -912,7 +926,9 @@ impl Engine {
                 buf: jb.as_ptr(),
             };
             let h = io.hooked(t, hook, sub, CTX_DEV | d as u64);
-            handles[d].submit(io, sub, h);
+            // SAFETY: `jb` is this row op's journal buffer (`op.jbuf`), kept until
+            // `finish`, after every write of the record has completed.
+            unsafe { handles[d].submit(io, sub, h) };
         }
         Some(n)
     }
@@ -945,7 +961,10 @@ impl Engine {
                 buf: w.ptr as *const u8,
             };
             let h = io.hooked(t, hook, sub, CTX_DEV | w.dev as u64);
-            handles[w.dev].submit(io, sub, h);
+            // SAFETY: `w.ptr` points at `w.len` bytes that stay valid until the op
+            // finishes, after these writes: the client's buffer (its request
+            // completes only then), the engine's zero chunk or this op's buffer.
+            unsafe { handles[w.dev].submit(io, sub, h) };
         }
         n
     }
@@ -975,7 +994,8 @@ impl Engine {
         for d in (0..st.handles.len()).filter(|d| devs & (1 << d) != 0) {
             // A failed flush marks the device failed (its records no longer count).
             let h = io.hooked(t, hook, IoOp::Flush, CTX_DEV | d as u64);
-            st.handles[d].submit(io, IoOp::Flush, h);
+            // SAFETY: a flush carries no buffer.
+            unsafe { st.handles[d].submit(io, IoOp::Flush, h) };
         }
     }
 

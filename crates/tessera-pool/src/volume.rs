@@ -350,7 +350,7 @@ impl VolumeHandle {
 }
 
 impl IoHandle for VolumeHandle {
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         self.refresh();
         let size = self.vol.size();
         let (offset, len) = match op {
@@ -468,15 +468,18 @@ impl VolumeHandle {
             let p = h.map.get(u);
             if p != HOLE {
                 let offset = h.pool_offset(p, at);
-                h.layout.submit(
-                    io,
-                    IoOp::WriteZeroes {
-                        offset,
-                        len: seg,
-                        may_unmap: false,
-                    },
-                    t,
-                );
+                // SAFETY: WriteZeroes carries no buffer.
+                unsafe {
+                    h.layout.submit(
+                        io,
+                        IoOp::WriteZeroes {
+                            offset,
+                            len: seg,
+                            may_unmap: false,
+                        },
+                        t,
+                    )
+                };
             } else if may_unmap {
                 io.complete(t, 0);
             } else {

@@ -64,15 +64,18 @@ fn scenario(kind: LayoutKind, ndev: usize, victim: usize, fault: Fault, seed: u6
             model[off..off + len].copy_from_slice(&b);
             bufs.push(b);
             let b = bufs.last().unwrap();
-            h.submit(
-                &mut io,
-                IoOp::Write {
-                    offset: off as u64,
-                    len: len as u32,
-                    buf: b.as_ptr(),
-                },
-                tags,
-            );
+            // SAFETY: `bufs` keeps every write's data, and outlives the drain below.
+            unsafe {
+                h.submit(
+                    &mut io,
+                    IoOp::Write {
+                        offset: off as u64,
+                        len: len as u32,
+                        buf: b.as_ptr(),
+                    },
+                    tags,
+                )
+            };
             tags += 1;
         }
         let mut done = 0;

@@ -30,15 +30,18 @@ fn write_batch(io: &mut tessera_io::CoreIo, h: &mut dyn IoHandle, model: &mut [u
         model[off..off + len].copy_from_slice(&b);
         bufs.push(b);
         let b = bufs.last().unwrap();
-        h.submit(
-            io,
-            IoOp::Write {
-                offset: off as u64,
-                len: len as u32,
-                buf: b.as_ptr(),
-            },
-            ranges.len() as u64,
-        );
+        // SAFETY: `bufs` keeps every write's data, and outlives the drain below.
+        unsafe {
+            h.submit(
+                io,
+                IoOp::Write {
+                    offset: off as u64,
+                    len: len as u32,
+                    buf: b.as_ptr(),
+                },
+                ranges.len() as u64,
+            )
+        };
     }
     let mut n = 0;
     io.run_until_idle(|_, _, r| {
@@ -249,15 +252,19 @@ fn blocks_rewritten_without_pause_do_not_starve_rebuild_or_scrub() {
                 while !s1.load(Relaxed) {
                     let bufs: Vec<Vec<u8>> = (0..16).map(|i| pattern(n + i, 4096)).collect();
                     for (i, b) in bufs.iter().enumerate() {
-                        h.submit(
-                            &mut io,
-                            IoOp::Write {
-                                offset: hot,
-                                len: 4096,
-                                buf: b.as_ptr(),
-                            },
-                            i as u64,
-                        );
+                        // SAFETY: `bufs` keeps every write's data, and outlives the drain
+                        // below.
+                        unsafe {
+                            h.submit(
+                                &mut io,
+                                IoOp::Write {
+                                    offset: hot,
+                                    len: 4096,
+                                    buf: b.as_ptr(),
+                                },
+                                i as u64,
+                            )
+                        };
                     }
                     io.run_until_idle(|_, _, r| assert!(r >= 0, "write failed: {r}"));
                     n += 16;
