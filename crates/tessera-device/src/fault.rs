@@ -18,6 +18,10 @@
 //! - `stall_after_ms=T`: the stall begins T ms after the device was opened (like
 //!   `vanish_after_ms`); it lasts `stall_ms`, or [`DEFAULT_STALL_MS`] if that is unset.
 
+// Not yet audited for the workspace lint (2 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;

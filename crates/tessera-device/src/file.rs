@@ -1,5 +1,9 @@
 //! Files and block devices, opened with O_DIRECT and driven through the core's io_uring.
 
+// Not yet audited for the workspace lint (5 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;

@@ -1,5 +1,9 @@
 //! A RAM device: anonymous memory, completing every operation inline.
 
+// Not yet audited for the workspace lint (11 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::io;
 use std::sync::Arc;
 

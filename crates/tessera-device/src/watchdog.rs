@@ -26,6 +26,10 @@
 //! completes promptly (within `timeout / 2`) re-arms the device, so a later hang is
 //! reported again. Callbacks are counted in [`Watchdog::hangs`].
 
+// Not yet audited for the workspace lint (5 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};

@@ -98,7 +98,7 @@ impl BufPool {
         match Self::class_of(len) {
             Some(c) => self.free[c]
                 .pop()
-                .unwrap_or_else(|| AlignedBuf::zeroed(1 << (c as u32 + MIN_CLASS_SHIFT))),
+                .unwrap_or_else(|| AlignedBuf::zeroed(1 << (c + MIN_CLASS_SHIFT as usize))),
             None => AlignedBuf::zeroed(len),
         }
     }

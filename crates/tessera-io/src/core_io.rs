@@ -18,6 +18,16 @@ pub(crate) const INTERNAL: u64 = 1 << 63;
 /// Marks io_uring user_data of the reactor's own operations (mailbox eventfd).
 pub(crate) const REACTOR: u64 = 1 << 62;
 
+/// A join's index in its tag's low 32 bits. A core holds at most one join per operation
+/// in flight, far below 2^32.
+#[inline]
+fn join_index(idx: usize) -> u32 {
+    debug_assert!(u32::try_from(idx).is_ok());
+    #[allow(clippy::cast_possible_truncation)] // see above
+    let i = idx as u32;
+    i
+}
+
 /// Placeholder for contexts that have no reactor mailbox (unit tests, tools).
 pub const REMOTE_COMPLETER_NONE: Option<RemoteCompleter> = None;
 
@@ -267,7 +277,7 @@ impl CoreIo {
             }
             let (parent, result, delay, hook) = (j.parent, j.result, j.delay, j.hook);
             let always = j.always;
-            self.free_joins.push(idx as u32);
+            self.free_joins.push(join_index(idx));
             if let Some((h, op, ctx)) = hook {
                 if always {
                     let h = self.hooks[h as usize].clone();
@@ -304,7 +314,7 @@ impl CoreIo {
             }
             None => {
                 self.joins.push(j);
-                (self.joins.len() - 1) as u32
+                join_index(self.joins.len() - 1)
             }
         };
         INTERNAL | idx as u64
@@ -325,7 +335,7 @@ impl CoreIo {
     /// Register an error hook on this core; the returned id is for [`CoreIo::hooked`].
     pub fn register_hook(&mut self, hook: std::rc::Rc<dyn ErrorHook>) -> u32 {
         self.hooks.push(hook);
-        (self.hooks.len() - 1) as u32
+        u32::try_from(self.hooks.len() - 1).expect("fewer than 2^32 hooks on a core")
     }
 
     /// A child tag for one operation `op`: success passes on to `parent`, an error goes to
@@ -374,6 +384,11 @@ impl CoreIo {
 
     pub(crate) fn pop_ready(&mut self) -> Option<(Tag, i32)> {
         self.ready.pop_front()
+    }
+
+    /// Entries waiting in the submission queue (bounded by the ring's size, a u32).
+    pub(crate) fn sq_pending(&mut self) -> u32 {
+        u32::try_from(self.ring.submission().len()).unwrap_or(u32::MAX)
     }
 
     pub(crate) fn has_ready(&self) -> bool {

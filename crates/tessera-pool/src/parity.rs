@@ -8,6 +8,10 @@
 //! lock, and rows far apart never contend. Taking the lock also hands out the row's next
 //! *version*, which orders the row's journal records for recovery (format §2.1).
 
+// Not yet audited for the workspace lint (40 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::collections::{BTreeMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::AcqRel, Ordering::Acquire, Ordering::Release};

@@ -29,6 +29,10 @@
 //! itself submitting (devices may complete synchronously), so every event goes through a
 //! queue that one trampoline loop drains: the engine is never re-entered.
 
+// Not yet audited for the workspace lint (57 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::Rc;

@@ -1,6 +1,10 @@
 //! A pool: devices under a layout, a metadata region, the unit allocator, the volumes
 //! carved from it, and the commit thread that makes thin-map changes durable.
 
+// Not yet audited for the workspace lint (9 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};

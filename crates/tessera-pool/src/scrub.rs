@@ -37,6 +37,10 @@
 //! recomputed from the data is compared with the stored parity, whole rows); **concat and
 //! raid0** are only read (unreadable ranges are counted).
 
+// Not yet audited for the workspace lint (5 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::io;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;

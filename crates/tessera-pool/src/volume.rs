@@ -5,6 +5,10 @@
 //! a new mapping after it was published (Release/Acquire), and a unit is zeroed before it
 //! is published, so no reader ever sees another volume's old data.
 
+// Not yet audited for the workspace lint (9 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, RwLock};

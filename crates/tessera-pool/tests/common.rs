@@ -1,6 +1,9 @@
 //! Helpers shared by the pool integration tests: run block operations synchronously on a
 //! private core context.
 
+// Not yet audited for the workspace lint (5 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
 #![allow(dead_code)]
 
 use std::sync::Arc;

@@ -2,6 +2,10 @@
 //! unit while a client keeps writing, becomes healthy, and then serves every byte alone
 //! once the other copy fails — also after a reopen.
 
+// Not yet audited for the workspace lint (5 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};

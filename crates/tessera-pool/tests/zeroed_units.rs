@@ -4,6 +4,10 @@
 //! (a rebuild copies allocated units only, so zeroes written to free units before the
 //! rebuild are not on the rebuilt device).
 
+// Not yet audited for the workspace lint (6 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 
 use std::sync::Arc;
