@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_device::{BlockDevice, NullDevice, Watchdog};
-use tessera_io::{CoreIo, ErrorHook, IoHandle, IoOp, Tag};
+use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 /// For comparison: the least a wrapper that sees completions costs (a tracked join
 /// through a hook that only passes the result on).
@@ -18,7 +18,7 @@ struct JoinOnly {
 
 struct PassOn;
 
-impl ErrorHook for PassOn {
+impl Continuation for PassOn {
     fn on_error(&self, io: &mut CoreIo, parent: Tag, _: IoOp, _: u64, res: i32) {
         io.complete(parent, res)
     }

@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tessera_io::ErrorHook;
+use tessera_io::Continuation;
 
 use crate::{CoreIo, IoHandle, IoOp, Tag};
 
@@ -203,7 +203,7 @@ impl Watched {
                         devs: Vec::new(),
                     }),
                 });
-                let hook: Rc<dyn ErrorHook> = c.clone();
+                let hook: Rc<dyn Continuation> = c.clone();
                 c.hook.set(io.register_hook(hook));
                 io.locals.insert(key, Box::new(c.clone()));
                 c
@@ -323,7 +323,7 @@ impl CoreWatch {
     }
 }
 
-impl ErrorHook for CoreWatch {
+impl Continuation for CoreWatch {
     fn on_error(&self, io: &mut CoreIo, parent: Tag, _op: IoOp, _ctx: u64, res: i32) {
         // Not used: `tracked` joins call `on_done`.
         io.complete(parent, res)

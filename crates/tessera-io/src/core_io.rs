@@ -92,10 +92,21 @@ struct Join {
     always: bool,
 }
 
-/// Error handler for a [`CoreIo::hooked`] operation: it is called (instead of passing the
-/// error on) with the failed operation and the caller's context, and must complete
-/// `parent` exactly once. Used by mirrored layouts to fail over to another copy.
-pub trait ErrorHook {
+/// A layer's own code that runs when one of its operations ends, registered once per
+/// core ([`CoreIo::register_hook`]) and addressed by id, so a pending operation carries
+/// no closure. Two uses:
+///
+/// - error handling, for a [`CoreIo::hooked`] operation: [`Continuation::on_error`] is
+///   called (instead of passing the error on) with the failed operation and the caller's
+///   context (mirrors fail over to another copy);
+/// - continuations, for a [`CoreIo::tracked`] operation or [`CoreIo::defer_hook`]:
+///   [`Continuation::on_done`] is called for every completion (the mirrors' rebuild
+///   tracking, the parity engine's next step, a retry of held writes).
+///
+/// Either must complete `parent` exactly once, except for the layer's own steps made with
+/// parent 0 (`defer_hook`, the parity engine's tracked phases), which complete nothing.
+pub trait Continuation {
+    /// A [`CoreIo::hooked`] operation failed with `res`.
     fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32);
 
     /// Called for every completion of a [`CoreIo::tracked`] operation (errors included);
@@ -142,7 +153,7 @@ pub struct CoreIo {
     round: u64,
     /// Tags to complete in the next round, after the ring has been polled.
     deferred: Vec<Tag>,
-    hooks: Vec<std::rc::Rc<dyn ErrorHook>>,
+    hooks: Vec<std::rc::Rc<dyn Continuation>>,
 }
 
 impl CoreIo {
@@ -333,7 +344,7 @@ impl CoreIo {
     }
 
     /// Register an error hook on this core; the returned id is for [`CoreIo::hooked`].
-    pub fn register_hook(&mut self, hook: std::rc::Rc<dyn ErrorHook>) -> u32 {
+    pub fn register_hook(&mut self, hook: std::rc::Rc<dyn Continuation>) -> u32 {
         self.hooks.push(hook);
         u32::try_from(self.hooks.len() - 1).expect("fewer than 2^32 hooks on a core")
     }

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed, Orde
 use std::sync::{Arc, Weak};
 
 use tessera_device::BlockDevice;
-use tessera_io::{CoreIo, ErrorHook, IoHandle, IoOp, Tag};
+use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use crate::format::DEV_DATA_START;
 
@@ -1033,9 +1033,37 @@ struct MirrorHook {
     handles: std::cell::RefCell<Vec<Box<dyn IoHandle>>>,
 }
 
-/// `MirrorHook::on_done` context of the retry of held writes (other contexts are epoch
-/// tokens, 0 or 1).
-const CTX_HELD: u64 = 1 << 62;
+/// What a mirror's continuation (`MirrorHook::on_done`) is to do, carried in its `ctx`.
+/// (Its `on_error` gets the failed device's index instead.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MirrorStep {
+    /// A write tracked during a rebuild or scrub ended: its `begin_write` token.
+    EndWrite(u64),
+    /// Retry the held writes (`MirrorHook::hold`).
+    RetryHeld,
+}
+
+impl MirrorStep {
+    /// Beyond any token (tokens are epoch parities, 0 or 1).
+    const RETRY_HELD: u64 = 1 << 62;
+
+    #[inline]
+    fn ctx(self) -> u64 {
+        match self {
+            MirrorStep::EndWrite(token) => token,
+            MirrorStep::RetryHeld => Self::RETRY_HELD,
+        }
+    }
+
+    #[inline]
+    fn of(ctx: u64) -> MirrorStep {
+        if ctx == Self::RETRY_HELD {
+            MirrorStep::RetryHeld
+        } else {
+            MirrorStep::EndWrite(ctx)
+        }
+    }
+}
 
 impl MirrorHook {
     /// Hold write `op` until its range is released; the first one waiting schedules the
@@ -1043,7 +1071,7 @@ impl MirrorHook {
     fn hold(&self, io: &mut CoreIo, op: IoOp, offset: u64, len: u64, tag: Tag) {
         let mut w = self.waiting.borrow_mut();
         if w.is_empty() {
-            io.defer_hook(self.id.get(), CTX_HELD);
+            io.defer_hook(self.id.get(), MirrorStep::RetryHeld.ctx());
         }
         w.push_back((op, offset, len, tag));
     }
@@ -1063,7 +1091,7 @@ impl MirrorHook {
                 all.into_iter().partition(|&(_, o, n, _)| l.held(o, n));
             w.extend(held);
             if !w.is_empty() {
-                io.defer_hook(self.id.get(), CTX_HELD);
+                io.defer_hook(self.id.get(), MirrorStep::RetryHeld.ctx());
             }
             ready
         };
@@ -1079,7 +1107,7 @@ impl MirrorHook {
     }
 }
 
-impl ErrorHook for MirrorHook {
+impl Continuation for MirrorHook {
     fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32) {
         let Some(l) = self.layout.upgrade() else {
             return io.complete(parent, res);
@@ -1112,11 +1140,12 @@ impl ErrorHook for MirrorHook {
     /// The end of a client write tracked while a rebuild runs (`ctx`: epoch parity), or
     /// the retry of held writes.
     fn on_done(&self, io: &mut CoreIo, parent: Tag, _op: IoOp, ctx: u64, res: i32) {
-        if ctx == CTX_HELD {
-            return self.retry(io);
-        }
+        let token = match MirrorStep::of(ctx) {
+            MirrorStep::RetryHeld => return self.retry(io),
+            MirrorStep::EndWrite(token) => token,
+        };
         if let Some(l) = self.layout.upgrade() {
-            l.end_write(ctx);
+            l.end_write(token);
         }
         io.complete(parent, res)
     }
@@ -1273,7 +1302,7 @@ unsafe fn mirror_write(
         io.join(tag, parts)
     } else {
         let token = layout.begin_write(offset, len);
-        io.tracked(tag, parts, hook, token)
+        io.tracked(tag, parts, hook, MirrorStep::EndWrite(token).ctx())
     };
     for p in layout.pieces(offset, len) {
         let mut any = false;
