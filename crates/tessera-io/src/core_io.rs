@@ -140,9 +140,6 @@ pub struct CoreIo {
     pub(crate) ring_inflight: usize,
     pub bufs: BufPool,
     remote: Option<RemoteCompleter>,
-    /// Set by a task that expects its next event very soon (a client waiting on each
-    /// reply): the reactor then polls briefly before sleeping. Cleared every iteration.
-    pub poll_hint: bool,
     /// Per-core state that layers above share between their tasks on this core (e.g. a
     /// volume's QoS limiter), keyed by the owner's choice.
     pub locals: std::collections::HashMap<usize, Box<dyn std::any::Any>>,
@@ -184,7 +181,6 @@ impl CoreIo {
             ring_inflight: 0,
             bufs: BufPool::default(),
             remote,
-            poll_hint: false,
             now: Instant::now(),
             locals: std::collections::HashMap::new(),
             round: 0,

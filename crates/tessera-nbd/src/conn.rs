@@ -292,9 +292,6 @@ impl NbdConn {
             None => {
                 self.rend += n;
                 self.parse(io);
-                if self.latency.active() {
-                    io.poll_hint = true;
-                }
             }
         }
         self.post_recv(io);

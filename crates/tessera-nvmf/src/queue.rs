@@ -282,9 +282,6 @@ impl NvmfQueue {
         }
         self.rend += res as usize;
         self.parse(io);
-        if self.latency.active() {
-            io.poll_hint = true;
-        }
         self.post_recv(io);
     }
 
