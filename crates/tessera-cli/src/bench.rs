@@ -394,7 +394,7 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
                 "--fail-device takes a device index of a raid1/raid10/raid5/raid6/ec pool".into(),
             );
         }
-        l.mark_failed(d, tessera_pool::layout::FAIL_GONE);
+        l.mark_failed(d, tessera_pool::layout::FailReason::Gone);
     }
     let cfg = ReactorConfig {
         cores: a.cores,

@@ -163,13 +163,52 @@ impl LayoutKind {
     }
 }
 
-/// Why a device was marked failed (stored in the labels, see docs/format.md).
-pub const FAIL_NONE: u8 = 0;
-pub const FAIL_READ: u8 = 1;
-pub const FAIL_WRITE: u8 = 2;
-pub const FAIL_GONE: u8 = 3;
-pub const FAIL_MISSING: u8 = 4;
-pub const FAIL_TIMEOUT: u8 = 5;
+/// Why a device was marked failed. Its byte is stored in the labels' `fail_reason`
+/// (docs/format.md): the values are part of the on-disk format; 0 means none.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FailReason {
+    Read = 1,
+    Write = 2,
+    Gone = 3,
+    Missing = 4,
+    Timeout = 5,
+}
+
+impl FailReason {
+    /// The byte stored in the labels.
+    #[inline]
+    pub fn byte(self) -> u8 {
+        self as u8
+    }
+
+    /// A stored byte: `None` for 0 (no reason) or a byte no version writes.
+    pub fn from_byte(b: u8) -> Option<FailReason> {
+        Some(match b {
+            1 => FailReason::Read,
+            2 => FailReason::Write,
+            3 => FailReason::Gone,
+            4 => FailReason::Missing,
+            5 => FailReason::Timeout,
+            _ => return None,
+        })
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            FailReason::Read => "read error",
+            FailReason::Write => "write error",
+            FailReason::Gone => "device disappeared",
+            FailReason::Missing => "missing at open (or failed before the restart)",
+            FailReason::Timeout => "I/O timed out (device hung)",
+        }
+    }
+}
+
+/// The description of a stored reason byte ("" for none).
+pub fn fail_reason_name(r: u8) -> &'static str {
+    FailReason::from_byte(r).map_or("", FailReason::describe)
+}
 
 /// Attempts at copying (or comparing) a mirror range that a client write overlapped,
 /// before new writes to the range are held back for the next attempt.
@@ -179,32 +218,21 @@ const HOLD_AFTER: u32 = 4;
 /// (the Linux NVMe driver's default I/O timeout).
 pub const DEFAULT_DEVICE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
-pub fn fail_reason_name(r: u8) -> &'static str {
-    match r {
-        FAIL_READ => "read error",
-        FAIL_WRITE => "write error",
-        FAIL_GONE => "device disappeared",
-        FAIL_MISSING => "missing at open (or failed before the restart)",
-        FAIL_TIMEOUT => "I/O timed out (device hung)",
-        _ => "",
-    }
-}
-
 /// Why a device failed, from a datapath operation's error result.
-pub(crate) fn reason_of(op: &IoOp, res: i32) -> u8 {
+pub(crate) fn reason_of(op: &IoOp, res: i32) -> FailReason {
     if res == -libc::ENODEV {
-        FAIL_GONE
+        FailReason::Gone
     } else if matches!(op, IoOp::Read { .. }) {
-        FAIL_READ
+        FailReason::Read
     } else {
-        FAIL_WRITE
+        FailReason::Write
     }
 }
 
 /// Why a device failed, from a synchronous call's error: gone (ENODEV), else `other`.
-pub(crate) fn error_reason(e: &io::Error, other: u8) -> u8 {
+pub(crate) fn error_reason(e: &io::Error, other: FailReason) -> FailReason {
     if e.raw_os_error() == Some(libc::ENODEV) {
-        FAIL_GONE
+        FailReason::Gone
     } else {
         other
     }
@@ -383,9 +411,7 @@ impl Layout {
             LayoutKind::Raid10 { copies, .. } => (copies, (devices.len() / copies as usize) as u64),
             _ => (1, devices.len() as u64),
         };
-        let fail_reason = (0..devices.len())
-            .map(|_| AtomicU8::new(FAIL_NONE))
-            .collect();
+        let fail_reason = (0..devices.len()).map(|_| AtomicU8::new(0)).collect();
         let nonvolatile = (0..devices.len())
             .filter(|&d| !devices[d].is_volatile())
             .fold(0u64, |a, d| a | 1 << d);
@@ -540,15 +566,15 @@ impl Layout {
     }
 
     /// Mark device `d` failed for `reason` (first reason wins). Lock free.
-    pub fn mark_failed(&self, d: usize, reason: u8) {
+    pub fn mark_failed(&self, d: usize, reason: FailReason) {
         let bit = 1u64 << d;
         self.rebuilding.fetch_and(!bit, SeqCst);
         if self.failed.fetch_or(bit, Relaxed) & bit == 0 {
-            self.fail_reason[d].store(reason, Relaxed);
+            self.fail_reason[d].store(reason.byte(), Relaxed);
             eprintln!(
                 "tessera: device {} marked failed: {}",
                 self.devices[d].describe(),
-                fail_reason_name(reason)
+                reason.describe()
             );
         }
     }
@@ -694,7 +720,7 @@ impl Layout {
         // Writes from now on reach the device; then it stops being failed.
         self.rebuilding.fetch_or(bit, SeqCst);
         self.failed.fetch_and(!bit, SeqCst);
-        self.fail_reason[d].store(FAIL_NONE, Relaxed);
+        self.fail_reason[d].store(0, Relaxed);
         Ok(())
     }
 
@@ -743,14 +769,14 @@ impl Layout {
                             done = true;
                             break;
                         }
-                        Err(e) => self.mark_failed(s, error_reason(&e, FAIL_READ)),
+                        Err(e) => self.mark_failed(s, error_reason(&e, FailReason::Read)),
                     }
                 }
                 if !done {
                     return Err(io::Error::from_raw_os_error(libc::EIO));
                 }
                 if let Err(e) = self.devices[d].write_at(p.dev_offset, b) {
-                    self.mark_failed(d, FAIL_WRITE);
+                    self.mark_failed(d, FailReason::Write);
                     return Err(e);
                 }
                 copied += p.len;
@@ -782,7 +808,7 @@ impl Layout {
     fn each_copy(
         &self,
         p: &Piece,
-        what: u8,
+        what: FailReason,
         mut io: impl FnMut(&Arc<dyn BlockDevice>) -> io::Result<()>,
     ) -> io::Result<()> {
         let mut last = None;
@@ -828,7 +854,7 @@ impl Layout {
                     }
                     Err(e) => {
                         if self.copies > 1 {
-                            self.mark_failed(d, error_reason(&e, FAIL_READ));
+                            self.mark_failed(d, error_reason(&e, FailReason::Read));
                         }
                         last = Some(e);
                     }
@@ -849,7 +875,7 @@ impl Layout {
         let _w = self.sync_write(offset, buf.len() as u64);
         for p in self.pieces(offset, buf.len() as u64) {
             let r = p.range_offset as usize..(p.range_offset + p.len) as usize;
-            self.each_copy(&p, FAIL_WRITE, |d| {
+            self.each_copy(&p, FailReason::Write, |d| {
                 d.write_at(p.dev_offset, &buf[r.clone()])
             })?;
         }
@@ -873,7 +899,7 @@ impl Layout {
         }
         let _w = self.sync_write(offset, len);
         for p in self.pieces(offset, len) {
-            self.each_copy(&p, FAIL_WRITE, |d| match fill {
+            self.each_copy(&p, FailReason::Write, |d| match fill {
                 true => d.fill_zeroes_at(p.dev_offset, p.len),
                 false => d.write_zeroes_at(p.dev_offset, p.len),
             })?;
@@ -904,7 +930,7 @@ impl Layout {
             }
             if let Err(e) = d.sync() {
                 if redundant {
-                    self.mark_failed(i, FAIL_WRITE);
+                    self.mark_failed(i, FailReason::Write);
                     continue;
                 }
                 return Err(io::Error::new(
@@ -955,7 +981,7 @@ impl Layout {
             timeout,
             Arc::new(move |d| {
                 if let Some(l) = weak.upgrade() {
-                    l.mark_failed(d, FAIL_TIMEOUT);
+                    l.mark_failed(d, FailReason::Timeout);
                 }
             }),
         );
@@ -1125,7 +1151,7 @@ impl Continuation for MirrorHook {
                     }
                     match l.devices[d].read_at(offset, b) {
                         Ok(()) => return io.complete(parent, len as i32),
-                        Err(e) => l.mark_failed(d, error_reason(&e, FAIL_READ)),
+                        Err(e) => l.mark_failed(d, error_reason(&e, FailReason::Read)),
                     }
                 }
                 io.complete(parent, -libc::EIO)
@@ -1400,6 +1426,24 @@ mod tests {
     }
 
     #[test]
+    fn fail_reason_bytes_are_the_label_format() {
+        // docs/format.md: the label's fail_reason bytes.
+        let all = [
+            (FailReason::Read, 1),
+            (FailReason::Write, 2),
+            (FailReason::Gone, 3),
+            (FailReason::Missing, 4),
+            (FailReason::Timeout, 5),
+        ];
+        for (r, b) in all {
+            assert_eq!(r.byte(), b);
+            assert_eq!(FailReason::from_byte(b), Some(r));
+        }
+        assert_eq!(FailReason::from_byte(0), None);
+        assert_eq!(fail_reason_name(0), "");
+    }
+
+    #[test]
     fn raid0_pieces_cover_range_and_rotate_devices() {
         let l = Layout::new(LayoutKind::Raid0 { stripe: 65536 }, rams(4, 5 << 20)).unwrap();
         assert_eq!(l.size, 4 * (4 << 20));
@@ -1419,7 +1463,7 @@ mod tests {
         let l = Arc::new(Layout::new(LayoutKind::Raid1 { copies: 2 }, rams(2, 2 << 20)).unwrap());
         let span = 32 << 10;
         for pass in 0..200u64 {
-            l.mark_failed(1, FAIL_WRITE);
+            l.mark_failed(1, FailReason::Write);
             l.start_rebuild(1).unwrap();
             let stop = Arc::new(AtomicBool::new(false));
             let w = {

@@ -20,7 +20,7 @@ use std::sync::{Mutex, OnceLock};
 use tessera_parity::{pq_gen, pq_recover, pq_update, xor_into, xor_parity, ReedSolomon};
 
 use crate::format::DEV_DATA_START;
-use crate::layout::{error_reason, Layout, LayoutKind, FAIL_READ, FAIL_WRITE};
+use crate::layout::{error_reason, FailReason, Layout, LayoutKind};
 
 /// The stripe journal: 16 MiB per device right after the label.
 pub const JOURNAL_LEN: u64 = 16 << 20;
@@ -537,7 +537,7 @@ impl Layout {
                 }
                 let b = &mut buf[s * span..(s + 1) * span];
                 if let Err(e) = self.devices[d].read_at(p.row_offset(r) + lo, b) {
-                    self.mark_failed(d, error_reason(&e, FAIL_READ));
+                    self.mark_failed(d, error_reason(&e, FailReason::Read));
                     retry = true;
                     break;
                 }
@@ -567,7 +567,7 @@ impl Layout {
                 && match self.devices[d].read_at(p.row_offset(r) + off, dst) {
                     Ok(()) => true,
                     Err(e) => {
-                        self.mark_failed(d, error_reason(&e, FAIL_READ));
+                        self.mark_failed(d, error_reason(&e, FailReason::Read));
                         false
                     }
                 };
@@ -655,7 +655,7 @@ impl Layout {
                 );
                 for d in (0..p.n).filter(|d| holders & (1 << d) != 0) {
                     if self.devices[d].write_at(jat, &jb).is_err() {
-                        self.mark_failed(d, FAIL_WRITE);
+                        self.mark_failed(d, FailReason::Write);
                     }
                 }
                 self.flush_durable(holders);
@@ -667,7 +667,7 @@ impl Layout {
                         .write_zeroes_at(p.row_offset(r), p.chunk)
                         .is_err()
                     {
-                        self.mark_failed(d, FAIL_WRITE);
+                        self.mark_failed(d, FailReason::Write);
                     }
                 }
                 self.flush_durable(u64::MAX);
@@ -693,7 +693,7 @@ impl Layout {
         let devs = devs & self.journal_flush_devs();
         for d in (0..self.devices.len()).filter(|d| devs & (1 << d) != 0) {
             if !self.is_failed(d) && self.devices[d].sync().is_err() {
-                self.mark_failed(d, FAIL_WRITE);
+                self.mark_failed(d, FailReason::Write);
             }
         }
     }
@@ -771,7 +771,7 @@ impl Layout {
         );
         for d in (0..p.n).filter(|d| holders & (1 << d) != 0) {
             if self.devices[d].write_at(at, &jb).is_err() {
-                self.mark_failed(d, FAIL_WRITE);
+                self.mark_failed(d, FailReason::Write);
             }
         }
         self.flush_durable(holders);
@@ -784,7 +784,7 @@ impl Layout {
                 .write_at(p.row_offset(r) + off, bytes)
                 .is_err()
             {
-                self.mark_failed(d, FAIL_WRITE);
+                self.mark_failed(d, FailReason::Write);
             }
         }
         self.flush_durable(writes.iter().fold(0, |a, w| a | 1 << p.shard_dev(r, w.0)));
@@ -820,7 +820,7 @@ impl Layout {
             if let Err(e) =
                 self.devices[d].write_at(p.row_offset(r), &row[s * span..(s + 1) * span])
             {
-                self.mark_failed(d, FAIL_WRITE);
+                self.mark_failed(d, FailReason::Write);
                 return Err(e);
             }
             written += p.chunk;
@@ -882,7 +882,7 @@ impl Layout {
                             .write_at(p.row_offset(r), &row[s * span..(s + 1) * span])
                             .is_err()
                         {
-                            self.mark_failed(d, FAIL_WRITE);
+                            self.mark_failed(d, FailReason::Write);
                             ok = false;
                         }
                     }
@@ -929,7 +929,7 @@ impl Layout {
                 .and_then(|()| dev.sync())
                 .is_err()
             {
-                self.mark_failed(d, FAIL_WRITE);
+                self.mark_failed(d, FailReason::Write);
             }
         }
         Ok(())
@@ -952,7 +952,7 @@ impl Layout {
                 continue;
             }
             if let Err(e) = self.devices[d].read_at(DEV_DATA_START, &mut area) {
-                self.mark_failed(d, error_reason(&e, FAIL_READ));
+                self.mark_failed(d, error_reason(&e, FailReason::Read));
                 continue;
             }
             // Every header position is examined, not only the ends of records found:
@@ -1041,7 +1041,7 @@ impl Layout {
                             .write_at(p.row_offset(row) + off as u64, &payload[at..at + len])
                             .is_err()
                     {
-                        self.mark_failed(d, FAIL_WRITE);
+                        self.mark_failed(d, FailReason::Write);
                     }
                 }
                 at += p.entry_len(len as u64) as usize;
@@ -1064,7 +1064,7 @@ impl Layout {
                     .read_at(p.row_offset(r), &mut buf[s * span..(s + 1) * span])
                     .is_err()
                 {
-                    self.mark_failed(d, FAIL_READ);
+                    self.mark_failed(d, FailReason::Read);
                     ok = false;
                 }
             }
@@ -1085,7 +1085,7 @@ impl Layout {
                     .write_at(p.row_offset(r), &buf[s * span..(s + 1) * span])
                     .is_err()
                 {
-                    self.mark_failed(d, FAIL_WRITE);
+                    self.mark_failed(d, FailReason::Write);
                 }
             }
             synced += 1;
@@ -1101,7 +1101,7 @@ impl Layout {
                     .is_err()
                 || self.devices[d].sync().is_err()
             {
-                self.mark_failed(d, FAIL_WRITE);
+                self.mark_failed(d, FailReason::Write);
             }
         }
         if replayed + synced + degraded > 0 {

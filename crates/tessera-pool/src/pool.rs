@@ -340,7 +340,7 @@ impl PoolCore {
                 };
                 match d.write_at(0, &label.encode()).and_then(|()| d.sync()) {
                     Ok(()) => written += 1,
-                    Err(_) => l.mark_failed(i, crate::layout::FAIL_WRITE),
+                    Err(_) => l.mark_failed(i, crate::layout::FailReason::Write),
                 }
             }
             if written == 0 {
@@ -841,14 +841,19 @@ impl Pool {
         // Devices recorded failed stay failed: they missed writes. So do missing ones.
         for i in 0..layout.devices.len() {
             if first.failed & (1 << i) != 0 {
-                layout.mark_failed(i, first.fail_reason[i].max(crate::layout::FAIL_MISSING));
+                layout.mark_failed(
+                    i,
+                    crate::layout::FailReason::from_byte(first.fail_reason[i])
+                        .filter(|&r| r > crate::layout::FailReason::Missing)
+                        .unwrap_or(crate::layout::FailReason::Missing),
+                );
             }
         }
         layout
             .failed_durable
             .store(first.failed, std::sync::atomic::Ordering::Relaxed);
         for &i in &missing {
-            layout.mark_failed(i, crate::layout::FAIL_MISSING);
+            layout.mark_failed(i, crate::layout::FailReason::Missing);
         }
         if layout.has_lost_data() {
             return Err(Error::corrupt(format!(

@@ -806,7 +806,7 @@ fn parity_rebuild_races_client_writes_without_losing_any() {
     l.format_parity().unwrap();
     let rows = 4u64 * 3 * 4096;
     for pass in 0..150u64 {
-        l.mark_failed(1, tessera_pool::layout::FAIL_WRITE);
+        l.mark_failed(1, tessera_pool::layout::FailReason::Write);
         l.start_rebuild(1).unwrap();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let writer = {

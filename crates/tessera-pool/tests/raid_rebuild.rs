@@ -232,7 +232,7 @@ fn a_device_mid_rebuild_stays_failed_after_reopen() {
 fn blocks_rewritten_without_pause_do_not_starve_rebuild_or_scrub() {
     use std::sync::mpsc;
     use std::time::Duration;
-    use tessera_pool::layout::{Layout, FAIL_GONE};
+    use tessera_pool::layout::{FailReason, Layout};
 
     let ram: Vec<Arc<RamDevice>> = (0..2).map(|_| RamDevice::new(DEV_SIZE).unwrap()).collect();
     // Datapath writes take 500 µs: with 16 always in flight, every copy attempt (which
@@ -297,7 +297,7 @@ fn blocks_rewritten_without_pause_do_not_starve_rebuild_or_scrub() {
         t.join().unwrap();
     };
     // Rebuild device 1 (as if replaced) while both writers run.
-    layout.mark_failed(1, FAIL_GONE);
+    layout.mark_failed(1, FailReason::Gone);
     layout.start_rebuild(1).unwrap();
     let l = layout.clone();
     run(
