@@ -19,6 +19,9 @@ use std::sync::{Mutex, OnceLock};
 
 use tessera_parity::{pq_gen, pq_recover, pq_update, xor_into, xor_parity, ReedSolomon};
 
+use crate::format::header_fields;
+pub(crate) use crate::format::{encode_header, RecordHead, StripeRecord, KIND_CHUNK, KIND_FULL};
+
 use crate::format::DEV_DATA_START;
 use crate::layout::{error_reason, FailReason, Layout, LayoutKind};
 
@@ -32,15 +35,8 @@ pub const SLICES: u64 = 8;
 pub const SLICE_LEN: u64 = JOURNAL_LEN / SLICES;
 /// Largest chunk: a record (header + one chunk) must fit a slice several times over.
 pub const MAX_CHUNK: u64 = 256 << 10;
-/// Bytes of a record header covered by its CRC (the CRC follows them).
-const HEADER_FIELDS: usize = 80;
 /// Recovery looks for record headers at every multiple of this.
 const SCAN_STEP: usize = 512;
-const MAGIC: &[u8; 8] = b"TSRSJ001";
-pub(crate) const KIND_CHUNK: u8 = 1;
-pub(crate) const KIND_FULL: u8 = 2;
-/// Record header flag: bytes 48..52 hold the payload's CRC32C.
-const FLAG_PAYLOAD_CRC: u8 = 1;
 /// Entries of the row-lock table (rows `r` and `r + LOCKS` share one).
 const LOCKS: usize = 4096;
 const HELD: u64 = 1 << 63;
@@ -365,108 +361,6 @@ impl Ring {
             self.live.pop_front();
             self.base += 1;
         }
-    }
-}
-
-/// One journal record as recovery reads it (docs/format.md §2.1): its header's fixed
-/// fields and its entries (shard, offset in the chunk, length), whose bytes follow the
-/// header, each starting on a journal block.
-pub(crate) struct Record {
-    pub head: RecordHead,
-    pub entries: Vec<(u8, u32, u32)>,
-}
-
-/// Bytes of a header with `n` entries, before its CRC.
-#[inline]
-fn header_fields(n: usize) -> usize {
-    HEADER_FIELDS + 16 * n
-}
-
-/// A record header's fixed fields.
-pub(crate) struct RecordHead {
-    /// The record's sequence number in its slice, and the slice's watermark then.
-    pub seq: u64,
-    pub watermark: u64,
-    pub row: u64,
-    pub version: u64,
-    pub kind: u8,
-    /// Total payload bytes (entries padded to journal blocks).
-    pub payload: u32,
-    /// Devices holding a copy of this record.
-    pub holders: u64,
-    /// CRC32C of the payload, when the writer set one (journal flushes on: a power loss
-    /// may tear a record that never reached its flush).
-    pub payload_crc: Option<u32>,
-}
-
-/// Write a record header with `entries` (shard, offset in chunk, length) into `out`.
-pub(crate) fn encode_header(
-    uuid: &[u8; 16],
-    r: RecordHead,
-    entries: &[(u8, u32, u32)],
-    out: &mut [u8],
-) {
-    let h = out;
-    let f = header_fields(entries.len());
-    h[..f + 4].fill(0);
-    h[0..8].copy_from_slice(MAGIC);
-    h[8..24].copy_from_slice(uuid);
-    h[24..32].copy_from_slice(&r.row.to_le_bytes());
-    h[32..40].copy_from_slice(&r.version.to_le_bytes());
-    h[40] = r.kind;
-    h[41] = entries.len() as u8;
-    h[44..48].copy_from_slice(&r.payload.to_le_bytes());
-    if let Some(c) = r.payload_crc {
-        h[42] = FLAG_PAYLOAD_CRC;
-        h[48..52].copy_from_slice(&c.to_le_bytes());
-    }
-    h[56..64].copy_from_slice(&r.holders.to_le_bytes());
-    h[64..72].copy_from_slice(&r.seq.to_le_bytes());
-    h[72..80].copy_from_slice(&r.watermark.to_le_bytes());
-    for (i, &(shard, off, len)) in entries.iter().enumerate() {
-        let e = &mut h[HEADER_FIELDS + 16 * i..HEADER_FIELDS + 16 * i + 16];
-        e[0] = shard;
-        e[4..8].copy_from_slice(&off.to_le_bytes());
-        e[8..12].copy_from_slice(&len.to_le_bytes());
-    }
-    let c = crc32c::crc32c(&h[..f]);
-    h[f..f + 4].copy_from_slice(&c.to_le_bytes());
-}
-
-impl Record {
-    pub(crate) fn decode(uuid: &[u8; 16], h: &[u8]) -> Option<Record> {
-        if h.len() < HEADER_FIELDS + 4 || &h[0..8] != MAGIC || &h[8..24] != uuid {
-            return None;
-        }
-        let n = h[41] as usize;
-        let f = header_fields(n);
-        if h.len() < f + 4 {
-            return None;
-        }
-        let c = u32::from_le_bytes(h[f..f + 4].try_into().ok()?);
-        if crc32c::crc32c(&h[..f]) != c {
-            return None;
-        }
-        let u64at = |a: usize| u64::from_le_bytes(h[a..a + 8].try_into().expect("8 bytes"));
-        let u32at = |a: usize| u32::from_le_bytes(h[a..a + 4].try_into().expect("4 bytes"));
-        Some(Record {
-            head: RecordHead {
-                seq: u64at(64),
-                watermark: u64at(72),
-                row: u64at(24),
-                version: u64at(32),
-                kind: h[40],
-                payload: u32at(44),
-                holders: u64at(56),
-                payload_crc: (h[42] & FLAG_PAYLOAD_CRC != 0).then(|| u32at(48)),
-            },
-            entries: (0..n)
-                .map(|i| {
-                    let e = HEADER_FIELDS + 16 * i;
-                    (h[e], u32at(e + 4), u32at(e + 8))
-                })
-                .collect(),
-        })
     }
 }
 
@@ -944,7 +838,7 @@ impl Layout {
             .get()
             .ok_or_else(|| io::Error::other("pool UUID not set"))?;
         // Every valid record found: (slice, record, payload).
-        let mut found: Vec<(u64, Record, Vec<u8>)> = Vec::new();
+        let mut found: Vec<(u64, StripeRecord, Vec<u8>)> = Vec::new();
         let mut area = vec![0u8; JOURNAL_LEN as usize];
         let hl = p.header_len() as usize;
         for d in 0..p.n {
@@ -960,9 +854,9 @@ impl Layout {
             // device may still hold an old record's header whose span a newer record
             // (written only where the old one's tail was) has since overwritten in part.
             // Skipping that old span would miss the newer record.
-            let mut here: Vec<(usize, usize, Record)> = Vec::new();
+            let mut here: Vec<(usize, usize, StripeRecord)> = Vec::new();
             for at in (0..=area.len() - hl).step_by(SCAN_STEP) {
-                let Some(rec) = Record::decode(&uuid, &area[at..at + hl]) else {
+                let Some(rec) = StripeRecord::decode(&uuid, &area[at..at + hl]) else {
                     continue;
                 };
                 let end = at + hl + rec.head.payload as usize;
@@ -1008,7 +902,7 @@ impl Layout {
             let w = &mut wm[*slice as usize];
             *w = (*w).max(rec.head.watermark);
         }
-        let mut newest: BTreeMap<u64, (Record, Vec<u8>)> = BTreeMap::new();
+        let mut newest: BTreeMap<u64, (StripeRecord, Vec<u8>)> = BTreeMap::new();
         for (slice, rec, payload) in found {
             if rec.head.seq < wm[slice as usize] {
                 continue;
