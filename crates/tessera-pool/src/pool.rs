@@ -751,130 +751,8 @@ impl Pool {
 
     /// Open an existing pool from its devices (in label order).
     pub fn open_with(devices: Vec<Arc<dyn BlockDevice>>, tuning: PoolTuning) -> Result<Pool> {
-        let mut found = Vec::new();
-        for d in &devices {
-            let mut b = vec![0u8; BLOCK];
-            let l = d
-                .read_at(0, &mut b)
-                .map_err(|e| Error::io(&format!("reading the label of {}", d.describe()), e))
-                .and_then(|()| {
-                    Label::decode(&b)
-                        .map_err(|e| Error::corrupt(format!("{}: {e}", d.describe())))?
-                        .ok_or_else(|| {
-                            Error::corrupt(format!("{} carries no Tessera label", d.describe()))
-                        })
-                });
-            found.push(l);
-        }
-        // The device state comes from the newest readable label. A mirror opens without
-        // the devices whose label cannot be read (they are failed); other layouts need all.
-        let newest = found
-            .iter()
-            .filter_map(|l| l.as_ref().ok())
-            .max_by_key(|l| l.state_gen)
-            .cloned();
-        let mut missing = Vec::new();
-        let mut labels = Vec::new();
-        for (i, l) in found.into_iter().enumerate() {
-            match (l, &newest) {
-                (Ok(l), _) => labels.push(l),
-                (Err(e), Some(n)) if n.layout.is_redundant(n.copies) => {
-                    eprintln!("tessera: pool '{}': {e}; the device is failed", n.pool_name);
-                    let mut l = n.clone();
-                    l.index = i as u32;
-                    missing.push(i);
-                    labels.push(l);
-                }
-                (Err(e), _) => return Err(e),
-            }
-        }
-        let first = labels
-            .first()
-            .ok_or_else(|| Error::invalid("a pool needs at least one device"))?
-            .clone();
-        let first = Label {
-            state_gen: newest.as_ref().map_or(0, |n| n.state_gen),
-            failed: newest.as_ref().map_or(0, |n| n.failed),
-            fail_reason: newest.as_ref().map_or([0; 64], |n| n.fail_reason),
-            ..first
-        };
-        for (i, (l, d)) in labels.iter().zip(&devices).enumerate() {
-            if l.uuid != first.uuid || l.count as usize != devices.len() || l.index as usize != i {
-                return Err(Error::corrupt(format!(
-                    "device {} is device {} of {} of pool '{}' ({}), expected device {i} of {} of pool {}",
-                    d.describe(),
-                    l.index,
-                    l.count,
-                    l.pool_name,
-                    uuid_string(&l.uuid),
-                    devices.len(),
-                    uuid_string(&first.uuid)
-                )));
-            }
-        }
-        let kind = match first.layout {
-            LayoutCode::Concat => LayoutKind::Concat,
-            LayoutCode::Raid0 => LayoutKind::Raid0 {
-                stripe: first.stripe,
-            },
-            LayoutCode::Raid1 => LayoutKind::Raid1 {
-                copies: first.copies,
-            },
-            LayoutCode::Raid10 => LayoutKind::Raid10 {
-                copies: first.copies,
-                stripe: first.stripe,
-            },
-            LayoutCode::Raid5 => LayoutKind::Raid5 {
-                stripe: first.stripe,
-            },
-            LayoutCode::Raid6 => LayoutKind::Raid6 {
-                stripe: first.stripe,
-            },
-            LayoutCode::Ec => LayoutKind::Ec {
-                k: first.count - first.copies,
-                m: first.copies,
-                stripe: first.stripe,
-            },
-        };
-        let layout = Arc::new(Layout::new(kind, devices).map_err(Error::corrupt)?);
-        layout.apply_tuning(&tuning);
-        // Devices recorded failed stay failed: they missed writes. So do missing ones.
-        for i in 0..layout.devices.len() {
-            if first.failed & (1 << i) != 0 {
-                layout.mark_failed(
-                    i,
-                    crate::layout::FailReason::from_byte(first.fail_reason[i])
-                        .filter(|&r| r > crate::layout::FailReason::Missing)
-                        .unwrap_or(crate::layout::FailReason::Missing),
-                );
-            }
-        }
-        layout
-            .failed_durable
-            .store(first.failed, std::sync::atomic::Ordering::Relaxed);
-        for &i in &missing {
-            layout.mark_failed(i, crate::layout::FailReason::Missing);
-        }
-        if layout.has_lost_data() {
-            return Err(Error::corrupt(format!(
-                "pool '{}': every copy of some data is on failed or missing devices",
-                first.pool_name
-            )));
-        }
-        for (i, l) in labels.iter().enumerate() {
-            if layout.dev_data_len[i] < l.data_len {
-                return Err(Error::corrupt(format!(
-                    "device {} shrank since the pool was created",
-                    layout.devices[i].describe()
-                )));
-            }
-        }
-        // Parity layouts: finish or undo the row writes a crash interrupted before the
-        // metadata is read through them (docs/format.md §2.1).
-        layout.set_pool_uuid(first.uuid);
-        layout
-            .recover_journal()
-            .map_err(|e| Error::io("recovering the stripe journal", e))?;
+        let (first, labels, missing) = Self::read_labels(&devices)?;
+        let layout = Self::open_layout(devices, &first, &labels, &missing, tuning)?;
         let sb = MetaStore::read_superblock(&layout)?;
         if sb.uuid != first.uuid
             || sb.unit_size != first.unit_size
@@ -913,6 +791,125 @@ impl Pool {
         // It has no clean flag: until the next clean shutdown the pool counts as open.
         pool.core.checkpoint()?;
         Ok(pool)
+    }
+
+    /// Read every device's label. Returns the device state of the newest readable label
+    /// (folded into the first device's label), every device's label, and the devices
+    /// whose label could not be read: a mirror opens without them (they are failed),
+    /// other layouts need all.
+    fn read_labels(devices: &[Arc<dyn BlockDevice>]) -> Result<(Label, Vec<Label>, Vec<usize>)> {
+        let mut found = Vec::new();
+        for d in devices {
+            let mut b = vec![0u8; BLOCK];
+            let l = d
+                .read_at(0, &mut b)
+                .map_err(|e| Error::io(&format!("reading the label of {}", d.describe()), e))
+                .and_then(|()| {
+                    Label::decode(&b)
+                        .map_err(|e| Error::corrupt(format!("{}: {e}", d.describe())))?
+                        .ok_or_else(|| {
+                            Error::corrupt(format!("{} carries no Tessera label", d.describe()))
+                        })
+                });
+            found.push(l);
+        }
+        let newest = found
+            .iter()
+            .filter_map(|l| l.as_ref().ok())
+            .max_by_key(|l| l.state_gen)
+            .cloned();
+        let mut missing = Vec::new();
+        let mut labels = Vec::new();
+        for (i, l) in found.into_iter().enumerate() {
+            match (l, &newest) {
+                (Ok(l), _) => labels.push(l),
+                (Err(e), Some(n)) if n.layout.is_redundant(n.copies) => {
+                    eprintln!("tessera: pool '{}': {e}; the device is failed", n.pool_name);
+                    let mut l = n.clone();
+                    l.index = i as u32;
+                    missing.push(i);
+                    labels.push(l);
+                }
+                (Err(e), _) => return Err(e),
+            }
+        }
+        let first = labels
+            .first()
+            .ok_or_else(|| Error::invalid("a pool needs at least one device"))?
+            .clone();
+        let first = Label {
+            state_gen: newest.as_ref().map_or(0, |n| n.state_gen),
+            failed: newest.as_ref().map_or(0, |n| n.failed),
+            fail_reason: newest.as_ref().map_or([0; 64], |n| n.fail_reason),
+            ..first
+        };
+        for (i, (l, d)) in labels.iter().zip(devices).enumerate() {
+            if l.uuid != first.uuid || l.count as usize != devices.len() || l.index as usize != i {
+                return Err(Error::corrupt(format!(
+                    "device {} is device {} of {} of pool '{}' ({}), expected device {i} of {} of pool {}",
+                    d.describe(),
+                    l.index,
+                    l.count,
+                    l.pool_name,
+                    uuid_string(&l.uuid),
+                    devices.len(),
+                    uuid_string(&first.uuid)
+                )));
+            }
+        }
+        Ok((first, labels, missing))
+    }
+
+    /// The layout the labels describe, with their failed devices (and the `missing`
+    /// ones) failed, checked against the devices, and its stripe journal recovered.
+    fn open_layout(
+        devices: Vec<Arc<dyn BlockDevice>>,
+        first: &Label,
+        labels: &[Label],
+        missing: &[usize],
+        tuning: PoolTuning,
+    ) -> Result<Arc<Layout>> {
+        let kind = layout_kind_of(first);
+        let layout = Arc::new(Layout::new(kind, devices).map_err(Error::corrupt)?);
+        layout.apply_tuning(&tuning);
+        // Devices recorded failed stay failed: they missed writes. So do missing ones.
+        for i in 0..layout.devices.len() {
+            if first.failed & (1 << i) != 0 {
+                layout.mark_failed(
+                    i,
+                    crate::layout::FailReason::from_byte(first.fail_reason[i])
+                        .filter(|&r| r > crate::layout::FailReason::Missing)
+                        .unwrap_or(crate::layout::FailReason::Missing),
+                );
+            }
+        }
+        layout
+            .failed_durable
+            .store(first.failed, std::sync::atomic::Ordering::Relaxed);
+        for &i in missing {
+            layout.mark_failed(i, crate::layout::FailReason::Missing);
+        }
+        if layout.has_lost_data() {
+            return Err(Error::corrupt(format!(
+                "pool '{}': every copy of some data is on failed or missing devices",
+                first.pool_name
+            )));
+        }
+        for (i, l) in labels.iter().enumerate() {
+            if layout.dev_data_len[i] < l.data_len {
+                return Err(Error::corrupt(format!(
+                    "device {} shrank since the pool was created",
+                    layout.devices[i].describe()
+                )));
+            }
+        }
+        // Parity layouts: finish or undo the row writes a crash interrupted before the
+        // metadata is read through them (docs/format.md §2.1).
+        layout.set_pool_uuid(first.uuid);
+        layout
+            .recover_journal()
+            .map_err(|e| Error::io("recovering the stripe journal", e))?;
+        Ok(layout)
     }
 
     fn assemble(
@@ -1372,6 +1369,34 @@ impl Drop for Pool {
             .send(CommitRequest::Stop);
         // Break the volume → pool reference cycle.
         self.core.lock().volumes.clear();
+    }
+}
+
+/// The layout a pool's label records.
+fn layout_kind_of(first: &Label) -> LayoutKind {
+    match first.layout {
+        LayoutCode::Concat => LayoutKind::Concat,
+        LayoutCode::Raid0 => LayoutKind::Raid0 {
+            stripe: first.stripe,
+        },
+        LayoutCode::Raid1 => LayoutKind::Raid1 {
+            copies: first.copies,
+        },
+        LayoutCode::Raid10 => LayoutKind::Raid10 {
+            copies: first.copies,
+            stripe: first.stripe,
+        },
+        LayoutCode::Raid5 => LayoutKind::Raid5 {
+            stripe: first.stripe,
+        },
+        LayoutCode::Raid6 => LayoutKind::Raid6 {
+            stripe: first.stripe,
+        },
+        LayoutCode::Ec => LayoutKind::Ec {
+            k: first.count - first.copies,
+            m: first.copies,
+            stripe: first.stripe,
+        },
     }
 }
 
