@@ -829,6 +829,10 @@ impl Layout {
         Ok(())
     }
 
+    /// Finish or undo the row writes a crash interrupted (docs/format.md §2.1): find
+    /// every valid record on every readable device, keep each row's newest unfinished
+    /// one, roll chunk updates forward, recompute the parity of full-row writes, then
+    /// empty the journal. Returns (writes replayed, rows resynced, degraded rows left).
     pub fn recover_journal(&self) -> io::Result<(u64, u64, u64)> {
         let Some(p) = self.parity.as_ref() else {
             return Ok((0, 0, 0));
@@ -837,6 +841,34 @@ impl Layout {
             .uuid
             .get()
             .ok_or_else(|| io::Error::other("pool UUID not set"))?;
+        let found = self.scan_journal(p, &uuid);
+        let newest = unfinished_writes(found);
+        let (replayed, resync) = self.roll_forward(p, &newest);
+        let (synced, degraded) = self.resync_rows(p, &resync);
+        for d in 0..p.n {
+            if self.is_failed(d) {
+                continue;
+            }
+            // In-place writes first, then the journal goes: a crash in between replays again.
+            if self.devices[d].sync().is_err()
+                || self.devices[d]
+                    .write_zeroes_at(DEV_DATA_START, JOURNAL_LEN)
+                    .is_err()
+                || self.devices[d].sync().is_err()
+            {
+                self.mark_failed(d, FailReason::Write);
+            }
+        }
+        if replayed + synced + degraded > 0 {
+            eprintln!(
+                "tessera: stripe journal: {replayed} writes replayed, {synced} rows' parity resynced, {degraded} degraded rows left as they were"
+            );
+        }
+        Ok((replayed, synced, degraded))
+    }
+
+    /// Every valid record of every readable device's journal: (slice, record, payload).
+    fn scan_journal(&self, p: &Parity, uuid: &[u8; 16]) -> Vec<(u64, StripeRecord, Vec<u8>)> {
         // Every valid record found: (slice, record, payload).
         let mut found: Vec<(u64, StripeRecord, Vec<u8>)> = Vec::new();
         let mut area = vec![0u8; JOURNAL_LEN as usize];
@@ -856,7 +888,7 @@ impl Layout {
             // Skipping that old span would miss the newer record.
             let mut here: Vec<(usize, usize, StripeRecord)> = Vec::new();
             for at in (0..=area.len() - hl).step_by(SCAN_STEP) {
-                let Some(rec) = StripeRecord::decode(&uuid, &area[at..at + hl]) else {
+                let Some(rec) = StripeRecord::decode(uuid, &area[at..at + hl]) else {
                     continue;
                 };
                 let end = at + hl + rec.head.payload as usize;
@@ -895,32 +927,23 @@ impl Layout {
                 }
             }
         }
-        // A record older than its slice's newest watermark belongs to a finished write
-        // (and may be older than a write whose record is already overwritten): ignored.
-        let mut wm = [0u64; SLICES as usize];
-        for (slice, rec, _) in &found {
-            let w = &mut wm[*slice as usize];
-            *w = (*w).max(rec.head.watermark);
-        }
-        let mut newest: BTreeMap<u64, (StripeRecord, Vec<u8>)> = BTreeMap::new();
-        for (slice, rec, payload) in found {
-            if rec.head.seq < wm[slice as usize] {
-                continue;
-            }
-            if newest
-                .get(&rec.head.row)
-                .is_none_or(|n| n.0.head.version < rec.head.version)
-            {
-                newest.insert(rec.head.row, (rec, payload));
-            }
-        }
+        found
+    }
+
+    /// Roll the rows' chunk updates forward; returns how many, and the rows of full-row
+    /// writes, whose parity must be recomputed.
+    fn roll_forward(
+        &self,
+        p: &Parity,
+        newest: &BTreeMap<u64, (StripeRecord, Vec<u8>)>,
+    ) -> (u64, Vec<u64>) {
         // Only a row's newest write can be unfinished (the row lock orders a row's
         // writes). A chunk update is
         // rolled forward from any copy of its record; a full-row write (no payload) gets
         // its parity recomputed from the data.
         let mut resync = Vec::new();
         let mut replayed = 0;
-        for (&row, (rec, payload)) in &newest {
+        for (&row, (rec, payload)) in newest {
             if rec.head.kind != KIND_CHUNK {
                 resync.push(row);
                 continue;
@@ -942,10 +965,16 @@ impl Layout {
             }
             replayed += 1;
         }
+        (replayed, resync)
+    }
+
+    /// Recompute the parity of `rows` from their data; returns (rows resynced, rows left
+    /// as they were because a data chunk is unreadable).
+    fn resync_rows(&self, p: &Parity, rows: &[u64]) -> (u64, u64) {
         let (mut synced, mut degraded) = (0, 0);
         let span = p.chunk as usize;
         let mut buf = vec![0u8; p.n * span];
-        for &r in &resync {
+        for &r in rows {
             let all_data = (0..p.k).all(|s| self.is_readable(p.shard_dev(r, s)));
             if !all_data {
                 degraded += 1;
@@ -984,27 +1013,34 @@ impl Layout {
             }
             synced += 1;
         }
-        for d in 0..p.n {
-            if self.is_failed(d) {
-                continue;
-            }
-            // In-place writes first, then the journal goes: a crash in between replays again.
-            if self.devices[d].sync().is_err()
-                || self.devices[d]
-                    .write_zeroes_at(DEV_DATA_START, JOURNAL_LEN)
-                    .is_err()
-                || self.devices[d].sync().is_err()
-            {
-                self.mark_failed(d, FailReason::Write);
-            }
-        }
-        if replayed + synced + degraded > 0 {
-            eprintln!(
-                "tessera: stripe journal: {replayed} writes replayed, {synced} rows' parity resynced, {degraded} degraded rows left as they were"
-            );
-        }
-        Ok((replayed, synced, degraded))
+        (synced, degraded)
     }
+}
+
+/// Each row's newest record that may belong to an unfinished write.
+fn unfinished_writes(
+    found: Vec<(u64, StripeRecord, Vec<u8>)>,
+) -> BTreeMap<u64, (StripeRecord, Vec<u8>)> {
+    // A record older than its slice's newest watermark belongs to a finished write
+    // (and may be older than a write whose record is already overwritten): ignored.
+    let mut wm = [0u64; SLICES as usize];
+    for (slice, rec, _) in &found {
+        let w = &mut wm[*slice as usize];
+        *w = (*w).max(rec.head.watermark);
+    }
+    let mut newest: BTreeMap<u64, (StripeRecord, Vec<u8>)> = BTreeMap::new();
+    for (slice, rec, payload) in found {
+        if rec.head.seq < wm[slice as usize] {
+            continue;
+        }
+        if newest
+            .get(&rec.head.row)
+            .is_none_or(|n| n.0.head.version < rec.head.version)
+        {
+            newest.insert(rec.head.row, (rec, payload));
+        }
+    }
+    newest
 }
 
 #[cfg(test)]
