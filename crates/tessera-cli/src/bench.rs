@@ -158,8 +158,13 @@ impl BenchTask {
         let op = self.next_op(slot);
         self.started[slot] = now;
         self.inflight += 1;
-        self.handle
-            .submit(io, op, Reactor::tag(self.id, slot as u32));
+        // SAFETY: slot `slot`'s buffer (`bufs[slot]`) belongs to this driver, which issues
+        // the slot again only after its completion and is not dropped while I/O is
+        // in flight.
+        unsafe {
+            self.handle
+                .submit(io, op, Reactor::tag(self.id, slot as u32))
+        };
     }
 }
 
@@ -265,6 +270,10 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
                 layout,
                 unit_size,
                 force: true,
+                tuning: tessera_pool::PoolTuning {
+                    journal_flush: !a.no_journal_flush,
+                    ..Default::default()
+                },
             },
         )
         .map_err(|e| e.to_string())?,
@@ -322,15 +331,18 @@ fn prefill(s: &Subject) -> Result<(), String> {
         let mut n = 0;
         while n < 16 && off < s.len {
             let len = chunk.min(s.len - off);
-            h.submit(
-                &mut io,
-                IoOp::Write {
-                    offset: s.base + off,
-                    len: len as u32,
-                    buf: buf.as_ptr(),
-                },
-                n,
-            );
+            // SAFETY: `buf` is only read by these writes and outlives the drain below.
+            unsafe {
+                h.submit(
+                    &mut io,
+                    IoOp::Write {
+                        offset: s.base + off,
+                        len: len as u32,
+                        buf: buf.as_ptr(),
+                    },
+                    n,
+                )
+            };
             off += len;
             n += 1;
         }
@@ -362,7 +374,6 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
     if a.qd == 0 || a.qd > 4096 || a.cores == 0 {
         return Err("queue depth must be 1..4096 and cores at least 1".into());
     }
-    tessera_pool::layout::set_journal_flush(!a.no_journal_flush);
     let subject = build_subject(&a)?;
     let blocks = subject.len / bs;
     if blocks == 0 {
@@ -383,7 +394,7 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
                 "--fail-device takes a device index of a raid1/raid10/raid5/raid6/ec pool".into(),
             );
         }
-        l.mark_failed(d, tessera_pool::layout::FAIL_GONE);
+        l.mark_failed(d, tessera_pool::layout::FailReason::Gone);
     }
     let cfg = ReactorConfig {
         cores: a.cores,

@@ -5,6 +5,10 @@
 //! disk could hold after power loss: the durable image plus an arbitrary subset of the
 //! unflushed writes, one of which may be torn (only some of its 512-byte sectors land).
 
+// Not yet audited for the workspace lint (13 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::io;
 use std::sync::{Arc, Mutex};
 
@@ -93,7 +97,7 @@ impl CrashDevice {
 struct CrashHandle(Arc<CrashDevice>);
 
 impl IoHandle for CrashHandle {
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         let d = &self.0;
         let r = match op {
             IoOp::Read { offset, len, buf } => check_range(d.size, offset, len as u64).map(|_| {

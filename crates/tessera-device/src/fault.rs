@@ -18,6 +18,10 @@
 //! - `stall_after_ms=T`: the stall begins T ms after the device was opened (like
 //!   `vanish_after_ms`); it lasts `stall_ms`, or [`DEFAULT_STALL_MS`] if that is unset.
 
+// Not yet audited for the workspace lint (2 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -225,7 +229,7 @@ struct FaultHandle {
 }
 
 impl IoHandle for FaultHandle {
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         let latency = Duration::from_micros(self.dev.config.latency_us.load(Relaxed))
             + self.dev.stall_delay();
         if let Some(err) = self.dev.verdict(&op, &mut self.rng) {
@@ -282,6 +286,11 @@ impl BlockDevice for FaultDevice {
         self.sync_stall();
         self.sync_check(None)?;
         self.inner.write_zeroes_at(offset, len)
+    }
+    fn fill_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.sync_stall();
+        self.sync_check(None)?;
+        self.inner.fill_zeroes_at(offset, len)
     }
     fn sync(&self) -> io::Result<()> {
         self.sync_stall();

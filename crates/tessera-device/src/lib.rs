@@ -52,6 +52,13 @@ pub trait BlockDevice: Send + Sync {
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()>;
     /// Synchronously make `[offset, offset+len)` read as zeros.
     fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Like [`BlockDevice::write_zeroes_at`], and later small writes into the range should
+    /// be as cheap as rewrites: a file gets its zeroes written rather than a hole punched
+    /// (a direct write smaller than the filesystem block into a hole allocates, and the
+    /// filesystem serialises such writes). For zeroing ahead of time, off the datapath.
+    fn fill_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.write_zeroes_at(offset, len)
+    }
     /// Make all completed writes durable.
     fn sync(&self) -> io::Result<()>;
     /// A datapath handle for the calling core.

@@ -19,7 +19,7 @@ impl NullDevice {
 struct NullHandle(u64);
 
 impl IoHandle for NullHandle {
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         let r = match op {
             IoOp::Read { offset, len, .. } | IoOp::Write { offset, len, .. } => {
                 check_range(self.0, offset, len as u64).map(|_| len as i32)

@@ -1,5 +1,9 @@
 //! A RAM device: anonymous memory, completing every operation inline.
 
+// Not yet audited for the workspace lint (11 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::io;
 use std::sync::Arc;
 
@@ -115,7 +119,7 @@ struct RamHandle(Arc<RamDevice>);
 
 impl IoHandle for RamHandle {
     #[inline]
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         let r = self.0.exec(op);
         io.complete(tag, r);
     }

@@ -4,6 +4,10 @@
 //! - `PATH` (existing file or block device) or `PATH:SIZE` (file created sparse if missing)
 //! - `fault:INNER;key=value;...` wraps INNER with fault injection (see [`crate::FaultConfig::set`])
 
+// Not yet audited for the workspace lint (1 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,6 +1,10 @@
 //! The fault-injecting device: errors at chosen offsets, random errors, added latency,
 //! and vanishing after a number of I/Os or a time — on the datapath and the sync face.
 
+// Not yet audited for the workspace lint (1 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,7 +14,9 @@ use tessera_io::{CoreIo, IoHandle, IoOp};
 
 fn run(io: &mut CoreIo, h: &mut dyn IoHandle, op: IoOp) -> i32 {
     let mut res = None;
-    h.submit(io, op, 1);
+    // SAFETY: the callers' buffers outlive this call, which drains the completion before it
+    // returns.
+    unsafe { h.submit(io, op, 1) };
     io.run_until_idle(|_, _, r| res = Some(r));
     res.expect("one completion")
 }

@@ -4,13 +4,17 @@
 //! freed buffers in power-of-two size classes, so a steady workload reuses the same
 //! buffers and the datapath performs no heap allocation per I/O.
 
-use std::alloc::{alloc, alloc_zeroed, dealloc, Layout};
+use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 
 /// Alignment of every I/O buffer: enough for O_DIRECT on 4Kn devices.
 pub const BUF_ALIGN: usize = 4096;
 
 /// A heap buffer aligned to [`BUF_ALIGN`]. `len` is its usable capacity.
+///
+/// Every byte is initialised (a new buffer is zero-filled), so `as_slice` may be read
+/// whatever the buffer was used for before: a short device read or a failed receive can
+/// leave a buffer partly unwritten, never uninitialised.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     cap: usize,
@@ -26,16 +30,6 @@ impl AlignedBuf {
         let layout = Layout::from_size_align(cap, BUF_ALIGN).expect("buffer layout");
         // SAFETY: layout has non-zero size.
         let p = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        AlignedBuf { ptr, cap }
-    }
-
-    fn uninit(cap: usize) -> AlignedBuf {
-        let layout = Layout::from_size_align(cap, BUF_ALIGN).expect("buffer layout");
-        // SAFETY: layout has non-zero size. Contents are treated as plain bytes; a fresh
-        // buffer is only ever written before it is read by well-behaved callers, and
-        // reading uninitialised u8 through raw pointers is what O_DIRECT does anyway.
-        let p = unsafe { alloc(layout) };
         let ptr = NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         AlignedBuf { ptr, cap }
     }
@@ -62,7 +56,7 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         let layout = Layout::from_size_align(self.cap, BUF_ALIGN).expect("buffer layout");
-        // SAFETY: allocated in zeroed()/uninit() with exactly this layout.
+        // SAFETY: allocated in zeroed() with exactly this layout.
         unsafe { dealloc(self.ptr.as_ptr(), layout) }
     }
 }
@@ -94,13 +88,18 @@ impl BufPool {
         (class < CLASSES).then_some(class)
     }
 
-    /// A buffer of at least `len` bytes. Reuses a cached one when possible.
+    /// A buffer of at least `len` bytes. Reuses a cached one when possible; its contents
+    /// are then whatever its last user left (initialised bytes, not zeroes).
+    ///
+    /// Only a cache miss allocates, and only that zero-fills: a steady workload reuses
+    /// its buffers, so the fill stays off the per-I/O path (the large classes come
+    /// straight from the kernel's zeroed pages).
     pub fn get(&mut self, len: usize) -> AlignedBuf {
         match Self::class_of(len) {
             Some(c) => self.free[c]
                 .pop()
-                .unwrap_or_else(|| AlignedBuf::uninit(1 << (c as u32 + MIN_CLASS_SHIFT))),
-            None => AlignedBuf::uninit(len.next_multiple_of(BUF_ALIGN)),
+                .unwrap_or_else(|| AlignedBuf::zeroed(1 << (c + MIN_CLASS_SHIFT as usize))),
+            None => AlignedBuf::zeroed(len),
         }
     }
 
@@ -132,5 +131,15 @@ mod tests {
         assert_eq!(b2.as_ptr(), p);
         let big = pool.get(3 << 20);
         assert_eq!(big.capacity(), 4 << 20);
+    }
+
+    #[test]
+    fn new_buffers_read_as_zeroes() {
+        let mut pool = BufPool::default();
+        for len in [1, 4096, 100_000, 64 << 20] {
+            let b = pool.get(len);
+            assert!(b.capacity() >= len);
+            assert!(b.as_slice().iter().all(|&x| x == 0), "len {len}");
+        }
     }
 }

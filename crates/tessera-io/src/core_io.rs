@@ -18,12 +18,23 @@ pub(crate) const INTERNAL: u64 = 1 << 63;
 /// Marks io_uring user_data of the reactor's own operations (mailbox eventfd).
 pub(crate) const REACTOR: u64 = 1 << 62;
 
+/// A join's index in its tag's low 32 bits. A core holds at most one join per operation
+/// in flight, far below 2^32.
+#[inline]
+fn join_index(idx: usize) -> u32 {
+    debug_assert!(u32::try_from(idx).is_ok());
+    #[allow(clippy::cast_possible_truncation)] // see above
+    let i = idx as u32;
+    i
+}
+
 /// Placeholder for contexts that have no reactor mailbox (unit tests, tools).
 pub const REMOTE_COMPLETER_NONE: Option<RemoteCompleter> = None;
 
 /// One block operation. Offsets and lengths are bytes. Buffers are raw pointers because
 /// they cross into the kernel (io_uring) and must outlive the call; the submitter keeps
-/// them alive and untouched until the completion arrives.
+/// them alive and untouched until the completion arrives (the contract of
+/// [`IoHandle::submit`], which is why it is `unsafe`).
 #[derive(Clone, Copy, Debug)]
 pub enum IoOp {
     Read {
@@ -57,7 +68,15 @@ pub enum IoOp {
 /// `io` (possibly before `submit` returns, via the ready queue — never re-entrantly). The
 /// result is negative errno on failure, anything else on success.
 pub trait IoHandle {
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag);
+    /// Start `op`; its completion arrives for `tag`.
+    ///
+    /// # Safety
+    /// For a [`IoOp::Read`] or [`IoOp::Write`], `buf` must point to `len` bytes that are
+    /// valid (writable, for a read) and stay so until the completion for `tag` has been
+    /// delivered: not freed, not moved, and not touched by anyone else meanwhile (the
+    /// kernel or a device may read or write them at any time until then). The other
+    /// operations carry no pointer.
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag);
     /// Size of the target in bytes.
     fn size(&self) -> u64;
 }
@@ -73,10 +92,21 @@ struct Join {
     always: bool,
 }
 
-/// Error handler for a [`CoreIo::hooked`] operation: it is called (instead of passing the
-/// error on) with the failed operation and the caller's context, and must complete
-/// `parent` exactly once. Used by mirrored layouts to fail over to another copy.
-pub trait ErrorHook {
+/// A layer's own code that runs when one of its operations ends, registered once per
+/// core ([`CoreIo::register_hook`]) and addressed by id, so a pending operation carries
+/// no closure. Two uses:
+///
+/// - error handling, for a [`CoreIo::hooked`] operation: [`Continuation::on_error`] is
+///   called (instead of passing the error on) with the failed operation and the caller's
+///   context (mirrors fail over to another copy);
+/// - continuations, for a [`CoreIo::tracked`] operation or [`CoreIo::defer_hook`]:
+///   [`Continuation::on_done`] is called for every completion (the mirrors' rebuild
+///   tracking, the parity engine's next step, a retry of held writes).
+///
+/// Either must complete `parent` exactly once, except for the layer's own steps made with
+/// parent 0 (`defer_hook`, the parity engine's tracked phases), which complete nothing.
+pub trait Continuation {
+    /// A [`CoreIo::hooked`] operation failed with `res`.
     fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32);
 
     /// Called for every completion of a [`CoreIo::tracked`] operation (errors included);
@@ -110,9 +140,6 @@ pub struct CoreIo {
     pub(crate) ring_inflight: usize,
     pub bufs: BufPool,
     remote: Option<RemoteCompleter>,
-    /// Set by a task that expects its next event very soon (a client waiting on each
-    /// reply): the reactor then polls briefly before sleeping. Cleared every iteration.
-    pub poll_hint: bool,
     /// Per-core state that layers above share between their tasks on this core (e.g. a
     /// volume's QoS limiter), keyed by the owner's choice.
     pub locals: std::collections::HashMap<usize, Box<dyn std::any::Any>>,
@@ -123,7 +150,7 @@ pub struct CoreIo {
     round: u64,
     /// Tags to complete in the next round, after the ring has been polled.
     deferred: Vec<Tag>,
-    hooks: Vec<std::rc::Rc<dyn ErrorHook>>,
+    hooks: Vec<std::rc::Rc<dyn Continuation>>,
 }
 
 impl CoreIo {
@@ -154,7 +181,6 @@ impl CoreIo {
             ring_inflight: 0,
             bufs: BufPool::default(),
             remote,
-            poll_hint: false,
             now: Instant::now(),
             locals: std::collections::HashMap::new(),
             round: 0,
@@ -258,7 +284,7 @@ impl CoreIo {
             }
             let (parent, result, delay, hook) = (j.parent, j.result, j.delay, j.hook);
             let always = j.always;
-            self.free_joins.push(idx as u32);
+            self.free_joins.push(join_index(idx));
             if let Some((h, op, ctx)) = hook {
                 if always {
                     let h = self.hooks[h as usize].clone();
@@ -295,7 +321,7 @@ impl CoreIo {
             }
             None => {
                 self.joins.push(j);
-                (self.joins.len() - 1) as u32
+                join_index(self.joins.len() - 1)
             }
         };
         INTERNAL | idx as u64
@@ -314,9 +340,9 @@ impl CoreIo {
     }
 
     /// Register an error hook on this core; the returned id is for [`CoreIo::hooked`].
-    pub fn register_hook(&mut self, hook: std::rc::Rc<dyn ErrorHook>) -> u32 {
+    pub fn register_hook(&mut self, hook: std::rc::Rc<dyn Continuation>) -> u32 {
         self.hooks.push(hook);
-        (self.hooks.len() - 1) as u32
+        u32::try_from(self.hooks.len() - 1).expect("fewer than 2^32 hooks on a core")
     }
 
     /// A child tag for one operation `op`: success passes on to `parent`, an error goes to
@@ -365,6 +391,11 @@ impl CoreIo {
 
     pub(crate) fn pop_ready(&mut self) -> Option<(Tag, i32)> {
         self.ready.pop_front()
+    }
+
+    /// Entries waiting in the submission queue (bounded by the ring's size, a u32).
+    pub(crate) fn sq_pending(&mut self) -> u32 {
+        u32::try_from(self.ring.submission().len()).unwrap_or(u32::MAX)
     }
 
     pub(crate) fn has_ready(&self) -> bool {

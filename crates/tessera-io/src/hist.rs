@@ -29,10 +29,12 @@ impl Default for Histogram {
 impl Histogram {
     fn index(v: u64) -> usize {
         if v < SUB as u64 {
+            #[allow(clippy::cast_possible_truncation)] // below SUB
             return v as usize;
         }
         let msb = 63 - v.leading_zeros();
         let shift = msb - SUB_BITS;
+        #[allow(clippy::cast_possible_truncation)] // masked to below SUB
         let sub = ((v >> shift) as usize) & (SUB - 1);
         (shift as usize + 1) * SUB + sub
     }
@@ -42,6 +44,7 @@ impl Histogram {
         if i < SUB {
             return i as u64;
         }
+        #[allow(clippy::cast_possible_truncation)] // a bucket index: at most 64
         let shift = (i / SUB - 1) as u32;
         let sub = (i % SUB) as u64;
         ((SUB as u64 | sub) << shift) + (1u64 << shift) - 1
@@ -87,6 +90,8 @@ impl Histogram {
         if self.total == 0 {
             return 0;
         }
+        // A float-to-int cast saturates: a rank outside 1..=total is clamped into it.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let want = ((self.total as f64 * q).ceil() as u64).clamp(1, self.total);
         let mut seen = 0;
         for (i, &c) in self.counts.iter().enumerate() {

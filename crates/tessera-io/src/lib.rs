@@ -14,5 +14,8 @@ pub mod hist;
 pub mod reactor;
 
 pub use buf::{AlignedBuf, BufPool};
-pub use core_io::{CoreIo, ErrorHook, IoHandle, IoOp, Tag, REMOTE_COMPLETER_NONE};
+pub use core_io::{Continuation, CoreIo, IoHandle, IoOp, Tag, REMOTE_COMPLETER_NONE};
 pub use reactor::{spawn_reactors, Mailbox, Reactor, ReactorConfig, RemoteCompleter, Task};
+
+#[cfg(test)]
+mod tests;

@@ -386,8 +386,10 @@ impl<T: ExportTarget> NbdConn<T> {
     /// Hand `op` to the target; its buffer (if any) is the buffer of the slot `tag` names.
     fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: u64) {
         self.in_io += 1;
-        // SAFETY: a Read or Write buffer is the slot's `buf`, which stays with the slot
-        // (not released, not reused) until the slot's I/O completes in on_io.
+        // SAFETY: the buffer of every Read/Write submitted here is held by the request's
+        // slot (`buf`), which keeps it until the completion for `tag` arrives; the
+        // connection is not dropped while I/O is in flight (`finished` waits for
+        // `in_io` to reach 0).
         unsafe { self.vol.submit(io, op, tag) };
     }
 

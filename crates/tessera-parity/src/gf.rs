@@ -9,6 +9,10 @@
 //! Tables are computed at compile time by `const fn`s, so there is no initialisation at run
 //! time and no lazy-init check on the datapath.
 
+// Not yet audited for the workspace lint (10 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 /// The field polynomial, x^8 + x^4 + x^3 + x^2 + 1.
 pub const POLY: u16 = 0x11d;
 

@@ -1,5 +1,9 @@
 //! Systematic Reed-Solomon erasure coding, k data shards + m parity shards.
 
+// Not yet audited for the workspace lint (4 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 

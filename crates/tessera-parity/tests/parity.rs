@@ -2,6 +2,10 @@
 //! Reed-Solomon reconstruction for every erasure pattern, and read-modify-write updates
 //! against full regeneration.
 
+// Not yet audited for the workspace lint (1 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use proptest::prelude::*;
 use tessera_parity::kernels::{self, Backend};
 use tessera_parity::{gf, pq_gen, pq_recover, pq_update, xor_parity, ParityError, ReedSolomon};

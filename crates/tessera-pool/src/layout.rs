@@ -4,13 +4,17 @@
 //! datapath pays a few instructions per request and keeps no per-request state: a request
 //! that spans several devices is split, and the pieces share one join on the core.
 
+// Not yet audited for the workspace lint (23 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::io;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Weak};
 
 use tessera_device::BlockDevice;
-use tessera_io::{CoreIo, ErrorHook, IoHandle, IoOp, Tag};
+use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use crate::format::DEV_DATA_START;
 
@@ -159,70 +163,76 @@ impl LayoutKind {
     }
 }
 
-/// Why a device was marked failed (stored in the labels, see docs/format.md).
-pub const FAIL_NONE: u8 = 0;
-pub const FAIL_READ: u8 = 1;
-pub const FAIL_WRITE: u8 = 2;
-pub const FAIL_GONE: u8 = 3;
-pub const FAIL_MISSING: u8 = 4;
-pub const FAIL_TIMEOUT: u8 = 5;
+/// Why a device was marked failed. Its byte is stored in the labels' `fail_reason`
+/// (docs/format.md): the values are part of the on-disk format; 0 means none.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FailReason {
+    Read = 1,
+    Write = 2,
+    Gone = 3,
+    Missing = 4,
+    Timeout = 5,
+}
 
-/// A redundant pool's device whose I/O has not completed for this long is marked failed
-/// (the Linux NVMe driver's default I/O timeout).
+impl FailReason {
+    /// The byte stored in the labels.
+    #[inline]
+    pub fn byte(self) -> u8 {
+        self as u8
+    }
+
+    /// A stored byte: `None` for 0 (no reason) or a byte no version writes.
+    pub fn from_byte(b: u8) -> Option<FailReason> {
+        Some(match b {
+            1 => FailReason::Read,
+            2 => FailReason::Write,
+            3 => FailReason::Gone,
+            4 => FailReason::Missing,
+            5 => FailReason::Timeout,
+            _ => return None,
+        })
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            FailReason::Read => "read error",
+            FailReason::Write => "write error",
+            FailReason::Gone => "device disappeared",
+            FailReason::Missing => "missing at open (or failed before the restart)",
+            FailReason::Timeout => "I/O timed out (device hung)",
+        }
+    }
+}
+
+/// The description of a stored reason byte ("" for none).
+pub fn fail_reason_name(r: u8) -> &'static str {
+    FailReason::from_byte(r).map_or("", FailReason::describe)
+}
+
 /// Attempts at copying (or comparing) a mirror range that a client write overlapped,
 /// before new writes to the range are held back for the next attempt.
 const HOLD_AFTER: u32 = 4;
 
+/// A redundant pool's device whose I/O has not completed for this long is marked failed
+/// (the Linux NVMe driver's default I/O timeout).
 pub const DEFAULT_DEVICE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
-static DEVICE_TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_DEVICE_TIMEOUT.as_millis() as u64);
-
-/// The device timeout pools opened or created from now on use (the node's
-/// `device_timeout_ms`).
-pub fn set_device_timeout(t: std::time::Duration) {
-    DEVICE_TIMEOUT_MS.store(t.as_millis().max(1) as u64, Relaxed);
-}
-
-pub fn device_timeout() -> std::time::Duration {
-    std::time::Duration::from_millis(DEVICE_TIMEOUT_MS.load(Relaxed))
-}
-
-static JOURNAL_FLUSH: AtomicBool = AtomicBool::new(true);
-
-/// Whether parity pools flush their stripe-journal records before writing rows in place
-/// (the node's `parity_journal_flush`, default on): what closes the write hole across a
-/// power loss on devices with a volatile write cache. Off, it is closed for a process
-/// crash only (devices with power-loss protection make the flush nearly free anyway).
-pub fn set_journal_flush(on: bool) {
-    JOURNAL_FLUSH.store(on, Relaxed);
-}
-
-pub fn fail_reason_name(r: u8) -> &'static str {
-    match r {
-        FAIL_READ => "read error",
-        FAIL_WRITE => "write error",
-        FAIL_GONE => "device disappeared",
-        FAIL_MISSING => "missing at open (or failed before the restart)",
-        FAIL_TIMEOUT => "I/O timed out (device hung)",
-        _ => "",
-    }
-}
-
 /// Why a device failed, from a datapath operation's error result.
-pub(crate) fn reason_of(op: &IoOp, res: i32) -> u8 {
+pub(crate) fn reason_of(op: &IoOp, res: i32) -> FailReason {
     if res == -libc::ENODEV {
-        FAIL_GONE
+        FailReason::Gone
     } else if matches!(op, IoOp::Read { .. }) {
-        FAIL_READ
+        FailReason::Read
     } else {
-        FAIL_WRITE
+        FailReason::Write
     }
 }
 
 /// Why a device failed, from a synchronous call's error: gone (ENODEV), else `other`.
-pub(crate) fn error_reason(e: &io::Error, other: u8) -> u8 {
+pub(crate) fn error_reason(e: &io::Error, other: FailReason) -> FailReason {
     if e.raw_os_error() == Some(libc::ENODEV) {
-        FAIL_GONE
+        FailReason::Gone
     } else {
         other
     }
@@ -273,6 +283,8 @@ pub struct Layout {
     /// Redundant layouts: marks a device whose I/O hangs failed (set before handles are
     /// opened; see `watch_devices`).
     watchdog: std::sync::Mutex<Option<Arc<tessera_device::Watchdog>>>,
+    /// `PoolTuning::journal_flush` (set once at open; read by parity writes).
+    journal_flush: AtomicBool,
 }
 
 /// A contiguous piece of a logical range on one device.
@@ -399,9 +411,7 @@ impl Layout {
             LayoutKind::Raid10 { copies, .. } => (copies, (devices.len() / copies as usize) as u64),
             _ => (1, devices.len() as u64),
         };
-        let fail_reason = (0..devices.len())
-            .map(|_| AtomicU8::new(FAIL_NONE))
-            .collect();
+        let fail_reason = (0..devices.len()).map(|_| AtomicU8::new(0)).collect();
         let nonvolatile = (0..devices.len())
             .filter(|&d| !devices[d].is_volatile())
             .fold(0u64, |a, d| a | 1 << d);
@@ -428,6 +438,7 @@ impl Layout {
             parity,
             nonvolatile,
             watchdog: std::sync::Mutex::new(None),
+            journal_flush: AtomicBool::new(true),
         })
     }
 
@@ -555,15 +566,15 @@ impl Layout {
     }
 
     /// Mark device `d` failed for `reason` (first reason wins). Lock free.
-    pub fn mark_failed(&self, d: usize, reason: u8) {
+    pub fn mark_failed(&self, d: usize, reason: FailReason) {
         let bit = 1u64 << d;
         self.rebuilding.fetch_and(!bit, SeqCst);
         if self.failed.fetch_or(bit, Relaxed) & bit == 0 {
-            self.fail_reason[d].store(reason, Relaxed);
+            self.fail_reason[d].store(reason.byte(), Relaxed);
             eprintln!(
                 "tessera: device {} marked failed: {}",
                 self.devices[d].describe(),
-                fail_reason_name(reason)
+                reason.describe()
             );
         }
     }
@@ -709,7 +720,7 @@ impl Layout {
         // Writes from now on reach the device; then it stops being failed.
         self.rebuilding.fetch_or(bit, SeqCst);
         self.failed.fetch_and(!bit, SeqCst);
-        self.fail_reason[d].store(FAIL_NONE, Relaxed);
+        self.fail_reason[d].store(0, Relaxed);
         Ok(())
     }
 
@@ -758,14 +769,14 @@ impl Layout {
                             done = true;
                             break;
                         }
-                        Err(e) => self.mark_failed(s, error_reason(&e, FAIL_READ)),
+                        Err(e) => self.mark_failed(s, error_reason(&e, FailReason::Read)),
                     }
                 }
                 if !done {
                     return Err(io::Error::from_raw_os_error(libc::EIO));
                 }
                 if let Err(e) = self.devices[d].write_at(p.dev_offset, b) {
-                    self.mark_failed(d, FAIL_WRITE);
+                    self.mark_failed(d, FailReason::Write);
                     return Err(e);
                 }
                 copied += p.len;
@@ -797,7 +808,7 @@ impl Layout {
     fn each_copy(
         &self,
         p: &Piece,
-        what: u8,
+        what: FailReason,
         mut io: impl FnMut(&Arc<dyn BlockDevice>) -> io::Result<()>,
     ) -> io::Result<()> {
         let mut last = None;
@@ -843,7 +854,7 @@ impl Layout {
                     }
                     Err(e) => {
                         if self.copies > 1 {
-                            self.mark_failed(d, error_reason(&e, FAIL_READ));
+                            self.mark_failed(d, error_reason(&e, FailReason::Read));
                         }
                         last = Some(e);
                     }
@@ -864,7 +875,7 @@ impl Layout {
         let _w = self.sync_write(offset, buf.len() as u64);
         for p in self.pieces(offset, buf.len() as u64) {
             let r = p.range_offset as usize..(p.range_offset + p.len) as usize;
-            self.each_copy(&p, FAIL_WRITE, |d| {
+            self.each_copy(&p, FailReason::Write, |d| {
                 d.write_at(p.dev_offset, &buf[r.clone()])
             })?;
         }
@@ -872,13 +883,26 @@ impl Layout {
     }
 
     pub fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.zero_range(offset, len, false)
+    }
+
+    /// Zero a range ahead of its use, so that small writes into it later cost what
+    /// rewrites cost (see `BlockDevice::fill_zeroes_at`). Not for a reactor thread.
+    pub fn fill_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.zero_range(offset, len, true)
+    }
+
+    fn zero_range(&self, offset: u64, len: u64, fill: bool) -> io::Result<()> {
         self.check(offset, len)?;
         if self.parity.is_some() {
             return self.parity_zero(offset, len);
         }
         let _w = self.sync_write(offset, len);
         for p in self.pieces(offset, len) {
-            self.each_copy(&p, FAIL_WRITE, |d| d.write_zeroes_at(p.dev_offset, p.len))?;
+            self.each_copy(&p, FailReason::Write, |d| match fill {
+                true => d.fill_zeroes_at(p.dev_offset, p.len),
+                false => d.write_zeroes_at(p.dev_offset, p.len),
+            })?;
         }
         Ok(())
     }
@@ -906,7 +930,7 @@ impl Layout {
             }
             if let Err(e) = d.sync() {
                 if redundant {
-                    self.mark_failed(i, FAIL_WRITE);
+                    self.mark_failed(i, FailReason::Write);
                     continue;
                 }
                 return Err(io::Error::new(
@@ -922,10 +946,10 @@ impl Layout {
     }
 
     /// Devices whose journal records must be flushed before in-place writes (none when
-    /// `set_journal_flush(false)`).
+    /// the pool's `PoolTuning::journal_flush` is off).
     #[inline]
     pub(crate) fn journal_flush_devs(&self) -> u64 {
-        if JOURNAL_FLUSH.load(Relaxed) {
+        if self.journal_flush.load(Relaxed) {
             self.nonvolatile
         } else {
             0
@@ -941,6 +965,13 @@ impl Layout {
     /// layouts only: elsewhere there is nothing to fail over to). Applies to handles opened
     /// from now on. The operation itself still waits for the device (its buffer may be in
     /// the kernel's hands); every later one avoids the device.
+    /// Apply the pool's tuning: journal flushes, and the device watchdog of redundant
+    /// layouts. Once, right after `Layout::new`.
+    pub(crate) fn apply_tuning(self: &Arc<Self>, t: &crate::pool::PoolTuning) {
+        self.journal_flush.store(t.journal_flush, Relaxed);
+        self.watch_devices(t.device_timeout);
+    }
+
     pub fn watch_devices(self: &Arc<Self>, timeout: std::time::Duration) {
         if !self.kind.is_redundant() {
             return;
@@ -950,7 +981,7 @@ impl Layout {
             timeout,
             Arc::new(move |d| {
                 if let Some(l) = weak.upgrade() {
-                    l.mark_failed(d, FAIL_TIMEOUT);
+                    l.mark_failed(d, FailReason::Timeout);
                 }
             }),
         );
@@ -1028,9 +1059,37 @@ struct MirrorHook {
     handles: std::cell::RefCell<Vec<Box<dyn IoHandle>>>,
 }
 
-/// `MirrorHook::on_done` context of the retry of held writes (other contexts are epoch
-/// tokens, 0 or 1).
-const CTX_HELD: u64 = 1 << 62;
+/// What a mirror's continuation (`MirrorHook::on_done`) is to do, carried in its `ctx`.
+/// (Its `on_error` gets the failed device's index instead.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MirrorStep {
+    /// A write tracked during a rebuild or scrub ended: its `begin_write` token.
+    EndWrite(u64),
+    /// Retry the held writes (`MirrorHook::hold`).
+    RetryHeld,
+}
+
+impl MirrorStep {
+    /// Beyond any token (tokens are epoch parities, 0 or 1).
+    const RETRY_HELD: u64 = 1 << 62;
+
+    #[inline]
+    fn ctx(self) -> u64 {
+        match self {
+            MirrorStep::EndWrite(token) => token,
+            MirrorStep::RetryHeld => Self::RETRY_HELD,
+        }
+    }
+
+    #[inline]
+    fn of(ctx: u64) -> MirrorStep {
+        if ctx == Self::RETRY_HELD {
+            MirrorStep::RetryHeld
+        } else {
+            MirrorStep::EndWrite(ctx)
+        }
+    }
+}
 
 impl MirrorHook {
     /// Hold write `op` until its range is released; the first one waiting schedules the
@@ -1038,7 +1097,7 @@ impl MirrorHook {
     fn hold(&self, io: &mut CoreIo, op: IoOp, offset: u64, len: u64, tag: Tag) {
         let mut w = self.waiting.borrow_mut();
         if w.is_empty() {
-            io.defer_hook(self.id.get(), CTX_HELD);
+            io.defer_hook(self.id.get(), MirrorStep::RetryHeld.ctx());
         }
         w.push_back((op, offset, len, tag));
     }
@@ -1058,7 +1117,7 @@ impl MirrorHook {
                 all.into_iter().partition(|&(_, o, n, _)| l.held(o, n));
             w.extend(held);
             if !w.is_empty() {
-                io.defer_hook(self.id.get(), CTX_HELD);
+                io.defer_hook(self.id.get(), MirrorStep::RetryHeld.ctx());
             }
             ready
         };
@@ -1067,12 +1126,14 @@ impl MirrorHook {
             *handles = l.device_handles();
         }
         for (op, offset, len, tag) in ready {
-            mirror_write(&l, &mut handles, io, op, offset, len, tag, self.id.get());
+            // SAFETY: a held write's buffer is still its submitter's to keep valid: its
+            // completion has not been delivered (`hold` only queued it).
+            unsafe { mirror_write(&l, &mut handles, io, op, offset, len, tag, self.id.get()) };
         }
     }
 }
 
-impl ErrorHook for MirrorHook {
+impl Continuation for MirrorHook {
     fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32) {
         let Some(l) = self.layout.upgrade() else {
             return io.complete(parent, res);
@@ -1090,7 +1151,7 @@ impl ErrorHook for MirrorHook {
                     }
                     match l.devices[d].read_at(offset, b) {
                         Ok(()) => return io.complete(parent, len as i32),
-                        Err(e) => l.mark_failed(d, error_reason(&e, FAIL_READ)),
+                        Err(e) => l.mark_failed(d, error_reason(&e, FailReason::Read)),
                     }
                 }
                 io.complete(parent, -libc::EIO)
@@ -1105,33 +1166,44 @@ impl ErrorHook for MirrorHook {
     /// The end of a client write tracked while a rebuild runs (`ctx`: epoch parity), or
     /// the retry of held writes.
     fn on_done(&self, io: &mut CoreIo, parent: Tag, _op: IoOp, ctx: u64, res: i32) {
-        if ctx == CTX_HELD {
-            return self.retry(io);
-        }
+        let token = match MirrorStep::of(ctx) {
+            MirrorStep::RetryHeld => return self.retry(io),
+            MirrorStep::EndWrite(token) => token,
+        };
         if let Some(l) = self.layout.upgrade() {
-            l.end_write(ctx);
+            l.end_write(token);
         }
         io.complete(parent, res)
     }
 }
 
+/// # Safety
+/// As [`IoHandle::submit`] for `op`'s buffer.
 #[inline]
-fn submit_piece(handles: &mut [Box<dyn IoHandle>], io: &mut CoreIo, op: &IoOp, p: Piece, tag: Tag) {
+unsafe fn submit_piece(
+    handles: &mut [Box<dyn IoHandle>],
+    io: &mut CoreIo,
+    op: &IoOp,
+    p: Piece,
+    tag: Tag,
+) {
     handles[p.dev].submit(io, piece_op(op, p), tag);
 }
 
 #[inline]
 fn piece_op(op: &IoOp, p: Piece) -> IoOp {
     match *op {
-        // SAFETY (pointer arithmetic): range_offset < len of the caller's buffer.
         IoOp::Read { buf, .. } => IoOp::Read {
             offset: p.dev_offset,
             len: p.len as u32,
+            // SAFETY: a piece lies inside its request: range_offset < the request's len,
+            // so the pointer stays inside the caller's buffer.
             buf: unsafe { buf.add(p.range_offset as usize) },
         },
         IoOp::Write { buf, .. } => IoOp::Write {
             offset: p.dev_offset,
             len: p.len as u32,
+            // SAFETY: as for reads above.
             buf: unsafe { buf.add(p.range_offset as usize) },
         },
         IoOp::Discard { .. } => IoOp::Discard {
@@ -1182,7 +1254,10 @@ impl LayoutHandle {
     }
 
     /// Mirrors: reads go to one healthy copy (round robin), writes to every healthy copy.
-    fn submit_mirror(&mut self, io: &mut CoreIo, op: IoOp, offset: u64, len: u64, tag: Tag) {
+    ///
+    /// # Safety
+    /// As [`IoHandle::submit`] for `op`'s buffer.
+    unsafe fn submit_mirror(&mut self, io: &mut CoreIo, op: IoOp, offset: u64, len: u64, tag: Tag) {
         let hook = self.hook_id(io);
         let LayoutHandle {
             layout,
@@ -1225,8 +1300,11 @@ impl LayoutHandle {
 
 /// A mirror write (or discard, zeroes): every healthy copy of every piece, one join; tracked
 /// while a rebuild or scrub runs.
+///
+/// # Safety
+/// As [`IoHandle::submit`] for `op`'s buffer.
 #[allow(clippy::too_many_arguments)]
-fn mirror_write(
+unsafe fn mirror_write(
     layout: &Layout,
     handles: &mut [Box<dyn IoHandle>],
     io: &mut CoreIo,
@@ -1250,7 +1328,7 @@ fn mirror_write(
         io.join(tag, parts)
     } else {
         let token = layout.begin_write(offset, len);
-        io.tracked(tag, parts, hook, token)
+        io.tracked(tag, parts, hook, MirrorStep::EndWrite(token).ctx())
     };
     for p in layout.pieces(offset, len) {
         let mut any = false;
@@ -1273,7 +1351,7 @@ fn mirror_write(
 
 impl IoHandle for LayoutHandle {
     #[inline]
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         if self.layout.parity.is_some() {
             let LayoutHandle { layout, engine, .. } = self;
             let e = engine.get_or_insert_with(|| crate::parity_io::engine_for(io, layout));
@@ -1348,6 +1426,24 @@ mod tests {
     }
 
     #[test]
+    fn fail_reason_bytes_are_the_label_format() {
+        // docs/format.md: the label's fail_reason bytes.
+        let all = [
+            (FailReason::Read, 1),
+            (FailReason::Write, 2),
+            (FailReason::Gone, 3),
+            (FailReason::Missing, 4),
+            (FailReason::Timeout, 5),
+        ];
+        for (r, b) in all {
+            assert_eq!(r.byte(), b);
+            assert_eq!(FailReason::from_byte(b), Some(r));
+        }
+        assert_eq!(FailReason::from_byte(0), None);
+        assert_eq!(fail_reason_name(0), "");
+    }
+
+    #[test]
     fn raid0_pieces_cover_range_and_rotate_devices() {
         let l = Layout::new(LayoutKind::Raid0 { stripe: 65536 }, rams(4, 5 << 20)).unwrap();
         assert_eq!(l.size, 4 * (4 << 20));
@@ -1367,7 +1463,7 @@ mod tests {
         let l = Arc::new(Layout::new(LayoutKind::Raid1 { copies: 2 }, rams(2, 2 << 20)).unwrap());
         let span = 32 << 10;
         for pass in 0..200u64 {
-            l.mark_failed(1, FAIL_WRITE);
+            l.mark_failed(1, FailReason::Write);
             l.start_rebuild(1).unwrap();
             let stop = Arc::new(AtomicBool::new(false));
             let w = {

@@ -22,6 +22,8 @@ pub mod volume;
 pub use error::{Error, ErrorKind, Result};
 pub use format::ExportRecord;
 pub use layout::{Layout, LayoutHandle, LayoutKind};
-pub use pool::{uuid_string, validate_name, Pool, PoolOptions, PoolStatus, DEFAULT_UNIT_SIZE};
+pub use pool::{
+    uuid_string, validate_name, Pool, PoolOptions, PoolStatus, PoolTuning, DEFAULT_UNIT_SIZE,
+};
 pub use scrub::ScrubFindings;
 pub use volume::{IoClass, IoStats, StatsSnapshot, Volume, VolumeHandle, HOLE};

@@ -1,6 +1,10 @@
 //! Reading and writing the metadata region (superblock, checkpoints, journal) through a
 //! layout's synchronous face. Used by the control plane and the commit thread only.
 
+// Not yet audited for the workspace lint (3 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::io;
 use std::sync::Arc;
 

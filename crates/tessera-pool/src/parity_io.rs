@@ -29,21 +29,68 @@
 //! itself submitting (devices may complete synchronously), so every event goes through a
 //! queue that one trampoline loop drains: the engine is never re-entered.
 
+// Not yet audited for the workspace lint (57 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::Rc;
 use std::sync::{Arc, Weak};
 
 use tessera_io::buf::AlignedBuf;
-use tessera_io::{CoreIo, ErrorHook, IoHandle, IoOp, Tag};
+use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use crate::layout::{reason_of, Layout};
 use crate::parity::{encode_header, Parity, RecordHead, KIND_CHUNK, KIND_FULL, MAX_CHUNK};
 
 /// Hook contexts: a device I/O inside a row operation, a direct (healthy) read, a flush.
-const CTX_DEV: u64 = 1 << 62;
-const CTX_FAST: u64 = 1 << 61;
-const CTX_FLUSH: u64 = 1 << 60;
+/// Which kind of device operation of the engine failed, with the device's index: the
+/// `ctx` of its `hooked` tag (`Engine::on_error`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DevOp {
+    /// A piece of a direct read (no row operation): the request is re-planned.
+    FastRead(usize),
+    /// A device's flush for a FLUSH request: it fails only if data is lost.
+    Flush(usize),
+    /// An I/O of a row operation: its phase sees the failed bit and plans again.
+    RowOp(usize),
+}
+
+impl DevOp {
+    const ROW_OP: u64 = 1 << 62;
+    const FAST_READ: u64 = 1 << 61;
+    const FLUSH: u64 = 1 << 60;
+    /// The device index, in the low byte.
+    const DEV: u64 = 0xff;
+
+    #[inline]
+    fn ctx(self) -> u64 {
+        match self {
+            DevOp::FastRead(d) => Self::FAST_READ | d as u64,
+            DevOp::Flush(d) => Self::FLUSH | d as u64,
+            DevOp::RowOp(d) => Self::ROW_OP | d as u64,
+        }
+    }
+
+    #[inline]
+    fn of(ctx: u64) -> DevOp {
+        let d = (ctx & Self::DEV) as usize;
+        if ctx & Self::FAST_READ != 0 {
+            DevOp::FastRead(d)
+        } else if ctx & Self::FLUSH != 0 {
+            DevOp::Flush(d)
+        } else {
+            DevOp::RowOp(d)
+        }
+    }
+
+    fn dev(self) -> usize {
+        match self {
+            DevOp::FastRead(d) | DevOp::Flush(d) | DevOp::RowOp(d) => d,
+        }
+    }
+}
 /// `Event::Step` id of the group flush's completion.
 const GROUP_FLUSH: u32 = u32::MAX;
 /// Attempts at planning one row operation (each failure marks a device failed first).
@@ -235,14 +282,15 @@ pub(crate) fn engine_for(io: &mut CoreIo, layout: &Arc<Layout>) -> Rc<Engine> {
     e
 }
 
-impl ErrorHook for Engine {
+impl Continuation for Engine {
     fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32) {
         let Some(l) = self.layout.upgrade() else {
             return io.complete(parent, res);
         };
-        let dev = (ctx & 0xff) as usize;
+        let what = DevOp::of(ctx);
+        let dev = what.dev();
         l.mark_failed(dev, reason_of(&op, res));
-        if ctx & CTX_FAST != 0 {
+        if let DevOp::FastRead(_) = what {
             if let IoOp::Read { offset, len, buf } = op {
                 self.pending.borrow_mut().push_back(Event::ReadFailed {
                     parent,
@@ -254,7 +302,7 @@ impl ErrorHook for Engine {
                 return self.run(io);
             }
         }
-        if ctx & CTX_FLUSH != 0 {
+        if let DevOp::Flush(_) = what {
             let m = l.parity_geo().m as u32;
             return io.complete(
                 parent,
@@ -276,7 +324,12 @@ impl ErrorHook for Engine {
 }
 
 impl Engine {
-    pub(crate) fn submit(&self, io: &mut CoreIo, layout: &Layout, op: IoOp, tag: Tag) {
+    /// Take a request (queued when the engine is busy; its buffer is used until it
+    /// completes).
+    ///
+    /// # Safety
+    /// As [`tessera_io::IoHandle::submit`] for `op`'s buffer.
+    pub(crate) unsafe fn submit(&self, io: &mut CoreIo, layout: &Layout, op: IoOp, tag: Tag) {
         if let IoOp::Read { offset, len, buf } = op {
             if self.read_direct(io, layout, offset, len as u64, buf as usize, tag) {
                 return;
@@ -324,8 +377,11 @@ impl Engine {
                 len: piece as u32,
                 buf: (ptr + done as usize) as *mut u8,
             };
-            let h = io.hooked(t, hook, sub, CTX_FAST | d as u64);
-            st.handles[d].submit(io, sub, h);
+            let h = io.hooked(t, hook, sub, DevOp::FastRead(d).ctx());
+            // SAFETY: `ptr` is the request's buffer, valid until the request completes
+            // (Engine::submit's contract); the request completes through `t`, after
+            // this piece.
+            unsafe { st.handles[d].submit(io, sub, h) };
             done += piece;
         }
         drop(st);
@@ -427,8 +483,11 @@ impl Engine {
                         len: piece as u32,
                         buf: (ptr + done as usize) as *mut u8,
                     };
-                    let h = io.hooked(t, hook, sub, CTX_FAST | d as u64);
-                    st.handles[d].submit(io, sub, h);
+                    let h = io.hooked(t, hook, sub, DevOp::FastRead(d).ctx());
+                    // SAFETY: `ptr` is the request's buffer, valid until the request
+                    // completes (Engine::submit's contract); the request completes
+                    // through `t`, after this piece.
+                    unsafe { st.handles[d].submit(io, sub, h) };
                 } else {
                     let id = self.new_op(st, t, r, false);
                     st.ops[id as usize].segs.push(Seg {
@@ -488,8 +547,9 @@ impl Engine {
         };
         let hook = self.hook.get();
         for d in live {
-            let h = io.hooked(t, hook, IoOp::Flush, CTX_FLUSH | d as u64);
-            st.handles[d].submit(io, IoOp::Flush, h);
+            let h = io.hooked(t, hook, IoOp::Flush, DevOp::Flush(d).ctx());
+            // SAFETY: a flush carries no buffer.
+            unsafe { st.handles[d].submit(io, IoOp::Flush, h) };
         }
     }
 
@@ -768,8 +828,10 @@ impl Engine {
                 len: len as u32,
                 buf: at as *mut u8,
             };
-            let h = io.hooked(t, hook, sub, CTX_DEV | d as u64);
-            handles[d].submit(io, sub, h);
+            let h = io.hooked(t, hook, sub, DevOp::RowOp(d).ctx());
+            // SAFETY: `at` points into this row op's buffer, which the op keeps until
+            // `finish`, after every read of the op has completed.
+            unsafe { handles[d].submit(io, sub, h) };
         }
         nreads as u32
     }
@@ -911,8 +973,10 @@ impl Engine {
                 len: rec_len as u32,
                 buf: jb.as_ptr(),
             };
-            let h = io.hooked(t, hook, sub, CTX_DEV | d as u64);
-            handles[d].submit(io, sub, h);
+            let h = io.hooked(t, hook, sub, DevOp::RowOp(d).ctx());
+            // SAFETY: `jb` is this row op's journal buffer (`op.jbuf`), kept until
+            // `finish`, after every write of the record has completed.
+            unsafe { handles[d].submit(io, sub, h) };
         }
         Some(n)
     }
@@ -944,8 +1008,11 @@ impl Engine {
                 len: w.len as u32,
                 buf: w.ptr as *const u8,
             };
-            let h = io.hooked(t, hook, sub, CTX_DEV | w.dev as u64);
-            handles[w.dev].submit(io, sub, h);
+            let h = io.hooked(t, hook, sub, DevOp::RowOp(w.dev).ctx());
+            // SAFETY: `w.ptr` points at `w.len` bytes that stay valid until the op
+            // finishes, after these writes: the client's buffer (its request
+            // completes only then), the engine's zero chunk or this op's buffer.
+            unsafe { handles[w.dev].submit(io, sub, h) };
         }
         n
     }
@@ -974,8 +1041,9 @@ impl Engine {
         }
         for d in (0..st.handles.len()).filter(|d| devs & (1 << d) != 0) {
             // A failed flush marks the device failed (its records no longer count).
-            let h = io.hooked(t, hook, IoOp::Flush, CTX_DEV | d as u64);
-            st.handles[d].submit(io, IoOp::Flush, h);
+            let h = io.hooked(t, hook, IoOp::Flush, DevOp::RowOp(d).ctx());
+            // SAFETY: a flush carries no buffer.
+            unsafe { st.handles[d].submit(io, IoOp::Flush, h) };
         }
     }
 

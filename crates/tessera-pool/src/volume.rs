@@ -5,6 +5,10 @@
 //! a new mapping after it was published (Release/Acquire), and a unit is zeroed before it
 //! is published, so no reader ever sees another volume's old data.
 
+// Not yet audited for the workspace lint (9 casts, mostly u64 lengths and offsets to
+// usize on this 64-bit-only code): remove this line and fix or justify each one.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, RwLock};
@@ -274,7 +278,7 @@ impl VolumeHandle {
 }
 
 impl IoHandle for VolumeHandle {
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         self.refresh();
         let size = self.vol.size();
         let (offset, len) = match op {
@@ -392,15 +396,18 @@ impl VolumeHandle {
             let p = h.map.get(u);
             if p != HOLE {
                 let offset = h.pool_offset(p, at);
-                h.layout.submit(
-                    io,
-                    IoOp::WriteZeroes {
-                        offset,
-                        len: seg,
-                        may_unmap: false,
-                    },
-                    t,
-                );
+                // SAFETY: WriteZeroes carries no buffer.
+                unsafe {
+                    h.layout.submit(
+                        io,
+                        IoOp::WriteZeroes {
+                            offset,
+                            len: seg,
+                            may_unmap: false,
+                        },
+                        t,
+                    )
+                };
             } else if may_unmap {
                 io.complete(t, 0);
             } else {

@@ -25,7 +25,12 @@ pub(super) struct MissingDevice(pub(super) String);
 pub(super) struct MissingHandle;
 
 impl tessera_io::IoHandle for MissingHandle {
-    fn submit(&mut self, io: &mut tessera_io::CoreIo, _op: tessera_io::IoOp, tag: tessera_io::Tag) {
+    unsafe fn submit(
+        &mut self,
+        io: &mut tessera_io::CoreIo,
+        _op: tessera_io::IoOp,
+        tag: tessera_io::Tag,
+    ) {
         io.complete(tag, -libc::ENODEV)
     }
     fn size(&self) -> u64 {

@@ -67,6 +67,14 @@ pub struct Node {
 /// How often the node looks for a failed device a hot spare can replace.
 pub const SPARE_TICK: std::time::Duration = std::time::Duration::from_millis(500);
 
+/// How this node's pools behave while open (`device_timeout_ms`, `parity_journal_flush`).
+pub(crate) fn pool_tuning(cfg: &NodeConfig) -> tessera_pool::PoolTuning {
+    tessera_pool::PoolTuning {
+        device_timeout: std::time::Duration::from_millis(cfg.device_timeout_ms.max(1)),
+        journal_flush: cfg.parity_journal_flush,
+    }
+}
+
 fn size_arg(what: &str, v: &str) -> Result<u64> {
     parse_size(v).map_err(|e| Error::invalid(format!("{what}: {e}")))
 }
@@ -74,10 +82,6 @@ fn size_arg(what: &str, v: &str) -> Result<u64> {
 impl Node {
     /// Start the reactors and bring back every pool in the registry.
     pub fn start(cfg: NodeConfig) -> std::result::Result<Arc<Node>, StartError> {
-        tessera_pool::layout::set_device_timeout(std::time::Duration::from_millis(
-            cfg.device_timeout_ms,
-        ));
-        tessera_pool::layout::set_journal_flush(cfg.parity_journal_flush);
         std::fs::create_dir_all(&cfg.data_dir).map_err(|source| StartError::DataDir {
             path: cfg.data_dir.clone(),
             source,
@@ -217,12 +221,13 @@ impl Node {
                     layout,
                     unit_size: e.unit_size,
                     force: true,
+                    tuning: pool_tuning(&self.cfg),
                 },
             )?;
             fit_slots(&p, &slots);
             return Ok((p, slots));
         }
-        let p = Pool::open(devs)?;
+        let p = Pool::open_with(devs, pool_tuning(&self.cfg))?;
         fit_slots(&p, &slots);
         Ok((p, slots))
     }

@@ -1,5 +1,6 @@
 //! Pools: create, destroy, list, and how a pool is shown.
 
+use super::pool_tuning;
 use std::sync::Arc;
 
 use tessera_api::{DeviceState, OfflinePool, PoolEntry, PoolInfo};
@@ -76,6 +77,7 @@ impl Node {
                 layout: kind,
                 unit_size,
                 force,
+                tuning: pool_tuning(&self.cfg),
             },
         )?;
         fit_slots(&pool, &slots);

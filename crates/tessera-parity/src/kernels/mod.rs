@@ -106,6 +106,7 @@ pub fn xor_into_with(be: Backend, dst: &mut [u8], src: &[u8]) {
         // SAFETY: the CPU features were checked above; lengths checked.
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => unsafe { avx2::xor_into(dst, src) },
+        // SAFETY: as for AVX2 above (the backend is chosen only when the CPU has it).
         #[cfg(target_arch = "x86_64")]
         Backend::Avx512Gfni => unsafe { avx512::xor_into(dst, src) },
         #[cfg(not(target_arch = "x86_64"))]
@@ -123,6 +124,7 @@ pub fn xor_gen_with(be: Backend, dst: &mut [u8], srcs: &[&[u8]]) {
         // SAFETY: the CPU features were checked above; lengths checked.
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => unsafe { avx2::xor_gen(dst, srcs) },
+        // SAFETY: as for AVX2 above (the backend is chosen only when the CPU has it).
         #[cfg(target_arch = "x86_64")]
         Backend::Avx512Gfni => unsafe { avx512::xor_gen(dst, srcs) },
         #[cfg(not(target_arch = "x86_64"))]
@@ -141,6 +143,7 @@ pub fn pq_gen_with(be: Backend, srcs: &[&[u8]], p: &mut [u8], q: &mut [u8]) {
         // SAFETY: the CPU features were checked above; lengths checked.
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => unsafe { avx2::pq_gen(srcs, p, q) },
+        // SAFETY: as for AVX2 above (the backend is chosen only when the CPU has it).
         #[cfg(target_arch = "x86_64")]
         Backend::Avx512Gfni => unsafe { avx512::pq_gen(srcs, p, q) },
         #[cfg(not(target_arch = "x86_64"))]
@@ -162,6 +165,7 @@ pub fn mul_inplace_with(be: Backend, c: u8, buf: &mut [u8]) {
         // SAFETY: the CPU features were checked above.
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => unsafe { avx2::mul_inplace(c, buf) },
+        // SAFETY: as for AVX2 above (the backend is chosen only when the CPU has it).
         #[cfg(target_arch = "x86_64")]
         Backend::Avx512Gfni => unsafe { avx512::mul_inplace(c, buf) },
         #[cfg(not(target_arch = "x86_64"))]
@@ -179,6 +183,7 @@ pub fn pq_update_with(be: Backend, old: &[u8], new: &[u8], c: u8, p: &mut [u8], 
         // SAFETY: the CPU features were checked above; lengths checked.
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => unsafe { avx2::pq_update(old, new, c, p, q) },
+        // SAFETY: as for AVX2 above (the backend is chosen only when the CPU has it).
         #[cfg(target_arch = "x86_64")]
         Backend::Avx512Gfni => unsafe { avx512::pq_update(old, new, c, p, q) },
         #[cfg(not(target_arch = "x86_64"))]
@@ -218,6 +223,7 @@ pub fn dot_prod_with(
         // SAFETY: the CPU features were checked above; lengths checked.
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => unsafe { avx2::dot_prod(coeffs, srcs, dsts, accumulate) },
+        // SAFETY: as for AVX2 above (the backend is chosen only when the CPU has it).
         #[cfg(target_arch = "x86_64")]
         Backend::Avx512Gfni => unsafe { avx512::dot_prod(coeffs, srcs, dsts, accumulate) },
         #[cfg(not(target_arch = "x86_64"))]
