@@ -19,7 +19,9 @@ use std::sync::Arc;
 use tessera_export::conn::{
     add_throttled, read_into_new_buf, FreeList, RecvBuf, SendDone, Socket, StatsBatch,
 };
-use tessera_export::{Export, ExportHandle, ExportTarget, Gate, IoClass, IoStats, Released};
+use tessera_export::{
+    Charge, Export, ExportHandle, ExportTarget, Gate, IoClass, IoStats, Released,
+};
 use tessera_io::{AlignedBuf, CoreIo, IoOp, Reactor, Task};
 use tracing::warn;
 
@@ -441,11 +443,11 @@ impl<T: ExportTarget> NbdConn<T> {
     fn admit_or_park(&mut self, io: &mut CoreIo, s: u16) {
         let sl = &self.slots[s as usize];
         let charge = match sl.cmd {
-            CMD_READ => Some((false, sl.len as u64)),
-            CMD_WRITE => Some((true, sl.len as u64)),
-            CMD_TRIM | CMD_WRITE_ZEROES => Some((true, 0)),
+            CMD_READ => Charge::Read(sl.len as u64),
+            CMD_WRITE => Charge::Write(sl.len as u64),
+            CMD_TRIM | CMD_WRITE_ZEROES => Charge::Write(0),
             // Flushes and metadata queries are not limited.
-            _ => None,
+            _ => Charge::Free,
         };
         if self.gate.offer(io, s, charge) {
             self.dispatch(io, s);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_io::CoreIo;
-use tessera_qos::gate::Gate;
+use tessera_qos::gate::{Charge, Gate};
 use tessera_qos::{QosLimits, VolumeQos};
 
 fn main() {
@@ -24,7 +24,15 @@ fn main() {
         let mut passed = 0u64;
         for i in 0..n {
             let g = &mut gates[(i as usize) % volumes];
-            if g.offer(&mut io, 0, Some((i & 1 == 0, 4096))) {
+            if g.offer(
+                &mut io,
+                0,
+                if i & 1 == 0 {
+                    Charge::Write(4096)
+                } else {
+                    Charge::Read(4096)
+                },
+            ) {
                 passed += 1;
             }
         }

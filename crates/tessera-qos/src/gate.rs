@@ -18,9 +18,29 @@ use tessera_io::{CoreIo, Tag};
 use crate::shares::{cost, FlowId};
 use crate::{CoreLimiter, ShareScheduler, VolumeQos};
 
-/// What a request costs the limits: `None` for requests no limit applies to
-/// (flushes, metadata queries).
-pub type Charge = Option<(bool, u64)>;
+/// What a request costs the limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Charge {
+    /// No limit applies (flushes, metadata queries); the share scheduler still
+    /// orders it, at the cost of an empty write.
+    Free,
+    /// A read of this many bytes.
+    Read(u64),
+    /// A write of this many bytes (0 for trims and write-zeroes: they count as
+    /// an operation, not as bandwidth).
+    Write(u64),
+}
+
+impl Charge {
+    /// `(is_write, bytes)` for the limiters, `None` when no limit applies.
+    fn limited(self) -> Option<(bool, u64)> {
+        match self {
+            Charge::Free => None,
+            Charge::Read(b) => Some((false, b)),
+            Charge::Write(b) => Some((true, b)),
+        }
+    }
+}
 
 /// A request that left the gate after being held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,7 +172,7 @@ impl Gate {
 
     /// Both limiters (volume, group) admit the request now, or the longest wait.
     fn limits(&mut self, charge: Charge, now: Instant) -> Result<(), Duration> {
-        let Some((write, bytes)) = charge else {
+        let Some((write, bytes)) = charge.limited() else {
             return Ok(());
         };
         let mut vol = self.limiter.borrow_mut();
@@ -175,7 +195,7 @@ impl Gate {
     }
 
     fn share(&mut self, io: &CoreIo, charge: Charge) -> bool {
-        let (write, bytes) = charge.unwrap_or((true, 0));
+        let (write, bytes) = charge.limited().unwrap_or((true, 0));
         self.sched
             .borrow_mut()
             .admit(self.flow, write, cost(bytes), io.round(), io.now())
@@ -204,7 +224,7 @@ impl Gate {
         if self.held.is_empty() {
             match self.limits(charge, io.now()) {
                 Ok(()) => {
-                    let read = matches!(charge, Some((false, _)));
+                    let read = matches!(charge, Charge::Read(_));
                     let may_pass = self.deferred.is_empty() || (self.reads_first && read);
                     if may_pass && self.share(io, charge) {
                         return true;

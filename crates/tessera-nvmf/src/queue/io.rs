@@ -3,7 +3,7 @@
 //! Management on the targets.
 
 use tessera_export::conn::{add_throttled, read_into_new_buf};
-use tessera_export::{ExportHandle, ExportTarget};
+use tessera_export::{Charge, ExportHandle, ExportTarget};
 use tessera_io::{CoreIo, IoOp};
 
 use super::*;
@@ -52,10 +52,10 @@ impl<T: ExportTarget> NvmfQueue<T> {
     pub(super) fn admit_or_park(&mut self, io: &mut CoreIo, s: u16) {
         let sl = &self.slots[s as usize];
         let charge = match sl.sqe.opc {
-            IO_READ | IO_COMPARE => Some((false, (sl.sqe.nlb() as u64) << target::LBA_SHIFT)),
-            IO_WRITE => Some((true, (sl.sqe.nlb() as u64) << target::LBA_SHIFT)),
-            IO_WRITE_ZEROES | IO_DSM => Some((true, 0)),
-            _ => None,
+            IO_READ | IO_COMPARE => Charge::Read((sl.sqe.nlb() as u64) << target::LBA_SHIFT),
+            IO_WRITE => Charge::Write((sl.sqe.nlb() as u64) << target::LBA_SHIFT),
+            IO_WRITE_ZEROES | IO_DSM => Charge::Write(0),
+            _ => Charge::Free,
         };
         let ns = sl.ns;
         let Some(n) = self.ns.get_mut(ns) else {
