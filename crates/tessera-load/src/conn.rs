@@ -1,5 +1,8 @@
 //! What the pipelined load generators (`nbd-perf`, `nvmf perf`) share: the send queue,
-//! non-blocking socket calls, and the loop that drives one connection.
+//! non-blocking socket calls, the queue-depth window of one connection ([`Core`]), the
+//! loop that drives it ([`drive`]) and the run over several connections with its
+//! progress line and totals ([`run`]). A protocol adds only its wire format
+//! ([`Protocol`]).
 //!
 //! The loop never blocks in a send: requests leave through non-blocking `sendmsg`, and
 //! while some are still queued the thread `poll`s for both directions, taking in replies
@@ -8,12 +11,19 @@
 //! full, may) therefore cannot deadlock the tool.
 
 use std::collections::VecDeque;
-use std::io;
+use std::io::{self, Write as _};
 use std::net::TcpStream;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
+
+use tessera_io::hist::Histogram;
+
+use crate::report;
+use crate::workload::{mixed_is_write, Pattern, Rng};
 
 /// A connection with requests outstanding and nothing received for this long is given up.
 pub const STALL: Duration = Duration::from_secs(10);
@@ -273,17 +283,165 @@ impl Buffers {
     }
 }
 
-/// A request generator and reply parser for one connection, independent of the socket.
-pub trait Engine {
+/// One outstanding request of a connection.
+#[derive(Clone, Copy, Default)]
+pub struct Slot {
+    /// Submit time, ns since the run's epoch.
+    pub start: u64,
+    pub write: bool,
+    pub busy: bool,
+    pub failed: bool,
+}
+
+/// What one connection has measured.
+#[derive(Default)]
+pub struct Stats {
+    pub hist: Histogram,
+    pub ios: u64,
+    pub bytes: u64,
+    pub errors: u64,
+    pub first_error: Option<String>,
+}
+
+/// The protocol-independent part of one connection: the workload, the queue-depth window
+/// of slots (a request's slot index is its cookie or command ID), the byte streams and
+/// the statistics.
+pub struct Core {
+    pattern: Pattern,
+    rwmix_read: u64,
+    pub bs: u64,
+    blocks: u64,
+    rng: Rng,
+    pub slots: Vec<Slot>,
+    pub inflight: usize,
+    /// New requests are issued as slots complete (false once the time is up).
+    pub issuing: bool,
+    pub b: Buffers,
+    pub stats: Stats,
+}
+
+impl Core {
+    /// `qd` slots over `blocks` blocks of `bs` bytes from offset 0.
+    pub fn new(w: &Workload, blocks: u64, qd: usize, rng: Rng, b: Buffers) -> Core {
+        Core {
+            pattern: w.pattern,
+            rwmix_read: w.rwmix_read as u64,
+            bs: w.bs,
+            blocks,
+            rng: rng.odd(),
+            slots: vec![Slot::default(); qd],
+            inflight: 0,
+            issuing: true,
+            b,
+            stats: Stats::default(),
+        }
+    }
+
+    /// Draw the next request and mark `slot` busy with it; returns (write, byte offset).
+    #[inline]
+    fn begin(&mut self, slot: usize, now: u64) -> (bool, u64) {
+        let r = self.rng.next();
+        let write = match self.pattern {
+            Pattern::Randread => false,
+            Pattern::Randwrite => true,
+            Pattern::Randrw => mixed_is_write(r, self.rwmix_read),
+        };
+        self.slots[slot] = Slot {
+            start: now,
+            write,
+            busy: true,
+            failed: false,
+        };
+        self.inflight += 1;
+        (write, (r % self.blocks) * self.bs)
+    }
+
+    /// Account for the answer to `slot`; returns whether to issue a new request in it.
+    #[inline]
+    fn finish(&mut self, slot: usize, now: u64) -> bool {
+        let s = &mut self.slots[slot];
+        s.busy = false;
+        self.inflight -= 1;
+        self.stats.hist.record(now.saturating_sub(s.start));
+        if s.failed {
+            self.stats.errors += 1;
+        } else {
+            self.stats.ios += 1;
+            self.stats.bytes += self.bs;
+        }
+        self.issuing
+    }
+
+    /// Mark `slot` failed; `describe(write)` gives the error text if it is the first one.
+    pub fn fail(&mut self, slot: usize, describe: impl FnOnce(bool) -> String) {
+        let s = &mut self.slots[slot];
+        s.failed = true;
+        if self.stats.first_error.is_none() {
+            self.stats.first_error = Some(describe(s.write));
+        }
+    }
+
+    /// The slot an answer's ID refers to; anything but an outstanding request means the
+    /// peer (or our parsing) is broken and the stream cannot be trusted.
+    pub fn slot_of(&self, id: u64, what: impl FnOnce() -> String) -> Result<usize, String> {
+        match self.slots.get(id as usize) {
+            Some(s) if s.busy => Ok(id as usize),
+            _ => Err(what()),
+        }
+    }
+}
+
+/// The wire format of one protocol: how a request is encoded and how answers are parsed.
+/// The loop around it ([`drive`], [`run`]) is the same for every protocol.
+pub trait Protocol: Sized + Send + 'static {
+    /// Name of the tool, for thread names and messages ("nbd-perf").
+    const TOOL: &'static str;
+    /// Words for the error messages.
+    const WORDS: Words;
+    /// Queue the request just drawn for `slot` into `c.b.out`.
+    fn encode(&mut self, c: &mut Core, slot: usize, write: bool, offset: u64);
+    /// Parse every complete answer in `c.b`, calling [`Protocol::complete`] for each
+    /// request answered; returns how many were.
+    fn parse(&mut self, c: &mut Core, now: u64) -> Result<u64, String>;
+    /// The name of connection `index` in messages ("connection 0", "queue 1").
+    fn conn_name(index: usize) -> String;
+    /// Close the connection after the run (`clean`: it ended without a failure).
+    fn close(stream: &TcpStream, clean: bool);
+
+    /// Issue a new request in `slot`.
+    #[inline]
+    fn issue(&mut self, c: &mut Core, slot: usize, now: u64) {
+        let (write, offset) = c.begin(slot, now);
+        self.encode(c, slot, write, offset);
+    }
+
+    /// The request in `slot` is answered: account for it and reissue the slot.
+    #[inline]
+    fn complete(&mut self, c: &mut Core, slot: usize, now: u64) {
+        if c.finish(slot, now) {
+            self.issue(c, slot, now);
+        }
+    }
+}
+
+/// One connection: the shared core and the protocol's own state.
+pub struct Conn<P> {
+    pub core: Core,
+    pub proto: P,
+}
+
+impl<P: Protocol> Conn<P> {
     /// Issue a request in every slot.
-    fn fill(&mut self, now: u64);
-    /// Requests sent (or queued) and not yet answered.
-    fn inflight(&self) -> usize;
-    /// Issue no new requests as slots complete.
-    fn stop_issuing(&mut self);
-    fn bufs(&mut self) -> &mut Buffers;
-    /// Parse every complete reply received; returns how many requests completed.
-    fn parse(&mut self, now: u64) -> Result<u64, String>;
+    pub fn fill(&mut self, now: u64) {
+        for s in 0..self.core.slots.len() {
+            self.proto.issue(&mut self.core, s, now);
+        }
+    }
+
+    /// Parse every complete answer received; returns how many requests completed.
+    pub fn parse(&mut self, now: u64) -> Result<u64, String> {
+        self.proto.parse(&mut self.core, now)
+    }
 }
 
 /// Words for the error messages of one protocol.
@@ -297,46 +455,46 @@ pub struct Words {
 }
 
 /// Run one connection until `deadline_ns` (ns since `epoch`), then drain it.
-pub fn drive(
-    e: &mut impl Engine,
+pub fn drive<P: Protocol>(
+    c: &mut Conn<P>,
     stream: &TcpStream,
     epoch: Instant,
     deadline_ns: u64,
     busy_poll: bool,
     progress: &AtomicU64,
-    w: &Words,
 ) -> Result<(), String> {
+    let w = &P::WORDS;
     let fd = stream.as_raw_fd();
     // A blocking recv wakes up at least once a second to notice a stalled peer.
     stream
         .set_read_timeout(Some(Duration::from_secs(1)))
         .map_err(|err| format!("setting the receive timeout: {err}"))?;
     let now_ns = || epoch.elapsed().as_nanos() as u64;
-    e.fill(now_ns());
+    c.fill(now_ns());
     let mut last_progress = Instant::now();
     loop {
-        if !e.bufs().out.is_empty() {
-            let n = e
-                .bufs()
+        let b = &mut c.core.b;
+        if !b.out.is_empty() {
+            let n = b
                 .send(fd)
                 .map_err(|err| format!("sending {}: {err}", w.requests))?;
             if n > 0 {
                 last_progress = Instant::now();
             }
         }
-        let queued = e.bufs().out.len();
-        if e.inflight() == 0 && queued == 0 {
+        let queued = b.out.len();
+        if c.core.inflight == 0 && queued == 0 {
             return Ok(());
         }
         let got = if busy_poll {
-            recv_some(fd, e.bufs().recv_space(), true)
+            recv_some(fd, b.recv_space(), true)
         } else if queued == 0 {
-            recv_some(fd, e.bufs().recv_space(), false)
+            recv_some(fd, b.recv_space(), false)
         } else {
             // Part of the batch is still queued: wait for either direction, so a peer
             // that stops reading until we take its replies cannot deadlock us.
             match poll_rw(fd, Duration::from_secs(1)) {
-                Ok((true, _)) => recv_some(fd, e.bufs().recv_space(), true),
+                Ok((true, _)) => recv_some(fd, b.recv_space(), true),
                 Ok((false, true)) => continue,
                 Ok((false, false)) => Ok(None),
                 Err(err) => Err(err),
@@ -350,7 +508,7 @@ pub fn drive(
                         "no progress for {} s with {} {} outstanding ({queued} bytes \
                          unsent); giving up on this {}",
                         STALL.as_secs(),
-                        e.inflight(),
+                        c.core.inflight,
                         w.requests,
                         w.conn
                     ));
@@ -359,19 +517,16 @@ pub fn drive(
             Some(0) => {
                 return Err(format!(
                     "the {} closed the {} with {} {} outstanding",
-                    w.peer,
-                    w.conn,
-                    e.inflight(),
-                    w.requests
+                    w.peer, w.conn, c.core.inflight, w.requests
                 ))
             }
             Some(n) => {
-                e.bufs().in_end += n;
+                c.core.b.in_end += n;
                 let now = now_ns();
                 if now >= deadline_ns {
-                    e.stop_issuing();
+                    c.core.issuing = false;
                 }
-                let done = e.parse(now)?;
+                let done = c.parse(now)?;
                 if done > 0 {
                     last_progress = Instant::now();
                     progress.fetch_add(done, Relaxed);
@@ -379,6 +534,214 @@ pub fn drive(
             }
         }
     }
+}
+
+/// The workload every connection of a run shares.
+#[derive(Clone, Copy, Debug)]
+pub struct Workload {
+    pub pattern: Pattern,
+    /// Read percentage of `Randrw`.
+    pub rwmix_read: u32,
+    /// Bytes per request.
+    pub bs: u64,
+    /// Seconds to run.
+    pub time: u64,
+    pub busy_poll: bool,
+}
+
+/// What one connection reports at the end of a run.
+struct Report {
+    conn: usize,
+    stats: Stats,
+    failure: Option<String>,
+    wall: Duration,
+}
+
+/// The figures of a whole run, over all its connections.
+pub struct Totals {
+    pub hist: Histogram,
+    pub ios: u64,
+    pub bytes: u64,
+    pub errors: u64,
+    pub first_error: Option<String>,
+    /// "connection 1: ..." for every connection that failed.
+    pub failures: Vec<String>,
+    /// The longest connection's run time.
+    pub wall: Duration,
+    /// Process CPU time (user, system) during the run.
+    pub cpu: (Duration, Duration),
+    conns: usize,
+    conn_word: &'static str,
+}
+
+impl Totals {
+    pub fn secs(&self) -> f64 {
+        self.wall.as_secs_f64().max(1e-9)
+    }
+
+    pub fn iops(&self) -> f64 {
+        self.ios as f64 / self.secs()
+    }
+
+    pub fn mibps(&self) -> f64 {
+        self.bytes as f64 / self.secs() / 1048576.0
+    }
+
+    /// CPU time `d` per completed request, in ns.
+    pub fn per_io(&self, d: Duration) -> f64 {
+        let completed = self.ios + self.errors;
+        if completed > 0 {
+            d.as_nanos() as f64 / completed as f64
+        } else {
+            0.0
+        }
+    }
+
+    pub fn cpu_ns_per_io(&self) -> f64 {
+        self.per_io(self.cpu.0 + self.cpu.1)
+    }
+
+    /// The throughput and latency lines.
+    pub fn print_figures(&self) {
+        println!(
+            "throughput: {:.0} IOPS, {:.1} MiB/s",
+            self.iops(),
+            self.mibps()
+        );
+        report::print_latency(&self.hist);
+    }
+
+    /// The error lines and the RESULT line; the run's outcome.
+    pub fn print_outcome(&self) -> Result<(), String> {
+        if self.errors > 0 {
+            println!(
+                "errors:     {} (first: {})",
+                self.errors,
+                self.first_error.as_deref().unwrap_or("?")
+            );
+        }
+        for f in &self.failures {
+            println!("failed:     {f}");
+        }
+        report::print_result(
+            self.iops(),
+            self.mibps(),
+            &self.hist,
+            self.cpu_ns_per_io(),
+            self.errors,
+        );
+        if !self.failures.is_empty() {
+            return Err(format!(
+                "{} of {} {}s failed",
+                self.failures.len(),
+                self.conns,
+                self.conn_word
+            ));
+        }
+        if self.errors > 0 && self.ios == 0 {
+            return Err("every I/O failed".into());
+        }
+        Ok(())
+    }
+}
+
+/// Drive every connection from its own thread for `w.time` seconds, showing the progress
+/// on stderr once a second, and add up what they measured.
+pub fn run<P: Protocol>(w: &Workload, conns: Vec<(TcpStream, Conn<P>)>) -> Result<Totals, String> {
+    let n = conns.len();
+    let (tx, rx) = channel();
+    let progress = Arc::new(AtomicU64::new(0));
+    let barrier = Arc::new(Barrier::new(n + 1));
+    let deadline_ns = Duration::from_secs(w.time).as_nanos() as u64;
+    let cpu0 = report::cpu_time(libc::RUSAGE_SELF);
+    let mut threads = Vec::with_capacity(n);
+    for (i, (stream, mut c)) in conns.into_iter().enumerate() {
+        let (tx, progress, barrier) = (tx.clone(), progress.clone(), barrier.clone());
+        let busy_poll = w.busy_poll;
+        let t = std::thread::Builder::new()
+            .name(format!("{}-{i}", P::TOOL))
+            .spawn(move || {
+                barrier.wait();
+                let epoch = Instant::now();
+                let r = drive(&mut c, &stream, epoch, deadline_ns, busy_poll, &progress);
+                let wall = epoch.elapsed();
+                P::close(&stream, r.is_ok());
+                if let Err(err) = &r {
+                    eprintln!("\n{}: {}: {err}", P::TOOL, P::conn_name(i));
+                }
+                let _ = tx.send(Report {
+                    conn: i,
+                    stats: std::mem::take(&mut c.core.stats),
+                    failure: r.err(),
+                    wall,
+                });
+            })
+            .map_err(|e| format!("cannot start a thread: {e}"))?;
+        threads.push(t);
+    }
+    drop(tx);
+    barrier.wait();
+    let mut reports = show_progress(&rx, &progress, w);
+    for t in threads {
+        let _ = t.join();
+    }
+    let cpu1 = report::cpu_time(libc::RUSAGE_SELF);
+    reports.sort_by_key(|r| r.conn);
+    let mut t = Totals {
+        hist: Histogram::default(),
+        ios: 0,
+        bytes: 0,
+        errors: 0,
+        first_error: None,
+        failures: Vec::new(),
+        wall: Duration::ZERO,
+        cpu: (cpu1.0 - cpu0.0, cpu1.1 - cpu0.1),
+        conns: n,
+        conn_word: P::WORDS.conn,
+    };
+    for r in reports {
+        t.hist.merge(&r.stats.hist);
+        t.ios += r.stats.ios;
+        t.bytes += r.stats.bytes;
+        t.errors += r.stats.errors;
+        t.wall = t.wall.max(r.wall);
+        t.first_error = t.first_error.or(r.stats.first_error);
+        if let Some(f) = r.failure {
+            t.failures.push(format!("{}: {f}", P::conn_name(r.conn)));
+        }
+    }
+    Ok(t)
+}
+
+/// Print the rate once a second until every connection has reported; returns the reports.
+fn show_progress(rx: &Receiver<Report>, progress: &AtomicU64, w: &Workload) -> Vec<Report> {
+    let t0 = Instant::now();
+    let mut tick = t0;
+    let mut last = 0;
+    let mut reports = Vec::new();
+    loop {
+        let next = tick + Duration::from_secs(1);
+        match rx.recv_timeout(next.saturating_duration_since(Instant::now())) {
+            Ok(r) => reports.push(r),
+            Err(RecvTimeoutError::Timeout) => {
+                let now = Instant::now();
+                let n = progress.load(Relaxed);
+                let rate = (n - last) as f64 / now.duration_since(tick).as_secs_f64();
+                (last, tick) = (n, now);
+                eprint!(
+                    "\r[{:>3}s/{}s] {:>10.0} IOPS {:>9.1} MiB/s",
+                    t0.elapsed().as_secs_f64().round(),
+                    w.time,
+                    rate,
+                    rate * w.bs as f64 / 1048576.0
+                );
+                let _ = io::stderr().flush();
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    eprintln!();
+    reports
 }
 
 #[cfg(test)]
