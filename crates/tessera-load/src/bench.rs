@@ -123,7 +123,7 @@ struct BenchTask {
 
 impl BenchTask {
     fn next_op(&mut self, slot: usize) -> IoOp {
-        let r = self.rng.next();
+        let r = self.rng.next_u64();
         let (random, write) = match self.pattern {
             Pattern::Randread => (true, false),
             Pattern::Randwrite => (true, true),

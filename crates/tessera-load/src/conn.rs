@@ -20,6 +20,8 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use clap::Args;
+use tessera_device::{format_size, parse_size};
 use tessera_io::hist::Histogram;
 
 use crate::report;
@@ -340,7 +342,7 @@ impl Core {
     /// Draw the next request and mark `slot` busy with it; returns (write, byte offset).
     #[inline]
     fn begin(&mut self, slot: usize, now: u64) -> (bool, u64) {
-        let r = self.rng.next();
+        let r = self.rng.next_u64();
         let write = match self.pattern {
             Pattern::Randread => false,
             Pattern::Randwrite => true,
@@ -532,6 +534,66 @@ pub fn drive<P: Protocol>(
                     progress.fetch_add(done, Relaxed);
                 }
             }
+        }
+    }
+}
+
+/// The workload options `nbd-perf` and `nvmf perf` share.
+#[derive(Args, Clone, Debug)]
+pub struct LoadArgs {
+    #[arg(long, value_enum, default_value = "randread")]
+    pub pattern: Pattern,
+    /// Read percentage for randrw.
+    #[arg(long, default_value_t = 70)]
+    pub rwmix_read: u32,
+    #[arg(long, default_value = "4K")]
+    pub bs: String,
+    /// Requests kept outstanding per connection (NVMe/TCP: commands per queue).
+    #[arg(long, default_value_t = 128)]
+    pub qd: usize,
+    /// Seconds to run.
+    #[arg(long, default_value_t = 10)]
+    pub time: u64,
+    /// Bytes of the export or namespace to use, from offset 0 (default: all of it).
+    #[arg(long)]
+    pub size: Option<String>,
+    /// Spin on non-blocking receives instead of sleeping in them: takes the client's
+    /// wake-up latency out of low-queue-depth latencies, at the price of a busy core per
+    /// connection.
+    #[arg(long)]
+    pub busy_poll: bool,
+}
+
+impl LoadArgs {
+    /// The workload, with the block size checked against `max_bs`.
+    pub fn workload(&self, max_bs: u64) -> Result<Workload, String> {
+        let bs = parse_size(&self.bs).map_err(|e| format!("--bs: {e}"))?;
+        if bs == 0 || bs > max_bs {
+            return Err(format!(
+                "--bs must be between 1 byte and {}",
+                format_size(max_bs)
+            ));
+        }
+        if self.rwmix_read > 100 {
+            return Err("--rwmix-read is a percentage (0..100)".into());
+        }
+        if self.time == 0 {
+            return Err("--time must be at least 1 second".into());
+        }
+        Ok(Workload {
+            pattern: self.pattern,
+            rwmix_read: self.rwmix_read,
+            bs,
+            time: self.time,
+            busy_poll: self.busy_poll,
+        })
+    }
+
+    /// `--size` in bytes, or `all` when not given.
+    pub fn size_or(&self, all: u64) -> Result<u64, String> {
+        match &self.size {
+            Some(s) => parse_size(s).map_err(|e| format!("--size: {e}")),
+            None => Ok(all),
         }
     }
 }

@@ -21,11 +21,11 @@ use std::io::Write as _;
 use std::net::TcpStream;
 
 use clap::Args;
-use tessera_device::{format_size, parse_size};
+use tessera_device::format_size;
 use tessera_nbd::client::{nbd_error_to_io, ClientOptions, NbdClient};
 use tessera_nbd::proto;
 
-use crate::conn::{self, Buffers, Conn, Core, Protocol, Words, Workload};
+use crate::conn::{self, Buffers, Conn, Core, LoadArgs, Protocol, Words, Workload};
 use crate::workload::{payload, Pattern, Rng};
 
 #[derive(Args, Clone, Debug)]
@@ -40,30 +40,11 @@ pub struct NbdPerfArgs {
     /// Export name with --addr (default: "", the server's default export).
     #[arg(long, requires = "addr")]
     export: Option<String>,
-    #[arg(long, value_enum, default_value = "randread")]
-    pattern: Pattern,
-    /// Read percentage for randrw.
-    #[arg(long, default_value_t = 70)]
-    rwmix_read: u32,
-    #[arg(long, default_value = "4K")]
-    bs: String,
-    /// Requests kept outstanding per connection.
-    #[arg(long, default_value_t = 128)]
-    qd: usize,
+    #[command(flatten)]
+    load: LoadArgs,
     /// Connections, each driven by its own thread with its own queue depth.
     #[arg(long, default_value_t = 1)]
     conns: usize,
-    /// Seconds to run.
-    #[arg(long, default_value_t = 10)]
-    time: u64,
-    /// Bytes of the export to use, from offset 0 (default: the whole export).
-    #[arg(long)]
-    size: Option<String>,
-    /// Spin on non-blocking receives instead of sleeping in them: takes the client's
-    /// wake-up latency out of low-queue-depth latencies, at the price of a busy core per
-    /// connection.
-    #[arg(long)]
-    busy_poll: bool,
 }
 
 /// Receive buffer per connection.
@@ -465,7 +446,7 @@ fn disconnect(mut s: &TcpStream) {
 /// in the range to use.
 fn blocks_to_use(a: &NbdPerfArgs, c0: &Negotiated, export: &str, bs: u64) -> Result<u64, String> {
     let (export_size, flags) = (c0.size, c0.flags);
-    let writes = a.pattern != Pattern::Randread;
+    let writes = a.load.pattern != Pattern::Randread;
     if writes && flags & proto::TFLAG_READ_ONLY != 0 {
         return Err(format!(
             "export {export:?} is read-only; use --pattern randread"
@@ -481,20 +462,14 @@ fn blocks_to_use(a: &NbdPerfArgs, c0: &Negotiated, export: &str, bs: u64) -> Res
             ));
         }
     }
-    let size = match &a.size {
-        Some(s) => {
-            let s = parse_size(s).map_err(|e| format!("--size: {e}"))?;
-            if s > export_size {
-                return Err(format!(
-                    "--size {} is larger than the export ({})",
-                    format_size(s),
-                    format_size(export_size)
-                ));
-            }
-            s
-        }
-        None => export_size,
-    };
+    let size = a.load.size_or(export_size)?;
+    if size > export_size {
+        return Err(format!(
+            "--size {} is larger than the export ({})",
+            format_size(size),
+            format_size(export_size)
+        ));
+    }
     let blocks = size / bs;
     if blocks == 0 {
         return Err(format!(
@@ -518,36 +493,14 @@ fn plan(a: &NbdPerfArgs) -> Result<Plan, String> {
         (None, Some(addr)) => (addr.clone(), a.export.clone().unwrap_or_default()),
         (None, None) => return Err("give --uri nbd://HOST:PORT/EXPORT or --addr".into()),
     };
-    let bs = parse_size(&a.bs).map_err(|e| format!("--bs: {e}"))?;
-    if bs == 0 || bs > proto::MAX_PAYLOAD as u64 {
-        return Err(format!(
-            "--bs must be between 1 byte and {}",
-            format_size(proto::MAX_PAYLOAD as u64)
-        ));
-    }
-    if a.qd == 0 || a.qd > 4096 {
+    let w = a.load.workload(proto::MAX_PAYLOAD as u64)?;
+    if a.load.qd == 0 || a.load.qd > 4096 {
         return Err("--qd must be 1..4096".into());
     }
     if a.conns == 0 || a.conns > 256 {
         return Err("--conns must be 1..256".into());
     }
-    if a.rwmix_read > 100 {
-        return Err("--rwmix-read is a percentage (0..100)".into());
-    }
-    if a.time == 0 {
-        return Err("--time must be at least 1 second".into());
-    }
-    Ok(Plan {
-        addr,
-        export,
-        w: Workload {
-            pattern: a.pattern,
-            rwmix_read: a.rwmix_read,
-            bs,
-            time: a.time,
-            busy_poll: a.busy_poll,
-        },
-    })
+    Ok(Plan { addr, export, w })
 }
 
 pub fn run(a: NbdPerfArgs) -> Result<(), String> {
@@ -577,17 +530,17 @@ pub fn run(a: NbdPerfArgs) -> Result<(), String> {
     );
     eprintln!(
         "nbd-perf: {target} — {:?} bs={} qd={} conns={} for {}s",
-        a.pattern,
+        a.load.pattern,
         format_size(bs),
-        a.qd,
+        a.load.qd,
         a.conns,
-        a.time
+        a.load.time
     );
     let conns = sockets
         .into_iter()
         .enumerate()
         .map(|(i, s)| {
-            let c = Nbd::conn(&w, blocks, a.qd, s.structured, Rng::for_index(i));
+            let c = Nbd::conn(&w, blocks, a.load.qd, s.structured, Rng::for_index(i));
             (s.stream, c)
         })
         .collect();
@@ -595,9 +548,9 @@ pub fn run(a: NbdPerfArgs) -> Result<(), String> {
     println!("target:     {target}");
     println!(
         "workload:   {:?} bs={} qd={} conns={} time={:.1}s",
-        a.pattern,
+        a.load.pattern,
         format_size(bs),
-        a.qd,
+        a.load.qd,
         a.conns,
         t.secs()
     );

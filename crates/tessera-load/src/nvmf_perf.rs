@@ -17,13 +17,13 @@
 use std::net::TcpStream;
 
 use clap::Args;
-use tessera_device::{format_size, parse_size};
+use tessera_device::format_size;
 use tessera_nvmf::initiator::{Controller, Options};
 use tessera_nvmf::nvme::{self, Sqe};
 use tessera_nvmf::pdu;
 
-use crate::conn::{self, Buffers, Conn, Core, Protocol, Words, Workload};
-use crate::workload::{payload, Pattern, Rng};
+use crate::conn::{self, Buffers, Conn, Core, LoadArgs, Protocol, Words, Workload};
+use crate::workload::{payload, Rng};
 
 /// The workload of `tessera nvmf perf` (the target address, host NQN and digests are the
 /// initiator's options, given to [`run`]).
@@ -34,28 +34,11 @@ pub struct NvmfPerfArgs {
     nqn: String,
     #[arg(long, default_value_t = 1)]
     nsid: u32,
-    #[arg(long, value_enum, default_value = "randread")]
-    pattern: Pattern,
-    /// Read percentage for randrw.
-    #[arg(long, default_value_t = 70)]
-    rwmix_read: u32,
-    #[arg(long, default_value = "4K")]
-    bs: String,
-    /// Commands outstanding per queue.
-    #[arg(long, default_value_t = 128)]
-    qd: usize,
+    #[command(flatten)]
+    load: LoadArgs,
     /// I/O queues, each driven by its own thread.
     #[arg(long, default_value_t = 1)]
     queues: u16,
-    /// Seconds to run.
-    #[arg(long, default_value_t = 10)]
-    time: u64,
-    /// Bytes of the namespace to use, from offset 0 (default: all of it).
-    #[arg(long)]
-    size: Option<String>,
-    /// Spin on non-blocking receives instead of sleeping in them.
-    #[arg(long)]
-    busy_poll: bool,
 }
 
 const RECV_BUF: usize = 4 << 20;
@@ -288,36 +271,21 @@ impl Protocol for Nvmf {
 
 impl NvmfPerfArgs {
     fn check(&self) -> Result<Workload, String> {
-        let bs = parse_size(&self.bs).map_err(|e| format!("--bs: {e}"))?;
-        if bs == 0 || bs > tessera_nvmf::target::MAX_TRANSFER as u64 {
-            return Err("--bs must be at most 1 MiB".into());
-        }
-        if self.qd == 0 || self.qd > 512 {
+        let w = self
+            .load
+            .workload(tessera_nvmf::target::MAX_TRANSFER as u64)?;
+        if self.load.qd == 0 || self.load.qd > 512 {
             return Err("--qd must be 1..512 (the queue size)".into());
         }
         if self.queues == 0 || self.queues > 64 {
             return Err("--queues must be 1..64".into());
         }
-        if self.time == 0 || self.rwmix_read > 100 {
-            return Err("--time must be at least 1 and --rwmix-read at most 100".into());
-        }
-        Ok(Workload {
-            pattern: self.pattern,
-            rwmix_read: self.rwmix_read,
-            bs,
-            time: self.time,
-            busy_poll: self.busy_poll,
-        })
+        Ok(w)
     }
 
     /// Blocks of `bs` bytes to use in a namespace of `ns_size` bytes.
     fn blocks(&self, ns_size: u64, bs: u64) -> Result<u64, String> {
-        let size = match &self.size {
-            Some(s) => parse_size(s)
-                .map_err(|e| format!("--size: {e}"))?
-                .min(ns_size),
-            None => ns_size,
-        };
+        let size = self.load.size_or(ns_size)?.min(ns_size);
         match size / bs {
             0 => Err("the namespace is smaller than one block".into()),
             b => Ok(b),
@@ -329,7 +297,7 @@ impl NvmfPerfArgs {
 pub fn run(addr: &str, mut o: Options, a: NvmfPerfArgs) -> Result<(), String> {
     let w = a.check()?;
     let bs = w.bs;
-    o.queue_size = a.qd.max(32) as u16;
+    o.queue_size = a.load.qd.max(32) as u16;
     let (hdgst, ddgst) = (o.hdgst, o.ddgst);
     let mut ctrl = Controller::connect(addr, &a.nqn, &o, a.queues)
         .map_err(|e| format!("connecting to {} at {addr}: {e}", a.nqn))?;
@@ -346,18 +314,27 @@ pub fn run(addr: &str, mut o: Options, a: NvmfPerfArgs) -> Result<(), String> {
         a.nqn,
         a.nsid,
         format_size(blocks * bs),
-        a.pattern,
+        a.load.pattern,
         format_size(bs),
-        a.qd,
+        a.load.qd,
         a.queues,
-        a.time
+        a.load.time
     );
     let conns = std::mem::take(&mut ctrl.io)
         .into_iter()
         .enumerate()
         .map(|(i, q)| {
             let rng = Rng::for_index(i);
-            let c = Nvmf::conn(&w, a.nsid, lba, blocks, a.qd, q.framing, q.maxh2cdata, rng);
+            let c = Nvmf::conn(
+                &w,
+                a.nsid,
+                lba,
+                blocks,
+                a.load.qd,
+                q.framing,
+                q.maxh2cdata,
+                rng,
+            );
             (q.stream, c)
         })
         .collect();
@@ -366,9 +343,9 @@ pub fn run(addr: &str, mut o: Options, a: NvmfPerfArgs) -> Result<(), String> {
     ctrl.disconnect();
     println!(
         "workload:   {:?} bs={} qd={} queues={} time={:.1}s digests={}{}",
-        a.pattern,
+        a.load.pattern,
         format_size(bs),
-        a.qd,
+        a.load.qd,
         a.queues,
         t.secs(),
         if hdgst { "h" } else { "-" },
@@ -402,7 +379,16 @@ mod tests {
             bs,
             ..a.check().unwrap()
         };
-        Nvmf::conn(&w, a.nsid, 512, 100, a.qd, fr, 128 << 10, Rng::for_index(7))
+        Nvmf::conn(
+            &w,
+            a.nsid,
+            512,
+            100,
+            a.load.qd,
+            fr,
+            128 << 10,
+            Rng::for_index(7),
+        )
     }
 
     /// Feed PDUs to the engine; returns completions.

@@ -184,14 +184,7 @@ impl<B: Binary> TestNode<B> {
 
     /// Run the CLI and insist on success; returns stdout.
     pub fn cli_ok(&self, args: &[&str]) -> String {
-        let o = self.cli(args);
-        assert!(
-            o.status.success(),
-            "tessera {args:?} failed: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        String::from_utf8_lossy(&o.stdout).into_owned()
+        cli_stdout(args, &self.cli(args))
     }
 
     /// Run the CLI with `--json` and parse its answer.
@@ -260,6 +253,17 @@ impl<B: Binary> Drop for TestNode<B> {
             }
         }
     }
+}
+
+/// Insist that `tessera ARGS` succeeded (`o` is what it did); returns its stdout.
+pub fn cli_stdout(args: &[&str], o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "tessera {args:?} failed: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
 /// Is an external tool installed? Tests that need one fail loudly when it is missing

@@ -5,7 +5,8 @@
 
 pub use tessera_testkit::data::*;
 pub use tessera_testkit::node::{
-    free_port, path_str, require_tool, result_fields, run_ok, temp_dir, Binary, PerfResult,
+    cli_stdout, free_port, path_str, require_tool, result_fields, run_ok, temp_dir, Binary,
+    PerfResult,
 };
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_tessera");
