@@ -1,15 +1,13 @@
 //! `tessera`: run a node (`up`, `node`), manage a running node over its API (`status`,
 //! `pool`, `volume`, `export`), and benchmark the engine in-process (`bench`).
 
-mod bench;
 mod error;
 mod manage;
-mod nbd_perf;
 mod nvmf_cmd;
 mod nvmf_perf;
-mod perf_io;
-mod report;
 mod run;
+
+use tessera_load::{bench, nbd_perf};
 
 use std::path::PathBuf;
 

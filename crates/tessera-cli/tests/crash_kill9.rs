@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
 use tessera_nbd::client::{ClientOptions, NbdClient};
 
 const MIB: u64 = 1 << 20;
@@ -218,18 +217,10 @@ fn verify(n: &TestNode, state: &mut State, when: &str) -> (u64, u64) {
     (checked_durable, later_landed)
 }
 
-fn json(n: &TestNode, args: &[&str]) -> Value {
-    let mut a = args.to_vec();
-    a.push("--json");
-    let out = n.cli_ok(&a);
-    serde_json::from_str(&out)
-        .unwrap_or_else(|e| panic!("tessera {args:?} --json: invalid JSON ({e}):\n{out}"))
-}
-
 /// Allocation is consistent: nothing leaked, nothing counted twice, nothing missing.
 fn check_accounting(n: &TestNode, state: &State, when: &str) {
-    let st = json(n, &["status"]);
-    let vols = json(n, &["volume", "list"]);
+    let st = n.json(&["status"]);
+    let vols = n.json(&["volume", "list"]);
     let cap = st["capacity"].as_u64().expect("status capacity");
     let alloc = st["allocated"].as_u64().expect("status allocated");
     assert!(alloc <= cap, "{when}: allocated {alloc} > capacity {cap}");

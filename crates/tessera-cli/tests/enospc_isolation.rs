@@ -4,33 +4,12 @@
 mod common;
 use common::*;
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use serde_json::Value;
 use tessera_nbd::client::{ClientOptions, NbdClient};
 
 const MIB: u64 = 1 << 20;
-
-/// A directory for the device images (outside the node's own directory, whose path is
-/// only known once the node runs), removed at the end.
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
-fn json(n: &TestNode, args: &[&str]) -> Value {
-    let mut a = args.to_vec();
-    a.push("--json");
-    let out = n.cli_ok(&a);
-    serde_json::from_str(&out)
-        .unwrap_or_else(|e| panic!("tessera {args:?} --json: invalid JSON ({e}):\n{out}"))
-}
 
 fn find<'a>(list: &'a Value, name: &str) -> &'a Value {
     list.as_array()
@@ -82,9 +61,11 @@ fn throughput(c: &mut NbdClient, base: u64, total: u64) -> f64 {
 
 #[test]
 fn full_pool_fails_with_enospc_and_isolates_the_damage() {
-    let scratch = Scratch(temp_dir("enospc-devs"));
-    let small = scratch.0.join("s.img");
-    let big = scratch.0.join("big.img");
+    // The device images live outside the node's own directory, whose path is only known
+    // once the node runs.
+    let scratch = temp_dir("enospc-devs");
+    let small = scratch.path().join("s.img");
+    let big = scratch.path().join("big.img");
     let extra = format!(
         r#"
 [[pool]]
@@ -126,7 +107,7 @@ volume = "vol0"
         big.display()
     );
     let mut n = TestNode::start_with_config("enospc", &extra);
-    let pools = json(&n, &["pool", "list"]);
+    let pools = n.json(&["pool", "list"]);
     let cap = find(&pools, "small")["capacity"].as_u64().unwrap();
     let unit = find(&pools, "small")["unit_size"].as_u64().unwrap();
     assert_eq!(unit, MIB);
@@ -192,7 +173,7 @@ volume = "vol0"
         "write straddling the last allocated unit of a",
     );
 
-    let st = json(&n, &["status"]);
+    let st = n.json(&["status"]);
     let sp = find(&st["pools"], "small");
     assert_eq!(sp["free"].as_u64(), Some(0), "{sp}");
     assert_eq!(sp["allocated"].as_u64(), Some(cap), "{sp}");
@@ -272,7 +253,7 @@ volume = "vol0"
         ubuf.iter().all(|&x| x == 0),
         "trimmed space of a does not read as zeros"
     );
-    let st = json(&n, &["status"]);
+    let st = n.json(&["status"]);
     assert_eq!(
         find(&st["pools"], "small")["free"].as_u64(),
         Some(4 * MIB),
@@ -301,10 +282,10 @@ volume = "vol0"
     assert!(buf == fill(0x60, 4096));
 
     // Accounting is consistent: pool allocated == sum of its volumes.
-    let vols = json(&n, &["volume", "list"]);
+    let vols = n.json(&["volume", "list"]);
     let sum = find(&vols, "a")["allocated"].as_u64().unwrap()
         + find(&vols, "b")["allocated"].as_u64().unwrap();
-    let st = json(&n, &["status"]);
+    let st = n.json(&["status"]);
     assert_eq!(
         find(&st["pools"], "small")["allocated"].as_u64(),
         Some(sum),

@@ -25,15 +25,7 @@ fn connect(n: &TestNode) -> NbdClient {
 }
 
 fn block(i: usize, gen: u64) -> Vec<u8> {
-    let mut x = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ gen.wrapping_mul(31) | 1;
-    (0..BLOCK)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    tessera_testkit::data::block(i, gen, BLOCK)
 }
 
 fn write_blocks(

@@ -97,8 +97,8 @@ fn weights_split_a_saturated_core() {
 
     // Weights persist (catalog version 3) across kill -9, on a file-backed pool (the RAM
     // pool above is recreated empty at restart).
-    let dev = temp_dir("qos-shares-dev").join("pool.img");
-    let dev = format!("{}:256M", dev.display());
+    let dev_dir = temp_dir("qos-shares-dev");
+    let dev = format!("{}:256M", dev_dir.path().join("pool.img").display());
     n.cli_ok(&["pool", "create", "pf", &dev]);
     n.cli_ok(&["volume", "create", "c", "--pool", "pf", "--size", "64M"]);
     n.cli_ok(&["volume", "qos", "c", "--weight", "300", "--reads-first"]);

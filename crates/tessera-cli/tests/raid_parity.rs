@@ -252,13 +252,7 @@ fn cli_t(n: &TestNode, secs: u64, args: &[&str]) -> String {
             n.log_text()
         )
     });
-    assert!(
-        o.status.success(),
-        "tessera {args:?} failed: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
+    cli_stdout(args, &o)
 }
 
 /// [`cli_t`] with 30 s.

@@ -11,14 +11,6 @@ use tessera_nbd::client::{ClientOptions, NbdClient};
 
 const MIB: u64 = 1 << 20;
 
-fn json(n: &TestNode, args: &[&str]) -> Value {
-    let mut a = args.to_vec();
-    a.push("--json");
-    let out = n.cli_ok(&a);
-    serde_json::from_str(&out)
-        .unwrap_or_else(|e| panic!("tessera {args:?} --json printed invalid JSON ({e}):\n{out}"))
-}
-
 /// Run a CLI command that must fail; returns its stderr (checked for the error format).
 fn cli_err(n: &TestNode, args: &[&str]) -> String {
     let o = n.cli(args);
@@ -93,9 +85,9 @@ struct Catalog {
 
 fn catalog(n: &TestNode) -> Catalog {
     Catalog {
-        pools: project(&json(n, &["pool", "list"]), POOL_FIELDS),
-        volumes: project(&json(n, &["volume", "list"]), VOLUME_FIELDS),
-        exports: project(&json(n, &["export", "list"]), EXPORT_FIELDS),
+        pools: project(&n.json(&["pool", "list"]), POOL_FIELDS),
+        volumes: project(&n.json(&["volume", "list"]), VOLUME_FIELDS),
+        exports: project(&n.json(&["export", "list"]), EXPORT_FIELDS),
     }
 }
 
@@ -110,19 +102,6 @@ fn connect(n: &TestNode, export: &str) -> NbdClient {
         .unwrap_or_else(|e| panic!("connect to export {export}: {e}"))
 }
 
-/// Deterministic data for (what, offset).
-fn data(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 /// What was written where: (export, offset, length, seed).
 type Written = Vec<(&'static str, u64, usize, u64)>;
 
@@ -135,7 +114,7 @@ fn write_all(n: &TestNode, w: &Written) {
     for (e, items) in by_export {
         let mut c = connect(n, e);
         for (off, len, seed) in items {
-            c.write(off, &data(seed, len), false)
+            c.write(off, &pattern(seed, len), false)
                 .unwrap_or_else(|err| panic!("write {len} at {off} to {e}: {err}"));
         }
         c.flush().unwrap_or_else(|err| panic!("flush {e}: {err}"));
@@ -150,7 +129,7 @@ fn verify_all(n: &TestNode, w: &Written, when: &str) {
         c.read(off, &mut b)
             .unwrap_or_else(|err| panic!("{when}: read {len} at {off} from {e}: {err}"));
         assert!(
-            b == data(seed, len),
+            b == pattern(seed, len),
             "{when}: export {e} offset {off}: data differs from what was written and flushed"
         );
     }
@@ -164,7 +143,7 @@ fn export_size(n: &TestNode, export: &str) -> u64 {
 fn wait_no_connections(n: &TestNode, volume: &str) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let v = json(n, &["volume", "list"]);
+        let v = n.json(&["volume", "list"]);
         let c = v
             .as_array()
             .unwrap()
@@ -183,7 +162,7 @@ fn wait_no_connections(n: &TestNode, volume: &str) {
 }
 
 fn pool_allocated(n: &TestNode, pool: &str) -> u64 {
-    let v = json(n, &["pool", "list"]);
+    let v = n.json(&["pool", "list"]);
     v.as_array()
         .unwrap()
         .iter()
@@ -220,7 +199,7 @@ fn catalog_and_data_survive_stop_and_kill9() {
         "--stripe-size",
         "64K",
     ]);
-    let pools = json(&n, &["pool", "list"]);
+    let pools = n.json(&["pool", "list"]);
     let p2 = pools
         .as_array()
         .unwrap()
@@ -286,7 +265,7 @@ fn catalog_and_data_survive_stop_and_kill9() {
     assert_same_catalog(&before, &catalog(&n), "after SIGTERM + restart");
     verify_all(&n, &w, "after SIGTERM + restart");
     assert_eq!(export_size(&n, "ec"), 192 * MIB);
-    let exports = json(&n, &["export", "list"]);
+    let exports = n.json(&["export", "list"]);
     let eb = exports
         .as_array()
         .unwrap()
@@ -324,7 +303,7 @@ fn catalog_and_data_survive_stop_and_kill9() {
     w.extend(more);
     let before = catalog(&n);
     assert_eq!(before.volumes.len(), 5);
-    assert_eq!(names(&json(&n, &["export", "list"])).len(), 5);
+    assert_eq!(names(&n.json(&["export", "list"])).len(), 5);
     n.kill9();
     n.restart();
     let after = catalog(&n);
@@ -359,10 +338,11 @@ fn deleting_an_exported_volume_fails_and_delete_gives_space_back() {
     // 8 units' worth of data (plus a partial unit).
     let mut c = connect(&n, "ex");
     for i in 0..8u64 {
-        c.write(i * 16 * MIB, &data(i, MIB as usize), false)
+        c.write(i * 16 * MIB, &pattern(i, MIB as usize), false)
             .unwrap();
     }
-    c.write(200 * MIB + 4096, &data(99, 4096), false).unwrap();
+    c.write(200 * MIB + 4096, &pattern(99, 4096), false)
+        .unwrap();
     c.flush().unwrap();
     let used = pool_allocated(&n, "pool0");
     assert_eq!(
@@ -370,7 +350,7 @@ fn deleting_an_exported_volume_fails_and_delete_gives_space_back() {
         9 * MIB,
         "pool0 allocated went from {base} to {used} after writing 9 units"
     );
-    let vols = json(&n, &["volume", "list"]);
+    let vols = n.json(&["volume", "list"]);
     let vx = vols
         .as_array()
         .unwrap()
@@ -395,7 +375,7 @@ fn deleting_an_exported_volume_fails_and_delete_gives_space_back() {
         "unclear error: {err}"
     );
     assert!(
-        names(&json(&n, &["volume", "list"])).contains(&"vx".to_string()),
+        names(&n.json(&["volume", "list"])).contains(&"vx".to_string()),
         "vx vanished after a refused delete"
     );
     assert_eq!(
@@ -405,15 +385,15 @@ fn deleting_an_exported_volume_fails_and_delete_gives_space_back() {
     );
 
     n.cli_ok(&["export", "remove", "ex"]);
-    assert!(!names(&json(&n, &["export", "list"])).contains(&"ex".to_string()));
+    assert!(!names(&n.json(&["export", "list"])).contains(&"ex".to_string()));
     n.cli_ok(&["volume", "delete", "vx"]);
-    assert!(!names(&json(&n, &["volume", "list"])).contains(&"vx".to_string()));
+    assert!(!names(&n.json(&["volume", "list"])).contains(&"vx".to_string()));
     assert_eq!(
         pool_allocated(&n, "pool0"),
         base,
         "space not given back after volume delete"
     );
-    let st = json(&n, &["status"]);
+    let st = n.json(&["status"]);
     assert_eq!(st["allocated"].as_u64(), Some(base));
 
     // Deleting again: not found, clear error.
@@ -430,12 +410,12 @@ fn deleting_an_exported_volume_fails_and_delete_gives_space_back() {
         b.iter().all(|&x| x == 0),
         "a new volume shows data of a deleted one"
     );
-    c.write(0, &data(7, 4096), false).unwrap();
+    c.write(0, &pattern(7, 4096), false).unwrap();
     c.flush().unwrap();
     drop(c);
     n.kill9();
     n.restart();
-    let vols = names(&json(&n, &["volume", "list"]));
+    let vols = names(&n.json(&["volume", "list"]));
     assert!(
         !vols.contains(&"vx".to_string()) && vols.contains(&"vy".to_string()),
         "{vols:?}"
@@ -461,21 +441,21 @@ fn pool_destroy_refuses_pools_with_volumes_and_stays_destroyed() {
         "unclear error: {err}"
     );
     assert!(
-        names(&json(&n, &["pool", "list"])).contains(&"pd".to_string()),
+        names(&n.json(&["pool", "list"])).contains(&"pd".to_string()),
         "pd vanished after a refused destroy"
     );
     assert!(
-        names(&json(&n, &["volume", "list"])).contains(&"vd".to_string()),
+        names(&n.json(&["volume", "list"])).contains(&"vd".to_string()),
         "vd vanished after a refused destroy"
     );
 
     // Destroy pd, then a clean restart.
     n.cli_ok(&["volume", "delete", "vd"]);
     n.cli_ok(&["pool", "destroy", "pd"]);
-    assert!(!names(&json(&n, &["pool", "list"])).contains(&"pd".to_string()));
+    assert!(!names(&n.json(&["pool", "list"])).contains(&"pd".to_string()));
     n.stop();
     n.restart();
-    let pools = names(&json(&n, &["pool", "list"]));
+    let pools = names(&n.json(&["pool", "list"]));
     assert!(
         !pools.contains(&"pd".to_string()),
         "destroyed pool pd is back after restart: {pools:?}"
@@ -492,13 +472,13 @@ fn pool_destroy_refuses_pools_with_volumes_and_stays_destroyed() {
     n.cli_ok(&["pool", "destroy", "pk"]);
     n.kill9();
     n.restart();
-    let pools = json(&n, &["pool", "list"]);
+    let pools = n.json(&["pool", "list"]);
     assert_eq!(
         names(&pools),
         vec!["pool0".to_string()],
         "after destroy + SIGKILL + restart: {pools}"
     );
-    let st = json(&n, &["status"]);
+    let st = n.json(&["status"]);
     assert_eq!(st["pools"].as_array().map(|p| p.len()), Some(1), "{st}");
     // Destroying a pool that does not exist is an error too.
     let err = cli_err(&n, &["pool", "destroy", "pd"]);

@@ -29,7 +29,7 @@ fn scrub_reads_allocated_units_and_reports_unreadable_ones() {
     // the pool down); writes there still work.
     let dev = format!(
         "fault:{}:256M;fail_read=25165824-25169920",
-        dir.join("d.img").display()
+        dir.path().join("d.img").display()
     );
     let n = TestNode::start_default("scrub");
     n.cli_ok(&["pool", "create", "fp", &dev]);

@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 pub use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
+#[cfg(any(test, feature = "test-devices"))]
 pub mod crash;
 pub mod fault;
 pub mod file;
@@ -23,6 +24,7 @@ pub mod spec;
 pub mod swap;
 pub mod watchdog;
 
+#[cfg(any(test, feature = "test-devices"))]
 pub use crash::CrashDevice;
 pub use fault::{FaultConfig, FaultDevice, DEFAULT_STALL_MS};
 pub use file::FileDevice;

@@ -11,15 +11,7 @@ use std::time::{Duration, Instant};
 
 use tessera_device::{open_device, BlockDevice, DeviceSpec, FaultConfig, FaultDevice, RamDevice};
 use tessera_io::{CoreIo, IoHandle, IoOp};
-
-fn run(io: &mut CoreIo, h: &mut dyn IoHandle, op: IoOp) -> i32 {
-    let mut res = None;
-    // SAFETY: the callers' buffers outlive this call, which drains the completion before it
-    // returns.
-    unsafe { h.submit(io, op, 1) };
-    io.run_until_idle(|_, _, r| res = Some(r));
-    res.expect("one completion")
-}
+use tessera_testkit::blockio::run;
 
 fn read(io: &mut CoreIo, h: &mut dyn IoHandle, offset: u64, buf: &mut [u8]) -> i32 {
     run(

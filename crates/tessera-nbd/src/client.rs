@@ -752,30 +752,11 @@ impl NbdClient {
     ) -> io::Result<Option<Reply>> {
         let inf = self.inflight.get(&cookie).copied();
         let meta_context = self.meta_context;
-        let p = self.partial.entry(cookie).or_insert_with(|| {
-            let (base, len, is_read) = match inf {
-                Some(i) => (i.offset, i.len, i.cmd == proto::CMD_READ),
-                // Not sent by us (raw bytes via stream_mut): assume a read at offset 0 of
-                // the hinted length, if any.
-                None => {
-                    let n = len_for.map_or(0, |f| f(cookie));
-                    (0, n, n > 0)
-                }
-            };
-            Partial {
-                reply: Reply {
-                    cookie,
-                    structured: true,
-                    ..Reply::default()
-                },
-                base,
-                len,
-                is_read,
-                ..Partial::default()
-            }
-        });
+        let p = self
+            .partial
+            .entry(cookie)
+            .or_insert_with(|| Partial::new(cookie, inf, len_for));
         let s = &mut *self.stream;
-
         match ty {
             proto::REPLY_TYPE_NONE => {
                 if length != 0 {
@@ -786,147 +767,208 @@ impl NbdClient {
                 }
             }
             proto::REPLY_TYPE_OFFSET_DATA | proto::REPLY_TYPE_OFFSET_HOLE => {
-                if !p.is_read {
-                    return Err(invalid(format!(
-                        "content chunk for cookie {cookie:#x}, which is not a READ"
-                    )));
-                }
-                let hole = ty == proto::REPLY_TYPE_OFFSET_HOLE;
-                if (hole && length != 12) || (!hole && length < 9) {
-                    return Err(invalid(format!(
-                        "content chunk type {ty} with bad length {length}"
-                    )));
-                }
-                let offset = u64::from_be_bytes(read_array(s)?);
-                let n = if hole {
-                    u64::from(u32::from_be_bytes(read_array(s)?))
-                } else {
-                    u64::from(length - 8)
-                };
-                if n == 0 {
-                    return Err(invalid("empty hole chunk"));
-                }
-                let start = offset.checked_sub(p.base);
-                let end = start.and_then(|st| st.checked_add(n));
-                let (start, end) = match (start, end) {
-                    (Some(st), Some(e)) if e <= u64::from(p.len) => (st, e),
-                    _ => {
-                        return Err(invalid(format!(
-                            "content chunk [{offset}, +{n}) outside the request [{}, +{})",
-                            p.base, p.len
-                        )))
-                    }
-                };
-                // Allocated on first content so that error-only replies cost nothing.
-                if p.reply.data.len() != p.len as usize {
-                    p.reply.data = vec![0u8; p.len as usize];
-                }
-                let dst = &mut p.reply.data[start as usize..end as usize];
-                if hole {
-                    dst.fill(0);
-                } else {
-                    s.read_exact(dst)?;
-                }
-                p.covered.push((start, end));
+                p.content(s, ty, cookie, length)?
             }
-            proto::REPLY_TYPE_BLOCK_STATUS => {
-                if length < 12 || !(length - 4).is_multiple_of(8) || length > MAX_META_CHUNK {
-                    return Err(invalid(format!(
-                        "NBD_REPLY_TYPE_BLOCK_STATUS with bad length {length}"
-                    )));
-                }
-                if inf.is_some_and(|i| i.cmd != proto::CMD_BLOCK_STATUS) {
-                    return Err(invalid("block status chunk in reply to another command"));
-                }
-                let b = read_vec(s, length as usize)?;
-                let id = be32(&b[0..4]);
-                if meta_context.is_some_and(|m| m != id) {
-                    return Err(invalid(format!(
-                        "block status for context id {id}, which was not selected"
-                    )));
-                }
-                p.block_status_chunks += 1;
-                if p.block_status_chunks > 1 {
-                    return Err(invalid(
-                        "more than one block status chunk for a single context",
-                    ));
-                }
-                for d in b[4..].chunks_exact(8) {
-                    let (len, st) = (be32(&d[0..4]), be32(&d[4..8]));
-                    if len == 0 {
-                        return Err(invalid("block status descriptor of length 0"));
-                    }
-                    p.reply.extents.push((len, st));
-                }
-                if let Some(i) = inf.filter(|i| i.flags & proto::CMD_FLAG_REQ_ONE != 0) {
-                    if p.reply.extents.len() != 1 || p.reply.extents[0].0 > i.len {
-                        return Err(invalid(
-                            "block status with REQ_ONE must return one extent within the request",
-                        ));
-                    }
-                }
-            }
-            t if t & 0x8000 != 0 => {
-                // Every error chunk type starts with error + message length + message.
-                let with_offset = t == proto::REPLY_TYPE_ERROR_OFFSET;
-                let fixed = if with_offset { 14 } else { 6 };
-                if length < fixed || length > MAX_ERROR_CHUNK {
-                    return Err(invalid(format!(
-                        "error chunk type {t:#x} with bad length {length}"
-                    )));
-                }
-                let b = read_vec(s, length as usize)?;
-                let code = be32(&b[0..4]);
-                let mlen = usize::from(u16::from_be_bytes([b[4], b[5]]));
-                if mlen > b.len() - fixed as usize {
-                    return Err(invalid("error chunk message longer than the chunk"));
-                }
-                if p.reply.error == 0 {
-                    // An error chunk with error 0 breaks a MUST; still count it as failed.
-                    p.reply.error = if code == 0 { proto::EINVAL } else { code };
-                    let msg = String::from_utf8_lossy(&b[6..6 + mlen]).into_owned();
-                    p.reply.message = (!msg.is_empty()).then_some(msg);
-                }
-            }
+            proto::REPLY_TYPE_BLOCK_STATUS => p.block_status(s, length, inf, meta_context)?,
+            t if t & 0x8000 != 0 => p.error(s, t, length)?,
             t => return Err(invalid(format!("unknown structured reply type {t}"))),
         }
-
         if flags & proto::REPLY_FLAG_DONE == 0 {
             return Ok(None);
         }
-        let Some(mut p) = self.partial.remove(&cookie) else {
+        let Some(p) = self.partial.remove(&cookie) else {
             return Ok(None);
         };
         self.inflight.remove(&cookie);
-        p.covered.sort_unstable();
-        for w in p.covered.windows(2) {
+        p.finish(cookie, inf, meta_context).map(Some)
+    }
+}
+
+impl Partial {
+    /// The reply to `cookie`, whose request is `inf` if we sent it.
+    fn new(cookie: u64, inf: Option<Inflight>, len_for: Option<&dyn Fn(u64) -> u32>) -> Partial {
+        let (base, len, is_read) = match inf {
+            Some(i) => (i.offset, i.len, i.cmd == proto::CMD_READ),
+            // Not sent by us (raw bytes via stream_mut): assume a read at offset 0 of
+            // the hinted length, if any.
+            None => {
+                let n = len_for.map_or(0, |f| f(cookie));
+                (0, n, n > 0)
+            }
+        };
+        Partial {
+            reply: Reply {
+                cookie,
+                structured: true,
+                ..Reply::default()
+            },
+            base,
+            len,
+            is_read,
+            ..Partial::default()
+        }
+    }
+
+    /// An OFFSET_DATA or OFFSET_HOLE chunk: its data lands at its place in the reply.
+    fn content(
+        &mut self,
+        s: &mut dyn ReadWrite,
+        ty: u16,
+        cookie: u64,
+        length: u32,
+    ) -> io::Result<()> {
+        if !self.is_read {
+            return Err(invalid(format!(
+                "content chunk for cookie {cookie:#x}, which is not a READ"
+            )));
+        }
+        let hole = ty == proto::REPLY_TYPE_OFFSET_HOLE;
+        if (hole && length != 12) || (!hole && length < 9) {
+            return Err(invalid(format!(
+                "content chunk type {ty} with bad length {length}"
+            )));
+        }
+        let offset = u64::from_be_bytes(read_array(s)?);
+        let n = if hole {
+            u64::from(u32::from_be_bytes(read_array(s)?))
+        } else {
+            u64::from(length - 8)
+        };
+        if n == 0 {
+            return Err(invalid("empty hole chunk"));
+        }
+        let start = offset.checked_sub(self.base);
+        let end = start.and_then(|st| st.checked_add(n));
+        let (start, end) = match (start, end) {
+            (Some(st), Some(e)) if e <= u64::from(self.len) => (st, e),
+            _ => {
+                return Err(invalid(format!(
+                    "content chunk [{offset}, +{n}) outside the request [{}, +{})",
+                    self.base, self.len
+                )))
+            }
+        };
+        // Allocated on first content so that error-only replies cost nothing.
+        if self.reply.data.len() != self.len as usize {
+            self.reply.data = vec![0u8; self.len as usize];
+        }
+        let dst = &mut self.reply.data[start as usize..end as usize];
+        if hole {
+            dst.fill(0);
+        } else {
+            s.read_exact(dst)?;
+        }
+        self.covered.push((start, end));
+        Ok(())
+    }
+
+    /// A BLOCK_STATUS chunk: one per context, descriptors of non-zero length.
+    fn block_status(
+        &mut self,
+        s: &mut dyn ReadWrite,
+        length: u32,
+        inf: Option<Inflight>,
+        meta_context: Option<u32>,
+    ) -> io::Result<()> {
+        if length < 12 || !(length - 4).is_multiple_of(8) || length > MAX_META_CHUNK {
+            return Err(invalid(format!(
+                "NBD_REPLY_TYPE_BLOCK_STATUS with bad length {length}"
+            )));
+        }
+        if inf.is_some_and(|i| i.cmd != proto::CMD_BLOCK_STATUS) {
+            return Err(invalid("block status chunk in reply to another command"));
+        }
+        let b = read_vec(s, length as usize)?;
+        let id = be32(&b[0..4]);
+        if meta_context.is_some_and(|m| m != id) {
+            return Err(invalid(format!(
+                "block status for context id {id}, which was not selected"
+            )));
+        }
+        self.block_status_chunks += 1;
+        if self.block_status_chunks > 1 {
+            return Err(invalid(
+                "more than one block status chunk for a single context",
+            ));
+        }
+        for d in b[4..].chunks_exact(8) {
+            let (len, st) = (be32(&d[0..4]), be32(&d[4..8]));
+            if len == 0 {
+                return Err(invalid("block status descriptor of length 0"));
+            }
+            self.reply.extents.push((len, st));
+        }
+        if let Some(i) = inf.filter(|i| i.flags & proto::CMD_FLAG_REQ_ONE != 0) {
+            if self.reply.extents.len() != 1 || self.reply.extents[0].0 > i.len {
+                return Err(invalid(
+                    "block status with REQ_ONE must return one extent within the request",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// An error chunk: the first error (and its message) is the reply's.
+    fn error(&mut self, s: &mut dyn ReadWrite, t: u16, length: u32) -> io::Result<()> {
+        // Every error chunk type starts with error + message length + message.
+        let with_offset = t == proto::REPLY_TYPE_ERROR_OFFSET;
+        let fixed = if with_offset { 14 } else { 6 };
+        if length < fixed || length > MAX_ERROR_CHUNK {
+            return Err(invalid(format!(
+                "error chunk type {t:#x} with bad length {length}"
+            )));
+        }
+        let b = read_vec(s, length as usize)?;
+        let code = be32(&b[0..4]);
+        let mlen = usize::from(u16::from_be_bytes([b[4], b[5]]));
+        if mlen > b.len() - fixed as usize {
+            return Err(invalid("error chunk message longer than the chunk"));
+        }
+        if self.reply.error == 0 {
+            // An error chunk with error 0 breaks a MUST; still count it as failed.
+            self.reply.error = if code == 0 { proto::EINVAL } else { code };
+            let msg = String::from_utf8_lossy(&b[6..6 + mlen]).into_owned();
+            self.reply.message = (!msg.is_empty()).then_some(msg);
+        }
+        Ok(())
+    }
+
+    /// The DONE chunk came: check that the chunks add up to a valid reply.
+    fn finish(
+        mut self,
+        cookie: u64,
+        inf: Option<Inflight>,
+        meta_context: Option<u32>,
+    ) -> io::Result<Reply> {
+        self.covered.sort_unstable();
+        for w in self.covered.windows(2) {
             if w[0].1 > w[1].0 {
                 return Err(invalid(format!(
                     "overlapping content chunks in reply to cookie {cookie:#x}"
                 )));
             }
         }
-        if p.reply.error == 0 {
-            if p.is_read {
-                let total: u64 = p.covered.iter().map(|(s, e)| e - s).sum();
-                if total != u64::from(p.len) {
+        if self.reply.error == 0 {
+            if self.is_read {
+                let total: u64 = self.covered.iter().map(|(s, e)| e - s).sum();
+                if total != u64::from(self.len) {
                     return Err(invalid(format!(
                         "successful READ reply covered {total} of {} bytes",
-                        p.len
+                        self.len
                     )));
                 }
-                p.reply.data.resize(p.len as usize, 0);
+                self.reply.data.resize(self.len as usize, 0);
             }
             if inf.is_some_and(|i| i.cmd == proto::CMD_BLOCK_STATUS)
                 && meta_context.is_some()
-                && p.block_status_chunks == 0
+                && self.block_status_chunks == 0
             {
                 return Err(invalid(
                     "successful block status reply without a block status chunk",
                 ));
             }
         }
-        Ok(Some(p.reply))
+        Ok(self.reply)
     }
 }
 

@@ -9,21 +9,13 @@
 use proptest::prelude::*;
 use tessera_parity::kernels::{self, Backend};
 use tessera_parity::{gf, pq_gen, pq_recover, pq_update, xor_parity, ParityError, ReedSolomon};
+use tessera_testkit::data::Rng;
 
 fn blocks(seed: u64, n: usize, len: usize) -> Vec<Vec<u8>> {
     // xorshift, so cases are reproducible without pulling in a RNG crate
-    let mut s = seed | 1;
+    let mut r = Rng(seed | 1);
     (0..n)
-        .map(|_| {
-            (0..len)
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 7;
-                    s ^= s << 17;
-                    (s >> 24) as u8
-                })
-                .collect()
-        })
+        .map(|_| (0..len).map(|_| (r.next() >> 24) as u8).collect())
         .collect()
 }
 

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use common::*;
-use tessera_device::{BlockDevice, CrashDevice};
+use tessera_device::BlockDevice;
 use tessera_io::IoOp;
 use tessera_pool::{LayoutKind, Pool, PoolOptions};
 

@@ -3,7 +3,7 @@
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,6 +14,9 @@ use tessera_io::{
     spawn_reactors, AlignedBuf, CoreIo, IoHandle, IoOp, Reactor, ReactorConfig, Task,
 };
 use tessera_pool::{LayoutKind, Pool, PoolOptions, Volume};
+
+use crate::report;
+use crate::workload::{fill_payload, mixed_is_write, Rng};
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
 pub enum Pattern {
@@ -91,7 +94,7 @@ struct Report {
 }
 
 fn thread_cpu() -> Duration {
-    let (user, sys) = crate::report::cpu_time(libc::RUSAGE_THREAD);
+    let (user, sys) = report::cpu_time(libc::RUSAGE_THREAD);
     user + sys
 }
 
@@ -104,7 +107,7 @@ struct BenchTask {
     base: u64,
     blocks: u64,
     seq_next: u64,
-    rng: u64,
+    rng: Rng,
     bufs: Vec<AlignedBuf>,
     started: Vec<Instant>,
     inflight: usize,
@@ -120,18 +123,16 @@ struct BenchTask {
 
 impl BenchTask {
     fn next_op(&mut self, slot: usize) -> IoOp {
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
+        let r = self.rng.next_u64();
         let (random, write) = match self.pattern {
             Pattern::Randread => (true, false),
             Pattern::Randwrite => (true, true),
             Pattern::Read => (false, false),
             Pattern::Write => (false, true),
-            Pattern::Randrw => (true, (self.rng >> 40) % 100 >= self.rwmix),
+            Pattern::Randrw => (true, mixed_is_write(r, self.rwmix)),
         };
         let block = if random {
-            self.rng % self.blocks
+            r % self.blocks
         } else {
             let b = self.seq_next;
             self.seq_next = (b + 1) % self.blocks;
@@ -320,9 +321,7 @@ fn prefill(s: &Subject) -> Result<(), String> {
     let mut h = (s.open)();
     let chunk = 1u64 << 20;
     let mut buf = AlignedBuf::zeroed(chunk as usize);
-    for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
-        *b = (i * 131 % 251) as u8;
-    }
+    fill_payload(buf.as_mut_slice());
     let mut off = 0;
     let mut err = 0;
     let t0 = Instant::now();
@@ -366,7 +365,8 @@ fn prefill(s: &Subject) -> Result<(), String> {
     Ok(())
 }
 
-pub fn run(a: BenchArgs) -> Result<(), String> {
+/// Check the arguments; returns the block size.
+fn block_size(a: &BenchArgs) -> Result<u64, String> {
     let bs = parse_size(&a.bs).map_err(|e| e.to_string())?;
     if bs == 0 || bs > 32 << 20 {
         return Err("block size must be between 1 byte and 32M".into());
@@ -374,92 +374,83 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
     if a.qd == 0 || a.qd > 4096 || a.cores == 0 {
         return Err("queue depth must be 1..4096 and cores at least 1".into());
     }
-    let subject = build_subject(&a)?;
-    let blocks = subject.len / bs;
-    if blocks == 0 {
-        return Err("target is smaller than one block".into());
+    Ok(bs)
+}
+
+/// `--fail-device`: mark a device of the redundant pool failed, to measure degraded I/O.
+fn fail_device(s: &Subject, d: usize) -> Result<(), String> {
+    let l = &s
+        .pool
+        .as_ref()
+        .ok_or("--fail-device needs --target pool or volume")?
+        .core
+        .layout;
+    if !l.kind.is_redundant() || d >= l.devices.len() {
+        return Err(
+            "--fail-device takes a device index of a raid1/raid10/raid5/raid6/ec pool".into(),
+        );
     }
-    if !a.no_prefill {
-        prefill(&subject)?;
-    }
-    if let Some(d) = a.fail_device {
-        let l = &subject
-            .pool
-            .as_ref()
-            .ok_or("--fail-device needs --target pool or volume")?
-            .core
-            .layout;
-        if !l.kind.is_redundant() || d >= l.devices.len() {
-            return Err(
-                "--fail-device takes a device index of a raid1/raid10/raid5/raid6/ec pool".into(),
-            );
+    l.mark_failed(d, tessera_pool::layout::FailReason::Gone);
+    Ok(())
+}
+
+impl BenchTask {
+    /// The task of `core`: `qd` requests of `bs` bytes over its own `blocks` blocks from
+    /// `base`, for `duration`.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        io: &mut CoreIo,
+        handle: Box<dyn IoHandle>,
+        a: &BenchArgs,
+        core: usize,
+        bs: u64,
+        base: u64,
+        blocks: u64,
+        duration: Duration,
+        stop: Arc<AtomicBool>,
+        progress: Arc<AtomicU64>,
+        tx: Sender<Report>,
+    ) -> BenchTask {
+        BenchTask {
+            handle,
+            id: 0,
+            pattern: a.pattern,
+            rwmix: a.rwmix_read as u64,
+            bs,
+            base,
+            blocks,
+            seq_next: 0,
+            rng: Rng::for_index(core),
+            bufs: (0..a.qd).map(|_| io.bufs.get(bs as usize)).collect(),
+            started: vec![Instant::now(); a.qd],
+            inflight: 0,
+            deadline: Instant::now() + duration,
+            begin: Instant::now(),
+            cpu0: Duration::ZERO,
+            stop,
+            progress,
+            r: Some(Report {
+                ios: 0,
+                bytes: 0,
+                errors: 0,
+                first_error: 0,
+                hist: Histogram::default(),
+                cpu: Duration::ZERO,
+                wall: Duration::ZERO,
+            }),
+            tx,
+            unreported: 0,
         }
-        l.mark_failed(d, tessera_pool::layout::FailReason::Gone);
     }
-    let cfg = ReactorConfig {
-        cores: a.cores,
-        busy_poll: a.busy_poll,
-        exit_when_idle: true,
-        ..ReactorConfig::default()
-    };
-    let (tx, rx) = channel();
-    let stop = Arc::new(AtomicBool::new(false));
-    let progress = Arc::new(AtomicU64::new(0));
-    let duration = Duration::from_secs(a.time);
-    eprintln!(
-        "bench: {} — {:?} bs={} qd={} cores={} for {}s",
-        subject.describe,
-        a.pattern,
-        tessera_device::format_size(bs),
-        a.qd,
-        a.cores,
-        a.time
-    );
-    let reactors = spawn_reactors(&cfg).map_err(|e| format!("cannot start reactors: {e}"))?;
-    // Each core works on its own slice of the target (no two cores share blocks).
-    let per_core = blocks / a.cores as u64;
-    for (core, (mb, _)) in reactors.iter().enumerate() {
-        let open = subject.open.clone();
-        let (tx, stop, progress) = (tx.clone(), stop.clone(), progress.clone());
-        let (pattern, rwmix, qd) = (a.pattern, a.rwmix_read as u64, a.qd);
-        let base = subject.base + core as u64 * per_core * bs;
-        let blocks = per_core.max(1);
-        mb.spawn(Box::new(move |io: &mut CoreIo| {
-            let bufs = (0..qd).map(|_| io.bufs.get(bs as usize)).collect();
-            Box::new(BenchTask {
-                handle: open(),
-                id: 0,
-                pattern,
-                rwmix,
-                bs,
-                base,
-                blocks,
-                seq_next: 0,
-                rng: 0x9E37_79B9_7F4A_7C15 ^ (core as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93),
-                bufs,
-                started: vec![Instant::now(); qd],
-                inflight: 0,
-                deadline: Instant::now() + duration,
-                begin: Instant::now(),
-                cpu0: Duration::ZERO,
-                stop,
-                progress,
-                r: Some(Report {
-                    ios: 0,
-                    bytes: 0,
-                    errors: 0,
-                    first_error: 0,
-                    hist: Histogram::default(),
-                    cpu: Duration::ZERO,
-                    wall: Duration::ZERO,
-                }),
-                tx,
-                unreported: 0,
-            }) as Box<dyn Task>
-        }));
-    }
-    drop(tx);
-    // Live progress, once a second.
+}
+
+/// Print the rate once a second until every core has reported; returns the reports.
+fn show_progress(
+    rx: &Receiver<Report>,
+    progress: &AtomicU64,
+    a: &BenchArgs,
+    bs: u64,
+) -> Vec<Report> {
     let t0 = Instant::now();
     let mut last = 0;
     let mut reports = Vec::new();
@@ -471,7 +462,7 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
                     break;
                 }
             }
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            Err(RecvTimeoutError::Timeout) => {
                 let now = progress.load(Relaxed);
                 let rate = now - last;
                 last = now;
@@ -488,14 +479,21 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
         }
     }
     eprintln!();
-    for (_, h) in reactors {
-        let _ = h.join();
-    }
+    reports
+}
+
+/// Add up the cores' reports, print them; the run's outcome.
+fn print_totals(
+    a: &BenchArgs,
+    subject: &Subject,
+    bs: u64,
+    reports: &[Report],
+) -> Result<(), String> {
     let mut hist = Histogram::default();
     let (mut ios, mut bytes, mut errors, mut cpu, mut wall) =
         (0u64, 0u64, 0u64, Duration::ZERO, Duration::ZERO);
     let mut first_error = 0;
-    for r in &reports {
+    for r in reports {
         hist.merge(&r.hist);
         ios += r.ios;
         bytes += r.bytes;
@@ -524,7 +522,7 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
         secs
     );
     println!("throughput: {iops:.0} IOPS, {mibps:.1} MiB/s");
-    crate::report::print_latency(&hist);
+    report::print_latency(&hist);
     println!(
         "cpu:        {:.1} ms per million I/Os ({:.2} cores busy)",
         cpu_ns_per_io,
@@ -536,9 +534,64 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
             std::io::Error::from_raw_os_error(first_error)
         );
     }
-    crate::report::print_result(iops, mibps, &hist, cpu_ns_per_io, errors);
+    report::print_result(iops, mibps, &hist, cpu_ns_per_io, errors);
     if errors > 0 && ios == 0 {
         return Err("every I/O failed".into());
     }
     Ok(())
+}
+
+pub fn run(a: BenchArgs) -> Result<(), String> {
+    let bs = block_size(&a)?;
+    let subject = build_subject(&a)?;
+    let blocks = subject.len / bs;
+    if blocks == 0 {
+        return Err("target is smaller than one block".into());
+    }
+    if !a.no_prefill {
+        prefill(&subject)?;
+    }
+    if let Some(d) = a.fail_device {
+        fail_device(&subject, d)?;
+    }
+    let cfg = ReactorConfig {
+        cores: a.cores,
+        busy_poll: a.busy_poll,
+        exit_when_idle: true,
+        ..ReactorConfig::default()
+    };
+    let (tx, rx) = channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let progress = Arc::new(AtomicU64::new(0));
+    let duration = Duration::from_secs(a.time);
+    eprintln!(
+        "bench: {} — {:?} bs={} qd={} cores={} for {}s",
+        subject.describe,
+        a.pattern,
+        tessera_device::format_size(bs),
+        a.qd,
+        a.cores,
+        a.time
+    );
+    let reactors = spawn_reactors(&cfg).map_err(|e| format!("cannot start reactors: {e}"))?;
+    // Each core works on its own slice of the target (no two cores share blocks).
+    let per_core = blocks / a.cores as u64;
+    for (core, (mb, _)) in reactors.iter().enumerate() {
+        let open = subject.open.clone();
+        let (tx, stop, progress) = (tx.clone(), stop.clone(), progress.clone());
+        let base = subject.base + core as u64 * per_core * bs;
+        let a = a.clone();
+        mb.spawn(Box::new(move |io: &mut CoreIo| {
+            let (h, blocks) = (open(), per_core.max(1));
+            Box::new(BenchTask::new(
+                io, h, &a, core, bs, base, blocks, duration, stop, progress, tx,
+            )) as Box<dyn Task>
+        }));
+    }
+    drop(tx);
+    let reports = show_progress(&rx, &progress, &a, bs);
+    for (_, h) in reactors {
+        let _ = h.join();
+    }
+    print_totals(&a, &subject, bs, &reports)
 }

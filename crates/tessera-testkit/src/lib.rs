@@ -1,0 +1,16 @@
+//! Helpers shared by Tessera's tests. A dev-dependency only: nothing here is in a
+//! production build.
+//!
+//! - [`data`]: reproducible randomness and test data.
+//! - [`blockio`]: one block operation at a time on a private core context, and a bulk
+//!   read-back check.
+//! - [`devices`]: devices that only tests need (a volatile write cache that loses writes
+//!   at power loss; the crash device of `tessera-device`, built here with its
+//!   `test-devices` feature), and fault wrapping of RAM devices.
+//! - [`node`]: run a real `tessera` node process on loopback, talk to it with the CLI,
+//!   restart it, kill it.
+
+pub mod blockio;
+pub mod data;
+pub mod devices;
+pub mod node;

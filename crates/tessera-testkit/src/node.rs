@@ -1,0 +1,389 @@
+//! Run a real `tessera` node process on loopback in a temporary data directory, talk to
+//! it with the CLI, restart it, kill it; run the perf tools against it and read their
+//! RESULT lines.
+
+use std::io::{BufRead, BufReader};
+use std::marker::PhantomData;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A fresh, empty directory for one test, under `$TESSERA_TEST_DIR` if set (else the
+/// system's temporary directory); removed when dropped.
+pub fn temp_dir(tag: &str) -> TempDir {
+    let base = std::env::var_os("TESSERA_TEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    tempfile::Builder::new()
+        .prefix(&format!("tessera-test-{tag}-"))
+        .tempdir_in(base)
+        .expect("create a temporary directory")
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The `tessera` binary a test runs: `CARGO_BIN_EXE_tessera` in `tessera-cli`'s tests.
+pub trait Binary {
+    const PATH: &'static str;
+}
+
+/// A node process in a directory of its own (removed when the node is dropped, unless the
+/// test panicked or [`TestNode::keep`] was called).
+pub struct TestNode<B: Binary> {
+    pub child: Option<Child>,
+    pub dir: PathBuf,
+    tmp: Option<TempDir>,
+    pub data_dir: PathBuf,
+    pub port: u16,
+    /// Config file, when started with one (restart reuses it).
+    pub config: Option<PathBuf>,
+    pub log: PathBuf,
+    keep: bool,
+    bin: PhantomData<B>,
+}
+
+impl<B: Binary> TestNode<B> {
+    /// `tessera up`: the embedded default (pool0 on a 4 GiB file, vol0 exported as vol0).
+    pub fn start_default(tag: &str) -> Self {
+        let tmp = temp_dir(tag);
+        let dir = tmp.path().to_path_buf();
+        let mut n = TestNode {
+            child: None,
+            data_dir: dir.join("data"),
+            dir,
+            tmp: Some(tmp),
+            port: free_port(),
+            config: None,
+            log: PathBuf::new(),
+            keep: false,
+            bin: PhantomData,
+        };
+        n.spawn();
+        n
+    }
+
+    /// `tessera node --config`, with `extra` TOML appended to a config that sets the data
+    /// directory, the NBD port, 2 cores and the NBD Unix socket DIR/nbd.sock.
+    pub fn start_with_config(tag: &str, extra: &str) -> Self {
+        Self::start_with_cores(tag, 2, extra)
+    }
+
+    /// [`start_with_config`](Self::start_with_config) with `cores` reactor cores.
+    pub fn start_with_cores(tag: &str, cores: usize, extra: &str) -> Self {
+        let tmp = temp_dir(tag);
+        let dir = tmp.path().to_path_buf();
+        let port = free_port();
+        let data_dir = dir.join("data");
+        let cfg = dir.join("tessera.toml");
+        let text = format!(
+            "data_dir = \"{}\"\ncores = {cores}\n[nbd]\nlisten = [\"127.0.0.1:{port}\"]\nunix = \"{}\"\n{extra}\n",
+            data_dir.display(),
+            dir.join("nbd.sock").display()
+        );
+        std::fs::write(&cfg, text).unwrap();
+        let mut n = TestNode {
+            child: None,
+            dir,
+            tmp: Some(tmp),
+            data_dir,
+            port,
+            config: Some(cfg),
+            log: PathBuf::new(),
+            keep: false,
+            bin: PhantomData,
+        };
+        n.spawn();
+        n
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new(B::PATH);
+        match &self.config {
+            Some(c) => {
+                cmd.arg("node").arg("--config").arg(c);
+            }
+            None => {
+                cmd.arg("up")
+                    .arg("--data-dir")
+                    .arg(&self.data_dir)
+                    .arg("--nbd")
+                    .arg(format!("127.0.0.1:{}", self.port))
+                    .arg("--cores")
+                    .arg("2");
+            }
+        }
+        self.log = self
+            .dir
+            .join(format!("node-{}.log", SEQ.fetch_add(1, Ordering::Relaxed)));
+        let err = std::fs::File::create(&self.log).unwrap();
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(err)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start tessera");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if line.starts_with("tessera: ready") {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "node did not become ready; log:\n{}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+        }
+        self.child = Some(child);
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn api(&self) -> String {
+        format!("unix:{}", self.data_dir.join("api.sock").display())
+    }
+
+    pub fn uri(&self, export: &str) -> String {
+        format!("nbd://127.0.0.1:{}/{export}", self.port)
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Run `tessera --api ... ARGS`.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(B::PATH)
+            .arg("--api")
+            .arg(self.api())
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run tessera cli")
+    }
+
+    /// Run the CLI and insist on success; returns stdout.
+    pub fn cli_ok(&self, args: &[&str]) -> String {
+        cli_stdout(args, &self.cli(args))
+    }
+
+    /// Run the CLI with `--json` and parse its answer.
+    pub fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut a = args.to_vec();
+        a.push("--json");
+        let out = self.cli_ok(&a);
+        serde_json::from_str(&out)
+            .unwrap_or_else(|e| panic!("tessera {args:?} --json: invalid JSON ({e}):\n{out}"))
+    }
+
+    /// SIGKILL: no chance to commit anything.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: signalling our own child process.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    panic!("node did not stop on SIGTERM");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
+    /// Start again on the same data directory (after stop or kill9).
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop or kill the node first");
+        self.spawn();
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Keep the directory after the test (for debugging).
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+}
+
+impl<B: Binary> Drop for TestNode<B> {
+    fn drop(&mut self) {
+        self.kill9();
+        if let Some(tmp) = self.tmp.take() {
+            if self.keep || std::thread::panicking() {
+                let _ = tmp.keep();
+            }
+        }
+    }
+}
+
+/// Insist that `tessera ARGS` succeeded (`o` is what it did); returns its stdout.
+pub fn cli_stdout(args: &[&str], o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "tessera {args:?} failed: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Is an external tool installed? Tests that need one fail loudly when it is missing
+/// (scripts/install-deps.sh installs them), unless TESSERA_ALLOW_MISSING_TOOLS is set.
+pub fn require_tool(name: &str) -> bool {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {name}"))
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !found {
+        if std::env::var_os("TESSERA_ALLOW_MISSING_TOOLS").is_some() {
+            eprintln!("skipping: {name} is not installed");
+            return false;
+        }
+        panic!("{name} is not installed: run scripts/install-deps.sh");
+    }
+    true
+}
+
+/// Run a command, insist on success, return stdout.
+pub fn run_ok(cmd: &mut Command) -> String {
+    let o = cmd
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        o.status.success(),
+        "{cmd:?} failed ({}):\n{}\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn path_str(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// Figures from one `tessera nbd-perf` run.
+pub struct PerfResult {
+    pub iops: f64,
+    pub mibps: f64,
+    pub line: String,
+}
+
+impl PerfResult {
+    /// A `key=value` field of the RESULT line.
+    pub fn field(&self, k: &str) -> f64 {
+        self.line
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("no {k} in {}", self.line))
+            .parse()
+            .unwrap()
+    }
+}
+
+/// Run `tessera nbd-perf` against `uri` (4 KiB requests over the first 64 MiB unless
+/// `extra` says otherwise) and parse
+/// its RESULT line; `extra` adds arguments. Fails the test on any I/O error.
+pub fn nbd_perf<B: Binary>(
+    uri: &str,
+    pattern: &str,
+    qd: u32,
+    secs: u64,
+    extra: &[&str],
+) -> PerfResult {
+    let qd = qd.to_string();
+    let secs = secs.to_string();
+    let mut args = vec![
+        "nbd-perf",
+        "--uri",
+        uri,
+        "--pattern",
+        pattern,
+        "--qd",
+        &qd,
+        "--time",
+        &secs,
+    ];
+    if !extra.contains(&"--size") {
+        args.extend_from_slice(&["--size", "64M"]);
+    }
+    args.extend_from_slice(extra);
+    let out = run_ok(Command::new(B::PATH).args(&args));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("RESULT"))
+        .expect("RESULT line")
+        .to_string();
+    let mut r = PerfResult {
+        iops: 0.0,
+        mibps: 0.0,
+        line,
+    };
+    assert_eq!(r.field("errors"), 0.0, "{}", r.line);
+    r.iops = r.field("iops");
+    r.mibps = r.field("mibps");
+    r
+}
+
+/// The `key=value` fields of the RESULT line a perf tool (`nbd-perf`, `nvmf perf`)
+/// printed on `stdout`; `what` and `stderr` go into the failure message.
+pub fn result_fields(
+    stdout: &str,
+    stderr: &str,
+    what: &str,
+) -> std::collections::HashMap<String, f64> {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("RESULT "))
+        .unwrap_or_else(|| panic!("{what}: no RESULT line in:\n{stdout}{stderr}"));
+    line["RESULT ".len()..]
+        .split_whitespace()
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').expect("key=value");
+            (k.to_string(), v.parse().expect("number"))
+        })
+        .collect()
+}
