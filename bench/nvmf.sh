@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # NVMe/TCP vs Tessera's own NBD export, one node, one run: 4 KiB randread and randwrite at
 # QD128 and QD1 through `tessera nvmf perf` and `tessera nbd-perf`, then the ratios.
-# Usage: bench/nvmf.sh [SECONDS]   (default 10; the node is stopped at the end)
+# Usage: bench/nvmf.sh [SECONDS]   (default $SECS or 10; the node is stopped at the end;
+# TESSERA=path runs another binary, e.g. from bench/ab.sh)
 # Each run is bounded by `timeout`; a failed run stops the script with its output.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SECS=${1:-10}
-T=target/release/tessera
-cargo build --release --bin tessera >/dev/null
+SECS=${1:-${SECS:-10}}
+T=${TESSERA:-target/release/tessera}   # the binary under test (server and load generator)
+[[ "$T" != target/release/tessera ]] || cargo build --release --bin tessera >/dev/null
 DIR=$(mktemp -d /tmp/tessera-nvmf-bench.XXXXXX)
 NBD=127.0.0.1:20809; NVMF=127.0.0.1:24420; DISC=127.0.0.1:28009
 # The measured volume lives on a RAM pool (like SPDK's Malloc bdev in the reference
