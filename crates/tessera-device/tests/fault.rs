@@ -10,13 +10,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_device::{open_device, BlockDevice, DeviceSpec, FaultConfig, FaultDevice, RamDevice};
-use tessera_io::{CoreIo, IoHandle, IoOp};
+use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
 fn run(io: &mut CoreIo, h: &mut dyn IoHandle, op: IoOp) -> i32 {
     let mut res = None;
     // SAFETY: the callers' buffers outlive this call, which drains the completion before it
     // returns.
-    unsafe { h.submit(io, op, 1) };
+    unsafe { h.submit(io, op, Tag::task(0, 1)) };
     io.run_until_idle(|_, _, r| res = Some(r));
     res.expect("one completion")
 }

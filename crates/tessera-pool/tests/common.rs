@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
-use tessera_io::{CoreIo, IoHandle, IoOp};
+use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 use tessera_pool::format::DEV_DATA_START;
 
 pub fn core() -> CoreIo {
@@ -21,9 +21,9 @@ pub fn run(io: &mut CoreIo, h: &mut dyn IoHandle, op: IoOp) -> i32 {
     let mut res = None;
     // SAFETY: every caller's buffer outlives this call, which drains the completion before
     // it returns.
-    unsafe { h.submit(io, op, 7) };
+    unsafe { h.submit(io, op, Tag::task(0, 7)) };
     io.run_until_idle(|_, tag, r| {
-        assert_eq!(tag, 7);
+        assert_eq!(tag, Tag::task(0, 7));
         assert!(res.replace(r).is_none(), "two completions for one submit");
     });
     res.expect("no completion")
@@ -147,7 +147,7 @@ pub fn verify_all(io: &mut CoreIo, h: &mut dyn IoHandle, model: &[u8], what: &st
                         len: len as u32,
                         buf: b.as_mut_ptr(),
                     },
-                    i as u64,
+                    Tag::task(0, i as u32),
                 )
             };
             n += 1;
@@ -271,7 +271,7 @@ impl BlockDevice for CacheDevice {
 struct CacheHandle(Arc<CacheDevice>);
 
 impl IoHandle for CacheHandle {
-    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: tessera_io::Tag) {
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         let d = &self.0;
         let r = match op {
             IoOp::Read { offset, len, buf } => {
