@@ -48,9 +48,10 @@ fn run(io: &mut CoreIo, h: &mut dyn IoHandle, ops: usize, batch: usize, buf: &mu
                 len: 4096,
                 buf: buf.as_mut_ptr(),
             };
+            let tag = Tag::task(0, u32::try_from(i).expect("a batch is far below 2^32"));
             // SAFETY: `buf` outlives the drain below; the concurrent reads into it are its
             // only users (a benchmark: nobody reads the bytes).
-            unsafe { h.submit(io, op, i as Tag) };
+            unsafe { h.submit(io, op, tag) };
         }
         io.run_until_idle(|_, _, _| done += 1);
     }

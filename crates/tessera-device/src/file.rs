@@ -199,7 +199,7 @@ impl IoHandle for FileHandle {
         };
         // SAFETY: the fd lives as long as self.dev (held by this handle, which the caller
         // keeps until completions drain); buffers are guaranteed by the submitter.
-        unsafe { io.push_sqe(entry.user_data(tag)) };
+        unsafe { io.push_sqe(entry, tag) };
     }
     fn size(&self) -> u64 {
         self.dev.size

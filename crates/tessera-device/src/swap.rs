@@ -242,16 +242,16 @@ mod tests {
         // 8 slow writes in flight on the old device, then the swap, then 8 more.
         for i in 0..8 {
             // SAFETY: `a` and `b` outlive the drain below and are only read meanwhile.
-            unsafe { h.submit(&mut io, write_op(&a, i), i as Tag) };
+            unsafe { h.submit(&mut io, write_op(&a, i), Tag::task(0, i as u32)) };
         }
         s.swap(new.clone()).unwrap();
         for i in 0..8 {
             // SAFETY: `a` and `b` outlive the drain below and are only read meanwhile.
-            unsafe { h.submit(&mut io, write_op(&b, 8 + i), 8 + i as Tag) };
+            unsafe { h.submit(&mut io, write_op(&b, 8 + i), Tag::task(0, 8 + i as u32)) };
         }
         let mut done = vec![None; 16];
         let t = Instant::now();
-        io.run_until_idle(|_, tag, res| done[tag as usize] = Some(res));
+        io.run_until_idle(|_, tag, res| done[tag.slot() as usize] = Some(res));
         // (A delayed completion reports 0, an inline one the length: both are success.)
         assert!(done.iter().all(|r| r.is_some_and(|r| r >= 0)), "{done:?}");
         assert!(
@@ -310,7 +310,7 @@ mod tests {
                     let block = (round % 32) * 16 + i as u64;
                     // SAFETY: `bufs` lives until after the drain that ends this round, and
                     // is only read meanwhile.
-                    unsafe { h.submit(&mut io, write_op(b, block), i as Tag) };
+                    unsafe { h.submit(&mut io, write_op(b, block), Tag::task(0, i as u32)) };
                     sub.fetch_add(1, SeqCst);
                     if saw {
                         after.push((block, b[0]));

@@ -275,7 +275,7 @@ impl IoHandle for Watched {
 /// background timer.
 #[cold]
 fn arm_check(io: &mut CoreIo, hook: u32, period: Duration) {
-    let t = io.tracked(0, 1, hook, TICK_CTX);
+    let t = io.tracked(Tag::NO_PARENT, 1, hook, TICK_CTX);
     io.complete_after_background(period, t, 0);
 }
 

@@ -54,11 +54,11 @@ fn load(
     let mut started = vec![Instant::now(); bufs.len()];
     for (i, b) in bufs.iter_mut().enumerate() {
         // SAFETY: each read has its own buffer in `bufs`, which outlives the drain below.
-        unsafe { h.submit(io, read_op(b, i), i as Tag) };
+        unsafe { h.submit(io, read_op(b, i), Tag::task(0, i as u32)) };
     }
     let (mut done, mut longest, mut errors) = (0, Duration::ZERO, 0);
     io.run_until_idle(|io, tag, res| {
-        let i = tag as usize;
+        let i = tag.slot() as usize;
         done += 1;
         longest = longest.max(started[i].elapsed());
         errors += (res < 0) as usize;
@@ -91,9 +91,9 @@ fn a_stalled_device_is_reported_with_its_index() {
     for (i, buf) in b.iter_mut().enumerate() {
         let h: &mut dyn IoHandle = if i < 4 { &mut *h } else { &mut *g };
         // SAFETY: each read has its own buffer in `b`, which outlives the drain below.
-        unsafe { h.submit(&mut io, read_op(buf, i), i as Tag) };
+        unsafe { h.submit(&mut io, read_op(buf, i), Tag::task(0, i as u32)) };
     }
-    io.run_until_idle(|_, tag, res| done.push((tag, res, t0.elapsed())));
+    io.run_until_idle(|_, tag, res| done.push((tag.slot(), res, t0.elapsed())));
     let calls = calls.lock().unwrap().clone();
     assert_eq!(calls.len(), 1, "one callback for 4 stalled I/Os: {calls:?}");
     assert_eq!(calls[0].0, 3);

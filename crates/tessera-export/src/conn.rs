@@ -296,10 +296,9 @@ impl Socket {
             ptr,
             len.min(u32::MAX as usize) as u32,
         )
-        .build()
-        .user_data(tag);
+        .build();
         // SAFETY: the caller keeps the buffer alive until the completion.
-        unsafe { io.push_sqe(e) };
+        unsafe { io.push_sqe(e, tag) };
         self.recv_posted = true;
     }
 
@@ -338,11 +337,10 @@ impl Socket {
         b.msg.msg_iovlen = b.iov.len() - b.at;
         let e = opcode::SendMsg::new(types::Fd(self.fd.as_raw_fd()), &*b.msg as *const _)
             .flags(libc::MSG_NOSIGNAL as u32)
-            .build()
-            .user_data(tag);
+            .build();
         // SAFETY: msg and iov belong to this socket and are not changed while the send is
         // posted; the caller keeps the buffers they point at alive.
-        unsafe { io.push_sqe(e) };
+        unsafe { io.push_sqe(e, tag) };
         self.send_posted = true;
     }
 

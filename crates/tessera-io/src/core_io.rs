@@ -8,15 +8,7 @@ use io_uring::{squeue, IoUring};
 
 use crate::buf::BufPool;
 use crate::reactor::RemoteCompleter;
-
-/// Addresses a completion: `(task id << 32) | slot` for task-owned operations. Tags with
-/// [`INTERNAL`] set belong to the core's join/delay table and never reach a task.
-pub type Tag = u64;
-
-/// Marks tags that name a join or delay entry on this core.
-pub(crate) const INTERNAL: u64 = 1 << 63;
-/// Marks io_uring user_data of the reactor's own operations (mailbox eventfd).
-pub(crate) const REACTOR: u64 = 1 << 62;
+use crate::tag::Tag;
 
 /// A join's index in its tag's low 32 bits. A core holds at most one join per operation
 /// in flight, far below 2^32.
@@ -224,7 +216,7 @@ impl CoreIo {
     /// continuation that must wait (a parity row whose lock is held, a write held back by
     /// a rebuild), yielding the core meanwhile.
     pub fn defer_hook(&mut self, hook: u32, ctx: u64) {
-        let t = self.tracked(0, 1, hook, ctx);
+        let t = self.tracked(Tag::NO_PARENT, 1, hook, ctx);
         self.defer(t);
     }
 
@@ -247,14 +239,15 @@ impl CoreIo {
         self.remote.clone()
     }
 
-    /// Queue an io_uring operation whose user_data is a tag.
+    /// Queue an io_uring operation whose completion is delivered for `tag` (carried as the
+    /// entry's user_data, which this sets).
     ///
     /// # Safety
     /// Every buffer and file descriptor the entry refers to must stay valid until its
     /// completion is delivered.
-    pub unsafe fn push_sqe(&mut self, entry: squeue::Entry) {
+    pub unsafe fn push_sqe(&mut self, entry: squeue::Entry, tag: Tag) {
         // SAFETY: forwarded to the caller.
-        unsafe { self.push_raw(entry) };
+        unsafe { self.push_raw(entry.user_data(tag.user_data())) };
         self.ring_inflight += 1;
     }
 
@@ -272,8 +265,8 @@ impl CoreIo {
     /// Deliver a completion. Internal tags resolve their join immediately; task tags go to
     /// the ready queue, which the reactor drains in order.
     pub fn complete(&mut self, mut tag: Tag, mut res: i32) {
-        while tag & INTERNAL != 0 {
-            let idx = (tag & 0xffff_ffff) as usize;
+        while tag.is_internal() {
+            let idx = tag.internal_index();
             let j = &mut self.joins[idx];
             if res < 0 && j.result >= 0 {
                 j.result = res;
@@ -324,7 +317,7 @@ impl CoreIo {
                 join_index(self.joins.len() - 1)
             }
         };
-        INTERNAL | idx as u64
+        Tag::internal(idx)
     }
 
     /// A child tag that completes `parent` once it has received `parts` completions, with
@@ -349,7 +342,7 @@ impl CoreIo {
     /// hook `hook` (with `op` and `ctx`) instead, which then completes `parent`.
     pub fn hooked(&mut self, parent: Tag, hook: u32, op: IoOp, ctx: u64) -> Tag {
         let t = self.new_join(parent, 1, Duration::ZERO);
-        self.joins[(t & 0xffff_ffff) as usize].hook = Some((hook, op, ctx));
+        self.joins[t.internal_index()].hook = Some((hook, op, ctx));
         t
     }
 
@@ -358,7 +351,7 @@ impl CoreIo {
     /// request end (the mirrors' rebuild tracks writes in flight).
     pub fn tracked(&mut self, parent: Tag, parts: u32, hook: u32, ctx: u64) -> Tag {
         let t = self.new_join(parent, parts, Duration::ZERO);
-        let j = &mut self.joins[(t & 0xffff_ffff) as usize];
+        let j = &mut self.joins[t.internal_index()];
         j.hook = Some((hook, IoOp::Flush, ctx));
         j.always = true;
         t
@@ -424,7 +417,7 @@ impl CoreIo {
 
     /// Reap completed io_uring entries; returns how many task/device completions arrived.
     /// Reactor-internal entries are returned through `internal`.
-    pub(crate) fn reap(&mut self, internal: &mut impl FnMut(u64, i32)) -> usize {
+    pub(crate) fn reap(&mut self, internal: &mut impl FnMut(Tag, i32)) -> usize {
         let mut n = 0;
         // Collect first: completing may need &mut self while the CQ is borrowed.
         let mut batch: [(u64, i32); 256] = [(0, 0); 256];
@@ -441,11 +434,12 @@ impl CoreIo {
                 return n;
             }
             for &(ud, res) in &batch[..got] {
-                if ud & REACTOR != 0 && ud & INTERNAL == 0 {
-                    internal(ud, res);
+                let tag = Tag::from_user_data(ud);
+                if tag.is_reactor() {
+                    internal(tag, res);
                 } else {
                     self.ring_inflight -= 1;
-                    self.complete(ud, res);
+                    self.complete(tag, res);
                     n += 1;
                 }
             }

@@ -12,10 +12,12 @@ pub mod buf;
 pub mod core_io;
 pub mod hist;
 pub mod reactor;
+mod tag;
 
 pub use buf::{AlignedBuf, BufPool};
-pub use core_io::{Continuation, CoreIo, IoHandle, IoOp, Tag, REMOTE_COMPLETER_NONE};
+pub use core_io::{Continuation, CoreIo, IoHandle, IoOp, REMOTE_COMPLETER_NONE};
 pub use reactor::{spawn_reactors, Mailbox, Reactor, ReactorConfig, RemoteCompleter, Task};
+pub use tag::Tag;
 
 #[cfg(test)]
 mod tests;

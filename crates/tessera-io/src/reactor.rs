@@ -7,14 +7,15 @@ use std::time::Duration;
 
 use io_uring::{opcode, types, types::SubmitArgs, types::Timespec};
 
-use crate::core_io::{CoreIo, Tag, INTERNAL, REACTOR};
+use crate::core_io::CoreIo;
+use crate::tag::Tag;
 
 /// Work living on one core: a connection, a benchmark driver. All its operations carry
-/// tags made with [`Reactor::tag`]`(id, slot)`.
+/// tags made with [`Tag::task`]`(id, slot)`.
 pub trait Task {
     /// Called once when the task is installed on its core; `id` goes into its tags.
     fn start(&mut self, io: &mut CoreIo, id: u32);
-    /// A completion for one of this task's operations (`slot` = low 32 bits of the tag).
+    /// A completion for one of this task's operations (`slot` = the tag's [`Tag::slot`]).
     fn on_complete(&mut self, io: &mut CoreIo, slot: u32, res: i32);
     /// Called at the end of each loop iteration in which the task got completions: the
     /// place to batch replies into one send.
@@ -119,7 +120,8 @@ impl Default for ReactorConfig {
     }
 }
 
-const MAILBOX_UD: u64 = REACTOR | 1;
+/// The reactor's read of its mailbox eventfd.
+const MAILBOX_TAG: Tag = Tag::reactor(1);
 
 pub struct Reactor {
     io: CoreIo,
@@ -136,11 +138,6 @@ pub struct Reactor {
 }
 
 impl Reactor {
-    /// Compose a task tag.
-    pub fn tag(task_id: u32, slot: u32) -> Tag {
-        ((task_id as u64) << 32) | slot as u64
-    }
-
     pub fn new(core: usize, cfg: ReactorConfig) -> std::io::Result<Reactor> {
         let mailbox = Mailbox::new(core)?;
         let io = CoreIo::new(core, cfg.ring_entries, Some(mailbox.clone()))?;
@@ -169,7 +166,7 @@ impl Reactor {
             8,
         )
         .build()
-        .user_data(MAILBOX_UD);
+        .user_data(MAILBOX_TAG.user_data());
         // SAFETY: efd_buf is boxed and lives as long as the reactor; the eventfd too.
         unsafe { self.io.push_raw(e) };
     }
@@ -202,11 +199,10 @@ impl Reactor {
 
     fn dispatch_ready(&mut self) {
         while let Some((tag, res)) = self.io.pop_ready() {
-            debug_assert!(tag & INTERNAL == 0);
-            let id = (tag >> 32) as u32;
+            debug_assert!(!tag.is_internal());
+            let id = tag.task_id();
             if let Some(Some(t)) = self.tasks.get_mut(id as usize) {
-                #[allow(clippy::cast_possible_truncation)] // the slot: a tag's low 32 bits
-                t.on_complete(&mut self.io, tag as u32, res);
+                t.on_complete(&mut self.io, tag.slot(), res);
                 self.mark(id);
             }
         }
@@ -279,8 +275,8 @@ impl Reactor {
                         .enter::<libc::sigset_t>(pending, 0, 1, None)
                 };
                 self.io.tick();
-                self.io.reap(&mut |ud, _res| {
-                    if ud == MAILBOX_UD {
+                self.io.reap(&mut |tag, _res| {
+                    if tag == MAILBOX_TAG {
                         mailbox_fired = true;
                     }
                 });
@@ -304,8 +300,8 @@ impl Reactor {
             // fast: gating the poll on such a hint made QD1 NBD 22 -> 64 us (measured).
             if !self.cfg.busy_poll && !window.is_zero() && self.poll_briefly(window) {
                 self.io.tick();
-                self.io.reap(&mut |ud, _res| {
-                    if ud == MAILBOX_UD {
+                self.io.reap(&mut |tag, _res| {
+                    if tag == MAILBOX_TAG {
                         mailbox_fired = true;
                     }
                 });
@@ -341,8 +337,8 @@ impl Reactor {
                 }
             }
             self.io.tick();
-            self.io.reap(&mut |ud, _res| {
-                if ud == MAILBOX_UD {
+            self.io.reap(&mut |tag, _res| {
+                if tag == MAILBOX_TAG {
                     mailbox_fired = true;
                 }
             });

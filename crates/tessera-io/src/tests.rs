@@ -6,17 +6,23 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::core_io::{Continuation, CoreIo, IoOp, Tag};
-use crate::reactor::{spawn_reactors, Msg, Reactor, ReactorConfig, Task};
+use crate::core_io::{Continuation, CoreIo, IoOp};
+use crate::reactor::{spawn_reactors, Msg, ReactorConfig, Task};
+use crate::tag::Tag;
+
+/// Tags of task 0, whose encoding equals `slot`, as plain numbers were before tags had a type.
+fn task_tag(slot: u32) -> Tag {
+    Tag::task(0, slot)
+}
 
 fn core() -> CoreIo {
     CoreIo::new(0, 16, None).expect("io_uring")
 }
 
 /// Drive `io` until idle; the task completions in arrival order.
-fn drain(io: &mut CoreIo) -> Vec<(Tag, i32)> {
+fn drain(io: &mut CoreIo) -> Vec<(u64, i32)> {
     let mut out = Vec::new();
-    io.run_until_idle(|_, tag, res| out.push((tag, res)));
+    io.run_until_idle(|_, tag, res| out.push((tag.user_data(), res)));
     out
 }
 
@@ -38,7 +44,7 @@ impl Continuation for Recorder {
 
     fn on_done(&self, io: &mut CoreIo, parent: Tag, _op: IoOp, ctx: u64, res: i32) {
         self.done.borrow_mut().push((parent, ctx, res));
-        if parent != 0 {
+        if parent != Tag::NO_PARENT {
             io.complete(parent, res + 1000);
         }
     }
@@ -47,7 +53,7 @@ impl Continuation for Recorder {
 #[test]
 fn a_join_completes_its_parent_once_with_the_first_error() {
     let mut io = core();
-    let t = io.join(5, 3);
+    let t = io.join(task_tag(5), 3);
     io.complete(t, 10);
     assert!(drain(&mut io).is_empty(), "two parts still missing");
     io.complete(t, -5);
@@ -56,7 +62,7 @@ fn a_join_completes_its_parent_once_with_the_first_error() {
 
     // Nested joins resolve in one call, and every entry is reused afterwards.
     let (slots, _) = io.join_slots();
-    let outer = io.join(9, 2);
+    let outer = io.join(task_tag(9), 2);
     let inner = io.join(outer, 2);
     io.complete(inner, 1);
     io.complete(inner, 2);
@@ -78,15 +84,15 @@ fn a_hooked_operation_passes_success_on_and_gives_errors_to_its_continuation() {
     let op = IoOp::Discard { offset: 7, len: 9 };
 
     // Like a join's, a hooked tag's success reaches the parent as 0.
-    let ok = io.hooked(1, id, op, 42);
+    let ok = io.hooked(task_tag(1), id, op, 42);
     io.complete(ok, 512);
     assert_eq!(drain(&mut io), vec![(1, 0)]);
     assert!(rec.errors.borrow().is_empty());
 
-    let bad = io.hooked(2, id, op, 43);
+    let bad = io.hooked(task_tag(2), id, op, 43);
     io.complete(bad, -libc::EIO);
     assert_eq!(drain(&mut io), vec![(2, 77)], "the continuation decides");
-    assert_eq!(*rec.errors.borrow(), vec![(2, 43, -libc::EIO)]);
+    assert_eq!(*rec.errors.borrow(), vec![(task_tag(2), 43, -libc::EIO)]);
 }
 
 #[test]
@@ -94,13 +100,16 @@ fn a_tracked_operation_reaches_its_continuation_whatever_the_result() {
     let mut io = core();
     let rec = Rc::new(Recorder::default());
     let id = io.register_hook(rec.clone());
-    let t = io.tracked(3, 2, id, 8);
+    let t = io.tracked(task_tag(3), 2, id, 8);
     io.complete(t, 4096);
     io.complete(t, 4096);
-    let u = io.tracked(4, 1, id, 9);
+    let u = io.tracked(task_tag(4), 1, id, 9);
     io.complete(u, -libc::ENOSPC);
     assert_eq!(drain(&mut io), vec![(3, 1000), (4, 1000 - libc::ENOSPC)]);
-    assert_eq!(*rec.done.borrow(), vec![(3, 8, 0), (4, 9, -libc::ENOSPC)]);
+    assert_eq!(
+        *rec.done.borrow(),
+        vec![(task_tag(3), 8, 0), (task_tag(4), 9, -libc::ENOSPC)]
+    );
     assert!(rec.errors.borrow().is_empty());
 }
 
@@ -109,12 +118,12 @@ fn deferred_work_runs_after_what_is_ready_now() {
     let mut io = core();
     let rec = Rc::new(Recorder::default());
     let id = io.register_hook(rec.clone());
-    io.defer(11);
+    io.defer(task_tag(11));
     io.defer_hook(id, 5);
-    io.complete(12, 1);
+    io.complete(task_tag(12), 1);
     let round = io.round();
     let mut seen = Vec::new();
-    io.run_until_idle(|io, tag, res| seen.push((tag, res, io.round())));
+    io.run_until_idle(|io, tag, res| seen.push((tag.user_data(), res, io.round())));
     // The ready completion first, in this round; the deferred one in a later round,
     // with 0.
     assert_eq!(seen[0], (12, 1, round));
@@ -122,38 +131,38 @@ fn deferred_work_runs_after_what_is_ready_now() {
     assert_eq!(seen[1].1, 0);
     assert!(seen[1].2 > round, "deferred work waits for the next round");
     assert_eq!(seen.len(), 2, "a deferred continuation completes no task");
-    assert_eq!(*rec.done.borrow(), vec![(0, 5, 0)]);
+    assert_eq!(*rec.done.borrow(), vec![(Tag::NO_PARENT, 5, 0)]);
 }
 
 #[test]
 fn timers_fire_in_deadline_order_and_background_ones_do_not_hold_the_caller() {
     let mut io = core();
     let t0 = Instant::now();
-    io.complete_after(Duration::from_millis(30), 2, 20);
-    io.complete_after(Duration::from_millis(10), 1, 10);
-    let d = io.delayed(3, Duration::from_millis(20));
+    io.complete_after(Duration::from_millis(30), task_tag(2), 20);
+    io.complete_after(Duration::from_millis(10), task_tag(1), 10);
+    let d = io.delayed(task_tag(3), Duration::from_millis(20));
     io.complete(d, -30);
     assert_eq!(drain(&mut io), vec![(1, 10), (3, -30), (2, 20)]);
     assert!(t0.elapsed() >= Duration::from_millis(30));
 
     // A background timer alone does not keep run_until_idle waiting; it fires in a
     // later call once due.
-    io.complete_after_background(Duration::from_millis(20), 4, 40);
+    io.complete_after_background(Duration::from_millis(20), task_tag(4), 40);
     let t1 = Instant::now();
     assert!(drain(&mut io).is_empty());
     assert!(t1.elapsed() < Duration::from_millis(20));
     std::thread::sleep(Duration::from_millis(25));
-    io.complete_after(Duration::ZERO, 5, 50);
+    io.complete_after(Duration::ZERO, task_tag(5), 50);
     assert_eq!(drain(&mut io), vec![(4, 40), (5, 50)]);
 }
 
 #[test]
 fn ring_operations_complete_with_their_tag() {
     let mut io = core();
-    for tag in [21u64, 22, 23] {
-        let nop = io_uring::opcode::Nop::new().build().user_data(tag);
+    for tag in [21, 22, 23] {
+        let nop = io_uring::opcode::Nop::new().build();
         // SAFETY: a no-op refers to no buffer and no file.
-        unsafe { io.push_sqe(nop) };
+        unsafe { io.push_sqe(nop, task_tag(tag)) };
     }
     let mut got = drain(&mut io);
     got.sort();
@@ -206,8 +215,8 @@ fn another_thread_completes_a_task_tag_through_the_mailbox() {
         assert!(Instant::now() < until, "the task did not start");
         std::thread::sleep(Duration::from_millis(1));
     };
-    mailbox.complete(Reactor::tag(task, 5), 42);
-    mailbox.complete(Reactor::tag(task, 6), -3);
+    mailbox.complete(Tag::task(task, 5), 42);
+    mailbox.complete(Tag::task(task, 6), -3);
     // The task finishes after both: with `exit_when_idle` the reactor then returns.
     let t0 = Instant::now();
     while !thread.is_finished() {

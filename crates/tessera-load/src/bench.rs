@@ -10,9 +10,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, ValueEnum};
 use tessera_device::{open_device, parse_size, BlockDevice, DeviceSpec};
 use tessera_io::hist::Histogram;
-use tessera_io::{
-    spawn_reactors, AlignedBuf, CoreIo, IoHandle, IoOp, Reactor, ReactorConfig, Task,
-};
+use tessera_io::{spawn_reactors, AlignedBuf, CoreIo, IoHandle, IoOp, ReactorConfig, Tag, Task};
 use tessera_pool::{LayoutKind, Pool, PoolOptions, Volume};
 
 use crate::report;
@@ -162,10 +160,7 @@ impl BenchTask {
         // SAFETY: slot `slot`'s buffer (`bufs[slot]`) belongs to this driver, which issues
         // the slot again only after its completion and is not dropped while I/O is
         // in flight.
-        unsafe {
-            self.handle
-                .submit(io, op, Reactor::tag(self.id, slot as u32))
-        };
+        unsafe { self.handle.submit(io, op, Tag::task(self.id, slot as u32)) };
     }
 }
 
@@ -339,7 +334,7 @@ fn prefill(s: &Subject) -> Result<(), String> {
                         len: len as u32,
                         buf: buf.as_ptr(),
                     },
-                    n,
+                    Tag::task(0, n),
                 )
             };
             off += len;

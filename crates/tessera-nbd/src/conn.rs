@@ -22,7 +22,7 @@ use tessera_export::conn::{
 use tessera_export::{
     Charge, Export, ExportHandle, ExportTarget, Gate, IoClass, IoStats, Released,
 };
-use tessera_io::{AlignedBuf, CoreIo, IoOp, Reactor, Task};
+use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag, Task};
 use tracing::warn;
 
 use crate::proto::*;
@@ -122,7 +122,7 @@ impl<T: ExportTarget> NbdConn<T> {
         opts.read_only |= target.read_only();
         let stats = target.register_stats();
         // The tags are set in `start`, once the task id is known.
-        let gate = Gate::new(io, &export.qos, 0, 0);
+        let gate = Gate::new(io, &export.qos, Tag::task(0, 0), Tag::task(0, 0));
         NbdConn {
             sock: Socket::new(fd),
             id: 0,
@@ -143,8 +143,8 @@ impl<T: ExportTarget> NbdConn<T> {
         }
     }
 
-    fn tag(&self, slot: u32) -> u64 {
-        Reactor::tag(self.id, slot)
+    fn tag(&self, slot: u32) -> Tag {
+        Tag::task(self.id, slot)
     }
 
     fn post_recv(&mut self, io: &mut CoreIo) {
@@ -386,7 +386,7 @@ impl<T: ExportTarget> NbdConn<T> {
     }
 
     /// Hand `op` to the target; its buffer (if any) is the buffer of the slot `tag` names.
-    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: u64) {
+    fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         self.in_io += 1;
         // SAFETY: the buffer of every Read/Write submitted here is held by the request's
         // slot (`buf`), which keeps it until the completion for `tag` arrives; the

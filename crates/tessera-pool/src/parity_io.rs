@@ -171,7 +171,7 @@ struct RowOp {
 impl RowOp {
     fn new() -> RowOp {
         RowOp {
-            parent: 0,
+            parent: Tag::NO_PARENT,
             row: 0,
             write: false,
             segs: Vec::new(),
@@ -820,7 +820,7 @@ impl Engine {
         if nreads == 0 {
             return 0;
         }
-        let t = io.tracked(0, nreads as u32, hook, id as u64);
+        let t = io.tracked(Tag::NO_PARENT, nreads as u32, hook, id as u64);
         for &(s, off, len, at) in &reads[..nreads] {
             let d = p.shard_dev(row, s);
             let sub = IoOp::Read {
@@ -966,7 +966,7 @@ impl Engine {
             hdr,
         );
         let n = holders.count_ones();
-        let t = io.tracked(0, n, hook, id as u64);
+        let t = io.tracked(Tag::NO_PARENT, n, hook, id as u64);
         for d in (0..p.n).filter(|d| holders & (1 << d) != 0) {
             let sub = IoOp::Write {
                 offset: at,
@@ -1001,7 +1001,7 @@ impl Engine {
         if n == 0 {
             return 0;
         }
-        let t = io.tracked(0, n, hook, id as u64);
+        let t = io.tracked(Tag::NO_PARENT, n, hook, id as u64);
         for w in op.writes.iter().filter(|w| failed & (1 << w.dev) == 0) {
             let sub = IoOp::Write {
                 offset: p.row_offset(op.row) + w.chunk_off,
@@ -1035,7 +1035,7 @@ impl Engine {
         st.flushing_busy = true;
         let hook = self.hook.get();
         let n = devs.count_ones();
-        let t = io.tracked(0, n.max(1), hook, GROUP_FLUSH as u64);
+        let t = io.tracked(Tag::NO_PARENT, n.max(1), hook, GROUP_FLUSH as u64);
         if n == 0 {
             return io.complete(t, 0);
         }

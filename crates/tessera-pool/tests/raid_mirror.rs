@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use common::*;
 use tessera_device::{BlockDevice, RamDevice};
-use tessera_io::{IoHandle, IoOp};
+use tessera_io::{IoHandle, IoOp, Tag};
 use tessera_pool::format::DEV_DATA_START;
 use tessera_pool::{LayoutKind, Pool, PoolOptions};
 
@@ -77,7 +77,7 @@ fn scenario(kind: LayoutKind, ndev: usize, victim: usize, fault: Fault, seed: u6
                         len: len as u32,
                         buf: b.as_ptr(),
                     },
-                    tags,
+                    Tag::task(0, tags),
                 )
             };
             tags += 1;

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use common::*;
 use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
-use tessera_io::{CoreIo, IoHandle, IoOp};
+use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 use tessera_pool::{Layout, LayoutKind, Pool, PoolOptions};
 
 const DEV_SIZE: u64 = 40 << 20;
@@ -70,7 +70,7 @@ fn write_batch(io: &mut CoreIo, h: &mut dyn IoHandle, model: &mut [u8], rng: &mu
             bufs.push(b);
         }
         // SAFETY: `bufs` keeps every write's data, and outlives the drain below.
-        unsafe { h.submit(io, op, tags) };
+        unsafe { h.submit(io, op, Tag::task(0, tags)) };
         tags += 1;
     }
     let mut done = 0;
@@ -337,7 +337,7 @@ fn read_layout(io: &mut CoreIo, h: &mut dyn IoHandle, size: u64) -> Vec<u8> {
                     len: c.len() as u32,
                     buf: c.as_mut_ptr(),
                 },
-                i as u64,
+                Tag::task(0, i as u32),
             )
         };
         if i % 16 == 15 {
@@ -386,7 +386,7 @@ fn run_batch(io: &mut CoreIo, h: &mut dyn IoHandle, batch: &[(usize, Vec<u8>)]) 
                     len: b.len() as u32,
                     buf: b.as_ptr(),
                 },
-                i as u64,
+                Tag::task(0, i as u32),
             )
         };
     }
@@ -722,7 +722,7 @@ fn allocating_units_never_waits_on_the_cores_own_row_locks() {
                             len: 4096,
                             buf: b.as_ptr(),
                         },
-                        i as u64,
+                        Tag::task(0, i as u32),
                     )
                 };
             }
@@ -890,7 +890,7 @@ fn power_loss_scenario(kind: LayoutKind, ndev: usize, seed: u64) {
         }
         if round % 6 == 5 {
             // SAFETY: a flush carries no buffer.
-            unsafe { h.submit(&mut io, IoOp::Flush, 0) };
+            unsafe { h.submit(&mut io, IoOp::Flush, Tag::task(0, 0)) };
             io.run_until_idle(|_, _, r| failed |= r < 0);
             if failed {
                 crashed = true;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use common::*;
 use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
-use tessera_io::{IoHandle, IoOp};
+use tessera_io::{IoHandle, IoOp, Tag};
 use tessera_pool::{LayoutKind, Pool, PoolOptions};
 
 const DEV_SIZE: u64 = 24 << 20;
@@ -43,7 +43,7 @@ fn write_batch(io: &mut tessera_io::CoreIo, h: &mut dyn IoHandle, model: &mut [u
                     len: len as u32,
                     buf: b.as_ptr(),
                 },
-                ranges.len() as u64,
+                Tag::task(0, ranges.len() as u32),
             )
         };
     }
@@ -266,7 +266,7 @@ fn blocks_rewritten_without_pause_do_not_starve_rebuild_or_scrub() {
                                     len: 4096,
                                     buf: b.as_ptr(),
                                 },
-                                i as u64,
+                                Tag::task(0, i as u32),
                             )
                         };
                     }

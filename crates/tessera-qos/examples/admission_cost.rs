@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use tessera_io::CoreIo;
+use tessera_io::{CoreIo, Tag};
 use tessera_qos::gate::{Charge, Gate};
 use tessera_qos::{QosLimits, VolumeQos};
 
@@ -19,7 +19,10 @@ fn main() {
         let qos: Vec<_> = (0..volumes)
             .map(|_| Arc::new(VolumeQos::new(QosLimits::default(), Instant::now())))
             .collect();
-        let mut gates: Vec<_> = qos.iter().map(|q| Gate::new(&mut io, q, 1, 2)).collect();
+        let mut gates: Vec<_> = qos
+            .iter()
+            .map(|q| Gate::new(&mut io, q, Tag::task(0, 1), Tag::task(0, 2)))
+            .collect();
         let t = Instant::now();
         let mut passed = 0u64;
         for i in 0..n {

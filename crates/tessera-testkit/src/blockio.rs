@@ -1,7 +1,7 @@
 //! Block operations run one at a time on a private core context, as the pool and device
 //! tests drive their handles.
 
-use tessera_io::{CoreIo, IoHandle, IoOp};
+use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
 /// A core context of its own for a test thread.
 pub fn core() -> CoreIo {
@@ -13,9 +13,9 @@ pub fn run(io: &mut CoreIo, h: &mut dyn IoHandle, op: IoOp) -> i32 {
     let mut res = None;
     // SAFETY: every caller's buffer outlives this call, which drains the completion before
     // it returns.
-    unsafe { h.submit(io, op, 7) };
+    unsafe { h.submit(io, op, Tag::task(0, 7)) };
     io.run_until_idle(|_, tag, r| {
-        assert_eq!(tag, 7);
+        assert_eq!(tag, Tag::task(0, 7));
         assert!(res.replace(r).is_none(), "two completions for one submit");
     });
     res.expect("no completion")
@@ -84,7 +84,7 @@ pub fn verify_all(io: &mut CoreIo, h: &mut dyn IoHandle, model: &[u8], what: &st
                         len: len as u32,
                         buf: b.as_mut_ptr(),
                     },
-                    i as u64,
+                    Tag::task(0, i as u32),
                 )
             };
             n += 1;

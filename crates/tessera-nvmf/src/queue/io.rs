@@ -99,7 +99,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
     }
 
     /// Hand `op` to namespace `ns`; its buffer (if any) is one of the slot's buffers.
-    pub(super) fn submit(&mut self, io: &mut CoreIo, ns: usize, op: IoOp, tag: u64) {
+    pub(super) fn submit(&mut self, io: &mut CoreIo, ns: usize, op: IoOp, tag: Tag) {
         self.in_io += 1;
         // SAFETY: a Read or Write buffer is the slot's `buf` or `buf2`, which stay with
         // the slot (not released, not reused) until the slot's I/O completes in on_io.

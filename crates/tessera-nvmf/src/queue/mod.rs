@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use tessera_export::conn::{FreeList, RecvBuf, Socket, StatsBatch};
 use tessera_export::{ExportTarget, Gate, IoStats, Released};
-use tessera_io::{AlignedBuf, CoreIo, Reactor, Task};
+use tessera_io::{AlignedBuf, CoreIo, Tag, Task};
 
 use crate::nvme::{Sqe, Status, DNR, FABRICS, IO_FLUSH, SC_CMD_SEQ_ERROR, SC_INVALID_NS};
 use crate::pdu::{Framing, Limits};
@@ -216,8 +216,8 @@ impl<T: ExportTarget> NvmfQueue<T> {
         }
     }
 
-    fn tag(&self, slot: u32) -> u64 {
-        Reactor::tag(self.id, slot)
+    fn tag(&self, slot: u32) -> Tag {
+        Tag::task(self.id, slot)
     }
 
     fn arm_tick(&mut self, io: &mut CoreIo) {
