@@ -411,6 +411,21 @@ struct Seg<'a> {
 // ---- the synchronous face ----------------------------------------------------------------
 
 impl Layout {
+    /// Parity layouts: the pool's UUID, stamped into stripe-journal records.
+    pub fn set_pool_uuid(&self, uuid: [u8; 16]) {
+        if let Some(p) = &self.parity {
+            let _ = p.uuid.set(uuid);
+        }
+    }
+
+    /// Parity layouts: zero the journal and data areas of a new pool.
+    pub fn format_parity(&self) -> io::Result<()> {
+        if self.parity.is_some() {
+            self.parity_format()?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn parity_geo(&self) -> &Parity {
         self.parity.as_ref().expect("a parity layout")
     }

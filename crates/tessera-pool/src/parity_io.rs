@@ -696,140 +696,35 @@ impl Engine {
         id: u32,
         hook: u32,
     ) -> u32 {
-        let failed = l.failed_bits();
-        let unreadable = failed | l.rebuilding_bits();
+        let unreadable = l.failed_bits() | l.rebuilding_bits();
         let State { handles, ops, .. } = st;
         let op = &mut ops[id as usize];
-        let row = op.row;
-        let lo = op.segs.iter().map(|s| s.off).min().unwrap_or(0);
-        let hi = op.segs.iter().map(|s| s.off + s.len).max().unwrap_or(0);
-        op.lo = lo;
-        op.hi = hi;
-        let span = hi - lo;
-        let readable = |s: usize| unreadable & (1 << p.shard_dev(row, s)) == 0;
-        let covered = |s: usize| {
-            op.segs
-                .iter()
-                .any(|g| g.shard == s && g.off == lo && g.len == span)
+        op.lo = op.segs.iter().map(|s| s.off).min().unwrap_or(0);
+        op.hi = op.segs.iter().map(|s| s.off + s.len).max().unwrap_or(0);
+        op.mode = choose_mode(p, op, unreadable, l.rebuilding_bits());
+        size_buffers(io, p, op);
+        let mut reads = [ShardRead::default(); 64];
+        let Some(nreads) = collect_reads(p, op, unreadable, &mut reads) else {
+            op.result = -libc::EIO;
+            op.phase = Phase::Done;
+            return 0;
         };
-        op.mode = if !op.write {
-            Mode::Degraded
-        } else if (0..p.k).all(covered) {
-            Mode::Full
-        } else {
-            let rmw_ok = op.segs.iter().all(|g| readable(g.shard))
-                && (p.k..p.n).all(|s| l.rebuilding_bits() & (1 << p.shard_dev(row, s)) == 0);
-            let rcw_ok = (0..p.k).all(|s| covered(s) || readable(s));
-            let rmw_cost = op.segs.len() + (p.k..p.n).filter(|&s| readable(s)).count();
-            let rcw_cost = (0..p.k).filter(|&s| !covered(s)).count();
-            if rmw_ok && (!rcw_ok || rmw_cost <= rcw_cost) {
-                Mode::Rmw
-            } else if rcw_ok {
-                Mode::Rcw
-            } else {
-                Mode::Degraded
-            }
-        };
-        // A full-row write needs room for its parity only (the data stays in the
-        // request): a smaller buffer, more of which stays in the caches.
-        let need = if op.mode == Mode::Full {
-            p.m * span as usize
-        } else {
-            p.n * span as usize
-        };
-        if op.buf.as_ref().is_none_or(|b| b.capacity() < need) {
-            if let Some(b) = op.buf.take() {
-                io.bufs.put(b);
-            }
-            op.buf = Some(io.bufs.get(need));
-        }
-        let base = op.buf.as_mut().expect("allocated above").as_mut_ptr() as usize;
-        op.rmw = None;
-        if op.mode == Mode::Rmw {
-            // The journal record, laid out now: header, data entries, parity entries;
-            // then scratch for the old data.
-            let hl = p.header_len() as usize;
-            let data: usize = op.segs.iter().map(|g| p.entry_len(g.len) as usize).sum();
-            let el = p.entry_len(span) as usize;
-            let pe = hl + data;
-            let od = pe + p.m * el;
-            let total = od
-                + op.segs
-                    .iter()
-                    .map(|g| p.entry_len(g.len) as usize)
-                    .sum::<usize>();
-            if op.jbuf.as_ref().is_none_or(|b| b.capacity() < total) {
-                if let Some(b) = op.jbuf.take() {
-                    io.bufs.put(b);
-                }
-                op.jbuf = Some(io.bufs.get(total));
-            }
-            op.rmw = Some((pe, el, od));
-        }
-        // (shard, offset in chunk, length, buffer address)
-        let mut reads: [(usize, u64, u64, usize); 64] = [(0, 0, 0, 0); 64];
-        let mut nreads = 0;
-        op.erased.clear();
-        match op.mode {
-            Mode::Full => {}
-            Mode::Rmw => {
-                let (pe, el, od) = op.rmw.expect("laid out above");
-                let jb = op.jbuf.as_mut().expect("allocated above").as_mut_ptr() as usize;
-                let mut at = jb + od;
-                for g in &op.segs {
-                    reads[nreads] = (g.shard, g.off, g.len, at);
-                    at += p.entry_len(g.len) as usize;
-                    nreads += 1;
-                }
-                for s in p.k..p.n {
-                    if readable(s) {
-                        reads[nreads] = (s, lo, span, jb + pe + (s - p.k) * el);
-                        nreads += 1;
-                    }
-                }
-            }
-            Mode::Rcw => {
-                for s in 0..p.k {
-                    if !covered(s) {
-                        reads[nreads] = (s, lo, span, base + s * span as usize);
-                        nreads += 1;
-                    }
-                }
-            }
-            Mode::Degraded => {
-                // Any k chunks determine the row: read k readable ones (data first, so a
-                // parity shard is computed only when it must be) and rebuild the rest.
-                for s in 0..p.n {
-                    if readable(s) && nreads < p.k {
-                        reads[nreads] = (s, lo, span, base + s * span as usize);
-                        nreads += 1;
-                    } else {
-                        op.erased.push(s);
-                    }
-                }
-                if op.erased.len() > p.m {
-                    op.result = -libc::EIO;
-                    op.phase = Phase::Done;
-                    return 0;
-                }
-            }
-        }
         op.read_set = reads[..nreads]
             .iter()
-            .fold(0, |a, r| a | 1 << p.shard_dev(row, r.0));
+            .fold(0, |a, r| a | 1 << p.shard_dev(op.row, r.shard));
         if nreads == 0 {
             return 0;
         }
         let t = io.tracked(Tag::NO_PARENT, nreads as u32, hook, id as u64);
-        for &(s, off, len, at) in &reads[..nreads] {
-            let d = p.shard_dev(row, s);
+        for r in &reads[..nreads] {
+            let d = p.shard_dev(op.row, r.shard);
             let sub = IoOp::Read {
-                offset: p.row_offset(row) + off,
-                len: len as u32,
-                buf: at as *mut u8,
+                offset: p.row_offset(op.row) + r.off,
+                len: r.len as u32,
+                buf: r.at as *mut u8,
             };
             let h = io.hooked(t, hook, sub, DevOp::RowOp(d).ctx());
-            // SAFETY: `at` points into this row op's buffer, which the op keeps until
+            // SAFETY: `r.at` points into this row op's buffers, which the op keeps until
             // `finish`, after every read of the op has completed.
             unsafe { handles[d].submit(io, sub, h) };
         }
@@ -1080,6 +975,144 @@ impl Engine {
         free.push(id);
         io.complete(parent, res);
     }
+}
+
+/// One read a row operation issues: shard, offset in its chunk, length, buffer address.
+#[derive(Clone, Copy, Default)]
+struct ShardRead {
+    shard: usize,
+    off: u64,
+    len: u64,
+    at: usize,
+}
+
+/// How to do a row operation (`op.lo..op.hi` set): a read is served degraded (it is only
+/// planned when a shard it needs is unreadable); a write covering every data shard over
+/// the span is a full-row write; else read-modify-write or reconstruct-write, whichever
+/// reads less and is possible with the readable shards.
+fn choose_mode(p: &Parity, op: &RowOp, unreadable: u64, rebuilding: u64) -> Mode {
+    let (row, lo, span) = (op.row, op.lo, op.hi - op.lo);
+    let readable = |s: usize| unreadable & (1 << p.shard_dev(row, s)) == 0;
+    let covered = |s: usize| {
+        op.segs
+            .iter()
+            .any(|g| g.shard == s && g.off == lo && g.len == span)
+    };
+    if !op.write {
+        return Mode::Degraded;
+    }
+    if (0..p.k).all(covered) {
+        return Mode::Full;
+    }
+    let rmw_ok = op.segs.iter().all(|g| readable(g.shard))
+        && (p.k..p.n).all(|s| rebuilding & (1 << p.shard_dev(row, s)) == 0);
+    let rcw_ok = (0..p.k).all(|s| covered(s) || readable(s));
+    let rmw_cost = op.segs.len() + (p.k..p.n).filter(|&s| readable(s)).count();
+    let rcw_cost = (0..p.k).filter(|&s| !covered(s)).count();
+    if rmw_ok && (!rcw_ok || rmw_cost <= rcw_cost) {
+        Mode::Rmw
+    } else if rcw_ok {
+        Mode::Rcw
+    } else {
+        Mode::Degraded
+    }
+}
+
+/// Give the row operation the buffers its mode needs (kept across reuses of the op when
+/// big enough): `buf` for the row's shards, and for read-modify-write `jbuf` laid out as
+/// its journal record — header, data entries, parity entries — then scratch for the old
+/// data (`op.rmw`).
+fn size_buffers(io: &mut CoreIo, p: &Parity, op: &mut RowOp) {
+    let span = op.hi - op.lo;
+    // A full-row write needs room for its parity only (the data stays in the request): a
+    // smaller buffer, more of which stays in the caches.
+    let need = if op.mode == Mode::Full {
+        p.m * span as usize
+    } else {
+        p.n * span as usize
+    };
+    ensure_capacity(io, &mut op.buf, need);
+    op.rmw = None;
+    if op.mode == Mode::Rmw {
+        let hl = p.header_len() as usize;
+        let data: usize = op.segs.iter().map(|g| p.entry_len(g.len) as usize).sum();
+        let el = p.entry_len(span) as usize;
+        let pe = hl + data;
+        let od = pe + p.m * el;
+        ensure_capacity(io, &mut op.jbuf, od + data);
+        op.rmw = Some((pe, el, od));
+    }
+}
+
+/// Make `slot` hold a pool buffer of at least `need` bytes, returning a smaller one.
+fn ensure_capacity(io: &mut CoreIo, slot: &mut Option<AlignedBuf>, need: usize) {
+    if slot.as_ref().is_none_or(|b| b.capacity() < need) {
+        if let Some(b) = slot.take() {
+            io.bufs.put(b);
+        }
+        *slot = Some(io.bufs.get(need));
+    }
+}
+
+/// The reads a planned row operation needs, into `reads`; their number, or None when too
+/// many shards are unreadable to serve it (more than `m` erased). Sets `op.erased`.
+fn collect_reads(
+    p: &Parity,
+    op: &mut RowOp,
+    unreadable: u64,
+    reads: &mut [ShardRead; 64],
+) -> Option<usize> {
+    let (row, lo, span) = (op.row, op.lo, op.hi - op.lo);
+    let readable = |s: usize| unreadable & (1 << p.shard_dev(row, s)) == 0;
+    let base = op.buf.as_mut().expect("sized by size_buffers").as_mut_ptr() as usize;
+    let mut n = 0;
+    let mut push = |shard: usize, off: u64, len: u64, at: usize| {
+        reads[n] = ShardRead { shard, off, len, at };
+        n += 1;
+    };
+    op.erased.clear();
+    match op.mode {
+        Mode::Full => {}
+        Mode::Rmw => {
+            let (pe, el, od) = op.rmw.expect("laid out by size_buffers");
+            let jb = op.jbuf.as_mut().expect("sized by size_buffers").as_mut_ptr() as usize;
+            let mut at = jb + od;
+            for g in &op.segs {
+                push(g.shard, g.off, g.len, at);
+                at += p.entry_len(g.len) as usize;
+            }
+            for s in (p.k..p.n).filter(|&s| readable(s)) {
+                push(s, lo, span, jb + pe + (s - p.k) * el);
+            }
+        }
+        Mode::Rcw => {
+            let covered = |s: usize| {
+                op.segs
+                    .iter()
+                    .any(|g| g.shard == s && g.off == lo && g.len == span)
+            };
+            for s in (0..p.k).filter(|&s| !covered(s)) {
+                push(s, lo, span, base + s * span as usize);
+            }
+        }
+        Mode::Degraded => {
+            // Any k chunks determine the row: read k readable ones (data first, so a
+            // parity shard is computed only when it must be) and rebuild the rest.
+            let mut taken = 0;
+            for s in 0..p.n {
+                if readable(s) && taken < p.k {
+                    push(s, lo, span, base + s * span as usize);
+                    taken += 1;
+                } else {
+                    op.erased.push(s);
+                }
+            }
+            if op.erased.len() > p.m {
+                return None;
+            }
+        }
+    }
+    Some(n)
 }
 
 /// The arithmetic of a row operation once its reads are in.

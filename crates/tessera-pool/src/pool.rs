@@ -316,15 +316,15 @@ impl PoolCore {
         let l = &self.layout;
         let mut st = self.dev_state.lock().unwrap_or_else(|e| e.into_inner());
         // A device being rebuilt stays failed in the labels until its rebuild is done.
-        let unreadable = || l.failed.load(Relaxed) | l.rebuilding.load(Relaxed);
+        let unreadable = || l.health.failed.load(Relaxed) | l.health.rebuilding.load(Relaxed);
         loop {
             let failed = unreadable();
-            if failed == l.failed_durable.load(Relaxed) {
+            if failed == l.health.failed_durable.load(Relaxed) {
                 return Ok(());
             }
             let gen = st.0 + 1;
             let mut reasons = [0u8; 64];
-            for (i, r) in l.fail_reason.iter().enumerate() {
+            for (i, r) in l.health.fail_reason.iter().enumerate() {
                 reasons[i] = r.load(Relaxed);
             }
             let mut written = 0;
@@ -351,7 +351,7 @@ impl PoolCore {
             }
             st.0 = gen;
             if unreadable() == failed {
-                l.failed_durable.store(failed, Relaxed);
+                l.health.failed_durable.store(failed, Relaxed);
                 return Ok(());
             }
         }
@@ -562,7 +562,7 @@ fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
             Ok(r) => Some(r),
             Err(RecvTimeoutError::Timeout) => {
                 let l = &core.layout;
-                if l.failed.load(Relaxed) != l.failed_durable.load(Relaxed) {
+                if l.health.failed.load(Relaxed) != l.health.failed_durable.load(Relaxed) {
                     if let Err(e) = core.persist_device_state() {
                         eprintln!("tessera: pool {}: {e}", core.name);
                     }
@@ -884,6 +884,7 @@ impl Pool {
             }
         }
         layout
+            .health
             .failed_durable
             .store(first.failed, std::sync::atomic::Ordering::Relaxed);
         for &i in missing {
@@ -1042,9 +1043,9 @@ impl Pool {
             stripe_size: l.kind.stripe(),
             state: if l.has_lost_data() {
                 "failed".into()
-            } else if l.rebuilding.load(Relaxed) != 0 {
+            } else if l.health.rebuilding.load(Relaxed) != 0 {
                 "rebuilding".into()
-            } else if l.failed.load(Relaxed) != 0 {
+            } else if l.health.failed.load(Relaxed) != 0 {
                 "degraded".into()
             } else {
                 "online".into()
@@ -1055,9 +1056,9 @@ impl Pool {
             device_states: (0..l.devices.len())
                 .map(|i| {
                     if l.is_failed(i) {
-                        let r = l.fail_reason[i].load(Relaxed);
+                        let r = l.health.fail_reason[i].load(Relaxed);
                         ("failed".into(), crate::layout::fail_reason_name(r).into())
-                    } else if l.rebuilding.load(Relaxed) & (1 << i) != 0 {
+                    } else if l.health.rebuilding.load(Relaxed) & (1 << i) != 0 {
                         ("rebuilding".into(), String::new())
                     } else {
                         ("online".into(), String::new())

@@ -103,7 +103,7 @@ pub struct WriteTracking<'a> {
 
 impl Drop for WriteTracking<'_> {
     fn drop(&mut self) {
-        self.layout.tracking.fetch_sub(1, SeqCst);
+        self.layout.copy.tracking.fetch_sub(1, SeqCst);
     }
 }
 
@@ -112,7 +112,7 @@ impl Layout {
     /// holds one for its whole pass. Switching tracking on waits [`TRACK_GRACE`] for the
     /// writes that were issued untracked.
     pub fn track_writes(&self) -> WriteTracking<'_> {
-        if self.tracking.fetch_add(1, SeqCst) == 0 {
+        if self.copy.tracking.fetch_add(1, SeqCst) == 0 {
             std::thread::sleep(TRACK_GRACE);
         }
         WriteTracking { layout: self }
@@ -156,7 +156,7 @@ impl Layout {
             }
             return Ok(f);
         }
-        if self.rebuilding.load(SeqCst) != 0 {
+        if self.health.rebuilding.load(SeqCst) != 0 {
             return Err(io::Error::other(
                 "a rebuild is running on this pool: scrub after it completes",
             ));
@@ -188,7 +188,7 @@ impl Layout {
         let blocks = n.div_ceil(BLOCK);
         // The rebuild's protocol (layout.rs `quiet_range`): compared again until no write
         // overlapped the comparison.
-        let piece = self.quiet_range(at, p.len, || {
+        let piece = self.copy.quiet_range(at, p.len, || {
             let mut piece = ScrubFindings::default();
             self.compare_piece(at, p, repair, bufs, blocks, &mut piece)?;
             Ok(piece)
@@ -249,7 +249,7 @@ impl Layout {
                 *x |= d;
             }
         }
-        if !bad.contains(&true) || self.copy_dirty.load(SeqCst) {
+        if !bad.contains(&true) || self.copy.dirty.load(SeqCst) {
             // Consistent, or a write is changing the piece: compare again after it.
             return Ok(());
         }
