@@ -6,7 +6,10 @@ A file "imports" another when it names it through a `crate::a::b` or `super::x` 
 are normal Rust structure (a parent declares its children, children use the parent's
 types) and are not reported; cycles between sibling or cousin files are.
 
-Usage: scripts/import-cycles.py [crates/NAME ...]   exit 1 when a cycle is found.
+Cycles listed in ALLOWED are mutual recursion of the types themselves, which no split of
+files removes; each says why.
+
+Usage: scripts/import-cycles.py [crates/NAME ...]   exit 1 when another cycle is found.
 """
 import os
 import re
@@ -28,6 +31,14 @@ def modules(src):
             mods[tuple(rel)] = os.path.join(root, f)
     return mods
 
+
+ALLOWED = {
+    # A core's CoreIo holds a remote completer (its Mailbox); the Mailbox carries spawn
+    # functions that run on a CoreIo. One type refers to the other by nature.
+    ("tessera-io", ("core_io", "reactor")),
+    # A pool owns its volumes; a volume allocates units from its pool's core.
+    ("tessera-pool", ("pool", "volume")),
+}
 
 PATH = re.compile(r"\b(crate|super)((?:::[A-Za-z_][A-Za-z0-9_]*)+)")
 
@@ -109,10 +120,14 @@ def main():
         src = os.path.join(c, "src")
         if not os.path.isdir(src):
             continue
+        name = os.path.basename(os.path.normpath(c))
         for comp in cycles(graph(modules(src))):
+            key = (name, tuple("::".join(m) for m in comp))
+            if key in ALLOWED:
+                continue
             found = True
             names = ", ".join("::".join(m) or "(root)" for m in comp)
-            print(f"{os.path.basename(os.path.normpath(c))}: cycle between {names}")
+            print(f"{name}: cycle between {names}")
     if not found:
         print("no import cycles between sibling files")
     return 1 if found else 0

@@ -24,7 +24,7 @@
 //! rest of the data): the bytes count as `unreadable`.
 //!
 //! **Client writes.** A repair must never write a stale copy over a client write. The
-//! scrub uses the rebuild's epoch/dirty protocol (layout.rs, `rebuild_range`): while a
+//! scrub uses the rebuild's epoch/dirty protocol (`layout/rebuild.rs`, `rebuild_range`): while a
 //! [`WriteTracking`] guard is alive every mirror write is counted in flight by epoch and
 //! marks the published range dirty; each piece is compared after the writes in flight
 //! have completed, and compared (and repaired) again if a write touched it meanwhile,
@@ -126,7 +126,7 @@ impl Layout {
             return Ok(f);
         }
         if self.kind.is_parity() {
-            // The parity layouts' row scrub (parity.rs): parity recomputed from the data
+            // The parity layouts' row scrub (`layout/parity_sync.rs`): parity recomputed from the data
             // must match the stored parity; `repair` rewrites wrong parity.
             let r = self.parity_scrub_rows(offset, len, repair)?;
             f.bytes_checked = r.checked;
@@ -186,7 +186,7 @@ impl Layout {
             b.resize(n, 0);
         }
         let blocks = n.div_ceil(BLOCK);
-        // The rebuild's protocol (layout.rs `quiet_range`): compared again until no write
+        // The rebuild's protocol (`layout/copy_track.rs`, `quiet_range`): compared again until no write
         // overlapped the comparison.
         let piece = self.copy.quiet_range(at, p.len, || {
             let mut piece = ScrubFindings::default();
