@@ -9,6 +9,7 @@
 //! per-core handle that accepts an [`IoOp`] and delivers exactly one completion for it.
 
 pub mod buf;
+pub mod cast;
 pub mod core_io;
 pub mod hist;
 pub mod reactor;

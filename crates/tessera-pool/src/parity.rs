@@ -9,13 +9,10 @@
 //! lock, and rows far apart never contend. Taking the lock also hands out the row's next
 //! *version*, which orders the row's journal records for recovery (format §2.1).
 
-// Not yet audited for the workspace lint (40 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::AcqRel, Ordering::Acquire, Ordering::Release};
 use std::sync::{Mutex, OnceLock};
+use tessera_io::cast::{u32_of, usize_of};
 
 use tessera_parity::{pq_gen, pq_recover, pq_update, xor_into, xor_parity, ReedSolomon};
 
@@ -140,8 +137,8 @@ impl Parity {
         // 32-bit division when the row number allows: several times cheaper than 64-bit
         // on the read path (every read maps through here).
         let rem = match u32::try_from(r) {
-            Ok(r) => (r % self.n as u32) as usize,
-            Err(_) => (r % self.n as u64) as usize,
+            Ok(r) => (r % u32_of(self.n)) as usize,
+            Err(_) => usize_of(r % self.n as u64),
         };
         let at = self.n - 1 - rem + if s < self.k { self.m + s } else { s - self.k };
         if at >= self.n {
@@ -164,8 +161,8 @@ impl Parity {
         // division by k (32-bit when it fits).
         let c = offset >> self.chunk.trailing_zeros();
         let (r, i) = match u32::try_from(c) {
-            Ok(c) => ((c / self.k as u32) as u64, (c % self.k as u32) as usize),
-            Err(_) => (c / self.k as u64, (c % self.k as u64) as usize),
+            Ok(c) => ((c / u32_of(self.k)) as u64, (c % u32_of(self.k)) as usize),
+            Err(_) => (c / self.k as u64, usize_of(c % self.k as u64)),
         };
         (r, i, offset & (self.chunk - 1))
     }
@@ -175,7 +172,7 @@ impl Parity {
     /// Take row `r`'s lock if it is free; returns the row's new version.
     #[inline]
     pub(crate) fn try_lock(&self, r: u64) -> Option<u64> {
-        let e = &self.locks[(r % LOCKS as u64) as usize];
+        let e = &self.locks[usize_of(r % LOCKS as u64)];
         let cur = e.load(Acquire);
         if cur & HELD != 0 {
             return None;
@@ -188,7 +185,7 @@ impl Parity {
 
     #[inline]
     pub(crate) fn unlock(&self, r: u64, version: u64) {
-        self.locks[(r % LOCKS as u64) as usize].store(version, Release);
+        self.locks[usize_of(r % LOCKS as u64)].store(version, Release);
     }
 
     /// Blocking lock for the synchronous face (never called on a reactor thread).
@@ -354,7 +351,7 @@ impl Ring {
     }
 
     pub(crate) fn release(&mut self, id: u64) {
-        if let Some(e) = self.live.get_mut((id - self.base) as usize) {
+        if let Some(e) = self.live.get_mut(usize_of(id - self.base)) {
             e.1 = true;
         }
         while self.live.front().is_some_and(|e| e.1) {

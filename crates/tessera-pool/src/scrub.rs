@@ -37,13 +37,10 @@
 //! recomputed from the data is compared with the stored parity, whole rows); **concat and
 //! raid0** are only read (unreadable ranges are counted).
 
-// Not yet audited for the workspace lint (5 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::io;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
+use tessera_io::cast::usize_of;
 
 use crate::layout::{error_reason, FailReason, Layout, Piece};
 
@@ -179,7 +176,7 @@ impl Layout {
         bufs: &mut Vec<Vec<u8>>,
         f: &mut ScrubFindings,
     ) -> io::Result<()> {
-        let n = p.len as usize;
+        let n = usize_of(p.len);
         let set = self.set_of(p.dev);
         bufs.resize_with(set.len(), Vec::new);
         for b in bufs.iter_mut() {
@@ -206,7 +203,7 @@ impl Layout {
         blocks: usize,
         f: &mut ScrubFindings,
     ) -> io::Result<()> {
-        let n = p.len as usize;
+        let n = usize_of(p.len);
         let set = self.set_of(p.dev);
         // Per copy: read it (Some(ok)) or not readable (None).
         let mut read: Vec<Option<bool>> = vec![None; set.len()];
@@ -330,6 +327,7 @@ fn runs(v: &[bool]) -> Vec<(usize, usize)> {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)] // test data patterns wrap on purpose
 mod tests {
     use super::*;
     use crate::format::DEV_DATA_START;

@@ -3,6 +3,7 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use tessera_io::cast::usize_of;
 
 /// Attempts at copying (or comparing) a mirror range that a client write overlapped,
 /// before new writes to the range are held back for the next attempt.
@@ -64,7 +65,7 @@ impl CopyTracker {
 
     #[inline]
     pub(crate) fn end_write(&self, token: u64) {
-        self.inflight[token as usize].fetch_sub(1, SeqCst);
+        self.inflight[usize_of(token)].fetch_sub(1, SeqCst);
     }
 
     /// True while writes to `[offset, offset+len)` must wait: a rebuild or scrub holds

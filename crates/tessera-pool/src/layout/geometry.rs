@@ -4,6 +4,7 @@
 use std::io;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use tessera_io::cast::usize_of;
 
 use tessera_device::BlockDevice;
 
@@ -108,7 +109,7 @@ impl Layout {
                 let s = offset >> shift;
                 let within = offset & (stripe - 1);
                 Piece {
-                    dev: ((s % self.sets) * self.copies as u64) as usize,
+                    dev: usize_of((s % self.sets) * self.copies as u64),
                     dev_offset: DEV_DATA_START + ((s / self.sets) << shift) + within,
                     len: len.min(stripe - within),
                     range_offset: 0,
@@ -138,7 +139,7 @@ impl Layout {
                 let n = self.devices.len() as u64;
                 let within = offset & (stripe - 1);
                 Piece {
-                    dev: (s % n) as usize,
+                    dev: usize_of(s % n),
                     dev_offset: DEV_DATA_START + ((s / n) << shift) + within,
                     len: len.min(stripe - within),
                     range_offset: 0,

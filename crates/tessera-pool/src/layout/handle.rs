@@ -9,6 +9,7 @@ use std::sync::{Arc, Weak};
 use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use super::{error_reason, reason_of, FailReason, Layout, Piece};
+use tessera_io::cast::{u32_of, usize_of};
 
 impl Layout {
     /// Datapath handle for the calling core.
@@ -131,7 +132,7 @@ impl Continuation for MirrorHook {
         let Some(l) = self.layout.upgrade() else {
             return io.complete(parent, res);
         };
-        let dev = ctx as usize;
+        let dev = usize_of(ctx);
         l.mark_failed(dev, reason_of(&op, res));
         let first = dev - dev % l.copies as usize;
         match op {
@@ -188,16 +189,16 @@ fn piece_op(op: &IoOp, p: Piece) -> IoOp {
     match *op {
         IoOp::Read { buf, .. } => IoOp::Read {
             offset: p.dev_offset,
-            len: p.len as u32,
+            len: u32_of(p.len),
             // SAFETY: a piece lies inside its request: range_offset < the request's len,
             // so the pointer stays inside the caller's buffer.
-            buf: unsafe { buf.add(p.range_offset as usize) },
+            buf: unsafe { buf.add(usize_of(p.range_offset)) },
         },
         IoOp::Write { buf, .. } => IoOp::Write {
             offset: p.dev_offset,
-            len: p.len as u32,
+            len: u32_of(p.len),
             // SAFETY: as for reads above.
-            buf: unsafe { buf.add(p.range_offset as usize) },
+            buf: unsafe { buf.add(usize_of(p.range_offset)) },
         },
         IoOp::Discard { .. } => IoOp::Discard {
             offset: p.dev_offset,
@@ -265,7 +266,7 @@ impl LayoutHandle {
         if let IoOp::Read { .. } = op {
             let failed = failed | rebuilding;
             *rr = rr.wrapping_add(1);
-            let t = if n == 1 { tag } else { io.join(tag, n as u32) };
+            let t = if n == 1 { tag } else { io.join(tag, u32_of(n)) };
             for p in layout.pieces(offset, len) {
                 let pick = (0..c)
                     .map(|k| p.dev + (*rr as usize + k) % c)
@@ -317,7 +318,7 @@ unsafe fn mirror_write(
             .set_of(p.dev)
             .filter(|&d| failed & (1 << d) == 0)
             .count();
-        parts += alive.max(1) as u32;
+        parts += u32_of(alive.max(1));
     }
     let t = if rebuilding == 0 && layout.copy.tracking.load(SeqCst) == 0 {
         io.join(tag, parts)
@@ -365,7 +366,7 @@ impl IoHandle for LayoutHandle {
                 }
                 let mirror = self.layout.copies > 1;
                 let hook = if mirror { self.hook_id(io) } else { 0 };
-                let t = if n == 1 { tag } else { io.join(tag, n as u32) };
+                let t = if n == 1 { tag } else { io.join(tag, u32_of(n)) };
                 for (i, h) in self.handles.iter_mut().enumerate() {
                     if failed & (1 << i) == 0 {
                         // Mirrors: a copy that cannot flush is failed, like one that
@@ -398,7 +399,7 @@ impl IoHandle for LayoutHandle {
             let p = layout.piece(offset, len);
             return submit_piece(handles, io, &op, p, tag);
         }
-        let t = io.join(tag, n as u32);
+        let t = io.join(tag, u32_of(n));
         for p in layout.pieces(offset, len) {
             submit_piece(handles, io, &op, p, t);
         }

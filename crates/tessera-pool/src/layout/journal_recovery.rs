@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::io;
+use tessera_io::cast::usize_of;
 
 use super::{error_reason, FailReason, Layout};
 use crate::format::DEV_DATA_START;
@@ -78,8 +79,8 @@ impl Layout {
     fn scan_journal(&self, p: &Parity, uuid: &[u8; 16]) -> Vec<(u64, StripeRecord, Vec<u8>)> {
         // Every valid record found: (slice, record, payload).
         let mut found: Vec<(u64, StripeRecord, Vec<u8>)> = Vec::new();
-        let mut area = vec![0u8; JOURNAL_LEN as usize];
-        let hl = p.header_len() as usize;
+        let mut area = vec![0u8; usize_of(JOURNAL_LEN)];
+        let hl = usize_of(p.header_len());
         for d in 0..p.n {
             if !self.is_readable(d) {
                 continue;
@@ -168,7 +169,7 @@ impl Layout {
                         self.mark_failed(d, FailReason::Write);
                     }
                 }
-                at += p.entry_len(len as u64) as usize;
+                at += usize_of(p.entry_len(len as u64));
             }
             replayed += 1;
         }
@@ -179,7 +180,7 @@ impl Layout {
     /// as they were because a data chunk is unreadable).
     fn resync_rows(&self, p: &Parity, rows: &[u64]) -> (u64, u64) {
         let (mut synced, mut degraded) = (0, 0);
-        let span = p.chunk as usize;
+        let span = usize_of(p.chunk);
         let mut buf = vec![0u8; p.n * span];
         for &r in rows {
             let all_data = (0..p.k).all(|s| self.is_readable(p.shard_dev(r, s)));
@@ -230,14 +231,14 @@ fn unfinished_writes(
 ) -> BTreeMap<u64, (StripeRecord, Vec<u8>)> {
     // A record older than its slice's newest watermark belongs to a finished write
     // (and may be older than a write whose record is already overwritten): ignored.
-    let mut wm = [0u64; SLICES as usize];
+    let mut wm = [0u64; usize_of(SLICES)];
     for (slice, rec, _) in &found {
-        let w = &mut wm[*slice as usize];
+        let w = &mut wm[usize_of(*slice)];
         *w = (*w).max(rec.head.watermark);
     }
     let mut newest: BTreeMap<u64, (StripeRecord, Vec<u8>)> = BTreeMap::new();
     for (slice, rec, payload) in found {
-        if rec.head.seq < wm[slice as usize] {
+        if rec.head.seq < wm[usize_of(slice)] {
             continue;
         }
         if newest
@@ -251,6 +252,7 @@ fn unfinished_writes(
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)] // test data patterns wrap on purpose
 mod tests {
     use super::*;
     use crate::layout::LayoutKind;

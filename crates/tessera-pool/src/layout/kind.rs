@@ -1,5 +1,7 @@
 //! The kinds of layout a pool can have, their names and their parameters.
 
+use tessera_io::cast::u32_of;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayoutKind {
     Concat,
@@ -103,7 +105,7 @@ impl LayoutKind {
             ("concat", None) => Ok(LayoutKind::Concat),
             ("raid0", None) => Ok(LayoutKind::Raid0 { stripe }),
             ("raid1", c) => Ok(LayoutKind::Raid1 {
-                copies: c.map(num).transpose()?.unwrap_or(ndev as u32),
+                copies: c.map(num).transpose()?.unwrap_or(u32_of(ndev)),
             }),
             ("raid10", c) => Ok(LayoutKind::Raid10 {
                 copies: c.map(num).transpose()?.unwrap_or(2),
@@ -116,7 +118,7 @@ impl LayoutKind {
                     Some((k, m)) => (num(k)?, num(m)?),
                     None => {
                         let m = num(a)?;
-                        ((ndev as u32).saturating_sub(m), m)
+                        (u32_of(ndev).saturating_sub(m), m)
                     }
                 };
                 if k == 0 || m == 0 || (k + m) as usize != ndev {

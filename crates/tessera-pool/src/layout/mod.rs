@@ -4,10 +4,6 @@
 //! datapath pays a few instructions per request and keeps no per-request state: a request
 //! that spans several devices is split, and the pieces share one join on the core.
 
-// Not yet audited for the workspace lint (23 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 mod copy_track;
 mod geometry;
 mod handle;
@@ -143,6 +139,7 @@ pub struct Piece {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)] // test data patterns wrap on purpose
 mod tests {
     use super::*;
     use crate::format::DEV_DATA_START;

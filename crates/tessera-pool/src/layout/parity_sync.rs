@@ -3,6 +3,7 @@
 //! and format. Used off the reactors; the per-core datapath is `crate::parity_io`.
 
 use std::io;
+use tessera_io::cast::{u32_of, u8_of, usize_of};
 
 use super::{error_reason, FailReason, Layout};
 use crate::format::DEV_DATA_START;
@@ -41,7 +42,7 @@ impl Layout {
     /// unreadable ones rebuilt from the others. Caller holds the row lock.
     fn read_row_sync(&self, r: u64, lo: u64, hi: u64, buf: &mut [u8]) -> io::Result<()> {
         let p = self.parity_geo();
-        let span = (hi - lo) as usize;
+        let span = usize_of(hi - lo);
         loop {
             let mut erased = Vec::new();
             let mut retry = false;
@@ -76,7 +77,7 @@ impl Layout {
         let mut done = 0usize;
         while done < buf.len() {
             let (r, i, off) = p.locate(offset + done as u64);
-            let n = ((p.chunk - off) as usize).min(buf.len() - done);
+            let n = usize_of(p.chunk - off).min(buf.len() - done);
             let d = p.shard_dev(r, i);
             let dst = &mut buf[done..done + n];
             let direct = self.is_readable(d)
@@ -104,13 +105,13 @@ impl Layout {
         let mut done = 0usize;
         while done < data.len() {
             let (r, _, _) = p.locate(offset + done as u64);
-            let row_end = ((r + 1) * p.row_bytes - offset) as usize;
+            let row_end = usize_of((r + 1) * p.row_bytes - offset);
             let end = row_end.min(data.len());
             let mut segs = Vec::new();
             let mut at = done;
             while at < end {
                 let (_, i, off) = p.locate(offset + at as u64);
-                let n = ((p.chunk - off) as usize).min(end - at);
+                let n = usize_of(p.chunk - off).min(end - at);
                 segs.push(Seg {
                     shard: i,
                     off,
@@ -134,7 +135,7 @@ impl Layout {
         let p = self.parity_geo();
         let end = offset + len;
         let mut at = offset;
-        let zeros = vec![0u8; p.row_bytes as usize];
+        let zeros = vec![0u8; usize_of(p.row_bytes)];
         while at < end {
             let r = at / p.row_bytes;
             let row_start = r * p.row_bytes;
@@ -153,7 +154,7 @@ impl Layout {
                     }
                     std::thread::yield_now();
                 };
-                let mut jb = vec![0u8; hl as usize];
+                let mut jb = vec![0u8; usize_of(hl)];
                 encode_header(
                     &p.uuid(),
                     RecordHead {
@@ -191,7 +192,7 @@ impl Layout {
                 drop(g);
                 at = row_end;
             } else {
-                let n = (row_end.min(end) - at) as usize;
+                let n = usize_of(row_end.min(end) - at);
                 self.parity_write_at(at, &zeros[..n])?;
                 at += n as u64;
             }
@@ -225,12 +226,12 @@ impl Layout {
             .map(|s| s.off + s.data.len() as u64)
             .max()
             .unwrap_or(0);
-        let span = (hi - lo) as usize;
+        let span = usize_of(hi - lo);
         let g = p.lock_sync(r);
         let mut row = vec![0u8; p.n * span];
         self.read_row_sync(r, lo, hi, &mut row)?;
         for s in segs {
-            let a = s.shard * span + (s.off - lo) as usize;
+            let a = s.shard * span + usize_of(s.off - lo);
             row[a..a + s.data.len()].copy_from_slice(s.data);
         }
         {
@@ -240,7 +241,7 @@ impl Layout {
         // What goes where: the changed data ranges and every parity chunk's [lo, hi).
         let mut writes: Vec<(usize, u64, &[u8])> = Vec::new();
         for s in segs {
-            let a = s.shard * span + (s.off - lo) as usize;
+            let a = s.shard * span + usize_of(s.off - lo);
             writes.push((s.shard, s.off, &row[a..a + s.data.len()]));
         }
         for s in p.k..p.n {
@@ -249,17 +250,17 @@ impl Layout {
         let failed = self.failed_bits();
         let holders = p.record_holders(r, failed);
         let payload: u64 = writes.iter().map(|w| p.entry_len(w.2.len() as u64)).sum();
-        let hl = p.header_len() as usize;
+        let hl = usize_of(p.header_len());
         let rec_len = hl as u64 + payload;
-        let mut jb = vec![0u8; rec_len as usize];
+        let mut jb = vec![0u8; usize_of(rec_len)];
         let mut at_p = hl;
         for &(_, _, bytes) in &writes {
             jb[at_p..at_p + bytes.len()].copy_from_slice(bytes);
-            at_p += p.entry_len(bytes.len() as u64) as usize;
+            at_p += usize_of(p.entry_len(bytes.len() as u64));
         }
         let entries: Vec<(u8, u32, u32)> = writes
             .iter()
-            .map(|w| (w.0 as u8, w.1 as u32, w.2.len() as u32))
+            .map(|w| (u8_of(w.0), u32_of(w.1), u32_of(w.2.len())))
             .collect();
         let (at, id, watermark) = loop {
             // Full of unfinished writes (reactors finish them on their own): wait.
@@ -269,7 +270,7 @@ impl Layout {
             std::thread::yield_now();
         };
         let payload_crc = (holders & self.journal_flush_devs() != 0)
-            .then(|| crc32c::crc32c(&jb[hl..rec_len as usize]));
+            .then(|| crc32c::crc32c(&jb[hl..usize_of(rec_len)]));
         encode_header(
             &p.uuid(),
             RecordHead {
@@ -278,7 +279,7 @@ impl Layout {
                 row: r,
                 version: g.version,
                 kind: KIND_CHUNK,
-                payload: payload as u32,
+                payload: u32_of(payload),
                 holders,
                 payload_crc,
             },
@@ -319,7 +320,7 @@ impl Layout {
         let p = self.parity_geo();
         let first = offset / p.row_bytes;
         let last = (offset + len - 1) / p.row_bytes;
-        let span = p.chunk as usize;
+        let span = usize_of(p.chunk);
         let mut row = vec![0u8; p.n * span];
         let mut written = 0;
         for r in first..=last {
@@ -356,7 +357,7 @@ impl Layout {
         let p = self.parity_geo();
         let first = offset / p.row_bytes;
         let last = (offset + len - 1) / p.row_bytes;
-        let span = p.chunk as usize;
+        let span = usize_of(p.chunk);
         let mut row = vec![0u8; p.n * span];
         let mut want = vec![0u8; p.m * span];
         let (mut checked, mut bad, mut fixed, mut lost) = (0, 0, 0, 0);

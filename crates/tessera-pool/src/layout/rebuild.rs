@@ -3,6 +3,7 @@
 
 use std::io;
 use std::sync::atomic::{Ordering::Relaxed, Ordering::SeqCst};
+use tessera_io::cast::usize_of;
 
 use super::{error_reason, FailReason, Layout};
 
@@ -73,7 +74,7 @@ impl Layout {
                         "device {d} failed during the rebuild"
                     )));
                 }
-                let r = p.range_offset as usize..(p.range_offset + p.len) as usize;
+                let r = usize_of(p.range_offset)..usize_of(p.range_offset + p.len);
                 let b = &mut buf[r];
                 let mut done = false;
                 for s in self.set_of(first) {

@@ -4,6 +4,7 @@
 use std::io;
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
+use tessera_io::cast::usize_of;
 
 use tessera_device::BlockDevice;
 
@@ -47,7 +48,7 @@ impl Layout {
             return self.parity_read_at(offset, buf);
         }
         for p in self.pieces(offset, buf.len() as u64) {
-            let r = p.range_offset as usize..(p.range_offset + p.len) as usize;
+            let r = usize_of(p.range_offset)..usize_of(p.range_offset + p.len);
             let mut done = false;
             let mut last = None;
             for d in self.set_of(p.dev) {
@@ -81,7 +82,7 @@ impl Layout {
         }
         let _w = self.sync_write(offset, buf.len() as u64);
         for p in self.pieces(offset, buf.len() as u64) {
-            let r = p.range_offset as usize..(p.range_offset + p.len) as usize;
+            let r = usize_of(p.range_offset)..usize_of(p.range_offset + p.len);
             self.each_copy(&p, FailReason::Write, |d| {
                 d.write_at(p.dev_offset, &buf[r.clone()])
             })?;

@@ -7,6 +7,7 @@ use tessera_io::{CoreIo, IoOp, Tag};
 use super::{DevOp, DevWrite, Engine, Event, Mode, State, GROUP_FLUSH};
 use crate::layout::Layout;
 use crate::parity::{encode_header, Parity, RecordHead, KIND_CHUNK, KIND_FULL};
+use tessera_io::cast::{u32_of, u8_of, usize_of};
 
 impl Engine {
     /// Write the row's journal record to its holders (docs/format.md §2.1); returns how
@@ -32,8 +33,8 @@ impl Engine {
             Some((pe, el, _)) => {
                 op.jbuf.as_ref().expect("planned").as_ptr() as usize + pe + (s - p.k) * el
             }
-            None if op.mode == Mode::Full => base + (s - p.k) * span as usize,
-            None => base + s * span as usize,
+            None if op.mode == Mode::Full => base + (s - p.k) * usize_of(span),
+            None => base + s * usize_of(span),
         };
         if op.writes.is_empty() {
             for g in &op.segs {
@@ -88,17 +89,17 @@ impl Engine {
             && op
                 .jbuf
                 .as_ref()
-                .is_none_or(|b| b.capacity() < rec_len as usize)
+                .is_none_or(|b| b.capacity() < usize_of(rec_len))
         {
             if let Some(b) = op.jbuf.take() {
                 io.bufs.put(b);
             }
-            op.jbuf = Some(io.bufs.get(rec_len as usize));
+            op.jbuf = Some(io.bufs.get(usize_of(rec_len)));
         }
         let jb = op.jbuf.as_mut().expect("allocated above").as_mut_slice();
         let mut entries = [(0u8, 0u32, 0u32); 64];
         let mut ne = 0;
-        let mut at_p = hl as usize;
+        let mut at_p = usize_of(hl);
         if !full {
             // Entries in write order. Read-modify-write laid the record out at planning
             // (every write has an entry, its parity is already in place); otherwise the
@@ -110,19 +111,19 @@ impl Engine {
                     // until the request completes), the engine's zero chunk or this op's
                     // buffer.
                     let src =
-                        unsafe { std::slice::from_raw_parts(w.ptr as *const u8, w.len as usize) };
-                    jb[at_p..at_p + w.len as usize].copy_from_slice(src);
+                        unsafe { std::slice::from_raw_parts(w.ptr as *const u8, usize_of(w.len)) };
+                    jb[at_p..at_p + usize_of(w.len)].copy_from_slice(src);
                 }
-                at_p += p.entry_len(w.len) as usize;
-                entries[ne] = (w.shard as u8, w.chunk_off as u32, w.len as u32);
+                at_p += usize_of(p.entry_len(w.len));
+                entries[ne] = (u8_of(w.shard), u32_of(w.chunk_off), u32_of(w.len));
                 ne += 1;
             }
         }
         // Records that are flushed for power-loss safety carry a payload checksum: one
         // torn by a power loss before its flush must not be replayed.
         let payload_crc = (!full && holders & l.journal_flush_devs() != 0)
-            .then(|| crc32c::crc32c(&jb[hl as usize..rec_len as usize]));
-        let hdr = &mut jb[..hl as usize];
+            .then(|| crc32c::crc32c(&jb[usize_of(hl)..usize_of(rec_len)]));
+        let hdr = &mut jb[..usize_of(hl)];
         encode_header(
             &p.uuid(),
             RecordHead {
@@ -131,7 +132,7 @@ impl Engine {
                 row,
                 version: op.version,
                 kind: if full { KIND_FULL } else { KIND_CHUNK },
-                payload: payload as u32,
+                payload: u32_of(payload),
                 holders,
                 payload_crc,
             },
@@ -143,7 +144,7 @@ impl Engine {
         for d in (0..p.n).filter(|d| holders & (1 << d) != 0) {
             let sub = IoOp::Write {
                 offset: at,
-                len: rec_len as u32,
+                len: u32_of(rec_len),
                 buf: jb.as_ptr(),
             };
             let h = io.hooked(t, hook, sub, DevOp::RowOp(d).ctx());
@@ -166,11 +167,12 @@ impl Engine {
         let failed = l.failed_bits();
         let State { handles, ops, .. } = st;
         let op = &mut ops[id as usize];
-        let n = op
-            .writes
-            .iter()
-            .filter(|w| failed & (1 << w.dev) == 0)
-            .count() as u32;
+        let n = u32_of(
+            op.writes
+                .iter()
+                .filter(|w| failed & (1 << w.dev) == 0)
+                .count(),
+        );
         if n == 0 {
             return 0;
         }
@@ -178,7 +180,7 @@ impl Engine {
         for w in op.writes.iter().filter(|w| failed & (1 << w.dev) == 0) {
             let sub = IoOp::Write {
                 offset: p.row_offset(op.row) + w.chunk_off,
-                len: w.len as u32,
+                len: u32_of(w.len),
                 buf: w.ptr as *const u8,
             };
             let h = io.hooked(t, hook, sub, DevOp::RowOp(w.dev).ctx());

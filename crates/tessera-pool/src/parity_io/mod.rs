@@ -29,10 +29,6 @@
 //! itself submitting (devices may complete synchronously), so every event goes through a
 //! queue that one trampoline loop drains: the engine is never re-entered.
 
-// Not yet audited for the workspace lint (57 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 mod journal;
 mod request;
 mod row;
@@ -47,6 +43,7 @@ use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use crate::layout::{reason_of, Layout};
 use crate::parity::{Parity, MAX_CHUNK};
+use tessera_io::cast::{u32_of, usize_of};
 
 /// Which kind of device operation of the engine failed, with the device's index: the
 /// `ctx` of its `hooked` tag (`Engine::on_error`).
@@ -269,7 +266,7 @@ pub(crate) fn engine_for(io: &mut CoreIo, layout: &Arc<Layout>) -> Rc<Engine> {
             handles: layout.device_handles(),
             ops: Vec::new(),
             free: Vec::new(),
-            zeros: AlignedBuf::zeroed(MAX_CHUNK as usize),
+            zeros: AlignedBuf::zeroed(usize_of(MAX_CHUNK)),
             flushing: Vec::new(),
             flushing_busy: false,
             flush_next: Vec::new(),
@@ -306,7 +303,7 @@ impl Continuation for Engine {
             }
         }
         if let DevOp::Flush(_) = what {
-            let m = l.parity_geo().m as u32;
+            let m = u32_of(l.parity_geo().m);
             return io.complete(
                 parent,
                 if l.failed_bits().count_ones() <= m {
@@ -321,7 +318,9 @@ impl Continuation for Engine {
     }
 
     fn on_done(&self, io: &mut CoreIo, _parent: Tag, _op: IoOp, ctx: u64, _res: i32) {
-        self.pending.borrow_mut().push_back(Event::Step(ctx as u32));
+        self.pending
+            .borrow_mut()
+            .push_back(Event::Step(u32_of(ctx)));
         self.run(io)
     }
 }
@@ -368,7 +367,7 @@ impl Engine {
         let hook = self.hook.get();
         let first = offset / p.chunk;
         let n = (offset + len - 1) / p.chunk - first + 1;
-        let t = if n == 1 { tag } else { io.join(tag, n as u32) };
+        let t = if n == 1 { tag } else { io.join(tag, u32_of(n)) };
         self.active.set(true);
         let mut done = 0;
         while done < len {
@@ -377,8 +376,8 @@ impl Engine {
             let d = p.shard_dev(r, i);
             let sub = IoOp::Read {
                 offset: p.row_offset(r) + off,
-                len: piece as u32,
-                buf: (ptr + done as usize) as *mut u8,
+                len: u32_of(piece),
+                buf: (ptr + usize_of(done)) as *mut u8,
             };
             let h = io.hooked(t, hook, sub, DevOp::FastRead(d).ctx());
             // SAFETY: `ptr` is the request's buffer, valid until the request completes
@@ -436,7 +435,7 @@ impl Engine {
             Some(i) => i,
             None => {
                 st.ops.push(RowOp::new());
-                (st.ops.len() - 1) as u32
+                u32_of(st.ops.len() - 1)
             }
         };
         let op = &mut st.ops[id as usize];

@@ -4,6 +4,7 @@ use tessera_io::{CoreIo, IoOp, Tag};
 
 use super::{DevOp, Engine, Event, Seg, State};
 use crate::layout::Layout;
+use tessera_io::cast::{u32_of, usize_of};
 
 impl Engine {
     pub(super) fn request(&self, io: &mut CoreIo, l: &Layout, st: &mut State, op: IoOp, tag: Tag) {
@@ -25,7 +26,7 @@ impl Engine {
             let first = offset / p.chunk;
             let last = (offset + len - 1) / p.chunk;
             let n = last - first + 1;
-            let t = if n == 1 { tag } else { io.join(tag, n as u32) };
+            let t = if n == 1 { tag } else { io.join(tag, u32_of(n)) };
             let unreadable = l.failed_bits() | l.rebuilding_bits();
             let mut done = 0;
             while done < len {
@@ -35,8 +36,8 @@ impl Engine {
                 if unreadable & (1 << d) == 0 {
                     let sub = IoOp::Read {
                         offset: p.row_offset(r) + off,
-                        len: piece as u32,
-                        buf: (ptr + done as usize) as *mut u8,
+                        len: u32_of(piece),
+                        buf: (ptr + usize_of(done)) as *mut u8,
                     };
                     let h = io.hooked(t, hook, sub, DevOp::FastRead(d).ctx());
                     // SAFETY: `ptr` is the request's buffer, valid until the request
@@ -49,7 +50,7 @@ impl Engine {
                         shard: i,
                         off,
                         len: piece,
-                        ptr: ptr + done as usize,
+                        ptr: ptr + usize_of(done),
                     });
                     self.pending.borrow_mut().push_back(Event::Step(id));
                 }
@@ -65,7 +66,7 @@ impl Engine {
         let t = if rows == 1 {
             tag
         } else {
-            io.join(tag, rows as u32)
+            io.join(tag, u32_of(rows))
         };
         let zero_ptr = st.zeros.as_ptr() as usize;
         let mut done = 0;
@@ -79,7 +80,11 @@ impl Engine {
                     shard: i,
                     off,
                     len: piece,
-                    ptr: if zeros { zero_ptr } else { ptr + done as usize },
+                    ptr: if zeros {
+                        zero_ptr
+                    } else {
+                        ptr + usize_of(done)
+                    },
                 });
                 done += piece;
             }
@@ -98,7 +103,7 @@ impl Engine {
         let t = if live.len() == 1 {
             tag
         } else {
-            io.join(tag, live.len() as u32)
+            io.join(tag, u32_of(live.len()))
         };
         let hook = self.hook.get();
         for d in live {

@@ -7,6 +7,7 @@ use tessera_io::{CoreIo, IoOp, Tag};
 use super::{DevOp, Engine, Mode, Phase, RowOp, State, MAX_TRIES};
 use crate::layout::Layout;
 use crate::parity::Parity;
+use tessera_io::cast::{u32_of, usize_of};
 
 impl Engine {
     /// Advance row operation `id` as far as it goes without waiting.
@@ -143,12 +144,12 @@ impl Engine {
         if nreads == 0 {
             return 0;
         }
-        let t = io.tracked(Tag::NO_PARENT, nreads as u32, hook, id as u64);
+        let t = io.tracked(Tag::NO_PARENT, u32_of(nreads), hook, id as u64);
         for r in &reads[..nreads] {
             let d = p.shard_dev(op.row, r.shard);
             let sub = IoOp::Read {
                 offset: p.row_offset(op.row) + r.off,
-                len: r.len as u32,
+                len: u32_of(r.len),
                 buf: r.at as *mut u8,
             };
             let h = io.hooked(t, hook, sub, DevOp::RowOp(d).ctx());
@@ -156,7 +157,7 @@ impl Engine {
             // `finish`, after every read of the op has completed.
             unsafe { handles[d].submit(io, sub, h) };
         }
-        nreads as u32
+        u32_of(nreads)
     }
 }
 
@@ -210,16 +211,16 @@ fn size_buffers(io: &mut CoreIo, p: &Parity, op: &mut RowOp) {
     // A full-row write needs room for its parity only (the data stays in the request): a
     // smaller buffer, more of which stays in the caches.
     let need = if op.mode == Mode::Full {
-        p.m * span as usize
+        p.m * usize_of(span)
     } else {
-        p.n * span as usize
+        p.n * usize_of(span)
     };
     ensure_capacity(io, &mut op.buf, need);
     op.rmw = None;
     if op.mode == Mode::Rmw {
-        let hl = p.header_len() as usize;
-        let data: usize = op.segs.iter().map(|g| p.entry_len(g.len) as usize).sum();
-        let el = p.entry_len(span) as usize;
+        let hl = usize_of(p.header_len());
+        let data: usize = op.segs.iter().map(|g| usize_of(p.entry_len(g.len))).sum();
+        let el = usize_of(p.entry_len(span));
         let pe = hl + data;
         let od = pe + p.m * el;
         ensure_capacity(io, &mut op.jbuf, od + data);
@@ -271,7 +272,7 @@ fn collect_reads(
             let mut at = jb + od;
             for g in &op.segs {
                 push(g.shard, g.off, g.len, at);
-                at += p.entry_len(g.len) as usize;
+                at += usize_of(p.entry_len(g.len));
             }
             for s in (p.k..p.n).filter(|&s| readable(s)) {
                 push(s, lo, span, jb + pe + (s - p.k) * el);
@@ -284,7 +285,7 @@ fn collect_reads(
                     .any(|g| g.shard == s && g.off == lo && g.len == span)
             };
             for s in (0..p.k).filter(|&s| !covered(s)) {
-                push(s, lo, span, base + s * span as usize);
+                push(s, lo, span, base + s * usize_of(span));
             }
         }
         Mode::Degraded => {
@@ -293,7 +294,7 @@ fn collect_reads(
             let mut taken = 0;
             for s in 0..p.n {
                 if readable(s) && taken < p.k {
-                    push(s, lo, span, base + s * span as usize);
+                    push(s, lo, span, base + s * usize_of(span));
                     taken += 1;
                 } else {
                     op.erased.push(s);
@@ -309,7 +310,7 @@ fn collect_reads(
 
 /// The arithmetic of a row operation once its reads are in.
 fn compute(p: &Parity, op: &mut RowOp) {
-    let span = (op.hi - op.lo) as usize;
+    let span = usize_of(op.hi - op.lo);
     let lo = op.lo;
     let buf = op.buf.as_mut().expect("planned").as_mut_slice();
     if op.mode == Mode::Full {
@@ -319,7 +320,7 @@ fn compute(p: &Parity, op: &mut RowOp) {
         for g in &op.segs {
             // SAFETY: the request's source, g.len (= span) bytes.
             data[g.shard] =
-                unsafe { std::slice::from_raw_parts(g.ptr as *const u8, g.len as usize) };
+                unsafe { std::slice::from_raw_parts(g.ptr as *const u8, usize_of(g.len)) };
         }
         let mut parity: Vec<&mut [u8]> = buf[..p.m * span].chunks_mut(span).collect();
         p.encode_from(&data[..p.k], &mut parity);
@@ -334,12 +335,13 @@ fn compute(p: &Parity, op: &mut RowOp) {
             let parity = &mut head[pe..pe + p.m * el];
             let mut at = 0;
             for g in &op.segs {
-                let a = (g.off - lo) as usize;
-                let b = a + g.len as usize;
+                let a = usize_of(g.off - lo);
+                let b = a + usize_of(g.len);
                 // SAFETY: g.ptr points at g.len bytes of the request's source.
-                let new = unsafe { std::slice::from_raw_parts(g.ptr as *const u8, g.len as usize) };
-                let old = &mut scratch[at..at + g.len as usize];
-                at += p.entry_len(g.len) as usize;
+                let new =
+                    unsafe { std::slice::from_raw_parts(g.ptr as *const u8, usize_of(g.len)) };
+                let old = &mut scratch[at..at + usize_of(g.len)];
+                at += usize_of(p.entry_len(g.len));
                 let mut ps: Vec<&mut [u8]> = parity.chunks_mut(el).map(|c| &mut c[a..b]).collect();
                 p.update(old, new, g.shard, &mut ps);
             }
@@ -351,19 +353,21 @@ fn compute(p: &Parity, op: &mut RowOp) {
             }
             if !op.write {
                 for g in &op.segs {
-                    let a = g.shard * span + (g.off - lo) as usize;
+                    let a = g.shard * span + usize_of(g.off - lo);
                     // SAFETY: g.ptr is the reader's buffer of g.len bytes.
-                    let dst =
-                        unsafe { std::slice::from_raw_parts_mut(g.ptr as *mut u8, g.len as usize) };
-                    dst.copy_from_slice(&buf[a..a + g.len as usize]);
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(g.ptr as *mut u8, usize_of(g.len))
+                    };
+                    dst.copy_from_slice(&buf[a..a + usize_of(g.len)]);
                 }
                 return;
             }
             for g in &op.segs {
-                let a = g.shard * span + (g.off - lo) as usize;
+                let a = g.shard * span + usize_of(g.off - lo);
                 // SAFETY: as above, the request's source.
-                let new = unsafe { std::slice::from_raw_parts(g.ptr as *const u8, g.len as usize) };
-                buf[a..a + g.len as usize].copy_from_slice(new);
+                let new =
+                    unsafe { std::slice::from_raw_parts(g.ptr as *const u8, usize_of(g.len)) };
+                buf[a..a + usize_of(g.len)].copy_from_slice(new);
             }
             let mut shards: Vec<&mut [u8]> = buf.chunks_mut(span).collect();
             p.encode(&mut shards);
