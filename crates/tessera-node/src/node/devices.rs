@@ -13,7 +13,11 @@ pub(super) fn open_devices(specs: &[String]) -> Result<Vec<Arc<dyn BlockDevice>>
         .iter()
         .map(|s| {
             let spec = DeviceSpec::parse(s).map_err(|e| Error::invalid(e.to_string()))?;
-            open_device(&spec).map_err(|e| Error::Io(format!("device {s}: {e}")))
+            open_device(&spec).map_err(|e| match e.kind() {
+                // Another pool, node or program holds it (the message names the device).
+                std::io::ErrorKind::ResourceBusy => Error::busy(e.to_string()),
+                _ => Error::Io(format!("device {s}: {e}")),
+            })
         })
         .collect()
 }
