@@ -43,7 +43,16 @@ impl Node {
         let dev = open_devices(std::slice::from_ref(&with.to_string()))?.remove(0);
         // Canonical once the device exists (a `path:SIZE` file is created by the open).
         let spec = canonical_spec(with);
-        self.replace_live(&p, index, &spec, dev, Replacement { spare: false, force })
+        self.replace_live(
+            &p,
+            index,
+            &spec,
+            dev,
+            Replacement {
+                spare: false,
+                force,
+            },
+        )
     }
 
     /// Is device `d` of `p` one a replacement may take the place of?
@@ -278,7 +287,16 @@ impl Node {
             .map(|i| slot_need(&p, i))
             .max()
             .unwrap_or(0);
-        self.check_new_device(&p, &canon, &*dev, need, Replacement { spare: false, force })?;
+        self.check_new_device(
+            &p,
+            &canon,
+            &*dev,
+            need,
+            Replacement {
+                spare: false,
+                force,
+            },
+        )?;
         if force {
             dev.write_at(0, &[0u8; 4096])
                 .and_then(|()| dev.sync())
