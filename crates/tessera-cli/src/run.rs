@@ -4,7 +4,8 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use tessera_api::PoolEntry;
-use tessera_node::{listener, Node, NodeConfig};
+use tessera_node::error::StartError;
+use tessera_node::{listener, DataDirLock, Node, NodeConfig};
 use tracing::info;
 
 use crate::error::Result;
@@ -70,7 +71,11 @@ fn block_signals() -> libc::sigset_t {
 
 fn serve(cfg: NodeConfig) -> Result<()> {
     let set = block_signals();
-    let node = Node::start(cfg)?;
+    // First claim the data directory, then check the addresses: a second node on the same
+    // directory, or one whose ports are taken, stops here having opened nothing.
+    let dir_lock = DataDirLock::acquire(&cfg)?;
+    listener::check_addresses(&cfg).map_err(StartError::Listen)?;
+    let node = Node::start(cfg, dir_lock)?;
     listener::start_api(&node)?;
     let mut addrs = Vec::new();
     for l in node.cfg.nbd.listen.clone() {

@@ -4,6 +4,7 @@
 pub mod api;
 pub mod background;
 pub mod config;
+pub mod datadir;
 pub mod error;
 pub mod groups;
 mod job;
@@ -15,4 +16,5 @@ pub mod registry;
 pub mod scrub;
 
 pub use config::NodeConfig;
+pub use datadir::DataDirLock;
 pub use node::Node;

@@ -648,7 +648,7 @@ impl Pool {
                     if let Ok(Some(l)) = Label::decode(&b) {
                         return Err(Error::new(
                             ErrorKind::AlreadyExists,
-                            format!("device {} already belongs to pool '{}'; destroy that pool first (or force)", d.describe(), l.pool_name),
+                            format!("device {} already belongs to pool '{}' (uuid {}); destroy that pool first, or pass --force to overwrite it", d.describe(), l.pool_name, uuid_string(&l.uuid)),
                         ));
                     }
                 }
