@@ -16,6 +16,7 @@ use std::sync::{Arc, Weak};
 use tessera_device::BlockDevice;
 use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
+use crate::devstats::DeviceHandle;
 use crate::format::DEV_DATA_START;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -285,6 +286,8 @@ pub struct Layout {
     watchdog: std::sync::Mutex<Option<Arc<tessera_device::Watchdog>>>,
     /// `PoolTuning::journal_flush` (set once at open; read by parity writes).
     journal_flush: AtomicBool,
+    /// Per device slot: what the layout sent it, and its errors (crate::devstats).
+    pub device_stats: Vec<Arc<crate::devstats::DeviceStats>>,
 }
 
 /// A contiguous piece of a logical range on one device.
@@ -412,6 +415,7 @@ impl Layout {
             _ => (1, devices.len() as u64),
         };
         let fail_reason = (0..devices.len()).map(|_| AtomicU8::new(0)).collect();
+        let devices_len = devices.len();
         let nonvolatile = (0..devices.len())
             .filter(|&d| !devices[d].is_volatile())
             .fold(0u64, |a, d| a | 1 << d);
@@ -439,6 +443,7 @@ impl Layout {
             nonvolatile,
             watchdog: std::sync::Mutex::new(None),
             journal_flush: AtomicBool::new(true),
+            device_stats: (0..devices_len).map(|_| Default::default()).collect(),
         })
     }
 
@@ -565,8 +570,16 @@ impl Layout {
         }
     }
 
-    /// Mark device `d` failed for `reason` (first reason wins). Lock free.
+    /// Mark device `d` failed for `reason` (first reason wins) after an error from it,
+    /// which is counted. Lock free.
     pub fn mark_failed(&self, d: usize, reason: FailReason) {
+        self.device_stats[d].count_error();
+        self.restore_failed(d, reason);
+    }
+
+    /// Mark device `d` failed for `reason` (first reason wins) without an error of this
+    /// run: its label recorded it failed, or it is missing at open.
+    pub fn restore_failed(&self, d: usize, reason: FailReason) {
         let bit = 1u64 << d;
         self.rebuilding.fetch_and(!bit, SeqCst);
         if self.failed.fetch_or(bit, Relaxed) & bit == 0 {
@@ -989,7 +1002,7 @@ impl Layout {
     }
 
     /// Per-core handles of every device (behind the watchdog when one is set).
-    pub(crate) fn device_handles(&self) -> Vec<Box<dyn IoHandle>> {
+    pub(crate) fn device_handles(&self) -> Vec<DeviceHandle> {
         let dog = self
             .watchdog
             .lock()
@@ -1000,10 +1013,11 @@ impl Layout {
             .enumerate()
             .map(|(i, d)| {
                 let h = d.clone().open_handle();
-                match &dog {
+                let h = match &dog {
                     Some(w) => w.wrap(i, h),
                     None => h,
-                }
+                };
+                DeviceHandle::new(h, &self.device_stats[i])
             })
             .collect()
     }
@@ -1034,7 +1048,7 @@ impl Drop for WriteGuard<'_> {
 /// A per-core handle to a layout: one device handle per device.
 pub struct LayoutHandle {
     layout: Arc<Layout>,
-    handles: Vec<Box<dyn IoHandle>>,
+    handles: Vec<DeviceHandle>,
     /// Mirrors: this core's error hook for the layout (registered on first use).
     hook: u32,
     mirror: Option<Rc<MirrorHook>>,
@@ -1056,7 +1070,7 @@ struct MirrorHook {
     /// (`Layout::quiet_range`): (op, offset, len, tag), retried every round.
     waiting: std::cell::RefCell<std::collections::VecDeque<(IoOp, u64, u64, Tag)>>,
     /// Device handles the waiting writes are submitted through (opened on first need).
-    handles: std::cell::RefCell<Vec<Box<dyn IoHandle>>>,
+    handles: std::cell::RefCell<Vec<DeviceHandle>>,
 }
 
 /// What a mirror's continuation (`MirrorHook::on_done`) is to do, carried in its `ctx`.
@@ -1181,7 +1195,7 @@ impl Continuation for MirrorHook {
 /// As [`IoHandle::submit`] for `op`'s buffer.
 #[inline]
 unsafe fn submit_piece(
-    handles: &mut [Box<dyn IoHandle>],
+    handles: &mut [DeviceHandle],
     io: &mut CoreIo,
     op: &IoOp,
     p: Piece,
@@ -1306,7 +1320,7 @@ impl LayoutHandle {
 #[allow(clippy::too_many_arguments)]
 unsafe fn mirror_write(
     layout: &Layout,
-    handles: &mut [Box<dyn IoHandle>],
+    handles: &mut [DeviceHandle],
     io: &mut CoreIo,
     op: IoOp,
     offset: u64,
