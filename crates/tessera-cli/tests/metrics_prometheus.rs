@@ -65,7 +65,10 @@ impl Prometheus {
         let log = std::fs::File::create(dir.join("prometheus.log")).unwrap();
         let child = Command::new("prometheus")
             .arg(format!("--config.file={}", cfg.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.join("prom-data").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("prom-data").display()
+            ))
             .arg(format!("--web.listen-address={addr}"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -173,18 +176,26 @@ fn prometheus_scrapes_what_clients_did_and_readyz_follows_the_pools() {
         Some((N * 4096) as f64)
     );
     // The same scrape has the reads, the flush and the histograms.
-    assert_eq!(prom.query(&q("tessera_volume_ops_total", "read")), Some(7.0));
+    assert_eq!(
+        prom.query(&q("tessera_volume_ops_total", "read")),
+        Some(7.0)
+    );
     assert_eq!(
         prom.query(&q("tessera_volume_bytes_total", "read")),
         Some(7.0 * 8192.0)
     );
-    assert_eq!(prom.query(&q("tessera_volume_ops_total", "flush")), Some(1.0));
+    assert_eq!(
+        prom.query(&q("tessera_volume_ops_total", "flush")),
+        Some(1.0)
+    );
     assert_eq!(
         prom.query(&q("tessera_volume_latency_seconds_count", "write")),
         Some(N as f64)
     );
     assert_eq!(
-        prom.query(&q("tessera_volume_latency_seconds_bucket", "write").replace("}", ",le=\"+Inf\"}")),
+        prom.query(
+            &q("tessera_volume_latency_seconds_bucket", "write").replace("}", ",le=\"+Inf\"}")
+        ),
         Some(N as f64)
     );
     assert_eq!(
@@ -203,7 +214,10 @@ fn prometheus_scrapes_what_clients_did_and_readyz_follows_the_pools() {
         prom.query("tessera_pool_ops_total{pool=\"p0\",op=\"write\"}"),
         Some(N as f64)
     );
-    assert_eq!(prom.query("tessera_volume_errors_total{volume=\"v0\"}"), Some(0.0));
+    assert_eq!(
+        prom.query("tessera_volume_errors_total{volume=\"v0\"}"),
+        Some(0.0)
+    );
     // The RAM device got at least the clients' writes (allocation may add zeroing).
     let dev_writes = prom
         .query("tessera_device_ops_total{pool=\"p0\",slot=\"0\",op=\"write\"}")
@@ -249,7 +263,11 @@ fn prometheus_scrapes_what_clients_did_and_readyz_follows_the_pools() {
     assert_eq!(http_get(&maddr, "/healthz").unwrap().0, 200);
     let (status, text) = http_get(&maddr, "/metrics").unwrap();
     assert_eq!(status, 200);
-    assert_eq!(sample(&text, "tessera_pool_state{pool=\"m\",state=\"failed\"}"), Some(3.0), "{text}");
+    assert_eq!(
+        sample(&text, "tessera_pool_state{pool=\"m\",state=\"failed\"}"),
+        Some(3.0),
+        "{text}"
+    );
     let failed = text
         .lines()
         .filter(|l| l.starts_with("tessera_device_state{pool=\"m\"") && l.ends_with(" 2"))
@@ -262,5 +280,8 @@ fn prometheus_scrapes_what_clients_did_and_readyz_follows_the_pools() {
         .sum();
     assert!(errors >= 2.0, "device errors {errors}: {text}");
     // And Prometheus sees it too.
-    assert_eq!(prom.wait_for("tessera_pool_state{pool=\"m\"}", 3.0), Some(3.0));
+    assert_eq!(
+        prom.wait_for("tessera_pool_state{pool=\"m\"}", 3.0),
+        Some(3.0)
+    );
 }

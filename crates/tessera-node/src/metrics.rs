@@ -371,11 +371,7 @@ fn render_pools(w: &mut TextWriter, node: &Node, vols: &[VolumeFigures]) {
     );
     for (pool, t) in &pool_totals {
         for (op, c) in ops_of(t) {
-            w.sample(
-                "tessera_pool_ops_total",
-                &[("pool", pool), ("op", op)],
-                c,
-            );
+            w.sample("tessera_pool_ops_total", &[("pool", pool), ("op", op)], c);
         }
     }
     w.family(
@@ -385,11 +381,7 @@ fn render_pools(w: &mut TextWriter, node: &Node, vols: &[VolumeFigures]) {
     );
     for (pool, t) in &pool_totals {
         for (op, b) in [("read", t.read_bytes), ("write", t.write_bytes)] {
-            w.sample(
-                "tessera_pool_bytes_total",
-                &[("pool", pool), ("op", op)],
-                b,
-            );
+            w.sample("tessera_pool_bytes_total", &[("pool", pool), ("op", op)], b);
         }
     }
     w.family(
@@ -673,7 +665,11 @@ mod tests {
     fn text_format_has_help_type_and_escaped_labels() {
         let mut w = TextWriter::new();
         w.family("t_ops_total", "counter", "Ops with a \\ and a\nnewline.");
-        w.sample("t_ops_total", &[("volume", "a\"b\\c\nd"), ("op", "read")], 7);
+        w.sample(
+            "t_ops_total",
+            &[("volume", "a\"b\\c\nd"), ("op", "read")],
+            7,
+        );
         w.sample("t_ops_total", &[], 1.5);
         let mut h = Histogram::default();
         h.record(1000); // below 2^10 ns
@@ -682,7 +678,10 @@ mod tests {
         w.histogram_seconds("t_latency_seconds", &[("op", "write")], &h);
         let text = w.finish();
         let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines[0], "# HELP t_ops_total Ops with a \\\\ and a\\nnewline.");
+        assert_eq!(
+            lines[0],
+            "# HELP t_ops_total Ops with a \\\\ and a\\nnewline."
+        );
         assert_eq!(lines[1], "# TYPE t_ops_total counter");
         assert_eq!(
             lines[2],

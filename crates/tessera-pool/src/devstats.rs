@@ -166,7 +166,10 @@ mod tests {
         drop(a);
         stats.count_error();
         let t = stats.totals();
-        assert_eq!((t.reads, t.read_bytes, t.flushes, t.writes), (1, 4096, 1, 0));
+        assert_eq!(
+            (t.reads, t.read_bytes, t.flushes, t.writes),
+            (1, 4096, 1, 0)
+        );
         assert_eq!(t.errors, 1);
     }
 }
