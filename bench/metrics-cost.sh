@@ -63,7 +63,8 @@ side() {
   "$bin" "${A[@]}" nvmf subsystem add $NQN --volume bench --allow-any-host >/dev/null
   if [[ "$label" == after ]]; then
     # Scrape every second for the whole run, as Prometheus would; check it answers.
-    curl -sf "http://$METRICS/metrics" | grep -q '^tessera_volume_ops_total' \
+    curl -sf -o "$DIR/metrics.txt" "http://$METRICS/metrics" \
+      && grep -q '^tessera_volume_ops_total' "$DIR/metrics.txt" \
       || { echo "metrics-cost: no metrics from the after node" >&2; exit 1; }
     ( while sleep 1; do curl -sf -o /dev/null "http://$METRICS/metrics" || true; done ) &
     SCRAPER=$!

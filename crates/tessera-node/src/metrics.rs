@@ -719,6 +719,14 @@ mod tests {
     }
 
     #[test]
+    fn not_ready_while_starting() {
+        let (ready, body) = readiness(None, false);
+        assert!(!ready);
+        assert_eq!(body["ready"], false);
+        assert!(body["reasons"][0].as_str().unwrap().contains("starting"));
+    }
+
+    #[test]
     fn state_codes_are_distinct() {
         let pools: Vec<u8> = ["online", "degraded", "rebuilding", "failed", "offline"]
             .iter()

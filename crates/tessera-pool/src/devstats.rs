@@ -12,8 +12,10 @@ use std::sync::{Arc, Mutex};
 
 use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
-/// One per-core handle's counts of the operations submitted to a device.
+/// One per-core handle's counts of the operations submitted to a device. Aligned to a
+/// cache line so that handles of different cores never write the same line.
 #[derive(Default)]
+#[repr(align(64))]
 pub struct DeviceCounters {
     reads: AtomicU64,
     writes: AtomicU64,
