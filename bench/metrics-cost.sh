@@ -56,6 +56,8 @@ side() {
   NODE=$!
   for _ in $(seq 300); do grep -q "NVMe/TCP: nvme+tcp" "$DIR/node.log" && break; sleep 0.1; done
   grep -q "NVMe/TCP: nvme+tcp" "$DIR/node.log" || { cat "$DIR/node.log" >&2; exit 1; }
+  for _ in $(seq 100); do [[ -S "$DIR/data/api.sock" ]] && break; sleep 0.1; done
+  [[ -S "$DIR/data/api.sock" ]] || { echo "metrics-cost: no API socket" >&2; cat "$DIR/node.log" >&2; exit 1; }
   local A=(--api "$DIR/data/api.sock")
   "$bin" "${A[@]}" pool create ram0 ram:2G >/dev/null
   "$bin" "${A[@]}" volume create bench --pool ram0 --size 1G >/dev/null
