@@ -11,7 +11,8 @@
 # NVMe/TCP 4 KiB randread at QD32 and QD128 (`tessera nvmf perf`), then the in-process
 # engine on a thin volume (`tessera bench --device ram:1G --target volume`, QD128,
 # 1 core). The load generators are BEFORE's binary on both sides, so only the server
-# differs. The order flips every round. Prints one line per run and the per-side means.
+# differs. The order flips every round. Prints one line per run (IOPS, and the node's CPU
+# time per request over the four network runs) and the per-side means.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -46,6 +47,8 @@ run() {
   grep '^RESULT' "$DIR/$name.out" | sed 's/.*iops=\([0-9]*\).*/\1/'
 }
 
+node_cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$NODE/stat"; }
+
 # side BIN LABEL: start a node on BIN, measure, stop it.
 side() {
   local bin=$1 label=$2 extra=()
@@ -72,20 +75,28 @@ side() {
     SCRAPER=$!
   fi
   run fill "$LOADGEN" nvmf perf --addr $NVMF --nqn $NQN --pattern randwrite --qd 128 --size 1G --time 3 >/dev/null
-  local r=()
+  local r=() cpu0 cpu1
+  cpu0=$(node_cpu_ticks)
   for qd in 32 128; do
     r+=("$(run nbd-$qd "$LOADGEN" nbd-perf --uri nbd://$NBD/bench --pattern randread --qd $qd --size 1G --time "$SECS")")
   done
   for qd in 32 128; do
     r+=("$(run nvmf-$qd "$LOADGEN" nvmf perf --addr $NVMF --nqn $NQN --pattern randread --qd $qd --size 1G --time "$SECS")")
   done
+  cpu1=$(node_cpu_ticks)
+  # The node's CPU time (user + system, every thread) per request over the four network
+  # runs: less disturbed than IOPS by other load on a shared machine.
+  local us_per_io
+  us_per_io=$(awk -v t=$((cpu1 - cpu0)) -v hz="$(getconf CLK_TCK)" -v s="$SECS" \
+    -v a="${r[0]}" -v b="${r[1]}" -v c="${r[2]}" -v d="${r[3]}" \
+    'BEGIN { printf "%.2f", t / hz * 1e6 / ((a + b + c + d) * s) }')
   stop
   r+=("$(run engine "$bin" bench --device ram:1G --target volume --pattern randread --bs 4k --qd 128 --cores 1 --time "$SECS")")
-  printf '%-6s %-6s %10s %10s %10s %10s %10s   load %s\n' "$round" "$label" "${r[@]}" \
+  printf '%-6s %-6s %10s %10s %10s %10s %10s %10s   load %s\n' "$round" "$label" "${r[@]}" "$us_per_io" \
     "$(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$DIR/table"
 }
 
-printf '%-6s %-6s %10s %10s %10s %10s %10s\n' round side nbd-qd32 nbd-qd128 nvmf-qd32 nvmf-qd128 engine
+printf '%-6s %-6s %10s %10s %10s %10s %10s %10s\n' round side nbd-qd32 nbd-qd128 nvmf-qd32 nvmf-qd128 engine node-us/io
 for ((round = 1; round <= ROUNDS; round++)); do
   order=(before after)
   ((round % 2 == 0)) && order=(after before)
@@ -94,8 +105,8 @@ for ((round = 1; round <= ROUNDS; round++)); do
     side "$bin" "$s"
   done
 done
-echo "means (IOPS):"
+echo "means (IOPS; node CPU us per request):"
 for s in before after; do
-  awk -v s="$s" '$2 == s { for (i = 3; i <= 7; i++) t[i] += $i; n++ }
-    END { printf "%-13s", s; for (i = 3; i <= 7; i++) printf " %10.0f", t[i] / n; print "" }' "$DIR/table"
+  awk -v s="$s" '$2 == s { for (i = 3; i <= 8; i++) t[i] += $i; n++ }
+    END { printf "%-13s", s; for (i = 3; i <= 7; i++) printf " %10.0f", t[i] / n; printf " %10.2f\n", t[8] / n }' "$DIR/table"
 done
