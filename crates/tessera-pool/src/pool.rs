@@ -875,7 +875,7 @@ impl Pool {
         // Devices recorded failed stay failed: they missed writes. So do missing ones.
         for i in 0..layout.devices.len() {
             if first.failed & (1 << i) != 0 {
-                layout.mark_failed(
+                layout.restore_failed(
                     i,
                     crate::layout::FailReason::from_byte(first.fail_reason[i])
                         .filter(|&r| r > crate::layout::FailReason::Missing)
@@ -888,7 +888,7 @@ impl Pool {
             .failed_durable
             .store(first.failed, std::sync::atomic::Ordering::Relaxed);
         for &i in missing {
-            layout.mark_failed(i, crate::layout::FailReason::Missing);
+            layout.restore_failed(i, crate::layout::FailReason::Missing);
         }
         if layout.has_lost_data() {
             return Err(Error::corrupt(format!(
