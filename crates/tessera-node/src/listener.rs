@@ -93,6 +93,7 @@ where
         structured_replies: n.structured_replies,
         base_allocation: n.base_allocation,
         read_only: read_only || n.read_only,
+        strict_block_size: n.block_size_negotiated,
     };
     let fd = into_fd(stream);
     node.next_reactor().spawn(Box::new(move |io| {
