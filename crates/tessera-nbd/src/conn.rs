@@ -133,7 +133,11 @@ impl EdgeLocks {
         static TABLES: Mutex<Vec<(usize, Weak<EdgeLocks>)>> = Mutex::new(Vec::new());
         let mut t = TABLES.lock().unwrap_or_else(|e| e.into_inner());
         t.retain(|(_, w)| w.strong_count() > 0);
-        if let Some(l) = t.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+        if let Some(l) = t
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, w)| w.upgrade())
+        {
             return l;
         }
         let l = Arc::new(EdgeLocks::default());
@@ -465,8 +469,7 @@ impl<T: ExportTarget> NbdConn<T> {
         }
         // Only while an unaligned write is in flight or waiting must an aligned write
         // check it does not overlap one.
-        if writes && (self.rmw_live != 0 || !self.blocked.is_empty()) && self.conflicts(s, false)
-        {
+        if writes && (self.rmw_live != 0 || !self.blocked.is_empty()) && self.conflicts(s, false) {
             return self.block(s);
         }
         self.slots[idx].phase = Phase::Io;
