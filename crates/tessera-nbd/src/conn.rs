@@ -42,11 +42,12 @@ use std::time::Duration;
 use tessera_export::conn::{
     add_throttled, read_into_new_buf, FreeList, RecvBuf, SendDone, Socket, StatsBatch,
 };
+use tessera_export::log_limit::LogLimiter;
 use tessera_export::{
     Charge, Export, ExportHandle, ExportTarget, Gate, IoClass, IoStats, Released,
 };
 use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag, Task};
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::proto::*;
 
@@ -78,7 +79,13 @@ pub struct ConnOptions {
     /// alignment: unaligned requests get EINVAL. Otherwise they are served (the spec's
     /// default minimum block size is 1).
     pub strict_block_size: bool,
+    /// For log lines: the client's address and the export's name.
+    pub client: String,
+    pub export: String,
 }
+
+/// Malformed requests that end a connection: logged at most 10 times per 10 s.
+static BAD_REQUEST_LOG: LogLimiter = LogLimiter::new("nbd-bad-request", 10, 10);
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Phase {
@@ -260,6 +267,8 @@ pub struct NbdConn<T: ExportTarget> {
     rmw_live: usize,
     edge_locks: Arc<EdgeLocks>,
     uid: u64,
+    /// When the transmission phase began (for the disconnect line).
+    connected: std::time::Instant,
 }
 
 impl<T: ExportTarget> NbdConn<T> {
@@ -294,6 +303,7 @@ impl<T: ExportTarget> NbdConn<T> {
             rmw_live: 0,
             edge_locks,
             uid: NEXT_CONN_UID.fetch_add(1, Relaxed),
+            connected: std::time::Instant::now(),
         }
     }
 
@@ -373,7 +383,14 @@ impl<T: ExportTarget> NbdConn<T> {
                 Ok(Some(h)) => h,
                 Ok(None) => break,
                 Err(e) => {
-                    warn!(error = %e, "nbd: closing connection");
+                    if BAD_REQUEST_LOG.admit() {
+                        warn!(
+                            client = %self.opts.client,
+                            export = %self.opts.export,
+                            error = %e,
+                            "nbd: closing connection"
+                        );
+                    }
                     self.sock.draining = true;
                     self.sock.dead = true;
                     break;
@@ -386,11 +403,15 @@ impl<T: ExportTarget> NbdConn<T> {
             };
             if h.cmd == CMD_WRITE && h.length > MAX_PAYLOAD {
                 // We cannot skip 4 GiB of payload safely; the spec allows a disconnect.
-                warn!(
-                    bytes = h.length,
-                    limit = MAX_PAYLOAD,
-                    "nbd: closing connection: write payload exceeds the limit"
-                );
+                if BAD_REQUEST_LOG.admit() {
+                    warn!(
+                        client = %self.opts.client,
+                        export = %self.opts.export,
+                        bytes = h.length,
+                        limit = MAX_PAYLOAD,
+                        "nbd: closing connection: write payload exceeds the limit"
+                    );
+                }
                 self.sock.draining = true;
                 self.sock.dead = true;
                 break;
@@ -1105,6 +1126,18 @@ impl<T: ExportTarget> NbdConn<T> {
 
 impl<T: ExportTarget> Drop for NbdConn<T> {
     fn drop(&mut self) {
+        let st = &self.stats;
+        info!(
+            protocol = "nbd",
+            client = %self.opts.client,
+            export = %self.opts.export,
+            duration_s = self.connected.elapsed().as_secs_f64(),
+            read_bytes = st.read_bytes.load(Relaxed),
+            write_bytes = st.write_bytes.load(Relaxed),
+            requests = st.reads.load(Relaxed) + st.writes.load(Relaxed) + st.others.load(Relaxed),
+            errors = st.errors.load(Relaxed),
+            "nbd: client disconnected"
+        );
         self.target.unregister_stats(&self.stats);
     }
 }
