@@ -571,10 +571,11 @@ impl Layout {
         self.rebuilding.fetch_and(!bit, SeqCst);
         if self.failed.fetch_or(bit, Relaxed) & bit == 0 {
             self.fail_reason[d].store(reason.byte(), Relaxed);
-            eprintln!(
-                "tessera: device {} marked failed: {}",
-                self.devices[d].describe(),
-                reason.describe()
+            tracing::error!(
+                device = %self.devices[d].describe(),
+                slot = d,
+                reason = %reason.describe(),
+                "device marked failed"
             );
         }
     }
