@@ -176,7 +176,7 @@ fn garbage_is_rate_limited_and_sessions_are_logged_in_json() {
     assert!(d["fields"]["duration_s"].is_number());
     let h = find("nvmf: host connected");
     assert_eq!(h["fields"]["protocol"], "nvme-tcp");
-    assert_eq!(h["fields"]["subnqn"], "");
+    assert_eq!(h["fields"]["subnqn"], NQN);
     assert!(h["fields"]["hostnqn"].as_str().unwrap().starts_with("nqn."));
     assert!(h["fields"]["client"]
         .as_str()
