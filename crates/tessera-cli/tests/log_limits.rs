@@ -106,8 +106,8 @@ fn real_clients(n: &Node) {
     assert_eq!(got, data, "NBD read back after the garbage");
     c.disconnect().unwrap();
     let mut h = Controller::connect(&n.nvmf, NQN, &Options::default(), 1).unwrap();
-    h.write(1, 1, (2 << 20) / 512, &data, 512).unwrap();
-    let got = h.read(1, 1, (2 << 20) / 512, 16, 512).unwrap();
+    h.write(0, 1, (2 << 20) / 512, &data, 512).unwrap();
+    let got = h.read(0, 1, (2 << 20) / 512, 16, 512).unwrap();
     assert_eq!(got, data, "NVMe/TCP read back after the garbage");
     h.disconnect();
 }
