@@ -205,11 +205,11 @@ impl Slot {
         let end = self.offset + self.len as u64;
         let mut e = [0u64; 2];
         let mut n = 0;
-        if self.offset % ALIGN != 0 {
+        if !self.offset.is_multiple_of(ALIGN) {
             e[0] = align_down(self.offset);
             n = 1;
         }
-        if end % ALIGN != 0 && (n == 0 || align_down(end) != e[0]) {
+        if !end.is_multiple_of(ALIGN) && (n == 0 || align_down(end) != e[0]) {
             e[n] = align_down(end);
             n += 1;
         }
@@ -483,7 +483,7 @@ impl<T: ExportTarget> NbdConn<T> {
         if let Some(e) = err {
             return self.finish(io, s, e);
         }
-        if (offset | len as u64) % ALIGN != 0
+        if !(offset | len as u64).is_multiple_of(ALIGN)
             && matches!(cmd, CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES)
         {
             return self.dispatch_unaligned(io, s);
