@@ -9,6 +9,7 @@
 #   fio                                   [fio]
 #   qemu-img, qemu-io, qemu-nbd           [qemu-utils]
 #   nbdinfo, nbdcopy                      [libnbd-bin]
+#   nbdsh + the python3 nbd module        [python3-libnbd]
 #   nbdkit + its "memory" plugin          [nbdkit; on Debian 12 the memory
 #                                          plugin ships inside nbdkit itself,
 #                                          a separate nbdkit-plugin-memory
@@ -38,8 +39,9 @@ declare -A PKG_OF=(
   [nbdcopy]=libnbd-bin
   [nbdkit]=nbdkit
   [prometheus]=prometheus
+  [nbdsh]=python3-libnbd
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1

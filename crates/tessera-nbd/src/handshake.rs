@@ -15,9 +15,10 @@
 //! - TLS is not offered: `NBD_OPT_STARTTLS` gets `NBD_REP_ERR_UNSUP` (NOTLS mode).
 //! - An empty export name selects the *default export*, which is the first name returned
 //!   by [`ExportCatalog::list`]; with an empty catalogue there is no default export.
-//! - `NBD_INFO_BLOCK_SIZE` is always sent, requested or not, because the server enforces
-//!   512-byte alignment; [`Negotiated::block_size_negotiated`] records whether the client
-//!   asked for it (and therefore promised to honour it).
+//! - `NBD_INFO_BLOCK_SIZE` is always sent, requested or not (512 is what is efficient);
+//!   [`Negotiated::block_size_negotiated`] records whether the client asked for it and
+//!   therefore promised to honour it: only then are unaligned requests refused, others
+//!   are served by read-modify-write (`conn.rs`).
 //! - `NBD_FLAG_SEND_DF` is only advertised once structured replies were negotiated, as
 //!   the spec requires.
 

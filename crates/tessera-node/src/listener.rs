@@ -14,6 +14,9 @@ use std::time::Duration;
 use tessera_nbd::conn::{ConnOptions, NbdConn};
 use tessera_nbd::handshake::{negotiate, HandshakeOutcome};
 
+use tessera_export::log_limit::LogLimiter;
+use tracing::{info, warn};
+
 use crate::node::Node;
 
 /// Handshakes in progress at once; more connections are refused until some finish.
@@ -91,9 +94,16 @@ pub fn start_api(node: &Arc<Node>) -> io::Result<()> {
     Ok(())
 }
 
+/// Failed NBD handshakes (garbage, port scans, wrong protocol): at most 10 lines per 10 s.
+static HANDSHAKE_LOG: LogLimiter = LogLimiter::new("nbd-handshake", 10, 10);
+
 /// Run the handshake on `stream`; on success hand the socket to a reactor core.
-fn serve_client<S>(node: Arc<Node>, mut stream: S, into_fd: impl FnOnce(S) -> OwnedFd)
-where
+fn serve_client<S>(
+    node: Arc<Node>,
+    mut stream: S,
+    client: String,
+    into_fd: impl FnOnce(S) -> OwnedFd,
+) where
     S: io::Read + io::Write,
 {
     let outcome = negotiate(&mut stream, &*node);
@@ -108,22 +118,40 @@ where
             return
         }
         Err(e) => {
-            eprintln!("tessera: nbd: handshake failed: {e}");
+            if HANDSHAKE_LOG.admit() {
+                warn!(protocol = "nbd", client = %client, error = %e, "nbd: handshake failed");
+            }
             return;
         }
     };
     let Some((vol, read_only)) = node.resolve_export(&n.export_name) else {
-        eprintln!(
-            "tessera: nbd: export '{}' vanished during the handshake",
-            n.export_name
+        warn!(
+            protocol = "nbd",
+            client = %client,
+            export = %n.export_name,
+            "nbd: export vanished during the handshake"
         );
         return;
     };
     let export = node.export_of(&vol);
+    info!(
+        protocol = "nbd",
+        client = %client,
+        export = %n.export_name,
+        pool = %vol.pool_name(),
+        volume = %vol.name,
+        read_only = read_only || n.read_only,
+        structured_replies = n.structured_replies,
+        block_size_negotiated = n.block_size_negotiated,
+        "nbd: client connected"
+    );
     let opts = ConnOptions {
         structured_replies: n.structured_replies,
         base_allocation: n.base_allocation,
         read_only: read_only || n.read_only,
+        strict_block_size: n.block_size_negotiated,
+        client,
+        export: n.export_name,
     };
     let fd = into_fd(stream);
     node.next_reactor().spawn(Box::new(move |io| {
@@ -134,6 +162,8 @@ where
 /// A socket the NBD listeners accept: TCP or Unix.
 trait NbdSocket: io::Read + io::Write + Into<OwnedFd> + Send + 'static {
     fn set_timeouts(&self, t: Option<Duration>);
+    /// The client's address, for log lines.
+    fn peer(&self) -> String;
 }
 
 impl NbdSocket for std::net::TcpStream {
@@ -141,12 +171,19 @@ impl NbdSocket for std::net::TcpStream {
         let _ = self.set_read_timeout(t);
         let _ = self.set_write_timeout(t);
     }
+    fn peer(&self) -> String {
+        self.peer_addr()
+            .map_or_else(|_| "?".into(), |a| a.to_string())
+    }
 }
 
 impl NbdSocket for std::os::unix::net::UnixStream {
     fn set_timeouts(&self, t: Option<Duration>) {
         let _ = self.set_read_timeout(t);
         let _ = self.set_write_timeout(t);
+    }
+    fn peer(&self) -> String {
+        "unix".into()
     }
 }
 
@@ -160,11 +197,12 @@ fn accept_loop<S: NbdSocket>(node: Arc<Node>, incoming: impl Iterator<Item = io:
             continue; // dropping the stream closes it
         }
         s.set_timeouts(Some(HANDSHAKE_TIMEOUT));
+        let client = s.peer();
         let node = node.clone();
         let r = std::thread::Builder::new()
             .name("tessera-nbd-hs".into())
             .spawn(move || {
-                serve_client(node, s, |s| {
+                serve_client(node, s, client, |s| {
                     s.set_timeouts(None);
                     s.into()
                 });

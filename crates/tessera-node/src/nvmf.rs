@@ -541,10 +541,7 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
                     .try_for_each(|v| node.nvmf_add_namespace(&d.nqn, v, 0).map(|_| ()))
             });
         if let Err(e) = r {
-            eprintln!(
-                "tessera: nvmf: creating subsystem '{}' from the config: {e}",
-                d.nqn
-            );
+            tracing::error!(subnqn = %d.nqn, error = %e, "nvmf: cannot create the subsystem from the config");
         }
     }
     let target = Target::new(Arc::new(NodeCatalog(Arc::downgrade(node))));
@@ -561,7 +558,7 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
         let l = match std::net::TcpListener::bind(&addr) {
             Ok(l) => l,
             Err(e) => {
-                eprintln!("tessera: nvmf: cannot listen on {addr}: {e}; NVMe/TCP is off there");
+                tracing::error!(addr = %addr, error = %e, "nvmf: cannot listen; NVMe/TCP is off there");
                 continue;
             }
         };
@@ -579,7 +576,7 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
             .name("tessera-nvmf-accept".into())
             .spawn(move || tessera_nvmf::target::accept_loop(l, t, move || n.next_reactor()));
         if let Err(e) = spawned {
-            eprintln!("tessera: nvmf: cannot start the accept thread: {e}");
+            tracing::error!(addr = %local, error = %e, "nvmf: cannot start the accept thread");
             continue;
         }
         addrs.push(format!(

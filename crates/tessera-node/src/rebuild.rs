@@ -74,7 +74,7 @@ pub(crate) fn save_cursor(path: &Path, device: usize, next: u64) {
     })
     .expect("a cursor serialises");
     if let Err(e) = crate::registry::write_atomic(path, text.as_bytes()) {
-        error!(error = %e, "cannot save the rebuild cursor");
+        error!(cursor = %path.display(), device, error = %e, "cannot save the rebuild cursor");
     }
 }
 

@@ -537,10 +537,7 @@ fn zeroer_loop(core: Arc<PoolCore>) {
         }
         core.zero_done.notify_all();
         if let Err(e) = r {
-            eprintln!(
-                "tessera: pool {}: zeroing a free unit failed: {e}",
-                core.name
-            );
+            tracing::error!(pool = %core.name, error = %e, "zeroing a free unit failed");
             // Leave it to the allocator (which reports the error to its client) until
             // the next allocation asks again.
             wanted = false;
@@ -564,7 +561,7 @@ fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
                 let l = &core.layout;
                 if l.health.failed.load(Relaxed) != l.health.failed_durable.load(Relaxed) {
                     if let Err(e) = core.persist_device_state() {
-                        eprintln!("tessera: pool {}: {e}", core.name);
+                        tracing::error!(pool = %core.name, error = %e, "cannot record the device states");
                     }
                 }
                 if last.elapsed() < COMMIT_INTERVAL {
@@ -587,7 +584,7 @@ fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
         let res = match core.commit() {
             Ok(()) => 0,
             Err(e) => {
-                eprintln!("tessera: pool {}: commit failed: {e}", core.name);
+                tracing::error!(pool = %core.name, error = %e, "commit failed");
                 -libc::EIO
             }
         };
@@ -824,7 +821,7 @@ impl Pool {
             match (l, &newest) {
                 (Ok(l), _) => labels.push(l),
                 (Err(e), Some(n)) if n.layout.is_redundant(n.copies) => {
-                    eprintln!("tessera: pool '{}': {e}; the device is failed", n.pool_name);
+                    tracing::warn!(pool = %n.pool_name, error = %e, "device label unreadable; the device is failed");
                     let mut l = n.clone();
                     l.index = i as u32;
                     missing.push(i);

@@ -137,6 +137,17 @@ impl<T: ExportTarget> NvmfQueue<T> {
             self.open_namespaces(io, &ctrl);
         }
         self.slots[s as usize].dw0 = ctrl.cntlid as u32;
+        let nsids: Vec<u32> = ctrl.namespaces().iter().map(|n| n.nsid).collect();
+        info!(
+            protocol = "nvme-tcp",
+            client = %self.client,
+            subnqn = %ctrl.subnqn,
+            hostnqn = %ctrl.hostnqn,
+            cntlid = ctrl.cntlid,
+            qid = c.qid,
+            namespaces = ?nsids,
+            "nvmf: host connected"
+        );
         self.ctrl = Some(ctrl);
         self.finish(io, s, 0);
         if self.qid == 0 {
@@ -465,10 +476,13 @@ impl<T: ExportTarget> NvmfQueue<T> {
             }
             _ => {
                 if self.started.elapsed() >= CONNECT_TIMEOUT {
-                    info!(
-                        timeout = ?CONNECT_TIMEOUT,
-                        "nvmf: closing a connection that did not connect in time"
-                    );
+                    if BAD_CONN_LOG.admit() {
+                        info!(
+                            client = %self.client,
+                            timeout = ?CONNECT_TIMEOUT,
+                            "nvmf: closing a connection that did not connect in time"
+                        );
+                    }
                     self.sock.draining = true;
                     return;
                 }

@@ -178,11 +178,21 @@ pub struct NvmfQueue<T: ExportTarget> {
     tick_armed: bool,
     started: Instant,
     registered: bool,
+    /// The host's address, for log lines.
+    client: String,
 }
+
+/// Connections that break the protocol or never connect (garbage, port scans): at most
+/// 10 lines per 10 s.
+pub(crate) static BAD_CONN_LOG: tessera_export::log_limit::LogLimiter =
+    tessera_export::log_limit::LogLimiter::new("nvmf-bad-connection", 10, 10);
 
 impl<T: ExportTarget> NvmfQueue<T> {
     pub fn new(_io: &mut CoreIo, fd: OwnedFd, target: Arc<Target<T>>) -> Self {
+        use std::os::fd::AsRawFd;
+        let client = tessera_export::log_limit::peer_name(fd.as_raw_fd());
         NvmfQueue {
+            client,
             sock: Socket::new(fd),
             id: 0,
             target,
@@ -262,6 +272,23 @@ impl<T: ExportTarget> NvmfQueue<T> {
 
 impl<T: ExportTarget> Drop for NvmfQueue<T> {
     fn drop(&mut self) {
+        if self.state == State::Connected {
+            let sum = |f: fn(&IoStats) -> u64| self.ns.iter().map(|n| f(&n.stats)).sum::<u64>();
+            let ctrl = self.ctrl.as_ref();
+            tracing::info!(
+                protocol = "nvme-tcp",
+                client = %self.client,
+                subnqn = ctrl.map_or("", |c| c.subnqn.as_str()),
+                hostnqn = ctrl.map_or("", |c| c.hostnqn.as_str()),
+                cntlid = ctrl.map_or(0, |c| c.cntlid),
+                qid = self.qid,
+                duration_s = self.started.elapsed().as_secs_f64(),
+                read_bytes = sum(|s| s.read_bytes.load(Relaxed)),
+                write_bytes = sum(|s| s.write_bytes.load(Relaxed)),
+                errors = sum(|s| s.errors.load(Relaxed)),
+                "nvmf: host disconnected"
+            );
+        }
         for n in self.ns.drain(..) {
             n.target.unregister_stats(&n.stats);
         }

@@ -45,12 +45,15 @@ impl<T: ExportTarget> NvmfQueue<T> {
             have.min(pdu::CH_LEN)
         };
         let quoted = &self.rbuf.received()[at..at + n];
-        warn!(
-            qid = self.qid,
-            cntlid = self.ctrl.as_ref().map_or(0, |c| c.cntlid),
-            error = %f,
-            "nvmf: terminating the connection"
-        );
+        if BAD_CONN_LOG.admit() {
+            warn!(
+                client = %self.client,
+                qid = self.qid,
+                cntlid = self.ctrl.as_ref().map_or(0, |c| c.cntlid),
+                error = %f,
+                "nvmf: terminating the connection"
+            );
+        }
         let t = pdu::encode_term(pdu::C2H_TERM, f, quoted);
         self.outq.push(Out::Bytes(t));
         self.sock.draining = true;
@@ -132,7 +135,9 @@ impl<T: ExportTarget> NvmfQueue<T> {
             match frame.ch.ty {
                 pdu::H2C_TERM => {
                     let (fes, fei) = pdu::parse_term(self.rbuf.unparsed());
-                    info!(fes, fei, "nvmf: host terminated the connection");
+                    if BAD_CONN_LOG.admit() {
+                        info!(client = %self.client, fes, fei, "nvmf: host terminated the connection");
+                    }
                     self.sock.draining = true;
                     self.sock.dead = true;
                     break;

@@ -58,10 +58,11 @@ impl Layout {
         self.health.rebuilding.fetch_and(!bit, SeqCst);
         if self.health.failed.fetch_or(bit, Relaxed) & bit == 0 {
             self.health.fail_reason[d].store(reason.byte(), Relaxed);
-            eprintln!(
-                "tessera: device {} marked failed: {}",
-                self.devices[d].describe(),
-                reason.describe()
+            tracing::error!(
+                device = %self.devices[d].describe(),
+                slot = d,
+                reason = %reason.describe(),
+                "device marked failed"
             );
         }
     }
