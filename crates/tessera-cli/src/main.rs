@@ -66,6 +66,8 @@ enum Cmd {
         /// The node's configuration (TOML; see docs/configuration.md).
         #[arg(long, short)]
         config: PathBuf,
+        #[command(flatten)]
+        tls: run::NbdTlsArgs,
     },
     /// Node status: capacity, allocation, pools, exports.
     Status,
@@ -153,7 +155,7 @@ fn main() {
     let api = manage::endpoint(cli.api.as_deref());
     let r: Result<(), CliError> = match cli.cmd {
         Cmd::Up(a) => run::up(a),
-        Cmd::Node { config } => run::node_from_file(&config),
+        Cmd::Node { config, tls } => run::node_from_file(&config, tls),
         Cmd::Status => manage::status(&api, cli.json),
         Cmd::Pool(c) => manage::pool(&api, c, cli.json),
         Cmd::Volume(c) => manage::volume(&api, c, cli.json),

@@ -3,7 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use tessera_api::PoolEntry;
+use tessera_api::{PoolEntry, TlsPolicy};
+use tessera_node::config::NbdTlsConfig;
 use tessera_node::{listener, Node, NodeConfig};
 use tracing::info;
 
@@ -35,6 +36,38 @@ pub struct UpArgs {
     /// NVMe/TCP discovery port ("" = none).
     #[arg(long, default_value = "127.0.0.1:8009")]
     nvmf_discovery: String,
+    #[command(flatten)]
+    tls: NbdTlsArgs,
+}
+
+/// NBD TLS (`NBD_OPT_STARTTLS`, X.509) for `up` and `node` (overrides `[nbd.tls]`).
+#[derive(Args)]
+pub struct NbdTlsArgs {
+    /// NBD TLS: the server's certificate chain (PEM); needs --nbd-tls-key.
+    #[arg(long, requires = "nbd_tls_key")]
+    nbd_tls_cert: Option<PathBuf>,
+    /// NBD TLS: the server's private key (PEM).
+    #[arg(long, requires = "nbd_tls_cert")]
+    nbd_tls_key: Option<PathBuf>,
+    /// NBD TLS: require client certificates signed by this CA (PEM).
+    #[arg(long, requires = "nbd_tls_cert")]
+    nbd_tls_client_ca: Option<PathBuf>,
+    /// NBD TLS policy of exports that set none: required (default) or optional.
+    #[arg(long, requires = "nbd_tls_cert")]
+    nbd_tls_default: Option<TlsPolicy>,
+}
+
+impl NbdTlsArgs {
+    fn apply(self, cfg: &mut NodeConfig) {
+        if let (Some(cert), Some(key)) = (self.nbd_tls_cert, self.nbd_tls_key) {
+            cfg.nbd.tls = Some(NbdTlsConfig {
+                cert,
+                key,
+                client_ca: self.nbd_tls_client_ca,
+                default: self.nbd_tls_default.unwrap_or(TlsPolicy::Required),
+            });
+        }
+    }
 }
 
 pub fn up(a: UpArgs) -> Result<()> {
@@ -48,11 +81,14 @@ pub fn up(a: UpArgs) -> Result<()> {
     cfg.nvmf.enabled = !a.nvmf.is_empty();
     cfg.nvmf.listen = a.nvmf;
     cfg.nvmf.discovery = a.nvmf_discovery;
+    a.tls.apply(&mut cfg);
     serve(cfg)
 }
 
-pub fn node_from_file(path: &Path) -> Result<()> {
-    serve(NodeConfig::load(path)?)
+pub fn node_from_file(path: &Path, tls: NbdTlsArgs) -> Result<()> {
+    let mut cfg = NodeConfig::load(path)?;
+    tls.apply(&mut cfg);
+    serve(cfg)
 }
 
 fn block_signals() -> libc::sigset_t {

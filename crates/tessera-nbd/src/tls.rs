@@ -19,12 +19,14 @@ use std::sync::Arc;
 
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
-use rustls::{RootCertStore, ServerConfig, ServerConnection, StreamOwned};
+use rustls::{RootCertStore, StreamOwned};
 use tessera_export::conn::{SendBatch, Socket};
 use tessera_io::{CoreIo, Tag};
 use tracing::warn;
 
 use crate::handshake::HandshakeIo;
+
+pub use rustls::{ServerConfig, ServerConnection};
 
 /// Ciphertext received per `recv`: room for several full TLS records (16 KiB + header
 /// and tag each), so a deep queue of small requests is taken in one receive.

@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_nbd::conn::{ConnOptions, NbdConn};
-use tessera_nbd::handshake::{negotiate, HandshakeOutcome};
+use tessera_nbd::handshake::{negotiate_io, HandshakeOutcome};
+use tessera_nbd::tls::{HandshakeStream, TlsLink};
+use tracing::warn;
 
 use crate::node::Node;
 
@@ -60,12 +62,14 @@ pub fn start_api(node: &Arc<Node>) -> io::Result<()> {
     Ok(())
 }
 
-/// Run the handshake on `stream`; on success hand the socket to a reactor core.
-fn serve_client<S>(node: Arc<Node>, mut stream: S, into_fd: impl FnOnce(S) -> OwnedFd)
+/// Run the handshake on `stream`; on success hand the socket (and its TLS session, if
+/// the client started TLS) to a reactor core.
+fn serve_client<S>(node: Arc<Node>, stream: S, peer: String, into_fd: impl FnOnce(S) -> OwnedFd)
 where
     S: io::Read + io::Write,
 {
-    let outcome = negotiate(&mut stream, &*node);
+    let mut stream = HandshakeStream::new(stream, node.nbd_tls.clone());
+    let outcome = negotiate_io(&mut stream, &*node);
     let n = match outcome {
         Ok(HandshakeOutcome::Transmission(n)) => n,
         Ok(HandshakeOutcome::Closed) => return,
@@ -75,6 +79,10 @@ where
             if e.kind() == std::io::ErrorKind::UnexpectedEof =>
         {
             return
+        }
+        Err(e @ tessera_nbd::handshake::HandshakeError::Tls(_)) => {
+            warn!(client = %peer, error = %e, "nbd: TLS handshake failed, connection closed");
+            return;
         }
         Err(e) => {
             eprintln!("tessera: nbd: handshake failed: {e}");
@@ -94,15 +102,25 @@ where
         base_allocation: n.base_allocation,
         read_only: read_only || n.read_only,
     };
+    let Some((stream, tls)) = stream.into_parts() else {
+        return;
+    };
+    let tls = tls.map(|session| TlsLink::new(session, peer));
     let fd = into_fd(stream);
     node.next_reactor().spawn(Box::new(move |io| {
-        Box::new(NbdConn::new(io, fd, &export, opts))
+        let conn = NbdConn::new(io, fd, &export, opts);
+        Box::new(match tls {
+            Some(t) => conn.with_tls(t),
+            None => conn,
+        })
     }));
 }
 
 /// A socket the NBD listeners accept: TCP or Unix.
 trait NbdSocket: io::Read + io::Write + Into<OwnedFd> + Send + 'static {
     fn set_timeouts(&self, t: Option<Duration>);
+    /// Who is connected, for the log.
+    fn peer(&self) -> String;
 }
 
 impl NbdSocket for std::net::TcpStream {
@@ -110,12 +128,19 @@ impl NbdSocket for std::net::TcpStream {
         let _ = self.set_read_timeout(t);
         let _ = self.set_write_timeout(t);
     }
+    fn peer(&self) -> String {
+        self.peer_addr()
+            .map_or_else(|_| "tcp:?".into(), |a| a.to_string())
+    }
 }
 
 impl NbdSocket for std::os::unix::net::UnixStream {
     fn set_timeouts(&self, t: Option<Duration>) {
         let _ = self.set_read_timeout(t);
         let _ = self.set_write_timeout(t);
+    }
+    fn peer(&self) -> String {
+        "unix".into()
     }
 }
 
@@ -133,7 +158,8 @@ fn accept_loop<S: NbdSocket>(node: Arc<Node>, incoming: impl Iterator<Item = io:
         let r = std::thread::Builder::new()
             .name("tessera-nbd-hs".into())
             .spawn(move || {
-                serve_client(node, s, |s| {
+                let peer = s.peer();
+                serve_client(node, s, peer, |s| {
                     s.set_timeouts(None);
                     s.into()
                 });
