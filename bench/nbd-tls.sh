@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# The cost of TLS on NBD: 4 KiB reads at queue depth 128 through the same node, the same
+# volume and the same client (qemu-img bench), with and without TLS, alternating in one
+# run. With BEFORE set, the plain path is also compared with an older binary (tessera
+# nbd-perf 4K randread QD128, alternating), to show that TLS support did not slow it.
+#
+#   bench/nbd-tls.sh                 # TLS vs plain on target/release/tessera
+#   BEFORE=/work/before/tessera bench/nbd-tls.sh
+#
+# The node: one RAM pool, a 256 MiB volume filled with data, exported twice: `plain`
+# (TLS optional, used without TLS) and `tls` (TLS required; the client starts TLS with
+# a client certificate the node checks). qemu-img bench reads sequentially and wraps
+# around the volume; on a RAM pool the position does not matter.
+#
+# Environment (defaults in brackets):
+#   TESSERA [target/release/tessera]  binary under test
+#   BEFORE []                         older binary for the plain-path A/B ("" = skip)
+#   ROUNDS [3]                        alternating rounds
+#   COUNT [400000]                    requests per qemu-img bench run
+#   SECS [8]                          seconds per nbd-perf run
+#   CORES [1]                         reactor cores of the node
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+TESSERA="${TESSERA:-target/release/tessera}"
+BEFORE="${BEFORE:-}"
+ROUNDS="${ROUNDS:-3}"
+COUNT="${COUNT:-400000}"
+SECS="${SECS:-8}"
+CORES="${CORES:-1}"
+
+for c in qemu-img nbdcopy openssl python3 timeout; do
+  command -v "$c" >/dev/null 2>&1 || { echo "nbd-tls: $c not found (scripts/install-deps.sh)" >&2; exit 1; }
+done
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/tessera-nbd-tls.XXXXXX")"
+PIDS=()
+cleanup() {
+  local pid
+  for pid in "${PIDS[@]}"; do
+    kill -TERM "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  rm -rf -- "$WORK"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+scripts/nbd-tls-certs.sh "$WORK/certs" >/dev/null
+
+# start_node BIN NAME TLS(0/1) -> sets PORT
+start_node() {
+  local bin="$1" name="$2" tls="$3" dir="$WORK/$2" i
+  PORT=$(free_port)
+  mkdir -p "$dir"
+  {
+    echo "data_dir = \"$dir/data\""
+    echo "cores = $CORES"
+    echo "[nbd]"
+    echo "listen = [\"127.0.0.1:$PORT\"]"
+    if [[ "$tls" == 1 ]]; then
+      echo "[nbd.tls]"
+      echo "cert = \"$WORK/certs/server-cert.pem\""
+      echo "key = \"$WORK/certs/server-key.pem\""
+      echo "client_ca = \"$WORK/certs/ca-cert.pem\""
+    fi
+    echo "[nvmf]"
+    echo "enabled = false"
+    echo "[[pool]]"
+    echo "name = \"p\""
+    echo "devices = [\"ram:512M\"]"
+    echo "[[volume]]"
+    echo "name = \"v\""
+    echo "pool = \"p\""
+    echo "size = \"256M\""
+    echo "[[export]]"
+    echo "name = \"plain\""
+    echo "volume = \"v\""
+    if [[ "$tls" == 1 ]]; then
+      echo "tls = \"optional\""
+      echo "[[export]]"
+      echo "name = \"tls\""
+      echo "volume = \"v\""
+      echo "tls = \"required\""
+    fi
+  } >"$dir/node.toml"
+  "$bin" node --config "$dir/node.toml" >"$dir/out.log" 2>"$dir/err.log" &
+  PIDS+=($!)
+  for ((i = 0; i < 300; i++)); do
+    grep -q '^tessera: ready' "$dir/out.log" 2>/dev/null && break
+    sleep 0.1
+  done
+  grep -q '^tessera: ready' "$dir/out.log" || { cat "$dir/err.log" >&2; echo "nbd-tls: $name did not start" >&2; exit 1; }
+}
+
+TLS_OBJ="tls-creds-x509,id=tls0,dir=$WORK/certs,endpoint=client"
+
+# bench_qemu PORT EXPORT TLS(0/1) -> IOPS
+bench_qemu() {
+  local opts="driver=nbd,host=127.0.0.1,port=$1,export=$2" args=() out secs
+  if [[ "$3" == 1 ]]; then
+    args=(--object "$TLS_OBJ")
+    opts+=",tls-creds=tls0"
+  fi
+  out=$(timeout 300 qemu-img bench "${args[@]}" --image-opts "$opts" -t none -d 128 -s 4096 -c "$COUNT" 2>&1)
+  secs=$(sed -n 's/^Run completed in \([0-9.]*\) seconds.*/\1/p' <<<"$out")
+  [[ -n "$secs" ]] || { echo "nbd-tls: qemu-img bench failed: $out" >&2; exit 1; }
+  python3 -c "print(round($COUNT / $secs))"
+}
+
+# bench_perf BIN PORT -> IOPS (tessera nbd-perf 4K randread QD128)
+bench_perf() {
+  local out
+  out=$(timeout $((SECS + 60)) "$1" nbd-perf --uri "nbd://127.0.0.1:$2/plain" --pattern randread --qd 128 --time "$SECS" --bs 4K --size 256M 2>&1)
+  sed -n 's/^RESULT.* iops=\([0-9.]*\).*/\1/p' <<<"$out" | head -1
+}
+
+start_node "$TESSERA" after 1
+AFTER_PORT=$PORT
+head -c 256M /dev/urandom >"$WORK/fill.img"
+nbdcopy "$WORK/fill.img" "nbd://127.0.0.1:$AFTER_PORT/plain"
+rm -f "$WORK/fill.img"
+
+echo "# TLS cost: qemu-img bench -t none -d 128 -s 4096 -c $COUNT, $CORES core(s), $ROUNDS rounds"
+echo "round plain_iops tls_iops tls/plain"
+for ((r = 1; r <= ROUNDS; r++)); do
+  if ((r % 2)); then
+    p=$(bench_qemu "$AFTER_PORT" plain 0); t=$(bench_qemu "$AFTER_PORT" tls 1)
+  else
+    t=$(bench_qemu "$AFTER_PORT" tls 1); p=$(bench_qemu "$AFTER_PORT" plain 0)
+  fi
+  echo "$r $p $t $(python3 -c "print(f'{$t/$p:.3f}')")"
+done
+
+if [[ -n "$BEFORE" ]]; then
+  start_node "$BEFORE" before 0
+  BEFORE_PORT=$PORT
+  head -c 256M /dev/urandom >"$WORK/fill.img"
+  nbdcopy "$WORK/fill.img" "nbd://127.0.0.1:$BEFORE_PORT/plain"
+  rm -f "$WORK/fill.img"
+  echo "# plain path: tessera nbd-perf 4K randread QD128 ${SECS}s, before=$BEFORE after=$TESSERA"
+  echo "round before_iops after_iops after/before"
+  for ((r = 1; r <= ROUNDS; r++)); do
+    if ((r % 2)); then
+      b=$(bench_perf "$TESSERA" "$BEFORE_PORT"); a=$(bench_perf "$TESSERA" "$AFTER_PORT")
+    else
+      a=$(bench_perf "$TESSERA" "$AFTER_PORT"); b=$(bench_perf "$TESSERA" "$BEFORE_PORT")
+    fi
+    echo "$r $b $a $(python3 -c "print(f'{$a/$b:.3f}')")"
+  done
+fi
