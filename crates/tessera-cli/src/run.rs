@@ -169,18 +169,34 @@ fn print_banner(node: &Node, addrs: &[String]) {
             }
         }
     }
+    // A TLS-only export is reached with nbds:// (nbd+unix:// becomes nbds+unix://).
+    let scheme = |a: &str, tls: bool| match a.strip_prefix("nbd://") {
+        Some(host) if tls => format!("nbds://{host}"),
+        _ => a.to_string(),
+    };
     for e in &st.exports {
         let name = &e.name;
+        let s = if e.tls_required { "nbds" } else { "nbd" };
         for a in addrs {
             match a.strip_prefix("unix:") {
-                Some(sock) => println!("tessera: export {name}: nbd+unix:///{name}?socket={sock}"),
-                None => println!("tessera: export {name}: {a}/{name}"),
+                Some(sock) => println!("tessera: export {name}: {s}+unix:///{name}?socket={sock}"),
+                None => println!(
+                    "tessera: export {name}: {}/{name}",
+                    scheme(a, e.tls_required)
+                ),
             }
         }
     }
     if let Some(e) = st.exports.first() {
         if let (name, Some(a)) = (&e.name, addrs.first()) {
-            println!("tessera: try: nbdinfo {a}/{name}   |   qemu-img info {a}/{name}");
+            let a = scheme(a, e.tls_required);
+            if e.tls_required {
+                println!(
+                    "tessera: try: nbdinfo '{a}/{name}?tls-certificates=DIR'   (DIR: ca-cert.pem, client-cert.pem, client-key.pem)"
+                );
+            } else {
+                println!("tessera: try: nbdinfo {a}/{name}   |   qemu-img info {a}/{name}");
+            }
             println!("tessera: ready {a}/{name}");
         }
     } else {

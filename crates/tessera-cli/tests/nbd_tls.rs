@@ -176,10 +176,18 @@ fn tls_with_libnbd_and_qemu_client_certificates_and_garbage() {
     // A client that skips TLS is refused before any data, and is not even told the
     // TLS-only export exists; the optional export stays usable without TLS.
     let o = run(Command::new("nbdinfo").arg(format!("nbd://127.0.0.1:{port}/secure")));
-    assert!(!o.status.success(), "plain nbdinfo on a TLS-only export: {}", text(&o));
+    assert!(
+        !o.status.success(),
+        "plain nbdinfo on a TLS-only export: {}",
+        text(&o)
+    );
     assert!(!text(&o).contains(&(64 * MIB).to_string()), "{}", text(&o));
     assert_go_refused_without_tls(port, "secure");
-    let list = run_ok(Command::new("nbdinfo").arg("--list").arg(format!("nbd://127.0.0.1:{port}")));
+    let list = run_ok(
+        Command::new("nbdinfo")
+            .arg("--list")
+            .arg(format!("nbd://127.0.0.1:{port}")),
+    );
     assert!(list.contains("open") && !list.contains("secure"), "{list}");
     let open = run_ok(Command::new("nbdinfo").arg(format!("nbd://127.0.0.1:{port}/open")));
     assert!(open.contains(&(16 * MIB).to_string()), "{open}");
@@ -195,12 +203,23 @@ fn tls_with_libnbd_and_qemu_client_certificates_and_garbage() {
     let src = tmp.path().join("src.img");
     let data = pseudo_random(0x7e55_e7a, 24 * MIB);
     std::fs::write(&src, &data).unwrap();
-    run_ok(Command::new("nbdcopy").arg(&src).arg(nbds(port, "secure", &good)));
+    run_ok(
+        Command::new("nbdcopy")
+            .arg(&src)
+            .arg(nbds(port, "secure", &good)),
+    );
     let back = tmp.path().join("back.img");
-    run_ok(Command::new("nbdcopy").arg(nbds(port, "secure", &good)).arg(&back));
+    run_ok(
+        Command::new("nbdcopy")
+            .arg(nbds(port, "secure", &good))
+            .arg(&back),
+    );
     let got = std::fs::read(&back).unwrap();
     assert_eq!(got.len(), 64 * MIB);
-    assert!(got[..data.len()] == data[..], "data read back over TLS differs");
+    assert!(
+        got[..data.len()] == data[..],
+        "data read back over TLS differs"
+    );
     assert!(got[data.len()..].iter().all(|&b| b == 0));
 
     // qemu: write a pattern over TLS, read it back, and check what nbdcopy wrote.
@@ -215,20 +234,34 @@ fn tls_with_libnbd_and_qemu_client_certificates_and_garbage() {
         ],
     );
     let t = text(&o);
-    assert!(o.status.success() && !t.contains("Pattern verification failed"), "{t}");
+    assert!(
+        o.status.success() && !t.contains("Pattern verification failed"),
+        "{t}"
+    );
     let o = qemu_io_tls(port, "secure", &good, &["read -v 0 16"]);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     let hex: String = data[..4].iter().map(|b| format!("{b:02x} ")).collect();
-    assert!(t.contains(hex.trim()), "qemu reads nbdcopy's bytes: {t}\nwant {hex}");
+    assert!(
+        t.contains(hex.trim()),
+        "qemu reads nbdcopy's bytes: {t}\nwant {hex}"
+    );
 
     // Client certificates: another CA's, or none, are refused by the TLS handshake.
     let before = tls_failures(&node);
     for (dir, who) in [(&stranger, "another CA"), (&anonymous, "no certificate")] {
         let o = run(Command::new("nbdinfo").arg(nbds(port, "secure", dir)));
-        assert!(!o.status.success(), "client with {who} was let in: {}", text(&o));
+        assert!(
+            !o.status.success(),
+            "client with {who} was let in: {}",
+            text(&o)
+        );
         let o = qemu_io_tls(port, "secure", dir, &["read 0 4k"]);
-        assert!(!o.status.success(), "qemu with {who} was let in: {}", text(&o));
+        assert!(
+            !o.status.success(),
+            "qemu with {who} was let in: {}",
+            text(&o)
+        );
     }
     wait_for("the refused handshakes in the log", || {
         tls_failures(&node) >= before + 4
@@ -248,19 +281,28 @@ fn tls_with_libnbd_and_qemu_client_certificates_and_garbage() {
         let mut s = plain_option(port, proto::OPT_STARTTLS, &[]);
         let (opt, ty, _) = option_reply(&mut s);
         assert_eq!((opt, ty), (proto::OPT_STARTTLS, proto::REP_ACK));
-        let garbage: Vec<u8> = (0..512u32).map(|k| (k as u8).wrapping_mul(31) ^ i).collect();
+        let garbage: Vec<u8> = (0..512u32)
+            .map(|k| (k as u8).wrapping_mul(31) ^ i)
+            .collect();
         let _ = s.write_all(&garbage);
         // The server hangs up (perhaps after an alert); never answers NBD.
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest);
-        assert!(rest.len() < 64, "server sent {} bytes to garbage", rest.len());
+        assert!(
+            rest.len() < 64,
+            "server sent {} bytes to garbage",
+            rest.len()
+        );
     }
     let st = copy.wait().unwrap();
     let mut err = String::new();
     let _ = BufReader::new(copy.stderr.take().unwrap()).read_line(&mut err);
     assert!(st.success(), "nbdcopy during the garbage: {err}");
     let during = std::fs::read(&copy_out).unwrap();
-    assert!(during[..data.len()] == data[..], "copy during the garbage differs");
+    assert!(
+        during[..data.len()] == data[..],
+        "copy during the garbage differs"
+    );
     assert!(during[40 * MIB..43 * MIB].iter().all(|&b| b == 0xa5));
     let info = run_ok(Command::new("nbdinfo").arg(nbds(port, "secure", &good)));
     assert!(info.contains(&(64 * MIB).to_string()), "{info}");
@@ -347,8 +389,7 @@ fn up_with_tls_flags_forces_tls_and_export_policy_is_per_export() {
     assert!(info.contains("4294967296"), "{info}");
 
     // The API says so, with an nbds:// URI.
-    let v: serde_json::Value =
-        serde_json::from_str(&cli(&["--json", "export", "list"])).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&cli(&["--json", "export", "list"])).unwrap();
     let e = &v[0];
     assert_eq!(e["tls_required"], true, "{v}");
     assert!(e["uris"][0].as_str().unwrap().starts_with("nbds://"), "{v}");
@@ -367,7 +408,11 @@ fn up_with_tls_flags_forces_tls_and_export_policy_is_per_export() {
         .arg(&api)
         .args(["export", "add", "v3", "--volume", "v2", "--tls", "maybe"]);
     let o = run(&mut bad);
-    assert!(!o.status.success() && text(&o).contains("required"), "{}", text(&o));
+    assert!(
+        !o.status.success() && text(&o).contains("required"),
+        "{}",
+        text(&o)
+    );
     drop(child.0.stdin.take());
     let _ = &mut child;
 }
