@@ -359,11 +359,16 @@ impl TlsLink {
                 // close_notify was received: the rest is ignored.
                 Ok(0) => self.start = self.end,
                 Ok(k) => self.start += k,
-                // The plaintext buffer is full: the destination is too, handled above.
-                Err(_) => return Ok(Decrypted::Bytes(got)),
+                // Plaintext is drained into the destination before each call, so this is
+                // not "plaintext buffer full" but a record rustls cannot take.
+                Err(e) => {
+                    warn!(client = %self.peer, error = %e, "nbd: bad TLS data from the client, closing the connection");
+                    return Err(());
+                }
             }
             if let Err(e) = self.conn.process_new_packets() {
-                // The alert rustls queued is not sent: the client sees the connection close.
+                // The alert rustls queued is not sent (the ring owns the socket, and the
+                // connection is closing): the client sees the connection close.
                 warn!(client = %self.peer, error = %e, "nbd: bad TLS data from the client, closing the connection");
                 return Err(());
             }
@@ -404,5 +409,27 @@ impl TlsLink {
         self.close_sent = true;
         self.conn.send_close_notify();
         self.flush_into(batch).is_ok() && !batch.is_done()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_certificate_files_are_clear_errors() {
+        let dir = std::env::temp_dir().join(format!("tessera-nbd-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let missing = dir.join("missing.pem");
+        let e = server_config(&missing, &missing, None).unwrap_err();
+        assert!(
+            e.contains("cannot read NBD TLS certificate") && e.contains("missing.pem"),
+            "{e}"
+        );
+        let junk = dir.join("junk.pem");
+        std::fs::write(&junk, "not a certificate\n").unwrap();
+        let e = server_config(&junk, &junk, None).unwrap_err();
+        assert!(e.contains("holds no PEM certificate"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
