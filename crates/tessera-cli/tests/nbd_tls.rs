@@ -201,7 +201,7 @@ fn tls_with_libnbd_and_qemu_client_certificates_and_garbage() {
 
     // nbdcopy a known file to the export over TLS and back, byte for byte.
     let src = tmp.path().join("src.img");
-    let data = pseudo_random(0x7e55_e7a, 24 * MIB);
+    let data = pattern(0x7e55_e7a, 24 * MIB);
     std::fs::write(&src, &data).unwrap();
     run_ok(
         Command::new("nbdcopy")
@@ -247,7 +247,9 @@ fn tls_with_libnbd_and_qemu_client_certificates_and_garbage() {
         "qemu reads nbdcopy's bytes: {t}\nwant {hex}"
     );
 
-    // Client certificates: another CA's, or none, are refused by the TLS handshake.
+    // Client certificates: another CA's, or none, are refused by the node's TLS
+    // handshake (libnbd connects and is refused; qemu may already refuse to load a
+    // client certificate its CA file does not vouch for, so only its failure counts).
     let before = tls_failures(&node);
     for (dir, who) in [(&stranger, "another CA"), (&anonymous, "no certificate")] {
         let o = run(Command::new("nbdinfo").arg(nbds(port, "secure", dir)));
@@ -264,8 +266,11 @@ fn tls_with_libnbd_and_qemu_client_certificates_and_garbage() {
         );
     }
     wait_for("the refused handshakes in the log", || {
-        tls_failures(&node) >= before + 4
+        tls_failures(&node) >= before + 2
     });
+    let log = node.log_text();
+    assert!(log.contains("peer sent no certificates"), "{log}");
+    assert!(log.contains("invalid peer certificate"), "{log}");
 
     // Garbage after STARTTLS, while a TLS client copies: the garbage connection is
     // closed, the copy is not disturbed, and the node keeps serving.
