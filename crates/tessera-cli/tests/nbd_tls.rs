@@ -269,8 +269,9 @@ fn tls_with_libnbd_and_qemu_client_certificates_and_garbage() {
         tls_failures(&node) >= before + 2
     });
     let log = node.log_text();
+    // GnuTLS (libnbd) offers only a certificate whose issuer is among the CA names the
+    // node's CertificateRequest lists, so the stranger sends none either.
     assert!(log.contains("peer sent no certificates"), "{log}");
-    assert!(log.contains("invalid peer certificate"), "{log}");
 
     // Garbage after STARTTLS, while a TLS client copies: the garbage connection is
     // closed, the copy is not disturbed, and the node keeps serving.
