@@ -201,7 +201,7 @@ fn tls_with_libnbd_and_qemu_client_certificates_and_garbage() {
 
     // nbdcopy a known file to the export over TLS and back, byte for byte.
     let src = tmp.path().join("src.img");
-    let data = pattern(0x7e55_e7a, 24 * MIB);
+    let data = pattern(0x07e5_5e7a, 24 * MIB);
     std::fs::write(&src, &data).unwrap();
     run_ok(
         Command::new("nbdcopy")

@@ -467,7 +467,8 @@ impl Catalog {
                 Some(false) => EXPORT_TLS_OPTIONAL,
                 Some(true) => EXPORT_TLS_REQUIRED,
             };
-            v.push(e.read_only as u8 * EXPORT_READ_ONLY | tls);
+            let read_only = if e.read_only { EXPORT_READ_ONLY } else { 0 };
+            v.push(read_only | tls);
         }
         if v.len() > CATALOG_MAX {
             return Err(Error::new(
