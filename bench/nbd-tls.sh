@@ -93,16 +93,24 @@ start_node() {
   grep -q '^tessera: ready' "$dir/out.log" || { cat "$dir/err.log" >&2; echo "nbd-tls: $name did not start" >&2; exit 1; }
 }
 
-# bench_fio URI -> IOPS (fio's nbd engine is libnbd: nbds:// URIs start TLS)
+# CPU ticks (user + system) the node has used so far.
+node_ticks() { awk '{print $14 + $15}' "/proc/$NODE_PID/stat"; }
+
+# bench_fio URI -> "IOPS SERVER_CPU_US_PER_IO" (fio's nbd engine is libnbd: nbds:// URIs
+# start TLS; the node's CPU time over the run, divided by the requests served, isolates
+# the server's cost from the client's).
 bench_fio() {
-  local out
+  local out t0 t1
+  t0=$(node_ticks)
   out=$(timeout $((SECS + 60)) fio --name=t --ioengine=nbd --uri="$1" --rw=randread --bs=4k \
     --iodepth=128 --size=256M --runtime="$SECS" --time_based --output-format=json 2>/dev/null) \
     || { echo "nbd-tls: fio failed on $1" >&2; exit 1; }
+  t1=$(node_ticks)
   # fio may print notes before the JSON.
-  python3 -c 'import json,sys; s=sys.stdin.read(); j=json.loads(s[s.index("{"):])["jobs"][0]
+  python3 -c 'import json,os,sys; s=sys.stdin.read(); j=json.loads(s[s.index("{"):])["jobs"][0]
 if j["error"]: sys.exit("fio error %d" % j["error"])
-print(round(j["read"]["iops"]))' <<<"$out"
+r=j["read"]; ios=r["total_ios"]; cpu=(int(sys.argv[2])-int(sys.argv[1]))/os.sysconf("SC_CLK_TCK")
+print(round(r["iops"]), "%.2f" % (cpu*1e6/max(ios,1)))' "$t0" "$t1" <<<"$out"
 }
 
 # bench_perf BIN PORT -> IOPS (tessera nbd-perf 4K randread QD128)
@@ -114,6 +122,7 @@ bench_perf() {
 
 start_node "$TESSERA" after 1
 AFTER_PORT=$PORT
+NODE_PID=${PIDS[0]}
 head -c 256M /dev/urandom >"$WORK/fill.img"
 nbdcopy "$WORK/fill.img" "nbd://127.0.0.1:$AFTER_PORT/plain"
 rm -f "$WORK/fill.img"
@@ -122,14 +131,14 @@ PLAIN_URI="nbd://127.0.0.1:$AFTER_PORT/plain"
 TLS_URI="nbds://127.0.0.1:$AFTER_PORT/tls?tls-verify-peer=false"
 echo "# TLS cost: fio --ioengine=nbd --rw=randread --bs=4k --iodepth=128 --runtime=$SECS, $CORES core(s), $ROUNDS rounds"
 echo "#   plain: $PLAIN_URI   tls: $TLS_URI"
-echo "round plain_iops tls_iops tls/plain"
+echo "round plain_iops plain_node_us/io tls_iops tls_node_us/io iops_tls/plain"
 for ((r = 1; r <= ROUNDS; r++)); do
   if ((r % 2)); then
     p=$(bench_fio "$PLAIN_URI"); t=$(bench_fio "$TLS_URI")
   else
     t=$(bench_fio "$TLS_URI"); p=$(bench_fio "$PLAIN_URI")
   fi
-  echo "$r $p $t $(python3 -c "print(f'{$t/$p:.3f}')")"
+  echo "$r $p $t $(python3 -c "print(f'{${t% *}/${p% *}:.3f}')")"
 done
 
 if [[ -n "$BEFORE" ]]; then
