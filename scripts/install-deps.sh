@@ -10,6 +10,7 @@
 #   qemu-img, qemu-io, qemu-nbd           [qemu-utils]
 #   nbdinfo, nbdcopy                      [libnbd-bin]
 #   nbdsh + the python3 nbd module        [python3-libnbd]
+#   openssl (test CA and certificates)    [openssl]
 #   nbdkit + its "memory" plugin          [nbdkit; on Debian 12 the memory
 #                                          plugin ships inside nbdkit itself,
 #                                          a separate nbdkit-plugin-memory
@@ -40,8 +41,9 @@ declare -A PKG_OF=(
   [nbdkit]=nbdkit
   [prometheus]=prometheus
   [nbdsh]=python3-libnbd
+  [openssl]=openssl
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1

@@ -70,6 +70,8 @@ enum Cmd {
         /// e.g. 127.0.0.1:9464; overrides the config's `[metrics] listen`.
         #[arg(long, value_name = "ADDR")]
         metrics: Option<String>,
+        #[command(flatten)]
+        tls: run::NbdTlsArgs,
     },
     /// Node status: capacity, allocation, pools, exports.
     Status,
@@ -157,7 +159,11 @@ fn main() {
     let api = manage::endpoint(cli.api.as_deref());
     let r: Result<(), CliError> = match cli.cmd {
         Cmd::Up(a) => run::up(a),
-        Cmd::Node { config, metrics } => run::node_from_file(&config, metrics),
+        Cmd::Node {
+            config,
+            metrics,
+            tls,
+        } => run::node_from_file(&config, metrics, tls),
         Cmd::Status => manage::status(&api, cli.json),
         Cmd::Pool(c) => manage::pool(&api, c, cli.json),
         Cmd::Volume(c) => manage::volume(&api, c, cli.json),

@@ -10,8 +10,8 @@ use tessera_api::{
     BackgroundLimits, BackgroundList, CreateExport, CreatePool, CreateVolume, Deleted, ErrorReply,
     ExportInfo, GroupInfo, JobProgress, NodeStatus, PoolEntry, PoolInfo, PutGroup, QosLimits,
     RebuildRequest, RebuildStatus, ReplaceReply, ReplaceRequest, ResizeVolume, ScrubRequest,
-    ScrubStatus, SizeArg, SpareList, SpareRequest, StepBurst, VolumeInfo, VolumeStats, JOB_DONE,
-    JOB_RUNNING,
+    ScrubStatus, SizeArg, SpareList, SpareRequest, StepBurst, TlsPolicy, VolumeInfo, VolumeStats,
+    JOB_DONE, JOB_RUNNING,
 };
 use tessera_http::{request, Endpoint};
 
@@ -220,7 +220,13 @@ fn print_exports(exports: &[ExportInfo]) {
         rows.push(vec![
             x.name.clone(),
             opt(x.volume.as_deref()),
-            if x.read_only { "ro" } else { "rw" }.into(),
+            match (x.read_only, x.tls_required) {
+                (false, false) => "rw",
+                (true, false) => "ro",
+                (false, true) => "rw,tls",
+                (true, true) => "ro,tls",
+            }
+            .into(),
             x.size.map_or_else(|| "-".into(), human),
             opt(x.connections),
             opt(x.uris.first()),
@@ -726,6 +732,9 @@ pub enum ExportCmd {
         volume: String,
         #[arg(long)]
         read_only: bool,
+        /// NBD TLS: required (clients must start TLS) or optional; default: the node's.
+        #[arg(long)]
+        tls: Option<TlsPolicy>,
     },
     /// List the exports and their URIs.
     List,
@@ -739,11 +748,13 @@ pub fn export(ep: &Endpoint, c: ExportCmd, raw: bool) -> Result<()> {
             name,
             volume,
             read_only,
+            tls,
         } => {
             let body = CreateExport {
                 name,
                 volume,
                 read_only,
+                tls,
             };
             let v: ExportInfo = send(ep, "POST", "/v1/exports", &body)?;
             show(&[v][..], raw, print_exports);

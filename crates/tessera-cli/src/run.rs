@@ -3,7 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use tessera_api::PoolEntry;
+use tessera_api::{PoolEntry, TlsPolicy};
+use tessera_node::config::NbdTlsConfig;
 use tessera_node::error::StartError;
 use tessera_node::metrics_http::MetricsListener;
 use tessera_node::{listener, DataDirLock, Node, NodeConfig};
@@ -41,6 +42,38 @@ pub struct UpArgs {
     /// e.g. 127.0.0.1:9464 (default: no metrics listener).
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
+    #[command(flatten)]
+    tls: NbdTlsArgs,
+}
+
+/// NBD TLS (`NBD_OPT_STARTTLS`, X.509) for `up` and `node` (overrides `[nbd.tls]`).
+#[derive(Args)]
+pub struct NbdTlsArgs {
+    /// NBD TLS: the server's certificate chain (PEM); needs --nbd-tls-key.
+    #[arg(long, requires = "nbd_tls_key")]
+    nbd_tls_cert: Option<PathBuf>,
+    /// NBD TLS: the server's private key (PEM).
+    #[arg(long, requires = "nbd_tls_cert")]
+    nbd_tls_key: Option<PathBuf>,
+    /// NBD TLS: require client certificates signed by this CA (PEM).
+    #[arg(long, requires = "nbd_tls_cert")]
+    nbd_tls_client_ca: Option<PathBuf>,
+    /// NBD TLS policy of exports that set none: required (default) or optional.
+    #[arg(long, requires = "nbd_tls_cert")]
+    nbd_tls_default: Option<TlsPolicy>,
+}
+
+impl NbdTlsArgs {
+    fn apply(self, cfg: &mut NodeConfig) {
+        if let (Some(cert), Some(key)) = (self.nbd_tls_cert, self.nbd_tls_key) {
+            cfg.nbd.tls = Some(NbdTlsConfig {
+                cert,
+                key,
+                client_ca: self.nbd_tls_client_ca,
+                default: self.nbd_tls_default.unwrap_or(TlsPolicy::Required),
+            });
+        }
+    }
 }
 
 pub fn up(a: UpArgs) -> Result<()> {
@@ -55,14 +88,16 @@ pub fn up(a: UpArgs) -> Result<()> {
     cfg.nvmf.listen = a.nvmf;
     cfg.nvmf.discovery = a.nvmf_discovery;
     cfg.metrics.listen = a.metrics;
+    a.tls.apply(&mut cfg);
     serve(cfg)
 }
 
-pub fn node_from_file(path: &Path, metrics: Option<String>) -> Result<()> {
+pub fn node_from_file(path: &Path, metrics: Option<String>, tls: NbdTlsArgs) -> Result<()> {
     let mut cfg = NodeConfig::load(path)?;
     if metrics.is_some() {
         cfg.metrics.listen = metrics;
     }
+    tls.apply(&mut cfg);
     serve(cfg)
 }
 
@@ -166,18 +201,34 @@ fn print_banner(node: &Node, addrs: &[String]) {
             }
         }
     }
+    // A TLS-only export is reached with nbds:// (nbd+unix:// becomes nbds+unix://).
+    let scheme = |a: &str, tls: bool| match a.strip_prefix("nbd://") {
+        Some(host) if tls => format!("nbds://{host}"),
+        _ => a.to_string(),
+    };
     for e in &st.exports {
         let name = &e.name;
+        let s = if e.tls_required { "nbds" } else { "nbd" };
         for a in addrs {
             match a.strip_prefix("unix:") {
-                Some(sock) => println!("tessera: export {name}: nbd+unix:///{name}?socket={sock}"),
-                None => println!("tessera: export {name}: {a}/{name}"),
+                Some(sock) => println!("tessera: export {name}: {s}+unix:///{name}?socket={sock}"),
+                None => println!(
+                    "tessera: export {name}: {}/{name}",
+                    scheme(a, e.tls_required)
+                ),
             }
         }
     }
     if let Some(e) = st.exports.first() {
         if let (name, Some(a)) = (&e.name, addrs.first()) {
-            println!("tessera: try: nbdinfo {a}/{name}   |   qemu-img info {a}/{name}");
+            let a = scheme(a, e.tls_required);
+            if e.tls_required {
+                println!(
+                    "tessera: try: nbdinfo '{a}/{name}?tls-certificates=DIR'   (DIR: ca-cert.pem, client-cert.pem, client-key.pem)"
+                );
+            } else {
+                println!("tessera: try: nbdinfo {a}/{name}   |   qemu-img info {a}/{name}");
+            }
             println!("tessera: ready {a}/{name}");
         }
     } else {

@@ -50,6 +50,7 @@ use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag, Task};
 use tracing::{info, warn};
 
 use crate::proto::*;
+use crate::tls::TlsLink;
 
 /// Requests a connection may have in flight; more wait in the socket buffer.
 pub const MAX_IN_FLIGHT: usize = 512;
@@ -269,6 +270,9 @@ pub struct NbdConn<T: ExportTarget> {
     uid: u64,
     /// When the transmission phase began (for the disconnect line).
     connected: std::time::Instant,
+    /// The TLS session, when the client started TLS: bytes pass through it between the
+    /// socket and the receive buffer / the gathered replies. `None` costs one branch.
+    tls: Option<Box<TlsLink>>,
 }
 
 impl<T: ExportTarget> NbdConn<T> {
@@ -304,7 +308,14 @@ impl<T: ExportTarget> NbdConn<T> {
             edge_locks,
             uid: NEXT_CONN_UID.fetch_add(1, Relaxed),
             connected: std::time::Instant::now(),
+            tls: None,
         }
+    }
+
+    /// Serve the connection over the TLS session its handshake started.
+    pub fn with_tls(mut self, tls: Box<TlsLink>) -> Self {
+        self.tls = Some(tls);
+        self
     }
 
     fn tag(&self, slot: u32) -> Tag {
@@ -347,13 +358,20 @@ impl<T: ExportTarget> NbdConn<T> {
         // connection and stay put until the receive completes: the payload slot is not
         // released and the buffer not compacted while a receive is posted, and
         // finished() waits for it.
-        unsafe { self.sock.post_recv(io, ptr, len, tag) };
+        match &mut self.tls {
+            None => unsafe { self.sock.post_recv(io, ptr, len, tag) },
+            Some(t) => unsafe { t.post_recv(&mut self.sock, io, ptr, len, tag) },
+        }
     }
 
     fn on_recv(&mut self, io: &mut CoreIo, res: i32) {
         // EOF or error: the client went away (or half-closed). Finish what is in flight,
         // send what can still be sent, then close.
-        let Some(n) = self.sock.recv_done(res) else {
+        let got = match &mut self.tls {
+            None => self.sock.recv_done(res),
+            Some(t) => t.recv_done(&mut self.sock, res),
+        };
+        let Some(n) = got else {
             return;
         };
         match self.payload {
@@ -1102,6 +1120,20 @@ impl<T: ExportTarget> NbdConn<T> {
             taken += 1;
         }
         self.outq.drain(..taken);
+        if let Some(t) = &mut self.tls {
+            if let Err(e) = t.seal(self.sock.batch()) {
+                warn!(error = %e, "nbd: TLS encryption failed, closing the connection");
+                self.sock.draining = true;
+                self.sock.dead = true;
+                let q = std::mem::take(&mut self.sending);
+                for &s in &q {
+                    self.release(io, s);
+                }
+                self.sending = q;
+                self.sending.clear();
+                return;
+            }
+        }
         let tag = self.tag(SLOT_SEND);
         // SAFETY: the iovecs point at the headers and buffers of the slots in `sending`,
         // which are released only in on_send, once the send is over.
@@ -1124,6 +1156,23 @@ impl<T: ExportTarget> NbdConn<T> {
             self.parse(io);
         }
         self.post_recv(io);
+    }
+}
+
+impl<T: ExportTarget> NbdConn<T> {
+    /// A TLS session ends with close_notify before the socket is shut down.
+    #[cold]
+    fn close_tls_when_idle(&mut self, io: &mut CoreIo, idle: bool) {
+        if !idle || !self.sock.draining || self.sock.dead || self.sock.send_posted() {
+            return;
+        }
+        let tag = self.tag(SLOT_SEND);
+        let Some(t) = &mut self.tls else { return };
+        if t.close(self.sock.batch()) {
+            // SAFETY: the batch points at the link's own output buffer, which is not
+            // touched until the send completes.
+            unsafe { self.sock.post_send(io, tag) };
+        }
     }
 }
 
@@ -1168,6 +1217,9 @@ impl<T: ExportTarget> Task for NbdConn<T> {
         // Once drained (nothing in flight, nothing to send), wake our receive with a
         // shutdown so the connection can finish.
         let idle = self.in_io == 0 && self.outq.is_empty();
+        if self.tls.is_some() {
+            self.close_tls_when_idle(io, idle);
+        }
         self.sock.shut_down_when_idle(idle);
     }
 

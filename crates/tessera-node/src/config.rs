@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::StartError;
 use serde::{Deserialize, Serialize};
+use tessera_api::TlsPolicy;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -71,6 +72,8 @@ pub struct NbdConfig {
     pub listen: Vec<String>,
     /// Optional Unix socket to serve NBD on.
     pub unix: Option<PathBuf>,
+    /// TLS (`NBD_OPT_STARTTLS`) on every NBD listener; absent: no TLS.
+    pub tls: Option<NbdTlsConfig>,
 }
 
 impl Default for NbdConfig {
@@ -78,8 +81,29 @@ impl Default for NbdConfig {
         NbdConfig {
             listen: vec!["127.0.0.1:10809".into()],
             unix: None,
+            tls: None,
         }
     }
+}
+
+/// `[nbd.tls]`: the server's X.509 identity and who may connect.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NbdTlsConfig {
+    /// The server's certificate chain (PEM).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// With a CA (PEM): clients must present a certificate it signed.
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
+    /// The policy of exports that set none: "required" (default) or "optional".
+    #[serde(default = "tls_required")]
+    pub default: TlsPolicy,
+}
+
+fn tls_required() -> TlsPolicy {
+    TlsPolicy::Required
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -112,6 +136,9 @@ pub struct ExportDecl {
     pub volume: String,
     #[serde(default)]
     pub read_only: bool,
+    /// NBD TLS policy ("required" / "optional"); absent: `[nbd.tls] default`.
+    #[serde(default)]
+    pub tls: Option<TlsPolicy>,
 }
 
 impl Default for NodeConfig {
@@ -166,6 +193,7 @@ impl NodeConfig {
                 name: "vol0".into(),
                 volume: "vol0".into(),
                 read_only: false,
+                tls: None,
             }],
             nvmf: crate::nvmf::NvmfConfig {
                 subsystems: vec![crate::nvmf::SubsystemDecl {

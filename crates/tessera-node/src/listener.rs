@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_nbd::conn::{ConnOptions, NbdConn};
-use tessera_nbd::handshake::{negotiate, HandshakeOutcome};
+use tessera_nbd::handshake::{negotiate_io, HandshakeOutcome};
+use tessera_nbd::tls::{HandshakeStream, TlsLink};
 
 use tessera_export::log_limit::LogLimiter;
 use tracing::{info, warn};
@@ -94,19 +95,18 @@ pub fn start_api(node: &Arc<Node>) -> io::Result<()> {
     Ok(())
 }
 
-/// Failed NBD handshakes (garbage, port scans, wrong protocol): at most 10 lines per 10 s.
+/// Failed NBD handshakes (garbage, port scans, wrong protocol, failed TLS): at most 10
+/// lines per 10 s.
 static HANDSHAKE_LOG: LogLimiter = LogLimiter::new("nbd-handshake", 10, 10);
 
-/// Run the handshake on `stream`; on success hand the socket to a reactor core.
-fn serve_client<S>(
-    node: Arc<Node>,
-    mut stream: S,
-    client: String,
-    into_fd: impl FnOnce(S) -> OwnedFd,
-) where
+/// Run the handshake on `stream`; on success hand the socket (and its TLS session, if
+/// the client started TLS) to a reactor core.
+fn serve_client<S>(node: Arc<Node>, stream: S, client: String, into_fd: impl FnOnce(S) -> OwnedFd)
+where
     S: io::Read + io::Write,
 {
-    let outcome = negotiate(&mut stream, &*node);
+    let mut stream = HandshakeStream::new(stream, node.nbd_tls.clone());
+    let outcome = negotiate_io(&mut stream, &*node);
     let n = match outcome {
         Ok(HandshakeOutcome::Transmission(n)) => n,
         Ok(HandshakeOutcome::Closed) => return,
@@ -116,6 +116,12 @@ fn serve_client<S>(
             if e.kind() == std::io::ErrorKind::UnexpectedEof =>
         {
             return
+        }
+        Err(e @ tessera_nbd::handshake::HandshakeError::Tls(_)) => {
+            if HANDSHAKE_LOG.admit() {
+                warn!(protocol = "nbd", client = %client, error = %e, "nbd: TLS handshake failed, connection closed");
+            }
+            return;
         }
         Err(e) => {
             if HANDSHAKE_LOG.admit() {
@@ -150,12 +156,20 @@ fn serve_client<S>(
         base_allocation: n.base_allocation,
         read_only: read_only || n.read_only,
         strict_block_size: n.block_size_negotiated,
-        client,
+        client: client.clone(),
         export: n.export_name,
     };
+    let Some((stream, tls)) = stream.into_parts() else {
+        return;
+    };
+    let tls = tls.map(|session| TlsLink::new(session, client));
     let fd = into_fd(stream);
     node.next_reactor().spawn(Box::new(move |io| {
-        Box::new(NbdConn::new(io, fd, &export, opts))
+        let conn = NbdConn::new(io, fd, &export, opts);
+        Box::new(match tls {
+            Some(t) => conn.with_tls(t),
+            None => conn,
+        })
     }));
 }
 

@@ -12,8 +12,8 @@ use crate::node::Node;
 pub fn handle(node: &Arc<Node>, req: &Request, rest: &[&str]) -> Response {
     match (req.method.as_str(), rest) {
         ("GET", []) => Response::json(200, &node.list_exports()),
-        ("POST", []) => match body::<CreateExport>(req, "export", "name, volume, read_only") {
-            Ok(b) => reply(node.add_export(&b.name, &b.volume, b.read_only), 201),
+        ("POST", []) => match body::<CreateExport>(req, "export", "name, volume, read_only, tls") {
+            Ok(b) => reply(node.add_export(&b.name, &b.volume, b.read_only, b.tls), 201),
             Err(r) => r,
         },
         ("DELETE", [name]) => reply(
