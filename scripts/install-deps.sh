@@ -9,6 +9,7 @@
 #   fio                                   [fio]
 #   qemu-img, qemu-io, qemu-nbd           [qemu-utils]
 #   nbdinfo, nbdcopy                      [libnbd-bin]
+#   nvme (gen-dhchap-key, for the NVMe/TCP authentication test)  [nvme-cli]
 #   nbdkit + its "memory" plugin          [nbdkit; on Debian 12 the memory
 #                                          plugin ships inside nbdkit itself,
 #                                          a separate nbdkit-plugin-memory
@@ -35,8 +36,9 @@ declare -A PKG_OF=(
   [nbdinfo]=libnbd-bin
   [nbdcopy]=libnbd-bin
   [nbdkit]=nbdkit
+  [nvme]=nvme-cli
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit nvme)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1
