@@ -159,7 +159,10 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
     // not Identify, not Property Get.
     let o_wrong = opts(HOST, Some(&wrong), None);
     let mut q = Queue::open(&s.io, &o_wrong).unwrap();
-    assert!(matches!(q.connect(0, NQN, 0xFFFF, &o_wrong, 32), Err(Error::Auth(_))));
+    assert!(matches!(
+        q.connect(0, NQN, 0xFFFF, &o_wrong, 32),
+        Err(Error::Auth(_))
+    ));
     let st = status_of(q.exec(identify_sqe(), &[], 4096));
     assert_eq!(st & 0x7FF, nvme::SC_AUTH_REQUIRED, "{st:#x}");
     let prop = Sqe {
@@ -168,9 +171,13 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
         cdw11: nvme::PROP_CSTS,
         ..Sqe::default()
     };
-    assert_eq!(status_of(q.exec(prop, &[], 0)) & 0x7FF, nvme::SC_AUTH_REQUIRED);
+    assert_eq!(
+        status_of(q.exec(prop, &[], 0)) & 0x7FF,
+        nvme::SC_AUTH_REQUIRED
+    );
     // A second try with the right secret on the same queue succeeds (a new transaction).
-    q.authenticate(NQN, &opts(HOST, Some(&secret), None)).unwrap();
+    q.authenticate(NQN, &opts(HOST, Some(&secret), None))
+        .unwrap();
     q.exec(prop, &[], 0).unwrap();
 
     // I/O queues of an authenticated controller authenticate on their own: one joined
@@ -215,7 +222,9 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
         vec![],
         vec![0u8; 3],
         vec![0xFF; 100],
-        vec![0x01, 0x02, 0, 0, 1, 0, 0xFF, 0, 0, 0, 0xFF, 0xFF, 0, 0, 0, 0],
+        vec![
+            0x01, 0x02, 0, 0, 1, 0, 0xFF, 0, 0, 0, 0xFF, 0xFF, 0, 0, 0, 0,
+        ],
         vec![0x00, 0x00, 0, 0, 1, 0, 0, 200],
     ] {
         let mut q = Queue::open(&s.io, &good).unwrap();
@@ -301,7 +310,10 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
         "DHHC-1:01:AAAA:",
     ]);
     assert!(!o.status.success());
-    assert!(!s.node.log_text().contains(&secret.encode()), "a secret was logged");
+    assert!(
+        !s.node.log_text().contains(&secret.encode()),
+        "a secret was logged"
+    );
     c.disconnect();
     c2.disconnect();
 }
@@ -330,8 +342,7 @@ fn bidirectional_null_group_and_hashes() {
     assert!(listed.contains("dh-hmac-chap (bidirectional)"), "{listed}");
     assert!(!listed.contains("DHHC-1"), "{listed}");
     // Both ends prove themselves: I/O works.
-    let mut c =
-        Controller::connect(&s.io, NQN, &opts(HOST, Some(&host), Some(&ctrl)), 2).unwrap();
+    let mut c = Controller::connect(&s.io, NQN, &opts(HOST, Some(&host), Some(&ctrl)), 2).unwrap();
     io_round_trip(&mut c, 3);
     // The host expects another controller secret: it refuses the controller.
     let other = Secret::generate(None, 48);
@@ -405,13 +416,8 @@ fn nvme_cli_generated_secrets_work() {
         "--dhchap-ctrl-secret",
         &keys[3].encode(),
     ]);
-    let mut c = Controller::connect(
-        &s.io,
-        NQN,
-        &opts(HOST, Some(&keys[1]), Some(&keys[3])),
-        1,
-    )
-    .unwrap();
+    let mut c =
+        Controller::connect(&s.io, NQN, &opts(HOST, Some(&keys[1]), Some(&keys[3])), 1).unwrap();
     io_round_trip(&mut c, 6);
     c.disconnect();
 }

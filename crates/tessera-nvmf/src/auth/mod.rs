@@ -209,13 +209,13 @@ impl Drop for Secret {
 impl Secret {
     pub fn parse(s: &str) -> Result<Secret, String> {
         let s = s.trim();
-        let bad = |why: &str| format!("not a DH-HMAC-CHAP secret ({why}); expected DHHC-1:0X:<base64>: as `nvme gen-dhchap-key` prints");
+        let bad = |why: &str| {
+            format!("not a DH-HMAC-CHAP secret ({why}); expected DHHC-1:0X:<base64>: as `nvme gen-dhchap-key` prints")
+        };
         let rest = s
             .strip_prefix("DHHC-1:")
             .ok_or_else(|| bad("no DHHC-1: prefix"))?;
-        let (hh, rest) = rest
-            .split_once(':')
-            .ok_or_else(|| bad("no hash field"))?;
+        let (hh, rest) = rest.split_once(':').ok_or_else(|| bad("no hash field"))?;
         if hh.len() != 2 {
             return Err(bad("the hash field is not two hex digits"));
         }
@@ -351,9 +351,10 @@ impl DhGroup {
             DhGroup::Ffdhe6144 => ffdhe::FFDHE6144,
             DhGroup::Ffdhe8192 => ffdhe::FFDHE8192,
         };
-        Some(PRIMES[self as usize - 1].get_or_init(|| {
-            BigUint::parse_bytes(hex.as_bytes(), 16).expect("RFC 7919 prime")
-        }))
+        Some(
+            PRIMES[self as usize - 1]
+                .get_or_init(|| BigUint::parse_bytes(hex.as_bytes(), 16).expect("RFC 7919 prime")),
+        )
     }
 }
 
@@ -868,7 +869,11 @@ impl ControllerAuth {
         self.seq = random_nonzero_u32();
         self.challenge = random_bytes(hash.len());
         self.dh = DhKey::generate(group);
-        let dh = self.dh.as_ref().map(|k| k.public.clone()).unwrap_or_default();
+        let dh = self
+            .dh
+            .as_ref()
+            .map(|k| k.public.clone())
+            .unwrap_or_default();
         self.pending = Message::Challenge {
             tid,
             hash: hash as u8,
@@ -1098,9 +1103,9 @@ impl HostAuth {
                 return Err(self.reject(Reason::IncorrectPayload, "DH value with NULL group".into()))
             }
             Some(k) => {
-                let s = k.shared(&dh).map_err(|r| {
-                    self.reject(r, "the controller's DH value is invalid".into())
-                })?;
+                let s = k
+                    .shared(&dh)
+                    .map_err(|r| self.reject(r, "the controller's DH value is invalid".into()))?;
                 (k.public.clone(), Some(s))
             }
         };

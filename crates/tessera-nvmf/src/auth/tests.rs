@@ -80,7 +80,15 @@ fn key_transformation_known_answers() {
 fn response_known_answers() {
     let key = Secret::parse(SECRET_SHA256).unwrap().transformed(HOSTNQN);
     let c1: Vec<u8> = (100u8..132).collect();
-    let r1 = host_response(Hash::Sha256, &key, &c1, 0x0102_0304, 0xBEEF, HOSTNQN, SUBNQN);
+    let r1 = host_response(
+        Hash::Sha256,
+        &key,
+        &c1,
+        0x0102_0304,
+        0xBEEF,
+        HOSTNQN,
+        SUBNQN,
+    );
     assert_eq!(
         r1,
         hex("51928e6e2af28658d1ad1cf51ac45cb55387985943a13887132b42f5096b3967")
@@ -92,7 +100,15 @@ fn response_known_answers() {
         hex("8495052db3dc44acc044ad1a35e5bd1c6415490abfeccf4d480cfd6928ff0833")
     );
     assert_eq!(augmented_challenge(Hash::Sha256, None, &c1), c1);
-    let r2 = controller_response(Hash::Sha256, &key, &aug, 0x0102_0304, 0xBEEF, SUBNQN, HOSTNQN);
+    let r2 = controller_response(
+        Hash::Sha256,
+        &key,
+        &aug,
+        0x0102_0304,
+        0xBEEF,
+        SUBNQN,
+        HOSTNQN,
+    );
     assert_eq!(
         r2,
         hex("defd3f8b97ab0a5d07a97da780b42428117c712af7200b767a87e7e484cc5eaa")
@@ -122,8 +138,8 @@ fn ffdhe_primes_match_their_definition() {
         (DhGroup::Ffdhe8192, 8192, 10965728),
     ] {
         let one = BigUint::from(1u8);
-        let p = (&one << bits) - (&one << (bits - 64)) + ((e_scaled(bits - 130) + x) << 64u32)
-            - &one;
+        let p =
+            (&one << bits) - (&one << (bits - 64)) + ((e_scaled(bits - 130) + x) << 64u32) - &one;
         assert_eq!(g.prime().unwrap(), &p, "{}", g.name());
         assert_eq!(g.value_len() * 8, bits as usize);
     }
@@ -155,11 +171,7 @@ fn keys(host: &str, ctrl: Option<&str>, group: DhGroup) -> Arc<HostKeys> {
 }
 
 /// Run a whole transaction; Ok(()) when both ends agree it succeeded.
-fn transact(
-    c: &mut ControllerAuth,
-    h: &mut HostAuth,
-    tid: u16,
-) -> Result<(), HostAuthError> {
+fn transact(c: &mut ControllerAuth, h: &mut HostAuth, tid: u16) -> Result<(), HostAuthError> {
     c.send(&h.negotiate(tid)).unwrap();
     let challenge = c.receive(MAX_MESSAGE).unwrap();
     let reply = h.reply(&challenge)?;
@@ -196,7 +208,11 @@ fn transactions_with_every_group() {
 
 #[test]
 fn wrong_secret_gets_failure1() {
-    let mut c = ControllerAuth::new(keys(SECRET_SHA256, None, DhGroup::Ffdhe2048), HOSTNQN, SUBNQN);
+    let mut c = ControllerAuth::new(
+        keys(SECRET_SHA256, None, DhGroup::Ffdhe2048),
+        HOSTNQN,
+        SUBNQN,
+    );
     let other = Secret::generate(Some(Hash::Sha256), 32);
     let mut h = HostAuth::new(other, None, HOSTNQN, SUBNQN);
     assert_eq!(
@@ -246,7 +262,16 @@ fn bidirectional() {
         SUBNQN,
     );
     let e = transact(&mut c, &mut h, 4).unwrap_err();
-    assert!(matches!(e, HostAuthError::Rejected { reason: Reason::Failed, .. }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            HostAuthError::Rejected {
+                reason: Reason::Failed,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
     assert!(!c.authenticated());
     // The host asks for bidirectional authentication; the subsystem has no controller
     // secret for it: refused.
@@ -265,7 +290,11 @@ fn bidirectional() {
 
 #[test]
 fn host_without_the_required_group_is_refused() {
-    let mut c = ControllerAuth::new(keys(SECRET_SHA256, None, DhGroup::Ffdhe2048), HOSTNQN, SUBNQN);
+    let mut c = ControllerAuth::new(
+        keys(SECRET_SHA256, None, DhGroup::Ffdhe2048),
+        HOSTNQN,
+        SUBNQN,
+    );
     let n = Message::Negotiate {
         tid: 9,
         sc_c: 0,

@@ -31,7 +31,9 @@ use tessera_export::{ExportTarget, Gate, IoStats, Released};
 use tessera_io::{AlignedBuf, CoreIo, Tag, Task};
 
 use crate::auth::ControllerAuth;
-use crate::nvme::{Sqe, Status, DNR, FABRICS, IO_FLUSH, SC_AUTH_REQUIRED, SC_CMD_SEQ_ERROR, SC_INVALID_NS};
+use crate::nvme::{
+    Sqe, Status, DNR, FABRICS, IO_FLUSH, SC_AUTH_REQUIRED, SC_CMD_SEQ_ERROR, SC_INVALID_NS,
+};
 use crate::pdu::{Framing, Limits};
 use crate::target::{self, Controller, Target};
 
