@@ -54,9 +54,9 @@ echo "identify, DH-HMAC-CHAP ffdhe2048:    $(stats "${D[@]}")"
 perf() { # host [secret args]
   local h=$1; shift
   timeout $((SECS + 60)) $T nvmf perf --addr $NVMF --nqn $NQN --hostnqn "$h" "$@" --pattern randread --qd 128 --queues 2 --size 1G --time "$SECS" \
-    | grep '^RESULT' | sed 's/.*iops=\([0-9]*\).*/\1/'
+    2>>"$DIR/perf.err" | grep '^RESULT' | sed 's/.*iops=\([0-9]*\).*/\1/'
 }
-timeout 60 $T nvmf perf --addr $NVMF --nqn $NQN --hostnqn $OPEN --pattern randwrite --qd 128 --size 1G --time 3 >/dev/null
+timeout 60 $T nvmf perf --addr $NVMF --nqn $NQN --hostnqn $OPEN --pattern randwrite --qd 128 --size 1G --time 3 >/dev/null 2>>"$DIR/perf.err"
 for r in $(seq "$PERF_ROUNDS"); do
   a=$(perf $OPEN); b=$(perf $DH --dhchap-secret-file "$DIR/dh.key")
   echo "round $r: randread QD128 IOPS  no-auth $a  ffdhe2048-auth $b  ratio $(awk -v a="$a" -v b="$b" 'BEGIN{printf "%.3f", b/a}')"

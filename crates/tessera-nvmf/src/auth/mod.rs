@@ -120,7 +120,7 @@ impl Hash {
     }
 
     /// Digest length in bytes (also the challenge and response length).
-    pub fn len(self) -> usize {
+    pub fn digest_len(self) -> usize {
         match self {
             Hash::Sha256 => 32,
             Hash::Sha384 => 48,
@@ -235,7 +235,7 @@ impl Secret {
             return Err(bad("the key is not 32, 48 or 64 bytes"));
         }
         if let Some(h) = transform {
-            if h.len() != key_len {
+            if h.digest_len() != key_len {
                 return Err(bad("the key length does not match its hash"));
             }
         }
@@ -867,7 +867,7 @@ impl ControllerAuth {
         self.hash = hash;
         self.group = group;
         self.seq = random_nonzero_u32();
-        self.challenge = random_bytes(hash.len());
+        self.challenge = random_bytes(hash.digest_len());
         self.dh = DhKey::generate(group);
         let dh = self
             .dh
@@ -898,7 +898,7 @@ impl ControllerAuth {
         if tid != self.tid {
             return self.fail(tid, Reason::IncorrectMessage);
         }
-        if response.len() != self.hash.len() {
+        if response.len() != self.hash.digest_len() {
             return self.fail(tid, Reason::IncorrectPayload);
         }
         let session = match &self.dh {
@@ -931,7 +931,7 @@ impl ControllerAuth {
                     // The host wants the controller authenticated and it has no secret.
                     return self.fail(tid, Reason::NotUsable);
                 };
-                if seq2 == 0 || c2.len() != self.hash.len() {
+                if seq2 == 0 || c2.len() != self.hash.digest_len() {
                     return self.fail(tid, Reason::IncorrectPayload);
                 }
                 let c2 = augmented_challenge(self.hash, session.as_deref(), &c2);
@@ -950,7 +950,7 @@ impl ControllerAuth {
         let bidirectional = r2.is_some();
         self.pending = Message::Success1 {
             tid,
-            hl: self.hash.len() as u8,
+            hl: self.hash.digest_len() as u8,
             response: r2,
         }
         .encode();
@@ -1093,7 +1093,7 @@ impl HostAuth {
             .ok_or_else(|| self.reject(Reason::HashUnusable, "unknown hash".into()))?;
         let group = DhGroup::from_id(group)
             .ok_or_else(|| self.reject(Reason::DhGroupUnusable, "unknown DH group".into()))?;
-        if c1.len() != hash.len() {
+        if c1.len() != hash.digest_len() {
             return Err(self.reject(Reason::IncorrectPayload, "bad challenge length".into()));
         }
         self.hash = hash;
@@ -1114,7 +1114,7 @@ impl HostAuth {
         let c1 = augmented_challenge(hash, self.session.as_deref(), &c1);
         let response = host_response(hash, &key, &c1, seq, self.tid, &self.hostnqn, &self.subnqn);
         let ctrl_challenge = self.ctrl.as_ref().map(|_| {
-            self.ctrl_challenge = random_bytes(hash.len());
+            self.ctrl_challenge = random_bytes(hash.digest_len());
             self.ctrl_seq = random_nonzero_u32();
             (self.ctrl_challenge.clone(), self.ctrl_seq)
         });
@@ -1135,7 +1135,7 @@ impl HostAuth {
         let r2 = match m {
             Message::Failure1 { reason, .. } => return Err(HostAuthError::Refused(reason)),
             Message::Success1 { tid, response, hl } if tid == self.tid => {
-                if hl as usize != self.hash.len() {
+                if hl as usize != self.hash.digest_len() {
                     return Err(self.reject(Reason::HashUnusable, "bad hash length".into()));
                 }
                 response
