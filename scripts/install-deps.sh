@@ -11,6 +11,7 @@
 #   nbdinfo, nbdcopy                      [libnbd-bin]
 #   nbdsh + the python3 nbd module        [python3-libnbd]
 #   openssl (test CA and certificates)    [openssl]
+#   nvme (gen-dhchap-key, for the NVMe/TCP authentication test)  [nvme-cli]
 #   nbdkit + its "memory" plugin          [nbdkit; on Debian 12 the memory
 #                                          plugin ships inside nbdkit itself,
 #                                          a separate nbdkit-plugin-memory
@@ -42,8 +43,9 @@ declare -A PKG_OF=(
   [prometheus]=prometheus
   [nbdsh]=python3-libnbd
   [openssl]=openssl
+  [nvme]=nvme-cli
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1

@@ -11,6 +11,7 @@ use tessera_http::Endpoint;
 use crate::error::{CliError, Result};
 use crate::manage::{delete, get, print_json, send};
 use tessera_api::{AddHost, AddNamespace, CreateSubsystem, Deleted, SubsystemInfo};
+use tessera_nvmf::auth::Secret;
 use tessera_nvmf::initiator::{self, Controller, Options};
 use tessera_nvmf::nvme;
 use tessera_nvmf::pdu::{le16, le32, le64};
@@ -29,10 +30,40 @@ pub struct HostArgs {
     /// Data digest (CRC32C).
     #[arg(long)]
     pub ddgst: bool,
+    /// This host's DH-HMAC-CHAP secret (DHHC-1:0X:<base64>:), used when the subsystem
+    /// asks for authentication. Visible to other local users in the process list:
+    /// prefer --dhchap-secret-file.
+    #[arg(long, conflicts_with = "dhchap_secret_file")]
+    pub dhchap_secret: Option<String>,
+    /// Read this host's DH-HMAC-CHAP secret from a file.
+    #[arg(long)]
+    pub dhchap_secret_file: Option<std::path::PathBuf>,
+    /// The controller's DH-HMAC-CHAP secret: authenticate the controller too
+    /// (bidirectional) and refuse it when it cannot prove it holds this secret.
+    #[arg(long, conflicts_with = "dhchap_ctrl_secret_file")]
+    pub dhchap_ctrl_secret: Option<String>,
+    /// Read the controller's DH-HMAC-CHAP secret from a file.
+    #[arg(long)]
+    pub dhchap_ctrl_secret_file: Option<std::path::PathBuf>,
+}
+
+/// A secret given inline or in a file (whose whitespace around it is ignored).
+pub fn secret_arg(
+    flag: &str,
+    inline: &Option<String>,
+    file: &Option<std::path::PathBuf>,
+) -> std::result::Result<Option<String>, String> {
+    match (inline, file) {
+        (Some(s), _) => Ok(Some(s.trim().to_string())),
+        (None, Some(p)) => std::fs::read_to_string(p)
+            .map(|s| Some(s.trim().to_string()))
+            .map_err(|e| format!("--{flag}-file {}: {e}", p.display())),
+        (None, None) => Ok(None),
+    }
 }
 
 impl HostArgs {
-    pub fn options(&self) -> Options {
+    pub fn options(&self) -> std::result::Result<Options, String> {
         let mut o = Options {
             hdgst: self.hdgst,
             ddgst: self.ddgst,
@@ -41,7 +72,34 @@ impl HostArgs {
         if let Some(h) = &self.hostnqn {
             o.hostnqn = h.clone();
         }
-        o
+        let parse = |flag: &str, s: Option<String>| {
+            s.map(|s| Secret::parse(&s).map_err(|e| format!("--{flag}: {e}")))
+                .transpose()
+        };
+        o.dhchap_secret = parse(
+            "dhchap-secret",
+            secret_arg(
+                "dhchap-secret",
+                &self.dhchap_secret,
+                &self.dhchap_secret_file,
+            )?,
+        )?;
+        o.dhchap_ctrl_secret = parse(
+            "dhchap-ctrl-secret",
+            secret_arg(
+                "dhchap-ctrl-secret",
+                &self.dhchap_ctrl_secret,
+                &self.dhchap_ctrl_secret_file,
+            )?,
+        )?;
+        if o.dhchap_ctrl_secret.is_some() && o.dhchap_secret.is_none() {
+            return Err("--dhchap-ctrl-secret needs --dhchap-secret".into());
+        }
+        Ok(o)
+    }
+
+    fn opts(&self) -> Result<Options> {
+        self.options().map_err(CliError::Invalid)
     }
 }
 
@@ -123,8 +181,31 @@ pub enum SubsystemCmd {
     },
     /// Remove a namespace (by its ID).
     RemoveNs { nqn: String, nsid: u32 },
-    /// Allow a host NQN.
-    AddHost { nqn: String, host: String },
+    /// Allow a host NQN; with --dhchap-secret it must also authenticate (DH-HMAC-CHAP).
+    AddHost {
+        nqn: String,
+        host: String,
+        /// The host's secret (DHHC-1:0X:<base64>:, e.g. from `nvme gen-dhchap-key`).
+        /// Visible in the process list: prefer --dhchap-secret-file.
+        #[arg(long, conflicts_with = "dhchap_secret_file")]
+        dhchap_secret: Option<String>,
+        /// Read the host's secret from a file.
+        #[arg(long)]
+        dhchap_secret_file: Option<std::path::PathBuf>,
+        /// The controller's secret, for bidirectional authentication.
+        #[arg(long, conflicts_with = "dhchap_ctrl_secret_file")]
+        dhchap_ctrl_secret: Option<String>,
+        /// Read the controller's secret from a file.
+        #[arg(long)]
+        dhchap_ctrl_secret_file: Option<std::path::PathBuf>,
+        /// Hash the controller prefers: sha256 (default), sha384, sha512.
+        #[arg(long)]
+        dhchap_hash: Option<String>,
+        /// DH group the controller requires: null, ffdhe2048 (default), ffdhe3072,
+        /// ffdhe4096, ffdhe6144, ffdhe8192.
+        #[arg(long)]
+        dhchap_dhgroup: Option<String>,
+    },
     /// Disallow a host NQN.
     RemoveHost { nqn: String, host: String },
 }
@@ -140,10 +221,22 @@ fn print_subsystems(v: &[SubsystemInfo], raw: bool) {
             .iter()
             .map(|n| format!("{}={}", n.nsid, n.volume))
             .collect();
+        let with_auth: Vec<String> = s
+            .hosts
+            .iter()
+            .map(|h| match s.host_auth.get(h) {
+                Some(how) => format!("{h} (auth: {how})"),
+                None => h.clone(),
+            })
+            .collect();
         let hosts = if s.allow_any_host {
-            "any host".to_string()
+            if with_auth.iter().any(|h| h.contains("(auth:")) {
+                format!("any host; hosts: {with_auth:?}")
+            } else {
+                "any host".to_string()
+            }
         } else {
-            format!("hosts: {:?}", s.hosts)
+            format!("hosts: {with_auth:?}")
         };
         println!(
             "{}  namespaces: {}  {}  controllers: {}",
@@ -173,7 +266,7 @@ fn ascii(b: &[u8]) -> String {
 pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
     match c {
         NvmfCmd::Discover { host } => {
-            let e = initiator::discover(&host.addr, &host.options()).map_err(err)?;
+            let e = initiator::discover(&host.addr, &host.opts()?).map_err(err)?;
             if raw {
                 let v: Vec<Value> = e
                     .iter()
@@ -192,7 +285,7 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
             }
         }
         NvmfCmd::Identify { host, nqn } => {
-            let mut c = Controller::connect(&host.addr, &nqn, &host.options(), 0).map_err(err)?;
+            let mut c = Controller::connect(&host.addr, &nqn, &host.opts()?, 0).map_err(err)?;
             let id = c.identify(nvme::CNS_CONTROLLER, 0).map_err(err)?;
             let mut out = json!({
                 "cntlid": le16(&id, 78), "serial": ascii(&id[4..24]), "model": ascii(&id[24..64]),
@@ -223,7 +316,7 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
                 parse_size(&offset).map_err(|e| CliError::Invalid(format!("--offset: {e}")))?;
             let len =
                 parse_size(&length).map_err(|e| CliError::Invalid(format!("--length: {e}")))?;
-            let mut c = Controller::connect(&host.addr, &nqn, &host.options(), 1).map_err(err)?;
+            let mut c = Controller::connect(&host.addr, &nqn, &host.opts()?, 1).map_err(err)?;
             let (_, lba) = c.namespace_size(nsid).map_err(err)?;
             let lba64 = lba as u64;
             if off % lba64 != 0 || len % lba64 != 0 || len == 0 {
@@ -268,7 +361,7 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
                     std::io::stdin().read_to_end(&mut data)?;
                 }
             }
-            let mut c = Controller::connect(&host.addr, &nqn, &host.options(), 1).map_err(err)?;
+            let mut c = Controller::connect(&host.addr, &nqn, &host.opts()?, 1).map_err(err)?;
             let (_, lba) = c.namespace_size(nsid).map_err(err)?;
             let l = lba as usize;
             if off % lba as u64 != 0 || data.is_empty() || data.len() % l != 0 {
@@ -331,8 +424,29 @@ fn subsystem(ep: &Endpoint, c: SubsystemCmd, raw: bool) -> Result<()> {
             let _: Deleted<u32> = delete(ep, &format!("{}/namespaces/{nsid}", path(&nqn)))?;
             println!("namespace {nsid} removed from {nqn}");
         }
-        SubsystemCmd::AddHost { nqn, host } => {
-            let body = AddHost { nqn: host };
+        SubsystemCmd::AddHost {
+            nqn,
+            host,
+            dhchap_secret,
+            dhchap_secret_file,
+            dhchap_ctrl_secret,
+            dhchap_ctrl_secret_file,
+            dhchap_hash,
+            dhchap_dhgroup,
+        } => {
+            let body = AddHost {
+                nqn: host,
+                dhchap_secret: secret_arg("dhchap-secret", &dhchap_secret, &dhchap_secret_file)
+                    .map_err(CliError::Invalid)?,
+                dhchap_ctrl_secret: secret_arg(
+                    "dhchap-ctrl-secret",
+                    &dhchap_ctrl_secret,
+                    &dhchap_ctrl_secret_file,
+                )
+                .map_err(CliError::Invalid)?,
+                dhchap_hash,
+                dhchap_dhgroup,
+            };
             let v: SubsystemInfo = send(ep, "POST", &format!("{}/hosts", path(&nqn)), &body)?;
             print_subsystems(&[v], raw);
         }

@@ -56,8 +56,12 @@ pub fn handle(node: &Arc<Node>, req: &Request, rest: &[&str]) -> Response {
             ),
             Err(_) => Response::error(400, "the namespace ID must be a number"),
         },
-        ("POST", ["subsystems", nqn, "hosts"]) => match body::<AddHost>(req, "host", "nqn") {
-            Ok(b) => reply(node.nvmf_set_hosts(nqn, Some(&b.nqn), None, None), 201),
+        ("POST", ["subsystems", nqn, "hosts"]) => match body::<AddHost>(
+            req,
+            "host",
+            "nqn, dhchap_secret, dhchap_ctrl_secret, dhchap_hash, dhchap_dhgroup",
+        ) {
+            Ok(b) => reply(add_host(node, nqn, &b), 201),
             Err(r) => r,
         },
         ("DELETE", ["subsystems", nqn, "hosts", host]) => {
@@ -65,4 +69,25 @@ pub fn handle(node: &Arc<Node>, req: &Request, rest: &[&str]) -> Response {
         }
         _ => no_route(req),
     }
+}
+
+fn add_host(node: &Node, nqn: &str, b: &AddHost) -> Result<tessera_api::SubsystemInfo, Error> {
+    let auth = match &b.dhchap_secret {
+        Some(s) => Some(crate::nvmf::HostAuthRecord::new(
+            s,
+            b.dhchap_ctrl_secret.as_deref(),
+            b.dhchap_hash.as_deref(),
+            b.dhchap_dhgroup.as_deref(),
+        )?),
+        None if b.dhchap_ctrl_secret.is_some()
+            || b.dhchap_hash.is_some()
+            || b.dhchap_dhgroup.is_some() =>
+        {
+            return Err(Error::invalid(
+                "dhchap_ctrl_secret, dhchap_hash and dhchap_dhgroup need dhchap_secret",
+            ))
+        }
+        None => None,
+    };
+    Ok(node.nvmf_add_host(nqn, &b.nqn, auth)?)
 }

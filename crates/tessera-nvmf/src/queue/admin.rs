@@ -15,6 +15,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
         let sqe = self.slots[s as usize].sqe;
         match sqe.fctype() {
             FCTYPE_CONNECT => self.connect(io, s),
+            FCTYPE_AUTH_SEND | FCTYPE_AUTH_RECV => self.auth_cmd(io, s),
             FCTYPE_PROPERTY_GET | FCTYPE_PROPERTY_SET => {
                 let Some(ctrl) = self.ctrl.clone() else {
                     return self.finish(io, s, SC_CMD_SEQ_ERROR);
@@ -148,6 +149,15 @@ impl<T: ExportTarget> NvmfQueue<T> {
             namespaces = ?nsids,
             "nvmf: host connected"
         );
+        if let Some(keys) = ctrl.auth.clone() {
+            self.auth = Some(Box::new(ControllerAuth::new(
+                keys,
+                &ctrl.hostnqn,
+                &ctrl.subnqn,
+            )));
+            self.authenticated = false;
+            self.slots[s as usize].dw0 |= crate::auth::CONNECT_AUTHREQ_ATR;
+        }
         self.ctrl = Some(ctrl);
         self.finish(io, s, 0);
         if self.qid == 0 {
@@ -456,6 +466,17 @@ impl<T: ExportTarget> NvmfQueue<T> {
             (Some(ctrl), State::Connected) => {
                 let ctrl = ctrl.clone();
                 if ctrl.dead.load(Acquire) {
+                    self.sock.draining = true;
+                    return;
+                }
+                if !self.authenticated && self.started.elapsed() >= CONNECT_TIMEOUT {
+                    info!(
+                        cntlid = ctrl.cntlid,
+                        qid = self.qid,
+                        hostnqn = %ctrl.hostnqn,
+                        timeout = ?CONNECT_TIMEOUT,
+                        "nvmf: closing a queue that did not authenticate in time"
+                    );
                     self.sock.draining = true;
                     return;
                 }

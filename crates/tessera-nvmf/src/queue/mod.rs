@@ -17,6 +17,7 @@
 //! admission, I/O commands). This file holds the queue's state and its task face.
 
 mod admin;
+mod auth;
 mod io;
 mod transport;
 
@@ -29,7 +30,10 @@ use tessera_export::conn::{FreeList, RecvBuf, Socket, StatsBatch};
 use tessera_export::{ExportTarget, Gate, IoStats, Released};
 use tessera_io::{AlignedBuf, CoreIo, Tag, Task};
 
-use crate::nvme::{Sqe, Status, DNR, FABRICS, IO_FLUSH, SC_CMD_SEQ_ERROR, SC_INVALID_NS};
+use crate::auth::ControllerAuth;
+use crate::nvme::{
+    Sqe, Status, DNR, FABRICS, IO_FLUSH, SC_AUTH_REQUIRED, SC_CMD_SEQ_ERROR, SC_INVALID_NS,
+};
 use crate::pdu::{Framing, Limits};
 use crate::target::{self, Controller, Target};
 
@@ -154,6 +158,12 @@ pub struct NvmfQueue<T: ExportTarget> {
     state: State,
     ctrl: Option<Arc<Controller<T>>>,
     qid: u16,
+    /// DH-HMAC-CHAP state when the host must authenticate this queue.
+    auth: Option<Box<ControllerAuth>>,
+    /// Commands other than Connect, Disconnect and the authentication ones are refused
+    /// (Authentication Required) while clear; set unless the Connect asked for
+    /// authentication, so the I/O path tests one plain bool.
+    authenticated: bool,
     /// Queue entries (1-based) agreed at Connect.
     entries: usize,
     sq_flow_disabled: bool,
@@ -199,6 +209,8 @@ impl<T: ExportTarget> NvmfQueue<T> {
             state: State::Init,
             ctrl: None,
             qid: 0,
+            auth: None,
+            authenticated: true,
             entries: INITIAL_SLOTS,
             sq_flow_disabled: false,
             sqhd: 0,
@@ -244,6 +256,9 @@ impl<T: ExportTarget> NvmfQueue<T> {
 
     fn execute(&mut self, io: &mut CoreIo, s: u16) {
         let sqe = self.slots[s as usize].sqe;
+        if !self.authenticated && !auth::allowed_before_auth(&sqe) {
+            return self.finish(io, s, SC_AUTH_REQUIRED | DNR);
+        }
         if sqe.opc == FABRICS {
             return self.fabrics(io, s);
         }

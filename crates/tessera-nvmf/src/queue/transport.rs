@@ -169,10 +169,10 @@ impl<T: ExportTarget> NvmfQueue<T> {
     /// Data direction of a command: 1 host to controller, 2 controller to host.
     pub(super) fn direction(sqe: &Sqe) -> u8 {
         if sqe.opc == FABRICS {
-            if sqe.fctype() == FCTYPE_CONNECT {
-                1
-            } else {
-                0
+            match sqe.fctype() {
+                FCTYPE_CONNECT | FCTYPE_AUTH_SEND => 1,
+                FCTYPE_AUTH_RECV => 2,
+                _ => 0,
             }
         } else {
             sqe.opc & 3
@@ -240,6 +240,10 @@ impl<T: ExportTarget> NvmfQueue<T> {
             (SGL_TRANSPORT_DATA_BLOCK, 1) => {
                 if self.state != State::Connected && sqe.opc != FABRICS {
                     return self.finish(io, s, SC_CMD_SEQ_ERROR);
+                }
+                // No R2T (and no buffer for the data) before the queue authenticated.
+                if !self.authenticated && sqe.opc != FABRICS {
+                    return self.finish(io, s, SC_AUTH_REQUIRED | DNR);
                 }
                 // Ask for all of it with one R2T; the host splits it into H2CData PDUs of
                 // at most MAXH2CDATA bytes.
