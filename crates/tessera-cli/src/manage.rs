@@ -53,7 +53,8 @@ fn exchange<T: DeserializeOwned>(
     path: &str,
     body: Option<serde_json::Value>,
 ) -> Result<T> {
-    let (status, text) = request(ep, method, path, body.as_ref()).map_err(|e| unreachable(ep, &e))?;
+    let (status, text) =
+        request(ep, method, path, body.as_ref()).map_err(|e| unreachable(ep, &e))?;
     if (200..300).contains(&status) {
         serde_json::from_str(&text).map_err(|e| {
             CliError::Failed(format!(
@@ -114,7 +115,12 @@ pub(crate) fn deleted<T: Serialize>(v: &Deleted<T>, raw: bool, what: &str) {
 
 /// The entry named `name` of a list the node gave, or a not-found error (exit code 3) as
 /// the node words it for the resources it can look up by name.
-pub(crate) fn one_of<T>(list: Vec<T>, kind: &str, name: &str, key: impl Fn(&T) -> &str) -> Result<T> {
+pub(crate) fn one_of<T>(
+    list: Vec<T>,
+    kind: &str,
+    name: &str,
+    key: impl Fn(&T) -> &str,
+) -> Result<T> {
     list.into_iter()
         .find(|x| key(x) == name)
         .ok_or_else(|| CliError::Api {

@@ -292,8 +292,11 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
             }
         }
         NvmfCmd::Identify { host, nqn } => {
-            let mut c = Controller::connect(host.addr(), &nqn, &host.options(), 0).map_err(|e| host.error(e))?;
-            let id = c.identify(nvme::CNS_CONTROLLER, 0).map_err(|e| host.error(e))?;
+            let mut c = Controller::connect(host.addr(), &nqn, &host.options(), 0)
+                .map_err(|e| host.error(e))?;
+            let id = c
+                .identify(nvme::CNS_CONTROLLER, 0)
+                .map_err(|e| host.error(e))?;
             let mut out = json!({
                 "cntlid": le16(&id, 78), "serial": ascii(&id[4..24]), "model": ascii(&id[24..64]),
                 "firmware": ascii(&id[64..72]), "subnqn": ascii(&id[768..1024]),
@@ -301,7 +304,9 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
             });
             let mut nss = Vec::new();
             for nsid in c.namespaces().map_err(|e| host.error(e))? {
-                let n = c.identify(nvme::CNS_NAMESPACE, nsid).map_err(|e| host.error(e))?;
+                let n = c
+                    .identify(nvme::CNS_NAMESPACE, nsid)
+                    .map_err(|e| host.error(e))?;
                 let lba = 1u64 << n[130];
                 let nguid: String = n[104..120].iter().map(|b| format!("{b:02x}")).collect();
                 nss.push(json!({"nsid": nsid, "blocks": le64(&n, 0), "lba_size": lba,
@@ -323,7 +328,8 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
                 parse_size(&offset).map_err(|e| CliError::Invalid(format!("--offset: {e}")))?;
             let len =
                 parse_size(&length).map_err(|e| CliError::Invalid(format!("--length: {e}")))?;
-            let mut c = Controller::connect(host.addr(), &nqn, &host.options(), 1).map_err(|e| host.error(e))?;
+            let mut c = Controller::connect(host.addr(), &nqn, &host.options(), 1)
+                .map_err(|e| host.error(e))?;
             let (_, lba) = c.namespace_size(nsid).map_err(|e| host.error(e))?;
             let lba64 = lba as u64;
             if off % lba64 != 0 || len % lba64 != 0 || len == 0 {
@@ -368,7 +374,8 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
                     std::io::stdin().read_to_end(&mut data)?;
                 }
             }
-            let mut c = Controller::connect(host.addr(), &nqn, &host.options(), 1).map_err(|e| host.error(e))?;
+            let mut c = Controller::connect(host.addr(), &nqn, &host.options(), 1)
+                .map_err(|e| host.error(e))?;
             let (_, lba) = c.namespace_size(nsid).map_err(|e| host.error(e))?;
             let l = lba as usize;
             if off % lba as u64 != 0 || data.is_empty() || data.len() % l != 0 {
@@ -378,7 +385,8 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
             }
             for (i, chunk) in data.chunks(256 * l).enumerate() {
                 let slba = off / lba as u64 + (i * 256) as u64;
-                c.write(0, nsid, slba, chunk, lba).map_err(|e| host.error(e))?;
+                c.write(0, nsid, slba, chunk, lba)
+                    .map_err(|e| host.error(e))?;
             }
             c.flush(0, nsid).map_err(|e| host.error(e))?;
             c.disconnect();

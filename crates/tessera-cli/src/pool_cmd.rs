@@ -71,7 +71,11 @@ pub struct ReplaceArgs {
     #[arg(long)]
     device: usize,
     /// The new device's spec (same size or larger; not ram/null), as the API's `with`.
-    #[arg(long = "with", value_name = "DEVICE", required_unless_present = "new_device")]
+    #[arg(
+        long = "with",
+        value_name = "DEVICE",
+        required_unless_present = "new_device"
+    )]
     with: Option<String>,
     /// Old spelling: the new device as a positional argument.
     #[arg(hide = true, conflicts_with = "with")]
@@ -456,7 +460,9 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
                 force: a.force,
             };
             let v: PoolInfo = send(ep, "POST", "/v1/pools", &body)?;
-            show(&v, raw, |v| print_pools(&[PoolEntry::Online(Box::new(v.clone()))]));
+            show(&v, raw, |v| {
+                print_pools(&[PoolEntry::Online(Box::new(v.clone()))])
+            });
         }
         PoolCmd::List => {
             let v: Vec<PoolEntry> = get(ep, "/v1/pools")?;

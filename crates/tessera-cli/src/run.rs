@@ -148,7 +148,9 @@ fn print_banner(node: &Node, addrs: &[String], nvmf: &[String]) {
     if api == paths::default_api() {
         println!("tessera: manage it with: tessera status   (tessera --help for every command)");
     } else {
-        println!("tessera: manage it with: tessera --api {api} status   (or export TESSERA_API={api})");
+        println!(
+            "tessera: manage it with: tessera --api {api} status   (or export TESSERA_API={api})"
+        );
     }
     for p in &st.pools {
         match p {
@@ -180,7 +182,10 @@ fn print_banner(node: &Node, addrs: &[String], nvmf: &[String]) {
         "tessera: stop it with Ctrl-C or `kill {}` (SIGTERM): it commits metadata, then exits",
         std::process::id()
     );
-    match (st.exports.first(), addrs.iter().find(|a| a.starts_with("nbd://"))) {
+    match (
+        st.exports.first(),
+        addrs.iter().find(|a| a.starts_with("nbd://")),
+    ) {
         (Some(e), Some(a)) => {
             let name = &e.name;
             println!("tessera: try: nbdinfo {a}/{name}   |   qemu-img info {a}/{name}");
