@@ -59,7 +59,7 @@ fn bare(args: &[&str], cwd: &std::path::Path, home: &std::path::Path) -> Output 
 
 #[test]
 fn one_verb_set_json_objects_and_human_units() {
-    let n = TestNode::start_default("cli-verbs");
+    let mut n = TestNode::start_default("cli-verbs");
 
     // create / show answer one object with --json, exact bytes.
     let v = n.json(&["volume", "create", "v1", "--pool", "pool0", "--size", "64M"]);
