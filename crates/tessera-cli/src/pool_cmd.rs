@@ -180,7 +180,11 @@ pub enum ScrubAction {
 /// `pool scrub start|status|stop`, or the old flag form `pool scrub NAME [--status |
 /// --stop] [--no-repair] [--wait]` (hidden).
 #[derive(Args, Debug)]
-#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+#[command(
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
+    override_usage = "tessera pool scrub <start|status|stop> NAME [OPTIONS]"
+)]
 pub struct ScrubCmd {
     #[command(subcommand)]
     action: Option<ScrubAction>,
@@ -228,7 +232,11 @@ pub enum RebuildAction {
 /// `pool rebuild start|status|stop`, or the old flag form `pool rebuild NAME [--status |
 /// --stop] [--device N] [--force] [--wait]` (hidden).
 #[derive(Args, Debug)]
-#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+#[command(
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
+    override_usage = "tessera pool rebuild <start|status|stop> NAME [OPTIONS]"
+)]
 pub struct RebuildCmd {
     #[command(subcommand)]
     action: Option<RebuildAction>,
