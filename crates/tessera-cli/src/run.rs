@@ -1,4 +1,5 @@
-//! Running a node in the foreground until SIGINT/SIGTERM.
+//! Running a node in the foreground until SIGINT/SIGTERM, telling systemd (`Type=notify`)
+//! when it serves and when it stops.
 
 use std::path::{Path, PathBuf};
 
@@ -8,15 +9,18 @@ use tessera_node::config::NbdTlsConfig;
 use tessera_node::error::StartError;
 use tessera_node::metrics_http::MetricsListener;
 use tessera_node::{listener, DataDirLock, Node, NodeConfig};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::error::Result;
+use crate::paths;
 
 #[derive(Args)]
 pub struct UpArgs {
-    /// Data directory (created if missing).
-    #[arg(long, default_value = "tessera-data")]
-    data_dir: PathBuf,
+    /// Data directory, created if missing [default: /var/lib/tessera for root, else
+    /// $XDG_DATA_HOME/tessera, i.e. ~/.local/share/tessera: where the CLI looks for
+    /// the API socket without --api].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
     /// NBD TCP address.
     #[arg(long, default_value = "127.0.0.1:10809")]
     nbd: String,
@@ -76,10 +80,27 @@ impl NbdTlsArgs {
     }
 }
 
+/// The old default data directory, relative to where `tessera up` was started.
+const OLD_DEFAULT_DATA_DIR: &str = "tessera-data";
+
 pub fn up(a: UpArgs) -> Result<()> {
-    let mut cfg = NodeConfig::embedded_default(&a.data_dir);
+    let data_dir = match a.data_dir {
+        Some(d) => paths::absolute(&d),
+        None => {
+            if Path::new(OLD_DEFAULT_DATA_DIR).join("pools.json").exists() {
+                println!(
+                    "tessera: note: ./{OLD_DEFAULT_DATA_DIR} holds a node of the earlier default \
+                     data directory; this one uses {} (pass --data-dir {OLD_DEFAULT_DATA_DIR} to \
+                     run that one)",
+                    paths::default_data_dir().display()
+                );
+            }
+            paths::default_data_dir()
+        }
+    };
+    let mut cfg = NodeConfig::embedded_default(&data_dir);
     cfg.nbd.listen = vec![a.nbd];
-    cfg.nbd.unix = Some(a.data_dir.join("nbd.sock"));
+    cfg.nbd.unix = Some(data_dir.join("nbd.sock"));
     cfg.cores = a.cores;
     cfg.busy_poll = a.busy_poll;
     cfg.pin_cores = !a.no_pin;
@@ -137,7 +158,7 @@ fn serve(cfg: NodeConfig) -> Result<()> {
     }
     if let Some(p) = node.cfg.nbd.unix.clone() {
         listener::start_nbd_unix(&node, &p)?;
-        addrs.push(format!("unix:{}", p.display()));
+        addrs.push(format!("unix:{}", paths::absolute(&p).display()));
     }
     *node
         .nbd_addresses
@@ -156,9 +177,13 @@ fn serve(cfg: NodeConfig) -> Result<()> {
             m.local_addr()
         );
     }
-    print_banner(&node, &addrs);
-    for a in nvmf {
-        println!("tessera: NVMe/TCP: {a}");
+    print_banner(&node, &addrs, &nvmf);
+    let pid = std::process::id();
+    if let Err(e) = crate::sd_notify::notify(&format!(
+        "READY=1\nMAINPID={pid}\nSTATUS=serving {} export(s)",
+        node.status().exports.len()
+    )) {
+        warn!(error = %e, "cannot tell the service manager the node is ready");
     }
     // Wait for SIGINT/SIGTERM, then commit every pool and leave.
     let mut sig: libc::c_int = 0;
@@ -168,6 +193,9 @@ fn serve(cfg: NodeConfig) -> Result<()> {
     if let Some(m) = &metrics {
         m.set_serving(false);
     }
+    if let Err(e) = crate::sd_notify::notify("STOPPING=1\nSTATUS=committing metadata") {
+        warn!(error = %e, "cannot tell the service manager the node is stopping");
+    }
     node.shutdown();
     let _ = std::fs::remove_file(node.cfg.api_socket());
     if let Some(p) = &node.cfg.nbd.unix {
@@ -176,24 +204,29 @@ fn serve(cfg: NodeConfig) -> Result<()> {
     Ok(())
 }
 
-fn print_banner(node: &Node, addrs: &[String]) {
+fn print_banner(node: &Node, addrs: &[String], nvmf: &[String]) {
     let st = node.status();
     println!(
         "tessera: node up on {} core(s), data in {}",
         node.reactors.len(),
-        node.cfg.data_dir.display()
+        paths::absolute(&node.cfg.data_dir).display()
     );
-    println!(
-        "tessera: management API: unix:{}",
-        node.cfg.api_socket().display()
-    );
+    let api = format!("unix:{}", paths::absolute(&node.cfg.api_socket()).display());
+    println!("tessera: management API: {api}");
+    if api == paths::default_api() {
+        println!("tessera: manage it with: tessera status   (tessera --help for every command)");
+    } else {
+        println!(
+            "tessera: manage it with: tessera --api {api} status   (or export TESSERA_API={api})"
+        );
+    }
     for p in &st.pools {
         match p {
             PoolEntry::Online(p) => println!(
                 "tessera: pool {} ({}, {}) on {}",
                 p.name,
                 p.layout,
-                p.capacity_human,
+                crate::format::bytes(p.capacity),
                 p.devices.join(", ")
             ),
             PoolEntry::Offline(p) => {
@@ -219,8 +252,19 @@ fn print_banner(node: &Node, addrs: &[String]) {
             }
         }
     }
-    if let Some(e) = st.exports.first() {
-        if let (name, Some(a)) = (&e.name, addrs.first()) {
+    for a in nvmf {
+        println!("tessera: NVMe/TCP: {a}");
+    }
+    println!(
+        "tessera: stop it with Ctrl-C or `kill {}` (SIGTERM): it commits metadata, then exits",
+        std::process::id()
+    );
+    match (
+        st.exports.first(),
+        addrs.iter().find(|a| a.starts_with("nbd://")),
+    ) {
+        (Some(e), Some(a)) => {
+            let name = &e.name;
             let a = scheme(a, e.tls_required);
             if e.tls_required {
                 println!(
@@ -231,7 +275,6 @@ fn print_banner(node: &Node, addrs: &[String]) {
             }
             println!("tessera: ready {a}/{name}");
         }
-    } else {
-        println!("tessera: ready");
+        _ => println!("tessera: ready"),
     }
 }
