@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// An NBD export (`GET /v1/exports` entries, `POST /v1/exports` reply).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ExportInfo {
     pub name: String,
     /// The exported volume (absent if it is gone).
@@ -16,7 +16,7 @@ pub struct ExportInfo {
 }
 
 /// `POST /v1/exports`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CreateExport {
     pub name: String,
     pub volume: String,

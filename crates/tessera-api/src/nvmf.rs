@@ -3,14 +3,14 @@
 use serde::{Deserialize, Serialize};
 
 /// A namespace of a subsystem.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NamespaceInfo {
     pub nsid: u32,
     pub volume: String,
 }
 
 /// A subsystem (`GET /v1/nvmf/subsystems[/NQN]` and the replies of its changes).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SubsystemInfo {
     pub nqn: String,
     pub serial: String,
@@ -24,7 +24,7 @@ pub struct SubsystemInfo {
 }
 
 /// A connected controller (`GET /v1/nvmf/controllers`).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ControllerInfo {
     pub cntlid: u16,
     pub subnqn: String,
@@ -34,7 +34,7 @@ pub struct ControllerInfo {
 }
 
 /// `POST /v1/nvmf/subsystems`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CreateSubsystem {
     pub nqn: String,
     #[serde(default)]
@@ -44,13 +44,13 @@ pub struct CreateSubsystem {
 }
 
 /// `PATCH /v1/nvmf/subsystems/NQN`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PatchSubsystem {
     pub allow_any_host: bool,
 }
 
 /// `POST /v1/nvmf/subsystems/NQN/namespaces`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AddNamespace {
     pub volume: String,
     /// 0 or absent: the lowest free ID.
@@ -59,7 +59,7 @@ pub struct AddNamespace {
 }
 
 /// `POST /v1/nvmf/subsystems/NQN/hosts`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AddHost {
     pub nqn: String,
 }
