@@ -70,8 +70,9 @@ fn block_signals() -> libc::sigset_t {
 
 fn serve(cfg: NodeConfig) -> Result<()> {
     let set = block_signals();
+    listener::check_api_config(&cfg)?;
     let node = Node::start(cfg)?;
-    listener::start_api(&node)?;
+    let api_tcp = listener::start_api(&node)?;
     let mut addrs = Vec::new();
     for l in node.cfg.nbd.listen.clone() {
         let a = listener::start_nbd_tcp(&node, &l)?;
@@ -91,6 +92,9 @@ fn serve(cfg: NodeConfig) -> Result<()> {
         .collect();
     // NVMe/TCP listens before the banner says ready.
     let nvmf = tessera_node::nvmf::start(&node);
+    if let Some(a) = api_tcp {
+        println!("tessera: management API: https://{a} (TLS, bearer tokens)");
+    }
     print_banner(&node, &addrs);
     for a in nvmf {
         println!("tessera: NVMe/TCP: {a}");
