@@ -58,7 +58,7 @@ impl fmt::Debug for HttpsEndpoint {
 
 impl HttpsEndpoint {
     /// The host part of `addr` (without brackets and port).
-    fn host(&self) -> &str {
+    pub(crate) fn host(&self) -> &str {
         let host = match self.addr.rsplit_once(':') {
             Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
             _ => self.addr.as_str(),
@@ -67,7 +67,7 @@ impl HttpsEndpoint {
     }
 
     /// `addr` with the default HTTPS port when it names none.
-    fn socket_addr(&self) -> String {
+    pub(crate) fn socket_addr(&self) -> String {
         let has_port = match self.addr.rsplit_once(':') {
             Some((host, port)) => {
                 port.bytes().all(|b| b.is_ascii_digit()) && (!host.contains(':') || host.ends_with(']'))

@@ -4,7 +4,7 @@
 //! statistics interval) holds no other client.
 //!
 //! Every request passes [`gate`]: bearer authentication on TCP, the body read in full
-//! under a size and time limit, JSON checked for bodies that must be JSON, error replies
+//! under a size and time limit (chunked or not), error replies
 //! turned into `{"error": ...}`, and one audit line per mutating call.
 
 use std::fmt;
@@ -19,7 +19,7 @@ use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::IntoResponse;
 use axum::Router;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Limited};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Semaphore;
@@ -325,20 +325,12 @@ async fn gate(request: Request, next: Next) -> axum::response::Response {
                 Err(failure) => return unauthorized(failure.message()),
             }
         }
-        let bytes = match read_body(body).await {
+        let bytes = match read_body(&parts.headers, body).await {
             Ok(bytes) => bytes,
             Err(response) => return response,
         };
         if is_mutating(&method) {
             resources = resource_names(params.as_ref(), &bytes);
-        }
-        if matches!(method, Method::POST | Method::PUT | Method::PATCH)
-            && !bytes.iter().all(u8::is_ascii_whitespace)
-        {
-            if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(&bytes) {
-                return Response::error(400, &format!("request body is not valid JSON: {e}"))
-                    .into_response();
-            }
         }
         let mut parts = parts;
         if let Some(id) = &identity {
@@ -374,20 +366,86 @@ fn unauthorized(message: &str) -> axum::response::Response {
     response
 }
 
+/// After refusing an oversize body, this much more of it is read and dropped (within
+/// [`DRAIN_TIME`]) so that closing the connection does not reset it before the client has
+/// read the 413.
+const DRAIN_BYTES: usize = 16 * 1024 * 1024;
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+fn too_large() -> axum::response::Response {
+    Response::error(
+        413,
+        &format!("request body exceeds the limit of {MAX_BODY_BYTES} bytes"),
+    )
+    .into_response()
+}
+
 /// The whole request body, at most [`MAX_BODY_BYTES`] and within [`READ_TIMEOUT`],
 /// however it is framed.
-async fn read_body(body: Body) -> Result<axum::body::Bytes, axum::response::Response> {
-    let collected = tokio::time::timeout(READ_TIMEOUT, Limited::new(body, MAX_BODY_BYTES).collect()).await;
-    match collected {
-        Ok(Ok(c)) => Ok(c.to_bytes()),
-        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => Err(Response::error(
-            413,
-            &format!("request body exceeds the limit of {MAX_BODY_BYTES} bytes"),
-        )
-        .into_response()),
-        Ok(Err(e)) => Err(Response::error(400, &format!("cannot read the request body: {e}")).into_response()),
+async fn read_body(
+    headers: &axum::http::HeaderMap,
+    body: Body,
+) -> Result<axum::body::Bytes, axum::response::Response> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        // Refused before a byte of it is read: the client need not send it.
+        return Err(too_large());
+    }
+    let mut body = body;
+    let mut buf = Vec::new();
+    let collect = async {
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| {
+                Response::error(400, &format!("cannot read the request body: {e}")).into_response()
+            })?;
+            if let Ok(data) = frame.into_data() {
+                if buf.len() + data.len() > MAX_BODY_BYTES {
+                    let mut drained = 0usize;
+                    let _ = tokio::time::timeout(DRAIN_TIME, async {
+                        while drained < DRAIN_BYTES {
+                            match body.frame().await {
+                                Some(Ok(f)) => drained += f.data_ref().map_or(0, |d| d.len()),
+                                _ => break,
+                            }
+                        }
+                    })
+                    .await;
+                    return Err(too_large());
+                }
+                buf.extend_from_slice(&data);
+            }
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(READ_TIMEOUT, collect).await {
+        Ok(Ok(())) => Ok(buf.into()),
+        Ok(Err(response)) => Err(response),
         Err(_) => Err(Response::error(408, "timed out waiting for the request body").into_response()),
     }
+}
+
+/// For routes whose POST, PUT and PATCH bodies are JSON: a body that is not (and not
+/// empty) gets 400 with `{"error": ...}` before the handler runs. The gate has already
+/// read the body into memory, so reading it again here costs a copy at most.
+pub async fn require_json_bodies(request: Request, next: Next) -> axum::response::Response {
+    if !matches!(*request.method(), Method::POST | Method::PUT | Method::PATCH) {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    let bytes = match read_body(&parts.headers, body).await {
+        Ok(bytes) => bytes,
+        Err(response) => return response,
+    };
+    if !bytes.iter().all(u8::is_ascii_whitespace) {
+        if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(&bytes) {
+            return Response::error(400, &format!("request body is not valid JSON: {e}"))
+                .into_response();
+        }
+    }
+    next.run(Request::from_parts(parts, Body::from(bytes))).await
 }
 
 /// An error reply that is not JSON yet (axum's own 404, 405, 415, ...) becomes

@@ -160,6 +160,7 @@ pub fn router(node: Arc<Node>) -> Router {
         .merge(background::routes())
         .merge(nvmf::routes())
         .fallback(no_route)
+        .layer(axum::middleware::from_fn(tessera_http::require_json_bodies))
         .with_state(node)
 }
 
