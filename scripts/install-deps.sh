@@ -9,6 +9,7 @@
 #   fio                                   [fio]
 #   qemu-img, qemu-io, qemu-nbd           [qemu-utils]
 #   nbdinfo, nbdcopy                      [libnbd-bin]
+#   curl (HTTP over Unix sockets and TLS) [curl]
 #   nbdkit + its "memory" plugin          [nbdkit; on Debian 12 the memory
 #                                          plugin ships inside nbdkit itself,
 #                                          a separate nbdkit-plugin-memory
@@ -35,8 +36,9 @@ declare -A PKG_OF=(
   [nbdinfo]=libnbd-bin
   [nbdcopy]=libnbd-bin
   [nbdkit]=nbdkit
+  [curl]=curl
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit curl)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1

@@ -155,9 +155,13 @@ fn api_token(file: Option<&std::path::Path>) -> Result<Option<String>, CliError>
             })?;
             tessera_http::first_token(&text)
                 .map(|t| Some(t.to_string()))
-                .ok_or_else(|| CliError::Invalid(format!("token file {} holds no token", path.display())))
+                .ok_or_else(|| {
+                    CliError::Invalid(format!("token file {} holds no token", path.display()))
+                })
         }
-        None => Ok(std::env::var("TESSERA_TOKEN").ok().filter(|t| !t.is_empty())),
+        None => Ok(std::env::var("TESSERA_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty())),
     }
 }
 

@@ -21,7 +21,9 @@ impl fmt::Debug for TokenSet {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Identities only: a token must not reach a log through a Debug print.
         let names: Vec<&str> = self.tokens.iter().map(|(n, _)| n.as_str()).collect();
-        f.debug_struct("TokenSet").field("identities", &names).finish()
+        f.debug_struct("TokenSet")
+            .field("identities", &names)
+            .finish()
     }
 }
 
@@ -95,17 +97,15 @@ impl TokenSet {
                 format!("token file {}: {why}", path.display()),
             )
         };
-        let meta = std::fs::metadata(path).map_err(|e| {
-            io::Error::new(e.kind(), format!("token file {}: {e}", path.display()))
-        })?;
+        let meta = std::fs::metadata(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("token file {}: {e}", path.display())))?;
         if meta.permissions().mode() & 0o007 != 0 {
             return Err(invalid(
                 "other users may read it; `chmod 600` it (or 640 with a group)".into(),
             ));
         }
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            io::Error::new(e.kind(), format!("token file {}: {e}", path.display()))
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("token file {}: {e}", path.display())))?;
         TokenSet::parse(&text).map_err(invalid)
     }
 

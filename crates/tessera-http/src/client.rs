@@ -70,7 +70,8 @@ impl HttpsEndpoint {
     pub(crate) fn socket_addr(&self) -> String {
         let has_port = match self.addr.rsplit_once(':') {
             Some((host, port)) => {
-                port.bytes().all(|b| b.is_ascii_digit()) && (!host.contains(':') || host.ends_with(']'))
+                port.bytes().all(|b| b.is_ascii_digit())
+                    && (!host.contains(':') || host.ends_with(']'))
             }
             None => false,
         };

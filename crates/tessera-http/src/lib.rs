@@ -21,8 +21,8 @@ mod tests;
 pub use auth::{first_token, AuthFailure, TokenSet, MIN_TOKEN_LEN};
 pub use client::{request, Endpoint, HttpsEndpoint};
 pub use server::{
-    blocking, require_json_bodies, spawn, ApiListener, Peer, TokenIdentity, MAX_BODY_BYTES, MAX_CONNECTIONS,
-    MAX_HEADER_BYTES, READ_TIMEOUT,
+    blocking, require_json_bodies, spawn, ApiListener, Peer, TokenIdentity, MAX_BODY_BYTES,
+    MAX_CONNECTIONS, MAX_HEADER_BYTES, READ_TIMEOUT,
 };
 pub use tls::{client_config, load_certs, server_config};
 

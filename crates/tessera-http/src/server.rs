@@ -120,7 +120,13 @@ pub fn spawn(router: Router, listeners: Vec<ApiListener>) -> io::Result<()> {
                     listener.set_nonblocking(true)?;
                     let l = tokio::net::TcpListener::from_std(listener)?;
                     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-                    tokio::spawn(accept_tls(l, acceptor, tokens, router.clone(), limit.clone()));
+                    tokio::spawn(accept_tls(
+                        l,
+                        acceptor,
+                        tokens,
+                        router.clone(),
+                        limit.clone(),
+                    ));
                 }
             }
         }
@@ -202,7 +208,9 @@ async fn accept_tls(
             match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                 Ok(Ok(tls)) => serve_connection(tls, router, ctx).await,
                 // A scanner or a plain-HTTP client: not worth more than a debug line each.
-                Ok(Err(e)) => debug!(client = %addr, error = %e, "management API: TLS handshake failed"),
+                Ok(Err(e)) => {
+                    debug!(client = %addr, error = %e, "management API: TLS handshake failed")
+                }
                 Err(_) => debug!(client = %addr, "management API: TLS handshake timed out"),
             }
             drop(permit);
@@ -212,7 +220,8 @@ async fn accept_tls(
 
 /// Answers a connection beyond the cap with 503 and closes it.
 async fn reject_busy<S: AsyncWrite + Unpin>(mut stream: S) {
-    let body = serde_json::json!({"error": "server busy: too many concurrent connections"}).to_string();
+    let body =
+        serde_json::json!({"error": "server busy: too many concurrent connections"}).to_string();
     let reply = format!(
         "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
@@ -228,13 +237,14 @@ async fn serve_connection<S>(stream: S, router: Router, ctx: ConnContext)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let service = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
-        req.extensions_mut().insert(ctx.peer.clone());
-        if let Some(tokens) = &ctx.tokens {
-            req.extensions_mut().insert(tokens.clone());
-        }
-        router.clone().oneshot(req.map(Body::new))
-    });
+    let service =
+        hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+            req.extensions_mut().insert(ctx.peer.clone());
+            if let Some(tokens) = &ctx.tokens {
+                req.extensions_mut().insert(tokens.clone());
+            }
+            router.clone().oneshot(req.map(Body::new))
+        });
     let connection = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(READ_TIMEOUT)
@@ -317,7 +327,8 @@ async fn gate(request: Request, next: Next) -> axum::response::Response {
         .get::<MatchedPath>()
         .map(|m| m.as_str().to_string());
     let mut identity: Option<String> = None;
-    let mut resources = String::new();
+    // Path parameters name the resource even of a call refused before its body is read.
+    let mut resources = resource_names(params.as_ref(), &[]);
     let response = async {
         if let Some(tokens) = &tokens {
             match tokens.identify(&parts.headers) {
@@ -336,21 +347,27 @@ async fn gate(request: Request, next: Next) -> axum::response::Response {
         if let Some(id) = &identity {
             parts.extensions.insert(TokenIdentity(id.clone()));
         }
-        next.run(Request::from_parts(parts, Body::from(bytes))).await
+        next.run(Request::from_parts(parts, Body::from(bytes)))
+            .await
     }
     .await;
     let response = json_errors(response, &method, &path).await;
     if is_mutating(&method) {
+        // Strings go in as `&str`, which both the text (quoted) and JSON log formats keep
+        // as one value.
+        let client = peer
+            .as_ref()
+            .map_or_else(|| "-".to_string(), Peer::to_string);
         info!(
             target: "tessera::audit",
-            method = %method,
-            path = %path,
+            method = method.as_str(),
+            path = path.as_str(),
             route = route.as_deref().unwrap_or("-"),
-            resources = %resources,
-            client = %peer.as_ref().map_or_else(|| "-".to_string(), Peer::to_string),
+            resources = resources.as_str(),
+            client = client.as_str(),
             token = identity.as_deref().unwrap_or("-"),
             status = response.status().as_u16(),
-            duration_ms = format_args!("{:.3}", started.elapsed().as_secs_f64() * 1000.0),
+            duration_ms = (started.elapsed().as_secs_f64() * 1000.0 * 1000.0).round() / 1000.0,
             "api call"
         );
     }
@@ -423,7 +440,9 @@ async fn read_body(
     match tokio::time::timeout(READ_TIMEOUT, collect).await {
         Ok(Ok(())) => Ok(buf.into()),
         Ok(Err(response)) => Err(response),
-        Err(_) => Err(Response::error(408, "timed out waiting for the request body").into_response()),
+        Err(_) => {
+            Err(Response::error(408, "timed out waiting for the request body").into_response())
+        }
     }
 }
 
@@ -431,7 +450,10 @@ async fn read_body(
 /// empty) gets 400 with `{"error": ...}` before the handler runs. The gate has already
 /// read the body into memory, so reading it again here costs a copy at most.
 pub async fn require_json_bodies(request: Request, next: Next) -> axum::response::Response {
-    if !matches!(*request.method(), Method::POST | Method::PUT | Method::PATCH) {
+    if !matches!(
+        *request.method(),
+        Method::POST | Method::PUT | Method::PATCH
+    ) {
         return next.run(request).await;
     }
     let (parts, body) = request.into_parts();
@@ -445,7 +467,8 @@ pub async fn require_json_bodies(request: Request, next: Next) -> axum::response
                 .into_response();
         }
     }
-    next.run(Request::from_parts(parts, Body::from(bytes))).await
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
 }
 
 /// An error reply that is not JSON yet (axum's own 404, 405, 415, ...) becomes

@@ -14,7 +14,10 @@ use axum::routing::{any, get};
 use axum::Router;
 use serde_json::{json, Value};
 
-use crate::{blocking, request, spawn, ApiListener, Endpoint, HttpsEndpoint, Response, TokenSet, MAX_BODY_BYTES};
+use crate::{
+    blocking, request, spawn, ApiListener, Endpoint, HttpsEndpoint, Response, TokenSet,
+    MAX_BODY_BYTES,
+};
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef";
 
@@ -59,7 +62,10 @@ fn test_router() -> Router {
             "/json",
             any(echo).layer(axum::middleware::from_fn(crate::require_json_bodies)),
         )
-        .route("/only-get", get(|| async { Response::json(200, &json!({"ok": true})) }))
+        .route(
+            "/only-get",
+            get(|| async { Response::json(200, &json!({"ok": true})) }),
+        )
         .fallback(fallback)
 }
 
@@ -268,7 +274,13 @@ fn tls_round_trips_with_a_token() {
 #[test]
 fn tls_requires_a_valid_bearer_token() {
     let server = tls_server();
-    for (token, what) in [(None, "no token"), (Some("0123456789abcdef0123456789abcdef0123456789abcdeX"), "wrong token")] {
+    for (token, what) in [
+        (None, "no token"),
+        (
+            Some("0123456789abcdef0123456789abcdef0123456789abcdeX"),
+            "wrong token",
+        ),
+    ] {
         let (status, body) = request(&server.endpoint(token), "GET", "/echo", None).unwrap();
         assert_eq!(status, 401, "{what}: {body}");
         assert!(json_of(&body)["error"].is_string(), "{what}");
@@ -324,13 +336,19 @@ fn chunked_bodies_are_accepted() {
     }
     req.extend_from_slice(b"0\r\n\r\n");
     let reply = raw_exchange(&server.ep, &req);
-    assert!(reply.starts_with("HTTP/1.1 413 Payload Too Large\r\n"), "{reply}");
+    assert!(
+        reply.starts_with("HTTP/1.1 413 Payload Too Large\r\n"),
+        "{reply}"
+    );
 }
 
 #[test]
 fn head_is_answered_as_get_without_a_body() {
     let server = unix_server();
-    let reply = raw_exchange(&server.ep, b"HEAD /only-get HTTP/1.1\r\nConnection: close\r\n\r\n");
+    let reply = raw_exchange(
+        &server.ep,
+        b"HEAD /only-get HTTP/1.1\r\nConnection: close\r\n\r\n",
+    );
     assert!(reply.starts_with("HTTP/1.1 200 OK\r\n"), "{reply}");
     assert!(reply.ends_with("\r\n\r\n"), "{reply}");
     assert_eq!(header(&reply, "content-length"), Some("11"), "{reply}");
@@ -619,8 +637,14 @@ fn endpoint_parsing() {
     let Endpoint::Https(h) = &https else {
         panic!("{https:?}")
     };
-    assert_eq!((h.host(), h.socket_addr().as_str()), ("node1", "node1:7443"));
-    assert!(!format!("{https:?}").contains(TOKEN), "Debug shows no token");
+    assert_eq!(
+        (h.host(), h.socket_addr().as_str()),
+        ("node1", "node1:7443")
+    );
+    assert!(
+        !format!("{https:?}").contains(TOKEN),
+        "Debug shows no token"
+    );
     let Endpoint::Https(h) = Endpoint::parse("https://[::1]") else {
         panic!()
     };

@@ -20,7 +20,8 @@ fn invalid(what: &str, path: &Path, why: impl std::fmt::Display) -> io::Error {
 }
 
 fn read(what: &str, path: &Path) -> io::Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| io::Error::new(e.kind(), format!("{what} {}: {e}", path.display())))
+    std::fs::read(path)
+        .map_err(|e| io::Error::new(e.kind(), format!("{what} {}: {e}", path.display())))
 }
 
 /// The certificates of a PEM file (a chain: leaf first).
@@ -52,7 +53,13 @@ pub fn server_config(cert: &Path, key: &Path) -> io::Result<Arc<rustls::ServerCo
         .map_err(io::Error::other)?
         .with_no_client_auth()
         .with_single_cert(chain, key)
-        .map_err(|e| invalid("TLS certificate", cert, format!("does not go with the key: {e}")))?;
+        .map_err(|e| {
+            invalid(
+                "TLS certificate",
+                cert,
+                format!("does not go with the key: {e}"),
+            )
+        })?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }

@@ -2,9 +2,9 @@
 //! connection (bounded, with a timeout), then the socket moves to a reactor core for the
 //! transmission phase.
 
+use std::ffi::CString;
 use std::io;
 use std::net::TcpListener;
-use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
@@ -59,14 +59,21 @@ fn group_id(group: &str) -> io::Result<libc::gid_t> {
     if let Ok(gid) = group.parse::<libc::gid_t>() {
         return Ok(gid);
     }
-    let name = CString::new(group).map_err(|_| invalid_input(format!("bad group name {group:?}")))?;
+    let name =
+        CString::new(group).map_err(|_| invalid_input(format!("bad group name {group:?}")))?;
     let mut entry: libc::group = zeroed_group();
     let mut found: *mut libc::group = std::ptr::null_mut();
     let mut buf = vec![0 as libc::c_char; 16 * 1024];
     // SAFETY: every pointer is valid for the call: `name` is NUL-terminated, `entry` and
     // `found` are ours, `buf` is writable for `buf.len()` bytes.
     let rc = unsafe {
-        libc::getgrnam_r(name.as_ptr(), &mut entry, buf.as_mut_ptr(), buf.len(), &mut found)
+        libc::getgrnam_r(
+            name.as_ptr(),
+            &mut entry,
+            buf.as_mut_ptr(),
+            buf.len(),
+            &mut found,
+        )
     };
     if rc != 0 || found.is_null() {
         return Err(invalid_input(format!(
@@ -96,7 +103,12 @@ fn bind_api_socket(path: &Path, group: Option<&str>) -> io::Result<UnixListener>
         _ => std::env::current_dir()?,
     };
     let mode = std::fs::metadata(&dir)
-        .map_err(|e| io::Error::new(e.kind(), format!("API socket directory {}: {e}", dir.display())))?
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("API socket directory {}: {e}", dir.display()),
+            )
+        })?
         .permissions()
         .mode();
     if mode & 0o002 != 0 {
@@ -172,7 +184,9 @@ fn bind_api_socket(path: &Path, group: Option<&str>) -> io::Result<UnixListener>
 /// The TCP listener of the API with its TLS configuration and tokens, refused unless all
 /// three are configured. Checked before the node opens anything
 /// ([`check_api_config`]), and again when the API starts.
-fn tcp_api(cfg: &NodeConfig) -> Result<Option<(String, Arc<rustls::ServerConfig>, Arc<TokenSet>)>, StartError> {
+fn tcp_api(
+    cfg: &NodeConfig,
+) -> Result<Option<(String, Arc<rustls::ServerConfig>, Arc<TokenSet>)>, StartError> {
     let api = &cfg.api;
     let Some(addr) = &api.tcp else {
         return Ok(None);
@@ -184,7 +198,8 @@ fn tcp_api(cfg: &NodeConfig) -> Result<Option<(String, Arc<rustls::ServerConfig>
              api.tls_key and api.token_file (see docs/api.md), or use the Unix socket only"
         )));
     };
-    let tls = tessera_http::server_config(cert, key).map_err(|e| StartError::Config(e.to_string()))?;
+    let tls =
+        tessera_http::server_config(cert, key).map_err(|e| StartError::Config(e.to_string()))?;
     let tokens = TokenSet::load(tokens).map_err(|e| StartError::Config(e.to_string()))?;
     Ok(Some((addr.clone(), tls, Arc::new(tokens))))
 }

@@ -17,7 +17,10 @@ const FIELDS: &str = "limits {iops, read_iops, write_iops, bps, read_bps, write_
 pub fn routes() -> Router<Arc<Node>> {
     Router::new()
         .route("/v1/groups", get(list))
-        .route("/v1/groups/{name}", get(detail).put(put_group).delete(delete))
+        .route(
+            "/v1/groups/{name}",
+            get(detail).put(put_group).delete(delete),
+        )
         .route(
             "/v1/groups/{name}/members/{volume}",
             put(member_add).delete(member_remove),
@@ -43,7 +46,12 @@ pub async fn detail(State(node): NodeState, Path(name): Path<String>) -> Respons
         (status = "4XX", body = ErrorReply)))]
 pub async fn put_group(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
     match body::<PutGroup>(&bytes, "group", FIELDS) {
-        Ok(b) => with_node(node, move |n| reply(n.put_group(&name, b.limits, b.step), 200)).await,
+        Ok(b) => {
+            with_node(node, move |n| {
+                reply(n.put_group(&name, b.limits, b.step), 200)
+            })
+            .await
+        }
         Err(r) => r,
     }
 }
@@ -70,7 +78,10 @@ pub async fn member_add(
     State(node): NodeState,
     Path((name, volume)): Path<(String, String)>,
 ) -> Response {
-    with_node(node, move |n| reply(n.add_group_member(&name, &volume), 200)).await
+    with_node(node, move |n| {
+        reply(n.add_group_member(&name, &volume), 200)
+    })
+    .await
 }
 
 #[utoipa::path(delete, path = "/v1/groups/{name}/members/{volume}", tag = "groups",
@@ -80,5 +91,8 @@ pub async fn member_remove(
     State(node): NodeState,
     Path((name, volume)): Path<(String, String)>,
 ) -> Response {
-    with_node(node, move |n| reply(n.remove_group_member(&name, &volume), 200)).await
+    with_node(node, move |n| {
+        reply(n.remove_group_member(&name, &volume), 200)
+    })
+    .await
 }

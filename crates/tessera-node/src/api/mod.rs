@@ -88,10 +88,7 @@ async fn openapi_json() -> Response {
 
 async fn no_route(method: axum::http::Method, uri: Uri) -> Response {
     if uri.path().starts_with("/v1/") {
-        Response::error(
-            404,
-            &format!("no such API route: {method} {}", uri.path()),
-        )
+        Response::error(404, &format!("no such API route: {method} {}", uri.path()))
     } else {
         Response::error(404, "the Tessera API lives under /v1/")
     }

@@ -30,7 +30,10 @@ pub fn routes() -> Router<Arc<Node>> {
             delete(namespace_remove),
         )
         .route("/v1/nvmf/subsystems/{nqn}/hosts", post(host_add))
-        .route("/v1/nvmf/subsystems/{nqn}/hosts/{host}", delete(host_remove))
+        .route(
+            "/v1/nvmf/subsystems/{nqn}/hosts/{host}",
+            delete(host_remove),
+        )
 }
 
 #[utoipa::path(get, path = "/v1/nvmf/subsystems", tag = "nvmf",
@@ -76,7 +79,10 @@ pub async fn patch(State(node): NodeState, Path(nqn): Path<String>, bytes: Bytes
     match parse_body::<PatchSubsystem>(&bytes) {
         Ok(b) => {
             with_node(node, move |n| {
-                reply(n.nvmf_set_hosts(&nqn, None, None, Some(b.allow_any_host)), 200)
+                reply(
+                    n.nvmf_set_hosts(&nqn, None, None, Some(b.allow_any_host)),
+                    200,
+                )
             })
             .await
         }

@@ -110,7 +110,12 @@ pub async fn rebuild_start(
     bytes: Bytes,
 ) -> Response {
     match body::<RebuildRequest>(&bytes, "rebuild", "device, force") {
-        Ok(b) => with_node(node, move |n| reply(n.start_rebuild(&name, b.device, b.force), 202)).await,
+        Ok(b) => {
+            with_node(node, move |n| {
+                reply(n.start_rebuild(&name, b.device, b.force), 202)
+            })
+            .await
+        }
         Err(r) => r,
     }
 }
@@ -127,7 +132,12 @@ pub async fn rebuild_stop(State(node): NodeState, Path(name): Path<String>) -> R
     responses((status = 200, body = ReplaceReply), (status = "4XX", body = ErrorReply)))]
 pub async fn replace(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
     match parse_body::<ReplaceRequest>(&bytes) {
-        Ok(b) => with_node(node, move |n| reply(n.replace_device(&name, b.device, &b.with), 200)).await,
+        Ok(b) => {
+            with_node(node, move |n| {
+                reply(n.replace_device(&name, b.device, &b.with), 200)
+            })
+            .await
+        }
         Err(_) => Response::error(
             400,
             "replace needs {\"device\": index, \"with\": \"device spec\"}",
@@ -145,7 +155,11 @@ pub async fn spares_list(State(node): NodeState, Path(name): Path<String>) -> Re
 #[utoipa::path(post, path = "/v1/pools/{name}/spares", tag = "pools",
     params(("name" = String, Path)), request_body = SpareRequest,
     responses((status = 201, body = SpareList), (status = "4XX", body = ErrorReply)))]
-pub async fn spares_add(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
+pub async fn spares_add(
+    State(node): NodeState,
+    Path(name): Path<String>,
+    bytes: Bytes,
+) -> Response {
     match parse_body::<SpareRequest>(&bytes) {
         Ok(b) => with_node(node, move |n| reply(n.add_spare(&name, &b.device), 201)).await,
         Err(_) => Response::error(400, "adding a spare needs {\"device\": \"device spec\"}"),
@@ -187,7 +201,11 @@ pub async fn scrub_status(State(node): NodeState, Path(name): Path<String>) -> R
     params(("name" = String, Path)), request_body = ScrubRequest,
     responses((status = 202, description = "Started", body = ScrubStatus),
         (status = "4XX", body = ErrorReply)))]
-pub async fn scrub_start(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
+pub async fn scrub_start(
+    State(node): NodeState,
+    Path(name): Path<String>,
+    bytes: Bytes,
+) -> Response {
     match parse_body::<ScrubRequest>(&bytes) {
         Ok(b) => with_node(node, move |n| reply(n.start_scrub(&name, b.repair), 202)).await,
         Err(_) => Response::error(400, "field 'repair' must be true or false"),
