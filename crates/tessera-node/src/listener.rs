@@ -181,12 +181,17 @@ fn bind_api_socket(path: &Path, group: Option<&str>) -> io::Result<UnixListener>
     Ok(UnixListener::from(fd))
 }
 
+/// The TCP API as configured: its address, TLS configuration and tokens.
+struct TcpApi {
+    addr: String,
+    tls: Arc<rustls::ServerConfig>,
+    tokens: Arc<TokenSet>,
+}
+
 /// The TCP listener of the API with its TLS configuration and tokens, refused unless all
 /// three are configured. Checked before the node opens anything
 /// ([`check_api_config`]), and again when the API starts.
-fn tcp_api(
-    cfg: &NodeConfig,
-) -> Result<Option<(String, Arc<rustls::ServerConfig>, Arc<TokenSet>)>, StartError> {
+fn tcp_api(cfg: &NodeConfig) -> Result<Option<TcpApi>, StartError> {
     let api = &cfg.api;
     let Some(addr) = &api.tcp else {
         return Ok(None);
@@ -201,7 +206,11 @@ fn tcp_api(
     let tls =
         tessera_http::server_config(cert, key).map_err(|e| StartError::Config(e.to_string()))?;
     let tokens = TokenSet::load(tokens).map_err(|e| StartError::Config(e.to_string()))?;
-    Ok(Some((addr.clone(), tls, Arc::new(tokens))))
+    Ok(Some(TcpApi {
+        addr: addr.clone(),
+        tls,
+        tokens: Arc::new(tokens),
+    }))
 }
 
 /// Refuses an API configuration that cannot be served (TCP without TLS and tokens, an
@@ -218,7 +227,7 @@ pub fn start_api(node: &Arc<Node>) -> io::Result<Option<String>> {
         node.cfg.api.socket_group.as_deref(),
     )?)];
     let mut tcp_addr = None;
-    if let Some((addr, tls, tokens)) =
+    if let Some(TcpApi { addr, tls, tokens }) =
         tcp_api(&node.cfg).map_err(|e| invalid_input(e.to_string()))?
     {
         let listener = TcpListener::bind(&addr)
