@@ -12,6 +12,7 @@
 #   nbdsh + the python3 nbd module        [python3-libnbd]
 #   openssl (test CA and certificates)    [openssl]
 #   nvme (gen-dhchap-key, for the NVMe/TCP authentication test)  [nvme-cli]
+#   curl (HTTP over Unix sockets and TLS) [curl]
 #   nbdkit + its "memory" plugin          [nbdkit; on Debian 12 the memory
 #                                          plugin ships inside nbdkit itself,
 #                                          a separate nbdkit-plugin-memory
@@ -44,8 +45,9 @@ declare -A PKG_OF=(
   [nbdsh]=python3-libnbd
   [openssl]=openssl
   [nvme]=nvme-cli
+  [curl]=curl
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// An NBD export (`GET /v1/exports` entries, `POST /v1/exports` reply).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ExportInfo {
     pub name: String,
     /// The exported volume (absent if it is gone).
@@ -22,7 +22,7 @@ pub struct ExportInfo {
 }
 
 /// Whether an NBD export may be used without TLS.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum TlsPolicy {
     /// Clients must start TLS first; before that the export is neither listed nor
@@ -52,7 +52,7 @@ impl std::str::FromStr for TlsPolicy {
 }
 
 /// `POST /v1/exports`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CreateExport {
     pub name: String,
     pub volume: String,

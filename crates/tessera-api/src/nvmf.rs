@@ -5,14 +5,14 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// A namespace of a subsystem.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NamespaceInfo {
     pub nsid: u32,
     pub volume: String,
 }
 
 /// A subsystem (`GET /v1/nvmf/subsystems[/NQN]` and the replies of its changes).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SubsystemInfo {
     pub nqn: String,
     pub serial: String,
@@ -31,7 +31,7 @@ pub struct SubsystemInfo {
 }
 
 /// A connected controller (`GET /v1/nvmf/controllers`).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ControllerInfo {
     pub cntlid: u16,
     pub subnqn: String,
@@ -41,7 +41,7 @@ pub struct ControllerInfo {
 }
 
 /// `POST /v1/nvmf/subsystems`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CreateSubsystem {
     pub nqn: String,
     #[serde(default)]
@@ -51,13 +51,13 @@ pub struct CreateSubsystem {
 }
 
 /// `PATCH /v1/nvmf/subsystems/NQN`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PatchSubsystem {
     pub allow_any_host: bool,
 }
 
 /// `POST /v1/nvmf/subsystems/NQN/namespaces`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AddNamespace {
     pub volume: String,
     /// 0 or absent: the lowest free ID.
@@ -67,7 +67,7 @@ pub struct AddNamespace {
 
 /// `POST /v1/nvmf/subsystems/NQN/hosts`. With `dhchap_secret` the host must
 /// authenticate (DH-HMAC-CHAP) on every queue; adding a host again replaces its secrets.
-#[derive(Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Default, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AddHost {
     pub nqn: String,
     /// The host's secret, `DHHC-1:0X:<base64>:` (as `nvme gen-dhchap-key` prints it).

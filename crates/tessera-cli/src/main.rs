@@ -49,10 +49,18 @@ Logs (of `up` and `node`) go to stderr; RUST_LOG sets the levels (default: info)
     after_help = AFTER_HELP
 )]
 struct Cli {
-    /// Management API of the node: unix:PATH, a socket path, or HOST:PORT (default:
-    /// $TESSERA_API, else the socket in the default data directory; see below).
+    /// Management API of the node: unix:PATH, a socket path, or https://HOST:PORT
+    /// (default: $TESSERA_API, else the socket in the default data directory; see below).
     #[arg(long, global = true)]
     api: Option<String>,
+    /// File holding the bearer token for an https:// API (`NAME:TOKEN` or `TOKEN`; the
+    /// first token line is sent). Default: $TESSERA_TOKEN holds the token itself.
+    #[arg(long, global = true)]
+    token_file: Option<PathBuf>,
+    /// PEM CA certificate that signed the https:// API's certificate (default: the
+    /// system's CA bundle).
+    #[arg(long, global = true)]
+    ca_cert: Option<PathBuf>,
     /// Print JSON (exact bytes) instead of tables (human units).
     #[arg(long, global = true)]
     json: bool,
@@ -210,6 +218,26 @@ fn die_on_closed_stdout() {
     }
 }
 
+/// The bearer token for an https:// API: the first token of `--token-file`, else
+/// `$TESSERA_TOKEN`.
+fn api_token(file: Option<&std::path::Path>) -> Result<Option<String>, CliError> {
+    match file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                CliError::Unavailable(format!("token file {}: {e}", path.display()))
+            })?;
+            tessera_http::first_token(&text)
+                .map(|t| Some(t.to_string()))
+                .ok_or_else(|| {
+                    CliError::Invalid(format!("token file {} holds no token", path.display()))
+                })
+        }
+        None => Ok(std::env::var("TESSERA_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty())),
+    }
+}
+
 fn main() {
     let cli = Cli::try_parse().unwrap_or_else(|e| {
         let _ = e.print();
@@ -223,7 +251,13 @@ fn main() {
     if cli.cmd.prints_replies() {
         die_on_closed_stdout();
     }
-    let api = manage::endpoint(cli.api.as_deref());
+    let api = match api_token(cli.token_file.as_deref()) {
+        Ok(token) => manage::endpoint(cli.api.as_deref()).with_credentials(token, cli.ca_cert),
+        Err(e) => {
+            eprintln!("tessera: error: {e}");
+            std::process::exit(e.exit_code());
+        }
+    };
     let r: Result<(), CliError> = match cli.cmd.check_global_flags(cli.api.is_some(), cli.json) {
         Err(e) => Err(e),
         Ok(()) => dispatch(cli.cmd, &api, cli.json),

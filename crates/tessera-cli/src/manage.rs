@@ -33,6 +33,7 @@ fn endpoint_text(ep: &Endpoint) -> String {
     match ep {
         Endpoint::Unix(p) => format!("unix:{}", p.display()),
         Endpoint::Tcp(a) => a.clone(),
+        Endpoint::Https(h) => format!("https://{}", h.addr),
     }
 }
 

@@ -140,6 +140,7 @@ fn serve(cfg: NodeConfig) -> Result<()> {
     // First claim the data directory, then check the addresses: a second node on the same
     // directory, or one whose ports are taken, stops here having opened nothing.
     let dir_lock = DataDirLock::acquire(&cfg)?;
+    listener::check_api_config(&cfg)?;
     listener::check_addresses(&cfg).map_err(StartError::Listen)?;
     // The metrics listener comes next, so /readyz says "starting" while pools open.
     let metrics = match &cfg.metrics.listen {
@@ -150,7 +151,7 @@ fn serve(cfg: NodeConfig) -> Result<()> {
     if let Some(m) = &metrics {
         m.attach(node.clone());
     }
-    listener::start_api(&node)?;
+    let api_tcp = listener::start_api(&node)?;
     let mut addrs = Vec::new();
     for l in node.cfg.nbd.listen.clone() {
         let a = listener::start_nbd_tcp(&node, &l)?;
@@ -176,6 +177,9 @@ fn serve(cfg: NodeConfig) -> Result<()> {
             "tessera: metrics: http://{0}/metrics (health: /healthz, /readyz)",
             m.local_addr()
         );
+    }
+    if let Some(a) = api_tcp {
+        println!("tessera: management API: https://{a} (TLS, bearer tokens)");
     }
     print_banner(&node, &addrs, &nvmf);
     let pid = std::process::id();

@@ -48,10 +48,22 @@ pub struct NodeConfig {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ApiConfig {
-    /// Unix socket of the management API (default: DATA_DIR/api.sock).
+    /// Unix socket of the management API (default: DATA_DIR/api.sock). Created with mode
+    /// 0600 (0660 with `socket_group`), in a directory other users cannot write.
     pub socket: Option<PathBuf>,
-    /// Optional TCP address of the management API, e.g. "127.0.0.1:9100".
+    /// A group (name or number) whose members may use the Unix socket too (mode 0660).
+    pub socket_group: Option<String>,
+    /// Optional TCP address of the management API, e.g. "127.0.0.1:7443": served only with
+    /// TLS (`tls_cert`, `tls_key`) and bearer tokens (`token_file`), else the node refuses
+    /// to start.
     pub tcp: Option<String>,
+    /// PEM certificate chain of the TCP API (leaf first).
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    pub tls_key: Option<PathBuf>,
+    /// Bearer tokens of the TCP API: one a line, `NAME:TOKEN` or `TOKEN` (at least 32
+    /// characters); readable by its owner (and group) only.
+    pub token_file: Option<PathBuf>,
 }
 
 /// The metrics listener (docs/metrics.md): plain HTTP, read-only, no authentication, so
