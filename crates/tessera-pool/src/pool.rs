@@ -288,11 +288,10 @@ impl PoolCore {
     pub(crate) fn unmap_units(&self, vol: &Volume, first: u64, last: u64) {
         let mut s = self.lock();
         let map = vol.current_map();
-        for u in first..=last {
-            let p = map.get(u);
-            if p == HOLE {
-                continue;
-            }
+        // Only mapped units are visited: a discard of a huge sparse range skips the
+        // regions without a map leaf.
+        let mapped: Vec<(u64, u32)> = map.mapped_in(first, last + 1).collect();
+        for (u, p) in mapped {
             map.set(u, HOLE);
             s.owners[p as usize] = (OWNER_FREE, 0);
             s.pending_free.push(p);
@@ -302,6 +301,9 @@ impl PoolCore {
                 volume_unit: 0,
             });
             vol.allocated.fetch_sub(1, Relaxed);
+        }
+        if map.has_empty_leaf_in(first, last + 1) {
+            vol.compact_wanted.store(true, Relaxed);
         }
     }
 
@@ -383,6 +385,11 @@ impl PoolCore {
         let mut cur = self.journal();
         let (records, freed) = {
             let mut s = self.lock();
+            for v in s.volumes.values() {
+                if v.compact_wanted.swap(false, Relaxed) {
+                    v.compact_map();
+                }
+            }
             (
                 std::mem::take(&mut s.records),
                 std::mem::take(&mut s.pending_free),
@@ -972,18 +979,19 @@ impl Pool {
                 );
             }
             let meta_units = core.meta.sb.meta_units as usize;
+            let maps: BTreeMap<u32, (&Arc<Volume>, Arc<UnitMap>)> = vols
+                .iter()
+                .map(|(&id, v)| (id, (v, v.current_map())))
+                .collect();
             let mut free = Vec::new();
             for (p, o) in owners.iter_mut().enumerate() {
                 if p < meta_units {
                     *o = (OWNER_META, 0);
                     continue;
                 }
-                match vols.get(&o.0) {
-                    Some(v)
-                        if (o.1 as u64) < v.current_map().len()
-                            && v.current_map().get(o.1 as u64) == HOLE =>
-                    {
-                        v.current_map().set(o.1 as u64, p as u32);
+                match maps.get(&o.0) {
+                    Some((v, map)) if (o.1 as u64) < map.len() && map.get(o.1 as u64) == HOLE => {
+                        map.set(o.1 as u64, p as u32);
                         v.allocated.fetch_add(1, Relaxed);
                     }
                     _ => {
@@ -994,6 +1002,7 @@ impl Pool {
                     }
                 }
             }
+            drop(maps);
             free.reverse();
             s.free = free;
             s.owners = owners;
@@ -1167,13 +1176,11 @@ impl Pool {
             }
             vol.mark_deleted();
             let map = vol.current_map();
-            for u in 0..map.len() {
-                let p = map.get(u);
-                if p != HOLE {
-                    map.set(u, HOLE);
-                    s.owners[p as usize] = (OWNER_FREE, 0);
-                    s.pending_free.push(p);
-                }
+            let mapped: Vec<(u64, u32)> = map.mapped_in(0, map.len()).collect();
+            for (u, p) in mapped {
+                map.set(u, HOLE);
+                s.owners[p as usize] = (OWNER_FREE, 0);
+                s.pending_free.push(p);
             }
             vol.allocated.store(0, Release);
             s.volumes.remove(&vol.id);
