@@ -10,8 +10,8 @@ use tessera_api::{
     BackgroundLimits, BackgroundList, CreateExport, CreatePool, CreateVolume, Deleted, ErrorReply,
     ExportInfo, GroupInfo, JobProgress, NodeStatus, PoolEntry, PoolInfo, PutGroup, QosLimits,
     RebuildRequest, RebuildStatus, ReplaceReply, ReplaceRequest, ResizeVolume, ScrubRequest,
-    ScrubStatus, SizeArg, SpareList, SpareRequest, StepBurst, VolumeInfo, VolumeStats, JOB_DONE,
-    JOB_RUNNING,
+    ScrubStatus, SizeArg, SpareList, SpareRequest, StepBurst, UpdatePool, VolumeInfo, VolumeStats,
+    JOB_DONE, JOB_RUNNING,
 };
 use tessera_http::{request, Endpoint};
 
@@ -254,6 +254,18 @@ pub enum PoolCmd {
         /// Overwrite devices that carry another pool's label.
         #[arg(long)]
         force: bool,
+        /// Overcommit ratio: the volumes' virtual sizes may add up to this many times
+        /// the pool's capacity (default 20; `volume create --force` goes beyond).
+        #[arg(long)]
+        overcommit: Option<f64>,
+    },
+    /// Change a pool's settings (live and persistent).
+    Update {
+        name: String,
+        /// Overcommit ratio: the volumes' virtual sizes may add up to this many times
+        /// the pool's capacity (above 0; volumes already beyond it stay).
+        #[arg(long, required = true)]
+        overcommit: Option<f64>,
     },
     /// List the pools (with those the node could not open).
     List,
@@ -442,6 +454,12 @@ fn print_pool_status(v: &PoolInfo) {
         "pool {}: {} {}, {} of {} allocated",
         v.name, v.state, v.layout, v.allocated, v.capacity,
     );
+    println!(
+        "  volumes provision {} ({:.1}x capacity; overcommit limit {}x)",
+        v.provisioned,
+        v.provisioned as f64 / v.capacity.max(1) as f64,
+        v.overcommit,
+    );
     for d in &v.device_states {
         println!(
             "  {} {}{}",
@@ -474,6 +492,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
             stripe_size,
             unit_size,
             force,
+            overcommit,
         } => {
             let body = CreatePool {
                 name,
@@ -483,10 +502,16 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
                 stripe_size: stripe_size.map(SizeArg::from),
                 unit_size: unit_size.map(SizeArg::from),
                 force,
+                overcommit,
             };
             let v: PoolInfo = send(ep, "POST", "/v1/pools", &body)?;
             let one = [PoolEntry::Online(Box::new(v))];
             show(&one[..], raw, print_pools);
+        }
+        PoolCmd::Update { name, overcommit } => {
+            let body = UpdatePool { overcommit };
+            let v: PoolInfo = send(ep, "PATCH", &format!("/v1/pools/{name}"), &body)?;
+            show(&v, raw, print_pool_status);
         }
         PoolCmd::List => {
             let v: Vec<PoolEntry> = get(ep, "/v1/pools")?;
@@ -588,6 +613,9 @@ pub enum VolumeCmd {
         /// Size, e.g. 10G (a multiple of 512 bytes).
         #[arg(long)]
         size: String,
+        /// Create it even if the pool's volumes then exceed its overcommit ratio.
+        #[arg(long)]
+        force: bool,
     },
     /// List the volumes of every pool.
     List,
@@ -596,6 +624,9 @@ pub enum VolumeCmd {
         name: String,
         #[arg(long)]
         size: String,
+        /// Grow it even if the pool's volumes then exceed its overcommit ratio.
+        #[arg(long)]
+        force: bool,
     },
     /// Delete a volume and free its space (refused while exported or connected).
     Delete { name: String },
@@ -644,11 +675,17 @@ fn print_stats(v: &VolumeStats) {
 
 pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
     match c {
-        VolumeCmd::Create { name, pool, size } => {
+        VolumeCmd::Create {
+            name,
+            pool,
+            size,
+            force,
+        } => {
             let body = CreateVolume {
                 name,
                 pool,
                 size: size.into(),
+                force,
             };
             let v: VolumeInfo = send(ep, "POST", "/v1/volumes", &body)?;
             show(&[v][..], raw, print_volumes);
@@ -657,8 +694,11 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
             let v: Vec<VolumeInfo> = get(ep, "/v1/volumes")?;
             show(&v[..], raw, print_volumes);
         }
-        VolumeCmd::Resize { name, size } => {
-            let body = ResizeVolume { size: size.into() };
+        VolumeCmd::Resize { name, size, force } => {
+            let body = ResizeVolume {
+                size: size.into(),
+                force,
+            };
             let v: VolumeInfo = send(ep, "PATCH", &format!("/v1/volumes/{name}"), &body)?;
             show(&[v][..], raw, print_volumes);
         }

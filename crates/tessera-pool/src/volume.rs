@@ -707,6 +707,47 @@ mod tests {
     use super::{UnitMap, HOLE, LEAF_UNITS};
     use crate::{Pool, PoolOptions};
 
+    /// Volumes may add up to the overcommit ratio times the capacity; beyond, creation
+    /// and growth are refused with the figures, unless forced.
+    #[test]
+    fn overcommit_ratio_is_enforced_unless_forced() {
+        let dev: Arc<dyn BlockDevice> = RamDevice::new(64 << 20).unwrap();
+        let pool = Pool::create("p", vec![dev], PoolOptions::default()).unwrap();
+        let cap = pool.status().capacity;
+        assert_eq!(pool.overcommit(), crate::DEFAULT_OVERCOMMIT);
+        pool.create_volume("a", 12 * cap).unwrap();
+        let Err(e) = pool.create_volume("b", 9 * cap) else {
+            panic!("a volume beyond the ratio was created")
+        };
+        assert_eq!(e.kind, crate::ErrorKind::NoSpace);
+        assert!(
+            e.message.contains("20x") && e.message.contains("--force"),
+            "{e}"
+        );
+        assert!(e.message.contains(&format!("{} bytes", 21 * cap)), "{e}");
+        assert!(pool.volume("b").is_none());
+        pool.create_volume("b", 8 * cap).unwrap();
+        let b = pool.volume("b").unwrap();
+        assert_eq!(
+            pool.resize_volume(&b, 8 * cap + (1 << 20))
+                .unwrap_err()
+                .kind,
+            crate::ErrorKind::NoSpace
+        );
+        assert_eq!(b.size(), 8 * cap);
+        pool.resize_volume_opts(&b, 9 * cap, true).unwrap();
+        assert_eq!(b.size(), 9 * cap);
+        pool.create_volume_opts("c", 1 << 50, true).unwrap();
+        assert_eq!(pool.status().provisioned, 21 * cap + (1 << 50));
+        assert!(pool.set_overcommit(0.0).is_err());
+        assert!(pool.set_overcommit(f64::NAN).is_err());
+        pool.set_overcommit(1e9).unwrap();
+        pool.create_volume("d", 1 << 40).unwrap();
+        pool.set_overcommit(1.0).unwrap();
+        assert_eq!(pool.status().overcommit, 1.0);
+        assert!(pool.create_volume("e", 512).is_err());
+    }
+
     /// 1 PiB of 1 MiB units.
     const PIB_UNITS: u64 = 1 << 30;
 
@@ -861,7 +902,7 @@ mod tests {
     fn allocation_runs_of_a_huge_sparse_volume() {
         let dev: Arc<dyn BlockDevice> = RamDevice::new(64 << 20).unwrap();
         let pool = Pool::create("p", vec![dev], PoolOptions::default()).unwrap();
-        let vol = pool.create_volume("v", 1 << 50).unwrap();
+        let vol = pool.create_volume_opts("v", 1 << 50, true).unwrap();
         let unit = 1u64 << 20;
         for u in [0u64, 1, 1 << 29] {
             pool.core.allocate(&vol, u, true).unwrap();

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use tessera_api::{
-    CreatePool, Deleted, RebuildRequest, ReplaceRequest, ScrubRequest, SpareRequest,
+    CreatePool, Deleted, RebuildRequest, ReplaceRequest, ScrubRequest, SpareRequest, UpdatePool,
 };
 use tessera_http::{Request, Response};
 
@@ -17,6 +17,10 @@ pub fn handle(node: &Arc<Node>, req: &Request, rest: &[&str]) -> Response {
         ("GET", []) => Response::json(200, &node.list_pools()),
         ("POST", []) => create(node, req),
         ("GET", [name]) => reply(node.pool_detail(name), 200),
+        ("PATCH", [name]) => match body::<UpdatePool>(req, "pool update", "overcommit") {
+            Ok(b) => reply(node.update_pool(name, &b), 200),
+            Err(r) => r,
+        },
         ("DELETE", [name]) => reply(
             node.destroy_pool(name).map(|()| Deleted {
                 deleted: name.to_string(),
@@ -68,7 +72,7 @@ fn create(node: &Node, req: &Request) -> Response {
     let b: CreatePool = match body(
         req,
         "pool",
-        "name, devices, layout, copies, stripe_size, unit_size, force",
+        "name, devices, layout, copies, stripe_size, unit_size, force, overcommit",
     ) {
         Ok(b) => b,
         Err(r) => return r,
@@ -85,6 +89,7 @@ fn create(node: &Node, req: &Request) -> Response {
             b.stripe_size.map(|s| s.as_text()).as_deref(),
             b.unit_size.map(|s| s.as_text()).as_deref(),
             b.force,
+            b.overcommit,
         ),
         201,
     )

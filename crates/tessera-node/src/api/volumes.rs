@@ -25,16 +25,19 @@ fn size(s: &SizeArg) -> Result<u64, Error> {
 pub fn handle(node: &Arc<Node>, req: &Request, rest: &[&str]) -> Response {
     match (req.method.as_str(), rest) {
         ("GET", []) => Response::json(200, &node.list_volumes()),
-        ("POST", []) => match body::<CreateVolume>(req, "volume", "name, pool, size") {
+        ("POST", []) => match body::<CreateVolume>(req, "volume", "name, pool, size, force") {
             Ok(b) => reply(
-                size(&b.size).and_then(|s| node.create_volume(&b.name, &b.pool, s)),
+                size(&b.size).and_then(|s| node.create_volume(&b.name, &b.pool, s, b.force)),
                 201,
             ),
             Err(r) => r,
         },
         ("GET", [name]) => reply(node.volume(name), 200),
-        ("PATCH", [name]) => match body::<ResizeVolume>(req, "resize", "size") {
-            Ok(b) => reply(size(&b.size).and_then(|s| node.resize_volume(name, s)), 200),
+        ("PATCH", [name]) => match body::<ResizeVolume>(req, "resize", "size, force") {
+            Ok(b) => reply(
+                size(&b.size).and_then(|s| node.resize_volume(name, s, b.force)),
+                200,
+            ),
             Err(r) => r,
         },
         ("DELETE", [name]) => reply(
