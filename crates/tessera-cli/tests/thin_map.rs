@@ -34,7 +34,11 @@ fn writes() -> Vec<(u64, usize, u64)> {
         .map(|i| (i * 4 * MIB, 4 * MIB as usize, i))
         .collect();
     for k in 1..=SCATTERED {
-        w.push((k * (PIB / (SCATTERED + 1)) / MIB * MIB, MIB as usize, 1000 + k));
+        w.push((
+            k * (PIB / (SCATTERED + 1)) / MIB * MIB,
+            MIB as usize,
+            1000 + k,
+        ));
     }
     w
 }
@@ -56,7 +60,10 @@ fn verify(n: &TestNode, when: &str) {
     // Never written: zeros, and block status calls it a hole, far out in the volume.
     let far = PIB / 3 + 5 * MIB;
     c.read(far, &mut buf[..65536]).unwrap();
-    assert!(buf[..65536].iter().all(|&b| b == 0), "{when}: hole at {far}");
+    assert!(
+        buf[..65536].iter().all(|&b| b == 0),
+        "{when}: hole at {far}"
+    );
     let ext = c.block_status(512 * MIB, u32::MAX - 511, false).unwrap();
     assert_ne!(ext[0].1 & proto::STATE_HOLE, 0, "{when}: {ext:?}");
     let (off, _, _) = writes()[128];
@@ -76,6 +83,18 @@ fn petabyte_volume_costs_memory_by_allocation() {
     n.cli_ok(&["pool", "create", "p", &img]);
     let cap = pool_status(&n)["capacity"].as_u64().unwrap();
     assert_eq!(pool_status(&n)["overcommit"].as_f64(), Some(20.0));
+    // A ratio chosen at creation; a bad one creates nothing.
+    let q = format!("{}:256M", path_str(&n.dir.join("q.img")));
+    n.cli_ok(&["pool", "create", "q", &q, "--overcommit", "2.5"]);
+    assert_eq!(
+        n.json(&["pool", "status", "q"])["overcommit"].as_f64(),
+        Some(2.5)
+    );
+    let bad = format!("{}:256M", path_str(&n.dir.join("bad.img")));
+    let o = n.cli(&["pool", "create", "bad", &bad, "--overcommit", "0"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("overcommit ratio"));
+    assert!(!n.cli(&["pool", "status", "bad"]).status.success());
     let base = vm_rss(n.pid());
 
     // Beyond 20x the capacity: refused, saying the figures and how to go on.
@@ -138,6 +157,10 @@ fn petabyte_volume_costs_memory_by_allocation() {
     n.stop();
     n.restart();
     assert_eq!(pool_status(&n)["overcommit"].as_f64(), Some(600000.0));
+    assert_eq!(
+        n.json(&["pool", "status", "q"])["overcommit"].as_f64(),
+        Some(2.5)
+    );
     assert_eq!(pool_status(&n)["provisioned"].as_u64(), Some(1025 << 40));
     verify(&n, "after a restart");
     let restarted = vm_rss(n.pid());

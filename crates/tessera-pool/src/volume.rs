@@ -221,10 +221,11 @@ impl UnitMap {
     /// skipping leaves that map nothing.
     pub fn mapped_in(&self, first: u64, end: u64) -> impl Iterator<Item = (u64, u32)> + '_ {
         let end = end.min(self.units);
+        // Leaf indexes, end exclusive (empty when the range is).
         let leaves = if first < end {
-            (first >> LEAF_BITS) as usize..=((end - 1) >> LEAF_BITS) as usize
+            (first >> LEAF_BITS) as usize..((end - 1) >> LEAF_BITS) as usize + 1
         } else {
-            1..=0
+            0..0
         };
         leaves
             .filter_map(|i| self.leaf(i).map(|l| (i, l)))

@@ -81,16 +81,28 @@ fn create(node: &Node, req: &Request) -> Response {
     if let Some(c) = b.copies {
         layout = format!("{layout}:{c}");
     }
-    reply(
-        node.create_pool(
+    // A bad ratio is refused before anything is created; a good one is set on the new
+    // (empty) pool as `PATCH` would.
+    if let Some(Err(e)) = b.overcommit.map(tessera_pool::validate_overcommit) {
+        return reply::<(), _>(Err(e), 201);
+    }
+    let created = node
+        .create_pool(
             &b.name,
             &b.devices,
             &layout,
             b.stripe_size.map(|s| s.as_text()).as_deref(),
             b.unit_size.map(|s| s.as_text()).as_deref(),
             b.force,
-            b.overcommit,
-        ),
-        201,
-    )
+        )
+        .and_then(|info| match b.overcommit {
+            Some(r) => node.update_pool(
+                &info.name,
+                &UpdatePool {
+                    overcommit: Some(r),
+                },
+            ),
+            None => Ok(info),
+        });
+    reply(created, 201)
 }

@@ -259,7 +259,6 @@ impl Node {
                     p.stripe_size.as_deref(),
                     p.unit_size.as_deref(),
                     false,
-                    None,
                 )
                 .map_err(|source| StartError::Declaration {
                     what: "pool",

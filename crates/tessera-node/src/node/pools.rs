@@ -21,7 +21,6 @@ impl Node {
         stripe: Option<&str>,
         unit: Option<&str>,
         force: bool,
-        overcommit: Option<f64>,
     ) -> Result<PoolInfo> {
         let _g = self.admin();
         if self.pool(name).is_ok() {
@@ -42,9 +41,6 @@ impl Node {
             None => DEFAULT_UNIT_SIZE,
         };
         let kind = layout_kind(layout, stripe, devices.len())?;
-        if let Some(r) = overcommit {
-            tessera_pool::validate_overcommit(r)?;
-        }
         let mut seen = std::collections::HashSet::new();
         for d in devices {
             if let Ok(DeviceSpec::File { path, .. }) = DeviceSpec::parse(d) {
@@ -86,9 +82,6 @@ impl Node {
             },
         )?;
         fit_slots(&pool, &slots);
-        if let Some(r) = overcommit {
-            pool.set_overcommit(r)?;
-        }
         let st = pool.status();
         let entry = RegistryEntry {
             name: name.to_string(),
@@ -99,7 +92,7 @@ impl Node {
             stripe_size: st.stripe_size,
             unit_size,
             spares: Vec::new(),
-            overcommit,
+            overcommit: None,
         };
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         entries.push(entry);
