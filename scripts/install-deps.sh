@@ -13,6 +13,8 @@
 #                                          plugin ships inside nbdkit itself,
 #                                          a separate nbdkit-plugin-memory
 #                                          package is used if a release has one]
+#   prometheus                            [prometheus; the metrics test scrapes
+#                                          a node with a real server]
 #
 # Non-interactive: never reads stdin, works with CI=true and no TTY.
 # Uses sudo (non-interactively) only when not root and sudo exists.
@@ -35,8 +37,9 @@ declare -A PKG_OF=(
   [nbdinfo]=libnbd-bin
   [nbdcopy]=libnbd-bin
   [nbdkit]=nbdkit
+  [prometheus]=prometheus
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1

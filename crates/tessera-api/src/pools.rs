@@ -152,6 +152,9 @@ pub struct SpareList {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SpareRequest {
     pub device: String,
+    /// Adding: take a device that carries another pool's label, and wipe that label.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 
 /// `POST /v1/pools/NAME/replace`.
@@ -161,6 +164,9 @@ pub struct ReplaceRequest {
     pub device: usize,
     /// Spec of the device that takes its place.
     pub with: String,
+    /// Take a device that carries another pool's label (its label is wiped).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 
 /// The reply to a replacement (by `pool replace` or by a hot spare).

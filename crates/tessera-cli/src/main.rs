@@ -66,6 +66,10 @@ enum Cmd {
         /// The node's configuration (TOML; see docs/configuration.md).
         #[arg(long, short)]
         config: PathBuf,
+        /// Serve /metrics, /healthz and /readyz on this address (plain HTTP, read-only),
+        /// e.g. 127.0.0.1:9464; overrides the config's `[metrics] listen`.
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<String>,
     },
     /// Node status: capacity, allocation, pools, exports.
     Status,
@@ -153,7 +157,7 @@ fn main() {
     let api = manage::endpoint(cli.api.as_deref());
     let r: Result<(), CliError> = match cli.cmd {
         Cmd::Up(a) => run::up(a),
-        Cmd::Node { config } => run::node_from_file(&config),
+        Cmd::Node { config, metrics } => run::node_from_file(&config, metrics),
         Cmd::Status => manage::status(&api, cli.json),
         Cmd::Pool(c) => manage::pool(&api, c, cli.json),
         Cmd::Volume(c) => manage::volume(&api, c, cli.json),

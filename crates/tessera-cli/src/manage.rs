@@ -305,6 +305,9 @@ pub enum PoolCmd {
         #[arg(long)]
         device: usize,
         new_device: String,
+        /// Take a device that carries another pool's label (its label is wiped).
+        #[arg(long)]
+        force: bool,
     },
     /// Hot spares of a redundant pool: when a device fails, the node puts the first
     /// spare in its place and rebuilds onto it by itself.
@@ -336,7 +339,13 @@ pub enum PoolCmd {
 pub enum SpareCmd {
     /// Add a hot spare (a device spec like `pool create` takes; at least as large as the
     /// pool's devices, not ram/null). It is not written until it replaces a device.
-    Add { name: String, device: String },
+    Add {
+        name: String,
+        device: String,
+        /// Take a device that carries another pool's label, and wipe that label now.
+        #[arg(long)]
+        force: bool,
+    },
     /// Remove a hot spare.
     Remove { name: String, device: String },
     /// List a pool's hot spares (in the order they are used).
@@ -532,10 +541,12 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
             name,
             device,
             new_device,
+            force,
         } => {
             let body = ReplaceRequest {
                 device,
                 with: new_device,
+                force,
             };
             let v: ReplaceReply = send(ep, "POST", &format!("/v1/pools/{name}/replace"), &body)?;
             show(&v, raw, |v| {
@@ -547,17 +558,24 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
         }
         PoolCmd::Spare(c) => {
             let v: SpareList = match c {
-                SpareCmd::Add { name, device } => send(
+                SpareCmd::Add {
+                    name,
+                    device,
+                    force,
+                } => send(
                     ep,
                     "POST",
                     &format!("/v1/pools/{name}/spares"),
-                    &SpareRequest { device },
+                    &SpareRequest { device, force },
                 )?,
                 SpareCmd::Remove { name, device } => send(
                     ep,
                     "DELETE",
                     &format!("/v1/pools/{name}/spares"),
-                    &SpareRequest { device },
+                    &SpareRequest {
+                        device,
+                        force: false,
+                    },
                 )?,
                 SpareCmd::List { name } => get(ep, &format!("/v1/pools/{name}/spares"))?,
             };

@@ -4,7 +4,9 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use tessera_api::PoolEntry;
-use tessera_node::{listener, Node, NodeConfig};
+use tessera_node::error::StartError;
+use tessera_node::metrics_http::MetricsListener;
+use tessera_node::{listener, DataDirLock, Node, NodeConfig};
 use tracing::info;
 
 use crate::error::Result;
@@ -35,6 +37,10 @@ pub struct UpArgs {
     /// NVMe/TCP discovery port ("" = none).
     #[arg(long, default_value = "127.0.0.1:8009")]
     nvmf_discovery: String,
+    /// Serve /metrics, /healthz and /readyz on this address (plain HTTP, read-only),
+    /// e.g. 127.0.0.1:9464 (default: no metrics listener).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
 }
 
 pub fn up(a: UpArgs) -> Result<()> {
@@ -48,11 +54,16 @@ pub fn up(a: UpArgs) -> Result<()> {
     cfg.nvmf.enabled = !a.nvmf.is_empty();
     cfg.nvmf.listen = a.nvmf;
     cfg.nvmf.discovery = a.nvmf_discovery;
+    cfg.metrics.listen = a.metrics;
     serve(cfg)
 }
 
-pub fn node_from_file(path: &Path) -> Result<()> {
-    serve(NodeConfig::load(path)?)
+pub fn node_from_file(path: &Path, metrics: Option<String>) -> Result<()> {
+    let mut cfg = NodeConfig::load(path)?;
+    if metrics.is_some() {
+        cfg.metrics.listen = metrics;
+    }
+    serve(cfg)
 }
 
 fn block_signals() -> libc::sigset_t {
@@ -70,7 +81,19 @@ fn block_signals() -> libc::sigset_t {
 
 fn serve(cfg: NodeConfig) -> Result<()> {
     let set = block_signals();
-    let node = Node::start(cfg)?;
+    // First claim the data directory, then check the addresses: a second node on the same
+    // directory, or one whose ports are taken, stops here having opened nothing.
+    let dir_lock = DataDirLock::acquire(&cfg)?;
+    listener::check_addresses(&cfg).map_err(StartError::Listen)?;
+    // The metrics listener comes next, so /readyz says "starting" while pools open.
+    let metrics = match &cfg.metrics.listen {
+        Some(l) => Some(MetricsListener::start(l)?),
+        None => None,
+    };
+    let node = Node::start(cfg, dir_lock)?;
+    if let Some(m) = &metrics {
+        m.attach(node.clone());
+    }
     listener::start_api(&node)?;
     let mut addrs = Vec::new();
     for l in node.cfg.nbd.listen.clone() {
@@ -91,6 +114,13 @@ fn serve(cfg: NodeConfig) -> Result<()> {
         .collect();
     // NVMe/TCP listens before the banner says ready.
     let nvmf = tessera_node::nvmf::start(&node);
+    if let Some(m) = &metrics {
+        m.set_serving(true);
+        println!(
+            "tessera: metrics: http://{0}/metrics (health: /healthz, /readyz)",
+            m.local_addr()
+        );
+    }
     print_banner(&node, &addrs);
     for a in nvmf {
         println!("tessera: NVMe/TCP: {a}");
@@ -100,6 +130,9 @@ fn serve(cfg: NodeConfig) -> Result<()> {
     // SAFETY: waiting on the set blocked above.
     unsafe { libc::sigwait(&set, &mut sig) };
     info!(signal = sig, "committing metadata and stopping");
+    if let Some(m) = &metrics {
+        m.set_serving(false);
+    }
     node.shutdown();
     let _ = std::fs::remove_file(node.cfg.api_socket());
     if let Some(p) = &node.cfg.nbd.unix {

@@ -5,12 +5,9 @@
 //! disk could hold after power loss: the durable image plus an arbitrary subset of the
 //! unflushed writes, one of which may be torn (only some of its 512-byte sectors land).
 
-// Not yet audited for the workspace lint (13 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::io;
 use std::sync::{Arc, Mutex};
+use tessera_io::cast::usize_of;
 
 use crate::{check_range, out_of_range, BlockDevice, CoreIo, IoHandle, IoOp, Tag};
 
@@ -27,7 +24,7 @@ pub struct CrashDevice {
 
 impl CrashDevice {
     pub fn new(size: u64) -> Arc<CrashDevice> {
-        Self::from_image(vec![0u8; size as usize])
+        Self::from_image(vec![0u8; usize_of(size)])
     }
 
     pub fn from_image(image: Vec<u8>) -> Arc<CrashDevice> {
@@ -47,7 +44,7 @@ impl CrashDevice {
 
     fn record_write(&self, offset: u64, data: &[u8]) {
         let mut s = self.st();
-        s.current[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        s.current[usize_of(offset)..usize_of(offset) + data.len()].copy_from_slice(data);
         s.unflushed.push((offset, data.to_vec()));
     }
 
@@ -55,7 +52,7 @@ impl CrashDevice {
         let mut s = self.st();
         let writes = std::mem::take(&mut s.unflushed);
         for (off, d) in writes {
-            s.durable[off as usize..off as usize + d.len()].copy_from_slice(&d);
+            s.durable[usize_of(off)..usize_of(off) + d.len()].copy_from_slice(&d);
         }
     }
 
@@ -86,9 +83,9 @@ impl CrashDevice {
             if i + 1 == n || next() % 8 == 0 {
                 // Tear: keep only a prefix of whole sectors (possibly none).
                 let sectors = d.len().div_ceil(512);
-                len = ((next() as usize % (sectors + 1)) * 512).min(d.len());
+                len = ((usize_of(next()) % (sectors + 1)) * 512).min(d.len());
             }
-            img[*off as usize..*off as usize + len].copy_from_slice(&d[..len]);
+            img[usize_of(*off)..usize_of(*off) + len].copy_from_slice(&d[..len]);
         }
         img
     }
@@ -105,7 +102,7 @@ impl IoHandle for CrashHandle {
                 // SAFETY: the submitter guarantees buf holds len bytes.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
-                        s.current.as_ptr().add(offset as usize),
+                        s.current.as_ptr().add(usize_of(offset)),
                         buf,
                         len as usize,
                     )
@@ -124,7 +121,7 @@ impl IoHandle for CrashHandle {
             }
             IoOp::Discard { offset, len } | IoOp::WriteZeroes { offset, len, .. } => {
                 check_range(d.size, offset, len).map(|_| {
-                    d.record_write(offset, &vec![0u8; len as usize]);
+                    d.record_write(offset, &vec![0u8; usize_of(len)]);
                     0
                 })
             }
@@ -147,7 +144,7 @@ impl BlockDevice for CrashDevice {
         check_range(self.size, offset, buf.len() as u64)
             .map_err(|_| out_of_range("crash", offset, buf.len() as u64, self.size))?;
         let s = self.st();
-        buf.copy_from_slice(&s.current[offset as usize..offset as usize + buf.len()]);
+        buf.copy_from_slice(&s.current[usize_of(offset)..usize_of(offset) + buf.len()]);
         Ok(())
     }
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
@@ -159,7 +156,7 @@ impl BlockDevice for CrashDevice {
     fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
         check_range(self.size, offset, len)
             .map_err(|_| out_of_range("crash", offset, len, self.size))?;
-        self.record_write(offset, &vec![0u8; len as usize]);
+        self.record_write(offset, &vec![0u8; usize_of(len)]);
         Ok(())
     }
     fn sync(&self) -> io::Result<()> {

@@ -56,12 +56,21 @@ impl FileDevice {
                 }
             }
         }
+        // A block device is claimed with O_EXCL: the kernel then refuses it to every other
+        // exclusive opener (another pool, mkfs, mount, md, LVM) and refuses the open while
+        // the device is mounted or claimed (EBUSY).
+        let is_block_path = std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device());
         let open = |direct: bool| {
             let mut o = OpenOptions::new();
             o.read(true).write(true);
+            let mut flags = 0;
             if direct {
-                o.custom_flags(libc::O_DIRECT);
+                flags |= libc::O_DIRECT;
             }
+            if is_block_path {
+                flags |= libc::O_EXCL;
+            }
+            o.custom_flags(flags);
             o.open(path)
         };
         // Some filesystems refuse O_DIRECT; fall back to buffered I/O and say so.
@@ -74,8 +83,17 @@ impl FileDevice {
                 );
                 (open(false).map_err(|e| ctx(e, "cannot open"))?, false)
             }
+            Err(e) if is_block_path && e.raw_os_error() == Some(libc::EBUSY) => {
+                return Err(in_use(
+                    path,
+                    "mounted, or opened exclusively by another pool or program".into(),
+                ))
+            }
             Err(e) => return Err(ctx(e, "cannot open")),
         };
+        if !is_block_path {
+            lock_file(&file, path)?;
+        }
         let meta = file.metadata().map_err(|e| ctx(e, "cannot stat"))?;
         let is_block = meta.file_type().is_block_device();
         let (mut size, mut align) = (meta.len(), 512u32);
@@ -146,6 +164,64 @@ impl FileDevice {
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
         }
     }
+}
+
+/// The error for a device another pool, node or program holds: names the device and, when
+/// /proc/locks tells, the process holding it.
+fn in_use(path: &Path, why: String) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ResourceBusy,
+        format!("device {} is in use ({why})", path.display()),
+    )
+}
+
+/// Take an exclusive, non-blocking `flock` on a regular file used as a device, for as long
+/// as `file` stays open (the lock goes with the open file description: a second open of
+/// the same file, in this process or another, is refused; a killed process releases it).
+fn lock_file(file: &File, path: &Path) -> io::Result<()> {
+    // SAFETY: flock on an fd this function's caller owns; no memory is involved.
+    let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+        return Err(io::Error::new(
+            e.kind(),
+            format!("{}: cannot lock: {e}", path.display()),
+        ));
+    }
+    let holder = file
+        .metadata()
+        .ok()
+        .and_then(|m| flock_holder(&m))
+        .map(|pid| format!("locked by process {pid}"))
+        .unwrap_or_else(|| "locked by another process".into());
+    Err(in_use(
+        path,
+        format!("{holder}: a device belongs to one pool of one node at a time"),
+    ))
+}
+
+/// The process that holds a `flock` on the file `meta` describes, from /proc/locks
+/// (`ID: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END`, major and minor in hex).
+fn flock_holder(meta: &std::fs::Metadata) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = meta.dev();
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(dev),
+        libc::minor(dev),
+        meta.ino()
+    );
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    locks.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        // A waiter's line starts with "ID: ->"; only holders have FLOCK in field 1.
+        (f.len() >= 6 && f[1] == "FLOCK" && f[5] == want)
+            .then(|| f[4].parse().ok())
+            .flatten()
+    })
 }
 
 struct FileHandle {
@@ -286,5 +362,33 @@ impl FileDevice {
             done += n as u64;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_device_is_opened_by_one_owner_at_a_time() {
+        let path = std::env::temp_dir().join(format!("tessera-lock-{}.img", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let first = FileDevice::open(&path, Some(4 << 20)).unwrap();
+        let Err(e) = FileDevice::open(&path, None) else {
+            panic!("a second open of a device in use succeeded");
+        };
+        assert_eq!(e.kind(), io::ErrorKind::ResourceBusy, "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains(&path.display().to_string()), "{msg}");
+        assert!(
+            msg.contains(&format!("process {}", std::process::id())),
+            "{msg}"
+        );
+        // The lock lives as long as the device: once it is gone the file opens again.
+        drop(first);
+        let again = FileDevice::open(&path, None).unwrap();
+        assert_eq!(again.size(), 4 << 20);
+        drop(again);
+        std::fs::remove_file(&path).unwrap();
     }
 }

@@ -1,11 +1,8 @@
 //! A RAM device: anonymous memory, completing every operation inline.
 
-// Not yet audited for the workspace lint (11 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::io;
 use std::sync::Arc;
+use tessera_io::cast::usize_of;
 
 use crate::{check_range, out_of_range, BlockDevice, CoreIo, IoHandle, IoOp, Tag};
 
@@ -40,7 +37,7 @@ impl RamDevice {
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                size as usize,
+                usize_of(size),
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
@@ -66,7 +63,7 @@ impl RamDevice {
 
     /// Read the whole device into a vector.
     pub fn image(&self) -> Vec<u8> {
-        let mut v = vec![0u8; self.size as usize];
+        let mut v = vec![0u8; usize_of(self.size)];
         // SAFETY: base is valid for size bytes.
         unsafe { std::ptr::copy_nonoverlapping(self.base, v.as_mut_ptr(), v.len()) };
         v
@@ -81,7 +78,11 @@ impl RamDevice {
                 }
                 // SAFETY: range checked; the submitter guarantees buf holds len bytes.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(self.base.add(offset as usize), buf, len as usize)
+                    std::ptr::copy_nonoverlapping(
+                        self.base.add(usize_of(offset)),
+                        buf,
+                        len as usize,
+                    )
                 };
                 len as i32
             }
@@ -91,7 +92,11 @@ impl RamDevice {
                 }
                 // SAFETY: as above.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(buf, self.base.add(offset as usize), len as usize)
+                    std::ptr::copy_nonoverlapping(
+                        buf,
+                        self.base.add(usize_of(offset)),
+                        len as usize,
+                    )
                 };
                 len as i32
             }
@@ -101,7 +106,7 @@ impl RamDevice {
                     return e;
                 }
                 // SAFETY: range checked.
-                unsafe { std::ptr::write_bytes(self.base.add(offset as usize), 0, len as usize) };
+                unsafe { std::ptr::write_bytes(self.base.add(usize_of(offset)), 0, usize_of(len)) };
                 0
             }
         }
@@ -111,7 +116,7 @@ impl RamDevice {
 impl Drop for RamDevice {
     fn drop(&mut self) {
         // SAFETY: unmapping the region mapped in new().
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.size as usize) };
+        unsafe { libc::munmap(self.base as *mut libc::c_void, usize_of(self.size)) };
     }
 }
 
@@ -147,7 +152,7 @@ impl BlockDevice for RamDevice {
         // SAFETY: range checked.
         unsafe {
             std::ptr::copy_nonoverlapping(
-                self.base.add(offset as usize),
+                self.base.add(usize_of(offset)),
                 buf.as_mut_ptr(),
                 buf.len(),
             )
@@ -159,7 +164,7 @@ impl BlockDevice for RamDevice {
             .map_err(|_| out_of_range(&self.name, offset, buf.len() as u64, self.size))?;
         // SAFETY: range checked.
         unsafe {
-            std::ptr::copy_nonoverlapping(buf.as_ptr(), self.base.add(offset as usize), buf.len())
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), self.base.add(usize_of(offset)), buf.len())
         };
         Ok(())
     }
@@ -167,7 +172,7 @@ impl BlockDevice for RamDevice {
         check_range(self.size, offset, len)
             .map_err(|_| out_of_range(&self.name, offset, len, self.size))?;
         // SAFETY: range checked.
-        unsafe { std::ptr::write_bytes(self.base.add(offset as usize), 0, len as usize) };
+        unsafe { std::ptr::write_bytes(self.base.add(usize_of(offset)), 0, usize_of(len)) };
         Ok(())
     }
     fn sync(&self) -> io::Result<()> {

@@ -16,10 +16,6 @@
 //!   in-flight I/O: a file handle's fd stays open through it). Retired handles are kept
 //!   for the handle's life: one per swap per core, and swaps are rare (a replaced device).
 
-// Not yet audited for the workspace lint (2 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -177,6 +173,7 @@ impl IoHandle for SwapHandle {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)] // test data patterns wrap on purpose
 mod tests {
     use super::*;
     use crate::{FaultConfig, FaultDevice, RamDevice};

@@ -26,15 +26,12 @@
 //! completes promptly (within `timeout / 2`) re-arms the device, so a later hang is
 //! reported again. Callbacks are counted in [`Watchdog::hangs`].
 
-// Not yet audited for the workspace lint (5 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
+use tessera_io::cast::{u32_of, usize_of};
 
 use tessera_io::Continuation;
 
@@ -212,10 +209,10 @@ impl Watched {
         let dev = {
             let mut st = core.st.borrow_mut();
             match st.devs.iter().position(|d| Arc::ptr_eq(d, &self.dev)) {
-                Some(i) => i as u32,
+                Some(i) => u32_of(i),
                 None => {
                     st.devs.push(self.dev.clone());
-                    (st.devs.len() - 1) as u32
+                    u32_of(st.devs.len() - 1)
                 }
             }
         };
@@ -251,7 +248,7 @@ impl IoHandle for Watched {
                 }
                 None => {
                     st.slots.push(s);
-                    (st.slots.len() - 1) as u32
+                    u32_of(st.slots.len() - 1)
                 }
             };
             st.inflight += 1;
@@ -336,10 +333,10 @@ impl Continuation for CoreWatch {
         }
         {
             let mut st = self.st.borrow_mut();
-            let i = ctx as usize;
+            let i = usize_of(ctx);
             let s = st.slots[i];
             st.slots[i].state = FREE;
-            st.free.push(i as u32);
+            st.free.push(u32_of(i));
             st.inflight -= 1;
             let d = &st.devs[s.dev as usize];
             if s.state == OVERDUE {

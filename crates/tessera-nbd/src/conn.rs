@@ -482,6 +482,9 @@ impl<T: ExportTarget> NbdConn<T> {
         let (class, bytes) = match sl.cmd {
             CMD_READ => (IoClass::Read, sl.len as u64),
             CMD_WRITE => (IoClass::Write, sl.len as u64),
+            CMD_FLUSH => (IoClass::Flush, 0),
+            CMD_TRIM => (IoClass::Discard, 0),
+            CMD_WRITE_ZEROES => (IoClass::WriteZeroes, 0),
             _ => (IoClass::Other, 0),
         };
         self.unrecorded.push(0, class, bytes, sl.start, ok);

@@ -35,6 +35,7 @@ pub struct NodeConfig {
     pub api: ApiConfig,
     pub nbd: NbdConfig,
     pub nvmf: crate::nvmf::NvmfConfig,
+    pub metrics: MetricsConfig,
     #[serde(rename = "pool")]
     pub pools: Vec<PoolDecl>,
     #[serde(rename = "volume")]
@@ -50,6 +51,17 @@ pub struct ApiConfig {
     pub socket: Option<PathBuf>,
     /// Optional TCP address of the management API, e.g. "127.0.0.1:9100".
     pub tcp: Option<String>,
+}
+
+/// The metrics listener (docs/metrics.md): plain HTTP, read-only, no authentication, so
+/// it belongs on loopback or a monitoring network. It exposes names and figures, never a
+/// secret.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// TCP address serving `/metrics`, `/healthz` and `/readyz`, e.g. "127.0.0.1:9464"
+    /// (Prometheus' conventional port for storage exporters). None: no listener.
+    pub listen: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -115,6 +127,7 @@ impl Default for NodeConfig {
             api: ApiConfig::default(),
             nbd: NbdConfig::default(),
             nvmf: crate::nvmf::NvmfConfig::default(),
+            metrics: MetricsConfig::default(),
             pools: Vec::new(),
             volumes: Vec::new(),
             exports: Vec::new(),
@@ -200,5 +213,8 @@ mod tests {
         .unwrap();
         assert_eq!(c.pools[0].layout, "raid0");
         assert!(c.nbd.listen.is_empty());
+        assert!(c.metrics.listen.is_none());
+        let c: NodeConfig = toml::from_str("[metrics]\nlisten = '127.0.0.1:9464'\n").unwrap();
+        assert_eq!(c.metrics.listen.as_deref(), Some("127.0.0.1:9464"));
     }
 }

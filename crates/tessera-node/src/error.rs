@@ -101,6 +101,9 @@ pub enum StartError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// Another node holds the data directory's lock (crate::datadir).
+    #[error("data directory {} is in use by another tessera node ({holder}); stop that node first, or give this one its own data directory", dir.display())]
+    Locked { dir: PathBuf, holder: String },
     #[error("cannot start reactors (is io_uring available?): {0}")]
     Reactors(std::io::Error),
     /// A catalog file of the data directory (pools.json, groups.json, nvmf.json,

@@ -4,10 +4,13 @@
 pub mod api;
 pub mod background;
 pub mod config;
+pub mod datadir;
 pub mod error;
 pub mod groups;
 mod job;
 pub mod listener;
+pub mod metrics;
+pub mod metrics_http;
 pub mod node;
 pub mod nvmf;
 pub mod rebuild;
@@ -15,4 +18,5 @@ pub mod registry;
 pub mod scrub;
 
 pub use config::NodeConfig;
+pub use datadir::DataDirLock;
 pub use node::Node;

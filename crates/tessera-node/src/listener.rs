@@ -26,12 +26,7 @@ static HANDSHAKES: AtomicUsize = AtomicUsize::new(0);
 fn bind_unix(path: &Path) -> io::Result<UnixListener> {
     if path.exists() {
         // A socket left by a previous run: remove it only if nobody answers on it.
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(io::Error::new(
-                io::ErrorKind::AddrInUse,
-                format!("{} is in use by a running process", path.display()),
-            ));
-        }
+        unix_socket_free(path)?;
         std::fs::remove_file(path)?;
     }
     UnixListener::bind(path).map_err(|e| {
@@ -40,6 +35,42 @@ fn bind_unix(path: &Path) -> io::Result<UnixListener> {
             format!("cannot listen on {}: {e}", path.display()),
         )
     })
+}
+
+/// Refuse a Unix socket path some running process answers on (a socket left by a
+/// previous run, which nobody answers, is free).
+fn unix_socket_free(path: &Path) -> io::Result<()> {
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!("{} is in use by a running process", path.display()),
+        ));
+    }
+    Ok(())
+}
+
+/// Check, before the node opens any pool, that the addresses it must listen on are free:
+/// the API socket (and TCP address) and the NBD addresses. A node that would fail on a
+/// busy address fails here, having opened nothing. (NVMe/TCP ports are not checked: a
+/// busy one only turns NVMe/TCP off there, as `nvmf::start` says.)
+pub fn check_addresses(cfg: &crate::NodeConfig) -> io::Result<()> {
+    let busy = |what: &str, addr: &str, e: io::Error| {
+        io::Error::new(e.kind(), format!("cannot listen for {what} on {addr}: {e}"))
+    };
+    let api = cfg.api_socket();
+    if api.exists() {
+        unix_socket_free(&api)?;
+    }
+    if let Some(addr) = &cfg.api.tcp {
+        TcpListener::bind(addr).map_err(|e| busy("the management API", addr, e))?;
+    }
+    for addr in &cfg.nbd.listen {
+        TcpListener::bind(addr).map_err(|e| busy("NBD", addr, e))?;
+    }
+    if let Some(p) = cfg.nbd.unix.as_deref().filter(|p| p.exists()) {
+        unix_socket_free(p)?;
+    }
+    Ok(())
 }
 
 pub fn start_api(node: &Arc<Node>) -> io::Result<()> {

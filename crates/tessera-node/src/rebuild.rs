@@ -240,7 +240,7 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     if !matches!(outcome, Ok(true)) {
         pool.core
             .layout
-            .mark_failed(d, tessera_pool::layout::FailReason::Missing);
+            .restore_failed(d, tessera_pool::layout::FailReason::Missing);
     }
     let _ = std::fs::remove_file(path);
     let mut p = job.progress();

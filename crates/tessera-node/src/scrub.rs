@@ -160,7 +160,7 @@ fn spawn(
 fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
     let layout = &pool.core.layout;
     // A rebuild (resumed at start) uses the same copy protocol: the resync waits for it.
-    while layout.rebuilding.load(Relaxed) != 0 && !job.stop.load(Relaxed) {
+    while layout.health.rebuilding.load(Relaxed) != 0 && !job.stop.load(Relaxed) {
         std::thread::sleep(FEEDBACK_TICK);
     }
     let t0 = Instant::now();

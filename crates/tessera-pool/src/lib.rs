@@ -9,6 +9,7 @@
 //! - [`pool`]: allocation, commits, volume and export management.
 //! - [`volume`]: the thin map and the per-core volume datapath.
 
+pub mod devstats;
 pub mod error;
 pub mod format;
 pub mod layout;
@@ -19,6 +20,7 @@ pub mod pool;
 pub mod scrub;
 pub mod volume;
 
+pub use devstats::DeviceTotals;
 pub use error::{Error, ErrorKind, Result};
 pub use format::ExportRecord;
 pub use layout::{Layout, LayoutHandle, LayoutKind};

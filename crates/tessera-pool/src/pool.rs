@@ -329,15 +329,15 @@ impl PoolCore {
         let l = &self.layout;
         let mut st = self.dev_state.lock().unwrap_or_else(|e| e.into_inner());
         // A device being rebuilt stays failed in the labels until its rebuild is done.
-        let unreadable = || l.failed.load(Relaxed) | l.rebuilding.load(Relaxed);
+        let unreadable = || l.health.failed.load(Relaxed) | l.health.rebuilding.load(Relaxed);
         loop {
             let failed = unreadable();
-            if failed == l.failed_durable.load(Relaxed) {
+            if failed == l.health.failed_durable.load(Relaxed) {
                 return Ok(());
             }
             let gen = st.0 + 1;
             let mut reasons = [0u8; 64];
-            for (i, r) in l.fail_reason.iter().enumerate() {
+            for (i, r) in l.health.fail_reason.iter().enumerate() {
                 reasons[i] = r.load(Relaxed);
             }
             let mut written = 0;
@@ -364,7 +364,7 @@ impl PoolCore {
             }
             st.0 = gen;
             if unreadable() == failed {
-                l.failed_durable.store(failed, Relaxed);
+                l.health.failed_durable.store(failed, Relaxed);
                 return Ok(());
             }
         }
@@ -580,7 +580,7 @@ fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
             Ok(r) => Some(r),
             Err(RecvTimeoutError::Timeout) => {
                 let l = &core.layout;
-                if l.failed.load(Relaxed) != l.failed_durable.load(Relaxed) {
+                if l.health.failed.load(Relaxed) != l.health.failed_durable.load(Relaxed) {
                     if let Err(e) = core.persist_device_state() {
                         eprintln!("tessera: pool {}: {e}", core.name);
                     }
@@ -670,7 +670,7 @@ impl Pool {
                     if let Ok(Some(l)) = Label::decode(&b) {
                         return Err(Error::new(
                             ErrorKind::AlreadyExists,
-                            format!("device {} already belongs to pool '{}'; destroy that pool first (or force)", d.describe(), l.pool_name),
+                            format!("device {} already belongs to pool '{}' (uuid {}); destroy that pool first, or pass --force to overwrite it", d.describe(), l.pool_name, uuid_string(&l.uuid)),
                         ));
                     }
                 }
@@ -897,7 +897,7 @@ impl Pool {
         // Devices recorded failed stay failed: they missed writes. So do missing ones.
         for i in 0..layout.devices.len() {
             if first.failed & (1 << i) != 0 {
-                layout.mark_failed(
+                layout.restore_failed(
                     i,
                     crate::layout::FailReason::from_byte(first.fail_reason[i])
                         .filter(|&r| r > crate::layout::FailReason::Missing)
@@ -906,10 +906,11 @@ impl Pool {
             }
         }
         layout
+            .health
             .failed_durable
             .store(first.failed, std::sync::atomic::Ordering::Relaxed);
         for &i in missing {
-            layout.mark_failed(i, crate::layout::FailReason::Missing);
+            layout.restore_failed(i, crate::layout::FailReason::Missing);
         }
         if layout.has_lost_data() {
             return Err(Error::corrupt(format!(
@@ -1067,9 +1068,9 @@ impl Pool {
             stripe_size: l.kind.stripe(),
             state: if l.has_lost_data() {
                 "failed".into()
-            } else if l.rebuilding.load(Relaxed) != 0 {
+            } else if l.health.rebuilding.load(Relaxed) != 0 {
                 "rebuilding".into()
-            } else if l.failed.load(Relaxed) != 0 {
+            } else if l.health.failed.load(Relaxed) != 0 {
                 "degraded".into()
             } else {
                 "online".into()
@@ -1080,9 +1081,9 @@ impl Pool {
             device_states: (0..l.devices.len())
                 .map(|i| {
                     if l.is_failed(i) {
-                        let r = l.fail_reason[i].load(Relaxed);
+                        let r = l.health.fail_reason[i].load(Relaxed);
                         ("failed".into(), crate::layout::fail_reason_name(r).into())
-                    } else if l.rebuilding.load(Relaxed) & (1 << i) != 0 {
+                    } else if l.health.rebuilding.load(Relaxed) & (1 << i) != 0 {
                         ("rebuilding".into(), String::new())
                     } else {
                         ("online".into(), String::new())

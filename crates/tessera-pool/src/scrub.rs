@@ -24,7 +24,7 @@
 //! rest of the data): the bytes count as `unreadable`.
 //!
 //! **Client writes.** A repair must never write a stale copy over a client write. The
-//! scrub uses the rebuild's epoch/dirty protocol (layout.rs, `rebuild_range`): while a
+//! scrub uses the rebuild's epoch/dirty protocol (`layout/rebuild.rs`, `rebuild_range`): while a
 //! [`WriteTracking`] guard is alive every mirror write is counted in flight by epoch and
 //! marks the published range dirty; each piece is compared after the writes in flight
 //! have completed, and compared (and repaired) again if a write touched it meanwhile,
@@ -37,13 +37,10 @@
 //! recomputed from the data is compared with the stored parity, whole rows); **concat and
 //! raid0** are only read (unreadable ranges are counted).
 
-// Not yet audited for the workspace lint (5 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::io;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
+use tessera_io::cast::usize_of;
 
 use crate::layout::{error_reason, FailReason, Layout, Piece};
 
@@ -103,7 +100,7 @@ pub struct WriteTracking<'a> {
 
 impl Drop for WriteTracking<'_> {
     fn drop(&mut self) {
-        self.layout.tracking.fetch_sub(1, SeqCst);
+        self.layout.copy.tracking.fetch_sub(1, SeqCst);
     }
 }
 
@@ -112,7 +109,7 @@ impl Layout {
     /// holds one for its whole pass. Switching tracking on waits [`TRACK_GRACE`] for the
     /// writes that were issued untracked.
     pub fn track_writes(&self) -> WriteTracking<'_> {
-        if self.tracking.fetch_add(1, SeqCst) == 0 {
+        if self.copy.tracking.fetch_add(1, SeqCst) == 0 {
             std::thread::sleep(TRACK_GRACE);
         }
         WriteTracking { layout: self }
@@ -126,7 +123,7 @@ impl Layout {
             return Ok(f);
         }
         if self.kind.is_parity() {
-            // The parity layouts' row scrub (parity.rs): parity recomputed from the data
+            // The parity layouts' row scrub (`layout/parity_sync.rs`): parity recomputed from the data
             // must match the stored parity; `repair` rewrites wrong parity.
             let r = self.parity_scrub_rows(offset, len, repair)?;
             f.bytes_checked = r.checked;
@@ -156,7 +153,7 @@ impl Layout {
             }
             return Ok(f);
         }
-        if self.rebuilding.load(SeqCst) != 0 {
+        if self.health.rebuilding.load(SeqCst) != 0 {
             return Err(io::Error::other(
                 "a rebuild is running on this pool: scrub after it completes",
             ));
@@ -179,16 +176,16 @@ impl Layout {
         bufs: &mut Vec<Vec<u8>>,
         f: &mut ScrubFindings,
     ) -> io::Result<()> {
-        let n = p.len as usize;
+        let n = usize_of(p.len);
         let set = self.set_of(p.dev);
         bufs.resize_with(set.len(), Vec::new);
         for b in bufs.iter_mut() {
             b.resize(n, 0);
         }
         let blocks = n.div_ceil(BLOCK);
-        // The rebuild's protocol (layout.rs `quiet_range`): compared again until no write
+        // The rebuild's protocol (`layout/copy_track.rs`, `quiet_range`): compared again until no write
         // overlapped the comparison.
-        let piece = self.quiet_range(at, p.len, || {
+        let piece = self.copy.quiet_range(at, p.len, || {
             let mut piece = ScrubFindings::default();
             self.compare_piece(at, p, repair, bufs, blocks, &mut piece)?;
             Ok(piece)
@@ -206,7 +203,7 @@ impl Layout {
         blocks: usize,
         f: &mut ScrubFindings,
     ) -> io::Result<()> {
-        let n = p.len as usize;
+        let n = usize_of(p.len);
         let set = self.set_of(p.dev);
         // Per copy: read it (Some(ok)) or not readable (None).
         let mut read: Vec<Option<bool>> = vec![None; set.len()];
@@ -249,7 +246,7 @@ impl Layout {
                 *x |= d;
             }
         }
-        if !bad.contains(&true) || self.copy_dirty.load(SeqCst) {
+        if !bad.contains(&true) || self.copy.dirty.load(SeqCst) {
             // Consistent, or a write is changing the piece: compare again after it.
             return Ok(());
         }
@@ -330,6 +327,7 @@ fn runs(v: &[bool]) -> Vec<(usize, usize)> {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)] // test data patterns wrap on purpose
 mod tests {
     use super::*;
     use crate::format::DEV_DATA_START;

@@ -36,7 +36,7 @@ pub fn handle(node: &Arc<Node>, req: &Request, rest: &[&str]) -> Response {
         }
         ("DELETE", [name, "rebuild"]) => reply(node.stop_rebuild(name), 200),
         ("POST", [name, "replace"]) => match req.body_as::<ReplaceRequest>() {
-            Ok(b) => reply(node.replace_device(name, b.device, &b.with), 200),
+            Ok(b) => reply(node.replace_device(name, b.device, &b.with, b.force), 200),
             Err(_) => Response::error(
                 400,
                 "replace needs {\"device\": index, \"with\": \"device spec\"}",
@@ -44,7 +44,7 @@ pub fn handle(node: &Arc<Node>, req: &Request, rest: &[&str]) -> Response {
         },
         ("GET", [name, "spares"]) => reply(node.list_spares(name), 200),
         ("POST", [name, "spares"]) => match req.body_as::<SpareRequest>() {
-            Ok(b) => reply(node.add_spare(name, &b.device), 201),
+            Ok(b) => reply(node.add_spare(name, &b.device, b.force), 201),
             Err(_) => Response::error(400, "adding a spare needs {\"device\": \"device spec\"}"),
         },
         // The spec may hold slashes: it comes in the body (or ?device=).

@@ -13,9 +13,32 @@ pub(super) fn open_devices(specs: &[String]) -> Result<Vec<Arc<dyn BlockDevice>>
         .iter()
         .map(|s| {
             let spec = DeviceSpec::parse(s).map_err(|e| Error::invalid(e.to_string()))?;
-            open_device(&spec).map_err(|e| Error::Io(format!("device {s}: {e}")))
+            open_device(&spec).map_err(|e| match e.kind() {
+                // Another pool, node or program holds it (the message names the device).
+                std::io::ErrorKind::ResourceBusy => match owner_label(&spec) {
+                    Some(pool) => Error::busy(format!("{e}; it belongs to pool '{pool}'")),
+                    None => Error::busy(e.to_string()),
+                },
+                _ => Error::Io(format!("device {s}: {e}")),
+            })
         })
         .collect()
+}
+
+/// The pool named by the label of a file or block device that someone else holds (read
+/// without taking it), to say whose it is.
+fn owner_label(spec: &DeviceSpec) -> Option<String> {
+    let path = match spec {
+        DeviceSpec::File { path, .. } => path,
+        DeviceSpec::Fault { inner, .. } => return owner_label(inner),
+        _ => return None,
+    };
+    let mut b = vec![0u8; tessera_pool::format::BLOCK];
+    std::io::Read::read_exact(&mut std::fs::File::open(path).ok()?, &mut b).ok()?;
+    tessera_pool::format::Label::decode(&b)
+        .ok()
+        .flatten()
+        .map(|l| l.pool_name)
 }
 
 /// Stands in for a mirror's device that could not be opened: every I/O fails with ENODEV,

@@ -62,6 +62,8 @@ pub struct Node {
     slots: Mutex<BTreeMap<String, Vec<Arc<SwappableDevice>>>>,
     /// Hot spares the node has opened, by spec (which pool lists which: `entries`).
     spare_devs: Mutex<BTreeMap<String, Arc<dyn BlockDevice>>>,
+    /// This node's claim on its data directory, held until the process ends.
+    _dir_lock: crate::datadir::DataDirLock,
 }
 
 /// How often the node looks for a failed device a hot spare can replace.
@@ -80,12 +82,13 @@ fn size_arg(what: &str, v: &str) -> Result<u64> {
 }
 
 impl Node {
-    /// Start the reactors and bring back every pool in the registry.
-    pub fn start(cfg: NodeConfig) -> std::result::Result<Arc<Node>, StartError> {
-        std::fs::create_dir_all(&cfg.data_dir).map_err(|source| StartError::DataDir {
-            path: cfg.data_dir.clone(),
-            source,
-        })?;
+    /// Start the reactors and bring back every pool in the registry. `dir_lock` is the
+    /// data directory's lock ([`crate::DataDirLock::acquire`]), taken before anything else
+    /// so that a second node on the same directory opens nothing.
+    pub fn start(
+        cfg: NodeConfig,
+        dir_lock: crate::datadir::DataDirLock,
+    ) -> std::result::Result<Arc<Node>, StartError> {
         let rcfg = ReactorConfig {
             cores: cfg.core_count(),
             busy_poll: cfg.busy_poll,
@@ -118,6 +121,7 @@ impl Node {
             resyncs: Mutex::new(BTreeMap::new()),
             slots: Mutex::new(BTreeMap::new()),
             spare_devs: Mutex::new(BTreeMap::new()),
+            _dir_lock: dir_lock,
         });
         for e in entries {
             for s in &e.spares {

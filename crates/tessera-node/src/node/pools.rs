@@ -44,6 +44,9 @@ impl Node {
         let mut seen = std::collections::HashSet::new();
         for d in devices {
             if let Ok(DeviceSpec::File { path, .. }) = DeviceSpec::parse(d) {
+                // The registry records canonical paths: compare the same spelling (a file
+                // reached another way is still refused, by its lock, when it is opened).
+                let path = std::fs::canonicalize(&path).unwrap_or(path);
                 if !seen.insert(path.clone()) {
                     return Err(Error::invalid(format!(
                         "device {} is listed twice",

@@ -13,6 +13,15 @@ use tracing::{error, info, warn};
 use super::devices::{canonical_spec, open_devices, slot_need, spec_path};
 use super::{Error, Node, Result, SPARE_TICK};
 
+/// How a device comes to replace a pool's failed one.
+#[derive(Clone, Copy)]
+struct Replacement {
+    /// Taken from the pool's own hot spares.
+    spare: bool,
+    /// The operator said to overwrite another pool's label (`--force`).
+    force: bool,
+}
+
 impl Node {
     /// Put device spec `with` in place of failed device `index` of redundant pool `pool`,
     /// live: the new device is checked (size, not volatile, not another pool's), its
@@ -20,14 +29,30 @@ impl Node {
     /// 0, it is swapped into the slot and the rebuild onto it starts at once
     /// (docs/architecture.md "Device replacement and hot spares"). If the slot cannot
     /// take it live (see `replace_live`), the replacement is only recorded and takes
-    /// effect at the next node start.
-    pub fn replace_device(&self, pool: &str, index: usize, with: &str) -> Result<ReplaceReply> {
+    /// effect at the next node start. `force`: take a device that carries another pool's
+    /// label (never one that is in use: that is refused when it is opened).
+    pub fn replace_device(
+        &self,
+        pool: &str,
+        index: usize,
+        with: &str,
+        force: bool,
+    ) -> Result<ReplaceReply> {
         let _admin = self.admin();
         let p = self.pool(pool)?;
         let dev = open_devices(std::slice::from_ref(&with.to_string()))?.remove(0);
         // Canonical once the device exists (a `path:SIZE` file is created by the open).
         let spec = canonical_spec(with);
-        self.replace_live(&p, index, &spec, dev, false)
+        self.replace_live(
+            &p,
+            index,
+            &spec,
+            dev,
+            Replacement {
+                spare: false,
+                force,
+            },
+        )
     }
 
     /// Is device `d` of `p` one a replacement may take the place of?
@@ -54,16 +79,17 @@ impl Node {
     }
 
     /// Can `dev` (spec `spec`) join pool `p` in a slot that needs `need` bytes? Not
-    /// volatile, large enough, not used by another pool of this node (`except_spare`:
-    /// the spare being put to use), no other pool's label.
+    /// volatile, large enough, not used by another pool of this node (`how.spare`: the
+    /// spare being put to use is), no other pool's label (unless `how.force`).
     fn check_new_device(
         &self,
         p: &Pool,
         spec: &str,
         dev: &dyn BlockDevice,
         need: u64,
-        except_spare: bool,
+        how: Replacement,
     ) -> Result<()> {
+        let except_spare = how.spare;
         if dev.is_volatile() {
             return Err(Error::invalid(format!(
                 "device {spec} does not keep its contents across a restart (ram/null): it cannot replace a pool device"
@@ -100,12 +126,16 @@ impl Node {
                 }
             }
         }
+        if how.force {
+            return Ok(());
+        }
         let mut b = vec![0u8; 4096];
         if dev.read_at(0, &mut b).is_ok() {
             if let Ok(Some(lab)) = tessera_pool::format::Label::decode(&b) {
-                if tessera_pool::uuid_string(&lab.uuid) != p.status().uuid {
+                let uuid = tessera_pool::uuid_string(&lab.uuid);
+                if uuid != p.status().uuid {
                     return Err(Error::already_exists(format!(
-                        "device {spec} belongs to pool '{}'; destroy that pool first",
+                        "device {spec} belongs to pool '{}' (uuid {uuid}); destroy that pool first, or pass --force to wipe its label",
                         lab.pool_name
                     )));
                 }
@@ -129,12 +159,13 @@ impl Node {
         index: usize,
         spec: &str,
         dev: Arc<dyn BlockDevice>,
-        spare: bool,
+        how: Replacement,
     ) -> Result<ReplaceReply> {
         let pool = p.name();
+        let spare = how.spare;
         self.check_replaceable(p, index)?;
         let need = slot_need(p, index);
-        self.check_new_device(p, spec, &*dev, need, spare)?;
+        self.check_new_device(p, spec, &*dev, need, how)?;
         // A cleared label: the pool (re)opens it as failed, and the rebuild writes a full one.
         dev.write_at(0, &[0u8; 4096])
             .and_then(|()| dev.sync())
@@ -233,8 +264,9 @@ impl Node {
 
     /// Add hot spare `spec` to redundant pool `pool`: the device is opened and checked
     /// (not volatile, at least as large as what any of the pool's devices holds, not
-    /// another pool's) but not written until it replaces a failed device.
-    pub fn add_spare(&self, pool: &str, spec: &str) -> Result<SpareList> {
+    /// another pool's) but not written until it replaces a failed device. `force`: a
+    /// device with another pool's label is taken, and that label wiped now.
+    pub fn add_spare(&self, pool: &str, spec: &str, force: bool) -> Result<SpareList> {
         let _g = self.admin();
         let p = self.pool(pool)?;
         let l = &p.core.layout;
@@ -255,7 +287,21 @@ impl Node {
             .map(|i| slot_need(&p, i))
             .max()
             .unwrap_or(0);
-        self.check_new_device(&p, &canon, &*dev, need, false)?;
+        self.check_new_device(
+            &p,
+            &canon,
+            &*dev,
+            need,
+            Replacement {
+                spare: false,
+                force,
+            },
+        )?;
+        if force {
+            dev.write_at(0, &[0u8; 4096])
+                .and_then(|()| dev.sync())
+                .map_err(|e| Error::io("wiping the spare's label", e))?;
+        }
         self.edit_entry(pool, |e| {
             e.spares.push(canon.clone());
             Ok(())
@@ -345,7 +391,11 @@ impl Node {
                     Some(d) => Ok(d),
                     None => open_devices(std::slice::from_ref(&spec)).map(|mut d| d.remove(0)),
                 };
-                let r = dev.and_then(|dev| self.replace_live(&p, d, &spec, dev, true));
+                let how = Replacement {
+                    spare: true,
+                    force: false,
+                };
+                let r = dev.and_then(|dev| self.replace_live(&p, d, &spec, dev, how));
                 match r {
                     Ok(_) => break,
                     Err(Error::Busy(_)) => break,

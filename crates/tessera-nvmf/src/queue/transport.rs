@@ -321,6 +321,9 @@ impl<T: ExportTarget> NvmfQueue<T> {
             let (class, bytes) = match sqe.opc {
                 IO_READ => (IoClass::Read, bytes),
                 IO_WRITE => (IoClass::Write, bytes),
+                IO_FLUSH => (IoClass::Flush, 0),
+                IO_DSM => (IoClass::Discard, 0),
+                IO_WRITE_ZEROES => (IoClass::WriteZeroes, 0),
                 _ => (IoClass::Other, 0),
             };
             // Timed when the batch is flushed (see `flush`).

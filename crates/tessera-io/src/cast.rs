@@ -1,0 +1,65 @@
+//! Integer conversions the datapath makes everywhere, in one audited place.
+//!
+//! Byte offsets and lengths are `u64` (device and pool addresses) and index memory as
+//! `usize`. Tessera builds only for 64-bit targets (asserted below), where that
+//! conversion is exact; `usize_of` says so once instead of at each of hundreds of casts.
+
+const _: () = assert!(
+    usize::BITS >= u64::BITS,
+    "Tessera needs a 64-bit target: u64 offsets index memory as usize"
+);
+
+/// `x` as a `usize`: exact on the 64-bit targets Tessera builds for.
+#[inline(always)]
+#[must_use]
+pub const fn usize_of(x: u64) -> usize {
+    #[allow(clippy::cast_possible_truncation)] // usize is at least 64 bits (asserted above)
+    let v = x as usize;
+    v
+}
+
+/// `x` as a `u32`, for values bounded by construction (an I/O length, which `IoOp`
+/// carries as `u32`; a count of devices, rows or pieces of one request). A value that
+/// does not fit is a bug upstream: it panics, naming the caller, instead of silently
+/// wrapping into a wrong length.
+#[inline]
+#[track_caller]
+#[must_use]
+pub fn u32_of<T>(x: T) -> u32
+where
+    T: TryInto<u32> + Copy + std::fmt::Display,
+{
+    match x.try_into() {
+        Ok(v) => v,
+        Err(_) => panic!("{x} does not fit in a u32"),
+    }
+}
+
+/// `x` as a `u8`, for values bounded by construction (a shard or device index: a pool
+/// has at most 64 devices). Panics, naming the caller, on a value that does not fit.
+#[inline]
+#[track_caller]
+#[must_use]
+pub fn u8_of<T>(x: T) -> u8
+where
+    T: TryInto<u8> + Copy + std::fmt::Display,
+{
+    match x.try_into() {
+        Ok(v) => v,
+        Err(_) => panic!("{x} does not fit in a u8"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversions_are_exact_or_panic() {
+        assert_eq!(usize_of(u64::MAX), usize::MAX);
+        assert_eq!(u32_of(7u64), 7);
+        assert_eq!(u8_of(63usize), 63);
+        assert!(std::panic::catch_unwind(|| u32_of(1u64 << 32)).is_err());
+        assert!(std::panic::catch_unwind(|| u8_of(256usize)).is_err());
+    }
+}
