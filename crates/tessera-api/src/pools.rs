@@ -47,6 +47,13 @@ pub struct PoolInfo {
     pub volumes: usize,
     /// On RAM or null devices: recreated empty at every node start.
     pub volatile: bool,
+    /// Sum of the volumes' virtual sizes, in bytes.
+    #[serde(default)]
+    pub provisioned: u64,
+    /// Overcommit ratio: `provisioned` may reach this many times `capacity` before
+    /// volume creation and growth are refused without `force`.
+    #[serde(default)]
+    pub overcommit: f64,
     /// `capacity` in binary units, for people (e.g. "4.0G").
     pub capacity_human: String,
     /// Hot spares (device specs, in the order they are used).
@@ -102,7 +109,7 @@ impl PoolEntry {
 }
 
 /// `POST /v1/pools`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CreatePool {
     pub name: String,
     /// Device specs: /path, /path:SIZE, ram:SIZE, null:SIZE, fault:INNER;key=value...
@@ -120,6 +127,18 @@ pub struct CreatePool {
     /// Overwrite devices that carry another pool's label.
     #[serde(default)]
     pub force: bool,
+    /// Overcommit ratio (default 20): the volumes' virtual sizes may add up to this many
+    /// times the capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overcommit: Option<f64>,
+}
+
+/// `PATCH /v1/pools/NAME`: fields left out stay as they are.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct UpdatePool {
+    /// New overcommit ratio (above 0; volumes already beyond it stay).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overcommit: Option<f64>,
 }
 
 /// `GET/POST/DELETE /v1/pools/NAME/spares`.

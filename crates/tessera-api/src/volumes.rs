@@ -33,12 +33,18 @@ pub struct CreateVolume {
     pub name: String,
     pub pool: String,
     pub size: SizeArg,
+    /// Create it even if the pool's volumes then exceed its overcommit ratio.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 
 /// `PATCH /v1/volumes/NAME`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ResizeVolume {
     pub size: SizeArg,
+    /// Grow it even if the pool's volumes then exceed its overcommit ratio.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 
 /// Latency over a stats window, in microseconds.

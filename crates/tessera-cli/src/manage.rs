@@ -271,6 +271,9 @@ pub struct VolumeCreateArgs {
     /// Virtual size, a multiple of 512 bytes: bytes or K, M, G, T, P (or KiB ... PiB).
     #[arg(long)]
     pub size: String,
+    /// Go beyond the pool's overcommit ratio (`pool update --overcommit` changes it).
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -289,6 +292,9 @@ pub enum VolumeCmd {
         /// New virtual size (at least the current one), e.g. 20G.
         #[arg(long)]
         size: String,
+        /// Go beyond the pool's overcommit ratio.
+        #[arg(long)]
+        force: bool,
     },
     /// Delete a volume and free its space (refused while exported or connected).
     Delete(VolumeName),
@@ -345,6 +351,7 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
                 name: a.name,
                 pool: a.pool,
                 size: a.size.into(),
+                force: a.force,
             };
             let v: VolumeInfo = send(ep, "POST", "/v1/volumes", &body)?;
             show(&v, raw, |v| print_volumes(std::slice::from_ref(v)));
@@ -357,8 +364,11 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
             let v: VolumeInfo = get(ep, &format!("/v1/volumes/{name}"))?;
             show(&v, raw, |v| print_volumes(std::slice::from_ref(v)));
         }
-        VolumeCmd::Resize { name, size } => {
-            let body = ResizeVolume { size: size.into() };
+        VolumeCmd::Resize { name, size, force } => {
+            let body = ResizeVolume {
+                size: size.into(),
+                force,
+            };
             let v: VolumeInfo = send(ep, "PATCH", &format!("/v1/volumes/{name}"), &body)?;
             show(&v, raw, |v| print_volumes(std::slice::from_ref(v)));
         }

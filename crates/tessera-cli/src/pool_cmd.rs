@@ -7,7 +7,7 @@ use serde::Serialize;
 use tessera_api::{
     CreatePool, Deleted, JobProgress, PoolEntry, PoolInfo, RebuildRequest, RebuildStatus,
     ReplaceReply, ReplaceRequest, ScrubRequest, ScrubStatus, SizeArg, SpareList, SpareRequest,
-    JOB_DONE, JOB_RUNNING,
+    UpdatePool, JOB_DONE, JOB_RUNNING,
 };
 use tessera_http::Endpoint;
 
@@ -49,6 +49,20 @@ pub struct PoolCreateArgs {
     /// Overwrite devices that carry another pool's label.
     #[arg(long)]
     force: bool,
+    /// Overcommit ratio: the volumes' virtual sizes may add up to this many times the
+    /// pool's capacity (default 20; `volume create --force` goes beyond).
+    #[arg(long)]
+    overcommit: Option<f64>,
+}
+
+#[derive(Args, Debug)]
+pub struct PoolUpdateArgs {
+    /// Name of the pool.
+    name: String,
+    /// Overcommit ratio: the volumes' virtual sizes may add up to this many times the
+    /// pool's capacity (above 0; volumes already beyond it stay).
+    #[arg(long, required = true)]
+    overcommit: Option<f64>,
 }
 
 /// `pool show` (`pool status`).
@@ -95,6 +109,8 @@ pub enum PoolCmd {
     /// shutdown) if any.
     #[command(visible_alias = "status")]
     Show(PoolShowArgs),
+    /// Change a pool's settings (live and persistent).
+    Update(PoolUpdateArgs),
     /// Delete an empty pool and wipe its device labels.
     #[command(alias = "destroy")]
     Delete(PoolName),
@@ -432,6 +448,12 @@ fn print_pool_status(v: &PoolInfo) {
         bytes(v.capacity),
         bytes(v.free),
     );
+    println!(
+        "  volumes provision {} ({:.1}x capacity; overcommit limit {}x)",
+        bytes(v.provisioned),
+        v.provisioned as f64 / v.capacity.max(1) as f64,
+        v.overcommit,
+    );
     for d in &v.device_states {
         println!(
             "  {} {}{}",
@@ -479,6 +501,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
                 stripe_size: a.stripe_size.map(SizeArg::from),
                 unit_size: a.unit_size.map(SizeArg::from),
                 force: a.force,
+                overcommit: a.overcommit,
             };
             let v: PoolInfo = send(ep, "POST", "/v1/pools", &body)?;
             show(&v, raw, |v| {
@@ -499,6 +522,11 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
         PoolCmd::Delete(PoolName { name }) => {
             let v: Deleted = delete(ep, &format!("/v1/pools/{name}"))?;
             deleted(&v, raw, &format!("pool {name}"));
+        }
+        PoolCmd::Update(PoolUpdateArgs { name, overcommit }) => {
+            let body = UpdatePool { overcommit };
+            let v: PoolInfo = send(ep, "PATCH", &format!("/v1/pools/{name}"), &body)?;
+            show(&v, raw, print_pool_status);
         }
         PoolCmd::Replace(a) => {
             let with = a.with.or(a.new_device).unwrap_or_default();

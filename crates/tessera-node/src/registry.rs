@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{SaveError, StartError};
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct PoolEntry {
     pub name: String,
     pub uuid: String,
@@ -18,6 +18,10 @@ pub struct PoolEntry {
     /// Hot spares of a redundant pool (device specs), absent when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub spares: Vec<String>,
+    /// The overcommit ratio set for this pool; absent: the default
+    /// (`tessera_pool::DEFAULT_OVERCOMMIT`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overcommit: Option<f64>,
 }
 
 pub struct Registry {

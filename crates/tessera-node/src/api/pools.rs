@@ -8,7 +8,7 @@ use axum::Router;
 use std::sync::Arc;
 use tessera_api::{
     CreatePool, Deleted, ErrorReply, PoolEntry, PoolInfo, RebuildRequest, RebuildStatus,
-    ReplaceReply, ReplaceRequest, ScrubRequest, ScrubStatus, SpareList, SpareRequest,
+    ReplaceReply, ReplaceRequest, ScrubRequest, ScrubStatus, SpareList, SpareRequest, UpdatePool,
 };
 use tessera_http::Response;
 
@@ -18,7 +18,10 @@ use crate::node::Node;
 pub fn routes() -> Router<Arc<Node>> {
     Router::new()
         .route("/v1/pools", get(list).post(create))
-        .route("/v1/pools/{name}", get(detail).delete(destroy))
+        .route(
+            "/v1/pools/{name}",
+            get(detail).patch(update).delete(destroy),
+        )
         .route(
             "/v1/pools/{name}/rebuild",
             get(rebuild_status).post(rebuild_start).delete(rebuild_stop),
@@ -48,7 +51,7 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     let b: CreatePool = match body(
         &bytes,
         "pool",
-        "name, devices, layout, copies, stripe_size, unit_size, force",
+        "name, devices, layout, copies, stripe_size, unit_size, force, overcommit",
     ) {
         Ok(b) => b,
         Err(r) => return r,
@@ -57,20 +60,43 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     if let Some(c) = b.copies {
         layout = format!("{layout}:{c}");
     }
+    // A bad ratio is refused before anything is created; a good one is set on the new
+    // (empty) pool as `PATCH` would.
+    if let Some(Err(e)) = b.overcommit.map(tessera_pool::validate_overcommit) {
+        return reply::<(), _>(Err(e), 201);
+    }
     with_node(node, move |n| {
-        reply(
-            n.create_pool(
+        let created = n
+            .create_pool(
                 &b.name,
                 &b.devices,
                 &layout,
                 b.stripe_size.map(|s| s.as_text()).as_deref(),
                 b.unit_size.map(|s| s.as_text()).as_deref(),
                 b.force,
-            ),
-            201,
-        )
+            )
+            .and_then(|info| match b.overcommit {
+                Some(r) => n.update_pool(
+                    &info.name,
+                    &UpdatePool {
+                        overcommit: Some(r),
+                    },
+                ),
+                None => Ok(info),
+            });
+        reply(created, 201)
     })
     .await
+}
+
+#[utoipa::path(patch, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path)),
+    request_body = UpdatePool,
+    responses((status = 200, body = PoolInfo), (status = "4XX", body = ErrorReply)))]
+pub async fn update(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
+    match body::<UpdatePool>(&bytes, "pool update", "overcommit") {
+        Ok(b) => with_node(node, move |n| reply(n.update_pool(&name, &b), 200)).await,
+        Err(r) => r,
+    }
 }
 
 #[utoipa::path(get, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path)),

@@ -51,11 +51,11 @@ pub async fn list(State(node): NodeState) -> Response {
     responses((status = 201, body = VolumeInfo), (status = "4XX", body = ErrorReply),
         (status = 507, description = "The pool has no room", body = ErrorReply)))]
 pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
-    match body::<CreateVolume>(&bytes, "volume", "name, pool, size") {
+    match body::<CreateVolume>(&bytes, "volume", "name, pool, size, force") {
         Ok(b) => {
             with_node(node, move |n| {
                 reply(
-                    size(&b.size).and_then(|s| n.create_volume(&b.name, &b.pool, s)),
+                    size(&b.size).and_then(|s| n.create_volume(&b.name, &b.pool, s, b.force)),
                     201,
                 )
             })
@@ -76,10 +76,13 @@ pub async fn detail(State(node): NodeState, Path(name): Path<String>) -> Respons
     params(("name" = String, Path)), request_body = ResizeVolume,
     responses((status = 200, body = VolumeInfo), (status = "4XX", body = ErrorReply)))]
 pub async fn resize(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
-    match body::<ResizeVolume>(&bytes, "resize", "size") {
+    match body::<ResizeVolume>(&bytes, "resize", "size, force") {
         Ok(b) => {
             with_node(node, move |n| {
-                reply(size(&b.size).and_then(|s| n.resize_volume(&name, s)), 200)
+                reply(
+                    size(&b.size).and_then(|s| n.resize_volume(&name, s, b.force)),
+                    200,
+                )
             })
             .await
         }

@@ -202,6 +202,15 @@ impl Node {
     }
 
     fn restore_pool(&self, e: &PoolEntry) -> Result<(Pool, Vec<Arc<SwappableDevice>>)> {
+        let (p, slots) = self.open_pool(e)?;
+        let ratio = e.overcommit.unwrap_or(tessera_pool::DEFAULT_OVERCOMMIT);
+        if let Err(err) = p.set_overcommit(ratio) {
+            warn!(pool = %e.name, error = %err, "bad overcommit ratio in the registry: using the default");
+        }
+        Ok((p, slots))
+    }
+
+    fn open_pool(&self, e: &PoolEntry) -> Result<(Pool, Vec<Arc<SwappableDevice>>)> {
         let redundant = e.layout.starts_with("raid1")
             || layout_kind(&e.layout, e.stripe_size, e.devices.len())
                 .is_ok_and(|k| k.is_redundant());
@@ -276,7 +285,7 @@ impl Node {
         for v in &cfg.volumes {
             if self.find_volume(&v.name).is_err() {
                 size_arg("volume size", &v.size)
-                    .and_then(|size| self.create_volume(&v.name, &v.pool, size))
+                    .and_then(|size| self.create_volume(&v.name, &v.pool, size, false))
                     .map_err(|source| StartError::Declaration {
                         what: "volume",
                         name: v.name.clone(),
