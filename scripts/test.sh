@@ -41,6 +41,9 @@ export TESSERA="${TESSERA:-$TARGET_DIR/release/tessera}"
 section "format and lints (cargo fmt --check, cargo clippy -D warnings)"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# No import cycle between the files of a crate (beyond the two type-level ones the
+# script allows, with reasons).
+python3 scripts/import-cycles.py
 step_done "format and lints"
 
 section "build (cargo build --release --workspace --bins)"

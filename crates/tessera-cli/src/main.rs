@@ -5,7 +5,6 @@ mod error;
 mod format;
 mod manage;
 mod nvmf_cmd;
-mod nvmf_perf;
 mod paths;
 mod pool_cmd;
 mod progress;

@@ -177,7 +177,7 @@ pub enum NvmfCmd {
         input: Option<std::path::PathBuf>,
     },
     /// Pipelined load generator (measures the target, not the client).
-    Perf(crate::nvmf_perf::NvmfPerfArgs),
+    Perf(NvmfPerfArgs),
     /// Manage the node's subsystems (over the API).
     #[command(subcommand)]
     Subsystem(SubsystemCmd),
@@ -483,7 +483,7 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
             c.disconnect();
             eprintln!("wrote {} bytes at offset {off}", data.len());
         }
-        NvmfCmd::Perf(a) => crate::nvmf_perf::run(a)?,
+        NvmfCmd::Perf(a) => perf(a)?,
         NvmfCmd::Subsystem(s) => subsystem(ep, s, raw)?,
     }
     Ok(())
@@ -552,4 +552,18 @@ fn subsystem(ep: &Endpoint, c: SubsystemCmd, raw: bool) -> Result<()> {
     };
     show(&v, raw, one);
     Ok(())
+}
+
+/// `tessera nvmf perf`: the initiator's host options plus the load generator's workload
+/// (`tessera_load::nvmf_perf`).
+#[derive(Args, Clone, Debug)]
+pub struct NvmfPerfArgs {
+    #[command(flatten)]
+    host: HostArgs,
+    #[command(flatten)]
+    load: tessera_load::nvmf_perf::NvmfPerfArgs,
+}
+
+fn perf(a: NvmfPerfArgs) -> std::result::Result<(), String> {
+    tessera_load::nvmf_perf::run(a.host.addr(), a.host.options()?, a.load)
 }

@@ -170,7 +170,7 @@ fn serve(cfg: NodeConfig) -> Result<()> {
         .cloned()
         .collect();
     // NVMe/TCP listens before the banner says ready.
-    let nvmf = tessera_node::nvmf::start(&node);
+    let nvmf = tessera_node::node::nvmf::start(&node);
     if let Some(m) = &metrics {
         m.set_serving(true);
         println!(

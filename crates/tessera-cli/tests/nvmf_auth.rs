@@ -271,7 +271,7 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
     io_round_trip(&mut c, 1);
 
     // The CLI initiator: the right secret from a file identifies, a wrong one fails.
-    let out = s.node.cli_ok(&[
+    let out = initiator_ok(&[
         "nvmf",
         "identify",
         "--addr",
@@ -284,7 +284,7 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
         &path_str(&file),
     ]);
     assert!(out.contains(NQN), "{out}");
-    let o = s.node.cli(&[
+    let o = initiator(&[
         "nvmf",
         "identify",
         "--addr",
@@ -420,4 +420,18 @@ fn nvme_cli_generated_secrets_work() {
         Controller::connect(&s.io, NQN, &opts(HOST, Some(&keys[1]), Some(&keys[3])), 1).unwrap();
     io_round_trip(&mut c, 6);
     c.disconnect();
+}
+
+/// Run the CLI's initiator (`tessera nvmf ...`): it talks to its target, not to a
+/// node's API, so no `--api` (which it refuses).
+fn initiator(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run tessera")
+}
+
+fn initiator_ok(args: &[&str]) -> String {
+    tessera_testkit::node::cli_stdout(args, &initiator(args))
 }

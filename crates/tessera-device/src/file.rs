@@ -1,9 +1,5 @@
 //! Files and block devices, opened with O_DIRECT and driven through the core's io_uring.
 
-// Not yet audited for the workspace lint (5 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -15,6 +11,7 @@ use io_uring::{opcode, types};
 use tessera_io::AlignedBuf;
 
 use crate::{check_range, out_of_range, BlockDevice, CoreIo, IoHandle, IoOp, Tag};
+use tessera_io::cast::usize_of;
 
 pub struct FileDevice {
     file: File,
@@ -302,10 +299,10 @@ impl BlockDevice for FileDevice {
         let a = self.align as u64;
         let start = offset - offset % a;
         let end = (offset + buf.len() as u64).next_multiple_of(a);
-        let mut b = AlignedBuf::zeroed((end - start) as usize);
+        let mut b = AlignedBuf::zeroed(usize_of(end - start));
         self.file
-            .read_exact_at(&mut b.as_mut_slice()[..(end - start) as usize], start)?;
-        let s = (offset - start) as usize;
+            .read_exact_at(&mut b.as_mut_slice()[..usize_of(end - start)], start)?;
+        let s = usize_of(offset - start);
         buf.copy_from_slice(&b.as_slice()[s..s + buf.len()]);
         Ok(())
     }
@@ -318,10 +315,10 @@ impl BlockDevice for FileDevice {
         let a = self.align as u64;
         let start = offset - offset % a;
         let end = (offset + buf.len() as u64).next_multiple_of(a);
-        let n = (end - start) as usize;
+        let n = usize_of(end - start);
         let mut b = AlignedBuf::zeroed(n);
         self.file.read_exact_at(&mut b.as_mut_slice()[..n], start)?;
-        let s = (offset - start) as usize;
+        let s = usize_of(offset - start);
         b.as_mut_slice()[s..s + buf.len()].copy_from_slice(buf);
         self.file.write_all_at(&b.as_slice()[..n], start)
     }

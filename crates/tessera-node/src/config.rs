@@ -35,7 +35,7 @@ pub struct NodeConfig {
     pub parity_journal_flush: bool,
     pub api: ApiConfig,
     pub nbd: NbdConfig,
-    pub nvmf: crate::nvmf::NvmfConfig,
+    pub nvmf: NvmfConfig,
     pub metrics: MetricsConfig,
     #[serde(rename = "pool")]
     pub pools: Vec<PoolDecl>,
@@ -165,7 +165,7 @@ impl Default for NodeConfig {
             parity_journal_flush: true,
             api: ApiConfig::default(),
             nbd: NbdConfig::default(),
-            nvmf: crate::nvmf::NvmfConfig::default(),
+            nvmf: NvmfConfig::default(),
             metrics: MetricsConfig::default(),
             pools: Vec::new(),
             volumes: Vec::new(),
@@ -207,9 +207,9 @@ impl NodeConfig {
                 read_only: false,
                 tls: None,
             }],
-            nvmf: crate::nvmf::NvmfConfig {
-                subsystems: vec![crate::nvmf::SubsystemDecl {
-                    nqn: crate::nvmf::default_nqn("vol0"),
+            nvmf: NvmfConfig {
+                subsystems: vec![SubsystemDecl {
+                    nqn: default_nqn("vol0"),
                     volumes: vec!["vol0".into()],
                     allow_any_host: true,
                     hosts: Vec::new(),
@@ -236,6 +236,50 @@ impl NodeConfig {
                 .unwrap_or(1)
         }
     }
+}
+
+/// `[nvmf]` in the node configuration.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NvmfConfig {
+    /// Serve NVMe/TCP at all.
+    pub enabled: bool,
+    /// Address of the I/O port (NVM subsystems; discovery is served there too).
+    pub listen: String,
+    /// Address of the discovery port ("" = none).
+    pub discovery: String,
+    /// Declarative first setup: subsystems created at start when missing.
+    #[serde(rename = "subsystem")]
+    pub subsystems: Vec<SubsystemDecl>,
+}
+
+impl Default for NvmfConfig {
+    fn default() -> Self {
+        NvmfConfig {
+            enabled: true,
+            listen: "127.0.0.1:4420".into(),
+            discovery: "127.0.0.1:8009".into(),
+            subsystems: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubsystemDecl {
+    pub nqn: String,
+    /// Volumes, as namespaces 1, 2, ...
+    #[serde(default)]
+    pub volumes: Vec<String>,
+    #[serde(default)]
+    pub allow_any_host: bool,
+    #[serde(default)]
+    pub hosts: Vec<String>,
+}
+
+/// The NQN `tessera up` exports `vol` under.
+pub fn default_nqn(vol: &str) -> String {
+    format!("nqn.2024-01.io.tessera:{vol}")
 }
 
 #[cfg(test)]

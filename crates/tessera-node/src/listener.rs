@@ -59,7 +59,7 @@ fn unix_socket_free(path: &Path) -> io::Result<()> {
 /// Check, before the node opens any pool, that the addresses it must listen on are free:
 /// the API socket (and TCP address) and the NBD addresses. A node that would fail on a
 /// busy address fails here, having opened nothing. (NVMe/TCP ports are not checked: a
-/// busy one only turns NVMe/TCP off there, as `nvmf::start` says.)
+/// busy one only turns NVMe/TCP off there, as `node::nvmf::start` says.)
 pub fn check_addresses(cfg: &crate::NodeConfig) -> io::Result<()> {
     let busy = |what: &str, addr: &str, e: io::Error| {
         io::Error::new(e.kind(), format!("cannot listen for {what} on {addr}: {e}"))

@@ -13,6 +13,7 @@
 //! - [`initiator`]: a blocking host for tools and tests, and the pipelined queue the perf
 //!   load generator drives.
 
+pub mod accept;
 pub mod auth;
 pub mod initiator;
 pub mod nvme;

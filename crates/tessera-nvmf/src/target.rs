@@ -11,14 +11,12 @@
 //! never takes: an I/O queue reads two atomics per command (ready, namespace generation).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::net::TcpListener;
-use std::os::fd::{OwnedFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
 use tessera_export::{Export, ExportTarget};
-use tessera_io::Mailbox;
 use tracing::warn;
 
 use crate::auth::HostKeys;
@@ -427,23 +425,5 @@ impl<T> Controller<T> {
         let count = st.error_count;
         st.errors.push_front(ErrorEntry { count, ..e });
         st.errors.truncate(ERROR_LOG);
-    }
-}
-
-/// Accept NVMe/TCP connections forever; each becomes a queue task on the core `next`
-/// picks. Everything after accept (ICReq, Connect) runs on that core.
-pub fn accept_loop<T: ExportTarget>(
-    l: TcpListener,
-    target: Arc<Target<T>>,
-    next: impl Fn() -> Arc<Mailbox> + Send + 'static,
-) {
-    for s in l.incoming() {
-        let Ok(s) = s else { continue };
-        let _ = s.set_nodelay(true);
-        let fd: OwnedFd = s.into();
-        let t = target.clone();
-        next().spawn(Box::new(move |io| {
-            Box::new(crate::queue::NvmfQueue::new(io, fd, t))
-        }));
     }
 }

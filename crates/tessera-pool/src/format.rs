@@ -1,11 +1,8 @@
 //! Byte-exact codecs for the structures of `docs/format.md`. Little-endian throughout;
 //! every 4 KiB metadata block ends with a CRC32C of the bytes before it.
 
-// Not yet audited for the workspace lint (6 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use crate::error::{Error, Result};
+use tessera_io::cast::{u32_of, u8_of};
 
 pub const BLOCK: usize = 4096;
 pub const FORMAT_VERSION: u32 = 1;
@@ -290,7 +287,7 @@ impl Superblock {
         let mut w = W { b: &mut b, at: 0 };
         w.put(SUPER_MAGIC);
         w.u32(FORMAT_VERSION);
-        w.u32(BLOCK as u32);
+        w.u32(u32_of(BLOCK));
         w.put(&self.uuid);
         for v in [
             self.unit_size,
@@ -447,19 +444,19 @@ impl Catalog {
         let mut v = Vec::new();
         v.extend_from_slice(&CATALOG_VERSION.to_le_bytes());
         v.extend_from_slice(&self.next_volume_id.to_le_bytes());
-        v.extend_from_slice(&(self.volumes.len() as u32).to_le_bytes());
+        v.extend_from_slice(&u32_of(self.volumes.len()).to_le_bytes());
         for vol in &self.volumes {
             v.extend_from_slice(&vol.id.to_le_bytes());
             v.extend_from_slice(&vol.size.to_le_bytes());
             v.extend_from_slice(&vol.created.to_le_bytes());
-            v.extend_from_slice(&(vol.name.len() as u16).to_le_bytes());
+            v.extend_from_slice(&name_len(&vol.name).to_le_bytes());
             v.extend_from_slice(vol.name.as_bytes());
             vol.qos.encode(&mut v);
             vol.qos.encode_sched(&mut v);
         }
-        v.extend_from_slice(&(self.exports.len() as u32).to_le_bytes());
+        v.extend_from_slice(&u32_of(self.exports.len()).to_le_bytes());
         for e in &self.exports {
-            v.extend_from_slice(&(e.name.len() as u16).to_le_bytes());
+            v.extend_from_slice(&name_len(&e.name).to_le_bytes());
             v.extend_from_slice(e.name.as_bytes());
             v.extend_from_slice(&e.volume_id.to_le_bytes());
             let tls = match e.tls_required {
@@ -561,7 +558,7 @@ pub fn encode_journal_block(uuid: &Uuid, seq: u64, records: &[Record]) -> [u8; B
     w.put(JOURNAL_MAGIC);
     w.u64(seq);
     w.put(uuid);
-    w.u32(records.len() as u32);
+    w.u32(u32_of(records.len()));
     w.u32(0);
     for r in records {
         w.u32(r.pool_unit);
@@ -678,7 +675,7 @@ pub(crate) fn encode_header(
     h[24..32].copy_from_slice(&r.row.to_le_bytes());
     h[32..40].copy_from_slice(&r.version.to_le_bytes());
     h[40] = r.kind;
-    h[41] = entries.len() as u8;
+    h[41] = u8_of(entries.len());
     h[44..48].copy_from_slice(&r.payload.to_le_bytes());
     if let Some(c) = r.payload_crc {
         h[42] = FLAG_PAYLOAD_CRC;
@@ -732,6 +729,11 @@ impl StripeRecord {
                 .collect(),
         })
     }
+}
+
+/// A catalog name's length field: names are at most 64 bytes (`validate_name`).
+fn name_len(name: &str) -> u16 {
+    u16::try_from(name.len()).expect("catalog names are validated to at most 64 bytes")
 }
 
 #[cfg(test)]

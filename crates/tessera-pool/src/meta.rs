@@ -1,16 +1,13 @@
 //! Reading and writing the metadata region (superblock, checkpoints, journal) through a
 //! layout's synchronous face. Used by the control plane and the commit thread only.
 
-// Not yet audited for the workspace lint (3 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::io;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::format::*;
 use crate::layout::Layout;
+use tessera_io::cast::{u32_of, usize_of};
 
 pub struct MetaStore {
     pub layout: Arc<Layout>,
@@ -77,7 +74,7 @@ impl MetaStore {
             flags,
             generation,
             journal_seq,
-            catalog_len: catalog.len() as u32,
+            catalog_len: u32_of(catalog.len()),
             catalog_crc: crc(catalog),
             owner_entries: owners.len() as u64,
             owner_crc,
@@ -102,7 +99,7 @@ impl MetaStore {
         if crc(&cat) != header.catalog_crc {
             return None;
         }
-        let mut table = vec![0u8; header.owner_entries as usize * 8];
+        let mut table = vec![0u8; usize_of(header.owner_entries) * 8];
         self.layout
             .read_at(base + BLOCK as u64 + CATALOG_MAX as u64, &mut table)
             .ok()?;
@@ -151,7 +148,7 @@ impl MetaStore {
         let mut i = 0;
         while i < blocks.len() {
             let pos = (seq + i as u64) % self.sb.journal_blocks;
-            let run = (blocks.len() - i).min((self.sb.journal_blocks - pos) as usize);
+            let run = (blocks.len() - i).min(usize_of(self.sb.journal_blocks - pos));
             let mut buf = Vec::with_capacity(run * BLOCK);
             for b in &blocks[i..i + run] {
                 buf.extend_from_slice(b);

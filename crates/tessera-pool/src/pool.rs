@@ -1,10 +1,6 @@
 //! A pool: devices under a layout, a metadata region, the unit allocator, the volumes
 //! carved from it, and the commit thread that makes thin-map changes durable.
 
-// Not yet audited for the workspace lint (9 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
@@ -20,6 +16,7 @@ use crate::format::*;
 use crate::layout::{Layout, LayoutKind};
 use crate::meta::MetaStore;
 use crate::volume::{UnitMap, Volume, HOLE};
+use tessera_io::cast::{u32_of, usize_of};
 
 /// Default allocation unit; see docs/architecture.md for the reasoning.
 pub const DEFAULT_UNIT_SIZE: u64 = 1 << 20;
@@ -268,11 +265,11 @@ impl PoolCore {
                 return Err(-e.raw_os_error().unwrap_or(libc::EIO));
             }
         }
-        s.owners[p as usize] = (vol.id, unit as u32);
+        s.owners[p as usize] = (vol.id, u32_of(unit));
         s.records.push(Record {
             pool_unit: p,
             volume_id: vol.id,
-            volume_unit: unit as u32,
+            volume_unit: u32_of(unit),
         });
         map.set(unit, p);
         vol.allocated.fetch_add(1, Relaxed);
@@ -720,8 +717,8 @@ impl Pool {
         for (i, d) in layout.devices.iter().enumerate() {
             let label = Label {
                 uuid,
-                index: i as u32,
-                count: layout.devices.len() as u32,
+                index: u32_of(i),
+                count: u32_of(layout.devices.len()),
                 layout: code,
                 stripe,
                 data_len: layout.dev_data_len[i],
@@ -845,7 +842,7 @@ impl Pool {
                 (Err(e), Some(n)) if n.layout.is_redundant(n.copies) => {
                     tracing::warn!(pool = %n.pool_name, error = %e, "device label unreadable; the device is failed");
                     let mut l = n.clone();
-                    l.index = i as u32;
+                    l.index = u32_of(i);
                     missing.push(i);
                     labels.push(l);
                 }
@@ -992,7 +989,7 @@ impl Pool {
                     ),
                 );
             }
-            let meta_units = core.meta.sb.meta_units as usize;
+            let meta_units = usize_of(core.meta.sb.meta_units);
             let maps: BTreeMap<u32, (&Arc<Volume>, Arc<UnitMap>)> = vols
                 .iter()
                 .map(|(&id, v)| (id, (v, v.current_map())))
@@ -1005,14 +1002,14 @@ impl Pool {
                 }
                 match maps.get(&o.0) {
                     Some((v, map)) if (o.1 as u64) < map.len() && map.get(o.1 as u64) == HOLE => {
-                        map.set(o.1 as u64, p as u32);
+                        map.set(o.1 as u64, u32_of(p));
                         v.allocated.fetch_add(1, Relaxed);
                     }
                     _ => {
                         // Free, or naming a volume/unit that no longer exists (a deleted
                         // volume whose last checkpoint raced a crash): the unit is free.
                         *o = (OWNER_FREE, 0);
-                        free.push(p as u32);
+                        free.push(u32_of(p));
                     }
                 }
             }
@@ -1152,7 +1149,7 @@ impl Pool {
                 human_bytes(total),
                 human_bytes(capacity),
                 total as f64 / capacity.max(1) as f64,
-                human_bytes(limit.min(u64::MAX as f64) as u64),
+                human_bytes(saturating_bytes(limit)),
                 self.core.name,
             ),
         ))
@@ -1314,7 +1311,7 @@ impl Pool {
         let mut done = 0;
         let mut off = 0;
         while off < unit {
-            let len = (unit - off).min(buf.len() as u64) as usize;
+            let len = usize_of((unit - off).min(buf.len() as u64));
             done += self
                 .core
                 .layout
@@ -1487,6 +1484,12 @@ fn initial_owners(sb: &Superblock) -> Vec<(u32, u32)> {
             }
         })
         .collect()
+}
+
+/// A byte count computed in floating point (a ratio of a capacity), saturated into u64.
+#[allow(clippy::cast_possible_truncation)] // `as` saturates; the fraction of a byte goes
+fn saturating_bytes(x: f64) -> u64 {
+    x as u64
 }
 
 /// Names are what users type on command lines and in NBD URIs: keep them plain.

@@ -11,10 +11,6 @@
 //! published (Release/Acquire), and a unit is zeroed before it is published, so no reader
 //! ever sees another volume's old data.
 
-// Not yet audited for the workspace lint (9 casts, mostly u64 lengths and offsets to
-// usize on this 64-bit-only code): remove this line and fix or justify each one.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, RwLock};
@@ -25,6 +21,7 @@ use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
 use crate::layout::LayoutHandle;
 use crate::pool::PoolCore;
+use tessera_io::cast::{u32_of, usize_of};
 
 /// Map entry of a unit that has no space yet: it reads as zeros.
 pub const HOLE: u32 = u32::MAX;
@@ -49,7 +46,7 @@ const LEAF_MASK: u64 = LEAF_UNITS - 1;
 /// [`UnitMap::compacted`] do), so readers of the old array never see a leaf freed under
 /// them.
 struct Leaf {
-    entries: [AtomicU32; LEAF_UNITS as usize],
+    entries: [AtomicU32; usize_of(LEAF_UNITS)],
     /// Entries that are not holes: a leaf that drops to 0 is left out at the next
     /// compaction. Changed only under the pool lock.
     mapped: AtomicU32,
@@ -58,7 +55,7 @@ struct Leaf {
 impl Leaf {
     fn new_empty() -> Arc<Leaf> {
         Arc::new(Leaf {
-            entries: [const { AtomicU32::new(HOLE) }; LEAF_UNITS as usize],
+            entries: [const { AtomicU32::new(HOLE) }; usize_of(LEAF_UNITS)],
             mapped: AtomicU32::new(0),
         })
     }
@@ -235,7 +232,7 @@ impl UnitMap {
                 let from = first.max(base) - base;
                 let to = end.min(base + LEAF_UNITS) - base;
                 (from..to).filter_map(move |j| {
-                    let p = l.entries[j as usize].load(Acquire);
+                    let p = l.entries[usize_of(j)].load(Acquire);
                     (p != HOLE).then_some((base + j, p))
                 })
             })
@@ -247,7 +244,7 @@ impl UnitMap {
         let end = end.min(self.units);
         first < end
             && ((first >> LEAF_BITS)..=((end - 1) >> LEAF_BITS)).any(|i| {
-                self.leaf(i as usize)
+                self.leaf(usize_of(i))
                     .is_some_and(|l| l.mapped.load(Relaxed) == 0)
             })
     }
@@ -496,7 +493,7 @@ impl VolumeHandle {
         if first == last {
             return f(self, io, first, offset, len, 0, tag);
         }
-        let t = io.join(tag, (last - first + 1) as u32);
+        let t = io.join(tag, u32_of(last - first + 1));
         let mut at = offset;
         let end = offset + len;
         while at < end {
@@ -539,10 +536,10 @@ impl IoHandle for VolumeHandle {
                 self.for_units(io, offset, len, tag, |h, io, u, at, seg, roff, t| {
                     let p = h.map.get(u);
                     // SAFETY: roff + seg <= len, within the submitter's buffer.
-                    let b = unsafe { buf.add(roff as usize) };
+                    let b = unsafe { buf.add(usize_of(roff)) };
                     if p == HOLE {
                         // SAFETY: as above.
-                        unsafe { std::ptr::write_bytes(b, 0, seg as usize) };
+                        unsafe { std::ptr::write_bytes(b, 0, usize_of(seg)) };
                         io.complete(t, 0);
                     } else {
                         let off = h.pool_offset(p, at);
@@ -550,7 +547,7 @@ impl IoHandle for VolumeHandle {
                             io,
                             IoOp::Read {
                                 offset: off,
-                                len: seg as u32,
+                                len: u32_of(seg),
                                 buf: b,
                             },
                             t,
@@ -569,12 +566,12 @@ impl IoHandle for VolumeHandle {
                     }
                     let off = h.pool_offset(p, at);
                     // SAFETY: roff + seg <= len, within the submitter's buffer.
-                    let b = unsafe { buf.add(roff as usize) };
+                    let b = unsafe { buf.add(usize_of(roff)) };
                     h.layout.submit(
                         io,
                         IoOp::Write {
                             offset: off,
-                            len: seg as u32,
+                            len: u32_of(seg),
                             buf: b,
                         },
                         t,
@@ -699,6 +696,7 @@ impl ExportHandle for VolumeHandle {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)] // test data patterns wrap on purpose
 mod tests {
     use std::sync::Arc;
 

@@ -11,6 +11,7 @@
 mod devices;
 mod exports;
 mod jobs;
+pub mod nvmf;
 mod pools;
 mod qos;
 mod spares;
