@@ -7,11 +7,10 @@
 mod common;
 use common::*;
 
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tessera_nbd::client::{ClientOptions, NbdClient};
+use tessera_nbd::client::NbdClient;
 
 const VOL: u64 = 16 << 20;
 const BLOCK: usize = 64 << 10;
@@ -19,13 +18,7 @@ const BLOCK: usize = 64 << 10;
 const VANISH_MS: u64 = 4000;
 
 fn connect(n: &TestNode) -> NbdClient {
-    let s = TcpStream::connect(n.addr()).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    NbdClient::from_stream(s, "v", ClientOptions::default()).expect("NBD handshake")
-}
-
-fn block(i: usize, gen: u64) -> Vec<u8> {
-    tessera_testkit::data::block(i, gen, BLOCK)
+    nbd_connect(n, "v")
 }
 
 fn write_blocks(
@@ -34,23 +27,11 @@ fn write_blocks(
     which: impl Iterator<Item = usize>,
     gen: u64,
 ) {
-    for i in which {
-        c.write((i * BLOCK) as u64, &block(i, gen), false).unwrap();
-        model[i] = gen;
-    }
-    c.flush().unwrap();
+    write_generations(c, model, which, gen, BLOCK);
 }
 
 fn verify(n: &TestNode, model: &[u64]) {
-    let mut c = connect(n);
-    let mut buf = vec![0u8; BLOCK];
-    for (i, &g) in model.iter().enumerate() {
-        c.read((i * BLOCK) as u64, &mut buf).unwrap();
-        assert!(
-            buf == block(i, g),
-            "block {i} differs (expected generation {g})"
-        );
-    }
+    verify_generations(n, "v", model, BLOCK);
 }
 
 /// `tessera --json pool status m`: the pool with its spares and rebuild.

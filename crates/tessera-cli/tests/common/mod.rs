@@ -26,3 +26,46 @@ pub type TestNode = tessera_testkit::node::TestNode<Tessera>;
 pub fn nbd_perf(uri: &str, pattern: &str, qd: u32, secs: u64, extra: &[&str]) -> PerfResult {
     tessera_testkit::node::nbd_perf::<Tessera>(uri, pattern, qd, secs, extra)
 }
+
+/// An NBD client of export `export` on node `n` (20 s read timeout).
+pub fn nbd_connect(n: &TestNode, export: &str) -> tessera_nbd::client::NbdClient {
+    let s = std::net::TcpStream::connect(n.addr()).expect("connect");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    tessera_nbd::client::NbdClient::from_stream(
+        s,
+        export,
+        tessera_nbd::client::ClientOptions::default(),
+    )
+    .expect("NBD handshake")
+}
+
+/// Write blocks `which` (of `bs` bytes) at generation `gen` (`block`), note it in
+/// `model`, then flush.
+pub fn write_generations(
+    c: &mut tessera_nbd::client::NbdClient,
+    model: &mut [u64],
+    which: impl Iterator<Item = usize>,
+    gen: u64,
+    bs: usize,
+) {
+    for i in which {
+        c.write((i * bs) as u64, &block(i, gen, bs), false).unwrap();
+        model[i] = gen;
+    }
+    c.flush().unwrap();
+}
+
+/// Read every block of `model` back from export `export` and compare it with the
+/// generation the model holds.
+pub fn verify_generations(n: &TestNode, export: &str, model: &[u64], bs: usize) {
+    let mut c = nbd_connect(n, export);
+    let mut buf = vec![0u8; bs];
+    for (i, &g) in model.iter().enumerate() {
+        c.read((i * bs) as u64, &mut buf).unwrap();
+        assert!(
+            buf == block(i, g, bs),
+            "block {i} differs (expected generation {g})"
+        );
+    }
+}
