@@ -54,11 +54,17 @@ impl RemoteSpec {
         let bad = |why: &str| {
             io::Error::new(
                 io::ErrorKind::InvalidInput,
-                format!("bad remote device '{s}': {why} (expected {SCHEME}HOST:PORT/SUBNQN?nsid=N)"),
+                format!(
+                    "bad remote device '{s}': {why} (expected {SCHEME}HOST:PORT/SUBNQN?nsid=N)"
+                ),
             )
         };
-        let rest = s.strip_prefix(SCHEME).ok_or_else(|| bad("no nvme-tcp:// prefix"))?;
-        let (addr, path) = rest.split_once('/').ok_or_else(|| bad("no subsystem NQN"))?;
+        let rest = s
+            .strip_prefix(SCHEME)
+            .ok_or_else(|| bad("no nvme-tcp:// prefix"))?;
+        let (addr, path) = rest
+            .split_once('/')
+            .ok_or_else(|| bad("no subsystem NQN"))?;
         let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("no port"))?;
         if host.is_empty() || port.parse::<u16>().is_err() {
             return Err(bad("the address must be HOST:PORT"));
@@ -95,7 +101,11 @@ impl RemoteSpec {
 
 impl std::fmt::Display for RemoteSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{SCHEME}{}/{}?nsid={}", self.addr, self.subnqn, self.nsid)
+        write!(
+            f,
+            "{SCHEME}{}/{}?nsid={}",
+            self.addr, self.subnqn, self.nsid
+        )
     }
 }
 
@@ -245,11 +255,20 @@ impl RemoteDevice {
                 }
             }
             if qid > admin.granted {
-                return Err(format!("the controller grants only {} I/O queues", admin.granted));
+                return Err(format!(
+                    "the controller grants only {} I/O queues",
+                    admin.granted
+                ));
             }
             let cntlid = admin.ctrl.as_ref().map_or(0, |c| c.cntlid);
             let r = Queue::open(&self.spec.addr, &self.opts).and_then(|mut q| {
-                q.connect(qid, &self.spec.subnqn, cntlid, &self.opts, self.cfg.queue_depth)?;
+                q.connect(
+                    qid,
+                    &self.spec.subnqn,
+                    cntlid,
+                    &self.opts,
+                    self.cfg.queue_depth,
+                )?;
                 Ok(q)
             });
             match r {
@@ -314,7 +333,10 @@ impl RemoteDevice {
             Some(end) if end <= self.size => Ok(()),
             _ => Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                format!("{what}: range {offset}+{len} is beyond the device size {}", self.size),
+                format!(
+                    "{what}: range {offset}+{len} is beyond the device size {}",
+                    self.size
+                ),
             )),
         }
     }
@@ -327,7 +349,8 @@ impl RemoteDevice {
             let n = (out.len() - done).min(self.max_transfer as usize);
             let slba = (start + done as u64) / lba;
             let nlb = u32::try_from(n as u64 / lba).expect("bounded by MDTS");
-            let data = self.with_sync_queue(|c, q| c.read(q, self.spec.nsid, slba, nlb, self.lba))?;
+            let data =
+                self.with_sync_queue(|c, q| c.read(q, self.spec.nsid, slba, nlb, self.lba))?;
             out[done..done + n].copy_from_slice(&data[..n]);
             done += n;
         }
@@ -494,8 +517,8 @@ mod tests {
 
     #[test]
     fn specs_parse_and_print() {
-        let s = RemoteSpec::parse("nvme-tcp://127.0.0.1:4420/nqn.2024-01.io.tessera:v?nsid=2")
-            .unwrap();
+        let s =
+            RemoteSpec::parse("nvme-tcp://127.0.0.1:4420/nqn.2024-01.io.tessera:v?nsid=2").unwrap();
         assert_eq!(s.addr, "127.0.0.1:4420");
         assert_eq!(s.subnqn, "nqn.2024-01.io.tessera:v");
         assert_eq!(s.nsid, 2);
@@ -518,8 +541,14 @@ mod tests {
     #[test]
     fn nvme_statuses_map_to_errnos() {
         assert_eq!(status_to_errno(nvme::SC_SUCCESS), 0);
-        assert_eq!(status_to_errno(nvme::SC_LBA_RANGE | nvme::DNR), libc::EINVAL);
-        assert_eq!(status_to_errno(nvme::SC_CAP_EXCEEDED | nvme::DNR), libc::ENOSPC);
+        assert_eq!(
+            status_to_errno(nvme::SC_LBA_RANGE | nvme::DNR),
+            libc::EINVAL
+        );
+        assert_eq!(
+            status_to_errno(nvme::SC_CAP_EXCEEDED | nvme::DNR),
+            libc::ENOSPC
+        );
         assert_eq!(status_to_errno(nvme::SC_NS_WRITE_PROTECTED), libc::EROFS);
         assert_eq!(status_to_errno(nvme::SC_WRITE_FAULT), libc::EIO);
         assert_eq!(status_to_errno(nvme::SC_INVALID_OPCODE), libc::EOPNOTSUPP);

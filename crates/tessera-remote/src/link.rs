@@ -185,7 +185,11 @@ impl RemoteHandle {
 
     /// A concrete handle for the calling core (the trait's `open_handle` boxes this).
     pub fn open(dev: &Arc<RemoteDevice>) -> RemoteHandle {
-        let qid = dev.free_qids.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let qid = dev
+            .free_qids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
         RemoteHandle::new(dev.clone(), qid)
     }
 
@@ -410,7 +414,10 @@ impl Link {
             }
             EV_CONNECTED => self.on_connected(io),
             EV_RETRY
-                if gen == self.gen && self.sock.is_none() && !self.connecting && !self.fail_fast =>
+                if gen == self.gen
+                    && self.sock.is_none()
+                    && !self.connecting
+                    && !self.fail_fast =>
             {
                 self.start_connect(io);
             }
@@ -437,7 +444,11 @@ impl Link {
         while !self.waiting.is_empty() {
             let Some(cid) = self.free.pop() else { break };
             let (op, tag) = self.waiting.pop_front().expect("not empty");
-            self.cmds[usize::from(cid)] = Cmd { op, tag, busy: true };
+            self.cmds[usize::from(cid)] = Cmd {
+                op,
+                tag,
+                busy: true,
+            };
             self.encode(cid, op);
         }
         self.kick_send(io);
@@ -597,7 +608,9 @@ impl Link {
     fn busy_cmd(&self, cid: u16, what: &str) -> Result<Cmd, String> {
         match self.cmds.get(usize::from(cid)) {
             Some(c) if c.busy => Ok(*c),
-            _ => Err(format!("{what} for command {cid}, which is not outstanding")),
+            _ => Err(format!(
+                "{what} for command {cid}, which is not outstanding"
+            )),
         }
     }
 
@@ -690,7 +703,9 @@ impl Link {
                         return Err(format!("R2T for command {cid}, which is not a write"));
                     };
                     if u64::from(off) + u64::from(len) > u64::from(wlen) || len == 0 {
-                        return Err(format!("R2T {off}+{len} outside write {cid} of {wlen} bytes"));
+                        return Err(format!(
+                            "R2T {off}+{len} outside write {cid} of {wlen} bytes"
+                        ));
                     }
                     self.in_start += f.plen();
                     self.queue_h2c(cid, ttag, off, len, buf);
