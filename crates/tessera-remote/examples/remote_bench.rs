@@ -4,6 +4,7 @@
 //! Usage: remote_bench URL PATTERN QD SECONDS [BS] [SIZE]
 //!   URL      nvme-tcp://HOST:PORT/SUBNQN?nsid=N
 //!   PATTERN  randread | randwrite
+//! At QD1 the reactor busy-polls (like `nvmf perf --busy-poll`).
 //! Prints a RESULT line like `tessera nvmf perf` (iops, mean/p50/p99 latency in us).
 
 use std::sync::mpsc::{channel, Sender};
@@ -57,7 +58,13 @@ impl Load {
         self.inflight += 1;
         let h = self.handle.as_mut().expect("opened at start");
         // SAFETY: bufs[slot] is reused only after this slot's completion.
-        unsafe { h.submit(io, op, Tag::task(self.id, slot as u32)) };
+        unsafe {
+            h.submit(
+                io,
+                op,
+                Tag::task(self.id, tessera_io::cast::u32_of(slot as u64)),
+            )
+        };
     }
 }
 
@@ -142,8 +149,8 @@ fn main() {
             blocks: size / bs,
             bufs: (0..qd)
                 .map(|i| {
-                    let mut b = AlignedBuf::zeroed(bs as usize);
-                    b.as_mut_slice().fill(i as u8);
+                    let mut b = AlignedBuf::zeroed(tessera_io::cast::usize_of(bs));
+                    b.as_mut_slice().fill(u8::try_from(i % 256).unwrap_or(0));
                     b
                 })
                 .collect(),
