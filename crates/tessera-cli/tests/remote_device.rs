@@ -12,17 +12,25 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tessera_device::BlockDevice;
+use tessera_device::{BlockDevice, RamDevice};
 use tessera_io::{
     spawn_reactors, AlignedBuf, CoreIo, IoHandle, IoOp, Mailbox, ReactorConfig, Tag, Task,
 };
 use tessera_nbd::client::{ClientOptions, NbdClient};
+use tessera_pool::{LayoutKind, Pool, PoolOptions, Volume};
 use tessera_remote::{LinkStats, RemoteConfig, RemoteDevice, RemoteHandle, RemoteSpec};
 
 const NQN: &str = "nqn.2024-01.io.tessera.test:remote";
 const VOL: u64 = 64 << 20;
 /// Where the test keeps the core's handle between jobs (CoreIo::locals key).
 const HANDLE_KEY: usize = 0x7265_6d6f;
+const VOLUME_KEY: usize = 0x7265_6d70;
+
+/// The handle a job drives: the remote device's own (with its counters) or a volume's.
+enum Handle {
+    Remote(RemoteHandle),
+    Volume(Box<dyn IoHandle>),
+}
 
 struct Target {
     node: TestNode,
@@ -80,7 +88,9 @@ struct Outcome {
 /// Runs a list of requests through the core's RemoteHandle at a queue depth.
 struct Job {
     dev: Arc<RemoteDevice>,
-    handle: Option<RemoteHandle>,
+    /// Drive this volume (a pool with a remote leg) instead of the device itself.
+    volume: Option<Arc<Volume>>,
+    handle: Option<Handle>,
     reqs: Vec<Req>,
     bufs: Vec<AlignedBuf>,
     results: Vec<i32>,
@@ -116,9 +126,12 @@ impl Job {
                 },
                 Req::Flush => IoOp::Flush,
             };
-            let h = self.handle.as_mut().unwrap();
+            let tag = Tag::task(self.id, i as u32);
             // SAFETY: bufs[i] lives in the job until the job has seen every completion.
-            unsafe { h.submit(io, op, Tag::task(self.id, i as u32)) };
+            match self.handle.as_mut().unwrap() {
+                Handle::Remote(h) => unsafe { h.submit(io, op, tag) },
+                Handle::Volume(h) => unsafe { h.submit(io, op, tag) },
+            }
         }
     }
 }
@@ -126,9 +139,15 @@ impl Job {
 impl Task for Job {
     fn start(&mut self, io: &mut CoreIo, id: u32) {
         self.id = id;
-        let h = match io.locals.remove(&HANDLE_KEY) {
-            Some(b) => *b.downcast::<RemoteHandle>().unwrap(),
-            None => RemoteHandle::open(&self.dev),
+        let h = match &self.volume {
+            Some(v) => Handle::Volume(match io.locals.remove(&VOLUME_KEY) {
+                Some(b) => *b.downcast::<Box<dyn IoHandle>>().unwrap(),
+                None => Box::new(v.open_handle()),
+            }),
+            None => Handle::Remote(match io.locals.remove(&HANDLE_KEY) {
+                Some(b) => *b.downcast::<RemoteHandle>().unwrap(),
+                None => RemoteHandle::open(&self.dev),
+            }),
         };
         self.handle = Some(h);
         self.started = Instant::now();
@@ -155,9 +174,17 @@ impl Job {
             return;
         }
         self.done = true;
-        let h = self.handle.take().unwrap();
-        let stats = h.stats();
-        io.locals.insert(HANDLE_KEY, Box::new(h));
+        let stats = match self.handle.take().unwrap() {
+            Handle::Remote(h) => {
+                let stats = h.stats();
+                io.locals.insert(HANDLE_KEY, Box::new(h));
+                stats
+            }
+            Handle::Volume(h) => {
+                io.locals.insert(VOLUME_KEY, Box::new(h));
+                LinkStats::default()
+            }
+        };
         let data = self
             .reqs
             .iter()
@@ -203,6 +230,17 @@ impl Core {
         qd: usize,
         progress: Arc<AtomicUsize>,
     ) -> std::sync::mpsc::Receiver<Outcome> {
+        self.spawn_on(dev, None, reqs, qd, progress)
+    }
+
+    fn spawn_on(
+        &self,
+        dev: &Arc<RemoteDevice>,
+        volume: Option<Arc<Volume>>,
+        reqs: Vec<Req>,
+        qd: usize,
+        progress: Arc<AtomicUsize>,
+    ) -> std::sync::mpsc::Receiver<Outcome> {
         let (tx, rx) = channel();
         let dev = dev.clone();
         self.mailbox.spawn(Box::new(move |_io: &mut CoreIo| {
@@ -217,6 +255,7 @@ impl Core {
                 .collect();
             Box::new(Job {
                 dev,
+                volume,
                 handle: None,
                 reqs,
                 bufs,
@@ -486,5 +525,89 @@ fn a_target_gone_past_the_timeout_fails_io_and_the_reactor_keeps_running() {
         assert_eq!(o.results[0], -libc::ENOTCONN);
         assert!(Instant::now() < deadline, "the queue never came back");
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_raid1_pool_with_a_remote_leg_writes_both_legs() {
+    let t = target("remote-raid1");
+    let remote = open(&t, Duration::from_secs(5));
+    let local = RamDevice::new(VOL).unwrap();
+    let devs: Vec<Arc<dyn BlockDevice>> = vec![remote.clone(), local.clone()];
+    // Formatting goes through the remote device's synchronous face.
+    let pool = Pool::create(
+        "mirror",
+        devs,
+        PoolOptions {
+            layout: LayoutKind::Raid1 { copies: 2 },
+            unit_size: 64 << 10,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let size = 16 << 20;
+    let vol = pool.create_volume("v", size).unwrap();
+    let core = Core::start();
+    let mut model = vec![0u8; size as usize];
+    let reqs = random_writes(3, 3000, 4096, &mut model);
+    let o = core
+        .spawn_on(
+            &remote,
+            Some(vol.clone()),
+            reqs,
+            32,
+            Arc::new(AtomicUsize::new(0)),
+        )
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the raid1 load finished");
+    assert!(o.results.iter().all(|&r| r >= 0), "a raid1 write failed");
+    let o = core
+        .spawn_on(
+            &remote,
+            Some(vol.clone()),
+            vec![Req::Flush],
+            1,
+            Arc::new(AtomicUsize::new(0)),
+        )
+        .recv_timeout(Duration::from_secs(30))
+        .unwrap();
+    assert_eq!(o.results, [0]);
+    // The volume reads back what was written...
+    let chunk = 1 << 20;
+    let reads: Vec<Req> = (0..size as usize / chunk)
+        .map(|i| Req::Read((i * chunk) as u64, chunk))
+        .collect();
+    let o = core
+        .spawn_on(
+            &remote,
+            Some(vol.clone()),
+            reads,
+            4,
+            Arc::new(AtomicUsize::new(0)),
+        )
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap();
+    for (i, d) in o.data.iter().enumerate() {
+        assert!(o.results[i] >= 0);
+        assert!(
+            d[..] == model[i * chunk..(i + 1) * chunk],
+            "volume MiB {i} differs"
+        );
+    }
+    // ...and both legs hold the same data area, with the data in it: the remote leg read
+    // over NVMe/TCP, the local one from RAM.
+    let start = tessera_pool::format::DEV_DATA_START;
+    let mut a = vec![0u8; (VOL - start) as usize];
+    let mut b = vec![0u8; a.len()];
+    remote.read_at(start, &mut a).unwrap();
+    local.read_at(start, &mut b).unwrap();
+    assert!(a.iter().any(|&x| x != 0), "nothing reached the remote leg");
+    assert!(a == b, "the remote and local legs differ");
+    let sample = &model[..4096];
+    if sample.iter().any(|&x| x != 0) {
+        assert!(
+            a.windows(4096).step_by(512).any(|w| w == sample),
+            "written data not on the remote leg"
+        );
     }
 }
