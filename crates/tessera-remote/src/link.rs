@@ -425,7 +425,9 @@ impl Link {
                 let expired = self
                     .down_since
                     .is_some_and(|t| t.elapsed() >= self.dev.cfg.timeout);
-                if gen == self.gen && self.sock.is_none() && !self.fail_fast && expired {
+                // No generation check: the outage may span several short-lived
+                // connections; `down_since` says whether it is still the same one.
+                if self.sock.is_none() && !self.fail_fast && expired {
                     self.go_down();
                 }
             }
@@ -602,6 +604,13 @@ impl Link {
         let tag = c.tag;
         self.free.push(cid);
         self.done.push((tag, res));
+        if self.down_since.is_some() {
+            // The peer answered: the outage is over. (Not at reconnect: a peer that
+            // accepts connections and breaks them before answering anything must still
+            // run into the timeout.)
+            self.down_since = None;
+            self.backoff = FIRST_BACKOFF;
+        }
     }
 
     /// The busy command `cid` names, or a protocol error.
@@ -808,7 +817,17 @@ impl Link {
             }
             return;
         }
-        self.start_connect(io);
+        match self.down_since {
+            // The connection broke again before the peer answered anything.
+            Some(t) if t.elapsed() >= self.dev.cfg.timeout => self.go_down(),
+            Some(_) => {
+                let hook = self.hook.expect("registered at the first submit");
+                let t = io.tracked(Tag::NO_PARENT, 1, hook, ctx(EV_RETRY, self.gen));
+                io.complete_after(self.backoff, t, 0);
+                self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+            }
+            None => self.start_connect(io),
+        }
     }
 
     /// Connect in a thread (it blocks); the result comes back through the mailbox.
@@ -871,13 +890,12 @@ impl Link {
                 self.maxh2cdata = q.maxh2cdata.max(4096);
                 self.sock = Some(q.stream);
                 self.stats.connects += 1;
-                if self.down_since.is_some() || self.fail_fast {
+                if self.stats.connects > 1 {
                     info!(device = %self.dev.spec, qid = self.qid.unwrap_or(0), core = io.core,
                           resubmitting = self.waiting.len(), "remote device: reconnected");
                 }
-                self.down_since = None;
+                // `down_since` and the backoff stay until the peer answers (`finish`).
                 self.fail_fast = false;
-                self.backoff = FIRST_BACKOFF;
                 self.gen = self.gen.wrapping_add(1);
                 self.arm_recv(io);
                 self.pump(io);
