@@ -7,7 +7,7 @@
 mod common;
 use common::*;
 
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -609,5 +609,135 @@ fn a_raid1_pool_with_a_remote_leg_writes_both_legs() {
             a.windows(4096).step_by(512).any(|w| w == sample),
             "written data not on the remote leg"
         );
+    }
+}
+
+/// A TCP relay in front of the target. On connections of I/O queues (qid != 0 in the
+/// Connect command) accepted while `garbage` is set, the first `intact` bytes from the
+/// target (ICResp and the Connect response) pass and everything after is replaced with
+/// 0xFF bytes. Admin queues pass untouched, so reconnects always succeed: the queue
+/// connects, meets garbage, and breaks, again and again.
+fn garbling_proxy(target: String, garbage: Arc<AtomicBool>, intact: usize) -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(client) = c else { return };
+            let Ok(server) = std::net::TcpStream::connect(&target) else {
+                continue;
+            };
+            let garble = garbage.load(Relaxed);
+            let io_queue = Arc::new(AtomicBool::new(false));
+            let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            let seen = io_queue.clone();
+            std::thread::spawn(move || relay(c2, s2, Relay::Watch(seen)));
+            let mode = if garble {
+                Relay::Garble(io_queue, intact)
+            } else {
+                Relay::Pass
+            };
+            std::thread::spawn(move || relay(server, client, mode));
+        }
+    });
+    addr
+}
+
+enum Relay {
+    Pass,
+    /// Host to target: note whether the Connect command is for an I/O queue.
+    Watch(Arc<AtomicBool>),
+    /// Target to host: garble after this many bytes if the queue is an I/O queue.
+    Garble(Arc<AtomicBool>, usize),
+}
+
+/// Where the Connect command's QID sits in the host's byte stream: after the ICReq
+/// (128 bytes), the capsule header (8) and CDW10's low half (SQE bytes 40..42).
+const CONNECT_QID_AT: usize = 128 + 8 + 42;
+
+fn relay(mut from: std::net::TcpStream, mut to: std::net::TcpStream, mode: Relay) {
+    use std::io::{Read, Write};
+    let mut buf = vec![0u8; 64 << 10];
+    let mut head = Vec::new();
+    let mut passed = 0usize;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        match &mode {
+            Relay::Pass => {}
+            Relay::Watch(io_queue) => {
+                if head.len() < CONNECT_QID_AT + 2 {
+                    head.extend_from_slice(&buf[..n]);
+                    if head.len() >= CONNECT_QID_AT + 2 {
+                        let qid =
+                            u16::from_le_bytes([head[CONNECT_QID_AT], head[CONNECT_QID_AT + 1]]);
+                        io_queue.store(qid != 0, Relaxed);
+                    }
+                }
+            }
+            Relay::Garble(io_queue, intact) => {
+                if io_queue.load(Relaxed) {
+                    for (i, b) in buf[..n].iter_mut().enumerate() {
+                        if passed + i >= *intact {
+                            *b = 0xFF;
+                        }
+                    }
+                }
+            }
+        }
+        passed += n;
+        if to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
+    let _ = from.shutdown(std::net::Shutdown::Both);
+}
+
+#[test]
+fn a_peer_that_answers_garbage_fails_io_after_the_timeout() {
+    let t = target("remote-garbage");
+    let garbage = Arc::new(AtomicBool::new(false));
+    // ICResp (128 bytes) and the Connect response (24) pass; what follows is garbage.
+    let proxy = garbling_proxy(t.nvmf.clone(), garbage.clone(), 128 + 24);
+    let spec = RemoteSpec::parse(&format!("nvme-tcp://{proxy}/{NQN}")).unwrap();
+    let cfg = RemoteConfig {
+        timeout: Duration::from_secs(2),
+        ..RemoteConfig::default()
+    };
+    let dev = RemoteDevice::open_with(spec, cfg).unwrap();
+    garbage.store(true, Relaxed);
+    let core = Core::start();
+    let started = Instant::now();
+    let o = core.run(
+        &dev,
+        vec![Req::Write(0, vec![1; 4096])],
+        1,
+        Duration::from_secs(20),
+    );
+    assert_eq!(o.results, [-libc::ENOTCONN]);
+    assert!(
+        o.stats.connects >= 2,
+        "the queue reconnected after meeting the garbage ({} connects)",
+        o.stats.connects
+    );
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(10),
+        "failed after {took:?}"
+    );
+    // The reactor still serves: the same device through a clean path works again.
+    garbage.store(false, Relaxed);
+    std::thread::sleep(Duration::from_millis(600));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = core.run(&dev, vec![Req::Read(0, 4096)], 1, Duration::from_secs(10));
+        if o.results[0] == 4096 {
+            break;
+        }
+        assert_eq!(o.results[0], -libc::ENOTCONN);
+        assert!(Instant::now() < deadline, "the queue never came back");
+        std::thread::sleep(Duration::from_millis(200));
     }
 }

@@ -126,7 +126,10 @@ fn a_watched_operation_gives_its_continuation_the_raw_result() {
     io.complete(w, 4096);
     let e = io.watched(id, 3);
     io.complete(e, -libc::ECONNRESET);
-    assert!(drain(&mut io).is_empty(), "a watched tag completes nothing itself");
+    assert!(
+        drain(&mut io).is_empty(),
+        "a watched tag completes nothing itself"
+    );
     assert_eq!(
         *rec.done.borrow(),
         vec![
