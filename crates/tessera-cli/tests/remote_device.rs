@@ -741,3 +741,65 @@ fn a_peer_that_answers_garbage_fails_io_after_the_timeout() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+#[test]
+fn a_target_that_stops_answering_fails_io_and_recovers_when_it_resumes() {
+    let t = target("remote-stall");
+    let dev = open(&t, Duration::from_secs(2));
+    let core = Core::start();
+    let o = core.run(
+        &dev,
+        vec![Req::Write(0, vec![7; 4096]), Req::Flush],
+        1,
+        Duration::from_secs(10),
+    );
+    assert_eq!(o.results, [4096, 0]);
+    let pid = t.node.pid() as i32;
+    // SAFETY: signalling our own child process; SIGCONT below (and the node's Drop kill
+    // works on a stopped process too).
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    // The stop takes effect asynchronously (a reactor spinning on another CPU may still
+    // answer for a moment): wait until every thread of the node is stopped.
+    let stopped = Instant::now() + Duration::from_secs(10);
+    while !all_threads_stopped(pid) {
+        assert!(Instant::now() < stopped, "the node did not stop");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let started = Instant::now();
+    let o = core.run(&dev, vec![Req::Read(0, 4096)], 1, Duration::from_secs(20));
+    let took = started.elapsed();
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert_eq!(o.results, [-libc::ENOTCONN], "I/O to a stopped target");
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(8),
+        "failed after {took:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = core.run(&dev, vec![Req::Read(0, 4096)], 1, Duration::from_secs(10));
+        if o.results[0] == 4096 {
+            assert!(o.data[0] == vec![7u8; 4096], "the flushed write was lost");
+            break;
+        }
+        assert_eq!(o.results[0], -libc::ENOTCONN);
+        assert!(Instant::now() < deadline, "the queue never came back");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Every thread of process `pid` is in the stopped state ('T' in /proc/PID/task/*/stat).
+fn all_threads_stopped(pid: i32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat"))
+            .ok()
+            .and_then(|st| {
+                st.rsplit_once(')')
+                    .map(|(_, rest)| rest.trim_start().starts_with('T'))
+            })
+            .unwrap_or(false)
+    })
+}

@@ -48,6 +48,7 @@ const EV_SEND: u64 = 2;
 const EV_CONNECTED: u64 = 3;
 const EV_RETRY: u64 = 4;
 const EV_DEADLINE: u64 = 5;
+const EV_WATCHDOG: u64 = 6;
 
 #[derive(Clone, Copy)]
 struct Cmd {
@@ -103,6 +104,10 @@ struct Link {
     last_attempt: Option<Instant>,
     /// The handle was dropped: close once the ring gives the buffers back.
     closed: bool,
+    /// When the peer last sent anything (or commands started after an idle spell).
+    last_heard: Instant,
+    /// A watchdog check of the current connection is pending.
+    watchdog_armed: bool,
     inb: Box<[u8]>,
     in_start: usize,
     in_end: usize,
@@ -156,6 +161,8 @@ impl RemoteHandle {
             backoff: FIRST_BACKOFF,
             last_attempt: None,
             closed: false,
+            last_heard: Instant::now(),
+            watchdog_armed: false,
             inb: vec![0u8; RECV_BUF].into_boxed_slice(),
             in_start: 0,
             in_end: 0,
@@ -388,6 +395,7 @@ impl Link {
                     return self.break_link(io, &why);
                 }
                 self.in_end += usize::try_from(res).unwrap_or(0);
+                self.last_heard = io.now();
                 if let Err(why) = self.parse() {
                     return self.break_link(io, &why);
                 }
@@ -413,6 +421,18 @@ impl Link {
                 }
             }
             EV_CONNECTED => self.on_connected(io),
+            EV_WATCHDOG if gen == self.gen => {
+                self.watchdog_armed = false;
+                if self.sock.is_none() || self.draining || self.busy() == 0 {
+                    return;
+                }
+                let silent = io.now().saturating_duration_since(self.last_heard);
+                if silent >= self.stall_limit() {
+                    let why = format!("no answer for {silent:?} with commands outstanding");
+                    return self.break_link(io, &why);
+                }
+                self.arm_watchdog(io);
+            }
             EV_RETRY
                 if gen == self.gen
                     && self.sock.is_none()
@@ -443,6 +463,10 @@ impl Link {
             }
             return;
         }
+        if !self.waiting.is_empty() && self.busy() == 0 {
+            // Silence while nothing was asked is no stall.
+            self.last_heard = io.now();
+        }
         while !self.waiting.is_empty() {
             let Some(cid) = self.free.pop() else { break };
             let (op, tag) = self.waiting.pop_front().expect("not empty");
@@ -454,6 +478,30 @@ impl Link {
             self.encode(cid, op);
         }
         self.kick_send(io);
+        if self.busy() > 0 && !self.watchdog_armed {
+            self.arm_watchdog(io);
+        }
+    }
+
+    /// Commands sent and not answered.
+    fn busy(&self) -> usize {
+        self.cmds.len() - self.free.len()
+    }
+
+    /// Silence with commands outstanding after which the connection counts as broken:
+    /// half the timeout, so that a stalled peer's I/O fails within about 1.5 timeouts
+    /// (the rest is spent trying to reconnect).
+    fn stall_limit(&self) -> Duration {
+        (self.dev.cfg.timeout / 2).max(Duration::from_millis(50))
+    }
+
+    /// Check for a silent peer a few times per stall limit (a background timer: one per
+    /// connection, never per I/O).
+    fn arm_watchdog(&mut self, io: &mut CoreIo) {
+        let hook = self.hook.expect("registered at the first submit");
+        let t = io.tracked(Tag::NO_PARENT, 1, hook, ctx(EV_WATCHDOG, self.gen));
+        io.complete_after_background(self.stall_limit() / 4, t, 0);
+        self.watchdog_armed = true;
     }
 
     fn encode(&mut self, cid: u16, op: IoOp) {
@@ -784,6 +832,7 @@ impl Link {
             return;
         }
         self.draining = false;
+        self.watchdog_armed = false;
         self.sock = None;
         self.fd = -1;
         self.gen = self.gen.wrapping_add(1);
