@@ -127,9 +127,10 @@ impl Job {
                 Req::Flush => IoOp::Flush,
             };
             let tag = Tag::task(self.id, i as u32);
-            // SAFETY: bufs[i] lives in the job until the job has seen every completion.
             match self.handle.as_mut().unwrap() {
+                // SAFETY: bufs[i] lives in the job until the job has seen every completion.
                 Handle::Remote(h) => unsafe { h.submit(io, op, tag) },
+                // SAFETY: as above.
                 Handle::Volume(h) => unsafe { h.submit(io, op, tag) },
             }
         }
