@@ -9,10 +9,16 @@
 #   fio                                   [fio]
 #   qemu-img, qemu-io, qemu-nbd           [qemu-utils]
 #   nbdinfo, nbdcopy                      [libnbd-bin]
+#   nbdsh + the python3 nbd module        [python3-libnbd]
+#   openssl (test CA and certificates)    [openssl]
+#   nvme (gen-dhchap-key, for the NVMe/TCP authentication test)  [nvme-cli]
+#   curl (HTTP over Unix sockets and TLS) [curl]
 #   nbdkit + its "memory" plugin          [nbdkit; on Debian 12 the memory
 #                                          plugin ships inside nbdkit itself,
 #                                          a separate nbdkit-plugin-memory
 #                                          package is used if a release has one]
+#   prometheus                            [prometheus; the metrics test scrapes
+#                                          a node with a real server]
 #
 # Non-interactive: never reads stdin, works with CI=true and no TTY.
 # Uses sudo (non-interactively) only when not root and sudo exists.
@@ -35,8 +41,13 @@ declare -A PKG_OF=(
   [nbdinfo]=libnbd-bin
   [nbdcopy]=libnbd-bin
   [nbdkit]=nbdkit
+  [prometheus]=prometheus
+  [nbdsh]=python3-libnbd
+  [openssl]=openssl
+  [nvme]=nvme-cli
+  [curl]=curl
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1

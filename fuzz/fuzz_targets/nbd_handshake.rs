@@ -37,8 +37,8 @@ impl ExportCatalog for Catalog {
     }
     fn lookup(&self, name: &str) -> Option<ExportInfo> {
         match name {
-            "disk0" => Some(ExportInfo { size: 1 << 30, read_only: false, description: "fuzz disk".into() }),
-            "ro" => Some(ExportInfo { size: 1 << 20, read_only: true, description: String::new() }),
+            "disk0" => Some(ExportInfo { size: 1 << 30, read_only: false, description: "fuzz disk".into(), tls_required: false }),
+            "ro" => Some(ExportInfo { size: 1 << 20, read_only: true, description: String::new(), tls_required: false }),
             _ => None,
         }
     }

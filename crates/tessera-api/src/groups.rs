@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use tessera_qos::{BackgroundLimits, QosLimits, StepBurst};
 
 /// A QoS group (`GET /v1/groups/NAME`, entries of `GET /v1/groups`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct GroupInfo {
     pub name: String,
     /// The base limits the members share.
@@ -21,7 +21,7 @@ pub struct GroupInfo {
 }
 
 /// `PUT /v1/groups/NAME`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PutGroup {
     #[serde(default)]

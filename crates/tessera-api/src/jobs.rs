@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The background class controller's view of a job.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ClassFigures {
     /// "scrub", "resync" or "rebuild".
     pub class: String,
@@ -17,7 +17,7 @@ pub struct ClassFigures {
 }
 
 /// Progress fields every job status has.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct JobProgress {
     pub elapsed_s: f64,
     pub percent: f64,
@@ -31,14 +31,14 @@ pub struct JobProgress {
 }
 
 /// A mismatched pool range a scrub found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Range {
     pub offset: u64,
     pub len: u64,
 }
 
 /// `GET /v1/pools/NAME/scrub` (and `.../resync`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ScrubStatus {
     pub pool: String,
     /// "running", "done", "stopped" or "failed".
@@ -58,7 +58,7 @@ pub struct ScrubStatus {
 }
 
 /// `GET /v1/pools/NAME/rebuild`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RebuildStatus {
     pub pool: String,
     pub device: usize,

@@ -25,19 +25,19 @@ pub use volumes::*;
 pub use tessera_qos::{BackgroundLimits, QosLimits, StepBurst};
 
 /// The body of every reply whose HTTP status is not 2xx.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ErrorReply {
     pub error: String,
 }
 
 /// The reply to a DELETE that removed a named object (`T`: its name, or a namespace ID).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Deleted<T = String> {
     pub deleted: T,
 }
 
 /// A size as requests may give it: a number of bytes, or a string such as `"4G"`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum SizeArg {
     Bytes(u64),

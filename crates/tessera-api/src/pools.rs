@@ -6,7 +6,7 @@ use crate::jobs::{RebuildStatus, ScrubStatus};
 use crate::SizeArg;
 
 /// One device of a pool and its health.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DeviceState {
     pub device: String,
     /// "online" or "failed".
@@ -23,7 +23,7 @@ impl DeviceState {
 }
 
 /// A pool the node has open (`GET /v1/pools/NAME`, and the entries of `GET /v1/pools`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PoolInfo {
     pub name: String,
     /// "online", "degraded" (a device failed, every block still has a copy) or "failed".
@@ -47,6 +47,13 @@ pub struct PoolInfo {
     pub volumes: usize,
     /// On RAM or null devices: recreated empty at every node start.
     pub volatile: bool,
+    /// Sum of the volumes' virtual sizes, in bytes.
+    #[serde(default)]
+    pub provisioned: u64,
+    /// Overcommit ratio: `provisioned` may reach this many times `capacity` before
+    /// volume creation and growth are refused without `force`.
+    #[serde(default)]
+    pub overcommit: f64,
     /// `capacity` in binary units, for people (e.g. "4.0G").
     pub capacity_human: String,
     /// Hot spares (device specs, in the order they are used).
@@ -68,7 +75,7 @@ impl PoolInfo {
 }
 
 /// A pool listed in the registry that the node could not open.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct OfflinePool {
     pub name: String,
     /// Always "offline".
@@ -78,7 +85,7 @@ pub struct OfflinePool {
 }
 
 /// An entry of `GET /v1/pools`: an open pool, or one that could not be opened.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum PoolEntry {
     Online(Box<PoolInfo>),
@@ -102,7 +109,7 @@ impl PoolEntry {
 }
 
 /// `POST /v1/pools`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CreatePool {
     pub name: String,
     /// Device specs: /path, /path:SIZE, ram:SIZE, null:SIZE, fault:INNER;key=value...
@@ -120,17 +127,29 @@ pub struct CreatePool {
     /// Overwrite devices that carry another pool's label.
     #[serde(default)]
     pub force: bool,
+    /// Overcommit ratio (default 20): the volumes' virtual sizes may add up to this many
+    /// times the capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overcommit: Option<f64>,
+}
+
+/// `PATCH /v1/pools/NAME`: fields left out stay as they are.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct UpdatePool {
+    /// New overcommit ratio (above 0; volumes already beyond it stay).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overcommit: Option<f64>,
 }
 
 /// `GET/POST/DELETE /v1/pools/NAME/spares`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SpareList {
     pub pool: String,
     pub spares: Vec<String>,
 }
 
 /// `POST /v1/pools/NAME/spares`, and `DELETE` (or `?device=`).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SpareRequest {
     pub device: String,
     /// Adding: take a device that carries another pool's label, and wipe that label.
@@ -139,7 +158,7 @@ pub struct SpareRequest {
 }
 
 /// `POST /v1/pools/NAME/replace`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ReplaceRequest {
     /// Index of the failed device.
     pub device: usize,
@@ -151,7 +170,7 @@ pub struct ReplaceRequest {
 }
 
 /// The reply to a replacement (by `pool replace` or by a hot spare).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ReplaceReply {
     pub pool: String,
     pub device: usize,
@@ -171,7 +190,7 @@ pub struct ReplaceReply {
 }
 
 /// `POST /v1/pools/NAME/rebuild`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RebuildRequest {
     /// Device index (default: the only failed device).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -182,7 +201,7 @@ pub struct RebuildRequest {
 }
 
 /// `POST /v1/pools/NAME/scrub`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ScrubRequest {
     /// Rewrite mirror copies that differ from the first readable one (default true).
     #[serde(default = "yes")]

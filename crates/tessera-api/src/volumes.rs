@@ -6,7 +6,7 @@ use tessera_qos::QosLimits;
 use crate::SizeArg;
 
 /// `GET /v1/volumes/NAME`, and the entries of `GET /v1/volumes`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VolumeInfo {
     pub name: String,
     pub pool: String,
@@ -28,21 +28,27 @@ pub struct VolumeInfo {
 }
 
 /// `POST /v1/volumes`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CreateVolume {
     pub name: String,
     pub pool: String,
     pub size: SizeArg,
+    /// Create it even if the pool's volumes then exceed its overcommit ratio.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 
 /// `PATCH /v1/volumes/NAME`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ResizeVolume {
     pub size: SizeArg,
+    /// Grow it even if the pool's volumes then exceed its overcommit ratio.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 
 /// Latency over a stats window, in microseconds.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct LatencyWindow {
     pub requests: u64,
     pub mean: f64,
@@ -52,7 +58,7 @@ pub struct LatencyWindow {
 }
 
 /// Totals since the node started.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct IoTotals {
     pub reads: u64,
     pub writes: u64,
@@ -64,7 +70,7 @@ pub struct IoTotals {
 }
 
 /// `GET /v1/volumes/NAME/stats?interval_ms=N`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VolumeStats {
     pub volume: String,
     pub interval_ms: u64,

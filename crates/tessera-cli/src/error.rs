@@ -5,18 +5,22 @@
 pub mod exit {
     /// The command did what it was asked.
     pub const OK: i32 = 0;
-    /// The node refused the operation (no such object, already exists, busy), a job
-    /// ended badly, or another failure not listed below.
+    /// A job ended badly, or another failure not listed below.
     pub const FAILURE: i32 = 1;
     /// The command line is wrong (unknown command or flag, missing argument).
     pub const USAGE: i32 = 2;
+    /// The node has no such pool, volume, export, group, subsystem... (HTTP 404).
+    pub const NOT_FOUND: i32 = 3;
+    /// The operation conflicts with the node's state: the object already exists, or it
+    /// is busy (exported, connected, holding volumes) (HTTP 409).
+    pub const CONFLICT: i32 = 4;
     /// An argument's value is invalid (a size, a layout, a limit), as the CLI or the node
     /// (HTTP 400) found.
     pub const INVALID: i32 = 5;
     /// The node or a device is unavailable: the API cannot be reached, an I/O error, the
     /// node failed internally (HTTP 5xx) or its pool is full.
     pub const UNAVAILABLE: i32 = 6;
-    /// `pool status --check`: the pool is degraded or failed.
+    /// `pool status --check` (or `pool show --check`): the pool is degraded or failed.
     pub const DEGRADED: i32 = 7;
 }
 
@@ -31,6 +35,10 @@ pub enum CliError {
     /// An argument the CLI checks itself is wrong.
     #[error("{0}")]
     Invalid(String),
+    /// The command line asks for something the command does not do (a global flag it
+    /// does not honour).
+    #[error("{0}")]
+    Usage(String),
     /// `pool status --check` found the pool degraded or failed.
     #[error("{0}")]
     Degraded(String),
@@ -43,14 +51,15 @@ impl CliError {
     pub fn exit_code(&self) -> i32 {
         match self {
             CliError::Api { status, .. } => match status {
-                400 => exit::INVALID,
+                400 | 422 => exit::INVALID,
+                404 => exit::NOT_FOUND,
+                409 => exit::CONFLICT,
                 500..=599 => exit::UNAVAILABLE,
-                // Not found (404) and conflicts (409) keep the code scripts and tests
-                // have always seen.
                 _ => exit::FAILURE,
             },
             CliError::Unavailable(_) => exit::UNAVAILABLE,
             CliError::Invalid(_) => exit::INVALID,
+            CliError::Usage(_) => exit::USAGE,
             CliError::Degraded(_) => exit::DEGRADED,
             CliError::Failed(_) => exit::FAILURE,
         }

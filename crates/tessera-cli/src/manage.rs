@@ -1,28 +1,50 @@
 //! Management subcommands: thin clients of the node's HTTP/JSON API. Requests and replies
-//! are the types of `tessera_api`; `--json` prints a reply as the node sent it.
+//! are the types of `tessera_api`; `--json` prints a reply as the node sent it (one object
+//! for one resource, an array for a list), tables print binary units.
+//!
+//! Every resource takes the same verbs: `create`, `delete`, `list`, `show` (`status` for
+//! pools), and `add` / `remove` for members (group volumes, pool spares, subsystem hosts
+//! and namespaces). The spellings of earlier releases stay as hidden aliases.
 
 use std::collections::BTreeMap;
 
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tessera_api::{
-    BackgroundLimits, BackgroundList, CreateExport, CreatePool, CreateVolume, Deleted, ErrorReply,
-    ExportInfo, GroupInfo, JobProgress, NodeStatus, PoolEntry, PoolInfo, PutGroup, QosLimits,
-    RebuildRequest, RebuildStatus, ReplaceReply, ReplaceRequest, ResizeVolume, ScrubRequest,
-    ScrubStatus, SizeArg, SpareList, SpareRequest, StepBurst, VolumeInfo, VolumeStats, JOB_DONE,
-    JOB_RUNNING,
+    BackgroundLimits, BackgroundList, CreateExport, CreateVolume, Deleted, ErrorReply, ExportInfo,
+    GroupInfo, NodeStatus, PoolEntry, PutGroup, QosLimits, ResizeVolume, StepBurst, TlsPolicy,
+    VolumeInfo, VolumeStats,
 };
 use tessera_http::{request, Endpoint};
 
 use crate::error::{CliError, Result};
+use crate::format::{bytes, opt, rate, table};
 
 pub fn endpoint(arg: Option<&str>) -> Endpoint {
     let s = arg
         .map(str::to_string)
-        .or_else(|| std::env::var("TESSERA_API").ok())
-        .unwrap_or_else(|| "tessera-data/api.sock".into());
+        .unwrap_or_else(crate::paths::default_api);
     Endpoint::parse(&s)
+}
+
+/// How an endpoint is written on the command line (for messages).
+fn endpoint_text(ep: &Endpoint) -> String {
+    match ep {
+        Endpoint::Unix(p) => format!("unix:{}", p.display()),
+        Endpoint::Tcp(a) => a.clone(),
+        Endpoint::Https(h) => format!("https://{}", h.addr),
+    }
+}
+
+/// The node's API cannot be reached: say where the CLI looked and how to point it
+/// elsewhere.
+fn unreachable(ep: &Endpoint, e: &std::io::Error) -> CliError {
+    CliError::Unavailable(format!(
+        "cannot reach the node's API at {}: {e} (is a node running? start one with \
+         `tessera up`, or pass --api unix:PATH or set TESSERA_API)",
+        endpoint_text(ep)
+    ))
 }
 
 /// One request to the node; a 2xx reply is read as `T`, any other as the node's error.
@@ -32,8 +54,8 @@ fn exchange<T: DeserializeOwned>(
     path: &str,
     body: Option<serde_json::Value>,
 ) -> Result<T> {
-    let (status, text) = request(ep, method, path, body.as_ref())
-        .map_err(|e| CliError::Unavailable(e.to_string()))?;
+    let (status, text) =
+        request(ep, method, path, body.as_ref()).map_err(|e| unreachable(ep, &e))?;
     if (200..300).contains(&status) {
         serde_json::from_str(&text).map_err(|e| {
             CliError::Failed(format!(
@@ -68,13 +90,18 @@ pub(crate) fn send<B: Serialize, T: DeserializeOwned>(
     exchange(ep, method, path, Some(v))
 }
 
+/// `PUT` without a body (group membership).
+pub(crate) fn put_empty<T: DeserializeOwned>(ep: &Endpoint, path: &str) -> Result<T> {
+    exchange(ep, "PUT", path, None)
+}
+
 /// A reply as JSON, for `--json`.
 pub(crate) fn print_json<T: Serialize + ?Sized>(v: &T) {
     println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 
 /// `--json`: the reply as JSON; otherwise the human form `f` prints.
-fn show<T: Serialize + ?Sized>(v: &T, raw: bool, f: impl FnOnce(&T)) {
+pub(crate) fn show<T: Serialize + ?Sized>(v: &T, raw: bool, f: impl FnOnce(&T)) {
     if raw {
         print_json(v)
     } else {
@@ -82,39 +109,31 @@ fn show<T: Serialize + ?Sized>(v: &T, raw: bool, f: impl FnOnce(&T)) {
     }
 }
 
-/// Human sizes with one decimal (4.0G, 512.0M); exact values are in --json.
-fn human(n: u64) -> String {
-    let units = ["B", "K", "M", "G", "T", "P"];
-    let mut f = n as f64;
-    let mut i = 0;
-    while f >= 1024.0 && i + 1 < units.len() {
-        f /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{n}B")
-    } else {
-        format!("{f:.1}{}", units[i])
-    }
+/// The one-line confirmation of a deletion, or the node's reply with `--json`.
+pub(crate) fn deleted<T: Serialize>(v: &Deleted<T>, raw: bool, what: &str) {
+    show(v, raw, |_| println!("{what} deleted"));
 }
 
-fn opt<T: ToString>(v: Option<T>) -> String {
-    v.map_or_else(|| "-".to_string(), |x| x.to_string())
+/// The entry named `name` of a list the node gave, or a not-found error (exit code 3) as
+/// the node words it for the resources it can look up by name.
+pub(crate) fn one_of<T>(
+    list: Vec<T>,
+    kind: &str,
+    name: &str,
+    key: impl Fn(&T) -> &str,
+) -> Result<T> {
+    list.into_iter()
+        .find(|x| key(x) == name)
+        .ok_or_else(|| CliError::Api {
+            status: 404,
+            message: format!("{kind} '{name}' not found"),
+        })
 }
 
-fn table(rows: Vec<Vec<String>>) {
-    let cols = rows.first().map_or(0, |r| r.len());
-    let w: Vec<usize> = (0..cols)
-        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
-        .collect();
-    for r in rows {
-        let line: Vec<String> = r
-            .iter()
-            .enumerate()
-            .map(|(i, c)| format!("{c:<w$}", w = w[i]))
-            .collect();
-        println!("{}", line.join("  ").trim_end());
-    }
+/// A size flag, in the units `tessera_device::parse_size` takes; a bad one is an invalid
+/// argument (exit code 5) naming the flag.
+pub(crate) fn size_flag(flag: &str, v: &str) -> Result<u64> {
+    tessera_device::parse_size(v).map_err(|e| CliError::Invalid(format!("{flag}: {e}")))
 }
 
 pub fn status(ep: &Endpoint, raw: bool) -> Result<()> {
@@ -126,9 +145,9 @@ pub fn status(ep: &Endpoint, raw: bool) -> Result<()> {
         );
         println!(
             "capacity {}  allocated {}  free {}",
-            human(v.capacity),
-            human(v.allocated),
-            human(v.free)
+            bytes(v.capacity),
+            bytes(v.allocated),
+            bytes(v.free)
         );
         println!("NBD: {}", v.nbd.join(", "));
         println!();
@@ -139,7 +158,7 @@ pub fn status(ep: &Endpoint, raw: bool) -> Result<()> {
     Ok(())
 }
 
-fn print_pools(pools: &[PoolEntry]) {
+pub(crate) fn print_pools(pools: &[PoolEntry]) {
     let mut rows = vec![vec![
         "POOL".into(),
         "STATE".into(),
@@ -166,9 +185,9 @@ fn print_pools(pools: &[PoolEntry]) {
                     p.name.clone(),
                     p.state.clone(),
                     p.layout.clone(),
-                    human(p.capacity),
-                    human(p.allocated),
-                    human(p.free),
+                    bytes(p.capacity),
+                    bytes(p.allocated),
+                    bytes(p.free),
                     p.volumes.to_string(),
                     devs,
                 ]
@@ -198,8 +217,8 @@ fn print_volumes(vols: &[VolumeInfo]) {
         rows.push(vec![
             x.name.clone(),
             x.pool.clone(),
-            human(x.size),
-            human(x.allocated),
+            bytes(x.size),
+            bytes(x.allocated),
             if ex.is_empty() { "-".into() } else { ex },
             x.connections.to_string(),
         ]);
@@ -220,8 +239,14 @@ fn print_exports(exports: &[ExportInfo]) {
         rows.push(vec![
             x.name.clone(),
             opt(x.volume.as_deref()),
-            if x.read_only { "ro" } else { "rw" }.into(),
-            x.size.map_or_else(|| "-".into(), human),
+            match (x.read_only, x.tls_required) {
+                (false, false) => "rw",
+                (true, false) => "ro",
+                (false, true) => "rw,tls",
+                (true, true) => "ro,tls",
+            }
+            .into(),
+            x.size.map_or_else(|| "-".into(), bytes),
             opt(x.connections),
             opt(x.uris.first()),
         ]);
@@ -229,397 +254,54 @@ fn print_exports(exports: &[ExportInfo]) {
     table(rows);
 }
 
-#[derive(Subcommand)]
-pub enum PoolCmd {
-    /// Create a pool. DEVICE: /path (existing file or block device), /path:SIZE (file
-    /// created if missing), ram:SIZE, null:SIZE, or fault:INNER;key=value...
-    Create {
-        name: String,
-        #[arg(required = true)]
-        devices: Vec<String>,
-        /// concat, raid0, raid1 (n-way mirror), raid10 (striped mirror sets), raid5 (XOR
-        /// parity), raid6 (P+Q parity) or ec:K+M (Reed-Solomon, e.g. ec:4+2).
-        #[arg(long, default_value = "concat")]
-        layout: String,
-        /// Mirrors: copies of each block (raid1: the number of devices; raid10: default 2).
-        #[arg(long)]
-        copies: Option<u32>,
-        /// Stripe size for raid0/raid10 (power of two, 4K..16M); chunk size for
-        /// raid5/raid6/ec (power of two, 4K..256K). Default 64K.
-        #[arg(long)]
-        stripe_size: Option<String>,
-        /// Thin allocation unit (power of two, 64K..1G; default 1M).
-        #[arg(long)]
-        unit_size: Option<String>,
-        /// Overwrite devices that carry another pool's label.
-        #[arg(long)]
-        force: bool,
-    },
-    /// List the pools (with those the node could not open).
-    List,
-    /// A pool's state, and its rebuild and resync (after an unclean shutdown) if any.
-    Status {
-        name: String,
-        /// Exit with code 7 when the pool is degraded or failed (for scripts and health
-        /// checks).
-        #[arg(long)]
-        check: bool,
-    },
-    /// Destroy an empty pool and wipe its device labels.
-    Destroy { name: String },
-    /// Scrub a pool: re-read every allocated unit and the metadata in the background
-    /// (scrub class limits, backing off when client latency rises); on a mirror, compare
-    /// the copies and rewrite those that differ from the first readable copy (unless
-    /// --no-repair). Starts one unless --status or --stop; --wait follows it with a
-    /// progress bar until it ends.
-    Scrub {
-        name: String,
-        /// Only report mismatched copies, do not rewrite them.
-        #[arg(long, conflicts_with_all = ["stop", "status"])]
-        no_repair: bool,
-        #[arg(long, conflicts_with = "stop")]
-        status: bool,
-        #[arg(long)]
-        stop: bool,
-        #[arg(long, conflicts_with = "stop")]
-        wait: bool,
-    },
-    /// Put a new device (same size or larger, not ram/null) in place of failed device
-    /// --device of a redundant pool, live: the rebuild onto it starts at once (follow it
-    /// with `pool rebuild NAME --status --wait`). Recorded in pools.json, so a restart
-    /// keeps it (and resumes an unfinished rebuild).
-    Replace {
-        name: String,
-        #[arg(long)]
-        device: usize,
-        new_device: String,
-        /// Take a device that carries another pool's label (its label is wiped).
-        #[arg(long)]
-        force: bool,
-    },
-    /// Hot spares of a redundant pool: when a device fails, the node puts the first
-    /// spare in its place and rebuilds onto it by itself.
-    #[command(subcommand)]
-    Spare(SpareCmd),
-    /// Rebuild a failed device of a redundant pool in place (a device that came back, or
-    /// a blank one at the same path): every allocated unit is copied from a mirror or
-    /// reconstructed from the other devices of a parity pool, in the background (rebuild
-    /// class limits). Starts one unless --status or --stop; --wait
-    /// follows it with a progress bar until it ends.
-    Rebuild {
-        name: String,
-        /// Device index (default: the only failed device).
-        #[arg(long)]
-        device: Option<usize>,
-        /// Rebuild --device even if it is healthy (a full resync of that copy).
-        #[arg(long, requires = "device")]
-        force: bool,
-        #[arg(long, conflicts_with = "stop")]
-        status: bool,
-        #[arg(long)]
-        stop: bool,
-        #[arg(long, conflicts_with = "stop")]
-        wait: bool,
-    },
+/// The volume a command acts on.
+#[derive(Args, Debug)]
+pub struct VolumeName {
+    /// Name of the volume.
+    pub name: String,
 }
 
-#[derive(Subcommand)]
-pub enum SpareCmd {
-    /// Add a hot spare (a device spec like `pool create` takes; at least as large as the
-    /// pool's devices, not ram/null). It is not written until it replaces a device.
-    Add {
-        name: String,
-        device: String,
-        /// Take a device that carries another pool's label, and wipe that label now.
-        #[arg(long)]
-        force: bool,
-    },
-    /// Remove a hot spare.
-    Remove { name: String, device: String },
-    /// List a pool's hot spares (in the order they are used).
-    List { name: String },
+#[derive(Args, Debug)]
+pub struct VolumeCreateArgs {
+    /// Name of the new volume (unique on the node).
+    pub name: String,
+    /// Pool that holds the volume's data.
+    #[arg(long)]
+    pub pool: String,
+    /// Virtual size, a multiple of 512 bytes: bytes or K, M, G, T, P (or KiB ... PiB).
+    #[arg(long)]
+    pub size: String,
+    /// Go beyond the pool's overcommit ratio (`pool update --overcommit` changes it).
+    #[arg(long)]
+    pub force: bool,
 }
 
-fn print_spares(v: &SpareList) {
-    if v.spares.is_empty() {
-        println!("pool {}: no hot spares", v.pool);
-    }
-    for s in &v.spares {
-        println!("{s}");
-    }
-}
-
-/// The part of a background job's status line that scrub and rebuild share: a progress
-/// bar, units, rate, ETA and the class controller's limit.
-fn job_progress(v: &JobProgress) -> String {
-    let pct = v.percent;
-    let filled = ((pct / 5.0).round() as usize).min(20);
-    let bar = format!("[{}{}]", "#".repeat(filled), ".".repeat(20 - filled));
-    let eta = v.eta_s.map(|e| format!(" eta {e:.0}s")).unwrap_or_default();
-    format!(
-        "{bar} {pct:.1}% {}/{} units, {:.1} MiB/s{eta}, limit {} MiB/s ({} backoffs)",
-        v.units_done,
-        v.units_total,
-        v.rate_mibps,
-        v.background.rate_limit_bps >> 20,
-        v.background.backoffs,
-    )
-}
-
-/// One line for a rebuild status.
-fn rebuild_line(v: &RebuildStatus) -> String {
-    let err = v
-        .error
-        .as_ref()
-        .map(|e| format!(": {e}"))
-        .unwrap_or_default();
-    format!(
-        "rebuild {} device {} {}{err}: {}",
-        v.pool,
-        v.device,
-        v.state,
-        job_progress(&v.progress),
-    )
-}
-
-/// One line for a scrub status, with its findings' counts.
-fn scrub_line(v: &ScrubStatus) -> String {
-    format!(
-        "{} {} {}: {}, {} read errors, {} bytes mismatched, {} repaired{}, {} metadata findings",
-        v.progress.background.class,
-        v.pool,
-        v.state,
-        job_progress(&v.progress),
-        v.read_errors,
-        v.mismatched_bytes,
-        v.repaired_bytes,
-        if v.repair { "" } else { " (no repair)" },
-        v.metadata_findings.len(),
-    )
-}
-
-/// A job's state, whatever the job.
-trait JobState {
-    fn state(&self) -> &str;
-}
-
-impl JobState for ScrubStatus {
-    fn state(&self) -> &str {
-        &self.state
-    }
-}
-
-impl JobState for RebuildStatus {
-    fn state(&self) -> &str {
-        &self.state
-    }
-}
-
-/// A background job's `--stop` (DELETE), `--status` (GET) or start (POST `start`), then
-/// with `--wait` its progress line until it ends; returns its last status.
-fn job_call<T: DeserializeOwned + JobState, B: Serialize>(
-    ep: &Endpoint,
-    path: &str,
-    (stop, status, wait): (bool, bool, bool),
-    start: &B,
-    raw: bool,
-    line: fn(&T) -> String,
-) -> Result<T> {
-    let mut v: T = if stop {
-        delete(ep, path)?
-    } else if status {
-        get(ep, path)?
-    } else {
-        send(ep, "POST", path, start)?
-    };
-    if wait {
-        use std::io::Write as _;
-        while v.state() == JOB_RUNNING {
-            if !raw {
-                print!("\r{}", line(&v));
-                let _ = std::io::stdout().flush();
-            }
-            std::thread::sleep(std::time::Duration::from_millis(500));
-            v = get(ep, path)?;
-        }
-    }
-    Ok(v)
-}
-
-fn print_pool_status(v: &PoolInfo) {
-    println!(
-        "pool {}: {} {}, {} of {} allocated",
-        v.name, v.state, v.layout, v.allocated, v.capacity,
-    );
-    for d in &v.device_states {
-        println!(
-            "  {} {}{}",
-            d.device,
-            d.state,
-            d.reason
-                .as_ref()
-                .map(|r| format!(" ({r})"))
-                .unwrap_or_default()
-        );
-    }
-    if !v.spares.is_empty() {
-        println!("  hot spares: {}", v.spares.join(", "));
-    }
-    if let Some(r) = &v.rebuild {
-        println!("  {}", rebuild_line(r));
-    }
-    if let Some(r) = &v.resync {
-        println!("  {}", scrub_line(r));
-    }
-}
-
-pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
-    match c {
-        PoolCmd::Create {
-            name,
-            devices,
-            layout,
-            copies,
-            stripe_size,
-            unit_size,
-            force,
-        } => {
-            let body = CreatePool {
-                name,
-                devices,
-                layout: Some(layout),
-                copies,
-                stripe_size: stripe_size.map(SizeArg::from),
-                unit_size: unit_size.map(SizeArg::from),
-                force,
-            };
-            let v: PoolInfo = send(ep, "POST", "/v1/pools", &body)?;
-            let one = [PoolEntry::Online(Box::new(v))];
-            show(&one[..], raw, print_pools);
-        }
-        PoolCmd::List => {
-            let v: Vec<PoolEntry> = get(ep, "/v1/pools")?;
-            show(&v[..], raw, print_pools);
-        }
-        PoolCmd::Status { name, check } => {
-            let v: PoolInfo = get(ep, &format!("/v1/pools/{name}"))?;
-            show(&v, raw, print_pool_status);
-            if check && v.is_degraded() {
-                return Err(CliError::Degraded(format!("pool {name} is {}", v.state)));
-            }
-        }
-        PoolCmd::Destroy { name } => {
-            let _: Deleted = delete(ep, &format!("/v1/pools/{name}"))?;
-            println!("pool {name} destroyed");
-        }
-        PoolCmd::Replace {
-            name,
-            device,
-            new_device,
-            force,
-        } => {
-            let body = ReplaceRequest {
-                device,
-                with: new_device,
-                force,
-            };
-            let v: ReplaceReply = send(ep, "POST", &format!("/v1/pools/{name}/replace"), &body)?;
-            show(&v, raw, |v| {
-                println!(
-                    "pool {name}: device {device} ({}) replaced by {}: {}",
-                    v.replaced, v.with, v.state
-                )
-            });
-        }
-        PoolCmd::Spare(c) => {
-            let v: SpareList = match c {
-                SpareCmd::Add {
-                    name,
-                    device,
-                    force,
-                } => send(
-                    ep,
-                    "POST",
-                    &format!("/v1/pools/{name}/spares"),
-                    &SpareRequest { device, force },
-                )?,
-                SpareCmd::Remove { name, device } => send(
-                    ep,
-                    "DELETE",
-                    &format!("/v1/pools/{name}/spares"),
-                    &SpareRequest {
-                        device,
-                        force: false,
-                    },
-                )?,
-                SpareCmd::List { name } => get(ep, &format!("/v1/pools/{name}/spares"))?,
-            };
-            show(&v, raw, print_spares);
-        }
-        PoolCmd::Rebuild {
-            name,
-            device,
-            force,
-            status,
-            stop,
-            wait,
-        } => {
-            let path = format!("/v1/pools/{name}/rebuild");
-            let start = RebuildRequest { device, force };
-            let v = job_call(ep, &path, (stop, status, wait), &start, raw, rebuild_line)?;
-            show(&v, raw, |v| println!("\r{}", rebuild_line(v)));
-            if wait && v.state != JOB_DONE {
-                return Err(CliError::Failed(format!(
-                    "rebuild of pool {name} ended {}",
-                    v.state
-                )));
-            }
-        }
-        PoolCmd::Scrub {
-            name,
-            no_repair,
-            status,
-            stop,
-            wait,
-        } => {
-            let path = format!("/v1/pools/{name}/scrub");
-            let start = ScrubRequest { repair: !no_repair };
-            let v = job_call(ep, &path, (stop, status, wait), &start, raw, scrub_line)?;
-            show(&v, raw, |v| {
-                println!("\r{}", scrub_line(v));
-                for e in v.metadata_findings.iter().chain(&v.errors) {
-                    println!("  {e}");
-                }
-            });
-        }
-    }
-    Ok(())
-}
-
-#[derive(Subcommand)]
+#[derive(Subcommand, Debug)]
 pub enum VolumeCmd {
     /// Create a thin volume (no space is taken until it is written).
-    Create {
-        name: String,
-        #[arg(long)]
-        pool: String,
-        /// Size, e.g. 10G (a multiple of 512 bytes).
-        #[arg(long)]
-        size: String,
-    },
+    Create(VolumeCreateArgs),
     /// List the volumes of every pool.
     List,
+    /// Show one volume: pool, size, allocation, exports, connections.
+    #[command(visible_alias = "status")]
+    Show(VolumeName),
     /// Grow a volume (shrinking is refused).
     Resize {
+        /// Name of the volume.
         name: String,
+        /// New virtual size (at least the current one), e.g. 20G.
         #[arg(long)]
         size: String,
+        /// Go beyond the pool's overcommit ratio.
+        #[arg(long)]
+        force: bool,
     },
     /// Delete a volume and free its space (refused while exported or connected).
-    Delete { name: String },
+    Delete(VolumeName),
     /// Show or set a volume's QoS limits, share weight and reads-first (live,
     /// persistent). Setting replaces every control; `--clear` removes them all.
     Qos {
+        /// Name of the volume.
         name: String,
         #[command(flatten)]
         limits: LimitArgs,
@@ -629,11 +311,13 @@ pub enum VolumeCmd {
         /// Serve this volume's reads before its writes when its core is saturated.
         #[arg(long)]
         reads_first: bool,
+        /// Remove every QoS control of the volume.
         #[arg(long)]
         clear: bool,
     },
     /// Client I/O of a volume: IOPS, bandwidth and latency over an interval.
     Stats {
+        /// Name of the volume.
         name: String,
         /// Sampling interval in seconds.
         #[arg(long, default_value_t = 1.0)]
@@ -662,27 +346,35 @@ fn print_stats(v: &VolumeStats) {
 
 pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
     match c {
-        VolumeCmd::Create { name, pool, size } => {
+        VolumeCmd::Create(a) => {
             let body = CreateVolume {
-                name,
-                pool,
-                size: size.into(),
+                name: a.name,
+                pool: a.pool,
+                size: a.size.into(),
+                force: a.force,
             };
             let v: VolumeInfo = send(ep, "POST", "/v1/volumes", &body)?;
-            show(&[v][..], raw, print_volumes);
+            show(&v, raw, |v| print_volumes(std::slice::from_ref(v)));
         }
         VolumeCmd::List => {
             let v: Vec<VolumeInfo> = get(ep, "/v1/volumes")?;
             show(&v[..], raw, print_volumes);
         }
-        VolumeCmd::Resize { name, size } => {
-            let body = ResizeVolume { size: size.into() };
-            let v: VolumeInfo = send(ep, "PATCH", &format!("/v1/volumes/{name}"), &body)?;
-            show(&[v][..], raw, print_volumes);
+        VolumeCmd::Show(VolumeName { name }) => {
+            let v: VolumeInfo = get(ep, &format!("/v1/volumes/{name}"))?;
+            show(&v, raw, |v| print_volumes(std::slice::from_ref(v)));
         }
-        VolumeCmd::Delete { name } => {
-            let _: Deleted = delete(ep, &format!("/v1/volumes/{name}"))?;
-            println!("volume {name} deleted");
+        VolumeCmd::Resize { name, size, force } => {
+            let body = ResizeVolume {
+                size: size.into(),
+                force,
+            };
+            let v: VolumeInfo = send(ep, "PATCH", &format!("/v1/volumes/{name}"), &body)?;
+            show(&v, raw, |v| print_volumes(std::slice::from_ref(v)));
+        }
+        VolumeCmd::Delete(VolumeName { name }) => {
+            let v: Deleted = delete(ep, &format!("/v1/volumes/{name}"))?;
+            deleted(&v, raw, &format!("volume {name}"));
         }
         VolumeCmd::Qos {
             name,
@@ -717,63 +409,100 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
     Ok(())
 }
 
-#[derive(Subcommand)]
+/// `export create` (and its old spelling `export add`). Options of an export (e.g. TLS)
+/// go here, so both spellings take them.
+#[derive(Args, Debug)]
+pub struct ExportCreateArgs {
+    /// Export name: what NBD clients ask for (nbd://HOST:PORT/NAME).
+    pub name: String,
+    /// Volume to export.
+    #[arg(long)]
+    pub volume: String,
+    /// Refuse writes from clients of this export.
+    #[arg(long)]
+    pub read_only: bool,
+    /// NBD TLS: required (clients must start TLS) or optional; default: the node's.
+    #[arg(long)]
+    pub tls: Option<TlsPolicy>,
+}
+
+/// The export a command acts on.
+#[derive(Args, Debug)]
+pub struct ExportName {
+    /// Name of the export.
+    pub name: String,
+}
+
+#[derive(Subcommand, Debug)]
 pub enum ExportCmd {
     /// Export a volume over NBD under NAME.
-    Add {
-        name: String,
-        #[arg(long)]
-        volume: String,
-        #[arg(long)]
-        read_only: bool,
-    },
+    Create(ExportCreateArgs),
+    /// Old spelling of `export create`.
+    #[command(hide = true)]
+    Add(ExportCreateArgs),
     /// List the exports and their URIs.
     List,
+    /// Show one export: volume, mode, size, connections, URIs.
+    #[command(visible_alias = "status")]
+    Show(ExportName),
     /// Stop exporting (open connections keep their volume until they disconnect).
-    Remove { name: String },
+    #[command(alias = "remove")]
+    Delete(ExportName),
 }
 
 pub fn export(ep: &Endpoint, c: ExportCmd, raw: bool) -> Result<()> {
     match c {
-        ExportCmd::Add {
-            name,
-            volume,
-            read_only,
-        } => {
+        ExportCmd::Create(a) | ExportCmd::Add(a) => {
             let body = CreateExport {
-                name,
-                volume,
-                read_only,
+                name: a.name,
+                volume: a.volume,
+                read_only: a.read_only,
+                tls: a.tls,
             };
             let v: ExportInfo = send(ep, "POST", "/v1/exports", &body)?;
-            show(&[v][..], raw, print_exports);
+            show(&v, raw, |v| print_exports(std::slice::from_ref(v)));
         }
         ExportCmd::List => {
             let v: Vec<ExportInfo> = get(ep, "/v1/exports")?;
             show(&v[..], raw, print_exports);
         }
-        ExportCmd::Remove { name } => {
-            let _: Deleted = delete(ep, &format!("/v1/exports/{name}"))?;
-            println!("export {name} removed");
+        ExportCmd::Show(ExportName { name }) => {
+            let all: Vec<ExportInfo> = get(ep, "/v1/exports")?;
+            let v = one_of(all, "export", &name, |x| &x.name)?;
+            show(&v, raw, |v| {
+                print_exports(std::slice::from_ref(v));
+                for u in v.uris.iter().skip(1) {
+                    println!("also: {u}");
+                }
+            });
+        }
+        ExportCmd::Delete(ExportName { name }) => {
+            let v: Deleted = delete(ep, &format!("/v1/exports/{name}"))?;
+            deleted(&v, raw, &format!("export {name}"));
         }
     }
     Ok(())
 }
 
 /// The rate and burst flags shared by volume and group QoS commands.
-#[derive(clap::Args, Debug, Default)]
+#[derive(Args, Debug, Default)]
 pub struct LimitArgs {
+    /// I/O operations per second, reads and writes together.
     #[arg(long)]
     iops: Option<u64>,
+    /// Read operations per second.
     #[arg(long)]
     read_iops: Option<u64>,
+    /// Write operations per second.
     #[arg(long)]
     write_iops: Option<u64>,
-    /// Bandwidth limit, e.g. 100M (bytes per second).
+    /// Bandwidth, reads and writes together, per second: e.g. 100M (bytes or K, M, G, T).
     #[arg(long)]
     bw: Option<String>,
+    /// Read bandwidth per second, e.g. 100M.
     #[arg(long)]
     read_bw: Option<String>,
+    /// Write bandwidth per second, e.g. 100M.
     #[arg(long)]
     write_bw: Option<String>,
     /// Refilling burst, in milliseconds of the rate (default 100).
@@ -798,20 +527,16 @@ impl LimitArgs {
 
     /// The API's QoS limits (no weight, not reads-first).
     fn to_limits(&self) -> Result<QosLimits> {
-        let size = |v: &Option<String>| -> Result<Option<u64>> {
-            v.as_deref()
-                .map(|x| {
-                    tessera_device::parse_size(x).map_err(|e| CliError::Invalid(e.to_string()))
-                })
-                .transpose()
+        let size = |flag: &str, v: &Option<String>| -> Result<Option<u64>> {
+            v.as_deref().map(|x| size_flag(flag, x)).transpose()
         };
         Ok(QosLimits {
             iops: self.iops,
             read_iops: self.read_iops,
             write_iops: self.write_iops,
-            bps: size(&self.bw)?,
-            read_bps: size(&self.read_bw)?,
-            write_bps: size(&self.write_bw)?,
+            bps: size("--bw", &self.bw)?,
+            read_bps: size("--read-bw", &self.read_bw)?,
+            write_bps: size("--write-bw", &self.write_bw)?,
             burst_ms: self.burst_ms,
             one_time_burst_ms: self.one_time_burst_ms,
             weight: None,
@@ -820,21 +545,24 @@ impl LimitArgs {
     }
 }
 
-/// `k=v` for every control set in QoS limits, or "unlimited".
+/// Every control set in QoS limits, named as the flags that set them (`iops=5000,
+/// write_bw=100 MiB/s`), or "unlimited".
 fn limits_line(l: &QosLimits) -> String {
+    let count = |k: &str, v: Option<u64>| v.map(|v| format!("{k}={v}"));
+    let bw = |k: &str, v: Option<u64>| v.map(|v| format!("{k}={}", rate(v)));
     let mut set: Vec<String> = [
-        ("iops", l.iops),
-        ("read_iops", l.read_iops),
-        ("write_iops", l.write_iops),
-        ("bps", l.bps),
-        ("read_bps", l.read_bps),
-        ("write_bps", l.write_bps),
-        ("burst_ms", l.burst_ms),
-        ("one_time_burst_ms", l.one_time_burst_ms),
-        ("weight", l.weight.map(u64::from)),
+        count("iops", l.iops),
+        count("read_iops", l.read_iops),
+        count("write_iops", l.write_iops),
+        bw("bw", l.bps),
+        bw("read_bw", l.read_bps),
+        bw("write_bw", l.write_bps),
+        count("burst_ms", l.burst_ms),
+        count("one_time_burst_ms", l.one_time_burst_ms),
+        count("weight", l.weight.map(u64::from)),
     ]
     .into_iter()
-    .filter_map(|(k, v)| v.map(|v| format!("{k}={v}")))
+    .flatten()
     .collect();
     if l.reads_first {
         set.push("reads_first=true".into());
@@ -842,40 +570,64 @@ fn limits_line(l: &QosLimits) -> String {
     if set.is_empty() {
         "unlimited".to_string()
     } else {
-        set.join(" ")
+        set.join(", ")
     }
+}
+
+/// `group create` (and its old spelling `group set`).
+#[derive(Args, Debug)]
+pub struct GroupCreateArgs {
+    /// Name of the group.
+    name: String,
+    #[command(flatten)]
+    limits: LimitArgs,
+    /// Stepped burst: each step adds this percentage of the base limits.
+    #[arg(long, requires = "max_steps")]
+    step_pct: Option<u32>,
+    /// Stepped burst: the highest step.
+    #[arg(long, requires = "step_pct")]
+    max_steps: Option<u32>,
+    /// Stepped burst: time on a step before the next (ms).
+    #[arg(long, default_value_t = 1000)]
+    step_ms: u64,
+    /// Stepped burst: credit cap, in ms of the base rate, earned below base.
+    #[arg(long, default_value_t = 10_000)]
+    credit_ms: u64,
+}
+
+/// The group a command acts on.
+#[derive(Args, Debug)]
+pub struct GroupName {
+    /// Name of the group.
+    name: String,
+}
+
+/// A volume joining or leaving a group.
+#[derive(Args, Debug)]
+pub struct GroupMember {
+    /// Name of the group.
+    name: String,
+    /// Name of the volume.
+    volume: String,
 }
 
 #[derive(Subcommand, Debug)]
 pub enum GroupCmd {
-    /// Create a QoS group (tenant) or replace its limits: its member volumes share them.
-    Set {
-        name: String,
-        #[command(flatten)]
-        limits: LimitArgs,
-        /// Stepped burst: each step adds this percentage of the base limits.
-        #[arg(long, requires = "max_steps")]
-        step_pct: Option<u32>,
-        /// Stepped burst: the highest step.
-        #[arg(long, requires = "step_pct")]
-        max_steps: Option<u32>,
-        /// Stepped burst: time on a step before the next (ms).
-        #[arg(long, default_value_t = 1000)]
-        step_ms: u64,
-        /// Stepped burst: credit cap, in ms of the base rate, earned below base.
-        #[arg(long, default_value_t = 10_000)]
-        credit_ms: u64,
-    },
+    /// Create a QoS group (tenant), or replace an existing group's limits: its member
+    /// volumes share them.
+    #[command(alias = "set")]
+    Create(GroupCreateArgs),
     /// List the groups.
     List,
     /// Show one group: limits, members, stepped-burst level.
-    Show { name: String },
+    #[command(visible_alias = "status")]
+    Show(GroupName),
     /// Delete a group; its volumes keep only their own limits.
-    Delete { name: String },
+    Delete(GroupName),
     /// Put a volume in a group (it leaves any other).
-    Add { name: String, volume: String },
+    Add(GroupMember),
     /// Take a volume out of a group.
-    Remove { name: String, volume: String },
+    Remove(GroupMember),
 }
 
 fn print_groups(groups: &[GroupInfo]) {
@@ -903,61 +655,54 @@ fn print_groups(groups: &[GroupInfo]) {
 
 pub fn group(ep: &Endpoint, c: GroupCmd, raw: bool) -> Result<()> {
     let v: GroupInfo = match c {
-        GroupCmd::Set {
-            name,
-            limits,
-            step_pct,
-            max_steps,
-            step_ms,
-            credit_ms,
-        } => {
-            let step = step_pct
-                .zip(max_steps)
+        GroupCmd::Create(a) => {
+            let step = a
+                .step_pct
+                .zip(a.max_steps)
                 .map(|(step_pct, max_steps)| StepBurst {
                     step_pct,
                     max_steps,
-                    step_ms,
-                    credit_ms,
+                    step_ms: a.step_ms,
+                    credit_ms: a.credit_ms,
                 });
             let body = PutGroup {
-                limits: limits.to_limits()?,
+                limits: a.limits.to_limits()?,
                 step,
             };
-            send(ep, "PUT", &format!("/v1/groups/{name}"), &body)?
+            send(ep, "PUT", &format!("/v1/groups/{}", a.name), &body)?
         }
         GroupCmd::List => {
             let v: Vec<GroupInfo> = get(ep, "/v1/groups")?;
             show(&v[..], raw, print_groups);
             return Ok(());
         }
-        GroupCmd::Show { name } => get(ep, &format!("/v1/groups/{name}"))?,
-        GroupCmd::Delete { name } => {
-            let _: Deleted = delete(ep, &format!("/v1/groups/{name}"))?;
-            println!("group {name} deleted");
+        GroupCmd::Show(GroupName { name }) => get(ep, &format!("/v1/groups/{name}"))?,
+        GroupCmd::Delete(GroupName { name }) => {
+            let v: Deleted = delete(ep, &format!("/v1/groups/{name}"))?;
+            deleted(&v, raw, &format!("group {name}"));
             return Ok(());
         }
-        GroupCmd::Add { name, volume } => exchange(
-            ep,
-            "PUT",
-            &format!("/v1/groups/{name}/members/{volume}"),
-            None,
-        )?,
-        GroupCmd::Remove { name, volume } => {
+        GroupCmd::Add(GroupMember { name, volume }) => {
+            put_empty(ep, &format!("/v1/groups/{name}/members/{volume}"))?
+        }
+        GroupCmd::Remove(GroupMember { name, volume }) => {
             delete(ep, &format!("/v1/groups/{name}/members/{volume}"))?
         }
     };
-    show(&[v][..], raw, print_groups);
+    show(&v, raw, |v| print_groups(std::slice::from_ref(v)));
     Ok(())
 }
 
 #[derive(Subcommand, Debug)]
 pub enum BackgroundCmd {
     /// Show every background class's limits.
+    #[command(visible_alias = "list")]
     Show,
     /// Set a class's limits (scrub, rebuild, resync); persistent.
     Set {
+        /// Background class: scrub, rebuild or resync.
         class: String,
-        /// Maximum bandwidth, e.g. 200M (bytes per second).
+        /// Maximum bandwidth per second, e.g. 200M (bytes or K, M, G, T).
         #[arg(long)]
         bw: String,
         /// Client p99 latency (µs) above which the class backs off
@@ -969,7 +714,10 @@ pub enum BackgroundCmd {
         min_pct: u32,
     },
     /// Back to the class's defaults.
-    Reset { class: String },
+    Reset {
+        /// Background class: scrub, rebuild or resync.
+        class: String,
+    },
 }
 
 pub fn background(ep: &Endpoint, c: BackgroundCmd, raw: bool) -> Result<()> {
@@ -981,10 +729,8 @@ pub fn background(ep: &Endpoint, c: BackgroundCmd, raw: bool) -> Result<()> {
             latency_target_us,
             min_pct,
         } => {
-            let bps = tessera_device::parse_size(&bw)
-                .map_err(|e| CliError::Invalid(format!("--bw: {e}")))?;
             let body = BackgroundLimits {
-                bps,
+                bps: size_flag("--bw", &bw)?,
                 latency_target_us,
                 min_pct,
             };
@@ -1004,8 +750,8 @@ pub fn background(ep: &Endpoint, c: BackgroundCmd, raw: bool) -> Result<()> {
                     format!("{t} µs")
                 });
             println!(
-                "background {class}: {} MiB/s max, backs off above {target}, floor {}%",
-                l.bps >> 20,
+                "background {class}: {} max, backs off above {target}, floor {}%",
+                rate(l.bps),
                 l.min_pct
             );
         }

@@ -9,17 +9,22 @@ use tessera_device::parse_size;
 use tessera_http::Endpoint;
 
 use crate::error::{CliError, Result};
-use crate::manage::{delete, get, print_json, send};
+use crate::manage::{delete, deleted, get, send, show};
 use tessera_api::{AddHost, AddNamespace, CreateSubsystem, Deleted, SubsystemInfo};
+use tessera_nvmf::auth::Secret;
 use tessera_nvmf::initiator::{self, Controller, Options};
 use tessera_nvmf::nvme;
 use tessera_nvmf::pdu::{le16, le32, le64};
 
+/// The target `--addr` names when it is not given.
+const DEFAULT_ADDR: &str = "127.0.0.1:4420";
+
 #[derive(Args, Clone, Debug)]
 pub struct HostArgs {
-    /// Target address HOST:PORT.
-    #[arg(long, default_value = "127.0.0.1:4420")]
-    pub addr: String,
+    /// Target address HOST:PORT [default: 127.0.0.1:4420; discovery controllers usually
+    /// listen on port 8009].
+    #[arg(long)]
+    addr: Option<String>,
     /// Host NQN (default: /etc/nvme/hostnqn, else a fixed Tessera one).
     #[arg(long)]
     pub hostnqn: Option<String>,
@@ -29,10 +34,56 @@ pub struct HostArgs {
     /// Data digest (CRC32C).
     #[arg(long)]
     pub ddgst: bool,
+    /// This host's DH-HMAC-CHAP secret (DHHC-1:0X:<base64>:), used when the subsystem
+    /// asks for authentication. Visible to other local users in the process list:
+    /// prefer --dhchap-secret-file.
+    #[arg(long, conflicts_with = "dhchap_secret_file")]
+    pub dhchap_secret: Option<String>,
+    /// Read this host's DH-HMAC-CHAP secret from a file.
+    #[arg(long)]
+    pub dhchap_secret_file: Option<std::path::PathBuf>,
+    /// The controller's DH-HMAC-CHAP secret: authenticate the controller too
+    /// (bidirectional) and refuse it when it cannot prove it holds this secret.
+    #[arg(long, conflicts_with = "dhchap_ctrl_secret_file")]
+    pub dhchap_ctrl_secret: Option<String>,
+    /// Read the controller's DH-HMAC-CHAP secret from a file.
+    #[arg(long)]
+    pub dhchap_ctrl_secret_file: Option<std::path::PathBuf>,
+}
+
+/// A secret given inline or in a file (whose whitespace around it is ignored).
+pub fn secret_arg(
+    flag: &str,
+    inline: &Option<String>,
+    file: &Option<std::path::PathBuf>,
+) -> std::result::Result<Option<String>, String> {
+    match (inline, file) {
+        (Some(s), _) => Ok(Some(s.trim().to_string())),
+        (None, Some(p)) => std::fs::read_to_string(p)
+            .map(|s| Some(s.trim().to_string()))
+            .map_err(|e| format!("--{flag}-file {}: {e}", p.display())),
+        (None, None) => Ok(None),
+    }
 }
 
 impl HostArgs {
-    pub fn options(&self) -> Options {
+    /// The target's address: `--addr`, else the default.
+    pub fn addr(&self) -> &str {
+        self.addr.as_deref().unwrap_or(DEFAULT_ADDR)
+    }
+
+    /// The initiator's error, saying which target it tried and, when that was the
+    /// default, how to name another.
+    fn error(&self, e: initiator::Error) -> CliError {
+        let how = if self.addr.is_none() {
+            " (the default address; pass --addr HOST:PORT to reach another target)"
+        } else {
+            ""
+        };
+        CliError::Unavailable(format!("NVMe/TCP target {}{how}: {e}", self.addr()))
+    }
+
+    pub fn options(&self) -> std::result::Result<Options, String> {
         let mut o = Options {
             hdgst: self.hdgst,
             ddgst: self.ddgst,
@@ -41,7 +92,35 @@ impl HostArgs {
         if let Some(h) = &self.hostnqn {
             o.hostnqn = h.clone();
         }
-        o
+        let parse = |flag: &str, s: Option<String>| {
+            s.map(|s| Secret::parse(&s).map_err(|e| format!("--{flag}: {e}")))
+                .transpose()
+        };
+        o.dhchap_secret = parse(
+            "dhchap-secret",
+            secret_arg(
+                "dhchap-secret",
+                &self.dhchap_secret,
+                &self.dhchap_secret_file,
+            )?,
+        )?;
+        o.dhchap_ctrl_secret = parse(
+            "dhchap-ctrl-secret",
+            secret_arg(
+                "dhchap-ctrl-secret",
+                &self.dhchap_ctrl_secret,
+                &self.dhchap_ctrl_secret_file,
+            )?,
+        )?;
+        if o.dhchap_ctrl_secret.is_some() && o.dhchap_secret.is_none() {
+            return Err("--dhchap-ctrl-secret needs --dhchap-secret".into());
+        }
+        Ok(o)
+    }
+
+    /// `options`, with a bad secret as an invalid-argument error.
+    fn opts(&self) -> Result<Options> {
+        self.options().map_err(CliError::Invalid)
     }
 }
 
@@ -52,10 +131,11 @@ pub enum NvmfCmd {
         #[command(flatten)]
         host: HostArgs,
     },
-    /// Connect and print Identify Controller and Identify Namespace.
+    /// Connect and print Identify Controller and Identify Namespace (JSON).
     Identify {
         #[command(flatten)]
         host: HostArgs,
+        /// NQN of the subsystem to connect to.
         #[arg(long)]
         nqn: String,
     },
@@ -63,15 +143,19 @@ pub enum NvmfCmd {
     Read {
         #[command(flatten)]
         host: HostArgs,
+        /// NQN of the subsystem to connect to.
         #[arg(long)]
         nqn: String,
+        /// Namespace ID.
         #[arg(long, default_value_t = 1)]
         nsid: u32,
-        /// Byte offset (a multiple of the LBA size).
+        /// Byte offset (a multiple of the LBA size), e.g. 1M.
         #[arg(long, default_value = "0")]
         offset: String,
+        /// Bytes to read (a multiple of the LBA size), e.g. 8K.
         #[arg(long, default_value = "4K")]
         length: String,
+        /// Write the data to this file instead of stdout.
         #[arg(long)]
         output: Option<std::path::PathBuf>,
     },
@@ -79,12 +163,16 @@ pub enum NvmfCmd {
     Write {
         #[command(flatten)]
         host: HostArgs,
+        /// NQN of the subsystem to connect to.
         #[arg(long)]
         nqn: String,
+        /// Namespace ID.
         #[arg(long, default_value_t = 1)]
         nsid: u32,
+        /// Byte offset (a multiple of the LBA size), e.g. 1M.
         #[arg(long, default_value = "0")]
         offset: String,
+        /// Read the data from this file instead of stdin.
         #[arg(long)]
         input: Option<std::path::PathBuf>,
     },
@@ -95,55 +183,163 @@ pub enum NvmfCmd {
     Subsystem(SubsystemCmd),
 }
 
-#[derive(Subcommand)]
-pub enum SubsystemCmd {
-    /// Create a subsystem.
-    Add {
-        nqn: String,
-        /// Volumes to add as namespaces 1, 2, ...
-        #[arg(long = "volume")]
-        volumes: Vec<String>,
-        /// Let every host connect (otherwise only --host ones).
-        #[arg(long)]
-        allow_any_host: bool,
-        #[arg(long = "host")]
-        hosts: Vec<String>,
-    },
-    /// List the subsystems, their namespaces, hosts and controllers.
-    List,
-    /// Delete a subsystem (refused while hosts are connected).
-    Remove { nqn: String },
-    /// Add a volume as a namespace.
-    AddNs {
-        nqn: String,
-        #[arg(long)]
-        volume: String,
-        #[arg(long, default_value_t = 0)]
-        nsid: u32,
-    },
-    /// Remove a namespace (by its ID).
-    RemoveNs { nqn: String, nsid: u32 },
-    /// Allow a host NQN.
-    AddHost { nqn: String, host: String },
-    /// Disallow a host NQN.
-    RemoveHost { nqn: String, host: String },
+/// `nvmf subsystem create` (and its old spelling `add`).
+#[derive(Args, Debug)]
+pub struct SubsystemCreateArgs {
+    /// NQN of the new subsystem, e.g. nqn.2024-01.io.tessera:db.
+    nqn: String,
+    /// Volumes to add as namespaces 1, 2, ...
+    #[arg(long = "volume")]
+    volumes: Vec<String>,
+    /// Let every host connect (otherwise only --host ones).
+    #[arg(long)]
+    allow_any_host: bool,
+    /// Host NQN allowed to connect (repeat for several).
+    #[arg(long = "host")]
+    hosts: Vec<String>,
 }
 
-fn print_subsystems(v: &[SubsystemInfo], raw: bool) {
-    if raw {
-        print_json(v);
-        return;
-    }
+/// The subsystem a command acts on.
+#[derive(Args, Debug)]
+pub struct SubsystemName {
+    /// NQN of the subsystem.
+    nqn: String,
+}
+
+/// `nvmf subsystem host add` (and its old spelling `add-host`). Per-host options go here.
+#[derive(Args, Debug)]
+pub struct HostAddArgs {
+    /// NQN of the subsystem.
+    nqn: String,
+    /// Host NQN to allow; with --dhchap-secret it must also authenticate (DH-HMAC-CHAP).
+    host: String,
+    /// The host's secret (DHHC-1:0X:<base64>:, e.g. from `nvme gen-dhchap-key`).
+    /// Visible in the process list: prefer --dhchap-secret-file.
+    #[arg(long, conflicts_with = "dhchap_secret_file")]
+    dhchap_secret: Option<String>,
+    /// Read the host's secret from a file.
+    #[arg(long)]
+    dhchap_secret_file: Option<std::path::PathBuf>,
+    /// The controller's secret, for bidirectional authentication.
+    #[arg(long, conflicts_with = "dhchap_ctrl_secret_file")]
+    dhchap_ctrl_secret: Option<String>,
+    /// Read the controller's secret from a file.
+    #[arg(long)]
+    dhchap_ctrl_secret_file: Option<std::path::PathBuf>,
+    /// Hash the controller prefers: sha256 (default), sha384, sha512.
+    #[arg(long)]
+    dhchap_hash: Option<String>,
+    /// DH group the controller requires: null, ffdhe2048 (default), ffdhe3072,
+    /// ffdhe4096, ffdhe6144, ffdhe8192.
+    #[arg(long)]
+    dhchap_dhgroup: Option<String>,
+}
+
+/// `nvmf subsystem host remove` (and its old spelling `remove-host`).
+#[derive(Args, Debug)]
+pub struct HostRemoveArgs {
+    /// NQN of the subsystem.
+    nqn: String,
+    /// Host NQN to disallow.
+    host: String,
+}
+
+/// `nvmf subsystem ns add` (and its old spelling `add-ns`).
+#[derive(Args, Debug)]
+pub struct NsAddArgs {
+    /// NQN of the subsystem.
+    nqn: String,
+    /// Volume to add as a namespace.
+    #[arg(long)]
+    volume: String,
+    /// Namespace ID (0: the lowest free one).
+    #[arg(long, default_value_t = 0)]
+    nsid: u32,
+}
+
+/// `nvmf subsystem ns remove` (and its old spelling `remove-ns`).
+#[derive(Args, Debug)]
+pub struct NsRemoveArgs {
+    /// NQN of the subsystem.
+    nqn: String,
+    /// Namespace ID to remove.
+    nsid: u32,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SubsystemCmd {
+    /// Create a subsystem.
+    Create(SubsystemCreateArgs),
+    /// Old spelling of `create`.
+    #[command(hide = true)]
+    Add(SubsystemCreateArgs),
+    /// List the subsystems, their namespaces, hosts and controllers.
+    List,
+    /// Show one subsystem: namespaces, hosts, controllers.
+    #[command(visible_alias = "status")]
+    Show(SubsystemName),
+    /// Delete a subsystem (refused while hosts are connected).
+    #[command(alias = "remove")]
+    Delete(SubsystemName),
+    /// Hosts allowed to connect: add, remove.
+    #[command(subcommand)]
+    Host(HostCmd),
+    /// Namespaces (volumes) of a subsystem: add, remove.
+    #[command(subcommand, visible_alias = "namespace")]
+    Ns(NsCmd),
+    /// Old spelling of `ns add`.
+    #[command(hide = true)]
+    AddNs(NsAddArgs),
+    /// Old spelling of `ns remove`.
+    #[command(hide = true)]
+    RemoveNs(NsRemoveArgs),
+    /// Old spelling of `host add`.
+    #[command(hide = true)]
+    AddHost(HostAddArgs),
+    /// Old spelling of `host remove`.
+    #[command(hide = true)]
+    RemoveHost(HostRemoveArgs),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum HostCmd {
+    /// Allow a host NQN.
+    Add(HostAddArgs),
+    /// Disallow a host NQN.
+    Remove(HostRemoveArgs),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum NsCmd {
+    /// Add a volume as a namespace.
+    Add(NsAddArgs),
+    /// Remove a namespace (by its ID).
+    Remove(NsRemoveArgs),
+}
+
+fn print_subsystems(v: &[SubsystemInfo]) {
     for s in v {
         let ns: Vec<String> = s
             .namespaces
             .iter()
             .map(|n| format!("{}={}", n.nsid, n.volume))
             .collect();
+        let with_auth: Vec<String> = s
+            .hosts
+            .iter()
+            .map(|h| match s.host_auth.get(h) {
+                Some(how) => format!("{h} (auth: {how})"),
+                None => h.clone(),
+            })
+            .collect();
         let hosts = if s.allow_any_host {
-            "any host".to_string()
+            if with_auth.iter().any(|h| h.contains("(auth:")) {
+                format!("any host; hosts: {with_auth:?}")
+            } else {
+                "any host".to_string()
+            }
         } else {
-            format!("hosts: {:?}", s.hosts)
+            format!("hosts: {with_auth:?}")
         };
         println!(
             "{}  namespaces: {}  {}  controllers: {}",
@@ -159,11 +355,6 @@ fn print_subsystems(v: &[SubsystemInfo], raw: bool) {
     }
 }
 
-/// The target could not be reached or refused the command.
-fn err(e: initiator::Error) -> CliError {
-    CliError::Unavailable(e.to_string())
-}
-
 fn ascii(b: &[u8]) -> String {
     String::from_utf8_lossy(b)
         .trim_end_matches([' ', '\0'])
@@ -173,7 +364,7 @@ fn ascii(b: &[u8]) -> String {
 pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
     match c {
         NvmfCmd::Discover { host } => {
-            let e = initiator::discover(&host.addr, &host.options()).map_err(err)?;
+            let e = initiator::discover(host.addr(), &host.opts()?).map_err(|e| host.error(e))?;
             if raw {
                 let v: Vec<Value> = e
                     .iter()
@@ -192,16 +383,21 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
             }
         }
         NvmfCmd::Identify { host, nqn } => {
-            let mut c = Controller::connect(&host.addr, &nqn, &host.options(), 0).map_err(err)?;
-            let id = c.identify(nvme::CNS_CONTROLLER, 0).map_err(err)?;
+            let mut c = Controller::connect(host.addr(), &nqn, &host.opts()?, 0)
+                .map_err(|e| host.error(e))?;
+            let id = c
+                .identify(nvme::CNS_CONTROLLER, 0)
+                .map_err(|e| host.error(e))?;
             let mut out = json!({
                 "cntlid": le16(&id, 78), "serial": ascii(&id[4..24]), "model": ascii(&id[24..64]),
                 "firmware": ascii(&id[64..72]), "subnqn": ascii(&id[768..1024]),
                 "mdts": id[77], "nn": le32(&id, 516), "ioccsz": le32(&id, 1792),
             });
             let mut nss = Vec::new();
-            for nsid in c.namespaces().map_err(err)? {
-                let n = c.identify(nvme::CNS_NAMESPACE, nsid).map_err(err)?;
+            for nsid in c.namespaces().map_err(|e| host.error(e))? {
+                let n = c
+                    .identify(nvme::CNS_NAMESPACE, nsid)
+                    .map_err(|e| host.error(e))?;
                 let lba = 1u64 << n[130];
                 let nguid: String = n[104..120].iter().map(|b| format!("{b:02x}")).collect();
                 nss.push(json!({"nsid": nsid, "blocks": le64(&n, 0), "lba_size": lba,
@@ -223,8 +419,9 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
                 parse_size(&offset).map_err(|e| CliError::Invalid(format!("--offset: {e}")))?;
             let len =
                 parse_size(&length).map_err(|e| CliError::Invalid(format!("--length: {e}")))?;
-            let mut c = Controller::connect(&host.addr, &nqn, &host.options(), 1).map_err(err)?;
-            let (_, lba) = c.namespace_size(nsid).map_err(err)?;
+            let mut c = Controller::connect(host.addr(), &nqn, &host.opts()?, 1)
+                .map_err(|e| host.error(e))?;
+            let (_, lba) = c.namespace_size(nsid).map_err(|e| host.error(e))?;
             let lba64 = lba as u64;
             if off % lba64 != 0 || len % lba64 != 0 || len == 0 {
                 return Err(CliError::Invalid(format!(
@@ -238,7 +435,7 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
                 let n = chunk.min(off + len - at);
                 let d = c
                     .read(0, nsid, at / lba64, (n / lba64) as u32, lba)
-                    .map_err(err)?;
+                    .map_err(|e| host.error(e))?;
                 data.extend_from_slice(&d);
                 at += n;
             }
@@ -268,8 +465,9 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
                     std::io::stdin().read_to_end(&mut data)?;
                 }
             }
-            let mut c = Controller::connect(&host.addr, &nqn, &host.options(), 1).map_err(err)?;
-            let (_, lba) = c.namespace_size(nsid).map_err(err)?;
+            let mut c = Controller::connect(host.addr(), &nqn, &host.opts()?, 1)
+                .map_err(|e| host.error(e))?;
+            let (_, lba) = c.namespace_size(nsid).map_err(|e| host.error(e))?;
             let l = lba as usize;
             if off % lba as u64 != 0 || data.is_empty() || data.len() % l != 0 {
                 return Err(CliError::Invalid(format!(
@@ -278,9 +476,10 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
             }
             for (i, chunk) in data.chunks(256 * l).enumerate() {
                 let slba = off / lba as u64 + (i * 256) as u64;
-                c.write(0, nsid, slba, chunk, lba).map_err(err)?;
+                c.write(0, nsid, slba, chunk, lba)
+                    .map_err(|e| host.error(e))?;
             }
-            c.flush(0, nsid).map_err(err)?;
+            c.flush(0, nsid).map_err(|e| host.error(e))?;
             c.disconnect();
             eprintln!("wrote {} bytes at offset {off}", data.len());
         }
@@ -292,54 +491,65 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
 
 fn subsystem(ep: &Endpoint, c: SubsystemCmd, raw: bool) -> Result<()> {
     let path = |nqn: &str| format!("/v1/nvmf/subsystems/{nqn}");
-    match c {
-        SubsystemCmd::Add {
-            nqn,
-            volumes,
-            allow_any_host,
-            hosts,
-        } => {
+    let one = |v: &SubsystemInfo| print_subsystems(std::slice::from_ref(v));
+    let v: SubsystemInfo = match c {
+        SubsystemCmd::Create(a) | SubsystemCmd::Add(a) => {
             let body = CreateSubsystem {
-                nqn: nqn.clone(),
-                allow_any_host,
-                hosts: Some(hosts),
+                nqn: a.nqn.clone(),
+                allow_any_host: a.allow_any_host,
+                hosts: Some(a.hosts),
             };
             let mut v: SubsystemInfo = send(ep, "POST", "/v1/nvmf/subsystems", &body)?;
-            for volume in volumes {
+            for volume in a.volumes {
                 let body = AddNamespace { volume, nsid: 0 };
-                v = send(ep, "POST", &format!("{}/namespaces", path(&nqn)), &body)?;
+                v = send(ep, "POST", &format!("{}/namespaces", path(&a.nqn)), &body)?;
             }
-            print_subsystems(&[v], raw);
+            v
         }
         SubsystemCmd::List => {
             let v: Vec<SubsystemInfo> = get(ep, "/v1/nvmf/subsystems")?;
-            print_subsystems(&v, raw);
+            show(&v[..], raw, print_subsystems);
+            return Ok(());
         }
-        SubsystemCmd::Remove { nqn } => {
-            let _: Deleted = delete(ep, &path(&nqn))?;
-            println!("subsystem {nqn} removed");
+        SubsystemCmd::Show(SubsystemName { nqn }) => get(ep, &path(&nqn))?,
+        SubsystemCmd::Delete(SubsystemName { nqn }) => {
+            let v: Deleted = delete(ep, &path(&nqn))?;
+            deleted(&v, raw, &format!("subsystem {nqn}"));
+            return Ok(());
         }
-        SubsystemCmd::AddNs { nqn, volume, nsid } => {
+        SubsystemCmd::Ns(NsCmd::Add(a)) | SubsystemCmd::AddNs(a) => {
             let body = AddNamespace {
-                volume,
-                nsid: nsid.into(),
+                volume: a.volume,
+                nsid: a.nsid.into(),
             };
-            let v: SubsystemInfo = send(ep, "POST", &format!("{}/namespaces", path(&nqn)), &body)?;
-            print_subsystems(&[v], raw);
+            send(ep, "POST", &format!("{}/namespaces", path(&a.nqn)), &body)?
         }
-        SubsystemCmd::RemoveNs { nqn, nsid } => {
-            let _: Deleted<u32> = delete(ep, &format!("{}/namespaces/{nsid}", path(&nqn)))?;
-            println!("namespace {nsid} removed from {nqn}");
+        SubsystemCmd::Ns(NsCmd::Remove(a)) | SubsystemCmd::RemoveNs(a) => {
+            let nsid = a.nsid;
+            let v: Deleted<u32> = delete(ep, &format!("{}/namespaces/{nsid}", path(&a.nqn)))?;
+            deleted(&v, raw, &format!("namespace {nsid} of {}", a.nqn));
+            return Ok(());
         }
-        SubsystemCmd::AddHost { nqn, host } => {
-            let body = AddHost { nqn: host };
-            let v: SubsystemInfo = send(ep, "POST", &format!("{}/hosts", path(&nqn)), &body)?;
-            print_subsystems(&[v], raw);
+        SubsystemCmd::Host(HostCmd::Add(a)) | SubsystemCmd::AddHost(a) => {
+            let body = AddHost {
+                nqn: a.host,
+                dhchap_secret: secret_arg("dhchap-secret", &a.dhchap_secret, &a.dhchap_secret_file)
+                    .map_err(CliError::Invalid)?,
+                dhchap_ctrl_secret: secret_arg(
+                    "dhchap-ctrl-secret",
+                    &a.dhchap_ctrl_secret,
+                    &a.dhchap_ctrl_secret_file,
+                )
+                .map_err(CliError::Invalid)?,
+                dhchap_hash: a.dhchap_hash,
+                dhchap_dhgroup: a.dhchap_dhgroup,
+            };
+            send(ep, "POST", &format!("{}/hosts", path(&a.nqn)), &body)?
         }
-        SubsystemCmd::RemoveHost { nqn, host } => {
-            let v: SubsystemInfo = delete(ep, &format!("{}/hosts/{host}", path(&nqn)))?;
-            print_subsystems(&[v], raw);
+        SubsystemCmd::Host(HostCmd::Remove(a)) | SubsystemCmd::RemoveHost(a) => {
+            delete(ep, &format!("{}/hosts/{}", path(&a.nqn), a.host))?
         }
-    }
+    };
+    show(&v, raw, one);
     Ok(())
 }

@@ -14,5 +14,5 @@ pub struct NvmfPerfArgs {
 }
 
 pub fn run(a: NvmfPerfArgs) -> Result<(), String> {
-    tessera_load::nvmf_perf::run(&a.host.addr, a.host.options(), a.load)
+    tessera_load::nvmf_perf::run(a.host.addr(), a.host.options()?, a.load)
 }

@@ -1,20 +1,26 @@
-//! Running a node in the foreground until SIGINT/SIGTERM.
+//! Running a node in the foreground until SIGINT/SIGTERM, telling systemd (`Type=notify`)
+//! when it serves and when it stops.
 
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use tessera_api::PoolEntry;
+use tessera_api::{PoolEntry, TlsPolicy};
+use tessera_node::config::NbdTlsConfig;
 use tessera_node::error::StartError;
+use tessera_node::metrics_http::MetricsListener;
 use tessera_node::{listener, DataDirLock, Node, NodeConfig};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::error::Result;
+use crate::paths;
 
 #[derive(Args)]
 pub struct UpArgs {
-    /// Data directory (created if missing).
-    #[arg(long, default_value = "tessera-data")]
-    data_dir: PathBuf,
+    /// Data directory, created if missing [default: /var/lib/tessera for root, else
+    /// $XDG_DATA_HOME/tessera, i.e. ~/.local/share/tessera: where the CLI looks for
+    /// the API socket without --api].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
     /// NBD TCP address.
     #[arg(long, default_value = "127.0.0.1:10809")]
     nbd: String,
@@ -36,12 +42,65 @@ pub struct UpArgs {
     /// NVMe/TCP discovery port ("" = none).
     #[arg(long, default_value = "127.0.0.1:8009")]
     nvmf_discovery: String,
+    /// Serve /metrics, /healthz and /readyz on this address (plain HTTP, read-only),
+    /// e.g. 127.0.0.1:9464 (default: no metrics listener).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
+    #[command(flatten)]
+    tls: NbdTlsArgs,
 }
 
+/// NBD TLS (`NBD_OPT_STARTTLS`, X.509) for `up` and `node` (overrides `[nbd.tls]`).
+#[derive(Args)]
+pub struct NbdTlsArgs {
+    /// NBD TLS: the server's certificate chain (PEM); needs --nbd-tls-key.
+    #[arg(long, requires = "nbd_tls_key")]
+    nbd_tls_cert: Option<PathBuf>,
+    /// NBD TLS: the server's private key (PEM).
+    #[arg(long, requires = "nbd_tls_cert")]
+    nbd_tls_key: Option<PathBuf>,
+    /// NBD TLS: require client certificates signed by this CA (PEM).
+    #[arg(long, requires = "nbd_tls_cert")]
+    nbd_tls_client_ca: Option<PathBuf>,
+    /// NBD TLS policy of exports that set none: required (default) or optional.
+    #[arg(long, requires = "nbd_tls_cert")]
+    nbd_tls_default: Option<TlsPolicy>,
+}
+
+impl NbdTlsArgs {
+    fn apply(self, cfg: &mut NodeConfig) {
+        if let (Some(cert), Some(key)) = (self.nbd_tls_cert, self.nbd_tls_key) {
+            cfg.nbd.tls = Some(NbdTlsConfig {
+                cert,
+                key,
+                client_ca: self.nbd_tls_client_ca,
+                default: self.nbd_tls_default.unwrap_or(TlsPolicy::Required),
+            });
+        }
+    }
+}
+
+/// The old default data directory, relative to where `tessera up` was started.
+const OLD_DEFAULT_DATA_DIR: &str = "tessera-data";
+
 pub fn up(a: UpArgs) -> Result<()> {
-    let mut cfg = NodeConfig::embedded_default(&a.data_dir);
+    let data_dir = match a.data_dir {
+        Some(d) => paths::absolute(&d),
+        None => {
+            if Path::new(OLD_DEFAULT_DATA_DIR).join("pools.json").exists() {
+                println!(
+                    "tessera: note: ./{OLD_DEFAULT_DATA_DIR} holds a node of the earlier default \
+                     data directory; this one uses {} (pass --data-dir {OLD_DEFAULT_DATA_DIR} to \
+                     run that one)",
+                    paths::default_data_dir().display()
+                );
+            }
+            paths::default_data_dir()
+        }
+    };
+    let mut cfg = NodeConfig::embedded_default(&data_dir);
     cfg.nbd.listen = vec![a.nbd];
-    cfg.nbd.unix = Some(a.data_dir.join("nbd.sock"));
+    cfg.nbd.unix = Some(data_dir.join("nbd.sock"));
     cfg.cores = a.cores;
     cfg.busy_poll = a.busy_poll;
     cfg.pin_cores = !a.no_pin;
@@ -49,11 +108,18 @@ pub fn up(a: UpArgs) -> Result<()> {
     cfg.nvmf.enabled = !a.nvmf.is_empty();
     cfg.nvmf.listen = a.nvmf;
     cfg.nvmf.discovery = a.nvmf_discovery;
+    cfg.metrics.listen = a.metrics;
+    a.tls.apply(&mut cfg);
     serve(cfg)
 }
 
-pub fn node_from_file(path: &Path) -> Result<()> {
-    serve(NodeConfig::load(path)?)
+pub fn node_from_file(path: &Path, metrics: Option<String>, tls: NbdTlsArgs) -> Result<()> {
+    let mut cfg = NodeConfig::load(path)?;
+    if metrics.is_some() {
+        cfg.metrics.listen = metrics;
+    }
+    tls.apply(&mut cfg);
+    serve(cfg)
 }
 
 fn block_signals() -> libc::sigset_t {
@@ -74,9 +140,18 @@ fn serve(cfg: NodeConfig) -> Result<()> {
     // First claim the data directory, then check the addresses: a second node on the same
     // directory, or one whose ports are taken, stops here having opened nothing.
     let dir_lock = DataDirLock::acquire(&cfg)?;
+    listener::check_api_config(&cfg)?;
     listener::check_addresses(&cfg).map_err(StartError::Listen)?;
+    // The metrics listener comes next, so /readyz says "starting" while pools open.
+    let metrics = match &cfg.metrics.listen {
+        Some(l) => Some(MetricsListener::start(l)?),
+        None => None,
+    };
     let node = Node::start(cfg, dir_lock)?;
-    listener::start_api(&node)?;
+    if let Some(m) = &metrics {
+        m.attach(node.clone());
+    }
+    let api_tcp = listener::start_api(&node)?;
     let mut addrs = Vec::new();
     for l in node.cfg.nbd.listen.clone() {
         let a = listener::start_nbd_tcp(&node, &l)?;
@@ -84,7 +159,7 @@ fn serve(cfg: NodeConfig) -> Result<()> {
     }
     if let Some(p) = node.cfg.nbd.unix.clone() {
         listener::start_nbd_unix(&node, &p)?;
-        addrs.push(format!("unix:{}", p.display()));
+        addrs.push(format!("unix:{}", paths::absolute(&p).display()));
     }
     *node
         .nbd_addresses
@@ -96,15 +171,35 @@ fn serve(cfg: NodeConfig) -> Result<()> {
         .collect();
     // NVMe/TCP listens before the banner says ready.
     let nvmf = tessera_node::nvmf::start(&node);
-    print_banner(&node, &addrs);
-    for a in nvmf {
-        println!("tessera: NVMe/TCP: {a}");
+    if let Some(m) = &metrics {
+        m.set_serving(true);
+        println!(
+            "tessera: metrics: http://{0}/metrics (health: /healthz, /readyz)",
+            m.local_addr()
+        );
+    }
+    if let Some(a) = api_tcp {
+        println!("tessera: management API: https://{a} (TLS, bearer tokens)");
+    }
+    print_banner(&node, &addrs, &nvmf);
+    let pid = std::process::id();
+    if let Err(e) = crate::sd_notify::notify(&format!(
+        "READY=1\nMAINPID={pid}\nSTATUS=serving {} export(s)",
+        node.status().exports.len()
+    )) {
+        warn!(error = %e, "cannot tell the service manager the node is ready");
     }
     // Wait for SIGINT/SIGTERM, then commit every pool and leave.
     let mut sig: libc::c_int = 0;
     // SAFETY: waiting on the set blocked above.
     unsafe { libc::sigwait(&set, &mut sig) };
     info!(signal = sig, "committing metadata and stopping");
+    if let Some(m) = &metrics {
+        m.set_serving(false);
+    }
+    if let Err(e) = crate::sd_notify::notify("STOPPING=1\nSTATUS=committing metadata") {
+        warn!(error = %e, "cannot tell the service manager the node is stopping");
+    }
     node.shutdown();
     let _ = std::fs::remove_file(node.cfg.api_socket());
     if let Some(p) = &node.cfg.nbd.unix {
@@ -113,24 +208,29 @@ fn serve(cfg: NodeConfig) -> Result<()> {
     Ok(())
 }
 
-fn print_banner(node: &Node, addrs: &[String]) {
+fn print_banner(node: &Node, addrs: &[String], nvmf: &[String]) {
     let st = node.status();
     println!(
         "tessera: node up on {} core(s), data in {}",
         node.reactors.len(),
-        node.cfg.data_dir.display()
+        paths::absolute(&node.cfg.data_dir).display()
     );
-    println!(
-        "tessera: management API: unix:{}",
-        node.cfg.api_socket().display()
-    );
+    let api = format!("unix:{}", paths::absolute(&node.cfg.api_socket()).display());
+    println!("tessera: management API: {api}");
+    if api == paths::default_api() {
+        println!("tessera: manage it with: tessera status   (tessera --help for every command)");
+    } else {
+        println!(
+            "tessera: manage it with: tessera --api {api} status   (or export TESSERA_API={api})"
+        );
+    }
     for p in &st.pools {
         match p {
             PoolEntry::Online(p) => println!(
                 "tessera: pool {} ({}, {}) on {}",
                 p.name,
                 p.layout,
-                p.capacity_human,
+                crate::format::bytes(p.capacity),
                 p.devices.join(", ")
             ),
             PoolEntry::Offline(p) => {
@@ -138,21 +238,47 @@ fn print_banner(node: &Node, addrs: &[String]) {
             }
         }
     }
+    // A TLS-only export is reached with nbds:// (nbd+unix:// becomes nbds+unix://).
+    let scheme = |a: &str, tls: bool| match a.strip_prefix("nbd://") {
+        Some(host) if tls => format!("nbds://{host}"),
+        _ => a.to_string(),
+    };
     for e in &st.exports {
         let name = &e.name;
+        let s = if e.tls_required { "nbds" } else { "nbd" };
         for a in addrs {
             match a.strip_prefix("unix:") {
-                Some(sock) => println!("tessera: export {name}: nbd+unix:///{name}?socket={sock}"),
-                None => println!("tessera: export {name}: {a}/{name}"),
+                Some(sock) => println!("tessera: export {name}: {s}+unix:///{name}?socket={sock}"),
+                None => println!(
+                    "tessera: export {name}: {}/{name}",
+                    scheme(a, e.tls_required)
+                ),
             }
         }
     }
-    if let Some(e) = st.exports.first() {
-        if let (name, Some(a)) = (&e.name, addrs.first()) {
-            println!("tessera: try: nbdinfo {a}/{name}   |   qemu-img info {a}/{name}");
+    for a in nvmf {
+        println!("tessera: NVMe/TCP: {a}");
+    }
+    println!(
+        "tessera: stop it with Ctrl-C or `kill {}` (SIGTERM): it commits metadata, then exits",
+        std::process::id()
+    );
+    match (
+        st.exports.first(),
+        addrs.iter().find(|a| a.starts_with("nbd://")),
+    ) {
+        (Some(e), Some(a)) => {
+            let name = &e.name;
+            let a = scheme(a, e.tls_required);
+            if e.tls_required {
+                println!(
+                    "tessera: try: nbdinfo '{a}/{name}?tls-certificates=DIR'   (DIR: ca-cert.pem, client-cert.pem, client-key.pem)"
+                );
+            } else {
+                println!("tessera: try: nbdinfo {a}/{name}   |   qemu-img info {a}/{name}");
+            }
             println!("tessera: ready {a}/{name}");
         }
-    } else {
-        println!("tessera: ready");
+        _ => println!("tessera: ready"),
     }
 }

@@ -68,7 +68,9 @@ fn limits_hold_change_live_and_persist() {
     n.kill9();
     n.restart();
     let shown = n.cli_ok(&["volume", "qos", "vol0"]);
-    assert!(shown.contains("write_bps=8388608"), "{shown}");
+    assert!(shown.contains("write_bw=8 MiB/s"), "{shown}");
+    let exact = n.json(&["volume", "qos", "vol0"]);
+    assert_eq!(exact["write_bps"], 8388608, "{exact}");
     let (_, mibps) = perf(&n, "randwrite", 3);
     assert!(within(mibps, 8.0, 0.08), "after restart {mibps}");
 

@@ -11,15 +11,20 @@ use tessera_nbd::client::{ClientOptions, NbdClient};
 
 const MIB: u64 = 1 << 20;
 
-/// Run a CLI command that must fail; returns its stderr (checked for the error format).
-fn cli_err(n: &TestNode, args: &[&str]) -> String {
+/// Exit codes of `tessera --help`: the node has no such object / refuses a conflict.
+const NOT_FOUND: i32 = 3;
+const CONFLICT: i32 = 4;
+
+/// Run a CLI command that must fail with exit code `code`; returns its stderr (checked for
+/// the error format).
+fn cli_err(n: &TestNode, args: &[&str], code: i32) -> String {
     let o = n.cli(args);
     let stdout = String::from_utf8_lossy(&o.stdout);
     let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
     assert_eq!(
         o.status.code(),
-        Some(1),
-        "tessera {args:?} should fail with exit code 1; stdout: {stdout} stderr: {stderr}"
+        Some(code),
+        "tessera {args:?} should fail with exit code {code}; stdout: {stdout} stderr: {stderr}"
     );
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(
@@ -360,7 +365,7 @@ fn deleting_an_exported_volume_fails_and_delete_gives_space_back() {
     assert_eq!(vx["allocated"], 9 * MIB);
 
     // Exported (and connected): refused, with a message that says why.
-    let err = cli_err(&n, &["volume", "delete", "vx"]);
+    let err = cli_err(&n, &["volume", "delete", "vx"], CONFLICT);
     assert!(
         err.contains("vx")
             && (err.contains("export") || err.contains("busy") || err.contains("connection")),
@@ -369,7 +374,7 @@ fn deleting_an_exported_volume_fails_and_delete_gives_space_back() {
     c.disconnect().unwrap();
     wait_no_connections(&n, "vx");
     // Exported, no connection: still refused, and the message names the export.
-    let err = cli_err(&n, &["volume", "delete", "vx"]);
+    let err = cli_err(&n, &["volume", "delete", "vx"], CONFLICT);
     assert!(
         err.contains("vx") && err.contains("export"),
         "unclear error: {err}"
@@ -397,7 +402,7 @@ fn deleting_an_exported_volume_fails_and_delete_gives_space_back() {
     assert_eq!(st["allocated"].as_u64(), Some(base));
 
     // Deleting again: not found, clear error.
-    let err = cli_err(&n, &["volume", "delete", "vx"]);
+    let err = cli_err(&n, &["volume", "delete", "vx"], NOT_FOUND);
     assert!(err.contains("vx"), "{err}");
 
     // The freed space is reusable, and the deletion survives a SIGKILL.
@@ -435,7 +440,7 @@ fn pool_destroy_refuses_pools_with_volumes_and_stays_destroyed() {
     n.cli_ok(&["volume", "create", "vd", "--pool", "pd", "--size", "32M"]);
     n.cli_ok(&["volume", "create", "vk", "--pool", "pk", "--size", "32M"]);
 
-    let err = cli_err(&n, &["pool", "destroy", "pd"]);
+    let err = cli_err(&n, &["pool", "destroy", "pd"], CONFLICT);
     assert!(
         err.contains("pd") && err.contains("volume"),
         "unclear error: {err}"
@@ -466,7 +471,7 @@ fn pool_destroy_refuses_pools_with_volumes_and_stays_destroyed() {
     );
 
     // Destroy pk, then SIGKILL.
-    let err = cli_err(&n, &["pool", "destroy", "pk"]);
+    let err = cli_err(&n, &["pool", "destroy", "pk"], CONFLICT);
     assert!(err.contains("pk"), "{err}");
     n.cli_ok(&["volume", "delete", "vk"]);
     n.cli_ok(&["pool", "destroy", "pk"]);
@@ -481,7 +486,7 @@ fn pool_destroy_refuses_pools_with_volumes_and_stays_destroyed() {
     let st = n.json(&["status"]);
     assert_eq!(st["pools"].as_array().map(|p| p.len()), Some(1), "{st}");
     // Destroying a pool that does not exist is an error too.
-    let err = cli_err(&n, &["pool", "destroy", "pd"]);
+    let err = cli_err(&n, &["pool", "destroy", "pd"], NOT_FOUND);
     assert!(err.contains("pd"), "{err}");
     assert!(n.is_running());
 }

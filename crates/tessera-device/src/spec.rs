@@ -28,7 +28,10 @@ fn invalid(msg: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, msg)
 }
 
-/// Parse `4096`, `64K`, `1M`, `4G`, `1T`, `512k`, `1GiB`, `1.5G`.
+/// What [`parse_size`] accepts, for its error messages.
+const SIZE_UNITS: &str = "bytes, or K, M, G, T, P (also KiB..PiB, KB..PB; all powers of 1024), e.g. 4096, 64K, 1.5G, 1TiB";
+
+/// Parse `4096`, `64K`, `1M`, `4G`, `1T`, `1P`, `512k`, `1GiB`, `1.5G` (binary units).
 pub fn parse_size(s: &str) -> io::Result<u64> {
     let t = s.trim();
     let t = t
@@ -45,7 +48,7 @@ pub fn parse_size(s: &str) -> io::Result<u64> {
                 'P' => 1 << 50,
                 _ => {
                     return Err(invalid(format!(
-                        "bad size '{s}': unknown unit '{c}' (use K, M, G, T)"
+                        "bad size '{s}': unknown unit '{c}' (sizes are {SIZE_UNITS})"
                     )))
                 }
             };
@@ -63,9 +66,7 @@ pub fn parse_size(s: &str) -> io::Result<u64> {
         // `as` saturates at u64::MAX.
         #[allow(clippy::cast_possible_truncation)]
         Ok(f) if f >= 0.0 && f.is_finite() => Ok((f * mult as f64) as u64),
-        _ => Err(invalid(format!(
-            "bad size '{s}' (examples: 4096, 64K, 1M, 4G)"
-        ))),
+        _ => Err(invalid(format!("bad size '{s}' (sizes are {SIZE_UNITS})"))),
     }
 }
 
@@ -167,6 +168,28 @@ pub fn open_device(spec: &DeviceSpec) -> io::Result<Arc<dyn BlockDevice>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_binary_unit_up_to_peta_and_the_error_lists_them() {
+        for (text, n) in [
+            ("1P", 1u64 << 50),
+            ("1PiB", 1 << 50),
+            ("2TiB", 2 << 40),
+            ("3GiB", 3 << 30),
+            ("4MiB", 4 << 20),
+            ("5KiB", 5 << 10),
+            ("6KB", 6 << 10),
+        ] {
+            assert_eq!(parse_size(text).unwrap(), n, "{text}");
+        }
+        let e = parse_size("1Q").unwrap_err().to_string();
+        assert!(
+            e.contains("P") && e.contains("PiB") && e.contains("T"),
+            "{e}"
+        );
+        let e = parse_size("x").unwrap_err().to_string();
+        assert!(e.contains("PiB"), "{e}");
+    }
 
     #[test]
     fn sizes() {

@@ -302,6 +302,16 @@ impl Socket {
         self.recv_posted = true;
     }
 
+    /// Complete a receive at once with `res` (bytes, 0 for EOF, or a negative errno),
+    /// through the core's ready queue, as if the socket had delivered it: for bytes a
+    /// layer above the socket (TLS) already holds. Counts as posted until it is
+    /// delivered, so the connection neither posts another nor finishes meanwhile.
+    pub fn complete_recv_now(&mut self, io: &mut CoreIo, res: i32, tag: Tag) {
+        debug_assert!(!self.recv_posted);
+        io.complete(tag, res);
+        self.recv_posted = true;
+    }
+
     /// The receive completed with `res`. Returns the bytes it brought; `None` when the
     /// client went away (EOF or error): the connection drains, and on an error nothing
     /// more is sent.

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use tessera_io::{CoreIo, IoOp, Tag};
 
 pub mod conn;
+pub mod log_limit;
 pub mod stats;
 
 pub use stats::{IoClass, IoStats, StatsRegistry, StatsSnapshot};

@@ -13,21 +13,34 @@ use tessera_io::hist::{Histogram, SharedHistogram};
 pub struct IoStats {
     pub reads: AtomicU64,
     pub writes: AtomicU64,
-    /// FLUSH, TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS.
+    /// Every request that is neither a read nor a write: FLUSH, TRIM, WRITE_ZEROES,
+    /// CACHE, BLOCK_STATUS (and the NVMe equivalents).
     pub others: AtomicU64,
+    /// The flushes, discards (TRIM, Dataset Management) and write-zeroes among `others`.
+    pub flushes: AtomicU64,
+    pub discards: AtomicU64,
+    pub write_zeroes: AtomicU64,
     pub read_bytes: AtomicU64,
     pub write_bytes: AtomicU64,
     pub errors: AtomicU64,
     /// Time requests spent held back by QoS limits, nanoseconds.
     pub throttled_ns: AtomicU64,
-    /// Request latency (receipt to reply queued), nanoseconds.
-    pub latency: SharedHistogram,
+    /// Request latency (receipt to reply queued), nanoseconds, of reads, of writes and
+    /// of every other request: one histogram per class, so a request records into one.
+    pub read_latency: SharedHistogram,
+    pub write_latency: SharedHistogram,
+    pub other_latency: SharedHistogram,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum IoClass {
     Read,
     Write,
+    Flush,
+    /// NBD TRIM, NVMe Dataset Management (deallocate).
+    Discard,
+    WriteZeroes,
+    /// CACHE, BLOCK_STATUS, and any other command a client sends.
     Other,
 }
 
@@ -35,21 +48,32 @@ impl IoStats {
     #[inline]
     pub fn record(&self, class: IoClass, bytes: u64, latency_ns: u64, ok: bool) {
         let bump = |a: &AtomicU64, by: u64| a.store(a.load(Relaxed).wrapping_add(by), Relaxed);
-        match class {
+        let latency = match class {
             IoClass::Read => {
                 bump(&self.reads, 1);
                 bump(&self.read_bytes, bytes);
+                &self.read_latency
             }
             IoClass::Write => {
                 bump(&self.writes, 1);
                 bump(&self.write_bytes, bytes);
+                &self.write_latency
             }
-            IoClass::Other => bump(&self.others, 1),
-        }
+            other => {
+                bump(&self.others, 1);
+                match other {
+                    IoClass::Flush => bump(&self.flushes, 1),
+                    IoClass::Discard => bump(&self.discards, 1),
+                    IoClass::WriteZeroes => bump(&self.write_zeroes, 1),
+                    _ => {}
+                }
+                &self.other_latency
+            }
+        };
         if !ok {
             bump(&self.errors, 1);
         }
-        self.latency.record_single_writer(latency_ns);
+        latency.record_single_writer(latency_ns);
     }
 
     #[inline]
@@ -63,10 +87,21 @@ impl IoStats {
         t.reads += self.reads.load(Relaxed);
         t.writes += self.writes.load(Relaxed);
         t.others += self.others.load(Relaxed);
+        t.flushes += self.flushes.load(Relaxed);
+        t.discards += self.discards.load(Relaxed);
+        t.write_zeroes += self.write_zeroes.load(Relaxed);
         t.read_bytes += self.read_bytes.load(Relaxed);
         t.write_bytes += self.write_bytes.load(Relaxed);
         t.errors += self.errors.load(Relaxed);
-        self.latency.snapshot_into(&mut t.latency);
+        let mut read = Histogram::default();
+        let mut write = Histogram::default();
+        self.read_latency.snapshot_into(&mut read);
+        self.write_latency.snapshot_into(&mut write);
+        self.other_latency.snapshot_into(&mut t.latency);
+        t.latency.merge(&read);
+        t.latency.merge(&write);
+        t.read_latency.merge(&read);
+        t.write_latency.merge(&write);
     }
 }
 
@@ -76,11 +111,17 @@ pub struct StatsSnapshot {
     pub reads: u64,
     pub writes: u64,
     pub others: u64,
+    pub flushes: u64,
+    pub discards: u64,
+    pub write_zeroes: u64,
     pub read_bytes: u64,
     pub write_bytes: u64,
     pub errors: u64,
     pub throttled_ns: u64,
+    /// Every request's latency (nanoseconds), and the reads' and writes' alone.
     pub latency: Histogram,
+    pub read_latency: Histogram,
+    pub write_latency: Histogram,
 }
 
 /// The stats blocks of one target's connections. Control plane only: connections
@@ -140,9 +181,12 @@ mod tests {
         b.record(IoClass::Write, 512, 10, false);
         reg.unregister(&a);
         b.record(IoClass::Other, 0, 10, true);
+        b.record(IoClass::Flush, 0, 10, true);
         let s = reg.snapshot();
-        assert_eq!((s.reads, s.writes, s.others, s.errors), (1, 1, 1, 1));
+        assert_eq!((s.reads, s.writes, s.others, s.errors), (1, 1, 2, 1));
+        assert_eq!((s.flushes, s.discards, s.write_zeroes), (1, 0, 0));
         assert_eq!((s.read_bytes, s.write_bytes), (4096, 512));
-        assert_eq!(s.latency.count(), 3);
+        assert_eq!(s.latency.count(), 4);
+        assert_eq!((s.read_latency.count(), s.write_latency.count()), (1, 1));
     }
 }

@@ -1,4 +1,5 @@
-//! One-shot HTTP/1.1 client for the control API.
+//! One-shot HTTP/1.1 client for the control API: over a Unix socket, or HTTPS with a
+//! bearer token.
 
 use std::fmt;
 use std::io::{self, ErrorKind, Read, Write};
@@ -7,6 +8,8 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
+
+use rustls::pki_types::ServerName;
 
 use crate::{find_head_end, head_lines, is_token};
 
@@ -25,21 +28,80 @@ const MAX_RESPONSE_BODY: u64 = 64 * 1024 * 1024;
 pub enum Endpoint {
     /// Unix-domain socket at this path.
     Unix(PathBuf),
-    /// TCP `HOST:PORT` (IPv6 hosts in brackets: `[::1]:7070`).
+    /// TCP `HOST:PORT` (IPv6 hosts in brackets: `[::1]:7070`), plain text: a node serves
+    /// its API on TCP only with TLS, so this reaches only other servers.
     Tcp(String),
+    /// `https://HOST:PORT`: TLS, with the credentials to present.
+    Https(HttpsEndpoint),
+}
+
+/// An HTTPS endpoint: the address, the CA to trust, the bearer token to send.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct HttpsEndpoint {
+    /// `HOST:PORT`; HOST is also the name the server's certificate must carry.
+    pub addr: String,
+    /// PEM file of the CA(s) to trust (default: the system's bundle).
+    pub ca_cert: Option<PathBuf>,
+    /// Bearer token.
+    pub token: Option<String>,
+}
+
+impl fmt::Debug for HttpsEndpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpsEndpoint")
+            .field("addr", &self.addr)
+            .field("ca_cert", &self.ca_cert)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl HttpsEndpoint {
+    /// The host part of `addr` (without brackets and port).
+    pub(crate) fn host(&self) -> &str {
+        let host = match self.addr.rsplit_once(':') {
+            Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+            _ => self.addr.as_str(),
+        };
+        host.trim_start_matches('[').trim_end_matches(']')
+    }
+
+    /// `addr` with the default HTTPS port when it names none.
+    pub(crate) fn socket_addr(&self) -> String {
+        let has_port = match self.addr.rsplit_once(':') {
+            Some((host, port)) => {
+                port.bytes().all(|b| b.is_ascii_digit())
+                    && (!host.contains(':') || host.ends_with(']'))
+            }
+            None => false,
+        };
+        if has_port {
+            self.addr.clone()
+        } else {
+            format!("{}:443", self.addr)
+        }
+    }
 }
 
 impl Endpoint {
     /// Parses an endpoint specification:
     ///
     /// * `unix:PATH` → [`Endpoint::Unix`]
+    /// * `https://HOST:PORT` → [`Endpoint::Https`] (no credentials yet: see
+    ///   [`Endpoint::with_credentials`])
     /// * `tcp:HOST:PORT` → [`Endpoint::Tcp`]
     /// * anything containing `/` → [`Endpoint::Unix`]
     /// * `HOST:PORT` → [`Endpoint::Tcp`]
     /// * anything else (no `/`, no `:`, e.g. `node.sock`) is taken as a
     ///   relative Unix socket path, since it cannot be a TCP address.
     pub fn parse(s: &str) -> Endpoint {
-        if let Some(path) = s.strip_prefix("unix:") {
+        if let Some(rest) = s.strip_prefix("https://") {
+            Endpoint::Https(HttpsEndpoint {
+                addr: rest.trim_end_matches('/').to_string(),
+                ca_cert: None,
+                token: None,
+            })
+        } else if let Some(path) = s.strip_prefix("unix:") {
             Endpoint::Unix(PathBuf::from(path))
         } else if let Some(addr) = s.strip_prefix("tcp:") {
             Endpoint::Tcp(addr.to_string())
@@ -47,6 +109,21 @@ impl Endpoint {
             Endpoint::Unix(PathBuf::from(s))
         } else {
             Endpoint::Tcp(s.to_string())
+        }
+    }
+}
+
+impl Endpoint {
+    /// The endpoint with a bearer token and a CA to trust; they apply to HTTPS only (a
+    /// Unix socket's client is known by its user).
+    pub fn with_credentials(self, token: Option<String>, ca_cert: Option<PathBuf>) -> Endpoint {
+        match self {
+            Endpoint::Https(https) => Endpoint::Https(HttpsEndpoint {
+                token: token.or(https.token),
+                ca_cert: ca_cert.or(https.ca_cert),
+                ..https
+            }),
+            other => other,
         }
     }
 }
@@ -66,6 +143,7 @@ impl fmt::Display for Endpoint {
         match self {
             Endpoint::Unix(path) => write!(f, "unix:{}", path.display()),
             Endpoint::Tcp(addr) => write!(f, "tcp:{addr}"),
+            Endpoint::Https(https) => write!(f, "https://{}", https.addr),
         }
     }
 }
@@ -111,6 +189,7 @@ pub fn request(
     let host = match ep {
         Endpoint::Unix(_) => "localhost",
         Endpoint::Tcp(addr) => addr.as_str(),
+        Endpoint::Https(https) => https.addr.as_str(),
     };
     let mut message = format!(
         "{method} {target} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: tessera-http\r\n\
@@ -119,6 +198,12 @@ pub fn request(
     );
     if body.is_some() {
         message.push_str("Content-Type: application/json\r\n");
+    }
+    if let Endpoint::Https(HttpsEndpoint {
+        token: Some(token), ..
+    }) = ep
+    {
+        message.push_str(&format!("Authorization: Bearer {token}\r\n"));
     }
     message.push_str(&format!("Content-Length: {}\r\n\r\n", payload.len()));
     let mut message = message.into_bytes();
@@ -137,6 +222,21 @@ pub fn request(
             stream.set_write_timeout(Some(IO_TIMEOUT))?;
             let _ = stream.set_nodelay(true);
             exchange(stream, &message, ep)
+        }
+        Endpoint::Https(https) => {
+            let config = crate::tls::client_config(https.ca_cert.as_deref())?;
+            let name = ServerName::try_from(https.host().to_string()).map_err(|e| {
+                io::Error::new(
+                    ErrorKind::InvalidInput,
+                    format!("{ep}: {:?} is not a host name: {e}", https.host()),
+                )
+            })?;
+            let tls = rustls::ClientConnection::new(config, name).map_err(io::Error::other)?;
+            let stream = connect_tcp(ep, &https.socket_addr())?;
+            stream.set_read_timeout(Some(IO_TIMEOUT))?;
+            stream.set_write_timeout(Some(IO_TIMEOUT))?;
+            let _ = stream.set_nodelay(true);
+            exchange(rustls::StreamOwned::new(tls, stream), &message, ep)
         }
     }
 }

@@ -1,92 +1,152 @@
-//! End-to-end tests over real Unix and TCP sockets.
+//! End-to-end tests of the server over real Unix sockets and loopback TCP with TLS.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
+use axum::body::Bytes;
+use axum::extract::{Path, Query};
+use axum::http::{Method, Uri};
+use axum::routing::{any, get};
+use axum::Router;
 use serde_json::{json, Value};
 
-use crate::server::{serve, tcp_incoming, Limits};
-use crate::{percent_decode, request, Endpoint, Handler, Request, Response, MAX_BODY_BYTES};
+use crate::{
+    blocking, request, spawn, ApiListener, Endpoint, HttpsEndpoint, Response, TokenSet,
+    MAX_BODY_BYTES,
+};
 
-/// A uniquely named directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
+const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef";
 
-impl TempDir {
-    fn new() -> TempDir {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let dir = std::env::temp_dir().join(format!(
-            "tessera-http-{}-{}-{nanos}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
+/// Echoes the request as JSON under `/echo...`, panics on `/panic`, serves GET only on
+/// `/only-get`, and returns 404 for anything else.
+fn test_router() -> Router {
+    async fn echo(
+        method: Method,
+        uri: Uri,
+        rest: Option<Path<String>>,
+        Query(query): Query<Vec<(String, String)>>,
+        body: Bytes,
+    ) -> Response {
+        // The path as the router decoded it.
+        let path = match rest {
+            Some(Path(rest)) => format!("/echo/{rest}"),
+            None => uri.path().to_string(),
+        };
+        let query: Vec<Value> = query.iter().map(|(k, v)| json!([k, v])).collect();
+        Response::json(
+            200,
+            &json!({
+                "method": method.as_str(),
+                "path": path,
+                "query": query,
+                "body": String::from_utf8_lossy(&body),
+                "body_len": body.len(),
+            }),
+        )
     }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+    async fn panic_handler() -> Response {
+        blocking(|| panic!("deliberate test panic")).await
     }
-}
-
-/// Echoes the request as JSON under `/echo...`, panics on `/panic`, and
-/// returns 404 for anything else.
-fn test_handler() -> Handler {
-    Arc::new(|req: &Request| {
-        if req.path == "/panic" {
-            panic!("deliberate test panic");
-        }
-        if req.path.starts_with("/echo") {
-            let query: Vec<Value> = req.query.iter().map(|(k, v)| json!([k, v])).collect();
-            return Response::json(
-                200,
-                &json!({
-                    "method": req.method,
-                    "path": req.path,
-                    "query": query,
-                    "body": String::from_utf8_lossy(&req.body),
-                    "body_len": req.body.len(),
-                }),
-            );
-        }
-        Response::error(404, &format!("no route for {} {}", req.method, req.path))
-    })
+    async fn fallback(method: Method, uri: Uri) -> Response {
+        Response::error(404, &format!("no route for {method} {}", uri.path()))
+    }
+    Router::new()
+        .route("/echo", any(echo))
+        .route("/echo/{*rest}", any(echo))
+        .route("/panic", any(panic_handler))
+        .route(
+            "/json",
+            any(echo).layer(axum::middleware::from_fn(crate::require_json_bodies)),
+        )
+        .route(
+            "/only-get",
+            get(|| async { Response::json(200, &json!({"ok": true})) }),
+        )
+        .fallback(fallback)
 }
 
 struct Server {
     ep: Endpoint,
-    _dir: Option<TempDir>,
+    _dir: tempfile::TempDir,
 }
 
-fn unix_server(limits: Limits) -> Server {
-    let dir = TempDir::new();
-    let path = dir.0.join("node.sock");
+fn unix_server() -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("node.sock");
     let listener = UnixListener::bind(&path).unwrap();
-    std::thread::spawn(move || serve(listener.incoming(), test_handler(), limits));
+    spawn(test_router(), vec![ApiListener::Unix(listener)]).unwrap();
     Server {
         ep: Endpoint::Unix(path),
-        _dir: Some(dir),
+        _dir: dir,
     }
 }
 
-fn tcp_server(limits: Limits) -> Server {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || serve(tcp_incoming(&listener), test_handler(), limits));
-    Server {
-        ep: Endpoint::Tcp(addr.to_string()),
-        _dir: None,
+/// A CA, and a server certificate for 127.0.0.1 and localhost signed by it, as PEM files.
+struct Pki {
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+        let dir = tempfile::tempdir().unwrap();
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "tessera test CA");
+        let ca = ca_params.self_signed(&ca_key).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let params =
+            CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+        let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+        std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
+        std::fs::write(dir.path().join("cert.pem"), cert.pem()).unwrap();
+        std::fs::write(dir.path().join("key.pem"), key.serialize_pem()).unwrap();
+        Pki { dir }
     }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+struct TlsServer {
+    addr: String,
+    pki: Pki,
+}
+
+impl TlsServer {
+    fn endpoint(&self, token: Option<&str>) -> Endpoint {
+        Endpoint::Https(HttpsEndpoint {
+            addr: self.addr.clone(),
+            ca_cert: Some(self.pki.path("ca.pem")),
+            token: token.map(str::to_string),
+        })
+    }
+}
+
+fn tls_server() -> TlsServer {
+    let pki = Pki::new();
+    let tls = crate::server_config(&pki.path("cert.pem"), &pki.path("key.pem")).unwrap();
+    let tokens = Arc::new(TokenSet::parse(&format!("ops:{TOKEN}\n")).unwrap());
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    spawn(
+        test_router(),
+        vec![ApiListener::Tls {
+            listener,
+            tls,
+            tokens,
+        }],
+    )
+    .unwrap();
+    TlsServer { addr, pki }
 }
 
 trait Duplex: Read + Write {}
@@ -99,7 +159,7 @@ fn connect_raw(ep: &Endpoint) -> Box<dyn Duplex> {
             s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
             Box::new(s)
         }
-        Endpoint::Tcp(addr) => {
+        Endpoint::Tcp(addr) | Endpoint::Https(HttpsEndpoint { addr, .. }) => {
             let s = TcpStream::connect(addr).unwrap();
             s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
             Box::new(s)
@@ -110,10 +170,11 @@ fn connect_raw(ep: &Endpoint) -> Box<dyn Duplex> {
 /// Sends raw bytes on a new connection and reads until the server closes.
 fn raw_exchange(ep: &Endpoint, bytes: &[u8]) -> String {
     let mut conn = connect_raw(ep);
-    conn.write_all(bytes).unwrap();
+    // The server may answer (413) and stop reading before all is sent.
+    let _ = conn.write_all(bytes);
     let mut out = Vec::new();
-    conn.read_to_end(&mut out).unwrap();
-    String::from_utf8(out).unwrap()
+    let _ = conn.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// A response read off a raw connection by the test's own parser.
@@ -121,6 +182,13 @@ struct RawResponse {
     status: u16,
     head: String,
     body: String,
+}
+
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().find_map(|l| {
+        let (n, v) = l.split_once(':')?;
+        n.eq_ignore_ascii_case(name).then(|| v.trim())
+    })
 }
 
 /// Reads exactly one Content-Length framed response from `conn`; `pending`
@@ -138,9 +206,7 @@ fn read_one(conn: &mut dyn Duplex, pending: &mut Vec<u8>) -> RawResponse {
     let head = String::from_utf8(pending[..head_end].to_vec()).unwrap();
     pending.drain(..head_end + 4);
     let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("Content-Length: "))
+    let length: usize = header(&head, "content-length")
         .expect("Content-Length header")
         .parse()
         .unwrap();
@@ -195,19 +261,187 @@ fn round_trips(ep: &Endpoint) {
 
 #[test]
 fn unix_round_trips() {
-    let server = unix_server(Limits::default());
+    let server = unix_server();
     round_trips(&server.ep);
 }
 
 #[test]
-fn tcp_round_trips() {
-    let server = tcp_server(Limits::default());
-    round_trips(&server.ep);
+fn tls_round_trips_with_a_token() {
+    let server = tls_server();
+    round_trips(&server.endpoint(Some(TOKEN)));
+}
+
+#[test]
+fn tls_requires_a_valid_bearer_token() {
+    let server = tls_server();
+    for (token, what) in [
+        (None, "no token"),
+        (
+            Some("0123456789abcdef0123456789abcdef0123456789abcdeX"),
+            "wrong token",
+        ),
+    ] {
+        let (status, body) = request(&server.endpoint(token), "GET", "/echo", None).unwrap();
+        assert_eq!(status, 401, "{what}: {body}");
+        assert!(json_of(&body)["error"].is_string(), "{what}");
+    }
+    let (status, _) = request(&server.endpoint(Some(TOKEN)), "GET", "/echo", None).unwrap();
+    assert_eq!(status, 200);
+    // Unknown routes are not told apart from known ones before authentication.
+    let (status, _) = request(&server.endpoint(None), "GET", "/nope", None).unwrap();
+    assert_eq!(status, 401);
+}
+
+#[test]
+fn plain_http_to_the_tls_port_gets_no_reply() {
+    let server = tls_server();
+    let reply = raw_exchange(
+        &Endpoint::Tcp(server.addr.clone()),
+        b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n",
+    );
+    assert!(!reply.contains("HTTP/1.1 200"), "{reply}");
+    // And the server still serves TLS clients.
+    let (status, _) = request(&server.endpoint(Some(TOKEN)), "GET", "/echo", None).unwrap();
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn tls_client_refuses_a_server_its_ca_did_not_sign() {
+    let server = tls_server();
+    let other = Pki::new();
+    let ep = Endpoint::Https(HttpsEndpoint {
+        addr: server.addr.clone(),
+        ca_cert: Some(other.path("ca.pem")),
+        token: Some(TOKEN.into()),
+    });
+    let err = request(&ep, "GET", "/echo", None).unwrap_err();
+    assert!(err.to_string().contains(&server.addr), "{err}");
+}
+
+#[test]
+fn chunked_bodies_are_accepted() {
+    let server = unix_server();
+    let reply = raw_exchange(
+        &server.ep,
+        b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\n{\"a\":\r\n2\r\n1}\r\n0\r\n\r\n",
+    );
+    assert!(reply.starts_with("HTTP/1.1 200 OK\r\n"), "{reply}");
+    let body = reply.split("\r\n\r\n").nth(1).unwrap();
+    assert_eq!(json_of(body)["body"], "{\"a\":1}");
+    // A chunked body over the limit is refused like a Content-Length one.
+    let chunk = "x".repeat(64 * 1024);
+    let mut req = b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    for _ in 0..(MAX_BODY_BYTES / chunk.len() + 2) {
+        req.extend_from_slice(format!("{:x}\r\n{chunk}\r\n", chunk.len()).as_bytes());
+    }
+    req.extend_from_slice(b"0\r\n\r\n");
+    let reply = raw_exchange(&server.ep, &req);
+    assert!(
+        reply.starts_with("HTTP/1.1 413 Payload Too Large\r\n"),
+        "{reply}"
+    );
+}
+
+#[test]
+fn head_is_answered_as_get_without_a_body() {
+    let server = unix_server();
+    let reply = raw_exchange(
+        &server.ep,
+        b"HEAD /only-get HTTP/1.1\r\nConnection: close\r\n\r\n",
+    );
+    assert!(reply.starts_with("HTTP/1.1 200 OK\r\n"), "{reply}");
+    assert!(reply.ends_with("\r\n\r\n"), "{reply}");
+    assert_eq!(header(&reply, "content-length"), Some("11"), "{reply}");
+}
+
+#[test]
+fn wrong_method_gets_405_with_a_json_error() {
+    let server = unix_server();
+    let (status, body) = request(&server.ep, "DELETE", "/only-get", None).unwrap();
+    assert_eq!(status, 405);
+    assert_eq!(
+        json_of(&body),
+        json!({"error": "method DELETE is not allowed on /only-get"})
+    );
+}
+
+#[test]
+fn malformed_json_gets_400_with_a_json_error() {
+    let server = unix_server();
+    for method in ["POST", "PUT", "PATCH"] {
+        let reply = raw_exchange(
+            &server.ep,
+            format!("{method} /json HTTP/1.1\r\nContent-Length: 8\r\nConnection: close\r\n\r\n{{\"a\": 1,").as_bytes(),
+        );
+        assert!(reply.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{reply}");
+        assert_eq!(header(&reply, "content-type"), Some("application/json"));
+        let body = reply.split("\r\n\r\n").nth(1).unwrap();
+        assert!(json_of(body)["error"]
+            .as_str()
+            .unwrap()
+            .contains("not valid JSON"));
+    }
+}
+
+#[test]
+fn oversize_body_is_rejected_with_413() {
+    let server = unix_server();
+    // Through the client: the whole oversize body is actually sent.
+    let big = "x".repeat(MAX_BODY_BYTES + 10);
+    let (status, body) = request(&server.ep, "POST", "/echo", Some(&json!(big))).unwrap();
+    assert_eq!(status, 413, "{body}");
+    assert!(json_of(&body)["error"]
+        .as_str()
+        .unwrap()
+        .contains("exceeds"));
+
+    // Raw: only the declared length is too big; the server must not wait
+    // for the body before answering.
+    let started = Instant::now();
+    let reply = raw_exchange(
+        &server.ep,
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n\r\n",
+    );
+    assert!(
+        reply.starts_with("HTTP/1.1 413 Payload Too Large\r\n"),
+        "{reply}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+
+    // The server is still fine afterwards.
+    assert_eq!(request(&server.ep, "GET", "/echo", None).unwrap().0, 200);
+}
+
+#[test]
+fn malformed_requests_get_400_and_the_server_survives() {
+    let server = unix_server();
+    for garbage in [
+        &b"this is not http\r\n\r\n"[..],
+        b"GET /echo HTTP/1.1 extra\r\n\r\n",
+        b"G(T /echo HTTP/1.1\r\n\r\n",
+        b"GET /echo HTTP/1.1\r\nno colon here\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+    ] {
+        let reply = raw_exchange(&server.ep, garbage);
+        assert!(
+            reply.starts_with("HTTP/1.1 400 Bad Request\r\n"),
+            "{:?} -> {reply}",
+            String::from_utf8_lossy(garbage)
+        );
+    }
+    let mut big_head = b"GET /echo HTTP/1.1\r\nX-Big: ".to_vec();
+    big_head.extend(std::iter::repeat_n(b'a', 20 * 1024));
+    big_head.extend_from_slice(b"\r\n\r\n");
+    let reply = raw_exchange(&server.ep, &big_head);
+    assert!(reply.starts_with("HTTP/1.1 431 "), "{reply}");
+    // Still serving.
+    assert_eq!(request(&server.ep, "GET", "/echo", None).unwrap().0, 200);
 }
 
 #[test]
 fn large_body_within_limit_is_accepted() {
-    let server = unix_server(Limits::default());
+    let server = unix_server();
     // JSON string of ~900 KiB: the body (with quotes) stays under 1 MiB.
     let big = "x".repeat(900 * 1024);
     let (status, body) = request(&server.ep, "POST", "/echo", Some(&json!(big))).unwrap();
@@ -216,97 +450,8 @@ fn large_body_within_limit_is_accepted() {
 }
 
 #[test]
-fn oversize_body_is_rejected_with_413() {
-    for server in [
-        unix_server(Limits::default()),
-        tcp_server(Limits::default()),
-    ] {
-        // Through the client: the whole oversize body is actually sent.
-        let big = "x".repeat(MAX_BODY_BYTES + 10);
-        let (status, body) = request(&server.ep, "POST", "/echo", Some(&json!(big))).unwrap();
-        assert_eq!(status, 413, "{body}");
-        assert!(json_of(&body)["error"]
-            .as_str()
-            .unwrap()
-            .contains("exceeds"));
-
-        // Raw: only the declared length is too big; the server must not wait
-        // for the body before answering.
-        let reply = raw_exchange(
-            &server.ep,
-            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n\r\n",
-        );
-        assert!(
-            reply.starts_with("HTTP/1.1 413 Payload Too Large\r\n"),
-            "{reply}"
-        );
-        assert!(reply.contains("Connection: close\r\n"));
-
-        // The server is still fine afterwards.
-        assert_eq!(request(&server.ep, "GET", "/echo", None).unwrap().0, 200);
-    }
-}
-
-#[test]
-fn oversize_head_is_rejected_with_431() {
-    let server = unix_server(Limits::default());
-    let mut req = b"GET /echo HTTP/1.1\r\nX-Big: ".to_vec();
-    req.extend(std::iter::repeat_n(b'a', 20 * 1024));
-    req.extend_from_slice(b"\r\n\r\n");
-    let reply = raw_exchange(&server.ep, &req);
-    assert!(
-        reply.starts_with("HTTP/1.1 431 Request Header Fields Too Large\r\n"),
-        "{reply}"
-    );
-    let body = reply.split("\r\n\r\n").nth(1).unwrap();
-    assert!(json_of(body)["error"].is_string());
-}
-
-#[test]
-fn malformed_requests_get_400() {
-    let server = tcp_server(Limits::default());
-    for garbage in [
-        &b"this is not http\r\n\r\n"[..],
-        b"GET\r\n\r\n",
-        b"GET /echo\r\n\r\n",
-        b"GET echo HTTP/1.1\r\n\r\n",
-        b"GET /echo HTTP/1.1 extra\r\n\r\n",
-        b"GET /echo FTP/1.0\r\n\r\n",
-        b"G(T /echo HTTP/1.1\r\n\r\n",
-        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",
-        b"GET /echo/%zz HTTP/1.1\r\n\r\n",
-        b"GET /echo HTTP/1.1\r\nno colon here\r\n\r\n",
-        b"POST /echo HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
-        b"POST /echo HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
-    ] {
-        let reply = raw_exchange(&server.ep, garbage);
-        assert!(
-            reply.starts_with("HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"),
-            "{:?} -> {reply}",
-            String::from_utf8_lossy(garbage)
-        );
-        let body = reply.split("\r\n\r\n").nth(1).unwrap();
-        assert!(json_of(body)["error"].is_string());
-    }
-    // Still serving.
-    assert_eq!(request(&server.ep, "GET", "/echo", None).unwrap().0, 200);
-}
-
-#[test]
-fn unsupported_framing_and_versions() {
-    let server = unix_server(Limits::default());
-    let reply = raw_exchange(
-        &server.ep,
-        b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
-    );
-    assert!(reply.starts_with("HTTP/1.1 501 "), "{reply}");
-    let reply = raw_exchange(&server.ep, b"GET /echo HTTP/2.0\r\n\r\n");
-    assert!(reply.starts_with("HTTP/1.1 505 "), "{reply}");
-}
-
-#[test]
 fn handler_panic_becomes_500_and_server_survives() {
-    let server = unix_server(Limits::default());
+    let server = unix_server();
     let (status, body) = request(&server.ep, "POST", "/panic", Some(&json!({}))).unwrap();
     assert_eq!(status, 500);
     assert!(json_of(&body)["error"]
@@ -331,10 +476,8 @@ fn handler_panic_becomes_500_and_server_survives() {
 
 #[test]
 fn keep_alive_serves_several_requests_per_connection() {
-    for server in [
-        unix_server(Limits::default()),
-        tcp_server(Limits::default()),
-    ] {
+    {
+        let server = unix_server();
         let mut conn = connect_raw(&server.ep);
         let mut pending = Vec::new();
 
@@ -343,8 +486,8 @@ fn keep_alive_serves_several_requests_per_connection() {
         let r = read_one(&mut *conn, &mut pending);
         assert_eq!(r.status, 200);
         assert!(r.head.starts_with("HTTP/1.1 200 OK\r\n"));
-        assert!(r.head.contains("Content-Type: application/json"));
-        assert!(!r.head.contains("Connection: close"));
+        assert_eq!(header(&r.head, "content-type"), Some("application/json"));
+        assert_ne!(header(&r.head, "connection"), Some("close"));
         assert_eq!(json_of(&r.body)["body"], "{\"a\":1}");
 
         conn.write_all(b"GET /echo/two?x=%2F HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -365,7 +508,7 @@ fn keep_alive_serves_several_requests_per_connection() {
         assert_eq!(json_of(&r.body)["body"], "hi");
         let r = read_one(&mut *conn, &mut pending);
         assert_eq!(r.status, 404);
-        assert!(r.head.contains("Connection: close"));
+        assert_eq!(header(&r.head, "connection"), Some("close"));
         let mut rest = Vec::new();
         conn.read_to_end(&mut rest).unwrap();
         assert!(rest.is_empty() && pending.is_empty());
@@ -374,10 +517,11 @@ fn keep_alive_serves_several_requests_per_connection() {
 
 #[test]
 fn http10_closes_by_default_and_head_has_no_body() {
-    let server = unix_server(Limits::default());
+    let server = unix_server();
+    // hyper answers in the request's version; raw_exchange returning at all shows that
+    // the server closed the connection.
     let reply = raw_exchange(&server.ep, b"GET /echo HTTP/1.0\r\n\r\n");
-    assert!(reply.starts_with("HTTP/1.1 200 OK\r\n"), "{reply}");
-    assert!(reply.contains("Connection: close\r\n"));
+    assert!(reply.starts_with("HTTP/1.0 200 OK\r\n"), "{reply}");
 
     let reply = raw_exchange(
         &server.ep,
@@ -389,7 +533,7 @@ fn http10_closes_by_default_and_head_has_no_body() {
 
 #[test]
 fn expect_continue_gets_interim_response() {
-    let server = unix_server(Limits::default());
+    let server = unix_server();
     let mut conn = connect_raw(&server.ep);
     conn.write_all(
         b"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n",
@@ -406,90 +550,9 @@ fn expect_continue_gets_interim_response() {
 }
 
 #[test]
-fn stalled_clients_are_timed_out() {
-    let limits = Limits {
-        read_timeout: Duration::from_millis(300),
-        ..Limits::default()
-    };
-    let server = unix_server(limits);
-
-    // Partial request, then silence: 408 and close.
-    let start = Instant::now();
-    let reply = raw_exchange(&server.ep, b"GET /echo HTTP/1.1\r\nHost: x\r\n");
-    assert!(
-        reply.starts_with("HTTP/1.1 408 Request Timeout\r\n"),
-        "{reply}"
-    );
-    assert!(start.elapsed() < Duration::from_secs(5));
-
-    // Trickling bytes does not extend the deadline.
-    let mut conn = connect_raw(&server.ep);
-    let start = Instant::now();
-    for b in b"GET /echo HTTP/1.1\r\n" {
-        if conn.write_all(&[*b]).is_err() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let mut out = Vec::new();
-    let _ = conn.read_to_end(&mut out);
-    assert!(String::from_utf8_lossy(&out).starts_with("HTTP/1.1 408 "));
-    assert!(start.elapsed() < Duration::from_secs(5));
-
-    // Idle connection: closed silently.
-    let start = Instant::now();
-    let reply = raw_exchange(&server.ep, b"");
-    assert_eq!(reply, "");
-    assert!(start.elapsed() < Duration::from_secs(5));
-
-    // Partial body: 408.
-    let reply = raw_exchange(
-        &server.ep,
-        b"POST /echo HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc",
-    );
-    assert!(reply.starts_with("HTTP/1.1 408 "), "{reply}");
-}
-
-#[test]
-fn connections_beyond_the_cap_get_503() {
-    let limits = Limits {
-        max_connections: 1,
-        ..Limits::default()
-    };
-    let server = unix_server(limits);
-
-    // Occupy the only slot with a live keep-alive connection.
-    let mut first = connect_raw(&server.ep);
-    let mut pending = Vec::new();
-    first.write_all(b"GET /echo HTTP/1.1\r\n\r\n").unwrap();
-    assert_eq!(read_one(&mut *first, &mut pending).status, 200);
-
-    let reply = raw_exchange(&server.ep, b"");
-    assert!(
-        reply.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
-        "{reply}"
-    );
-    let (status, body) = request(&server.ep, "GET", "/echo", None).unwrap();
-    assert_eq!(status, 503);
-    assert!(json_of(&body)["error"].as_str().unwrap().contains("busy"));
-
-    // Freeing the slot lets new connections in again.
-    drop(first);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let (status, _) = request(&server.ep, "GET", "/echo", None).unwrap();
-        if status == 200 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "slot was never released");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-#[test]
 fn client_errors_are_descriptive() {
-    let dir = TempDir::new();
-    let ep = Endpoint::Unix(dir.0.join("absent.sock"));
+    let dir = tempfile::tempdir().unwrap();
+    let ep = Endpoint::Unix(dir.path().join("absent.sock"));
     let err = request(&ep, "GET", "/status", None).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotFound);
     assert_eq!(
@@ -497,7 +560,7 @@ fn client_errors_are_descriptive() {
         format!(
             "cannot connect to the Tessera node at unix:{}: No such file or directory \
              — is the node running?",
-            dir.0.join("absent.sock").display()
+            dir.path().join("absent.sock").display()
         )
     );
 
@@ -523,8 +586,9 @@ fn client_errors_are_descriptive() {
 
 #[test]
 fn client_encodes_unsafe_target_characters() {
-    let server = tcp_server(Limits::default());
-    let (status, body) = request(&server.ep, "GET", "/echo/a b?q=x y&z=%26", None).unwrap();
+    let tls = tls_server();
+    let ep = tls.endpoint(Some(TOKEN));
+    let (status, body) = request(&ep, "GET", "/echo/a b?q=x y&z=%26", None).unwrap();
     assert_eq!(status, 200);
     let v = json_of(&body);
     assert_eq!(v["path"], "/echo/a b");
@@ -568,18 +632,23 @@ fn endpoint_parsing() {
         "tcp:h:2".parse::<Endpoint>().unwrap(),
         Endpoint::Tcp("h:2".into())
     );
-}
-
-#[test]
-fn percent_decoding() {
-    assert_eq!(percent_decode("/a%20b/c", false).unwrap(), "/a b/c");
-    assert_eq!(percent_decode("a+b", false).unwrap(), "a+b");
-    assert_eq!(percent_decode("a+b%2B", true).unwrap(), "a b+");
-    assert_eq!(percent_decode("%C3%A9", false).unwrap(), "é");
-    assert!(percent_decode("%", false).is_none());
-    assert!(percent_decode("%4", false).is_none());
-    assert!(percent_decode("%zz", false).is_none());
-    assert!(percent_decode("%FF", false).is_none());
+    let https = Endpoint::parse("https://node1:7443/").with_credentials(Some(TOKEN.into()), None);
+    assert_eq!(https.to_string(), "https://node1:7443");
+    let Endpoint::Https(h) = &https else {
+        panic!("{https:?}")
+    };
+    assert_eq!(
+        (h.host(), h.socket_addr().as_str()),
+        ("node1", "node1:7443")
+    );
+    assert!(
+        !format!("{https:?}").contains(TOKEN),
+        "Debug shows no token"
+    );
+    let Endpoint::Https(h) = Endpoint::parse("https://[::1]") else {
+        panic!()
+    };
+    assert_eq!((h.host(), h.socket_addr().as_str()), ("::1", "[::1]:443"));
 }
 
 #[test]
@@ -589,14 +658,4 @@ fn response_constructors() {
     assert_eq!(json_of(&r.body), json!({"error": "volume \"v\" exists"}));
     let r = Response::json(200, &json!({"ok": true}));
     assert_eq!(r.body, r#"{"ok":true}"#);
-
-    let req = Request {
-        method: "GET".into(),
-        path: "/".into(),
-        query: vec![("a".into(), "1".into()), ("a".into(), "2".into())],
-        body: Vec::new(),
-    };
-    assert_eq!(req.query_param("a"), Some("1"));
-    assert_eq!(req.query_param("b"), None);
-    assert_eq!(req.json_body().unwrap(), Value::Null);
 }

@@ -73,6 +73,21 @@ impl Histogram {
         self.total
     }
 
+    /// Sum of every recorded value.
+    pub fn sum(&self) -> u128 {
+        self.sum
+    }
+
+    /// How many recorded values are below `2^k` (exact: a power of two is where one
+    /// bucket group ends and the next begins). For histograms with power-of-two bounds.
+    pub fn count_below_pow2(&self, k: u32) -> u64 {
+        if k >= 64 {
+            return self.total;
+        }
+        let top = (1u64 << k) - 1;
+        self.counts[..=Self::index(top)].iter().sum()
+    }
+
     pub fn mean(&self) -> f64 {
         if self.total == 0 {
             0.0
@@ -120,6 +135,22 @@ mod tests {
         assert!((p99 - 99_000.0).abs() / 99_000.0 < 0.07, "p99 {p99}");
         assert_eq!(h.quantile(1.0), 100_000);
         assert!((h.mean() - 50_000.5).abs() < 1.0);
+    }
+
+    #[test]
+    fn counts_below_powers_of_two_are_exact() {
+        let mut h = Histogram::default();
+        for v in [0, 1, 1023, 1024, 1025, 4095, 4096, 1 << 40] {
+            h.record(v);
+        }
+        assert_eq!(h.count_below_pow2(0), 1);
+        assert_eq!(h.count_below_pow2(1), 2);
+        assert_eq!(h.count_below_pow2(10), 3);
+        assert_eq!(h.count_below_pow2(11), 5);
+        assert_eq!(h.count_below_pow2(12), 6);
+        assert_eq!(h.count_below_pow2(13), 7);
+        assert_eq!(h.count_below_pow2(41), 8);
+        assert_eq!(h.count_below_pow2(64), 8);
     }
 
     #[test]

@@ -17,7 +17,9 @@ mod tag;
 
 pub use buf::{AlignedBuf, BufPool};
 pub use core_io::{Continuation, CoreIo, IoHandle, IoOp, REMOTE_COMPLETER_NONE};
-pub use reactor::{spawn_reactors, Mailbox, Reactor, ReactorConfig, RemoteCompleter, Task};
+pub use reactor::{
+    spawn_reactors, CoreLoad, CoreTime, Mailbox, Reactor, ReactorConfig, RemoteCompleter, Task,
+};
 pub use tag::Tag;
 
 #[cfg(test)]

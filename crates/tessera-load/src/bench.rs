@@ -49,20 +49,25 @@ pub struct BenchArgs {
     /// Mirrors: mark this device (index) failed after the prefill, to measure degraded I/O.
     #[arg(long)]
     fail_device: Option<usize>,
+    /// Stripe size (raid0/raid10) or chunk size (raid5/raid6/ec) of the pool.
     #[arg(long, default_value = "64K")]
     stripe_size: String,
+    /// Thin allocation unit of the pool.
     #[arg(long, default_value = "1M")]
     unit_size: String,
+    /// I/O pattern.
     #[arg(long, value_enum, default_value = "randread")]
     pattern: Pattern,
     /// Read percentage for randrw.
     #[arg(long, default_value_t = 70)]
     rwmix_read: u32,
+    /// Block size of each I/O, e.g. 4K.
     #[arg(long, default_value = "4K")]
     bs: String,
     /// Queue depth per core.
     #[arg(long, default_value_t = 128)]
     qd: usize,
+    /// Reactor cores driving the target.
     #[arg(long, default_value_t = 1)]
     cores: usize,
     /// Seconds to run.
@@ -448,12 +453,64 @@ impl BenchTask {
     }
 }
 
-/// Print the rate once a second until every core has reported; returns the reports.
+/// A second of a running bench, for a progress display.
+#[derive(Clone, Copy, Debug)]
+pub struct Tick {
+    pub elapsed_s: u64,
+    pub total_s: u64,
+    pub iops: f64,
+    pub mibps: f64,
+}
+
+/// The figures of a finished bench (what the human report and the RESULT line print).
+pub struct Summary {
+    pub target: String,
+    pub pattern: String,
+    pub bs: u64,
+    pub qd: usize,
+    pub cores: usize,
+    pub seconds: f64,
+    pub ios: u64,
+    pub bytes: u64,
+    pub iops: f64,
+    pub mibps: f64,
+    pub mean_us: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    pub max_us: f64,
+    pub cpu_ns_per_io: f64,
+    pub cores_busy: f64,
+    pub errors: u64,
+    /// The first failed I/O's error, when any failed.
+    pub first_error: Option<String>,
+    hist: Histogram,
+}
+
+/// The rate once a second, on stderr, only when stderr is a terminal (a log or a pipe
+/// gets the final report alone).
+pub fn terminal_ticker() -> impl FnMut(&Tick) {
+    use std::io::IsTerminal as _;
+    let shown = std::io::stderr().is_terminal();
+    move |t: &Tick| {
+        if shown {
+            eprint!(
+                "\r[{:>3}s/{}s] {:>10.0} IOPS {:>9.1} MiB/s",
+                t.elapsed_s, t.total_s, t.iops, t.mibps
+            );
+            let _ = std::io::stderr().flush();
+        }
+    }
+}
+
+/// Report the rate once a second to `tick` until every core has reported; returns the
+/// reports.
 fn show_progress(
     rx: &Receiver<Report>,
     progress: &AtomicU64,
     a: &BenchArgs,
     bs: u64,
+    tick: &mut dyn FnMut(&Tick),
 ) -> Vec<Report> {
     let t0 = Instant::now();
     let mut last = 0;
@@ -470,29 +527,21 @@ fn show_progress(
                 let now = progress.load(Relaxed);
                 let rate = now - last;
                 last = now;
-                eprint!(
-                    "\r[{:>3}s/{}s] {:>10.0} IOPS {:>9.1} MiB/s",
-                    t0.elapsed().as_secs(),
-                    a.time,
-                    rate as f64,
-                    (rate * bs) as f64 / 1048576.0
-                );
-                let _ = std::io::stderr().flush();
+                tick(&Tick {
+                    elapsed_s: t0.elapsed().as_secs(),
+                    total_s: a.time,
+                    iops: rate as f64,
+                    mibps: (rate * bs) as f64 / 1048576.0,
+                });
             }
             Err(_) => break,
         }
     }
-    eprintln!();
     reports
 }
 
-/// Add up the cores' reports, print them; the run's outcome.
-fn print_totals(
-    a: &BenchArgs,
-    subject: &Subject,
-    bs: u64,
-    reports: &[Report],
-) -> Result<(), String> {
+/// Add up the cores' reports.
+fn summarize(a: &BenchArgs, subject: &Subject, bs: u64, reports: &[Report]) -> Summary {
     let mut hist = Histogram::default();
     let (mut ios, mut bytes, mut errors, mut cpu, mut wall) =
         (0u64, 0u64, 0u64, Duration::ZERO, Duration::ZERO);
@@ -509,43 +558,80 @@ fn print_totals(
         }
     }
     let secs = wall.as_secs_f64().max(1e-9);
-    let iops = ios as f64 / secs;
-    let mibps = bytes as f64 / secs / 1048576.0;
-    let cpu_ns_per_io = if ios > 0 {
-        cpu.as_nanos() as f64 / ios as f64
-    } else {
-        0.0
-    };
-    println!("target:     {}", subject.describe);
+    let us = |ns: u64| ns as f64 / 1000.0;
+    Summary {
+        target: subject.describe.clone(),
+        pattern: format!("{:?}", a.pattern).to_lowercase(),
+        bs,
+        qd: a.qd,
+        cores: a.cores,
+        seconds: secs,
+        ios,
+        bytes,
+        iops: ios as f64 / secs,
+        mibps: bytes as f64 / secs / 1048576.0,
+        mean_us: hist.mean() / 1000.0,
+        p50_us: us(hist.quantile(0.5)),
+        p99_us: us(hist.quantile(0.99)),
+        p999_us: us(hist.quantile(0.999)),
+        max_us: us(hist.max()),
+        cpu_ns_per_io: if ios > 0 {
+            cpu.as_nanos() as f64 / ios as f64
+        } else {
+            0.0
+        },
+        cores_busy: cpu.as_secs_f64() / secs,
+        errors,
+        first_error: (errors > 0)
+            .then(|| std::io::Error::from_raw_os_error(first_error).to_string()),
+        hist,
+    }
+}
+
+/// The human report and the RESULT line scripts parse.
+pub fn print_summary(s: &Summary) {
+    println!("target:     {}", s.target);
     println!(
-        "workload:   {:?} bs={} qd={} cores={} time={:.1}s",
-        a.pattern,
-        tessera_device::format_size(bs),
-        a.qd,
-        a.cores,
-        secs
+        "workload:   {} bs={} qd={} cores={} time={:.1}s",
+        s.pattern,
+        tessera_device::format_size(s.bs),
+        s.qd,
+        s.cores,
+        s.seconds
     );
-    println!("throughput: {iops:.0} IOPS, {mibps:.1} MiB/s");
-    report::print_latency(&hist);
+    println!("throughput: {:.0} IOPS, {:.1} MiB/s", s.iops, s.mibps);
+    report::print_latency(&s.hist);
     println!(
         "cpu:        {:.1} ms per million I/Os ({:.2} cores busy)",
-        cpu_ns_per_io,
-        cpu.as_secs_f64() / secs
+        s.cpu_ns_per_io, s.cores_busy
     );
-    if errors > 0 {
-        println!(
-            "errors:     {errors} (first: {})",
-            std::io::Error::from_raw_os_error(first_error)
-        );
+    if let Some(e) = &s.first_error {
+        println!("errors:     {} (first: {e})", s.errors);
     }
-    report::print_result(iops, mibps, &hist, cpu_ns_per_io, errors);
-    if errors > 0 && ios == 0 {
+    report::print_result(s.iops, s.mibps, &s.hist, s.cpu_ns_per_io, s.errors);
+}
+
+/// The run's outcome from its figures.
+pub fn outcome(s: &Summary) -> Result<(), String> {
+    if s.errors > 0 && s.ios == 0 {
         return Err("every I/O failed".into());
     }
     Ok(())
 }
 
+/// Run the bench, printing the human report (with the rate on a terminal each second).
 pub fn run(a: BenchArgs) -> Result<(), String> {
+    let s = run_with(a, &mut terminal_ticker())?;
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        eprintln!();
+    }
+    print_summary(&s);
+    outcome(&s)
+}
+
+/// Run the bench and return its figures; `tick` sees the rate once a second. Only
+/// stderr is written to (the prefill's note), so the caller owns stdout.
+pub fn run_with(a: BenchArgs, tick: &mut dyn FnMut(&Tick)) -> Result<Summary, String> {
     let bs = block_size(&a)?;
     let subject = build_subject(&a)?;
     let blocks = subject.len / bs;
@@ -593,9 +679,9 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
         }));
     }
     drop(tx);
-    let reports = show_progress(&rx, &progress, &a, bs);
+    let reports = show_progress(&rx, &progress, &a, bs, tick);
     for (_, h) in reactors {
         let _ = h.join();
     }
-    print_totals(&a, &subject, bs, &reports)
+    Ok(summarize(&a, &subject, bs, &reports))
 }

@@ -541,11 +541,13 @@ pub fn drive<P: Protocol>(
 /// The workload options `nbd-perf` and `nvmf perf` share.
 #[derive(Args, Clone, Debug)]
 pub struct LoadArgs {
+    /// I/O pattern.
     #[arg(long, value_enum, default_value = "randread")]
     pub pattern: Pattern,
     /// Read percentage for randrw.
     #[arg(long, default_value_t = 70)]
     pub rwmix_read: u32,
+    /// Block size of each request, e.g. 4K.
     #[arg(long, default_value = "4K")]
     pub bs: String,
     /// Requests kept outstanding per connection (NVMe/TCP: commands per queue).

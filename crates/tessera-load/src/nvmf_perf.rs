@@ -32,6 +32,7 @@ pub struct NvmfPerfArgs {
     /// Subsystem NQN.
     #[arg(long)]
     nqn: String,
+    /// Namespace ID.
     #[arg(long, default_value_t = 1)]
     nsid: u32,
     #[command(flatten)]

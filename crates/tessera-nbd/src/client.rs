@@ -999,11 +999,13 @@ mod tests {
                     size: 1 << 20,
                     read_only: false,
                     description: "test disk".into(),
+                    tls_required: false,
                 }),
                 "small" => Some(ExportInfo {
                     size: 8192,
                     read_only: true,
                     description: String::new(),
+                    tls_required: false,
                 }),
                 _ => None,
             }

@@ -12,20 +12,45 @@
 //! The socket, receive buffer, slot free list, gathered send and stats batching are the
 //! export layer's (`tessera_export::conn`), shared with NVMe/TCP queues; this file keeps
 //! the NBD requests and replies.
+//!
+//! Requests not aligned to 512 bytes (served only to clients that did not agree to a
+//! block size in the handshake, as the spec asks) take a slower path: a read reads the
+//! aligned superset and moves the asked bytes to the front of its buffer; a write or
+//! write-zeroes reads the partial head and tail blocks, merges, and writes whole blocks
+//! back (read-modify-write); a trim shrinks to the whole blocks inside it. A
+//! read-modify-write must not write back stale bytes that another write changed between
+//! its read and its write, so while one is in flight:
+//! - on this connection, writes overlapping its blocks wait for it, and it waits for
+//!   writes already in flight on its blocks (`blocked`, retried as writes complete);
+//! - across the export's connections (other cores), it holds its partial edge blocks in
+//!   the export-wide [`EdgeLocks`] table, so two read-modify-writes of one block never
+//!   interleave; a conflicting one retries on a 20 µs timer.
+//!
+//! Aligned requests of other connections do not look at that table (it would cost every
+//! aligned write a shared lookup). The one case left open is an aligned write on one
+//! connection and an unaligned write on another, in flight at the same time, to the same
+//! 512-byte block: the client sent overlapping writes on two connections without
+//! ordering them, and the bytes of that block outside the unaligned write may end as
+//! before the aligned write. Writes that completed before the unaligned write arrived
+//! are never lost.
 
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use tessera_export::conn::{
     add_throttled, read_into_new_buf, FreeList, RecvBuf, SendDone, Socket, StatsBatch,
 };
+use tessera_export::log_limit::LogLimiter;
 use tessera_export::{
     Charge, Export, ExportHandle, ExportTarget, Gate, IoClass, IoStats, Released,
 };
 use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag, Task};
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::proto::*;
+use crate::tls::TlsLink;
 
 /// Requests a connection may have in flight; more wait in the socket buffer.
 pub const MAX_IN_FLIGHT: usize = 512;
@@ -39,6 +64,11 @@ const SLOT_QOS: u32 = u32::MAX - 2;
 const SLOT_ROUND: u32 = u32::MAX - 3;
 /// Extents per BLOCK_STATUS reply.
 const MAX_EXTENTS: usize = 8192;
+/// The device alignment every request that reaches the volume keeps.
+const ALIGN: u64 = MIN_BLOCK as u64;
+/// How long an unaligned write whose edge block another connection holds waits before
+/// trying again.
+const EDGE_RETRY: Duration = Duration::from_micros(20);
 
 /// What the handshake agreed on.
 #[derive(Clone, Debug, Default)]
@@ -46,9 +76,19 @@ pub struct ConnOptions {
     pub structured_replies: bool,
     pub base_allocation: Option<u32>,
     pub read_only: bool,
+    /// The client asked for NBD_INFO_BLOCK_SIZE and so promised to keep 512-byte
+    /// alignment: unaligned requests get EINVAL. Otherwise they are served (the spec's
+    /// default minimum block size is 1).
+    pub strict_block_size: bool,
+    /// For log lines: the client's address and the export's name.
+    pub client: String,
+    pub export: String,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+/// Malformed requests that end a connection: logged at most 10 times per 10 s.
+static BAD_REQUEST_LOG: LogLimiter = LogLimiter::new("nbd-bad-request", 10, 10);
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Phase {
     Free,
     /// Receiving a large WRITE payload straight into the slot buffer.
@@ -57,7 +97,80 @@ enum Phase {
     /// Data written; the FUA flush is in flight.
     FuaFlush,
     Reply,
+    /// An unaligned READ of the aligned superset is in flight.
+    ReadSuperset,
+    /// A write waiting in `blocked` for a conflicting write on this connection.
+    Blocked,
+    /// A read-modify-write waiting for its edge blocks in the export's `EdgeLocks`.
+    RmwLock,
+    /// A read-modify-write reading its partial edge blocks (`rmw_pending` of them).
+    RmwRead,
+    /// A read-modify-write writing back (`rmw_pending` operations).
+    RmwWrite,
 }
+
+impl Phase {
+    /// A read-modify-write that owns its blocks on this connection.
+    fn in_rmw(self) -> bool {
+        matches!(self, Phase::RmwLock | Phase::RmwRead | Phase::RmwWrite)
+    }
+}
+
+fn is_write(cmd: u16) -> bool {
+    matches!(cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES)
+}
+
+fn align_down(x: u64) -> u64 {
+    x & !(ALIGN - 1)
+}
+
+fn align_up(x: u64) -> u64 {
+    align_down(x + ALIGN - 1)
+}
+
+/// Partial blocks a read-modify-write holds across the connections of one export: the
+/// block's offset and the holder (connection id and slot).
+#[derive(Default)]
+pub struct EdgeLocks {
+    held: Mutex<Vec<(u64, u64)>>,
+}
+
+impl EdgeLocks {
+    /// The table of the export whose target is at `key`, shared by all its connections.
+    fn of(key: usize) -> Arc<EdgeLocks> {
+        static TABLES: Mutex<Vec<(usize, Weak<EdgeLocks>)>> = Mutex::new(Vec::new());
+        let mut t = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+        t.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(l) = t
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, w)| w.upgrade())
+        {
+            return l;
+        }
+        let l = Arc::new(EdgeLocks::default());
+        t.push((key, Arc::downgrade(&l)));
+        l
+    }
+
+    /// Take `blocks` (one or two block offsets) for `owner`, all or none.
+    fn try_take(&self, owner: u64, blocks: &[u64]) -> bool {
+        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if h.iter().any(|&(b, o)| o != owner && blocks.contains(&b)) {
+            return false;
+        }
+        h.extend(blocks.iter().map(|&b| (b, owner)));
+        true
+    }
+
+    fn release(&self, owner: u64) {
+        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        h.retain(|&(_, o)| o != owner);
+    }
+}
+
+/// Connection ids unique in the process (owners in `EdgeLocks`).
+static NEXT_CONN_UID: AtomicU64 = AtomicU64::new(1);
 
 struct Slot {
     phase: Phase,
@@ -72,6 +185,37 @@ struct Slot {
     hdr: [u8; 32],
     hdr_len: u8,
     data_len: u32,
+    /// Read-modify-write: the merge buffer (whole blocks), the I/Os in flight and the
+    /// first error among them.
+    rmw_buf: Option<AlignedBuf>,
+    rmw_pending: u8,
+    rmw_err: u32,
+}
+
+impl Slot {
+    /// The request's range widened to whole blocks: what it may touch on the volume.
+    fn span(&self) -> (u64, u64) {
+        (
+            align_down(self.offset),
+            align_up(self.offset + self.len as u64),
+        )
+    }
+
+    /// The partial blocks at the ends of an unaligned write, each once.
+    fn edge_blocks(&self) -> ([u64; 2], usize) {
+        let end = self.offset + self.len as u64;
+        let mut e = [0u64; 2];
+        let mut n = 0;
+        if !self.offset.is_multiple_of(ALIGN) {
+            e[0] = align_down(self.offset);
+            n = 1;
+        }
+        if !end.is_multiple_of(ALIGN) && (n == 0 || align_down(end) != e[0]) {
+            e[n] = align_down(end);
+            n += 1;
+        }
+        (e, n)
+    }
 }
 
 impl Slot {
@@ -88,6 +232,9 @@ impl Slot {
             hdr: [0; 32],
             hdr_len: 0,
             data_len: 0,
+            rmw_buf: None,
+            rmw_pending: 0,
+            rmw_err: 0,
         }
     }
 }
@@ -112,6 +259,20 @@ pub struct NbdConn<T: ExportTarget> {
     /// Replies queued in this batch, to account when it is flushed.
     unrecorded: StatsBatch,
     stats: Arc<IoStats>,
+    /// Writes waiting for a conflicting write on this connection, oldest first (only
+    /// ever non-empty while an unaligned write is in flight), and its spare for retries.
+    blocked: Vec<u16>,
+    blocked_spare: Vec<u16>,
+    /// Slots in a read-modify-write phase; while 0 and nothing is blocked, aligned
+    /// writes skip the conflict check.
+    rmw_live: usize,
+    edge_locks: Arc<EdgeLocks>,
+    uid: u64,
+    /// When the transmission phase began (for the disconnect line).
+    connected: std::time::Instant,
+    /// The TLS session, when the client started TLS: bytes pass through it between the
+    /// socket and the receive buffer / the gathered replies. `None` costs one branch.
+    tls: Option<Box<TlsLink>>,
 }
 
 impl<T: ExportTarget> NbdConn<T> {
@@ -121,6 +282,7 @@ impl<T: ExportTarget> NbdConn<T> {
         let target = export.target.clone();
         opts.read_only |= target.read_only();
         let stats = target.register_stats();
+        let edge_locks = EdgeLocks::of(Arc::as_ptr(&target) as *const () as usize);
         // The tags are set in `start`, once the task id is known.
         let gate = Gate::new(io, &export.qos, Tag::task(0, 0), Tag::task(0, 0));
         NbdConn {
@@ -140,7 +302,20 @@ impl<T: ExportTarget> NbdConn<T> {
             released: Vec::new(),
             unrecorded: StatsBatch::with_capacity(MAX_IN_FLIGHT),
             stats,
+            blocked: Vec::with_capacity(MAX_IN_FLIGHT),
+            blocked_spare: Vec::with_capacity(MAX_IN_FLIGHT),
+            rmw_live: 0,
+            edge_locks,
+            uid: NEXT_CONN_UID.fetch_add(1, Relaxed),
+            connected: std::time::Instant::now(),
+            tls: None,
         }
+    }
+
+    /// Serve the connection over the TLS session its handshake started.
+    pub fn with_tls(mut self, tls: Box<TlsLink>) -> Self {
+        self.tls = Some(tls);
+        self
     }
 
     fn tag(&self, slot: u32) -> Tag {
@@ -183,13 +358,20 @@ impl<T: ExportTarget> NbdConn<T> {
         // connection and stay put until the receive completes: the payload slot is not
         // released and the buffer not compacted while a receive is posted, and
         // finished() waits for it.
-        unsafe { self.sock.post_recv(io, ptr, len, tag) };
+        match &mut self.tls {
+            None => unsafe { self.sock.post_recv(io, ptr, len, tag) },
+            Some(t) => unsafe { t.post_recv(&mut self.sock, io, ptr, len, tag) },
+        }
     }
 
     fn on_recv(&mut self, io: &mut CoreIo, res: i32) {
         // EOF or error: the client went away (or half-closed). Finish what is in flight,
         // send what can still be sent, then close.
-        let Some(n) = self.sock.recv_done(res) else {
+        let got = match &mut self.tls {
+            None => self.sock.recv_done(res),
+            Some(t) => t.recv_done(&mut self.sock, res),
+        };
+        let Some(n) = got else {
             return;
         };
         match self.payload {
@@ -219,7 +401,14 @@ impl<T: ExportTarget> NbdConn<T> {
                 Ok(Some(h)) => h,
                 Ok(None) => break,
                 Err(e) => {
-                    warn!(error = %e, "nbd: closing connection");
+                    if BAD_REQUEST_LOG.admit() {
+                        warn!(
+                            client = %self.opts.client,
+                            export = %self.opts.export,
+                            error = %e,
+                            "nbd: closing connection"
+                        );
+                    }
                     self.sock.draining = true;
                     self.sock.dead = true;
                     break;
@@ -232,11 +421,15 @@ impl<T: ExportTarget> NbdConn<T> {
             };
             if h.cmd == CMD_WRITE && h.length > MAX_PAYLOAD {
                 // We cannot skip 4 GiB of payload safely; the spec allows a disconnect.
-                warn!(
-                    bytes = h.length,
-                    limit = MAX_PAYLOAD,
-                    "nbd: closing connection: write payload exceeds the limit"
-                );
+                if BAD_REQUEST_LOG.admit() {
+                    warn!(
+                        client = %self.opts.client,
+                        export = %self.opts.export,
+                        bytes = h.length,
+                        limit = MAX_PAYLOAD,
+                        "nbd: closing connection: write payload exceeds the limit"
+                    );
+                }
                 self.sock.draining = true;
                 self.sock.dead = true;
                 break;
@@ -307,6 +500,16 @@ impl<T: ExportTarget> NbdConn<T> {
         };
         if let Some(e) = err {
             return self.finish(io, s, e);
+        }
+        if !(offset | len as u64).is_multiple_of(ALIGN)
+            && matches!(cmd, CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES)
+        {
+            return self.dispatch_unaligned(io, s);
+        }
+        // Only while an unaligned write is in flight or waiting must an aligned write
+        // check it does not overlap one.
+        if writes && (self.rmw_live != 0 || !self.blocked.is_empty()) && self.conflicts(s, false) {
+            return self.block(s);
         }
         self.slots[idx].phase = Phase::Io;
         match cmd {
@@ -385,13 +588,297 @@ impl<T: ExportTarget> NbdConn<T> {
         }
     }
 
+    /// Serve a READ, WRITE, TRIM or WRITE_ZEROES whose offset or length is not a multiple
+    /// of the block size (see the module comment).
+    fn dispatch_unaligned(&mut self, io: &mut CoreIo, s: u16) {
+        let idx = s as usize;
+        let tag = self.tag(s as u32);
+        let (cmd, flags, offset, len) = {
+            let sl = &self.slots[idx];
+            (sl.cmd, sl.flags, sl.offset, sl.len)
+        };
+        if self.opts.strict_block_size {
+            return self.finish(io, s, EINVAL);
+        }
+        if !self.in_bounds(&self.slots[idx]) {
+            let e = if matches!(cmd, CMD_WRITE | CMD_WRITE_ZEROES) {
+                ENOSPC
+            } else {
+                EINVAL
+            };
+            return self.finish(io, s, e);
+        }
+        if len == 0 {
+            return self.finish(io, s, 0);
+        }
+        let (lo, hi) = self.slots[idx].span();
+        if hi > self.target.size() {
+            // Only an export whose size is not a whole number of blocks gets here: its
+            // last partial block cannot be read or written whole.
+            return self.finish(io, s, EINVAL);
+        }
+        match cmd {
+            CMD_READ => {
+                if len > MAX_PAYLOAD {
+                    return self.finish(io, s, EOVERFLOW);
+                }
+                if self.opts.structured_replies && self.vol.is_hole(offset, len as u64) {
+                    return self.finish_hole(io, s);
+                }
+                let (buf, op) = read_into_new_buf(io, lo, (hi - lo) as u32);
+                let sl = &mut self.slots[idx];
+                sl.buf = Some(buf);
+                sl.phase = Phase::ReadSuperset;
+                self.submit(io, op, tag);
+            }
+            CMD_TRIM => {
+                if (self.rmw_live != 0 || !self.blocked.is_empty()) && self.conflicts(s, false) {
+                    return self.block(s);
+                }
+                // Only whole blocks can be released; TRIM may leave the partial ends as
+                // they are.
+                let (a, b) = (align_up(offset), align_down(offset + len as u64));
+                if b <= a {
+                    return self.finish(io, s, 0);
+                }
+                self.slots[idx].phase = Phase::Io;
+                self.submit(
+                    io,
+                    IoOp::Discard {
+                        offset: a,
+                        len: b - a,
+                    },
+                    tag,
+                );
+            }
+            _ => {
+                if cmd == CMD_WRITE_ZEROES && flags & CMD_FLAG_FAST_ZERO != 0 {
+                    // Merging partial blocks is not fast.
+                    return self.finish(io, s, ENOTSUP);
+                }
+                if self.conflicts(s, true) {
+                    return self.block(s);
+                }
+                self.slots[idx].phase = Phase::RmwLock;
+                self.rmw_live += 1;
+                self.rmw_lock(io, s);
+            }
+        }
+    }
+
+    /// Does the write in slot `s` overlap (in whole blocks) a write it must wait for: a
+    /// write already waiting, a read-modify-write in flight, and for a read-modify-write
+    /// (`rmw`) also any write in flight?
+    fn conflicts(&self, s: u16, rmw: bool) -> bool {
+        let (lo, hi) = self.slots[s as usize].span();
+        let overlaps = |o: &Slot| {
+            let (a, b) = o.span();
+            a < hi && lo < b
+        };
+        if self
+            .blocked
+            .iter()
+            .any(|&b| overlaps(&self.slots[b as usize]))
+        {
+            return true;
+        }
+        self.slots.iter().enumerate().any(|(i, o)| {
+            i != s as usize
+                && (o.phase.in_rmw() || (rmw && o.phase == Phase::Io && is_write(o.cmd)))
+                && overlaps(o)
+        })
+    }
+
+    fn block(&mut self, s: u16) {
+        self.slots[s as usize].phase = Phase::Blocked;
+        self.blocked.push(s);
+    }
+
+    /// Dispatch again, oldest first, the writes that waited; those still in conflict
+    /// wait again (behind the older ones still waiting).
+    fn retry_blocked(&mut self, io: &mut CoreIo) {
+        if self.blocked.is_empty() {
+            return;
+        }
+        let mut waiting = std::mem::take(&mut self.blocked_spare);
+        std::mem::swap(&mut waiting, &mut self.blocked);
+        for &s in &waiting {
+            self.dispatch(io, s);
+        }
+        waiting.clear();
+        self.blocked_spare = waiting;
+    }
+
+    /// The holder of slot `s`'s edge blocks in the export's `EdgeLocks`.
+    fn edge_owner(&self, s: u16) -> u64 {
+        (self.uid << 16) | s as u64
+    }
+
+    /// Take the edge blocks of the read-modify-write in slot `s` across the export, then
+    /// read them; if another connection holds one, try again after `EDGE_RETRY`.
+    fn rmw_lock(&mut self, io: &mut CoreIo, s: u16) {
+        let (edges, n) = self.slots[s as usize].edge_blocks();
+        if !self.edge_locks.try_take(self.edge_owner(s), &edges[..n]) {
+            self.in_io += 1;
+            io.complete_after(EDGE_RETRY, self.tag(s as u32), 0);
+            return;
+        }
+        let idx = s as usize;
+        let tag = self.tag(s as u32);
+        let (lo, hi) = self.slots[idx].span();
+        // WRITE merges into a buffer of the whole span; WRITE_ZEROES needs only its edge
+        // blocks (the volume zeroes the whole blocks between them).
+        let zeroes = self.slots[idx].cmd == CMD_WRITE_ZEROES;
+        let cap = if zeroes {
+            n * ALIGN as usize
+        } else {
+            (hi - lo) as usize
+        };
+        let mut buf = io.bufs.get(cap);
+        let base = buf.as_mut_ptr();
+        let sl = &mut self.slots[idx];
+        sl.phase = Phase::RmwRead;
+        sl.rmw_pending = n as u8;
+        sl.rmw_err = 0;
+        sl.rmw_buf = Some(buf);
+        for (i, &b) in edges[..n].iter().enumerate() {
+            let at = if zeroes {
+                i * ALIGN as usize
+            } else {
+                (b - lo) as usize
+            };
+            // SAFETY: at + ALIGN <= cap: an edge block lies inside the span, and the
+            // edge buffer has one block per edge.
+            let p = unsafe { base.add(at) };
+            let op = IoOp::Read {
+                offset: b,
+                len: ALIGN as u32,
+                buf: p,
+            };
+            self.submit(io, op, tag);
+        }
+    }
+
+    /// The edge blocks are read: merge the request into them and write back.
+    fn rmw_write(&mut self, io: &mut CoreIo, s: u16) {
+        let idx = s as usize;
+        let tag = self.tag(s as u32);
+        let sl = &mut self.slots[idx];
+        let (lo, hi) = sl.span();
+        let (off, end) = (sl.offset, sl.offset + sl.len as u64);
+        sl.phase = Phase::RmwWrite;
+        if sl.cmd == CMD_WRITE {
+            let mut merged = sl.rmw_buf.take().expect("merge buffer");
+            let payload = sl.buf.take().expect("write payload");
+            let head = (off - lo) as usize;
+            let len = sl.len as usize;
+            merged.as_mut_slice()[head..head + len].copy_from_slice(&payload.as_slice()[..len]);
+            io.bufs.put(payload);
+            let op = IoOp::Write {
+                offset: lo,
+                len: (hi - lo) as u32,
+                buf: merged.as_ptr(),
+            };
+            sl.buf = Some(merged);
+            sl.rmw_pending = 1;
+            return self.submit(io, op, tag);
+        }
+        // WRITE_ZEROES: zero the asked bytes of the edge blocks and write them back; the
+        // volume zeroes the whole blocks between.
+        let (edges, n) = sl.edge_blocks();
+        let (mid_lo, mid_hi) = (align_up(off), align_down(end));
+        let may_unmap = sl.flags & CMD_FLAG_NO_HOLE == 0;
+        sl.rmw_pending = n as u8 + u8::from(mid_hi > mid_lo);
+        let b = sl.rmw_buf.as_mut().expect("edge buffer");
+        let block = ALIGN as usize;
+        for (i, &e) in edges[..n].iter().enumerate() {
+            let from = (off.max(e) - e) as usize;
+            let to = (end.min(e + ALIGN) - e) as usize;
+            b.as_mut_slice()[i * block + from..i * block + to].fill(0);
+        }
+        let ptr = b.as_ptr();
+        for (i, &e) in edges[..n].iter().enumerate() {
+            let op = IoOp::Write {
+                offset: e,
+                len: ALIGN as u32,
+                // SAFETY: block i of the edge buffer, which has n blocks.
+                buf: unsafe { ptr.add(i * block) },
+            };
+            self.submit(io, op, tag);
+        }
+        if mid_hi > mid_lo {
+            let op = IoOp::WriteZeroes {
+                offset: mid_lo,
+                len: mid_hi - mid_lo,
+                may_unmap,
+            };
+            self.submit(io, op, tag);
+        }
+    }
+
+    /// A read-modify-write's last I/O completed (or one of its reads failed): give its
+    /// blocks back, reply (after a FUA flush if asked), and let waiting writes go.
+    fn rmw_done(&mut self, io: &mut CoreIo, s: u16) {
+        self.edge_locks.release(self.edge_owner(s));
+        self.rmw_live -= 1;
+        let tag = self.tag(s as u32);
+        let sl = &mut self.slots[s as usize];
+        let err = sl.rmw_err;
+        if let Some(b) = sl.rmw_buf.take() {
+            io.bufs.put(b);
+        }
+        if err == 0 && sl.flags & CMD_FLAG_FUA != 0 {
+            sl.phase = Phase::FuaFlush;
+            self.submit(io, IoOp::Flush, tag);
+        } else {
+            sl.phase = Phase::Io;
+            self.finish(io, s, err);
+        }
+        self.retry_blocked(io);
+    }
+
+    /// A completion for a request on the unaligned path.
+    fn on_unaligned_io(&mut self, io: &mut CoreIo, s: u16, res: i32) {
+        let idx = s as usize;
+        match self.slots[idx].phase {
+            Phase::ReadSuperset => {
+                if res < 0 {
+                    return self.finish(io, s, errno_to_nbd(-res));
+                }
+                let sl = &mut self.slots[idx];
+                let head = (sl.offset - align_down(sl.offset)) as usize;
+                let len = sl.len as usize;
+                let b = sl.buf.as_mut().expect("read buffer");
+                b.as_mut_slice().copy_within(head..head + len, 0);
+                self.finish(io, s, 0);
+            }
+            Phase::RmwLock => self.rmw_lock(io, s),
+            Phase::RmwRead | Phase::RmwWrite => {
+                let sl = &mut self.slots[idx];
+                if res < 0 && sl.rmw_err == 0 {
+                    sl.rmw_err = errno_to_nbd(-res);
+                }
+                sl.rmw_pending -= 1;
+                if sl.rmw_pending > 0 {
+                    return;
+                }
+                if sl.phase == Phase::RmwRead && sl.rmw_err == 0 {
+                    self.rmw_write(io, s);
+                } else {
+                    self.rmw_done(io, s);
+                }
+            }
+            p => unreachable!("nbd: I/O completion for a request in phase {p:?}"),
+        }
+    }
+
     /// Hand `op` to the target; its buffer (if any) is the buffer of the slot `tag` names.
     fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         self.in_io += 1;
         // SAFETY: the buffer of every Read/Write submitted here is held by the request's
-        // slot (`buf`), which keeps it until the completion for `tag` arrives; the
-        // connection is not dropped while I/O is in flight (`finished` waits for
-        // `in_io` to reach 0).
+        // slot (`buf`, or `rmw_buf` for a read-modify-write), which keeps it until the
+        // completion for `tag` arrives; the connection is not dropped while I/O is in
+        // flight (`finished` waits for `in_io` to reach 0).
         unsafe { self.vol.submit(io, op, tag) };
     }
 
@@ -482,6 +969,9 @@ impl<T: ExportTarget> NbdConn<T> {
         let (class, bytes) = match sl.cmd {
             CMD_READ => (IoClass::Read, sl.len as u64),
             CMD_WRITE => (IoClass::Write, sl.len as u64),
+            CMD_FLUSH => (IoClass::Flush, 0),
+            CMD_TRIM => (IoClass::Discard, 0),
+            CMD_WRITE_ZEROES => (IoClass::WriteZeroes, 0),
             _ => (IoClass::Other, 0),
         };
         self.unrecorded.push(0, class, bytes, sl.start, ok);
@@ -558,6 +1048,18 @@ impl<T: ExportTarget> NbdConn<T> {
 
     fn on_io(&mut self, io: &mut CoreIo, s: u16, res: i32) {
         self.in_io -= 1;
+        match self.slots[s as usize].phase {
+            Phase::Io | Phase::FuaFlush => {}
+            _ => return self.on_unaligned_io(io, s, res),
+        }
+        self.io_done(io, s, res);
+        // A completed write may be what a waiting write waited for.
+        if !self.blocked.is_empty() {
+            self.retry_blocked(io);
+        }
+    }
+
+    fn io_done(&mut self, io: &mut CoreIo, s: u16, res: i32) {
         let sl = &mut self.slots[s as usize];
         if res < 0 {
             return self.finish(io, s, errno_to_nbd(-res));
@@ -577,6 +1079,9 @@ impl<T: ExportTarget> NbdConn<T> {
     fn release(&mut self, io: &mut CoreIo, s: u16) {
         let sl = &mut self.slots[s as usize];
         if let Some(b) = sl.buf.take() {
+            io.bufs.put(b);
+        }
+        if let Some(b) = sl.rmw_buf.take() {
             io.bufs.put(b);
         }
         sl.phase = Phase::Free;
@@ -615,6 +1120,20 @@ impl<T: ExportTarget> NbdConn<T> {
             taken += 1;
         }
         self.outq.drain(..taken);
+        if let Some(t) = &mut self.tls {
+            if let Err(e) = t.seal(self.sock.batch()) {
+                warn!(error = %e, "nbd: TLS encryption failed, closing the connection");
+                self.sock.draining = true;
+                self.sock.dead = true;
+                let q = std::mem::take(&mut self.sending);
+                for &s in &q {
+                    self.release(io, s);
+                }
+                self.sending = q;
+                self.sending.clear();
+                return;
+            }
+        }
         let tag = self.tag(SLOT_SEND);
         // SAFETY: the iovecs point at the headers and buffers of the slots in `sending`,
         // which are released only in on_send, once the send is over.
@@ -640,8 +1159,37 @@ impl<T: ExportTarget> NbdConn<T> {
     }
 }
 
+impl<T: ExportTarget> NbdConn<T> {
+    /// A TLS session ends with close_notify before the socket is shut down.
+    #[cold]
+    fn close_tls_when_idle(&mut self, io: &mut CoreIo, idle: bool) {
+        if !idle || !self.sock.draining || self.sock.dead || self.sock.send_posted() {
+            return;
+        }
+        let tag = self.tag(SLOT_SEND);
+        let Some(t) = &mut self.tls else { return };
+        if t.close(self.sock.batch()) {
+            // SAFETY: the batch points at the link's own output buffer, which is not
+            // touched until the send completes.
+            unsafe { self.sock.post_send(io, tag) };
+        }
+    }
+}
+
 impl<T: ExportTarget> Drop for NbdConn<T> {
     fn drop(&mut self) {
+        let st = &self.stats;
+        info!(
+            protocol = "nbd",
+            client = %self.opts.client,
+            export = %self.opts.export,
+            duration_s = self.connected.elapsed().as_secs_f64(),
+            read_bytes = st.read_bytes.load(Relaxed),
+            write_bytes = st.write_bytes.load(Relaxed),
+            requests = st.reads.load(Relaxed) + st.writes.load(Relaxed) + st.others.load(Relaxed),
+            errors = st.errors.load(Relaxed),
+            "nbd: client disconnected"
+        );
         self.target.unregister_stats(&self.stats);
     }
 }
@@ -669,6 +1217,9 @@ impl<T: ExportTarget> Task for NbdConn<T> {
         // Once drained (nothing in flight, nothing to send), wake our receive with a
         // shutdown so the connection can finish.
         let idle = self.in_io == 0 && self.outq.is_empty();
+        if self.tls.is_some() {
+            self.close_tls_when_idle(io, idle);
+        }
         self.sock.shut_down_when_idle(idle);
     }
 

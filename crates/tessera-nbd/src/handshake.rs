@@ -12,12 +12,25 @@
 //! business (set them on the socket before calling).
 //!
 //! Deliberate choices (all permitted by `doc/proto.md`):
-//! - TLS is not offered: `NBD_OPT_STARTTLS` gets `NBD_REP_ERR_UNSUP` (NOTLS mode).
+//! - TLS (see `crate::tls`): without a server certificate the server runs in NOTLS mode
+//!   (`NBD_OPT_STARTTLS` gets `NBD_REP_ERR_UNSUP`). With one, in SELECTIVETLS mode:
+//!   STARTTLS is acknowledged, the TLS handshake runs on the socket and option haggling
+//!   continues inside TLS, with every earlier option's state forgotten, as the spec
+//!   requires. Before TLS, a TLS-only export ([`ExportInfo::tls_required`]) is left out
+//!   of `NBD_OPT_LIST`, treated as unknown by the metadata-context options, refused with
+//!   `NBD_REP_ERR_TLS_REQD` (and no `NBD_REP_INFO`) by INFO/GO and by a hang-up on
+//!   EXPORT_NAME; while any export is TLS-only, unknown names get `NBD_REP_ERR_TLS_REQD`
+//!   too, so a client without TLS cannot tell which TLS-only names exist. When every
+//!   export is TLS-only the server runs in FORCEDTLS mode: before TLS every option but
+//!   STARTTLS and ABORT gets `NBD_REP_ERR_TLS_REQD`, so nothing about the exports is
+//!   revealed. A TLS-only export on a server without a certificate cannot be reached:
+//!   `NBD_REP_ERR_POLICY`.
 //! - An empty export name selects the *default export*, which is the first name returned
 //!   by [`ExportCatalog::list`]; with an empty catalogue there is no default export.
-//! - `NBD_INFO_BLOCK_SIZE` is always sent, requested or not, because the server enforces
-//!   512-byte alignment; [`Negotiated::block_size_negotiated`] records whether the client
-//!   asked for it (and therefore promised to honour it).
+//! - `NBD_INFO_BLOCK_SIZE` is always sent, requested or not (512 is what is efficient);
+//!   [`Negotiated::block_size_negotiated`] records whether the client asked for it and
+//!   therefore promised to honour it: only then are unaligned requests refused, others
+//!   are served by read-modify-write (`conn.rs`).
 //! - `NBD_FLAG_SEND_DF` is only advertised once structured replies were negotiated, as
 //!   the spec requires.
 
@@ -51,6 +64,8 @@ pub struct ExportInfo {
     pub size: u64,
     pub read_only: bool,
     pub description: String,
+    /// Only a client that started TLS may see or use this export.
+    pub tls_required: bool,
 }
 
 /// The set of exports a listener serves.
@@ -74,6 +89,8 @@ pub struct Negotiated {
     pub block_size_negotiated: bool,
     /// The client set NBD_FLAG_C_NO_ZEROES.
     pub no_zeroes: bool,
+    /// The session runs over TLS.
+    pub tls: bool,
 }
 
 impl Negotiated {
@@ -100,6 +117,9 @@ pub enum HandshakeError {
     /// The client broke a rule that leaves no way to answer it (bad magic, unknown
     /// client flags, an unknown export with `NBD_OPT_EXPORT_NAME`, ...).
     Protocol(String),
+    /// The TLS handshake after `NBD_OPT_STARTTLS` failed (bad or missing client
+    /// certificate, garbage instead of a ClientHello, the client hung up).
+    Tls(io::Error),
 }
 
 impl fmt::Display for HandshakeError {
@@ -107,6 +127,7 @@ impl fmt::Display for HandshakeError {
         match self {
             HandshakeError::Io(e) => write!(f, "NBD handshake I/O error: {e}"),
             HandshakeError::Protocol(m) => write!(f, "NBD handshake protocol violation: {m}"),
+            HandshakeError::Tls(e) => write!(f, "NBD TLS handshake failed: {e}"),
         }
     }
 }
@@ -114,7 +135,7 @@ impl fmt::Display for HandshakeError {
 impl std::error::Error for HandshakeError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            HandshakeError::Io(e) => Some(e),
+            HandshakeError::Io(e) | HandshakeError::Tls(e) => Some(e),
             HandshakeError::Protocol(_) => None,
         }
     }
@@ -141,12 +162,61 @@ fn export_flags(read_only: bool, structured_replies: bool) -> u16 {
     }
 }
 
-/// Run the server side of the fixed-newstyle handshake on `s`.
+/// The stream option haggling runs on, and its TLS upgrade.
+pub trait HandshakeIo: Read + Write {
+    /// The server has a certificate: `NBD_OPT_STARTTLS` is acknowledged.
+    fn tls_offered(&self) -> bool;
+    /// TLS was started on this stream.
+    fn tls_active(&self) -> bool;
+    /// Run the TLS handshake (the ACK to STARTTLS was sent); afterwards reads and writes
+    /// go through TLS. An error ends the connection.
+    fn start_tls(&mut self) -> io::Result<()>;
+}
+
+/// A stream without TLS (NOTLS mode).
+struct NoTls<'a, S>(&'a mut S);
+
+impl<S: Read> Read for NoTls<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+impl<S: Write> Write for NoTls<'_, S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.0.flush()
+    }
+}
+
+impl<S: Read + Write> HandshakeIo for NoTls<'_, S> {
+    fn tls_offered(&self) -> bool {
+        false
+    }
+    fn tls_active(&self) -> bool {
+        false
+    }
+    fn start_tls(&mut self) -> io::Result<()> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
+/// Run the server side of the fixed-newstyle handshake on `s`, without TLS.
 ///
 /// Returns [`HandshakeOutcome::Transmission`] once an export was selected (the next bytes
 /// on `s` are transmission-phase requests), [`HandshakeOutcome::Closed`] after
 /// `NBD_OPT_ABORT`, or an error after which the connection must be closed.
 pub fn negotiate<S: Read + Write>(
+    s: &mut S,
+    catalog: &dyn ExportCatalog,
+) -> Result<HandshakeOutcome, HandshakeError> {
+    negotiate_io(&mut NoTls(s), catalog)
+}
+
+/// [`negotiate`] on a stream that may be upgraded to TLS (`crate::tls::HandshakeStream`).
+pub fn negotiate_io<S: HandshakeIo>(
     s: &mut S,
     catalog: &dyn ExportCatalog,
 ) -> Result<HandshakeOutcome, HandshakeError> {
@@ -169,12 +239,27 @@ pub fn negotiate<S: Read + Write>(
         return protocol("client does not support fixed newstyle negotiation");
     }
 
+    // The TLS mode is decided once per connection, as the spec requires.
+    let (mut any_tls_only, mut all_tls_only, mut count) = (false, true, 0);
+    if s.tls_offered() {
+        for name in catalog.list() {
+            if let Some(info) = catalog.lookup(&name) {
+                any_tls_only |= info.tls_required;
+                all_tls_only &= info.tls_required;
+                count += 1;
+            }
+        }
+    }
     let mut st = State {
         catalog,
         no_zeroes: client_flags & proto::CLIENT_FLAG_NO_ZEROES != 0,
         structured_replies: false,
         meta_context_export: None,
         out: Vec::new(),
+        tls_offered: s.tls_offered(),
+        tls_active: false,
+        hide_unknown: any_tls_only,
+        forced_tls: any_tls_only && all_tls_only && count > 0,
     };
 
     for _ in 0..MAX_OPTIONS {
@@ -214,7 +299,42 @@ pub fn negotiate<S: Read + Write>(
         let mut data = vec![0u8; len as usize];
         s.read_exact(&mut data)?;
 
+        if st.forced_tls && !st.tls_active && opt != proto::OPT_STARTTLS && opt != proto::OPT_ABORT
+        {
+            if opt == proto::OPT_EXPORT_NAME {
+                // It cannot be answered with an error; the spec says to hang up.
+                return protocol("NBD_OPT_EXPORT_NAME before TLS on a server that requires TLS");
+            }
+            st.error(
+                opt,
+                proto::REP_ERR_TLS_REQD,
+                "this server requires TLS: send NBD_OPT_STARTTLS first",
+            );
+            st.send(s)?;
+            continue;
+        }
+
         match opt {
+            proto::OPT_STARTTLS if st.tls_offered => {
+                if !data.is_empty() {
+                    st.error(
+                        opt,
+                        proto::REP_ERR_INVALID,
+                        "NBD_OPT_STARTTLS takes no data",
+                    );
+                } else if st.tls_active {
+                    st.error(opt, proto::REP_ERR_INVALID, "TLS is already running");
+                } else {
+                    st.ack(opt);
+                    st.send(s)?;
+                    s.start_tls().map_err(HandshakeError::Tls)?;
+                    st.tls_active = true;
+                    // The spec: nothing negotiated before STARTTLS survives it.
+                    st.structured_replies = false;
+                    st.meta_context_export = None;
+                    continue;
+                }
+            }
             proto::OPT_EXPORT_NAME => {
                 let n = st.export_name(s, &data)?;
                 return Ok(HandshakeOutcome::Transmission(n));
@@ -274,6 +394,13 @@ struct State<'a> {
     meta_context_export: Option<String>,
     /// Replies for the current option, written in one go to avoid small packets.
     out: Vec<u8>,
+    tls_offered: bool,
+    tls_active: bool,
+    /// Before TLS, unknown names get `NBD_REP_ERR_TLS_REQD` like TLS-only ones, so that
+    /// TLS-only names cannot be probed.
+    hide_unknown: bool,
+    /// FORCEDTLS: every export is TLS-only; before TLS only STARTTLS and ABORT are served.
+    forced_tls: bool,
 }
 
 /// A failure to handle an option that is reported to the client as an error reply.
@@ -341,6 +468,57 @@ impl State<'_> {
         }
     }
 
+    /// The export may not be used (or shown) on this session as it is now.
+    fn tls_blocked(&self, info: &ExportInfo) -> bool {
+        info.tls_required && !self.tls_active
+    }
+
+    /// [`State::resolve`] for options that must not reveal TLS-only exports before TLS:
+    /// those look unknown.
+    fn resolve_visible(&self, name: &[u8]) -> Result<(String, ExportInfo), OptError> {
+        let (canonical, info) = self.resolve(name)?;
+        if self.tls_blocked(&info) {
+            return Err(OptError {
+                rep: proto::REP_ERR_UNKNOWN,
+                msg: format!(
+                    "no export named \"{}\"",
+                    truncate_str(&canonical, 256).escape_debug()
+                ),
+            });
+        }
+        Ok((canonical, info))
+    }
+
+    /// [`State::resolve`] for INFO and GO: a TLS-only export before TLS is refused with
+    /// `NBD_REP_ERR_TLS_REQD` (unknown names too while TLS-only names are hidden), or
+    /// with `NBD_REP_ERR_POLICY` when this server cannot do TLS at all.
+    fn resolve_for_use(&self, name: &[u8]) -> Result<(String, ExportInfo), OptError> {
+        let tls_reqd = |what: &str| OptError {
+            rep: proto::REP_ERR_TLS_REQD,
+            msg: format!("{what}: send NBD_OPT_STARTTLS first"),
+        };
+        match self.resolve(name) {
+            Err(e) if e.rep == proto::REP_ERR_UNKNOWN && self.hide_unknown && !self.tls_active => {
+                Err(tls_reqd("exports on this server require TLS"))
+            }
+            Err(e) => Err(e),
+            Ok((canonical, info)) if self.tls_blocked(&info) => {
+                if self.tls_offered {
+                    Err(tls_reqd("this export requires TLS"))
+                } else {
+                    Err(OptError {
+                        rep: proto::REP_ERR_POLICY,
+                        msg: format!(
+                            "export \"{}\" requires TLS, which this server is not configured for",
+                            truncate_str(&canonical, 256).escape_debug()
+                        ),
+                    })
+                }
+            }
+            Ok(v) => Ok(v),
+        }
+    }
+
     fn negotiated(&self, name: String, info: &ExportInfo, block_size: bool) -> Negotiated {
         // Block status is only usable if the contexts were selected for the very export
         // that is now being entered (compared after resolving the default export).
@@ -356,6 +534,7 @@ impl State<'_> {
             base_allocation,
             block_size_negotiated: block_size,
             no_zeroes: self.no_zeroes,
+            tls: self.tls_active,
         }
     }
 
@@ -365,7 +544,7 @@ impl State<'_> {
         s: &mut S,
         data: &[u8],
     ) -> Result<Negotiated, HandshakeError> {
-        let (name, info) = match self.resolve(data) {
+        let (name, info) = match self.resolve_for_use(data) {
             Ok(v) => v,
             Err(e) => return protocol(format!("NBD_OPT_EXPORT_NAME: {}", e.msg)),
         };
@@ -391,6 +570,13 @@ impl State<'_> {
             return;
         }
         for name in self.catalog.list() {
+            let hidden = self
+                .catalog
+                .lookup(&name)
+                .is_some_and(|info| self.tls_blocked(&info));
+            if hidden {
+                continue;
+            }
             let mut p = Vec::with_capacity(4 + name.len());
             p.extend_from_slice(&(name.len() as u32).to_be_bytes());
             p.extend_from_slice(name.as_bytes());
@@ -440,7 +626,7 @@ impl State<'_> {
             }
         }
 
-        let (canonical, info) = self.resolve(name)?;
+        let (canonical, info) = self.resolve_for_use(name)?;
 
         let mut p = Vec::with_capacity(14);
         p.extend_from_slice(&proto::INFO_EXPORT.to_be_bytes());
@@ -544,7 +730,7 @@ impl State<'_> {
             // No queries on LIST means "everything available on this export".
             matched = true;
         }
-        let (canonical, _) = self.resolve(name)?;
+        let (canonical, _) = self.resolve_visible(name)?;
         if set && matched {
             self.meta_context_export = Some(canonical);
         }
@@ -656,11 +842,13 @@ mod tests {
                     size: 1 << 30,
                     read_only: false,
                     description: "first disk".into(),
+                    tls_required: false,
                 }),
                 "ro" => Some(ExportInfo {
                     size: 4096,
                     read_only: true,
                     description: String::new(),
+                    tls_required: false,
                 }),
                 _ => None,
             }
@@ -785,6 +973,7 @@ mod tests {
                 base_allocation: Some(1),
                 block_size_negotiated: true,
                 no_zeroes: true,
+                tls: false,
             }
         );
         let (reps, rest) = parse_output(&out);
@@ -1275,6 +1464,238 @@ mod tests {
             s = s.opt(1000, &[]);
         }
         assert!(matches!(s.run().0, Err(HandshakeError::Protocol(_))));
+    }
+
+    /// A duplex whose "TLS" is a flag: the option logic around STARTTLS, without crypto
+    /// (the real handshake is tested end to end with libnbd and qemu).
+    struct FakeTls {
+        d: Duplex,
+        offered: bool,
+        active: bool,
+        fail: bool,
+    }
+    impl Read for FakeTls {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.d.read(buf)
+        }
+    }
+    impl Write for FakeTls {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.d.write(buf)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+    impl HandshakeIo for FakeTls {
+        fn tls_offered(&self) -> bool {
+            self.offered
+        }
+        fn tls_active(&self) -> bool {
+            self.active
+        }
+        fn start_tls(&mut self) -> io::Result<()> {
+            if self.fail {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "bad certificate",
+                ));
+            }
+            self.active = true;
+            Ok(())
+        }
+    }
+
+    /// "disk0" is open to all, "secret" is TLS-only (`all_tls`: both are).
+    struct TlsCatalog {
+        all_tls: bool,
+    }
+    impl ExportCatalog for TlsCatalog {
+        fn list(&self) -> Vec<String> {
+            vec!["disk0".into(), "secret".into()]
+        }
+        fn lookup(&self, name: &str) -> Option<ExportInfo> {
+            let tls_required = match name {
+                "disk0" => self.all_tls,
+                "secret" => true,
+                _ => return None,
+            };
+            Some(ExportInfo {
+                size: 1 << 20,
+                read_only: false,
+                description: String::new(),
+                tls_required,
+            })
+        }
+    }
+
+    fn run_tls(
+        script: Script,
+        offered: bool,
+        all_tls: bool,
+    ) -> (Result<HandshakeOutcome, HandshakeError>, Vec<u8>) {
+        let mut s = FakeTls {
+            d: Duplex {
+                input: Cursor::new(script.0),
+                output: Vec::new(),
+            },
+            offered,
+            active: false,
+            fail: false,
+        };
+        let r = negotiate_io(&mut s, &TlsCatalog { all_tls });
+        (r, s.d.output)
+    }
+
+    #[test]
+    fn selective_tls_hides_and_refuses_tls_only_exports_before_starttls() {
+        let (r, out) = run_tls(
+            Script::fixed()
+                .opt(proto::OPT_LIST, &[])
+                .go_like(proto::OPT_INFO, "secret", &[proto::INFO_NAME])
+                .go_like(proto::OPT_GO, "secret", &[])
+                .go_like(proto::OPT_INFO, "nosuch", &[])
+                .opt(proto::OPT_STRUCTURED_REPLY, &[])
+                .meta(proto::OPT_LIST_META_CONTEXT, "secret", &[])
+                .go_like(proto::OPT_GO, "disk0", &[]),
+            true,
+            false,
+        );
+        let n = transmission(r);
+        assert_eq!(n.export_name, "disk0");
+        assert!(!n.tls);
+        let (reps, _) = parse_output(&out);
+        // LIST shows only the open export.
+        let mut d0 = 5u32.to_be_bytes().to_vec();
+        d0.extend_from_slice(b"disk0");
+        assert_eq!((reps[0].ty, &reps[0].data), (proto::REP_SERVER, &d0));
+        assert_eq!(reps[1].ty, proto::REP_ACK);
+        // INFO/GO on the TLS-only export: TLS_REQD and no REP_INFO (no size leaked).
+        assert_eq!(
+            (reps[2].opt, reps[2].ty),
+            (proto::OPT_INFO, proto::REP_ERR_TLS_REQD)
+        );
+        assert_eq!(
+            (reps[3].opt, reps[3].ty),
+            (proto::OPT_GO, proto::REP_ERR_TLS_REQD)
+        );
+        // An unknown name looks the same as a TLS-only one.
+        assert_eq!(
+            (reps[4].opt, reps[4].ty),
+            (proto::OPT_INFO, proto::REP_ERR_TLS_REQD)
+        );
+        assert_eq!(reps[5].ty, proto::REP_ACK);
+        // Metadata contexts may not answer TLS_REQD: the TLS-only export looks unknown.
+        assert_eq!(reps[6].ty, proto::REP_ERR_UNKNOWN);
+        assert_eq!((reps[7].opt, reps[7].ty), (proto::OPT_GO, proto::REP_INFO));
+    }
+
+    #[test]
+    fn starttls_resets_state_and_opens_tls_only_exports() {
+        let (r, out) = run_tls(
+            Script::fixed()
+                .opt(proto::OPT_STRUCTURED_REPLY, &[])
+                .opt(proto::OPT_STARTTLS, b"x")
+                .opt(proto::OPT_STARTTLS, &[])
+                .opt(proto::OPT_STARTTLS, &[])
+                .opt(proto::OPT_LIST, &[])
+                .go_like(proto::OPT_GO, "secret", &[]),
+            true,
+            false,
+        );
+        let n = transmission(r);
+        assert_eq!(n.export_name, "secret");
+        assert!(n.tls);
+        assert!(
+            !n.structured_replies,
+            "structured replies negotiated before STARTTLS must not survive it"
+        );
+        let (reps, _) = parse_output(&out);
+        let got: Vec<_> = reps.iter().map(|r| (r.opt, r.ty)).collect();
+        assert_eq!(
+            got[..6],
+            [
+                (proto::OPT_STRUCTURED_REPLY, proto::REP_ACK),
+                (proto::OPT_STARTTLS, proto::REP_ERR_INVALID),
+                (proto::OPT_STARTTLS, proto::REP_ACK),
+                (proto::OPT_STARTTLS, proto::REP_ERR_INVALID),
+                (proto::OPT_LIST, proto::REP_SERVER),
+                (proto::OPT_LIST, proto::REP_SERVER),
+            ]
+        );
+        assert_eq!(got[6], (proto::OPT_LIST, proto::REP_ACK));
+        assert_eq!(got[7], (proto::OPT_GO, proto::REP_INFO));
+    }
+
+    #[test]
+    fn forced_tls_answers_only_starttls_and_abort() {
+        let (r, out) = run_tls(
+            Script::fixed()
+                .opt(proto::OPT_LIST, &[])
+                .opt(proto::OPT_STRUCTURED_REPLY, &[])
+                .go_like(proto::OPT_GO, "disk0", &[])
+                .opt(99, &[])
+                .opt(proto::OPT_ABORT, &[]),
+            true,
+            true,
+        );
+        assert!(matches!(r, Ok(HandshakeOutcome::Closed)));
+        let (reps, _) = parse_output(&out);
+        assert!(reps[..4].iter().all(|r| r.ty == proto::REP_ERR_TLS_REQD));
+        assert_eq!(reps[4].ty, proto::REP_ACK);
+        // EXPORT_NAME cannot be refused: the server hangs up without a byte more.
+        let (r, out) = run_tls(
+            Script::fixed().opt(proto::OPT_EXPORT_NAME, b"disk0"),
+            true,
+            true,
+        );
+        assert!(matches!(r, Err(HandshakeError::Protocol(_))));
+        assert_eq!(out.len(), 18);
+        // Selective mode: EXPORT_NAME of a TLS-only export hangs up too.
+        let (r, out) = run_tls(
+            Script::fixed().opt(proto::OPT_EXPORT_NAME, b"secret"),
+            true,
+            false,
+        );
+        assert!(matches!(r, Err(HandshakeError::Protocol(_))));
+        assert_eq!(out.len(), 18);
+    }
+
+    #[test]
+    fn tls_only_export_without_tls_support_is_refused_by_policy() {
+        let (r, out) = run_tls(
+            Script::fixed()
+                .opt(proto::OPT_STARTTLS, &[])
+                .opt(proto::OPT_LIST, &[])
+                .go_like(proto::OPT_GO, "secret", &[])
+                .opt(proto::OPT_ABORT, &[]),
+            false,
+            false,
+        );
+        assert!(matches!(r, Ok(HandshakeOutcome::Closed)));
+        let (reps, _) = parse_output(&out);
+        assert_eq!(reps[0].ty, proto::REP_ERR_UNSUP);
+        assert_eq!(reps[1].ty, proto::REP_SERVER);
+        assert_eq!(reps[2].ty, proto::REP_ACK, "only disk0 is listed");
+        assert_eq!(reps[3].ty, proto::REP_ERR_POLICY);
+    }
+
+    #[test]
+    fn failed_tls_handshake_ends_the_session() {
+        let mut s = FakeTls {
+            d: Duplex {
+                input: Cursor::new(Script::fixed().opt(proto::OPT_STARTTLS, &[]).0),
+                output: Vec::new(),
+            },
+            offered: true,
+            active: false,
+            fail: true,
+        };
+        let r = negotiate_io(&mut s, &TlsCatalog { all_tls: false });
+        match r {
+            Err(e @ HandshakeError::Tls(_)) => assert!(e.to_string().contains("bad certificate")),
+            other => panic!("expected a TLS error, got {:?}", other.map(|_| ())),
+        }
     }
 
     mod props {

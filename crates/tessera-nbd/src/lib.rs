@@ -10,3 +10,4 @@ pub mod client;
 pub mod conn;
 pub mod handshake;
 pub mod proto;
+pub mod tls;

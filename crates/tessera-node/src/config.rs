@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::StartError;
 use serde::{Deserialize, Serialize};
+use tessera_api::TlsPolicy;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -35,6 +36,7 @@ pub struct NodeConfig {
     pub api: ApiConfig,
     pub nbd: NbdConfig,
     pub nvmf: crate::nvmf::NvmfConfig,
+    pub metrics: MetricsConfig,
     #[serde(rename = "pool")]
     pub pools: Vec<PoolDecl>,
     #[serde(rename = "volume")]
@@ -46,10 +48,33 @@ pub struct NodeConfig {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ApiConfig {
-    /// Unix socket of the management API (default: DATA_DIR/api.sock).
+    /// Unix socket of the management API (default: DATA_DIR/api.sock). Created with mode
+    /// 0600 (0660 with `socket_group`), in a directory other users cannot write.
     pub socket: Option<PathBuf>,
-    /// Optional TCP address of the management API, e.g. "127.0.0.1:9100".
+    /// A group (name or number) whose members may use the Unix socket too (mode 0660).
+    pub socket_group: Option<String>,
+    /// Optional TCP address of the management API, e.g. "127.0.0.1:7443": served only with
+    /// TLS (`tls_cert`, `tls_key`) and bearer tokens (`token_file`), else the node refuses
+    /// to start.
     pub tcp: Option<String>,
+    /// PEM certificate chain of the TCP API (leaf first).
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    pub tls_key: Option<PathBuf>,
+    /// Bearer tokens of the TCP API: one a line, `NAME:TOKEN` or `TOKEN` (at least 32
+    /// characters); readable by its owner (and group) only.
+    pub token_file: Option<PathBuf>,
+}
+
+/// The metrics listener (docs/metrics.md): plain HTTP, read-only, no authentication, so
+/// it belongs on loopback or a monitoring network. It exposes names and figures, never a
+/// secret.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// TCP address serving `/metrics`, `/healthz` and `/readyz`, e.g. "127.0.0.1:9464"
+    /// (Prometheus' conventional port for storage exporters). None: no listener.
+    pub listen: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -59,6 +84,8 @@ pub struct NbdConfig {
     pub listen: Vec<String>,
     /// Optional Unix socket to serve NBD on.
     pub unix: Option<PathBuf>,
+    /// TLS (`NBD_OPT_STARTTLS`) on every NBD listener; absent: no TLS.
+    pub tls: Option<NbdTlsConfig>,
 }
 
 impl Default for NbdConfig {
@@ -66,8 +93,29 @@ impl Default for NbdConfig {
         NbdConfig {
             listen: vec!["127.0.0.1:10809".into()],
             unix: None,
+            tls: None,
         }
     }
+}
+
+/// `[nbd.tls]`: the server's X.509 identity and who may connect.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NbdTlsConfig {
+    /// The server's certificate chain (PEM).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// With a CA (PEM): clients must present a certificate it signed.
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
+    /// The policy of exports that set none: "required" (default) or "optional".
+    #[serde(default = "tls_required")]
+    pub default: TlsPolicy,
+}
+
+fn tls_required() -> TlsPolicy {
+    TlsPolicy::Required
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -100,6 +148,9 @@ pub struct ExportDecl {
     pub volume: String,
     #[serde(default)]
     pub read_only: bool,
+    /// NBD TLS policy ("required" / "optional"); absent: `[nbd.tls] default`.
+    #[serde(default)]
+    pub tls: Option<TlsPolicy>,
 }
 
 impl Default for NodeConfig {
@@ -115,6 +166,7 @@ impl Default for NodeConfig {
             api: ApiConfig::default(),
             nbd: NbdConfig::default(),
             nvmf: crate::nvmf::NvmfConfig::default(),
+            metrics: MetricsConfig::default(),
             pools: Vec::new(),
             volumes: Vec::new(),
             exports: Vec::new(),
@@ -153,6 +205,7 @@ impl NodeConfig {
                 name: "vol0".into(),
                 volume: "vol0".into(),
                 read_only: false,
+                tls: None,
             }],
             nvmf: crate::nvmf::NvmfConfig {
                 subsystems: vec![crate::nvmf::SubsystemDecl {
@@ -200,5 +253,8 @@ mod tests {
         .unwrap();
         assert_eq!(c.pools[0].layout, "raid0");
         assert!(c.nbd.listen.is_empty());
+        assert!(c.metrics.listen.is_none());
+        let c: NodeConfig = toml::from_str("[metrics]\nlisten = '127.0.0.1:9464'\n").unwrap();
+        assert_eq!(c.metrics.listen.as_deref(), Some("127.0.0.1:9464"));
     }
 }

@@ -9,6 +9,8 @@ pub mod error;
 pub mod groups;
 mod job;
 pub mod listener;
+pub mod metrics;
+pub mod metrics_http;
 pub mod node;
 pub mod nvmf;
 pub mod rebuild;

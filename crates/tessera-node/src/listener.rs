@@ -2,9 +2,12 @@
 //! connection (bounded, with a timeout), then the socket moves to a reactor core for the
 //! transmission phase.
 
+use std::ffi::CString;
 use std::io;
 use std::net::TcpListener;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -12,8 +15,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_nbd::conn::{ConnOptions, NbdConn};
-use tessera_nbd::handshake::{negotiate, HandshakeOutcome};
+use tessera_nbd::handshake::{negotiate_io, HandshakeOutcome};
+use tessera_nbd::tls::{HandshakeStream, TlsLink};
 
+use tessera_export::log_limit::LogLimiter;
+use tracing::{info, warn};
+
+use tessera_http::{ApiListener, TokenSet};
+
+use crate::config::NodeConfig;
+use crate::error::StartError;
 use crate::node::Node;
 
 /// Handshakes in progress at once; more connections are refused until some finish.
@@ -24,11 +35,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 static HANDSHAKES: AtomicUsize = AtomicUsize::new(0);
 
 fn bind_unix(path: &Path) -> io::Result<UnixListener> {
-    if path.exists() {
-        // A socket left by a previous run: remove it only if nobody answers on it.
-        unix_socket_free(path)?;
-        std::fs::remove_file(path)?;
-    }
+    remove_stale_socket(path)?;
     UnixListener::bind(path).map_err(|e| {
         io::Error::new(
             e.kind(),
@@ -73,30 +80,216 @@ pub fn check_addresses(cfg: &crate::NodeConfig) -> io::Result<()> {
     Ok(())
 }
 
-pub fn start_api(node: &Arc<Node>) -> io::Result<()> {
-    let n = node.clone();
-    let handler: tessera_http::Handler = Arc::new(move |req| crate::api::handle(&n, req));
-    let l = bind_unix(&node.cfg.api_socket())?;
-    let h = handler.clone();
-    std::thread::Builder::new()
-        .name("tessera-api".into())
-        .spawn(move || tessera_http::serve_unix(l, h))?;
-    if let Some(addr) = &node.cfg.api.tcp {
-        let l = TcpListener::bind(addr)
-            .map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))?;
-        std::thread::Builder::new()
-            .name("tessera-api-tcp".into())
-            .spawn(move || tessera_http::serve_tcp(l, handler))?;
+/// Removes a socket left by a previous run: only if nobody answers on it.
+fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    if path.exists() {
+        unix_socket_free(path)?;
+        std::fs::remove_file(path)?;
     }
     Ok(())
 }
 
-/// Run the handshake on `stream`; on success hand the socket to a reactor core.
-fn serve_client<S>(node: Arc<Node>, mut stream: S, into_fd: impl FnOnce(S) -> OwnedFd)
+/// The group ID of `group` (a name or a number).
+fn group_id(group: &str) -> io::Result<libc::gid_t> {
+    if let Ok(gid) = group.parse::<libc::gid_t>() {
+        return Ok(gid);
+    }
+    let name =
+        CString::new(group).map_err(|_| invalid_input(format!("bad group name {group:?}")))?;
+    let mut entry: libc::group = zeroed_group();
+    let mut found: *mut libc::group = std::ptr::null_mut();
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    // SAFETY: every pointer is valid for the call: `name` is NUL-terminated, `entry` and
+    // `found` are ours, `buf` is writable for `buf.len()` bytes.
+    let rc = unsafe {
+        libc::getgrnam_r(
+            name.as_ptr(),
+            &mut entry,
+            buf.as_mut_ptr(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    if rc != 0 || found.is_null() {
+        return Err(invalid_input(format!(
+            "api.socket_group: no group named {group:?}"
+        )));
+    }
+    Ok(entry.gr_gid)
+}
+
+fn zeroed_group() -> libc::group {
+    // SAFETY: `libc::group` is plain data (integers and pointers) for which all-zero bytes
+    // are a valid value; getgrnam_r fills it in.
+    unsafe { std::mem::zeroed() }
+}
+
+fn invalid_input(message: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, message)
+}
+
+/// The API's Unix socket: the only access control on it is the file's permissions, so it
+/// is created with mode 0600 (0660 and `group` when given) *before* it listens — nobody
+/// can connect in between — in a directory other users cannot write (where they could
+/// replace it).
+fn bind_api_socket(path: &Path, group: Option<&str>) -> io::Result<UnixListener> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::env::current_dir()?,
+    };
+    let mode = std::fs::metadata(&dir)
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("API socket directory {}: {e}", dir.display()),
+            )
+        })?
+        .permissions()
+        .mode();
+    if mode & 0o002 != 0 {
+        return Err(invalid_input(format!(
+            "the API socket's directory {} is writable by every user (mode {:o}); put the \
+             socket (api.socket) in a directory only its owner can write",
+            dir.display(),
+            mode & 0o7777
+        )));
+    }
+    let gid = group.map(group_id).transpose()?;
+    remove_stale_socket(path)?;
+    let cannot = |what: &str, e: io::Error| {
+        io::Error::new(e.kind(), format!("cannot {what} {}: {e}", path.display()))
+    };
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| invalid_input(format!("{} holds a NUL byte", path.display())))?;
+    // SAFETY: `sockaddr_un` is plain data; zero bytes are a valid (empty) address.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = c_path.as_bytes_with_nul();
+    if bytes.len() > addr.sun_path.len() {
+        return Err(invalid_input(format!(
+            "the API socket path {} is longer than {} bytes",
+            path.display(),
+            addr.sun_path.len() - 1
+        )));
+    }
+    for (dst, &src) in addr.sun_path.iter_mut().zip(bytes) {
+        *dst = src as libc::c_char;
+    }
+    // SAFETY: a plain socket(2) call; the descriptor is owned at once below.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(cannot("create a socket for", io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: `addr` is a valid sockaddr_un of the size passed.
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(cannot("listen on", io::Error::last_os_error()));
+    }
+    let restrict = || -> io::Result<()> {
+        if let Some(gid) = gid {
+            // SAFETY: `c_path` is NUL-terminated; -1 keeps the owner.
+            if unsafe { libc::chown(c_path.as_ptr(), u32::MAX, gid) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        let mode = if gid.is_some() { 0o660 } else { 0o600 };
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+    };
+    if let Err(e) = restrict() {
+        let _ = std::fs::remove_file(path);
+        return Err(cannot("restrict the permissions of", e));
+    }
+    // SAFETY: listen(2) on the bound socket we own.
+    if unsafe { libc::listen(fd.as_raw_fd(), 128) } != 0 {
+        let e = io::Error::last_os_error();
+        let _ = std::fs::remove_file(path);
+        return Err(cannot("listen on", e));
+    }
+    Ok(UnixListener::from(fd))
+}
+
+/// The TCP API as configured: its address, TLS configuration and tokens.
+struct TcpApi {
+    addr: String,
+    tls: Arc<rustls::ServerConfig>,
+    tokens: Arc<TokenSet>,
+}
+
+/// The TCP listener of the API with its TLS configuration and tokens, refused unless all
+/// three are configured. Checked before the node opens anything
+/// ([`check_api_config`]), and again when the API starts.
+fn tcp_api(cfg: &NodeConfig) -> Result<Option<TcpApi>, StartError> {
+    let api = &cfg.api;
+    let Some(addr) = &api.tcp else {
+        return Ok(None);
+    };
+    let (Some(cert), Some(key), Some(tokens)) = (&api.tls_cert, &api.tls_key, &api.token_file)
+    else {
+        return Err(StartError::Config(format!(
+            "the management API on TCP ({addr}) needs TLS and authentication: set api.tls_cert, \
+             api.tls_key and api.token_file (see docs/api.md), or use the Unix socket only"
+        )));
+    };
+    let tls =
+        tessera_http::server_config(cert, key).map_err(|e| StartError::Config(e.to_string()))?;
+    let tokens = TokenSet::load(tokens).map_err(|e| StartError::Config(e.to_string()))?;
+    Ok(Some(TcpApi {
+        addr: addr.clone(),
+        tls,
+        tokens: Arc::new(tokens),
+    }))
+}
+
+/// Refuses an API configuration that cannot be served (TCP without TLS and tokens, an
+/// unreadable certificate or token file) before anything is opened.
+pub fn check_api_config(cfg: &NodeConfig) -> Result<(), StartError> {
+    tcp_api(cfg).map(|_| ())
+}
+
+/// Starts the management API on its own control thread: the Unix socket, and TCP with
+/// TLS and tokens when configured. Returns the TCP address it listens on, if any.
+pub fn start_api(node: &Arc<Node>) -> io::Result<Option<String>> {
+    let mut listeners = vec![ApiListener::Unix(bind_api_socket(
+        &node.cfg.api_socket(),
+        node.cfg.api.socket_group.as_deref(),
+    )?)];
+    let mut tcp_addr = None;
+    if let Some(TcpApi { addr, tls, tokens }) =
+        tcp_api(&node.cfg).map_err(|e| invalid_input(e.to_string()))?
+    {
+        let listener = TcpListener::bind(&addr)
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))?;
+        tcp_addr = Some(listener.local_addr()?.to_string());
+        listeners.push(ApiListener::Tls {
+            listener,
+            tls,
+            tokens,
+        });
+    }
+    tessera_http::spawn(crate::api::router(node.clone()), listeners)?;
+    Ok(tcp_addr)
+}
+
+/// Failed NBD handshakes (garbage, port scans, wrong protocol, failed TLS): at most 10
+/// lines per 10 s.
+static HANDSHAKE_LOG: LogLimiter = LogLimiter::new("nbd-handshake", 10, 10);
+
+/// Run the handshake on `stream`; on success hand the socket (and its TLS session, if
+/// the client started TLS) to a reactor core.
+fn serve_client<S>(node: Arc<Node>, stream: S, client: String, into_fd: impl FnOnce(S) -> OwnedFd)
 where
     S: io::Read + io::Write,
 {
-    let outcome = negotiate(&mut stream, &*node);
+    let mut stream = HandshakeStream::new(stream, node.nbd_tls.clone());
+    let outcome = negotiate_io(&mut stream, &*node);
     let n = match outcome {
         Ok(HandshakeOutcome::Transmission(n)) => n,
         Ok(HandshakeOutcome::Closed) => return,
@@ -107,33 +300,67 @@ where
         {
             return
         }
+        Err(e @ tessera_nbd::handshake::HandshakeError::Tls(_)) => {
+            if HANDSHAKE_LOG.admit() {
+                warn!(protocol = "nbd", client = %client, error = %e, "nbd: TLS handshake failed, connection closed");
+            }
+            return;
+        }
         Err(e) => {
-            eprintln!("tessera: nbd: handshake failed: {e}");
+            if HANDSHAKE_LOG.admit() {
+                warn!(protocol = "nbd", client = %client, error = %e, "nbd: handshake failed");
+            }
             return;
         }
     };
     let Some((vol, read_only)) = node.resolve_export(&n.export_name) else {
-        eprintln!(
-            "tessera: nbd: export '{}' vanished during the handshake",
-            n.export_name
+        warn!(
+            protocol = "nbd",
+            client = %client,
+            export = %n.export_name,
+            "nbd: export vanished during the handshake"
         );
         return;
     };
     let export = node.export_of(&vol);
+    info!(
+        protocol = "nbd",
+        client = %client,
+        export = %n.export_name,
+        pool = %vol.pool_name(),
+        volume = %vol.name,
+        read_only = read_only || n.read_only,
+        structured_replies = n.structured_replies,
+        block_size_negotiated = n.block_size_negotiated,
+        "nbd: client connected"
+    );
     let opts = ConnOptions {
         structured_replies: n.structured_replies,
         base_allocation: n.base_allocation,
         read_only: read_only || n.read_only,
+        strict_block_size: n.block_size_negotiated,
+        client: client.clone(),
+        export: n.export_name,
     };
+    let Some((stream, tls)) = stream.into_parts() else {
+        return;
+    };
+    let tls = tls.map(|session| TlsLink::new(session, client));
     let fd = into_fd(stream);
     node.next_reactor().spawn(Box::new(move |io| {
-        Box::new(NbdConn::new(io, fd, &export, opts))
+        let conn = NbdConn::new(io, fd, &export, opts);
+        Box::new(match tls {
+            Some(t) => conn.with_tls(t),
+            None => conn,
+        })
     }));
 }
 
 /// A socket the NBD listeners accept: TCP or Unix.
 trait NbdSocket: io::Read + io::Write + Into<OwnedFd> + Send + 'static {
     fn set_timeouts(&self, t: Option<Duration>);
+    /// The client's address, for log lines.
+    fn peer(&self) -> String;
 }
 
 impl NbdSocket for std::net::TcpStream {
@@ -141,12 +368,19 @@ impl NbdSocket for std::net::TcpStream {
         let _ = self.set_read_timeout(t);
         let _ = self.set_write_timeout(t);
     }
+    fn peer(&self) -> String {
+        self.peer_addr()
+            .map_or_else(|_| "?".into(), |a| a.to_string())
+    }
 }
 
 impl NbdSocket for std::os::unix::net::UnixStream {
     fn set_timeouts(&self, t: Option<Duration>) {
         let _ = self.set_read_timeout(t);
         let _ = self.set_write_timeout(t);
+    }
+    fn peer(&self) -> String {
+        "unix".into()
     }
 }
 
@@ -160,11 +394,12 @@ fn accept_loop<S: NbdSocket>(node: Arc<Node>, incoming: impl Iterator<Item = io:
             continue; // dropping the stream closes it
         }
         s.set_timeouts(Some(HANDSHAKE_TIMEOUT));
+        let client = s.peer();
         let node = node.clone();
         let r = std::thread::Builder::new()
             .name("tessera-nbd-hs".into())
             .spawn(move || {
-                serve_client(node, s, |s| {
+                serve_client(node, s, client, |s| {
                     s.set_timeouts(None);
                     s.into()
                 });

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use serde::{Deserialize, Serialize};
 use tessera_api::{ControllerInfo, NamespaceInfo, SubsystemInfo as SubsystemReply};
+use tessera_nvmf::auth::{DhGroup, Hash, HostKeys, Secret};
 use tessera_nvmf::target::{Catalog, NamespaceEntry, Port, SubsystemInfo, Target};
 use tessera_pool::{Error, ErrorKind, Volume};
 
@@ -77,7 +78,96 @@ pub struct SubsystemRecord {
     pub serial: String,
     pub allow_any_host: bool,
     pub hosts: Vec<String>,
+    /// Hosts that must authenticate (DH-HMAC-CHAP), by host NQN.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub host_auth: BTreeMap<String, HostAuthRecord>,
     pub namespaces: Vec<NsRecord>,
+}
+
+/// A host's DH-HMAC-CHAP settings in a subsystem (docs/format.md §6).
+#[derive(Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct HostAuthRecord {
+    pub dhchap_secret: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_ctrl_secret: Option<String>,
+    pub hash: String,
+    pub dhgroup: String,
+}
+
+impl std::fmt::Debug for HostAuthRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostAuthRecord")
+            .field("bidirectional", &self.dhchap_ctrl_secret.is_some())
+            .field("hash", &self.hash)
+            .field("dhgroup", &self.dhgroup)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HostAuthRecord {
+    /// Validate what an API call gives and fill in the defaults.
+    pub fn new(
+        secret: &str,
+        ctrl_secret: Option<&str>,
+        hash: Option<&str>,
+        dhgroup: Option<&str>,
+    ) -> Result<HostAuthRecord, Error> {
+        Secret::parse(secret).map_err(|e| Error::invalid(format!("dhchap_secret: {e}")))?;
+        if let Some(c) = ctrl_secret {
+            Secret::parse(c).map_err(|e| Error::invalid(format!("dhchap_ctrl_secret: {e}")))?;
+            if c.trim() == secret.trim() {
+                return Err(Error::invalid(
+                    "dhchap_ctrl_secret must differ from dhchap_secret (one secret for both \
+                     would let anyone who learns it impersonate either end)",
+                ));
+            }
+        }
+        let hash = Hash::from_name(hash.unwrap_or("sha256")).ok_or_else(|| {
+            Error::invalid("dhchap_hash must be sha256, sha384 or sha512".to_string())
+        })?;
+        let group = DhGroup::from_name(dhgroup.unwrap_or("ffdhe2048")).ok_or_else(|| {
+            Error::invalid(
+                "dhchap_dhgroup must be null, ffdhe2048, ffdhe3072, ffdhe4096, ffdhe6144 or \
+                 ffdhe8192"
+                    .to_string(),
+            )
+        })?;
+        Ok(HostAuthRecord {
+            dhchap_secret: secret.trim().to_string(),
+            dhchap_ctrl_secret: ctrl_secret.map(|c| c.trim().to_string()),
+            hash: hash.name().to_string(),
+            dhgroup: group.name().to_string(),
+        })
+    }
+
+    /// The keys the target uses. A record that does not parse (a hand edit) fails closed:
+    /// a random secret nobody holds, so that host cannot get in until it is fixed.
+    fn keys(&self, subnqn: &str, hostnqn: &str) -> HostKeys {
+        let parsed = Secret::parse(&self.dhchap_secret).and_then(|h| {
+            let c = self
+                .dhchap_ctrl_secret
+                .as_deref()
+                .map(Secret::parse)
+                .transpose()?;
+            Ok((h, c))
+        });
+        let (host, ctrl) = parsed.unwrap_or_else(|e| {
+            tracing::error!(
+                subnqn,
+                hostnqn,
+                error = %e,
+                "nvmf: the host's DH-HMAC-CHAP secret in nvmf.json does not parse; the host \
+                 cannot authenticate until it is set again"
+            );
+            (Secret::generate(None, 32), None)
+        });
+        HostKeys {
+            host,
+            ctrl,
+            hash: Hash::from_name(&self.hash).unwrap_or(Hash::Sha256),
+            group: DhGroup::from_name(&self.dhgroup).unwrap_or(DhGroup::Ffdhe2048),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -136,7 +226,8 @@ impl NvmfState {
     /// Replace the file atomically (temporary file, fsync, rename, fsync directory).
     fn save(&self, f: &NvmfFile) -> Result<(), Error> {
         let text = serde_json::to_string_pretty(f).expect("nvmf config serialises");
-        crate::registry::write_atomic(&self.path, text.as_bytes()).map_err(io_err)
+        // Owner only: the file holds the hosts' DH-HMAC-CHAP secrets.
+        crate::registry::write_atomic_mode(&self.path, text.as_bytes(), 0o600).map_err(io_err)
     }
 
     /// Apply `change` to a copy, persist it, then make it live.
@@ -247,11 +338,17 @@ impl Catalog<Volume> for NodeCatalog {
                 })
             })
             .collect();
+        let auth = rec
+            .host_auth
+            .iter()
+            .map(|(h, a)| (h.clone(), Arc::new(a.keys(&rec.nqn, h))))
+            .collect();
         Some(SubsystemInfo {
             nqn: rec.nqn,
             serial: rec.serial,
             allow_any_host: rec.allow_any_host,
             hosts: rec.hosts,
+            auth,
             namespaces,
         })
     }
@@ -300,6 +397,18 @@ impl Node {
             serial: s.serial.clone(),
             allow_any_host: s.allow_any_host,
             hosts: s.hosts.clone(),
+            host_auth: s
+                .host_auth
+                .iter()
+                .map(|(h, a)| {
+                    let how = if a.dhchap_ctrl_secret.is_some() {
+                        "dh-hmac-chap (bidirectional)"
+                    } else {
+                        "dh-hmac-chap"
+                    };
+                    (h.clone(), how.to_string())
+                })
+                .collect(),
             namespaces: s
                 .namespaces
                 .iter()
@@ -361,6 +470,7 @@ impl Node {
                 serial,
                 allow_any_host,
                 hosts: hosts.to_vec(),
+                host_auth: BTreeMap::new(),
                 namespaces: Vec::new(),
             };
             f.subsystems.push(r.clone());
@@ -460,6 +570,34 @@ impl Node {
         Ok(())
     }
 
+    /// Allow host `host`; with `auth`, it must also authenticate (its settings replace
+    /// any it had). Without, a host added again keeps the settings it has.
+    pub fn nvmf_add_host(
+        &self,
+        nqn: &str,
+        host: &str,
+        auth: Option<HostAuthRecord>,
+    ) -> Result<SubsystemReply, Error> {
+        valid_host(host)?;
+        let rec = self.nvmf.update(|f| {
+            let s = f
+                .subsystems
+                .iter_mut()
+                .find(|s| s.nqn == nqn)
+                .ok_or_else(|| nf("subsystem", nqn))?;
+            if !s.hosts.iter().any(|x| x == host) {
+                s.hosts.push(host.to_string());
+            }
+            if let Some(a) = auth {
+                s.host_auth.insert(host.to_string(), a);
+            }
+            Ok(s.clone())
+        })?;
+        // Controllers already connected keep the keys they were created with; the next
+        // Connect uses these.
+        Ok(self.nvmf_subsystem_json(&rec))
+    }
+
     pub fn nvmf_set_hosts(
         &self,
         nqn: &str,
@@ -484,7 +622,8 @@ impl Node {
             if let Some(h) = remove {
                 let before = s.hosts.len();
                 s.hosts.retain(|x| x != h);
-                if s.hosts.len() == before {
+                let had_auth = s.host_auth.remove(h).is_some();
+                if s.hosts.len() == before && !had_auth {
                     return Err(nf("host", h));
                 }
             }
@@ -541,10 +680,7 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
                     .try_for_each(|v| node.nvmf_add_namespace(&d.nqn, v, 0).map(|_| ()))
             });
         if let Err(e) = r {
-            eprintln!(
-                "tessera: nvmf: creating subsystem '{}' from the config: {e}",
-                d.nqn
-            );
+            tracing::error!(subnqn = %d.nqn, error = %e, "nvmf: cannot create the subsystem from the config");
         }
     }
     let target = Target::new(Arc::new(NodeCatalog(Arc::downgrade(node))));
@@ -561,7 +697,7 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
         let l = match std::net::TcpListener::bind(&addr) {
             Ok(l) => l,
             Err(e) => {
-                eprintln!("tessera: nvmf: cannot listen on {addr}: {e}; NVMe/TCP is off there");
+                tracing::error!(addr = %addr, error = %e, "nvmf: cannot listen; NVMe/TCP is off there");
                 continue;
             }
         };
@@ -579,7 +715,7 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
             .name("tessera-nvmf-accept".into())
             .spawn(move || tessera_nvmf::target::accept_loop(l, t, move || n.next_reactor()));
         if let Err(e) = spawned {
-            eprintln!("tessera: nvmf: cannot start the accept thread: {e}");
+            tracing::error!(addr = %local, error = %e, "nvmf: cannot start the accept thread");
             continue;
         }
         addrs.push(format!(

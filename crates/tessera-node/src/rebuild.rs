@@ -74,7 +74,7 @@ pub(crate) fn save_cursor(path: &Path, device: usize, next: u64) {
     })
     .expect("a cursor serialises");
     if let Err(e) = crate::registry::write_atomic(path, text.as_bytes()) {
-        error!(error = %e, "cannot save the rebuild cursor");
+        error!(cursor = %path.display(), device, error = %e, "cannot save the rebuild cursor");
     }
 }
 
@@ -240,7 +240,7 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     if !matches!(outcome, Ok(true)) {
         pool.core
             .layout
-            .mark_failed(d, tessera_pool::layout::FailReason::Missing);
+            .restore_failed(d, tessera_pool::layout::FailReason::Missing);
     }
     let _ = std::fs::remove_file(path);
     let mut p = job.progress();

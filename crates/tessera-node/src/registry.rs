@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{SaveError, StartError};
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct PoolEntry {
     pub name: String,
     pub uuid: String,
@@ -18,6 +18,10 @@ pub struct PoolEntry {
     /// Hot spares of a redundant pool (device specs), absent when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub spares: Vec<String>,
+    /// The overcommit ratio set for this pool; absent: the default
+    /// (`tessera_pool::DEFAULT_OVERCOMMIT`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overcommit: Option<f64>,
 }
 
 pub struct Registry {
@@ -52,12 +56,33 @@ impl Registry {
 /// Replace the file at `path` atomically: write a temporary file, fsync, rename, fsync
 /// the directory. Shared by every JSON file the node keeps in its data directory.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SaveError> {
+    write_atomic_mode(path, bytes, 0o666)
+}
+
+/// [`write_atomic`] with the file's permission bits (before the umask): the temporary
+/// file has them from its creation, before anything is written to it.
+pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), SaveError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let tmp = path.with_extension("json.tmp");
     let err = |source: std::io::Error| SaveError {
         path: path.to_path_buf(),
         source,
     };
-    let mut f = std::fs::File::create(&tmp).map_err(err)?;
+    // A leftover temporary file keeps its old mode when opened: start from a new one.
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(e)),
+        _ => {}
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(err)?;
+    if mode & 0o077 == 0 {
+        f.set_permissions(std::fs::Permissions::from_mode(mode))
+            .map_err(err)?;
+    }
     f.write_all(bytes).map_err(err)?;
     f.sync_all().map_err(err)?;
     std::fs::rename(&tmp, path).map_err(err)?;

@@ -7,6 +7,7 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
+use crate::auth::{self, HostAuth, HostAuthError, Secret};
 use crate::nvme::{self, *};
 use crate::pdu::{self, Fatal, Framing, Limits, Role};
 
@@ -22,6 +23,8 @@ pub enum Error {
     },
     /// The controller broke the protocol.
     Protocol(String),
+    /// In-band authentication failed (or was required and no secret was given).
+    Auth(String),
 }
 
 impl std::fmt::Display for Error {
@@ -34,6 +37,7 @@ impl std::fmt::Display for Error {
                 "the controller terminated the connection (FES {fes:#x}, FEI {fei:#x})"
             ),
             Error::Protocol(m) => write!(f, "protocol error: {m}"),
+            Error::Auth(m) => write!(f, "{m}"),
         }
     }
 }
@@ -62,6 +66,11 @@ pub struct Options {
     /// Ask the controller to skip SQ head reporting (allows C2HData SUCCESS).
     pub disable_sq_flow: bool,
     pub timeout: Duration,
+    /// DH-HMAC-CHAP secret of this host, used when a Connect asks for authentication.
+    pub dhchap_secret: Option<Secret>,
+    /// The controller's secret: when set, the host also authenticates the controller
+    /// (bidirectional) and refuses one that cannot prove it holds this secret.
+    pub dhchap_ctrl_secret: Option<Secret>,
 }
 
 impl Default for Options {
@@ -75,6 +84,8 @@ impl Default for Options {
             queue_size: 128,
             disable_sq_flow: true,
             timeout: Duration::from_secs(30),
+            dhchap_secret: None,
+            dhchap_ctrl_secret: None,
         }
     }
 }
@@ -318,7 +329,70 @@ impl Queue {
         .encode();
         let (cqe, _) = self.exec(c.sqe(0), &data, 0)?;
         self.qid = qid;
+        if cqe.dw0 & auth::CONNECT_AUTHREQ_ATR != 0 {
+            self.authenticate(subnqn, o)?;
+        }
         Ok(cqe.dw0 as u16)
+    }
+
+    /// Run a DH-HMAC-CHAP transaction on this queue (after Connect asked for one).
+    pub fn authenticate(&mut self, subnqn: &str, o: &Options) -> Result<()> {
+        let Some(secret) = o.dhchap_secret.clone() else {
+            return Err(Error::Auth(format!(
+                "subsystem {subnqn} requires this host to authenticate (DH-HMAC-CHAP) and no \
+                 host secret was given (--dhchap-secret)"
+            )));
+        };
+        let mut h = HostAuth::new(secret, o.dhchap_ctrl_secret.clone(), &o.hostnqn, subnqn);
+        let tid = self.next_cid();
+        self.auth_send(&h.negotiate(tid))?;
+        let challenge = self.auth_receive()?;
+        let reply = match h.reply(&challenge) {
+            Ok(r) => r,
+            Err(e) => return self.auth_failed(e),
+        };
+        self.auth_send(&reply)?;
+        let success1 = self.auth_receive()?;
+        match h.success1(&success1) {
+            Ok(Some(success2)) => self.auth_send(&success2),
+            Ok(None) => Ok(()),
+            Err(e) => self.auth_failed(e),
+        }
+    }
+
+    fn auth_failed(&mut self, e: HostAuthError) -> Result<()> {
+        if let HostAuthError::Rejected {
+            failure2: Some(f), ..
+        } = &e
+        {
+            // Tell the controller why we end the transaction; the error that matters is ours.
+            let _ = self.auth_send(f);
+        }
+        Err(Error::Auth(e.to_string()))
+    }
+
+    /// Authentication Send of one DH-HMAC-CHAP message.
+    pub fn auth_send(&mut self, msg: &[u8]) -> Result<()> {
+        let sqe = Sqe {
+            opc: FABRICS,
+            nsid: FCTYPE_AUTH_SEND as u32,
+            cdw10: auth::auth_cdw10(),
+            cdw11: msg.len() as u32,
+            ..Sqe::default()
+        };
+        self.exec(sqe, msg, 0).map(|_| ())
+    }
+
+    /// Authentication Receive: the controller's next DH-HMAC-CHAP message.
+    pub fn auth_receive(&mut self) -> Result<Vec<u8>> {
+        let sqe = Sqe {
+            opc: FABRICS,
+            nsid: FCTYPE_AUTH_RECV as u32,
+            cdw10: auth::auth_cdw10(),
+            cdw11: auth::MAX_MESSAGE as u32,
+            ..Sqe::default()
+        };
+        self.exec(sqe, &[], auth::MAX_MESSAGE).map(|(_, d)| d)
     }
 }
 

@@ -8,9 +8,12 @@
 //! - [`target`]: subsystems (from a catalog the node implements), controllers shared by
 //!   their queues, the accept loop.
 //! - [`queue`]: one queue connection (admin or I/O), a reactor [`tessera_io::Task`].
+//! - [`auth`]: in-band authentication (DH-HMAC-CHAP): secrets, the primitives, the
+//!   messages, and the controller's and the host's ends of a transaction.
 //! - [`initiator`]: a blocking host for tools and tests, and the pipelined queue the perf
 //!   load generator drives.
 
+pub mod auth;
 pub mod initiator;
 pub mod nvme;
 pub mod pdu;

@@ -31,6 +31,8 @@ pub const IO_DSM: u8 = 0x09;
 pub const FCTYPE_PROPERTY_SET: u8 = 0x00;
 pub const FCTYPE_CONNECT: u8 = 0x01;
 pub const FCTYPE_PROPERTY_GET: u8 = 0x04;
+pub const FCTYPE_AUTH_SEND: u8 = 0x05;
+pub const FCTYPE_AUTH_RECV: u8 = 0x06;
 pub const FCTYPE_DISCONNECT: u8 = 0x08;
 
 /// Status field value: SCT in bits 10:8, SC in bits 7:0 (the CQE shifts it left by one,
@@ -58,6 +60,8 @@ pub const SC_INVALID_LOG_PAGE: Status = 0x0109;
 pub const SC_FEATURE_NOT_SAVEABLE: Status = 0x010D;
 pub const SC_CONNECT_INVALID_PARAM: Status = 0x0182;
 pub const SC_CONNECT_INVALID_HOST: Status = 0x0184;
+/// The queue must complete in-band authentication first.
+pub const SC_AUTH_REQUIRED: Status = 0x0191;
 /// Media errors (SCT 2).
 pub const SC_WRITE_FAULT: Status = 0x0280;
 pub const SC_READ_ERROR: Status = 0x0281;
@@ -232,6 +236,7 @@ pub fn status_text(s: Status) -> String {
         SC_FEATURE_NOT_SAVEABLE => "feature identifier not saveable",
         SC_CONNECT_INVALID_PARAM => "connect: invalid parameters",
         SC_CONNECT_INVALID_HOST => "connect: host not allowed",
+        SC_AUTH_REQUIRED => "authentication required",
         SC_WRITE_FAULT => "write fault",
         SC_READ_ERROR => "unrecovered read error",
         SC_COMPARE_FAILED => "compare failure",

@@ -21,6 +21,7 @@ use tessera_export::{Export, ExportTarget};
 use tessera_io::Mailbox;
 use tracing::warn;
 
+use crate::auth::HostKeys;
 use crate::nvme::{self, DiscoveryEntry, ErrorEntry};
 
 /// The well-known NQN of the discovery subsystem.
@@ -73,6 +74,8 @@ pub struct SubsystemInfo<T> {
     pub serial: String,
     pub allow_any_host: bool,
     pub hosts: Vec<String>,
+    /// Hosts that must authenticate (DH-HMAC-CHAP), with their keys.
+    pub auth: BTreeMap<String, Arc<HostKeys>>,
     pub namespaces: Vec<NamespaceEntry<T>>,
 }
 
@@ -83,6 +86,7 @@ impl<T> Clone for SubsystemInfo<T> {
             serial: self.serial.clone(),
             allow_any_host: self.allow_any_host,
             hosts: self.hosts.clone(),
+            auth: self.auth.clone(),
             namespaces: self.namespaces.clone(),
         }
     }
@@ -161,6 +165,7 @@ impl<T: ExportTarget> Target<T> {
         hostid: [u8; 16],
         kato_ms: u32,
     ) -> Option<Arc<Controller<T>>> {
+        let auth = sub.as_ref().and_then(|s| s.auth.get(hostnqn).cloned());
         let mut ctrls = self.ctrls();
         // CNTLIDs 1..=0xFFEF; skip ones in use (a long-lived node wraps around).
         let cntlid = {
@@ -183,6 +188,7 @@ impl<T: ExportTarget> Target<T> {
             hostnqn: hostnqn.to_string(),
             hostid,
             discovery: sub.is_none(),
+            auth,
             sub: RwLock::new(sub.map(Arc::new)),
             ns_gen: AtomicU64::new(0),
             ready: AtomicBool::new(false),
@@ -318,6 +324,9 @@ pub struct Controller<T> {
     pub hostnqn: String,
     pub hostid: [u8; 16],
     pub discovery: bool,
+    /// The host's keys when it must authenticate: every queue of this controller runs a
+    /// DH-HMAC-CHAP transaction after its Connect.
+    pub auth: Option<Arc<HostKeys>>,
     sub: RwLock<Option<Arc<SubsystemInfo<T>>>>,
     /// Bumped when the namespace list changes; I/O queues reopen their handles.
     pub ns_gen: AtomicU64,

@@ -424,7 +424,16 @@ pub struct ExportRecord {
     pub name: String,
     pub volume_id: u32,
     pub read_only: bool,
+    /// NBD TLS policy: `Some(true)` TLS-only, `Some(false)` TLS optional, `None` the
+    /// node's default.
+    pub tls_required: Option<bool>,
 }
+
+/// Export flags byte (format §3.2): bit 0 read-only, bits 1-2 the TLS policy.
+const EXPORT_READ_ONLY: u8 = 1;
+const EXPORT_TLS_OPTIONAL: u8 = 1 << 1;
+const EXPORT_TLS_REQUIRED: u8 = 2 << 1;
+const EXPORT_TLS_MASK: u8 = 3 << 1;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Catalog {
@@ -453,7 +462,13 @@ impl Catalog {
             v.extend_from_slice(&(e.name.len() as u16).to_le_bytes());
             v.extend_from_slice(e.name.as_bytes());
             v.extend_from_slice(&e.volume_id.to_le_bytes());
-            v.push(e.read_only as u8);
+            let tls = match e.tls_required {
+                None => 0,
+                Some(false) => EXPORT_TLS_OPTIONAL,
+                Some(true) => EXPORT_TLS_REQUIRED,
+            };
+            let read_only = if e.read_only { EXPORT_READ_ONLY } else { 0 };
+            v.push(read_only | tls);
         }
         if v.len() > CATALOG_MAX {
             return Err(Error::new(
@@ -504,11 +519,22 @@ impl Catalog {
             let len = r.u16()? as usize;
             let name = r.string(len)?;
             let volume_id = r.u32()?;
-            let read_only = r.u8()? & 1 != 0;
+            let flags = r.u8()?;
+            let tls_required = match flags & EXPORT_TLS_MASK {
+                0 => None,
+                EXPORT_TLS_OPTIONAL => Some(false),
+                EXPORT_TLS_REQUIRED => Some(true),
+                _ => {
+                    return Err(Error::corrupt(format!(
+                        "export {name}: TLS policy bits {flags:#04x} are not defined"
+                    )))
+                }
+            };
             exports.push(ExportRecord {
                 name,
                 volume_id,
-                read_only,
+                read_only: flags & EXPORT_READ_ONLY != 0,
+                tls_required,
             });
         }
         Ok(Catalog {
@@ -781,12 +807,39 @@ mod tests {
                 name: "e".into(),
                 volume_id: 1,
                 read_only: true,
+                tls_required: None,
             }],
         };
         let b = c.encode().unwrap();
         assert_eq!(Catalog::decode(&b).unwrap(), c);
         for cut in 0..b.len() {
             assert!(Catalog::decode(&b[..cut]).is_err());
+        }
+    }
+
+    #[test]
+    fn export_tls_policy_round_trips_in_the_flags_byte() {
+        for (read_only, tls, byte) in [
+            (true, None, 1u8),
+            (false, Some(false), 2),
+            (true, Some(true), 5),
+        ] {
+            let c = Catalog {
+                next_volume_id: 2,
+                volumes: Vec::new(),
+                exports: vec![ExportRecord {
+                    name: "e".into(),
+                    volume_id: 1,
+                    read_only,
+                    tls_required: tls,
+                }],
+            };
+            let mut b = c.encode().unwrap();
+            assert_eq!(*b.last().unwrap(), byte);
+            assert_eq!(Catalog::decode(&b).unwrap(), c);
+            // Bits 1-2 = 3 is not a policy: refused, not guessed.
+            *b.last_mut().unwrap() |= 6;
+            assert!(Catalog::decode(&b).is_err());
         }
     }
 

@@ -9,6 +9,7 @@
 //! - [`pool`]: allocation, commits, volume and export management.
 //! - [`volume`]: the thin map and the per-core volume datapath.
 
+pub mod devstats;
 pub mod error;
 pub mod format;
 pub mod layout;
@@ -19,11 +20,13 @@ pub mod pool;
 pub mod scrub;
 pub mod volume;
 
+pub use devstats::DeviceTotals;
 pub use error::{Error, ErrorKind, Result};
 pub use format::ExportRecord;
 pub use layout::{Layout, LayoutHandle, LayoutKind};
 pub use pool::{
-    uuid_string, validate_name, Pool, PoolOptions, PoolStatus, PoolTuning, DEFAULT_UNIT_SIZE,
+    human_bytes, uuid_string, validate_name, validate_overcommit, Pool, PoolOptions, PoolStatus,
+    PoolTuning, DEFAULT_OVERCOMMIT, DEFAULT_UNIT_SIZE,
 };
 pub use scrub::ScrubFindings;
 pub use volume::{IoClass, IoStats, StatsSnapshot, Volume, VolumeHandle, HOLE};

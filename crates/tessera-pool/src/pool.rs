@@ -23,6 +23,14 @@ use crate::volume::{UnitMap, Volume, HOLE};
 
 /// Default allocation unit; see docs/architecture.md for the reasoning.
 pub const DEFAULT_UNIT_SIZE: u64 = 1 << 20;
+/// Default overcommit ratio: the virtual size of a pool's volumes may reach this many
+/// times its capacity before `create_volume` / `resize_volume` refuse without `force`.
+/// 20x is the figure OpenStack Cinder (`max_over_subscription_ratio`) and LINSTOR
+/// (`MaxOversubscriptionRatio`) ship with: room for the usual thin provisioning (volumes
+/// mostly empty, sized for growth), while a size typo (`1P` for `1T` on a 4 TiB pool)
+/// is caught. The thin map's memory no longer depends on it (it follows allocated
+/// space), so the ratio is about promising space, not about the node's RAM.
+pub const DEFAULT_OVERCOMMIT: f64 = 20.0;
 /// Unflushed thin-map changes are committed at least this often.
 pub const COMMIT_INTERVAL: Duration = Duration::from_secs(5);
 /// Mirrored pools: how soon a device failure is recorded in the labels.
@@ -151,6 +159,9 @@ pub struct PoolCore {
     zero_wanted: Condvar,
     /// Wakes an allocator waiting for the unit the zeroer holds (`State::zeroing`).
     zero_done: Condvar,
+    /// The overcommit ratio (`f64` bits): volumes' virtual sizes may add up to this many
+    /// times the capacity. The node's setting, not stored in the pool.
+    overcommit: std::sync::atomic::AtomicU64,
 }
 
 pub struct Pool {
@@ -288,11 +299,10 @@ impl PoolCore {
     pub(crate) fn unmap_units(&self, vol: &Volume, first: u64, last: u64) {
         let mut s = self.lock();
         let map = vol.current_map();
-        for u in first..=last {
-            let p = map.get(u);
-            if p == HOLE {
-                continue;
-            }
+        // Only mapped units are visited: a discard of a huge sparse range skips the
+        // regions without a map leaf.
+        let mapped: Vec<(u64, u32)> = map.mapped_in(first, last + 1).collect();
+        for (u, p) in mapped {
             map.set(u, HOLE);
             s.owners[p as usize] = (OWNER_FREE, 0);
             s.pending_free.push(p);
@@ -302,6 +312,9 @@ impl PoolCore {
                 volume_unit: 0,
             });
             vol.allocated.fetch_sub(1, Relaxed);
+        }
+        if map.has_empty_leaf_in(first, last + 1) {
+            vol.compact_wanted.store(true, Relaxed);
         }
     }
 
@@ -383,6 +396,11 @@ impl PoolCore {
         let mut cur = self.journal();
         let (records, freed) = {
             let mut s = self.lock();
+            for v in s.volumes.values() {
+                if v.compact_wanted.swap(false, Relaxed) {
+                    v.compact_map();
+                }
+            }
             (
                 std::mem::take(&mut s.records),
                 std::mem::take(&mut s.pending_free),
@@ -537,10 +555,7 @@ fn zeroer_loop(core: Arc<PoolCore>) {
         }
         core.zero_done.notify_all();
         if let Err(e) = r {
-            eprintln!(
-                "tessera: pool {}: zeroing a free unit failed: {e}",
-                core.name
-            );
+            tracing::error!(pool = %core.name, error = %e, "zeroing a free unit failed");
             // Leave it to the allocator (which reports the error to its client) until
             // the next allocation asks again.
             wanted = false;
@@ -564,7 +579,7 @@ fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
                 let l = &core.layout;
                 if l.health.failed.load(Relaxed) != l.health.failed_durable.load(Relaxed) {
                     if let Err(e) = core.persist_device_state() {
-                        eprintln!("tessera: pool {}: {e}", core.name);
+                        tracing::error!(pool = %core.name, error = %e, "cannot record the device states");
                     }
                 }
                 if last.elapsed() < COMMIT_INTERVAL {
@@ -587,7 +602,7 @@ fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
         let res = match core.commit() {
             Ok(()) => 0,
             Err(e) => {
-                eprintln!("tessera: pool {}: commit failed: {e}", core.name);
+                tracing::error!(pool = %core.name, error = %e, "commit failed");
                 -libc::EIO
             }
         };
@@ -616,6 +631,10 @@ pub struct PoolStatus {
     pub metadata: u64,
     pub volumes: usize,
     pub volatile: bool,
+    /// Sum of the volumes' virtual sizes.
+    pub provisioned: u64,
+    /// The overcommit ratio: `provisioned` may reach this many times `capacity`.
+    pub overcommit: f64,
     /// "online", "degraded" (a device failed, every block still has a copy) or "failed".
     pub state: String,
     pub copies: u32,
@@ -824,7 +843,7 @@ impl Pool {
             match (l, &newest) {
                 (Ok(l), _) => labels.push(l),
                 (Err(e), Some(n)) if n.layout.is_redundant(n.copies) => {
-                    eprintln!("tessera: pool '{}': {e}; the device is failed", n.pool_name);
+                    tracing::warn!(pool = %n.pool_name, error = %e, "device label unreadable; the device is failed");
                     let mut l = n.clone();
                     l.index = i as u32;
                     missing.push(i);
@@ -875,7 +894,7 @@ impl Pool {
         // Devices recorded failed stay failed: they missed writes. So do missing ones.
         for i in 0..layout.devices.len() {
             if first.failed & (1 << i) != 0 {
-                layout.mark_failed(
+                layout.restore_failed(
                     i,
                     crate::layout::FailReason::from_byte(first.fail_reason[i])
                         .filter(|&r| r > crate::layout::FailReason::Missing)
@@ -888,7 +907,7 @@ impl Pool {
             .failed_durable
             .store(first.failed, std::sync::atomic::Ordering::Relaxed);
         for &i in missing {
-            layout.mark_failed(i, crate::layout::FailReason::Missing);
+            layout.restore_failed(i, crate::layout::FailReason::Missing);
         }
         if layout.has_lost_data() {
             return Err(Error::corrupt(format!(
@@ -953,6 +972,7 @@ impl Pool {
             dev_state: Mutex::new((state_gen, labels)),
             zero_wanted: Condvar::new(),
             zero_done: Condvar::new(),
+            overcommit: std::sync::atomic::AtomicU64::new(DEFAULT_OVERCOMMIT.to_bits()),
         });
         {
             let mut s = core.lock();
@@ -973,18 +993,19 @@ impl Pool {
                 );
             }
             let meta_units = core.meta.sb.meta_units as usize;
+            let maps: BTreeMap<u32, (&Arc<Volume>, Arc<UnitMap>)> = vols
+                .iter()
+                .map(|(&id, v)| (id, (v, v.current_map())))
+                .collect();
             let mut free = Vec::new();
             for (p, o) in owners.iter_mut().enumerate() {
                 if p < meta_units {
                     *o = (OWNER_META, 0);
                     continue;
                 }
-                match vols.get(&o.0) {
-                    Some(v)
-                        if (o.1 as u64) < v.current_map().len()
-                            && v.current_map().get(o.1 as u64) == HOLE =>
-                    {
-                        v.current_map().set(o.1 as u64, p as u32);
+                match maps.get(&o.0) {
+                    Some((v, map)) if (o.1 as u64) < map.len() && map.get(o.1 as u64) == HOLE => {
+                        map.set(o.1 as u64, p as u32);
                         v.allocated.fetch_add(1, Relaxed);
                     }
                     _ => {
@@ -995,6 +1016,7 @@ impl Pool {
                     }
                 }
             }
+            drop(maps);
             free.reverse();
             s.free = free;
             s.owners = owners;
@@ -1073,6 +1095,8 @@ impl Pool {
             metadata: sb.meta_units * unit,
             volumes: s.volumes.len(),
             volatile: l.is_volatile(),
+            provisioned: provisioned(&s),
+            overcommit: self.overcommit(),
         }
     }
 
@@ -1093,8 +1117,55 @@ impl Pool {
         self.core.lock().volumes.get(&id).cloned()
     }
 
+    /// The overcommit ratio in force (see [`DEFAULT_OVERCOMMIT`]).
+    pub fn overcommit(&self) -> f64 {
+        f64::from_bits(self.core.overcommit.load(Relaxed))
+    }
+
+    /// Set the overcommit ratio (the node keeps it in its registry). Volumes already
+    /// beyond a lowered ratio stay; only new volumes and growth are checked.
+    pub fn set_overcommit(&self, ratio: f64) -> Result<()> {
+        validate_overcommit(ratio)?;
+        self.core.overcommit.store(ratio.to_bits(), Relaxed);
+        Ok(())
+    }
+
+    /// Refuse to bring the volumes' virtual sizes, now `provisioned`, to `provisioned +
+    /// more` if that exceeds the overcommit ratio, unless `force`.
+    fn check_overcommit(&self, s: &State, what: &str, more: u64, force: bool) -> Result<()> {
+        let ratio = self.overcommit();
+        let sb = &self.core.meta.sb;
+        let capacity = (sb.total_units - sb.meta_units) * self.core.unit_size();
+        let total = provisioned(s).saturating_add(more);
+        let limit = ratio * capacity as f64;
+        if force || total as f64 <= limit {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::NoSpace,
+            format!(
+                "{what} would bring the volumes of pool '{}' to {} ({total} bytes) on {} of \
+                 capacity ({capacity} bytes), {:.1}x; the pool allows {ratio}x ({}); use \
+                 --force (API: \"force\": true) to overcommit anyway, or raise the ratio \
+                 (`pool update {} --overcommit N`)",
+                self.core.name,
+                human_bytes(total),
+                human_bytes(capacity),
+                total as f64 / capacity.max(1) as f64,
+                human_bytes(limit.min(u64::MAX as f64) as u64),
+                self.core.name,
+            ),
+        ))
+    }
+
     /// Create a thin volume of `size` bytes (a multiple of 512). No space is taken yet.
+    /// Refused beyond the pool's overcommit ratio.
     pub fn create_volume(&self, name: &str, size: u64) -> Result<Arc<Volume>> {
+        self.create_volume_opts(name, size, false)
+    }
+
+    /// [`Pool::create_volume`]; `force` creates it beyond the overcommit ratio.
+    pub fn create_volume_opts(&self, name: &str, size: u64, force: bool) -> Result<Arc<Volume>> {
         validate_name("volume", name)?;
         validate_volume_size(size, self.core.unit_size())?;
         let vol = {
@@ -1105,6 +1176,12 @@ impl Pool {
                     format!("volume '{name}' already exists"),
                 ));
             }
+            self.check_overcommit(
+                &s,
+                &format!("volume '{name}' of {}", human_bytes(size)),
+                size,
+                force,
+            )?;
             let id = s.next_volume_id;
             s.next_volume_id += 1;
             let vol = Volume::new(
@@ -1126,8 +1203,14 @@ impl Pool {
         Ok(vol)
     }
 
-    /// Grow a volume. Shrinking is refused: it would silently drop data.
+    /// Grow a volume. Shrinking is refused: it would silently drop data. Growing beyond
+    /// the pool's overcommit ratio is refused.
     pub fn resize_volume(&self, vol: &Arc<Volume>, new_size: u64) -> Result<()> {
+        self.resize_volume_opts(vol, new_size, false)
+    }
+
+    /// [`Pool::resize_volume`]; `force` grows it beyond the overcommit ratio.
+    pub fn resize_volume_opts(&self, vol: &Arc<Volume>, new_size: u64, force: bool) -> Result<()> {
         validate_volume_size(new_size, self.core.unit_size())?;
         let old = vol.size();
         if new_size < old {
@@ -1140,7 +1223,13 @@ impl Pool {
             return Ok(());
         }
         {
-            let _s = self.core.lock();
+            let s = self.core.lock();
+            self.check_overcommit(
+                &s,
+                &format!("growing volume '{}' to {}", vol.name, human_bytes(new_size)),
+                new_size - old,
+                force,
+            )?;
             vol.grow(new_size, new_size.div_ceil(self.core.unit_size()));
         }
         self.core.checkpoint()
@@ -1168,13 +1257,11 @@ impl Pool {
             }
             vol.mark_deleted();
             let map = vol.current_map();
-            for u in 0..map.len() {
-                let p = map.get(u);
-                if p != HOLE {
-                    map.set(u, HOLE);
-                    s.owners[p as usize] = (OWNER_FREE, 0);
-                    s.pending_free.push(p);
-                }
+            let mapped: Vec<(u64, u32)> = map.mapped_in(0, map.len()).collect();
+            for (u, p) in mapped {
+                map.set(u, HOLE);
+                s.owners[p as usize] = (OWNER_FREE, 0);
+                s.pending_free.push(p);
             }
             vol.allocated.store(0, Release);
             s.volumes.remove(&vol.id);
@@ -1415,6 +1502,36 @@ pub fn validate_name(what: &str, name: &str) -> Result<()> {
     } else {
         Err(Error::invalid(format!("bad {what} name '{name}': use 1-64 characters from A-Z a-z 0-9 - _ . (not starting with '.')")))
     }
+}
+
+/// Sum of the virtual sizes of the pool's volumes.
+fn provisioned(s: &State) -> u64 {
+    s.volumes.values().map(|v| v.size()).sum()
+}
+
+pub fn validate_overcommit(ratio: f64) -> Result<()> {
+    if ratio.is_finite() && ratio > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "overcommit ratio {ratio} must be a number above 0 (e.g. 1 for none, 20)"
+        )))
+    }
+}
+
+/// Bytes in binary units for messages ("4.0 GiB"; exact below 1 KiB).
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if b < 1024 {
+        return format!("{b} B");
+    }
+    let mut v = b as f64 / 1024.0;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    format!("{v:.1} {}", UNITS[i])
 }
 
 fn validate_volume_size(size: u64, unit: u64) -> Result<()> {

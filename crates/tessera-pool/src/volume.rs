@@ -1,16 +1,22 @@
 //! Thin volumes: a map from volume units to pool units, filled on first write.
 //!
-//! The map is an array of atomics read without a lock on every I/O. It changes only on
-//! allocation, release and resize, which take the pool lock; readers on other cores see
-//! a new mapping after it was published (Release/Acquire), and a unit is zeroed before it
-//! is published, so no reader ever sees another volume's old data.
+//! The map ([`UnitMap`]) is two levels: a top-level array of pointers, one per
+//! `LEAF_UNITS` volume units, and leaves of `AtomicU32` entries allocated when the first
+//! unit under them gets space. Holes read as holes without a leaf, so a 1 PiB volume with
+//! 1 GiB written costs its top-level array (8 bytes per 4 GiB of virtual size at 1 MiB
+//! units: 2 MiB) and one 16 KiB leaf per 4 GiB region written, not 4 bytes per virtual
+//! unit. Readers load the leaf pointer and the entry (two plain atomic loads, no lock,
+//! no allocation) on every I/O. The map changes only on allocation, release and resize,
+//! which take the pool lock; readers on other cores see a new mapping after it was
+//! published (Release/Acquire), and a unit is zeroed before it is published, so no reader
+//! ever sees another volume's old data.
 
 // Not yet audited for the workspace lint (9 casts, mostly u64 lengths and offsets to
 // usize on this 64-bit-only code): remove this line and fix or justify each one.
 #![allow(clippy::cast_possible_truncation)]
 
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, RwLock};
 
 use tessera_export::{ExportHandle, ExportTarget, StatsRegistry};
@@ -23,30 +29,234 @@ use crate::pool::PoolCore;
 /// Map entry of a unit that has no space yet: it reads as zeros.
 pub const HOLE: u32 = u32::MAX;
 
+/// Volume units per leaf: 4096 entries (16 KiB) cover 4 GiB at the default 1 MiB unit.
+/// Smaller leaves waste less on scattered writes but make the top-level array larger
+/// (8 bytes per leaf of virtual size, allocated or not); at 4096 a volume at the largest
+/// unit count the records can name (2^32 units) has an 8 MiB top level, and 1 PiB at
+/// 1 MiB units 2 MiB.
+const LEAF_BITS: u32 = 12;
+pub const LEAF_UNITS: u64 = 1 << LEAF_BITS;
+const LEAF_MASK: u64 = LEAF_UNITS - 1;
+
+/// One page of the map. Reference counted (the top-level slots hold `Arc` pointers): a
+/// map rebuilt for a resize or a compaction shares the leaves of the one it replaces, and
+/// handles still reading the old map keep its leaves alive until they drop it.
+///
+/// Snapshots and clones can build on the same sharing: a snapshot's map takes a
+/// reference to each of the origin's leaves; a leaf whose count is above one is then
+/// read-only, and a write into it first copies it and publishes the copy by installing a
+/// new top-level array in the writer's map (as [`UnitMap::grown`] and
+/// [`UnitMap::compacted`] do), so readers of the old array never see a leaf freed under
+/// them.
+struct Leaf {
+    entries: [AtomicU32; LEAF_UNITS as usize],
+    /// Entries that are not holes: a leaf that drops to 0 is left out at the next
+    /// compaction. Changed only under the pool lock.
+    mapped: AtomicU32,
+}
+
+impl Leaf {
+    fn new_empty() -> Arc<Leaf> {
+        Arc::new(Leaf {
+            entries: [const { AtomicU32::new(HOLE) }; LEAF_UNITS as usize],
+            mapped: AtomicU32::new(0),
+        })
+    }
+}
+
 pub struct UnitMap {
-    entries: Box<[AtomicU32]>,
+    units: u64,
+    /// Null, or a pointer from `Arc::into_raw(Arc<Leaf>)` this map holds a reference to.
+    /// A slot of a published map only ever goes from null to a leaf (by compare and
+    /// swap); leaves leave a map only when the map is replaced.
+    leaves: Box<[AtomicPtr<Leaf>]>,
+}
+
+impl Drop for UnitMap {
+    fn drop(&mut self) {
+        for slot in self.leaves.iter_mut() {
+            let p = *slot.get_mut();
+            if !p.is_null() {
+                // SAFETY: a non-null slot holds one reference from `Arc::into_raw`,
+                // released exactly once, here.
+                drop(unsafe { Arc::from_raw(p) });
+            }
+        }
+    }
 }
 
 impl UnitMap {
     pub fn new(units: u64) -> Arc<UnitMap> {
         Arc::new(UnitMap {
-            entries: (0..units).map(|_| AtomicU32::new(HOLE)).collect(),
+            units,
+            leaves: (0..units.div_ceil(LEAF_UNITS))
+                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+                .collect(),
         })
     }
+
+    /// A map of `units` units holding `old`'s leaves (shared: a later change through
+    /// either map is seen by both). Called under the pool lock.
+    fn with_leaves(old: &UnitMap, units: u64, keep: impl Fn(&Leaf) -> bool) -> Arc<UnitMap> {
+        let new = UnitMap::new(units);
+        for (i, slot) in old.leaves.iter().enumerate().take(new.leaves.len()) {
+            let p = slot.load(Acquire);
+            // SAFETY: non-null slots point at a live leaf `old` holds a reference to.
+            if !p.is_null() && keep(unsafe { &*p }) {
+                // SAFETY: as above; the new map takes its own reference.
+                unsafe { Arc::increment_strong_count(p) };
+                new.leaves[i].store(p, Release);
+            }
+        }
+        new
+    }
+
+    /// `old` grown to `units` units, sharing its leaves.
+    pub(crate) fn grown(old: &UnitMap, units: u64) -> Arc<UnitMap> {
+        Self::with_leaves(old, units.max(old.units), |_| true)
+    }
+
+    /// `old` without its leaves that map nothing any more (after a release).
+    pub(crate) fn compacted(old: &UnitMap) -> Arc<UnitMap> {
+        Self::with_leaves(old, old.units, |l| l.mapped.load(Relaxed) != 0)
+    }
+
+    #[inline]
+    fn leaf(&self, index: usize) -> Option<&Leaf> {
+        let p = self.leaves.get(index)?.load(Acquire);
+        // SAFETY: non-null slots point at a leaf this map holds a reference to for as
+        // long as it lives, and a slot of a live map is never cleared.
+        (!p.is_null()).then(|| unsafe { &*p })
+    }
+
     #[inline]
     pub fn get(&self, unit: u64) -> u32 {
-        self.entries
-            .get(unit as usize)
-            .map_or(HOLE, |e| e.load(Acquire))
+        match self.leaf((unit >> LEAF_BITS) as usize) {
+            Some(leaf) => leaf.entries[(unit & LEAF_MASK) as usize].load(Acquire),
+            None => HOLE,
+        }
     }
+
+    /// Map `unit` to pool unit `p` (or [`HOLE`]). Called under the pool lock; a leaf is
+    /// installed by compare and swap, so readers never wait for it.
     pub(crate) fn set(&self, unit: u64, p: u32) {
-        self.entries[unit as usize].store(p, Release);
+        assert!(
+            unit < self.units,
+            "unit {unit} beyond a map of {}",
+            self.units
+        );
+        let index = (unit >> LEAF_BITS) as usize;
+        let leaf = match self.leaf(index) {
+            Some(leaf) => leaf,
+            None if p == HOLE => return,
+            None => {
+                let fresh = Arc::into_raw(Leaf::new_empty()).cast_mut();
+                match self.leaves[index].compare_exchange(
+                    std::ptr::null_mut(),
+                    fresh,
+                    AcqRel,
+                    Acquire,
+                ) {
+                    // SAFETY: installed: the map now holds the reference `fresh` carries.
+                    Ok(_) => unsafe { &*fresh },
+                    Err(winner) => {
+                        // SAFETY: `fresh` was never published; its one reference is ours.
+                        drop(unsafe { Arc::from_raw(fresh) });
+                        // SAFETY: `winner` is a leaf the map holds a reference to.
+                        unsafe { &*winner }
+                    }
+                }
+            }
+        };
+        let old = leaf.entries[(unit & LEAF_MASK) as usize].swap(p, AcqRel);
+        match (old == HOLE, p == HOLE) {
+            (true, false) => {
+                leaf.mapped.fetch_add(1, Relaxed);
+            }
+            (false, true) => {
+                leaf.mapped.fetch_sub(1, Relaxed);
+            }
+            _ => {}
+        }
     }
+
     pub fn len(&self) -> u64 {
-        self.entries.len() as u64
+        self.units
     }
+
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.units == 0
+    }
+
+    /// Whether unit `from` is mapped, and the first unit in `(from, to)` whose state
+    /// differs (`to` when none does; units beyond the map are holes). Regions without a leaf are skipped whole, so a run
+    /// of holes across a huge sparse volume costs one step per leaf slot, not per unit.
+    pub fn run_from(&self, from: u64, to: u64) -> (bool, u64) {
+        if from >= to {
+            return (false, to);
+        }
+        let mapped = self.get(from) != HOLE;
+        let mut u = from;
+        while u < to {
+            let index = (u >> LEAF_BITS) as usize;
+            let leaf_end = ((index as u64 + 1) << LEAF_BITS).min(to);
+            match self.leaf(index).filter(|l| l.mapped.load(Relaxed) != 0) {
+                None if mapped => return (true, u),
+                None => u = leaf_end,
+                Some(leaf) => {
+                    while u < leaf_end {
+                        let e = leaf.entries[(u & LEAF_MASK) as usize].load(Acquire);
+                        if (e != HOLE) != mapped {
+                            return (mapped, u);
+                        }
+                        u += 1;
+                    }
+                }
+            }
+        }
+        (mapped, to)
+    }
+
+    /// Every mapped unit in `[first, end)` as (volume unit, pool unit), in volume order,
+    /// skipping leaves that map nothing.
+    pub fn mapped_in(&self, first: u64, end: u64) -> impl Iterator<Item = (u64, u32)> + '_ {
+        let end = end.min(self.units);
+        // Leaf indexes, end exclusive (empty when the range is).
+        let leaves = if first < end {
+            (first >> LEAF_BITS) as usize..((end - 1) >> LEAF_BITS) as usize + 1
+        } else {
+            0..0
+        };
+        leaves
+            .filter_map(|i| self.leaf(i).map(|l| (i, l)))
+            .filter(|(_, l)| l.mapped.load(Relaxed) != 0)
+            .flat_map(move |(i, l)| {
+                let base = (i as u64) << LEAF_BITS;
+                let from = first.max(base) - base;
+                let to = end.min(base + LEAF_UNITS) - base;
+                (from..to).filter_map(move |j| {
+                    let p = l.entries[j as usize].load(Acquire);
+                    (p != HOLE).then_some((base + j, p))
+                })
+            })
+    }
+
+    /// Whether a leaf under `[first, end)` maps nothing any more (a compaction would
+    /// drop it).
+    pub(crate) fn has_empty_leaf_in(&self, first: u64, end: u64) -> bool {
+        let end = end.min(self.units);
+        first < end
+            && ((first >> LEAF_BITS)..=((end - 1) >> LEAF_BITS)).any(|i| {
+                self.leaf(i as usize)
+                    .is_some_and(|l| l.mapped.load(Relaxed) == 0)
+            })
+    }
+
+    /// Leaves allocated (memory: 16 KiB each).
+    pub fn leaves(&self) -> usize {
+        (0..self.leaves.len())
+            .filter(|&i| self.leaf(i).is_some())
+            .count()
     }
 }
 
@@ -59,6 +269,9 @@ pub struct Volume {
     /// Bumped whenever `map` is replaced (resize), so handles know to reload it.
     map_gen: AtomicU64,
     pub(crate) allocated: AtomicU64,
+    /// A release left a map leaf empty: the commit thread compacts the map (not the
+    /// reactor that released it: a compaction copies the top-level array).
+    pub(crate) compact_wanted: AtomicBool,
     open_handles: AtomicUsize,
     deleted: AtomicBool,
     stats: StatsRegistry,
@@ -88,6 +301,7 @@ impl Volume {
             map: RwLock::new(map),
             map_gen: AtomicU64::new(0),
             allocated: AtomicU64::new(0),
+            compact_wanted: AtomicBool::new(false),
             open_handles: AtomicUsize::new(0),
             deleted: AtomicBool::new(false),
             stats: StatsRegistry::default(),
@@ -141,40 +355,57 @@ impl Volume {
         self.map.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Publish `new` as the volume's map: handles pick it up at their next request and
+    /// drop the old one (and the leaves only it holds) then. Called under the pool lock.
+    fn replace_map(&self, new: Arc<UnitMap>) {
+        *self.map.write().unwrap_or_else(|e| e.into_inner()) = new;
+        self.map_gen.fetch_add(1, Release);
+    }
+
     /// Called under the pool lock, so no allocation races the copy.
     pub(crate) fn grow(&self, new_size: u64, units: u64) {
         let old = self.current_map();
-        let new = UnitMap::new(units);
-        for u in 0..old.len() {
-            new.entries[u as usize].store(old.get(u), Relaxed);
-        }
-        *self.map.write().unwrap_or_else(|e| e.into_inner()) = new;
-        self.map_gen.fetch_add(1, Release);
+        self.replace_map(UnitMap::grown(&old, units));
         self.size.store(new_size, Release);
+    }
+
+    /// Drop the leaves that map nothing any more, so a volume's map memory follows its
+    /// allocated space after a trim too. Called under the pool lock, by the commit thread
+    /// after a release asked for it (`compact_wanted`).
+    pub(crate) fn compact_map(&self) {
+        let map = self.current_map();
+        if map.has_empty_leaf_in(0, map.len()) {
+            self.replace_map(UnitMap::compacted(&map));
+        }
+    }
+
+    /// Leaves of the thin map in memory (16 KiB each, plus 8 bytes of top-level array
+    /// per `LEAF_UNITS` units of virtual size).
+    pub fn map_leaves(&self) -> usize {
+        self.current_map().leaves()
     }
 
     /// Whether `[offset, offset+len)` is allocated, as runs of (length, allocated).
     /// Lengths are clipped to the range; adjacent runs with the same state are merged.
+    /// Regions without a map leaf are skipped whole: a huge sparse range costs one step
+    /// per 4096 units.
     pub fn allocation_runs(&self, offset: u64, len: u64, max_runs: usize) -> Vec<(u64, bool)> {
         let map = self.current_map();
         let shift = self.pool.unit_shift;
         let end = offset.saturating_add(len).min(self.size());
         let mut runs: Vec<(u64, bool)> = Vec::new();
         let mut at = offset;
-        while at < end {
-            let u = at >> shift;
-            let seg_end = ((u + 1) << shift).min(end);
-            let alloc = map.get(u) != HOLE;
-            match runs.last_mut() {
-                Some((l, a)) if *a == alloc => *l += seg_end - at,
-                _ => {
-                    if runs.len() == max_runs {
-                        break;
-                    }
-                    runs.push((seg_end - at, alloc));
-                }
-            }
-            at = seg_end;
+        while at < end && runs.len() < max_runs {
+            let last = (end - 1) >> shift;
+            let (alloc, next_unit) = map.run_from(at >> shift, last + 1);
+            // `next_unit` is past `at`'s unit, so every run moves forward.
+            let run_end = if next_unit > last {
+                end
+            } else {
+                next_unit << shift
+            };
+            runs.push((run_end - at, alloc));
+            at = run_end;
         }
         runs
     }
@@ -474,7 +705,237 @@ mod tests {
     use tessera_device::{BlockDevice, RamDevice};
     use tessera_qos::QosLimits;
 
+    use super::{UnitMap, HOLE, LEAF_UNITS};
     use crate::{Pool, PoolOptions};
+
+    /// Volumes may add up to the overcommit ratio times the capacity; beyond, creation
+    /// and growth are refused with the figures, unless forced.
+    #[test]
+    fn overcommit_ratio_is_enforced_unless_forced() {
+        let dev: Arc<dyn BlockDevice> = RamDevice::new(64 << 20).unwrap();
+        let pool = Pool::create("p", vec![dev], PoolOptions::default()).unwrap();
+        let cap = pool.status().capacity;
+        assert_eq!(pool.overcommit(), crate::DEFAULT_OVERCOMMIT);
+        pool.create_volume("a", 12 * cap).unwrap();
+        let Err(e) = pool.create_volume("b", 9 * cap) else {
+            panic!("a volume beyond the ratio was created")
+        };
+        assert_eq!(e.kind, crate::ErrorKind::NoSpace);
+        assert!(
+            e.message.contains("20x") && e.message.contains("--force"),
+            "{e}"
+        );
+        assert!(e.message.contains(&format!("{} bytes", 21 * cap)), "{e}");
+        assert!(pool.volume("b").is_none());
+        pool.create_volume("b", 8 * cap).unwrap();
+        let b = pool.volume("b").unwrap();
+        assert_eq!(
+            pool.resize_volume(&b, 8 * cap + (1 << 20))
+                .unwrap_err()
+                .kind,
+            crate::ErrorKind::NoSpace
+        );
+        assert_eq!(b.size(), 8 * cap);
+        pool.resize_volume_opts(&b, 9 * cap, true).unwrap();
+        assert_eq!(b.size(), 9 * cap);
+        pool.create_volume_opts("c", 1 << 50, true).unwrap();
+        assert_eq!(pool.status().provisioned, 21 * cap + (1 << 50));
+        assert!(pool.set_overcommit(0.0).is_err());
+        assert!(pool.set_overcommit(f64::NAN).is_err());
+        pool.set_overcommit(1e9).unwrap();
+        pool.create_volume("d", 1 << 40).unwrap();
+        pool.set_overcommit(1.0).unwrap();
+        assert_eq!(pool.status().overcommit, 1.0);
+        assert!(pool.create_volume("e", 512).is_err());
+    }
+
+    /// 1 PiB of 1 MiB units.
+    const PIB_UNITS: u64 = 1 << 30;
+
+    #[test]
+    fn sparse_map_reads_holes_without_leaves() {
+        let map = UnitMap::new(PIB_UNITS);
+        assert_eq!(map.len(), PIB_UNITS);
+        assert_eq!(map.leaves(), 0);
+        for u in [
+            0,
+            1,
+            LEAF_UNITS,
+            PIB_UNITS / 2,
+            PIB_UNITS - 1,
+            PIB_UNITS + 7,
+        ] {
+            assert_eq!(map.get(u), HOLE);
+        }
+        // Clearing a hole allocates nothing.
+        map.set(12345, HOLE);
+        assert_eq!(map.leaves(), 0);
+        map.set(PIB_UNITS / 2, 42);
+        map.set(PIB_UNITS - 1, 43);
+        assert_eq!(map.leaves(), 2);
+        assert_eq!(map.get(PIB_UNITS / 2), 42);
+        assert_eq!(map.get(PIB_UNITS / 2 - 1), HOLE);
+        assert_eq!(map.get(PIB_UNITS / 2 + 1), HOLE);
+        assert_eq!(map.get(PIB_UNITS - 1), 43);
+        assert_eq!(
+            map.mapped_in(0, PIB_UNITS).collect::<Vec<_>>(),
+            vec![(PIB_UNITS / 2, 42), (PIB_UNITS - 1, 43)]
+        );
+        assert_eq!(map.mapped_in(0, PIB_UNITS / 2).count(), 0);
+        assert_eq!(
+            map.mapped_in(PIB_UNITS / 2, PIB_UNITS / 2 + 1)
+                .collect::<Vec<_>>(),
+            vec![(PIB_UNITS / 2, 42)]
+        );
+    }
+
+    #[test]
+    fn runs_skip_missing_leaves() {
+        let map = UnitMap::new(PIB_UNITS);
+        for u in [5, 6, PIB_UNITS / 2] {
+            map.set(u, u as u32);
+        }
+        let t = std::time::Instant::now();
+        assert_eq!(map.run_from(0, PIB_UNITS), (false, 5));
+        assert_eq!(map.run_from(5, PIB_UNITS), (true, 7));
+        assert_eq!(map.run_from(7, PIB_UNITS), (false, PIB_UNITS / 2));
+        assert_eq!(
+            map.run_from(PIB_UNITS / 2, PIB_UNITS),
+            (true, PIB_UNITS / 2 + 1)
+        );
+        assert_eq!(
+            map.run_from(PIB_UNITS / 2 + 1, PIB_UNITS),
+            (false, PIB_UNITS)
+        );
+        assert_eq!(map.run_from(3, 5), (false, 5));
+        // A leaf that was used and emptied again is a hole too.
+        map.set(PIB_UNITS / 2, HOLE);
+        assert_eq!(map.run_from(7, PIB_UNITS), (false, PIB_UNITS));
+        // A walk per unit would take seconds; one per leaf slot takes microseconds.
+        assert!(t.elapsed() < std::time::Duration::from_millis(500));
+    }
+
+    #[test]
+    fn grown_and_compacted_maps_share_leaves() {
+        let old = UnitMap::new(3 * LEAF_UNITS);
+        old.set(1, 10);
+        old.set(LEAF_UNITS + 1, 11);
+        let grown = UnitMap::grown(&old, 10 * LEAF_UNITS);
+        assert_eq!(grown.len(), 10 * LEAF_UNITS);
+        assert_eq!((grown.get(1), grown.get(LEAF_UNITS + 1)), (10, 11));
+        // Shared: a change through the new map is seen through the old one (handles
+        // still reading it until their next request).
+        grown.set(2, 12);
+        assert_eq!(old.get(2), 12);
+        grown.set(LEAF_UNITS + 1, HOLE);
+        assert!(grown.has_empty_leaf_in(0, grown.len()));
+        let compacted = UnitMap::compacted(&grown);
+        assert_eq!(compacted.leaves(), 1);
+        assert_eq!((compacted.get(1), compacted.get(2)), (10, 12));
+        drop(grown);
+        drop(compacted);
+        // The old map still owns its leaves.
+        assert_eq!(
+            (old.get(1), old.get(2), old.get(LEAF_UNITS + 1)),
+            (10, 12, HOLE)
+        );
+    }
+
+    /// Readers on other threads, loading without a lock while leaves are installed and
+    /// the map is compacted and replaced: every load is a hole or the unit's mapping,
+    /// and once seen mapped a unit stays mapped.
+    #[test]
+    fn concurrent_readers_during_leaf_installs() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::RwLock;
+        let units = 64 * LEAF_UNITS;
+        let current = Arc::new(RwLock::new(UnitMap::new(units)));
+        let done = Arc::new(AtomicBool::new(false));
+        let mapping = |u: u64| (u * 7 % 1_000_003) as u32;
+        let readers: Vec<_> = (0..3)
+            .map(|r| {
+                let (current, done) = (current.clone(), done.clone());
+                std::thread::spawn(move || {
+                    let mut seen = vec![false; units as usize];
+                    let mut loads = 0u64;
+                    while !done.load(Ordering::Acquire) {
+                        let map = current.read().unwrap().clone();
+                        for i in 0..4096 {
+                            let u = (i * 131 + r * 17 + loads) % units;
+                            let p = map.get(u);
+                            if p == HOLE {
+                                assert!(!seen[u as usize], "unit {u} went back to a hole");
+                            } else {
+                                assert_eq!(p, mapping(u), "unit {u}");
+                                seen[u as usize] = true;
+                            }
+                        }
+                        loads += 1;
+                    }
+                    seen.iter().filter(|&&s| s).count()
+                })
+            })
+            .collect();
+        // The writer: one unit per leaf first (every leaf installed under the readers),
+        // then the rest; empty leaves appear and are compacted away between.
+        for u in (0..units).step_by(LEAF_UNITS as usize).chain(0..units) {
+            let map = current.read().unwrap().clone();
+            if map.get(u) == HOLE {
+                map.set(u, mapping(u));
+            }
+            if u % 1024 == 0 {
+                let compacted = UnitMap::compacted(&map);
+                *current.write().unwrap() = compacted;
+            }
+        }
+        done.store(true, Ordering::Release);
+        for r in readers {
+            assert!(r.join().unwrap() > 0);
+        }
+        let map = current.read().unwrap().clone();
+        assert_eq!(map.leaves(), 64);
+        assert!((0..units).all(|u| map.get(u) == mapping(u)));
+    }
+
+    /// A 1 PiB volume on a small pool: block status over the whole volume reports the
+    /// few written units, without walking a billion entries.
+    #[test]
+    fn allocation_runs_of_a_huge_sparse_volume() {
+        let dev: Arc<dyn BlockDevice> = RamDevice::new(64 << 20).unwrap();
+        let pool = Pool::create("p", vec![dev], PoolOptions::default()).unwrap();
+        let vol = pool.create_volume_opts("v", 1 << 50, true).unwrap();
+        let unit = 1u64 << 20;
+        for u in [0u64, 1, 1 << 29] {
+            pool.core.allocate(&vol, u, true).unwrap();
+        }
+        assert_eq!(vol.map_leaves(), 2);
+        let t = std::time::Instant::now();
+        assert_eq!(
+            vol.allocation_runs(0, 1 << 50, 16),
+            vec![
+                (2 * unit, true),
+                (((1 << 29) - 2) * unit, false),
+                (unit, true),
+                ((1 << 50) - ((1 << 29) + 1) * unit, false),
+            ]
+        );
+        // Clipped to the range, partial units included.
+        assert_eq!(
+            vol.allocation_runs(2 * unit - 512, 4096, 16),
+            vec![(512, true), (4096 - 512, false)]
+        );
+        assert_eq!(vol.allocation_runs(0, 1 << 50, 1), vec![(2 * unit, true)]);
+        assert!(t.elapsed() < std::time::Duration::from_millis(500));
+        // Trim gives the leaf back at the next commit.
+        pool.core.unmap_units(&vol, 1 << 29, 1 << 29);
+        assert_eq!(vol.map_leaves(), 2);
+        pool.commit().unwrap();
+        assert_eq!(vol.map_leaves(), 1);
+        assert_eq!(
+            vol.allocation_runs(0, 1 << 50, 16),
+            vec![(2 * unit, true), ((1 << 50) - 2 * unit, false)]
+        );
+    }
 
     /// QoS limits in pool metadata (written before QoS moved to the node's catalog) are
     /// read back, and written back by checkpoints, until the node has taken them.

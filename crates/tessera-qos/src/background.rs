@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 pub const FEEDBACK_TICK: Duration = Duration::from_millis(100);
 
 /// A background class's settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BackgroundLimits {
     /// Maximum bandwidth, bytes per second.

@@ -34,7 +34,7 @@ pub const MAX_ONE_TIME_BURST_MS: u64 = 3_600_000;
 /// The encoding is `1 + 8 * popcount(mask)` bytes long (1 byte for unlimited
 /// limits). All eight bits are assigned, so there are no reserved bits.
 /// Decoding does not validate the values (see [`QosLimits::validate`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct QosLimits {
     pub iops: Option<u64>,
     pub read_iops: Option<u64>,

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::QosLimits;
 
 /// The ladder's shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct StepBurst {
     /// Each step adds this percentage of the base rates.
     pub step_pct: u32,

@@ -2,27 +2,52 @@
 
 use std::sync::Arc;
 
-use tessera_api::BackgroundLimits;
-use tessera_http::{Request, Response};
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::routing::{get, put};
+use axum::Router;
+use tessera_api::{BackgroundLimits, ErrorReply};
+use tessera_http::Response;
 
-use super::{body, no_route, reply};
+use super::{body, reply, with_node, NodeState};
 use crate::node::Node;
 
-/// `rest`: the path after `/v1/background`.
-pub fn handle(node: &Arc<Node>, req: &Request, rest: &[&str]) -> Response {
-    match (req.method.as_str(), rest) {
-        ("GET", []) => Response::json(200, &node.background.list()),
-        ("PUT", [class]) => {
-            match body::<BackgroundLimits>(
-                req,
-                "background limits",
-                "bps, latency_target_us, min_pct",
-            ) {
-                Ok(l) => reply(node.background.put(class, Some(l)), 200),
-                Err(r) => r,
-            }
-        }
-        ("DELETE", [class]) => reply(node.background.put(class, None), 200),
-        _ => no_route(req),
+pub fn routes() -> Router<Arc<Node>> {
+    Router::new()
+        .route("/v1/background", get(list))
+        .route("/v1/background/{class}", put(put_limits).delete(reset))
+}
+
+#[utoipa::path(get, path = "/v1/background", tag = "background",
+    responses((status = 200, description = "Every class's limits, by class name",
+        body = std::collections::BTreeMap<String, BackgroundLimits>)))]
+pub async fn list(State(node): NodeState) -> Response {
+    with_node(node, |n| Response::json(200, &n.background.list())).await
+}
+
+#[utoipa::path(put, path = "/v1/background/{class}", tag = "background",
+    params(("class" = String, Path, description = "scrub, rebuild or resync")),
+    request_body = BackgroundLimits,
+    responses((status = 200, body = BackgroundLimits), (status = "4XX", body = ErrorReply)))]
+pub async fn put_limits(
+    State(node): NodeState,
+    Path(class): Path<String>,
+    bytes: Bytes,
+) -> Response {
+    match body::<BackgroundLimits>(
+        &bytes,
+        "background limits",
+        "bps, latency_target_us, min_pct",
+    ) {
+        Ok(l) => with_node(node, move |n| reply(n.background.put(&class, Some(l)), 200)).await,
+        Err(r) => r,
     }
+}
+
+#[utoipa::path(delete, path = "/v1/background/{class}", tag = "background",
+    params(("class" = String, Path, description = "scrub, rebuild or resync")),
+    responses((status = 200, description = "The class is back to its defaults",
+        body = BackgroundLimits), (status = "4XX", body = ErrorReply)))]
+pub async fn reset(State(node): NodeState, Path(class): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.background.put(&class, None), 200)).await
 }

@@ -1,74 +1,57 @@
 //! `/v1/pools`: pools, their rebuild, scrub and resync jobs, device replacement and
 //! hot spares.
 
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::routing::{get, post};
+use axum::Router;
 use std::sync::Arc;
-
 use tessera_api::{
-    CreatePool, Deleted, RebuildRequest, ReplaceRequest, ScrubRequest, SpareRequest,
+    CreatePool, Deleted, ErrorReply, PoolEntry, PoolInfo, RebuildRequest, RebuildStatus,
+    ReplaceReply, ReplaceRequest, ScrubRequest, ScrubStatus, SpareList, SpareRequest, UpdatePool,
 };
-use tessera_http::{Request, Response};
+use tessera_http::Response;
 
-use super::{body, no_route, reply};
+use super::{body, parse_body, reply, with_node, NodeState};
 use crate::node::Node;
 
-/// `rest`: the path after `/v1/pools`.
-pub fn handle(node: &Arc<Node>, req: &Request, rest: &[&str]) -> Response {
-    match (req.method.as_str(), rest) {
-        ("GET", []) => Response::json(200, &node.list_pools()),
-        ("POST", []) => create(node, req),
-        ("GET", [name]) => reply(node.pool_detail(name), 200),
-        ("DELETE", [name]) => reply(
-            node.destroy_pool(name).map(|()| Deleted {
-                deleted: name.to_string(),
-            }),
-            200,
-        ),
-        ("GET", [name, "rebuild"]) => reply(node.rebuild_status(name), 200),
-        ("POST", [name, "rebuild"]) => {
-            match body::<RebuildRequest>(req, "rebuild", "device, force") {
-                Ok(b) => reply(node.start_rebuild(name, b.device, b.force), 202),
-                Err(r) => r,
-            }
-        }
-        ("DELETE", [name, "rebuild"]) => reply(node.stop_rebuild(name), 200),
-        ("POST", [name, "replace"]) => match req.body_as::<ReplaceRequest>() {
-            Ok(b) => reply(node.replace_device(name, b.device, &b.with, b.force), 200),
-            Err(_) => Response::error(
-                400,
-                "replace needs {\"device\": index, \"with\": \"device spec\"}",
-            ),
-        },
-        ("GET", [name, "spares"]) => reply(node.list_spares(name), 200),
-        ("POST", [name, "spares"]) => match req.body_as::<SpareRequest>() {
-            Ok(b) => reply(node.add_spare(name, &b.device, b.force), 201),
-            Err(_) => Response::error(400, "adding a spare needs {\"device\": \"device spec\"}"),
-        },
-        // The spec may hold slashes: it comes in the body (or ?device=).
-        ("DELETE", [name, "spares"]) => {
-            let from_body = req.body_as::<SpareRequest>().ok().map(|b| b.device);
-            match from_body.or_else(|| req.query_param("device").map(str::to_string)) {
-                Some(d) => reply(node.remove_spare(name, &d), 200),
-                None => {
-                    Response::error(400, "removing a spare needs {\"device\": \"device spec\"}")
-                }
-            }
-        }
-        ("GET", [name, "scrub"]) => reply(node.scrub_status(name), 200),
-        ("POST", [name, "scrub"]) => match req.body_as::<ScrubRequest>() {
-            Ok(b) => reply(node.start_scrub(name, b.repair), 202),
-            Err(_) => Response::error(400, "field 'repair' must be true or false"),
-        },
-        ("DELETE", [name, "scrub"]) => reply(node.stop_scrub(name), 200),
-        ("GET", [name, "resync"]) => reply(node.resync_status(name), 200),
-        _ => no_route(req),
-    }
+pub fn routes() -> Router<Arc<Node>> {
+    Router::new()
+        .route("/v1/pools", get(list).post(create))
+        .route(
+            "/v1/pools/{name}",
+            get(detail).patch(update).delete(destroy),
+        )
+        .route(
+            "/v1/pools/{name}/rebuild",
+            get(rebuild_status).post(rebuild_start).delete(rebuild_stop),
+        )
+        .route("/v1/pools/{name}/replace", post(replace))
+        .route(
+            "/v1/pools/{name}/spares",
+            get(spares_list).post(spares_add).delete(spares_remove),
+        )
+        .route(
+            "/v1/pools/{name}/scrub",
+            get(scrub_status).post(scrub_start).delete(scrub_stop),
+        )
+        .route("/v1/pools/{name}/resync", get(resync_status))
 }
 
-fn create(node: &Node, req: &Request) -> Response {
+#[utoipa::path(get, path = "/v1/pools", tag = "pools",
+    responses((status = 200, description = "Every pool, online or offline", body = Vec<PoolEntry>)))]
+pub async fn list(State(node): NodeState) -> Response {
+    with_node(node, |n| Response::json(200, &n.list_pools())).await
+}
+
+#[utoipa::path(post, path = "/v1/pools", tag = "pools", request_body = CreatePool,
+    responses((status = 201, body = PoolInfo), (status = "4XX", body = ErrorReply),
+        (status = "5XX", body = ErrorReply)))]
+pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     let b: CreatePool = match body(
-        req,
+        &bytes,
         "pool",
-        "name, devices, layout, copies, stripe_size, unit_size, force",
+        "name, devices, layout, copies, stripe_size, unit_size, force, overcommit",
     ) {
         Ok(b) => b,
         Err(r) => return r,
@@ -77,15 +60,199 @@ fn create(node: &Node, req: &Request) -> Response {
     if let Some(c) = b.copies {
         layout = format!("{layout}:{c}");
     }
-    reply(
-        node.create_pool(
-            &b.name,
-            &b.devices,
-            &layout,
-            b.stripe_size.map(|s| s.as_text()).as_deref(),
-            b.unit_size.map(|s| s.as_text()).as_deref(),
-            b.force,
+    // A bad ratio is refused before anything is created; a good one is set on the new
+    // (empty) pool as `PATCH` would.
+    if let Some(Err(e)) = b.overcommit.map(tessera_pool::validate_overcommit) {
+        return reply::<(), _>(Err(e), 201);
+    }
+    with_node(node, move |n| {
+        let created = n
+            .create_pool(
+                &b.name,
+                &b.devices,
+                &layout,
+                b.stripe_size.map(|s| s.as_text()).as_deref(),
+                b.unit_size.map(|s| s.as_text()).as_deref(),
+                b.force,
+            )
+            .and_then(|info| match b.overcommit {
+                Some(r) => n.update_pool(
+                    &info.name,
+                    &UpdatePool {
+                        overcommit: Some(r),
+                    },
+                ),
+                None => Ok(info),
+            });
+        reply(created, 201)
+    })
+    .await
+}
+
+#[utoipa::path(patch, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path)),
+    request_body = UpdatePool,
+    responses((status = 200, body = PoolInfo), (status = "4XX", body = ErrorReply)))]
+pub async fn update(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
+    match body::<UpdatePool>(&bytes, "pool update", "overcommit") {
+        Ok(b) => with_node(node, move |n| reply(n.update_pool(&name, &b), 200)).await,
+        Err(r) => r,
+    }
+}
+
+#[utoipa::path(get, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path)),
+    responses((status = 200, body = PoolInfo), (status = 404, body = ErrorReply)))]
+pub async fn detail(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.pool_detail(&name), 200)).await
+}
+
+#[utoipa::path(delete, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path)),
+    responses((status = 200, body = Deleted), (status = "4XX", body = ErrorReply)))]
+pub async fn destroy(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| {
+        reply(
+            n.destroy_pool(&name).map(|()| Deleted {
+                deleted: name.clone(),
+            }),
+            200,
+        )
+    })
+    .await
+}
+
+#[utoipa::path(get, path = "/v1/pools/{name}/rebuild", tag = "pools",
+    params(("name" = String, Path)),
+    responses((status = 200, body = RebuildStatus), (status = 404, body = ErrorReply)))]
+pub async fn rebuild_status(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.rebuild_status(&name), 200)).await
+}
+
+#[utoipa::path(post, path = "/v1/pools/{name}/rebuild", tag = "pools",
+    params(("name" = String, Path)), request_body = RebuildRequest,
+    responses((status = 202, description = "Started", body = RebuildStatus),
+        (status = "4XX", body = ErrorReply)))]
+pub async fn rebuild_start(
+    State(node): NodeState,
+    Path(name): Path<String>,
+    bytes: Bytes,
+) -> Response {
+    match body::<RebuildRequest>(&bytes, "rebuild", "device, force") {
+        Ok(b) => {
+            with_node(node, move |n| {
+                reply(n.start_rebuild(&name, b.device, b.force), 202)
+            })
+            .await
+        }
+        Err(r) => r,
+    }
+}
+
+#[utoipa::path(delete, path = "/v1/pools/{name}/rebuild", tag = "pools",
+    params(("name" = String, Path)),
+    responses((status = 200, body = RebuildStatus), (status = "4XX", body = ErrorReply)))]
+pub async fn rebuild_stop(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.stop_rebuild(&name), 200)).await
+}
+
+#[utoipa::path(post, path = "/v1/pools/{name}/replace", tag = "pools",
+    params(("name" = String, Path)), request_body = ReplaceRequest,
+    responses((status = 200, body = ReplaceReply), (status = "4XX", body = ErrorReply)))]
+pub async fn replace(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
+    match parse_body::<ReplaceRequest>(&bytes) {
+        Ok(b) => {
+            with_node(node, move |n| {
+                reply(n.replace_device(&name, b.device, &b.with, b.force), 200)
+            })
+            .await
+        }
+        Err(_) => Response::error(
+            400,
+            "replace needs {\"device\": index, \"with\": \"device spec\"}",
         ),
-        201,
-    )
+    }
+}
+
+#[utoipa::path(get, path = "/v1/pools/{name}/spares", tag = "pools",
+    params(("name" = String, Path)),
+    responses((status = 200, body = SpareList), (status = 404, body = ErrorReply)))]
+pub async fn spares_list(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.list_spares(&name), 200)).await
+}
+
+#[utoipa::path(post, path = "/v1/pools/{name}/spares", tag = "pools",
+    params(("name" = String, Path)), request_body = SpareRequest,
+    responses((status = 201, body = SpareList), (status = "4XX", body = ErrorReply)))]
+pub async fn spares_add(
+    State(node): NodeState,
+    Path(name): Path<String>,
+    bytes: Bytes,
+) -> Response {
+    match parse_body::<SpareRequest>(&bytes) {
+        Ok(b) => {
+            with_node(node, move |n| {
+                reply(n.add_spare(&name, &b.device, b.force), 201)
+            })
+            .await
+        }
+        Err(_) => Response::error(400, "adding a spare needs {\"device\": \"device spec\"}"),
+    }
+}
+
+/// `DELETE .../spares?device=SPEC`: the spec may hold slashes, so it comes in the body or
+/// the query, never in the path.
+#[derive(serde::Deserialize, utoipa::IntoParams)]
+pub struct SpareQuery {
+    /// The spare's device spec, when the body does not give it.
+    device: Option<String>,
+}
+
+#[utoipa::path(delete, path = "/v1/pools/{name}/spares", tag = "pools",
+    params(("name" = String, Path), SpareQuery), request_body = SpareRequest,
+    responses((status = 200, body = SpareList), (status = "4XX", body = ErrorReply)))]
+pub async fn spares_remove(
+    State(node): NodeState,
+    Path(name): Path<String>,
+    Query(query): Query<SpareQuery>,
+    bytes: Bytes,
+) -> Response {
+    let from_body = parse_body::<SpareRequest>(&bytes).ok().map(|b| b.device);
+    match from_body.or(query.device) {
+        Some(d) => with_node(node, move |n| reply(n.remove_spare(&name, &d), 200)).await,
+        None => Response::error(400, "removing a spare needs {\"device\": \"device spec\"}"),
+    }
+}
+
+#[utoipa::path(get, path = "/v1/pools/{name}/scrub", tag = "pools",
+    params(("name" = String, Path)),
+    responses((status = 200, body = ScrubStatus), (status = 404, body = ErrorReply)))]
+pub async fn scrub_status(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.scrub_status(&name), 200)).await
+}
+
+#[utoipa::path(post, path = "/v1/pools/{name}/scrub", tag = "pools",
+    params(("name" = String, Path)), request_body = ScrubRequest,
+    responses((status = 202, description = "Started", body = ScrubStatus),
+        (status = "4XX", body = ErrorReply)))]
+pub async fn scrub_start(
+    State(node): NodeState,
+    Path(name): Path<String>,
+    bytes: Bytes,
+) -> Response {
+    match parse_body::<ScrubRequest>(&bytes) {
+        Ok(b) => with_node(node, move |n| reply(n.start_scrub(&name, b.repair), 202)).await,
+        Err(_) => Response::error(400, "field 'repair' must be true or false"),
+    }
+}
+
+#[utoipa::path(delete, path = "/v1/pools/{name}/scrub", tag = "pools",
+    params(("name" = String, Path)),
+    responses((status = 200, body = ScrubStatus), (status = "4XX", body = ErrorReply)))]
+pub async fn scrub_stop(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.stop_scrub(&name), 200)).await
+}
+
+#[utoipa::path(get, path = "/v1/pools/{name}/resync", tag = "pools",
+    params(("name" = String, Path)),
+    responses((status = 200, body = ScrubStatus), (status = 404, body = ErrorReply)))]
+pub async fn resync_status(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.resync_status(&name), 200)).await
 }

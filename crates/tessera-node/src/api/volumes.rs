@@ -3,10 +3,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tessera_api::{CreateVolume, Deleted, QosLimits, ResizeVolume, SizeArg};
-use tessera_http::{Request, Response};
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::routing::get;
+use axum::Router;
+use tessera_api::{
+    CreateVolume, Deleted, ErrorReply, QosLimits, ResizeVolume, SizeArg, VolumeInfo, VolumeStats,
+};
+use tessera_http::Response;
 
-use super::{body, no_route, reply};
+use super::{body, reply, with_node, NodeState};
 use crate::error::Error;
 use crate::node::Node;
 
@@ -21,42 +27,134 @@ fn size(s: &SizeArg) -> Result<u64, Error> {
     }
 }
 
-/// `rest`: the path after `/v1/volumes`.
-pub fn handle(node: &Arc<Node>, req: &Request, rest: &[&str]) -> Response {
-    match (req.method.as_str(), rest) {
-        ("GET", []) => Response::json(200, &node.list_volumes()),
-        ("POST", []) => match body::<CreateVolume>(req, "volume", "name, pool, size") {
-            Ok(b) => reply(
-                size(&b.size).and_then(|s| node.create_volume(&b.name, &b.pool, s)),
-                201,
-            ),
-            Err(r) => r,
-        },
-        ("GET", [name]) => reply(node.volume(name), 200),
-        ("PATCH", [name]) => match body::<ResizeVolume>(req, "resize", "size") {
-            Ok(b) => reply(size(&b.size).and_then(|s| node.resize_volume(name, s)), 200),
-            Err(r) => r,
-        },
-        ("DELETE", [name]) => reply(
-            node.delete_volume(name).map(|()| Deleted {
-                deleted: name.to_string(),
+pub fn routes() -> Router<Arc<Node>> {
+    Router::new()
+        .route("/v1/volumes", get(list).post(create))
+        .route(
+            "/v1/volumes/{name}",
+            get(detail).patch(resize).delete(delete),
+        )
+        .route(
+            "/v1/volumes/{name}/qos",
+            get(qos_get).put(qos_put).delete(qos_clear),
+        )
+        .route("/v1/volumes/{name}/stats", get(stats))
+}
+
+#[utoipa::path(get, path = "/v1/volumes", tag = "volumes",
+    responses((status = 200, body = Vec<VolumeInfo>)))]
+pub async fn list(State(node): NodeState) -> Response {
+    with_node(node, |n| Response::json(200, &n.list_volumes())).await
+}
+
+#[utoipa::path(post, path = "/v1/volumes", tag = "volumes", request_body = CreateVolume,
+    responses((status = 201, body = VolumeInfo), (status = "4XX", body = ErrorReply),
+        (status = 507, description = "The pool has no room", body = ErrorReply)))]
+pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
+    match body::<CreateVolume>(&bytes, "volume", "name, pool, size, force") {
+        Ok(b) => {
+            with_node(node, move |n| {
+                reply(
+                    size(&b.size).and_then(|s| n.create_volume(&b.name, &b.pool, s, b.force)),
+                    201,
+                )
+            })
+            .await
+        }
+        Err(r) => r,
+    }
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{name}", tag = "volumes",
+    params(("name" = String, Path)),
+    responses((status = 200, body = VolumeInfo), (status = 404, body = ErrorReply)))]
+pub async fn detail(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.volume(&name), 200)).await
+}
+
+#[utoipa::path(patch, path = "/v1/volumes/{name}", tag = "volumes",
+    params(("name" = String, Path)), request_body = ResizeVolume,
+    responses((status = 200, body = VolumeInfo), (status = "4XX", body = ErrorReply)))]
+pub async fn resize(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
+    match body::<ResizeVolume>(&bytes, "resize", "size, force") {
+        Ok(b) => {
+            with_node(node, move |n| {
+                reply(
+                    size(&b.size).and_then(|s| n.resize_volume(&name, s, b.force)),
+                    200,
+                )
+            })
+            .await
+        }
+        Err(r) => r,
+    }
+}
+
+#[utoipa::path(delete, path = "/v1/volumes/{name}", tag = "volumes",
+    params(("name" = String, Path)),
+    responses((status = 200, body = Deleted), (status = "4XX", body = ErrorReply)))]
+pub async fn delete(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| {
+        reply(
+            n.delete_volume(&name).map(|()| Deleted {
+                deleted: name.clone(),
             }),
             200,
-        ),
-        ("GET", [name, "qos"]) => reply(node.volume_qos(name), 200),
-        ("PUT", [name, "qos"]) => match body::<QosLimits>(req, "QoS limits", QOS_FIELDS) {
-            Ok(l) => reply(node.set_volume_qos(name, l), 200),
-            Err(r) => r,
-        },
-        ("DELETE", [name, "qos"]) => reply(node.set_volume_qos(name, QosLimits::default()), 200),
-        ("GET", [name, "stats"]) => {
-            let ms = match req.query_param("interval_ms").map(str::parse::<u64>) {
-                None => 1000,
-                Some(Ok(ms)) if (1..=60_000).contains(&ms) => ms,
-                Some(_) => return Response::error(400, "interval_ms must be between 1 and 60000"),
-            };
-            reply(node.volume_stats(name, Duration::from_millis(ms)), 200)
-        }
-        _ => no_route(req),
+        )
+    })
+    .await
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{name}/qos", tag = "volumes",
+    params(("name" = String, Path)),
+    responses((status = 200, body = QosLimits), (status = 404, body = ErrorReply)))]
+pub async fn qos_get(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.volume_qos(&name), 200)).await
+}
+
+#[utoipa::path(put, path = "/v1/volumes/{name}/qos", tag = "volumes",
+    params(("name" = String, Path)), request_body = QosLimits,
+    responses((status = 200, body = QosLimits), (status = "4XX", body = ErrorReply)))]
+pub async fn qos_put(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
+    match body::<QosLimits>(&bytes, "QoS limits", QOS_FIELDS) {
+        Ok(l) => with_node(node, move |n| reply(n.set_volume_qos(&name, l), 200)).await,
+        Err(r) => r,
     }
+}
+
+#[utoipa::path(delete, path = "/v1/volumes/{name}/qos", tag = "volumes",
+    params(("name" = String, Path)),
+    responses((status = 200, description = "The limits are cleared", body = QosLimits),
+        (status = 404, body = ErrorReply)))]
+pub async fn qos_clear(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| {
+        reply(n.set_volume_qos(&name, QosLimits::default()), 200)
+    })
+    .await
+}
+
+#[derive(serde::Deserialize, utoipa::IntoParams)]
+pub struct StatsQuery {
+    /// Measurement interval in milliseconds, 1..=60000 (default 1000).
+    #[param(value_type = Option<u64>)]
+    interval_ms: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{name}/stats", tag = "volumes",
+    params(("name" = String, Path), StatsQuery),
+    responses((status = 200, body = VolumeStats), (status = "4XX", body = ErrorReply)))]
+pub async fn stats(
+    State(node): NodeState,
+    Path(name): Path<String>,
+    Query(query): Query<StatsQuery>,
+) -> Response {
+    let ms = match query.interval_ms.as_deref().map(str::parse::<u64>) {
+        None => 1000,
+        Some(Ok(ms)) if (1..=60_000).contains(&ms) => ms,
+        Some(_) => return Response::error(400, "interval_ms must be between 1 and 60000"),
+    };
+    with_node(node, move |n| {
+        reply(n.volume_stats(&name, Duration::from_millis(ms)), 200)
+    })
+    .await
 }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use tessera_api::ExportInfo;
+use tessera_api::{ExportInfo, TlsPolicy};
 use tessera_pool::{ExportRecord, Pool, Volume};
 
 use super::{Error, Node, Result};
@@ -23,27 +23,46 @@ impl Node {
         Some((p.volume_by_id(e.volume_id)?, e.read_only))
     }
 
-    pub fn add_export(&self, name: &str, volume: &str, read_only: bool) -> Result<ExportInfo> {
+    /// Whether clients must start TLS to use the export: its own policy, else the
+    /// node's default (`[nbd.tls] default`; no TLS configured: not required).
+    pub fn export_tls_required(&self, e: &ExportRecord) -> bool {
+        e.tls_required.unwrap_or_else(|| {
+            self.cfg
+                .nbd
+                .tls
+                .as_ref()
+                .is_some_and(|t| t.default.is_required())
+        })
+    }
+
+    pub fn add_export(
+        &self,
+        name: &str,
+        volume: &str,
+        read_only: bool,
+        tls: Option<TlsPolicy>,
+    ) -> Result<ExportInfo> {
         let _g = self.admin();
         if self.find_export(name).is_some() {
             return Err(Error::already_exists(format!(
                 "export '{name}' already exists"
             )));
         }
+        if tls == Some(TlsPolicy::Required) && self.nbd_tls.is_none() {
+            return Err(Error::invalid(format!(
+                "export '{name}': TLS is required but this node has no NBD TLS certificate \
+                 ([nbd.tls] in the config, or --nbd-tls-cert/--nbd-tls-key)"
+            )));
+        }
         let (p, v) = self.find_volume(volume)?;
-        p.add_export(ExportRecord {
+        let record = ExportRecord {
             name: name.to_string(),
             volume_id: v.id,
             read_only,
-        })?;
-        Ok(self.export_info(
-            &p,
-            &ExportRecord {
-                name: name.to_string(),
-                volume_id: v.id,
-                read_only,
-            },
-        ))
+            tls_required: tls.map(TlsPolicy::is_required),
+        };
+        p.add_export(record.clone())?;
+        Ok(self.export_info(&p, &record))
     }
 
     pub fn remove_export(&self, name: &str) -> Result<()> {
@@ -61,13 +80,26 @@ impl Node {
             .read()
             .unwrap_or_else(|x| x.into_inner())
             .clone();
+        let tls_required = self.export_tls_required(e);
+        let uri = |a: &String| match a.strip_prefix("nbd://") {
+            Some(host) if tls_required => format!("nbds://{host}/{}", e.name),
+            _ => format!("{a}/{}", e.name),
+        };
         ExportInfo {
             name: e.name.clone(),
             volume: vol.as_ref().map(|v| v.name.clone()),
             read_only: e.read_only,
             size: vol.as_ref().map(|v| v.size()),
             connections: vol.as_ref().map(|v| v.open_handles()),
-            uris: addrs.iter().map(|a| format!("{a}/{}", e.name)).collect(),
+            uris: addrs.iter().map(uri).collect(),
+            tls: e.tls_required.map(|r| {
+                if r {
+                    TlsPolicy::Required
+                } else {
+                    TlsPolicy::Optional
+                }
+            }),
+            tls_required,
         }
     }
 

@@ -47,6 +47,8 @@ pub struct Node {
     next_core: AtomicUsize,
     pub started: Instant,
     pub nbd_addresses: RwLock<Vec<String>>,
+    /// TLS of the NBD listeners (`[nbd.tls]`), loaded before anything is opened.
+    pub nbd_tls: Option<Arc<tessera_nbd::tls::ServerConfig>>,
     /// NVMe/TCP subsystems and target (crate::nvmf).
     pub nvmf: crate::nvmf::NvmfState,
     /// QoS groups (tenants) and their stepped bursts.
@@ -96,6 +98,14 @@ impl Node {
             poll_window: std::time::Duration::from_micros(cfg.poll_us),
             ..ReactorConfig::default()
         };
+        // A bad certificate or key stops the start before any pool is opened.
+        let nbd_tls = match &cfg.nbd.tls {
+            Some(t) => Some(
+                tessera_nbd::tls::server_config(&t.cert, &t.key, t.client_ca.as_deref())
+                    .map_err(StartError::Config)?,
+            ),
+            None => None,
+        };
         let reactors = spawn_reactors(&rcfg).map_err(StartError::Reactors)?;
         let registry = Registry::new(&cfg.data_dir);
         let entries = registry.load()?;
@@ -113,6 +123,7 @@ impl Node {
             next_core: AtomicUsize::new(0),
             started: Instant::now(),
             nbd_addresses: RwLock::new(Vec::new()),
+            nbd_tls,
             nvmf,
             groups,
             background,
@@ -191,6 +202,15 @@ impl Node {
     }
 
     fn restore_pool(&self, e: &PoolEntry) -> Result<(Pool, Vec<Arc<SwappableDevice>>)> {
+        let (p, slots) = self.open_pool(e)?;
+        let ratio = e.overcommit.unwrap_or(tessera_pool::DEFAULT_OVERCOMMIT);
+        if let Err(err) = p.set_overcommit(ratio) {
+            warn!(pool = %e.name, error = %err, "bad overcommit ratio in the registry: using the default");
+        }
+        Ok((p, slots))
+    }
+
+    fn open_pool(&self, e: &PoolEntry) -> Result<(Pool, Vec<Arc<SwappableDevice>>)> {
         let redundant = e.layout.starts_with("raid1")
             || layout_kind(&e.layout, e.stripe_size, e.devices.len())
                 .is_ok_and(|k| k.is_redundant());
@@ -265,7 +285,7 @@ impl Node {
         for v in &cfg.volumes {
             if self.find_volume(&v.name).is_err() {
                 size_arg("volume size", &v.size)
-                    .and_then(|size| self.create_volume(&v.name, &v.pool, size))
+                    .and_then(|size| self.create_volume(&v.name, &v.pool, size, false))
                     .map_err(|source| StartError::Declaration {
                         what: "volume",
                         name: v.name.clone(),
@@ -275,7 +295,7 @@ impl Node {
         }
         for x in &cfg.exports {
             if self.find_export(&x.name).is_none() {
-                self.add_export(&x.name, &x.volume, x.read_only)
+                self.add_export(&x.name, &x.volume, x.read_only, x.tls)
                     .map_err(|source| StartError::Declaration {
                         what: "export",
                         name: x.name.clone(),
@@ -396,6 +416,7 @@ impl ExportCatalog for Node {
             size: v.size(),
             read_only: e.read_only,
             description: format!("Tessera volume {} in pool {}", v.name, p.name()),
+            tls_required: self.export_tls_required(&e),
         })
     }
 }

@@ -2,8 +2,9 @@
 
 use super::pool_tuning;
 use std::sync::Arc;
+use tracing::info;
 
-use tessera_api::{DeviceState, OfflinePool, PoolEntry, PoolInfo};
+use tessera_api::{DeviceState, OfflinePool, PoolEntry, PoolInfo, UpdatePool};
 use tessera_device::{format_size, DeviceSpec};
 use tessera_pool::{LayoutKind, Pool, PoolOptions, DEFAULT_UNIT_SIZE};
 
@@ -94,6 +95,7 @@ impl Node {
             stripe_size: st.stripe_size,
             unit_size,
             spares: Vec::new(),
+            overcommit: None,
         };
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         entries.push(entry);
@@ -152,6 +154,23 @@ impl Node {
         }
         entries.retain(|e| e.name != name);
         self.save_registry(&entries)
+    }
+
+    /// Change what can be changed of a pool (`PATCH /v1/pools/NAME`): its overcommit
+    /// ratio, live and in the registry.
+    pub fn update_pool(&self, name: &str, u: &UpdatePool) -> Result<PoolInfo> {
+        let _g = self.admin();
+        let p = self.pool(name)?;
+        if let Some(r) = u.overcommit {
+            tessera_pool::validate_overcommit(r)?;
+            self.edit_entry(name, |e| {
+                e.overcommit = Some(r);
+                Ok(())
+            })?;
+            p.set_overcommit(r)?;
+            info!(pool = %name, overcommit = r, "overcommit ratio set");
+        }
+        Ok(self.pool_info(&p))
     }
 
     /// A pool's status (`pool_status`) with the node's view of it: its hot spares.
@@ -227,6 +246,8 @@ pub fn pool_status(p: &Pool) -> PoolInfo {
         metadata: s.metadata,
         volumes: s.volumes,
         volatile: s.volatile,
+        provisioned: s.provisioned,
+        overcommit: s.overcommit,
         spares: Vec::new(),
         rebuild: None,
         resync: None,

@@ -9,7 +9,14 @@ use tessera_qos::QosLimits;
 use super::{Error, Node, Result};
 
 impl Node {
-    pub fn create_volume(&self, name: &str, pool: &str, size: u64) -> Result<VolumeInfo> {
+    /// `force`: beyond the pool's overcommit ratio.
+    pub fn create_volume(
+        &self,
+        name: &str,
+        pool: &str,
+        size: u64,
+        force: bool,
+    ) -> Result<VolumeInfo> {
         let _g = self.admin();
         if self.find_volume(name).is_ok() {
             return Err(Error::already_exists(format!(
@@ -17,14 +24,15 @@ impl Node {
             )));
         }
         let p = self.pool(pool)?;
-        let v = p.create_volume(name, size)?;
+        let v = p.create_volume_opts(name, size, force)?;
         Ok(self.volume_info(&p, &v))
     }
 
-    pub fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+    /// `force`: beyond the pool's overcommit ratio.
+    pub fn resize_volume(&self, name: &str, size: u64, force: bool) -> Result<VolumeInfo> {
         let _g = self.admin();
         let (p, v) = self.find_volume(name)?;
-        p.resize_volume(&v, size)?;
+        p.resize_volume_opts(&v, size, force)?;
         Ok(self.volume_info(&p, &v))
     }
 

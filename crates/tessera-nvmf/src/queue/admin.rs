@@ -15,6 +15,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
         let sqe = self.slots[s as usize].sqe;
         match sqe.fctype() {
             FCTYPE_CONNECT => self.connect(io, s),
+            FCTYPE_AUTH_SEND | FCTYPE_AUTH_RECV => self.auth_cmd(io, s),
             FCTYPE_PROPERTY_GET | FCTYPE_PROPERTY_SET => {
                 let Some(ctrl) = self.ctrl.clone() else {
                     return self.finish(io, s, SC_CMD_SEQ_ERROR);
@@ -137,6 +138,26 @@ impl<T: ExportTarget> NvmfQueue<T> {
             self.open_namespaces(io, &ctrl);
         }
         self.slots[s as usize].dw0 = ctrl.cntlid as u32;
+        let nsids: Vec<u32> = ctrl.namespaces().iter().map(|n| n.nsid).collect();
+        info!(
+            protocol = "nvme-tcp",
+            client = %self.client,
+            subnqn = %ctrl.subnqn,
+            hostnqn = %ctrl.hostnqn,
+            cntlid = ctrl.cntlid,
+            qid = c.qid,
+            namespaces = ?nsids,
+            "nvmf: host connected"
+        );
+        if let Some(keys) = ctrl.auth.clone() {
+            self.auth = Some(Box::new(ControllerAuth::new(
+                keys,
+                &ctrl.hostnqn,
+                &ctrl.subnqn,
+            )));
+            self.authenticated = false;
+            self.slots[s as usize].dw0 |= crate::auth::CONNECT_AUTHREQ_ATR;
+        }
         self.ctrl = Some(ctrl);
         self.finish(io, s, 0);
         if self.qid == 0 {
@@ -448,6 +469,17 @@ impl<T: ExportTarget> NvmfQueue<T> {
                     self.sock.draining = true;
                     return;
                 }
+                if !self.authenticated && self.started.elapsed() >= CONNECT_TIMEOUT {
+                    info!(
+                        cntlid = ctrl.cntlid,
+                        qid = self.qid,
+                        hostnqn = %ctrl.hostnqn,
+                        timeout = ?CONNECT_TIMEOUT,
+                        "nvmf: closing a queue that did not authenticate in time"
+                    );
+                    self.sock.draining = true;
+                    return;
+                }
                 let kato = ctrl.state().kato_ms as u64;
                 let idle = self
                     .target
@@ -465,10 +497,13 @@ impl<T: ExportTarget> NvmfQueue<T> {
             }
             _ => {
                 if self.started.elapsed() >= CONNECT_TIMEOUT {
-                    info!(
-                        timeout = ?CONNECT_TIMEOUT,
-                        "nvmf: closing a connection that did not connect in time"
-                    );
+                    if BAD_CONN_LOG.admit() {
+                        info!(
+                            client = %self.client,
+                            timeout = ?CONNECT_TIMEOUT,
+                            "nvmf: closing a connection that did not connect in time"
+                        );
+                    }
                     self.sock.draining = true;
                     return;
                 }

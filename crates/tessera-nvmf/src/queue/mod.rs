@@ -17,6 +17,7 @@
 //! admission, I/O commands). This file holds the queue's state and its task face.
 
 mod admin;
+mod auth;
 mod io;
 mod transport;
 
@@ -29,7 +30,10 @@ use tessera_export::conn::{FreeList, RecvBuf, Socket, StatsBatch};
 use tessera_export::{ExportTarget, Gate, IoStats, Released};
 use tessera_io::{AlignedBuf, CoreIo, Tag, Task};
 
-use crate::nvme::{Sqe, Status, DNR, FABRICS, IO_FLUSH, SC_CMD_SEQ_ERROR, SC_INVALID_NS};
+use crate::auth::ControllerAuth;
+use crate::nvme::{
+    Sqe, Status, DNR, FABRICS, IO_FLUSH, SC_AUTH_REQUIRED, SC_CMD_SEQ_ERROR, SC_INVALID_NS,
+};
 use crate::pdu::{Framing, Limits};
 use crate::target::{self, Controller, Target};
 
@@ -154,6 +158,12 @@ pub struct NvmfQueue<T: ExportTarget> {
     state: State,
     ctrl: Option<Arc<Controller<T>>>,
     qid: u16,
+    /// DH-HMAC-CHAP state when the host must authenticate this queue.
+    auth: Option<Box<ControllerAuth>>,
+    /// Commands other than Connect, Disconnect and the authentication ones are refused
+    /// (Authentication Required) while clear; set unless the Connect asked for
+    /// authentication, so the I/O path tests one plain bool.
+    authenticated: bool,
     /// Queue entries (1-based) agreed at Connect.
     entries: usize,
     sq_flow_disabled: bool,
@@ -178,17 +188,29 @@ pub struct NvmfQueue<T: ExportTarget> {
     tick_armed: bool,
     started: Instant,
     registered: bool,
+    /// The host's address, for log lines.
+    client: String,
 }
+
+/// Connections that break the protocol or never connect (garbage, port scans): at most
+/// 10 lines per 10 s.
+pub(crate) static BAD_CONN_LOG: tessera_export::log_limit::LogLimiter =
+    tessera_export::log_limit::LogLimiter::new("nvmf-bad-connection", 10, 10);
 
 impl<T: ExportTarget> NvmfQueue<T> {
     pub fn new(_io: &mut CoreIo, fd: OwnedFd, target: Arc<Target<T>>) -> Self {
+        use std::os::fd::AsRawFd;
+        let client = tessera_export::log_limit::peer_name(fd.as_raw_fd());
         NvmfQueue {
+            client,
             sock: Socket::new(fd),
             id: 0,
             target,
             state: State::Init,
             ctrl: None,
             qid: 0,
+            auth: None,
+            authenticated: true,
             entries: INITIAL_SLOTS,
             sq_flow_disabled: false,
             sqhd: 0,
@@ -234,6 +256,9 @@ impl<T: ExportTarget> NvmfQueue<T> {
 
     fn execute(&mut self, io: &mut CoreIo, s: u16) {
         let sqe = self.slots[s as usize].sqe;
+        if !self.authenticated && !auth::allowed_before_auth(&sqe) {
+            return self.finish(io, s, SC_AUTH_REQUIRED | DNR);
+        }
         if sqe.opc == FABRICS {
             return self.fabrics(io, s);
         }
@@ -262,6 +287,23 @@ impl<T: ExportTarget> NvmfQueue<T> {
 
 impl<T: ExportTarget> Drop for NvmfQueue<T> {
     fn drop(&mut self) {
+        if self.state == State::Connected {
+            let sum = |f: fn(&IoStats) -> u64| self.ns.iter().map(|n| f(&n.stats)).sum::<u64>();
+            let ctrl = self.ctrl.as_ref();
+            tracing::info!(
+                protocol = "nvme-tcp",
+                client = %self.client,
+                subnqn = ctrl.map_or("", |c| c.subnqn.as_str()),
+                hostnqn = ctrl.map_or("", |c| c.hostnqn.as_str()),
+                cntlid = ctrl.map_or(0, |c| c.cntlid),
+                qid = self.qid,
+                duration_s = self.started.elapsed().as_secs_f64(),
+                read_bytes = sum(|s| s.read_bytes.load(Relaxed)),
+                write_bytes = sum(|s| s.write_bytes.load(Relaxed)),
+                errors = sum(|s| s.errors.load(Relaxed)),
+                "nvmf: host disconnected"
+            );
+        }
         for n in self.ns.drain(..) {
             n.target.unregister_stats(&n.stats);
         }

@@ -45,12 +45,15 @@ impl<T: ExportTarget> NvmfQueue<T> {
             have.min(pdu::CH_LEN)
         };
         let quoted = &self.rbuf.received()[at..at + n];
-        warn!(
-            qid = self.qid,
-            cntlid = self.ctrl.as_ref().map_or(0, |c| c.cntlid),
-            error = %f,
-            "nvmf: terminating the connection"
-        );
+        if BAD_CONN_LOG.admit() {
+            warn!(
+                client = %self.client,
+                qid = self.qid,
+                cntlid = self.ctrl.as_ref().map_or(0, |c| c.cntlid),
+                error = %f,
+                "nvmf: terminating the connection"
+            );
+        }
         let t = pdu::encode_term(pdu::C2H_TERM, f, quoted);
         self.outq.push(Out::Bytes(t));
         self.sock.draining = true;
@@ -132,7 +135,9 @@ impl<T: ExportTarget> NvmfQueue<T> {
             match frame.ch.ty {
                 pdu::H2C_TERM => {
                     let (fes, fei) = pdu::parse_term(self.rbuf.unparsed());
-                    info!(fes, fei, "nvmf: host terminated the connection");
+                    if BAD_CONN_LOG.admit() {
+                        info!(client = %self.client, fes, fei, "nvmf: host terminated the connection");
+                    }
                     self.sock.draining = true;
                     self.sock.dead = true;
                     break;
@@ -164,10 +169,10 @@ impl<T: ExportTarget> NvmfQueue<T> {
     /// Data direction of a command: 1 host to controller, 2 controller to host.
     pub(super) fn direction(sqe: &Sqe) -> u8 {
         if sqe.opc == FABRICS {
-            if sqe.fctype() == FCTYPE_CONNECT {
-                1
-            } else {
-                0
+            match sqe.fctype() {
+                FCTYPE_CONNECT | FCTYPE_AUTH_SEND => 1,
+                FCTYPE_AUTH_RECV => 2,
+                _ => 0,
             }
         } else {
             sqe.opc & 3
@@ -235,6 +240,10 @@ impl<T: ExportTarget> NvmfQueue<T> {
             (SGL_TRANSPORT_DATA_BLOCK, 1) => {
                 if self.state != State::Connected && sqe.opc != FABRICS {
                     return self.finish(io, s, SC_CMD_SEQ_ERROR);
+                }
+                // No R2T (and no buffer for the data) before the queue authenticated.
+                if !self.authenticated && sqe.opc != FABRICS {
+                    return self.finish(io, s, SC_AUTH_REQUIRED | DNR);
                 }
                 // Ask for all of it with one R2T; the host splits it into H2CData PDUs of
                 // at most MAXH2CDATA bytes.
@@ -321,6 +330,9 @@ impl<T: ExportTarget> NvmfQueue<T> {
             let (class, bytes) = match sqe.opc {
                 IO_READ => (IoClass::Read, bytes),
                 IO_WRITE => (IoClass::Write, bytes),
+                IO_FLUSH => (IoClass::Flush, 0),
+                IO_DSM => (IoClass::Discard, 0),
+                IO_WRITE_ZEROES => (IoClass::WriteZeroes, 0),
                 _ => (IoClass::Other, 0),
             };
             // Timed when the batch is flushed (see `flush`).

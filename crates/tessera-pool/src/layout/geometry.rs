@@ -40,6 +40,7 @@ impl Layout {
             LayoutKind::Raid10 { copies, .. } => (copies, (devices.len() / copies as usize) as u64),
             _ => (1, devices.len() as u64),
         };
+        let n = devices.len();
         let nonvolatile = (0..devices.len())
             .filter(|&d| !devices[d].is_volatile())
             .fold(0u64, |a, d| a | 1 << d);
@@ -56,6 +57,7 @@ impl Layout {
             copy: CopyTracker::default(),
             parity,
             journal_flush: AtomicBool::new(true),
+            device_stats: (0..n).map(|_| Default::default()).collect(),
         })
     }
 

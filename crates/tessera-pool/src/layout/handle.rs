@@ -8,6 +8,8 @@ use std::sync::{Arc, Weak};
 
 use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
+use crate::devstats::DeviceHandle;
+
 use super::{error_reason, reason_of, FailReason, Layout, Piece};
 use tessera_io::cast::{u32_of, usize_of};
 
@@ -28,7 +30,7 @@ impl Layout {
 /// A per-core handle to a layout: one device handle per device.
 pub struct LayoutHandle {
     layout: Arc<Layout>,
-    handles: Vec<Box<dyn IoHandle>>,
+    handles: Vec<DeviceHandle>,
     /// Mirrors: this core's error hook for the layout (registered on first use).
     hook: u32,
     mirror: Option<Rc<MirrorHook>>,
@@ -50,7 +52,7 @@ struct MirrorHook {
     /// (`Layout::quiet_range`): (op, offset, len, tag), retried every round.
     waiting: std::cell::RefCell<std::collections::VecDeque<(IoOp, u64, u64, Tag)>>,
     /// Device handles the waiting writes are submitted through (opened on first need).
-    handles: std::cell::RefCell<Vec<Box<dyn IoHandle>>>,
+    handles: std::cell::RefCell<Vec<DeviceHandle>>,
 }
 
 /// What a mirror's continuation (`MirrorHook::on_done`) is to do, carried in its `ctx`.
@@ -175,7 +177,7 @@ impl Continuation for MirrorHook {
 /// As [`IoHandle::submit`] for `op`'s buffer.
 #[inline]
 unsafe fn submit_piece(
-    handles: &mut [Box<dyn IoHandle>],
+    handles: &mut [DeviceHandle],
     io: &mut CoreIo,
     op: &IoOp,
     p: Piece,
@@ -302,7 +304,7 @@ impl LayoutHandle {
 #[allow(clippy::too_many_arguments)]
 unsafe fn mirror_write(
     layout: &Layout,
-    handles: &mut [Box<dyn IoHandle>],
+    handles: &mut [DeviceHandle],
     io: &mut CoreIo,
     op: IoOp,
     offset: u64,

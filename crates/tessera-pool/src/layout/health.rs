@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
-use tessera_io::IoHandle;
+use crate::devstats::DeviceHandle;
 
 use super::{FailReason, Layout};
 
@@ -44,16 +44,25 @@ impl DeviceHealth {
 }
 
 impl Layout {
-    /// Mark device `d` failed for `reason` (first reason wins). Lock free.
+    /// Mark device `d` failed for `reason` (first reason wins) after an error from it,
+    /// which is counted. Lock free.
     pub fn mark_failed(&self, d: usize, reason: FailReason) {
+        self.device_stats[d].count_error();
+        self.restore_failed(d, reason);
+    }
+
+    /// Mark device `d` failed for `reason` (first reason wins) without an error of this
+    /// run: its label recorded it failed, or it is missing at open.
+    pub fn restore_failed(&self, d: usize, reason: FailReason) {
         let bit = 1u64 << d;
         self.health.rebuilding.fetch_and(!bit, SeqCst);
         if self.health.failed.fetch_or(bit, Relaxed) & bit == 0 {
             self.health.fail_reason[d].store(reason.byte(), Relaxed);
-            eprintln!(
-                "tessera: device {} marked failed: {}",
-                self.devices[d].describe(),
-                reason.describe()
+            tracing::error!(
+                device = %self.devices[d].describe(),
+                slot = d,
+                reason = %reason.describe(),
+                "device marked failed"
             );
         }
     }
@@ -138,7 +147,7 @@ impl Layout {
     }
 
     /// Per-core handles of every device (behind the watchdog when one is set).
-    pub(crate) fn device_handles(&self) -> Vec<Box<dyn IoHandle>> {
+    pub(crate) fn device_handles(&self) -> Vec<DeviceHandle> {
         let dog = self
             .health
             .watchdog
@@ -150,10 +159,11 @@ impl Layout {
             .enumerate()
             .map(|(i, d)| {
                 let h = d.clone().open_handle();
-                match &dog {
+                let h = match &dog {
                     Some(w) => w.wrap(i, h),
                     None => h,
-                }
+                };
+                DeviceHandle::new(h, &self.device_stats[i])
             })
             .collect()
     }

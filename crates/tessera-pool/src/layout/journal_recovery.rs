@@ -68,8 +68,11 @@ impl Layout {
             }
         }
         if replayed + synced + degraded > 0 {
-            eprintln!(
-                "tessera: stripe journal: {replayed} writes replayed, {synced} rows' parity resynced, {degraded} degraded rows left as they were"
+            tracing::warn!(
+                replayed,
+                synced,
+                degraded,
+                "stripe journal: writes replayed, rows' parity resynced, degraded rows left as they were"
             );
         }
         Ok((replayed, synced, degraded))

@@ -126,6 +126,8 @@ pub struct Layout {
     pub(crate) parity: Option<crate::parity::Parity>,
     /// `PoolTuning::journal_flush` (set once at open; read by parity writes).
     journal_flush: AtomicBool,
+    /// Per device slot: what the layout sent it, and its errors (crate::devstats).
+    pub device_stats: Vec<Arc<crate::devstats::DeviceStats>>,
 }
 
 /// A contiguous piece of a logical range on one device.

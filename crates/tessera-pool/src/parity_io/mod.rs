@@ -39,7 +39,7 @@ use std::rc::Rc;
 use std::sync::{Arc, Weak};
 
 use tessera_io::buf::AlignedBuf;
-use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
+use tessera_io::{Continuation, CoreIo, IoOp, Tag};
 
 use crate::layout::{reason_of, Layout};
 use crate::parity::{Parity, MAX_CHUNK};
@@ -210,7 +210,7 @@ enum Event {
 }
 
 struct State {
-    handles: Vec<Box<dyn IoHandle>>,
+    handles: Vec<crate::devstats::DeviceHandle>,
     ops: Vec<RowOp>,
     free: Vec<u32>,
     zeros: AlignedBuf,

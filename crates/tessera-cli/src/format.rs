@@ -1,0 +1,80 @@
+//! How the CLI shows figures to people: binary units (`4.0 GiB`, `100 MiB/s`) and aligned
+//! tables. `--json` prints the node's exact bytes instead.
+
+const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+
+/// `n` in the largest binary unit it reaches, with one decimal: `4.0 GiB`, `512.0 KiB`,
+/// `4097 B`.
+pub fn bytes(n: u64) -> String {
+    let mut f = n as f64;
+    let mut i = 0;
+    while f >= 1024.0 && i + 1 < UNITS.len() {
+        f /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{n} B")
+    } else {
+        format!("{f:.1} {}", UNITS[i])
+    }
+}
+
+/// A rate in bytes per second: exact when it is a whole number of its unit (`100 MiB/s`,
+/// as the operator typed `--bw 100M`), else with one decimal (`1.5 GiB/s`).
+pub fn rate(bps: u64) -> String {
+    let mut i = 0;
+    while i + 1 < UNITS.len() && bps >= 1u64 << (10 * (i + 1)) {
+        i += 1;
+    }
+    let unit = 1u64 << (10 * i);
+    if bps.is_multiple_of(unit) {
+        format!("{} {}/s", bps / unit, UNITS[i])
+    } else {
+        format!("{:.1} {}/s", bps as f64 / unit as f64, UNITS[i])
+    }
+}
+
+/// `-` for a missing value.
+pub fn opt<T: ToString>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_string(), |x| x.to_string())
+}
+
+/// Rows under a header row, columns padded to their widest cell.
+pub fn table(rows: Vec<Vec<String>>) {
+    let cols = rows.first().map_or(0, |r| r.len());
+    let w: Vec<usize> = (0..cols)
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<w$}", w = w[i]))
+            .collect();
+        println!("{}", line.join("  ").trim_end());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_use_binary_unit_names() {
+        assert_eq!(bytes(0), "0 B");
+        assert_eq!(bytes(1023), "1023 B");
+        assert_eq!(bytes(4 << 30), "4.0 GiB");
+        assert_eq!(bytes(4160 << 20), "4.1 GiB");
+        assert_eq!(bytes(1536 << 10), "1.5 MiB");
+        assert_eq!(bytes(1 << 50), "1.0 PiB");
+    }
+
+    #[test]
+    fn rates_are_exact_when_whole() {
+        assert_eq!(rate(100 << 20), "100 MiB/s");
+        assert_eq!(rate(1 << 30), "1 GiB/s");
+        assert_eq!(rate(1536 << 20), "1.5 GiB/s");
+        assert_eq!(rate(1000), "1000 B/s");
+        assert_eq!(rate(0), "0 B/s");
+    }
+}
