@@ -82,6 +82,8 @@ struct Join {
     hook: Option<(u32, IoOp, u64)>,
     /// Set by [`CoreIo::tracked`]: the hook sees every completion, not only errors.
     always: bool,
+    /// Set by [`CoreIo::watched`]: the hook sees the raw result (a byte count), not 0.
+    raw: bool,
 }
 
 /// A layer's own code that runs when one of its operations ends, registered once per
@@ -268,7 +270,7 @@ impl CoreIo {
         while tag.is_internal() {
             let idx = tag.internal_index();
             let j = &mut self.joins[idx];
-            if res < 0 && j.result >= 0 {
+            if (res < 0 && j.result >= 0) || j.raw {
                 j.result = res;
             }
             j.remaining -= 1;
@@ -306,6 +308,7 @@ impl CoreIo {
             delay,
             hook: None,
             always: false,
+            raw: false,
         };
         let idx = match self.free_joins.pop() {
             Some(i) => {
@@ -354,6 +357,15 @@ impl CoreIo {
         let j = &mut self.joins[t.internal_index()];
         j.hook = Some((hook, IoOp::Flush, ctx));
         j.always = true;
+        t
+    }
+
+    /// A tag for one ring operation of a layer's own (a socket receive or send) whose
+    /// result, as the kernel gave it (a byte count or a negative errno), goes to hook
+    /// `hook`'s `on_done` with `ctx`. Completes nothing itself.
+    pub fn watched(&mut self, hook: u32, ctx: u64) -> Tag {
+        let t = self.tracked(Tag::NO_PARENT, 1, hook, ctx);
+        self.joins[t.internal_index()].raw = true;
         t
     }
 

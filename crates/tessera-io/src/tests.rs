@@ -114,6 +114,35 @@ fn a_tracked_operation_reaches_its_continuation_whatever_the_result() {
 }
 
 #[test]
+fn a_watched_operation_gives_its_continuation_the_raw_result() {
+    let mut io = core();
+    let rec = Rc::new(Recorder::default());
+    let id = io.register_hook(rec.clone());
+    // A tracked tag reports success as 0; a watched one passes the byte count through
+    // (a socket receive needs it), and errors as they are.
+    let t = io.tracked(Tag::NO_PARENT, 1, id, 1);
+    io.complete(t, 4096);
+    let w = io.watched(id, 2);
+    io.complete(w, 4096);
+    let e = io.watched(id, 3);
+    io.complete(e, -libc::ECONNRESET);
+    assert!(
+        drain(&mut io).is_empty(),
+        "a watched tag completes nothing itself"
+    );
+    assert_eq!(
+        *rec.done.borrow(),
+        vec![
+            (Tag::NO_PARENT, 1, 0),
+            (Tag::NO_PARENT, 2, 4096),
+            (Tag::NO_PARENT, 3, -libc::ECONNRESET)
+        ]
+    );
+    let (slots, free) = io.join_slots();
+    assert_eq!(slots, free, "every entry is free again");
+}
+
+#[test]
 fn deferred_work_runs_after_what_is_ready_now() {
     let mut io = core();
     let rec = Rc::new(Recorder::default());

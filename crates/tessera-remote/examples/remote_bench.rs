@@ -1,0 +1,194 @@
+//! Closed-loop random I/O through a RemoteDevice on one reactor core: the latency and
+//! IOPS of the in-reactor NVMe/TCP initiator.
+//!
+//! Usage: remote_bench URL PATTERN QD SECONDS [BS] [SIZE]
+//!   URL      nvme-tcp://HOST:PORT/SUBNQN?nsid=N
+//!   PATTERN  randread | randwrite
+//! At QD1 the reactor busy-polls (like `nvmf perf --busy-poll`).
+//! Prints a RESULT line like `tessera nvmf perf` (iops, mean/p50/p99 latency in us).
+
+use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_device::BlockDevice;
+use tessera_io::hist::Histogram;
+use tessera_io::{spawn_reactors, AlignedBuf, CoreIo, IoHandle, IoOp, ReactorConfig, Tag, Task};
+use tessera_remote::{LinkStats, RemoteDevice, RemoteHandle};
+
+struct Load {
+    dev: Arc<RemoteDevice>,
+    handle: Option<RemoteHandle>,
+    write: bool,
+    bs: u32,
+    blocks: u64,
+    bufs: Vec<AlignedBuf>,
+    started: Vec<Instant>,
+    rng: u64,
+    id: u32,
+    until: Instant,
+    inflight: usize,
+    hist: Histogram,
+    errors: u64,
+    tx: Sender<(Histogram, u64, Duration, LinkStats)>,
+    t0: Instant,
+    done: bool,
+}
+
+impl Load {
+    fn issue(&mut self, io: &mut CoreIo, slot: usize) {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let offset = (self.rng % self.blocks) * u64::from(self.bs);
+        let op = if self.write {
+            IoOp::Write {
+                offset,
+                len: self.bs,
+                buf: self.bufs[slot].as_ptr(),
+            }
+        } else {
+            IoOp::Read {
+                offset,
+                len: self.bs,
+                buf: self.bufs[slot].as_mut_ptr(),
+            }
+        };
+        self.started[slot] = Instant::now();
+        self.inflight += 1;
+        let h = self.handle.as_mut().expect("opened at start");
+        // SAFETY: bufs[slot] is reused only after this slot's completion.
+        unsafe {
+            h.submit(
+                io,
+                op,
+                Tag::task(self.id, tessera_io::cast::u32_of(slot as u64)),
+            )
+        };
+    }
+}
+
+impl Task for Load {
+    fn start(&mut self, io: &mut CoreIo, id: u32) {
+        self.id = id;
+        self.handle = Some(RemoteHandle::open(&self.dev));
+        self.t0 = Instant::now();
+        for s in 0..self.bufs.len() {
+            self.issue(io, s);
+        }
+    }
+
+    fn on_complete(&mut self, io: &mut CoreIo, slot: u32, res: i32) {
+        let s = slot as usize;
+        self.inflight -= 1;
+        let ns = u64::try_from(self.started[s].elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.hist.record(ns);
+        if res < 0 {
+            self.errors += 1;
+        }
+        if Instant::now() < self.until {
+            self.issue(io, s);
+        } else if self.inflight == 0 && !self.done {
+            self.done = true;
+            let stats = self.handle.as_ref().map(|h| h.stats()).unwrap_or_default();
+            let _ = self.tx.send((
+                std::mem::take(&mut self.hist),
+                self.errors,
+                self.t0.elapsed(),
+                stats,
+            ));
+        }
+    }
+
+    fn finished(&self) -> bool {
+        self.done
+    }
+}
+
+fn main() {
+    let a: Vec<String> = std::env::args().collect();
+    if a.len() < 5 {
+        eprintln!("usage: remote_bench URL randread|randwrite QD SECONDS [BS] [SIZE]");
+        std::process::exit(2);
+    }
+    let dev = RemoteDevice::open(&a[1]).unwrap_or_else(|e| {
+        eprintln!("remote_bench: {e}");
+        std::process::exit(1)
+    });
+    let write = match a[2].as_str() {
+        "randread" => false,
+        "randwrite" => true,
+        p => panic!("unknown pattern {p}"),
+    };
+    let qd: usize = a[3].parse().expect("QD");
+    let secs: u64 = a[4].parse().expect("SECONDS");
+    let bs = a
+        .get(5)
+        .map_or(4096, |s| tessera_device::parse_size(s).expect("BS"));
+    let size = a
+        .get(6)
+        .map_or(dev.size(), |s| tessera_device::parse_size(s).expect("SIZE"));
+    let bs32 = u32::try_from(bs).expect("BS fits in 32 bits");
+    let cfg = ReactorConfig {
+        cores: 1,
+        pin: false,
+        ..ReactorConfig::default()
+    };
+    let (mailbox, thread) = spawn_reactors(&cfg)
+        .expect("reactor")
+        .pop()
+        .expect("one core");
+    let (tx, rx) = channel();
+    let d = dev.clone();
+    mailbox.spawn(Box::new(move |_io: &mut CoreIo| {
+        Box::new(Load {
+            dev: d,
+            handle: None,
+            write,
+            bs: bs32,
+            blocks: size / bs,
+            bufs: (0..qd)
+                .map(|i| {
+                    let mut b = AlignedBuf::zeroed(tessera_io::cast::usize_of(bs));
+                    b.as_mut_slice().fill(u8::try_from(i % 256).unwrap_or(0));
+                    b
+                })
+                .collect(),
+            started: vec![Instant::now(); qd],
+            rng: 0x9E37_79B9_7F4A_7C15,
+            id: 0,
+            until: Instant::now() + Duration::from_secs(secs),
+            inflight: 0,
+            hist: Histogram::default(),
+            errors: 0,
+            tx,
+            t0: Instant::now(),
+            done: false,
+        }) as Box<dyn Task>
+    }));
+    let (hist, errors, wall, stats) = rx
+        .recv_timeout(Duration::from_secs(secs + 60))
+        .expect("the run ended");
+    mailbox.send(tessera_io::reactor::Msg::Stop);
+    let _ = thread.join();
+    let ios = hist.count();
+    let iops = ios as f64 / wall.as_secs_f64();
+    let us = |v: u64| v as f64 / 1000.0;
+    println!(
+        "capsules {} in {} sends ({:.2} per send)",
+        stats.capsules,
+        stats.sends,
+        stats.capsules as f64 / stats.sends.max(1) as f64
+    );
+    println!(
+        "RESULT iops={iops:.0} mibps={:.1} mean_us={:.2} p50_us={:.2} p99_us={:.2} p999_us={:.2} errors={errors}",
+        iops * bs as f64 / 1048576.0,
+        hist.mean() / 1000.0,
+        us(hist.quantile(0.5)),
+        us(hist.quantile(0.99)),
+        us(hist.quantile(0.999)),
+    );
+    if errors > 0 {
+        std::process::exit(1);
+    }
+}
