@@ -25,14 +25,65 @@ pub struct VolumeInfo {
     pub qos: QosLimits,
     /// The QoS group it belongs to.
     pub group: Option<String>,
+    /// A replicated volume's replicas (absent for a volume of this node only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<Vec<ReplicaInfo>>,
+}
+
+/// One replica of a replicated volume.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ReplicaInfo {
+    /// `NODE:POOL` (`local:POOL` for the owner's own).
+    pub place: String,
+    /// The thin volume holding it, on that node.
+    pub volume: String,
+    /// `in_sync`, `degraded` (lacks `dirty_bytes`), `resyncing`, or `failed` (degraded
+    /// and unreachable).
+    pub state: String,
+    pub local: bool,
+    pub connected: bool,
+    /// Bytes it lacks (whole dirty regions).
+    pub dirty_bytes: u64,
+    pub resync_percent: Option<f64>,
+    pub resync_rate_bytes_per_sec: Option<f64>,
+    pub resync_eta_secs: Option<f64>,
+    /// Bytes copied to it by resyncs since the owner started.
+    pub resync_copied_bytes_total: u64,
+    pub resync_regions_total: u64,
+    pub last_error: Option<String>,
+}
+
+/// `POST /v1/replicas` (node to node): make a thin volume of this node a replica of a
+/// volume another node owns, exported to it over NVMe/TCP.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CreateReplica {
+    /// Name of the replica's volume on this node.
+    pub volume: String,
+    pub pool: String,
+    pub size: u64,
+    /// The owning node's name.
+    pub owner: String,
+}
+
+/// The answer to `POST /v1/replicas`: where the owner reaches the replica.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ReplicaTarget {
+    pub volume: String,
+    /// `nvme-tcp://HOST:PORT/NQN?nsid=1`.
+    pub spec: String,
 }
 
 /// `POST /v1/volumes`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CreateVolume {
     pub name: String,
+    /// The pool (of this node) to create it in; with `replicas`, leave it empty.
+    #[serde(default)]
     pub pool: String,
     pub size: SizeArg,
+    /// Replicate it: `NODE:POOL` per replica (this node's own name for its local one).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<String>,
     /// Create it even if the pool's volumes then exceed its overcommit ratio.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub force: bool,

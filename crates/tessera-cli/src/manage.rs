@@ -226,6 +226,43 @@ fn print_volumes(vols: &[VolumeInfo]) {
     table(rows);
 }
 
+/// One volume, and its replicas when it is replicated.
+fn print_volume(v: &VolumeInfo) {
+    print_volumes(std::slice::from_ref(v));
+    let Some(reps) = &v.replicas else { return };
+    println!();
+    let mut rows = vec![vec![
+        "REPLICA".into(),
+        "VOLUME".into(),
+        "STATE".into(),
+        "LACKS".into(),
+        "RESYNC".into(),
+        "ERROR".into(),
+    ]];
+    for r in reps {
+        let resync = match (
+            r.resync_percent,
+            r.resync_rate_bytes_per_sec,
+            r.resync_eta_secs,
+        ) {
+            (Some(p), Some(rate), Some(eta)) => {
+                format!("{p:.1}% at {}/s, {eta:.0} s left", bytes(rate as u64))
+            }
+            (Some(p), _, _) => format!("{p:.1}%"),
+            _ => "-".into(),
+        };
+        rows.push(vec![
+            r.place.clone(),
+            r.volume.clone(),
+            r.state.clone(),
+            bytes(r.dirty_bytes),
+            resync,
+            r.last_error.clone().unwrap_or_else(|| "-".into()),
+        ]);
+    }
+    table(rows);
+}
+
 fn print_exports(exports: &[ExportInfo]) {
     let mut rows = vec![vec![
         "EXPORT".into(),
@@ -265,12 +302,21 @@ pub struct VolumeName {
 pub struct VolumeCreateArgs {
     /// Name of the new volume (unique on the node).
     pub name: String,
-    /// Pool that holds the volume's data.
-    #[arg(long)]
-    pub pool: String,
+    /// Pool that holds the volume's data (not with --replicas).
+    #[arg(
+        long,
+        required_unless_present = "replicas",
+        conflicts_with = "replicas"
+    )]
+    pub pool: Option<String>,
     /// Virtual size, a multiple of 512 bytes: bytes or K, M, G, T, P (or KiB ... PiB).
     #[arg(long)]
     pub size: String,
+    /// Replicate the volume synchronously on several nodes: NODE:POOL per replica,
+    /// comma-separated, this node's own name included (it owns and exports the volume;
+    /// the others are `[[peer]]`s in its config).
+    #[arg(long, value_delimiter = ',')]
+    pub replicas: Vec<String>,
     /// Go beyond the pool's overcommit ratio (`pool update --overcommit` changes it).
     #[arg(long)]
     pub force: bool,
@@ -349,12 +395,13 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
         VolumeCmd::Create(a) => {
             let body = CreateVolume {
                 name: a.name,
-                pool: a.pool,
+                pool: a.pool.unwrap_or_default(),
                 size: a.size.into(),
+                replicas: a.replicas,
                 force: a.force,
             };
             let v: VolumeInfo = send(ep, "POST", "/v1/volumes", &body)?;
-            show(&v, raw, |v| print_volumes(std::slice::from_ref(v)));
+            show(&v, raw, print_volume);
         }
         VolumeCmd::List => {
             let v: Vec<VolumeInfo> = get(ep, "/v1/volumes")?;
@@ -362,7 +409,7 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
         }
         VolumeCmd::Show(VolumeName { name }) => {
             let v: VolumeInfo = get(ep, &format!("/v1/volumes/{name}"))?;
-            show(&v, raw, |v| print_volumes(std::slice::from_ref(v)));
+            show(&v, raw, print_volume);
         }
         VolumeCmd::Resize { name, size, force } => {
             let body = ResizeVolume {

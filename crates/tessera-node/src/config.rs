@@ -43,6 +43,54 @@ pub struct NodeConfig {
     pub volumes: Vec<VolumeDecl>,
     #[serde(rename = "export")]
     pub exports: Vec<ExportDecl>,
+    /// This node's name, as replicas are placed (`--replicas NODE:POOL,...`); default the
+    /// host name.
+    pub name: Option<String>,
+    /// Other nodes this node may place replicas on (`[[peer]]`).
+    #[serde(rename = "peer")]
+    pub peers: Vec<PeerDecl>,
+    pub replication: ReplicationConfig,
+}
+
+/// `[[peer]]`: another node, reached through its management API.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerDecl {
+    pub name: String,
+    /// Its API endpoint: `unix:PATH` (same machine) or `https://HOST:PORT`.
+    pub api: String,
+    /// Bearer token file for an `https://` API.
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// CA certificate that signed the peer's API certificate.
+    #[serde(default)]
+    pub ca_cert: Option<PathBuf>,
+}
+
+/// `[replication]`: how replicated volumes behave.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReplicationConfig {
+    /// Dirty-region granularity (rounded to a power of two, 64K to 1G).
+    pub region_size: String,
+    /// Most regions in the activity log: what the replicas may have to reconcile after
+    /// the owner crashes.
+    pub al_regions: u32,
+    /// A replica unreachable this long is dropped out of sync (writes go on without it).
+    pub timeout_ms: u64,
+    /// Most bytes per second one resync copies (0: unlimited).
+    pub resync_rate: String,
+}
+
+impl Default for ReplicationConfig {
+    fn default() -> Self {
+        ReplicationConfig {
+            region_size: "1M".into(),
+            al_regions: 1024,
+            timeout_ms: 5000,
+            resync_rate: "256M".into(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -170,6 +218,9 @@ impl Default for NodeConfig {
             pools: Vec::new(),
             volumes: Vec::new(),
             exports: Vec::new(),
+            name: None,
+            peers: Vec::new(),
+            replication: ReplicationConfig::default(),
         }
     }
 }
@@ -225,6 +276,15 @@ impl NodeConfig {
             .socket
             .clone()
             .unwrap_or_else(|| self.data_dir.join("api.sock"))
+    }
+
+    /// This node's name: `name`, else the host name.
+    pub fn node_name(&self) -> String {
+        self.name.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_else(|_| "localhost".into())
+        })
     }
 
     pub fn core_count(&self) -> usize {

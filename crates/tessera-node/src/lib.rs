@@ -16,6 +16,7 @@ pub mod nvmf;
 pub mod rebuild;
 pub mod registry;
 pub mod scrub;
+pub mod target;
 
 pub use config::NodeConfig;
 pub use datadir::DataDirLock;

@@ -12,10 +12,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::target::NodeTarget;
 use serde::{Deserialize, Serialize};
 use tessera_nvmf::auth::{DhGroup, Hash, HostKeys, Secret};
 use tessera_nvmf::target::Target;
-use tessera_pool::{Error, ErrorKind, Volume};
+use tessera_pool::{Error, ErrorKind};
 
 pub use crate::config::{default_nqn, NvmfConfig, SubsystemDecl};
 
@@ -137,7 +138,7 @@ pub struct NvmfFile {
 pub struct NvmfState {
     path: PathBuf,
     file: Mutex<NvmfFile>,
-    pub(crate) target: OnceLock<Arc<Target<Volume>>>,
+    pub(crate) target: OnceLock<Arc<Target<NodeTarget>>>,
     pub addresses: Mutex<Vec<String>>,
 }
 
@@ -213,7 +214,7 @@ impl NvmfState {
             .map(|s| s.nqn.clone())
     }
 
-    pub fn target(&self) -> Option<&Arc<Target<Volume>>> {
+    pub fn target(&self) -> Option<&Arc<Target<NodeTarget>>> {
         self.target.get()
     }
 

@@ -25,8 +25,8 @@ pub use error::{Error, ErrorKind, Result};
 pub use format::ExportRecord;
 pub use layout::{Layout, LayoutHandle, LayoutKind};
 pub use pool::{
-    human_bytes, uuid_string, validate_name, validate_overcommit, Pool, PoolOptions, PoolStatus,
-    PoolTuning, DEFAULT_OVERCOMMIT, DEFAULT_UNIT_SIZE,
+    human_bytes, random_uuid, uuid_string, validate_name, validate_overcommit, Pool, PoolOptions,
+    PoolStatus, PoolTuning, DEFAULT_OVERCOMMIT, DEFAULT_UNIT_SIZE,
 };
 pub use scrub::ScrubFindings;
 pub use volume::{IoClass, IoStats, StatsSnapshot, Volume, VolumeHandle, HOLE};

@@ -178,7 +178,7 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
-fn random_uuid() -> Uuid {
+pub fn random_uuid() -> Uuid {
     let mut u = [0u8; 16];
     // SAFETY: getrandom writes at most 16 bytes into u.
     let n = unsafe { libc::getrandom(u.as_mut_ptr() as *mut libc::c_void, 16, 0) };

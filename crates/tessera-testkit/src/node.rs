@@ -83,13 +83,19 @@ impl<B: Binary> TestNode<B> {
 
     /// [`start_with_config`](Self::start_with_config) with `cores` reactor cores.
     pub fn start_with_cores(tag: &str, cores: usize, extra: &str) -> Self {
+        Self::start_with_top(tag, cores, "", extra)
+    }
+
+    /// [`start_with_cores`](Self::start_with_cores) with `top` TOML put first, where
+    /// top-level keys (`name`, `[[peer]]` tables before any other table) may go.
+    pub fn start_with_top(tag: &str, cores: usize, top: &str, extra: &str) -> Self {
         let tmp = temp_dir(tag);
         let dir = tmp.path().to_path_buf();
         let port = free_port();
         let data_dir = dir.join("data");
         let cfg = dir.join("tessera.toml");
         let text = format!(
-            "data_dir = \"{}\"\ncores = {cores}\n[nbd]\nlisten = [\"127.0.0.1:{port}\"]\nunix = \"{}\"\n{extra}\n",
+            "{top}\ndata_dir = \"{}\"\ncores = {cores}\n[nbd]\nlisten = [\"127.0.0.1:{port}\"]\nunix = \"{}\"\n{extra}\n",
             data_dir.display(),
             dir.join("nbd.sock").display()
         );

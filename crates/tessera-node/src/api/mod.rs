@@ -109,6 +109,7 @@ async fn no_route(method: axum::http::Method, uri: Uri) -> Response {
         pools::scrub_status, pools::scrub_start, pools::scrub_stop, pools::resync_status,
         volumes::list, volumes::create, volumes::detail, volumes::resize, volumes::delete,
         volumes::qos_get, volumes::qos_put, volumes::qos_clear, volumes::stats,
+        volumes::replica_create, volumes::replica_delete,
         exports::list, exports::create, exports::remove,
         groups::list, groups::detail, groups::put_group, groups::delete,
         groups::member_add, groups::member_remove,

@@ -8,7 +8,8 @@ use axum::extract::{Path, Query, State};
 use axum::routing::get;
 use axum::Router;
 use tessera_api::{
-    CreateVolume, Deleted, ErrorReply, QosLimits, ResizeVolume, SizeArg, VolumeInfo, VolumeStats,
+    CreateReplica, CreateVolume, Deleted, ErrorReply, QosLimits, ReplicaTarget, ResizeVolume,
+    SizeArg, VolumeInfo, VolumeStats,
 };
 use tessera_http::Response;
 
@@ -34,6 +35,11 @@ pub fn routes() -> Router<Arc<Node>> {
             "/v1/volumes/{name}",
             get(detail).patch(resize).delete(delete),
         )
+        .route("/v1/replicas", axum::routing::post(replica_create))
+        .route(
+            "/v1/replicas/{volume}",
+            axum::routing::delete(replica_delete),
+        )
         .route(
             "/v1/volumes/{name}/qos",
             get(qos_get).put(qos_put).delete(qos_clear),
@@ -51,13 +57,21 @@ pub async fn list(State(node): NodeState) -> Response {
     responses((status = 201, body = VolumeInfo), (status = "4XX", body = ErrorReply),
         (status = 507, description = "The pool has no room", body = ErrorReply)))]
 pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
-    match body::<CreateVolume>(&bytes, "volume", "name, pool, size, force") {
+    match body::<CreateVolume>(&bytes, "volume", "name, pool, size, replicas, force") {
         Ok(b) => {
             with_node(node, move |n| {
-                reply(
-                    size(&b.size).and_then(|s| n.create_volume(&b.name, &b.pool, s, b.force)),
-                    201,
-                )
+                let made = size(&b.size).and_then(|s| {
+                    if b.replicas.is_empty() {
+                        n.create_volume(&b.name, &b.pool, s, b.force)
+                    } else if !b.pool.is_empty() {
+                        Err(Error::invalid(
+                            "give either pool or replicas (NODE:POOL each), not both",
+                        ))
+                    } else {
+                        n.create_replicated_volume(&b.name, s, &b.replicas, b.force)
+                    }
+                });
+                reply(made, 201)
             })
             .await
         }
@@ -155,6 +169,31 @@ pub async fn stats(
     };
     with_node(node, move |n| {
         reply(n.volume_stats(&name, Duration::from_millis(ms)), 200)
+    })
+    .await
+}
+
+#[utoipa::path(post, path = "/v1/replicas", tag = "volumes", request_body = CreateReplica,
+    description = "Node to node: hold a replica of a volume another node owns (a thin volume exported to the owner over NVMe/TCP). Idempotent.",
+    responses((status = 201, body = ReplicaTarget), (status = "4XX", body = ErrorReply)))]
+pub async fn replica_create(State(node): NodeState, bytes: Bytes) -> Response {
+    match body::<CreateReplica>(&bytes, "replica", "volume, pool, size, owner") {
+        Ok(b) => with_node(node, move |n| reply(n.create_replica(&b), 201)).await,
+        Err(r) => r,
+    }
+}
+
+#[utoipa::path(delete, path = "/v1/replicas/{volume}", tag = "volumes",
+    params(("volume" = String, Path)),
+    responses((status = 200, body = Deleted), (status = "4XX", body = ErrorReply)))]
+pub async fn replica_delete(State(node): NodeState, Path(volume): Path<String>) -> Response {
+    with_node(node, move |n| {
+        reply(
+            n.delete_replica(&volume).map(|()| Deleted {
+                deleted: volume.clone(),
+            }),
+            200,
+        )
     })
     .await
 }

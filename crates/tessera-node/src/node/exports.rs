@@ -20,7 +20,13 @@ impl Node {
     /// The volume behind an export, for a connection that negotiated it.
     pub fn resolve_export(&self, name: &str) -> Option<(Arc<Volume>, bool)> {
         let (p, e) = self.find_export(name)?;
-        Some((p.volume_by_id(e.volume_id)?, e.read_only))
+        let v = p.volume_by_id(e.volume_id)?;
+        if let Some(why) = self.replica_blocked(&v) {
+            tracing::warn!(export = %name, volume = %v.name, reason = %why,
+                "export refused: its replicated volume is not open");
+            return None;
+        }
+        Some((v, e.read_only))
     }
 
     /// Whether clients must start TLS to use the export: its own policy, else the

@@ -14,6 +14,7 @@ mod jobs;
 pub mod nvmf;
 mod pools;
 mod qos;
+pub mod replicas;
 mod spares;
 mod volumes;
 
@@ -65,6 +66,11 @@ pub struct Node {
     slots: Mutex<BTreeMap<String, Vec<Arc<SwappableDevice>>>>,
     /// Hot spares the node has opened, by spec (which pool lists which: `entries`).
     spare_devs: Mutex<BTreeMap<String, Arc<dyn BlockDevice>>>,
+    /// Replicated volumes this node owns, by name (node/replicas.rs).
+    replicated: RwLock<BTreeMap<String, Arc<tessera_replica::ReplicatedVolume>>>,
+    /// Replicated volumes whose replica set could not be opened, with the reason: their
+    /// local leg is not served alone.
+    replica_failures: RwLock<BTreeMap<String, String>>,
     /// This node's claim on its data directory, held until the process ends.
     _dir_lock: crate::datadir::DataDirLock,
 }
@@ -133,6 +139,8 @@ impl Node {
             resyncs: Mutex::new(BTreeMap::new()),
             slots: Mutex::new(BTreeMap::new()),
             spare_devs: Mutex::new(BTreeMap::new()),
+            replicated: RwLock::new(BTreeMap::new()),
+            replica_failures: RwLock::new(BTreeMap::new()),
             _dir_lock: dir_lock,
         });
         for e in entries {
@@ -195,6 +203,7 @@ impl Node {
                 }
             }
         }
+        node.open_replicated_volumes();
         node.apply_declarations()?;
         node.groups.bind_all(|n| node.volume_by_name(n));
         node.start_ladder();
@@ -395,6 +404,7 @@ impl Node {
 
     /// Commit every pool (called at shutdown).
     pub fn shutdown(&self) {
+        self.close_replicated();
         for p in self.pools() {
             if let Err(e) = p.shutdown() {
                 error!(pool = %p.name(), error = %e, "final commit failed");

@@ -10,6 +10,7 @@ use tessera_pool::{Error, ErrorKind, Volume};
 
 use crate::node::Node;
 use crate::nvmf::*;
+use crate::target::NodeTarget;
 
 /// The catalog the target reads: the node's subsystem configuration, resolved to live
 /// volumes. Holds the node weakly (the node owns the target).
@@ -21,11 +22,12 @@ impl NodeCatalog {
             .into_iter()
             .find(|p| p.status().uuid == n.pool_uuid)
             .and_then(|p| p.volume_by_id(n.volume_id))
+            .filter(|v| node.replica_blocked(v).is_none())
     }
 }
 
-impl Catalog<Volume> for NodeCatalog {
-    fn subsystem(&self, nqn: &str) -> Option<SubsystemInfo<Volume>> {
+impl Catalog<NodeTarget> for NodeCatalog {
+    fn subsystem(&self, nqn: &str) -> Option<SubsystemInfo<NodeTarget>> {
         let node = self.0.upgrade()?;
         let rec = node
             .nvmf

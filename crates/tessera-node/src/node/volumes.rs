@@ -7,6 +7,7 @@ use tessera_pool::{Pool, Volume};
 use tessera_qos::QosLimits;
 
 use super::{Error, Node, Result};
+use crate::target::NodeTarget;
 
 impl Node {
     /// `force`: beyond the pool's overcommit ratio.
@@ -32,6 +33,11 @@ impl Node {
     pub fn resize_volume(&self, name: &str, size: u64, force: bool) -> Result<VolumeInfo> {
         let _g = self.admin();
         let (p, v) = self.find_volume(name)?;
+        if self.replicated_of(&v).is_some() || self.replica_blocked(&v).is_some() {
+            return Err(Error::invalid(format!(
+                "volume '{name}' is replicated: resizing a replicated volume is not supported yet"
+            )));
+        }
         p.resize_volume_opts(&v, size, force)?;
         Ok(self.volume_info(&p, &v))
     }
@@ -47,6 +53,9 @@ impl Node {
             return Err(Error::busy(format!(
                 "volume '{name}' is a namespace of NVMe subsystem '{nqn}'; remove it first"
             )));
+        }
+        if let Some(rv) = self.replicated_of(&v) {
+            self.delete_replicated(&rv)?;
         }
         p.delete_volume(&v)?;
         self.groups.forget_volume(name);
@@ -77,6 +86,7 @@ impl Node {
             created: v.created,
             qos: self.groups.volume_qos(v).limits(),
             group: self.groups.group_of(&v.name),
+            replicas: self.replica_infos(v),
         }
     }
 
@@ -89,9 +99,13 @@ impl Node {
 
     /// A volume as the protocols export it: the volume and the QoS state its
     /// connections are admitted by.
-    pub fn export_of(&self, vol: &Arc<Volume>) -> tessera_export::Export<Volume> {
+    pub fn export_of(&self, vol: &Arc<Volume>) -> tessera_export::Export<NodeTarget> {
+        let target = match self.replicated_of(vol) {
+            Some(rv) => NodeTarget::Replicated(rv),
+            None => NodeTarget::Local(vol.clone()),
+        };
         tessera_export::Export {
-            target: vol.clone(),
+            target: Arc::new(target),
             qos: self.groups.volume_qos(vol),
         }
     }

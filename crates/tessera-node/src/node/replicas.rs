@@ -1,0 +1,429 @@
+//! Replicated volumes (docs/architecture.md "Replicated volumes"): this node as the
+//! owner (create, open at start, status, delete) and as the holder of another node's
+//! replica (`POST /v1/replicas`: a thin volume exported to the owner over NVMe/TCP).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tessera_api::{CreateReplica, ReplicaInfo, ReplicaTarget, VolumeInfo};
+use tessera_http::{request, Endpoint};
+use tessera_pool::Volume;
+use tessera_replica::{Cores, LegDesc, ReplicaOptions, ReplicatedVolume, SetDesc};
+use tracing::{error, info, warn};
+
+use super::{size_arg, Error, Node, Result};
+use crate::config::PeerDecl;
+
+/// The NQN under which a node exports a replica to its owner.
+pub fn replica_nqn(owner: &str, volume: &str) -> String {
+    format!("nqn.2026-11.io.tessera:replica:{owner}:{volume}")
+}
+
+impl Node {
+    fn replicas_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("replicas")
+    }
+
+    fn replica_options(&self) -> Result<ReplicaOptions> {
+        let r = &self.cfg.replication;
+        Ok(ReplicaOptions {
+            region_size: size_arg("[replication] region_size", &r.region_size)?,
+            al_capacity: r.al_regions.max(1),
+            timeout: Duration::from_millis(r.timeout_ms.max(1)),
+            resync_rate: size_arg("[replication] resync_rate", &r.resync_rate)?,
+            hostnqn: ReplicaOptions::default().hostnqn,
+        })
+    }
+
+    fn cores(&self) -> Arc<Cores> {
+        Cores::new(self.reactors.clone())
+    }
+
+    /// The replicated volume whose local leg is `vol`, if any.
+    pub fn replicated_of(&self, vol: &Volume) -> Option<Arc<ReplicatedVolume>> {
+        self.replicated
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&vol.name)
+            .filter(|r| r.local_volume().is_some_and(|v| std::ptr::eq(&*v, vol)))
+            .cloned()
+    }
+
+    /// Whether `vol` is the local leg of a replicated volume that could not be opened:
+    /// it must not be served on its own (the other replicas would miss the writes).
+    pub fn replica_blocked(&self, vol: &Volume) -> Option<String> {
+        self.replica_failures
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&vol.name)
+            .cloned()
+    }
+
+    /// Open every replicated volume this node owns (node start).
+    pub(super) fn open_replicated_volumes(&self) {
+        let Ok(dir) = std::fs::read_dir(self.replicas_dir()) else {
+            return;
+        };
+        let opts = match self.replica_options() {
+            Ok(o) => o,
+            Err(e) => {
+                error!(error = %e, "bad [replication] settings: replicated volumes stay closed");
+                return;
+            }
+        };
+        for ent in dir.flatten() {
+            let path = ent.path();
+            if path.extension().is_none_or(|e| e != "rset") {
+                continue;
+            }
+            let name = path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let opened = ReplicatedVolume::read_desc(&path).and_then(|desc| {
+                let local = desc.legs.iter().find_map(|l| match l {
+                    LegDesc::Local { volume, .. } => Some(volume.clone()),
+                    LegDesc::Remote { .. } => None,
+                });
+                let local = match local {
+                    Some(v) => Some(self.volume_by_name(&v).ok_or_else(|| {
+                        std::io::Error::new(
+                            std::io::ErrorKind::NotFound,
+                            format!("its local volume '{v}' is missing (pool offline?)"),
+                        )
+                    })?),
+                    None => None,
+                };
+                ReplicatedVolume::open(&path, local, opts.clone(), self.cores())
+            });
+            match opened {
+                Ok(v) => {
+                    self.replicated
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(name, v);
+                }
+                Err(e) => {
+                    error!(volume = %name, error = %e, "replicated volume cannot be opened: it is not served");
+                    self.replica_failures
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(name, e.to_string());
+                }
+            }
+        }
+    }
+
+    fn peer(&self, name: &str) -> Result<&PeerDecl> {
+        self.cfg
+            .peers
+            .iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                "no peer named '{name}' ([[peer]] in the config lists the nodes replicas may go to)"
+            ))
+            })
+    }
+
+    fn peer_call(
+        &self,
+        peer: &PeerDecl,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<(u16, String)> {
+        let token = match &peer.token_file {
+            Some(f) => Some(
+                std::fs::read_to_string(f)
+                    .map_err(|e| Error::io(&format!("reading {}", f.display()), e))?
+                    .trim()
+                    .to_string(),
+            ),
+            None => None,
+        };
+        let ep = Endpoint::parse(&peer.api).with_credentials(token, peer.ca_cert.clone());
+        request(&ep, method, path, body)
+            .map_err(|e| Error::io(&format!("peer '{}' ({})", peer.name, peer.api), e))
+    }
+
+    /// Create a replicated volume: its local leg in one of this node's pools, a replica on
+    /// each named peer, and the replica-set file.
+    pub fn create_replicated_volume(
+        &self,
+        name: &str,
+        size: u64,
+        replicas: &[String],
+        force: bool,
+    ) -> Result<VolumeInfo> {
+        let _g = self.admin();
+        tessera_pool::validate_name("volume", name)?;
+        if self.find_volume(name).is_ok() {
+            return Err(Error::already_exists(format!(
+                "volume '{name}' already exists"
+            )));
+        }
+        let me = self.cfg.node_name();
+        let mut places = Vec::new();
+        for r in replicas {
+            let (node, pool) = r
+                .split_once(':')
+                .ok_or_else(|| Error::invalid(format!("replica '{r}': expected NODE:POOL")))?;
+            if places.iter().any(|(n, _): &(String, String)| n == node) {
+                return Err(Error::invalid(format!(
+                    "two replicas on node '{node}': each replica goes to a different node"
+                )));
+            }
+            places.push((node.to_string(), pool.to_string()));
+        }
+        if !(2..=tessera_replica::meta::MAX_LEGS).contains(&places.len()) {
+            return Err(Error::invalid(format!(
+                "a replicated volume has 2 to {} replicas",
+                tessera_replica::meta::MAX_LEGS
+            )));
+        }
+        let Some((_, local_pool)) = places.iter().find(|(n, _)| *n == me) else {
+            return Err(Error::invalid(format!(
+                "this node ('{me}') owns the volume and holds one of its replicas: list \
+                 '{me}:POOL' among --replicas"
+            )));
+        };
+        for (n, _) in &places {
+            if *n != me {
+                self.peer(n)?;
+            }
+        }
+        let p = self.pool(local_pool)?;
+        let opts = self.replica_options()?;
+        let local = p.create_volume_opts(name, size, force)?;
+        // From here, undo what was made if a later step fails.
+        let mut made: Vec<(PeerDecl, String)> = Vec::new();
+        let result = (|| -> Result<Arc<ReplicatedVolume>> {
+            let mut legs = Vec::new();
+            for (n, pool) in &places {
+                if *n == me {
+                    legs.push(LegDesc::Local {
+                        pool: pool.clone(),
+                        volume: name.to_string(),
+                    });
+                    continue;
+                }
+                let peer = self.peer(n)?.clone();
+                let req = CreateReplica {
+                    volume: format!("{name}.{me}"),
+                    pool: pool.clone(),
+                    size,
+                    owner: me.clone(),
+                };
+                let body = serde_json::to_value(&req).map_err(|e| Error::invalid(e.to_string()))?;
+                let (status, text) = self.peer_call(&peer, "POST", "/v1/replicas", Some(&body))?;
+                if !(200..300).contains(&status) {
+                    return Err(Error::invalid(format!(
+                        "peer '{n}' refused the replica (HTTP {status}): {}",
+                        text.trim()
+                    )));
+                }
+                let t: ReplicaTarget = serde_json::from_str(&text)
+                    .map_err(|e| Error::io(&format!("peer '{n}' answered"), e))?;
+                made.push((peer.clone(), t.volume.clone()));
+                legs.push(LegDesc::Remote {
+                    node: n.clone(),
+                    pool: pool.clone(),
+                    volume: t.volume,
+                    spec: reachable_spec(&t.spec, &peer.api),
+                });
+            }
+            let desc = SetDesc {
+                name: name.to_string(),
+                legs,
+            };
+            ReplicatedVolume::create(
+                &self.replicas_dir(),
+                desc,
+                size,
+                Some(local.clone()),
+                opts,
+                self.cores(),
+            )
+            .map_err(|e| Error::io("creating the replica set", e))
+        })();
+        match result {
+            Ok(rv) => {
+                info!(volume = %name, replicas = ?replicas, "replicated volume created");
+                self.replicated
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(name.to_string(), rv);
+                Ok(self.volume_info(&p, &local))
+            }
+            Err(e) => {
+                for (peer, vol) in made {
+                    if let Err(err) =
+                        self.peer_call(&peer, "DELETE", &format!("/v1/replicas/{vol}"), None)
+                    {
+                        warn!(peer = %peer.name, volume = %vol, error = %err, "could not remove a replica after a failed create");
+                    }
+                }
+                let _ = std::fs::remove_file(self.replicas_dir().join(format!("{name}.rset")));
+                if let Err(err) = p.delete_volume(&local) {
+                    warn!(volume = %name, error = %err, "could not remove the local leg after a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Delete a replicated volume this node owns: its replica set, its replicas on the
+    /// peers (those that answer; the others are named in the log) and its local leg.
+    pub(super) fn delete_replicated(&self, rv: &Arc<ReplicatedVolume>) -> Result<()> {
+        if let Some(v) = rv.local_volume() {
+            let (p, _) = self.find_volume(&v.name)?;
+            if let Some(e) = p.exports().into_iter().find(|e| e.volume_id == v.id) {
+                return Err(Error::busy(format!(
+                    "volume '{}' is exported as '{}'; remove the export first",
+                    v.name, e.name
+                )));
+            }
+        }
+        rv.close();
+        for d in rv.descs() {
+            if let LegDesc::Remote { node, volume, .. } = d {
+                let r = self.peer(&node).and_then(|p| {
+                    self.peer_call(p, "DELETE", &format!("/v1/replicas/{volume}"), None)
+                });
+                match r {
+                    Ok((s, _)) if (200..300).contains(&s) || s == 404 => {}
+                    Ok((s, t)) => {
+                        warn!(peer = %node, volume = %volume, status = s, answer = %t.trim(), "peer did not delete its replica")
+                    }
+                    Err(e) => {
+                        warn!(peer = %node, volume = %volume, error = %e, "peer unreachable: its replica stays until removed there")
+                    }
+                }
+            }
+        }
+        std::fs::remove_file(rv.path()).map_err(|e| Error::io("removing the replica set", e))?;
+        self.replicated
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&rv.name);
+        Ok(())
+    }
+
+    pub(super) fn replica_infos(&self, vol: &Volume) -> Option<Vec<ReplicaInfo>> {
+        let rv = self.replicated_of(vol)?;
+        Some(
+            rv.status()
+                .into_iter()
+                .map(|s| ReplicaInfo {
+                    place: s.place,
+                    volume: s.volume,
+                    state: s.state,
+                    local: s.local,
+                    connected: s.connected,
+                    dirty_bytes: s.dirty_bytes,
+                    resync_percent: s.resync_percent,
+                    resync_rate_bytes_per_sec: s.resync_rate_bytes_per_sec,
+                    resync_eta_secs: s.resync_eta_secs,
+                    resync_copied_bytes_total: s.resync_copied_bytes_total,
+                    resync_regions_total: s.resync_regions_total,
+                    last_error: s.last_error,
+                })
+                .collect(),
+        )
+    }
+
+    /// Close every replicated volume cleanly (node shutdown).
+    pub(super) fn close_replicated(&self) {
+        let all: Vec<_> = self
+            .replicated
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for rv in all {
+            rv.close();
+        }
+    }
+
+    /// Peer side of `POST /v1/replicas`: a thin volume of this node, exported over
+    /// NVMe/TCP to the owner. Asking again for the same replica answers the same.
+    pub fn create_replica(&self, req: &CreateReplica) -> Result<ReplicaTarget> {
+        if !self.cfg.nvmf.enabled {
+            return Err(Error::invalid(
+                "this node does not serve NVMe/TCP ([nvmf] enabled = false): it cannot hold replicas",
+            ));
+        }
+        let nqn = replica_nqn(&req.owner, &req.volume);
+        match self.find_volume(&req.volume) {
+            Ok((_, v)) if v.size() == req.size => {}
+            Ok(_) => {
+                return Err(Error::already_exists(format!(
+                    "volume '{}' exists with another size",
+                    req.volume
+                )))
+            }
+            Err(_) => {
+                self.create_volume(&req.volume, &req.pool, req.size, false)?;
+            }
+        }
+        let sub = match self.nvmf_get(&nqn) {
+            Ok(s) => s,
+            Err(_) => self.nvmf_add_subsystem(&nqn, true, &[])?,
+        };
+        if sub.namespaces.is_empty() {
+            self.nvmf_add_namespace(&nqn, &req.volume, 1)?;
+        }
+        info!(volume = %req.volume, owner = %req.owner, nqn = %nqn, "holding a replica for another node");
+        Ok(ReplicaTarget {
+            volume: req.volume.clone(),
+            spec: format!("nvme-tcp://{}/{nqn}?nsid=1", self.cfg.nvmf.listen),
+        })
+    }
+
+    /// Peer side of `DELETE /v1/replicas/VOLUME`.
+    pub fn delete_replica(&self, volume: &str) -> Result<()> {
+        let subs = self.nvmf_list();
+        for s in subs {
+            if s.nqn.starts_with("nqn.2026-11.io.tessera:replica:")
+                && s.namespaces.iter().any(|n| n.volume == volume)
+            {
+                // The owner closed its connections just before asking; they may take a
+                // moment to end here.
+                let deadline = std::time::Instant::now() + Duration::from_secs(3);
+                loop {
+                    match self.nvmf_remove_subsystem(&s.nqn) {
+                        Err(e)
+                            if e.kind == tessera_pool::ErrorKind::Busy
+                                && std::time::Instant::now() < deadline =>
+                        {
+                            std::thread::sleep(Duration::from_millis(50));
+                        }
+                        r => break r?,
+                    }
+                }
+            }
+        }
+        self.delete_volume(volume)
+    }
+}
+
+/// A peer's NVMe/TCP address as the owner can reach it: a wildcard listen address
+/// becomes the host the peer's API was reached at (loopback for a Unix socket).
+fn reachable_spec(spec: &str, api: &str) -> String {
+    let host = match Endpoint::parse(api) {
+        Endpoint::Https(h) => h.addr.rsplit_once(':').map(|(h, _)| h.to_string()),
+        Endpoint::Tcp(a) => a.rsplit_once(':').map(|(h, _)| h.to_string()),
+        Endpoint::Unix(_) => None,
+    }
+    .unwrap_or_else(|| "127.0.0.1".into());
+    for wild in ["0.0.0.0", "[::]"] {
+        let from = format!("nvme-tcp://{wild}:");
+        if let Some(rest) = spec.strip_prefix(&from) {
+            return format!("nvme-tcp://{host}:{rest}");
+        }
+    }
+    spec.to_string()
+}

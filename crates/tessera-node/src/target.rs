@@ -1,0 +1,99 @@
+//! What a node exports: a thin volume of one of its pools, or a volume replicated onto
+//! other nodes whose local leg is such a volume. Protocols are generic over the target;
+//! this enum lets one server serve both with a static branch per I/O, no virtual call.
+
+use std::sync::Arc;
+
+use tessera_export::{ExportHandle, ExportTarget, IoStats, StatsSnapshot};
+use tessera_io::{CoreIo, IoOp, Tag};
+use tessera_pool::{Volume, VolumeHandle};
+use tessera_replica::{ReplicaHandle, ReplicatedVolume};
+
+pub enum NodeTarget {
+    Local(Arc<Volume>),
+    Replicated(Arc<ReplicatedVolume>),
+}
+
+pub enum NodeHandle {
+    Local(VolumeHandle),
+    Replicated(ReplicaHandle),
+}
+
+impl ExportTarget for NodeTarget {
+    type Handle = NodeHandle;
+
+    fn size(&self) -> u64 {
+        match self {
+            NodeTarget::Local(v) => v.size(),
+            NodeTarget::Replicated(r) => r.size(),
+        }
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        match self {
+            NodeTarget::Local(v) => v.allocated_bytes(),
+            NodeTarget::Replicated(r) => ExportTarget::allocated_bytes(&**r),
+        }
+    }
+
+    fn allocation_runs(&self, offset: u64, len: u64, max_runs: usize) -> Vec<(u64, bool)> {
+        match self {
+            NodeTarget::Local(v) => v.allocation_runs(offset, len, max_runs),
+            NodeTarget::Replicated(r) => r.allocation_runs(offset, len, max_runs),
+        }
+    }
+
+    // Stats live with the local volume either way, so `volume stats` and metrics see a
+    // replicated volume's client I/O under its name.
+    fn register_stats(&self) -> Arc<IoStats> {
+        self.stats_volume()
+            .map_or_else(|| Arc::new(IoStats::default()), |v| v.register_stats())
+    }
+
+    fn unregister_stats(&self, stats: &Arc<IoStats>) {
+        if let Some(v) = self.stats_volume() {
+            v.unregister_stats(stats)
+        }
+    }
+
+    fn stats(&self) -> StatsSnapshot {
+        self.stats_volume()
+            .map_or_else(StatsSnapshot::default, |v| v.stats())
+    }
+
+    fn open(self: &Arc<Self>) -> NodeHandle {
+        match &**self {
+            NodeTarget::Local(v) => NodeHandle::Local(v.open_handle()),
+            NodeTarget::Replicated(r) => NodeHandle::Replicated(r.open()),
+        }
+    }
+}
+
+impl NodeTarget {
+    fn stats_volume(&self) -> Option<Arc<Volume>> {
+        match self {
+            NodeTarget::Local(v) => Some(v.clone()),
+            NodeTarget::Replicated(r) => r.local_volume(),
+        }
+    }
+}
+
+impl ExportHandle for NodeHandle {
+    #[inline]
+    unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+        match self {
+            // SAFETY: forwarded under the caller's contract.
+            NodeHandle::Local(h) => unsafe { ExportHandle::submit(h, io, op, tag) },
+            // SAFETY: as above.
+            NodeHandle::Replicated(h) => unsafe { ExportHandle::submit(h, io, op, tag) },
+        }
+    }
+
+    #[inline]
+    fn is_hole(&mut self, offset: u64, len: u64) -> bool {
+        match self {
+            NodeHandle::Local(h) => ExportHandle::is_hole(h, offset, len),
+            NodeHandle::Replicated(h) => h.is_hole(offset, len),
+        }
+    }
+}

@@ -1,0 +1,633 @@
+//! Replicated volumes: one thin volume kept identical on several nodes.
+//!
+//! A [`ReplicatedVolume`] is an export target (`tessera-export`) whose legs are a thin
+//! volume of the owning node's pool and thin volumes of other nodes reached over NVMe/TCP
+//! ([`tessera_remote::RemoteDevice`], Tessera's initiator on the reactors). The owner
+//! serves it over NBD and NVMe/TCP like a local volume.
+//!
+//! - Writes go to every in-sync leg in parallel and complete when all acknowledged
+//!   (synchronous replication); flushes reach every leg. Reads are served by the local leg
+//!   when it is in sync, else by an in-sync remote one, failing over on error.
+//! - A leg that fails (a remote that stayed away past its timeout, a local device error)
+//!   is marked out of sync on disk before any write completes without it ([`persist`]).
+//! - The activity log and the per-leg dirty bitmaps ([`meta`], docs/format.md §11) make a
+//!   returning leg, and the legs after a crash of the owner, catch up by copying only the
+//!   regions that may differ ([`resync`]).
+//!
+//! Per I/O, the datapath ([`handle`]) costs one atomic load of the legs' state and, per
+//! region a write touches, one atomic add at submission and one at completion (the count
+//! of writes in flight that keeps a region in the activity log). The network round trip
+//! to a replica is three orders of magnitude larger.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
+use std::sync::{mpsc, Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+use std::{fs, io};
+
+use tessera_export::{ExportTarget, IoStats, StatsRegistry, StatsSnapshot};
+use tessera_io::reactor::{Mailbox, SpawnFn, Task};
+use tessera_io::CoreIo;
+use tessera_pool::Volume;
+use tessera_remote::{RemoteConfig, RemoteDevice, RemoteSpec};
+use tracing::{info, warn};
+
+pub mod handle;
+pub mod meta;
+pub mod persist;
+pub mod resync;
+
+pub use handle::ReplicaHandle;
+pub use meta::{LegDesc, LegState, SetDesc};
+
+/// A region's word, changed by one atomic add per write at submission ([`START`]) and one
+/// subtraction at completion ([`INFLIGHT_ONE`]): bit 0 says the region is in the activity
+/// log on disk (writes to it may start without waiting), bits 1-16 count the writes in
+/// flight, bits 17-31 count writes started (wrapping), so the persister can tell a region
+/// nobody wrote since its last look and let it leave the log.
+pub(crate) const HOT: u32 = 1;
+pub(crate) const INFLIGHT_ONE: u32 = 2;
+pub(crate) const INFLIGHT: u32 = 0xFFFF << 1;
+pub(crate) const STARTED_SHIFT: u32 = 17;
+pub(crate) const START: u32 = INFLIGHT_ONE + (1 << STARTED_SHIFT);
+
+/// A leg's view of one region while it is out of sync (`Leg::regions`).
+pub(crate) const CLEAN: u8 = 0;
+pub(crate) const DIRTY: u8 = 1;
+pub(crate) const COPYING: u8 = 2;
+pub(crate) const STATE: u8 = 3;
+/// Set by every write that touches the region while a resync may be copying it: a copy
+/// that started before the write is redone.
+pub(crate) const REDIRTY: u8 = 4;
+
+/// Tunables of a replica set.
+#[derive(Clone, Debug)]
+pub struct ReplicaOptions {
+    /// Region size asked for (rounded, see [`meta::region_size_for`]).
+    pub region_size: u64,
+    /// Most regions in the activity log at once: what a crash of the owner may have to
+    /// reconcile.
+    pub al_capacity: u32,
+    /// How long a remote leg may stay unreachable before it is dropped out of sync.
+    pub timeout: Duration,
+    /// Most bytes per second a resync copies (0: unlimited).
+    pub resync_rate: u64,
+    /// Host NQN presented to the peers.
+    pub hostnqn: String,
+}
+
+impl Default for ReplicaOptions {
+    fn default() -> Self {
+        ReplicaOptions {
+            region_size: 1 << 20,
+            al_capacity: 1024,
+            timeout: Duration::from_secs(5),
+            resync_rate: 256 << 20,
+            hostnqn: tessera_remote::RemoteConfig::default().hostnqn,
+        }
+    }
+}
+
+/// The node's reactor cores, where resync tasks run and where each core's share of a
+/// replicated volume is released when it closes.
+pub struct Cores {
+    mailboxes: Vec<Arc<Mailbox>>,
+    next: AtomicUsize,
+}
+
+impl Cores {
+    pub fn new(mailboxes: Vec<Arc<Mailbox>>) -> Arc<Cores> {
+        Arc::new(Cores {
+            mailboxes,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// Run `f` on the next core (round robin).
+    pub(crate) fn spawn(&self, f: SpawnFn) {
+        let i = self.next.fetch_add(1, Relaxed) % self.mailboxes.len().max(1);
+        if let Some(m) = self.mailboxes.get(i) {
+            m.spawn(f);
+        }
+    }
+
+    /// Run `f` once on every core and wait (bounded) until all did.
+    pub(crate) fn on_each(&self, f: impl Fn(&mut CoreIo) + Send + Sync + Clone + 'static) {
+        let (tx, rx) = mpsc::channel();
+        for m in &self.mailboxes {
+            let (f, tx) = (f.clone(), tx.clone());
+            m.spawn(Box::new(move |io: &mut CoreIo| {
+                f(io);
+                let _ = tx.send(());
+                Box::new(Oneshot) as Box<dyn Task>
+            }));
+        }
+        for _ in &self.mailboxes {
+            if rx.recv_timeout(Duration::from_secs(5)).is_err() {
+                warn!("a reactor did not answer within 5 s");
+                return;
+            }
+        }
+    }
+}
+
+/// A task with nothing to do: it completes one tag to itself so the reactor retires it.
+#[derive(Default)]
+struct Oneshot;
+
+impl Task for Oneshot {
+    fn start(&mut self, io: &mut CoreIo, id: u32) {
+        io.complete(tessera_io::Tag::task(id, 0), 0);
+    }
+    fn on_complete(&mut self, _io: &mut CoreIo, _slot: u32, _res: i32) {}
+    fn finished(&self) -> bool {
+        true
+    }
+}
+
+/// A leg's device, as the owner reaches it.
+pub(crate) enum LegDev {
+    Local(Arc<Volume>),
+    /// `None` until the peer could be reached.
+    Remote(Option<Arc<RemoteDevice>>),
+}
+
+/// Resync progress of one leg, for status.
+#[derive(Default)]
+pub(crate) struct Progress {
+    pub(crate) total: AtomicU64,
+    pub(crate) copied: AtomicU64,
+    pub(crate) running: AtomicBool,
+    pub(crate) started: Mutex<Option<Instant>>,
+    /// Bytes copied by every resync of this leg since the node started.
+    pub(crate) copied_total: AtomicU64,
+    pub(crate) regions_total: AtomicU64,
+}
+
+pub(crate) struct Leg {
+    pub(crate) desc: LegDesc,
+    pub(crate) dev: RwLock<LegDev>,
+    /// Bumped when `dev` changes, so per-core handles reopen.
+    pub(crate) gen: AtomicU64,
+    /// Per region: CLEAN / DIRTY / COPYING (+ REDIRTY), meaningful while the leg is not
+    /// in sync.
+    pub(crate) regions: Box<[AtomicU8]>,
+    /// The persisted state (mirror of the header, for status).
+    pub(crate) state: AtomicU8,
+    pub(crate) dirty_regions: AtomicU64,
+    pub(crate) progress: Progress,
+    pub(crate) last_error: Mutex<Option<String>>,
+}
+
+impl Leg {
+    pub(crate) fn persisted_state(&self) -> LegState {
+        match self.state.load(Relaxed) {
+            0 => LegState::InSync,
+            1 => LegState::OutOfSync,
+            _ => LegState::NeedsFull,
+        }
+    }
+
+    pub(crate) fn is_local(&self) -> bool {
+        matches!(self.desc, LegDesc::Local { .. })
+    }
+}
+
+/// The legs' datapath state in one word, read once per I/O: bit L = leg L in sync (reads
+/// and writes), bit 8 + L = leg L resyncing (writes to its clean regions only).
+pub(crate) fn in_sync(m: u64) -> u64 {
+    m & 0xFF
+}
+pub(crate) fn resyncing(m: u64) -> u64 {
+    (m >> 8) & 0xFF
+}
+
+/// A volume replicated on several legs; see the crate documentation.
+pub struct ReplicatedVolume {
+    pub name: String,
+    pub uuid: [u8; 16],
+    size: u64,
+    pub(crate) region_shift: u32,
+    pub(crate) regions: Box<[AtomicU32]>,
+    pub(crate) legs: Vec<Leg>,
+    pub(crate) masks: AtomicU64,
+    pub(crate) tx: Mutex<mpsc::Sender<persist::Req>>,
+    /// Index of the local leg, if the owner holds one.
+    pub(crate) local: Option<usize>,
+    pub(crate) opts: ReplicaOptions,
+    pub(crate) cores: Arc<Cores>,
+    stats: StatsRegistry,
+    pub(crate) closing: AtomicBool,
+    path: PathBuf,
+    persister: Mutex<Option<std::thread::JoinHandle<()>>>,
+    supervisor: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Hot regions (activity log), for status.
+    pub(crate) hot_regions: AtomicU64,
+    pub(crate) al_writes: AtomicU64,
+}
+
+/// One leg as status shows it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LegStatus {
+    pub place: String,
+    pub volume: String,
+    /// `in_sync`, `degraded`, `resyncing`, `failed` (degraded and unreachable).
+    pub state: String,
+    pub local: bool,
+    pub connected: bool,
+    /// Bytes the leg lacks (dirty regions × region size; the whole volume when it needs a
+    /// full copy).
+    pub dirty_bytes: u64,
+    pub resync_percent: Option<f64>,
+    pub resync_rate_bytes_per_sec: Option<f64>,
+    pub resync_eta_secs: Option<f64>,
+    pub resync_copied_bytes_total: u64,
+    pub resync_regions_total: u64,
+    pub last_error: Option<String>,
+}
+
+impl ReplicatedVolume {
+    /// Create the replica-set file for a new volume and open it. `local` is the owner's
+    /// own leg's volume (when `desc` has a local leg).
+    pub fn create(
+        dir: &Path,
+        desc: SetDesc,
+        size: u64,
+        local: Option<Arc<Volume>>,
+        opts: ReplicaOptions,
+        cores: Arc<Cores>,
+    ) -> io::Result<Arc<ReplicatedVolume>> {
+        fs::create_dir_all(dir)?;
+        let path = dir.join(format!("{}.rset", desc.name));
+        // The local leg starts with the volume's data (empty: just created); remote legs
+        // are new thin volumes that read as zeros, so they are in sync too.
+        let states = vec![LegState::InSync; desc.legs.len()];
+        let m = meta::MetaFile::create(
+            &path,
+            desc,
+            tessera_pool::random_uuid(),
+            size,
+            opts.region_size,
+            opts.al_capacity,
+            states,
+        )?;
+        Self::start(path, m, local, opts, cores)
+    }
+
+    /// Open an existing replica set (node start), reconciling after a crash.
+    pub fn open(
+        path: &Path,
+        local: Option<Arc<Volume>>,
+        opts: ReplicaOptions,
+        cores: Arc<Cores>,
+    ) -> io::Result<Arc<ReplicatedVolume>> {
+        let m = meta::MetaFile::open(path)?;
+        Self::start(path.to_path_buf(), m, local, opts, cores)
+    }
+
+    /// The description stored in a replica-set file (to find its local volume first).
+    pub fn read_desc(path: &Path) -> io::Result<SetDesc> {
+        Ok(meta::MetaFile::open(path)?.header.desc)
+    }
+
+    fn start(
+        path: PathBuf,
+        mut m: meta::MetaFile,
+        local: Option<Arc<Volume>>,
+        opts: ReplicaOptions,
+        cores: Arc<Cores>,
+    ) -> io::Result<Arc<ReplicatedVolume>> {
+        let h = m.header.clone();
+        let local_idx = h
+            .desc
+            .legs
+            .iter()
+            .position(|l| matches!(l, LegDesc::Local { .. }));
+        if local_idx.is_some() && local.is_none() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "replicated volume '{}': its local volume is missing",
+                    h.desc.name
+                ),
+            ));
+        }
+        // Crash recovery (docs/format.md §11): the regions of the activity log may differ
+        // between the legs that were in sync; all but the source catch up from it.
+        if h.flags & meta::FLAG_CLEAN == 0 && m.count(0) > 0 {
+            let source = persist::source_leg(&h.states, local_idx);
+            let hot = m.count(0);
+            for l in 0..h.states.len() {
+                if Some(l) != source && h.states[l] == LegState::InSync {
+                    m.dirty_from_hot(l);
+                    m.set_state(l, LegState::OutOfSync);
+                }
+            }
+            warn!(volume = %h.desc.name, hot_regions = hot, source = ?source,
+                "replicated volume: the owner stopped uncleanly; the activity log's regions are reconciled from the source leg");
+        }
+        for r in 0..h.regions {
+            m.set_hot(r, false);
+        }
+        m.set_flags(0);
+        m.commit()?;
+        let nregions = usize::try_from(h.regions).map_err(|_| io::ErrorKind::InvalidData)?;
+        let mut legs = Vec::new();
+        let mut mask = 0u64;
+        for (i, d) in h.desc.legs.iter().enumerate() {
+            let dev = match d {
+                LegDesc::Local { .. } => LegDev::Local(local.clone().expect("checked above")),
+                LegDesc::Remote { .. } => LegDev::Remote(None),
+            };
+            let st = m.header.states[i];
+            let regions: Box<[AtomicU8]> = (0..nregions)
+                .map(|r| {
+                    let dirty = st == LegState::NeedsFull || meta::bit(&m.dirty[i], r as u64);
+                    AtomicU8::new(if dirty { DIRTY } else { CLEAN })
+                })
+                .collect();
+            let dirty_regions = if st == LegState::NeedsFull {
+                h.regions
+            } else {
+                m.count(1 + i)
+            };
+            legs.push(Leg {
+                desc: d.clone(),
+                dev: RwLock::new(dev),
+                gen: AtomicU64::new(0),
+                regions,
+                state: AtomicU8::new(st as u8),
+                dirty_regions: AtomicU64::new(dirty_regions),
+                progress: Progress::default(),
+                last_error: Mutex::new(None),
+            });
+            if st == LegState::InSync && matches!(d, LegDesc::Local { .. }) {
+                mask |= 1 << i;
+            }
+        }
+        // Remote legs in sync on disk are connected before the volume serves: one that
+        // cannot be reached is marked out of sync now, so no write ever waits for it.
+        for (i, l) in legs.iter().enumerate() {
+            if let LegDesc::Remote { spec, .. } = &l.desc {
+                match connect_remote(spec, &opts) {
+                    Ok(dev) => {
+                        *l.dev.write().unwrap_or_else(|e| e.into_inner()) =
+                            LegDev::Remote(Some(dev));
+                        if m.header.states[i] == LegState::InSync {
+                            mask |= 1 << i;
+                        }
+                    }
+                    Err(e) => {
+                        warn!(volume = %h.desc.name, leg = %l.desc.place(), error = %e,
+                            "replicated volume: replica unreachable at open");
+                        *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some(e.to_string());
+                        if m.header.states[i] == LegState::InSync {
+                            m.set_state(i, LegState::OutOfSync);
+                            l.state.store(LegState::OutOfSync as u8, Relaxed);
+                        }
+                    }
+                }
+            }
+        }
+        if mask == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                format!(
+                    "replicated volume '{}': no replica is both in sync and reachable",
+                    h.desc.name
+                ),
+            ));
+        }
+        m.commit()?;
+        let (tx, rx) = mpsc::channel();
+        let vol = Arc::new(ReplicatedVolume {
+            name: h.desc.name.clone(),
+            uuid: h.uuid,
+            size: h.size,
+            region_shift: h.region_size.trailing_zeros(),
+            regions: (0..nregions).map(|_| AtomicU32::new(0)).collect(),
+            legs,
+            masks: AtomicU64::new(mask),
+            tx: Mutex::new(tx),
+            local: local_idx,
+            opts,
+            cores,
+            stats: StatsRegistry::default(),
+            closing: AtomicBool::new(false),
+            path,
+            persister: Mutex::new(None),
+            supervisor: Mutex::new(None),
+            hot_regions: AtomicU64::new(0),
+            al_writes: AtomicU64::new(0),
+        });
+        let w = Arc::downgrade(&vol);
+        let t = std::thread::Builder::new()
+            .name(format!("rset-{}", vol.name))
+            .spawn(move || persist::run(w, m, rx))?;
+        *vol.persister.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        let w = Arc::downgrade(&vol);
+        let t = std::thread::Builder::new()
+            .name(format!("rsup-{}", vol.name))
+            .spawn(move || resync::supervise(w))?;
+        *vol.supervisor.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        info!(volume = %vol.name, legs = vol.legs.len(), region_size = h.region_size,
+            "replicated volume open");
+        Ok(vol)
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn region_size(&self) -> u64 {
+        1 << self.region_shift
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn descs(&self) -> Vec<LegDesc> {
+        self.legs.iter().map(|l| l.desc.clone()).collect()
+    }
+
+    /// The local leg's volume, if the owner holds a replica.
+    pub fn local_volume(&self) -> Option<Arc<Volume>> {
+        let l = &self.legs[self.local?];
+        match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+            LegDev::Local(v) => Some(v.clone()),
+            LegDev::Remote(_) => None,
+        }
+    }
+
+    pub(crate) fn send(&self, r: persist::Req) {
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        // A closed channel means the set is closing; whoever waits is completed by
+        // `persist::run`'s drain (or gets EIO from a dropped `Done`).
+        let _ = tx.send(r);
+    }
+
+    /// Each leg's state, dirty bytes and resync progress.
+    pub fn status(&self) -> Vec<LegStatus> {
+        let m = self.masks.load(Acquire);
+        let rs = self.region_size();
+        self.legs
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let connected = match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+                    LegDev::Local(_) => true,
+                    LegDev::Remote(d) => d.is_some(),
+                };
+                let p = &l.progress;
+                let running = p.running.load(Relaxed) && resyncing(m) & (1 << i) != 0;
+                let state = if in_sync(m) & (1 << i) != 0 {
+                    "in_sync"
+                } else if running {
+                    "resyncing"
+                } else if !connected || l.last_error.lock().map(|e| e.is_some()).unwrap_or(false) {
+                    "failed"
+                } else {
+                    "degraded"
+                };
+                let dirty = if in_sync(m) & (1 << i) != 0 {
+                    0
+                } else {
+                    (l.dirty_regions.load(Relaxed) * rs).min(self.size)
+                };
+                let (mut pct, mut rate, mut eta) = (None, None, None);
+                if running {
+                    let total = p.total.load(Relaxed).max(1);
+                    let copied = p.copied.load(Relaxed);
+                    pct = Some(100.0 * copied as f64 / total as f64);
+                    let secs = p
+                        .started
+                        .lock()
+                        .ok()
+                        .and_then(|s| s.map(|t| t.elapsed().as_secs_f64()))
+                        .unwrap_or(0.0);
+                    if secs > 0.0 {
+                        let r = copied as f64 / secs;
+                        rate = Some(r);
+                        if r > 0.0 {
+                            eta = Some(total.saturating_sub(copied) as f64 / r);
+                        }
+                    }
+                }
+                let volume = match &l.desc {
+                    LegDesc::Local { volume, .. } | LegDesc::Remote { volume, .. } => {
+                        volume.clone()
+                    }
+                };
+                LegStatus {
+                    place: l.desc.place(),
+                    volume,
+                    state: state.into(),
+                    local: l.is_local(),
+                    connected,
+                    dirty_bytes: dirty,
+                    resync_percent: pct,
+                    resync_rate_bytes_per_sec: rate,
+                    resync_eta_secs: eta,
+                    resync_copied_bytes_total: p.copied_total.load(Relaxed),
+                    resync_regions_total: p.regions_total.load(Relaxed),
+                    last_error: l.last_error.lock().ok().and_then(|e| e.clone()),
+                }
+            })
+            .collect()
+    }
+
+    /// Regions in the activity log now, and activity-log writes so far.
+    pub fn activity(&self) -> (u64, u64) {
+        (self.hot_regions.load(Relaxed), self.al_writes.load(Relaxed))
+    }
+
+    /// Stop: no new resync, wait for the persister to write a clean close (when no write
+    /// is in flight). Exports must be gone first.
+    pub fn close(self: &Arc<Self>) {
+        if self.closing.swap(true, SeqCst) {
+            return;
+        }
+        // From now on every I/O fails at once (no leg in the state word), and each core
+        // lets go of its leg handles (the local volume's handles, the NVMe/TCP queues).
+        self.masks.store(0, SeqCst);
+        let key = handle::core_key(self);
+        self.cores.on_each(move |io| handle::release_core(io, key));
+        // And the admin and synchronous queues: the peers see the owner go.
+        for l in &self.legs {
+            let mut d = l.dev.write().unwrap_or_else(|e| e.into_inner());
+            if let LegDev::Remote(r) = &mut *d {
+                *r = None;
+            }
+        }
+        let (tx, rx) = mpsc::channel();
+        self.send(persist::Req::Close { reply: tx });
+        let _ = rx.recv_timeout(Duration::from_secs(10));
+        for t in [&self.supervisor, &self.persister] {
+            if let Some(t) = t.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// Connect to a remote leg (blocking: setup, off the reactors).
+pub(crate) fn connect_remote(spec: &str, opts: &ReplicaOptions) -> io::Result<Arc<RemoteDevice>> {
+    let cfg = RemoteConfig {
+        timeout: opts.timeout,
+        hostnqn: opts.hostnqn.clone(),
+        ..RemoteConfig::default()
+    };
+    RemoteDevice::open_with(RemoteSpec::parse(spec)?, cfg)
+}
+
+impl ExportTarget for ReplicatedVolume {
+    type Handle = ReplicaHandle;
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.local_volume().map_or(0, |v| v.allocated_bytes())
+    }
+
+    fn allocation_runs(&self, offset: u64, len: u64, max_runs: usize) -> Vec<(u64, bool)> {
+        let m = self.masks.load(Acquire);
+        match (self.local, self.local_volume()) {
+            (Some(l), Some(v)) if in_sync(m) & (1 << l) != 0 => {
+                v.allocation_runs(offset, len, max_runs)
+            }
+            _ => vec![(len.min(self.size.saturating_sub(offset)), true)],
+        }
+    }
+
+    fn register_stats(&self) -> Arc<IoStats> {
+        self.stats.register()
+    }
+
+    fn unregister_stats(&self, stats: &Arc<IoStats>) {
+        self.stats.unregister(stats)
+    }
+
+    fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    fn open(self: &Arc<Self>) -> ReplicaHandle {
+        ReplicaHandle::new(self.clone())
+    }
+}
+
+impl Drop for ReplicatedVolume {
+    fn drop(&mut self) {
+        warn_if_not_closed(self);
+    }
+}
+
+fn warn_if_not_closed(v: &ReplicatedVolume) {
+    if !v.closing.load(Relaxed) {
+        warn!(volume = %v.name, "replicated volume dropped without close");
+    }
+}

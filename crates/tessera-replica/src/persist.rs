@@ -1,0 +1,317 @@
+//! The replica set's persister: the one thread that changes the replica-set file. The
+//! datapath asks it (through a channel) to put regions in the activity log and to drop a
+//! failed leg out of sync, and waits for its answer through the core's mailbox; requests
+//! that arrive together share one write and one `fdatasync`.
+
+use std::sync::atomic::Ordering::*;
+use std::sync::{mpsc, Weak};
+use std::time::Duration;
+use tessera_io::cast::usize_of;
+
+use tessera_io::reactor::RemoteCompleter;
+use tessera_io::Tag;
+use tracing::{error, info, warn};
+
+use crate::meta::{LegState, MetaFile, FLAG_CLEAN};
+use crate::{
+    in_sync, resyncing, ReplicatedVolume, CLEAN, DIRTY, HOT, INFLIGHT, REDIRTY, STARTED_SHIFT,
+    STATE,
+};
+
+/// Who waits for a request: a tag on a reactor core.
+pub(crate) struct Done {
+    pub(crate) rc: RemoteCompleter,
+    pub(crate) tag: Tag,
+}
+
+impl Done {
+    fn complete(self, res: i32) {
+        self.rc.complete(self.tag, res);
+    }
+}
+
+pub(crate) enum Req {
+    /// Put regions `[first, first + count)` in the activity log (rule 1), then complete.
+    Hot { first: u64, count: u64, done: Done },
+    /// Leg `leg` failed an I/O with `res`: mark it out of sync (rule 2) and complete
+    /// `done` with 0, or with `res` when it is the last leg in sync (that I/O fails).
+    LegFailed {
+        leg: usize,
+        res: i32,
+        done: Option<Done>,
+    },
+    /// A resync made these regions of `leg` durable: clear their dirty bits (rule 5).
+    Cleaned { leg: usize, regions: Vec<u64> },
+    /// A resync of `leg` found nothing left to copy: the leg is in sync again (reply
+    /// false if it failed meanwhile).
+    ResyncDone {
+        leg: usize,
+        reply: mpsc::Sender<bool>,
+    },
+    /// Write an empty activity log and the clean flag if no write is in flight.
+    Close { reply: mpsc::Sender<()> },
+}
+
+/// The leg reads are served from after a crash: the local one if in sync, else the first
+/// in sync.
+pub(crate) fn source_leg(states: &[LegState], local: Option<usize>) -> Option<usize> {
+    local
+        .filter(|&l| states[l] == LegState::InSync)
+        .or_else(|| states.iter().position(|s| *s == LegState::InSync))
+}
+
+pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiver<Req>) {
+    let mut cursor = 0u64;
+    // Per region, the started-writes count seen at the last idle check.
+    let mut seen: Vec<u16> = vec![0; usize_of(m.header.regions)];
+    let mut last_tick = std::time::Instant::now();
+    loop {
+        if last_tick.elapsed() >= IDLE_TICK {
+            last_tick = std::time::Instant::now();
+            let Some(v) = vol.upgrade() else { return };
+            if evict_idle(&v, &mut m, &mut seen) {
+                if let Err(e) = m.commit() {
+                    error!(volume = %v.name, error = %e, "replicated volume: cannot write the replica-set file");
+                }
+                v.hot_regions.store(m.count(0), Relaxed);
+            }
+        }
+        let first = match rx.recv_timeout(IDLE_TICK) {
+            Ok(r) => r,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if vol.strong_count() == 0 {
+                    return;
+                }
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        };
+        let Some(v) = vol.upgrade() else { return };
+        let mut batch = vec![first];
+        while let Ok(r) = rx.try_recv() {
+            batch.push(r);
+        }
+        let mut after: Vec<Action> = Vec::new();
+        let mut closing = None;
+        for req in batch {
+            match req {
+                Req::Hot { first, count, done } => {
+                    hot(&v, &mut m, first, count);
+                    after.push(Action::Hot { first, count, done });
+                }
+                Req::LegFailed { leg, res, done } => {
+                    let res = leg_failed(&v, &mut m, leg, res);
+                    if let Some(d) = done {
+                        after.push(Action::Complete(d, res));
+                    }
+                }
+                Req::Cleaned { leg, regions } => {
+                    if m.header.states[leg] != LegState::InSync {
+                        for r in regions {
+                            if v.legs[leg].regions[usize_of(r)].load(Acquire) & STATE == CLEAN {
+                                m.set_dirty(leg, r, false);
+                            }
+                        }
+                        v.legs[leg].dirty_regions.store(m.count(1 + leg), Relaxed);
+                    }
+                }
+                Req::ResyncDone { leg, reply } => {
+                    let ok = resync_done(&v, &mut m, leg);
+                    after.push(Action::Reply(reply, ok));
+                }
+                Req::Close { reply } => closing = Some(reply),
+            }
+        }
+        evict(&v, &mut m, &mut cursor, closing.is_some());
+        if closing.is_some() && m.count(0) == 0 {
+            m.set_flags(FLAG_CLEAN);
+        }
+        let ok = match m.commit() {
+            Ok(()) => true,
+            Err(e) => {
+                // Nothing that waits may proceed as if its log entry were on disk: those
+                // I/Os fail (EIO) instead of being acknowledged.
+                error!(volume = %v.name, error = %e, "replicated volume: cannot write the replica-set file; failing the I/Os that wait for it");
+                false
+            }
+        };
+        v.al_writes.fetch_add(1, Relaxed);
+        for a in after {
+            match a {
+                Action::Hot { first, count, done } => {
+                    if ok {
+                        for r in first..first + count {
+                            v.regions[usize_of(r)].fetch_or(HOT, Release);
+                        }
+                    }
+                    done.complete(if ok { 0 } else { -libc::EIO });
+                }
+                Action::Complete(d, res) => d.complete(if ok { res } else { -libc::EIO }),
+                Action::Reply(tx, res) => {
+                    let _ = tx.send(ok && res);
+                }
+            }
+        }
+        v.hot_regions.store(m.count(0), Relaxed);
+        if let Some(reply) = closing {
+            info!(volume = %v.name, clean = m.header.flags & FLAG_CLEAN != 0, "replicated volume closed");
+            let _ = reply.send(());
+            return;
+        }
+    }
+}
+
+/// What to do once a batch is on disk.
+enum Action {
+    Hot { first: u64, count: u64, done: Done },
+    Complete(Done, i32),
+    Reply(mpsc::Sender<bool>, bool),
+}
+
+fn hot(v: &ReplicatedVolume, m: &mut MetaFile, first: u64, count: u64) {
+    let masks = v.masks.load(Acquire);
+    for r in first..first + count {
+        m.set_hot(r, true);
+        // Rule 3: a leg out of sync (resyncing or not) gets the region's dirty bit in the
+        // same write. A leg that is not resyncing will not receive the write: its view of
+        // the region becomes DIRTY too, so a resync started later copies it. (A resyncing
+        // leg receives writes to its clean regions; the bit covers a failure before one
+        // lands.)
+        for l in 0..m.header.states.len() {
+            if m.header.states[l] != LegState::OutOfSync {
+                continue;
+            }
+            if m.set_dirty(l, r, true) {
+                v.legs[l].dirty_regions.fetch_add(1, Relaxed);
+            }
+            if resyncing(masks) & (1 << l) == 0 {
+                let _ = v.legs[l].regions[usize_of(r)].fetch_update(AcqRel, Acquire, |x| {
+                    (x & STATE == CLEAN).then_some(DIRTY | REDIRTY)
+                });
+            }
+        }
+    }
+}
+
+fn leg_failed(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, res: i32) -> i32 {
+    let masks = v.masks.load(Acquire);
+    let bit = 1u64 << leg;
+    if in_sync(masks) & bit != 0 && in_sync(masks) & !bit == 0 {
+        // The last leg in sync stays so (it holds the only current copy); the I/O fails.
+        warn!(volume = %v.name, leg = %v.legs[leg].desc.place(), error = res,
+            "replicated volume: the last in-sync replica failed an I/O; the I/O fails");
+        return res;
+    }
+    if in_sync(masks) & bit == 0 && resyncing(masks) & bit == 0 {
+        return 0; // already out of sync and idle: nothing it lacks is unrecorded
+    }
+    // Datapath first: no new I/O goes to the leg, the resync (if any) stops.
+    v.masks.fetch_and(!(bit | bit << 8), AcqRel);
+    let l = &v.legs[leg];
+    *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!(
+        "I/O failed: {}",
+        std::io::Error::from_raw_os_error(-res)
+    ));
+    // Rule 2: every region that may have writes in flight is dirty for it.
+    if m.header.states[leg] == LegState::InSync {
+        m.set_state(leg, LegState::OutOfSync);
+    }
+    m.dirty_from_hot(leg);
+    l.state.store(m.header.states[leg] as u8, Relaxed);
+    let full = m.header.states[leg] == LegState::NeedsFull;
+    for (r, s) in l.regions.iter().enumerate() {
+        let d = full || crate::meta::bit(&m.dirty[leg], r as u64);
+        // DIRTY|REDIRTY makes a copy in progress fail its final compare-exchange.
+        s.store(if d { DIRTY | REDIRTY } else { CLEAN }, Release);
+    }
+    l.dirty_regions.store(
+        if full {
+            m.header.regions
+        } else {
+            m.count(1 + leg)
+        },
+        Relaxed,
+    );
+    warn!(volume = %v.name, leg = %l.desc.place(), error = res,
+        dirty_regions = l.dirty_regions.load(Relaxed),
+        "replicated volume: replica dropped out of sync");
+    0
+}
+
+fn resync_done(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize) -> bool {
+    let bit = 1u64 << leg;
+    let l = &v.legs[leg];
+    if resyncing(v.masks.load(Acquire)) & bit == 0
+        || l.regions.iter().any(|s| s.load(Acquire) & STATE != CLEAN)
+    {
+        return false;
+    }
+    m.clear_dirty_all(leg);
+    m.set_state(leg, LegState::InSync);
+    if let Err(e) = m.commit() {
+        error!(volume = %v.name, error = %e, "replicated volume: cannot record a finished resync");
+        return false;
+    }
+    l.state.store(LegState::InSync as u8, Relaxed);
+    l.dirty_regions.store(0, Relaxed);
+    // In sync before not resyncing: a writer reading the word in between sees one of
+    // the two and sends to the leg either way.
+    v.masks.fetch_or(bit, AcqRel);
+    v.masks.fetch_and(!(bit << 8), AcqRel);
+    *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    info!(volume = %v.name, leg = %l.desc.place(), "replicated volume: replica back in sync");
+    true
+}
+
+/// How often regions nobody wrote since the previous look leave the activity log: a leg
+/// that fails is marked dirty for the regions written in the last one to two ticks, not
+/// for everything written since the log was last full.
+const IDLE_TICK: Duration = Duration::from_millis(500);
+
+/// Let regions with no write in flight and none started since the last tick leave the
+/// activity log (their clear is written lazily, rule 4). True if any left.
+fn evict_idle(v: &ReplicatedVolume, m: &mut MetaFile, seen: &mut [u16]) -> bool {
+    let mut any = false;
+    for (r, w) in v.regions.iter().enumerate() {
+        let x = w.load(Acquire);
+        let started = (x >> STARTED_SHIFT) as u16;
+        if x & HOT != 0
+            && x & INFLIGHT == 0
+            && started == seen[r]
+            && w.compare_exchange(x, x & !HOT, AcqRel, Relaxed).is_ok()
+        {
+            m.set_hot(r as u64, false);
+            any = true;
+        }
+        seen[r] = started;
+    }
+    any
+}
+
+/// Keep the activity log within its capacity (or empty it, closing): regions with no
+/// write in flight leave it (rule 4).
+fn evict(v: &ReplicatedVolume, m: &mut MetaFile, cursor: &mut u64, all: bool) {
+    let cap = u64::from(m.header.al_capacity.max(1));
+    let mut hot = m.count(0);
+    if !all && hot <= cap {
+        return;
+    }
+    let target = if all { 0 } else { cap * 3 / 4 };
+    let n = m.header.regions;
+    for _ in 0..n {
+        if hot <= target {
+            break;
+        }
+        let r = *cursor;
+        *cursor = (*cursor + 1) % n;
+        if !crate::meta::bit(&m.hot, r) {
+            continue;
+        }
+        let w = &v.regions[usize_of(r)];
+        let x = w.load(Acquire);
+        if x & INFLIGHT == 0 && w.compare_exchange(x, x & !HOT, AcqRel, Relaxed).is_ok() {
+            m.set_hot(r, false);
+            hot -= 1;
+        }
+    }
+}
