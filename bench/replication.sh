@@ -65,8 +65,10 @@ NQN=nqn.2026-11.io.tessera:replica:node-a:rep.node-a
 
 fio_run() { # URI RW QD SECS -> "iops mean_us"
   timeout $(($4 + 60)) fio --name=t --ioengine=nbd "--uri=$1" "--rw=$2" --bs=4k \
-    "--iodepth=$3" --size=1G --time_based "--runtime=$4" --output-format=json 2>/dev/null |
-    python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; k="write" if j["write"]["io_bytes"] else "read"; print("%.0f %.1f" % (j[k]["iops"], j[k]["lat_ns"]["mean"]/1000))'
+    "--iodepth=$3" --size=1G --time_based "--runtime=$4" --output-format=json \
+    "--output=$DIR/fio.json" 2>"$DIR/fio.err" >/dev/null ||
+    { echo "fio failed: $(cat "$DIR/fio.err")" >&2; exit 1; }
+  python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; k="write" if j["write"]["io_bytes"] else "read"; print("%.0f %.1f" % (j[k]["iops"], j[k]["lat_ns"]["mean"]/1000))' <"$DIR/fio.json"
 }
 echo "load before the run: $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) CPUs"
 # Allocate both volumes fully first, so neither measures first-write allocation.

@@ -141,9 +141,9 @@ fn a_killed_replica_is_dropped_then_resynced_from_its_dirty_regions_only() {
     write_generations(&mut c, &mut model, 0..blocks, 1, BS);
     assert!(all_in_sync(&cl.a), "{:?}", replicas(&cl.a));
 
-    // Let the activity log cool down (regions idle for a second leave it), then node-c
-    // dies; writes to 4 MiB (4 regions) go on without it once it is dropped.
-    std::thread::sleep(Duration::from_millis(1500));
+    // node-c dies; writes to 4 MiB (4 regions) go on without it once it is dropped. The
+    // whole volume was just written (all of it in the activity log): only the regions
+    // written after the failure count as missing.
     cl.c.kill9();
     let t = Instant::now();
     write_generations(&mut c, &mut model, 0..1024, 2, BS);

@@ -76,7 +76,7 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
                 v.hot_regions.store(m.count(0), Relaxed);
             }
         }
-        let first = match rx.recv_timeout(IDLE_TICK) {
+        let first = match rx.recv_timeout(Duration::from_millis(500)) {
             Ok(r) => r,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if vol.strong_count() == 0 {
@@ -212,11 +212,28 @@ fn leg_failed(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, res: i32) -> i
         "I/O failed: {}",
         std::io::Error::from_raw_os_error(-res)
     ));
-    // Rule 2: every region that may have writes in flight is dirty for it.
+    // Rule 2: every region that may have a write in flight is dirty for it. The leg is
+    // already out of the state word, so a write that starts now skips it; such a write
+    // must find its region out of the activity log, so that it comes here (rule 3, the
+    // leg now out of sync) before it starts. Hence, per region: writes in flight (or
+    // waiting for the log) → dirty; in the log with nothing in flight → taken out of the
+    // log in memory. Precise: a leg that fails after a quiet spell lacks nothing.
     if m.header.states[leg] == LegState::InSync {
         m.set_state(leg, LegState::OutOfSync);
     }
-    m.dirty_from_hot(leg);
+    for (r, w) in v.regions.iter().enumerate() {
+        let r64 = r as u64;
+        loop {
+            let x = w.load(Acquire);
+            if x & INFLIGHT != 0 {
+                m.set_dirty(leg, r64, true);
+                break;
+            }
+            if x & HOT == 0 || w.compare_exchange(x, x & !HOT, AcqRel, Acquire).is_ok() {
+                break;
+            }
+        }
+    }
     l.state.store(m.header.states[leg] as u8, Relaxed);
     let full = m.header.states[leg] == LegState::NeedsFull;
     for (r, s) in l.regions.iter().enumerate() {
@@ -263,10 +280,11 @@ fn resync_done(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize) -> bool {
     true
 }
 
-/// How often regions nobody wrote since the previous look leave the activity log: a leg
-/// that fails is marked dirty for the regions written in the last one to two ticks, not
-/// for everything written since the log was last full.
-const IDLE_TICK: Duration = Duration::from_millis(500);
+/// How often regions nobody wrote since the previous look leave the activity log (besides
+/// leaving it when it is over capacity): what the owner's crash leaves to reconcile
+/// shrinks once writes move elsewhere, at the cost of one log write when a region idle
+/// that long is written again.
+const IDLE_TICK: Duration = Duration::from_secs(30);
 
 /// Let regions with no write in flight and none started since the last tick leave the
 /// activity log (their clear is written lazily, rule 4). True if any left.

@@ -448,7 +448,11 @@ impl Task for ResyncTask {
         }
         let i = (slot / 2) as usize;
         if res < 0 {
-            let who = if slot.is_multiple_of(2) { self.source } else { self.leg };
+            let who = if slot.is_multiple_of(2) {
+                self.source
+            } else {
+                self.leg
+            };
             if !self.error {
                 self.fail(who, res);
             }
