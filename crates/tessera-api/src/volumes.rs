@@ -47,8 +47,11 @@ pub struct ReplicaInfo {
     pub resync_percent: Option<f64>,
     pub resync_rate_bytes_per_sec: Option<f64>,
     pub resync_eta_secs: Option<f64>,
-    /// Bytes copied to it by resyncs since the owner started.
+    /// Bytes of regions resyncs brought in sync since the owner started (each region
+    /// once per resync).
     pub resync_copied_bytes_total: u64,
+    /// Bytes copied again because clients wrote a region while it was being copied.
+    pub resync_recopied_bytes_total: u64,
     pub resync_regions_total: u64,
     pub last_error: Option<String>,
 }

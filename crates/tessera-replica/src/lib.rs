@@ -159,8 +159,10 @@ pub(crate) struct Progress {
     pub(crate) copied: AtomicU64,
     pub(crate) running: AtomicBool,
     pub(crate) started: Mutex<Option<Instant>>,
-    /// Bytes copied by every resync of this leg since the node started.
+    /// Bytes of regions every resync of this leg brought in sync since the node started.
     pub(crate) copied_total: AtomicU64,
+    /// Bytes copied again because a client wrote the region during its copy.
+    pub(crate) recopied_total: AtomicU64,
     pub(crate) regions_total: AtomicU64,
 }
 
@@ -242,6 +244,7 @@ pub struct LegStatus {
     pub resync_rate_bytes_per_sec: Option<f64>,
     pub resync_eta_secs: Option<f64>,
     pub resync_copied_bytes_total: u64,
+    pub resync_recopied_bytes_total: u64,
     pub resync_regions_total: u64,
     pub last_error: Option<String>,
 }
@@ -531,6 +534,7 @@ impl ReplicatedVolume {
                     resync_rate_bytes_per_sec: rate,
                     resync_eta_secs: eta,
                     resync_copied_bytes_total: p.copied_total.load(Relaxed),
+                    resync_recopied_bytes_total: p.recopied_total.load(Relaxed),
                     resync_regions_total: p.regions_total.load(Relaxed),
                     last_error: l.last_error.lock().ok().and_then(|e| e.clone()),
                 }

@@ -367,8 +367,8 @@ impl ResyncTask {
         // A write overlapped the copy: copy again (a leg failure meanwhile stored
         // DIRTY|REDIRTY and cleared the resync bit, which `next` sees).
         self.retries += 1;
+        l.progress.recopied_total.fetch_add(bytes, Relaxed);
         if self.retries < MAX_RETRIES && self.active() {
-            l.progress.copied_total.fetch_add(bytes, Relaxed);
             return self.copy(io, r);
         }
         let _ = s.compare_exchange(COPYING, DIRTY, AcqRel, Acquire);

@@ -327,6 +327,7 @@ impl Node {
                     resync_rate_bytes_per_sec: s.resync_rate_bytes_per_sec,
                     resync_eta_secs: s.resync_eta_secs,
                     resync_copied_bytes_total: s.resync_copied_bytes_total,
+                    resync_recopied_bytes_total: s.resync_recopied_bytes_total,
                     resync_regions_total: s.resync_regions_total,
                     last_error: s.last_error,
                 })
