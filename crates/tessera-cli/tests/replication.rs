@@ -26,6 +26,11 @@ struct Cluster {
 }
 
 fn holder(tag: &str, name: &str) -> TestNode {
+    holder_on(tag, name, "")
+}
+
+/// A replica holder whose pool device gets `fault` settings (empty: a plain file).
+fn holder_on(tag: &str, name: &str, fault: &str) -> TestNode {
     let nvmf = free_port();
     let n = TestNode::start_with_top(
         tag,
@@ -33,14 +38,29 @@ fn holder(tag: &str, name: &str) -> TestNode {
         &format!("name = \"{name}\""),
         &format!("[nvmf]\nlisten = \"127.0.0.1:{nvmf}\"\ndiscovery = \"\"\n"),
     );
-    let img = format!("{}:256M", n.dir.join("p.img").display());
+    let img = if fault.is_empty() {
+        format!("{}:256M", n.dir.join("p.img").display())
+    } else {
+        format!("fault:{}:256M{fault}", n.dir.join("p.img").display())
+    };
     n.cli_ok(&["pool", "create", "p", &img]);
     n
 }
 
 fn cluster(tag: &str) -> Cluster {
+    cluster_on(tag, "")
+}
+
+/// A cluster whose owner's pool device spec is wrapped as `PREFIX{file}:256M{suffix}`
+/// (`owner_fault`: e.g. `;vanish_after_ms=6000` makes it a fault device).
+fn cluster_on(tag: &str, owner_fault: &str) -> Cluster {
+    cluster_with(tag, owner_fault, "")
+}
+
+/// As [`cluster_on`], with node-c's pool device wrapped the same way.
+fn cluster_with(tag: &str, owner_fault: &str, c_fault: &str) -> Cluster {
     let b = holder(&format!("{tag}-b"), "node-b");
-    let c = holder(&format!("{tag}-c"), "node-c");
+    let c = holder_on(&format!("{tag}-c"), "node-c", c_fault);
     let nvmf = free_port();
     let peers = format!(
         "[[peer]]\nname = \"node-b\"\napi = \"{}\"\n[[peer]]\nname = \"node-c\"\napi = \"{}\"\n",
@@ -56,7 +76,11 @@ fn cluster(tag: &str) -> Cluster {
              [nvmf]\nlisten = \"127.0.0.1:{nvmf}\"\ndiscovery = \"\"\n"
         ),
     );
-    let img = format!("{}:256M", a.dir.join("p.img").display());
+    let img = if owner_fault.is_empty() {
+        format!("{}:256M", a.dir.join("p.img").display())
+    } else {
+        format!("fault:{}:256M{owner_fault}", a.dir.join("p.img").display())
+    };
     a.cli_ok(&["pool", "create", "p", &img]);
     a.cli_ok(&[
         "volume",
@@ -398,6 +422,68 @@ fn a_frozen_replica_is_dropped_and_resynced_when_it_thaws() {
         copied >= dirty && copied <= dirty + 2 * MIB,
         "copied {copied}, dirty {dirty}"
     );
+    drop(c);
+    verify_generations(&cl.a, "db", &model, BS);
+    assert_same(
+        "node-b vs owner",
+        &image(&cl.b, "replica"),
+        &image(&cl.a, "db"),
+    );
+}
+
+#[test]
+fn the_owners_local_replica_failing_under_it_is_a_lost_replica() {
+    // The owner's own pool sits on a device that vanishes 8 s after it was opened.
+    let cl = cluster_on("repl-fault", ";vanish_after_ms=8000");
+    let t0 = Instant::now();
+    let blocks = (VOL as usize) / BS;
+    let mut model = vec![0u64; blocks];
+    let mut c = nbd_connect(&cl.a, "db");
+    write_generations(&mut c, &mut model, 0..blocks, 1, BS);
+    assert!(
+        t0.elapsed() < Duration::from_secs(7),
+        "setup too slow for the fault timer"
+    );
+    std::thread::sleep(
+        Duration::from_secs(8).saturating_sub(t0.elapsed()) + Duration::from_millis(500),
+    );
+    // Writes go on (node-b and node-c hold them); reads are served by a remote replica.
+    write_generations(&mut c, &mut model, 256..768, 2, BS);
+    let local = state_of(&cl.a, "local:p");
+    assert_ne!(local["state"], "in_sync", "{local}");
+    assert_eq!(state_of(&cl.a, "node-b:p")["state"], "in_sync");
+    assert_eq!(state_of(&cl.a, "node-c:p")["state"], "in_sync");
+    drop(c);
+    verify_generations(&cl.a, "db", &model, BS);
+    assert_same(
+        "node-b vs node-c",
+        &image(&cl.b, "replica"),
+        &image(&cl.c, "replica"),
+    );
+}
+
+#[test]
+fn a_replica_answering_errors_is_dropped_and_the_volume_goes_on() {
+    // node-c's device starts failing every write after 8 s: it answers each with an
+    // NVMe error status, quickly, rather than going silent.
+    let cl = cluster_with("repl-errors", "", ";vanish_after_ms=8000");
+    let t0 = Instant::now();
+    let blocks = (VOL as usize) / BS;
+    let mut model = vec![0u64; blocks];
+    let mut c = nbd_connect(&cl.a, "db");
+    write_generations(&mut c, &mut model, 0..blocks, 1, BS);
+    std::thread::sleep(
+        Duration::from_secs(8).saturating_sub(t0.elapsed()) + Duration::from_millis(500),
+    );
+    let t = Instant::now();
+    write_generations(&mut c, &mut model, 1000..1300, 2, BS);
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "errors were not handled at once"
+    );
+    let rc = state_of(&cl.a, "node-c:p");
+    assert_ne!(rc["state"], "in_sync", "{rc}");
+    assert!(rc["last_error"].is_string(), "{rc}");
     drop(c);
     verify_generations(&cl.a, "db", &model, BS);
     assert_same(
