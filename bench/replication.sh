@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 SECS=${SECS:-5}
 DIRTY=${DIRTY:-1024}
 RATE=${RATE:-0}
+CORES=${CORES:-1}   # reactor cores per node (two nodes and fio share the CPUs)
 T=target/release/tessera
 cargo build --release --bin tessera -p tessera-cli >/dev/null
 command -v fio >/dev/null || { echo "fio is needed (scripts/install-deps.sh)" >&2; exit 1; }
@@ -24,6 +25,7 @@ NBD_A=$(port); NBD_B=$(port); NVMF_A=$(port); NVMF_B=$(port)
 mkdir -p "$DIR/a" "$DIR/b"
 cat >"$DIR/b.toml" <<EOF
 data_dir = "$DIR/b/data"
+cores = $CORES
 name = "node-b"
 [nbd]
 listen = ["127.0.0.1:$NBD_B"]
@@ -33,6 +35,7 @@ discovery = ""
 EOF
 cat >"$DIR/a.toml" <<EOF
 data_dir = "$DIR/a/data"
+cores = $CORES
 name = "node-a"
 [[peer]]
 name = "node-b"
