@@ -78,8 +78,9 @@ pub struct ReplicationConfig {
     pub al_regions: u32,
     /// A replica unreachable this long is dropped out of sync (writes go on without it).
     pub timeout_ms: u64,
-    /// Most bytes per second one resync copies (0: unlimited).
-    pub resync_rate: String,
+    /// Most bytes per second one resync copies (0: unlimited); absent: the bandwidth of
+    /// the node's "resync" background class (`tessera background set resync`).
+    pub resync_rate: Option<String>,
 }
 
 impl Default for ReplicationConfig {
@@ -88,7 +89,7 @@ impl Default for ReplicationConfig {
             region_size: "1M".into(),
             al_regions: 1024,
             timeout_ms: 5000,
-            resync_rate: "256M".into(),
+            resync_rate: None,
         }
     }
 }

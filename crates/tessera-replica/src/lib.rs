@@ -226,6 +226,8 @@ pub struct ReplicatedVolume {
     /// Hot regions (activity log), for status.
     pub(crate) hot_regions: AtomicU64,
     pub(crate) al_writes: AtomicU64,
+    /// Bytes per second a resync started from now on copies (0: unlimited).
+    pub(crate) resync_rate: AtomicU64,
 }
 
 /// One leg as status shows it.
@@ -404,6 +406,7 @@ impl ReplicatedVolume {
         }
         m.commit()?;
         let (tx, rx) = mpsc::channel();
+        let rate = opts.resync_rate;
         let vol = Arc::new(ReplicatedVolume {
             name: h.desc.name.clone(),
             uuid: h.uuid,
@@ -423,6 +426,7 @@ impl ReplicatedVolume {
             supervisor: Mutex::new(None),
             hot_regions: AtomicU64::new(0),
             al_writes: AtomicU64::new(0),
+            resync_rate: AtomicU64::new(rate),
         });
         let w = Arc::downgrade(&vol);
         let t = std::thread::Builder::new()
@@ -441,6 +445,11 @@ impl ReplicatedVolume {
 
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The bandwidth of resyncs started from now on (bytes per second, 0: unlimited).
+    pub fn set_resync_rate(&self, bps: u64) {
+        self.resync_rate.store(bps, Relaxed);
     }
 
     pub fn region_size(&self) -> u64 {

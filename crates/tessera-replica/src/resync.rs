@@ -199,6 +199,10 @@ fn finish(v: &Arc<ReplicatedVolume>, leg: usize) {
     }
 }
 
+fn vol_rate(v: &ReplicatedVolume) -> u64 {
+    v.resync_rate.load(Relaxed)
+}
+
 struct Chunk {
     buf: AlignedBuf,
     offset: u64,
@@ -224,10 +228,13 @@ struct ResyncTask {
     waiting: bool,
     done: bool,
     started: Instant,
+    /// Bytes per second (0: unlimited), fixed when the task starts.
+    rate: u64,
 }
 
 impl ResyncTask {
     fn new(vol: Arc<ReplicatedVolume>, leg: usize, source: usize, full: bool) -> ResyncTask {
+        let rate = vol_rate(&vol);
         ResyncTask {
             vol,
             leg,
@@ -246,6 +253,7 @@ impl ResyncTask {
             waiting: false,
             done: false,
             started: Instant::now(),
+            rate,
         }
     }
 
@@ -268,7 +276,7 @@ impl ResyncTask {
             return self.flush(io);
         }
         // Pace to the configured rate.
-        let rate = self.vol.opts.resync_rate;
+        let rate = self.rate;
         if rate > 0 {
             let copied = self.vol.legs[self.leg].progress.copied.load(Relaxed);
             let due = Duration::from_secs_f64(copied as f64 / rate as f64);

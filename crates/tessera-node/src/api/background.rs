@@ -39,7 +39,14 @@ pub async fn put_limits(
         "background limits",
         "bps, latency_target_us, min_pct",
     ) {
-        Ok(l) => with_node(node, move |n| reply(n.background.put(&class, Some(l)), 200)).await,
+        Ok(l) => {
+            with_node(node, move |n| {
+                let r = n.background.put(&class, Some(l));
+                n.refresh_replica_rates();
+                reply(r, 200)
+            })
+            .await
+        }
         Err(r) => r,
     }
 }
@@ -49,5 +56,10 @@ pub async fn put_limits(
     responses((status = 200, description = "The class is back to its defaults",
         body = BackgroundLimits), (status = "4XX", body = ErrorReply)))]
 pub async fn reset(State(node): NodeState, Path(class): Path<String>) -> Response {
-    with_node(node, move |n| reply(n.background.put(&class, None), 200)).await
+    with_node(node, move |n| {
+        let r = n.background.put(&class, None);
+        n.refresh_replica_rates();
+        reply(r, 200)
+    })
+    .await
 }

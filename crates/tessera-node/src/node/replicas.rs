@@ -31,9 +31,32 @@ impl Node {
             region_size: size_arg("[replication] region_size", &r.region_size)?,
             al_capacity: r.al_regions.max(1),
             timeout: Duration::from_millis(r.timeout_ms.max(1)),
-            resync_rate: size_arg("[replication] resync_rate", &r.resync_rate)?,
+            resync_rate: self.replica_resync_rate()?,
             hostnqn: ReplicaOptions::default().hostnqn,
         })
+    }
+
+    /// `[replication] resync_rate`, else the "resync" background class's bandwidth.
+    fn replica_resync_rate(&self) -> Result<u64> {
+        match &self.cfg.replication.resync_rate {
+            Some(r) => size_arg("[replication] resync_rate", r),
+            None => Ok(self.background.limits("resync")?.bps),
+        }
+    }
+
+    /// The "resync" background class changed: resyncs started from now on use it.
+    pub fn refresh_replica_rates(&self) {
+        let Ok(rate) = self.replica_resync_rate() else {
+            return;
+        };
+        for rv in self
+            .replicated
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+        {
+            rv.set_resync_rate(rate);
+        }
     }
 
     fn cores(&self) -> Arc<Cores> {
