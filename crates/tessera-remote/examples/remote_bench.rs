@@ -21,9 +21,10 @@ use std::time::{Duration, Instant};
 
 use tessera_device::BlockDevice;
 use tessera_io::hist::Histogram;
-use tessera_io::{spawn_reactors, AlignedBuf, CoreIo, IoHandle, IoOp, ReactorConfig, Tag, Task};
+use tessera_io::{AlignedBuf, CoreIo, IoHandle, IoOp, Tag, Task};
 use tessera_remote::{CongestionConfig, LinkStats, RemoteConfig, RemoteDevice, RemoteHandle};
 use tessera_testkit::proxy::ShapingProxy;
+use tessera_testkit::reactor::ReactorThread;
 
 /// Sample the queue's state every this many completions.
 const SAMPLE_EVERY: u64 = 16;
@@ -158,7 +159,7 @@ fn main() {
     });
     let cfg = RemoteConfig {
         congestion: CongestionConfig {
-            enabled: std::env::var("REMOTE_BENCH_CC").map_or(true, |v| v != "off"),
+            enabled: std::env::var("REMOTE_BENCH_CC").as_deref() != Ok("off"),
             ..CongestionConfig::default()
         },
         ..RemoteConfig::default()
@@ -181,18 +182,10 @@ fn main() {
         .get(6)
         .map_or(dev.size(), |s| tessera_device::parse_size(s).expect("SIZE"));
     let bs32 = u32::try_from(bs).expect("BS fits in 32 bits");
-    let cfg = ReactorConfig {
-        cores: 1,
-        pin: false,
-        ..ReactorConfig::default()
-    };
-    let (mailbox, thread) = spawn_reactors(&cfg)
-        .expect("reactor")
-        .pop()
-        .expect("one core");
+    let core = ReactorThread::start();
     let (tx, rx) = channel();
     let d = dev.clone();
-    mailbox.spawn(Box::new(move |_io: &mut CoreIo| {
+    core.mailbox.spawn(Box::new(move |_io: &mut CoreIo| {
         Box::new(Load {
             dev: d,
             handle: None,
@@ -222,8 +215,7 @@ fn main() {
     let (hist, errors, wall, stats, occ) = rx
         .recv_timeout(Duration::from_secs(secs + 60))
         .expect("the run ended");
-    mailbox.send(tessera_io::reactor::Msg::Stop);
-    let _ = thread.join();
+    drop(core);
     let ios = hist.count();
     let iops = ios as f64 / wall.as_secs_f64();
     let us = |v: u64| v as f64 / 1000.0;

@@ -12,7 +12,7 @@
 //! thread.
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
@@ -139,13 +139,12 @@ fn accept_loop(
         if live.len() >= MAX_CONNECTIONS {
             continue;
         }
-        let Ok(server) = target
-            .parse::<SocketAddr>()
-            .map_err(|_| ())
-            .and_then(|a| TcpStream::connect_timeout(&a, Duration::from_secs(5)).map_err(|_| ()))
-        else {
-            continue;
-        };
+        let server = target
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .and_then(|a| TcpStream::connect_timeout(&a, Duration::from_secs(5)).ok());
+        let Some(server) = server else { continue };
         let _ = client.set_nodelay(true);
         let _ = server.set_nodelay(true);
         let clones = || -> std::io::Result<_> {
