@@ -161,7 +161,11 @@ impl Report {
 
     fn show(&self, what: &str) {
         let l = &self.last;
-        let mean_waiting = self.samples.iter().map(|s| f64::from(s.waiting)).sum::<f64>()
+        let mean_waiting = self
+            .samples
+            .iter()
+            .map(|s| f64::from(s.waiting))
+            .sum::<f64>()
             / self.samples.len().max(1) as f64;
         eprintln!(
             "{what}: {} writes in {:.2?} ({:.0} IOPS); window {} (max {}), decreases {}, \
@@ -395,7 +399,10 @@ fn a_direct_path_opens_the_window_to_the_queue_depth() {
         r.share(|s| s.window >= 60) * 100.0,
         r.last.window
     );
-    assert!(r.share(|s| s.waiting == 0) >= 0.8, "commands waited for the window");
+    assert!(
+        r.share(|s| s.waiting == 0) >= 0.8,
+        "commands waited for the window"
+    );
     assert!(r.last.min_rtt > Duration::ZERO && r.last.srtt >= r.last.min_rtt);
     drop(core);
     model.verify(&node);

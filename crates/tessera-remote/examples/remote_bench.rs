@@ -108,7 +108,7 @@ impl Task for Load {
         if res < 0 {
             self.errors += 1;
         }
-        if self.hist.count() % SAMPLE_EVERY == 0 {
+        if self.hist.count().is_multiple_of(SAMPLE_EVERY) {
             if let Some(h) = &self.handle {
                 let st = h.stats();
                 self.occupancy.samples += 1;

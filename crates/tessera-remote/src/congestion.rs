@@ -21,11 +21,12 @@
 //!   epoch's completions while in the initial slow start (doubling per round trip, left
 //!   at the first decrease). Floor and ceiling are configured; the ceiling is at most the
 //!   queue depth.
-//! - While the window is held below its ceiling, the queue could keep its own standing
-//!   queue forever and the minimum would drift up to include it. So whenever the older
-//!   half of the minimum is dropped, one epoch runs at the floor window: the peer's queue
-//!   drains and the next command measures the empty path. That costs one round trip per
-//!   half window, and nothing when the window is at its ceiling (a fast peer).
+//! - A window the delay holds back could keep a standing queue of its own forever, and
+//!   the minimum would drift up to include it. So when the older half of the minimum is
+//!   dropped and the window shrank since the last time, one epoch runs at the floor
+//!   window: the peer's queue drains and the next command measures the empty path. That
+//!   costs one round trip per half window, and nothing on a path that never made the
+//!   window shrink (a fast peer).
 //!
 //! All integers, a few operations per completion; no allocation, lock or atomic.
 
@@ -125,6 +126,8 @@ pub(crate) struct Window {
     /// The window was full (commands left for it) during the epoch.
     epoch_full: bool,
     decreases: u64,
+    /// `decreases` at the last rotation of the minimum.
+    decreases_at_rotation: u64,
 }
 
 impl Window {
@@ -156,6 +159,7 @@ impl Window {
             epoch_acks: 0,
             epoch_full: false,
             decreases: 0,
+            decreases_at_rotation: 0,
         }
     }
 
@@ -196,9 +200,11 @@ impl Window {
                 self.min_before_ns = self.min_now_ns;
                 self.min_now_ns = u64::MAX;
                 self.rotate_at = Some(now + self.half);
-                if self.enabled && self.cwnd < self.ceiling * SCALE && self.probe_return.is_none()
-                {
-                    // Drain the standing queue for one epoch so the minimum stays honest.
+                // Only a window the delay held back lately may sit on a standing queue
+                // of its own: drain it for one epoch so the minimum stays honest.
+                let held = self.decreases != self.decreases_at_rotation;
+                self.decreases_at_rotation = self.decreases;
+                if self.enabled && held && self.probe_return.is_none() {
                     self.probe_return = Some(self.cwnd);
                     self.start_epoch();
                 }
@@ -362,7 +368,11 @@ mod tests {
         let slow = p.w.allowed();
         // The bottleneck goes away: the window opens again.
         let peak = p.run(20_000, 128, 20 * US, 3 * US);
-        assert!(p.w.allowed() >= 120, "window {} after recovery", p.w.allowed());
+        assert!(
+            p.w.allowed() >= 120,
+            "window {} after recovery",
+            p.w.allowed()
+        );
         assert!(peak >= 120 && slow <= 8, "peak {peak}, slow {slow}");
     }
 
@@ -395,7 +405,11 @@ mod tests {
         assert!(p.w.allowed() < 16, "window {}", p.w.allowed());
         // ...then the old minimum expires and the window opens on the longer path.
         p.run(20_000, 64, 10_020 * US, 3 * US);
-        assert!(p.w.min_rtt() >= Duration::from_millis(10), "{:?}", p.w.min_rtt());
+        assert!(
+            p.w.min_rtt() >= Duration::from_millis(10),
+            "{:?}",
+            p.w.min_rtt()
+        );
         assert_eq!(p.w.allowed(), 64);
     }
 

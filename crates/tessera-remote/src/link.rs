@@ -696,7 +696,11 @@ impl Link {
         let (tag, sent, seq) = (c.tag, c.sent, c.seq);
         self.free.push(cid);
         self.done.push((tag, res));
-        self.cc.on_ack(self.rx_now.saturating_duration_since(sent), seq, self.rx_now);
+        self.cc.on_ack(
+            self.rx_now.saturating_duration_since(sent),
+            seq,
+            self.rx_now,
+        );
         if self.down_since.is_some() {
             // The peer answered: the outage is over. (Not at reconnect: a peer that
             // accepts connections and breaks them before answering anything must still

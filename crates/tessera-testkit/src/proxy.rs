@@ -213,18 +213,24 @@ fn read_side(mut from: TcpStream, tx: &SyncSender<(Instant, Vec<u8>)>) {
     }
 }
 
-fn write_side(rx: &Receiver<(Instant, Vec<u8>)>, mut to: &TcpStream, shape: &Shape, stop: &AtomicBool) {
+fn write_side(
+    rx: &Receiver<(Instant, Vec<u8>)>,
+    mut to: &TcpStream,
+    shape: &Shape,
+    stop: &AtomicBool,
+) {
     // When the emulated link has finished serializing what it forwarded last.
     let mut link_free = Instant::now();
     while let Ok((arrived, data)) = rx.recv() {
         let due = arrived + Duration::from_nanos(shape.delay_ns.load(Relaxed));
-        let rate = shape.rate.load(Relaxed);
-        let at = if rate == 0 {
-            due
-        } else {
-            let len = u64::try_from(data.len()).unwrap_or(u64::MAX);
-            let serialize = Duration::from_nanos(len.saturating_mul(1_000_000_000) / rate);
-            due.max(link_free) + serialize
+        let len = u64::try_from(data.len()).unwrap_or(u64::MAX);
+        // A rate of 0 means unlimited: no serialization time.
+        let at = match len
+            .saturating_mul(1_000_000_000)
+            .checked_div(shape.rate.load(Relaxed))
+        {
+            None => due,
+            Some(ns) => due.max(link_free) + Duration::from_nanos(ns),
         };
         loop {
             if stop.load(Relaxed) {
