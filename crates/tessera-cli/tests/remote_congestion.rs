@@ -10,7 +10,7 @@ mod common;
 use common::*;
 
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use tessera_io::{AlignedBuf, CoreIo, IoHandle, IoOp, Tag, Task};
@@ -27,6 +27,14 @@ const BLOCKS: usize = VOL / BS;
 const STRIDE: usize = 7919;
 /// 4 MiB/s: about a thousand 4 KiB writes per second.
 const RATE: u64 = 4 << 20;
+
+/// The tests measure round trips on two shared CPUs: one at a time, so that one test's
+/// load (and relay threads) is not another's queueing delay.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn exclusive() -> MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// A node exporting a 64 MiB RAM volume over NVMe/TCP (and NBD, for checking);
 /// returns it and the NVMe/TCP address.
@@ -321,6 +329,7 @@ fn qd64(secs: f64, warmup: f64) -> LoadSpec {
 
 #[test]
 fn a_bandwidth_limited_path_keeps_few_commands_outstanding_and_the_window_recovers() {
+    let _serial = exclusive();
     let (node, nvmf) = target("cc-bandwidth");
     let proxy = ShapingProxy::start(&nvmf);
     let controlled = open(&proxy.addr(), 128, CongestionConfig::default());
@@ -385,6 +394,7 @@ fn assert_recovered(r: &Report) {
 
 #[test]
 fn a_direct_path_opens_the_window_to_the_queue_depth() {
+    let _serial = exclusive();
     let (node, nvmf) = target("cc-direct");
     // Queue depth 64, the load's: the window's ceiling is what the load wants.
     let dev = open(&nvmf, 64, CongestionConfig::default());
@@ -410,6 +420,7 @@ fn a_direct_path_opens_the_window_to_the_queue_depth() {
 
 #[test]
 fn a_delay_shrinks_the_window_and_it_recovers_when_the_delay_goes() {
+    let _serial = exclusive();
     let (node, nvmf) = target("cc-delay");
     let proxy = ShapingProxy::start(&nvmf);
     let dev = open(&proxy.addr(), 128, CongestionConfig::default());
