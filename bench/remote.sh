@@ -9,7 +9,8 @@
 # direction, and through one limiting each direction to RATE_MIBPS. Each row is ROUNDS
 # interleaved on/off pairs (which goes first alternates).
 # Usage: [PART=base|cc] bench/remote.sh [SECONDS]   (default $SECS or 5; for PART=cc:
-#        ROUNDS=3, DELAY_US=1000, RATE_MIBPS=40, QDS="32 128", PATTERN=randwrite)
+#        ROUNDS=3, DELAY_US=1000, RATE_MIBPS=40, QDS="32 128", PATTERN=randwrite,
+#        PATHS="direct delay rate")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-${SECS:-5}}
@@ -34,8 +35,8 @@ res() { grep '^RESULT' | sed 's/.*iops=\([0-9]*\).*mean_us=\([0-9.]*\) p50_us=\(
 timeout 60 $T nvmf perf --addr $NVMF --nqn $NQN --pattern randwrite --qd 128 --size 1G --time 3 >/dev/null
 if [[ $PART == cc ]]; then
   ROUNDS=${ROUNDS:-3}; DELAY_US=${DELAY_US:-1000}; RATE_MIBPS=${RATE_MIBPS:-40}
-  QDS=${QDS:-32 128}; PATTERN=${PATTERN:-randwrite}
-  # One run: prints "iops p50 p99 | window srtt_us mean_inflight mean_waiting".
+  QDS=${QDS:-32 128}; PATTERN=${PATTERN:-randwrite}; PATHS=${PATHS:-direct delay rate}
+  # One run: prints "iops p50 p99 | window min_rtt_us srtt_us mean_inflight mean_waiting".
   run() { # cc path qd
     local env=(REMOTE_BENCH_CC=$1)
     case $2 in
@@ -45,11 +46,11 @@ if [[ $PART == cc ]]; then
     env "${env[@]}" timeout $((SECS + 60)) $RB "$URL" "$PATTERN" "$3" "$SECS" 4K 1G |
       awk '/^CC/ { for (i = 2; i <= NF; i++) { split($i, kv, "="); cc[kv[1]] = kv[2] } }
            /^RESULT/ { for (i = 2; i <= NF; i++) { split($i, kv, "="); r[kv[1]] = kv[2] } }
-           END { printf "%s %s %s | %s %s %s %s\n", r["iops"], r["p50_us"], r["p99_us"],
-                 cc["window"], cc["srtt_us"], cc["mean_inflight"], cc["mean_waiting"] }'
+           END { printf "%s %s %s | %s %s %s %s %s\n", r["iops"], r["p50_us"], r["p99_us"],
+                 cc["window"], cc["min_rtt_us"], cc["srtt_us"], cc["mean_inflight"], cc["mean_waiting"] }'
   }
-  echo "pattern $PATTERN, 4 KiB, ${SECS}s per run; each cell: iops p50_us p99_us | window srtt_us mean_inflight mean_waiting"
-  for path in direct delay rate; do
+  echo "pattern $PATTERN, 4 KiB, ${SECS}s per run; each cell: iops p50_us p99_us | window min_rtt_us srtt_us mean_inflight mean_waiting"
+  for path in $PATHS; do
     for qd in $QDS; do
       for round in $(seq "$ROUNDS"); do
         order="on off"; (( round % 2 == 0 )) && order="off on"
