@@ -15,8 +15,9 @@
 //!   the older half is dropped every half window, so after a path change to a longer one
 //!   the minimum rises within one window. Queueing delay = epoch minimum − path minimum.
 //! - Once per epoch (the epoch ends when a command sent after it began completes): above
-//!   the target delay the window shrinks by a factor between 1/2 and 1, the further above
-//!   the target the more (`1 − (q − target) / 2q`); at or below it, and only if the window
+//!   the target delay for a second epoch in a row (a standing queue persists, a stall of
+//!   a descheduled thread does not) the window shrinks by a factor between 1/2 and 1,
+//!   the further above the target the more (`1 − (q − target) / 2q`); at or below it, and only if the window
 //!   was full during the epoch (the load wanted more), it grows by one command, or by the
 //!   epoch's completions while in the initial slow start (doubling per round trip, left
 //!   at the first decrease). Floor and ceiling are configured; the ceiling is at most the
@@ -128,6 +129,8 @@ pub(crate) struct Window {
     decreases: u64,
     /// `decreases` at the last rotation of the minimum.
     decreases_at_rotation: u64,
+    /// Epochs in a row whose queueing delay exceeded the target.
+    over_epochs: u32,
 }
 
 impl Window {
@@ -160,6 +163,7 @@ impl Window {
             epoch_full: false,
             decreases: 0,
             decreases_at_rotation: 0,
+            over_epochs: 0,
         }
     }
 
@@ -229,20 +233,29 @@ impl Window {
             return self.start_epoch();
         }
         let queueing = self.epoch_min_ns.saturating_sub(self.min_rtt_ns());
-        if queueing > self.target_ns {
+        if queueing <= self.target_ns {
+            self.over_epochs = 0;
+            if self.epoch_full {
+                let grow = if self.slow_start {
+                    self.epoch_acks * SCALE
+                } else {
+                    SCALE
+                };
+                self.cwnd = (self.cwnd + grow).min(self.ceiling * SCALE);
+            }
+            return self.start_epoch();
+        }
+        // A standing queue stays; a stall (the peer or this reactor descheduled for a few
+        // ms on a busy machine) delays one epoch's commands and is gone in the next. So
+        // shrink only on the second epoch in a row above the target, holding meanwhile.
+        self.over_epochs += 1;
+        if self.over_epochs >= 2 {
             let over = queueing - self.target_ns;
             // 1 − over/(2·queueing), in 1/1024: between 1/2 and 1.
             let keep = SCALE - (over.saturating_mul(SCALE / 2) / queueing).min(SCALE / 2);
             self.cwnd = (self.cwnd.saturating_mul(keep) / SCALE).max(self.floor * SCALE);
             self.slow_start = false;
             self.decreases += 1;
-        } else if self.epoch_full {
-            let grow = if self.slow_start {
-                self.epoch_acks * SCALE
-            } else {
-                SCALE
-            };
-            self.cwnd = (self.cwnd + grow).min(self.ceiling * SCALE);
         }
         self.start_epoch();
     }
@@ -401,8 +414,12 @@ mod tests {
         assert_eq!(p.w.allowed(), 64);
         // The path grows 10 ms longer (no bottleneck): at first that looks like queueing
         // and the window shrinks...
-        p.run(350, 64, 10_020 * US, 3 * US);
-        assert!(p.w.allowed() < 16, "window {}", p.w.allowed());
+        let mut least = usize::MAX;
+        for _ in 0..20 {
+            p.run(50, 64, 10_020 * US, 3 * US);
+            least = least.min(p.w.allowed());
+        }
+        assert!(least < 16, "window {least}");
         // ...then the old minimum expires and the window opens on the longer path.
         p.run(20_000, 64, 10_020 * US, 3 * US);
         assert!(
