@@ -3,10 +3,18 @@
 # RemoteDevice on one reactor core (examples/remote_bench) against the same target read by
 # `tessera nvmf perf`, alternated in one run, plus the target volume's local latency
 # (`tessera bench --target volume` on the same kind of RAM pool, in process).
-# Usage: bench/remote.sh [SECONDS]   (default $SECS or 5)
+# PART=cc instead measures the queues' congestion control (issue 12, seed 001): 4 KiB
+# random writes through RemoteDevice with the control on and off, alternated, on three
+# paths to the same node: direct, through a shaping relay adding DELAY_US to each
+# direction, and through one limiting each direction to RATE_MIBPS. Each row is ROUNDS
+# interleaved on/off pairs (which goes first alternates).
+# Usage: [PART=base|cc] bench/remote.sh [SECONDS]   (default $SECS or 5; for PART=cc:
+#        ROUNDS=3, DELAY_US=1000, RATE_MIBPS=40, QDS="32 128", PATTERN=randwrite,
+#        PATHS="direct delay rate")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-${SECS:-5}}
+PART=${PART:-base}
 T=target/release/tessera
 cargo build --release --bin tessera --example remote_bench -p tessera-remote -p tessera-cli >/dev/null
 RB=target/release/examples/remote_bench
@@ -25,6 +33,36 @@ URL="nvme-tcp://$NVMF/$NQN?nsid=1"
 echo "load before the run: $(cut -d' ' -f1-3 /proc/loadavg)"
 res() { grep '^RESULT' | sed 's/.*iops=\([0-9]*\).*mean_us=\([0-9.]*\) p50_us=\([0-9.]*\) p99_us=\([0-9.]*\).*/\1 \2 \3 \4/'; }
 timeout 60 $T nvmf perf --addr $NVMF --nqn $NQN --pattern randwrite --qd 128 --size 1G --time 3 >/dev/null
+if [[ $PART == cc ]]; then
+  ROUNDS=${ROUNDS:-3}; DELAY_US=${DELAY_US:-1000}; RATE_MIBPS=${RATE_MIBPS:-40}
+  QDS=${QDS:-32 128}; PATTERN=${PATTERN:-randwrite}; PATHS=${PATHS:-direct delay rate}
+  # One run: prints "iops p50 p99 | window min_rtt_us srtt_us mean_inflight mean_waiting".
+  run() { # cc path qd
+    local env=(REMOTE_BENCH_CC=$1)
+    case $2 in
+      delay) env+=(REMOTE_BENCH_DELAY_US=$DELAY_US) ;;
+      rate) env+=(REMOTE_BENCH_RATE_MIBPS=$RATE_MIBPS) ;;
+    esac
+    env "${env[@]}" timeout $((SECS + 60)) $RB "$URL" "$PATTERN" "$3" "$SECS" 4K 1G |
+      awk '/^CC/ { for (i = 2; i <= NF; i++) { split($i, kv, "="); cc[kv[1]] = kv[2] } }
+           /^RESULT/ { for (i = 2; i <= NF; i++) { split($i, kv, "="); r[kv[1]] = kv[2] } }
+           END { printf "%s %s %s | %s %s %s %s %s\n", r["iops"], r["p50_us"], r["p99_us"],
+                 cc["window"], cc["min_rtt_us"], cc["srtt_us"], cc["mean_inflight"], cc["mean_waiting"] }'
+  }
+  echo "pattern $PATTERN, 4 KiB, ${SECS}s per run; each cell: iops p50_us p99_us | window min_rtt_us srtt_us mean_inflight mean_waiting"
+  for path in $PATHS; do
+    for qd in $QDS; do
+      for round in $(seq "$ROUNDS"); do
+        order="on off"; (( round % 2 == 0 )) && order="off on"
+        for cc in $order; do
+          printf '%-6s QD%-4s round %s cc %-3s  %s\n' $path "$qd" "$round" $cc "$(run $cc $path "$qd")"
+        done
+      done
+    done
+  done
+  echo "load after the run: $(cut -d' ' -f1-3 /proc/loadavg)"
+  exit 0
+fi
 printf '%-10s %4s | %-34s | %-34s\n' pattern qd "RemoteDevice iops mean p50 p99 (us)" "nvmf perf iops mean p50 p99 (us)"
 for pat in randread randwrite; do
   for qd in 1 32 128; do

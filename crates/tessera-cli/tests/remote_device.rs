@@ -13,12 +13,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_device::{BlockDevice, RamDevice};
-use tessera_io::{
-    spawn_reactors, AlignedBuf, CoreIo, IoHandle, IoOp, Mailbox, ReactorConfig, Tag, Task,
-};
+use tessera_io::{AlignedBuf, CoreIo, IoHandle, IoOp, Tag, Task};
 use tessera_nbd::client::{ClientOptions, NbdClient};
 use tessera_pool::{LayoutKind, Pool, PoolOptions, Volume};
 use tessera_remote::{LinkStats, RemoteConfig, RemoteDevice, RemoteHandle, RemoteSpec};
+use tessera_testkit::reactor::ReactorThread;
 
 const NQN: &str = "nqn.2024-01.io.tessera.test:remote";
 const VOL: u64 = 64 << 20;
@@ -204,23 +203,11 @@ impl Job {
     }
 }
 
-struct Core {
-    mailbox: Arc<Mailbox>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
+struct Core(ReactorThread);
 
 impl Core {
     fn start() -> Core {
-        let cfg = ReactorConfig {
-            cores: 1,
-            pin: false,
-            ..ReactorConfig::default()
-        };
-        let (mailbox, thread) = spawn_reactors(&cfg).unwrap().pop().unwrap();
-        Core {
-            mailbox,
-            thread: Some(thread),
-        }
+        Core(ReactorThread::start())
     }
 
     /// Start `reqs` at queue depth `qd`; the outcome arrives on the returned channel.
@@ -244,7 +231,7 @@ impl Core {
     ) -> std::sync::mpsc::Receiver<Outcome> {
         let (tx, rx) = channel();
         let dev = dev.clone();
-        self.mailbox.spawn(Box::new(move |_io: &mut CoreIo| {
+        self.0.mailbox.spawn(Box::new(move |_io: &mut CoreIo| {
             let n = reqs.len();
             let bufs = reqs
                 .iter()
@@ -278,15 +265,6 @@ impl Core {
         self.spawn(dev, reqs, qd, Arc::new(AtomicUsize::new(0)))
             .recv_timeout(limit)
             .expect("the job finished in time")
-    }
-}
-
-impl Drop for Core {
-    fn drop(&mut self) {
-        self.mailbox.send(tessera_io::reactor::Msg::Stop);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -5,7 +5,15 @@
 //!   URL      nvme-tcp://HOST:PORT/SUBNQN?nsid=N
 //!   PATTERN  randread | randwrite
 //! At QD1 the reactor busy-polls (like `nvmf perf --busy-poll`).
-//! Prints a RESULT line like `tessera nvmf perf` (iops, mean/p50/p99 latency in us).
+//! Prints a RESULT line like `tessera nvmf perf` (iops, mean/p50/p99 latency in us), and
+//! a CC line: the queue's congestion window and RTTs at the end, and the commands
+//! outstanding at the target and waiting in the queue, averaged over completions.
+//!
+//! Environment:
+//!   REMOTE_BENCH_CC=off         congestion control off (the window is the queue depth)
+//!   REMOTE_BENCH_DELAY_US=N     relay through a shaping proxy (tessera-testkit) in this
+//!                               process that adds N us to each direction
+//!   REMOTE_BENCH_RATE_MIBPS=N   ... and/or limits each direction to N MiB/s
 
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
@@ -13,8 +21,21 @@ use std::time::{Duration, Instant};
 
 use tessera_device::BlockDevice;
 use tessera_io::hist::Histogram;
-use tessera_io::{spawn_reactors, AlignedBuf, CoreIo, IoHandle, IoOp, ReactorConfig, Tag, Task};
-use tessera_remote::{LinkStats, RemoteDevice, RemoteHandle};
+use tessera_io::{AlignedBuf, CoreIo, IoHandle, IoOp, Tag, Task};
+use tessera_remote::{CongestionConfig, LinkStats, RemoteConfig, RemoteDevice, RemoteHandle};
+use tessera_testkit::proxy::ShapingProxy;
+use tessera_testkit::reactor::ReactorThread;
+
+/// Sample the queue's state every this many completions.
+const SAMPLE_EVERY: u64 = 16;
+
+/// Commands outstanding and waiting, summed over samples.
+#[derive(Default)]
+struct Occupancy {
+    samples: u64,
+    inflight: u64,
+    waiting: u64,
+}
 
 struct Load {
     dev: Arc<RemoteDevice>,
@@ -30,7 +51,8 @@ struct Load {
     inflight: usize,
     hist: Histogram,
     errors: u64,
-    tx: Sender<(Histogram, u64, Duration, LinkStats)>,
+    occupancy: Occupancy,
+    tx: Sender<(Histogram, u64, Duration, LinkStats, Occupancy)>,
     t0: Instant,
     done: bool,
 }
@@ -86,6 +108,14 @@ impl Task for Load {
         if res < 0 {
             self.errors += 1;
         }
+        if self.hist.count().is_multiple_of(SAMPLE_EVERY) {
+            if let Some(h) = &self.handle {
+                let st = h.stats();
+                self.occupancy.samples += 1;
+                self.occupancy.inflight += u64::from(st.inflight);
+                self.occupancy.waiting += u64::from(st.waiting);
+            }
+        }
         if Instant::now() < self.until {
             self.issue(io, s);
         } else if self.inflight == 0 && !self.done {
@@ -96,6 +126,7 @@ impl Task for Load {
                 self.errors,
                 self.t0.elapsed(),
                 stats,
+                std::mem::take(&mut self.occupancy),
             ));
         }
     }
@@ -111,7 +142,29 @@ fn main() {
         eprintln!("usage: remote_bench URL randread|randwrite QD SECONDS [BS] [SIZE]");
         std::process::exit(2);
     }
-    let dev = RemoteDevice::open(&a[1]).unwrap_or_else(|e| {
+    let env_u64 = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
+    let delay_us = env_u64("REMOTE_BENCH_DELAY_US").unwrap_or(0);
+    let rate_mibps = env_u64("REMOTE_BENCH_RATE_MIBPS").unwrap_or(0);
+    let mut spec = tessera_remote::RemoteSpec::parse(&a[1]).unwrap_or_else(|e| {
+        eprintln!("remote_bench: {e}");
+        std::process::exit(2)
+    });
+    // Kept alive until the end of main: the path runs through it.
+    let _proxy = (delay_us > 0 || rate_mibps > 0).then(|| {
+        let p = ShapingProxy::start(&spec.addr);
+        p.set_delay(Duration::from_micros(delay_us));
+        p.set_rate((rate_mibps > 0).then_some(rate_mibps << 20));
+        spec.addr = p.addr();
+        p
+    });
+    let cfg = RemoteConfig {
+        congestion: CongestionConfig {
+            enabled: std::env::var("REMOTE_BENCH_CC").as_deref() != Ok("off"),
+            ..CongestionConfig::default()
+        },
+        ..RemoteConfig::default()
+    };
+    let dev = RemoteDevice::open_with(spec, cfg).unwrap_or_else(|e| {
         eprintln!("remote_bench: {e}");
         std::process::exit(1)
     });
@@ -129,18 +182,10 @@ fn main() {
         .get(6)
         .map_or(dev.size(), |s| tessera_device::parse_size(s).expect("SIZE"));
     let bs32 = u32::try_from(bs).expect("BS fits in 32 bits");
-    let cfg = ReactorConfig {
-        cores: 1,
-        pin: false,
-        ..ReactorConfig::default()
-    };
-    let (mailbox, thread) = spawn_reactors(&cfg)
-        .expect("reactor")
-        .pop()
-        .expect("one core");
+    let core = ReactorThread::start();
     let (tx, rx) = channel();
     let d = dev.clone();
-    mailbox.spawn(Box::new(move |_io: &mut CoreIo| {
+    core.mailbox.spawn(Box::new(move |_io: &mut CoreIo| {
         Box::new(Load {
             dev: d,
             handle: None,
@@ -161,16 +206,16 @@ fn main() {
             inflight: 0,
             hist: Histogram::default(),
             errors: 0,
+            occupancy: Occupancy::default(),
             tx,
             t0: Instant::now(),
             done: false,
         }) as Box<dyn Task>
     }));
-    let (hist, errors, wall, stats) = rx
+    let (hist, errors, wall, stats, occ) = rx
         .recv_timeout(Duration::from_secs(secs + 60))
         .expect("the run ended");
-    mailbox.send(tessera_io::reactor::Msg::Stop);
-    let _ = thread.join();
+    drop(core);
     let ios = hist.count();
     let iops = ios as f64 / wall.as_secs_f64();
     let us = |v: u64| v as f64 / 1000.0;
@@ -179,6 +224,16 @@ fn main() {
         stats.capsules,
         stats.sends,
         stats.capsules as f64 / stats.sends.max(1) as f64
+    );
+    let per_sample = |v: u64| v as f64 / occ.samples.max(1) as f64;
+    println!(
+        "CC window={} decreases={} min_rtt_us={:.1} srtt_us={:.1} mean_inflight={:.1} mean_waiting={:.1}",
+        stats.window,
+        stats.window_decreases,
+        stats.min_rtt.as_secs_f64() * 1e6,
+        stats.srtt.as_secs_f64() * 1e6,
+        per_sample(occ.inflight),
+        per_sample(occ.waiting),
     );
     println!(
         "RESULT iops={iops:.0} mibps={:.1} mean_us={:.2} p50_us={:.2} p99_us={:.2} p999_us={:.2} errors={errors}",

@@ -21,6 +21,12 @@
 //!   flight or waiting completes with `-ENOTCONN`, and new I/Os fail at once (`-ENOTCONN`)
 //!   until a reconnect, attempted again on new I/O at most once per backoff period,
 //!   succeeds. The layer above marks the replica out of sync.
+//!
+//! Flow control (seed 001): each queue keeps at most a congestion window of commands
+//! outstanding, adapted to the round-trip times it measures ([`congestion`]); the rest
+//! wait in the queue, in order, and leave as completions open the window. A slow or
+//! distant peer thus holds a few commands instead of the whole queue depth, and a fast
+//! one gets the whole depth. This bounds commands, not bytes: TCP still paces the bytes.
 
 use std::io;
 use std::sync::{Arc, Mutex};
@@ -32,8 +38,10 @@ use tessera_nvmf::nvme::{self, Sqe};
 use tessera_nvmf::pdu;
 use tracing::{info, warn};
 
+pub mod congestion;
 pub mod link;
 
+pub use congestion::CongestionConfig;
 pub use link::{LinkStats, RemoteHandle};
 
 /// The URL scheme of a remote namespace.
@@ -114,10 +122,14 @@ impl std::fmt::Display for RemoteSpec {
 pub struct RemoteConfig {
     /// How long a queue keeps trying to reconnect before failing its I/Os.
     pub timeout: Duration,
-    /// Commands a per-core queue keeps outstanding (more wait in the handle).
+    /// Commands a per-core queue keeps outstanding at most (more wait in the handle);
+    /// the congestion window moves below it.
     pub queue_depth: u16,
     /// The host NQN presented at Connect.
     pub hostnqn: String,
+    /// How each queue adapts the commands it keeps outstanding to the RTT it measures
+    /// (at most `queue_depth`).
+    pub congestion: CongestionConfig,
 }
 
 impl Default for RemoteConfig {
@@ -126,6 +138,7 @@ impl Default for RemoteConfig {
             timeout: Duration::from_secs(5),
             queue_depth: 128,
             hostnqn: tessera_nvmf::initiator::default_hostnqn(),
+            congestion: CongestionConfig::default(),
         }
     }
 }
@@ -172,6 +185,12 @@ impl RemoteDevice {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "remote device queue depth must be between 2 and 1024",
+            ));
+        }
+        if let Err(why) = cfg.congestion.ceiling(cfg.queue_depth) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{spec}: {why}"),
             ));
         }
         let opts = Options {

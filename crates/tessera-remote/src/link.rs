@@ -27,6 +27,7 @@ use tessera_nvmf::nvme::{self, Sqe};
 use tessera_nvmf::pdu::{self, Framing, Limits, Role};
 use tracing::{debug, info, warn};
 
+use crate::congestion::Window;
 use crate::{status_to_errno, RemoteDevice};
 
 /// Receive buffer per queue: C2HData payloads stream through it into the caller's
@@ -55,6 +56,10 @@ struct Cmd {
     op: IoOp,
     tag: Tag,
     busy: bool,
+    /// When the capsule was encoded (the reactor's round clock) and its sequence number
+    /// for the congestion window's epochs.
+    sent: Instant,
+    seq: u64,
 }
 
 /// A C2HData payload being received into a read's buffer.
@@ -65,7 +70,7 @@ struct DataIn {
     success: bool,
 }
 
-/// Counters of one queue (for tests and the bench).
+/// Counters and congestion state of one queue (for tests, the bench and the node).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LinkStats {
     /// Command capsules sent (resubmissions included).
@@ -76,6 +81,18 @@ pub struct LinkStats {
     pub connects: u64,
     /// Commands sent again after a connection broke.
     pub resubmitted: u64,
+    /// Commands the congestion window lets the queue keep outstanding now.
+    pub window: u32,
+    /// Times the window shrank because the queueing delay exceeded the target.
+    pub window_decreases: u64,
+    /// The path's minimum round-trip time (windowed); zero before the first completion.
+    pub min_rtt: Duration,
+    /// Smoothed round-trip time (capsule sent to response, gain 1/8).
+    pub srtt: Duration,
+    /// Commands sent and not answered.
+    pub inflight: u32,
+    /// Commands waiting in the queue for the window or a connection.
+    pub waiting: u32,
 }
 
 type ConnectSlot = Arc<Mutex<Option<Result<Queue, String>>>>;
@@ -123,6 +140,10 @@ struct Link {
     done: Vec<(Tag, i32)>,
     connect_slot: ConnectSlot,
     stats: LinkStats,
+    /// How many commands may be outstanding, adapted to the measured RTT.
+    cc: Window,
+    /// The round clock of the receive being parsed: completion time of its commands.
+    rx_now: Instant,
 }
 
 struct LinkCell(RefCell<Link>);
@@ -175,6 +196,8 @@ impl RemoteHandle {
                     op: IoOp::Flush,
                     tag: Tag::NO_PARENT,
                     busy: false,
+                    sent: Instant::now(),
+                    seq: 0,
                 };
                 usize::from(depth)
             ],
@@ -183,6 +206,8 @@ impl RemoteHandle {
             done: Vec::with_capacity(usize::from(depth)),
             connect_slot: Arc::new(Mutex::new(None)),
             stats: LinkStats::default(),
+            cc: Window::new(&dev.cfg.congestion, depth),
+            rx_now: Instant::now(),
         };
         RemoteHandle {
             link: Rc::new(LinkCell(RefCell::new(link))),
@@ -200,9 +225,18 @@ impl RemoteHandle {
         RemoteHandle::new(dev.clone(), qid)
     }
 
-    /// This queue's counters.
+    /// This queue's counters and congestion state.
     pub fn stats(&self) -> LinkStats {
-        self.link.0.borrow().stats
+        let l = self.link.0.borrow();
+        LinkStats {
+            window: l.cc.window(),
+            window_decreases: l.cc.decreases(),
+            min_rtt: l.cc.min_rtt(),
+            srtt: l.cc.srtt(),
+            inflight: tessera_io::cast::u32_of(l.busy()),
+            waiting: tessera_io::cast::u32_of(l.waiting.len()),
+            ..l.stats
+        }
     }
 
     /// True while the queue fails I/O at once (the peer stayed away past the timeout).
@@ -396,6 +430,7 @@ impl Link {
                 }
                 self.in_end += usize::try_from(res).unwrap_or(0);
                 self.last_heard = io.now();
+                self.rx_now = io.now();
                 if let Err(why) = self.parse() {
                     return self.break_link(io, &why);
                 }
@@ -467,15 +502,24 @@ impl Link {
             // Silence while nothing was asked is no stall.
             self.last_heard = io.now();
         }
-        while !self.waiting.is_empty() {
+        // Commands beyond the congestion window stay in `waiting`, in order, until
+        // completions open it (this function runs again after every receive).
+        let allowed = self.cc.allowed();
+        let now = io.now();
+        while !self.waiting.is_empty() && self.busy() < allowed {
             let Some(cid) = self.free.pop() else { break };
             let (op, tag) = self.waiting.pop_front().expect("not empty");
             self.cmds[usize::from(cid)] = Cmd {
                 op,
                 tag,
                 busy: true,
+                sent: now,
+                seq: self.cc.on_send(),
             };
             self.encode(cid, op);
+        }
+        if self.busy() >= allowed {
+            self.cc.note_full();
         }
         self.kick_send(io);
         if self.busy() > 0 && !self.watchdog_armed {
@@ -649,9 +693,14 @@ impl Link {
         } else {
             -status_to_errno(status)
         };
-        let tag = c.tag;
+        let (tag, sent, seq) = (c.tag, c.sent, c.seq);
         self.free.push(cid);
         self.done.push((tag, res));
+        self.cc.on_ack(
+            self.rx_now.saturating_duration_since(sent),
+            seq,
+            self.rx_now,
+        );
         if self.down_since.is_some() {
             // The peer answered: the outage is over. (Not at reconnect: a peer that
             // accepts connections and breaks them before answering anything must still
