@@ -433,19 +433,21 @@ fn a_frozen_replica_is_dropped_and_resynced_when_it_thaws() {
 
 #[test]
 fn the_owners_local_replica_failing_under_it_is_a_lost_replica() {
-    // The owner's own pool sits on a device that vanishes 8 s after it was opened.
-    let cl = cluster_on("repl-fault", ";vanish_after_ms=8000");
+    // The owner's own pool sits on a device that vanishes 20 s after it was opened (room
+    // for a slow, shared CI machine to set the cluster up first).
+    let cl = cluster_on("repl-fault", ";vanish_after_ms=20000");
     let t0 = Instant::now();
-    let blocks = (VOL as usize) / BS;
+    // The first 16 MiB: quick to write on a loaded machine.
+    let blocks = (VOL as usize) / BS / 4;
     let mut model = vec![0u64; blocks];
     let mut c = nbd_connect(&cl.a, "db");
     write_generations(&mut c, &mut model, 0..blocks, 1, BS);
     assert!(
-        t0.elapsed() < Duration::from_secs(7),
+        t0.elapsed() < Duration::from_secs(18),
         "setup too slow for the fault timer"
     );
     std::thread::sleep(
-        Duration::from_secs(8).saturating_sub(t0.elapsed()) + Duration::from_millis(500),
+        Duration::from_secs(20).saturating_sub(t0.elapsed()) + Duration::from_millis(500),
     );
     // Writes go on (node-b and node-c hold them); reads are served by a remote replica.
     write_generations(&mut c, &mut model, 256..768, 2, BS);
@@ -464,16 +466,21 @@ fn the_owners_local_replica_failing_under_it_is_a_lost_replica() {
 
 #[test]
 fn a_replica_answering_errors_is_dropped_and_the_volume_goes_on() {
-    // node-c's device starts failing every write after 8 s: it answers each with an
-    // NVMe error status, quickly, rather than going silent.
-    let cl = cluster_with("repl-errors", "", ";vanish_after_ms=8000");
+    // node-c's device starts failing every write 20 s after it was opened: it answers
+    // each with an NVMe error status, quickly, rather than going silent.
+    let cl = cluster_with("repl-errors", "", ";vanish_after_ms=20000");
     let t0 = Instant::now();
-    let blocks = (VOL as usize) / BS;
+    // The first 16 MiB: quick to write on a loaded machine.
+    let blocks = (VOL as usize) / BS / 4;
     let mut model = vec![0u64; blocks];
     let mut c = nbd_connect(&cl.a, "db");
     write_generations(&mut c, &mut model, 0..blocks, 1, BS);
+    assert!(
+        t0.elapsed() < Duration::from_secs(18),
+        "setup too slow for the fault timer"
+    );
     std::thread::sleep(
-        Duration::from_secs(8).saturating_sub(t0.elapsed()) + Duration::from_millis(500),
+        Duration::from_secs(20).saturating_sub(t0.elapsed()) + Duration::from_millis(500),
     );
     let t = Instant::now();
     write_generations(&mut c, &mut model, 1000..1300, 2, BS);
