@@ -14,6 +14,7 @@ mod jobs;
 pub mod nvmf;
 mod pools;
 mod qos;
+mod snapshots;
 mod spares;
 mod volumes;
 

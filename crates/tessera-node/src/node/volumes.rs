@@ -77,6 +77,8 @@ impl Node {
             created: v.created,
             qos: self.groups.volume_qos(v).limits(),
             group: self.groups.group_of(&v.name),
+            snapshot: v.is_snapshot(),
+            parent: v.parent().map(|p| p.name.clone()),
         }
     }
 
