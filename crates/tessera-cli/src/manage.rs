@@ -434,9 +434,7 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
             force,
         } => crate::snapshot_cmd::clone(ep, snapshot, name, force, raw)?,
         VolumeCmd::Rollback { name, to } => crate::snapshot_cmd::rollback(ep, name, to, raw)?,
-        VolumeCmd::Changes { name, since } => {
-            crate::snapshot_cmd::changes(ep, name, since, raw)?
-        }
+        VolumeCmd::Changes { name, since } => crate::snapshot_cmd::changes(ep, name, since, raw)?,
         VolumeCmd::Stats { name, interval } => {
             let ms = (interval * 1000.0).round().clamp(1.0, 60_000.0) as u64;
             let v: VolumeStats = get(ep, &format!("/v1/volumes/{name}/stats?interval_ms={ms}"))?;

@@ -70,7 +70,12 @@ fn print_snapshots(snaps: &[SnapshotInfo]) {
 pub fn snapshot(ep: &Endpoint, c: SnapshotCmd, raw: bool) -> Result<()> {
     match c {
         SnapshotCmd::Create { volume, name } => {
-            let s: SnapshotInfo = send(ep, "POST", "/v1/snapshots", &CreateSnapshot { volume, name })?;
+            let s: SnapshotInfo = send(
+                ep,
+                "POST",
+                "/v1/snapshots",
+                &CreateSnapshot { volume, name },
+            )?;
             show(&s, raw, |s| print_snapshots(std::slice::from_ref(s)));
         }
         SnapshotCmd::Group { pairs } => {
@@ -86,8 +91,12 @@ pub fn snapshot(ep: &Endpoint, c: SnapshotCmd, raw: bool) -> Result<()> {
                     name: name.to_string(),
                 });
             }
-            let s: Vec<SnapshotInfo> =
-                send(ep, "POST", "/v1/snapshot-groups", &CreateSnapshotGroup { snapshots })?;
+            let s: Vec<SnapshotInfo> = send(
+                ep,
+                "POST",
+                "/v1/snapshot-groups",
+                &CreateSnapshotGroup { snapshots },
+            )?;
             show(&s[..], raw, print_snapshots);
         }
         SnapshotCmd::List => {
@@ -130,7 +139,12 @@ pub fn clone(ep: &Endpoint, snapshot: String, name: String, force: bool, raw: bo
 
 /// `volume rollback VOLUME --to SNAPSHOT`.
 pub fn rollback(ep: &Endpoint, volume: String, to: String, raw: bool) -> Result<()> {
-    let v: VolumeInfo = send(ep, "POST", &format!("/v1/volumes/{volume}/rollback"), &Rollback { to })?;
+    let v: VolumeInfo = send(
+        ep,
+        "POST",
+        &format!("/v1/volumes/{volume}/rollback"),
+        &Rollback { to },
+    )?;
     show(&v, raw, print_volume);
     Ok(())
 }

@@ -3,6 +3,9 @@
 //! client; a restart and a kill -9 in between, every volume and snapshot checked against
 //! what was written.
 
+// Test code sizes buffers from its own small constants.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 
@@ -107,7 +110,10 @@ fn snapshots_clones_and_incremental_backup_over_nbd() {
     );
     let info = run_ok(Command::new("nbdinfo").arg("--json").arg(n.uri("s1e")));
     assert!(info.contains("\"is_read_only\": true"), "{info}");
-    assert!(read_all(&n, "s1e") == s1_model, "snapshot s1 after a refused write");
+    assert!(
+        read_all(&n, "s1e") == s1_model,
+        "snapshot s1 after a refused write"
+    );
 
     // A second snapshot, more writes, then the incremental backup: a full copy of s1
     // (nbdcopy), plus s1→s2 and s2→v increments read over NBD, rebuilds v exactly.
@@ -118,7 +124,10 @@ fn snapshots_clones_and_incremental_backup_over_nbd() {
     write_at(&n, "v", &mut v, 20 * MIB, &pattern(6, 3 * MIB as usize));
     let inc1 = changes(&n, "s2", "s1");
     let inc2 = changes(&n, "v", "s2");
-    assert_eq!(inc1, vec![(MIB, 4096), (3 * MIB, 4096), (5 * MIB - 4096, 8192)]);
+    assert_eq!(
+        inc1,
+        vec![(MIB, 4096), (3 * MIB, 4096), (5 * MIB - 4096, 8192)]
+    );
     assert_eq!(inc2, vec![(2 * MIB, 64 << 10), (20 * MIB, 3 * MIB)]);
     let backup = n.dir.join("backup.img");
     run_ok(
@@ -136,7 +145,10 @@ fn snapshots_clones_and_incremental_backup_over_nbd() {
         }
         c.disconnect().unwrap();
     }
-    assert!(restored == v, "full copy + 2 increments differ from the volume");
+    assert!(
+        restored == v,
+        "full copy + 2 increments differ from the volume"
+    );
     assert!(read_all(&n, "s2e") == s2_model);
 
     // Clones, and a clone of a clone, share the snapshot's data and diverge on write.
@@ -194,7 +206,10 @@ fn snapshots_clones_and_incremental_backup_over_nbd() {
     );
 }
 
-fn snapshot_named_opt<'a>(list: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+fn snapshot_named_opt<'a>(
+    list: &'a serde_json::Value,
+    name: &str,
+) -> Option<&'a serde_json::Value> {
     list.as_array().unwrap().iter().find(|s| s["name"] == name)
 }
 
@@ -240,4 +255,48 @@ fn rollback_is_refused_while_exported_and_restores_the_snapshot() {
     let o = n.cli(&["volume", "clone", "w", "--name", "x"]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("not a snapshot"));
+}
+
+/// A snapshot as an NVMe/TCP namespace: it reads what the volume held when it was taken,
+/// and a write gets "namespace is write protected" (the queue keeps serving).
+#[test]
+fn snapshot_namespace_over_nvmf_is_write_protected() {
+    use tessera_nvmf::initiator::{Controller, Error, Options};
+    use tessera_nvmf::nvme;
+    const NQN: &str = "nqn.2024-01.io.tessera.test:snap";
+    let port = free_port();
+    let n = TestNode::start_with_config(
+        "snapshot-nvmf",
+        &format!("[nvmf]\nlisten = \"127.0.0.1:{port}\"\n"),
+    );
+    let img = format!("{}:256M", path_str(&n.dir.join("p.img")));
+    n.cli_ok(&["pool", "create", "p", &img]);
+    n.cli_ok(&["volume", "create", "v", "--pool", "p", "--size", "16M"]);
+    n.cli_ok(&["export", "add", "v", "--volume", "v"]);
+    let mut v = vec![0u8; 16 * MIB as usize];
+    write_at(&n, "v", &mut v, 0, &pattern(11, 2 * MIB as usize));
+    snapshot(&n, "v", "s");
+    let before = v.clone();
+    write_at(&n, "v", &mut v, 4096, &pattern(12, 4096));
+    n.cli_ok(&[
+        "nvmf",
+        "subsystem",
+        "add",
+        NQN,
+        "--volume",
+        "s",
+        "--allow-any-host",
+    ]);
+    let addr = format!("127.0.0.1:{port}");
+    let mut c = Controller::connect(&addr, NQN, &Options::default(), 1).unwrap();
+    assert_eq!(c.read(0, 1, 0, 64, 512).unwrap(), before[..64 * 512]);
+    match c.write(0, 1, 8, &pattern(13, 4096), 512) {
+        Err(Error::Status(st, _)) => {
+            assert_eq!(st & 0x7FF, nvme::SC_NS_WRITE_PROTECTED, "status {st:#x}")
+        }
+        r => panic!("a write to a snapshot namespace: {r:?}"),
+    }
+    assert_eq!(c.read(0, 1, 0, 64, 512).unwrap(), before[..64 * 512]);
+    c.disconnect();
+    assert!(read_all(&n, "v") == v);
 }

@@ -16,8 +16,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    ChainRecord, Record, CHAIN_HIDDEN, CHAIN_SNAPSHOT, OWNER_FREE, PRESENCE_BYTES,
-    PRESENCE_RECORD,
+    ChainRecord, Record, CHAIN_HIDDEN, CHAIN_SNAPSHOT, OWNER_FREE, PRESENCE_BYTES, PRESENCE_RECORD,
 };
 use crate::pool::{now_secs, Pool, PoolCore, State};
 use crate::volume::{UnitMap, Volume, HOLE};
@@ -161,10 +160,7 @@ impl PresenceTable {
 }
 
 /// Apply one journal presence record to the partial units being rebuilt at open.
-pub(crate) fn replay_presence(
-    partial: &mut BTreeMap<u32, [u8; PRESENCE_BYTES]>,
-    r: &Record,
-) {
+pub(crate) fn replay_presence(partial: &mut BTreeMap<u32, [u8; PRESENCE_BYTES]>, r: &Record) {
     if r.volume_id == OWNER_FREE {
         partial.remove(&r.pool_unit);
         return;
@@ -219,7 +215,8 @@ impl PoolCore {
         for m in chain {
             let p = m.get(u);
             if p != HOLE && self.presence.present(p, b) {
-                let off = ((p as u64) << self.unit_shift) + ((b as u64) << self.presence.block_shift);
+                let off =
+                    ((p as u64) << self.unit_shift) + ((b as u64) << self.presence.block_shift);
                 return match self.layout.read_at(off, out) {
                     Ok(()) => 0,
                     Err(e) => -e.raw_os_error().unwrap_or(libc::EIO),
@@ -297,7 +294,10 @@ impl PoolCore {
         }
         let bshift = self.presence.block_shift;
         let bsize = 1u64 << bshift;
-        let (mut b0, mut b1) = (u32_of(within >> bshift), u32_of((within + len - 1) >> bshift));
+        let (mut b0, mut b1) = (
+            u32_of(within >> bshift),
+            u32_of((within + len - 1) >> bshift),
+        );
         if s.partial.len() > PARTIAL_MAX && !self.presence.is_full(p) {
             // Too many partial units for the catalog: make this one whole now.
             (b0, b1) = (0, self.presence.blocks - 1);
@@ -338,7 +338,8 @@ impl PoolCore {
                     if bs >= within && bs + bsize <= write_end {
                         continue;
                     }
-                    let piece = &mut buf[usize_of(bs - run_start)..usize_of(bs - run_start + bsize)];
+                    let piece =
+                        &mut buf[usize_of(bs - run_start)..usize_of(bs - run_start + bsize)];
                     r = self.read_chain_block(&chain, unit, blk, piece);
                     if r != 0 {
                         break;
@@ -348,7 +349,9 @@ impl PoolCore {
                 if r == 0 && from < to {
                     let dst = &mut buf[usize_of(from - run_start)..usize_of(to - run_start)];
                     match data {
-                        Some(d) => dst.copy_from_slice(&d[usize_of(from - within)..usize_of(to - within)]),
+                        Some(d) => {
+                            dst.copy_from_slice(&d[usize_of(from - within)..usize_of(to - within)])
+                        }
                         None => dst.fill(0),
                     }
                 }
@@ -424,7 +427,10 @@ impl Pool {
                     vol.name
                 )));
             }
-            if what[..i].iter().any(|(v, n)| n == name || Arc::ptr_eq(v, vol)) {
+            if what[..i]
+                .iter()
+                .any(|(v, n)| n == name || Arc::ptr_eq(v, vol))
+            {
                 return Err(Error::invalid(format!(
                     "snapshot '{name}' or volume '{}' named twice",
                     vol.name
@@ -468,7 +474,8 @@ impl Pool {
                     },
                     vol.parent(),
                 );
-                snap.allocated.store(vol.allocated.swap(0, Relaxed), Relaxed);
+                snap.allocated
+                    .store(vol.allocated.swap(0, Relaxed), Relaxed);
                 let units = vol.size().div_ceil(self.core.unit_size());
                 vol.take_new_layer(layer, snap.clone(), UnitMap::new(units));
                 s.volumes.insert(id, snap.clone());
@@ -480,7 +487,12 @@ impl Pool {
 
     /// A writable volume `name` that reads through snapshot `snap` (a clone). Counts
     /// against the overcommit ratio like a new volume of the snapshot's size.
-    pub fn clone_snapshot(&self, snap: &Arc<Volume>, name: &str, force: bool) -> Result<Arc<Volume>> {
+    pub fn clone_snapshot(
+        &self,
+        snap: &Arc<Volume>,
+        name: &str,
+        force: bool,
+    ) -> Result<Arc<Volume>> {
         self.check_chain_layout()?;
         crate::pool::validate_name("volume", name)?;
         if !snap.is_snapshot() || snap.is_hidden() {
@@ -504,7 +516,10 @@ impl Pool {
             }
             self.check_overcommit(
                 s,
-                &format!("clone '{name}' of {}", crate::pool::human_bytes(snap.size())),
+                &format!(
+                    "clone '{name}' of {}",
+                    crate::pool::human_bytes(snap.size())
+                ),
                 snap.size(),
                 force,
             )?;
@@ -689,7 +704,9 @@ impl Pool {
                 continue;
             }
             match layers.get(&layer) {
-                None => found.push(format!("unit {p}: owned by layer {layer}, which no volume has")),
+                None => found.push(format!(
+                    "unit {p}: owned by layer {layer}, which no volume has"
+                )),
                 Some(v) if v.current_map().get(u as u64) != u32_of(p) => found.push(format!(
                     "unit {p}: owned by '{}' unit {u}, which maps elsewhere",
                     v.name
@@ -707,7 +724,10 @@ impl Pool {
             let mut at = v.parent();
             while let Some(p) = at {
                 if !p.is_snapshot() || !s.volumes.contains_key(&p.id) {
-                    found.push(format!("'{}': parent '{}' is not a snapshot of the pool", v.name, p.name));
+                    found.push(format!(
+                        "'{}': parent '{}' is not a snapshot of the pool",
+                        v.name, p.name
+                    ));
                     break;
                 }
                 if !seen.insert(p.id) {

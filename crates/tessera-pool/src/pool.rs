@@ -2,7 +2,7 @@
 //! carved from it, and the commit thread that makes thin-map changes durable.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::Ordering::{Relaxed, Release};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -1206,7 +1206,13 @@ impl Pool {
 
     /// Refuse to bring the volumes' virtual sizes, now `provisioned`, to `provisioned +
     /// more` if that exceeds the overcommit ratio, unless `force`.
-    pub(crate) fn check_overcommit(&self, s: &State, what: &str, more: u64, force: bool) -> Result<()> {
+    pub(crate) fn check_overcommit(
+        &self,
+        s: &State,
+        what: &str,
+        more: u64,
+        force: bool,
+    ) -> Result<()> {
         let ratio = self.overcommit();
         let sb = &self.core.meta.sb;
         let capacity = (sb.total_units - sb.meta_units) * self.core.unit_size();
@@ -1286,6 +1292,12 @@ impl Pool {
     /// [`Pool::resize_volume`]; `force` grows it beyond the overcommit ratio.
     pub fn resize_volume_opts(&self, vol: &Arc<Volume>, new_size: u64, force: bool) -> Result<()> {
         validate_volume_size(new_size, self.core.unit_size())?;
+        if vol.is_snapshot() {
+            return Err(Error::invalid(format!(
+                "'{}' is a snapshot: its size is the volume's when it was taken",
+                vol.name
+            )));
+        }
         let old = vol.size();
         if new_size < old {
             return Err(Error::invalid(format!(
@@ -1578,9 +1590,14 @@ pub fn validate_name(what: &str, name: &str) -> Result<()> {
     }
 }
 
-/// Sum of the virtual sizes of the pool's volumes.
+/// Sum of the virtual sizes of the pool's volumes (snapshots promise no new space: they
+/// only keep what their volume had).
 fn provisioned(s: &State) -> u64 {
-    s.volumes.values().map(|v| v.size()).sum()
+    s.volumes
+        .values()
+        .filter(|v| !v.is_snapshot())
+        .map(|v| v.size())
+        .sum()
 }
 
 pub fn validate_overcommit(ratio: f64) -> Result<()> {

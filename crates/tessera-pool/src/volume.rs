@@ -362,7 +362,10 @@ impl Volume {
 
     /// The snapshot this volume reads through, if any.
     pub fn parent(&self) -> Option<Arc<Volume>> {
-        self.parent.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.parent
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub(crate) fn parent_id(&self) -> Option<u32> {
@@ -556,6 +559,7 @@ impl Volume {
         let map = self.current_map();
         VolumeHandle {
             gen,
+            read_only: self.is_snapshot(),
             chain: self.ancestor_maps(),
             map,
             layout: self.pool.layout.open_handle(),
@@ -572,6 +576,8 @@ pub struct VolumeHandle {
     /// The ancestors' maps, nearest first (empty for a volume outside any chain, whose
     /// datapath is then exactly the plain one).
     chain: Vec<Arc<UnitMap>>,
+    /// A snapshot's handle: every change is refused (fixed for a volume's life).
+    read_only: bool,
     gen: u64,
     layout: LayoutHandle,
     shift: u32,
@@ -745,7 +751,7 @@ impl IoHandle for VolumeHandle {
         if len == 0 {
             return io.complete(tag, 0);
         }
-        if !matches!(op, IoOp::Read { .. }) && self.vol.is_snapshot() {
+        if self.read_only && !matches!(op, IoOp::Read { .. }) {
             return io.complete(tag, -libc::EROFS);
         }
         match op {

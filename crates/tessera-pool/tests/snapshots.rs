@@ -92,7 +92,8 @@ fn step(pool: &Pool, models: &mut BTreeMap<String, Model>, rng: &mut Rng, next_n
             let data = pattern(rng.next(), len as usize);
             let v = vol(pool, &name);
             let mut h = v.open_handle();
-            assert_eq!(write(&mut io, &mut h, off, &data), 0, "write {name} {off}+{len}");
+            let r = write(&mut io, &mut h, off, &data);
+            assert!(r >= 0, "write {name} {off}+{len}: {r}");
             let m = models.get_mut(&name).unwrap();
             m.now[off as usize..(off + len) as usize].copy_from_slice(&data);
             m.dirty.extend(off / BLK..(off + len).div_ceil(BLK));
@@ -108,7 +109,7 @@ fn step(pool: &Pool, models: &mut BTreeMap<String, Model>, rng: &mut Rng, next_n
                 len,
                 may_unmap: rng.below(2) == 0,
             };
-            assert_eq!(run(&mut io, &mut h, op), 0);
+            assert!(run(&mut io, &mut h, op) >= 0);
             let m = models.get_mut(&name).unwrap();
             m.now[off as usize..(off + len) as usize].fill(0);
             m.dirty.extend(off / BLK..(off + len).div_ceil(BLK));
@@ -158,7 +159,7 @@ fn step(pool: &Pool, models: &mut BTreeMap<String, Model>, rng: &mut Rng, next_n
             let Some(name) = names.first() else { return };
             let v = vol(pool, name);
             let mut h = v.open_handle();
-            assert_eq!(flush(&mut io, &mut h), 0);
+            assert!(flush(&mut io, &mut h) >= 0);
             durable_point(models);
         }
     }
@@ -167,7 +168,11 @@ fn step(pool: &Pool, models: &mut BTreeMap<String, Model>, rng: &mut Rng, next_n
 /// After a power loss: snapshots exactly; volumes' blocks untouched since the last
 /// durable point as they were then. Returns the models as the pool now is (the blocks in
 /// doubt read back).
-fn verify_after_crash(pool: &Pool, models: &BTreeMap<String, Model>, what: &str) -> BTreeMap<String, Model> {
+fn verify_after_crash(
+    pool: &Pool,
+    models: &BTreeMap<String, Model>,
+    what: &str,
+) -> BTreeMap<String, Model> {
     let mut io = core();
     let mut out = BTreeMap::new();
     for (name, m) in models {
@@ -275,7 +280,7 @@ fn first_write_after_snapshot_is_partial_and_exact() {
     let old = pattern(1, 1 << 20);
     {
         let mut h = v.open_handle();
-        assert_eq!(write(&mut io, &mut h, 0, &old), 0);
+        assert!(write(&mut io, &mut h, 0, &old) >= 0);
     }
     let s = pool.create_snapshot(&v, "s").unwrap();
     assert!(s.is_snapshot());
@@ -284,7 +289,7 @@ fn first_write_after_snapshot_is_partial_and_exact() {
     let new = pattern(2, 4096);
     {
         let mut h = v.open_handle();
-        assert_eq!(write(&mut io, &mut h, 8192, &new), 0);
+        assert!(write(&mut io, &mut h, 8192, &new) >= 0);
         let got = read(&mut io, &mut h, 0, 1 << 20).unwrap();
         let mut want = old.clone();
         want[8192..12288].copy_from_slice(&new);
@@ -323,13 +328,13 @@ fn space_comes_back_when_nothing_reads_it() {
     let mut io = core();
     {
         let mut h = v.open_handle();
-        assert_eq!(write(&mut io, &mut h, 0, &pattern(1, 4 << 20)), 0);
+        assert!(write(&mut io, &mut h, 0, &pattern(1, 4 << 20)) >= 0);
     }
     let s = pool.create_snapshot(&v, "s").unwrap();
     {
         // Rewrite units 0 and 1 whole: the snapshot's copies of them are no longer read.
         let mut h = v.open_handle();
-        assert_eq!(write(&mut io, &mut h, 0, &pattern(2, 2 << 20)), 0);
+        assert!(write(&mut io, &mut h, 0, &pattern(2, 2 << 20)) >= 0);
     }
     let before = pool.status().allocated;
     assert_eq!(before, 6 << 20);

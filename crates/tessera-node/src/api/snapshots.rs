@@ -36,7 +36,12 @@ pub async fn list(State(node): NodeState) -> Response {
     responses((status = 201, body = SnapshotInfo), (status = "4XX", body = ErrorReply)))]
 pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     match body::<CreateSnapshot>(&bytes, "snapshot", "volume, name") {
-        Ok(b) => with_node(node, move |n| reply(n.create_snapshot(&b.volume, &b.name), 201)).await,
+        Ok(b) => {
+            with_node(node, move |n| {
+                reply(n.create_snapshot(&b.volume, &b.name), 201)
+            })
+            .await
+        }
         Err(r) => r,
     }
 }
@@ -47,8 +52,11 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
 pub async fn create_group(State(node): NodeState, bytes: Bytes) -> Response {
     match body::<CreateSnapshotGroup>(&bytes, "snapshot group", "snapshots: [{volume, name}]") {
         Ok(b) => {
-            let what: Vec<(String, String)> =
-                b.snapshots.into_iter().map(|s| (s.volume, s.name)).collect();
+            let what: Vec<(String, String)> = b
+                .snapshots
+                .into_iter()
+                .map(|s| (s.volume, s.name))
+                .collect();
             with_node(node, move |n| reply(n.create_snapshot_group(&what), 201)).await
         }
         Err(r) => r,
@@ -109,5 +117,8 @@ pub async fn changes(
     Path(name): Path<String>,
     Query(q): Query<ChangesQuery>,
 ) -> Response {
-    with_node(node, move |n| reply(n.changed_extents(&name, &q.since), 200)).await
+    with_node(node, move |n| {
+        reply(n.changed_extents(&name, &q.since), 200)
+    })
+    .await
 }

@@ -13,7 +13,9 @@ impl Node {
     fn find_snapshot(&self, name: &str) -> Result<(Arc<Pool>, Arc<Volume>)> {
         match self.find_volume(name) {
             Ok((p, v)) if v.is_snapshot() => Ok((p, v)),
-            Ok(_) => Err(Error::invalid(format!("'{name}' is a volume, not a snapshot"))),
+            Ok(_) => Err(Error::invalid(format!(
+                "'{name}' is a volume, not a snapshot"
+            ))),
             Err(_) => Err(Error::missing("snapshot", name)),
         }
     }
@@ -73,8 +75,10 @@ impl Node {
         let p = pool.expect("at least one volume");
         let t = std::time::Instant::now();
         p.create_snapshots(&pairs)?;
-        tracing::info!(pool = %p.name(), snapshots = ?what, ms = t.elapsed().as_millis() as u64, "snapshots created");
-        what.iter().map(|(_, n)| self.snapshot_info(&p, n)).collect()
+        tracing::info!(pool = %p.name(), snapshots = ?what, ms = t.elapsed().as_secs_f64() * 1e3, "snapshots created");
+        what.iter()
+            .map(|(_, n)| self.snapshot_info(&p, n))
+            .collect()
     }
 
     pub fn list_snapshots(&self) -> Vec<SnapshotInfo> {
