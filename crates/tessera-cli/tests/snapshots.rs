@@ -126,7 +126,7 @@ fn snapshots_clones_and_incremental_backup_over_nbd() {
     let inc2 = changes(&n, "v", "s2");
     assert_eq!(
         inc1,
-        vec![(MIB, 4096), (3 * MIB, 4096), (5 * MIB - 4096, 8192)]
+        vec![(MIB, 4096), (3 * MIB, 4096), (5 * MIB - 4096, 12288)]
     );
     assert_eq!(inc2, vec![(2 * MIB, 64 << 10), (20 * MIB, 3 * MIB)]);
     let backup = n.dir.join("backup.img");
