@@ -9,6 +9,7 @@ pub mod groups;
 pub mod jobs;
 pub mod nvmf;
 pub mod pools;
+pub mod snapshots;
 pub mod status;
 pub mod volumes;
 
@@ -19,6 +20,7 @@ pub use groups::*;
 pub use jobs::*;
 pub use nvmf::*;
 pub use pools::*;
+pub use snapshots::*;
 pub use status::*;
 pub use volumes::*;
 

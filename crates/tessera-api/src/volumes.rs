@@ -25,6 +25,13 @@ pub struct VolumeInfo {
     pub qos: QosLimits,
     /// The QoS group it belongs to.
     pub group: Option<String>,
+    /// A read-only snapshot (exports of it refuse writes).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub snapshot: bool,
+    /// The snapshot it reads through where it has no data of its own (a volume after a
+    /// snapshot, a clone, an older snapshot's successor).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
     /// A replicated volume's replicas (absent for a volume of this node only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<Vec<ReplicaInfo>>,

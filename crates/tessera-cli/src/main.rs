@@ -10,6 +10,7 @@ mod pool_cmd;
 mod progress;
 mod run;
 mod sd_notify;
+mod snapshot_cmd;
 
 use tessera_load::{bench, nbd_perf};
 
@@ -105,6 +106,9 @@ enum Cmd {
     /// Manage thin volumes.
     #[command(subcommand)]
     Volume(manage::VolumeCmd),
+    /// Snapshots of volumes (clones, rollback, changes: `tessera volume`).
+    #[command(subcommand)]
+    Snapshot(snapshot_cmd::SnapshotCmd),
     /// Manage NBD exports.
     #[command(subcommand)]
     Export(manage::ExportCmd),
@@ -181,6 +185,7 @@ impl Cmd {
             Cmd::Status
                 | Cmd::Pool(_)
                 | Cmd::Volume(_)
+                | Cmd::Snapshot(_)
                 | Cmd::Export(_)
                 | Cmd::Group(_)
                 | Cmd::Background(_)
@@ -280,6 +285,7 @@ fn dispatch(cmd: Cmd, api: &tessera_http::Endpoint, json: bool) -> Result<(), Cl
         Cmd::Status => manage::status(api, raw),
         Cmd::Pool(c) => pool_cmd::pool(api, c, raw),
         Cmd::Volume(c) => manage::volume(api, c, raw),
+        Cmd::Snapshot(c) => snapshot_cmd::snapshot(api, c, raw),
         Cmd::Export(c) => manage::export(api, c, raw),
         Cmd::Group(c) => manage::group(api, c, raw),
         Cmd::Background(c) => manage::background(api, c, raw),

@@ -361,6 +361,34 @@ pub enum VolumeCmd {
         #[arg(long)]
         clear: bool,
     },
+    /// A writable clone of a snapshot, sharing its data.
+    Clone {
+        /// The snapshot to clone.
+        snapshot: String,
+        /// Name of the new volume.
+        #[arg(long)]
+        name: String,
+        /// Go beyond the pool's overcommit ratio.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Give a volume the contents of one of its snapshots back (refused while exported).
+    Rollback {
+        /// Name of the volume.
+        name: String,
+        /// The snapshot to go back to.
+        #[arg(long)]
+        to: String,
+    },
+    /// The byte ranges of a volume (or snapshot) that may differ from an older snapshot
+    /// (incremental backup): `OFFSET LENGTH` lines.
+    Changes {
+        /// Name of the volume or snapshot.
+        name: String,
+        /// The older snapshot.
+        #[arg(long)]
+        since: String,
+    },
     /// Client I/O of a volume: IOPS, bandwidth and latency over an interval.
     Stats {
         /// Name of the volume.
@@ -447,6 +475,13 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
                 println!("volume {name} qos: {}", limits_line(v))
             });
         }
+        VolumeCmd::Clone {
+            snapshot,
+            name,
+            force,
+        } => crate::snapshot_cmd::clone(ep, snapshot, name, force, raw)?,
+        VolumeCmd::Rollback { name, to } => crate::snapshot_cmd::rollback(ep, name, to, raw)?,
+        VolumeCmd::Changes { name, since } => crate::snapshot_cmd::changes(ep, name, since, raw)?,
         VolumeCmd::Stats { name, interval } => {
             let ms = (interval * 1000.0).round().clamp(1.0, 60_000.0) as u64;
             let v: VolumeStats = get(ep, &format!("/v1/volumes/{name}/stats?interval_ms={ms}"))?;

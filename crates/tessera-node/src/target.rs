@@ -29,6 +29,13 @@ impl ExportTarget for NodeTarget {
         }
     }
 
+    fn read_only(&self) -> bool {
+        match self {
+            NodeTarget::Local(v) => ExportTarget::read_only(&**v),
+            NodeTarget::Replicated(r) => r.read_only(),
+        }
+    }
+
     fn allocated_bytes(&self) -> u64 {
         match self {
             NodeTarget::Local(v) => v.allocated_bytes(),

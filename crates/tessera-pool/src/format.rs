@@ -13,6 +13,17 @@ pub const CATALOG_MAX: usize = 1 << 20;
 /// Version 2 adds per-volume QoS limits, version 3 their scheduling extension (share
 /// weight, reads first); version 1 and 2 catalogs are still read.
 pub const CATALOG_VERSION: u32 = 3;
+/// Version 4 adds each volume's chain record and the partial units (§3.4); written only
+/// when the pool has a snapshot, a clone or a partial unit, so pools that use none stay
+/// readable by software that knows version 3.
+pub const CATALOG_VERSION_CHAIN: u32 = 4;
+/// Journal records with this layer id are presence records (§3.4), not ownership.
+pub const PRESENCE_RECORD: u32 = 0xFFFF_FFFE;
+/// Bytes of a partial unit's presence bitmap: at most 256 blocks per unit.
+pub const PRESENCE_BYTES: usize = 32;
+/// Chain record kind flags.
+pub const CHAIN_SNAPSHOT: u8 = 1;
+pub const CHAIN_HIDDEN: u8 = 2;
 pub const RECORDS_PER_BLOCK: usize = (BLOCK - 4 - 40) / 12;
 pub const OWNER_FREE: u32 = 0;
 pub const OWNER_META: u32 = u32::MAX;
@@ -414,6 +425,30 @@ pub struct VolumeRecord {
     pub created: u64,
     pub name: String,
     pub qos: tessera_qos::QosLimits,
+    /// Snapshot and clone relations (catalog version 4, §3.4).
+    pub chain: ChainRecord,
+}
+
+/// A volume's place in a chain (docs/format.md §3.4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChainRecord {
+    /// `CHAIN_SNAPSHOT`, `CHAIN_HIDDEN`.
+    pub flags: u8,
+    /// The id its own units carry in the owner table and the journal.
+    pub layer: u32,
+    /// The snapshot it reads through where it has no data, 0 for none.
+    pub parent: u32,
+}
+
+impl ChainRecord {
+    /// A volume outside any chain, as every volume of a version 1-3 catalog is.
+    pub fn plain(id: u32) -> ChainRecord {
+        ChainRecord {
+            flags: 0,
+            layer: id,
+            parent: 0,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -437,12 +472,24 @@ pub struct Catalog {
     pub next_volume_id: u32,
     pub volumes: Vec<VolumeRecord>,
     pub exports: Vec<ExportRecord>,
+    /// Partial units (§3.4): pool unit and presence bitmap.
+    pub partial: Vec<(u32, [u8; PRESENCE_BYTES])>,
 }
 
 impl Catalog {
     pub fn encode(&self) -> Result<Vec<u8>> {
+        let chained = !self.partial.is_empty()
+            || self
+                .volumes
+                .iter()
+                .any(|v| v.chain != ChainRecord::plain(v.id));
+        let version = if chained {
+            CATALOG_VERSION_CHAIN
+        } else {
+            CATALOG_VERSION
+        };
         let mut v = Vec::new();
-        v.extend_from_slice(&CATALOG_VERSION.to_le_bytes());
+        v.extend_from_slice(&version.to_le_bytes());
         v.extend_from_slice(&self.next_volume_id.to_le_bytes());
         v.extend_from_slice(&u32_of(self.volumes.len()).to_le_bytes());
         for vol in &self.volumes {
@@ -453,6 +500,11 @@ impl Catalog {
             v.extend_from_slice(vol.name.as_bytes());
             vol.qos.encode(&mut v);
             vol.qos.encode_sched(&mut v);
+            if chained {
+                v.push(vol.chain.flags);
+                v.extend_from_slice(&vol.chain.layer.to_le_bytes());
+                v.extend_from_slice(&vol.chain.parent.to_le_bytes());
+            }
         }
         v.extend_from_slice(&u32_of(self.exports.len()).to_le_bytes());
         for e in &self.exports {
@@ -467,6 +519,13 @@ impl Catalog {
             let read_only = if e.read_only { EXPORT_READ_ONLY } else { 0 };
             v.push(read_only | tls);
         }
+        if chained {
+            v.extend_from_slice(&u32_of(self.partial.len()).to_le_bytes());
+            for (p, bits) in &self.partial {
+                v.extend_from_slice(&p.to_le_bytes());
+                v.extend_from_slice(bits);
+            }
+        }
         if v.len() > CATALOG_MAX {
             return Err(Error::new(
                 crate::ErrorKind::NoSpace,
@@ -479,7 +538,7 @@ impl Catalog {
     pub fn decode(b: &[u8]) -> Result<Catalog> {
         let mut r = R::new(b);
         let version = r.u32()?;
-        if !(1..=CATALOG_VERSION).contains(&version) {
+        if !(1..=CATALOG_VERSION_CHAIN).contains(&version) {
             return Err(Error::corrupt(format!(
                 "catalog version {version} is not supported"
             )));
@@ -502,12 +561,28 @@ impl Catalog {
             if version >= 3 {
                 r.qos_sched(&mut qos)?;
             }
+            let chain = if version >= CATALOG_VERSION_CHAIN {
+                let flags = r.u8()?;
+                if flags & !(CHAIN_SNAPSHOT | CHAIN_HIDDEN) != 0 {
+                    return Err(Error::corrupt(format!(
+                        "volume {name}: chain flags {flags:#04x} are not defined"
+                    )));
+                }
+                ChainRecord {
+                    flags,
+                    layer: r.u32()?,
+                    parent: r.u32()?,
+                }
+            } else {
+                ChainRecord::plain(id)
+            };
             volumes.push(VolumeRecord {
                 id,
                 size,
                 created,
                 name,
                 qos,
+                chain,
             });
         }
         let ne = r.u32()? as usize;
@@ -534,10 +609,22 @@ impl Catalog {
                 tls_required,
             });
         }
+        let mut partial = Vec::new();
+        if version >= CATALOG_VERSION_CHAIN {
+            let np = r.u32()? as usize;
+            partial.reserve(np.min(1 << 16));
+            for _ in 0..np {
+                let p = r.u32()?;
+                let bits: [u8; PRESENCE_BYTES] =
+                    r.take(PRESENCE_BYTES)?.try_into().expect("32 bytes");
+                partial.push((p, bits));
+            }
+        }
         Ok(Catalog {
             next_volume_id,
             volumes,
             exports,
+            partial,
         })
     }
 }
@@ -804,6 +891,7 @@ mod tests {
                     reads_first: true,
                     ..Default::default()
                 },
+                chain: ChainRecord::plain(1),
             }],
             exports: vec![ExportRecord {
                 name: "e".into(),
@@ -811,6 +899,7 @@ mod tests {
                 read_only: true,
                 tls_required: None,
             }],
+            partial: Vec::new(),
         };
         let b = c.encode().unwrap();
         assert_eq!(Catalog::decode(&b).unwrap(), c);
@@ -835,6 +924,7 @@ mod tests {
                     read_only,
                     tls_required: tls,
                 }],
+                partial: Vec::new(),
             };
             let mut b = c.encode().unwrap();
             assert_eq!(*b.last().unwrap(), byte);
@@ -843,6 +933,59 @@ mod tests {
             *b.last_mut().unwrap() |= 6;
             assert!(Catalog::decode(&b).is_err());
         }
+    }
+
+    /// A catalog with a chain is version 4 and carries chain records and partial units;
+    /// one without stays version 3 byte for byte (older software still reads it).
+    #[test]
+    fn chain_catalogs_are_version_4_and_plain_ones_version_3() {
+        let vol = |id: u32, chain: ChainRecord| VolumeRecord {
+            id,
+            size: 1 << 30,
+            created: 5,
+            name: format!("v{id}"),
+            qos: Default::default(),
+            chain,
+        };
+        let mut c = Catalog {
+            next_volume_id: 5,
+            volumes: vec![vol(1, ChainRecord::plain(1))],
+            exports: Vec::new(),
+            partial: Vec::new(),
+        };
+        let b = c.encode().unwrap();
+        assert_eq!(b[..4], CATALOG_VERSION.to_le_bytes());
+        assert_eq!(Catalog::decode(&b).unwrap(), c);
+        c.volumes[0].chain = ChainRecord {
+            flags: 0,
+            layer: 4,
+            parent: 3,
+        };
+        c.volumes.push(vol(
+            3,
+            ChainRecord {
+                flags: CHAIN_SNAPSHOT | CHAIN_HIDDEN,
+                layer: 1,
+                parent: 0,
+            },
+        ));
+        let mut bits = [0u8; PRESENCE_BYTES];
+        bits[0] = 0b101;
+        bits[31] = 0x80;
+        c.partial.push((77, bits));
+        let b = c.encode().unwrap();
+        assert_eq!(b[..4], CATALOG_VERSION_CHAIN.to_le_bytes());
+        assert_eq!(Catalog::decode(&b).unwrap(), c);
+        for cut in 0..b.len() {
+            assert!(Catalog::decode(&b[..cut]).is_err());
+        }
+        // Undefined chain flags are refused, not guessed: the first volume's flags byte
+        // follows its name and its (empty) QoS fields.
+        let mut bad = b.clone();
+        let at = 12 + 4 + 8 + 8 + 2 + 2 + 2;
+        assert_eq!(bad[at], 0);
+        bad[at] = 4;
+        assert!(Catalog::decode(&bad).is_err());
     }
 
     #[test]

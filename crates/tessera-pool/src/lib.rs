@@ -9,6 +9,7 @@
 //! - [`pool`]: allocation, commits, volume and export management.
 //! - [`volume`]: the thin map and the per-core volume datapath.
 
+pub mod chain;
 pub mod devstats;
 pub mod error;
 pub mod format;
@@ -20,6 +21,7 @@ pub mod pool;
 pub mod scrub;
 pub mod volume;
 
+pub use chain::SnapshotInfo;
 pub use devstats::DeviceTotals;
 pub use error::{Error, ErrorKind, Result};
 pub use format::ExportRecord;

@@ -2,7 +2,7 @@
 //! carved from it, and the commit thread that makes thin-map changes durable.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::Ordering::{Relaxed, Release};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -108,6 +108,8 @@ pub(crate) struct State {
     pub volumes: BTreeMap<u32, Arc<Volume>>,
     pub exports: Vec<ExportRecord>,
     pub next_volume_id: u32,
+    /// Partial units (docs/format.md §3.4): owned, with some block still the parent's.
+    pub partial: std::collections::BTreeSet<u32>,
 }
 
 impl State {
@@ -123,9 +125,11 @@ impl State {
                     created: v.created,
                     name: v.name.clone(),
                     qos: v.legacy_qos().unwrap_or_default(),
+                    chain: v.chain_record(),
                 })
                 .collect(),
             exports: self.exports.clone(),
+            partial: Vec::new(),
         }
     }
 }
@@ -159,7 +163,13 @@ pub struct PoolCore {
     /// The overcommit ratio (`f64` bits): volumes' virtual sizes may add up to this many
     /// times the capacity. The node's setting, not stored in the pool.
     overcommit: std::sync::atomic::AtomicU64,
+    /// Presence bitmaps of partial units (snapshots and clones, docs/format.md §3.4).
+    pub(crate) presence: crate::chain::PresenceTable,
 }
+
+/// `PoolCore::allocate` for a volume whose chain has data at the unit: the write must
+/// take the redirect path (`write_redirected`). Not an errno.
+pub(crate) const NEEDS_REDIRECT: i32 = i32::MIN;
 
 pub struct Pool {
     pub core: Arc<PoolCore>,
@@ -171,7 +181,7 @@ pub struct Pool {
     was_clean: std::sync::atomic::AtomicBool,
 }
 
-fn now_secs() -> u64 {
+pub(crate) fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -233,6 +243,11 @@ impl PoolCore {
         if existing != HOLE {
             return Ok(existing);
         }
+        // A snapshot was taken since the caller looked: the chain's data must show
+        // through the blocks this write does not cover.
+        if vol.parent().is_some() && vol.ancestor_maps().iter().any(|m| m.get(unit) != HOLE) {
+            return Err(NEEDS_REDIRECT);
+        }
         let (p, is_zero) = loop {
             let pick = if whole {
                 s.free.pop().map(|p| (p, false))
@@ -265,10 +280,11 @@ impl PoolCore {
                 return Err(-e.raw_os_error().unwrap_or(libc::EIO));
             }
         }
-        s.owners[p as usize] = (vol.id, u32_of(unit));
+        s.owners[p as usize] = (vol.layer(), u32_of(unit));
+        self.presence.set_full(p);
         s.records.push(Record {
             pool_unit: p,
-            volume_id: vol.id,
+            volume_id: vol.layer(),
             volume_unit: u32_of(unit),
         });
         map.set(unit, p);
@@ -303,6 +319,8 @@ impl PoolCore {
             map.set(u, HOLE);
             s.owners[p as usize] = (OWNER_FREE, 0);
             s.pending_free.push(p);
+            s.partial.remove(&p);
+            self.presence.set_full(p);
             s.records.push(Record {
                 pool_unit: p,
                 volume_id: OWNER_FREE,
@@ -452,6 +470,22 @@ impl PoolCore {
         }
     }
 
+    /// Apply the catalog change `f` and write a checkpoint, with no commit in between:
+    /// a commit could otherwise make durable thin-map records that name a layer only
+    /// the new catalog knows (a snapshot's volume writing into its new layer).
+    pub(crate) fn change_and_checkpoint<T>(
+        &self,
+        f: impl FnOnce(&mut State) -> Result<T>,
+    ) -> Result<T> {
+        let mut cur = self.journal();
+        let out = f(&mut self.lock())?;
+        let freed = std::mem::take(&mut self.lock().pending_free);
+        let freed = self.zero_freed(freed);
+        let r = self.checkpoint_locked(&mut cur);
+        self.release(freed, r.is_ok());
+        r.map(|()| out)
+    }
+
     /// Write a full checkpoint of the current state (after catalog changes).
     pub fn checkpoint(&self) -> Result<()> {
         let mut cur = self.journal();
@@ -473,7 +507,13 @@ impl PoolCore {
         let (catalog, owners) = {
             let mut s = self.lock();
             s.records.clear();
-            (s.catalog().encode()?, s.owners.clone())
+            let mut catalog = s.catalog();
+            catalog.partial = s
+                .partial
+                .iter()
+                .map(|&p| (p, self.presence.bits(p)))
+                .collect();
+            (catalog.encode()?, s.owners.clone())
         };
         let generation = cur.ckpt_gen + 1;
         let slot_a = !cur.newest_is_a;
@@ -782,15 +822,20 @@ impl Pool {
         let ck = meta.load_newest_checkpoint()?;
         let mut owners = ck.owners;
         let total = owners.len();
+        let mut catalog = ck.catalog;
+        let mut partial: BTreeMap<u32, [u8; PRESENCE_BYTES]> =
+            std::mem::take(&mut catalog.partial).into_iter().collect();
         let next_seq = meta.replay(ck.header.journal_seq, |r| {
-            if (r.pool_unit as usize) < total {
+            crate::chain::replay_presence(&mut partial, &r);
+            if (r.pool_unit as usize) < total && r.volume_id != PRESENCE_RECORD {
                 owners[r.pool_unit as usize] = (r.volume_id, r.volume_unit);
             }
         })?;
+        catalog.partial = partial.into_iter().collect();
         let pool = Self::assemble(
             &first.pool_name,
             meta,
-            ck.catalog,
+            catalog,
             owners,
             (ck.header.generation, next_seq, ck.slot_is_a),
             (first.state_gen, labels),
@@ -955,7 +1000,9 @@ impl Pool {
                 volumes: BTreeMap::new(),
                 exports: catalog.exports.clone(),
                 next_volume_id: catalog.next_volume_id.max(1),
+                partial: std::collections::BTreeSet::new(),
             }),
+            presence: crate::chain::PresenceTable::new(meta.sb.total_units, unit_shift),
             meta,
             journal: Mutex::new(JournalCursor {
                 next_seq,
@@ -989,10 +1036,22 @@ impl Pool {
                     ),
                 );
             }
+            for v in &catalog.volumes {
+                let parent = match v.chain.parent {
+                    0 => None,
+                    id => Some(vols.get(&id).cloned().ok_or_else(|| {
+                        Error::corrupt(format!(
+                            "volume '{}' reads through volume {id}, which the catalog lacks",
+                            v.name
+                        ))
+                    })?),
+                };
+                vols[&v.id].set_chain(v.chain, parent);
+            }
             let meta_units = usize_of(core.meta.sb.meta_units);
             let maps: BTreeMap<u32, (&Arc<Volume>, Arc<UnitMap>)> = vols
-                .iter()
-                .map(|(&id, v)| (id, (v, v.current_map())))
+                .values()
+                .map(|v| (v.layer(), (v, v.current_map())))
                 .collect();
             let mut free = Vec::new();
             for (p, o) in owners.iter_mut().enumerate() {
@@ -1014,6 +1073,17 @@ impl Pool {
                 }
             }
             drop(maps);
+            for (p, bits) in &catalog.partial {
+                let owned = owners
+                    .get(*p as usize)
+                    .is_some_and(|o| o.0 != OWNER_FREE && o.0 != OWNER_META);
+                if owned {
+                    core.presence.load_bits(*p, bits);
+                    if !core.presence.is_full(*p) {
+                        s.partial.insert(*p);
+                    }
+                }
+            }
             free.reverse();
             s.free = free;
             s.owners = owners;
@@ -1097,8 +1167,15 @@ impl Pool {
         }
     }
 
+    /// Volumes, snapshots and clones (hidden snapshots left out).
     pub fn volumes(&self) -> Vec<Arc<Volume>> {
-        self.core.lock().volumes.values().cloned().collect()
+        self.core
+            .lock()
+            .volumes
+            .values()
+            .filter(|v| !v.is_hidden())
+            .cloned()
+            .collect()
     }
 
     pub fn volume(&self, name: &str) -> Option<Arc<Volume>> {
@@ -1106,7 +1183,7 @@ impl Pool {
             .lock()
             .volumes
             .values()
-            .find(|v| v.name == name)
+            .find(|v| v.name == name && !v.is_hidden())
             .cloned()
     }
 
@@ -1129,7 +1206,13 @@ impl Pool {
 
     /// Refuse to bring the volumes' virtual sizes, now `provisioned`, to `provisioned +
     /// more` if that exceeds the overcommit ratio, unless `force`.
-    fn check_overcommit(&self, s: &State, what: &str, more: u64, force: bool) -> Result<()> {
+    pub(crate) fn check_overcommit(
+        &self,
+        s: &State,
+        what: &str,
+        more: u64,
+        force: bool,
+    ) -> Result<()> {
         let ratio = self.overcommit();
         let sb = &self.core.meta.sb;
         let capacity = (sb.total_units - sb.meta_units) * self.core.unit_size();
@@ -1167,7 +1250,7 @@ impl Pool {
         validate_volume_size(size, self.core.unit_size())?;
         let vol = {
             let mut s = self.core.lock();
-            if s.volumes.values().any(|v| v.name == name) {
+            if s.volumes.values().any(|v| v.name == name && !v.is_hidden()) {
                 return Err(Error::new(
                     ErrorKind::AlreadyExists,
                     format!("volume '{name}' already exists"),
@@ -1209,6 +1292,12 @@ impl Pool {
     /// [`Pool::resize_volume`]; `force` grows it beyond the overcommit ratio.
     pub fn resize_volume_opts(&self, vol: &Arc<Volume>, new_size: u64, force: bool) -> Result<()> {
         validate_volume_size(new_size, self.core.unit_size())?;
+        if vol.is_snapshot() {
+            return Err(Error::invalid(format!(
+                "'{}' is a snapshot: its size is the volume's when it was taken",
+                vol.name
+            )));
+        }
         let old = vol.size();
         if new_size < old {
             return Err(Error::invalid(format!(
@@ -1252,16 +1341,9 @@ impl Pool {
                     ),
                 ));
             }
-            vol.mark_deleted();
-            let map = vol.current_map();
-            let mapped: Vec<(u64, u32)> = map.mapped_in(0, map.len()).collect();
-            for (u, p) in mapped {
-                map.set(u, HOLE);
-                s.owners[p as usize] = (OWNER_FREE, 0);
-                s.pending_free.push(p);
-            }
-            vol.allocated.store(0, Release);
-            s.volumes.remove(&vol.id);
+            // A snapshot that other volumes read through is hidden, not removed; a
+            // volume's removal may free hidden snapshots it was the last reader of.
+            self.delete_in_chain(&mut s, vol);
         }
         self.core.checkpoint()
     }
@@ -1343,6 +1425,7 @@ impl Pool {
         if let Err(e) = self.core.meta.load_newest_checkpoint() {
             found.push(format!("checkpoints: {e}"));
         }
+        found.extend(self.verify_chains());
         found
     }
 
@@ -1507,9 +1590,14 @@ pub fn validate_name(what: &str, name: &str) -> Result<()> {
     }
 }
 
-/// Sum of the virtual sizes of the pool's volumes.
+/// Sum of the virtual sizes of the pool's volumes (snapshots promise no new space: they
+/// only keep what their volume had).
 fn provisioned(s: &State) -> u64 {
-    s.volumes.values().map(|v| v.size()).sum()
+    s.volumes
+        .values()
+        .filter(|v| !v.is_snapshot())
+        .map(|v| v.size())
+        .sum()
 }
 
 pub fn validate_overcommit(ratio: f64) -> Result<()> {

@@ -13,6 +13,8 @@
 
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize};
+
+use crate::format::ChainRecord;
 use std::sync::{Arc, Mutex, RwLock};
 
 use tessera_export::{ExportHandle, ExportTarget, StatsRegistry};
@@ -277,6 +279,15 @@ pub struct Volume {
     /// taken them into its catalog ([`Volume::clear_legacy_qos`]), so a crash in between
     /// loses nothing. New volumes have none.
     legacy_qos: Mutex<Option<tessera_qos::QosLimits>>,
+    /// The id its own units carry in the owner table (docs/format.md §3.4): its volume
+    /// id until a snapshot takes its units, a fresh one after each.
+    layer: AtomicU32,
+    /// The snapshot it reads through where it has no data of its own.
+    parent: RwLock<Option<Arc<Volume>>>,
+    /// A snapshot: read-only.
+    snapshot: AtomicBool,
+    /// A deleted snapshot kept because some volume still reads through it.
+    hidden: AtomicBool,
     pub(crate) pool: Arc<PoolCore>,
 }
 
@@ -305,8 +316,89 @@ impl Volume {
             legacy_qos: Mutex::new(
                 (legacy_qos != tessera_qos::QosLimits::default()).then_some(legacy_qos),
             ),
+            layer: AtomicU32::new(id),
+            parent: RwLock::new(None),
+            snapshot: AtomicBool::new(false),
+            hidden: AtomicBool::new(false),
             pool,
         })
+    }
+
+    /// Its place in a chain, as the catalog records it (set while the pool assembles or
+    /// a snapshot or clone is made, before any handle exists).
+    pub(crate) fn set_chain(&self, chain: ChainRecord, parent: Option<Arc<Volume>>) {
+        self.layer.store(chain.layer, Release);
+        self.snapshot
+            .store(chain.flags & crate::format::CHAIN_SNAPSHOT != 0, Release);
+        self.hidden
+            .store(chain.flags & crate::format::CHAIN_HIDDEN != 0, Release);
+        *self.parent.write().unwrap_or_else(|e| e.into_inner()) = parent;
+    }
+
+    pub(crate) fn chain_record(&self) -> ChainRecord {
+        ChainRecord {
+            flags: crate::chain::chain_flags(self.is_snapshot(), self.is_hidden()),
+            layer: self.layer(),
+            parent: self.parent_id().unwrap_or(0),
+        }
+    }
+
+    pub(crate) fn layer(&self) -> u32 {
+        self.layer.load(Acquire)
+    }
+
+    /// A read-only snapshot.
+    pub fn is_snapshot(&self) -> bool {
+        self.snapshot.load(Acquire)
+    }
+
+    pub(crate) fn is_hidden(&self) -> bool {
+        self.hidden.load(Acquire)
+    }
+
+    pub(crate) fn hide(&self) {
+        self.hidden.store(true, Release);
+    }
+
+    /// The snapshot this volume reads through, if any.
+    pub fn parent(&self) -> Option<Arc<Volume>> {
+        self.parent
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn parent_id(&self) -> Option<u32> {
+        self.parent
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|p| p.id)
+    }
+
+    /// Its parent, the parent's parent, and so on.
+    pub fn ancestors(&self) -> Vec<Arc<Volume>> {
+        let mut out = Vec::new();
+        let mut at = self.parent();
+        while let Some(p) = at {
+            at = p.parent();
+            out.push(p);
+        }
+        out
+    }
+
+    /// The maps of its ancestors, nearest first: where its reads fall through to.
+    pub(crate) fn ancestor_maps(&self) -> Vec<Arc<UnitMap>> {
+        self.ancestors().iter().map(|a| a.current_map()).collect()
+    }
+
+    /// Start a new layer (a snapshot took the old one, or a rollback dropped it): an
+    /// empty map read through `parent`. Under the pool lock; handles reload at their
+    /// next request (the parent is in place before the map generation moves).
+    pub(crate) fn take_new_layer(&self, layer: u32, parent: Arc<Volume>, map: Arc<UnitMap>) {
+        self.layer.store(layer, Release);
+        *self.parent.write().unwrap_or_else(|e| e.into_inner()) = Some(parent);
+        self.replace_map(map);
     }
 
     pub fn size(&self) -> u64 {
@@ -387,6 +479,9 @@ impl Volume {
     /// Regions without a map leaf are skipped whole: a huge sparse range costs one step
     /// per 4096 units.
     pub fn allocation_runs(&self, offset: u64, len: u64, max_runs: usize) -> Vec<(u64, bool)> {
+        if self.parent().is_some() {
+            return self.chain_allocation_runs(offset, len, max_runs);
+        }
         let map = self.current_map();
         let shift = self.pool.unit_shift;
         let end = offset.saturating_add(len).min(self.size());
@@ -402,6 +497,41 @@ impl Volume {
                 next_unit << shift
             };
             runs.push((run_end - at, alloc));
+            at = run_end;
+        }
+        runs
+    }
+
+    /// [`Volume::allocation_runs`] of a volume in a chain: a unit is allocated when it
+    /// or an ancestor has space there (a hole of its own may read its parent's data).
+    fn chain_allocation_runs(&self, offset: u64, len: u64, max_runs: usize) -> Vec<(u64, bool)> {
+        let mut maps = vec![self.current_map()];
+        maps.extend(self.ancestor_maps());
+        let shift = self.pool.unit_shift;
+        let end = offset.saturating_add(len).min(self.size());
+        let mut runs: Vec<(u64, bool)> = Vec::new();
+        let mut at = offset;
+        while at < end && runs.len() < max_runs {
+            let last = (end - 1) >> shift;
+            let u = at >> shift;
+            let steps: Vec<(bool, u64)> = maps.iter().map(|m| m.run_from(u, last + 1)).collect();
+            let alloc = steps.iter().any(|s| s.0);
+            // Holes everywhere: up to the first unit any map has. Allocated somewhere:
+            // one unit at a time (bounded by the space the chain holds).
+            let next_unit = if alloc {
+                u + 1
+            } else {
+                steps.iter().map(|s| s.1).min().unwrap_or(last + 1)
+            };
+            let run_end = if next_unit > last {
+                end
+            } else {
+                next_unit << shift
+            };
+            match runs.last_mut() {
+                Some(r) if r.1 == alloc => r.0 += run_end - at,
+                _ => runs.push((run_end - at, alloc)),
+            }
             at = run_end;
         }
         runs
@@ -425,9 +555,12 @@ impl Volume {
     /// A datapath handle for the calling core.
     pub fn open_handle(self: &Arc<Self>) -> VolumeHandle {
         self.open_handles.fetch_add(1, Relaxed);
+        let gen = self.map_gen.load(Acquire);
         let map = self.current_map();
         VolumeHandle {
-            gen: self.map_gen.load(Acquire),
+            gen,
+            read_only: self.is_snapshot(),
+            chain: self.ancestor_maps(),
             map,
             layout: self.pool.layout.open_handle(),
             shift: self.pool.unit_shift,
@@ -440,6 +573,11 @@ impl Volume {
 pub struct VolumeHandle {
     vol: Arc<Volume>,
     map: Arc<UnitMap>,
+    /// The ancestors' maps, nearest first (empty for a volume outside any chain, whose
+    /// datapath is then exactly the plain one).
+    chain: Vec<Arc<UnitMap>>,
+    /// A snapshot's handle: every change is refused (fixed for a volume's life).
+    read_only: bool,
     gen: u64,
     layout: LayoutHandle,
     shift: u32,
@@ -461,7 +599,8 @@ impl VolumeHandle {
     pub fn is_hole(&mut self, offset: u64, len: u64) -> bool {
         self.refresh();
         let last = (offset + len.max(1) - 1) >> self.shift;
-        ((offset >> self.shift)..=last).all(|u| self.map.get(u) == HOLE)
+        ((offset >> self.shift)..=last)
+            .all(|u| self.map.get(u) == HOLE && self.chain.iter().all(|m| m.get(u) == HOLE))
     }
 
     #[inline]
@@ -469,8 +608,89 @@ impl VolumeHandle {
         let g = self.vol.map_gen.load(Acquire);
         if g != self.gen {
             self.map = self.vol.current_map();
+            self.chain = self.vol.ancestor_maps();
             self.gen = g;
         }
+    }
+
+    /// The pool unit that holds block `b` of unit `u` as this volume reads it (its own
+    /// unit where the block is present, else the nearest ancestor's), or [`HOLE`].
+    #[inline]
+    fn block_source(&self, u: u64, b: u32) -> u32 {
+        let pres = &self.vol.pool.presence;
+        std::iter::once(&self.map)
+            .chain(self.chain.iter())
+            .map(|m| m.get(u))
+            .find(|&p| p != HOLE && pres.present(p, b))
+            .unwrap_or(HOLE)
+    }
+
+    /// Where `[pos, end)` of unit `u` begins to be read: the source of `pos`'s block and
+    /// the end of the run of blocks with the same source.
+    #[inline]
+    fn source_run(&self, u: u64, pos: u64, end: u64) -> (u32, u64) {
+        let bshift = self.vol.pool.presence.block_shift;
+        let mask = (1u64 << self.shift) - 1;
+        let block = |at: u64| u32_of((at & mask) >> bshift);
+        let src = self.block_source(u, block(pos));
+        let mut next = ((pos >> bshift) + 1) << bshift;
+        while next < end && self.block_source(u, block(next)) == src {
+            next += 1 << bshift;
+        }
+        (src, next.min(end))
+    }
+
+    /// A read of `[at, at + seg)` of unit `u` of a volume in a chain into `b`: one
+    /// device read per run of blocks with one source, zeros where no one has data.
+    fn read_chained(&mut self, io: &mut CoreIo, u: u64, at: u64, seg: u64, b: *mut u8, tag: Tag) {
+        let end = at + seg;
+        // The join needs its number of parts before any of them completes.
+        let mut parts = 0u32;
+        let mut pos = at;
+        while pos < end {
+            pos = self.source_run(u, pos, end).1;
+            parts += 1;
+        }
+        let t = if parts > 1 { io.join(tag, parts) } else { tag };
+        let mut pos = at;
+        while pos < end {
+            let (src, next) = self.source_run(u, pos, end);
+            // SAFETY: pos - at + (next - pos) <= seg: inside this unit's part of the
+            // submitter's buffer.
+            let pb = unsafe { b.add(usize_of(pos - at)) };
+            if src == HOLE {
+                // SAFETY: as above.
+                unsafe { std::ptr::write_bytes(pb, 0, usize_of(next - pos)) };
+                io.complete(t, 0);
+            } else {
+                let off = self.pool_offset(src, pos);
+                // SAFETY: `pb` spans `next - pos` bytes of the submitter's buffer, which
+                // it keeps alive until the request completes (`IoHandle::submit`).
+                unsafe {
+                    self.layout.submit(
+                        io,
+                        IoOp::Read {
+                            offset: off,
+                            len: u32_of(next - pos),
+                            buf: pb,
+                        },
+                        t,
+                    )
+                };
+            }
+            pos = next;
+        }
+    }
+
+    /// Whether a write of `[at, at + seg)` into unit `u` can go straight to the volume's
+    /// own unit `p`: every block it touches is present there.
+    #[inline]
+    fn owns_blocks(&self, p: u32, at: u64, seg: u64) -> bool {
+        let pres = &self.vol.pool.presence;
+        let mask = (1u64 << self.shift) - 1;
+        let b0 = u32_of((at & mask) >> pres.block_shift);
+        let b1 = u32_of(((at + seg - 1) & mask) >> pres.block_shift);
+        pres.all_present(p, b0, b1)
     }
 
     #[inline]
@@ -531,12 +751,18 @@ impl IoHandle for VolumeHandle {
         if len == 0 {
             return io.complete(tag, 0);
         }
+        if self.read_only && !matches!(op, IoOp::Read { .. }) {
+            return io.complete(tag, -libc::EROFS);
+        }
         match op {
             IoOp::Read { buf, .. } => {
                 self.for_units(io, offset, len, tag, |h, io, u, at, seg, roff, t| {
-                    let p = h.map.get(u);
                     // SAFETY: roff + seg <= len, within the submitter's buffer.
                     let b = unsafe { buf.add(usize_of(roff)) };
+                    if !h.chain.is_empty() {
+                        return h.read_chained(io, u, at, seg, b, t);
+                    }
+                    let p = h.map.get(u);
                     if p == HOLE {
                         // SAFETY: as above.
                         unsafe { std::ptr::write_bytes(b, 0, usize_of(seg)) };
@@ -558,15 +784,25 @@ impl IoHandle for VolumeHandle {
             IoOp::Write { buf, .. } => {
                 self.for_units(io, offset, len, tag, |h, io, u, at, seg, roff, t| {
                     let mut p = h.map.get(u);
+                    // SAFETY: roff + seg <= len, within the submitter's buffer.
+                    let b = unsafe { buf.add(usize_of(roff)) };
+                    let redirect = |h: &mut Self, io: &mut CoreIo| {
+                        // SAFETY: as above; the submitter keeps it alive until completion.
+                        let data = unsafe { std::slice::from_raw_parts(b, usize_of(seg)) };
+                        let r = h.vol.pool.write_redirected(&h.vol, u, at, seg, Some(data));
+                        io.complete(t, r)
+                    };
+                    if !h.chain.is_empty() && (p == HOLE || !h.owns_blocks(p, at, seg)) {
+                        return redirect(h, io);
+                    }
                     if p == HOLE {
                         match h.vol.pool.allocate(&h.vol, u, seg == 1u64 << h.shift) {
                             Ok(n) => p = n,
+                            Err(crate::pool::NEEDS_REDIRECT) => return redirect(h, io),
                             Err(e) => return io.complete(t, e),
                         }
                     }
                     let off = h.pool_offset(p, at);
-                    // SAFETY: roff + seg <= len, within the submitter's buffer.
-                    let b = unsafe { buf.add(usize_of(roff)) };
                     h.layout.submit(
                         io,
                         IoOp::Write {
@@ -579,7 +815,11 @@ impl IoHandle for VolumeHandle {
                 })
             }
             IoOp::Discard { .. } => {
-                self.release_whole_units(offset, len);
+                // In a chain a released unit would show the parent's data again: the
+                // space stays (discard is advisory).
+                if self.chain.is_empty() {
+                    self.release_whole_units(offset, len);
+                }
                 io.complete(tag, 0);
             }
             IoOp::WriteZeroes { may_unmap, .. } => {
@@ -614,6 +854,9 @@ impl VolumeHandle {
     }
 
     fn write_zeroes(&mut self, io: &mut CoreIo, offset: u64, len: u64, may_unmap: bool, tag: Tag) {
+        if !self.chain.is_empty() {
+            return self.write_zeroes_chained(io, offset, len, tag);
+        }
         if may_unmap {
             self.release_whole_units(offset, len);
         }
@@ -639,11 +882,39 @@ impl VolumeHandle {
             } else if may_unmap {
                 io.complete(t, 0);
             } else {
-                let r = h
-                    .vol
-                    .pool
-                    .allocate(&h.vol, u, false)
-                    .map_or_else(|e| e, |_| 0);
+                let r = match h.vol.pool.allocate(&h.vol, u, false) {
+                    Ok(_) => 0,
+                    Err(crate::pool::NEEDS_REDIRECT) => {
+                        h.vol.pool.write_redirected(&h.vol, u, at, seg, None)
+                    }
+                    Err(e) => e,
+                };
+                io.complete(t, r);
+            }
+        });
+    }
+
+    /// Write-zeroes on a volume in a chain: no unit is released (its parent's data would
+    /// show again); blocks it owns get zeros written, the others go the redirect path.
+    fn write_zeroes_chained(&mut self, io: &mut CoreIo, offset: u64, len: u64, tag: Tag) {
+        self.for_units(io, offset, len, tag, |h, io, u, at, seg, _roff, t| {
+            let p = h.map.get(u);
+            if p != HOLE && h.owns_blocks(p, at, seg) {
+                let offset = h.pool_offset(p, at);
+                // SAFETY: WriteZeroes carries no buffer.
+                unsafe {
+                    h.layout.submit(
+                        io,
+                        IoOp::WriteZeroes {
+                            offset,
+                            len: seg,
+                            may_unmap: false,
+                        },
+                        t,
+                    )
+                };
+            } else {
+                let r = h.vol.pool.write_redirected(&h.vol, u, at, seg, None);
                 io.complete(t, r);
             }
         });
@@ -656,6 +927,10 @@ impl ExportTarget for Volume {
 
     fn size(&self) -> u64 {
         Volume::size(self)
+    }
+
+    fn read_only(&self) -> bool {
+        self.is_snapshot()
     }
 
     fn allocated_bytes(&self) -> u64 {

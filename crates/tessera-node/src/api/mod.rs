@@ -9,6 +9,7 @@ mod exports;
 mod groups;
 mod nvmf;
 mod pools;
+mod snapshots;
 mod volumes;
 
 use std::sync::Arc;
@@ -117,6 +118,8 @@ async fn no_route(method: axum::http::Method, uri: Uri) -> Response {
         nvmf::subsystems, nvmf::controllers, nvmf::subsystem, nvmf::create, nvmf::patch,
         nvmf::remove, nvmf::namespace_add, nvmf::namespace_remove, nvmf::host_add,
         nvmf::host_remove,
+        snapshots::list, snapshots::create, snapshots::create_group, snapshots::delete,
+        snapshots::clone, snapshots::rollback, snapshots::changes,
     ),
     components(schemas(tessera_api::ErrorReply)),
     modifiers(&BearerAuth),
@@ -157,6 +160,7 @@ pub fn router(node: Arc<Node>) -> Router {
         .merge(groups::routes())
         .merge(background::routes())
         .merge(nvmf::routes())
+        .merge(snapshots::routes())
         .fallback(no_route)
         .layer(axum::middleware::from_fn(tessera_http::require_json_bodies))
         .with_state(node)

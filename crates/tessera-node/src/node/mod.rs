@@ -15,6 +15,7 @@ pub mod nvmf;
 mod pools;
 mod qos;
 pub mod replicas;
+mod snapshots;
 mod spares;
 mod volumes;
 
@@ -425,7 +426,9 @@ impl ExportCatalog for Node {
         let v = p.volume_by_id(e.volume_id)?;
         Some(ExportInfo {
             size: v.size(),
-            read_only: e.read_only,
+            // A snapshot is read-only whatever its export says: the handshake flags
+            // tell the client before its first write.
+            read_only: e.read_only || v.is_snapshot(),
             description: format!("Tessera volume {} in pool {}", v.name, p.name()),
             tls_required: self.export_tls_required(&e),
         })

@@ -87,6 +87,8 @@ impl Node {
             qos: self.groups.volume_qos(v).limits(),
             group: self.groups.group_of(&v.name),
             replicas: self.replica_infos(v),
+            snapshot: v.is_snapshot(),
+            parent: v.parent().map(|p| p.name.clone()),
         }
     }
 

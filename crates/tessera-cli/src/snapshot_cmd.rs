@@ -1,0 +1,168 @@
+//! `tessera snapshot ...` and the chain commands of `tessera volume` (clone, rollback,
+//! changes): issue 14.
+
+use clap::Subcommand;
+use tessera_api::{
+    ChangedExtents, CloneVolume, CreateSnapshot, CreateSnapshotGroup, Deleted, Rollback,
+    SnapshotInfo, VolumeInfo,
+};
+use tessera_http::Endpoint;
+
+use crate::error::Result;
+use crate::format::{bytes, table};
+use crate::manage::{delete, deleted, get, send, show};
+
+#[derive(Subcommand)]
+pub enum SnapshotCmd {
+    /// Snapshot a volume: instant (metadata only), read-only, crash-consistent.
+    Create {
+        /// The volume to snapshot.
+        volume: String,
+        /// Name of the snapshot.
+        #[arg(long)]
+        name: String,
+    },
+    /// Snapshot several volumes of one pool at one point in time (a consistency
+    /// group): each VOLUME=SNAPSHOT.
+    Group {
+        #[arg(required = true, value_name = "VOLUME=SNAPSHOT")]
+        pairs: Vec<String>,
+    },
+    /// List snapshots: creation time, space held exclusively and shared.
+    List,
+    /// Delete a snapshot; its space comes back once no volume reads through it.
+    Delete {
+        /// Name of the snapshot.
+        name: String,
+    },
+}
+
+fn print_snapshots(snaps: &[SnapshotInfo]) {
+    let mut rows = vec![vec![
+        "SNAPSHOT".into(),
+        "POOL".into(),
+        "SIZE".into(),
+        "CREATED".into(),
+        "EXCLUSIVE".into(),
+        "SHARED".into(),
+        "PARENT".into(),
+        "CHILDREN".into(),
+    ]];
+    for s in snaps {
+        rows.push(vec![
+            s.name.clone(),
+            s.pool.clone(),
+            bytes(s.size),
+            s.created.to_string(),
+            bytes(s.exclusive),
+            bytes(s.shared),
+            s.parent.clone().unwrap_or_else(|| "-".into()),
+            if s.children.is_empty() {
+                "-".into()
+            } else {
+                s.children.join(",")
+            },
+        ]);
+    }
+    table(rows);
+}
+
+pub fn snapshot(ep: &Endpoint, c: SnapshotCmd, raw: bool) -> Result<()> {
+    match c {
+        SnapshotCmd::Create { volume, name } => {
+            let s: SnapshotInfo = send(
+                ep,
+                "POST",
+                "/v1/snapshots",
+                &CreateSnapshot { volume, name },
+            )?;
+            show(&s, raw, |s| print_snapshots(std::slice::from_ref(s)));
+        }
+        SnapshotCmd::Group { pairs } => {
+            let mut snapshots = Vec::new();
+            for p in pairs {
+                let Some((volume, name)) = p.split_once('=') else {
+                    return Err(crate::error::CliError::Usage(format!(
+                        "'{p}' is not VOLUME=SNAPSHOT"
+                    )));
+                };
+                snapshots.push(CreateSnapshot {
+                    volume: volume.to_string(),
+                    name: name.to_string(),
+                });
+            }
+            let s: Vec<SnapshotInfo> = send(
+                ep,
+                "POST",
+                "/v1/snapshot-groups",
+                &CreateSnapshotGroup { snapshots },
+            )?;
+            show(&s[..], raw, print_snapshots);
+        }
+        SnapshotCmd::List => {
+            let s: Vec<SnapshotInfo> = get(ep, "/v1/snapshots")?;
+            show(&s[..], raw, print_snapshots);
+        }
+        SnapshotCmd::Delete { name } => {
+            let v: Deleted = delete(ep, &format!("/v1/snapshots/{name}"))?;
+            deleted(&v, raw, &format!("snapshot {name}"));
+        }
+    }
+    Ok(())
+}
+
+fn print_volume(v: &VolumeInfo) {
+    println!(
+        "volume {} (pool {}, {}), reads through {}",
+        v.name,
+        v.pool,
+        bytes(v.size),
+        v.parent.as_deref().unwrap_or("-")
+    );
+}
+
+/// `volume clone SNAPSHOT --name NAME`.
+pub fn clone(ep: &Endpoint, snapshot: String, name: String, force: bool, raw: bool) -> Result<()> {
+    let v: VolumeInfo = send(
+        ep,
+        "POST",
+        "/v1/clones",
+        &CloneVolume {
+            snapshot,
+            name,
+            force,
+        },
+    )?;
+    show(&v, raw, print_volume);
+    Ok(())
+}
+
+/// `volume rollback VOLUME --to SNAPSHOT`.
+pub fn rollback(ep: &Endpoint, volume: String, to: String, raw: bool) -> Result<()> {
+    let v: VolumeInfo = send(
+        ep,
+        "POST",
+        &format!("/v1/volumes/{volume}/rollback"),
+        &Rollback { to },
+    )?;
+    show(&v, raw, print_volume);
+    Ok(())
+}
+
+/// `volume changes VOLUME --since SNAPSHOT`: one `OFFSET LENGTH` line per extent.
+pub fn changes(ep: &Endpoint, volume: String, since: String, raw: bool) -> Result<()> {
+    let c: ChangedExtents = get(ep, &format!("/v1/volumes/{volume}/changes?since={since}"))?;
+    show(&c, raw, |c| {
+        for e in &c.extents {
+            println!("{} {}", e.offset, e.length);
+        }
+        eprintln!(
+            "{} extent(s), {} of {} changed since {}",
+            c.extents.len(),
+            bytes(c.changed),
+            bytes(c.size),
+            c.since
+        );
+    });
+    Ok(())
+}
