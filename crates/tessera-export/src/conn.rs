@@ -122,6 +122,23 @@ fn slot_number(i: usize) -> u16 {
     u16::try_from(i).expect("a connection has at most 65536 slots")
 }
 
+/// The request slot an I/O completion's tag names. A connection tags each I/O with the
+/// `u16` number of its slot (from its [`FreeList`]); the slot values above `u16::MAX`
+/// it uses for its own events (receive, send, timers, gates) must be matched before.
+#[inline]
+pub fn io_slot(tag_slot: u32) -> u16 {
+    debug_assert!(
+        tag_slot <= u32::from(u16::MAX),
+        "slot {tag_slot} is an event marker"
+    );
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "I/O tags carry a u16 slot number; event markers are matched by the caller"
+    )]
+    let slot = tag_slot as u16;
+    slot
+}
+
 impl FreeList {
     /// Slots `0..n`, all free.
     pub fn new(n: usize) -> FreeList {

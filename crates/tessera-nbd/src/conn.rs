@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tessera_export::conn::{
-    add_throttled, read_into_new_buf, FreeList, RecvBuf, SendDone, Socket, StatsBatch,
+    add_throttled, io_slot, read_into_new_buf, FreeList, RecvBuf, SendDone, Socket, StatsBatch,
 };
 use tessera_export::log_limit::LogLimiter;
 use tessera_export::{
@@ -1214,14 +1214,7 @@ impl<T: ExportTarget> Task for NbdConn<T> {
             SLOT_RECV => self.on_recv(io, res),
             SLOT_SEND => self.on_send(io, res),
             SLOT_QOS | SLOT_ROUND => self.on_gate(io, slot),
-            s => {
-                #[allow(
-                    clippy::cast_possible_truncation,
-                    reason = "an I/O's tag carries its slot number, a u16 (the SLOT_* markers are matched above)"
-                )]
-                let s = s as u16;
-                self.on_io(io, s, res)
-            }
+            s => self.on_io(io, io_slot(s), res),
         }
     }
 

@@ -26,7 +26,7 @@ use std::sync::atomic::Ordering::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tessera_export::conn::{FreeList, RecvBuf, Socket, StatsBatch};
+use tessera_export::conn::{io_slot, FreeList, RecvBuf, Socket, StatsBatch};
 use tessera_export::{ExportTarget, Gate, IoStats, Released};
 use tessera_io::cast::u32_of;
 use tessera_io::{AlignedBuf, CoreIo, Tag, Task};
@@ -332,14 +332,7 @@ impl<T: ExportTarget> Task for NvmfQueue<T> {
             SLOT_SEND => self.on_send(io, res),
             s if s <= SLOT_GATE && s > SLOT_GATE_END => self.on_gate(io, s),
             SLOT_TICK => self.on_tick(io),
-            s => {
-                #[allow(
-                    clippy::cast_possible_truncation,
-                    reason = "an I/O's tag carries its slot number, a u16 (the markers are matched above)"
-                )]
-                let s = s as u16;
-                self.on_io(io, s, res)
-            }
+            s => self.on_io(io, io_slot(s), res),
         }
     }
 
