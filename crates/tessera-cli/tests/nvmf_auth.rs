@@ -85,6 +85,56 @@ fn status_of<T>(r: Result<T, Error>) -> u16 {
     }
 }
 
+/// `r` failed with status code `code` (status code type and code, the low 11 bits).
+fn assert_code<T>(r: Result<T, Error>, code: u16) {
+    let st = status_of(r);
+    assert_eq!(st & 0x7FF, code, "{st:#x}");
+}
+
+/// `Controller::connect` was refused at Connect because the host is not allowed.
+fn assert_invalid_host(r: Result<Controller, Error>, what: &str) {
+    match r {
+        Err(Error::Status(st, _)) => assert_eq!(st & 0x7FF, nvme::SC_CONNECT_INVALID_HOST),
+        r => panic!("{what}: {:?}", r.map(|c| c.cntlid)),
+    }
+}
+
+/// A queue `qid` of controller `cntlid` (0xFFFF: a new one, on the admin queue) that
+/// fails authentication with `o`: it then answers `sqe` with Authentication Required.
+fn unauthenticated_queue(io: &str, qid: u16, cntlid: u16, o: &Options, sqe: Sqe) -> Queue {
+    let mut q = Queue::open(io, o).unwrap();
+    assert!(matches!(
+        q.connect(qid, NQN, cntlid, o, 32),
+        Err(Error::Auth(_))
+    ));
+    assert_code(q.exec(sqe, &[], 4096), nvme::SC_AUTH_REQUIRED);
+    q
+}
+
+/// `nvmf subsystem add-host NQN host` with `options` (its secrets and parameters).
+fn add_host(node: &TestNode, host: &str, options: &[&str]) {
+    let mut args = vec!["nvmf", "subsystem", "add-host", NQN, host];
+    args.extend_from_slice(options);
+    node.cli_ok(&args);
+}
+
+/// The CLI initiator's `nvmf identify` of the test subsystem as HOST at `io`, with
+/// `secret` (its options).
+fn identify_args<'a>(io: &'a str, secret: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "nvmf",
+        "identify",
+        "--addr",
+        io,
+        "--nqn",
+        NQN,
+        "--hostnqn",
+        HOST,
+    ];
+    args.extend_from_slice(secret);
+    args
+}
+
 fn identify_sqe() -> Sqe {
     Sqe {
         opc: nvme::ADM_IDENTIFY,
@@ -108,15 +158,7 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
     let secret = Secret::generate(Some(Hash::Sha256), 32);
     let file = s.node.dir.join("host-a.key");
     std::fs::write(&file, format!("{}\n", secret.encode())).unwrap();
-    s.node.cli_ok(&[
-        "nvmf",
-        "subsystem",
-        "add-host",
-        NQN,
-        HOST,
-        "--dhchap-secret-file",
-        &path_str(&file),
-    ]);
+    add_host(&s.node, HOST, &["--dhchap-secret-file", &path_str(&file)]);
 
     // The API shows how the host authenticates, never the secret; the file that holds it
     // is the owner's only.
@@ -150,31 +192,22 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
     );
     assert!(m.contains("--dhchap-secret"), "{m}");
     // A host outside the allowlist is refused at Connect, secret or not.
-    match Controller::connect(&s.io, NQN, &opts(HOST_B, Some(&secret), None), 1) {
-        Err(Error::Status(st, _)) => assert_eq!(st & 0x7FF, nvme::SC_CONNECT_INVALID_HOST),
-        r => panic!("unlisted host: {:?}", r.map(|c| c.cntlid)),
-    }
+    assert_invalid_host(
+        Controller::connect(&s.io, NQN, &opts(HOST_B, Some(&secret), None), 1),
+        "unlisted host",
+    );
 
     // On an admin queue that failed authentication nothing but authentication runs:
     // not Identify, not Property Get.
     let o_wrong = opts(HOST, Some(&wrong), None);
-    let mut q = Queue::open(&s.io, &o_wrong).unwrap();
-    assert!(matches!(
-        q.connect(0, NQN, 0xFFFF, &o_wrong, 32),
-        Err(Error::Auth(_))
-    ));
-    let st = status_of(q.exec(identify_sqe(), &[], 4096));
-    assert_eq!(st & 0x7FF, nvme::SC_AUTH_REQUIRED, "{st:#x}");
+    let mut q = unauthenticated_queue(&s.io, 0, 0xFFFF, &o_wrong, identify_sqe());
     let prop = Sqe {
         opc: nvme::FABRICS,
         nsid: nvme::FCTYPE_PROPERTY_GET as u32,
         cdw11: nvme::PROP_CSTS,
         ..Sqe::default()
     };
-    assert_eq!(
-        status_of(q.exec(prop, &[], 0)) & 0x7FF,
-        nvme::SC_AUTH_REQUIRED
-    );
+    assert_code(q.exec(prop, &[], 0), nvme::SC_AUTH_REQUIRED);
     // A second try with the right secret on the same queue succeeds (a new transaction).
     q.authenticate(NQN, &opts(HOST, Some(&secret), None))
         .unwrap();
@@ -183,25 +216,9 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
     // I/O queues of an authenticated controller authenticate on their own: one joined
     // with a wrong secret (or none) reads nothing.
     let mut admin = Controller::connect(&s.io, NQN, &opts(HOST, Some(&secret), None), 0).unwrap();
-    let mut q1 = Queue::open(&s.io, &o_wrong).unwrap();
-    assert!(matches!(
-        q1.connect(1, NQN, admin.cntlid, &o_wrong, 32),
-        Err(Error::Auth(_))
-    ));
-    assert_eq!(
-        status_of(q1.exec(read_sqe(), &[], 4096)) & 0x7FF,
-        nvme::SC_AUTH_REQUIRED
-    );
+    let _q1 = unauthenticated_queue(&s.io, 1, admin.cntlid, &o_wrong, read_sqe());
     let none = opts(HOST, None, None);
-    let mut q2 = Queue::open(&s.io, &none).unwrap();
-    assert!(matches!(
-        q2.connect(2, NQN, admin.cntlid, &none, 32),
-        Err(Error::Auth(_))
-    ));
-    assert_eq!(
-        status_of(q2.exec(read_sqe(), &[], 4096)) & 0x7FF,
-        nvme::SC_AUTH_REQUIRED
-    );
+    let mut q2 = unauthenticated_queue(&s.io, 2, admin.cntlid, &none, read_sqe());
     // A write by R2T is refused before any data is asked for.
     let w = Sqe {
         opc: nvme::IO_WRITE,
@@ -209,10 +226,7 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
         cdw12: 63,
         ..Sqe::default()
     };
-    assert_eq!(
-        status_of(q2.exec(w, &vec![7u8; 32 << 10], 0)) & 0x7FF,
-        nvme::SC_AUTH_REQUIRED
-    );
+    assert_code(q2.exec(w, &vec![7u8; 32 << 10], 0), nvme::SC_AUTH_REQUIRED);
     admin.add_io_queue(3).unwrap();
     assert_eq!(admin.read(0, 1, 0, 32, LBA).unwrap(), pattern(1, 16 << 10));
 
@@ -247,10 +261,7 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
         let _ = q.auth_send(&junk);
         let _ = q.auth_receive();
         let _ = q.auth_receive();
-        assert_eq!(
-            status_of(q.exec(identify_sqe(), &[], 4096)) & 0x7FF,
-            nvme::SC_AUTH_REQUIRED
-        );
+        assert_code(q.exec(identify_sqe(), &[], 4096), nvme::SC_AUTH_REQUIRED);
     }
     // Wrong security protocol in Authentication Send: an invalid field.
     let mut q = Queue::open(&s.io, &good).unwrap();
@@ -262,40 +273,18 @@ fn secrets_decide_who_connects_and_nothing_runs_before_authentication() {
         cdw11: 8,
         ..Sqe::default()
     };
-    assert_eq!(
-        status_of(q.exec(bad, &[0u8; 8], 0)) & 0x7FF,
-        nvme::SC_INVALID_FIELD
-    );
+    assert_code(q.exec(bad, &[0u8; 8], 0), nvme::SC_INVALID_FIELD);
     let mut c2 = Controller::connect(&s.io, NQN, &good, 1).unwrap();
     io_round_trip(&mut c2, 9);
     io_round_trip(&mut c, 1);
 
     // The CLI initiator: the right secret from a file identifies, a wrong one fails.
-    let out = initiator_ok(&[
-        "nvmf",
-        "identify",
-        "--addr",
+    let out = initiator_ok(&identify_args(
         &s.io,
-        "--nqn",
-        NQN,
-        "--hostnqn",
-        HOST,
-        "--dhchap-secret-file",
-        &path_str(&file),
-    ]);
+        &["--dhchap-secret-file", &path_str(&file)],
+    ));
     assert!(out.contains(NQN), "{out}");
-    let o = initiator(&[
-        "nvmf",
-        "identify",
-        "--addr",
-        &s.io,
-        "--nqn",
-        NQN,
-        "--hostnqn",
-        HOST,
-        "--dhchap-secret",
-        &wrong.encode(),
-    ]);
+    let o = initiator(&identify_args(&s.io, &["--dhchap-secret", &wrong.encode()]));
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("refused"), "{err}");
@@ -323,21 +312,20 @@ fn bidirectional_null_group_and_hashes() {
     let s = setup("nvmf-auth-bidi");
     let host = Secret::generate(Some(Hash::Sha512), 64);
     let ctrl = Secret::generate(None, 48);
-    s.node.cli_ok(&[
-        "nvmf",
-        "subsystem",
-        "add-host",
-        NQN,
+    add_host(
+        &s.node,
         HOST,
-        "--dhchap-secret",
-        &host.encode(),
-        "--dhchap-ctrl-secret",
-        &ctrl.encode(),
-        "--dhchap-hash",
-        "sha512",
-        "--dhchap-dhgroup",
-        "null",
-    ]);
+        &[
+            "--dhchap-secret",
+            &host.encode(),
+            "--dhchap-ctrl-secret",
+            &ctrl.encode(),
+            "--dhchap-hash",
+            "sha512",
+            "--dhchap-dhgroup",
+            "null",
+        ],
+    );
     let listed = s.node.cli_ok(&["--json", "nvmf", "subsystem", "list"]);
     assert!(listed.contains("dh-hmac-chap (bidirectional)"), "{listed}");
     assert!(!listed.contains("DHHC-1"), "{listed}");
@@ -358,29 +346,28 @@ fn bidirectional_null_group_and_hashes() {
     // Host B with ffdhe3072 and SHA-384, and a host that requires a group we do not
     // configure cannot pick another one.
     let b = Secret::generate(Some(Hash::Sha384), 48);
-    s.node.cli_ok(&[
-        "nvmf",
-        "subsystem",
-        "add-host",
-        NQN,
+    add_host(
+        &s.node,
         HOST_B,
-        "--dhchap-secret",
-        &b.encode(),
-        "--dhchap-hash",
-        "sha384",
-        "--dhchap-dhgroup",
-        "ffdhe3072",
-    ]);
+        &[
+            "--dhchap-secret",
+            &b.encode(),
+            "--dhchap-hash",
+            "sha384",
+            "--dhchap-dhgroup",
+            "ffdhe3072",
+        ],
+    );
     let mut cb = Controller::connect(&s.io, NQN, &opts(HOST_B, Some(&b), None), 1).unwrap();
     io_round_trip(&mut cb, 5);
     // Removing the host removes its secret: it is refused as any unlisted host.
     s.node
         .cli_ok(&["nvmf", "subsystem", "remove-host", NQN, HOST_B]);
     cb.disconnect();
-    match Controller::connect(&s.io, NQN, &opts(HOST_B, Some(&b), None), 1) {
-        Err(Error::Status(st, _)) => assert_eq!(st & 0x7FF, nvme::SC_CONNECT_INVALID_HOST),
-        r => panic!("removed host: {:?}", r.map(|c| c.cntlid)),
-    }
+    assert_invalid_host(
+        Controller::connect(&s.io, NQN, &opts(HOST_B, Some(&b), None), 1),
+        "removed host",
+    );
     c.disconnect();
     c1.disconnect();
 }
@@ -405,17 +392,16 @@ fn nvme_cli_generated_secrets_work() {
         assert_eq!(parsed.encode(), k);
         keys.push(parsed);
     }
-    s.node.cli_ok(&[
-        "nvmf",
-        "subsystem",
-        "add-host",
-        NQN,
+    add_host(
+        &s.node,
         HOST,
-        "--dhchap-secret",
-        &keys[1].encode(),
-        "--dhchap-ctrl-secret",
-        &keys[3].encode(),
-    ]);
+        &[
+            "--dhchap-secret",
+            &keys[1].encode(),
+            "--dhchap-ctrl-secret",
+            &keys[3].encode(),
+        ],
+    );
     let mut c =
         Controller::connect(&s.io, NQN, &opts(HOST, Some(&keys[1]), Some(&keys[3])), 1).unwrap();
     io_round_trip(&mut c, 6);

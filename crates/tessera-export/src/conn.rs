@@ -116,11 +116,34 @@ pub struct FreeList {
     free: Vec<u16>,
 }
 
+/// Slot `i` as the `u16` a free list holds. Connections size their slots from their
+/// negotiated queue depth, bounded far below this.
+fn slot_number(i: usize) -> u16 {
+    u16::try_from(i).expect("a connection has at most 65536 slots")
+}
+
+/// The request slot an I/O completion's tag names. A connection tags each I/O with the
+/// `u16` number of its slot (from its [`FreeList`]); the slot values above `u16::MAX`
+/// it uses for its own events (receive, send, timers, gates) must be matched before.
+#[inline]
+pub fn io_slot(tag_slot: u32) -> u16 {
+    debug_assert!(
+        tag_slot <= u32::from(u16::MAX),
+        "slot {tag_slot} is an event marker"
+    );
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "I/O tags carry a u16 slot number; event markers are matched by the caller"
+    )]
+    let slot = tag_slot as u16;
+    slot
+}
+
 impl FreeList {
     /// Slots `0..n`, all free.
     pub fn new(n: usize) -> FreeList {
         FreeList {
-            free: (0..n as u16).rev().collect(),
+            free: (0..n).rev().map(slot_number).collect(),
         }
     }
 
@@ -146,7 +169,7 @@ impl FreeList {
     /// New slots `from..to` became free; they are handed out after every slot already
     /// free (rare: a queue growing at connect time).
     pub fn add_range(&mut self, from: usize, to: usize) {
-        self.free.splice(0..0, (from as u16..to as u16).rev());
+        self.free.splice(0..0, (from..to).rev().map(slot_number));
     }
 }
 
@@ -294,7 +317,7 @@ impl Socket {
         let e = opcode::Recv::new(
             types::Fd(self.fd.as_raw_fd()),
             ptr,
-            len.min(u32::MAX as usize) as u32,
+            u32::try_from(len).unwrap_or(u32::MAX),
         )
         .build();
         // SAFETY: the caller keeps the buffer alive until the completion.
@@ -431,7 +454,7 @@ impl StatsBatch {
     pub fn flush<'a>(&mut self, now: Instant, stats_of: impl Fn(usize) -> Option<&'a IoStats>) {
         for p in self.pending.drain(..) {
             if let Some(s) = stats_of(p.key) {
-                let ns = now.saturating_duration_since(p.start).as_nanos() as u64;
+                let ns = nanos_between(p.start, now);
                 s.record(p.class, p.bytes, ns, p.ok);
             }
         }
@@ -454,7 +477,13 @@ pub fn read_into_new_buf(io: &mut CoreIo, offset: u64, len: u32) -> (AlignedBuf,
 /// Time a request spent held at the QoS gate, counted as throttled.
 #[inline]
 pub fn add_throttled(stats: &IoStats, received: Instant, now: Instant) {
-    stats.add_throttled(now.saturating_duration_since(received).as_nanos() as u64);
+    stats.add_throttled(nanos_between(received, now));
+}
+
+/// Nanoseconds from `start` to `now` (0 if `now` is earlier; saturating past 584 years).
+#[inline]
+fn nanos_between(start: Instant, now: Instant) -> u64 {
+    u64::try_from(now.saturating_duration_since(start).as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
@@ -549,7 +578,7 @@ mod tests {
     #[test]
     fn compaction_moves_the_tail_once_half_is_parsed() {
         let mut r = RecvBuf::new(CAP);
-        let data: Vec<u8> = (0..2560).map(|i| i as u8).collect();
+        let data: Vec<u8> = (0..2560u32).map(|i| i.to_le_bytes()[0]).collect();
         fill(&mut r, &data);
         r.consume(1000);
         r.compact();
@@ -564,7 +593,7 @@ mod tests {
     #[test]
     fn compaction_moves_the_tail_of_a_full_buffer() {
         let mut r = RecvBuf::new(CAP);
-        let data: Vec<u8> = (0..CAP).map(|i| i as u8).collect();
+        let data: Vec<u8> = (0..CAP).map(|i| i.to_le_bytes()[0]).collect();
         fill(&mut r, &data);
         assert!(r.is_full());
         assert_eq!(r.room(usize::MAX).1, 0);

@@ -3,8 +3,8 @@
 
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex};
 
+use tessera_io::counters::{CounterRegistry, Counters};
 use tessera_io::hist::{Histogram, SharedHistogram};
 
 /// Client I/O figures of one connection. Written only by the connection's core (plain
@@ -81,6 +81,10 @@ impl IoStats {
         self.throttled_ns
             .store(self.throttled_ns.load(Relaxed).wrapping_add(ns), Relaxed);
     }
+}
+
+impl Counters for IoStats {
+    type Totals = StatsSnapshot;
 
     fn add_to(&self, t: &mut StatsSnapshot) {
         t.throttled_ns += self.throttled_ns.load(Relaxed);
@@ -126,47 +130,7 @@ pub struct StatsSnapshot {
 
 /// The stats blocks of one target's connections. Control plane only: connections
 /// register when they open and unregister when they close, never per I/O.
-#[derive(Default)]
-pub struct StatsRegistry {
-    inner: Mutex<Registered>,
-}
-
-#[derive(Default)]
-struct Registered {
-    live: Vec<Arc<IoStats>>,
-    /// Figures of connections that have closed.
-    retired: StatsSnapshot,
-}
-
-impl StatsRegistry {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Registered> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A stats block for one connection; hand it back with [`StatsRegistry::unregister`].
-    pub fn register(&self) -> Arc<IoStats> {
-        let s = Arc::new(IoStats::default());
-        self.lock().live.push(s.clone());
-        s
-    }
-
-    /// Fold a closed connection's figures into the totals.
-    pub fn unregister(&self, s: &Arc<IoStats>) {
-        let mut st = self.lock();
-        st.live.retain(|x| !Arc::ptr_eq(x, s));
-        s.add_to(&mut st.retired);
-    }
-
-    /// Cumulative figures of every connection, open or closed.
-    pub fn snapshot(&self) -> StatsSnapshot {
-        let st = self.lock();
-        let mut t = st.retired.clone();
-        for s in &st.live {
-            s.add_to(&mut t);
-        }
-        t
-    }
-}
+pub type StatsRegistry = CounterRegistry<IoStats>;
 
 #[cfg(test)]
 mod tests {

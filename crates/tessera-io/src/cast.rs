@@ -35,6 +35,21 @@ where
     }
 }
 
+/// `x` as a `u16`, for values bounded by construction (a slot number, a length field of
+/// a message this side builds). Panics, naming the caller, on a value that does not fit.
+#[inline]
+#[track_caller]
+#[must_use]
+pub fn u16_of<T>(x: T) -> u16
+where
+    T: TryInto<u16> + Copy + std::fmt::Display,
+{
+    match x.try_into() {
+        Ok(v) => v,
+        Err(_) => panic!("{x} does not fit in a u16"),
+    }
+}
+
 /// `x` as a `u8`, for values bounded by construction (a shard or device index: a pool
 /// has at most 64 devices). Panics, naming the caller, on a value that does not fit.
 #[inline]
@@ -58,6 +73,8 @@ mod tests {
     fn conversions_are_exact_or_panic() {
         assert_eq!(usize_of(u64::MAX), usize::MAX);
         assert_eq!(u32_of(7u64), 7);
+        assert_eq!(u16_of(65535usize), 65535);
+        assert!(std::panic::catch_unwind(|| u16_of(1usize << 16)).is_err());
         assert_eq!(u8_of(63usize), 63);
         assert!(std::panic::catch_unwind(|| u32_of(1u64 << 32)).is_err());
         assert!(std::panic::catch_unwind(|| u8_of(256usize)).is_err());

@@ -11,6 +11,7 @@
 pub mod buf;
 pub mod cast;
 pub mod core_io;
+pub mod counters;
 pub mod hist;
 pub mod reactor;
 mod tag;

@@ -24,6 +24,8 @@ use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
+use tessera_io::cast::{u32_of, usize_of};
+
 use crate::proto;
 
 /// Anything the client can run over (`TcpStream`, `UnixStream`, in-memory test streams).
@@ -311,7 +313,7 @@ fn handshake(s: &mut dyn ReadWrite, export: &str, opts: ClientOptions) -> io::Re
         d.extend_from_slice(&name_len.to_be_bytes());
         d.extend_from_slice(export.as_bytes());
         d.extend_from_slice(&1u32.to_be_bytes());
-        d.extend_from_slice(&(proto::BASE_ALLOCATION.len() as u32).to_be_bytes());
+        d.extend_from_slice(&u32_of(proto::BASE_ALLOCATION.len()).to_be_bytes());
         d.extend_from_slice(proto::BASE_ALLOCATION.as_bytes());
         send_option(s, proto::OPT_SET_META_CONTEXT, &d)?;
         loop {
@@ -852,7 +854,7 @@ impl Partial {
         if self.reply.data.len() != self.len as usize {
             self.reply.data = vec![0u8; self.len as usize];
         }
-        let dst = &mut self.reply.data[start as usize..end as usize];
+        let dst = &mut self.reply.data[usize_of(start)..usize_of(end)];
         if hole {
             dst.fill(0);
         } else {
@@ -1015,14 +1017,14 @@ mod tests {
     /// A deliberately simple transmission-phase server over a Vec, enough to exercise the
     /// client's reply parsing (structured replies split reads into a data and a hole chunk).
     fn serve(mut s: UnixStream, n: Negotiated) {
-        let mut disk = vec![0u8; n.size as usize];
+        let mut disk = vec![0u8; usize_of(n.size)];
         loop {
             let mut h = [0u8; proto::REQUEST_HEADER_LEN];
             if s.read_exact(&mut h).is_err() {
                 return;
             }
             let req = proto::parse_request(&h).unwrap().unwrap();
-            let (off, len) = (req.offset as usize, req.length as usize);
+            let (off, len) = (usize_of(req.offset), req.length as usize);
             let in_range = off.checked_add(len).is_some_and(|e| e <= disk.len());
             let mut out = Vec::new();
             let simple = |out: &mut Vec<u8>, err: u32| {
@@ -1032,7 +1034,13 @@ mod tests {
             };
             let chunk = |out: &mut Vec<u8>, flags: u16, ty: u16, payload: &[u8]| {
                 let mut b = [0u8; proto::STRUCTURED_REPLY_LEN];
-                proto::encode_structured_reply(&mut b, flags, ty, req.cookie, payload.len() as u32);
+                proto::encode_structured_reply(
+                    &mut b,
+                    flags,
+                    ty,
+                    req.cookie,
+                    u32_of(payload.len()),
+                );
                 out.extend_from_slice(&b);
                 out.extend_from_slice(payload);
             };
@@ -1063,7 +1071,7 @@ mod tests {
                         let mid = len / 2;
                         if disk[off + mid..off + len].iter().all(|&b| b == 0) && mid < len {
                             let mut p = ((off + mid) as u64).to_be_bytes().to_vec();
-                            p.extend_from_slice(&((len - mid) as u32).to_be_bytes());
+                            p.extend_from_slice(&u32_of(len - mid).to_be_bytes());
                             chunk(&mut out, 0, proto::REPLY_TYPE_OFFSET_HOLE, &p);
                         } else if mid < len {
                             let mut p = ((off + mid) as u64).to_be_bytes().to_vec();
@@ -1109,12 +1117,12 @@ mod tests {
                         0
                     };
                     if req.flags & proto::CMD_FLAG_REQ_ONE != 0 || len < 1024 {
-                        p.extend_from_slice(&(len as u32).to_be_bytes());
+                        p.extend_from_slice(&u32_of(len).to_be_bytes());
                         p.extend_from_slice(&flags.to_be_bytes());
                     } else {
                         p.extend_from_slice(&512u32.to_be_bytes());
                         p.extend_from_slice(&flags.to_be_bytes());
-                        p.extend_from_slice(&((len - 512) as u32).to_be_bytes());
+                        p.extend_from_slice(&u32_of(len - 512).to_be_bytes());
                         p.extend_from_slice(&flags.to_be_bytes());
                     }
                     chunk(
@@ -1166,7 +1174,7 @@ mod tests {
         let mut buf = vec![0xffu8; 8192];
         c.read(4096, &mut buf).unwrap();
         assert!(buf.iter().all(|&b| b == 0));
-        let data: Vec<u8> = (0..8192u32).map(|i| i as u8).collect();
+        let data: Vec<u8> = (0..8192u32).map(|i| i.to_le_bytes()[0]).collect();
         c.write(4096, &data, true).unwrap();
         c.read(4096, &mut buf).unwrap();
         assert_eq!(buf, data);
@@ -1298,7 +1306,7 @@ mod tests {
         out.extend_from_slice(&proto::OPTION_REPLY_MAGIC.to_be_bytes());
         out.extend_from_slice(&opt.to_be_bytes());
         out.extend_from_slice(&ty.to_be_bytes());
-        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        out.extend_from_slice(&u32_of(data.len()).to_be_bytes());
         out.extend_from_slice(data);
     }
 
@@ -1328,7 +1336,7 @@ mod tests {
 
     fn chunk(out: &mut Vec<u8>, flags: u16, ty: u16, cookie: u64, payload: &[u8]) {
         let mut b = [0u8; proto::STRUCTURED_REPLY_LEN];
-        proto::encode_structured_reply(&mut b, flags, ty, cookie, payload.len() as u32);
+        proto::encode_structured_reply(&mut b, flags, ty, cookie, u32_of(payload.len()));
         out.extend_from_slice(&b);
         out.extend_from_slice(payload);
     }

@@ -40,12 +40,13 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tessera_export::conn::{
-    add_throttled, read_into_new_buf, FreeList, RecvBuf, SendDone, Socket, StatsBatch,
+    add_throttled, io_slot, read_into_new_buf, FreeList, RecvBuf, SendDone, Socket, StatsBatch,
 };
 use tessera_export::log_limit::LogLimiter;
 use tessera_export::{
     Charge, Export, ExportHandle, ExportTarget, Gate, IoClass, IoStats, Released,
 };
+use tessera_io::cast::{u32_of, u8_of, usize_of};
 use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag, Task};
 use tracing::{info, warn};
 
@@ -66,6 +67,8 @@ const SLOT_ROUND: u32 = u32::MAX - 3;
 const MAX_EXTENTS: usize = 8192;
 /// The device alignment every request that reaches the volume keeps.
 const ALIGN: u64 = MIN_BLOCK as u64;
+/// `ALIGN` as a buffer length.
+const ALIGN_BYTES: usize = MIN_BLOCK as usize;
 /// How long an unaligned write whose edge block another connection holds waits before
 /// trying again.
 const EDGE_RETRY: Duration = Duration::from_micros(20);
@@ -183,7 +186,7 @@ struct Slot {
     /// When the request was received (for latency figures).
     start: std::time::Instant,
     hdr: [u8; 32],
-    hdr_len: u8,
+    hdr_len: usize,
     data_len: u32,
     /// Read-modify-write: the merge buffer (whole blocks), the I/Os in flight and the
     /// first error among them.
@@ -358,9 +361,11 @@ impl<T: ExportTarget> NbdConn<T> {
         // connection and stay put until the receive completes: the payload slot is not
         // released and the buffer not compacted while a receive is posted, and
         // finished() waits for it.
-        match &mut self.tls {
-            None => unsafe { self.sock.post_recv(io, ptr, len, tag) },
-            Some(t) => unsafe { t.post_recv(&mut self.sock, io, ptr, len, tag) },
+        unsafe {
+            match &mut self.tls {
+                None => self.sock.post_recv(io, ptr, len, tag),
+                Some(t) => t.post_recv(&mut self.sock, io, ptr, len, tag),
+            }
         }
     }
 
@@ -625,7 +630,8 @@ impl<T: ExportTarget> NbdConn<T> {
                 if self.opts.structured_replies && self.vol.is_hole(offset, len as u64) {
                     return self.finish_hole(io, s);
                 }
-                let (buf, op) = read_into_new_buf(io, lo, (hi - lo) as u32);
+                // At most MAX_PAYLOAD plus two partial blocks.
+                let (buf, op) = read_into_new_buf(io, lo, u32_of(hi - lo));
                 let sl = &mut self.slots[idx];
                 sl.buf = Some(buf);
                 sl.phase = Phase::ReadSuperset;
@@ -730,29 +736,29 @@ impl<T: ExportTarget> NbdConn<T> {
         // blocks (the volume zeroes the whole blocks between them).
         let zeroes = self.slots[idx].cmd == CMD_WRITE_ZEROES;
         let cap = if zeroes {
-            n * ALIGN as usize
+            n * ALIGN_BYTES
         } else {
-            (hi - lo) as usize
+            usize_of(hi - lo)
         };
         let mut buf = io.bufs.get(cap);
         let base = buf.as_mut_ptr();
         let sl = &mut self.slots[idx];
         sl.phase = Phase::RmwRead;
-        sl.rmw_pending = n as u8;
+        sl.rmw_pending = u8_of(n);
         sl.rmw_err = 0;
         sl.rmw_buf = Some(buf);
         for (i, &b) in edges[..n].iter().enumerate() {
             let at = if zeroes {
-                i * ALIGN as usize
+                i * ALIGN_BYTES
             } else {
-                (b - lo) as usize
+                usize_of(b - lo)
             };
             // SAFETY: at + ALIGN <= cap: an edge block lies inside the span, and the
             // edge buffer has one block per edge.
             let p = unsafe { base.add(at) };
             let op = IoOp::Read {
                 offset: b,
-                len: ALIGN as u32,
+                len: MIN_BLOCK,
                 buf: p,
             };
             self.submit(io, op, tag);
@@ -770,13 +776,14 @@ impl<T: ExportTarget> NbdConn<T> {
         if sl.cmd == CMD_WRITE {
             let mut merged = sl.rmw_buf.take().expect("merge buffer");
             let payload = sl.buf.take().expect("write payload");
-            let head = (off - lo) as usize;
+            let head = usize_of(off - lo);
             let len = sl.len as usize;
             merged.as_mut_slice()[head..head + len].copy_from_slice(&payload.as_slice()[..len]);
             io.bufs.put(payload);
             let op = IoOp::Write {
                 offset: lo,
-                len: (hi - lo) as u32,
+                // At most MAX_PAYLOAD plus two partial blocks.
+                len: u32_of(hi - lo),
                 buf: merged.as_ptr(),
             };
             sl.buf = Some(merged);
@@ -788,19 +795,19 @@ impl<T: ExportTarget> NbdConn<T> {
         let (edges, n) = sl.edge_blocks();
         let (mid_lo, mid_hi) = (align_up(off), align_down(end));
         let may_unmap = sl.flags & CMD_FLAG_NO_HOLE == 0;
-        sl.rmw_pending = n as u8 + u8::from(mid_hi > mid_lo);
+        sl.rmw_pending = u8_of(n) + u8::from(mid_hi > mid_lo);
         let b = sl.rmw_buf.as_mut().expect("edge buffer");
-        let block = ALIGN as usize;
+        let block = ALIGN_BYTES;
         for (i, &e) in edges[..n].iter().enumerate() {
-            let from = (off.max(e) - e) as usize;
-            let to = (end.min(e + ALIGN) - e) as usize;
+            let from = usize_of(off.max(e) - e);
+            let to = usize_of(end.min(e + ALIGN) - e);
             b.as_mut_slice()[i * block + from..i * block + to].fill(0);
         }
         let ptr = b.as_ptr();
         for (i, &e) in edges[..n].iter().enumerate() {
             let op = IoOp::Write {
                 offset: e,
-                len: ALIGN as u32,
+                len: MIN_BLOCK,
                 // SAFETY: block i of the edge buffer, which has n blocks.
                 buf: unsafe { ptr.add(i * block) },
             };
@@ -846,7 +853,7 @@ impl<T: ExportTarget> NbdConn<T> {
                     return self.finish(io, s, errno_to_nbd(-res));
                 }
                 let sl = &mut self.slots[idx];
-                let head = (sl.offset - align_down(sl.offset)) as usize;
+                let head = usize_of(sl.offset - align_down(sl.offset));
                 let len = sl.len as usize;
                 let b = sl.buf.as_mut().expect("read buffer");
                 b.as_mut_slice().copy_within(head..head + len, 0);
@@ -906,10 +913,11 @@ impl<T: ExportTarget> NbdConn<T> {
         b[0..4].copy_from_slice(&ctx.to_be_bytes());
         for (i, (l, alloc)) in runs.iter().enumerate() {
             let st = if *alloc { 0 } else { STATE_HOLE | STATE_ZERO };
-            b[4 + 8 * i..8 + 8 * i].copy_from_slice(&(*l as u32).to_be_bytes());
+            // Runs are clipped to the request's range, whose length is a u32.
+            b[4 + 8 * i..8 + 8 * i].copy_from_slice(&u32_of(*l).to_be_bytes());
             b[8 + 8 * i..12 + 8 * i].copy_from_slice(&st.to_be_bytes());
         }
-        let plen = (4 + 8 * runs.len()) as u32;
+        let plen = u32_of(4 + 8 * runs.len());
         let sl = &mut self.slots[idx];
         encode_structured_reply(
             &mut sl.hdr,
@@ -918,7 +926,7 @@ impl<T: ExportTarget> NbdConn<T> {
             sl.cookie,
             plen,
         );
-        sl.hdr_len = STRUCTURED_REPLY_LEN as u8;
+        sl.hdr_len = STRUCTURED_REPLY_LEN;
         sl.buf = Some(buf);
         sl.data_len = plen;
         sl.phase = Phase::Reply;
@@ -1016,7 +1024,7 @@ impl<T: ExportTarget> NbdConn<T> {
                 sl.hdr_len = 26;
             } else {
                 encode_simple_reply(&mut sl.hdr, err, sl.cookie);
-                sl.hdr_len = SIMPLE_REPLY_LEN as u8;
+                sl.hdr_len = SIMPLE_REPLY_LEN;
             }
         } else if is_read && sl.len > 0 {
             if structured {
@@ -1031,7 +1039,7 @@ impl<T: ExportTarget> NbdConn<T> {
                 sl.hdr_len = 28;
             } else {
                 encode_simple_reply(&mut sl.hdr, 0, sl.cookie);
-                sl.hdr_len = SIMPLE_REPLY_LEN as u8;
+                sl.hdr_len = SIMPLE_REPLY_LEN;
             }
             sl.data_len = sl.len;
         } else {
@@ -1040,7 +1048,7 @@ impl<T: ExportTarget> NbdConn<T> {
             // It is 4 bytes shorter, and clients such as libnbd read it with one receive
             // instead of two, which is CPU the client saves on every write.
             encode_simple_reply(&mut sl.hdr, 0, sl.cookie);
-            sl.hdr_len = SIMPLE_REPLY_LEN as u8;
+            sl.hdr_len = SIMPLE_REPLY_LEN;
         }
         sl.phase = Phase::Reply;
         self.outq.push(s);
@@ -1111,7 +1119,7 @@ impl<T: ExportTarget> NbdConn<T> {
                 break;
             }
             let sl = &self.slots[s as usize];
-            batch.push(sl.hdr.as_ptr(), sl.hdr_len as usize);
+            batch.push(sl.hdr.as_ptr(), sl.hdr_len);
             if sl.data_len > 0 {
                 let b = sl.buf.as_ref().expect("reply data buffer");
                 batch.push(b.as_ptr(), sl.data_len as usize);
@@ -1206,7 +1214,7 @@ impl<T: ExportTarget> Task for NbdConn<T> {
             SLOT_RECV => self.on_recv(io, res),
             SLOT_SEND => self.on_send(io, res),
             SLOT_QOS | SLOT_ROUND => self.on_gate(io, slot),
-            s => self.on_io(io, s as u16, res),
+            s => self.on_io(io, io_slot(s), res),
         }
     }
 

@@ -37,6 +37,8 @@
 use std::fmt;
 use std::io::{self, Read, Write};
 
+use tessera_io::cast::u32_of;
+
 use crate::proto;
 
 /// Largest option payload we are willing to buffer. Real clients send a few hundred bytes
@@ -578,7 +580,7 @@ impl State<'_> {
                 continue;
             }
             let mut p = Vec::with_capacity(4 + name.len());
-            p.extend_from_slice(&(name.len() as u32).to_be_bytes());
+            p.extend_from_slice(&u32_of(name.len()).to_be_bytes());
             p.extend_from_slice(name.as_bytes());
             push_reply(&mut self.out, proto::OPT_LIST, proto::REP_SERVER, &p);
         }
@@ -744,7 +746,7 @@ fn push_reply(out: &mut Vec<u8>, opt: u32, rep: u32, payload: &[u8]) {
     out.extend_from_slice(&opt.to_be_bytes());
     out.extend_from_slice(&rep.to_be_bytes());
     // Payloads are built from capped strings, far below u32::MAX.
-    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    out.extend_from_slice(&u32_of(payload.len()).to_be_bytes());
     out.extend_from_slice(payload);
 }
 
@@ -867,25 +869,25 @@ mod tests {
         fn opt(mut self, opt: u32, data: &[u8]) -> Self {
             self.0.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
             self.0.extend_from_slice(&opt.to_be_bytes());
-            self.0.extend_from_slice(&(data.len() as u32).to_be_bytes());
+            self.0.extend_from_slice(&u32_of(data.len()).to_be_bytes());
             self.0.extend_from_slice(data);
             self
         }
         fn go_like(self, opt: u32, name: &str, infos: &[u16]) -> Self {
-            let mut d = (name.len() as u32).to_be_bytes().to_vec();
+            let mut d = u32_of(name.len()).to_be_bytes().to_vec();
             d.extend_from_slice(name.as_bytes());
-            d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+            d.extend_from_slice(&u16::try_from(infos.len()).unwrap().to_be_bytes());
             for i in infos {
                 d.extend_from_slice(&i.to_be_bytes());
             }
             self.opt(opt, &d)
         }
         fn meta(self, opt: u32, name: &str, queries: &[&str]) -> Self {
-            let mut d = (name.len() as u32).to_be_bytes().to_vec();
+            let mut d = u32_of(name.len()).to_be_bytes().to_vec();
             d.extend_from_slice(name.as_bytes());
-            d.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+            d.extend_from_slice(&u32_of(queries.len()).to_be_bytes());
             for q in queries {
-                d.extend_from_slice(&(q.len() as u32).to_be_bytes());
+                d.extend_from_slice(&u32_of(q.len()).to_be_bytes());
                 d.extend_from_slice(q.as_bytes());
             }
             self.opt(opt, &d)
@@ -1729,9 +1731,9 @@ mod tests {
                 (any::<bool>(), proptest::collection::vec(any::<u16>(), 0..4)).prop_map(
                     |(ro, infos)| {
                         let name: &[u8] = if ro { b"ro" } else { b"disk0" };
-                        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+                        let mut d = u32_of(name.len()).to_be_bytes().to_vec();
                         d.extend_from_slice(name);
-                        d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+                        d.extend_from_slice(&u16::try_from(infos.len()).unwrap().to_be_bytes());
                         for i in infos {
                             d.extend_from_slice(&(i % 5).to_be_bytes());
                         }

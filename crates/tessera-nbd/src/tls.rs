@@ -263,12 +263,14 @@ impl TlsLink {
         tag: Tag,
     ) {
         self.dest = ptr;
-        self.dest_len = len;
+        // A completion reports the bytes received as an i32.
+        self.dest_len = len.min(i32::MAX as usize);
         match self.decrypt() {
             Ok(Decrypted::Bytes(0)) => {}
             Ok(Decrypted::Bytes(n)) => {
                 self.inline = true;
-                sock.complete_recv_now(io, n as i32, tag);
+                // n <= dest_len <= i32::MAX: exact.
+                sock.complete_recv_now(io, i32::try_from(n).unwrap_or(i32::MAX), tag);
                 return;
             }
             Ok(Decrypted::Closed) => {

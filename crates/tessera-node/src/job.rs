@@ -1,15 +1,18 @@
-//! What every background job (scrub, resync, rebuild) shares: how it paces itself
-//! ([`Pacer`]: bandwidth bucket, latency feedback, CPU priority) and how it reports
-//! progress over pool units, rate, ETA and its controller's state ([`Figures`]).
+//! What every background job (scrub, resync, rebuild) shares: the [`Job`] its thread and
+//! the node hold (stop flag, progress), how it paces itself ([`Pacer`]: bandwidth
+//! bucket, latency feedback, CPU priority) and how it reports progress over pool units,
+//! rate, ETA and its controller's state ([`Figures`]).
 
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tessera_io::hist::Histogram;
 use tessera_pool::Pool;
 use tessera_qos::background::{BackgroundLimits, Feedback, FEEDBACK_TICK};
 use tessera_qos::TokenBucket;
 
-use tessera_api::{ClassFigures, JobProgress};
+use tessera_api::{ClassFigures, JobProgress, JOB_RUNNING};
 
 /// The CPU priority of a background-job thread. It runs at idle priority (`SCHED_IDLE`):
 /// it only gets CPU time that the reactors and the clients leave, which keeps a QD1
@@ -160,10 +163,14 @@ impl Pacer {
     }
 }
 
-/// A job's progress and controller figures, as its status shows them.
-pub(crate) struct Figures<'a> {
-    pub class: &'a str,
-    pub running: bool,
+/// A job's progress and controller figures: what every job's status shows besides its
+/// own findings. Each job keeps one under its progress mutex.
+#[derive(Default)]
+pub struct Figures {
+    /// "running", then "done", "stopped" or "failed".
+    pub state: &'static str,
+    /// Unix time the job started.
+    pub started_unix: u64,
     pub elapsed: Duration,
     pub bytes_done: u64,
     pub units_done: u64,
@@ -177,9 +184,35 @@ pub(crate) struct Figures<'a> {
     pub backoffs: u64,
 }
 
-impl Figures<'_> {
-    /// The common status fields; a job's status adds its own.
-    pub fn progress(&self) -> JobProgress {
+impl Figures {
+    /// A job running from now on, at its class's bandwidth limit.
+    pub(crate) fn start(rate_limit_bps: u64) -> Figures {
+        Figures {
+            state: JOB_RUNNING,
+            started_unix: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            rate_limit_bps,
+            ..Default::default()
+        }
+    }
+
+    pub(crate) fn is_running(&self) -> bool {
+        self.state == JOB_RUNNING
+    }
+
+    /// What the pacer decided at a feedback tick, `elapsed` into the job.
+    pub(crate) fn record_tick(&mut self, tick: &Tick, elapsed: Duration) {
+        self.rate_limit_bps = tick.rate;
+        self.backoffs = tick.backoffs;
+        self.client_p99_us = tick.client_p99_us;
+        self.elapsed = elapsed;
+    }
+
+    /// The common status fields of a job of background class `class`; a job's status
+    /// adds its own.
+    pub(crate) fn progress(&self, class: &str) -> JobProgress {
         let secs = self.elapsed.as_secs_f64();
         let rate = if secs > 0.0 {
             self.bytes_done as f64 / secs
@@ -193,7 +226,8 @@ impl Figures<'_> {
         };
         let left = self.units_total.saturating_sub(self.units_done);
         let done_here = self.units_done.saturating_sub(self.counted_from);
-        let eta = (done_here > 0 && self.running).then(|| secs / done_here as f64 * left as f64);
+        let eta =
+            (done_here > 0 && self.is_running()).then(|| secs / done_here as f64 * left as f64);
         JobProgress {
             elapsed_s: (secs * 10.0).round() / 10.0,
             percent: (pct * 10.0).round() / 10.0,
@@ -203,12 +237,67 @@ impl Figures<'_> {
             rate_mibps: (rate / 1048576.0 * 10.0).round() / 10.0,
             eta_s: eta.map(|e| e.round()),
             background: ClassFigures {
-                class: self.class.to_string(),
+                class: class.to_string(),
                 rate_limit_bps: self.rate_limit_bps,
                 latency_target_us: self.target_us.round(),
                 client_p99_us: self.client_p99_us.map(f64::round),
                 backoffs: self.backoffs,
             },
+        }
+    }
+}
+
+/// A background job as its thread and the node share it: the pool it works on, the stop
+/// flag the thread polls, and the progress (`P`: the job's [`Figures`] and its own
+/// findings) the status reads. Each job's status is an `impl` on its `Job<P>`.
+pub struct Job<P> {
+    pub(crate) pool: String,
+    stop: AtomicBool,
+    progress: Mutex<P>,
+}
+
+impl<P: AsMut<Figures>> Job<P> {
+    pub(crate) fn new(pool: &str, progress: P) -> Job<P> {
+        Job {
+            pool: pool.to_string(),
+            stop: AtomicBool::new(false),
+            progress: Mutex::new(progress),
+        }
+    }
+
+    pub(crate) fn progress(&self) -> MutexGuard<'_, P> {
+        self.progress.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn is_running(&self) -> bool {
+        self.progress().as_mut().is_running()
+    }
+
+    /// Ask the job's thread to stop (it does before its next request).
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Relaxed);
+    }
+
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Relaxed)
+    }
+
+    /// Before each request of `len` bytes: wait until `pacer` admits it, recording its
+    /// feedback ticks in the progress (`t0`: when the job started). False, at once, when
+    /// the job was asked to stop.
+    pub(crate) fn wait_turn(&self, pacer: &mut Pacer, pool: &Pool, len: u64, t0: Instant) -> bool {
+        loop {
+            if self.stopping() {
+                return false;
+            }
+            let (tick, admit) = pacer.pace(pool, len, || self.progress().as_mut().bytes_done);
+            if let Some(t) = tick {
+                self.progress().as_mut().record_tick(&t, t0.elapsed());
+            }
+            match admit {
+                Ok(()) => return true,
+                Err(wait) => std::thread::sleep(wait),
+            }
         }
     }
 }

@@ -10,6 +10,7 @@ use std::fmt::Write as _;
 
 use tessera_api::{PoolEntry, PoolInfo};
 use tessera_io::hist::Histogram;
+use tessera_io::CoreTime;
 use tessera_pool::{DeviceTotals, StatsSnapshot};
 
 use crate::Node;
@@ -138,6 +139,75 @@ fn seconds(ns: f64) -> f64 {
     ns / 1e9
 }
 
+/// A sample's value as the text format prints it: counts and codes as integers, seconds
+/// and other measures as floats, a latency histogram as its series.
+enum Value<'a> {
+    Count(u64),
+    Float(f64),
+    Histogram(&'a Histogram),
+}
+
+fn count(n: u64) -> Value<'static> {
+    Value::Count(n)
+}
+
+/// A duration in nanoseconds, in seconds.
+fn secs_of(ns: u64) -> Value<'static> {
+    Value::Float(seconds(ns as f64))
+}
+
+/// One sample of a row: the label that tells a row's samples of one family apart
+/// (`op`, `state`), if the family has one, and the value.
+type Sample<'a> = (Option<(&'static str, &'a str)>, Value<'a>);
+
+/// One metric family over rows of `R` (volumes, pools, devices...): each row gives its
+/// samples, labelled with the row's labels and the sample's own.
+struct Family<R> {
+    name: &'static str,
+    /// "counter", "gauge" or "histogram".
+    kind: &'static str,
+    help: &'static str,
+    samples: for<'a> fn(&'a R) -> Vec<Sample<'a>>,
+}
+
+/// A family with one sample per row.
+fn single(value: Value<'_>) -> Vec<Sample<'_>> {
+    vec![(None, value)]
+}
+
+/// A family with a sample per operation, labelled `op`.
+fn per_op<const N: usize>(ops: [(&'static str, u64); N]) -> Vec<Sample<'static>> {
+    ops.into_iter()
+        .map(|(op, n)| (Some(("op", op)), count(n)))
+        .collect()
+}
+
+/// Every family of `families`, each with the samples of every row in `rows`, labelled by
+/// `labels` (the row's labels) and the sample's own label.
+fn write_families<R>(
+    w: &mut TextWriter,
+    families: &[Family<R>],
+    rows: &[R],
+    labels: impl for<'a> Fn(&'a R) -> Vec<(&'static str, &'a str)>,
+) {
+    for f in families {
+        w.family(f.name, f.kind, f.help);
+        for row in rows {
+            let mut l = labels(row);
+            let base = l.len();
+            for (own, value) in (f.samples)(row) {
+                l.truncate(base);
+                l.extend(own);
+                match value {
+                    Value::Count(n) => w.sample(f.name, &l, n),
+                    Value::Float(x) => w.sample(f.name, &l, x),
+                    Value::Histogram(h) => w.histogram_seconds(f.name, &l, h),
+                }
+            }
+        }
+    }
+}
+
 /// One volume's figures, with the names that label them.
 struct VolumeFigures {
     pool: String,
@@ -219,131 +289,127 @@ pub fn render(node: &Node) -> String {
     w.finish()
 }
 
+const VOLUME_FAMILIES: &[Family<VolumeFigures>] = &[
+    Family {
+        name: "tessera_volume_ops_total",
+        kind: "counter",
+        help: "Client requests answered, by operation (NBD and NVMe/TCP).",
+        samples: |v| per_op(ops_of(&v.stats)),
+    },
+    Family {
+        name: "tessera_volume_bytes_total",
+        kind: "counter",
+        help: "Bytes clients read and wrote.",
+        samples: |v| per_op([("read", v.stats.read_bytes), ("write", v.stats.write_bytes)]),
+    },
+    Family {
+        name: "tessera_volume_errors_total",
+        kind: "counter",
+        help: "Client requests answered with an error.",
+        samples: |v| single(count(v.stats.errors)),
+    },
+    Family {
+        name: "tessera_volume_throttled_seconds_total",
+        kind: "counter",
+        help: "Time client requests were held back by QoS limits (the volume's and its group's), summed over requests.",
+        samples: |v| single(secs_of(v.stats.throttled_ns)),
+    },
+    Family {
+        name: "tessera_volume_latency_seconds",
+        kind: "histogram",
+        help: "Client request latency, from receipt to the reply being queued, by operation.",
+        samples: |v| {
+            vec![
+                (Some(("op", "read")), Value::Histogram(&v.stats.read_latency)),
+                (Some(("op", "write")), Value::Histogram(&v.stats.write_latency)),
+            ]
+        },
+    },
+    Family {
+        name: "tessera_volume_size_bytes",
+        kind: "gauge",
+        help: "Virtual size of the volume.",
+        samples: |v| single(count(v.size)),
+    },
+    Family {
+        name: "tessera_volume_allocated_bytes",
+        kind: "gauge",
+        help: "Pool space the volume holds.",
+        samples: |v| single(count(v.allocated)),
+    },
+];
+
 fn render_volumes(w: &mut TextWriter, vols: &[VolumeFigures]) {
-    let labels = |v: &VolumeFigures| [("pool", v.pool.clone()), ("volume", v.volume.clone())];
-    w.family(
-        "tessera_volume_ops_total",
-        "counter",
-        "Client requests answered, by operation (NBD and NVMe/TCP).",
-    );
-    for v in vols {
-        let [p, n] = labels(v);
-        for (op, c) in ops_of(&v.stats) {
-            w.sample(
-                "tessera_volume_ops_total",
-                &[(p.0, &p.1), (n.0, &n.1), ("op", op)],
-                c,
-            );
+    write_families(w, VOLUME_FAMILIES, vols, |v| {
+        vec![("pool", v.pool.as_str()), ("volume", v.volume.as_str())]
+    });
+}
+
+/// A pool of the registry, with its volumes' client figures summed (open pools only).
+struct PoolRow {
+    entry: PoolEntry,
+    totals: StatsSnapshot,
+}
+
+impl PoolRow {
+    /// The figures of an open pool; `None` for one that could not be opened, which has
+    /// only a state.
+    fn online(&self) -> Option<(&PoolInfo, &StatsSnapshot)> {
+        match &self.entry {
+            PoolEntry::Online(p) => Some((&**p, &self.totals)),
+            PoolEntry::Offline(_) => None,
         }
-    }
-    w.family(
-        "tessera_volume_bytes_total",
-        "counter",
-        "Bytes clients read and wrote.",
-    );
-    for v in vols {
-        let [p, n] = labels(v);
-        for (op, b) in [("read", v.stats.read_bytes), ("write", v.stats.write_bytes)] {
-            w.sample(
-                "tessera_volume_bytes_total",
-                &[(p.0, &p.1), (n.0, &n.1), ("op", op)],
-                b,
-            );
-        }
-    }
-    w.family(
-        "tessera_volume_errors_total",
-        "counter",
-        "Client requests answered with an error.",
-    );
-    for v in vols {
-        let [p, n] = labels(v);
-        w.sample(
-            "tessera_volume_errors_total",
-            &[(p.0, &p.1), (n.0, &n.1)],
-            v.stats.errors,
-        );
-    }
-    w.family(
-        "tessera_volume_throttled_seconds_total",
-        "counter",
-        "Time client requests were held back by QoS limits (the volume's and its group's), summed over requests.",
-    );
-    for v in vols {
-        let [p, n] = labels(v);
-        w.sample(
-            "tessera_volume_throttled_seconds_total",
-            &[(p.0, &p.1), (n.0, &n.1)],
-            seconds(v.stats.throttled_ns as f64),
-        );
-    }
-    w.family(
-        "tessera_volume_latency_seconds",
-        "histogram",
-        "Client request latency, from receipt to the reply being queued, by operation.",
-    );
-    for v in vols {
-        let [p, n] = labels(v);
-        for (op, h) in [
-            ("read", &v.stats.read_latency),
-            ("write", &v.stats.write_latency),
-        ] {
-            w.histogram_seconds(
-                "tessera_volume_latency_seconds",
-                &[(p.0, &p.1), (n.0, &n.1), ("op", op)],
-                h,
-            );
-        }
-    }
-    w.family(
-        "tessera_volume_size_bytes",
-        "gauge",
-        "Virtual size of the volume.",
-    );
-    for v in vols {
-        let [p, n] = labels(v);
-        w.sample(
-            "tessera_volume_size_bytes",
-            &[(p.0, &p.1), (n.0, &n.1)],
-            v.size,
-        );
-    }
-    w.family(
-        "tessera_volume_allocated_bytes",
-        "gauge",
-        "Pool space the volume holds.",
-    );
-    for v in vols {
-        let [p, n] = labels(v);
-        w.sample(
-            "tessera_volume_allocated_bytes",
-            &[(p.0, &p.1), (n.0, &n.1)],
-            v.allocated,
-        );
     }
 }
 
+const POOL_FAMILIES: &[Family<PoolRow>] = &[
+    Family {
+        name: "tessera_pool_state",
+        kind: "gauge",
+        help: "Pool state: 0 online, 1 degraded, 2 rebuilding, 3 failed (data lost), 4 offline (not open); the state label names it.",
+        samples: |p| {
+            let state = p.entry.state();
+            vec![(Some(("state", state)), count(pool_state_code(state).into()))]
+        },
+    },
+    Family {
+        name: "tessera_pool_ops_total",
+        kind: "counter",
+        help: "Client requests answered by the pool's volumes, by operation (volumes deleted since the node started are not counted).",
+        samples: |p| p.online().map_or(vec![], |(_, t)| per_op(ops_of(t))),
+    },
+    Family {
+        name: "tessera_pool_bytes_total",
+        kind: "counter",
+        help: "Bytes clients read from and wrote to the pool's volumes.",
+        samples: |p| {
+            p.online().map_or(vec![], |(_, t)| {
+                per_op([("read", t.read_bytes), ("write", t.write_bytes)])
+            })
+        },
+    },
+    Family {
+        name: "tessera_pool_errors_total",
+        kind: "counter",
+        help: "Client requests to the pool's volumes answered with an error.",
+        samples: |p| p.online().map_or(vec![], |(_, t)| single(count(t.errors))),
+    },
+    Family {
+        name: "tessera_pool_capacity_bytes",
+        kind: "gauge",
+        help: "Bytes available to volumes (metadata excluded).",
+        samples: |p| p.online().map_or(vec![], |(i, _)| single(count(i.capacity))),
+    },
+    Family {
+        name: "tessera_pool_allocated_bytes",
+        kind: "gauge",
+        help: "Bytes of the pool held by volumes.",
+        samples: |p| p.online().map_or(vec![], |(i, _)| single(count(i.allocated))),
+    },
+];
+
 fn render_pools(w: &mut TextWriter, node: &Node, vols: &[VolumeFigures]) {
     let entries = node.list_pools();
-    let online: Vec<&PoolInfo> = entries
-        .iter()
-        .filter_map(|e| match e {
-            PoolEntry::Online(p) => Some(&**p),
-            PoolEntry::Offline(_) => None,
-        })
-        .collect();
-    w.family(
-        "tessera_pool_state",
-        "gauge",
-        "Pool state: 0 online, 1 degraded, 2 rebuilding, 3 failed (data lost), 4 offline (not open); the state label names it.",
-    );
-    for e in &entries {
-        w.sample(
-            "tessera_pool_state",
-            &[("pool", e.name()), ("state", e.state())],
-            pool_state_code(e.state()),
-        );
-    }
     let totals = |pool: &str| {
         let mut t = StatsSnapshot::default();
         for v in vols.iter().filter(|v| v.pool == pool) {
@@ -360,78 +426,67 @@ fn render_pools(w: &mut TextWriter, node: &Node, vols: &[VolumeFigures]) {
         }
         t
     };
-    let pool_totals: Vec<(&str, StatsSnapshot)> = online
-        .iter()
-        .map(|p| (p.name.as_str(), totals(&p.name)))
+    let rows: Vec<PoolRow> = entries
+        .into_iter()
+        .map(|entry| PoolRow {
+            totals: match &entry {
+                PoolEntry::Online(p) => totals(&p.name),
+                PoolEntry::Offline(_) => StatsSnapshot::default(),
+            },
+            entry,
+        })
         .collect();
-    w.family(
-        "tessera_pool_ops_total",
-        "counter",
-        "Client requests answered by the pool's volumes, by operation (volumes deleted since the node started are not counted).",
-    );
-    for (pool, t) in &pool_totals {
-        for (op, c) in ops_of(t) {
-            w.sample("tessera_pool_ops_total", &[("pool", pool), ("op", op)], c);
-        }
-    }
-    w.family(
-        "tessera_pool_bytes_total",
-        "counter",
-        "Bytes clients read from and wrote to the pool's volumes.",
-    );
-    for (pool, t) in &pool_totals {
-        for (op, b) in [("read", t.read_bytes), ("write", t.write_bytes)] {
-            w.sample("tessera_pool_bytes_total", &[("pool", pool), ("op", op)], b);
-        }
-    }
-    w.family(
-        "tessera_pool_errors_total",
-        "counter",
-        "Client requests to the pool's volumes answered with an error.",
-    );
-    for (pool, t) in &pool_totals {
-        w.sample("tessera_pool_errors_total", &[("pool", pool)], t.errors);
-    }
-    w.family(
-        "tessera_pool_capacity_bytes",
-        "gauge",
-        "Bytes available to volumes (metadata excluded).",
-    );
-    for p in &online {
-        w.sample(
-            "tessera_pool_capacity_bytes",
-            &[("pool", &p.name)],
-            p.capacity,
-        );
-    }
-    w.family(
-        "tessera_pool_allocated_bytes",
-        "gauge",
-        "Bytes of the pool held by volumes.",
-    );
-    for p in &online {
-        w.sample(
-            "tessera_pool_allocated_bytes",
-            &[("pool", &p.name)],
-            p.allocated,
-        );
-    }
+    write_families(w, POOL_FAMILIES, &rows, |p| vec![("pool", p.entry.name())]);
 }
 
+/// A device slot of a pool.
+struct DeviceRow {
+    pool: String,
+    slot: String,
+    device: String,
+    state: String,
+    totals: DeviceTotals,
+}
+
+const DEVICE_FAMILIES: &[Family<DeviceRow>] = &[
+    Family {
+        name: "tessera_device_state",
+        kind: "gauge",
+        help: "Device state: 0 online, 1 rebuilding, 2 failed; the state label names it.",
+        samples: |d| {
+            vec![(
+                Some(("state", d.state.as_str())),
+                count(device_state_code(&d.state).into()),
+            )]
+        },
+    },
+    Family {
+        name: "tessera_device_ops_total",
+        kind: "counter",
+        help: "Operations the pool's datapath submitted to the device (metadata commits and other control-plane I/O not included).",
+        samples: |d| per_op(device_ops_of(&d.totals)),
+    },
+    Family {
+        name: "tessera_device_bytes_total",
+        kind: "counter",
+        help: "Bytes the pool's datapath read from and wrote to the device.",
+        samples: |d| per_op([("read", d.totals.read_bytes), ("write", d.totals.write_bytes)]),
+    },
+    Family {
+        name: "tessera_device_errors_total",
+        kind: "counter",
+        help: "I/O errors the pool saw from the device (redundant layouts; concat and raid0 pass errors to the volume).",
+        samples: |d| single(count(d.totals.errors)),
+    },
+];
+
 fn render_devices(w: &mut TextWriter, node: &Node) {
-    struct Dev {
-        pool: String,
-        slot: String,
-        device: String,
-        state: String,
-        totals: DeviceTotals,
-    }
     let mut devs = Vec::new();
     for p in node.pools() {
         let info = node.pool_info(&p);
         let stats = &p.core.layout.device_stats;
         for (i, st) in info.device_states.iter().enumerate() {
-            devs.push(Dev {
+            devs.push(DeviceRow {
                 pool: info.name.clone(),
                 slot: i.to_string(),
                 device: st.device.clone(),
@@ -440,88 +495,57 @@ fn render_devices(w: &mut TextWriter, node: &Node) {
             });
         }
     }
-    let labels = |d: &Dev| {
-        [
-            ("pool", d.pool.clone()),
-            ("slot", d.slot.clone()),
-            ("device", d.device.clone()),
+    write_families(w, DEVICE_FAMILIES, &devs, |d| {
+        vec![
+            ("pool", d.pool.as_str()),
+            ("slot", d.slot.as_str()),
+            ("device", d.device.as_str()),
         ]
-    };
-    w.family(
-        "tessera_device_state",
-        "gauge",
-        "Device state: 0 online, 1 rebuilding, 2 failed; the state label names it.",
-    );
-    for d in &devs {
-        let [a, b, c] = labels(d);
-        w.sample(
-            "tessera_device_state",
-            &[(a.0, &a.1), (b.0, &b.1), (c.0, &c.1), ("state", &d.state)],
-            device_state_code(&d.state),
-        );
-    }
-    w.family(
-        "tessera_device_ops_total",
-        "counter",
-        "Operations the pool's datapath submitted to the device (metadata commits and other control-plane I/O not included).",
-    );
-    for d in &devs {
-        let [a, b, c] = labels(d);
-        for (op, n) in device_ops_of(&d.totals) {
-            w.sample(
-                "tessera_device_ops_total",
-                &[(a.0, &a.1), (b.0, &b.1), (c.0, &c.1), ("op", op)],
-                n,
-            );
-        }
-    }
-    w.family(
-        "tessera_device_bytes_total",
-        "counter",
-        "Bytes the pool's datapath read from and wrote to the device.",
-    );
-    for d in &devs {
-        let [a, b, c] = labels(d);
-        for (op, n) in [
-            ("read", d.totals.read_bytes),
-            ("write", d.totals.write_bytes),
-        ] {
-            w.sample(
-                "tessera_device_bytes_total",
-                &[(a.0, &a.1), (b.0, &b.1), (c.0, &c.1), ("op", op)],
-                n,
-            );
-        }
-    }
-    w.family(
-        "tessera_device_errors_total",
-        "counter",
-        "I/O errors the pool saw from the device (redundant layouts; concat and raid0 pass errors to the volume).",
-    );
-    for d in &devs {
-        let [a, b, c] = labels(d);
-        w.sample(
-            "tessera_device_errors_total",
-            &[(a.0, &a.1), (b.0, &b.1), (c.0, &c.1)],
-            d.totals.errors,
-        );
-    }
+    });
 }
 
+/// The running or last job of one kind of a pool.
+struct JobRow {
+    pool: String,
+    job: &'static str,
+    state: String,
+    done: u64,
+    total: u64,
+}
+
+const JOB_FAMILIES: &[Family<JobRow>] = &[
+    Family {
+        name: "tessera_job_state",
+        kind: "gauge",
+        help: "The running or last scrub, resync or rebuild of a pool since the node started: 0 done, 1 running, 2 stopped, 3 failed; the state label names it.",
+        samples: |j| {
+            vec![(
+                Some(("state", j.state.as_str())),
+                count(job_state_code(&j.state).into()),
+            )]
+        },
+    },
+    Family {
+        name: "tessera_job_done_bytes",
+        kind: "gauge",
+        help: "Bytes the job has processed.",
+        samples: |j| single(count(j.done)),
+    },
+    Family {
+        name: "tessera_job_total_bytes",
+        kind: "gauge",
+        help: "Bytes the job has to process (its units times the pool's unit size).",
+        samples: |j| single(count(j.total)),
+    },
+];
+
 fn render_jobs(w: &mut TextWriter, node: &Node) {
-    struct Job {
-        pool: String,
-        job: &'static str,
-        state: String,
-        done: u64,
-        total: u64,
-    }
     let mut jobs = Vec::new();
     for p in node.pools() {
         let name = p.name().to_string();
         let unit = p.core.unit_size();
         let mut push = |job, state: String, pr: &tessera_api::JobProgress| {
-            jobs.push(Job {
+            jobs.push(JobRow {
                 pool: name.clone(),
                 job,
                 state,
@@ -539,85 +563,77 @@ fn render_jobs(w: &mut TextWriter, node: &Node) {
             push("rebuild", s.state, &s.progress);
         }
     }
-    w.family(
-        "tessera_job_state",
-        "gauge",
-        "The running or last scrub, resync or rebuild of a pool since the node started: 0 done, 1 running, 2 stopped, 3 failed; the state label names it.",
-    );
-    for j in &jobs {
-        w.sample(
-            "tessera_job_state",
-            &[("pool", &j.pool), ("job", j.job), ("state", &j.state)],
-            job_state_code(&j.state),
-        );
-    }
-    w.family(
-        "tessera_job_done_bytes",
-        "gauge",
-        "Bytes the job has processed.",
-    );
-    for j in &jobs {
-        w.sample(
-            "tessera_job_done_bytes",
-            &[("pool", &j.pool), ("job", j.job)],
-            j.done,
-        );
-    }
-    w.family(
-        "tessera_job_total_bytes",
-        "gauge",
-        "Bytes the job has to process (its units times the pool's unit size).",
-    );
-    for j in &jobs {
-        w.sample(
-            "tessera_job_total_bytes",
-            &[("pool", &j.pool), ("job", j.job)],
-            j.total,
-        );
-    }
+    write_families(w, JOB_FAMILIES, &jobs, |j| {
+        vec![("pool", j.pool.as_str()), ("job", j.job)]
+    });
 }
+
+/// A QoS group and the time its members' requests were held back.
+struct GroupRow {
+    name: String,
+    throttled_ns: u64,
+}
+
+const GROUP_FAMILIES: &[Family<GroupRow>] = &[Family {
+    name: "tessera_group_throttled_seconds_total",
+    kind: "counter",
+    help: "Time requests to the group's member volumes were held back by QoS limits, summed over requests.",
+    samples: |g| single(secs_of(g.throttled_ns)),
+}];
 
 fn render_groups(w: &mut TextWriter, node: &Node, vols: &[VolumeFigures]) {
-    w.family(
-        "tessera_group_throttled_seconds_total",
-        "counter",
-        "Time requests to the group's member volumes were held back by QoS limits, summed over requests.",
-    );
-    for g in node.groups.list() {
-        let ns: u64 = vols
-            .iter()
-            .filter(|v| g.members.contains(&v.volume))
-            .map(|v| v.stats.throttled_ns)
-            .sum();
-        w.sample(
-            "tessera_group_throttled_seconds_total",
-            &[("group", &g.name)],
-            seconds(ns as f64),
-        );
-    }
+    let groups: Vec<GroupRow> = node
+        .groups
+        .list()
+        .into_iter()
+        .map(|g| GroupRow {
+            throttled_ns: vols
+                .iter()
+                .filter(|v| g.members.contains(&v.volume))
+                .map(|v| v.stats.throttled_ns)
+                .sum(),
+            name: g.name,
+        })
+        .collect();
+    write_families(w, GROUP_FAMILIES, &groups, |g| {
+        vec![("group", g.name.as_str())]
+    });
 }
 
+/// A reactor core's time by state.
+struct ReactorRow {
+    core: String,
+    load: CoreTime,
+}
+
+const REACTOR_FAMILIES: &[Family<ReactorRow>] = &[Family {
+    name: "tessera_reactor_seconds_total",
+    kind: "counter",
+    help: "Time of each reactor core since it started: busy (running requests and the loop), poll (spinning on the ring for completions before sleeping), sleep (waiting in the kernel).",
+    samples: |r| {
+        [
+            ("busy", r.load.busy_ns()),
+            ("poll", r.load.poll_ns),
+            ("sleep", r.load.sleep_ns),
+        ]
+        .into_iter()
+        .map(|(state, ns)| (Some(("state", state)), secs_of(ns)))
+        .collect()
+    },
+}];
+
 fn render_reactors(w: &mut TextWriter, node: &Node) {
-    w.family(
-        "tessera_reactor_seconds_total",
-        "counter",
-        "Time of each reactor core since it started: busy (running requests and the loop), poll (spinning on the ring for completions before sleeping), sleep (waiting in the kernel).",
-    );
-    for m in &node.reactors {
-        let t = m.load.read();
-        let core = m.core.to_string();
-        for (state, ns) in [
-            ("busy", t.busy_ns()),
-            ("poll", t.poll_ns),
-            ("sleep", t.sleep_ns),
-        ] {
-            w.sample(
-                "tessera_reactor_seconds_total",
-                &[("core", &core), ("state", state)],
-                seconds(ns as f64),
-            );
-        }
-    }
+    let cores: Vec<ReactorRow> = node
+        .reactors
+        .iter()
+        .map(|m| ReactorRow {
+            core: m.core.to_string(),
+            load: m.load.read(),
+        })
+        .collect();
+    write_families(w, REACTOR_FAMILIES, &cores, |r| {
+        vec![("core", r.core.as_str())]
+    });
 }
 
 /// Whether the node should get traffic: its pools open and none lost, its exports

@@ -9,9 +9,8 @@
 //! from it (units below it were copied, and every later write reached the device).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use tessera_api::RebuildStatus;
@@ -19,34 +18,29 @@ use tessera_pool::Pool;
 use tessera_qos::background::BackgroundLimits;
 use tracing::{error, info};
 
+use crate::job::{Figures, Job, Pacer};
+
 /// Bytes copied per step: small enough that a client request queued behind one on a
 /// shared disk does not wait long.
 const CHUNK: usize = 64 << 10;
 /// Units between two persisted cursors.
 const CURSOR_EVERY: u64 = 16;
 
-#[derive(Default)]
-struct Progress {
-    state: String,
+/// A rebuild's progress: the common figures (`counted_from`: the units a resumed rebuild
+/// skipped), the device it rebuilds and why it failed.
+pub struct Progress {
+    job: Figures,
     device: usize,
-    started_unix: u64,
-    elapsed: Duration,
-    resumed_from: u64,
-    units_total: u64,
-    units_done: u64,
-    bytes_done: u64,
     error: Option<String>,
-    rate_limit_bps: u64,
-    target_us: f64,
-    backoffs: u64,
-    client_p99_us: Option<f64>,
 }
 
-pub struct RebuildJob {
-    pool: String,
-    stop: AtomicBool,
-    progress: Mutex<Progress>,
+impl AsMut<Figures> for Progress {
+    fn as_mut(&mut self) -> &mut Figures {
+        &mut self.job
+    }
 }
+
+pub type RebuildJob = Job<Progress>;
 
 /// The persisted cursor of a pool's rebuild.
 pub fn cursor_path(data_dir: &Path, pool: &str) -> PathBuf {
@@ -79,42 +73,16 @@ pub(crate) fn save_cursor(path: &Path, device: usize, next: u64) {
 }
 
 impl RebuildJob {
-    fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
-        self.progress.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub fn is_running(&self) -> bool {
-        self.progress().state == "running"
-    }
-
-    pub fn stop(&self) {
-        self.stop.store(true, Relaxed);
-    }
-
     pub fn status(&self) -> RebuildStatus {
         let p = self.progress();
-        let progress = crate::job::Figures {
-            class: "rebuild",
-            running: p.state == "running",
-            elapsed: p.elapsed,
-            bytes_done: p.bytes_done,
-            units_done: p.units_done,
-            units_total: p.units_total,
-            counted_from: p.resumed_from,
-            rate_limit_bps: p.rate_limit_bps,
-            target_us: p.target_us,
-            client_p99_us: p.client_p99_us,
-            backoffs: p.backoffs,
-        }
-        .progress();
         RebuildStatus {
             pool: self.pool.clone(),
             device: p.device,
-            state: p.state.to_string(),
-            started: p.started_unix,
-            resumed_at_unit_count: p.resumed_from,
+            state: p.job.state.to_string(),
+            started: p.job.started_unix,
+            resumed_at_unit_count: p.job.counted_from,
             error: p.error.clone(),
-            progress,
+            progress: p.job.progress("rebuild"),
         }
     }
 }
@@ -137,23 +105,19 @@ pub fn start(
     let meta_units = pool.status().metadata / unit;
     let all = pool.rebuild_units();
     let skipped = all.iter().filter(|&&u| u < from && u >= meta_units).count() as u64;
-    let job = Arc::new(RebuildJob {
-        pool: pool.name().to_string(),
-        stop: AtomicBool::new(false),
-        progress: Mutex::new(Progress {
-            state: "running".into(),
+    let job = Arc::new(Job::new(
+        pool.name(),
+        Progress {
+            job: Figures {
+                units_total: all.len() as u64,
+                units_done: skipped,
+                counted_from: skipped,
+                ..Figures::start(limits.bps)
+            },
             device,
-            started_unix: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
-            rate_limit_bps: limits.bps,
-            units_total: all.len() as u64,
-            units_done: skipped,
-            resumed_from: skipped,
-            ..Default::default()
-        }),
-    });
+            error: None,
+        },
+    ));
     let j = job.clone();
     std::thread::Builder::new()
         .name(format!("tessera-rebuild-{}", pool.name()))
@@ -173,12 +137,12 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     let skipped = all.iter().filter(|&&u| !todo(u)).count() as u64;
     {
         let mut p = job.progress();
-        p.units_total = all.len() as u64;
-        p.units_done = skipped;
-        p.resumed_from = skipped;
+        p.job.units_total = all.len() as u64;
+        p.job.units_done = skipped;
+        p.job.counted_from = skipped;
     }
-    let mut pacer = crate::job::Pacer::start(pool, limits, CHUNK as u64);
-    job.progress().target_us = pacer.target_us();
+    let mut pacer = Pacer::start(pool, limits, CHUNK as u64);
+    job.progress().job.target_us = pacer.target_us();
     if from > 0 {
         info!(
             pool = %job.pool, device = d, unit = from, done = skipped, units = all.len(),
@@ -191,26 +155,14 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     'units: for &u in all.iter().filter(|&&u| todo(u)) {
         let mut off = 0u64;
         while off < unit {
-            if job.stop.load(Relaxed) {
+            let len = (unit - off).min(CHUNK as u64) as usize;
+            if !job.wait_turn(&mut pacer, pool, len as u64, t0) {
                 outcome = Ok(false);
                 break 'units;
             }
-            let len = (unit - off).min(CHUNK as u64) as usize;
-            let (tick, admit) = pacer.pace(pool, len as u64, || job.progress().bytes_done);
-            if let Some(t) = tick {
-                let mut p = job.progress();
-                p.rate_limit_bps = t.rate;
-                p.backoffs = t.backoffs;
-                p.client_p99_us = t.client_p99_us;
-                p.elapsed = t0.elapsed();
-            }
-            if let Err(wait) = admit {
-                std::thread::sleep(wait);
-                continue;
-            }
             let at = u * unit + off;
             match pool.core.layout.rebuild_range(d, at, &mut buf[..len]) {
-                Ok(n) => job.progress().bytes_done += n,
+                Ok(n) => job.progress().job.bytes_done += n,
                 Err(e) => {
                     outcome = Err(format!("unit {u}: {e}"));
                     break 'units;
@@ -218,7 +170,7 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
             }
             off += len as u64;
         }
-        job.progress().units_done += 1;
+        job.progress().job.units_done += 1;
         since_save += 1;
         if since_save >= CURSOR_EVERY {
             since_save = 0;
@@ -244,20 +196,20 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     }
     let _ = std::fs::remove_file(path);
     let mut p = job.progress();
-    p.elapsed = t0.elapsed();
+    p.job.elapsed = t0.elapsed();
     match outcome {
         Ok(true) => {
-            p.state = "done".into();
+            p.job.state = "done";
             info!(
-                pool = %job.pool, device = d, units = p.units_done,
-                seconds = p.elapsed.as_secs_f64(),
+                pool = %job.pool, device = d, units = p.job.units_done,
+                seconds = p.job.elapsed.as_secs_f64(),
                 "rebuild done"
             );
         }
-        Ok(false) => p.state = "stopped".into(),
+        Ok(false) => p.job.state = "stopped",
         Err(e) => {
             error!(pool = %job.pool, device = d, error = %e, "rebuild failed");
-            p.state = "failed".into();
+            p.job.state = "failed";
             p.error = Some(e);
         }
     }

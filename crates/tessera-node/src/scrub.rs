@@ -15,14 +15,16 @@
 //! always repairing, is the mirror resync a node starts when a pool was not shut down
 //! cleanly (`start_resync`).
 
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Instant;
 
 use tessera_api::{Range, ScrubStatus};
 use tessera_pool::{Pool, ScrubFindings};
 use tessera_qos::background::{BackgroundLimits, FEEDBACK_TICK};
 use tracing::info;
+
+use crate::job::{Figures, Job, Pacer};
 
 /// Bytes read per device request: small enough that a client request queued behind one
 /// on a shared disk does not wait long.
@@ -30,68 +32,35 @@ const CHUNK: usize = 64 << 10;
 /// Read errors remembered in detail (all are counted).
 const MAX_REPORTED: usize = 100;
 
-#[derive(Default)]
-struct Progress {
-    state: &'static str,
-    started_unix: u64,
-    elapsed: Duration,
-    units_total: u64,
-    units_done: u64,
-    bytes_done: u64,
+/// A scrub's progress: the common figures and what the pass found.
+pub struct Progress {
+    job: Figures,
+    /// Background class: "scrub", or "resync" (after an unclean shutdown).
+    class: &'static str,
+    repair: bool,
     read_errors: u64,
     /// What `scrub_range` found, summed over the pass (ranges capped at 100).
     found: ScrubFindings,
     errors: Vec<String>,
     metadata: Vec<String>,
-    rate_limit_bps: u64,
-    target_us: f64,
-    backoffs: u64,
-    client_p99_us: Option<f64>,
 }
 
-pub struct ScrubJob {
-    pool: String,
-    /// Background class: "scrub", or "resync" (after an unclean shutdown).
-    class: &'static str,
-    repair: bool,
-    stop: AtomicBool,
-    progress: Mutex<Progress>,
+impl AsMut<Figures> for Progress {
+    fn as_mut(&mut self) -> &mut Figures {
+        &mut self.job
+    }
 }
+
+pub type ScrubJob = Job<Progress>;
 
 impl ScrubJob {
-    fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
-        self.progress.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub fn is_running(&self) -> bool {
-        self.progress().state == "running"
-    }
-
-    pub fn stop(&self) {
-        self.stop.store(true, Relaxed);
-    }
-
     pub fn status(&self) -> ScrubStatus {
         let p = self.progress();
-        let progress = crate::job::Figures {
-            class: self.class,
-            running: p.state == "running",
-            elapsed: p.elapsed,
-            bytes_done: p.bytes_done,
-            units_done: p.units_done,
-            units_total: p.units_total,
-            counted_from: 0,
-            rate_limit_bps: p.rate_limit_bps,
-            target_us: p.target_us,
-            client_p99_us: p.client_p99_us,
-            backoffs: p.backoffs,
-        }
-        .progress();
         ScrubStatus {
             pool: self.pool.clone(),
-            state: p.state.to_string(),
-            started: p.started_unix,
-            repair: self.repair,
+            state: p.job.state.to_string(),
+            started: p.job.started_unix,
+            repair: p.repair,
             read_errors: p.read_errors,
             mismatched_bytes: p.found.mismatched,
             repaired_bytes: p.found.repaired,
@@ -104,7 +73,7 @@ impl ScrubJob {
                 .collect(),
             errors: p.errors.clone(),
             metadata_findings: p.metadata.clone(),
-            progress,
+            progress: p.job.progress(p.class),
         }
     }
 }
@@ -135,32 +104,29 @@ fn spawn(
     class: &'static str,
     repair: bool,
 ) -> std::io::Result<Arc<ScrubJob>> {
-    let job = Arc::new(ScrubJob {
-        pool: pool.name().to_string(),
-        class,
-        repair,
-        stop: AtomicBool::new(false),
-        progress: Mutex::new(Progress {
-            state: "running",
-            started_unix: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
-            rate_limit_bps: limits.bps,
-            ..Default::default()
-        }),
-    });
+    let job = Arc::new(Job::new(
+        pool.name(),
+        Progress {
+            job: Figures::start(limits.bps),
+            class,
+            repair,
+            read_errors: 0,
+            found: ScrubFindings::default(),
+            errors: Vec::new(),
+            metadata: Vec::new(),
+        },
+    ));
     let j = job.clone();
     std::thread::Builder::new()
         .name(format!("tessera-{class}-{}", pool.name()))
-        .spawn(move || run(&pool, &j, &limits))?;
+        .spawn(move || run(&pool, &j, &limits, class, repair))?;
     Ok(job)
 }
 
-fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
+fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits, class: &str, repair: bool) {
     let layout = &pool.core.layout;
     // A rebuild (resumed at start) uses the same copy protocol: the resync waits for it.
-    while layout.health.rebuilding.load(Relaxed) != 0 && !job.stop.load(Relaxed) {
+    while layout.health.rebuilding.load(Relaxed) != 0 && !job.stopping() {
         std::thread::sleep(FEEDBACK_TICK);
     }
     let t0 = Instant::now();
@@ -168,7 +134,7 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
     // a stale copy over one (tessera_pool::scrub).
     let _track = layout.kind.is_mirror().then(|| layout.track_writes());
     // The clients' latency just before we start is the baseline the target derives from.
-    let mut pacer = crate::job::Pacer::start(pool, limits, CHUNK as u64);
+    let mut pacer = Pacer::start(pool, limits, CHUNK as u64);
     let metadata = pool.verify_metadata();
     // The metadata units too: on a mirror their copies are compared like data.
     let units = pool.rebuild_units();
@@ -176,33 +142,21 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
     {
         let mut p = job.progress();
         p.metadata = metadata;
-        p.units_total = units.len() as u64;
-        p.target_us = pacer.target_us();
+        p.job.units_total = units.len() as u64;
+        p.job.target_us = pacer.target_us();
     }
     let mut stopped = false;
     'units: for &u in &units {
         let base = u * unit;
         let mut off = 0u64;
         while off < unit {
-            if job.stop.load(Relaxed) {
+            let len = (unit - off).min(CHUNK as u64) as usize;
+            if !job.wait_turn(&mut pacer, pool, len as u64, t0) {
                 stopped = true;
                 break 'units;
             }
-            let len = (unit - off).min(CHUNK as u64) as usize;
-            let (tick, admit) = pacer.pace(pool, len as u64, || job.progress().bytes_done);
-            if let Some(t) = tick {
-                let mut p = job.progress();
-                p.rate_limit_bps = t.rate;
-                p.backoffs = t.backoffs;
-                p.client_p99_us = t.client_p99_us;
-                p.elapsed = t0.elapsed();
-            }
-            if let Err(wait) = admit {
-                std::thread::sleep(wait);
-                continue;
-            }
             let at = base + off;
-            let r = layout.scrub_range(at, len as u64, job.repair);
+            let r = layout.scrub_range(at, len as u64, repair);
             let mut p = job.progress();
             match r {
                 Ok(f) => {
@@ -228,19 +182,19 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits) {
             }
             drop(p);
             off += len as u64;
-            job.progress().bytes_done += len as u64;
+            job.progress().job.bytes_done += len as u64;
         }
-        job.progress().units_done += 1;
+        job.progress().job.units_done += 1;
     }
     let mut p = job.progress();
-    p.elapsed = t0.elapsed();
-    p.state = if stopped { "stopped" } else { "done" };
+    p.job.elapsed = t0.elapsed();
+    p.job.state = if stopped { "stopped" } else { "done" };
     if !stopped {
         info!(
-            job = job.class, pool = %job.pool, units = p.units_done,
+            job = class, pool = %job.pool, units = p.job.units_done,
             read_errors = p.read_errors, mismatched_bytes = p.found.mismatched,
             repaired_bytes = p.found.repaired, metadata_findings = p.metadata.len(),
-            "{} done", job.class
+            "{class} done"
         );
     }
 }

@@ -7,6 +7,8 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
+use tessera_io::cast::{u32_of, usize_of};
+
 use crate::auth::{self, HostAuth, HostAuthError, Secret};
 use crate::nvme::{self, *};
 use crate::pdu::{self, Fatal, Framing, Limits, Role};
@@ -211,9 +213,9 @@ impl Queue {
             } else {
                 SGL_TRANSPORT_DATA_BLOCK
             };
-            sqe = sqe.with_sgl(kind, data_out.len() as u32);
+            sqe = sqe.with_sgl(kind, u32_of(data_out.len()));
         } else if data_in > 0 {
-            sqe = sqe.with_sgl(SGL_TRANSPORT_DATA_BLOCK, data_in as u32);
+            sqe = sqe.with_sgl(SGL_TRANSPORT_DATA_BLOCK, u32_of(data_in));
         } else {
             sqe = sqe.with_sgl(SGL_TRANSPORT_DATA_BLOCK, 0);
         }
@@ -262,7 +264,7 @@ impl Queue {
                     while at < off + len {
                         let n = (off + len - at).min(self.maxh2cdata as usize);
                         let last = at + n == off + len;
-                        self.send_h2c(sqe.cid, ttag, at as u32, &data_out[at..at + n], last)?;
+                        self.send_h2c(sqe.cid, ttag, u32_of(at), &data_out[at..at + n], last)?;
                         at += n;
                     }
                 }
@@ -288,7 +290,7 @@ impl Queue {
             cid,
             ttag,
             offset,
-            data.len() as u32,
+            u32_of(data.len()),
         );
         let mut out = Vec::with_capacity(n + data.len() + 4);
         out.extend_from_slice(&h[..n]);
@@ -332,7 +334,7 @@ impl Queue {
         if cqe.dw0 & auth::CONNECT_AUTHREQ_ATR != 0 {
             self.authenticate(subnqn, o)?;
         }
-        Ok(cqe.dw0 as u16)
+        Ok(low16(cqe.dw0))
     }
 
     /// Run a DH-HMAC-CHAP transaction on this queue (after Connect asked for one).
@@ -377,7 +379,7 @@ impl Queue {
             opc: FABRICS,
             nsid: FCTYPE_AUTH_SEND as u32,
             cdw10: auth::auth_cdw10(),
-            cdw11: msg.len() as u32,
+            cdw11: u32_of(msg.len()),
             ..Sqe::default()
         };
         self.exec(sqe, msg, 0).map(|_| ())
@@ -389,7 +391,7 @@ impl Queue {
             opc: FABRICS,
             nsid: FCTYPE_AUTH_RECV as u32,
             cdw10: auth::auth_cdw10(),
-            cdw11: auth::MAX_MESSAGE as u32,
+            cdw11: u32_of(auth::MAX_MESSAGE),
             ..Sqe::default()
         };
         self.exec(sqe, &[], auth::MAX_MESSAGE).map(|(_, d)| d)
@@ -439,7 +441,7 @@ impl Controller {
                 0,
             )?;
             let granted = (cqe.dw0 & 0xFFFF) + 1;
-            for qid in 1..=io_queues.min(granted as u16) {
+            for qid in 1..=io_queues.min(u16::try_from(granted).unwrap_or(u16::MAX)) {
                 c.add_io_queue(qid)?;
             }
         }
@@ -498,7 +500,7 @@ impl Controller {
     }
 
     pub fn get_log_page(&mut self, lid: u8, nsid: u32, len: usize) -> Result<Vec<u8>> {
-        let numd = (len / 4 - 1) as u32;
+        let numd = u32_of(len / 4 - 1);
         let sqe = Sqe {
             opc: ADM_GET_LOG_PAGE,
             nsid,
@@ -545,8 +547,8 @@ impl Controller {
         Sqe {
             opc,
             nsid,
-            cdw10: slba as u32,
-            cdw11: (slba >> 32) as u32,
+            cdw10: split64(slba).0,
+            cdw11: split64(slba).1,
             cdw12: nlb - 1,
             ..Sqe::default()
         }
@@ -574,7 +576,7 @@ impl Controller {
         data: &[u8],
         lba: u32,
     ) -> Result<()> {
-        let sqe = Self::rw(IO_WRITE, nsid, slba, (data.len() / lba as usize) as u32);
+        let sqe = Self::rw(IO_WRITE, nsid, slba, u32_of(data.len() / lba as usize));
         self.q(queue)?.exec(sqe, data, 0).map(|_| ())
     }
 
@@ -586,7 +588,7 @@ impl Controller {
         data: &[u8],
         lba: u32,
     ) -> Result<()> {
-        let sqe = Self::rw(IO_COMPARE, nsid, slba, (data.len() / lba as usize) as u32);
+        let sqe = Self::rw(IO_COMPARE, nsid, slba, u32_of(data.len() / lba as usize));
         self.q(queue)?.exec(sqe, data, 0).map(|_| ())
     }
 
@@ -622,7 +624,7 @@ impl Controller {
         let sqe = Sqe {
             opc: IO_DSM,
             nsid,
-            cdw10: ranges.len() as u32 - 1,
+            cdw10: u32_of(ranges.len()) - 1,
             cdw11: 1 << 2,
             ..Sqe::default()
         };
@@ -643,7 +645,7 @@ impl Controller {
 pub fn discover(addr: &str, o: &Options) -> Result<Vec<DiscoveryEntry>> {
     let mut c = Controller::connect(addr, crate::target::DISCOVERY_NQN, o, 0)?;
     let head = c.get_log_page(LID_DISCOVERY, 0, 1024)?;
-    let n = pdu::le64(&head, 8) as usize;
+    let n = usize_of(pdu::le64(&head, 8));
     let full = c.get_log_page(LID_DISCOVERY, 0, 1024 * (n + 1))?;
     c.disconnect();
     Ok(nvme::parse_discovery_log(&full).1)

@@ -3,7 +3,39 @@
 //! entries, status codes, SGL descriptors, Fabrics commands, Identify data, log pages and
 //! features. Pure codecs: no I/O, no target state.
 
+use tessera_io::cast::{u32_of, u8_of, usize_of};
+
 use crate::pdu::{le16, le32, le64, put16, put32, put64};
+
+/// Bits 7:0 of a command dword (a byte-wide field: CNS, log page id, feature id).
+#[inline]
+pub fn low8(dw: u32) -> u8 {
+    dw.to_le_bytes()[0]
+}
+
+/// Bits 15:0 of a command dword (the first of two 16-bit fields packed in it).
+#[inline]
+pub fn low16(dw: u32) -> u16 {
+    let [a, b, _, _] = dw.to_le_bytes();
+    u16::from_le_bytes([a, b])
+}
+
+/// Bits 31:16 of a command dword.
+#[inline]
+pub fn high16(dw: u32) -> u16 {
+    let [_, _, c, d] = dw.to_le_bytes();
+    u16::from_le_bytes([c, d])
+}
+
+/// The low and high dwords of a 64-bit value (a property: DW0 and DW1 of a completion).
+#[inline]
+pub fn split64(v: u64) -> (u32, u32) {
+    let [a, b, c, d, e, f, g, h] = v.to_le_bytes();
+    (
+        u32::from_le_bytes([a, b, c, d]),
+        u32::from_le_bytes([e, f, g, h]),
+    )
+}
 
 pub const SQE_LEN: usize = 64;
 pub const CQE_LEN: usize = 16;
@@ -151,7 +183,7 @@ impl Sqe {
 
     /// Fabrics command type (byte 4, where other commands have NSID).
     pub fn fctype(&self) -> u8 {
-        self.nsid as u8
+        low8(self.nsid)
     }
 
     /// Starting LBA of a Read/Write/Compare/Write Zeroes.
@@ -271,10 +303,10 @@ pub const CATTR_DISABLE_SQ_FLOW: u8 = 1 << 2;
 impl ConnectCmd {
     pub fn parse(s: &Sqe) -> ConnectCmd {
         ConnectCmd {
-            recfmt: s.cdw10 as u16,
-            qid: (s.cdw10 >> 16) as u16,
-            sqsize: s.cdw11 as u16,
-            cattr: (s.cdw11 >> 16) as u8,
+            recfmt: low16(s.cdw10),
+            qid: high16(s.cdw10),
+            sqsize: low16(s.cdw11),
+            cattr: low8(s.cdw11 >> 16),
             kato: s.cdw12,
         }
     }
@@ -289,7 +321,7 @@ impl ConnectCmd {
             cdw12: self.kato,
             ..Sqe::default()
         }
-        .with_sgl(SGL_DATA_BLOCK_OFFSET, CONNECT_DATA_LEN as u32)
+        .with_sgl(SGL_DATA_BLOCK_OFFSET, u32_of(CONNECT_DATA_LEN))
     }
 }
 
@@ -478,7 +510,7 @@ pub fn identify_ns_descriptors(n: &NamespaceInfo) -> Vec<u8> {
     let mut at = 0;
     for (ty, id) in [(1u8, &n.eui64[..]), (2, &n.nguid[..]), (3, &n.uuid[..])] {
         b[at] = ty;
-        b[at + 1] = id.len() as u8;
+        b[at + 1] = u8_of(id.len());
         b[at + 4..at + 4 + id.len()].copy_from_slice(id);
         at += 4 + id.len();
     }
@@ -506,7 +538,7 @@ pub const LID_DISCOVERY: u8 = 0x70;
 
 /// Get Log Page fields: log id, bytes wanted, offset, retain asynchronous event.
 pub fn log_page_args(s: &Sqe) -> (u8, usize, u64, bool) {
-    let lid = s.cdw10 as u8;
+    let lid = low8(s.cdw10);
     let numdl = s.cdw10 >> 16;
     let numdu = s.cdw11 & 0xFFFF;
     let dwords = (numdu << 16 | numdl) as usize + 1;
@@ -627,7 +659,7 @@ pub fn parse_discovery_log(b: &[u8]) -> (u64, Vec<DiscoveryEntry>) {
             .to_string()
     };
     let gen = le64(b, 0);
-    let n = le64(b, 8) as usize;
+    let n = usize_of(le64(b, 8));
     let mut out = Vec::new();
     for i in 0..n {
         let at = 1024 * (i + 1);

@@ -10,6 +10,8 @@
 //! A data digest error is not fatal: the command it carried fails with a Transient
 //! Transport Error status.
 
+use tessera_io::cast::{u32_of, u8_of};
+
 /// Initialize Connection Request (host to controller).
 pub const ICREQ: u8 = 0x00;
 /// Initialize Connection Response.
@@ -376,9 +378,9 @@ pub fn encode_icreq(r: &IcReq) -> [u8; IC_LEN] {
     Ch {
         ty: ICREQ,
         flags: 0,
-        hlen: IC_LEN as u8,
+        hlen: u8_of(IC_LEN),
         pdo: 0,
-        plen: IC_LEN as u32,
+        plen: u32_of(IC_LEN),
     }
     .write(&mut b);
     put16(&mut b, 8, r.pfv);
@@ -404,9 +406,9 @@ pub fn encode_icresp(r: &IcResp) -> [u8; IC_LEN] {
     Ch {
         ty: ICRESP,
         flags: 0,
-        hlen: IC_LEN as u8,
+        hlen: u8_of(IC_LEN),
         pdo: 0,
-        plen: IC_LEN as u32,
+        plen: u32_of(IC_LEN),
     }
     .write(&mut b);
     put16(&mut b, 8, r.pfv);
@@ -463,6 +465,10 @@ impl Framing {
 
     /// Write a header-only PDU (`hlen` bytes of `b` already hold the type-specific fields)
     /// and its digest; returns the bytes to send.
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "HLEN is one of the header lengths above (at most 128), PLEN adds a digest"
+    )]
     fn finish_header(&self, b: &mut [u8], ty: u8, hlen: usize) -> usize {
         let flags = if self.hdgst { F_HDGST } else { 0 };
         let n = hlen + if self.hdgst { DIGEST_LEN } else { 0 };
@@ -483,6 +489,12 @@ impl Framing {
 
     /// Write the header (with digest and padding) of a PDU carrying `data_len` bytes of
     /// data; the data and its digest follow. Returns the header length on the wire (PDO).
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "HLEN is at most 128 and PDO adds a digest and at most 128 bytes of padding \
+                  (PDA <= 31), so both fit a byte; data_len is a command's transfer, at most \
+                  MDTS or the in-capsule size, so PLEN fits its u32"
+    )]
     fn data_header(
         &self,
         b: &mut [u8],
@@ -571,6 +583,10 @@ impl Framing {
 
 /// A termination request (`ty` = H2C_TERM or C2H_TERM) quoting up to 128 bytes of the
 /// offending PDU header.
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "HLEN is 24 and PLEN at most TERM_MAX (152)"
+)]
 pub fn encode_term(ty: u8, fatal: Fatal, offending: &[u8]) -> Vec<u8> {
     let n = offending.len().min(TERM_MAX - TERM_HLEN);
     let mut b = vec![0u8; TERM_HLEN + n];

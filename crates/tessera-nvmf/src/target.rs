@@ -151,7 +151,7 @@ impl<T: ExportTarget> Target<T> {
 
     /// Milliseconds since the target started (the keep-alive clock).
     pub fn now_ms(&self) -> u64 {
-        self.started.elapsed().as_millis() as u64
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     /// A new controller for an admin queue's Connect.

@@ -8,8 +8,9 @@
 
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
+use tessera_io::counters::{CounterRegistry, Counters};
 use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
 /// One per-core handle's counts of the operations submitted to a device. Aligned to a
@@ -59,6 +60,10 @@ impl DeviceCounters {
             IoOp::WriteZeroes { .. } => bump(&self.write_zeroes, 1),
         }
     }
+}
+
+impl Counters for DeviceCounters {
+    type Totals = DeviceTotals;
 
     fn add_to(&self, t: &mut DeviceTotals) {
         t.reads += self.reads.load(Relaxed);
@@ -74,32 +79,18 @@ impl DeviceCounters {
 /// The counters of one device slot's per-core handles.
 #[derive(Default)]
 pub struct DeviceStats {
-    handles: Mutex<Registered>,
+    handles: CounterRegistry<DeviceCounters>,
     errors: AtomicU64,
 }
 
-#[derive(Default)]
-struct Registered {
-    live: Vec<Arc<DeviceCounters>>,
-    retired: DeviceTotals,
-}
-
 impl DeviceStats {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Registered> {
-        self.handles.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// An error from the device (error path only).
     pub(crate) fn count_error(&self) {
         self.errors.fetch_add(1, Relaxed);
     }
 
     pub fn totals(&self) -> DeviceTotals {
-        let r = self.lock();
-        let mut t = r.retired;
-        for c in &r.live {
-            c.add_to(&mut t);
-        }
+        let mut t = self.handles.snapshot();
         t.errors = self.errors.load(Relaxed);
         t
     }
@@ -114,11 +105,9 @@ pub struct DeviceHandle {
 
 impl DeviceHandle {
     pub(crate) fn new(inner: Box<dyn IoHandle>, stats: &Arc<DeviceStats>) -> DeviceHandle {
-        let counters = Arc::new(DeviceCounters::default());
-        stats.lock().live.push(counters.clone());
         DeviceHandle {
             inner,
-            counters,
+            counters: stats.handles.register(),
             stats: stats.clone(),
         }
     }
@@ -136,9 +125,7 @@ impl DeviceHandle {
 
 impl Drop for DeviceHandle {
     fn drop(&mut self) {
-        let mut r = self.stats.lock();
-        r.live.retain(|c| !Arc::ptr_eq(c, &self.counters));
-        self.counters.add_to(&mut r.retired);
+        self.stats.handles.unregister(&self.counters);
     }
 }
 

@@ -26,7 +26,7 @@ fn main() {
         let t = Instant::now();
         let mut passed = 0u64;
         for i in 0..n {
-            let g = &mut gates[(i as usize) % volumes];
+            let g = &mut gates[tessera_io::cast::usize_of(i) % volumes];
             if g.offer(
                 &mut io,
                 0,

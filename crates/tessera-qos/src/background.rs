@@ -85,7 +85,9 @@ pub struct Feedback {
 
 impl Feedback {
     pub fn new(limits: &BackgroundLimits, target_us: f64) -> Self {
-        let min = (u128::from(limits.bps) * u128::from(limits.min_pct) / 100) as u64;
+        // At most `bps` while `min_pct` is at most 100; saturate past that.
+        let min = u64::try_from(u128::from(limits.bps) * u128::from(limits.min_pct) / 100)
+            .unwrap_or(u64::MAX);
         Feedback {
             max: limits.bps,
             min: min.max(4096),

@@ -102,8 +102,12 @@ impl TokenBucket {
             self.balance = cap;
             self.rem_nanotokens = 0;
         } else {
-            // whole < room <= 2^64, and balance + whole < cap: fits in i64.
-            self.balance += whole as i64;
+            #[allow(
+                clippy::cast_possible_truncation,
+                reason = "whole < room <= 2^64, and balance + whole < cap: fits in i64"
+            )]
+            let whole = whole as i64;
+            self.balance += whole;
             self.rem_nanotokens = acc % NANOS_PER_SEC;
         }
     }

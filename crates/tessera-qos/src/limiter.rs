@@ -231,7 +231,8 @@ impl VolumeQos {
 
     fn epoch_ms(&self, now: Instant) -> u64 {
         let ms = now.saturating_duration_since(self.base).as_millis();
-        (ms as u64) & EPOCH_MASK
+        // The epoch wraps: only its low EPOCH_BITS are kept, so the conversion is exact.
+        u64::try_from(ms & u128::from(EPOCH_MASK)).expect("masked to EPOCH_BITS")
     }
 }
 
@@ -454,7 +455,7 @@ impl CoreLimiter {
                     let max = i64::try_from(initial_burst(&self.shared, g)).unwrap_or(i64::MAX);
                     b.refill(now);
                     if b.balance() > max {
-                        b.commit((b.balance() - max) as u64);
+                        b.commit(b.balance().abs_diff(max));
                     }
                 }
             }
@@ -599,7 +600,8 @@ mod tests {
                 let elapsed = (self.now - self.t0).as_nanos();
                 for i in 0..self.cores.len() {
                     if let Some(rate) = self.offered[i] {
-                        let due = (elapsed * u128::from(rate) / 1_000_000_000) as u64;
+                        let due = u64::try_from(elapsed * u128::from(rate) / 1_000_000_000)
+                            .expect("a test's arrivals fit in a u64");
                         self.pending[i] += due - self.arrived[i];
                         self.arrived[i] = due;
                     }

@@ -47,6 +47,8 @@
 
 use std::time::{Duration, Instant};
 
+use tessera_io::cast::u32_of;
+
 /// Cost units one volume may dispatch per round while several are active.
 pub const ROUND_BUDGET: u32 = 16;
 /// The shortest round a lighter volume is cut to by a heavier one's weight.
@@ -63,7 +65,9 @@ pub const ACTIVE_WINDOW: Duration = Duration::from_millis(2);
 /// more per 16 KiB (copying and checksumming grow with the size).
 #[inline]
 pub fn cost(bytes: u64) -> u32 {
-    1 + (bytes / 16384).min(u64::from(u32::MAX / 2)) as u32
+    let units = (bytes / 16384).min(u64::from(u32::MAX / 2));
+    // Exact after the min (the optimiser drops the check).
+    1 + u32::try_from(units).unwrap_or(u32::MAX / 2)
 }
 
 /// A volume's handle in a core's [`ShareScheduler`].
@@ -110,7 +114,7 @@ impl ShareScheduler {
     pub fn register(&mut self, key: usize) -> FlowId {
         if let Some(i) = self.flows.iter().position(|f| f.key == key && f.refs > 0) {
             self.flows[i].refs += 1;
-            return FlowId(i as u32);
+            return FlowId(u32_of(i));
         }
         let flow = Flow {
             key,
@@ -125,11 +129,11 @@ impl ShareScheduler {
         match self.flows.iter().position(|f| f.refs == 0) {
             Some(i) => {
                 self.flows[i] = flow;
-                FlowId(i as u32)
+                FlowId(u32_of(i))
             }
             None => {
                 self.flows.push(flow);
-                FlowId(self.flows.len() as u32 - 1)
+                FlowId(u32_of(self.flows.len() - 1))
             }
         }
     }
@@ -239,7 +243,7 @@ mod tests {
             let now = t0 + Duration::from_micros(r * 10);
             // Alternate who goes first, as arrival order does on a real core.
             for k in 0..flows.len() {
-                let i = (k + r as usize) % flows.len();
+                let i = (k + tessera_io::cast::usize_of(r)) % flows.len();
                 let (id, want) = flows[i];
                 for _ in 0..want {
                     if s.admit(id, write, 1, r, now) {

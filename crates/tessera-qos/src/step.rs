@@ -50,7 +50,9 @@ impl StepBurst {
     /// `level * step_pct` percent (burst settings unchanged).
     pub fn scaled(&self, base: &QosLimits, level: u32) -> QosLimits {
         let pct = 100 + u64::from(level) * u64::from(self.step_pct);
-        let up = |r: Option<u64>| r.map(|r| (u128::from(r) * u128::from(pct) / 100) as u64);
+        let up = |r: Option<u64>| {
+            r.map(|r| u64::try_from(u128::from(r) * u128::from(pct) / 100).unwrap_or(u64::MAX))
+        };
         QosLimits {
             iops: up(base.iops),
             read_iops: up(base.read_iops),

@@ -22,6 +22,8 @@ use hmac::{Mac, SimpleHmac};
 use num_bigint::BigUint;
 use sha2::{Digest, Sha256, Sha384, Sha512};
 
+use tessera_io::cast::{u16_of, u8_of};
+
 use crate::nvme::{Status, DNR, SC_CMD_SEQ_ERROR, SC_INVALID_FIELD};
 use crate::pdu::{le16, le32};
 
@@ -527,8 +529,8 @@ impl Message {
                 b.extend_from_slice(&[*sc_c, 1]);
                 let mut d = [0u8; DESCRIPTOR_LEN];
                 d[0] = AUTHID_DHCHAP;
-                d[2] = hashes.len().min(30) as u8;
-                d[3] = groups.len().min(30) as u8;
+                d[2] = u8_of(hashes.len().min(30));
+                d[3] = u8_of(groups.len().min(30));
                 for (i, h) in hashes.iter().take(30).enumerate() {
                     d[4 + i] = *h;
                 }
@@ -546,8 +548,8 @@ impl Message {
                 dh,
             } => {
                 head(&mut b, AUTH_DHCHAP, MSG_CHALLENGE, *tid);
-                b.extend_from_slice(&[challenge.len() as u8, 0, *hash, *group]);
-                b.extend_from_slice(&(dh.len() as u16).to_le_bytes());
+                b.extend_from_slice(&[u8_of(challenge.len()), 0, *hash, *group]);
+                b.extend_from_slice(&u16_of(dh.len()).to_le_bytes());
                 b.extend_from_slice(&seq.to_le_bytes());
                 b.extend_from_slice(challenge);
                 b.extend_from_slice(dh);
@@ -560,8 +562,8 @@ impl Message {
             } => {
                 head(&mut b, AUTH_DHCHAP, MSG_REPLY, *tid);
                 let cvalid = ctrl_challenge.is_some() as u8;
-                b.extend_from_slice(&[response.len() as u8, 0, cvalid, 0]);
-                b.extend_from_slice(&(dh.len() as u16).to_le_bytes());
+                b.extend_from_slice(&[u8_of(response.len()), 0, cvalid, 0]);
+                b.extend_from_slice(&u16_of(dh.len()).to_le_bytes());
                 let seq = ctrl_challenge.as_ref().map_or(0, |c| c.1);
                 b.extend_from_slice(&seq.to_le_bytes());
                 b.extend_from_slice(response);
@@ -950,7 +952,7 @@ impl ControllerAuth {
         let bidirectional = r2.is_some();
         self.pending = Message::Success1 {
             tid,
-            hl: self.hash.digest_len() as u8,
+            hl: u8_of(self.hash.digest_len()),
             response: r2,
         }
         .encode();

@@ -93,7 +93,7 @@ fn response_known_answers() {
         r1,
         hex("51928e6e2af28658d1ad1cf51ac45cb55387985943a13887132b42f5096b3967")
     );
-    let session: Vec<u8> = (0..256u32).map(|i| (i * 13) as u8).collect();
+    let session: Vec<u8> = (0..256u32).map(|i| (i * 13).to_le_bytes()[0]).collect();
     let aug = augmented_challenge(Hash::Sha256, Some(&session), &c1);
     assert_eq!(
         aug,

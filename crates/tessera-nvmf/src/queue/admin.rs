@@ -5,6 +5,7 @@
 use tracing::info;
 
 use tessera_export::ExportTarget;
+use tessera_io::cast::{u32_of, u8_of, usize_of};
 use tessera_io::CoreIo;
 
 use super::*;
@@ -182,15 +183,16 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 }
             };
             drop(st);
-            self.slots[s as usize].dw0 = v as u32;
             // DW1 carries the high half of an 8-byte property.
-            return self.finish_dw1(io, s, (v >> 32) as u32);
+            let (low, high) = split64(v);
+            self.slots[s as usize].dw0 = low;
+            return self.finish_dw1(io, s, high);
         }
-        let value = sqe.cdw12 as u64 | (sqe.cdw13 as u64) << 32;
         if offset != PROP_CC || eight {
             return self.finish(io, s, SC_INVALID_FIELD | DNR);
         }
-        let v = value as u32;
+        // CC is a 4-byte property: its value is the low dword of the 8-byte field.
+        let v = sqe.cdw12;
         let mut st = ctrl.state();
         let old = st.cc;
         st.cc = v;
@@ -217,7 +219,8 @@ impl<T: ExportTarget> NvmfQueue<T> {
     // ---- admin ----
 
     pub(super) fn reply_data(&mut self, io: &mut CoreIo, s: u16, data: &[u8]) {
-        let want = self.slots[s as usize].sqe.sgl.len as usize;
+        let want_len = self.slots[s as usize].sqe.sgl.len;
+        let want = want_len as usize;
         let n = want.min(data.len());
         let mut buf = io.bufs.get(want.max(1));
         buf.as_mut_slice()[..n].copy_from_slice(&data[..n]);
@@ -226,7 +229,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
         }
         let sl = &mut self.slots[s as usize];
         sl.buf = Some(buf);
-        sl.c2h_len = want as u32;
+        sl.c2h_len = want_len;
         self.finish(io, s, 0)
     }
 
@@ -257,8 +260,8 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 self.deliver_aen(io, ctrl);
             }
             ADM_ABORT => {
-                let sqid = sqe.cdw10 as u16;
-                let cid = (sqe.cdw10 >> 16) as u16;
+                let sqid = low16(sqe.cdw10);
+                let cid = high16(sqe.cdw10);
                 // Held AERs can be aborted; commands already running on a volume cannot
                 // (DW0 bit 0 = not aborted), which the spec allows.
                 let hit = (sqid == 0)
@@ -286,7 +289,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
 
     pub(super) fn identify(&mut self, io: &mut CoreIo, s: u16, ctrl: &Arc<Controller<T>>) {
         let sqe = self.slots[s as usize].sqe;
-        let cns = sqe.cdw10 as u8;
+        let cns = low8(sqe.cdw10);
         let namespaces = ctrl.namespaces();
         let ns_info = |nsid: u32| {
             namespaces
@@ -311,11 +314,11 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 nn: namespaces.iter().map(|n| n.nsid).max().unwrap_or(0),
                 subnqn: ctrl.subnqn.clone(),
                 discovery: ctrl.discovery,
-                ioccsz: ((SQE_LEN + target::IN_CAPSULE) / 16) as u32,
+                ioccsz: u32_of((SQE_LEN + target::IN_CAPSULE) / 16),
                 maxcmd: target::MQES + 1,
                 kas: 1,
                 aerl: target::AERL,
-                elpe: (target::ERROR_LOG - 1) as u8,
+                elpe: u8_of(target::ERROR_LOG - 1),
             }),
             CNS_NAMESPACE if !ctrl.discovery => match ns_info(sqe.nsid) {
                 Some(n) => identify_namespace(&n),
@@ -386,13 +389,13 @@ impl<T: ExportTarget> NvmfQueue<T> {
             }
             _ => return self.finish(io, s, SC_INVALID_LOG_PAGE | DNR),
         };
-        let from = (offset as usize).min(page.len());
+        let from = usize_of(offset).min(page.len());
         self.reply_data(io, s, &page[from..])
     }
 
     pub(super) fn features(&mut self, io: &mut CoreIo, s: u16, ctrl: &Arc<Controller<T>>) {
         let sqe = self.slots[s as usize].sqe;
-        let fid = sqe.cdw10 as u8;
+        let fid = low8(sqe.cdw10);
         let set = sqe.opc == ADM_SET_FEATURES;
         if set && sqe.cdw10 & (1 << 31) != 0 {
             return self.finish(io, s, SC_FEATURE_NOT_SAVEABLE | DNR);
@@ -405,8 +408,8 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 if nsqr == 0xFFFF || ncqr == 0xFFFF {
                     Err(SC_INVALID_FIELD | DNR)
                 } else {
-                    let n = (nsqr.max(ncqr) + 1).min(target::MAX_IO_QUEUES as u32);
-                    st.io_queues = n as u16;
+                    let n = (nsqr.max(ncqr) + 1).min(u32::from(target::MAX_IO_QUEUES));
+                    st.io_queues = u16::try_from(n).unwrap_or(target::MAX_IO_QUEUES);
                     Ok((n - 1) | (n - 1) << 16)
                 }
             }

@@ -4,6 +4,7 @@
 
 use tessera_export::conn::{add_throttled, read_into_new_buf};
 use tessera_export::{Charge, ExportHandle, ExportTarget};
+use tessera_io::cast::u32_of;
 use tessera_io::{CoreIo, IoOp};
 
 use super::*;
@@ -28,7 +29,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
         for e in ctrl.namespaces() {
             let t = e.export.target.clone();
             let stats = t.register_stats();
-            let i = self.ns.len() as u32;
+            let i = u32_of(self.ns.len());
             let gate = Gate::new(
                 io,
                 &e.export.qos,
@@ -130,7 +131,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
             if self.ns.is_empty() {
                 return self.finish(io, s, 0);
             }
-            let child = io.join(tag, self.ns.len() as u32);
+            let child = io.join(tag, u32_of(self.ns.len()));
             self.in_io += 1;
             for n in &mut self.ns {
                 // SAFETY: a flush carries no buffer.
@@ -148,10 +149,10 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 } else {
                     self.slots[idx].h2c_len
                 };
-                if len != expected as u64 {
+                if len != u64::from(expected) {
                     return self.finish(io, s, SC_SGL_INVALID_DATA | DNR);
                 }
-                let len = len as u32;
+                let len = expected;
                 match sqe.opc {
                     IO_READ => {
                         let (buf, op) = read_into_new_buf(io, offset, len);
@@ -219,7 +220,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 if ops.is_empty() {
                     return self.finish(io, s, 0);
                 }
-                let child = io.join(tag, ops.len() as u32);
+                let child = io.join(tag, u32_of(ops.len()));
                 self.in_io += 1;
                 for op in ops {
                     // SAFETY: a discard carries no buffer.

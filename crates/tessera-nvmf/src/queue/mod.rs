@@ -26,8 +26,9 @@ use std::sync::atomic::Ordering::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tessera_export::conn::{FreeList, RecvBuf, Socket, StatsBatch};
+use tessera_export::conn::{io_slot, FreeList, RecvBuf, Socket, StatsBatch};
 use tessera_export::{ExportTarget, Gate, IoStats, Released};
+use tessera_io::cast::u32_of;
 use tessera_io::{AlignedBuf, CoreIo, Tag, Task};
 
 use crate::auth::ControllerAuth;
@@ -87,12 +88,12 @@ struct Slot {
     start: Instant,
     /// C2HData header (with digest and padding).
     hdr: [u8; 160],
-    hdr_len: u8,
+    hdr_len: usize,
     ddg: [u8; 4],
     resp: [u8; 28],
-    resp_len: u8,
+    resp_len: usize,
     r2t: [u8; 28],
-    r2t_len: u8,
+    r2t_len: usize,
     skip_resp: bool,
 }
 
@@ -220,7 +221,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
             limits: Limits {
                 hdgst: false,
                 ddgst: false,
-                max_data: target::MAXH2CDATA.max(target::IN_CAPSULE as u32),
+                max_data: target::MAXH2CDATA.max(u32_of(target::IN_CAPSULE)),
             },
             rbuf: RecvBuf::new(RBUF_CAP),
             slots: (0..INITIAL_SLOTS).map(|_| Slot::new()).collect(),
@@ -331,7 +332,7 @@ impl<T: ExportTarget> Task for NvmfQueue<T> {
             SLOT_SEND => self.on_send(io, res),
             s if s <= SLOT_GATE && s > SLOT_GATE_END => self.on_gate(io, s),
             SLOT_TICK => self.on_tick(io),
-            s => self.on_io(io, s as u16, res),
+            s => self.on_io(io, io_slot(s), res),
         }
     }
 

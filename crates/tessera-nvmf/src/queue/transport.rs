@@ -233,8 +233,8 @@ impl<T: ExportTarget> NvmfQueue<T> {
                     .copy_from_slice(&self.rbuf.received()[at + f.data_off..at + f.data_off + len]);
                 let sl = &mut self.slots[s as usize];
                 sl.buf = Some(buf);
-                sl.h2c_len = len as u32;
-                sl.h2c_got = len as u32;
+                sl.h2c_len = sqe.sgl.len;
+                sl.h2c_got = sqe.sgl.len;
                 self.execute(io, s)
             }
             (SGL_TRANSPORT_DATA_BLOCK, 1) => {
@@ -251,9 +251,9 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 let fr = self.send_framing;
                 let sl = &mut self.slots[s as usize];
                 sl.buf = Some(buf);
-                sl.h2c_len = len as u32;
+                sl.h2c_len = sqe.sgl.len;
                 sl.phase = Phase::AwaitData;
-                sl.r2t_len = fr.r2t(&mut sl.r2t, sqe.cid, s, 0, len as u32) as u8;
+                sl.r2t_len = fr.r2t(&mut sl.r2t, sqe.cid, s, 0, sqe.sgl.len);
                 self.outq.push(Out::R2t(s));
             }
             (SGL_TRANSPORT_DATA_BLOCK, 2) => self.execute(io, s),
@@ -365,7 +365,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
             let len = sl.c2h_len;
             sl.skip_resp = skip_ok;
             let flags = pdu::F_DATA_LAST | if skip_ok { pdu::F_DATA_SUCCESS } else { 0 };
-            sl.hdr_len = fr.data_pdu(&mut sl.hdr, pdu::C2H_DATA, flags, sqe.cid, 0, 0, len) as u8;
+            sl.hdr_len = fr.data_pdu(&mut sl.hdr, pdu::C2H_DATA, flags, sqe.cid, 0, 0, len);
             if fr.ddgst {
                 let d = pdu::crc(&sl.buf.as_ref().expect("reply data").as_slice()[..len as usize]);
                 sl.ddg = d.to_le_bytes();
@@ -380,7 +380,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 cid: sqe.cid,
                 status,
             };
-            sl.resp_len = fr.capsule_resp(&mut sl.resp, &cqe.encode()) as u8;
+            sl.resp_len = fr.capsule_resp(&mut sl.resp, &cqe.encode());
         }
         sl.phase = Phase::Reply;
         self.outq.push(Out::Reply(s));
@@ -423,12 +423,12 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 Out::Bytes(v) => batch.push(v.as_ptr(), v.len()),
                 Out::R2t(s) => {
                     let sl = &self.slots[*s as usize];
-                    batch.push(sl.r2t.as_ptr(), sl.r2t_len as usize);
+                    batch.push(sl.r2t.as_ptr(), sl.r2t_len);
                 }
                 Out::Reply(s) => {
                     let sl = &self.slots[*s as usize];
                     if sl.c2h_len > 0 {
-                        batch.push(sl.hdr.as_ptr(), sl.hdr_len as usize);
+                        batch.push(sl.hdr.as_ptr(), sl.hdr_len);
                         let b = sl.buf.as_ref().expect("reply data");
                         batch.push(b.as_ptr(), sl.c2h_len as usize);
                         if ddgst {
@@ -436,7 +436,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
                         }
                     }
                     if !sl.skip_resp {
-                        batch.push(sl.resp.as_ptr(), sl.resp_len as usize);
+                        batch.push(sl.resp.as_ptr(), sl.resp_len);
                     }
                 }
             }
