@@ -20,6 +20,8 @@ const BS: usize = 4096;
 const VOL: u64 = 64 * MIB;
 
 struct Cluster {
+    /// The owner's `/metrics` address.
+    metrics: String,
     a: TestNode,
     b: TestNode,
     c: TestNode,
@@ -62,6 +64,7 @@ fn cluster_with(tag: &str, owner_fault: &str, c_fault: &str) -> Cluster {
     let b = holder(&format!("{tag}-b"), "node-b");
     let c = holder_on(&format!("{tag}-c"), "node-c", c_fault);
     let nvmf = free_port();
+    let metrics = format!("127.0.0.1:{}", free_port());
     let peers = format!(
         "[[peer]]\nname = \"node-b\"\napi = \"{}\"\n[[peer]]\nname = \"node-c\"\napi = \"{}\"\n",
         b.api(),
@@ -72,7 +75,7 @@ fn cluster_with(tag: &str, owner_fault: &str, c_fault: &str) -> Cluster {
         2,
         "name = \"node-a\"",
         &format!(
-            "{peers}[replication]\ntimeout_ms = 3000\nregion_size = \"1M\"\n\
+            "{peers}[metrics]\nlisten = \"{metrics}\"\n[replication]\ntimeout_ms = 3000\nregion_size = \"1M\"\n\
              [nvmf]\nlisten = \"127.0.0.1:{nvmf}\"\ndiscovery = \"\"\n"
         ),
     );
@@ -103,7 +106,7 @@ fn cluster_with(tag: &str, owner_fault: &str, c_fault: &str) -> Cluster {
             "--read-only",
         ]);
     }
-    Cluster { a, b, c }
+    Cluster { metrics, a, b, c }
 }
 
 fn replicas(a: &TestNode) -> Vec<serde_json::Value> {
@@ -129,6 +132,21 @@ fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(100));
     }
     panic!("timed out waiting for {what}");
+}
+
+/// The owner's Prometheus text.
+fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("metrics listener");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
 }
 
 fn all_in_sync(a: &TestNode) -> bool {
@@ -184,6 +202,17 @@ fn a_killed_replica_is_dropped_then_resynced_from_its_dirty_regions_only() {
         "node-c lacks {dirty} bytes; 4 MiB were written without it"
     );
     assert_eq!(state_of(&cl.a, "node-b:p")["state"], "in_sync");
+    let m = scrape(&cl.metrics);
+    let line = |name: &str, place: &str| {
+        m.lines()
+            .find(|l| l.starts_with(name) && l.contains(&format!("replica=\"{place}\"")))
+            .unwrap_or_else(|| panic!("no {name} for {place} in:\n{m}"))
+            .to_string()
+    };
+    assert!(line("tessera_replica_state{", "node-b:p").ends_with(" 0"));
+    let st = line("tessera_replica_state{", "node-c:p");
+    assert!(!st.ends_with(" 0") && !st.contains("in_sync"), "{st}");
+    assert!(line("tessera_replica_dirty_bytes{", "node-c:p").ends_with(&format!(" {dirty}")));
     // More writes to the same and new regions while it is away.
     write_generations(&mut c, &mut model, (2048..2304).chain(0..256), 3, BS);
     let dirty = state_of(&cl.a, "node-c:p")["dirty_bytes"].as_u64().unwrap();

@@ -285,8 +285,81 @@ pub fn render(node: &Node) -> String {
     render_devices(&mut w, node);
     render_jobs(&mut w, node);
     render_groups(&mut w, node, &volumes);
+    render_replicas(&mut w, node);
     render_reactors(&mut w, node);
     w.finish()
+}
+
+/// One replica of a replicated volume this node owns.
+struct ReplicaRow {
+    volume: String,
+    place: String,
+    state: String,
+    dirty: u64,
+    copied: u64,
+    recopied: u64,
+}
+
+/// 0 in sync, 1 degraded, 2 resyncing, 3 failed.
+fn replica_state_code(state: &str) -> u64 {
+    match state {
+        "in_sync" => 0,
+        "degraded" => 1,
+        "resyncing" => 2,
+        _ => 3,
+    }
+}
+
+const REPLICA_FAMILIES: &[Family<ReplicaRow>] = &[
+    Family {
+        name: "tessera_replica_state",
+        kind: "gauge",
+        help: "Each replica of a replicated volume this node owns: 0 in sync, 1 degraded (lacks writes), 2 resyncing, 3 failed (degraded and unreachable); the state label names it.",
+        samples: |r| {
+            vec![(
+                Some(("state", r.state.as_str())),
+                count(replica_state_code(&r.state)),
+            )]
+        },
+    },
+    Family {
+        name: "tessera_replica_dirty_bytes",
+        kind: "gauge",
+        help: "Bytes the replica lacks (whole dirty regions); 0 when in sync.",
+        samples: |r| single(count(r.dirty)),
+    },
+    Family {
+        name: "tessera_replica_resync_copied_bytes_total",
+        kind: "counter",
+        help: "Bytes of regions resyncs brought in sync on this replica since the node started.",
+        samples: |r| single(count(r.copied)),
+    },
+    Family {
+        name: "tessera_replica_resync_recopied_bytes_total",
+        kind: "counter",
+        help: "Bytes resyncs copied again because clients wrote the region during its copy.",
+        samples: |r| single(count(r.recopied)),
+    },
+];
+
+fn render_replicas(w: &mut TextWriter, node: &Node) {
+    let rows: Vec<ReplicaRow> = node
+        .replica_statuses()
+        .into_iter()
+        .flat_map(|(volume, legs)| {
+            legs.into_iter().map(move |l| ReplicaRow {
+                volume: volume.clone(),
+                place: l.place,
+                state: l.state,
+                dirty: l.dirty_bytes,
+                copied: l.resync_copied_bytes_total,
+                recopied: l.resync_recopied_bytes_total,
+            })
+        })
+        .collect();
+    write_families(w, REPLICA_FAMILIES, &rows, |r| {
+        vec![("volume", r.volume.as_str()), ("replica", r.place.as_str())]
+    });
 }
 
 const VOLUME_FAMILIES: &[Family<VolumeFigures>] = &[

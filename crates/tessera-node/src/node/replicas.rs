@@ -358,6 +358,16 @@ impl Node {
         )
     }
 
+    /// Every replicated volume this node owns, with its legs' status (for metrics).
+    pub fn replica_statuses(&self) -> Vec<(String, Vec<tessera_replica::LegStatus>)> {
+        self.replicated
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(n, rv)| (n.clone(), rv.status()))
+            .collect()
+    }
+
     /// Close every replicated volume cleanly (node shutdown).
     pub(super) fn close_replicated(&self) {
         let all: Vec<_> = self
