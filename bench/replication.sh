@@ -16,6 +16,7 @@ SECS=${SECS:-5}
 DIRTY=${DIRTY:-1024}
 RATE=${RATE:-0}
 CORES=${CORES:-1}   # reactor cores per node (two nodes and fio share the CPUs)
+POLL_US=${POLL_US:-50}  # hybrid polling window of both nodes (the node default)
 T=target/release/tessera
 cargo build --release --bin tessera -p tessera-cli >/dev/null
 command -v fio >/dev/null || { echo "fio is needed (scripts/install-deps.sh)" >&2; exit 1; }
@@ -26,6 +27,7 @@ mkdir -p "$DIR/a" "$DIR/b"
 cat >"$DIR/b.toml" <<EOF
 data_dir = "$DIR/b/data"
 cores = $CORES
+poll_us = $POLL_US
 name = "node-b"
 [nbd]
 listen = ["127.0.0.1:$NBD_B"]
@@ -36,6 +38,7 @@ EOF
 cat >"$DIR/a.toml" <<EOF
 data_dir = "$DIR/a/data"
 cores = $CORES
+poll_us = $POLL_US
 name = "node-a"
 [[peer]]
 name = "node-b"
