@@ -284,6 +284,17 @@ fn dispatch(cmd: Cmd, api: &tessera_http::Endpoint, json: bool) -> Result<(), Cl
         } => run::node_from_file(&config, metrics, tls),
         Cmd::Status => manage::status(api, raw),
         Cmd::Pool(c) => pool_cmd::pool(api, c, raw),
+        Cmd::Volume(manage::VolumeCmd::Clone {
+            snapshot,
+            name,
+            force,
+        }) => snapshot_cmd::clone(api, snapshot, name, force, raw),
+        Cmd::Volume(manage::VolumeCmd::Rollback { name, to }) => {
+            snapshot_cmd::rollback(api, name, to, raw)
+        }
+        Cmd::Volume(manage::VolumeCmd::Changes { name, since }) => {
+            snapshot_cmd::changes(api, name, since, raw)
+        }
         Cmd::Volume(c) => manage::volume(api, c, raw),
         Cmd::Snapshot(c) => snapshot_cmd::snapshot(api, c, raw),
         Cmd::Export(c) => manage::export(api, c, raw),

@@ -475,13 +475,10 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
                 println!("volume {name} qos: {}", limits_line(v))
             });
         }
-        VolumeCmd::Clone {
-            snapshot,
-            name,
-            force,
-        } => crate::snapshot_cmd::clone(ep, snapshot, name, force, raw)?,
-        VolumeCmd::Rollback { name, to } => crate::snapshot_cmd::rollback(ep, name, to, raw)?,
-        VolumeCmd::Changes { name, since } => crate::snapshot_cmd::changes(ep, name, since, raw)?,
+        // Snapshot-related volume verbs live in snapshot_cmd.rs; main.rs routes them there.
+        VolumeCmd::Clone { .. } | VolumeCmd::Rollback { .. } | VolumeCmd::Changes { .. } => {
+            unreachable!("routed to snapshot_cmd by main")
+        }
         VolumeCmd::Stats { name, interval } => {
             let ms = (interval * 1000.0).round().clamp(1.0, 60_000.0) as u64;
             let v: VolumeStats = get(ep, &format!("/v1/volumes/{name}/stats?interval_ms={ms}"))?;

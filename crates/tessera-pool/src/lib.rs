@@ -18,6 +18,7 @@ pub mod meta;
 pub mod parity;
 mod parity_io;
 pub mod pool;
+mod presence;
 pub mod scrub;
 pub mod volume;
 

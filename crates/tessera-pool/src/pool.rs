@@ -164,7 +164,7 @@ pub struct PoolCore {
     /// times the capacity. The node's setting, not stored in the pool.
     overcommit: std::sync::atomic::AtomicU64,
     /// Presence bitmaps of partial units (snapshots and clones, docs/format.md §3.4).
-    pub(crate) presence: crate::chain::PresenceTable,
+    pub(crate) presence: crate::presence::PresenceTable,
 }
 
 /// `PoolCore::allocate` for a volume whose chain has data at the unit: the write must
@@ -826,7 +826,7 @@ impl Pool {
         let mut partial: BTreeMap<u32, [u8; PRESENCE_BYTES]> =
             std::mem::take(&mut catalog.partial).into_iter().collect();
         let next_seq = meta.replay(ck.header.journal_seq, |r| {
-            crate::chain::replay_presence(&mut partial, &r);
+            crate::presence::replay_presence(&mut partial, &r);
             if (r.pool_unit as usize) < total && r.volume_id != PRESENCE_RECORD {
                 owners[r.pool_unit as usize] = (r.volume_id, r.volume_unit);
             }
@@ -1002,7 +1002,7 @@ impl Pool {
                 next_volume_id: catalog.next_volume_id.max(1),
                 partial: std::collections::BTreeSet::new(),
             }),
-            presence: crate::chain::PresenceTable::new(meta.sb.total_units, unit_shift),
+            presence: crate::presence::PresenceTable::new(meta.sb.total_units, unit_shift),
             meta,
             journal: Mutex::new(JournalCursor {
                 next_seq,

@@ -337,7 +337,7 @@ impl Volume {
 
     pub(crate) fn chain_record(&self) -> ChainRecord {
         ChainRecord {
-            flags: crate::chain::chain_flags(self.is_snapshot(), self.is_hidden()),
+            flags: crate::presence::chain_flags(self.is_snapshot(), self.is_hidden()),
             layer: self.layer(),
             parent: self.parent_id().unwrap_or(0),
         }
