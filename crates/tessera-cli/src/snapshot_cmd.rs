@@ -25,6 +25,8 @@ pub enum SnapshotCmd {
     /// Snapshot several volumes of one pool at one point in time (a consistency
     /// group): each VOLUME=SNAPSHOT.
     Group {
+        /// One VOLUME=SNAPSHOT pair per volume (all in one pool): each snapshot is named
+        /// as given, all taken at the same point.
         #[arg(required = true, value_name = "VOLUME=SNAPSHOT")]
         pairs: Vec<String>,
     },
