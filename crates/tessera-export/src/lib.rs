@@ -43,6 +43,14 @@ pub trait ExportTarget: Send + Sync + 'static {
         false
     }
 
+    /// What identifies the target across its exports and connections (state shared by
+    /// every connection to it, such as the NBD edge-block locks, is keyed by it): the
+    /// target's address by default; a wrapper answers for what it wraps, so two wrappers
+    /// of one volume share that state.
+    fn identity(&self) -> usize {
+        self as *const Self as *const () as usize
+    }
+
     /// Bytes of backing space the target holds (thin provisioning figures).
     fn allocated_bytes(&self) -> u64;
 

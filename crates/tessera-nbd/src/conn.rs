@@ -285,7 +285,7 @@ impl<T: ExportTarget> NbdConn<T> {
         let target = export.target.clone();
         opts.read_only |= target.read_only();
         let stats = target.register_stats();
-        let edge_locks = EdgeLocks::of(Arc::as_ptr(&target) as *const () as usize);
+        let edge_locks = EdgeLocks::of(target.identity());
         // The tags are set in `start`, once the task id is known.
         let gate = Gate::new(io, &export.qos, Tag::task(0, 0), Tag::task(0, 0));
         NbdConn {

@@ -29,6 +29,15 @@ impl ExportTarget for NodeTarget {
         }
     }
 
+    // One volume is served through a new `NodeTarget` per connection: its identity is the
+    // volume's, so the connections share per-target state (NBD edge-block locks).
+    fn identity(&self) -> usize {
+        match self {
+            NodeTarget::Local(v) => ExportTarget::identity(&**v),
+            NodeTarget::Replicated(r) => ExportTarget::identity(&**r),
+        }
+    }
+
     fn read_only(&self) -> bool {
         match self {
             NodeTarget::Local(v) => ExportTarget::read_only(&**v),
