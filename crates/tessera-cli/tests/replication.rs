@@ -149,6 +149,26 @@ fn scrape(addr: &str) -> String {
     out
 }
 
+/// Write generation 1 over the first 16 MiB (quick on a loaded machine), then wait for
+/// the 20 s fault timer started at `t0` (when the faulty device was opened) to fire.
+fn first_generation_then_fault(
+    cl: &Cluster,
+    t0: Instant,
+) -> (tessera_nbd::client::NbdClient, Vec<u64>) {
+    let blocks = (VOL as usize) / BS / 4;
+    let mut model = vec![0u64; blocks];
+    let mut c = nbd_connect(&cl.a, "db");
+    write_generations(&mut c, &mut model, 0..blocks, 1, BS);
+    assert!(
+        t0.elapsed() < Duration::from_secs(18),
+        "setup too slow for the fault timer"
+    );
+    std::thread::sleep(
+        Duration::from_secs(20).saturating_sub(t0.elapsed()) + Duration::from_millis(500),
+    );
+    (c, model)
+}
+
 fn all_in_sync(a: &TestNode) -> bool {
     replicas(a).iter().all(|r| r["state"] == "in_sync")
 }
@@ -469,18 +489,7 @@ fn the_owners_local_replica_failing_under_it_is_a_lost_replica() {
     // for a slow, shared CI machine to set the cluster up first).
     let cl = cluster_on("repl-fault", ";vanish_after_ms=20000");
     let t0 = Instant::now();
-    // The first 16 MiB: quick to write on a loaded machine.
-    let blocks = (VOL as usize) / BS / 4;
-    let mut model = vec![0u64; blocks];
-    let mut c = nbd_connect(&cl.a, "db");
-    write_generations(&mut c, &mut model, 0..blocks, 1, BS);
-    assert!(
-        t0.elapsed() < Duration::from_secs(18),
-        "setup too slow for the fault timer"
-    );
-    std::thread::sleep(
-        Duration::from_secs(20).saturating_sub(t0.elapsed()) + Duration::from_millis(500),
-    );
+    let (mut c, mut model) = first_generation_then_fault(&cl, t0);
     // Writes go on (node-b and node-c hold them); reads are served by a remote replica.
     write_generations(&mut c, &mut model, 256..768, 2, BS);
     let local = state_of(&cl.a, "local:p");
@@ -502,18 +511,7 @@ fn a_replica_answering_errors_is_dropped_and_the_volume_goes_on() {
     // each with an NVMe error status, quickly, rather than going silent.
     let cl = cluster_with("repl-errors", "", ";vanish_after_ms=20000");
     let t0 = Instant::now();
-    // The first 16 MiB: quick to write on a loaded machine.
-    let blocks = (VOL as usize) / BS / 4;
-    let mut model = vec![0u64; blocks];
-    let mut c = nbd_connect(&cl.a, "db");
-    write_generations(&mut c, &mut model, 0..blocks, 1, BS);
-    assert!(
-        t0.elapsed() < Duration::from_secs(18),
-        "setup too slow for the fault timer"
-    );
-    std::thread::sleep(
-        Duration::from_secs(20).saturating_sub(t0.elapsed()) + Duration::from_millis(500),
-    );
+    let (mut c, mut model) = first_generation_then_fault(&cl, t0);
     let t = Instant::now();
     write_generations(&mut c, &mut model, 1000..1300, 2, BS);
     assert!(
