@@ -508,6 +508,44 @@ fn a_target_gone_past_the_timeout_fails_io_and_the_reactor_keeps_running() {
 }
 
 #[test]
+fn a_revived_device_holds_the_first_io_for_a_reconnect_instead_of_failing_it() {
+    // What a replica's resync relies on: once the peer answers a probe again, the
+    // per-core queues that gave up on it must not fail the next I/O while their own
+    // retry backoff runs (that would drop the replica again).
+    let mut t = target("remote-revive");
+    let dev = open(&t, Duration::from_secs(2));
+    let core = Core::start();
+    let o = core.run(
+        &dev,
+        vec![Req::Write(0, vec![9; 4096]), Req::Flush],
+        1,
+        Duration::from_secs(10),
+    );
+    assert_eq!(o.results, [4096, 0]);
+    t.node.kill9();
+    let o = core.run(&dev, vec![Req::Read(0, 4096)], 1, Duration::from_secs(20));
+    assert_eq!(o.results, [-libc::ENOTCONN], "I/O to a dead target");
+    // The queue failed fast and just tried to reconnect (on that I/O): its next attempt
+    // is a backoff away.
+    let o = core.run(&dev, vec![Req::Read(0, 4096)], 1, Duration::from_secs(5));
+    assert_eq!(o.results, [-libc::ENOTCONN]);
+    t.node.restart();
+    let mut probe = vec![0u8; 4096];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while dev.read_at(0, &mut probe).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the target never answered the probe"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    dev.revive();
+    let o = core.run(&dev, vec![Req::Read(0, 4096)], 1, Duration::from_secs(10));
+    assert_eq!(o.results, [4096], "the first I/O after the revival");
+    assert!(o.data[0] == vec![9u8; 4096], "the flushed write was lost");
+}
+
+#[test]
 fn a_raid1_pool_with_a_remote_leg_writes_both_legs() {
     let t = target("remote-raid1");
     let remote = open(&t, Duration::from_secs(5));

@@ -20,7 +20,9 @@
 //! - When the peer stays unreachable longer than [`RemoteConfig::timeout`], every I/O in
 //!   flight or waiting completes with `-ENOTCONN`, and new I/Os fail at once (`-ENOTCONN`)
 //!   until a reconnect, attempted again on new I/O at most once per backoff period,
-//!   succeeds. The layer above marks the replica out of sync.
+//!   succeeds, or until the owner of the device calls [`RemoteDevice::revive`] after
+//!   seeing the peer answer (the queues then hold new I/O for a fresh connection). The
+//!   layer above marks the replica out of sync.
 //!
 //! Flow control (seed 001): each queue keeps at most a congestion window of commands
 //! outstanding, adapted to the round-trip times it measures ([`congestion`]); the rest
@@ -29,6 +31,7 @@
 //! one gets the whole depth. This bounds commands, not bytes: TCP still paces the bytes.
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -170,6 +173,9 @@ pub struct RemoteDevice {
     admin: Mutex<Admin>,
     /// I/O queue ids not used by a handle.
     free_qids: Mutex<Vec<u16>>,
+    /// Bumped by [`RemoteDevice::revive`]: queues failing fast see it on their next I/O
+    /// and reconnect, holding that I/O, instead of failing it at once.
+    revivals: AtomicU64,
 }
 
 impl RemoteDevice {
@@ -234,6 +240,7 @@ impl RemoteDevice {
               io_queues = granted, "remote device connected");
         Ok(Arc::new(RemoteDevice {
             free_qids: Mutex::new((SYNC_QID + 1..=granted).rev().collect()),
+            revivals: AtomicU64::new(0),
             spec,
             cfg,
             opts,
@@ -519,6 +526,20 @@ impl RemoteDevice {
     /// Size of one logical block of the namespace.
     pub fn block_size(&self) -> u32 {
         self.lba
+    }
+
+    /// The caller saw the peer answer again (e.g. a probe through the synchronous queue
+    /// worked): every per-core queue that gave up on it (failing I/O fast after the
+    /// timeout) reconnects on its next I/O and holds that I/O until it is connected or the
+    /// timeout runs out, instead of failing it while its own retry backoff runs. Without
+    /// this, the first writes after a peer's return would fail on the cores whose queues
+    /// had not yet retried, and the replica would be dropped again.
+    pub fn revive(&self) {
+        self.revivals.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub(crate) fn revivals(&self) -> u64 {
+        self.revivals.load(Ordering::Acquire)
     }
 
     /// A handle gave its queue id back.

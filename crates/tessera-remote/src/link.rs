@@ -115,6 +115,8 @@ struct Link {
     send_armed: bool,
     /// The peer stayed away past the timeout: I/O fails at once until a reconnect works.
     fail_fast: bool,
+    /// The device's revival count when this queue last looked ([`RemoteDevice::revive`]).
+    revivals_seen: u64,
     /// Since when the queue has been without a connection.
     down_since: Option<Instant>,
     backoff: Duration,
@@ -178,6 +180,7 @@ impl RemoteHandle {
             recv_armed: false,
             send_armed: false,
             fail_fast: false,
+            revivals_seen: 0,
             down_since: None,
             backoff: FIRST_BACKOFF,
             last_attempt: None,
@@ -289,7 +292,7 @@ impl RemoteHandle {
             }
             if l.qid.is_none() {
                 l.done.push((tag, -libc::EBUSY));
-            } else if l.fail_fast {
+            } else if l.fail_fast && !l.revived(io) {
                 l.done.push((tag, -libc::ENOTCONN));
                 l.retry_if_due(io);
             } else {
@@ -1030,9 +1033,31 @@ impl Link {
               timeout = ?self.dev.cfg.timeout, failing = self.waiting.len(),
               "remote device: peer unreachable past the timeout, failing I/O");
         self.fail_fast = true;
+        // Only a revival after this moment brings the queue back early.
+        self.revivals_seen = self.dev.revivals();
         for (_, tag) in self.waiting.drain(..) {
             self.done.push((tag, -libc::ENOTCONN));
         }
+    }
+
+    /// Whether the device was revived since this queue went down; if so, stop failing
+    /// fast and hold I/O for a fresh connection under a fresh timeout (`pump` connects,
+    /// or the connect already under way answers).
+    fn revived(&mut self, io: &mut CoreIo) -> bool {
+        let n = self.dev.revivals();
+        if n == self.revivals_seen {
+            return false;
+        }
+        self.revivals_seen = n;
+        if self.fail_fast {
+            self.fail_fast = false;
+            self.backoff = FIRST_BACKOFF;
+            self.down_since = Some(Instant::now());
+            let hook = self.hook.expect("registered at the first submit");
+            let t = io.tracked(Tag::NO_PARENT, 1, hook, ctx(EV_DEADLINE, self.gen));
+            io.complete_after(self.dev.cfg.timeout, t, 0);
+        }
+        true
     }
 
     /// While failing fast, try to reconnect now and then (on new I/O).

@@ -123,7 +123,12 @@ fn reachable(v: &ReplicatedVolume, i: usize) -> bool {
     // A read through the synchronous queue: the peer serves I/O again.
     let mut probe = vec![0u8; 4096];
     match dev.read_at(0, &mut probe) {
-        Ok(()) => true,
+        Ok(()) => {
+            // The per-core queues that gave up on the peer reconnect on their next I/O
+            // instead of failing it (and dropping the leg again) while their backoff runs.
+            dev.revive();
+            true
+        }
         Err(e) => {
             *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.to_string());
             false
