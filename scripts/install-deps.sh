@@ -19,6 +19,8 @@
 #                                          package is used if a release has one]
 #   prometheus                            [prometheus; the metrics test scrapes
 #                                          a node with a real server]
+#   etcd (the cluster tests start their own members on free loopback ports;
+#         the package's service is not used)  [etcd-server]
 #
 # Non-interactive: never reads stdin, works with CI=true and no TTY.
 # Uses sudo (non-interactively) only when not root and sudo exists.
@@ -46,8 +48,9 @@ declare -A PKG_OF=(
   [openssl]=openssl
   [nvme]=nvme-cli
   [curl]=curl
+  [etcd]=etcd-server
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1

@@ -4,6 +4,7 @@
 //! them; the `tessera` CLI does the reverse. JSON field names and values are the wire
 //! format: a field added here is added to the API.
 
+pub mod cluster;
 pub mod exports;
 pub mod groups;
 pub mod jobs;
@@ -15,6 +16,7 @@ pub mod volumes;
 
 use serde::{Deserialize, Serialize};
 
+pub use cluster::*;
 pub use exports::*;
 pub use groups::*;
 pub use jobs::*;

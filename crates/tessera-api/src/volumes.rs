@@ -94,6 +94,10 @@ pub struct CreateVolume {
     /// Replicate it: `NODE:POOL` per replica (this node's own name for its local one).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replicas: Vec<String>,
+    /// Replicate it on this many nodes of the cluster, placed by free capacity and
+    /// failure domain (this node holds one); instead of `replicas` and `pool`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_count: Option<u32>,
     /// Create it even if the pool's volumes then exceed its overcommit ratio.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub force: bool,

@@ -1,6 +1,7 @@
 //! `tessera`: run a node (`up`, `node`), manage a running node over its API (`status`,
 //! `pool`, `volume`, `export`), and benchmark the engine in-process (`bench`).
 
+mod cluster_cmd;
 mod error;
 mod format;
 mod manage;
@@ -125,6 +126,9 @@ enum Cmd {
     /// NVMe/TCP: initiator (discover, identify, read, write, perf) and subsystems.
     #[command(subcommand)]
     Nvmf(nvmf_cmd::NvmfCmd),
+    /// The cluster this node is a member of (`[cluster]` in its config): nodes, volumes.
+    #[command(subcommand)]
+    Cluster(cluster_cmd::ClusterCmd),
 }
 
 /// Which of the global flags a command takes: `--api` (it talks to a node's API) and
@@ -189,6 +193,7 @@ impl Cmd {
                 | Cmd::Export(_)
                 | Cmd::Group(_)
                 | Cmd::Background(_)
+                | Cmd::Cluster(_)
                 | Cmd::Nvmf(nvmf_cmd::NvmfCmd::Subsystem(_))
         )
     }
@@ -303,6 +308,7 @@ fn dispatch(cmd: Cmd, api: &tessera_http::Endpoint, json: bool) -> Result<(), Cl
         Cmd::Bench(a) => run_bench(a, raw),
         Cmd::NbdPerf(a) => nbd_perf::run(a).map_err(CliError::from),
         Cmd::Nvmf(c) => nvmf_cmd::run(api, c, raw),
+        Cmd::Cluster(c) => cluster_cmd::cluster(api, c, raw),
     }
 }
 

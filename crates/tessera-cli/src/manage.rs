@@ -314,7 +314,8 @@ pub struct VolumeCreateArgs {
     pub size: String,
     /// Replicate the volume synchronously on several nodes: NODE:POOL per replica,
     /// comma-separated, this node's own name included (it owns and exports the volume;
-    /// the others are `[[peer]]`s in its config).
+    /// the others are `[[peer]]`s in its config or cluster members). In a cluster, a
+    /// number (`--replicas 3`) lets placement choose the nodes and pools.
     #[arg(long, value_delimiter = ',')]
     pub replicas: Vec<String>,
     /// Go beyond the pool's overcommit ratio (`pool update --overcommit` changes it).
@@ -421,11 +422,24 @@ fn print_stats(v: &VolumeStats) {
 pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
     match c {
         VolumeCmd::Create(a) => {
+            // `--replicas 3`: a count, placed by the cluster.
+            let count = match a.replicas.as_slice() {
+                [one] if one.bytes().all(|b| b.is_ascii_digit()) => Some(
+                    one.parse::<u32>()
+                        .map_err(|_| CliError::Usage(format!("--replicas {one}: too large")))?,
+                ),
+                _ => None,
+            };
             let body = CreateVolume {
                 name: a.name,
                 pool: a.pool.unwrap_or_default(),
                 size: a.size.into(),
-                replicas: a.replicas,
+                replicas: if count.is_some() {
+                    Vec::new()
+                } else {
+                    a.replicas
+                },
+                replica_count: count,
                 force: a.force,
             };
             let v: VolumeInfo = send(ep, "POST", "/v1/volumes", &body)?;

@@ -171,6 +171,16 @@ fn serve(cfg: NodeConfig) -> Result<()> {
         .collect();
     // NVMe/TCP listens before the banner says ready.
     let nvmf = tessera_node::node::nvmf::start(&node);
+    // Join the cluster last: the record published says where every listener is.
+    node.join_cluster()
+        .map_err(|e| crate::error::CliError::Failed(format!("cannot join the cluster: {e}")))?;
+    if let Some(m) = node.cluster() {
+        println!(
+            "tessera: cluster member '{}' (etcd {})",
+            m.name,
+            node.cfg.cluster.etcd.join(",")
+        );
+    }
     if let Some(m) = &metrics {
         m.set_serving(true);
         println!(

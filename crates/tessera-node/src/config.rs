@@ -50,6 +50,43 @@ pub struct NodeConfig {
     #[serde(rename = "peer")]
     pub peers: Vec<PeerDecl>,
     pub replication: ReplicationConfig,
+    pub cluster: ClusterConfig,
+}
+
+/// `[cluster]`: membership of a cluster whose state is in etcd (docs/architecture.md
+/// "Cluster"). Without `etcd` the node runs alone, as it always did.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    /// Client URLs of the etcd members (`http://HOST:PORT`); empty: no cluster.
+    pub etcd: Vec<String>,
+    /// Failure-domain labels (e.g. `zone = "z1"`, `rack = "r4"`): placement never puts two
+    /// replicas in one zone (then rack) when the cluster allows it.
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// How long after its last lease renewal a silent node leaves the cluster.
+    pub lease_ttl_ms: u64,
+    /// Time allowed for one etcd call per member.
+    pub etcd_timeout_ms: u64,
+    /// How other nodes reach this node's API: `unix:PATH` (nodes on one machine, the
+    /// default: this node's socket) or `https://HOST:PORT` (`[api] tcp`).
+    pub advertise_api: Option<String>,
+    /// Bearer token file and CA certificate for the `https://` APIs of other members.
+    pub peer_token_file: Option<PathBuf>,
+    pub peer_ca_cert: Option<PathBuf>,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            etcd: Vec::new(),
+            labels: Default::default(),
+            lease_ttl_ms: 5000,
+            etcd_timeout_ms: 2000,
+            advertise_api: None,
+            peer_token_file: None,
+            peer_ca_cert: None,
+        }
+    }
 }
 
 /// `[[peer]]`: another node, reached through its management API.
@@ -222,6 +259,7 @@ impl Default for NodeConfig {
             name: None,
             peers: Vec::new(),
             replication: ReplicationConfig::default(),
+            cluster: ClusterConfig::default(),
         }
     }
 }

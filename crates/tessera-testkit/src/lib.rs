@@ -9,12 +9,14 @@
 //!   `test-devices` feature), and fault wrapping of RAM devices.
 //! - [`node`]: run a real `tessera` node process on loopback, talk to it with the CLI,
 //!   restart it, kill it.
+//! - [`etcd`]: a real etcd, one member or three, for cluster tests.
 //! - [`proxy`]: a TCP relay that adds delay and/or a bandwidth limit to one path.
 //! - [`reactor`]: one reactor core in a thread, stopped on drop.
 
 pub mod blockio;
 pub mod data;
 pub mod devices;
+pub mod etcd;
 pub mod node;
 pub mod proxy;
 pub mod reactor;

@@ -5,6 +5,7 @@
 //! call into the node runs on the API runtime's blocking pool ([`tessera_http::blocking`]).
 
 mod background;
+mod cluster;
 mod exports;
 mod groups;
 mod nvmf;
@@ -120,6 +121,7 @@ async fn no_route(method: axum::http::Method, uri: Uri) -> Response {
         nvmf::host_remove,
         snapshots::list, snapshots::create, snapshots::create_group, snapshots::delete,
         snapshots::clone, snapshots::rollback, snapshots::changes,
+        cluster::status,
     ),
     components(schemas(tessera_api::ErrorReply)),
     modifiers(&BearerAuth),
@@ -161,6 +163,7 @@ pub fn router(node: Arc<Node>) -> Router {
         .merge(background::routes())
         .merge(nvmf::routes())
         .merge(snapshots::routes())
+        .merge(cluster::routes())
         .fallback(no_route)
         .layer(axum::middleware::from_fn(tessera_http::require_json_bodies))
         .with_state(node)

@@ -57,11 +57,23 @@ pub async fn list(State(node): NodeState) -> Response {
     responses((status = 201, body = VolumeInfo), (status = "4XX", body = ErrorReply),
         (status = 507, description = "The pool has no room", body = ErrorReply)))]
 pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
-    match body::<CreateVolume>(&bytes, "volume", "name, pool, size, replicas, force") {
+    match body::<CreateVolume>(
+        &bytes,
+        "volume",
+        "name, pool, size, replicas, replica_count, force",
+    ) {
         Ok(b) => {
             with_node(node, move |n| {
                 let made = size(&b.size).and_then(|s| {
-                    if b.replicas.is_empty() {
+                    if let Some(count) = b.replica_count {
+                        if !b.pool.is_empty() || !b.replicas.is_empty() {
+                            return Err(Error::invalid(
+                                "give replica_count alone: placement chooses the pools",
+                            ));
+                        }
+                        let places = n.place_replicas(usize::try_from(count).unwrap_or(0))?;
+                        n.create_replicated_volume(&b.name, s, &places, b.force)
+                    } else if b.replicas.is_empty() {
                         n.create_volume(&b.name, &b.pool, s, b.force)
                     } else if !b.pool.is_empty() {
                         Err(Error::invalid(

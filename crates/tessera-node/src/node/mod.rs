@@ -8,6 +8,7 @@
 //! file holds the state, starting the node and the lookups every part uses. Operations
 //! answer with the types of `tessera_api`; the JSON is made at the API edge (crate::api).
 
+mod cluster;
 mod devices;
 mod exports;
 mod jobs;
@@ -72,6 +73,8 @@ pub struct Node {
     /// Replicated volumes whose replica set could not be opened, with the reason: their
     /// local leg is not served alone.
     replica_failures: RwLock<BTreeMap<String, String>>,
+    /// Membership of the cluster (`[cluster]`), once joined (node/cluster.rs).
+    cluster: std::sync::OnceLock<Arc<tessera_cluster::Membership>>,
     /// This node's claim on its data directory, held until the process ends.
     _dir_lock: crate::datadir::DataDirLock,
 }
@@ -142,6 +145,7 @@ impl Node {
             spare_devs: Mutex::new(BTreeMap::new()),
             replicated: RwLock::new(BTreeMap::new()),
             replica_failures: RwLock::new(BTreeMap::new()),
+            cluster: std::sync::OnceLock::new(),
             _dir_lock: dir_lock,
         });
         for e in entries {
@@ -405,6 +409,7 @@ impl Node {
 
     /// Commit every pool (called at shutdown).
     pub fn shutdown(&self) {
+        self.leave_cluster();
         self.close_replicated();
         for p in self.pools() {
             if let Err(e) = p.shutdown() {

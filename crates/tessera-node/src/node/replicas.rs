@@ -138,18 +138,6 @@ impl Node {
         }
     }
 
-    fn peer(&self, name: &str) -> Result<&PeerDecl> {
-        self.cfg
-            .peers
-            .iter()
-            .find(|p| p.name == name)
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                "no peer named '{name}' ([[peer]] in the config lists the nodes replicas may go to)"
-            ))
-            })
-    }
-
     fn peer_call(
         &self,
         peer: &PeerDecl,
@@ -219,7 +207,15 @@ impl Node {
         }
         let p = self.pool(local_pool)?;
         let opts = self.replica_options()?;
-        let local = p.create_volume_opts(name, size, force)?;
+        // In a cluster, the name is claimed there first (create-only in etcd).
+        self.claim_volume_spec(name, size, replicas)?;
+        let local = match p.create_volume_opts(name, size, force) {
+            Ok(v) => v,
+            Err(e) => {
+                self.release_volume_spec(name);
+                return Err(e.into());
+            }
+        };
         // From here, undo what was made if a later step fails.
         let mut made: Vec<(PeerDecl, String)> = Vec::new();
         let result = (|| -> Result<Arc<ReplicatedVolume>> {
@@ -232,7 +228,7 @@ impl Node {
                     });
                     continue;
                 }
-                let peer = self.peer(n)?.clone();
+                let peer = self.peer(n)?;
                 let req = CreateReplica {
                     volume: format!("{name}.{me}"),
                     pool: pool.clone(),
@@ -289,6 +285,7 @@ impl Node {
                     }
                 }
                 let _ = std::fs::remove_file(self.replicas_dir().join(format!("{name}.rset")));
+                self.release_volume_spec(name);
                 if let Err(err) = p.delete_volume(&local) {
                     warn!(volume = %name, error = %err, "could not remove the local leg after a failed create");
                 }
@@ -313,7 +310,7 @@ impl Node {
         for d in rv.descs() {
             if let LegDesc::Remote { node, volume, .. } = d {
                 let r = self.peer(&node).and_then(|p| {
-                    self.peer_call(p, "DELETE", &format!("/v1/replicas/{volume}"), None)
+                    self.peer_call(&p, "DELETE", &format!("/v1/replicas/{volume}"), None)
                 });
                 match r {
                     Ok((s, _)) if (200..300).contains(&s) || s == 404 => {}
@@ -327,6 +324,7 @@ impl Node {
             }
         }
         std::fs::remove_file(rv.path()).map_err(|e| Error::io("removing the replica set", e))?;
+        self.release_volume_spec(&rv.name);
         self.replicated
             .write()
             .unwrap_or_else(|e| e.into_inner())

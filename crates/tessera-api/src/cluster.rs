@@ -1,0 +1,70 @@
+//! The cluster (`GET /v1/cluster`): the members and volume specs kept in etcd. These are
+//! also the records stored there (crate `tessera-cluster`, docs/format.md "Cluster state
+//! in etcd").
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `GET /v1/cluster`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ClusterStatus {
+    /// This node's name.
+    pub name: String,
+    /// The etcd members it was given.
+    pub etcd: Vec<String>,
+    /// How long this node's lease surely holds from now (milliseconds); absent when it
+    /// may have expired (etcd unreachable for longer than the TTL).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_valid_ms: Option<u64>,
+    /// Live members (their lease holds), by name.
+    pub nodes: Vec<ClusterNode>,
+    /// Every volume spec in the cluster, by name.
+    pub volumes: Vec<ClusterVolume>,
+}
+
+/// What a node publishes about itself (under its lease).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ClusterNode {
+    pub name: String,
+    /// How other nodes reach its management API (`unix:PATH` on one machine, or
+    /// `https://HOST:PORT`).
+    pub api: String,
+    /// Its NVMe/TCP listener (`HOST:PORT`), if it serves NVMe/TCP.
+    #[serde(default)]
+    pub nvmf: Option<String>,
+    /// Its NBD listeners (`nbd://HOST:PORT`).
+    #[serde(default)]
+    pub nbd: Vec<String>,
+    /// Failure-domain labels, e.g. `zone`, `rack`.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub pools: Vec<ClusterPool>,
+    /// Unix time (seconds) the node process started.
+    #[serde(default)]
+    pub started: u64,
+}
+
+/// One pool of a node, as placement sees it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ClusterPool {
+    pub name: String,
+    /// Usable bytes.
+    pub size: u64,
+    /// Bytes not allocated to any volume.
+    pub free: u64,
+}
+
+/// A volume's cluster-wide spec.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ClusterVolume {
+    pub name: String,
+    pub size: u64,
+    /// `NODE:POOL` of each replica.
+    pub replicas: Vec<String>,
+    /// The node that serves the volume (writes go through it).
+    pub owner: String,
+    /// Bumped at every change of owner; replicas refuse writes from an older epoch.
+    pub epoch: u64,
+}

@@ -1,0 +1,238 @@
+//! A cluster on a real etcd (started by the test) and three real nodes on loopback.
+//!
+//! - Nodes register under a lease with their labels and pools; `tessera cluster nodes`
+//!   on any node lists them all; a killed node leaves the list when its lease expires.
+//! - `volume create --replicas 2` with no node names: placement puts the second replica
+//!   in another zone than the owner even when a node of the owner's zone has more room,
+//!   writes the spec (owner, epoch 1, replicas) to etcd, and a second node cannot create
+//!   the same name. The volume is a working replicated volume (written through NBD, the
+//!   placed replica holds the data).
+//! - etcd stopped entirely: the volume keeps serving I/O; cluster reads fail clearly;
+//!   etcd back, the members are listed again.
+//! - A node whose `[cluster]` names an unreachable etcd refuses to start, saying why.
+
+mod common;
+use common::*;
+
+use std::time::{Duration, Instant};
+
+use tessera_testkit::etcd::EtcdCluster;
+
+const MIB: u64 = 1 << 20;
+
+fn member(tag: &str, name: &str, zone: &str, etcd: &EtcdCluster, pool_mib: u64) -> TestNode {
+    let nvmf = free_port();
+    let n = TestNode::start_with_top(
+        tag,
+        1,
+        &format!("name = \"{name}\""),
+        &format!(
+            "[nvmf]\nlisten = \"127.0.0.1:{nvmf}\"\ndiscovery = \"\"\n\
+             [replication]\ntimeout_ms = 3000\nregion_size = \"1M\"\n\
+             [cluster]\netcd = {}\nlease_ttl_ms = 2000\nlabels = {{ zone = \"{zone}\" }}\n",
+            etcd.toml_endpoints()
+        ),
+    );
+    n.cli_ok(&[
+        "pool",
+        "create",
+        "p",
+        &format!("{}:{pool_mib}M", n.dir.join("p.img").display()),
+    ]);
+    n
+}
+
+fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < end {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn node_names(n: &TestNode) -> Vec<String> {
+    n.json(&["cluster", "nodes"])
+        .as_array()
+        .expect("a list of nodes")
+        .iter()
+        .map(|r| r["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Every member lists every member with its pool published.
+fn all_listed_with_pools(n: &TestNode, names: &[&str]) -> bool {
+    let v = n.json(&["cluster", "nodes"]);
+    let list = v.as_array().unwrap();
+    names.iter().all(|want| {
+        list.iter()
+            .any(|r| r["name"] == *want && r["pools"].as_array().is_some_and(|p| !p.is_empty()))
+    })
+}
+
+#[test]
+fn members_placement_specs_and_etcd_outage() {
+    if !require_tool("etcd") {
+        return;
+    }
+    let mut etcd = EtcdCluster::start("cl", 1);
+    // node-b shares node-a's zone and has the most room: a zone-blind placement would
+    // pick it.
+    let a = member("cl-a", "node-a", "z1", &etcd, 256);
+    let b = member("cl-b", "node-b", "z1", &etcd, 1024);
+    let mut c = member("cl-c", "node-c", "z2", &etcd, 512);
+    wait_for("every member listed with its pool", 20, || {
+        all_listed_with_pools(&b, &["node-a", "node-b", "node-c"])
+    });
+    let nodes = a.json(&["cluster", "nodes"]);
+    let rec_c = nodes
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "node-c")
+        .unwrap()
+        .clone();
+    assert_eq!(rec_c["labels"]["zone"], "z2");
+    assert!(rec_c["nvmf"].as_str().unwrap().starts_with("127.0.0.1:"));
+    assert!(rec_c["api"].as_str().unwrap().starts_with("unix:"));
+
+    // Placement: owner + the emptiest node of another zone.
+    let v = a.json(&["volume", "create", "db", "--size", "64M", "--replicas", "2"]);
+    let places: Vec<String> = v["replicas"]
+        .as_array()
+        .expect("replicated")
+        .iter()
+        .map(|r| r["place"].as_str().unwrap().to_string())
+        .collect();
+    // (The owner shows its own replica as `local`.)
+    assert_eq!(places, ["local:p", "node-c:p"], "placed across zones");
+    let vols = b.json(&["cluster", "volumes"]);
+    let spec = &vols.as_array().unwrap()[0];
+    assert_eq!(spec["name"], "db");
+    assert_eq!(spec["owner"], "node-a");
+    assert_eq!(spec["epoch"], 1);
+    assert_eq!(spec["size"], 64 * MIB);
+    assert_eq!(
+        spec["replicas"],
+        serde_json::json!(["node-a:p", "node-c:p"])
+    );
+    // The name is taken cluster-wide, and impossible placements are refused clearly;
+    // neither leaves anything behind.
+    let out = b.cli(&["volume", "create", "db", "--size", "64M", "--replicas", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("already exists in the cluster"),
+        "{err}"
+    );
+    let out = a.cli(&[
+        "volume",
+        "create",
+        "big",
+        "--size",
+        "64M",
+        "--replicas",
+        "4",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("4 replicas need 4 live nodes"),
+        "{err}"
+    );
+    assert_eq!(b.json(&["cluster", "volumes"]).as_array().unwrap().len(), 1);
+    assert!(b.json(&["volume", "list"]).as_array().unwrap().is_empty());
+
+    // It is a working replicated volume: written through NBD on the owner, the placed
+    // replica on node-c holds the data.
+    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let mut cl = nbd_connect(&a, "db");
+    let mut model = vec![0u64; 256];
+    write_generations(&mut cl, &mut model, 0..256, 1, 4096);
+    c.cli_ok(&[
+        "export",
+        "add",
+        "replica",
+        "--volume",
+        "db.node-a",
+        "--read-only",
+    ]);
+    verify_generations(&c, "replica", &model, 4096);
+
+    // etcd stops entirely: the volume keeps serving I/O; cluster reads fail clearly.
+    etcd.members[0].kill9();
+    write_generations(&mut cl, &mut model, 0..256, 2, 4096);
+    verify_generations(&a, "db", &model, 4096);
+    let out = a.cli(&["cluster", "nodes"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no etcd member answered"),
+        "{err}"
+    );
+    // Writes go on past the lease TTL without etcd.
+    std::thread::sleep(Duration::from_secs(3));
+    write_generations(&mut cl, &mut model, 0..256, 3, 4096);
+    verify_generations(&c, "replica", &model, 4096);
+    // etcd back: every member is listed again (re-registered if its lease expired).
+    etcd.members[0].restart();
+    etcd.wait_ready(Duration::from_secs(30));
+    wait_for("members back after the etcd outage", 30, || {
+        a.cli(&["cluster", "nodes"]).status.success()
+            && all_listed_with_pools(&a, &["node-a", "node-b", "node-c"])
+    });
+
+    // A killed node leaves the list when its lease expires (2 s TTL).
+    c.kill9();
+    wait_for("node-c gone from the cluster", 20, || {
+        !node_names(&b).contains(&"node-c".to_string())
+    });
+    assert_eq!(node_names(&b), ["node-a", "node-b"]);
+    drop(cl);
+}
+
+#[test]
+fn a_node_that_cannot_reach_its_etcd_refuses_to_start() {
+    let dir = temp_dir("cl-noetcd");
+    let cfg = dir.path().join("tessera.toml");
+    let dead = free_port();
+    std::fs::write(
+        &cfg,
+        format!(
+            "name = \"lonely\"\ndata_dir = \"{}\"\ncores = 1\n[nbd]\nlisten = [\"127.0.0.1:{}\"]\n\
+             [nvmf]\nenabled = false\n[cluster]\netcd = [\"http://127.0.0.1:{dead}\"]\netcd_timeout_ms = 500\n",
+            dir.path().join("data").display(),
+            free_port()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["node", "--config", cfg.to_str().unwrap()])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run tessera node");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started without its etcd");
+    assert!(
+        err.contains("cannot join the cluster") && err.contains(&dead.to_string()),
+        "{err}"
+    );
+    // A bad endpoint is a configuration error.
+    std::fs::write(
+        &cfg,
+        format!(
+            "data_dir = \"{}\"\n[nvmf]\nenabled = false\n[cluster]\netcd = [\"https://x:1\"]\n",
+            dir.path().join("data").display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["node", "--config", cfg.to_str().unwrap()])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run tessera node");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("https is not supported"),
+        "{err}"
+    );
+}

@@ -1,0 +1,206 @@
+//! This node as a member of a cluster (`[cluster]`, docs/architecture.md "Cluster"):
+//! joining under a lease with a record of where it is and what it has, the cluster view
+//! (`GET /v1/cluster`), other members as peers for replicas, placement of a new volume's
+//! replicas, and the volume specs in etcd.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_api::{ClusterNode, ClusterPool, ClusterStatus, ClusterVolume};
+use tessera_cluster::{placement, volume_key, Etcd, Membership, MembershipConfig};
+use tracing::{info, warn};
+
+use super::{Error, Node, Result};
+use crate::config::PeerDecl;
+
+impl Node {
+    /// Join the cluster named in `[cluster]`, if any. Called once the listeners are up,
+    /// so that the record says where they are. A node whose config names a cluster it
+    /// cannot reach does not start (it would otherwise run alone without saying so).
+    pub fn join_cluster(self: &Arc<Self>) -> Result<()> {
+        let c = &self.cfg.cluster;
+        if c.etcd.is_empty() {
+            return Ok(());
+        }
+        let etcd = Etcd::new(&c.etcd, Duration::from_millis(c.etcd_timeout_ms.max(100)))
+            .map_err(|e| Error::invalid(format!("[cluster] etcd: {e}")))?;
+        let weak = Arc::downgrade(self);
+        let cfg = MembershipConfig {
+            ttl: Duration::from_millis(c.lease_ttl_ms.max(2000)),
+            ..MembershipConfig::default()
+        };
+        let record = Box::new(move || match weak.upgrade() {
+            Some(n) => n.cluster_record(),
+            None => ClusterNode::default(),
+        });
+        let m =
+            Membership::join(etcd, cfg, record).map_err(|e| Error::io("joining the cluster", e))?;
+        let _ = self.cluster.set(m);
+        Ok(())
+    }
+
+    /// The membership, when this node is in a cluster.
+    pub fn cluster(&self) -> Option<&Arc<Membership>> {
+        self.cluster.get()
+    }
+
+    fn in_cluster(&self) -> Result<&Arc<Membership>> {
+        self.cluster().ok_or_else(|| {
+            Error::invalid("this node is not in a cluster ([cluster] etcd = [...] in its config)")
+        })
+    }
+
+    /// What this node publishes about itself.
+    fn cluster_record(&self) -> ClusterNode {
+        let api = self.cfg.cluster.advertise_api.clone().unwrap_or_else(|| {
+            let sock = self.cfg.api_socket();
+            let abs = std::path::absolute(&sock).unwrap_or(sock);
+            format!("unix:{}", abs.display())
+        });
+        let pools = self
+            .pools()
+            .iter()
+            .map(|p| {
+                let i = self.pool_info(p);
+                ClusterPool {
+                    name: i.name,
+                    size: i.capacity,
+                    free: i.free,
+                }
+            })
+            .collect();
+        ClusterNode {
+            name: self.cfg.node_name(),
+            api,
+            nvmf: self.cfg.nvmf.enabled.then(|| self.cfg.nvmf.listen.clone()),
+            nbd: self
+                .nbd_addresses
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            labels: self.cfg.cluster.labels.clone(),
+            pools,
+            started: std::time::SystemTime::now()
+                .checked_sub(self.started.elapsed())
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_secs()),
+        }
+    }
+
+    /// `GET /v1/cluster`.
+    pub fn cluster_status(&self) -> Result<ClusterStatus> {
+        let m = self.in_cluster()?;
+        let nodes = m.nodes().map_err(|e| Error::io("reading the cluster", e))?;
+        let volumes = self.cluster_volumes()?;
+        Ok(ClusterStatus {
+            name: m.name.clone(),
+            etcd: self.cfg.cluster.etcd.clone(),
+            lease_valid_ms: m.lease_valid_until().map(|t| {
+                u64::try_from(t.saturating_duration_since(Instant::now()).as_millis())
+                    .unwrap_or(u64::MAX)
+            }),
+            nodes,
+            volumes,
+        })
+    }
+
+    fn cluster_volumes(&self) -> Result<Vec<ClusterVolume>> {
+        let m = self.in_cluster()?;
+        m.etcd()
+            .list(&format!("{}volumes/", tessera_cluster::PREFIX))
+            .map_err(|e| Error::io("reading the cluster", e))?
+            .into_iter()
+            .map(|kv| {
+                serde_json::from_slice(&kv.value)
+                    .map_err(|e| Error::Corrupt(format!("volume spec {} in etcd: {e}", kv.key)))
+            })
+            .collect()
+    }
+
+    /// A node replicas may go to: a `[[peer]]` of the config, else a live cluster member
+    /// (reached at the API it publishes, with `[cluster] peer_token_file`/`peer_ca_cert`).
+    pub(super) fn peer(&self, name: &str) -> Result<PeerDecl> {
+        if let Some(p) = self.cfg.peers.iter().find(|p| p.name == name) {
+            return Ok(p.clone());
+        }
+        if let Some(m) = self.cluster() {
+            let nodes = m.nodes().map_err(|e| Error::io("reading the cluster", e))?;
+            return match nodes.into_iter().find(|n| n.name == name) {
+                Some(n) => Ok(PeerDecl {
+                    name: n.name,
+                    api: n.api,
+                    token_file: self.cfg.cluster.peer_token_file.clone(),
+                    ca_cert: self.cfg.cluster.peer_ca_cert.clone(),
+                }),
+                None => Err(Error::invalid(format!(
+                    "node '{name}' is not a live member of the cluster (tessera cluster nodes)"
+                ))),
+            };
+        }
+        Err(Error::invalid(format!(
+            "no peer named '{name}' ([[peer]] in the config lists the nodes replicas may go to)"
+        )))
+    }
+
+    /// Places for `count` replicas of a new volume owned by this node: this node first,
+    /// then the emptiest members, spread over failure domains.
+    pub fn place_replicas(&self, count: usize) -> Result<Vec<String>> {
+        let m = self.in_cluster().map_err(|_| {
+            Error::invalid(
+                "a replica count needs a cluster ([cluster] etcd = [...]); without one, \
+                 name the places: --replicas NODE:POOL,NODE:POOL",
+            )
+        })?;
+        let nodes = m.nodes().map_err(|e| Error::io("reading the cluster", e))?;
+        let me = self.cfg.node_name();
+        let placed = placement::place(&nodes, count, Some(&me), placement::DEFAULT_LEVELS)
+            .map_err(Error::invalid)?;
+        Ok(placed.iter().map(|p| p.to_string()).collect())
+    }
+
+    /// Claim `name` cluster-wide before anything is created: the spec is written with a
+    /// create-only transaction, so two nodes cannot both create the volume.
+    pub(super) fn claim_volume_spec(
+        &self,
+        name: &str,
+        size: u64,
+        replicas: &[String],
+    ) -> Result<()> {
+        let Some(m) = self.cluster() else {
+            return Ok(());
+        };
+        let spec = ClusterVolume {
+            name: name.to_string(),
+            size,
+            replicas: replicas.to_vec(),
+            owner: self.cfg.node_name(),
+            epoch: 1,
+        };
+        let value = serde_json::to_vec(&spec).map_err(|e| Error::invalid(e.to_string()))?;
+        match m.etcd().create(&volume_key(name), &value, 0) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Error::already_exists(format!(
+                "volume '{name}' already exists in the cluster (tessera cluster volumes)"
+            ))),
+            Err(e) => Err(Error::io("writing the volume spec to etcd", e)),
+        }
+    }
+
+    /// The volume is gone (or its creation failed): drop its spec.
+    pub(super) fn release_volume_spec(&self, name: &str) {
+        if let Some(m) = self.cluster() {
+            match m.etcd().delete(&volume_key(name)) {
+                Ok(_) => info!(volume = %name, "volume spec removed from the cluster"),
+                Err(e) => warn!(volume = %name, error = %e,
+                                "cannot remove the volume spec from etcd: remove it by hand"),
+            }
+        }
+    }
+
+    /// Leave the cluster (node shutdown): the record goes at once.
+    pub(super) fn leave_cluster(&self) {
+        if let Some(m) = self.cluster() {
+            m.leave();
+        }
+    }
+}
