@@ -29,12 +29,13 @@ impl std::fmt::Display for Placed {
 /// The failure-domain levels placement spreads over, widest first.
 pub const DEFAULT_LEVELS: &[&str] = &["zone", "rack"];
 
-/// Choose `count` places among `nodes`, `first` (a node name) among them when given.
-/// Errors say why no placement exists (too few nodes, a node without pools).
+/// Choose `count` places among `nodes`, the nodes named in `fixed` first (the owner of a
+/// new volume; the surviving replicas when one is replaced). Errors say why no placement
+/// exists (too few nodes, a node without pools).
 pub fn place(
     nodes: &[NodeRecord],
     count: usize,
-    first: Option<&str>,
+    fixed: &[&str],
     levels: &[&str],
 ) -> Result<Vec<Placed>, String> {
     if count == 0 {
@@ -47,10 +48,10 @@ pub fn place(
         fb.cmp(&fa).then_with(|| a.name.cmp(&b.name))
     });
     let mut chosen: Vec<&NodeRecord> = Vec::new();
-    if let Some(f) = first {
+    for f in fixed {
         let n = nodes
             .iter()
-            .find(|n| n.name == f)
+            .find(|n| n.name == *f)
             .ok_or_else(|| format!("node '{f}' is not a live member of the cluster"))?;
         if best_pool(n).is_none() {
             return Err(format!("node '{f}' has no pool to hold its replica"));
@@ -139,11 +140,11 @@ mod tests {
             node("c", "z2", "r3", 100),
             node("d", "z3", "r4", 50),
         ];
-        let p = place(&nodes, 3, Some("b"), DEFAULT_LEVELS).unwrap();
+        let p = place(&nodes, 3, &["b"], DEFAULT_LEVELS).unwrap();
         assert_eq!(names(&p), ["b", "c", "d"]);
         assert!(p.iter().all(|p| p.pool == "big"), "the emptiest pool");
         // Without an owner: the emptiest of each zone.
-        let p = place(&nodes, 2, None, DEFAULT_LEVELS).unwrap();
+        let p = place(&nodes, 2, &[], DEFAULT_LEVELS).unwrap();
         assert_eq!(names(&p), ["a", "c"]);
     }
 
@@ -156,17 +157,17 @@ mod tests {
         ];
         // One zone: different racks first, then any node.
         assert_eq!(
-            names(&place(&nodes, 2, Some("a"), DEFAULT_LEVELS).unwrap()),
+            names(&place(&nodes, 2, &["a"], DEFAULT_LEVELS).unwrap()),
             ["a", "c"]
         );
         assert_eq!(
-            names(&place(&nodes, 3, Some("a"), DEFAULT_LEVELS).unwrap()),
+            names(&place(&nodes, 3, &["a"], DEFAULT_LEVELS).unwrap()),
             ["a", "c", "b"]
         );
         // Unlabelled nodes are each a domain of their own.
         let bare = [node("x", "", "", 5), node("y", "", "", 7)];
         assert_eq!(
-            names(&place(&bare, 2, None, DEFAULT_LEVELS).unwrap()),
+            names(&place(&bare, 2, &[], DEFAULT_LEVELS).unwrap()),
             ["y", "x"]
         );
     }
@@ -174,14 +175,14 @@ mod tests {
     #[test]
     fn clear_errors() {
         let nodes = [node("a", "z1", "r1", 900), node("b", "z2", "r2", 900)];
-        let e = place(&nodes, 3, None, DEFAULT_LEVELS).unwrap_err();
+        let e = place(&nodes, 3, &[], DEFAULT_LEVELS).unwrap_err();
         assert!(e.contains("3 replicas need 3 live nodes"), "{e}");
-        let e = place(&nodes, 2, Some("zz"), DEFAULT_LEVELS).unwrap_err();
+        let e = place(&nodes, 2, &["zz"], DEFAULT_LEVELS).unwrap_err();
         assert!(e.contains("'zz' is not a live member"), "{e}");
         let mut empty = node("e", "z3", "r3", 0);
         empty.pools.clear();
-        let e = place(&[empty], 1, Some("e"), DEFAULT_LEVELS).unwrap_err();
+        let e = place(&[empty], 1, &["e"], DEFAULT_LEVELS).unwrap_err();
         assert!(e.contains("no pool"), "{e}");
-        assert!(place(&nodes, 0, None, DEFAULT_LEVELS).is_err());
+        assert!(place(&nodes, 0, &[], DEFAULT_LEVELS).is_err());
     }
 }
