@@ -68,3 +68,24 @@ pub struct ClusterVolume {
     /// Bumped at every change of owner; replicas refuse writes from an older epoch.
     pub epoch: u64,
 }
+
+/// `POST /v1/replicas/{volume}/claim`: an owner (new, or confirming) claims a replica
+/// this node holds, at its epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ClaimReplica {
+    /// The owning node's name.
+    pub owner: String,
+    /// Its ownership epoch (from the volume's spec).
+    pub epoch: u64,
+}
+
+/// The replica's fence after a claim.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ReplicaFence {
+    pub volume: String,
+    /// The owner whose writes the replica takes, and its epoch: the highest seen.
+    pub owner: String,
+    pub epoch: u64,
+    /// Controllers of other hosts (older owners) ended by this claim.
+    pub evicted: usize,
+}

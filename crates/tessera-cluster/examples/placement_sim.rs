@@ -36,6 +36,15 @@ impl Rng {
     }
 }
 
+/// A drawn size in whole bytes.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "sizes drawn here are positive and below 2^41: the cast only drops the fraction"
+)]
+fn whole_bytes(x: f64) -> u64 {
+    x as u64
+}
+
 struct Vol {
     alloc: u64,
     replicas: Vec<usize>,
@@ -63,7 +72,10 @@ fn records(used: &[u64], alive: &[bool]) -> Vec<NodeRecord> {
 }
 
 fn balance(used: &[u64], alive: &[bool]) -> String {
-    let live: Vec<u64> = (0..used.len()).filter(|&i| alive[i]).map(|i| used[i]).collect();
+    let live: Vec<u64> = (0..used.len())
+        .filter(|&i| alive[i])
+        .map(|i| used[i])
+        .collect();
     let mean = live.iter().sum::<u64>() as f64 / live.len() as f64;
     let max = *live.iter().max().unwrap_or(&0) as f64;
     let min = *live.iter().min().unwrap_or(&0) as f64;
@@ -140,7 +152,10 @@ fn recover(what: &str, vols: &mut [Vol], used: &mut [u64], alive: &[bool], rate:
 }
 
 fn main() {
-    let args: Vec<u64> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let args: Vec<u64> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
     let nodes = usize::try_from(*args.first().unwrap_or(&1000)).unwrap_or(1000);
     let volumes = usize::try_from(*args.get(1).unwrap_or(&100_000)).unwrap_or(100_000);
     let rate = *args.get(2).unwrap_or(&200);
@@ -160,8 +175,8 @@ fn main() {
         .max(1);
     let mut recs = records(&used, &alive);
     for i in 0..volumes {
-        let size = (16.0 * GIB as f64 * 64f64.powf(rng.unit())) as u64;
-        let alloc = (size as f64 * (0.1 + 0.8 * rng.unit())) as u64;
+        let size = whole_bytes(16.0 * GIB as f64 * 64f64.powf(rng.unit()));
+        let alloc = whole_bytes(size as f64 * (0.1 + 0.8 * rng.unit()));
         let owner = (rng.next() % nodes as u64).to_string();
         let placed = place(&recs, 3, &[owner.as_str()], DEFAULT_LEVELS).expect("placement");
         let replicas: Vec<usize> = placed.iter().map(|p| p.node.parse().unwrap()).collect();
@@ -212,5 +227,11 @@ fn main() {
             *u = 0;
         }
     }
-    recover("zone z0 lost (100 nodes)", &mut vols, &mut u2, &alive_zone, rate);
+    recover(
+        "zone z0 lost (100 nodes)",
+        &mut vols,
+        &mut u2,
+        &alive_zone,
+        rate,
+    );
 }

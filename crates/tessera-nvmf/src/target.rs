@@ -258,6 +258,29 @@ impl<T: ExportTarget> Target<T> {
         }
     }
 
+    /// End every controller of subsystem `nqn` whose host `keep` refuses (a fenced-off
+    /// owner of a replica): its queues stop taking I/O commands at once (CSTS.RDY clear)
+    /// and their sockets shut down. The controllers are returned so that the caller can
+    /// wait for [`Controller::live_queues`] to reach 0: from then on none of their I/O is
+    /// in flight.
+    pub fn evict(
+        &self,
+        nqn: &str,
+        keep: impl Fn(&str) -> bool,
+        why: &str,
+    ) -> Vec<Arc<Controller<T>>> {
+        let gone: Vec<Arc<Controller<T>>> = self
+            .ctrls()
+            .values()
+            .filter(|c| c.subnqn == nqn && !keep(&c.hostnqn))
+            .cloned()
+            .collect();
+        for c in &gone {
+            self.remove_controller(c, why);
+        }
+        gone
+    }
+
     /// Controllers connected to subsystem `nqn` (the node refuses some changes meanwhile).
     pub fn connected(&self, nqn: &str) -> usize {
         self.ctrls().values().filter(|c| c.subnqn == nqn).count()
@@ -404,6 +427,11 @@ impl<T> Controller<T> {
                 unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
             }
         }
+    }
+
+    /// Queues of this controller still running (a queue leaves when its I/O is done).
+    pub fn live_queues(&self) -> usize {
+        self.state().queues.len()
     }
 
     pub(crate) fn register_queue(&self, qid: u16, fd: RawFd) -> bool {

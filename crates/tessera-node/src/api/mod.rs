@@ -121,7 +121,7 @@ async fn no_route(method: axum::http::Method, uri: Uri) -> Response {
         nvmf::host_remove,
         snapshots::list, snapshots::create, snapshots::create_group, snapshots::delete,
         snapshots::clone, snapshots::rollback, snapshots::changes,
-        cluster::status,
+        cluster::status, cluster::claim,
     ),
     components(schemas(tessera_api::ErrorReply)),
     modifiers(&BearerAuth),

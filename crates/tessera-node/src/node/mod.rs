@@ -11,6 +11,7 @@
 mod cluster;
 mod devices;
 mod exports;
+pub mod fencing;
 mod jobs;
 pub mod nvmf;
 mod pools;

@@ -32,7 +32,8 @@ impl Node {
             al_capacity: r.al_regions.max(1),
             timeout: Duration::from_millis(r.timeout_ms.max(1)),
             resync_rate: self.replica_resync_rate()?,
-            hostnqn: ReplicaOptions::default().hostnqn,
+            // One host NQN per node: a replica's fence admits its owner's only.
+            hostnqn: super::fencing::host_nqn(&self.cfg.node_name()),
         })
     }
 
