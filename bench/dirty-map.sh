@@ -62,14 +62,19 @@ PY
   done
 }
 ms() { echo $(( $(date +%s%N) / 1000000 )); }
-timed_map() { # context -> "ms extents"
+timed_map() { # context -> "ms extents" ("- -" when the server lacks the context, e.g.
+  # an older binary given as TESSERA to compare base:allocation against)
   local t0 t1 lines
-  t0=$(ms); lines=$(nbdinfo --map="$1" "$URI" | wc -l); t1=$(ms)
-  echo "$(( t1 - t0 )) $lines"
+  t0=$(ms)
+  if lines=$(nbdinfo --map="$1" "$URI" 2>/dev/null | wc -l) && (( lines > 0 )); then
+    t1=$(ms); echo "$(( t1 - t0 )) $lines"
+  else
+    echo "- -"
+  fi
 }
 
 scatter "$BASE_WRITES" "$bytes" 1
-cli snapshot create big --name s1 >/dev/null
+cli snapshot create big --name s1 >/dev/null || echo "(no snapshots in $TESSERA)"
 scatter "$FEW" "$bytes" 2
 echo "# $SIZE volume: $BASE_WRITES scattered 4 KiB writes, snapshot s1, $FEW more"
 echo "round base:allocation_ms extents qemu:dirty-bitmap:s1_ms extents"
@@ -78,10 +83,12 @@ for ((r = 1; r <= ROUNDS; r++)); do
   read -r d dn < <(timed_map qemu:dirty-bitmap:s1)
   echo "$r $a $an $d $dn"
 done
-t0=$(ms); cli volume changes big --since s1 --json >/dev/null; t1=$(ms)
-echo "API: volume changes big --since s1: $(( t1 - t0 )) ms"
+t0=$(ms)
+if cli volume changes big --since s1 --json >/dev/null 2>&1; then
+  t1=$(ms); echo "API: volume changes big --since s1: $(( t1 - t0 )) ms"
+fi
 
-cli snapshot create big --name s2 >/dev/null
+cli snapshot create big --name s2 >/dev/null || true
 scatter "$MANY" $(( 1 << 30 )) 3
 echo
 echo "# then snapshot s2 and $MANY 4 KiB writes in the first GiB (partial units)"

@@ -29,8 +29,8 @@ fn nbdinfo_map(context: &str, uri: &str) -> Vec<(u64, u64, u64)> {
             .arg("--json")
             .arg(uri),
     );
-    let v: serde_json::Value = serde_json::from_str(&out)
-        .unwrap_or_else(|e| panic!("nbdinfo --map --json: {e}:\n{out}"));
+    let v: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("nbdinfo --map --json: {e}:\n{out}"));
     v.as_array()
         .unwrap()
         .iter()
@@ -110,16 +110,22 @@ fn merged(mut a: Vec<(u64, u64)>, b: &[(u64, u64)]) -> Vec<(u64, u64)> {
     blocks_of(&a)
 }
 
+/// A node with a file pool and volume `v` (SIZE) exported as `v`.
+fn node_with_volume(tag: &str) -> TestNode {
+    let n = TestNode::start_with_config(tag, "");
+    let img = format!("{}:512M", path_str(&n.dir.join("p.img")));
+    n.cli_ok(&["pool", "create", "p", &img]);
+    n.cli_ok(&["volume", "create", "v", "--pool", "p", "--size", "64M"]);
+    n.cli_ok(&["export", "add", "v", "--volume", "v"]);
+    n
+}
+
 #[test]
 fn full_copy_plus_two_increments_over_nbd_dirty_bitmaps() {
     if !require_tool("nbdinfo") || !require_tool("nbdcopy") || !require_tool("qemu-img") {
         return;
     }
-    let n = TestNode::start_with_config("snap-backup", "");
-    let img = format!("{}:512M", path_str(&n.dir.join("p.img")));
-    n.cli_ok(&["pool", "create", "p", &img]);
-    n.cli_ok(&["volume", "create", "v", "--pool", "p", "--size", "64M"]);
-    n.cli_ok(&["export", "add", "v", "--volume", "v"]);
+    let n = node_with_volume("snap-backup");
     let mut v = vec![0u8; SIZE as usize];
     write_at(&n, "v", &mut v, 0, &pattern(1, 8 * MIB as usize));
     write_at(&n, "v", &mut v, 40 * MIB, &pattern(2, MIB as usize));
@@ -137,7 +143,11 @@ fn full_copy_plus_two_increments_over_nbd_dirty_bitmaps() {
     n.cli_ok(&["export", "add", "s1e", "--volume", "s1"]);
     let s1_model = v.clone();
     let backup = n.dir.join("backup.img");
-    run_ok(Command::new("nbdcopy").arg(n.uri("s1e")).arg(path_str(&backup)));
+    run_ok(
+        Command::new("nbdcopy")
+            .arg(n.uri("s1e"))
+            .arg(path_str(&backup)),
+    );
     let mut image = std::fs::read(&backup).unwrap();
     assert!(image == s1_model, "full copy of s1");
 
@@ -180,12 +190,8 @@ fn full_copy_plus_two_increments_over_nbd_dirty_bitmaps() {
          x-dirty-bitmap=qemu:dirty-bitmap:s1",
         n.port
     );
-    let out = run_ok(Command::new("qemu-img").args([
-        "map",
-        "--output=json",
-        "--image-opts",
-        &opts,
-    ]));
+    let out =
+        run_ok(Command::new("qemu-img").args(["map", "--output=json", "--image-opts", &opts]));
     let qmap: serde_json::Value = serde_json::from_str(&out).unwrap();
     let qemu_dirty: Vec<(u64, u64, u64)> = qmap
         .as_array()
@@ -210,7 +216,10 @@ fn full_copy_plus_two_increments_over_nbd_dirty_bitmaps() {
     let inc2 = dirty_extents(&n, "v", "s2");
     assert_eq!(inc2, blocks_of(&inc2_writes), "dirty bitmap s2 on v");
     apply_increment(&n, "v", &inc2, &mut image);
-    assert!(image == v, "full copy + 2 increments differ from the volume");
+    assert!(
+        image == v,
+        "full copy + 2 increments differ from the volume"
+    );
     assert!(image == read_all(&n, "v"));
     // Since s1, the volume's bitmap is both increments.
     assert_eq!(
@@ -220,7 +229,15 @@ fn full_copy_plus_two_increments_over_nbd_dirty_bitmaps() {
     );
     // base:allocation is unchanged by all this.
     let alloc = nbdinfo_map("base:allocation", &n.uri("v"));
-    assert_eq!(marked(&alloc, 1), vec![(8 * MIB, 12 * MIB), (22 * MIB, 18 * MIB), (41 * MIB, 22 * MIB)], "{alloc:?}");
+    assert_eq!(
+        marked(&alloc, 1),
+        vec![
+            (8 * MIB, 12 * MIB),
+            (22 * MIB, 18 * MIB),
+            (41 * MIB, 22 * MIB)
+        ],
+        "{alloc:?}"
+    );
 
     // Unknown bitmaps: not selected, nbdinfo says so; s2 is no ancestor of s1.
     for (export, bitmap) in [("v", "nosuch"), ("s1e", "s2"), ("s2e", "s2")] {
@@ -394,11 +411,7 @@ fn chunk_marked(base: u64, extents: &[(u32, u32)], bit: u32) -> Vec<(u64, u64)> 
 
 #[test]
 fn dirty_bitmap_contexts_on_the_wire() {
-    let n = TestNode::start_with_config("snap-bitmap-wire", "");
-    let img = format!("{}:256M", path_str(&n.dir.join("p.img")));
-    n.cli_ok(&["pool", "create", "p", &img]);
-    n.cli_ok(&["volume", "create", "v", "--pool", "p", "--size", "64M"]);
-    n.cli_ok(&["export", "add", "v", "--volume", "v"]);
+    let n = node_with_volume("snap-bitmap-wire");
     let mut v = vec![0u8; SIZE as usize];
     write_at(&n, "v", &mut v, 0, &pattern(1, 2 * MIB as usize));
     snapshot(&n, "v", "s1");
@@ -415,8 +428,14 @@ fn dirty_bitmap_contexts_on_the_wire() {
         ctx(0, "qemu:dirty-bitmap:s1"),
     ];
     let list = proto::OPT_LIST_META_CONTEXT;
-    assert_eq!(c.meta(list, "v", &["qemu:dirty-bitmap:"]), (both.clone(), proto::REP_ACK));
-    assert_eq!(c.meta(list, "v", &["qemu:"]), (both.clone(), proto::REP_ACK));
+    assert_eq!(
+        c.meta(list, "v", &["qemu:dirty-bitmap:"]),
+        (both.clone(), proto::REP_ACK)
+    );
+    assert_eq!(
+        c.meta(list, "v", &["qemu:"]),
+        (both.clone(), proto::REP_ACK)
+    );
     let mut all = vec![ctx(0, "base:allocation")];
     all.extend(both);
     assert_eq!(c.meta(list, "v", &[]), (all, proto::REP_ACK));
@@ -442,7 +461,13 @@ fn dirty_bitmap_contexts_on_the_wire() {
         c.meta(
             set,
             "v",
-            &["qemu:dirty-bitmap:", "qemu:", "qemu:dirty-bitmap:s9", "x-foo:s1", "s1"]
+            &[
+                "qemu:dirty-bitmap:",
+                "qemu:",
+                "qemu:dirty-bitmap:s9",
+                "x-foo:s1",
+                "s1"
+            ]
         ),
         (vec![], proto::REP_ACK)
     );
@@ -459,7 +484,10 @@ fn dirty_bitmap_contexts_on_the_wire() {
     let chunks = c.block_status(0, (4 * MIB) as u32).unwrap();
     assert_eq!(chunks.len(), 2, "one chunk per context");
     let alloc = &chunks.iter().find(|c| c.0 == 1).unwrap().1;
-    assert_eq!(chunk_marked(0, alloc, proto::STATE_HOLE), vec![(2 * MIB, MIB)]);
+    assert_eq!(
+        chunk_marked(0, alloc, proto::STATE_HOLE),
+        vec![(2 * MIB, MIB)]
+    );
     let dirty = &chunks.iter().find(|c| c.0 == 2).unwrap().1;
     assert_eq!(
         chunk_marked(0, dirty, proto::STATE_DIRTY),

@@ -45,45 +45,6 @@ const CLONE_WRITER: u64 = 0xFF;
 
 type Gen = u64;
 
-fn xorshift(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
-
-/// The 4 KiB pattern of (block, generation): both in the first 16 bytes, then a stream
-/// seeded by both.
-fn pattern_of(block: u64, gen: Gen) -> Vec<u8> {
-    let mut b = Vec::with_capacity(BLOCK as usize);
-    b.extend_from_slice(&block.to_le_bytes());
-    b.extend_from_slice(&gen.to_le_bytes());
-    let mut x =
-        (block.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ gen.wrapping_mul(0xc2b2_ae3d_27d4_eb4f)) | 1;
-    while b.len() < BLOCK as usize {
-        b.extend_from_slice(&xorshift(&mut x).to_le_bytes());
-    }
-    b
-}
-
-/// Which generation a block read back holds (0: zeros), or what is wrong with it.
-fn decode(block: u64, data: &[u8]) -> Result<Gen, String> {
-    if data.iter().all(|&x| x == 0) {
-        return Ok(0);
-    }
-    let b = u64::from_le_bytes(data[0..8].try_into().unwrap());
-    let g = u64::from_le_bytes(data[8..16].try_into().unwrap());
-    if b != block {
-        return Err(format!("holds the header of block {b} (generation {g:#x})"));
-    }
-    if data != pattern_of(block, g).as_slice() {
-        return Err(format!(
-            "header says generation {g:#x} but the rest differs (torn or mixed)"
-        ));
-    }
-    Ok(g)
-}
-
 fn connect(n: &TestNode, export: &str) -> NbdClient {
     let s = TcpStream::connect(n.addr()).expect("connect");
     s.set_nodelay(true).unwrap();
@@ -108,7 +69,7 @@ struct WriterLog {
 }
 
 fn writer(mut c: NbdClient, t: u64, cycle: u64, stop: Arc<AtomicBool>) -> WriterLog {
-    let mut rng = (0x5eed_0000_1234_5678u64 ^ (t << 48) ^ (cycle << 32)) | 1;
+    let mut rng = Rng((0x5eed_0000_1234_5678u64 ^ (t << 48) ^ (cycle << 32)) | 1);
     let mut log = WriterLog {
         writes: Vec::new(),
         flushes: Vec::new(),
@@ -117,7 +78,7 @@ fn writer(mut c: NbdClient, t: u64, cycle: u64, stop: Arc<AtomicBool>) -> Writer
     let mut seq = 0u64;
     while !stop.load(Ordering::Relaxed) {
         seq += 1;
-        let block = t * REGION_BLOCKS + xorshift(&mut rng) % REGION_BLOCKS;
+        let block = t * REGION_BLOCKS + rng.next() % REGION_BLOCKS;
         let gen = ((cycle + 1) << 48) | ((t + 1) << 40) | seq;
         log.writes.push(Write {
             block,
@@ -125,7 +86,7 @@ fn writer(mut c: NbdClient, t: u64, cycle: u64, stop: Arc<AtomicBool>) -> Writer
             sent: Instant::now(),
             acked: None,
         });
-        if let Err(e) = c.write(block * BLOCK, &pattern_of(block, gen), false) {
+        if let Err(e) = c.write(block * BLOCK, &stamped(block, gen), false) {
             log.error = Some(format!("write: {e}"));
             break;
         }
@@ -189,9 +150,9 @@ fn cli(api: &str, args: &[&str]) -> Output {
         .expect("run tessera cli")
 }
 
-/// Run a CLI command of the control thread: `Some(Done::Yes)` when it succeeded,
-/// `Some(Done::InDoubt)` when it failed because the node was killed (the control thread
-/// stops then), a panic for any other failure.
+/// Run a CLI command of the control thread: `Done::Yes` when it succeeded,
+/// `Done::InDoubt` when it failed because the node was killed (the control thread stops
+/// then), a panic for any other failure.
 fn control_op(api: &str, killed: &AtomicBool, args: &[&str]) -> Done {
     let o = cli(api, args);
     if o.status.success() {
@@ -216,9 +177,9 @@ fn control(
     chain: Arc<Mutex<Chain>>,
     killed: Arc<AtomicBool>,
 ) {
-    let mut rng = 0xc0ff_ee00_0000_0001u64 ^ (cycle << 20);
+    let mut rng = Rng(0xc0ff_ee00_0000_0001u64 ^ (cycle << 20));
     for i in 0.. {
-        std::thread::sleep(Duration::from_millis(60 + xorshift(&mut rng) % 80));
+        std::thread::sleep(Duration::from_millis(60 + rng.next() % 80));
         let name = format!("c{cycle}s{i}");
         let t0 = Instant::now();
         chain.lock().unwrap().snaps.push(SnapRec {
@@ -248,15 +209,19 @@ fn control(
                 rolled_back: None,
                 pinned: None,
             });
-            let rec = |f: &dyn Fn(&mut CloneRec)| f(chain.lock().unwrap().clones.last_mut().unwrap());
+            let rec =
+                |f: &dyn Fn(&mut CloneRec)| f(chain.lock().unwrap().clones.last_mut().unwrap());
             if control_op(&api, &killed, &["volume", "clone", &name, "--name", &clone])
                 == Done::InDoubt
             {
                 return;
             }
             rec(&|c| c.created = Done::Yes);
-            if control_op(&api, &killed, &["export", "add", &clone, "--volume", &clone])
-                == Done::InDoubt
+            if control_op(
+                &api,
+                &killed,
+                &["export", "add", &clone, "--volume", &clone],
+            ) == Done::InDoubt
             {
                 return;
             }
@@ -275,10 +240,10 @@ fn control(
             };
             for j in 0..8u64 {
                 // Distinct blocks, so each holds one write of the clone.
-                let block = xorshift(&mut rng) % (VOLUME_BLOCKS / 8) * 8 + j;
+                let block = rng.next() % (VOLUME_BLOCKS / 8) * 8 + j;
                 let gen = ((cycle + 1) << 48) | (CLONE_WRITER << 40) | (i << 8) | j;
                 rec(&|c| c.writes.push((block, gen)));
-                if let Err(e) = c.write(block * BLOCK, &pattern_of(block, gen), false) {
+                if let Err(e) = c.write(block * BLOCK, &stamped(block, gen), false) {
                     return died(e);
                 }
             }
@@ -370,7 +335,13 @@ fn allowed_at(base: Gen, hist: Option<&Vec<&Write>>, t0: Instant, t1: Instant) -
 
 /// What block `b` of snapshot `s` may hold: exactly what it held when last verified, or
 /// what the writes of its cycle allow between its create and its return (or the kill).
-fn snap_allowed(s: &SnapRec, b: u64, base: &[Gen], hist: &HashMap<u64, Vec<&Write>>, kill: Instant) -> Vec<Gen> {
+fn snap_allowed(
+    s: &SnapRec,
+    b: u64,
+    base: &[Gen],
+    hist: &HashMap<u64, Vec<&Write>>,
+    kill: Instant,
+) -> Vec<Gen> {
     match &s.pinned {
         Some(p) => vec![p[b as usize]],
         None => allowed_at(base[b as usize], hist.get(&b), s.t0, s.t1.unwrap_or(kill)),
@@ -389,7 +360,7 @@ fn read_gens(n: &TestNode, export: &str, what: &str) -> Vec<Gen> {
         c.read(off, &mut buf).unwrap();
         for (i, data) in buf.chunks(BLOCK as usize).enumerate() {
             let block = off / BLOCK + i as u64;
-            match decode(block, data) {
+            match decode_stamped(block, data) {
                 Ok(g) => out.push(g),
                 Err(e) => {
                     bad.push(format!("block {block}: {e}"));
@@ -399,7 +370,11 @@ fn read_gens(n: &TestNode, export: &str, what: &str) -> Vec<Gen> {
         }
     }
     c.disconnect().unwrap();
-    assert!(bad.is_empty(), "{what}: garbage read back:\n{}", bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "{what}: garbage read back:\n{}",
+        bad.join("\n")
+    );
     out
 }
 
@@ -417,23 +392,22 @@ fn check_blocks(what: &str, got: &[Gen], allowed: impl Fn(u64) -> Vec<Gen>) {
     for (b, &g) in got.iter().enumerate() {
         let ok = allowed(b as u64);
         if !ok.contains(&g) {
-            failures.push(format!("block {b}: generation {g:#x}, expected one of {ok:x?}"));
+            failures.push(format!(
+                "block {b}: generation {g:#x}, expected one of {ok:x?}"
+            ));
         }
     }
     if !failures.is_empty() {
         let count = failures.len();
         failures.truncate(20);
-        panic!(
-            "{what}: {count} block(s) wrong:\n{}",
-            failures.join("\n")
-        );
+        panic!("{what}: {count} block(s) wrong:\n{}", failures.join("\n"));
     }
 }
 
 #[test]
 fn kill9_while_snapshots_clones_and_deletes_run_under_write_load() {
     let mut n = TestNode::start_with_config("snap-kill9", "");
-    let img = format!("{}:1G", path_str(&n.dir.join("p.img")));
+    let img = format!("{}:2G", path_str(&n.dir.join("p.img")));
     n.cli_ok(&["pool", "create", "p", &img]);
     let size = format!("{}", VOLUME_BLOCKS * BLOCK);
     n.cli_ok(&["volume", "create", "v", "--pool", "p", "--size", &size]);
@@ -452,8 +426,7 @@ fn kill9_while_snapshots_clones_and_deletes_run_under_write_load() {
             })
             .collect();
         let ctl = {
-            let (api, addr, chain, killed) =
-                (n.api(), n.addr(), chain.clone(), killed.clone());
+            let (api, addr, chain, killed) = (n.api(), n.addr(), chain.clone(), killed.clone());
             std::thread::spawn(move || control(api, addr, cycle, chain, killed))
         };
         std::thread::sleep(LOAD);
@@ -479,11 +452,12 @@ fn kill9_while_snapshots_clones_and_deletes_run_under_write_load() {
         let exists = |name: &str| vols.as_array().unwrap().iter().any(|v| v["name"] == name);
 
         // Snapshots.
-        let mut ch = chain.lock().unwrap();
+        let mut guard = chain.lock().unwrap();
+        let Chain { snaps, clones } = &mut *guard;
         let (mut checked, mut created) = (0, 0);
         // Verified now (pinned after the clones are checked against the allowed sets).
         let mut verified: BTreeMap<String, Vec<Gen>> = BTreeMap::new();
-        for s in ch.snaps.iter() {
+        for s in snaps.iter() {
             let present = exists(&s.name);
             match (s.t1.is_some(), s.deleted) {
                 (_, Some(Done::Yes)) => {
@@ -506,8 +480,21 @@ fn kill9_while_snapshots_clones_and_deletes_run_under_write_load() {
             verified.insert(s.name.clone(), got);
         }
 
+        // The volume's newest durable point: a completed flush (it commits the pool) or
+        // snapshot create (its checkpoint holds the volume's blocks as they were).
+        let durable = logs
+            .iter()
+            .flat_map(|l| l.flushes.iter().copied())
+            .chain(
+                snaps
+                    .iter()
+                    .filter(|s| s.cycle == cycle && s.t1.is_some())
+                    .map(|s| s.t0),
+            )
+            .max();
+
         // Clones: their snapshot's blocks, plus their own writes until rolled back.
-        for c in ch.clones.iter_mut() {
+        for c in clones.iter_mut() {
             let present = exists(&c.name);
             if c.created == Done::Yes {
                 assert!(present, "{when}: clone {} is lost", c.name);
@@ -521,8 +508,7 @@ fn kill9_while_snapshots_clones_and_deletes_run_under_write_load() {
                 assert!(got == *p, "{what} changed since it was last verified");
                 continue;
             }
-            let snap = ch
-                .snaps
+            let snap = snaps
                 .iter()
                 .find(|s| s.name == c.snap)
                 .unwrap_or_else(|| panic!("{what}: its snapshot {} is unknown", c.snap));
@@ -543,21 +529,16 @@ fn kill9_while_snapshots_clones_and_deletes_run_under_write_load() {
             });
             c.pinned = Some(got);
         }
-        ch.clones.retain(|c| c.pinned.is_some());
-        for s in ch.snaps.iter_mut() {
+        clones.retain(|c| c.pinned.is_some());
+        for s in snaps.iter_mut() {
             if let Some(g) = verified.remove(&s.name) {
                 s.pinned = Some(g);
             }
         }
-        ch.snaps.retain(|s| s.pinned.is_some());
+        snaps.retain(|s| s.pinned.is_some());
 
+        drop(guard);
         // The volume: its newest durable point, or anything written after it.
-        let durable = logs
-            .iter()
-            .flat_map(|l| l.flushes.iter().copied())
-            .chain(ch.snaps.iter().filter(|s| s.cycle == cycle && s.t1.is_some()).map(|s| s.t0))
-            .max();
-        drop(ch);
         let got = read_gens(&n, "v", &format!("{when}: volume"));
         check_blocks(&format!("{when}: volume"), &got, |b| {
             let h = hist.get(&b);

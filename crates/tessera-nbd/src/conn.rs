@@ -949,8 +949,11 @@ impl<T: ExportTarget> NbdConn<T> {
             chunks.push((ctx, states));
         }
         let payload = |c: &(u32, Vec<(u64, u32)>)| 4 + 8 * c.1.len();
-        let data_len =
-            payload(&chunks[0]) + chunks[1..].iter().map(|c| STRUCTURED_REPLY_LEN + payload(c)).sum::<usize>();
+        let data_len = payload(&chunks[0])
+            + chunks[1..]
+                .iter()
+                .map(|c| STRUCTURED_REPLY_LEN + payload(c))
+                .sum::<usize>();
         let cookie = self.slots[idx].cookie;
         let mut buf = io.bufs.get(data_len);
         let b = buf.as_mut_slice();

@@ -1324,14 +1324,20 @@ mod tests {
         for (queries, want) in [
             (&["qemu:dirty-bitmap:"][..], all.clone()),
             (&["qemu:"][..], all.clone()),
-            (&["qemu:dirty-bitmap:", "qemu:dirty-bitmap:s1"][..], all.clone()),
+            (
+                &["qemu:dirty-bitmap:", "qemu:dirty-bitmap:s1"][..],
+                all.clone(),
+            ),
             (&[][..], everything),
             (
                 &["qemu:dirty-bitmap:s1", "qemu:dirty-bitmap:nosuch"][..],
                 vec![ctx(0, "qemu:dirty-bitmap:s1")],
             ),
             // Other qemu: contexts and a bitmap name without its prefix match nothing.
-            (&["qemu:allocation-depth", "s1", "qemu:dirty-bitmap"][..], vec![]),
+            (
+                &["qemu:allocation-depth", "s1", "qemu:dirty-bitmap"][..],
+                vec![],
+            ),
         ] {
             let (r, out) = Script::fixed()
                 .opt(proto::OPT_STRUCTURED_REPLY, &[])
@@ -1354,7 +1360,11 @@ mod tests {
         // An export outside any chain lists none.
         let (_, out) = Script::fixed()
             .opt(proto::OPT_STRUCTURED_REPLY, &[])
-            .meta(proto::OPT_LIST_META_CONTEXT, "disk0", &["qemu:dirty-bitmap:"])
+            .meta(
+                proto::OPT_LIST_META_CONTEXT,
+                "disk0",
+                &["qemu:dirty-bitmap:"],
+            )
             .run();
         let (reps, _) = parse_output(&out);
         assert_eq!(contexts(&reps, proto::OPT_LIST_META_CONTEXT), vec![]);
@@ -1397,7 +1407,11 @@ mod tests {
         // A bitmap alone; an unknown one alone selects nothing (ACK only).
         let (r, _) = Script::fixed()
             .opt(proto::OPT_STRUCTURED_REPLY, &[])
-            .meta(proto::OPT_SET_META_CONTEXT, "disk0", &["qemu:dirty-bitmap:s2"])
+            .meta(
+                proto::OPT_SET_META_CONTEXT,
+                "disk0",
+                &["qemu:dirty-bitmap:s2"],
+            )
             .go_like(proto::OPT_GO, "disk0", &[])
             .run_with(&SnapCatalog);
         let n = transmission(r);
@@ -1405,7 +1419,11 @@ mod tests {
         assert_eq!(n.dirty_bitmaps, vec![ctx(2, "s2")]);
         let (r, out) = Script::fixed()
             .opt(proto::OPT_STRUCTURED_REPLY, &[])
-            .meta(proto::OPT_SET_META_CONTEXT, "disk0", &["qemu:dirty-bitmap:s9"])
+            .meta(
+                proto::OPT_SET_META_CONTEXT,
+                "disk0",
+                &["qemu:dirty-bitmap:s9"],
+            )
             .go_like(proto::OPT_GO, "disk0", &[])
             .run_with(&SnapCatalog);
         let n = transmission(r);
@@ -1437,7 +1455,11 @@ mod tests {
         // A later SET without bitmaps replaces the bitmaps.
         let (r, _) = Script::fixed()
             .opt(proto::OPT_STRUCTURED_REPLY, &[])
-            .meta(proto::OPT_SET_META_CONTEXT, "disk0", &["qemu:dirty-bitmap:s1"])
+            .meta(
+                proto::OPT_SET_META_CONTEXT,
+                "disk0",
+                &["qemu:dirty-bitmap:s1"],
+            )
             .meta(proto::OPT_SET_META_CONTEXT, "disk0", &["base:allocation"])
             .go_like(proto::OPT_GO, "disk0", &[])
             .run_with(&SnapCatalog);

@@ -117,10 +117,12 @@ impl Volume {
 /// Add `len` bytes of state `changed` to `runs`, merged into the last run when it has
 /// that state; false when that needs a run beyond `max_runs`.
 fn push_run(runs: &mut Vec<(u64, bool)>, len: u64, changed: bool, max_runs: usize) -> bool {
-    match runs.last_mut() {
-        Some(r) if r.1 == changed => r.0 += len,
-        _ if runs.len() < max_runs => runs.push((len, changed)),
-        _ => return false,
+    if let Some(r) = runs.last_mut().filter(|r| r.1 == changed) {
+        r.0 += len;
+    } else if runs.len() < max_runs {
+        runs.push((len, changed));
+    } else {
+        return false;
     }
     true
 }
@@ -165,10 +167,7 @@ mod tests {
         let s2 = pool.create_snapshot(&v, "s2").unwrap();
         // 512 bytes inside block 10 of unit 0, which the chain has data for: partial.
         put(40960, 512);
-        assert_eq!(
-            v.change_bases(),
-            vec!["s2".to_string(), "s1".to_string()]
-        );
+        assert_eq!(v.change_bases(), vec!["s2".to_string(), "s1".to_string()]);
         let since_s1 = v.changed_runs(base, 0, 64 * unit, 100).unwrap();
         assert_eq!(
             since_s1,
@@ -190,7 +189,12 @@ mod tests {
         );
         assert_eq!(
             s2.changed_runs(base, 0, 11 * unit, 100).unwrap(),
-            vec![(4096, false), (4096, true), (10 * unit - 8192, false), (unit, true)]
+            vec![
+                (4096, false),
+                (4096, true),
+                (10 * unit - 8192, false),
+                (unit, true)
+            ]
         );
         // Clipped to the range; capped at max_runs (the last run stays in the range).
         assert_eq!(
