@@ -262,6 +262,9 @@ fn full_copy_plus_two_increments_over_nbd_dirty_bitmaps() {
     assert!(read_all(&n, "s2e") == s2_model);
 }
 
+/// A block status reply: per chunk, the context id and its (length, flags) descriptors.
+type StatusChunks = Vec<(u32, Vec<(u32, u32)>)>;
+
 /// A minimal NBD client speaking raw bytes, for what the tools never send.
 struct Raw(TcpStream);
 
@@ -341,7 +344,7 @@ impl Raw {
 
     /// BLOCK_STATUS: the chunks of the reply as (context id, [(length, flags)]), or the
     /// error number of an error chunk.
-    fn block_status(&mut self, offset: u64, len: u32) -> Result<Vec<(u32, Vec<(u32, u32)>)>, u32> {
+    fn block_status(&mut self, offset: u64, len: u32) -> Result<StatusChunks, u32> {
         let h = proto::encode_request(&proto::RequestHeader {
             flags: 0,
             cmd: proto::CMD_BLOCK_STATUS,

@@ -14,6 +14,7 @@
 //!   write after it;
 //! - a clone holds its snapshot's blocks, with its own flushed writes until a rollback
 //!   to the snapshot returned.
+//!
 //! Snapshots and clones that survive are then pinned to what was read, and the next
 //! cycle must find them exactly so. The scrub's chain checks find nothing after each.
 
@@ -91,7 +92,7 @@ fn writer(mut c: NbdClient, t: u64, cycle: u64, stop: Arc<AtomicBool>) -> Writer
             break;
         }
         log.writes.last_mut().unwrap().acked = Some(Instant::now());
-        if seq % 16 == 0 {
+        if seq.is_multiple_of(16) {
             let sent = Instant::now();
             if let Err(e) = c.flush() {
                 log.error = Some(format!("flush: {e}"));
