@@ -41,6 +41,9 @@ const REGION_BLOCKS: u64 = 1024;
 const VOLUME_BLOCKS: u64 = WRITERS * REGION_BLOCKS;
 const CYCLES: u64 = 2;
 const LOAD: Duration = Duration::from_millis(3500);
+/// Snapshots the control thread takes per cycle at most (then it waits for the kill),
+/// which bounds the verification's reads on a slow machine.
+const SNAPSHOTS_PER_CYCLE: u64 = 16;
 /// Generation tag of the writes into clones.
 const CLONE_WRITER: u64 = 0xFF;
 
@@ -179,7 +182,7 @@ fn control(
     killed: Arc<AtomicBool>,
 ) {
     let mut rng = Rng(0xc0ff_ee00_0000_0001u64 ^ (cycle << 20));
-    for i in 0.. {
+    for i in 0..SNAPSHOTS_PER_CYCLE {
         std::thread::sleep(Duration::from_millis(60 + rng.next() % 80));
         let name = format!("c{cycle}s{i}");
         let t0 = Instant::now();
