@@ -23,39 +23,6 @@ fn setup(tag: &str) -> TestNode {
     n
 }
 
-fn read_all(n: &TestNode, export: &str) -> Vec<u8> {
-    let mut c = nbd_connect(n, export);
-    let mut buf = vec![0u8; c.size() as usize];
-    for (i, chunk) in buf.chunks_mut(4 * MIB as usize).enumerate() {
-        c.read(i as u64 * 4 * MIB, chunk).unwrap();
-    }
-    c.disconnect().unwrap();
-    buf
-}
-
-fn write_at(n: &TestNode, export: &str, model: &mut [u8], off: u64, data: &[u8]) {
-    let mut c = nbd_connect(n, export);
-    c.write(off, data, false).unwrap();
-    c.flush().unwrap();
-    c.disconnect().unwrap();
-    model[off as usize..off as usize + data.len()].copy_from_slice(data);
-}
-
-fn snapshot(n: &TestNode, vol: &str, name: &str) -> serde_json::Value {
-    n.json(&["snapshot", "create", vol, "--name", name])
-}
-
-/// The extents of `volume changes NAME --since SNAP`.
-fn changes(n: &TestNode, name: &str, since: &str) -> Vec<(u64, u64)> {
-    let c = n.json(&["volume", "changes", name, "--since", since]);
-    c["extents"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap()))
-        .collect()
-}
-
 fn snapshot_named<'a>(list: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
     list.as_array()
         .unwrap()

@@ -2,9 +2,9 @@
 //! the connection machinery the protocols (NBD, NVMe/TCP) share.
 //!
 //! - [`ExportTarget`]: the contract of an exported target (size, read-only flag, block
-//!   status, stats, per-core handles). The thin volume of `tessera-pool` implements it;
-//!   a snapshot (read-only), a clone or a replicated volume implement the same trait and
-//!   the protocols serve them unchanged.
+//!   status, changes since a snapshot, stats, per-core handles). The thin volume of
+//!   `tessera-pool` implements it; a snapshot (read-only), a clone or a replicated volume
+//!   implement the same trait and the protocols serve them unchanged.
 //! - [`ExportHandle`]: one core's handle to a target, the per-I/O face. Protocols are
 //!   generic over the target type, so each I/O is a static call, never a virtual one.
 //! - [`Export`]: a target as a protocol receives it, bound to its QoS state.
@@ -58,6 +58,35 @@ pub trait ExportTarget: Send + Sync + 'static {
     /// (length, allocated), clipped to the range, adjacent runs of one state merged.
     /// Unallocated ranges read as zeros.
     fn allocation_runs(&self, offset: u64, len: u64, max_runs: usize) -> Vec<(u64, bool)>;
+
+    /// The snapshots this target can report its changes since (NBD exports them as
+    /// `qemu:dirty-bitmap:NAME` metadata contexts), nearest first: for a volume, clone
+    /// or snapshot, the snapshots it descends from. None for a target outside a chain.
+    fn change_bases(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// The snapshot `name` of [`ExportTarget::change_bases`] as a token for
+    /// [`ExportTarget::changed_runs`]. The token names that snapshot for good: it stays
+    /// valid when the snapshot is deleted while the target still reads through it, and
+    /// never means another snapshot given the name later.
+    fn change_base(&self, _name: &str) -> Option<u64> {
+        None
+    }
+
+    /// Which parts of `[offset, offset+len)` may differ from the change base `base` (a
+    /// token of [`ExportTarget::change_base`]), as at most `max_runs` runs of (length,
+    /// changed), clipped to the range, adjacent runs of one state merged. `None` when
+    /// `base` is no longer an ancestor of the target (nothing can be said).
+    fn changed_runs(
+        &self,
+        _base: u64,
+        _offset: u64,
+        _len: u64,
+        _max_runs: usize,
+    ) -> Option<Vec<(u64, bool)>> {
+        None
+    }
 
     /// A stats block for one connection; hand it back with
     /// [`ExportTarget::unregister_stats`] when the connection closes.

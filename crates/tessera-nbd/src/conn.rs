@@ -78,6 +78,9 @@ const EDGE_RETRY: Duration = Duration::from_micros(20);
 pub struct ConnOptions {
     pub structured_replies: bool,
     pub base_allocation: Option<u32>,
+    /// Selected `qemu:dirty-bitmap:` contexts: (context id, the target's change base
+    /// token, [`ExportTarget::change_base`]).
+    pub dirty_bitmaps: Vec<(u32, u64)>,
     pub read_only: bool,
     /// The client asked for NBD_INFO_BLOCK_SIZE and so promised to keep 512-byte
     /// alignment: unaligned requests get EINVAL. Otherwise they are served (the spec's
@@ -90,6 +93,10 @@ pub struct ConnOptions {
 
 /// Malformed requests that end a connection: logged at most 10 times per 10 s.
 static BAD_REQUEST_LOG: LogLimiter = LogLimiter::new("nbd-bad-request", 10, 10);
+
+/// Dirty-bitmap block status whose snapshot left the target's chain: at most 10 lines
+/// per 10 s.
+static LOST_BASE_LOG: LogLimiter = LogLimiter::new("nbd-lost-bitmap-base", 10, 10);
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Phase {
@@ -889,11 +896,16 @@ impl<T: ExportTarget> NbdConn<T> {
         unsafe { self.vol.submit(io, op, tag) };
     }
 
+    /// One `NBD_REPLY_TYPE_BLOCK_STATUS` chunk per selected context: `base:allocation`
+    /// from the target's allocation, each `qemu:dirty-bitmap:` from its changes since
+    /// that snapshot. The first chunk's header goes in the slot; the rest of the reply
+    /// (its descriptors, then each further chunk, header and descriptors) in the data
+    /// buffer, so the reply leaves as usual, two iovecs. Rare and never on the I/O path.
     fn block_status(&mut self, io: &mut CoreIo, s: u16) {
         let idx = s as usize;
-        let Some(ctx) = self.opts.base_allocation else {
+        if self.opts.base_allocation.is_none() && self.opts.dirty_bitmaps.is_empty() {
             return self.finish(io, s, EINVAL);
-        };
+        }
         if self.slots[idx].len == 0 || !self.in_bounds(&self.slots[idx]) {
             return self.finish(io, s, EINVAL);
         }
@@ -907,28 +919,70 @@ impl<T: ExportTarget> NbdConn<T> {
         } else {
             MAX_EXTENTS
         };
-        let runs = self.target.allocation_runs(offset, len as u64, max);
-        let mut buf = io.bufs.get(4 + 8 * runs.len());
-        let b = buf.as_mut_slice();
-        b[0..4].copy_from_slice(&ctx.to_be_bytes());
-        for (i, (l, alloc)) in runs.iter().enumerate() {
-            let st = if *alloc { 0 } else { STATE_HOLE | STATE_ZERO };
-            // Runs are clipped to the request's range, whose length is a u32.
-            b[4 + 8 * i..8 + 8 * i].copy_from_slice(&u32_of(*l).to_be_bytes());
-            b[8 + 8 * i..12 + 8 * i].copy_from_slice(&st.to_be_bytes());
+        // (context id, descriptors as (length, state flags)).
+        let mut chunks: Vec<(u32, Vec<(u64, u32)>)> = Vec::new();
+        if let Some(ctx) = self.opts.base_allocation {
+            let runs = self.target.allocation_runs(offset, len as u64, max);
+            let states = runs
+                .into_iter()
+                .map(|(l, alloc)| (l, if alloc { 0 } else { STATE_HOLE | STATE_ZERO }))
+                .collect();
+            chunks.push((ctx, states));
         }
-        let plen = u32_of(4 + 8 * runs.len());
+        for &(ctx, base) in &self.opts.dirty_bitmaps {
+            let Some(runs) = self.target.changed_runs(base, offset, len as u64, max) else {
+                if LOST_BASE_LOG.admit() {
+                    warn!(
+                        client = %self.opts.client,
+                        export = %self.opts.export,
+                        context = ctx,
+                        "nbd: the snapshot of a selected dirty bitmap is no longer an \
+                         ancestor of the export; block status fails"
+                    );
+                }
+                return self.finish(io, s, EIO);
+            };
+            let states = runs
+                .into_iter()
+                .map(|(l, changed)| (l, if changed { STATE_DIRTY } else { 0 }))
+                .collect();
+            chunks.push((ctx, states));
+        }
+        let payload = |c: &(u32, Vec<(u64, u32)>)| 4 + 8 * c.1.len();
+        let data_len = payload(&chunks[0])
+            + chunks[1..]
+                .iter()
+                .map(|c| STRUCTURED_REPLY_LEN + payload(c))
+                .sum::<usize>();
+        let cookie = self.slots[idx].cookie;
+        let mut buf = io.bufs.get(data_len);
+        let b = buf.as_mut_slice();
+        let mut at = 0;
+        let last = chunks.len() - 1;
+        for (i, chunk) in chunks.iter().enumerate() {
+            let plen = u32_of(payload(chunk));
+            let done = if i == last { REPLY_FLAG_DONE } else { 0 };
+            if i == 0 {
+                let sl = &mut self.slots[idx];
+                encode_structured_reply(&mut sl.hdr, done, REPLY_TYPE_BLOCK_STATUS, cookie, plen);
+            } else {
+                let h = &mut b[at..at + STRUCTURED_REPLY_LEN];
+                encode_structured_reply(h, done, REPLY_TYPE_BLOCK_STATUS, cookie, plen);
+                at += STRUCTURED_REPLY_LEN;
+            }
+            b[at..at + 4].copy_from_slice(&chunk.0.to_be_bytes());
+            at += 4;
+            for &(l, state) in &chunk.1 {
+                // Runs are clipped to the request's range, whose length is a u32.
+                b[at..at + 4].copy_from_slice(&u32_of(l).to_be_bytes());
+                b[at + 4..at + 8].copy_from_slice(&state.to_be_bytes());
+                at += 8;
+            }
+        }
         let sl = &mut self.slots[idx];
-        encode_structured_reply(
-            &mut sl.hdr,
-            REPLY_FLAG_DONE,
-            REPLY_TYPE_BLOCK_STATUS,
-            sl.cookie,
-            plen,
-        );
         sl.hdr_len = STRUCTURED_REPLY_LEN;
         sl.buf = Some(buf);
-        sl.data_len = plen;
+        sl.data_len = u32_of(data_len);
         sl.phase = Phase::Reply;
         self.outq.push(s);
     }

@@ -33,11 +33,20 @@
 //!   are served by read-modify-write (`conn.rs`).
 //! - `NBD_FLAG_SEND_DF` is only advertised once structured replies were negotiated, as
 //!   the spec requires.
+//! - Metadata contexts: `base:allocation`, and qemu's `qemu:dirty-bitmap:NAME` (its
+//!   `docs/interop/nbd.rst`) for every snapshot NAME the export descends from
+//!   ([`ExportCatalog::dirty_bitmaps`]): bit 0 set marks the blocks changed since that
+//!   snapshot. LIST takes `base:`, `qemu:` and `qemu:dirty-bitmap:` as wildcards (and no
+//!   query as all of them); SET takes exact names only and ignores the rest, an unknown
+//!   bitmap with a log line. Ids: 1 for `base:allocation`, 2, 3, ... for the bitmaps in
+//!   the order the client asked for them.
 
 use std::fmt;
 use std::io::{self, Read, Write};
 
+use tessera_export::log_limit::LogLimiter;
 use tessera_io::cast::u32_of;
+use tracing::info;
 
 use crate::proto;
 
@@ -60,6 +69,16 @@ const MAX_STRING: usize = 4096;
 /// Metadata context id handed out for `base:allocation` by `NBD_OPT_SET_META_CONTEXT`.
 pub const BASE_ALLOCATION_ID: u32 = 1;
 
+/// Id of the first `qemu:dirty-bitmap:` context a SET selects; the next get the next ids.
+pub const FIRST_DIRTY_BITMAP_ID: u32 = 2;
+
+/// Dirty-bitmap contexts one SET may select (each costs a chunk per block status reply);
+/// more get `NBD_REP_ERR_TOO_BIG`. Backup tools use one.
+pub const MAX_DIRTY_BITMAPS: usize = 16;
+
+/// SETs naming a bitmap the export does not have: at most 10 lines per 10 s.
+static UNKNOWN_BITMAP_LOG: LogLimiter = LogLimiter::new("nbd-unknown-bitmap", 10, 10);
+
 /// What the catalogue tells the handshake about one export.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExportInfo {
@@ -75,6 +94,11 @@ pub trait ExportCatalog: Send + Sync {
     /// Export names for `NBD_OPT_LIST`. The first entry is also the default export.
     fn list(&self) -> Vec<String>;
     fn lookup(&self, name: &str) -> Option<ExportInfo>;
+    /// The dirty bitmaps export `name` offers as `qemu:dirty-bitmap:NAME` contexts: the
+    /// snapshots it can report its changes since. None by default.
+    fn dirty_bitmaps(&self, _name: &str) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// The outcome of a successful negotiation: everything the transmission phase needs.
@@ -87,6 +111,9 @@ pub struct Negotiated {
     pub structured_replies: bool,
     /// Some(id) when base:allocation was selected with NBD_OPT_SET_META_CONTEXT for this export (use id 1).
     pub base_allocation: Option<u32>,
+    /// The `qemu:dirty-bitmap:NAME` contexts selected for this export, as (context id,
+    /// NAME), in id order.
+    pub dirty_bitmaps: Vec<(u32, String)>,
     /// The client requested NBD_INFO_BLOCK_SIZE in NBD_OPT_GO (so it promised to honour constraints).
     pub block_size_negotiated: bool,
     /// The client set NBD_FLAG_C_NO_ZEROES.
@@ -256,7 +283,7 @@ pub fn negotiate_io<S: HandshakeIo>(
         catalog,
         no_zeroes: client_flags & proto::CLIENT_FLAG_NO_ZEROES != 0,
         structured_replies: false,
-        meta_context_export: None,
+        meta: None,
         out: Vec::new(),
         tls_offered: s.tls_offered(),
         tls_active: false,
@@ -333,7 +360,7 @@ pub fn negotiate_io<S: HandshakeIo>(
                     st.tls_active = true;
                     // The spec: nothing negotiated before STARTTLS survives it.
                     st.structured_replies = false;
-                    st.meta_context_export = None;
+                    st.meta = None;
                     continue;
                 }
             }
@@ -391,9 +418,8 @@ struct State<'a> {
     catalog: &'a dyn ExportCatalog,
     no_zeroes: bool,
     structured_replies: bool,
-    /// Canonical name of the export `base:allocation` was selected for by the last
-    /// `NBD_OPT_SET_META_CONTEXT`, if that selected it.
-    meta_context_export: Option<String>,
+    /// What the last `NBD_OPT_SET_META_CONTEXT` selected, if it selected anything.
+    meta: Option<MetaSelection>,
     /// Replies for the current option, written in one go to avoid small packets.
     out: Vec<u8>,
     tls_offered: bool,
@@ -403,6 +429,14 @@ struct State<'a> {
     hide_unknown: bool,
     /// FORCEDTLS: every export is TLS-only; before TLS only STARTTLS and ABORT are served.
     forced_tls: bool,
+}
+
+/// The metadata contexts a SET selected, and the export (canonical name) they are for.
+struct MetaSelection {
+    export: String,
+    base_allocation: bool,
+    /// Snapshot names of the `qemu:dirty-bitmap:` contexts, in id order.
+    dirty_bitmaps: Vec<String>,
 }
 
 /// A failure to handle an option that is reported to the client as an error reply.
@@ -524,16 +558,22 @@ impl State<'_> {
     fn negotiated(&self, name: String, info: &ExportInfo, block_size: bool) -> Negotiated {
         // Block status is only usable if the contexts were selected for the very export
         // that is now being entered (compared after resolving the default export).
-        let base_allocation = match &self.meta_context_export {
-            Some(n) if *n == name => Some(BASE_ALLOCATION_ID),
-            _ => None,
-        };
+        let selected = self.meta.as_ref().filter(|m| m.export == name);
+        let base_allocation = selected
+            .filter(|m| m.base_allocation)
+            .map(|_| BASE_ALLOCATION_ID);
+        let dirty_bitmaps = selected.map_or_else(Vec::new, |m| {
+            (FIRST_DIRTY_BITMAP_ID..)
+                .zip(m.dirty_bitmaps.iter().cloned())
+                .collect()
+        });
         Negotiated {
             export_name: name,
             size: info.size,
             read_only: info.read_only,
             structured_replies: self.structured_replies,
             base_allocation,
+            dirty_bitmaps,
             block_size_negotiated: block_size,
             no_zeroes: self.no_zeroes,
             tls: self.tls_active,
@@ -668,16 +708,14 @@ impl State<'_> {
         let set = opt == proto::OPT_SET_META_CONTEXT;
         if set {
             // SET replaces the previous selection even when it fails.
-            self.meta_context_export = None;
+            self.meta = None;
         }
         match self.try_meta_context(set, data) {
-            Ok(selected) => {
-                if selected {
-                    let mut p = Vec::with_capacity(4 + proto::BASE_ALLOCATION.len());
-                    // LIST replies carry a reserved id that SHOULD be zero; SET hands out ours.
-                    let id = if set { BASE_ALLOCATION_ID } else { 0 };
+            Ok(contexts) => {
+                for (id, name) in contexts {
+                    let mut p = Vec::with_capacity(4 + name.len());
                     p.extend_from_slice(&id.to_be_bytes());
-                    p.extend_from_slice(proto::BASE_ALLOCATION.as_bytes());
+                    p.extend_from_slice(name.as_bytes());
                     push_reply(&mut self.out, opt, proto::REP_META_CONTEXT, &p);
                 }
                 self.ack(opt);
@@ -687,8 +725,9 @@ impl State<'_> {
         }
     }
 
-    /// Returns whether `base:allocation` matched (and for SET, records the selection).
-    fn try_meta_context(&mut self, set: bool, data: &[u8]) -> Result<bool, OptError> {
+    /// The contexts the option's queries match, as (id, name) replies: ids are 0 for
+    /// LIST (the spec reserves them) and the selection's ids for SET, which records it.
+    fn try_meta_context(&mut self, set: bool, data: &[u8]) -> Result<Vec<(u32, String)>, OptError> {
         if !self.structured_replies {
             return Err(OptError::invalid(
                 "metadata contexts need NBD_OPT_STRUCTURED_REPLY first",
@@ -705,7 +744,7 @@ impl State<'_> {
         let count = r
             .u32()
             .ok_or_else(|| OptError::invalid("option data too short for the query count"))?;
-        let mut matched = false;
+        let mut queries = Vec::new();
         // Each query occupies at least 4 bytes, so the loop is bounded by the data we hold.
         for i in 0..count {
             let qlen = r
@@ -714,13 +753,7 @@ impl State<'_> {
             let q = r.take(qlen as usize).ok_or_else(|| {
                 OptError::invalid(format!("query {i} length exceeds the option data"))
             })?;
-            let hit = if set {
-                // "base:" is a LIST-only wildcard; SET must ignore it.
-                q == proto::BASE_ALLOCATION.as_bytes()
-            } else {
-                q == b"base:" || q == proto::BASE_ALLOCATION.as_bytes()
-            };
-            matched |= hit;
+            queries.push(q);
         }
         if !r.0.is_empty() {
             return Err(OptError::invalid(format!(
@@ -728,15 +761,79 @@ impl State<'_> {
                 r.0.len()
             )));
         }
-        if !set && count == 0 {
-            // No queries on LIST means "everything available on this export".
-            matched = true;
-        }
         let (canonical, _) = self.resolve_visible(name)?;
-        if set && matched {
-            self.meta_context_export = Some(canonical);
+        let bitmaps = self.catalog.dirty_bitmaps(&canonical);
+        let base_allocation = proto::BASE_ALLOCATION.as_bytes();
+        let dirty_prefix = proto::QEMU_DIRTY_BITMAP.as_bytes();
+        let mut base = false;
+        // Bitmap names matched, each once, in the order they were asked for.
+        let mut chosen: Vec<&String> = Vec::new();
+        if !set && queries.is_empty() {
+            // No queries on LIST means "everything available on this export".
+            base = true;
+            chosen.extend(bitmaps.iter());
         }
-        Ok(matched)
+        for q in queries {
+            if q == base_allocation || (!set && q == b"base:") {
+                // "base:" is a LIST-only wildcard; SET must ignore it.
+                base = true;
+                continue;
+            }
+            let wildcard = q == proto::QEMU_NAMESPACE.as_bytes() || q == dirty_prefix;
+            let matched: Vec<&String> = match q.strip_prefix(dirty_prefix) {
+                // Wildcards select nothing on SET (the spec: an empty leaf SHOULD NOT).
+                _ if wildcard && set => Vec::new(),
+                _ if wildcard => bitmaps.iter().collect(),
+                Some(leaf) => {
+                    let found: Vec<&String> =
+                        bitmaps.iter().filter(|b| b.as_bytes() == leaf).collect();
+                    if found.is_empty() && set && UNKNOWN_BITMAP_LOG.admit() {
+                        info!(
+                            export = %canonical,
+                            bitmap = %String::from_utf8_lossy(leaf),
+                            offered = ?bitmaps,
+                            "nbd: a client asked for a dirty bitmap of a snapshot the export \
+                             does not descend from; that context is not selected"
+                        );
+                    }
+                    found
+                }
+                // Other namespaces (and other qemu: contexts) are ignored, as the spec
+                // requires.
+                None => Vec::new(),
+            };
+            for b in matched {
+                if !chosen.contains(&b) {
+                    chosen.push(b);
+                }
+            }
+        }
+        if set && chosen.len() > MAX_DIRTY_BITMAPS {
+            return Err(OptError {
+                rep: proto::REP_ERR_TOO_BIG,
+                msg: format!(
+                    "{} dirty bitmaps asked for; at most {MAX_DIRTY_BITMAPS} per connection",
+                    chosen.len()
+                ),
+            });
+        }
+        let mut out = Vec::with_capacity(1 + chosen.len());
+        if base {
+            let id = if set { BASE_ALLOCATION_ID } else { 0 };
+            out.push((id, proto::BASE_ALLOCATION.to_string()));
+        }
+        for (id, b) in (FIRST_DIRTY_BITMAP_ID..).zip(&chosen) {
+            let id = if set { id } else { 0 };
+            out.push((id, format!("{}{b}", proto::QEMU_DIRTY_BITMAP)));
+        }
+        if set && !out.is_empty() {
+            self.meta = Some(MetaSelection {
+                export: canonical,
+                base_allocation: base,
+                dirty_bitmaps: chosen.into_iter().cloned().collect(),
+            });
+        }
+        Ok(out)
     }
 }
 
@@ -893,11 +990,17 @@ mod tests {
             self.opt(opt, &d)
         }
         fn run(self) -> (Result<HandshakeOutcome, HandshakeError>, Vec<u8>) {
+            self.run_with(&Catalog)
+        }
+        fn run_with(
+            self,
+            catalog: &dyn ExportCatalog,
+        ) -> (Result<HandshakeOutcome, HandshakeError>, Vec<u8>) {
             let mut d = Duplex {
                 input: Cursor::new(self.0),
                 output: Vec::new(),
             };
-            let r = negotiate(&mut d, &Catalog);
+            let r = negotiate(&mut d, catalog);
             (r, d.output)
         }
     }
@@ -973,6 +1076,7 @@ mod tests {
                 read_only: false,
                 structured_replies: true,
                 base_allocation: Some(1),
+                dirty_bitmaps: vec![],
                 block_size_negotiated: true,
                 no_zeroes: true,
                 tls: false,
@@ -1171,6 +1275,197 @@ mod tests {
                 data: vec![]
             }
         );
+    }
+
+    /// [`Catalog`] whose exports descend from snapshots: "disk0" from s2 then s1, "ro"
+    /// from twenty.
+    struct SnapCatalog;
+    impl ExportCatalog for SnapCatalog {
+        fn list(&self) -> Vec<String> {
+            Catalog.list()
+        }
+        fn lookup(&self, name: &str) -> Option<ExportInfo> {
+            Catalog.lookup(name)
+        }
+        fn dirty_bitmaps(&self, name: &str) -> Vec<String> {
+            match name {
+                "disk0" => vec!["s2".into(), "s1".into()],
+                "ro" => (0..20).map(|i| format!("r{i}")).collect(),
+                _ => Vec::new(),
+            }
+        }
+    }
+
+    /// The (id, name) of each REP_META_CONTEXT reply to `opt`.
+    fn contexts(reps: &[Rep], opt: u32) -> Vec<(u32, String)> {
+        reps.iter()
+            .filter(|r| r.opt == opt && r.ty == proto::REP_META_CONTEXT)
+            .map(|r| {
+                (
+                    u32::from_be_bytes(arr(&r.data[0..4])),
+                    String::from_utf8(r.data[4..].to_vec()).unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    fn ctx(id: u32, name: &str) -> (u32, String) {
+        (id, name.to_string())
+    }
+
+    #[test]
+    fn list_dirty_bitmaps() {
+        let all = vec![
+            ctx(0, "qemu:dirty-bitmap:s2"),
+            ctx(0, "qemu:dirty-bitmap:s1"),
+        ];
+        let mut everything = vec![ctx(0, "base:allocation")];
+        everything.extend(all.clone());
+        for (queries, want) in [
+            (&["qemu:dirty-bitmap:"][..], all.clone()),
+            (&["qemu:"][..], all.clone()),
+            (
+                &["qemu:dirty-bitmap:", "qemu:dirty-bitmap:s1"][..],
+                all.clone(),
+            ),
+            (&[][..], everything),
+            (
+                &["qemu:dirty-bitmap:s1", "qemu:dirty-bitmap:nosuch"][..],
+                vec![ctx(0, "qemu:dirty-bitmap:s1")],
+            ),
+            // Other qemu: contexts and a bitmap name without its prefix match nothing.
+            (
+                &["qemu:allocation-depth", "s1", "qemu:dirty-bitmap"][..],
+                vec![],
+            ),
+        ] {
+            let (r, out) = Script::fixed()
+                .opt(proto::OPT_STRUCTURED_REPLY, &[])
+                .meta(proto::OPT_LIST_META_CONTEXT, "disk0", queries)
+                .opt(proto::OPT_ABORT, &[])
+                .run_with(&SnapCatalog);
+            assert!(matches!(r, Ok(HandshakeOutcome::Closed)));
+            let (reps, _) = parse_output(&out);
+            assert_eq!(
+                contexts(&reps, proto::OPT_LIST_META_CONTEXT),
+                want,
+                "{queries:?}"
+            );
+            let last = reps
+                .iter()
+                .rfind(|r| r.opt == proto::OPT_LIST_META_CONTEXT)
+                .unwrap();
+            assert_eq!(last.ty, proto::REP_ACK, "{queries:?}");
+        }
+        // An export outside any chain lists none.
+        let (_, out) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(
+                proto::OPT_LIST_META_CONTEXT,
+                "disk0",
+                &["qemu:dirty-bitmap:"],
+            )
+            .run();
+        let (reps, _) = parse_output(&out);
+        assert_eq!(contexts(&reps, proto::OPT_LIST_META_CONTEXT), vec![]);
+        assert_eq!(reps[1].ty, proto::REP_ACK);
+    }
+
+    #[test]
+    fn set_dirty_bitmaps() {
+        // Known names get ids after base:allocation's, each once; unknown names and
+        // wildcards are ignored.
+        let (r, out) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(
+                proto::OPT_SET_META_CONTEXT,
+                "disk0",
+                &[
+                    "qemu:dirty-bitmap:s1",
+                    "qemu:dirty-bitmap:nosuch",
+                    "qemu:dirty-bitmap:",
+                    "qemu:",
+                    "base:allocation",
+                    "qemu:dirty-bitmap:s1",
+                    "qemu:dirty-bitmap:s2",
+                ],
+            )
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run_with(&SnapCatalog);
+        let n = transmission(r);
+        assert_eq!(n.base_allocation, Some(BASE_ALLOCATION_ID));
+        assert_eq!(n.dirty_bitmaps, vec![ctx(2, "s1"), ctx(3, "s2")]);
+        let (reps, _) = parse_output(&out);
+        assert_eq!(
+            contexts(&reps, proto::OPT_SET_META_CONTEXT),
+            vec![
+                ctx(1, "base:allocation"),
+                ctx(2, "qemu:dirty-bitmap:s1"),
+                ctx(3, "qemu:dirty-bitmap:s2"),
+            ]
+        );
+        // A bitmap alone; an unknown one alone selects nothing (ACK only).
+        let (r, _) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(
+                proto::OPT_SET_META_CONTEXT,
+                "disk0",
+                &["qemu:dirty-bitmap:s2"],
+            )
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run_with(&SnapCatalog);
+        let n = transmission(r);
+        assert_eq!(n.base_allocation, None);
+        assert_eq!(n.dirty_bitmaps, vec![ctx(2, "s2")]);
+        let (r, out) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(
+                proto::OPT_SET_META_CONTEXT,
+                "disk0",
+                &["qemu:dirty-bitmap:s9"],
+            )
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run_with(&SnapCatalog);
+        let n = transmission(r);
+        assert!(n.base_allocation.is_none() && n.dirty_bitmaps.is_empty());
+        let (reps, _) = parse_output(&out);
+        assert_eq!(
+            (reps[1].opt, reps[1].ty),
+            (proto::OPT_SET_META_CONTEXT, proto::REP_ACK)
+        );
+        // Selected for another export: dropped at GO.
+        let (r, _) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(proto::OPT_SET_META_CONTEXT, "ro", &["qemu:dirty-bitmap:r3"])
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run_with(&SnapCatalog);
+        assert!(transmission(r).dirty_bitmaps.is_empty());
+        // More than MAX_DIRTY_BITMAPS: TOO_BIG, and the earlier selection is gone.
+        let many: Vec<String> = (0..20).map(|i| format!("qemu:dirty-bitmap:r{i}")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        let (r, out) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(proto::OPT_SET_META_CONTEXT, "ro", &["qemu:dirty-bitmap:r1"])
+            .meta(proto::OPT_SET_META_CONTEXT, "ro", &many)
+            .go_like(proto::OPT_GO, "ro", &[])
+            .run_with(&SnapCatalog);
+        assert!(transmission(r).dirty_bitmaps.is_empty());
+        let (reps, _) = parse_output(&out);
+        assert_eq!(reps[3].ty, proto::REP_ERR_TOO_BIG);
+        // A later SET without bitmaps replaces the bitmaps.
+        let (r, _) = Script::fixed()
+            .opt(proto::OPT_STRUCTURED_REPLY, &[])
+            .meta(
+                proto::OPT_SET_META_CONTEXT,
+                "disk0",
+                &["qemu:dirty-bitmap:s1"],
+            )
+            .meta(proto::OPT_SET_META_CONTEXT, "disk0", &["base:allocation"])
+            .go_like(proto::OPT_GO, "disk0", &[])
+            .run_with(&SnapCatalog);
+        let n = transmission(r);
+        assert_eq!(n.base_allocation, Some(1));
+        assert!(n.dirty_bitmaps.is_empty());
     }
 
     #[test]
@@ -1710,12 +2005,15 @@ mod tests {
                 input: Cursor::new(input),
                 output: Vec::new(),
             };
-            let r = negotiate(&mut d, &Catalog);
+            let r = negotiate(&mut d, &SnapCatalog);
             if let Ok(HandshakeOutcome::Transmission(n)) = &r {
                 assert!(Catalog.lookup(&n.export_name).is_some());
-                if n.base_allocation.is_some() {
+                if n.base_allocation.is_some() || !n.dirty_bitmaps.is_empty() {
                     assert!(n.structured_replies);
                 }
+                let offered = SnapCatalog.dirty_bitmaps(&n.export_name);
+                assert!(n.dirty_bitmaps.len() <= MAX_DIRTY_BITMAPS);
+                assert!(n.dirty_bitmaps.iter().all(|(_, b)| offered.contains(b)));
             }
             // Replies are bounded by what the client sent: no amplification loops.
             assert!(d.output.len() <= 18 + (len / 16 + 1) * (20 + 4096 + 64) * 4);
@@ -1746,6 +2044,16 @@ mod tests {
                     d.extend_from_slice(&1u32.to_be_bytes());
                     d.extend_from_slice(&15u32.to_be_bytes());
                     d.extend_from_slice(b"base:allocation");
+                    d
+                }),
+                Just({
+                    let mut d = 5u32.to_be_bytes().to_vec();
+                    d.extend_from_slice(b"disk0");
+                    d.extend_from_slice(&2u32.to_be_bytes());
+                    d.extend_from_slice(&20u32.to_be_bytes());
+                    d.extend_from_slice(b"qemu:dirty-bitmap:s1");
+                    d.extend_from_slice(&18u32.to_be_bytes());
+                    d.extend_from_slice(b"qemu:dirty-bitmap:");
                     d
                 }),
             ];

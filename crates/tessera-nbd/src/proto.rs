@@ -98,6 +98,13 @@ pub const REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) | 2;
 pub const STATE_HOLE: u32 = 1 << 0;
 pub const STATE_ZERO: u32 = 1 << 1;
 pub const BASE_ALLOCATION: &str = "base:allocation";
+/// qemu's namespace (registered in the NBD spec; qemu's docs/interop/nbd.rst).
+pub const QEMU_NAMESPACE: &str = "qemu:";
+/// Prefix of qemu's dirty-bitmap contexts, `qemu:dirty-bitmap:NAME`; alone, the LIST
+/// wildcard for all of them.
+pub const QEMU_DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
+/// The one state bit of a `qemu:dirty-bitmap:` context: the extent is dirty.
+pub const STATE_DIRTY: u32 = 1 << 0;
 
 // Error values (not the host's errno: NBD fixes its own numbers).
 pub const EPERM: u32 = 1;

@@ -19,6 +19,7 @@ use tessera_nbd::handshake::{negotiate_io, HandshakeOutcome};
 use tessera_nbd::tls::{HandshakeStream, TlsLink};
 
 use tessera_export::log_limit::LogLimiter;
+use tessera_export::ExportTarget;
 use tracing::{info, warn};
 
 use tessera_http::{ApiListener, TokenSet};
@@ -323,6 +324,25 @@ where
         return;
     };
     let export = node.export_of(&vol);
+    // The bitmaps the handshake selected, bound to their snapshots now: a name given to
+    // another snapshot later does not change what this connection reports.
+    let mut dirty_bitmaps = Vec::with_capacity(n.dirty_bitmaps.len());
+    for (ctx, snapshot) in &n.dirty_bitmaps {
+        match export.target.change_base(snapshot) {
+            Some(base) => dirty_bitmaps.push((*ctx, base)),
+            None => {
+                warn!(
+                    protocol = "nbd",
+                    client = %client,
+                    export = %n.export_name,
+                    snapshot = %snapshot,
+                    "nbd: the snapshot of a selected dirty bitmap was deleted during the \
+                     handshake; connection closed"
+                );
+                return;
+            }
+        }
+    }
     info!(
         protocol = "nbd",
         client = %client,
@@ -332,11 +352,13 @@ where
         read_only = read_only || n.read_only,
         structured_replies = n.structured_replies,
         block_size_negotiated = n.block_size_negotiated,
+        dirty_bitmaps = ?n.dirty_bitmaps.iter().map(|(_, s)| s).collect::<Vec<_>>(),
         "nbd: client connected"
     );
     let opts = ConnOptions {
         structured_replies: n.structured_replies,
         base_allocation: n.base_allocation,
+        dirty_bitmaps,
         read_only: read_only || n.read_only,
         strict_block_size: n.block_size_negotiated,
         client: client.clone(),

@@ -59,6 +59,35 @@ impl ExportTarget for NodeTarget {
         }
     }
 
+    // Snapshots of replicated volumes are refused (the replicas would differ), so only a
+    // local volume has a chain to report changes from.
+    fn change_bases(&self) -> Vec<String> {
+        match self {
+            NodeTarget::Local(v) => v.change_bases(),
+            NodeTarget::Replicated(_) => Vec::new(),
+        }
+    }
+
+    fn change_base(&self, name: &str) -> Option<u64> {
+        match self {
+            NodeTarget::Local(v) => ExportTarget::change_base(&**v, name),
+            NodeTarget::Replicated(_) => None,
+        }
+    }
+
+    fn changed_runs(
+        &self,
+        base: u64,
+        offset: u64,
+        len: u64,
+        max_runs: usize,
+    ) -> Option<Vec<(u64, bool)>> {
+        match self {
+            NodeTarget::Local(v) => ExportTarget::changed_runs(&**v, base, offset, len, max_runs),
+            NodeTarget::Replicated(_) => None,
+        }
+    }
+
     // Stats live with the local volume either way, so `volume stats` and metrics see a
     // replicated volume's client I/O under its name.
     fn register_stats(&self) -> Arc<IoStats> {

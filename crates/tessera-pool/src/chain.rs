@@ -470,55 +470,23 @@ impl Pool {
     /// `to` (an older snapshot of the same volume, or the snapshot a clone was made
     /// from): every block some member of the chain between them wrote. Sorted, merged.
     pub fn changed_extents(&self, from: &Arc<Volume>, to: &Arc<Volume>) -> Result<Vec<(u64, u64)>> {
+        // Under the lock: no write is redirected, no snapshot taken while it is read.
         let _s = self.core.lock();
-        let mut layers = vec![to.clone()];
-        let mut found = false;
-        for a in to.ancestors() {
-            if Arc::ptr_eq(&a, from) {
-                found = true;
-                break;
+        let runs = to
+            .changed_runs(from.id, 0, to.size(), usize::MAX)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "'{}' is not an older snapshot of '{}'",
+                    from.name, to.name
+                ))
+            })?;
+        let mut at = 0;
+        let mut out = Vec::new();
+        for (len, changed) in runs {
+            if changed {
+                out.push((at, len));
             }
-            layers.push(a);
-        }
-        if !found {
-            return Err(Error::invalid(format!(
-                "'{}' is not an older snapshot of '{}'",
-                from.name, to.name
-            )));
-        }
-        let pres = &self.core.presence;
-        let bshift = pres.block_shift;
-        let shift = self.core.unit_shift;
-        // Per unit, the blocks that changed.
-        let mut changed: BTreeMap<u64, [u64; 4]> = BTreeMap::new();
-        for l in &layers {
-            let map = l.current_map();
-            for (u, p) in map.mapped_in(0, map.len()) {
-                let e = changed.entry(u).or_default();
-                for b in 0..pres.blocks {
-                    if pres.present(p, b) {
-                        e[(b / 64) as usize] |= 1 << (b % 64);
-                    }
-                }
-            }
-        }
-        let size = to.size();
-        let mut out: Vec<(u64, u64)> = Vec::new();
-        for (u, bits) in changed {
-            for b in 0..pres.blocks {
-                if bits[(b / 64) as usize] & (1 << (b % 64)) == 0 {
-                    continue;
-                }
-                let start = (u << shift) + ((b as u64) << bshift);
-                if start >= size {
-                    break;
-                }
-                let end = (start + (1 << bshift)).min(size);
-                match out.last_mut() {
-                    Some(last) if last.0 + last.1 == start => last.1 += end - start,
-                    _ => out.push((start, end - start)),
-                }
-            }
+            at += len;
         }
         Ok(out)
     }

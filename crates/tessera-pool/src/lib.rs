@@ -8,8 +8,10 @@
 //! - [`meta`]: superblock, checkpoints and journal on the pool's metadata region.
 //! - [`pool`]: allocation, commits, volume and export management.
 //! - [`volume`]: the thin map and the per-core volume datapath.
+//! - [`chain`]: snapshots and clones; `changes`: what changed since a snapshot.
 
 pub mod chain;
+mod changes;
 pub mod devstats;
 pub mod error;
 pub mod format;

@@ -941,6 +941,24 @@ impl ExportTarget for Volume {
         Volume::allocation_runs(self, offset, len, max_runs)
     }
 
+    fn change_bases(&self) -> Vec<String> {
+        Volume::change_bases(self)
+    }
+
+    fn change_base(&self, name: &str) -> Option<u64> {
+        Volume::change_base(self, name).map(u64::from)
+    }
+
+    fn changed_runs(
+        &self,
+        base: u64,
+        offset: u64,
+        len: u64,
+        max_runs: usize,
+    ) -> Option<Vec<(u64, bool)>> {
+        Volume::changed_runs(self, u32::try_from(base).ok()?, offset, len, max_runs)
+    }
+
     fn register_stats(&self) -> Arc<IoStats> {
         Volume::register_stats(self)
     }

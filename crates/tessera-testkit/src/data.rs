@@ -36,3 +36,44 @@ pub fn block(i: usize, gen: u64, len: usize) -> Vec<u8> {
         len,
     )
 }
+
+/// A 4 KiB block that says what it is: `block` and `gen` in its first 16 bytes, then a
+/// stream seeded by both; generation 0 is all zeros (never written). Crash tests write
+/// these and [`decode_stamped`] tells, from a block read back, which write landed or
+/// that it is torn or misplaced.
+pub fn stamped(block: u64, gen: u64) -> Vec<u8> {
+    if gen == 0 {
+        return vec![0; 4096];
+    }
+    let mut b = Vec::with_capacity(4096);
+    b.extend_from_slice(&block.to_le_bytes());
+    b.extend_from_slice(&gen.to_le_bytes());
+    let mut r = Rng((block.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ^ gen.wrapping_mul(0xc2b2_ae3d_27d4_eb4f))
+        | 1);
+    while b.len() < 4096 {
+        b.extend_from_slice(&r.next().to_le_bytes());
+    }
+    b
+}
+
+/// Which generation a [`stamped`] block read back at `block` holds (0: zeros), or what
+/// is wrong with it.
+pub fn decode_stamped(block: u64, data: &[u8]) -> Result<u64, String> {
+    if data.iter().all(|&x| x == 0) {
+        return Ok(0);
+    }
+    let b = u64::from_le_bytes(data[0..8].try_into().expect("8 bytes"));
+    let g = u64::from_le_bytes(data[8..16].try_into().expect("8 bytes"));
+    if b != block {
+        return Err(format!("holds the header of block {b} (generation {g:#x})"));
+    }
+    let good = stamped(block, g);
+    if data != good.as_slice() {
+        let bad = data.iter().zip(&good).filter(|(a, b)| a != b).count();
+        return Err(format!(
+            "header says generation {g:#x} but {bad} bytes differ from its pattern (torn or mixed write)"
+        ));
+    }
+    Ok(g)
+}

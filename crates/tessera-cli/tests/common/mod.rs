@@ -69,3 +69,41 @@ pub fn verify_generations(n: &TestNode, export: &str, model: &[u64], bs: usize) 
         );
     }
 }
+
+/// Every byte of export `export`, read in 4 MiB requests.
+pub fn read_all(n: &TestNode, export: &str) -> Vec<u8> {
+    let mut c = nbd_connect(n, export);
+    let size = usize::try_from(c.size()).unwrap();
+    let mut buf = vec![0u8; size];
+    for (i, chunk) in buf.chunks_mut(4 << 20).enumerate() {
+        c.read(i as u64 * (4 << 20), chunk).unwrap();
+    }
+    c.disconnect().unwrap();
+    buf
+}
+
+/// Write `data` at `off` of export `export` and flush; the same bytes go into `model`.
+pub fn write_at(n: &TestNode, export: &str, model: &mut [u8], off: u64, data: &[u8]) {
+    let mut c = nbd_connect(n, export);
+    c.write(off, data, false).unwrap();
+    c.flush().unwrap();
+    c.disconnect().unwrap();
+    let at = usize::try_from(off).unwrap();
+    model[at..at + data.len()].copy_from_slice(data);
+}
+
+/// `tessera snapshot create VOL --name NAME`, its JSON answer.
+pub fn snapshot(n: &TestNode, vol: &str, name: &str) -> serde_json::Value {
+    n.json(&["snapshot", "create", vol, "--name", name])
+}
+
+/// The extents of `volume changes NAME --since SNAP`.
+pub fn changes(n: &TestNode, name: &str, since: &str) -> Vec<(u64, u64)> {
+    let c = n.json(&["volume", "changes", name, "--since", since]);
+    c["extents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap()))
+        .collect()
+}

@@ -439,4 +439,14 @@ impl ExportCatalog for Node {
             tls_required: self.export_tls_required(&e),
         })
     }
+    /// The snapshots the export's volume descends from: `qemu:dirty-bitmap:NAME`
+    /// contexts whose block status marks what changed since NAME.
+    fn dirty_bitmaps(&self, name: &str) -> Vec<String> {
+        use tessera_export::ExportTarget;
+        let Some((p, e)) = self.find_export(name) else {
+            return Vec::new();
+        };
+        p.volume_by_id(e.volume_id)
+            .map_or_else(Vec::new, |v| self.target_of(&v).change_bases())
+    }
 }

@@ -102,13 +102,17 @@ impl Node {
     /// A volume as the protocols export it: the volume and the QoS state its
     /// connections are admitted by.
     pub fn export_of(&self, vol: &Arc<Volume>) -> tessera_export::Export<NodeTarget> {
-        let target = match self.replicated_of(vol) {
+        tessera_export::Export {
+            target: Arc::new(self.target_of(vol)),
+            qos: self.groups.volume_qos(vol),
+        }
+    }
+
+    /// What serves a volume: the volume, or the replicated volume it is the local leg of.
+    pub fn target_of(&self, vol: &Arc<Volume>) -> NodeTarget {
+        match self.replicated_of(vol) {
             Some(rv) => NodeTarget::Replicated(rv),
             None => NodeTarget::Local(vol.clone()),
-        };
-        tessera_export::Export {
-            target: Arc::new(target),
-            qos: self.groups.volume_qos(vol),
         }
     }
 
