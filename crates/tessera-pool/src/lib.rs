@@ -10,6 +10,7 @@
 //! - [`volume`]: the thin map and the per-core volume datapath.
 
 pub mod chain;
+mod chain_io;
 pub mod devstats;
 pub mod error;
 pub mod format;
