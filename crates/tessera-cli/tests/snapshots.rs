@@ -361,7 +361,10 @@ fn snapshots_on_a_raid5_pool_with_concurrent_first_writes() {
             v[off..off + len].copy_from_slice(&data[off..off + len]);
         }
     }
-    assert!(read_all(&n, "v") == v, "volume after concurrent first writes");
+    assert!(
+        read_all(&n, "v") == v,
+        "volume after concurrent first writes"
+    );
     n.cli_ok(&["export", "add", "se", "--volume", "s"]);
     assert!(read_all(&n, "se") == s_model, "snapshot after first writes");
 

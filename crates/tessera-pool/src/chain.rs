@@ -196,11 +196,7 @@ impl PoolCore {
                         }
                     }
                     match reads.last_mut() {
-                        Some(r)
-                            if r.run == run
-                                && r.first + r.count == blk
-                                && (r.src == src) =>
-                        {
+                        Some(r) if r.run == run && r.first + r.count == blk && (r.src == src) => {
                             r.count += 1
                         }
                         _ => reads.push(ChainRead {

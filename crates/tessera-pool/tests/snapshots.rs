@@ -458,7 +458,10 @@ fn concurrent_first_writes(layout: LayoutKind, ndev: usize) {
                 start.wait();
                 for (off, len) in ranges {
                     let r = off as usize..(off + len) as usize;
-                    assert!(write(&mut io, &mut h, off, &data[r]) >= 0, "write {off}+{len}");
+                    assert!(
+                        write(&mut io, &mut h, off, &data[r]) >= 0,
+                        "write {off}+{len}"
+                    );
                 }
                 done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             })
