@@ -6,6 +6,12 @@
 #
 #   bench/snapshots.sh        # SIZE=256M ROUNDS=3 [TESSERA=target/release/tessera]
 #
+# ONLY=writes runs only the first-write / steady-state rounds (for `bench/ab.sh
+# snapshots`). STEADY_RUNTIME=S measures the steady state as STEADY_PASSES [3] pairs of
+# S-second time-based passes, plain and snapshotted volume interleaved (and prints a
+# `steady` line per pair), instead of one random pass each. DEVICE [ram:2G] is the
+# pool's device spec.
+#
 # One reactor core, a 2 GiB RAM pool with 1 MiB units, fio's nbd engine as the client
 # (one pass of 4 KiB random writes covers every block of SIZE exactly once: fio's random
 # map). Rounds alternate the plain and the snapshot runs, so drift shows as spread. The
@@ -13,6 +19,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 SIZE="${SIZE:-256M}"; ROUNDS="${ROUNDS:-3}"
+ONLY="${ONLY:-all}"; STEADY_RUNTIME="${STEADY_RUNTIME:-}"; STEADY_PASSES="${STEADY_PASSES:-3}"
+DEVICE="${DEVICE:-ram:2G}"
 TESSERA="${TESSERA:-target/release/tessera}"
 [[ -x "$TESSERA" ]] || cargo build --release -p tessera-cli >&2
 
@@ -28,7 +36,7 @@ cores = 1
 listen = ["127.0.0.1:$PORT"]
 [[pool]]
 name = "p"
-devices = ["ram:2G"]
+devices = ["$DEVICE"]
 [[volume]]
 name = "plain"
 pool = "p"
@@ -74,11 +82,22 @@ for ((r = 1; r <= ROUNDS; r++)); do
   read -r base _ < <(fio_run plain randwrite)
   t0=$(now_us); cli snapshot create a --name "r$r" >/dev/null; t1=$(now_us)
   read -r first _ < <(fio_run a randwrite)
-  read -r steady _ < <(fio_run a randwrite)
+  if [[ -n "$STEADY_RUNTIME" ]]; then
+    # Every block of 'a' was rewritten by the first pass: interleaved timed passes.
+    for ((k = 1; k <= STEADY_PASSES; k++)); do
+      read -r sp _ < <(fio_run plain randwrite --time_based --runtime="$STEADY_RUNTIME")
+      read -r sa _ < <(fio_run a randwrite --time_based --runtime="$STEADY_RUNTIME")
+      echo "steady $r $k plain $sp snap $sa"
+    done
+    steady=-
+  else
+    read -r steady _ < <(fio_run a randwrite)
+  fi
   printf "%d %s %s %s %.1f\n" "$r" "$base" "$first" "$steady" "$(( t1 - t0 ))e-3"
   # The previous round's snapshot goes (hidden until nothing reads it).
   (( r > 1 )) && cli snapshot delete "r$((r - 1))" >/dev/null
 done
+[[ "$ONLY" == writes ]] && exit 0
 
 echo
 echo "stall: 4k randwrite QD32 for 6 s on 'a', snapshot created at 2 s (or not)"

@@ -6,7 +6,9 @@
 //! the chain has data for allocates a *partial* unit: only the blocks written land there,
 //! a presence bitmap says which, and reads of the other blocks fall through to the parent.
 //! So a 4 KiB write after a snapshot writes 4 KiB (plus, for a write smaller than a block,
-//! the rest of its block read from the parent), never a whole unit.
+//! the rest of its block read from the parent), never a whole unit. Here is the metadata
+//! half of that first write, taken under the pool lock (`plan_first_write`,
+//! `finish_first_write`); its data goes through the per-core datapath (`chain_io`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering::{Relaxed, Release};
@@ -17,7 +19,7 @@ use crate::format::{ChainRecord, Record, CHAIN_SNAPSHOT, OWNER_FREE};
 use crate::pool::{now_secs, Pool, PoolCore, State};
 use crate::presence::{presence_record, PARTIAL_MAX};
 use crate::volume::{UnitMap, Volume, HOLE};
-use tessera_io::cast::{u32_of, usize_of};
+use tessera_io::cast::u32_of;
 
 /// Space of one snapshot, as `snapshot list` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,48 +38,81 @@ pub struct SnapshotInfo {
     pub shared: u64,
 }
 
+/// One run of blocks of a first write into a shared unit (`PoolCore::plan_first_write`):
+/// blocks `[first, last]`, all present in the writer's unit or all absent (still the
+/// parent's, claimed by this write until it completes).
+pub(crate) struct BlockRun {
+    pub first: u32,
+    pub last: u32,
+    pub present: bool,
+    /// Absent runs that the write does not cover whole: the whole run is written from
+    /// this buffer (the chain's blocks read into it, the write's bytes copied over).
+    pub buf: Option<tessera_io::AlignedBuf>,
+}
+
+/// A read from the chain into an absent run's buffer: blocks `[first, first + count)`
+/// of the run's unit, from pool unit `src` (or zeros when `src` is [`HOLE`]).
+#[derive(Clone, Copy)]
+pub(crate) struct ChainRead {
+    pub run: u32,
+    pub first: u32,
+    pub count: u32,
+    pub src: u32,
+}
+
+/// What `PoolCore::plan_first_write` decided.
+pub(crate) enum FirstWritePlan {
+    /// Refused: -errno.
+    Fail(i32),
+    /// A block it needs is being written by another first write (on any core): retry
+    /// in the next round.
+    Busy,
+    /// The chain has nothing at this unit: a plain unit `p` was allocated (zeroed unless
+    /// written whole), written like any other.
+    Plain(u32),
+    /// Partial unit `p` of layer `layer`: `runs` and `reads` say what to do.
+    Partial { p: u32, layer: u32 },
+}
+
 impl PoolCore {
     /// Unit `u`'s data in some ancestor of the chain `chain` (nearest first)?
     fn chain_has(chain: &[Arc<UnitMap>], u: u64) -> bool {
         chain.iter().any(|m| m.get(u) != HOLE)
     }
 
-    /// Read block `b` of unit `u` as the chain `chain` (nearest first) shows it.
-    fn read_chain_block(&self, chain: &[Arc<UnitMap>], u: u64, b: u32, out: &mut [u8]) -> i32 {
-        for m in chain {
-            let p = m.get(u);
-            if p != HOLE && self.presence.present(p, b) {
-                let off =
-                    ((p as u64) << self.unit_shift) + ((b as u64) << self.presence.block_shift);
-                return match self.layout.read_at(off, out) {
-                    Ok(()) => 0,
-                    Err(e) => -e.raw_os_error().unwrap_or(libc::EIO),
-                };
-            }
-        }
-        out.fill(0);
-        0
+    /// Whether block `b` of pool unit `p` is claimed by a first write in flight.
+    fn claimed(s: &State, p: u32, b: u32) -> bool {
+        s.copying
+            .get(&p)
+            .is_some_and(|w| w[(b / 64) as usize] & (1 << (b % 64)) != 0)
     }
 
-    /// The write (`data`, or zeros when `None`) of `len` bytes at volume offset `at`
-    /// inside unit `unit` of a volume in a chain, where the fast path could not take it:
-    /// the unit has no space of its own yet, or some block it touches is still the
-    /// parent's. Runs on a reactor, synchronously, under the pool lock, like a first
-    /// write's zeroing: it is taken once per block after a snapshot. Returns 0 or -errno.
-    pub(crate) fn write_redirected(
+    /// The metadata half of a write of `len` bytes at volume offset `at` inside unit
+    /// `unit` of a volume in a chain, where the fast path could not take it (the unit
+    /// has no space of its own yet, or some block it touches is still the parent's).
+    /// Under the pool lock and without any data I/O: allocates the unit (partial, not
+    /// zeroed) if needed, splits the blocks the write touches into `runs`, claims the
+    /// absent ones, and lists in `reads` where the parts of absent blocks the write does
+    /// not cover come from. The data is then written through the per-core datapath
+    /// (`chain_io`), and `finish_first_write` marks the blocks present once it is on
+    /// the devices. A block another first write has claimed makes this `Busy`: its
+    /// contents are not settled until that write completes (two writers each merging
+    /// the parent's block with their own bytes would lose one of them).
+    pub(crate) fn plan_first_write(
         &self,
         vol: &Volume,
         unit: u64,
         at: u64,
         len: u64,
-        data: Option<&[u8]>,
-    ) -> i32 {
+        runs: &mut Vec<BlockRun>,
+        reads: &mut Vec<ChainRead>,
+    ) -> FirstWritePlan {
         if vol.is_snapshot() {
-            return -libc::EROFS;
+            return FirstWritePlan::Fail(-libc::EROFS);
         }
         let mut s = self.lock();
         if vol.is_deleted() {
-            return -libc::ESHUTDOWN;
+            return FirstWritePlan::Fail(-libc::ESHUTDOWN);
         }
         let map = vol.current_map();
         let chain = vol.ancestor_maps();
@@ -88,27 +123,16 @@ impl PoolCore {
             if !Self::chain_has(&chain, unit) {
                 // Nothing to share here: a plain unit, zeroed unless written whole.
                 drop(s);
-                p = match self.allocate(vol, unit, len == unit_size) {
-                    Ok(p) => p,
-                    Err(e) => return e,
-                };
-                let zeros;
-                let bytes = match data {
-                    Some(d) => d,
-                    None => {
-                        zeros = vec![0u8; usize_of(len)];
-                        &zeros
-                    }
-                };
-                let off = ((p as u64) << self.unit_shift) + within;
-                return match self.layout.write_at(off, bytes) {
-                    Ok(()) => 0,
-                    Err(e) => -e.raw_os_error().unwrap_or(libc::EIO),
+                return match self.allocate(vol, unit, len == unit_size) {
+                    Ok(p) => FirstWritePlan::Plain(p),
+                    // A snapshot came in between: plan again.
+                    Err(crate::pool::NEEDS_REDIRECT) => FirstWritePlan::Busy,
+                    Err(e) => FirstWritePlan::Fail(e),
                 };
             }
             // Not zeroed: its absent blocks are never read (§3.4).
             let Some(q) = s.free.pop().or_else(|| s.zeroed.pop_back()) else {
-                return -libc::ENOSPC;
+                return FirstWritePlan::Fail(-libc::ENOSPC);
             };
             p = q;
             // The presence marker first: a replay never takes this unit as full.
@@ -134,8 +158,9 @@ impl PoolCore {
             // Too many partial units for the catalog: make this one whole now.
             (b0, b1) = (0, self.presence.blocks - 1);
         }
-        let base = (p as u64) << self.unit_shift;
         let write_end = within + len;
+        runs.clear();
+        reads.clear();
         let mut b = b0;
         while b <= b1 {
             let present = self.presence.present(p, b);
@@ -143,71 +168,121 @@ impl PoolCore {
             while e < b1 && self.presence.present(p, e + 1) == present {
                 e += 1;
             }
-            let run_start = (b as u64) << bshift;
-            let run_end = ((e as u64) + 1) << bshift;
-            let r = if present {
-                // The owner's own blocks: only the bytes written (another core may be
-                // writing the rest of them now).
-                let (from, to) = (run_start.max(within), run_end.min(write_end));
-                if from < to {
-                    let bytes = match data {
-                        Some(d) => d[usize_of(from - within)..usize_of(to - within)].to_vec(),
-                        None => vec![0u8; usize_of(to - from)],
-                    };
-                    self.layout
-                        .write_at(base + from, &bytes)
-                        .map_or_else(|e| -e.raw_os_error().unwrap_or(libc::EIO), |_| 0)
-                } else {
-                    0
-                }
-            } else {
-                // Blocks still the parent's: whole blocks, the bytes not written taken
-                // from the chain, then marked present.
-                let mut buf = vec![0u8; usize_of(run_end - run_start)];
-                let mut r = 0;
+            if !present {
+                let run = u32_of(runs.len());
                 for blk in b..=e {
+                    if Self::claimed(&s, p, blk) {
+                        return FirstWritePlan::Busy;
+                    }
                     let bs = (blk as u64) << bshift;
                     if bs >= within && bs + bsize <= write_end {
                         continue;
                     }
-                    let piece =
-                        &mut buf[usize_of(bs - run_start)..usize_of(bs - run_start + bsize)];
-                    r = self.read_chain_block(&chain, unit, blk, piece);
-                    if r != 0 {
-                        break;
-                    }
-                }
-                let (from, to) = (run_start.max(within), run_end.min(write_end));
-                if r == 0 && from < to {
-                    let dst = &mut buf[usize_of(from - run_start)..usize_of(to - run_start)];
-                    match data {
-                        Some(d) => {
-                            dst.copy_from_slice(&d[usize_of(from - within)..usize_of(to - within)])
+                    // Partly written or not at all: the rest comes from the chain.
+                    let mut src = HOLE;
+                    for m in &chain {
+                        let q = m.get(unit);
+                        if q == HOLE {
+                            continue;
                         }
-                        None => dst.fill(0),
+                        // An ancestor's block still being written (a snapshot took the
+                        // unit while a first write into it was in flight).
+                        if Self::claimed(&s, q, blk) {
+                            return FirstWritePlan::Busy;
+                        }
+                        if self.presence.present(q, blk) {
+                            src = q;
+                            break;
+                        }
+                    }
+                    match reads.last_mut() {
+                        Some(r) if r.run == run && r.first + r.count == blk && (r.src == src) => {
+                            r.count += 1
+                        }
+                        _ => reads.push(ChainRead {
+                            run,
+                            first: blk,
+                            count: 1,
+                            src,
+                        }),
                     }
                 }
-                if r == 0 {
-                    r = self
-                        .layout
-                        .write_at(base + run_start, &buf)
-                        .map_or_else(|e| -e.raw_os_error().unwrap_or(libc::EIO), |_| 0);
-                }
-                if r == 0 {
-                    // After the data: a commit syncs the data before it journals this.
-                    s.records.push(presence_record(p, b, e - b + 1));
-                    if self.presence.set(p, b, e - b + 1) {
-                        s.partial.remove(&p);
-                    }
-                }
-                r
-            };
-            if r != 0 {
-                return r;
             }
+            runs.push(BlockRun {
+                first: b,
+                last: e,
+                present,
+                buf: None,
+            });
             b = e + 1;
         }
-        0
+        // Claim the absent blocks until the write completes.
+        let claims = s.copying.entry(p).or_default();
+        for r in runs.iter().filter(|r| !r.present) {
+            for blk in r.first..=r.last {
+                claims[(blk / 64) as usize] |= 1 << (blk % 64);
+            }
+        }
+        FirstWritePlan::Partial {
+            p,
+            layer: vol.layer(),
+        }
+    }
+
+    /// A first write planned by `plan_first_write` completed with `res`: its absent
+    /// blocks are released and, when it succeeded, marked present (journaled after the
+    /// data write completed: a commit syncs the data before it writes this record).
+    /// Nothing is marked when the unit changed hands meanwhile (freed by a delete).
+    pub(crate) fn finish_first_write(
+        &self,
+        p: u32,
+        layer: u32,
+        unit: u64,
+        runs: &[BlockRun],
+        res: i32,
+    ) {
+        let mut s = self.lock();
+        if let Some(claims) = s.copying.get_mut(&p) {
+            for r in runs.iter().filter(|r| !r.present) {
+                for blk in r.first..=r.last {
+                    claims[(blk / 64) as usize] &= !(1 << (blk % 64));
+                }
+            }
+            if claims.iter().all(|&w| w == 0) {
+                s.copying.remove(&p);
+            }
+        }
+        if res < 0 || s.owners.get(p as usize) != Some(&(layer, u32_of(unit))) {
+            return;
+        }
+        for r in runs.iter().filter(|r| !r.present) {
+            let count = r.last - r.first + 1;
+            s.records.push(presence_record(p, r.first, count));
+            if self.presence.set(p, r.first, count) {
+                s.partial.remove(&p);
+            }
+        }
+    }
+
+    /// Give back units `[first, last]` of `vol` (in a chain) that the chain below has
+    /// nothing at: released, they read as zeros, as on a plain volume. A unit the chain
+    /// has data at stays (releasing it would show the parent's data again; discard is
+    /// advisory).
+    pub(crate) fn unmap_unshared_units(&self, vol: &Volume, first: u64, last: u64) {
+        let mut s = self.lock();
+        let map = vol.current_map();
+        let chain = vol.ancestor_maps();
+        let mapped: Vec<(u64, u32)> = map
+            .mapped_in(first, last + 1)
+            .filter(|&(u, p)| !Self::chain_has(&chain, u) && !s.copying.contains_key(&p))
+            .collect();
+        for (u, p) in mapped {
+            free_unit(self, &mut s, &map, u, p);
+            vol.allocated.fetch_sub(1, Relaxed);
+        }
+        if map.has_empty_leaf_in(first, last + 1) {
+            vol.compact_wanted.store(true, Relaxed);
+        }
     }
 }
 
@@ -225,19 +300,6 @@ impl Pool {
         s.volumes.values().any(|v| !v.is_hidden() && v.name == name)
     }
 
-    /// Snapshots need the first write after one to write synchronously on its reactor;
-    /// on a parity layout that write could wait for a row lock the same reactor holds.
-    fn check_chain_layout(&self) -> Result<()> {
-        if self.core.layout.parity.is_some() {
-            return Err(Error::invalid(format!(
-                "pool '{}' has a parity layout: snapshots and clones are supported on \
-                 concat, raid0, raid1 and raid10 pools for now",
-                self.core.name
-            )));
-        }
-        Ok(())
-    }
-
     /// Take a snapshot of `vol` named `name`: metadata only (the snapshot takes the
     /// volume's map as it is, the volume goes on with an empty one reading through it),
     /// durable when this returns. Writes acknowledged before the call are in it.
@@ -250,7 +312,6 @@ impl Pool {
     /// under the pool lock, one checkpoint, so no write is in one and missing from
     /// another that was acknowledged before it.
     pub fn create_snapshots(&self, what: &[(Arc<Volume>, String)]) -> Result<Vec<Arc<Volume>>> {
-        self.check_chain_layout()?;
         for (i, (vol, name)) in what.iter().enumerate() {
             crate::pool::validate_name("snapshot", name)?;
             if vol.is_snapshot() {
@@ -325,7 +386,6 @@ impl Pool {
         name: &str,
         force: bool,
     ) -> Result<Arc<Volume>> {
-        self.check_chain_layout()?;
         crate::pool::validate_name("volume", name)?;
         if !snap.is_snapshot() || snap.is_hidden() {
             return Err(Error::invalid(format!(

@@ -11,6 +11,7 @@
 //! - [`chain`]: snapshots and clones; `changes`: what changed since a snapshot.
 
 pub mod chain;
+mod chain_io;
 mod changes;
 pub mod devstats;
 pub mod error;

@@ -110,6 +110,9 @@ pub(crate) struct State {
     pub next_volume_id: u32,
     /// Partial units (docs/format.md §3.4): owned, with some block still the parent's.
     pub partial: std::collections::BTreeSet<u32>,
+    /// Blocks of partial units that a first write in flight is filling (bit per block,
+    /// memory only): no other write takes them until it completes (`chain.rs`).
+    pub copying: std::collections::HashMap<u32, [u64; 4]>,
 }
 
 impl State {
@@ -168,7 +171,7 @@ pub struct PoolCore {
 }
 
 /// `PoolCore::allocate` for a volume whose chain has data at the unit: the write must
-/// take the redirect path (`write_redirected`). Not an errno.
+/// take the first-write path (`chain_io`). Not an errno.
 pub(crate) const NEEDS_REDIRECT: i32 = i32::MIN;
 
 pub struct Pool {
@@ -1001,6 +1004,7 @@ impl Pool {
                 exports: catalog.exports.clone(),
                 next_volume_id: catalog.next_volume_id.max(1),
                 partial: std::collections::BTreeSet::new(),
+                copying: std::collections::HashMap::new(),
             }),
             presence: crate::presence::PresenceTable::new(meta.sb.total_units, unit_shift),
             meta,

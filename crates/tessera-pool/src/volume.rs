@@ -565,6 +565,7 @@ impl Volume {
             layout: self.pool.layout.open_handle(),
             shift: self.pool.unit_shift,
             vol: self.clone(),
+            first_writes: None,
         }
     }
 }
@@ -581,6 +582,8 @@ pub struct VolumeHandle {
     gen: u64,
     layout: LayoutHandle,
     shift: u32,
+    /// This core's first-write engine of the pool (`chain_io`), found on first use.
+    first_writes: Option<std::rc::Rc<crate::chain_io::FirstWrites>>,
 }
 
 impl Drop for VolumeHandle {
@@ -786,19 +789,17 @@ impl IoHandle for VolumeHandle {
                     let mut p = h.map.get(u);
                     // SAFETY: roff + seg <= len, within the submitter's buffer.
                     let b = unsafe { buf.add(usize_of(roff)) };
-                    let redirect = |h: &mut Self, io: &mut CoreIo| {
-                        // SAFETY: as above; the submitter keeps it alive until completion.
-                        let data = unsafe { std::slice::from_raw_parts(b, usize_of(seg)) };
-                        let r = h.vol.pool.write_redirected(&h.vol, u, at, seg, Some(data));
-                        io.complete(t, r)
-                    };
                     if !h.chain.is_empty() && (p == HOLE || !h.owns_blocks(p, at, seg)) {
-                        return redirect(h, io);
+                        // SAFETY: the submitter keeps `b` alive until `t` completes.
+                        return unsafe { h.first_write(io, u, at, seg, b, t) };
                     }
                     if p == HOLE {
                         match h.vol.pool.allocate(&h.vol, u, seg == 1u64 << h.shift) {
                             Ok(n) => p = n,
-                            Err(crate::pool::NEEDS_REDIRECT) => return redirect(h, io),
+                            Err(crate::pool::NEEDS_REDIRECT) => {
+                                // SAFETY: as above.
+                                return unsafe { h.first_write(io, u, at, seg, b, t) };
+                            }
                             Err(e) => return io.complete(t, e),
                         }
                     }
@@ -815,11 +816,9 @@ impl IoHandle for VolumeHandle {
                 })
             }
             IoOp::Discard { .. } => {
-                // In a chain a released unit would show the parent's data again: the
-                // space stays (discard is advisory).
-                if self.chain.is_empty() {
-                    self.release_whole_units(offset, len);
-                }
+                // In a chain only the units the chain below has nothing at are given
+                // back (a released shared unit would show the parent's data again).
+                self.release_whole_units(offset, len);
                 io.complete(tag, 0);
             }
             IoOp::WriteZeroes { may_unmap, .. } => {
@@ -849,13 +848,19 @@ impl VolumeHandle {
             end / unit
         };
         if last_excl > first {
-            self.vol.pool.unmap_units(&self.vol, first, last_excl - 1);
+            if self.chain.is_empty() {
+                self.vol.pool.unmap_units(&self.vol, first, last_excl - 1);
+            } else {
+                self.vol
+                    .pool
+                    .unmap_unshared_units(&self.vol, first, last_excl - 1);
+            }
         }
     }
 
     fn write_zeroes(&mut self, io: &mut CoreIo, offset: u64, len: u64, may_unmap: bool, tag: Tag) {
         if !self.chain.is_empty() {
-            return self.write_zeroes_chained(io, offset, len, tag);
+            return self.write_zeroes_chained(io, offset, len, may_unmap, tag);
         }
         if may_unmap {
             self.release_whole_units(offset, len);
@@ -882,23 +887,38 @@ impl VolumeHandle {
             } else if may_unmap {
                 io.complete(t, 0);
             } else {
-                let r = match h.vol.pool.allocate(&h.vol, u, false) {
-                    Ok(_) => 0,
-                    Err(crate::pool::NEEDS_REDIRECT) => {
-                        h.vol.pool.write_redirected(&h.vol, u, at, seg, None)
-                    }
-                    Err(e) => e,
-                };
-                io.complete(t, r);
+                match h.vol.pool.allocate(&h.vol, u, false) {
+                    Ok(_) => io.complete(t, 0),
+                    // SAFETY: zeros: no buffer.
+                    Err(crate::pool::NEEDS_REDIRECT) => unsafe {
+                        h.first_write(io, u, at, seg, std::ptr::null(), t)
+                    },
+                    Err(e) => io.complete(t, e),
+                }
             }
         });
     }
 
-    /// Write-zeroes on a volume in a chain: no unit is released (its parent's data would
-    /// show again); blocks it owns get zeros written, the others go the redirect path.
-    fn write_zeroes_chained(&mut self, io: &mut CoreIo, offset: u64, len: u64, tag: Tag) {
+    /// Write-zeroes on a volume in a chain: only units the chain below has nothing at
+    /// are released (a shared one would show its parent's data again); blocks it owns
+    /// get zeros written, the others go the first-write path.
+    fn write_zeroes_chained(
+        &mut self,
+        io: &mut CoreIo,
+        offset: u64,
+        len: u64,
+        may_unmap: bool,
+        tag: Tag,
+    ) {
+        if may_unmap {
+            self.release_whole_units(offset, len);
+        }
         self.for_units(io, offset, len, tag, |h, io, u, at, seg, _roff, t| {
             let p = h.map.get(u);
+            if p == HOLE && may_unmap && h.chain.iter().all(|m| m.get(u) == HOLE) {
+                // Reads as zeros already, and no space was asked for.
+                return io.complete(t, 0);
+            }
             if p != HOLE && h.owns_blocks(p, at, seg) {
                 let offset = h.pool_offset(p, at);
                 // SAFETY: WriteZeroes carries no buffer.
@@ -914,10 +934,37 @@ impl VolumeHandle {
                     )
                 };
             } else {
-                let r = h.vol.pool.write_redirected(&h.vol, u, at, seg, None);
-                io.complete(t, r);
+                // SAFETY: zeros: no buffer.
+                unsafe { h.first_write(io, u, at, seg, std::ptr::null(), t) };
             }
         });
+    }
+
+    /// Hand a write (of `seg` bytes from `data`, or zeros when null) at `at` in unit `u`
+    /// to the first-write path (`chain_io`).
+    ///
+    /// # Safety
+    /// `data`, when not null, points to `seg` bytes kept alive until `t` completes.
+    unsafe fn first_write(
+        &mut self,
+        io: &mut CoreIo,
+        u: u64,
+        at: u64,
+        seg: u64,
+        data: *const u8,
+        t: Tag,
+    ) {
+        let engine = match &self.first_writes {
+            Some(e) => e.clone(),
+            None => {
+                let e = crate::chain_io::first_writes_for(io, &self.vol.pool);
+                self.first_writes = Some(e.clone());
+                e
+            }
+        };
+        debug_assert_eq!(u, at >> self.shift);
+        // SAFETY: forwarded to the caller.
+        unsafe { engine.submit(io, &self.vol, at, seg, data, t) };
     }
 }
 
