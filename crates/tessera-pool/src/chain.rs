@@ -8,7 +8,7 @@
 //! So a 4 KiB write after a snapshot writes 4 KiB (plus, for a write smaller than a block,
 //! the rest of its block read from the parent), never a whole unit. Here is the metadata
 //! half of that first write, taken under the pool lock (`plan_first_write`,
-//! `finish_first_write`); its data goes through the per-core datapath (`chain_io`).
+//! `finish_first_write`); its data goes through the per-core datapath (`volume::first_write`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering::{Relaxed, Release};
@@ -94,7 +94,7 @@ impl PoolCore {
     /// zeroed) if needed, splits the blocks the write touches into `runs`, claims the
     /// absent ones, and lists in `reads` where the parts of absent blocks the write does
     /// not cover come from. The data is then written through the per-core datapath
-    /// (`chain_io`), and `finish_first_write` marks the blocks present once it is on
+    /// (`volume::first_write`), and `finish_first_write` marks the blocks present once it is on
     /// the devices. A block another first write has claimed makes this `Busy`: its
     /// contents are not settled until that write completes (two writers each merging
     /// the parent's block with their own bytes would lose one of them).

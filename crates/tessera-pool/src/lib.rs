@@ -11,7 +11,6 @@
 //! - [`chain`]: snapshots and clones; `changes`: what changed since a snapshot.
 
 pub mod chain;
-mod chain_io;
 mod changes;
 pub mod devstats;
 pub mod error;

@@ -171,7 +171,7 @@ pub struct PoolCore {
 }
 
 /// `PoolCore::allocate` for a volume whose chain has data at the unit: the write must
-/// take the first-write path (`chain_io`). Not an errno.
+/// take the first-write path (`volume::first_write`). Not an errno.
 pub(crate) const NEEDS_REDIRECT: i32 = i32::MIN;
 
 pub struct Pool {

@@ -11,6 +11,8 @@
 //! published (Release/Acquire), and a unit is zeroed before it is published, so no reader
 //! ever sees another volume's old data.
 
+mod first_write;
+
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize};
 
@@ -582,8 +584,8 @@ pub struct VolumeHandle {
     gen: u64,
     layout: LayoutHandle,
     shift: u32,
-    /// This core's first-write engine of the pool (`chain_io`), found on first use.
-    first_writes: Option<std::rc::Rc<crate::chain_io::FirstWrites>>,
+    /// This core's first-write engine of the pool (`volume::first_write`), found on first use.
+    first_writes: Option<std::rc::Rc<first_write::FirstWrites>>,
 }
 
 impl Drop for VolumeHandle {
@@ -941,7 +943,7 @@ impl VolumeHandle {
     }
 
     /// Hand a write (of `seg` bytes from `data`, or zeros when null) at `at` in unit `u`
-    /// to the first-write path (`chain_io`).
+    /// to the first-write path (`volume::first_write`).
     ///
     /// # Safety
     /// `data`, when not null, points to `seg` bytes kept alive until `t` completes.
@@ -957,7 +959,7 @@ impl VolumeHandle {
         let engine = match &self.first_writes {
             Some(e) => e.clone(),
             None => {
-                let e = crate::chain_io::first_writes_for(io, &self.vol.pool);
+                let e = first_write::first_writes_for(io, &self.vol.pool);
                 self.first_writes = Some(e.clone());
                 e
             }

@@ -23,10 +23,10 @@ use std::sync::{Arc, Weak};
 use tessera_io::cast::{u32_of, usize_of};
 use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
+use super::{Volume, HOLE};
 use crate::chain::{BlockRun, ChainRead, FirstWritePlan};
 use crate::layout::LayoutHandle;
 use crate::pool::PoolCore;
-use crate::volume::{Volume, HOLE};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Phase {
