@@ -63,6 +63,39 @@ fn cluster_on(tag: &str, owner_fault: &str) -> Cluster {
 fn cluster_with(tag: &str, owner_fault: &str, c_fault: &str) -> Cluster {
     let b = holder(&format!("{tag}-b"), "node-b");
     let c = holder_on(&format!("{tag}-c"), "node-c", c_fault);
+    let (a, metrics) = owner(tag, owner_fault, &b, &c);
+    a.cli_ok(&[
+        "volume",
+        "create",
+        "db",
+        "--size",
+        "64M",
+        "--replicas",
+        "node-a:p,node-b:p,node-c:p",
+    ]);
+    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    // Each holder also exports its replica over NBD, so the test can read it directly.
+    for n in [&b, &c] {
+        export_replica(n, "db");
+    }
+    Cluster { metrics, a, b, c }
+}
+
+/// Export holder `n`'s replica of volume `volume` read-only as `replica` (test reads).
+fn export_replica(n: &TestNode, volume: &str) {
+    n.cli_ok(&[
+        "export",
+        "add",
+        "replica",
+        "--volume",
+        &format!("{volume}.node-a"),
+        "--read-only",
+    ]);
+}
+
+/// The owner node-a (pool `p`, its device wrapped as in [`cluster_on`]) with node-b and
+/// node-c as peers; returns it and its `/metrics` address.
+fn owner(tag: &str, owner_fault: &str, b: &TestNode, c: &TestNode) -> (TestNode, String) {
     let nvmf = free_port();
     let metrics = format!("127.0.0.1:{}", free_port());
     let peers = format!(
@@ -85,28 +118,7 @@ fn cluster_with(tag: &str, owner_fault: &str, c_fault: &str) -> Cluster {
         format!("fault:{}:256M{owner_fault}", a.dir.join("p.img").display())
     };
     a.cli_ok(&["pool", "create", "p", &img]);
-    a.cli_ok(&[
-        "volume",
-        "create",
-        "db",
-        "--size",
-        "64M",
-        "--replicas",
-        "node-a:p,node-b:p,node-c:p",
-    ]);
-    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
-    // Each holder also exports its replica over NBD, so the test can read it directly.
-    for n in [&b, &c] {
-        n.cli_ok(&[
-            "export",
-            "add",
-            "replica",
-            "--volume",
-            "db.node-a",
-            "--read-only",
-        ]);
-    }
-    Cluster { metrics, a, b, c }
+    (a, metrics)
 }
 
 fn replicas(a: &TestNode) -> Vec<serde_json::Value> {
@@ -528,4 +540,157 @@ fn a_replica_answering_errors_is_dropped_and_the_volume_goes_on() {
         &image(&cl.b, "replica"),
         &image(&cl.a, "db"),
     );
+}
+
+fn copied_to(a: &TestNode, place: &str) -> u64 {
+    state_of(a, place)["resync_copied_bytes_total"]
+        .as_u64()
+        .unwrap()
+}
+
+/// The CLI's error text for a command that must fail.
+fn cli_fails(n: &TestNode, args: &[&str]) -> String {
+    let o = n.cli(args);
+    assert!(!o.status.success(), "{args:?} should fail");
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn a_new_replica_gets_a_copy_of_the_allocated_space_only_while_fio_writes() {
+    if !require_tool("fio") {
+        return;
+    }
+    let b = holder("repl-add-b", "node-b");
+    let c = holder("repl-add-c", "node-c");
+    let (mut a, _) = owner("repl-add", "", &b, &c);
+    a.cli_ok(&[
+        "volume",
+        "create",
+        "db",
+        "--size",
+        "64M",
+        "--replicas",
+        "node-a:p,node-b:p",
+    ]);
+    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    export_replica(&b, "db");
+    // 3 MiB of data in a 64 MiB volume: regions 0, 20 and 40.
+    let blocks = (VOL as usize) / BS;
+    let mut model = vec![0u64; blocks];
+    let mut nbd = nbd_connect(&a, "db");
+    let per_mib = (MIB as usize) / BS;
+    for at in [0, 20, 40] {
+        write_generations(&mut nbd, &mut model, at * per_mib..(at + 1) * per_mib, 1, BS);
+    }
+    drop(nbd);
+    // fio keeps writing (and verifying) 2 MiB at 48 MiB across the addition.
+    let uri = a.uri("db");
+    let fio = std::process::Command::new("fio")
+        .current_dir(&a.dir)
+        .args([
+            "--name=add",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=4",
+            "--offset=48M",
+            "--size=2M",
+            "--rate_iops=250",
+            "--loops=4",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--do_verify=1",
+            "--group_reporting",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start fio");
+    std::thread::sleep(Duration::from_secs(1));
+    let e = cli_fails(&a, &["volume", "replica", "add", "db", "node-a:p"]);
+    assert!(e.contains("another node"), "{e}");
+    a.cli_ok(&["volume", "replica", "add", "db", "node-c:p"]);
+    let e = cli_fails(&a, &["volume", "replica", "add", "db", "node-c:p"]);
+    assert!(e.contains("already has a replica"), "{e}");
+    assert_eq!(replicas(&a).len(), 3);
+    wait_for("node-c in sync", 60, || {
+        state_of(&a, "node-c:p")["state"] == "in_sync"
+    });
+    let out = fio.wait_with_output().expect("fio");
+    fio_clean("fio across a replica's addition", &out);
+    // Thin: the 3 MiB written plus fio's 2 MiB at most, of 64 MiB. (Regions fio
+    // rewrote during their copy were copied again: counted apart.)
+    let copied = copied_to(&a, "node-c:p");
+    let allocated = a.json(&["volume", "show", "db"])["allocated"].as_u64().unwrap();
+    eprintln!("new replica: {copied} bytes copied, {allocated} allocated on the owner");
+    assert!(
+        (3 * MIB..=5 * MIB).contains(&copied) && copied <= allocated.next_multiple_of(MIB),
+        "copied {copied} bytes for {allocated} allocated"
+    );
+    wait_for("all in sync", 30, || all_in_sync(&a));
+    export_replica(&c, "db");
+    let a_img = image(&a, "db");
+    assert_same("node-b vs owner", &image(&b, "replica"), &a_img);
+    assert_same("node-c vs owner", &image(&c, "replica"), &a_img);
+    verify_generations(&a, "db", &model[..48 * per_mib], BS);
+
+    // Removing: the owner's own replica stays; node-b's goes, durably, volume and all.
+    let e = cli_fails(&a, &["volume", "replica", "remove", "db", "local:p"]);
+    assert!(e.contains("owner's own"), "{e}");
+    b.cli_ok(&["export", "delete", "replica"]);
+    let r = a.json(&["volume", "replica", "remove", "db", "node-b:p"]);
+    assert_eq!(r["replica_volume_deleted"], true, "{r}");
+    let places: Vec<String> = replicas(&a)
+        .iter()
+        .map(|r| r["place"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(places, ["local:p", "node-c:p"]);
+    assert!(!b.cli(&["volume", "show", "db.node-a"]).status.success());
+    // Writes after the removal reach node-c; a restarted owner knows the set as it is.
+    let mut nbd = nbd_connect(&a, "db");
+    write_generations(&mut nbd, &mut model, 0..per_mib, 2, BS);
+    drop(nbd);
+    a.stop();
+    a.restart();
+    let places: Vec<String> = replicas(&a)
+        .iter()
+        .map(|r| r["place"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(places, ["local:p", "node-c:p"]);
+    wait_for("all in sync after restart", 30, || all_in_sync(&a));
+    assert_same("node-c vs owner", &image(&c, "replica"), &image(&a, "db"));
+}
+
+#[test]
+fn a_local_volume_becomes_replicated_when_a_replica_is_added() {
+    let b = holder("repl-conv-b", "node-b");
+    let c = holder("repl-conv-c", "node-c");
+    let (a, _) = owner("repl-conv", "", &b, &c);
+    a.cli_ok(&["volume", "create", "db", "--pool", "p", "--size", "64M"]);
+    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let blocks = (VOL as usize) / BS;
+    let mut model = vec![0u64; blocks];
+    let per_mib = (MIB as usize) / BS;
+    let mut nbd = nbd_connect(&a, "db");
+    write_generations(&mut nbd, &mut model, 8 * per_mib..10 * per_mib, 1, BS);
+    drop(nbd);
+    // In use: refused, with what to do.
+    let e = cli_fails(&a, &["volume", "replica", "add", "db", "node-b:p"]);
+    assert!(e.contains("in use") && e.contains("exported as db"), "{e}");
+    assert!(a.json(&["volume", "show", "db"])["replicas"].is_null());
+    a.cli_ok(&["export", "delete", "db"]);
+    std::thread::sleep(Duration::from_millis(300));
+    a.cli_ok(&["volume", "replica", "add", "db", "node-b:p"]);
+    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    wait_for("node-b in sync", 60, || all_in_sync(&a));
+    assert_eq!(copied_to(&a, "node-b:p"), 2 * MIB, "only the 2 MiB written are copied");
+    // Now writes reach both.
+    let mut nbd = nbd_connect(&a, "db");
+    write_generations(&mut nbd, &mut model, 30 * per_mib..31 * per_mib, 2, BS);
+    drop(nbd);
+    verify_generations(&a, "db", &model, BS);
+    export_replica(&b, "db");
+    assert_same("node-b vs owner", &image(&b, "replica"), &image(&a, "db"));
 }
