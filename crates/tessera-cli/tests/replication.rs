@@ -694,3 +694,238 @@ fn a_local_volume_becomes_replicated_when_a_replica_is_added() {
     export_replica(&b, "db");
     assert_same("node-b vs owner", &image(&b, "replica"), &image(&a, "db"));
 }
+
+/// A private network namespace joined to the test's by a veth pair (10.231.X.Y/30), and
+/// an nftables table in it that can cut the link: removed (namespace, link, table) on
+/// drop, panicking or not.
+struct NetNs {
+    name: String,
+    host_if: String,
+    /// The namespace's address (the test's side is `host_addr`).
+    addr: String,
+    host_addr: String,
+}
+
+fn ip(args: &[&str]) -> std::io::Result<std::process::Output> {
+    std::process::Command::new("ip")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+}
+
+fn sh_ok(what: &str, o: std::io::Result<std::process::Output>) -> Result<(), String> {
+    match o {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => Err(format!(
+            "{what}: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Err(format!("{what}: {e}")),
+    }
+}
+
+impl NetNs {
+    /// None (with the reason printed) where namespaces cannot be made: not root, no
+    /// `ip` or `nft`, or a sandbox that forbids them.
+    fn create() -> Option<NetNs> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIP: the partition test needs root (network namespaces, nftables)");
+            return None;
+        }
+        if !require_tool("ip") || !require_tool("nft") {
+            return None;
+        }
+        let pid = std::process::id();
+        let (x, y) = ((pid >> 6) & 0xFF, (pid & 63) * 4);
+        let ns = NetNs {
+            name: format!("tsr-part-{pid}"),
+            host_if: format!("tsrh{}", pid % 10_000_000),
+            addr: format!("10.231.{x}.{}", y + 2),
+            host_addr: format!("10.231.{x}.{}", y + 1),
+        };
+        let peer_if = format!("tsrn{}", pid % 10_000_000);
+        let host_cidr = format!("{}/30", ns.host_addr);
+        let ns_cidr = format!("{}/30", ns.addr);
+        let steps: Vec<(&str, Vec<&str>)> = vec![
+            ("ip netns add", vec!["netns", "add", &ns.name]),
+            (
+                "ip link add veth",
+                vec![
+                    "link", "add", &ns.host_if, "type", "veth", "peer", "name", &peer_if,
+                ],
+            ),
+            (
+                "ip link set netns",
+                vec!["link", "set", &peer_if, "netns", &ns.name],
+            ),
+            (
+                "ip addr add (host)",
+                vec!["addr", "add", &host_cidr, "dev", &ns.host_if],
+            ),
+            ("ip link set up (host)", vec!["link", "set", &ns.host_if, "up"]),
+            (
+                "ip addr add (namespace)",
+                vec![
+                    "netns", "exec", &ns.name, "ip", "addr", "add", &ns_cidr, "dev", &peer_if,
+                ],
+            ),
+            (
+                "ip link set up (namespace)",
+                vec!["netns", "exec", &ns.name, "ip", "link", "set", &peer_if, "up"],
+            ),
+            (
+                "ip link set lo up (namespace)",
+                vec!["netns", "exec", &ns.name, "ip", "link", "set", "lo", "up"],
+            ),
+        ];
+        for (what, args) in steps {
+            if let Err(e) = sh_ok(what, ip(&args)) {
+                eprintln!("SKIP: cannot set a network namespace up here ({e})");
+                return None; // `ns` is dropped: what was made is removed
+            }
+        }
+        Some(ns)
+    }
+
+    /// Drop every packet between the namespace and the test's side, both ways.
+    fn cut(&self) {
+        let rules = format!(
+            "table inet tsr_partition {{\n\
+               chain input {{ type filter hook input priority 0; policy accept; ip saddr {h} drop; }}\n\
+               chain output {{ type filter hook output priority 0; policy accept; ip daddr {h} drop; }}\n\
+             }}\n",
+            h = self.host_addr
+        );
+        let f = std::env::temp_dir().join(format!("{}.nft", self.name));
+        std::fs::write(&f, rules).unwrap();
+        let f = f.display().to_string();
+        sh_ok(
+            "nft -f",
+            ip(&["netns", "exec", &self.name, "nft", "-f", &f]),
+        )
+        .unwrap();
+    }
+
+    fn heal(&self) {
+        sh_ok(
+            "nft delete table",
+            ip(&[
+                "netns",
+                "exec",
+                &self.name,
+                "nft",
+                "delete",
+                "table",
+                "inet",
+                "tsr_partition",
+            ]),
+        )
+        .unwrap();
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        // Deleting the namespace takes its end of the veth pair, hence the pair, along.
+        let _ = ip(&["netns", "del", &self.name]);
+        let _ = ip(&["link", "del", &self.host_if]);
+        let _ = std::fs::remove_file(std::env::temp_dir().join(format!("{}.nft", self.name)));
+    }
+}
+
+/// The whole volume as holder `n` serves export `export` on its NBD Unix socket (a node
+/// in another network namespace).
+fn image_unix(n: &TestNode, export: &str) -> Vec<u8> {
+    let s = std::os::unix::net::UnixStream::connect(n.dir.join("nbd.sock")).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut c = tessera_nbd::client::NbdClient::from_stream(
+        s,
+        export,
+        tessera_nbd::client::ClientOptions::default(),
+    )
+    .expect("NBD handshake");
+    let mut out = vec![0u8; VOL as usize];
+    for (i, chunk) in out.chunks_mut(1 << 20).enumerate() {
+        c.read(i as u64 * MIB, chunk).unwrap();
+    }
+    out
+}
+
+#[test]
+fn a_partitioned_replica_is_dropped_and_resynced_from_what_changed_when_it_heals() {
+    let Some(ns) = NetNs::create() else { return };
+    let b = holder("repl-part-b", "node-b");
+    // node-c in the namespace: its NVMe/TCP listener on the namespace's address.
+    let nvmf = free_port();
+    let c = TestNode::start_in_netns(
+        "repl-part-c",
+        Some(&ns.name),
+        2,
+        "name = \"node-c\"",
+        &format!(
+            "[nvmf]\nlisten = \"{}:{nvmf}\"\ndiscovery = \"\"\n",
+            ns.addr
+        ),
+    );
+    c.cli_ok(&[
+        "pool",
+        "create",
+        "p",
+        &format!("{}:256M", c.dir.join("p.img").display()),
+    ]);
+    let (a, _) = owner("repl-part", "", &b, &c);
+    a.cli_ok(&[
+        "volume",
+        "create",
+        "db",
+        "--size",
+        "64M",
+        "--replicas",
+        "node-a:p,node-b:p,node-c:p",
+    ]);
+    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    export_replica(&b, "db");
+    export_replica(&c, "db");
+    let spec = replicas(&a)
+        .into_iter()
+        .find(|r| r["place"] == "node-c:p")
+        .unwrap();
+    assert!(all_in_sync(&a), "{spec}");
+    let blocks = (VOL as usize) / BS;
+    let mut model = vec![0u64; blocks];
+    let mut nbd = nbd_connect(&a, "db");
+    write_generations(&mut nbd, &mut model, 0..blocks / 4, 1, BS);
+
+    ns.cut();
+    // I/O goes on: the writes wait at most the timeout (3 s) for node-c, then node-c is
+    // dropped out of sync and they complete on the owner and node-b.
+    let t = Instant::now();
+    write_generations(&mut nbd, &mut model, 512..1536, 2, BS);
+    write_generations(&mut nbd, &mut model, 4096..4352, 3, BS);
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "writes hung behind a partitioned replica ({:?})",
+        t.elapsed()
+    );
+    let rc = state_of(&a, "node-c:p");
+    assert_ne!(rc["state"], "in_sync", "{rc}");
+    assert_eq!(state_of(&a, "node-b:p")["state"], "in_sync");
+    // Regions 2-5 and 16 were written during the partition (plus, at most, one in
+    // flight when node-c was dropped).
+    let dirty = rc["dirty_bytes"].as_u64().unwrap();
+    assert!((5 * MIB..=6 * MIB).contains(&dirty), "node-c lacks {dirty} bytes");
+
+    ns.heal();
+    wait_for("node-c in sync after the heal", 45, || all_in_sync(&a));
+    let copied = copied_to(&a, "node-c:p");
+    assert!(
+        copied >= dirty && copied <= dirty + 2 * MIB,
+        "copied {copied} bytes for {dirty} dirty"
+    );
+    drop(nbd);
+    verify_generations(&a, "db", &model, BS);
+    let a_img = image(&a, "db");
+    assert_same("node-b vs owner", &image(&b, "replica"), &a_img);
+    assert_same("node-c vs owner", &image_unix(&c, "replica"), &a_img);
+}
