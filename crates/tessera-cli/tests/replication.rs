@@ -681,8 +681,12 @@ fn a_local_volume_becomes_replicated_when_a_replica_is_added() {
     assert!(e.contains("in use") && e.contains("exported as db"), "{e}");
     assert!(a.json(&["volume", "show", "db"])["replicas"].is_null());
     a.cli_ok(&["export", "delete", "db"]);
-    std::thread::sleep(Duration::from_millis(300));
-    a.cli_ok(&["volume", "replica", "add", "db", "node-b:p"]);
+    // The last connection may take a moment to close on the node's side.
+    wait_for("the replica added once nothing uses the volume", 10, || {
+        a.cli(&["volume", "replica", "add", "db", "node-b:p"])
+            .status
+            .success()
+    });
     a.cli_ok(&["export", "add", "db", "--volume", "db"]);
     wait_for("node-b in sync", 60, || all_in_sync(&a));
     assert_eq!(copied_to(&a, "node-b:p"), 2 * MIB, "only the 2 MiB written are copied");

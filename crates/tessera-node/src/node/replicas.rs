@@ -107,7 +107,7 @@ impl Node {
             let opened = ReplicatedVolume::read_desc(&path).and_then(|desc| {
                 let local = desc.legs.iter().find_map(|l| match l {
                     LegDesc::Local { volume, .. } => Some(volume.clone()),
-                    LegDesc::Remote { .. } => None,
+                    LegDesc::Remote { .. } | LegDesc::Vacant => None,
                 });
                 let local = match local {
                     Some(v) => Some(self.volume_by_name(&v).ok_or_else(|| {
