@@ -598,7 +598,13 @@ impl ReplicatedVolume {
             &mut *l.desc.write().unwrap_or_else(|e| e.into_inner()),
             LegDesc::Vacant,
         );
-        *l.dev.write().unwrap_or_else(|e| e.into_inner()) = LegDev::Remote(None);
+        let old = std::mem::replace(
+            &mut *l.dev.write().unwrap_or_else(|e| e.into_inner()),
+            LegDev::Remote(None),
+        );
+        if let LegDev::Remote(Some(d)) = old {
+            d.disconnect();
+        }
         self.bump_gen(i);
         // Each core drops its NVMe/TCP queue to the peer now, so that the peer can
         // delete the replica's subsystem.
@@ -718,7 +724,9 @@ impl ReplicatedVolume {
         for l in &self.legs {
             let mut d = l.dev.write().unwrap_or_else(|e| e.into_inner());
             if let LegDev::Remote(r) = &mut *d {
-                *r = None;
+                if let Some(dev) = r.take() {
+                    dev.disconnect();
+                }
             }
         }
         let (tx, rx) = mpsc::channel();
