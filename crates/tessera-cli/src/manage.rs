@@ -516,12 +516,15 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
             show(&v, raw, print_volume);
         }
         VolumeCmd::Replica(ReplicaCmd::Remove { name, replica }) => {
-            let v: RemovedReplica =
-                delete(ep, &format!("/v1/volumes/{name}/replicas/{replica}"))?;
+            let v: RemovedReplica = delete(ep, &format!("/v1/volumes/{name}/replicas/{replica}"))?;
             show(&v, raw, |v| {
                 println!("replica {} of volume {} removed", v.replica, v.volume);
                 match &v.note {
-                    None => println!("{} deleted its volume {}", replica_node(&v.replica), v.replica_volume),
+                    None => println!(
+                        "{} deleted its volume {}",
+                        replica_node(&v.replica),
+                        v.replica_volume
+                    ),
                     Some(n) => println!("note: {n}"),
                 }
             });

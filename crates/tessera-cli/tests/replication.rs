@@ -548,7 +548,10 @@ fn verify_written(a: &TestNode, model: &[u64]) {
     let mut buf = vec![0u8; BS];
     for (i, &g) in model.iter().enumerate().filter(|(_, g)| **g > 0) {
         c.read((i * BS) as u64, &mut buf).unwrap();
-        assert!(buf == block(i, g, BS), "block {i} differs (expected generation {g})");
+        assert!(
+            buf == block(i, g, BS),
+            "block {i} differs (expected generation {g})"
+        );
     }
 }
 
@@ -590,7 +593,13 @@ fn a_new_replica_gets_a_copy_of_the_allocated_space_only_while_fio_writes() {
     let mut nbd = nbd_connect(&a, "db");
     let per_mib = (MIB as usize) / BS;
     for at in [0, 20, 40] {
-        write_generations(&mut nbd, &mut model, at * per_mib..(at + 1) * per_mib, 1, BS);
+        write_generations(
+            &mut nbd,
+            &mut model,
+            at * per_mib..(at + 1) * per_mib,
+            1,
+            BS,
+        );
     }
     drop(nbd);
     // fio keeps writing (and verifying) 2 MiB at 48 MiB across the addition.
@@ -633,7 +642,9 @@ fn a_new_replica_gets_a_copy_of_the_allocated_space_only_while_fio_writes() {
     // Thin: the 3 MiB written plus fio's 2 MiB at most, of 64 MiB. (Regions fio
     // rewrote during their copy were copied again: counted apart.)
     let copied = copied_to(&a, "node-c:p");
-    let allocated = a.json(&["volume", "show", "db"])["allocated"].as_u64().unwrap();
+    let allocated = a.json(&["volume", "show", "db"])["allocated"]
+        .as_u64()
+        .unwrap();
     eprintln!("new replica: {copied} bytes copied, {allocated} allocated on the owner");
     assert!(
         (3 * MIB..=5 * MIB).contains(&copied) && copied <= allocated.next_multiple_of(MIB),
@@ -699,7 +710,11 @@ fn a_local_volume_becomes_replicated_when_a_replica_is_added() {
     });
     a.cli_ok(&["export", "add", "db", "--volume", "db"]);
     wait_for("node-b in sync", 60, || all_in_sync(&a));
-    assert_eq!(copied_to(&a, "node-b:p"), 2 * MIB, "only the 2 MiB written are copied");
+    assert_eq!(
+        copied_to(&a, "node-b:p"),
+        2 * MIB,
+        "only the 2 MiB written are copied"
+    );
     // Now writes reach both.
     let mut nbd = nbd_connect(&a, "db");
     write_generations(&mut nbd, &mut model, 30 * per_mib..31 * per_mib, 2, BS);
@@ -766,7 +781,14 @@ impl NetNs {
             (
                 "ip link add veth",
                 vec![
-                    "link", "add", &ns.host_if, "type", "veth", "peer", "name", &peer_if,
+                    "link",
+                    "add",
+                    &ns.host_if,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    &peer_if,
                 ],
             ),
             (
@@ -777,7 +799,10 @@ impl NetNs {
                 "ip addr add (host)",
                 vec!["addr", "add", &host_cidr, "dev", &ns.host_if],
             ),
-            ("ip link set up (host)", vec!["link", "set", &ns.host_if, "up"]),
+            (
+                "ip link set up (host)",
+                vec!["link", "set", &ns.host_if, "up"],
+            ),
             (
                 "ip addr add (namespace)",
                 vec![
@@ -786,7 +811,9 @@ impl NetNs {
             ),
             (
                 "ip link set up (namespace)",
-                vec!["netns", "exec", &ns.name, "ip", "link", "set", &peer_if, "up"],
+                vec![
+                    "netns", "exec", &ns.name, "ip", "link", "set", &peer_if, "up",
+                ],
             ),
             (
                 "ip link set lo up (namespace)",
@@ -928,7 +955,10 @@ fn a_partitioned_replica_is_dropped_and_resynced_from_what_changed_when_it_heals
     // Regions 2-5 and 16 were written during the partition (plus, at most, one in
     // flight when node-c was dropped).
     let dirty = rc["dirty_bytes"].as_u64().unwrap();
-    assert!((5 * MIB..=6 * MIB).contains(&dirty), "node-c lacks {dirty} bytes");
+    assert!(
+        (5 * MIB..=6 * MIB).contains(&dirty),
+        "node-c lacks {dirty} bytes"
+    );
 
     ns.heal();
     wait_for("node-c in sync after the heal", 45, || all_in_sync(&a));

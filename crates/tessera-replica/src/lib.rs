@@ -553,7 +553,12 @@ impl ReplicatedVolume {
         let (tx, rx) = mpsc::channel();
         self.send(persist::Req::AddLeg { desc, reply: tx });
         rx.recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "the replica set did not answer")))
+            .unwrap_or_else(|_| {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the replica set did not answer",
+                ))
+            })
     }
 
     /// Remove the replica at `place` (`NODE:POOL`): the datapath stops using it, its slot
@@ -582,12 +587,13 @@ impl ReplicatedVolume {
         }
         let (tx, rx) = mpsc::channel();
         self.send(persist::Req::RemoveLeg { leg: i, reply: tx });
-        rx.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| {
-            Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the replica set did not answer",
-            ))
-        })?;
+        rx.recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the replica set did not answer",
+                ))
+            })?;
         // A resync of it sees the leg gone and stops; wait (bounded) so that its task no
         // longer uses the core's handle.
         let end = Instant::now() + Duration::from_secs(10);

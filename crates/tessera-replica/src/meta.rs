@@ -386,8 +386,7 @@ impl MetaFile {
         let n = self.header.states.len();
         if slot == n && n < MAX_LEGS {
             let bb = self.header.bitmap_bytes;
-            self.file
-                .set_len(BITMAPS_AT + bb * (2 + n as u64))?;
+            self.file.set_len(BITMAPS_AT + bb * (2 + n as u64))?;
             self.header.states.push(LegState::Vacant);
             self.header.desc.legs.push(LegDesc::Vacant);
             self.dirty.push(vec![0; usize_of(bb)]);
@@ -597,7 +596,9 @@ mod tests {
         m.header.states[1] = LegState::OutOfSync;
         m.header_changed = true;
         m.commit().unwrap();
-        assert!(MetaFile::open(&p).is_err() || MetaFile::open(&p).unwrap().header.seq < m.header.seq);
+        assert!(
+            MetaFile::open(&p).is_err() || MetaFile::open(&p).unwrap().header.seq < m.header.seq
+        );
     }
 
     #[test]

@@ -392,7 +392,13 @@ fn add_leg(v: &ReplicatedVolume, m: &mut MetaFile, desc: LegDesc) -> io::Result<
     }
     l.dirty_regions.store(m.header.regions, Relaxed);
     let p = &l.progress;
-    for c in [&p.total, &p.copied, &p.copied_total, &p.recopied_total, &p.regions_total] {
+    for c in [
+        &p.total,
+        &p.copied,
+        &p.copied_total,
+        &p.recopied_total,
+        &p.regions_total,
+    ] {
         c.store(0, Relaxed);
     }
     l.set_error(None);

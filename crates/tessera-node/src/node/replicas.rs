@@ -370,7 +370,11 @@ impl Node {
         let existing = self.replicated_of(&v);
         match &existing {
             Some(rv) => {
-                if rv.descs().iter().any(|d| matches!(d, LegDesc::Remote { node: n, .. } if n == node)) {
+                if rv
+                    .descs()
+                    .iter()
+                    .any(|d| matches!(d, LegDesc::Remote { node: n, .. } if n == node))
+                {
                     return Err(Error::already_exists(format!(
                         "volume '{name}' already has a replica on node '{node}'"
                     )));
@@ -467,9 +471,9 @@ impl Node {
     pub fn remove_replica(&self, name: &str, place: &str) -> Result<RemovedReplica> {
         let _g = self.admin();
         let (_, v) = self.find_volume(name)?;
-        let rv = self.replicated_of(&v).ok_or_else(|| {
-            Error::invalid(format!("volume '{name}' is not replicated"))
-        })?;
+        let rv = self
+            .replicated_of(&v)
+            .ok_or_else(|| Error::invalid(format!("volume '{name}' is not replicated")))?;
         let desc = rv.remove_leg(place).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => Error::not_found(e.to_string()),
             std::io::ErrorKind::InvalidInput => Error::invalid(e.to_string()),
@@ -634,7 +638,16 @@ impl Node {
                 }
             }
         }
-        self.delete_volume(volume)
+        // The controllers' handles of the volume close as their connections end.
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        loop {
+            match self.delete_volume(volume) {
+                Err(Error::Busy(_)) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                r => return r,
+            }
+        }
     }
 }
 
