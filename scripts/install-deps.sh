@@ -13,6 +13,8 @@
 #   openssl (test CA and certificates)    [openssl]
 #   nvme (gen-dhchap-key, for the NVMe/TCP authentication test)  [nvme-cli]
 #   curl (HTTP over Unix sockets and TLS) [curl]
+#   ip, nft (network namespaces and the nftables rule of the replication
+#            partition test)               [iproute2, nftables]
 #   nbdkit + its "memory" plugin          [nbdkit; on Debian 12 the memory
 #                                          plugin ships inside nbdkit itself,
 #                                          a separate nbdkit-plugin-memory
@@ -49,8 +51,10 @@ declare -A PKG_OF=(
   [nvme]=nvme-cli
   [curl]=curl
   [etcd]=etcd-server
+  [ip]=iproute2
+  [nft]=nftables
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd ip nft)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1

@@ -73,6 +73,32 @@ pub struct CreateReplica {
     pub size: u64,
     /// The owning node's name.
     pub owner: String,
+    /// The replica must start empty (a replica added to a volume with data: its copy
+    /// skips the source's holes): a volume of that name already here is refused.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fresh: bool,
+}
+
+/// `POST /v1/volumes/NAME/replicas`: give a volume one more replica, on another node. A
+/// volume that is not replicated yet becomes so (it must not be in use).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct AddReplica {
+    /// `NODE:POOL`: a `[[peer]]` of this node and one of its pools.
+    pub replica: String,
+}
+
+/// The answer to `DELETE /v1/volumes/NAME/replicas/NODE:POOL`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct RemovedReplica {
+    pub volume: String,
+    /// `NODE:POOL` of the replica removed.
+    pub replica: String,
+    /// The replica's volume on that node.
+    pub replica_volume: String,
+    /// Whether that node deleted it; if not, `note` says why and what to do.
+    pub replica_volume_deleted: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// The answer to `POST /v1/replicas`: where the owner reaches the replica.

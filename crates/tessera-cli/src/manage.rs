@@ -12,9 +12,9 @@ use clap::{Args, Subcommand};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tessera_api::{
-    BackgroundLimits, BackgroundList, CreateExport, CreateVolume, Deleted, ErrorReply, ExportInfo,
-    GroupInfo, NodeStatus, PoolEntry, PutGroup, QosLimits, ResizeVolume, StepBurst, TlsPolicy,
-    VolumeInfo, VolumeStats,
+    AddReplica, BackgroundLimits, BackgroundList, CreateExport, CreateVolume, Deleted, ErrorReply,
+    ExportInfo, GroupInfo, NodeStatus, PoolEntry, PutGroup, QosLimits, RemovedReplica,
+    ResizeVolume, StepBurst, TlsPolicy, VolumeInfo, VolumeStats,
 };
 use tessera_http::{request, Endpoint};
 
@@ -398,6 +398,32 @@ pub enum VolumeCmd {
         #[arg(long, default_value_t = 1.0)]
         interval: f64,
     },
+    /// Add or remove a replica of a volume on another node.
+    #[command(subcommand)]
+    Replica(ReplicaCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ReplicaCmd {
+    /// Give a volume one more replica on a peer node. It starts empty and gets a copy of
+    /// the volume's allocated space in the background, while clients keep writing
+    /// (`volume status` shows its progress). A volume that is not replicated yet becomes
+    /// so; it must not be exported or connected meanwhile.
+    Add {
+        /// Name of the volume (owned by this node).
+        name: String,
+        /// NODE:POOL: a `[[peer]]` of this node and one of its pools.
+        replica: String,
+    },
+    /// Remove a replica of a volume; its node deletes the replica's volume (if it cannot
+    /// be reached, the volume stays there and the reply says so). The owner's own
+    /// replica and the last replica in sync cannot be removed.
+    Remove {
+        /// Name of the volume.
+        name: String,
+        /// NODE:POOL, as `volume status` lists it.
+        replica: String,
+    },
 }
 
 fn print_stats(v: &VolumeStats) {
@@ -498,8 +524,32 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
             let v: VolumeStats = get(ep, &format!("/v1/volumes/{name}/stats?interval_ms={ms}"))?;
             show(&v, raw, print_stats);
         }
+        VolumeCmd::Replica(ReplicaCmd::Add { name, replica }) => {
+            let body = AddReplica { replica };
+            let v: VolumeInfo = send(ep, "POST", &format!("/v1/volumes/{name}/replicas"), &body)?;
+            show(&v, raw, print_volume);
+        }
+        VolumeCmd::Replica(ReplicaCmd::Remove { name, replica }) => {
+            let v: RemovedReplica = delete(ep, &format!("/v1/volumes/{name}/replicas/{replica}"))?;
+            show(&v, raw, |v| {
+                println!("replica {} of volume {} removed", v.replica, v.volume);
+                match &v.note {
+                    None => println!(
+                        "{} deleted its volume {}",
+                        replica_node(&v.replica),
+                        v.replica_volume
+                    ),
+                    Some(n) => println!("note: {n}"),
+                }
+            });
+        }
     }
     Ok(())
+}
+
+/// The node of a `NODE:POOL` replica place.
+fn replica_node(place: &str) -> &str {
+    place.split_once(':').map_or(place, |(n, _)| n)
 }
 
 /// `export create` (and its old spelling `export add`). Options of an export (e.g. TLS)

@@ -63,6 +63,39 @@ fn cluster_on(tag: &str, owner_fault: &str) -> Cluster {
 fn cluster_with(tag: &str, owner_fault: &str, c_fault: &str) -> Cluster {
     let b = holder(&format!("{tag}-b"), "node-b");
     let c = holder_on(&format!("{tag}-c"), "node-c", c_fault);
+    let (a, metrics) = owner(tag, owner_fault, &b, &c);
+    a.cli_ok(&[
+        "volume",
+        "create",
+        "db",
+        "--size",
+        "64M",
+        "--replicas",
+        "node-a:p,node-b:p,node-c:p",
+    ]);
+    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    // Each holder also exports its replica over NBD, so the test can read it directly.
+    for n in [&b, &c] {
+        export_replica(n, "db");
+    }
+    Cluster { metrics, a, b, c }
+}
+
+/// Export holder `n`'s replica of volume `volume` read-only as `replica` (test reads).
+fn export_replica(n: &TestNode, volume: &str) {
+    n.cli_ok(&[
+        "export",
+        "add",
+        "replica",
+        "--volume",
+        &format!("{volume}.node-a"),
+        "--read-only",
+    ]);
+}
+
+/// The owner node-a (pool `p`, its device wrapped as in [`cluster_on`]) with node-b and
+/// node-c as peers; returns it and its `/metrics` address.
+fn owner(tag: &str, owner_fault: &str, b: &TestNode, c: &TestNode) -> (TestNode, String) {
     let nvmf = free_port();
     let metrics = format!("127.0.0.1:{}", free_port());
     let peers = format!(
@@ -85,28 +118,7 @@ fn cluster_with(tag: &str, owner_fault: &str, c_fault: &str) -> Cluster {
         format!("fault:{}:256M{owner_fault}", a.dir.join("p.img").display())
     };
     a.cli_ok(&["pool", "create", "p", &img]);
-    a.cli_ok(&[
-        "volume",
-        "create",
-        "db",
-        "--size",
-        "64M",
-        "--replicas",
-        "node-a:p,node-b:p,node-c:p",
-    ]);
-    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
-    // Each holder also exports its replica over NBD, so the test can read it directly.
-    for n in [&b, &c] {
-        n.cli_ok(&[
-            "export",
-            "add",
-            "replica",
-            "--volume",
-            "db.node-a",
-            "--read-only",
-        ]);
-    }
-    Cluster { metrics, a, b, c }
+    (a, metrics)
 }
 
 fn replicas(a: &TestNode) -> Vec<serde_json::Value> {
@@ -528,4 +540,436 @@ fn a_replica_answering_errors_is_dropped_and_the_volume_goes_on() {
         &image(&cl.b, "replica"),
         &image(&cl.a, "db"),
     );
+}
+
+/// Read back every block `model` says was written (generation above 0) from the owner.
+fn verify_written(a: &TestNode, model: &[u64]) {
+    let mut c = nbd_connect(a, "db");
+    let mut buf = vec![0u8; BS];
+    for (i, &g) in model.iter().enumerate().filter(|(_, g)| **g > 0) {
+        c.read((i * BS) as u64, &mut buf).unwrap();
+        assert!(
+            buf == block(i, g, BS),
+            "block {i} differs (expected generation {g})"
+        );
+    }
+}
+
+fn copied_to(a: &TestNode, place: &str) -> u64 {
+    state_of(a, place)["resync_copied_bytes_total"]
+        .as_u64()
+        .unwrap()
+}
+
+/// The CLI's error text for a command that must fail.
+fn cli_fails(n: &TestNode, args: &[&str]) -> String {
+    let o = n.cli(args);
+    assert!(!o.status.success(), "{args:?} should fail");
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn a_new_replica_gets_a_copy_of_the_allocated_space_only_while_fio_writes() {
+    if !require_tool("fio") {
+        return;
+    }
+    let b = holder("repl-add-b", "node-b");
+    let c = holder("repl-add-c", "node-c");
+    let (mut a, _) = owner("repl-add", "", &b, &c);
+    a.cli_ok(&[
+        "volume",
+        "create",
+        "db",
+        "--size",
+        "64M",
+        "--replicas",
+        "node-a:p,node-b:p",
+    ]);
+    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    export_replica(&b, "db");
+    // 3 MiB of data in a 64 MiB volume: regions 0, 20 and 40.
+    let blocks = (VOL as usize) / BS;
+    let mut model = vec![0u64; blocks];
+    let mut nbd = nbd_connect(&a, "db");
+    let per_mib = (MIB as usize) / BS;
+    for at in [0, 20, 40] {
+        write_generations(
+            &mut nbd,
+            &mut model,
+            at * per_mib..(at + 1) * per_mib,
+            1,
+            BS,
+        );
+    }
+    drop(nbd);
+    // fio keeps writing (and verifying) 2 MiB at 48 MiB across the addition.
+    let uri = a.uri("db");
+    let fio = std::process::Command::new("fio")
+        .current_dir(&a.dir)
+        .args([
+            "--name=add",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=4",
+            "--offset=48M",
+            "--size=2M",
+            "--rate_iops=250",
+            "--loops=4",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--do_verify=1",
+            "--group_reporting",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start fio");
+    std::thread::sleep(Duration::from_secs(1));
+    let e = cli_fails(&a, &["volume", "replica", "add", "db", "node-a:p"]);
+    assert!(e.contains("another node"), "{e}");
+    a.cli_ok(&["volume", "replica", "add", "db", "node-c:p"]);
+    let e = cli_fails(&a, &["volume", "replica", "add", "db", "node-c:p"]);
+    assert!(e.contains("already has a replica"), "{e}");
+    assert_eq!(replicas(&a).len(), 3);
+    wait_for("node-c in sync", 60, || {
+        state_of(&a, "node-c:p")["state"] == "in_sync"
+    });
+    let out = fio.wait_with_output().expect("fio");
+    fio_clean("fio across a replica's addition", &out);
+    // Thin: the 3 MiB written plus fio's 2 MiB at most, of 64 MiB. (Regions fio
+    // rewrote during their copy were copied again: counted apart.)
+    let copied = copied_to(&a, "node-c:p");
+    let allocated = a.json(&["volume", "show", "db"])["allocated"]
+        .as_u64()
+        .unwrap();
+    eprintln!("new replica: {copied} bytes copied, {allocated} allocated on the owner");
+    assert!(
+        (3 * MIB..=5 * MIB).contains(&copied) && copied <= allocated.next_multiple_of(MIB),
+        "copied {copied} bytes for {allocated} allocated"
+    );
+    wait_for("all in sync", 30, || all_in_sync(&a));
+    export_replica(&c, "db");
+    let a_img = image(&a, "db");
+    assert_same("node-b vs owner", &image(&b, "replica"), &a_img);
+    assert_same("node-c vs owner", &image(&c, "replica"), &a_img);
+    verify_written(&a, &model);
+
+    // Removing: the owner's own replica stays; node-b's goes, durably, volume and all.
+    let e = cli_fails(&a, &["volume", "replica", "remove", "db", "local:p"]);
+    assert!(e.contains("owner's own"), "{e}");
+    b.cli_ok(&["export", "delete", "replica"]);
+    let r = a.json(&["volume", "replica", "remove", "db", "node-b:p"]);
+    assert_eq!(r["replica_volume_deleted"], true, "{r}");
+    let places: Vec<String> = replicas(&a)
+        .iter()
+        .map(|r| r["place"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(places, ["local:p", "node-c:p"]);
+    assert!(!b.cli(&["volume", "show", "db.node-a"]).status.success());
+    // Writes after the removal reach node-c; a restarted owner knows the set as it is.
+    let mut nbd = nbd_connect(&a, "db");
+    write_generations(&mut nbd, &mut model, 0..per_mib, 2, BS);
+    drop(nbd);
+    a.stop();
+    a.restart();
+    let places: Vec<String> = replicas(&a)
+        .iter()
+        .map(|r| r["place"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(places, ["local:p", "node-c:p"]);
+    wait_for("all in sync after restart", 30, || all_in_sync(&a));
+    assert_same("node-c vs owner", &image(&c, "replica"), &image(&a, "db"));
+}
+
+#[test]
+fn a_local_volume_becomes_replicated_when_a_replica_is_added() {
+    let b = holder("repl-conv-b", "node-b");
+    let c = holder("repl-conv-c", "node-c");
+    let (a, _) = owner("repl-conv", "", &b, &c);
+    a.cli_ok(&["volume", "create", "db", "--pool", "p", "--size", "64M"]);
+    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let blocks = (VOL as usize) / BS;
+    let mut model = vec![0u64; blocks];
+    let per_mib = (MIB as usize) / BS;
+    let mut nbd = nbd_connect(&a, "db");
+    write_generations(&mut nbd, &mut model, 8 * per_mib..10 * per_mib, 1, BS);
+    drop(nbd);
+    // In use: refused, with what to do.
+    let e = cli_fails(&a, &["volume", "replica", "add", "db", "node-b:p"]);
+    assert!(e.contains("in use") && e.contains("exported as db"), "{e}");
+    assert!(a.json(&["volume", "show", "db"])["replicas"].is_null());
+    a.cli_ok(&["export", "delete", "db"]);
+    // The last connection may take a moment to close on the node's side.
+    wait_for("the replica added once nothing uses the volume", 10, || {
+        a.cli(&["volume", "replica", "add", "db", "node-b:p"])
+            .status
+            .success()
+    });
+    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    wait_for("node-b in sync", 60, || all_in_sync(&a));
+    assert_eq!(
+        copied_to(&a, "node-b:p"),
+        2 * MIB,
+        "only the 2 MiB written are copied"
+    );
+    // Now writes reach both.
+    let mut nbd = nbd_connect(&a, "db");
+    write_generations(&mut nbd, &mut model, 30 * per_mib..31 * per_mib, 2, BS);
+    drop(nbd);
+    verify_written(&a, &model);
+    export_replica(&b, "db");
+    assert_same("node-b vs owner", &image(&b, "replica"), &image(&a, "db"));
+}
+
+/// A private network namespace joined to the test's by a veth pair (10.231.X.Y/30), and
+/// an nftables table in it that can cut the link: removed (namespace, link, table) on
+/// drop, panicking or not.
+struct NetNs {
+    name: String,
+    host_if: String,
+    /// The namespace's address (the test's side is `host_addr`).
+    addr: String,
+    host_addr: String,
+}
+
+fn ip(args: &[&str]) -> std::io::Result<std::process::Output> {
+    std::process::Command::new("ip")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+}
+
+fn sh_ok(what: &str, o: std::io::Result<std::process::Output>) -> Result<(), String> {
+    match o {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => Err(format!(
+            "{what}: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Err(format!("{what}: {e}")),
+    }
+}
+
+impl NetNs {
+    /// None (with the reason printed) where namespaces cannot be made: not root, no
+    /// `ip` or `nft`, or a sandbox that forbids them.
+    fn create() -> Option<NetNs> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIP: the partition test needs root (network namespaces, nftables)");
+            return None;
+        }
+        if !require_tool("ip") || !require_tool("nft") {
+            return None;
+        }
+        let pid = std::process::id();
+        let (x, y) = ((pid >> 6) & 0xFF, (pid & 63) * 4);
+        let ns = NetNs {
+            name: format!("tsr-part-{pid}"),
+            host_if: format!("tsrh{}", pid % 10_000_000),
+            addr: format!("10.231.{x}.{}", y + 2),
+            host_addr: format!("10.231.{x}.{}", y + 1),
+        };
+        let peer_if = format!("tsrn{}", pid % 10_000_000);
+        let host_cidr = format!("{}/30", ns.host_addr);
+        let ns_cidr = format!("{}/30", ns.addr);
+        let steps: Vec<(&str, Vec<&str>)> = vec![
+            ("ip netns add", vec!["netns", "add", &ns.name]),
+            (
+                "ip link add veth",
+                vec![
+                    "link",
+                    "add",
+                    &ns.host_if,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    &peer_if,
+                ],
+            ),
+            (
+                "ip link set netns",
+                vec!["link", "set", &peer_if, "netns", &ns.name],
+            ),
+            (
+                "ip addr add (host)",
+                vec!["addr", "add", &host_cidr, "dev", &ns.host_if],
+            ),
+            (
+                "ip link set up (host)",
+                vec!["link", "set", &ns.host_if, "up"],
+            ),
+            (
+                "ip addr add (namespace)",
+                vec![
+                    "netns", "exec", &ns.name, "ip", "addr", "add", &ns_cidr, "dev", &peer_if,
+                ],
+            ),
+            (
+                "ip link set up (namespace)",
+                vec![
+                    "netns", "exec", &ns.name, "ip", "link", "set", &peer_if, "up",
+                ],
+            ),
+            (
+                "ip link set lo up (namespace)",
+                vec!["netns", "exec", &ns.name, "ip", "link", "set", "lo", "up"],
+            ),
+        ];
+        for (what, args) in steps {
+            if let Err(e) = sh_ok(what, ip(&args)) {
+                eprintln!("SKIP: cannot set a network namespace up here ({e})");
+                return None; // `ns` is dropped: what was made is removed
+            }
+        }
+        Some(ns)
+    }
+
+    /// Drop every packet between the namespace and the test's side, both ways.
+    fn cut(&self) {
+        let rules = format!(
+            "table inet tsr_partition {{\n\
+               chain input {{ type filter hook input priority 0; policy accept; ip saddr {h} drop; }}\n\
+               chain output {{ type filter hook output priority 0; policy accept; ip daddr {h} drop; }}\n\
+             }}\n",
+            h = self.host_addr
+        );
+        let f = std::env::temp_dir().join(format!("{}.nft", self.name));
+        std::fs::write(&f, rules).unwrap();
+        let f = f.display().to_string();
+        sh_ok(
+            "nft -f",
+            ip(&["netns", "exec", &self.name, "nft", "-f", &f]),
+        )
+        .unwrap();
+    }
+
+    fn heal(&self) {
+        sh_ok(
+            "nft delete table",
+            ip(&[
+                "netns",
+                "exec",
+                &self.name,
+                "nft",
+                "delete",
+                "table",
+                "inet",
+                "tsr_partition",
+            ]),
+        )
+        .unwrap();
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        // Deleting the namespace takes its end of the veth pair, hence the pair, along.
+        let _ = ip(&["netns", "del", &self.name]);
+        let _ = ip(&["link", "del", &self.host_if]);
+        let _ = std::fs::remove_file(std::env::temp_dir().join(format!("{}.nft", self.name)));
+    }
+}
+
+/// The whole volume as holder `n` serves export `export` on its NBD Unix socket (a node
+/// in another network namespace).
+fn image_unix(n: &TestNode, export: &str) -> Vec<u8> {
+    let s = std::os::unix::net::UnixStream::connect(n.dir.join("nbd.sock")).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut c = tessera_nbd::client::NbdClient::from_stream(
+        s,
+        export,
+        tessera_nbd::client::ClientOptions::default(),
+    )
+    .expect("NBD handshake");
+    let mut out = vec![0u8; VOL as usize];
+    for (i, chunk) in out.chunks_mut(1 << 20).enumerate() {
+        c.read(i as u64 * MIB, chunk).unwrap();
+    }
+    out
+}
+
+#[test]
+fn a_partitioned_replica_is_dropped_and_resynced_from_what_changed_when_it_heals() {
+    let Some(ns) = NetNs::create() else { return };
+    let b = holder("repl-part-b", "node-b");
+    // node-c in the namespace: its NVMe/TCP listener on the namespace's address.
+    let nvmf = free_port();
+    let c = TestNode::start_in_netns(
+        "repl-part-c",
+        Some(&ns.name),
+        2,
+        "name = \"node-c\"",
+        &format!(
+            "[nvmf]\nlisten = \"{}:{nvmf}\"\ndiscovery = \"\"\n",
+            ns.addr
+        ),
+    );
+    c.cli_ok(&[
+        "pool",
+        "create",
+        "p",
+        &format!("{}:256M", c.dir.join("p.img").display()),
+    ]);
+    let (a, _) = owner("repl-part", "", &b, &c);
+    a.cli_ok(&[
+        "volume",
+        "create",
+        "db",
+        "--size",
+        "64M",
+        "--replicas",
+        "node-a:p,node-b:p,node-c:p",
+    ]);
+    a.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    export_replica(&b, "db");
+    export_replica(&c, "db");
+    let spec = replicas(&a)
+        .into_iter()
+        .find(|r| r["place"] == "node-c:p")
+        .unwrap();
+    assert!(all_in_sync(&a), "{spec}");
+    let blocks = (VOL as usize) / BS;
+    let mut model = vec![0u64; blocks];
+    let mut nbd = nbd_connect(&a, "db");
+    write_generations(&mut nbd, &mut model, 0..blocks / 4, 1, BS);
+
+    ns.cut();
+    // I/O goes on: the writes wait at most the timeout (3 s) for node-c, then node-c is
+    // dropped out of sync and they complete on the owner and node-b.
+    let t = Instant::now();
+    write_generations(&mut nbd, &mut model, 512..1536, 2, BS);
+    write_generations(&mut nbd, &mut model, 4096..4352, 3, BS);
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "writes hung behind a partitioned replica ({:?})",
+        t.elapsed()
+    );
+    let rc = state_of(&a, "node-c:p");
+    assert_ne!(rc["state"], "in_sync", "{rc}");
+    assert_eq!(state_of(&a, "node-b:p")["state"], "in_sync");
+    // Regions 2-5 and 16 were written during the partition (plus, at most, one in
+    // flight when node-c was dropped).
+    let dirty = rc["dirty_bytes"].as_u64().unwrap();
+    assert!(
+        (5 * MIB..=6 * MIB).contains(&dirty),
+        "node-c lacks {dirty} bytes"
+    );
+
+    ns.heal();
+    wait_for("node-c in sync after the heal", 45, || all_in_sync(&a));
+    let copied = copied_to(&a, "node-c:p");
+    assert!(
+        copied >= dirty && copied <= dirty + 2 * MIB,
+        "copied {copied} bytes for {dirty} dirty"
+    );
+    drop(nbd);
+    verify_written(&a, &model);
+    let a_img = image(&a, "db");
+    assert_same("node-b vs owner", &image(&b, "replica"), &a_img);
+    assert_same("node-c vs owner", &image_unix(&c, "replica"), &a_img);
 }

@@ -538,6 +538,15 @@ impl RemoteDevice {
         self.revivals.fetch_add(1, Ordering::AcqRel);
     }
 
+    /// Close the admin and synchronous queues now (the target then forgets the
+    /// controller once the per-core queues, closed by dropping their handles, are gone),
+    /// rather than when the last reference goes: the reactors' hooks of closed queues
+    /// keep one. For a device its owner stops using (a replica removed or deleted); a
+    /// later synchronous I/O would connect again.
+    pub fn disconnect(&self) {
+        self.admin.lock().unwrap_or_else(|e| e.into_inner()).ctrl = None;
+    }
+
     pub(crate) fn revivals(&self) -> u64 {
         self.revivals.load(Ordering::Acquire)
     }

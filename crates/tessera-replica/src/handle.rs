@@ -99,12 +99,26 @@ pub(crate) fn release_core(io: &mut CoreIo, key: usize) {
     }
 }
 
+/// A replica was added or removed: reopen this core's leg handles now (a removed
+/// replica's NVMe/TCP queue is closed at once, not at the core's next I/O).
+pub(crate) fn refresh_core(io: &mut CoreIo, key: usize) {
+    if let Some((c, _)) = io
+        .locals
+        .get(&key)
+        .and_then(|b| b.downcast_ref::<(Rc<ReplicaCore>, Weak<ReplicatedVolume>)>())
+    {
+        c.refresh();
+    }
+}
+
 /// The shared per-core state of one replicated volume.
 pub(crate) struct ReplicaCore {
     vol: Arc<ReplicatedVolume>,
     hook: Cell<u32>,
     pub(crate) legs: Vec<RefCell<LegHandle>>,
     gens: Vec<Cell<u64>>,
+    /// The volume's `legs_gen` when the handles were last checked.
+    legs_gen: Cell<u64>,
     /// Writes waiting for their activity-log entry: (op, client tag).
     parked: RefCell<Vec<Option<(IoOp, Tag)>>>,
     free_parked: RefCell<Vec<usize>>,
@@ -134,6 +148,7 @@ impl ReplicaCore {
                 .map(|_| RefCell::new(LegHandle::Absent))
                 .collect(),
             gens: vol.legs.iter().map(|_| Cell::new(u64::MAX)).collect(),
+            legs_gen: Cell::new(u64::MAX),
             parked: RefCell::new(Vec::new()),
             free_parked: RefCell::new(Vec::new()),
             closed: Cell::new(false),
@@ -146,9 +161,11 @@ impl ReplicaCore {
 
     /// Reopen legs whose device changed (a remote that connected).
     pub(crate) fn refresh(&self) {
-        if self.closed.get() {
+        let all = self.vol.legs_gen.load(Acquire);
+        if self.closed.get() || all == self.legs_gen.get() {
             return;
         }
+        self.legs_gen.set(all);
         for (i, l) in self.vol.legs.iter().enumerate() {
             let g = l.gen.load(Acquire);
             if g == self.gens[i].get() {
@@ -246,10 +263,11 @@ impl ReplicaCore {
         let m = self.vol.masks.load(Acquire);
         for r in first..first + count {
             // A copy of this region that overlapped the write is redone (resync.rs).
-            for l in 0..self.legs.len() {
-                if resyncing(m) & (1 << l) != 0 {
-                    self.vol.legs[l].regions[usize_of(r)].fetch_or(REDIRTY, AcqRel);
-                }
+            let mut rs = resyncing(m);
+            while rs != 0 {
+                let l = rs.trailing_zeros() as usize;
+                rs &= rs - 1;
+                self.vol.legs[l].regions[usize_of(r)].fetch_or(REDIRTY, AcqRel);
             }
             let old = self.vol.regions[usize_of(r)].fetch_sub(INFLIGHT_ONE, AcqRel);
             debug_assert!(old & INFLIGHT > 0);

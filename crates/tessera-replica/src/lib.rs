@@ -167,7 +167,9 @@ pub(crate) struct Progress {
 }
 
 pub(crate) struct Leg {
-    pub(crate) desc: LegDesc,
+    /// Where the leg lives (`LegDesc::Vacant` for a free slot); changes only when a
+    /// replica is added or removed.
+    pub(crate) desc: RwLock<LegDesc>,
     pub(crate) dev: RwLock<LegDev>,
     /// Bumped when `dev` changes, so per-core handles reopen.
     pub(crate) gen: AtomicU64,
@@ -182,16 +184,50 @@ pub(crate) struct Leg {
 }
 
 impl Leg {
-    pub(crate) fn persisted_state(&self) -> LegState {
-        match self.state.load(Relaxed) {
-            0 => LegState::InSync,
-            1 => LegState::OutOfSync,
-            _ => LegState::NeedsFull,
+    /// A slot with nothing in it: no leg was put there, or its replica was removed.
+    fn vacant(nregions: usize) -> Leg {
+        Leg {
+            desc: RwLock::new(LegDesc::Vacant),
+            dev: RwLock::new(LegDev::Remote(None)),
+            gen: AtomicU64::new(0),
+            regions: (0..nregions).map(|_| AtomicU8::new(DIRTY)).collect(),
+            state: AtomicU8::new(LegState::Vacant as u8),
+            dirty_regions: AtomicU64::new(0),
+            progress: Progress::default(),
+            last_error: Mutex::new(None),
         }
     }
 
+    pub(crate) fn persisted_state(&self) -> LegState {
+        match self.state.load(Acquire) {
+            0 => LegState::InSync,
+            1 => LegState::OutOfSync,
+            2 => LegState::NeedsFull,
+            _ => LegState::Vacant,
+        }
+    }
+
+    pub(crate) fn is_vacant(&self) -> bool {
+        self.persisted_state() == LegState::Vacant
+    }
+
+    pub(crate) fn desc(&self) -> LegDesc {
+        self.desc.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub(crate) fn place(&self) -> String {
+        self.desc.read().unwrap_or_else(|e| e.into_inner()).place()
+    }
+
     pub(crate) fn is_local(&self) -> bool {
-        matches!(self.desc, LegDesc::Local { .. })
+        matches!(
+            *self.desc.read().unwrap_or_else(|e| e.into_inner()),
+            LegDesc::Local { .. }
+        )
+    }
+
+    pub(crate) fn set_error(&self, e: Option<String>) {
+        *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = e;
     }
 }
 
@@ -211,7 +247,11 @@ pub struct ReplicatedVolume {
     size: u64,
     pub(crate) region_shift: u32,
     pub(crate) regions: Box<[AtomicU32]>,
+    /// [`meta::MAX_LEGS`] slots, so a replica can be added or removed while the datapath
+    /// runs (leg numbers, the bits of `masks`, never change); free ones are vacant.
     pub(crate) legs: Vec<Leg>,
+    /// Bumped with any leg's `gen`: one load per I/O tells a core whether to reopen.
+    pub(crate) legs_gen: AtomicU64,
     pub(crate) masks: AtomicU64,
     pub(crate) tx: Mutex<mpsc::Sender<persist::Req>>,
     /// Index of the local leg, if the owner holds one.
@@ -262,11 +302,25 @@ impl ReplicatedVolume {
         opts: ReplicaOptions,
         cores: Arc<Cores>,
     ) -> io::Result<Arc<ReplicatedVolume>> {
-        fs::create_dir_all(dir)?;
-        let path = dir.join(format!("{}.rset", desc.name));
         // The local leg starts with the volume's data (empty: just created); remote legs
         // are new thin volumes that read as zeros, so they are in sync too.
         let states = vec![LegState::InSync; desc.legs.len()];
+        Self::create_with(dir, desc, states, size, local, opts, cores)
+    }
+
+    /// Create the replica-set file with the legs in `states` (a local volume with data
+    /// becoming replicated: its new replicas need a full copy) and open it.
+    pub fn create_with(
+        dir: &Path,
+        desc: SetDesc,
+        states: Vec<LegState>,
+        size: u64,
+        local: Option<Arc<Volume>>,
+        opts: ReplicaOptions,
+        cores: Arc<Cores>,
+    ) -> io::Result<Arc<ReplicatedVolume>> {
+        fs::create_dir_all(dir)?;
+        let path = dir.join(format!("{}.rset", desc.name));
         let m = meta::MetaFile::create(
             &path,
             desc,
@@ -342,7 +396,7 @@ impl ReplicatedVolume {
         for (i, d) in h.desc.legs.iter().enumerate() {
             let dev = match d {
                 LegDesc::Local { .. } => LegDev::Local(local.clone().expect("checked above")),
-                LegDesc::Remote { .. } => LegDev::Remote(None),
+                LegDesc::Remote { .. } | LegDesc::Vacant => LegDev::Remote(None),
             };
             let st = m.header.states[i];
             let regions: Box<[AtomicU8]> = (0..nregions)
@@ -357,7 +411,7 @@ impl ReplicatedVolume {
                 m.count(1 + i)
             };
             legs.push(Leg {
-                desc: d.clone(),
+                desc: RwLock::new(d.clone()),
                 dev: RwLock::new(dev),
                 gen: AtomicU64::new(0),
                 regions,
@@ -370,10 +424,13 @@ impl ReplicatedVolume {
                 mask |= 1 << i;
             }
         }
+        while legs.len() < meta::MAX_LEGS {
+            legs.push(Leg::vacant(nregions));
+        }
         // Remote legs in sync on disk are connected before the volume serves: one that
         // cannot be reached is marked out of sync now, so no write ever waits for it.
         for (i, l) in legs.iter().enumerate() {
-            if let LegDesc::Remote { spec, .. } = &l.desc {
+            if let LegDesc::Remote { spec, .. } = &l.desc() {
                 match connect_remote(spec, &opts) {
                     Ok(dev) => {
                         *l.dev.write().unwrap_or_else(|e| e.into_inner()) =
@@ -383,7 +440,7 @@ impl ReplicatedVolume {
                         }
                     }
                     Err(e) => {
-                        warn!(volume = %h.desc.name, leg = %l.desc.place(), error = %e,
+                        warn!(volume = %h.desc.name, leg = %l.place(), error = %e,
                             "replicated volume: replica unreachable at open");
                         *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) =
                             Some(e.to_string());
@@ -414,6 +471,7 @@ impl ReplicatedVolume {
             region_shift: h.region_size.trailing_zeros(),
             regions: (0..nregions).map(|_| AtomicU32::new(0)).collect(),
             legs,
+            legs_gen: AtomicU64::new(0),
             masks: AtomicU64::new(mask),
             tx: Mutex::new(tx),
             local: local_idx,
@@ -438,7 +496,7 @@ impl ReplicatedVolume {
             .name(format!("rsup-{}", vol.name))
             .spawn(move || resync::supervise(w))?;
         *vol.supervisor.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
-        info!(volume = %vol.name, legs = vol.legs.len(), region_size = h.region_size,
+        info!(volume = %vol.name, legs = h.desc.legs.len(), region_size = h.region_size,
             "replicated volume open");
         Ok(vol)
     }
@@ -460,8 +518,106 @@ impl ReplicatedVolume {
         &self.path
     }
 
+    /// The replicas (vacant slots left out).
     pub fn descs(&self) -> Vec<LegDesc> {
-        self.legs.iter().map(|l| l.desc.clone()).collect()
+        self.legs
+            .iter()
+            .filter(|l| !l.is_vacant())
+            .map(Leg::desc)
+            .collect()
+    }
+
+    /// Leg `i`'s device changed: every core reopens its handle before its next I/O.
+    pub(crate) fn bump_gen(&self, i: usize) {
+        self.legs[i].gen.fetch_add(1, AcqRel);
+        self.legs_gen.fetch_add(1, AcqRel);
+    }
+
+    /// Add a replica: a new, empty thin volume of another node (format rules in
+    /// docs/format.md §11). It starts needing a full copy, which the supervisor runs
+    /// (allocated regions only) once the peer answers, while clients keep writing.
+    pub fn add_leg(&self, desc: LegDesc) -> io::Result<()> {
+        if !matches!(desc, LegDesc::Remote { .. }) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "only a remote replica can be added",
+            ));
+        }
+        let place = desc.place();
+        if self.descs().iter().any(|d| d.place() == place) {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("volume '{}' already has a replica on {place}", self.name),
+            ));
+        }
+        let (tx, rx) = mpsc::channel();
+        self.send(persist::Req::AddLeg { desc, reply: tx });
+        rx.recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the replica set did not answer",
+                ))
+            })
+    }
+
+    /// Remove the replica at `place` (`NODE:POOL`): the datapath stops using it, its slot
+    /// is marked vacant on disk, and this node lets go of its connections to it. Returns
+    /// what it was. The owner's local replica and the last in-sync one stay.
+    pub fn remove_leg(&self, place: &str) -> io::Result<LegDesc> {
+        let Some(i) = self
+            .legs
+            .iter()
+            .position(|l| !l.is_vacant() && l.place() == place)
+        else {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("volume '{}' has no replica on {place}", self.name),
+            ));
+        };
+        let l = &self.legs[i];
+        if l.is_local() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{place} is the owner's own replica of '{}': it cannot be removed",
+                    self.name
+                ),
+            ));
+        }
+        let (tx, rx) = mpsc::channel();
+        self.send(persist::Req::RemoveLeg { leg: i, reply: tx });
+        rx.recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the replica set did not answer",
+                ))
+            })?;
+        // A resync of it sees the leg gone and stops; wait (bounded) so that its task no
+        // longer uses the core's handle.
+        let end = Instant::now() + Duration::from_secs(10);
+        while l.progress.running.load(Acquire) && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let desc = std::mem::replace(
+            &mut *l.desc.write().unwrap_or_else(|e| e.into_inner()),
+            LegDesc::Vacant,
+        );
+        let old = std::mem::replace(
+            &mut *l.dev.write().unwrap_or_else(|e| e.into_inner()),
+            LegDev::Remote(None),
+        );
+        if let LegDev::Remote(Some(d)) = old {
+            d.disconnect();
+        }
+        self.bump_gen(i);
+        // Each core drops its NVMe/TCP queue to the peer now, so that the peer can
+        // delete the replica's subsystem.
+        let key = handle::core_key(self);
+        self.cores.on_each(move |io| handle::refresh_core(io, key));
+        info!(volume = %self.name, leg = %place, "replicated volume: replica removed");
+        Ok(desc)
     }
 
     /// The local leg's volume, if the owner holds a replica.
@@ -487,6 +643,7 @@ impl ReplicatedVolume {
         self.legs
             .iter()
             .enumerate()
+            .filter(|(_, l)| !l.is_vacant())
             .map(|(i, l)| {
                 let connected = match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
                     LegDev::Local(_) => true,
@@ -527,13 +684,15 @@ impl ReplicatedVolume {
                         }
                     }
                 }
-                let volume = match &l.desc {
+                let desc = l.desc();
+                let volume = match &desc {
                     LegDesc::Local { volume, .. } | LegDesc::Remote { volume, .. } => {
                         volume.clone()
                     }
+                    LegDesc::Vacant => String::new(),
                 };
                 LegStatus {
-                    place: l.desc.place(),
+                    place: desc.place(),
                     volume,
                     state: state.into(),
                     local: l.is_local(),
@@ -571,7 +730,9 @@ impl ReplicatedVolume {
         for l in &self.legs {
             let mut d = l.dev.write().unwrap_or_else(|e| e.into_inner());
             if let LegDev::Remote(r) = &mut *d {
-                *r = None;
+                if let Some(dev) = r.take() {
+                    dev.disconnect();
+                }
             }
         }
         let (tx, rx) = mpsc::channel();

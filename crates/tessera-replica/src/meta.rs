@@ -37,6 +37,8 @@ pub enum LegState {
     OutOfSync,
     /// Lacks everything (a new replica): gets a copy of the allocated space.
     NeedsFull,
+    /// A removed replica's slot, free for the next one added.
+    Vacant,
 }
 
 impl LegState {
@@ -45,6 +47,7 @@ impl LegState {
             LegState::InSync => 0,
             LegState::OutOfSync => 1,
             LegState::NeedsFull => 2,
+            LegState::Vacant => 3,
         }
     }
 
@@ -53,6 +56,7 @@ impl LegState {
             0 => Ok(LegState::InSync),
             1 => Ok(LegState::OutOfSync),
             2 => Ok(LegState::NeedsFull),
+            3 => Ok(LegState::Vacant),
             _ => Err(bad(format!("unknown leg state {b}"))),
         }
     }
@@ -71,6 +75,8 @@ pub enum LegDesc {
         volume: String,
         spec: String,
     },
+    /// The slot of a removed replica.
+    Vacant,
 }
 
 impl LegDesc {
@@ -79,6 +85,7 @@ impl LegDesc {
         match self {
             LegDesc::Local { pool, .. } => format!("local:{pool}"),
             LegDesc::Remote { node, pool, .. } => format!("{node}:{pool}"),
+            LegDesc::Vacant => "vacant".into(),
         }
     }
 }
@@ -186,6 +193,16 @@ impl Header {
             .map_err(|e| bad(format!("replica-set description: {e}")))?;
         if desc.legs.len() != legs {
             return Err(bad("replica-set description and leg count disagree".into()));
+        }
+        let vacant_agrees = desc
+            .legs
+            .iter()
+            .zip(&states)
+            .all(|(d, s)| (*d == LegDesc::Vacant) == (*s == LegState::Vacant));
+        if !vacant_agrees {
+            return Err(bad(
+                "replica-set description and leg states disagree on vacant slots".into(),
+            ));
         }
         let h = Header {
             flags: u32_at(12),
@@ -363,6 +380,30 @@ impl MetaFile {
         }
     }
 
+    /// Put `desc` in slot `slot` with `state` and an empty dirty bitmap: a vacant slot,
+    /// or one past the last (the file grows by one bitmap).
+    pub fn set_leg(&mut self, slot: usize, desc: LegDesc, state: LegState) -> io::Result<()> {
+        let n = self.header.states.len();
+        if slot == n && n < MAX_LEGS {
+            let bb = self.header.bitmap_bytes;
+            self.file.set_len(BITMAPS_AT + bb * (2 + n as u64))?;
+            self.header.states.push(LegState::Vacant);
+            self.header.desc.legs.push(LegDesc::Vacant);
+            self.dirty.push(vec![0; usize_of(bb)]);
+            // The new bitmap reads as zeros (set_len), as in memory.
+        } else if slot >= n {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a replica set has at most {MAX_LEGS} replicas"),
+            ));
+        }
+        self.clear_dirty_all(slot);
+        self.header.states[slot] = state;
+        self.header.desc.legs[slot] = desc;
+        self.header_changed = true;
+        Ok(())
+    }
+
     pub fn clear_dirty_all(&mut self, leg: usize) {
         for i in 0..self.dirty[leg].len() {
             if self.dirty[leg][i] != 0 {
@@ -412,6 +453,10 @@ impl MetaFile {
             let end = (at + PAGE).min(map.len());
             let off = BITMAPS_AT + which as u64 * bb + at as u64;
             self.file.write_all_at(&map[at..end], off)?;
+        }
+        if !self.pages.is_empty() && self.header_changed {
+            // Rule 7: the bitmaps a new header relies on are on disk first.
+            self.file.sync_data()?;
         }
         self.pages.clear();
         if self.header_changed {
@@ -505,6 +550,55 @@ mod tests {
         let r = MetaFile::open(&p).unwrap();
         assert_eq!(r.header.seq, seq - 1);
         assert_eq!(r.header.states, vec![LegState::InSync; 2]);
+    }
+
+    #[test]
+    fn replicas_are_added_into_vacant_slots_and_removed_durably() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("db.rset");
+        let mut m = MetaFile::create(
+            &p,
+            desc(),
+            [2; 16],
+            8 << 20,
+            1 << 20,
+            64,
+            vec![LegState::InSync; 2],
+        )
+        .unwrap();
+        let c = LegDesc::Remote {
+            node: "c".into(),
+            pool: "p".into(),
+            volume: "db-c".into(),
+            spec: "nvme-tcp://127.0.0.1:4421/nqn.y?nsid=1".into(),
+        };
+        // A third leg grows the file by one bitmap.
+        m.set_leg(2, c.clone(), LegState::NeedsFull).unwrap();
+        m.set_dirty(2, 5, true);
+        m.commit().unwrap();
+        let r = MetaFile::open(&p).unwrap();
+        assert_eq!(r.header.desc.legs[2], c);
+        assert_eq!(r.header.states[2], LegState::NeedsFull);
+        assert!(bit(&r.dirty[2], 5));
+        // Removing the second leaves its slot vacant; the third keeps its number.
+        m.set_leg(1, LegDesc::Vacant, LegState::Vacant).unwrap();
+        m.commit().unwrap();
+        let r = MetaFile::open(&p).unwrap();
+        assert_eq!(
+            r.header.states,
+            vec![LegState::InSync, LegState::Vacant, LegState::NeedsFull]
+        );
+        assert_eq!(r.header.desc.legs[1], LegDesc::Vacant);
+        assert_eq!(r.count(2), 0, "a vacant slot's bitmap is cleared");
+        // Beyond the last slot + 1, or past the most legs, is refused.
+        assert!(m.set_leg(5, c.clone(), LegState::NeedsFull).is_err());
+        // A state and description that disagree on vacancy are refused on read.
+        m.header.states[1] = LegState::OutOfSync;
+        m.header_changed = true;
+        m.commit().unwrap();
+        assert!(
+            MetaFile::open(&p).is_err() || MetaFile::open(&p).unwrap().header.seq < m.header.seq
+        );
     }
 
     #[test]

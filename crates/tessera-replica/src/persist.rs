@@ -3,6 +3,7 @@
 //! failed leg out of sync, and waits for its answer through the core's mailbox; requests
 //! that arrive together share one write and one `fdatasync`.
 
+use std::io;
 use std::sync::atomic::Ordering::*;
 use std::sync::{mpsc, Weak};
 use std::time::Duration;
@@ -12,10 +13,10 @@ use tessera_io::reactor::RemoteCompleter;
 use tessera_io::Tag;
 use tracing::{error, info, warn};
 
-use crate::meta::{LegState, MetaFile, FLAG_CLEAN};
+use crate::meta::{LegDesc, LegState, MetaFile, FLAG_CLEAN};
 use crate::{
-    in_sync, resyncing, ReplicatedVolume, CLEAN, DIRTY, HOT, INFLIGHT, REDIRTY, STARTED_SHIFT,
-    STATE,
+    in_sync, resyncing, LegDev, ReplicatedVolume, CLEAN, DIRTY, HOT, INFLIGHT, REDIRTY,
+    STARTED_SHIFT, STATE,
 };
 
 /// Who waits for a request: a tag on a reactor core.
@@ -50,6 +51,23 @@ pub(crate) enum Req {
     },
     /// Write an empty activity log and the clean flag if no write is in flight.
     Close { reply: mpsc::Sender<()> },
+    /// Put a new replica in a vacant slot, needing a full copy.
+    AddLeg {
+        desc: LegDesc,
+        reply: mpsc::Sender<io::Result<()>>,
+    },
+    /// Take leg `leg` out of the set (refused for the last one in sync).
+    RemoveLeg {
+        leg: usize,
+        reply: mpsc::Sender<io::Result<()>>,
+    },
+    /// A full copy of `leg` from `source` starts: turn "needs a full copy" into "out of
+    /// sync" with the source's allocated regions dirty (reply false if it could not).
+    BeginFull {
+        leg: usize,
+        source: usize,
+        reply: mpsc::Sender<bool>,
+    },
 }
 
 /// The leg reads are served from after a crash: the local one if in sync, else the first
@@ -120,6 +138,15 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
                     after.push(Action::Reply(reply, ok));
                 }
                 Req::Close { reply } => closing = Some(reply),
+                Req::AddLeg { desc, reply } => {
+                    let _ = reply.send(add_leg(&v, &mut m, desc));
+                }
+                Req::RemoveLeg { leg, reply } => {
+                    let _ = reply.send(remove_leg(&v, &mut m, leg));
+                }
+                Req::BeginFull { leg, source, reply } => {
+                    let _ = reply.send(begin_full(&v, &mut m, leg, source));
+                }
             }
         }
         evict(&v, &mut m, &mut cursor, closing.is_some());
@@ -198,7 +225,7 @@ fn leg_failed(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, res: i32) -> i
     let bit = 1u64 << leg;
     if in_sync(masks) & bit != 0 && in_sync(masks) & !bit == 0 {
         // The last leg in sync stays so (it holds the only current copy); the I/O fails.
-        warn!(volume = %v.name, leg = %v.legs[leg].desc.place(), error = res,
+        warn!(volume = %v.name, leg = %v.legs[leg].place(), error = res,
             "replicated volume: the last in-sync replica failed an I/O; the I/O fails");
         return res;
     }
@@ -249,7 +276,7 @@ fn leg_failed(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, res: i32) -> i
         },
         Relaxed,
     );
-    warn!(volume = %v.name, leg = %l.desc.place(), error = res,
+    warn!(volume = %v.name, leg = %l.place(), error = res,
         dirty_regions = l.dirty_regions.load(Relaxed),
         "replicated volume: replica dropped out of sync");
     0
@@ -276,7 +303,7 @@ fn resync_done(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize) -> bool {
     v.masks.fetch_or(bit, AcqRel);
     v.masks.fetch_and(!(bit << 8), AcqRel);
     *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    info!(volume = %v.name, leg = %l.desc.place(), "replicated volume: replica back in sync");
+    info!(volume = %v.name, leg = %l.place(), "replicated volume: replica back in sync");
     true
 }
 
@@ -332,4 +359,144 @@ fn evict(v: &ReplicatedVolume, m: &mut MetaFile, cursor: &mut u64, all: bool) {
             hot -= 1;
         }
     }
+}
+
+fn add_leg(v: &ReplicatedVolume, m: &mut MetaFile, desc: LegDesc) -> io::Result<()> {
+    // A slot whose previous resync task is still winding down is left alone.
+    let slot = v
+        .legs
+        .iter()
+        .position(|l| l.is_vacant() && !l.progress.running.load(Acquire))
+        .filter(|&s| s <= m.header.states.len())
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "volume '{}' has {} replicas already, the most a replica set holds",
+                    v.name,
+                    crate::meta::MAX_LEGS
+                ),
+            )
+        })?;
+    m.set_leg(slot, desc.clone(), LegState::NeedsFull)?;
+    if let Err(e) = m.commit() {
+        m.set_leg(slot, LegDesc::Vacant, LegState::Vacant)?;
+        return Err(e);
+    }
+    let l = &v.legs[slot];
+    *l.desc.write().unwrap_or_else(|e| e.into_inner()) = desc;
+    *l.dev.write().unwrap_or_else(|e| e.into_inner()) = LegDev::Remote(None);
+    v.bump_gen(slot);
+    for s in l.regions.iter() {
+        s.store(DIRTY, Release);
+    }
+    l.dirty_regions.store(m.header.regions, Relaxed);
+    let p = &l.progress;
+    for c in [
+        &p.total,
+        &p.copied,
+        &p.copied_total,
+        &p.recopied_total,
+        &p.regions_total,
+    ] {
+        c.store(0, Relaxed);
+    }
+    l.set_error(None);
+    // Last: from here the supervisor sees the leg and starts its copy.
+    l.state.store(LegState::NeedsFull as u8, Release);
+    info!(volume = %v.name, leg = %l.place(), slot, "replicated volume: replica added, it needs a full copy");
+    Ok(())
+}
+
+fn remove_leg(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize) -> io::Result<()> {
+    let bit = 1u64 << leg;
+    let masks = v.masks.load(Acquire);
+    if in_sync(masks) & bit != 0 && in_sync(masks) & !bit == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{} is the only replica of '{}' in sync: it cannot be removed",
+                v.legs[leg].place(),
+                v.name
+            ),
+        ));
+    }
+    // Datapath first (no new I/O to it, its resync stops), then the file. A crash in
+    // between finds the leg in sync on disk and reconciles the activity log's regions,
+    // which hold every write it missed.
+    v.masks.fetch_and(!(bit | bit << 8), AcqRel);
+    m.set_leg(leg, LegDesc::Vacant, LegState::Vacant)?;
+    let r = m.commit();
+    if let Err(e) = &r {
+        error!(volume = %v.name, error = %e, "replicated volume: cannot record a removed replica; it stays out of the datapath");
+    }
+    v.legs[leg].state.store(LegState::Vacant as u8, Release);
+    v.legs[leg].set_error(None);
+    r
+}
+
+fn begin_full(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, source: usize) -> bool {
+    match m.header.states.get(leg) {
+        Some(LegState::NeedsFull) => {}
+        Some(LegState::OutOfSync) => return true,
+        // Removed meanwhile (or in sync): nothing to copy.
+        _ => return false,
+    }
+    let shift = v.region_shift;
+    let size = v.size();
+    // Thin: the source's allocated regions, from the local pool's map. A remote source's
+    // allocation is unknown: everything.
+    let local = (v.local == Some(source))
+        .then(|| v.local_volume())
+        .flatten();
+    match local {
+        Some(vol) => {
+            let mut at = 0u64;
+            while at < size {
+                let runs = vol.allocation_runs(at, size - at, 4096);
+                let before = at;
+                for (len, allocated) in runs {
+                    if allocated && len > 0 {
+                        for r in (at >> shift)..=((at + len - 1) >> shift) {
+                            m.set_dirty(leg, r, true);
+                        }
+                    }
+                    at += len;
+                }
+                if at == before {
+                    break;
+                }
+            }
+        }
+        None => {
+            for r in 0..m.header.regions {
+                m.set_dirty(leg, r, true);
+            }
+        }
+    }
+    // Writes in flight may allocate regions the map does not show yet; they are all in
+    // the activity log. Later writes to other regions pass through `hot` (rule 3).
+    for r in 0..m.header.regions {
+        if crate::meta::bit(&m.hot, r) {
+            m.set_dirty(leg, r, true);
+        }
+    }
+    m.set_state(leg, LegState::OutOfSync);
+    if let Err(e) = m.commit() {
+        error!(volume = %v.name, error = %e, "replicated volume: cannot start a full copy");
+        m.set_state(leg, LegState::NeedsFull);
+        return false;
+    }
+    let l = &v.legs[leg];
+    for (r, s) in l.regions.iter().enumerate() {
+        let d = crate::meta::bit(&m.dirty[leg], r as u64);
+        s.store(if d { DIRTY } else { CLEAN }, Release);
+    }
+    let dirty = m.count(1 + leg);
+    l.dirty_regions.store(dirty, Relaxed);
+    l.state.store(LegState::OutOfSync as u8, Release);
+    info!(volume = %v.name, leg = %l.place(), source = %v.legs[source].place(),
+        regions = dirty, of = m.header.regions,
+        "replicated volume: full copy of the allocated regions starts");
+    true
 }

@@ -59,6 +59,9 @@ pub(crate) fn supervise(vol: Weak<ReplicatedVolume>) {
         let m = v.masks.load(Acquire);
         for (i, l) in v.legs.iter().enumerate() {
             let bit = 1u64 << i;
+            if l.is_vacant() {
+                continue;
+            }
             if in_sync(m) & bit != 0 {
                 backoff[i] = Duration::from_millis(500);
                 continue;
@@ -95,14 +98,14 @@ fn reachable(v: &ReplicatedVolume, i: usize) -> bool {
     let dev = match dev {
         Some(d) => d,
         None => {
-            let crate::meta::LegDesc::Remote { spec, .. } = &l.desc else {
+            let crate::meta::LegDesc::Remote { spec, .. } = &l.desc() else {
                 return false;
             };
             match connect_remote(spec, &v.opts) {
                 Ok(d) => {
                     *l.dev.write().unwrap_or_else(|e| e.into_inner()) =
                         LegDev::Remote(Some(d.clone()));
-                    l.gen.fetch_add(1, AcqRel);
+                    v.bump_gen(i);
                     d
                 }
                 Err(e) => {
@@ -147,6 +150,18 @@ fn pick_source(v: &ReplicatedVolume, m: u64) -> Option<usize> {
 fn start(v: &Arc<ReplicatedVolume>, leg: usize, source: usize) {
     let l = &v.legs[leg];
     let full = l.persisted_state() == LegState::NeedsFull;
+    if full {
+        // A new replica: its dirty regions become the source's allocated ones (thin).
+        let (tx, rx) = mpsc::channel();
+        v.send(Req::BeginFull {
+            leg,
+            source,
+            reply: tx,
+        });
+        if !rx.recv_timeout(Duration::from_secs(30)).unwrap_or(false) {
+            return;
+        }
+    }
     let dirty = l
         .regions
         .iter()
@@ -158,11 +173,11 @@ fn start(v: &Arc<ReplicatedVolume>, leg: usize, source: usize) {
     *p.started.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
     p.running.store(true, Release);
     v.masks.fetch_or(1 << (8 + leg), AcqRel);
-    info!(volume = %v.name, leg = %l.desc.place(), source = %v.legs[source].desc.place(),
+    info!(volume = %v.name, leg = %l.place(), source = %v.legs[source].place(),
         dirty_regions = dirty, full, "replicated volume: resync started");
     let vol = v.clone();
     v.cores.spawn(Box::new(move |_io: &mut CoreIo| {
-        Box::new(ResyncTask::new(vol, leg, source, full)) as Box<dyn Task>
+        Box::new(ResyncTask::new(vol, leg, source)) as Box<dyn Task>
     }));
 }
 
@@ -187,7 +202,7 @@ fn finish(v: &Arc<ReplicatedVolume>, leg: usize) {
                 .ok()
                 .and_then(|s| s.map(|t| t.elapsed().as_secs_f64()))
                 .unwrap_or(0.0);
-            info!(volume = %v.name, leg = %l.desc.place(),
+            info!(volume = %v.name, leg = %l.place(),
                 copied_bytes = l.progress.copied.load(Relaxed), secs,
                 "replicated volume: resync finished");
             return;
@@ -218,8 +233,6 @@ struct ResyncTask {
     vol: Arc<ReplicatedVolume>,
     leg: usize,
     source: usize,
-    /// A new replica: holes of the source need nothing (the replica reads zeros).
-    full: bool,
     id: u32,
     core: Option<Rc<ReplicaCore>>,
     cursor: u64,
@@ -238,13 +251,12 @@ struct ResyncTask {
 }
 
 impl ResyncTask {
-    fn new(vol: Arc<ReplicatedVolume>, leg: usize, source: usize, full: bool) -> ResyncTask {
+    fn new(vol: Arc<ReplicatedVolume>, leg: usize, source: usize) -> ResyncTask {
         let rate = vol_rate(&vol);
         ResyncTask {
             vol,
             leg,
             source,
-            full,
             id: 0,
             core: None,
             cursor: 0,
@@ -325,9 +337,7 @@ impl ResyncTask {
         for i in 0..self.chunks.len() {
             let (offset, len) = (self.chunks[i].offset, self.chunks[i].len);
             let hole = core.legs[self.source].borrow_mut().is_hole(offset, len);
-            if hole && self.full {
-                io.complete(Tag::task(self.id, 2 * u32_of(i) + 1), 0);
-            } else if hole {
+            if hole {
                 let op = IoOp::WriteZeroes {
                     offset,
                     len,
@@ -413,7 +423,7 @@ impl ResyncTask {
 
     fn fail(&mut self, leg: usize, res: i32) {
         self.error = true;
-        warn!(volume = %self.vol.name, leg = %self.vol.legs[leg].desc.place(), error = res,
+        warn!(volume = %self.vol.name, leg = %self.vol.legs[leg].place(), error = res,
             "replicated volume: resync I/O failed");
         self.vol.send(Req::LegFailed {
             leg,

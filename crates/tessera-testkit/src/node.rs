@@ -51,6 +51,8 @@ pub struct TestNode<B: Binary> {
     /// Config file, when started with one (restart reuses it).
     pub config: Option<PathBuf>,
     pub log: PathBuf,
+    /// Network namespace the node runs in (`ip netns exec`), if not the test's own.
+    pub netns: Option<String>,
     keep: bool,
     bin: PhantomData<B>,
 }
@@ -68,6 +70,7 @@ impl<B: Binary> TestNode<B> {
             port: free_port(),
             config: None,
             log: PathBuf::new(),
+            netns: None,
             keep: false,
             bin: PhantomData,
         };
@@ -89,6 +92,19 @@ impl<B: Binary> TestNode<B> {
     /// [`start_with_cores`](Self::start_with_cores) with `top` TOML put first, where
     /// top-level keys (`name`, `[[peer]]` tables before any other table) may go.
     pub fn start_with_top(tag: &str, cores: usize, top: &str, extra: &str) -> Self {
+        Self::start_in_netns(tag, None, cores, top, extra)
+    }
+
+    /// [`start_with_top`](Self::start_with_top) in network namespace `netns` (which the
+    /// test made; its NBD port is then reachable only inside it, or through the NBD Unix
+    /// socket DIR/nbd.sock; the API socket is a file, reachable as usual).
+    pub fn start_in_netns(
+        tag: &str,
+        netns: Option<&str>,
+        cores: usize,
+        top: &str,
+        extra: &str,
+    ) -> Self {
         let tmp = temp_dir(tag);
         let dir = tmp.path().to_path_buf();
         let port = free_port();
@@ -108,6 +124,7 @@ impl<B: Binary> TestNode<B> {
             port,
             config: Some(cfg),
             log: PathBuf::new(),
+            netns: netns.map(str::to_string),
             keep: false,
             bin: PhantomData,
         };
@@ -116,7 +133,15 @@ impl<B: Binary> TestNode<B> {
     }
 
     fn spawn(&mut self) {
-        let mut cmd = Command::new(B::PATH);
+        // `ip netns exec` execs the binary: the child's pid is the node's.
+        let mut cmd = match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, B::PATH]);
+                c
+            }
+            None => Command::new(B::PATH),
+        };
         match &self.config {
             Some(c) => {
                 cmd.arg("node").arg("--config").arg(c);

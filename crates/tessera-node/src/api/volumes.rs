@@ -8,8 +8,8 @@ use axum::extract::{Path, Query, State};
 use axum::routing::get;
 use axum::Router;
 use tessera_api::{
-    CreateReplica, CreateVolume, Deleted, ErrorReply, QosLimits, ReplicaTarget, ResizeVolume,
-    SizeArg, VolumeInfo, VolumeStats,
+    AddReplica, CreateReplica, CreateVolume, Deleted, ErrorReply, QosLimits, RemovedReplica,
+    ReplicaTarget, ResizeVolume, SizeArg, VolumeInfo, VolumeStats,
 };
 use tessera_http::Response;
 
@@ -45,6 +45,14 @@ pub fn routes() -> Router<Arc<Node>> {
             get(qos_get).put(qos_put).delete(qos_clear),
         )
         .route("/v1/volumes/{name}/stats", get(stats))
+        .route(
+            "/v1/volumes/{name}/replicas",
+            axum::routing::post(volume_replica_add),
+        )
+        .route(
+            "/v1/volumes/{name}/replicas/{replica}",
+            axum::routing::delete(volume_replica_remove),
+        )
 }
 
 #[utoipa::path(get, path = "/v1/volumes", tag = "volumes",
@@ -208,4 +216,30 @@ pub async fn replica_delete(State(node): NodeState, Path(volume): Path<String>) 
         )
     })
     .await
+}
+
+#[utoipa::path(post, path = "/v1/volumes/{name}/replicas", tag = "volumes",
+    params(("name" = String, Path)), request_body = AddReplica,
+    description = "Give a volume one more replica on a peer node. The new replica starts empty and gets a copy of the allocated regions in the background (see the volume's replicas). A volume that is not replicated yet becomes so; it must not be exported or connected.",
+    responses((status = 201, body = VolumeInfo), (status = "4XX", body = ErrorReply)))]
+pub async fn volume_replica_add(
+    State(node): NodeState,
+    Path(name): Path<String>,
+    bytes: Bytes,
+) -> Response {
+    match body::<AddReplica>(&bytes, "replica", "replica") {
+        Ok(b) => with_node(node, move |n| reply(n.add_replica(&name, &b.replica), 201)).await,
+        Err(r) => r,
+    }
+}
+
+#[utoipa::path(delete, path = "/v1/volumes/{name}/replicas/{replica}", tag = "volumes",
+    params(("name" = String, Path), ("replica" = String, Path, description = "NODE:POOL")),
+    description = "Remove a replica of a volume; its node is asked to delete the replica's volume. The owner's own replica and the last replica in sync cannot be removed.",
+    responses((status = 200, body = RemovedReplica), (status = "4XX", body = ErrorReply)))]
+pub async fn volume_replica_remove(
+    State(node): NodeState,
+    Path((name, replica)): Path<(String, String)>,
+) -> Response {
+    with_node(node, move |n| reply(n.remove_replica(&name, &replica), 200)).await
 }

@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tessera_api::{CreateReplica, ReplicaInfo, ReplicaTarget, VolumeInfo};
+use tessera_api::{CreateReplica, RemovedReplica, ReplicaInfo, ReplicaTarget, VolumeInfo};
 use tessera_http::{request, Endpoint};
 use tessera_pool::Volume;
-use tessera_replica::{Cores, LegDesc, ReplicaOptions, ReplicatedVolume, SetDesc};
+use tessera_replica::{Cores, LegDesc, LegState, ReplicaOptions, ReplicatedVolume, SetDesc};
 use tracing::{error, info, warn};
 
 use super::{size_arg, Error, Node, Result};
@@ -108,7 +108,7 @@ impl Node {
             let opened = ReplicatedVolume::read_desc(&path).and_then(|desc| {
                 let local = desc.legs.iter().find_map(|l| match l {
                     LegDesc::Local { volume, .. } => Some(volume.clone()),
-                    LegDesc::Remote { .. } => None,
+                    LegDesc::Remote { .. } | LegDesc::Vacant => None,
                 });
                 let local = match local {
                     Some(v) => Some(self.volume_by_name(&v).ok_or_else(|| {
@@ -229,30 +229,11 @@ impl Node {
                     });
                     continue;
                 }
-                let peer = self.peer(n)?;
-                let req = CreateReplica {
-                    volume: format!("{name}.{me}"),
-                    pool: pool.clone(),
-                    size,
-                    owner: me.clone(),
-                };
-                let body = serde_json::to_value(&req).map_err(|e| Error::invalid(e.to_string()))?;
-                let (status, text) = self.peer_call(&peer, "POST", "/v1/replicas", Some(&body))?;
-                if !(200..300).contains(&status) {
-                    return Err(Error::invalid(format!(
-                        "peer '{n}' refused the replica (HTTP {status}): {}",
-                        text.trim()
-                    )));
+                let (peer, leg) = self.peer_replica(n, pool, name, size, false)?;
+                if let LegDesc::Remote { volume, .. } = &leg {
+                    made.push((peer, volume.clone()));
                 }
-                let t: ReplicaTarget = serde_json::from_str(&text)
-                    .map_err(|e| Error::io(&format!("peer '{n}' answered"), e))?;
-                made.push((peer.clone(), t.volume.clone()));
-                legs.push(LegDesc::Remote {
-                    node: n.clone(),
-                    pool: pool.clone(),
-                    volume: t.volume,
-                    spec: reachable_spec(&t.spec, &peer.api),
-                });
+                legs.push(leg);
             }
             let desc = SetDesc {
                 name: name.to_string(),
@@ -295,6 +276,225 @@ impl Node {
         }
     }
 
+    /// Ask peer `node` for a replica of volume `name` in its pool `pool` (`fresh`: it
+    /// must be a new, empty volume there).
+    fn peer_replica(
+        &self,
+        node: &str,
+        pool: &str,
+        name: &str,
+        size: u64,
+        fresh: bool,
+    ) -> Result<(PeerDecl, LegDesc)> {
+        let me = self.cfg.node_name();
+        let peer = self.peer(node)?;
+        let req = CreateReplica {
+            volume: format!("{name}.{me}"),
+            pool: pool.to_string(),
+            size,
+            owner: me.clone(),
+            fresh,
+        };
+        let body = serde_json::to_value(&req).map_err(|e| Error::invalid(e.to_string()))?;
+        let (status, text) = self.peer_call(&peer, "POST", "/v1/replicas", Some(&body))?;
+        if !(200..300).contains(&status) {
+            return Err(Error::invalid(format!(
+                "peer '{node}' refused the replica (HTTP {status}): {}",
+                text.trim()
+            )));
+        }
+        let t: ReplicaTarget = serde_json::from_str(&text)
+            .map_err(|e| Error::io(&format!("peer '{node}' answered"), e))?;
+        let leg = LegDesc::Remote {
+            node: node.to_string(),
+            pool: pool.to_string(),
+            volume: t.volume,
+            spec: reachable_spec(&t.spec, &peer.api),
+        };
+        Ok((peer, leg))
+    }
+
+    /// Ask peer `node` to delete the replica volume `volume`: None when it did (or had
+    /// none), else why not.
+    fn drop_peer_replica(&self, node: &str, volume: &str) -> Option<String> {
+        let r = self
+            .peer(node)
+            .and_then(|p| self.peer_call(&p, "DELETE", &format!("/v1/replicas/{volume}"), None));
+        match r {
+            Ok((s, _)) if (200..300).contains(&s) || s == 404 => None,
+            Ok((s, t)) => {
+                warn!(peer = %node, volume = %volume, status = s, answer = %t.trim(), "peer did not delete its replica");
+                Some(format!(
+                    "node '{node}' did not delete '{volume}' (HTTP {s}: {})",
+                    t.trim()
+                ))
+            }
+            Err(e) => {
+                warn!(peer = %node, volume = %volume, error = %e, "peer unreachable: its replica stays until removed there");
+                Some(format!("node '{node}' could not be reached ({e})"))
+            }
+        }
+    }
+
+    /// Give volume `name` one more replica, `place` = `NODE:POOL` on a peer. A replicated
+    /// volume gets a new leg; a plain volume of this node becomes replicated (its data
+    /// stays in place as the local replica). The new replica starts empty and gets a copy
+    /// of the allocated regions in the background (`volume status` shows it), while
+    /// clients keep writing.
+    pub fn add_replica(&self, name: &str, place: &str) -> Result<VolumeInfo> {
+        let _g = self.admin();
+        let (p, v) = self.find_volume(name)?;
+        let (node, pool) = place
+            .split_once(':')
+            .ok_or_else(|| Error::invalid(format!("replica '{place}': expected NODE:POOL")))?;
+        let me = self.cfg.node_name();
+        if node == me {
+            return Err(Error::invalid(format!(
+                "this node ('{me}') owns '{name}' and holds its local replica: a new replica \
+                 goes to another node"
+            )));
+        }
+        if v.is_snapshot() {
+            return Err(Error::invalid(format!(
+                "'{name}' is a snapshot: only a volume can be replicated"
+            )));
+        }
+        if let Some(why) = self.replica_blocked(&v) {
+            return Err(Error::invalid(format!(
+                "replicated volume '{name}' is not open ({why})"
+            )));
+        }
+        self.peer(node)?;
+        let existing = self.replicated_of(&v);
+        match &existing {
+            Some(rv) => {
+                if rv
+                    .descs()
+                    .iter()
+                    .any(|d| matches!(d, LegDesc::Remote { node: n, .. } if n == node))
+                {
+                    return Err(Error::already_exists(format!(
+                        "volume '{name}' already has a replica on node '{node}'"
+                    )));
+                }
+                if rv.descs().len() >= tessera_replica::meta::MAX_LEGS {
+                    return Err(Error::invalid(format!(
+                        "volume '{name}' has {} replicas, the most a volume has",
+                        tessera_replica::meta::MAX_LEGS
+                    )));
+                }
+            }
+            None => {
+                // Connections opened before the change would keep writing to the local
+                // volume alone: only a volume nobody uses becomes replicated.
+                let exports: Vec<String> = p
+                    .exports()
+                    .into_iter()
+                    .filter(|e| e.volume_id == v.id)
+                    .map(|e| e.name)
+                    .collect();
+                let nqn = self.nvmf.subsystem_using(&p.status().uuid, v.id);
+                if !exports.is_empty() || nqn.is_some() || v.open_handles() > 0 {
+                    let mut uses = Vec::new();
+                    if !exports.is_empty() {
+                        uses.push(format!("exported as {}", exports.join(", ")));
+                    }
+                    if let Some(n) = nqn {
+                        uses.push(format!("a namespace of NVMe subsystem '{n}'"));
+                    }
+                    if v.open_handles() > 0 {
+                        uses.push(format!("{} open connections", v.open_handles()));
+                    }
+                    return Err(Error::busy(format!(
+                        "volume '{name}' is in use ({}): a local volume becomes replicated \
+                         only while nobody uses it; remove its exports, add the replica, \
+                         then export it again",
+                        uses.join("; ")
+                    )));
+                }
+            }
+        }
+        let (_, leg) = self.peer_replica(node, pool, name, v.size(), true)?;
+        let LegDesc::Remote { volume: rvol, .. } = &leg else {
+            unreachable!("a peer's replica is remote");
+        };
+        let rvol = rvol.clone();
+        let added = match &existing {
+            Some(rv) => rv
+                .add_leg(leg)
+                .map_err(|e| Error::io("adding the replica", e)),
+            None => {
+                let desc = SetDesc {
+                    name: name.to_string(),
+                    legs: vec![
+                        LegDesc::Local {
+                            pool: p.name().to_string(),
+                            volume: name.to_string(),
+                        },
+                        leg,
+                    ],
+                };
+                self.replica_options().and_then(|opts| {
+                    ReplicatedVolume::create_with(
+                        &self.replicas_dir(),
+                        desc,
+                        vec![LegState::InSync, LegState::NeedsFull],
+                        v.size(),
+                        Some(v.clone()),
+                        opts,
+                        self.cores(),
+                    )
+                    .map_err(|e| Error::io("creating the replica set", e))
+                    .map(|rv| {
+                        self.replicated
+                            .write()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(name.to_string(), rv);
+                    })
+                })
+            }
+        };
+        if let Err(e) = added {
+            if let Some(why) = self.drop_peer_replica(node, &rvol) {
+                warn!(volume = %name, replica = %place, reason = %why, "could not remove the new replica after a failed add");
+            }
+            return Err(e);
+        }
+        info!(volume = %name, replica = %place, "replica added; its copy runs in the background");
+        Ok(self.volume_info(&p, &v))
+    }
+
+    /// Remove volume `name`'s replica at `place` (`NODE:POOL`) and ask that node to
+    /// delete its volume. The owner's own replica and the last one in sync stay.
+    pub fn remove_replica(&self, name: &str, place: &str) -> Result<RemovedReplica> {
+        let _g = self.admin();
+        let (_, v) = self.find_volume(name)?;
+        let rv = self
+            .replicated_of(&v)
+            .ok_or_else(|| Error::invalid(format!("volume '{name}' is not replicated")))?;
+        let desc = rv.remove_leg(place).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::not_found(e.to_string()),
+            std::io::ErrorKind::InvalidInput => Error::invalid(e.to_string()),
+            _ => Error::io("removing the replica", e),
+        })?;
+        let LegDesc::Remote { node, volume, .. } = desc else {
+            unreachable!("only remote replicas are removed");
+        };
+        let note = self.drop_peer_replica(&node, &volume).map(|why| {
+            format!(
+                "{why}: '{volume}' stays on '{node}' until deleted there; it is no longer \
+                 a replica of '{name}'"
+            )
+        });
+        Ok(RemovedReplica {
+            volume: name.to_string(),
+            replica: place.to_string(),
+            replica_volume_deleted: note.is_none(),
+            replica_volume: volume,
+            note,
+        })
+    }
+
     /// Delete a replicated volume this node owns: its replica set, its replicas on the
     /// peers (those that answer; the others are named in the log) and its local leg.
     pub(super) fn delete_replicated(&self, rv: &Arc<ReplicatedVolume>) -> Result<()> {
@@ -310,18 +510,8 @@ impl Node {
         rv.close();
         for d in rv.descs() {
             if let LegDesc::Remote { node, volume, .. } = d {
-                let r = self.peer(&node).and_then(|p| {
-                    self.peer_call(&p, "DELETE", &format!("/v1/replicas/{volume}"), None)
-                });
-                match r {
-                    Ok((s, _)) if (200..300).contains(&s) || s == 404 => {}
-                    Ok((s, t)) => {
-                        warn!(peer = %node, volume = %volume, status = s, answer = %t.trim(), "peer did not delete its replica")
-                    }
-                    Err(e) => {
-                        warn!(peer = %node, volume = %volume, error = %e, "peer unreachable: its replica stays until removed there")
-                    }
-                }
+                // Logged by the call when the peer keeps it.
+                let _ = self.drop_peer_replica(&node, &volume);
             }
         }
         std::fs::remove_file(rv.path()).map_err(|e| Error::io("removing the replica set", e))?;
@@ -391,6 +581,14 @@ impl Node {
         }
         let nqn = replica_nqn(&req.owner, &req.volume);
         match self.find_volume(&req.volume) {
+            Ok(_) if req.fresh => {
+                return Err(Error::already_exists(format!(
+                    "volume '{}' already exists here (left from an earlier replica?): a new \
+                     replica starts empty; delete it on this node first (its NVMe/TCP \
+                     subsystem '{nqn}', then the volume)",
+                    req.volume
+                )))
+            }
             Ok((_, v)) if v.size() == req.size => {}
             Ok(_) => {
                 return Err(Error::already_exists(format!(
@@ -439,7 +637,16 @@ impl Node {
                 }
             }
         }
-        self.delete_volume(volume)
+        // The controllers' handles of the volume close as their connections end.
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        loop {
+            match self.delete_volume(volume) {
+                Err(Error::Busy(_)) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                r => return r,
+            }
+        }
     }
 }
 
