@@ -6,7 +6,7 @@
 //!   in another zone than the owner even when a node of the owner's zone has more room,
 //!   writes the spec (owner, epoch 1, replicas) to etcd, and a second node cannot create
 //!   the same name. The volume is a working replicated volume (written through NBD, the
-//!   placed replica holds the data).
+//!   placed replica holds the data); adding and removing a replica updates the spec.
 //! - etcd stopped entirely: the volume keeps serving I/O; cluster reads fail clearly;
 //!   etcd back, the members are listed again.
 //! - A node whose `[cluster]` names an unreachable etcd refuses to start, saying why.
@@ -158,6 +158,32 @@ fn members_placement_specs_and_etcd_outage() {
         "--read-only",
     ]);
     verify_generations(&c, "replica", &model, 4096);
+
+    // Adding and removing a replica keeps the spec's list true (owner and epoch kept).
+    let spec_replicas = |n: &TestNode| -> serde_json::Value {
+        n.json(&["cluster", "volumes"]).as_array().unwrap()[0]["replicas"].clone()
+    };
+    a.cli_ok(&["volume", "replica", "add", "db", "node-b:p"]);
+    assert_eq!(
+        spec_replicas(&c),
+        serde_json::json!(["node-a:p", "node-c:p", "node-b:p"])
+    );
+    wait_for("node-b in sync", 30, || {
+        a.json(&["volume", "show", "db"])["replicas"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["state"] == "in_sync")
+    });
+    a.cli_ok(&["volume", "replica", "remove", "db", "node-b:p"]);
+    assert_eq!(
+        spec_replicas(&b),
+        serde_json::json!(["node-a:p", "node-c:p"])
+    );
+    assert_eq!(
+        b.json(&["cluster", "volumes"]).as_array().unwrap()[0]["epoch"],
+        1
+    );
 
     // etcd stops entirely: the volume keeps serving I/O; cluster reads fail clearly.
     etcd.members[0].kill9();

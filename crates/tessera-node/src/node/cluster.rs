@@ -186,6 +186,62 @@ impl Node {
         }
     }
 
+    /// The volume's replicas changed (added, removed): rewrite the spec's list with a
+    /// compare-and-swap, keeping its owner and epoch; a volume that became replicated gets
+    /// its spec now. A spec another node owns is left alone (this node lost the volume).
+    /// etcd trouble is logged, not returned: the replica set file is the datapath's truth,
+    /// and the spec catches up at the next change.
+    pub(super) fn update_volume_spec_replicas(&self, name: &str, size: u64, replicas: &[String]) {
+        let Some(m) = self.cluster() else {
+            return;
+        };
+        let key = volume_key(name);
+        let me = self.cfg.node_name();
+        for _ in 0..5 {
+            let r = match m.etcd().get(&key) {
+                Ok(None) => {
+                    let spec = ClusterVolume {
+                        name: name.to_string(),
+                        size,
+                        replicas: replicas.to_vec(),
+                        owner: me.clone(),
+                        epoch: 1,
+                    };
+                    let value = serde_json::to_vec(&spec).unwrap_or_default();
+                    m.etcd().create(&key, &value, 0)
+                }
+                Ok(Some(kv)) => {
+                    let mut spec: ClusterVolume = match serde_json::from_slice(&kv.value) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            warn!(volume = %name, error = %e, "unreadable volume spec in etcd: not updated");
+                            return;
+                        }
+                    };
+                    if spec.owner != me {
+                        warn!(volume = %name, owner = %spec.owner, epoch = spec.epoch,
+                              "the volume's spec names another owner: not updated");
+                        return;
+                    }
+                    spec.replicas = replicas.to_vec();
+                    let value = serde_json::to_vec(&spec).unwrap_or_default();
+                    m.etcd().swap(&key, kv.mod_revision, &value, 0)
+                }
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok(true) => return,
+                // Changed under us: read again.
+                Ok(false) => continue,
+                Err(e) => {
+                    warn!(volume = %name, error = %e, "cannot update the volume spec in etcd");
+                    return;
+                }
+            }
+        }
+        warn!(volume = %name, "the volume spec kept changing: not updated");
+    }
+
     /// The volume is gone (or its creation failed): drop its spec.
     pub(super) fn release_volume_spec(&self, name: &str) {
         if let Some(m) = self.cluster() {

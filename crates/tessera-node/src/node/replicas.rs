@@ -461,7 +461,32 @@ impl Node {
             return Err(e);
         }
         info!(volume = %name, replica = %place, "replica added; its copy runs in the background");
+        self.publish_replica_places(name);
         Ok(self.volume_info(&p, &v))
+    }
+
+    /// In a cluster, the volume's spec lists its replicas as they are now.
+    fn publish_replica_places(&self, name: &str) {
+        let Some(rv) = self
+            .replicated
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+        else {
+            return;
+        };
+        let me = self.cfg.node_name();
+        let places: Vec<String> = rv
+            .descs()
+            .iter()
+            .filter_map(|d| match d {
+                LegDesc::Local { pool, .. } => Some(format!("{me}:{pool}")),
+                LegDesc::Remote { node, pool, .. } => Some(format!("{node}:{pool}")),
+                LegDesc::Vacant => None,
+            })
+            .collect();
+        self.update_volume_spec_replicas(name, rv.size(), &places);
     }
 
     /// Remove volume `name`'s replica at `place` (`NODE:POOL`) and ask that node to
@@ -480,6 +505,7 @@ impl Node {
         let LegDesc::Remote { node, volume, .. } = desc else {
             unreachable!("only remote replicas are removed");
         };
+        self.publish_replica_places(name);
         let note = self.drop_peer_replica(&node, &volume).map(|why| {
             format!(
                 "{why}: '{volume}' stays on '{node}' until deleted there; it is no longer \
