@@ -344,15 +344,27 @@ impl PoolCore {
     /// generation), so a restart never reads a device that missed writes. Runs on the
     /// commit thread (and before every commit), never on a reactor.
     pub fn persist_device_state(&self) -> Result<()> {
+        self.write_device_state(false)
+    }
+
+    /// As [`PoolCore::persist_device_state`]; with `always`, the labels are written even
+    /// when the durable failed set looks current. A rebuilt device needs that: its label
+    /// was cleared when it was put in, and if the device it replaced failed after the last
+    /// label write (the commit thread had not recorded it yet), the failed set before and
+    /// after the rebuild is the same and nothing would write the new device's label, so
+    /// the pool could not open from it alone.
+    fn write_device_state(&self, always: bool) -> Result<()> {
         let l = &self.layout;
         let mut st = self.dev_state.lock().unwrap_or_else(|e| e.into_inner());
         // A device being rebuilt stays failed in the labels until its rebuild is done.
         let unreadable = || l.health.failed.load(Relaxed) | l.health.rebuilding.load(Relaxed);
+        let mut always = always;
         loop {
             let failed = unreadable();
-            if failed == l.health.failed_durable.load(Relaxed) {
+            if failed == l.health.failed_durable.load(Relaxed) && !always {
                 return Ok(());
             }
+            always = false;
             let gen = st.0 + 1;
             let mut reasons = [0u8; 64];
             for (i, r) in l.health.fail_reason.iter().enumerate() {
@@ -1415,7 +1427,8 @@ impl Pool {
         l.sync()
             .map_err(|e| Error::io("syncing before the rebuild completes", e))?;
         l.finish_rebuild(d);
-        self.core.persist_device_state()
+        // Every readable device's label, the rebuilt one's first of all, is written now.
+        self.core.write_device_state(true)
     }
 
     /// Re-read and check the metadata (superblock, both checkpoint slots) against their
