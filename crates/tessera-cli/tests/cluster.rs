@@ -14,7 +14,7 @@
 mod common;
 use common::*;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_testkit::etcd::EtcdCluster;
 
@@ -40,17 +40,6 @@ fn member(tag: &str, name: &str, zone: &str, etcd: &EtcdCluster, pool_mib: u64) 
         &format!("{}:{pool_mib}M", n.dir.join("p.img").display()),
     ]);
     n
-}
-
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + Duration::from_secs(secs);
-    while Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("timed out waiting for {what}");
 }
 
 fn node_names(n: &TestNode) -> Vec<String> {

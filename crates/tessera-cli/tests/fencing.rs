@@ -8,7 +8,7 @@
 mod common;
 use common::*;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_http::{request, Endpoint};
 
@@ -50,17 +50,6 @@ fn state_of(a: &TestNode, place: &str) -> serde_json::Value {
         .find(|r| r["place"] == place)
         .cloned()
         .unwrap()
-}
-
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + Duration::from_secs(secs);
-    while Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("timed out waiting for {what}");
 }
 
 #[test]

@@ -135,17 +135,6 @@ fn state_of(a: &TestNode, place: &str) -> serde_json::Value {
         .unwrap_or_else(|| panic!("no replica {place}"))
 }
 
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + Duration::from_secs(secs);
-    while Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("timed out waiting for {what}");
-}
-
 /// The owner's Prometheus text.
 fn scrape(addr: &str) -> String {
     use std::io::{Read, Write};

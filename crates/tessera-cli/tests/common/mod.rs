@@ -107,3 +107,15 @@ pub fn changes(n: &TestNode, name: &str, since: &str) -> Vec<(u64, u64)> {
         .map(|e| (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap()))
         .collect()
 }
+
+/// Poll `f` every 100 ms until it holds; fail the test naming `what` after `secs` seconds.
+pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while std::time::Instant::now() < end {
+        if f() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("timed out waiting for {what}");
+}
