@@ -568,6 +568,7 @@ impl Volume {
             shift: self.pool.unit_shift,
             vol: self.clone(),
             first_writes: None,
+            read_runs: Vec::new(),
         }
     }
 }
@@ -586,6 +587,8 @@ pub struct VolumeHandle {
     shift: u32,
     /// This core's first-write engine of the pool (`volume::first_write`), found on first use.
     first_writes: Option<std::rc::Rc<first_write::FirstWrites>>,
+    /// Scratch for `read_chained`: the runs of one unit's read, decided once.
+    read_runs: Vec<(u32, u64)>,
 }
 
 impl Drop for VolumeHandle {
@@ -649,17 +652,25 @@ impl VolumeHandle {
     /// device read per run of blocks with one source, zeros where no one has data.
     fn read_chained(&mut self, io: &mut CoreIo, u: u64, at: u64, seg: u64, b: *mut u8, tag: Tag) {
         let end = at + seg;
-        // The join needs its number of parts before any of them completes.
-        let mut parts = 0u32;
-        let mut pos = at;
-        while pos < end {
-            pos = self.source_run(u, pos, end).1;
-            parts += 1;
-        }
-        let t = if parts > 1 { io.join(tag, parts) } else { tag };
+        // The runs are decided once, before anything is submitted: a first write on
+        // another core may make a block present at any moment, and the join must get
+        // exactly as many parts as are submitted (counting in one pass and submitting
+        // from a second look-up left a join one part short, a read that never completed).
+        let mut runs = std::mem::take(&mut self.read_runs);
+        runs.clear();
         let mut pos = at;
         while pos < end {
             let (src, next) = self.source_run(u, pos, end);
+            runs.push((src, next));
+            pos = next;
+        }
+        let t = if runs.len() > 1 {
+            io.join(tag, u32_of(runs.len()))
+        } else {
+            tag
+        };
+        let mut pos = at;
+        for &(src, next) in runs.iter() {
             // SAFETY: pos - at + (next - pos) <= seg: inside this unit's part of the
             // submitter's buffer.
             let pb = unsafe { b.add(usize_of(pos - at)) };
@@ -685,6 +696,7 @@ impl VolumeHandle {
             }
             pos = next;
         }
+        self.read_runs = runs;
     }
 
     /// Whether a write of `[at, at + seg)` into unit `u` can go straight to the volume's
