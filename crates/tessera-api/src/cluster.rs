@@ -67,6 +67,58 @@ pub struct ClusterVolume {
     pub owner: String,
     /// Bumped at every change of owner; replicas refuse writes from an older epoch.
     pub epoch: u64,
+    /// The number of replicas wanted (0: as many as `replicas` lists).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub copies: usize,
+    /// Replicas of `replicas` that may lack an acknowledged write (dropped by the owner,
+    /// or being copied): not eligible to take the volume over.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub out_of_sync: Vec<String>,
+    /// Replicas whose node was lost, waiting to be re-added (the node is back within the
+    /// grace period) or replaced elsewhere (after it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lost: Vec<LostReplica>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// A replica taken out of a volume's set because its node was lost.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct LostReplica {
+    /// `NODE:POOL`.
+    pub place: String,
+    /// Unix milliseconds when the owner noticed.
+    pub since_ms: u64,
+}
+
+impl ClusterVolume {
+    /// The replica count wanted.
+    pub fn wanted_copies(&self) -> usize {
+        if self.copies == 0 {
+            self.replicas.len() + self.lost.len()
+        } else {
+            self.copies
+        }
+    }
+
+    /// Whether the replica on `node` holds every acknowledged write (rule 4 of
+    /// docs/format.md §12).
+    pub fn in_sync_on(&self, node: &str) -> bool {
+        self.replicas
+            .iter()
+            .find(|p| p.split(':').next() == Some(node))
+            .is_some_and(|p| !self.out_of_sync.contains(p))
+    }
+
+    /// The place (`NODE:POOL`) of the replica on `node`.
+    pub fn place_on(&self, node: &str) -> Option<&str> {
+        self.replicas
+            .iter()
+            .find(|p| p.split(':').next() == Some(node))
+            .map(|s| s.as_str())
+    }
 }
 
 /// `POST /v1/replicas/{volume}/claim`: an owner (new, or confirming) claims a replica
@@ -88,4 +140,7 @@ pub struct ReplicaFence {
     pub epoch: u64,
     /// Controllers of other hosts (older owners) ended by this claim.
     pub evicted: usize,
+    /// Where the owner reaches the replica (`nvme-tcp://HOST:PORT/NQN/NSID`).
+    #[serde(default)]
+    pub spec: Option<String>,
 }

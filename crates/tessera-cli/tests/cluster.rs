@@ -21,25 +21,7 @@ use tessera_testkit::etcd::EtcdCluster;
 const MIB: u64 = 1 << 20;
 
 fn member(tag: &str, name: &str, zone: &str, etcd: &EtcdCluster, pool_mib: u64) -> TestNode {
-    let nvmf = free_port();
-    let n = TestNode::start_with_top(
-        tag,
-        1,
-        &format!("name = \"{name}\""),
-        &format!(
-            "[nvmf]\nlisten = \"127.0.0.1:{nvmf}\"\ndiscovery = \"\"\n\
-             [replication]\ntimeout_ms = 3000\nregion_size = \"1M\"\n\
-             [cluster]\netcd = {}\nlease_ttl_ms = 2000\nlabels = {{ zone = \"{zone}\" }}\n",
-            etcd.toml_endpoints()
-        ),
-    );
-    n.cli_ok(&[
-        "pool",
-        "create",
-        "p",
-        &format!("{}:{pool_mib}M", n.dir.join("p.img").display()),
-    ]);
-    n
+    cluster_member(tag, name, zone, etcd, pool_mib, "")
 }
 
 fn node_names(n: &TestNode) -> Vec<String> {
@@ -138,14 +120,7 @@ fn members_placement_specs_and_etcd_outage() {
     let mut cl = nbd_connect(&a, "db");
     let mut model = vec![0u64; 256];
     write_generations(&mut cl, &mut model, 0..256, 1, 4096);
-    c.cli_ok(&[
-        "export",
-        "add",
-        "replica",
-        "--volume",
-        "db.node-a",
-        "--read-only",
-    ]);
+    c.cli_ok(&["export", "add", "replica", "--volume", "db", "--read-only"]);
     verify_generations(&c, "replica", &model, 4096);
 
     // Adding and removing a replica keeps the spec's list true (owner and epoch kept).

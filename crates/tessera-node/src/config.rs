@@ -73,6 +73,16 @@ pub struct ClusterConfig {
     /// Bearer token file and CA certificate for the `https://` APIs of other members.
     pub peer_token_file: Option<PathBuf>,
     pub peer_ca_cert: Option<PathBuf>,
+    /// Take over a volume whose owner's lease expired, when this node holds an in-sync
+    /// replica of it.
+    pub failover: bool,
+    /// How long a lost node's replicas wait for it before they are replaced elsewhere.
+    pub grace_ms: u64,
+    /// Replacement copies that may run at once in the whole cluster.
+    pub max_rebuilds: usize,
+    /// How long an owner keeps trying to record a dropped replica in etcd (writes that
+    /// need it wait meanwhile) before the write fails.
+    pub fence_wait_ms: u64,
 }
 
 impl Default for ClusterConfig {
@@ -85,6 +95,10 @@ impl Default for ClusterConfig {
             advertise_api: None,
             peer_token_file: None,
             peer_ca_cert: None,
+            failover: true,
+            grace_ms: 60_000,
+            max_rebuilds: 2,
+            fence_wait_ms: 30_000,
         }
     }
 }

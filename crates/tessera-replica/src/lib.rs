@@ -268,6 +268,22 @@ pub struct ReplicatedVolume {
     pub(crate) al_writes: AtomicU64,
     /// Bytes per second a resync started from now on copies (0: unlimited).
     pub(crate) resync_rate: AtomicU64,
+    /// The cluster's say on dropping a replica (none for a volume outside a cluster).
+    fence: RwLock<Option<Arc<dyn LegFence>>>,
+}
+
+/// What the owner's cluster layer does around a change of a replica's sync state
+/// (docs/format.md §12 rule 4): the persister asks before it drops an in-sync replica,
+/// and says when one is in sync again.
+pub trait LegFence: Send + Sync {
+    /// Record, where another owner would look, that replica `place` of `volume` may lack
+    /// writes. An error means the replica must not be dropped (this node no longer owns
+    /// the volume, or the record could not be made in time): the I/O that failed on it
+    /// fails.
+    fn before_drop(&self, volume: &str, place: &str) -> Result<(), String>;
+    /// Replica `place` of `volume` is in sync again (already recorded in the replica-set
+    /// file). Must not block: it runs on the persister.
+    fn after_in_sync(&self, volume: &str, place: &str);
 }
 
 /// One leg as status shows it.
@@ -485,6 +501,7 @@ impl ReplicatedVolume {
             hot_regions: AtomicU64::new(0),
             al_writes: AtomicU64::new(0),
             resync_rate: AtomicU64::new(rate),
+            fence: RwLock::new(None),
         });
         let w = Arc::downgrade(&vol);
         let t = std::thread::Builder::new()
@@ -506,6 +523,24 @@ impl ReplicatedVolume {
     }
 
     /// The bandwidth of resyncs started from now on (bytes per second, 0: unlimited).
+    /// Put the volume under a cluster's fence (before it serves).
+    pub fn set_leg_fence(&self, f: Arc<dyn LegFence>) {
+        *self.fence.write().unwrap_or_else(|e| e.into_inner()) = Some(f);
+    }
+
+    pub(crate) fn leg_fence(&self) -> Option<Arc<dyn LegFence>> {
+        self.fence.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Each leg's place and whether it is in sync (persisted state), vacant slots left out.
+    pub fn leg_sync_states(&self) -> Vec<(String, bool)> {
+        self.legs
+            .iter()
+            .filter(|l| !l.is_vacant())
+            .map(|l| (l.place(), l.persisted_state() == LegState::InSync))
+            .collect()
+    }
+
     pub fn set_resync_rate(&self, bps: u64) {
         self.resync_rate.store(bps, Relaxed);
     }

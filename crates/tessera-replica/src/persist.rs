@@ -51,6 +51,12 @@ pub(crate) enum Req {
     },
     /// Write an empty activity log and the clean flag if no write is in flight.
     Close { reply: mpsc::Sender<()> },
+    /// A resync copies `region` with writes to it held (its copies kept being overlapped
+    /// by writes): take it out of the activity log in memory, so that new writes to it
+    /// ask here first, and hold them until [`Req::Unlock`]; then complete `done`.
+    Lock { region: u64, done: Done },
+    /// The held copy of `region` is over: the writes held for it go on.
+    Unlock { region: u64 },
     /// Put a new replica in a vacant slot, needing a full copy.
     AddLeg {
         desc: LegDesc,
@@ -83,6 +89,9 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
     // Per region, the started-writes count seen at the last idle check.
     let mut seen: Vec<u16> = vec![0; usize_of(m.header.regions)];
     let mut last_tick = std::time::Instant::now();
+    // Regions a resync copies with writes held, and the writes' log requests held for them.
+    let mut locked: std::collections::BTreeSet<u64> = Default::default();
+    let mut held: Vec<(u64, u64, Done)> = Vec::new();
     loop {
         if last_tick.elapsed() >= IDLE_TICK {
             last_tick = std::time::Instant::now();
@@ -114,8 +123,34 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
         for req in batch {
             match req {
                 Req::Hot { first, count, done } => {
+                    if (first..first + count).any(|r| locked.contains(&r)) {
+                        held.push((first, count, done));
+                        continue;
+                    }
                     hot(&v, &mut m, first, count);
                     after.push(Action::Hot { first, count, done });
+                }
+                Req::Lock { region, done } => {
+                    locked.insert(region);
+                    // Out of the log in memory: a write that starts now asks here first
+                    // (and is held); the log on disk keeps it until a lazy clear (rule 4).
+                    let w = &v.regions[usize_of(region)];
+                    let mut x = w.load(Acquire);
+                    while let Err(now) = w.compare_exchange(x, x & !HOT, AcqRel, Acquire) {
+                        x = now;
+                    }
+                    after.push(Action::Complete(done, 0));
+                }
+                Req::Unlock { region } => {
+                    locked.remove(&region);
+                    let (go, stay): (Vec<_>, Vec<_>) = std::mem::take(&mut held)
+                        .into_iter()
+                        .partition(|(f, c, _)| !(*f..*f + *c).any(|r| locked.contains(&r)));
+                    held = stay;
+                    for (first, count, done) in go {
+                        hot(&v, &mut m, first, count);
+                        after.push(Action::Hot { first, count, done });
+                    }
                 }
                 Req::LegFailed { leg, res, done } => {
                     let res = leg_failed(&v, &mut m, leg, res);
@@ -181,6 +216,9 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
         }
         v.hot_regions.store(m.count(0), Relaxed);
         if let Some(reply) = closing {
+            for (_, _, done) in held.drain(..) {
+                done.complete(-libc::EIO);
+            }
             info!(volume = %v.name, clean = m.header.flags & FLAG_CLEAN != 0, "replicated volume closed");
             let _ = reply.send(());
             return;
@@ -231,6 +269,18 @@ fn leg_failed(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, res: i32) -> i
     }
     if in_sync(masks) & bit == 0 && resyncing(masks) & bit == 0 {
         return 0; // already out of sync and idle: nothing it lacks is unrecorded
+    }
+    // In a cluster, the drop is recorded in the volume's spec first (docs/format.md §12
+    // rule 4): an owner that lost the volume cannot record it, so it never acknowledges
+    // a write without a replica that a new owner may hold.
+    if in_sync(masks) & bit != 0 {
+        if let Some(f) = v.leg_fence() {
+            if let Err(why) = f.before_drop(&v.name, &v.legs[leg].place()) {
+                error!(volume = %v.name, leg = %v.legs[leg].place(), error = res, reason = %why,
+                    "replicated volume: the replica cannot be dropped; the I/O fails");
+                return res;
+            }
+        }
     }
     // Datapath first: no new I/O goes to the leg, the resync (if any) stops.
     v.masks.fetch_and(!(bit | bit << 8), AcqRel);
@@ -304,6 +354,9 @@ fn resync_done(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize) -> bool {
     v.masks.fetch_and(!(bit << 8), AcqRel);
     *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
     info!(volume = %v.name, leg = %l.place(), "replicated volume: replica back in sync");
+    if let Some(f) = v.leg_fence() {
+        f.after_in_sync(&v.name, &l.place());
+    }
     true
 }
 

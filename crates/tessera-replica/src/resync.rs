@@ -39,6 +39,10 @@ const REPORT_EVERY: usize = 64;
 const SLOT_FLUSH: u32 = 1 << 20;
 const SLOT_TIMER: u32 = (1 << 20) + 1;
 const SLOT_END: u32 = (1 << 20) + 2;
+const SLOT_LOCKED: u32 = (1 << 20) + 3;
+/// Copies of one region redone under the lock (writes held) before the pass gives up on
+/// it: only the writes in flight when the lock was taken can overlap them.
+const MAX_LOCKED_RETRIES: u32 = 64;
 
 /// The supervisor: every half second, reconnect legs that are away and start a resync for
 /// those out of sync and reachable; declare a leg in sync when its resync found nothing
@@ -238,6 +242,8 @@ struct ResyncTask {
     cursor: u64,
     region: Option<u64>,
     retries: u32,
+    /// The region copied with writes to it held (persister `Lock`), if any.
+    locked: Option<u64>,
     chunks: Vec<Chunk>,
     pending: u32,
     error: bool,
@@ -262,6 +268,7 @@ impl ResyncTask {
             cursor: 0,
             region: None,
             retries: 0,
+            locked: None,
             chunks: Vec::new(),
             pending: 0,
             error: false,
@@ -374,13 +381,15 @@ impl ResyncTask {
         for c in self.chunks.drain(..) {
             io.bufs.put(c.buf);
         }
-        let l = &self.vol.legs[self.leg];
+        let vol = self.vol.clone();
+        let l = &vol.legs[self.leg];
         if self.error {
             return self.end(io);
         }
         let s = &l.regions[usize_of(r)];
         let bytes = (self.vol.size() - r * self.vol.region_size()).min(self.vol.region_size());
         if s.compare_exchange(COPYING, CLEAN, AcqRel, Acquire).is_ok() {
+            self.unlock();
             self.cleaned.push(r);
             l.progress.copied.fetch_add(bytes, Relaxed);
             l.progress.copied_total.fetch_add(bytes, Relaxed);
@@ -391,9 +400,31 @@ impl ResyncTask {
         // DIRTY|REDIRTY and cleared the resync bit, which `next` sees).
         self.retries += 1;
         l.progress.recopied_total.fetch_add(bytes, Relaxed);
-        if self.retries < MAX_RETRIES && self.active() {
-            return self.copy(io, r);
+        if self.active() {
+            if self.retries < MAX_RETRIES
+                || (self.locked.is_some() && self.retries < MAX_RETRIES + MAX_LOCKED_RETRIES)
+            {
+                return self.copy(io, r);
+            }
+            // Writes keep hitting the region (a hot spot): copy it once more with new
+            // writes to it held, so the copy ends (a region that is never quiet would
+            // otherwise never be in sync).
+            if self.locked.is_none() {
+                if let Some(rc) = io.remote_completer() {
+                    self.region = Some(r);
+                    self.waiting = true;
+                    self.vol.send(Req::Lock {
+                        region: r,
+                        done: crate::persist::Done {
+                            rc,
+                            tag: Tag::task(self.id, SLOT_LOCKED),
+                        },
+                    });
+                    return;
+                }
+            }
         }
+        self.unlock();
         let _ = s.compare_exchange(COPYING, DIRTY, AcqRel, Acquire);
         self.next(io)
     }
@@ -409,7 +440,15 @@ impl ResyncTask {
         };
     }
 
+    /// Let the writes held for the locked region go on.
+    fn unlock(&mut self) {
+        if let Some(r) = self.locked.take() {
+            self.vol.send(Req::Unlock { region: r });
+        }
+    }
+
     fn end(&mut self, io: &mut CoreIo) {
+        self.unlock();
         if !self.done {
             // A completion to itself, so the reactor sees the task finished and retires it.
             io.complete(Tag::task(self.id, SLOT_END), 0);
@@ -449,6 +488,16 @@ impl Task for ResyncTask {
         if slot == SLOT_TIMER {
             self.waiting = false;
             return self.next(io);
+        }
+        if slot == SLOT_LOCKED {
+            self.waiting = false;
+            let r = self.region.take().expect("the region to lock");
+            self.locked = Some(r);
+            if res < 0 || !self.active() {
+                self.unlock();
+                return self.next(io);
+            }
+            return self.copy(io, r);
         }
         if slot == SLOT_FLUSH {
             self.flushing = false;

@@ -119,3 +119,35 @@ pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     }
     panic!("timed out waiting for {what}");
 }
+
+/// A member of a cluster on `etcd`: node `name` with failure-domain label `zone`, a
+/// 1-core reactor, NVMe/TCP on a free port, a file pool `p` of `pool_mib` MiB, replication
+/// with 1 MiB regions and a 3 s timeout, a 2 s lease; `cluster_extra` adds `[cluster]` keys.
+pub fn cluster_member(
+    tag: &str,
+    name: &str,
+    zone: &str,
+    etcd: &tessera_testkit::etcd::EtcdCluster,
+    pool_mib: u64,
+    cluster_extra: &str,
+) -> TestNode {
+    let nvmf = free_port();
+    let n = TestNode::start_with_top(
+        tag,
+        1,
+        &format!("name = \"{name}\""),
+        &format!(
+            "[nvmf]\nlisten = \"127.0.0.1:{nvmf}\"\ndiscovery = \"\"\n\
+             [replication]\ntimeout_ms = 3000\nregion_size = \"1M\"\n\
+             [cluster]\netcd = {}\nlease_ttl_ms = 2000\nlabels = {{ zone = \"{zone}\" }}\n{cluster_extra}\n",
+            etcd.toml_endpoints()
+        ),
+    );
+    n.cli_ok(&[
+        "pool",
+        "create",
+        "p",
+        &format!("{}:{pool_mib}M", n.dir.join("p.img").display()),
+    ]);
+    n
+}

@@ -36,6 +36,8 @@ impl Node {
         let m =
             Membership::join(etcd, cfg, record).map_err(|e| Error::io("joining the cluster", e))?;
         let _ = self.cluster.set(m);
+        self.confirm_ownership();
+        self.start_ownership_watch();
         Ok(())
     }
 
@@ -44,7 +46,7 @@ impl Node {
         self.cluster.get()
     }
 
-    fn in_cluster(&self) -> Result<&Arc<Membership>> {
+    pub(super) fn in_cluster(&self) -> Result<&Arc<Membership>> {
         self.cluster().ok_or_else(|| {
             Error::invalid("this node is not in a cluster ([cluster] etcd = [...] in its config)")
         })
@@ -104,7 +106,7 @@ impl Node {
         })
     }
 
-    fn cluster_volumes(&self) -> Result<Vec<ClusterVolume>> {
+    pub(super) fn cluster_volumes(&self) -> Result<Vec<ClusterVolume>> {
         let m = self.in_cluster()?;
         m.etcd()
             .list(&format!("{}volumes/", tessera_cluster::PREFIX))
@@ -175,6 +177,9 @@ impl Node {
             replicas: replicas.to_vec(),
             owner: self.cfg.node_name(),
             epoch: 1,
+            copies: replicas.len(),
+            out_of_sync: Vec::new(),
+            lost: Vec::new(),
         };
         let value = serde_json::to_vec(&spec).map_err(|e| Error::invalid(e.to_string()))?;
         match m.etcd().create(&volume_key(name), &value, 0) {
@@ -206,6 +211,9 @@ impl Node {
                         replicas: replicas.to_vec(),
                         owner: me.clone(),
                         epoch: 1,
+                        copies: replicas.len(),
+                        out_of_sync: Vec::new(),
+                        lost: Vec::new(),
                     };
                     let value = serde_json::to_vec(&spec).unwrap_or_default();
                     m.etcd().create(&key, &value, 0)

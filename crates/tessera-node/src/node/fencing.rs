@@ -74,6 +74,16 @@ impl Node {
     /// Peer side of `POST /v1/replicas/{volume}/claim`.
     pub fn claim_replica(&self, volume: &str, owner: &str, epoch: u64) -> Result<ReplicaFence> {
         let _g = self.admin();
+        self.claim_replica_locked(volume, owner, epoch)
+    }
+
+    /// [`Node::claim_replica`] under the caller's admin lock.
+    pub(super) fn claim_replica_locked(
+        &self,
+        volume: &str,
+        owner: &str,
+        epoch: u64,
+    ) -> Result<ReplicaFence> {
         if epoch == 0 {
             return Err(Error::invalid("epochs start at 1"));
         }
@@ -145,6 +155,7 @@ impl Node {
             owner: owner.to_string(),
             epoch,
             evicted: evicted.len(),
+            spec: Some(format!("nvme-tcp://{}/{nqn}?nsid=1", self.cfg.nvmf.listen)),
         })
     }
 }

@@ -14,6 +14,7 @@ mod exports;
 pub mod fencing;
 mod jobs;
 pub mod nvmf;
+mod ownership;
 mod pools;
 mod qos;
 pub mod replicas;
@@ -76,6 +77,12 @@ pub struct Node {
     replica_failures: RwLock<BTreeMap<String, String>>,
     /// Membership of the cluster (`[cluster]`), once joined (node/cluster.rs).
     cluster: std::sync::OnceLock<Arc<tessera_cluster::Membership>>,
+    /// Cluster volumes this node owns, with the epoch it holds (node/ownership.rs).
+    owned: Mutex<BTreeMap<String, u64>>,
+    /// The node itself, for threads and hooks that must not keep it alive.
+    self_ref: std::sync::OnceLock<std::sync::Weak<Node>>,
+    /// Set at shutdown: background watchers end.
+    stopping: std::sync::atomic::AtomicBool,
     /// This node's claim on its data directory, held until the process ends.
     _dir_lock: crate::datadir::DataDirLock,
 }
@@ -147,8 +154,12 @@ impl Node {
             replicated: RwLock::new(BTreeMap::new()),
             replica_failures: RwLock::new(BTreeMap::new()),
             cluster: std::sync::OnceLock::new(),
+            owned: Mutex::new(BTreeMap::new()),
+            self_ref: std::sync::OnceLock::new(),
+            stopping: std::sync::atomic::AtomicBool::new(false),
             _dir_lock: dir_lock,
         });
+        let _ = node.self_ref.set(Arc::downgrade(&node));
         for e in entries {
             for s in &e.spares {
                 match open_devices(std::slice::from_ref(s)) {
@@ -410,6 +421,8 @@ impl Node {
 
     /// Commit every pool (called at shutdown).
     pub fn shutdown(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::Release);
         self.leave_cluster();
         self.close_replicated();
         for p in self.pools() {

@@ -21,11 +21,11 @@ pub fn replica_nqn(owner: &str, volume: &str) -> String {
 }
 
 impl Node {
-    fn replicas_dir(&self) -> PathBuf {
+    pub(super) fn replicas_dir(&self) -> PathBuf {
         self.cfg.data_dir.join("replicas")
     }
 
-    fn replica_options(&self) -> Result<ReplicaOptions> {
+    pub(super) fn replica_options(&self) -> Result<ReplicaOptions> {
         let r = &self.cfg.replication;
         Ok(ReplicaOptions {
             region_size: size_arg("[replication] region_size", &r.region_size)?,
@@ -60,17 +60,19 @@ impl Node {
         }
     }
 
-    fn cores(&self) -> Arc<Cores> {
+    pub(super) fn cores(&self) -> Arc<Cores> {
         Cores::new(self.reactors.clone())
     }
 
     /// The replicated volume whose local leg is `vol`, if any.
     pub fn replicated_of(&self, vol: &Volume) -> Option<Arc<ReplicatedVolume>> {
-        self.replicated
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&vol.name)
-            .filter(|r| r.local_volume().is_some_and(|v| std::ptr::eq(&*v, vol)))
+        // A volume taken over from another owner may have a local leg named otherwise
+        // (`VOLUME.OWNER`, a replica made outside a cluster): look by leg, not by name.
+        let sets = self.replicated.read().unwrap_or_else(|e| e.into_inner());
+        sets.get(&vol.name)
+            .into_iter()
+            .chain(sets.values())
+            .find(|r| r.local_volume().is_some_and(|v| std::ptr::eq(&*v, vol)))
             .cloned()
     }
 
@@ -123,6 +125,17 @@ impl Node {
             });
             match opened {
                 Ok(v) => {
+                    if !self.cfg.cluster.etcd.is_empty() {
+                        // Served once the cluster confirms this node still owns it
+                        // (node/ownership.rs, at join).
+                        self.replica_failures
+                            .write()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(
+                                name.clone(),
+                                "waiting for the cluster to confirm this node owns it".into(),
+                            );
+                    }
                     self.replicated
                         .write()
                         .unwrap_or_else(|e| e.into_inner())
@@ -139,7 +152,7 @@ impl Node {
         }
     }
 
-    fn peer_call(
+    pub(super) fn peer_call(
         &self,
         peer: &PeerDecl,
         method: &str,
@@ -256,6 +269,7 @@ impl Node {
                     .write()
                     .unwrap_or_else(|e| e.into_inner())
                     .insert(name.to_string(), rv);
+                self.own_new_volume(name);
                 Ok(self.volume_info(&p, &local))
             }
             Err(e) => {
@@ -288,8 +302,16 @@ impl Node {
     ) -> Result<(PeerDecl, LegDesc)> {
         let me = self.cfg.node_name();
         let peer = self.peer(node)?;
+        // In a cluster a name is taken once cluster-wide, so a replica is named like its
+        // volume (a new owner then serves it under that name); between `[[peer]]`s the
+        // owner's name keeps two owners' volumes of one name apart.
+        let volume = if self.cluster().is_some() {
+            name.to_string()
+        } else {
+            format!("{name}.{me}")
+        };
         let req = CreateReplica {
-            volume: format!("{name}.{me}"),
+            volume,
             pool: pool.to_string(),
             size,
             owner: me.clone(),
@@ -486,7 +508,21 @@ impl Node {
                 LegDesc::Vacant => None,
             })
             .collect();
-        self.update_volume_spec_replicas(name, rv.size(), &places);
+        if self.cluster().is_none() {
+            return;
+        }
+        if self.owned_epoch(name).is_none() {
+            // A volume that just became replicated: its spec is written now.
+            self.update_volume_spec_replicas(name, rv.size(), &places);
+            self.own_new_volume(name);
+        }
+        match self.publish_replica_states(name) {
+            Ok(()) => {}
+            Err(super::ownership::SpecRefusal::Lost(why))
+            | Err(super::ownership::SpecRefusal::Unavailable(why)) => {
+                warn!(volume = %name, reason = %why, "the volume's spec was not updated")
+            }
+        }
     }
 
     /// Remove volume `name`'s replica at `place` (`NODE:POOL`) and ask that node to
@@ -678,7 +714,7 @@ impl Node {
 
 /// A peer's NVMe/TCP address as the owner can reach it: a wildcard listen address
 /// becomes the host the peer's API was reached at (loopback for a Unix socket).
-fn reachable_spec(spec: &str, api: &str) -> String {
+pub(super) fn reachable_spec(spec: &str, api: &str) -> String {
     let host = match Endpoint::parse(api) {
         Endpoint::Https(h) => h.addr.rsplit_once(':').map(|(h, _)| h.to_string()),
         Endpoint::Tcp(a) => a.rsplit_once(':').map(|(h, _)| h.to_string()),

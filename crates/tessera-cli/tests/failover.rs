@@ -1,0 +1,372 @@
+//! Failover of a cluster volume (issue 13) on a real etcd (started here) and three real
+//! nodes on loopback.
+//!
+//! - A history checker in the spirit of Jepsen: four clients write unique stamps to a
+//!   small set of blocks through the volume's owner, following it through two kill -9
+//!   failovers (each client asks the cluster who owns the volume and reconnects there).
+//!   For every block, the final data is a write that no acknowledged write started after
+//!   the end of (so the last acknowledged write or a later one, and never a write that
+//!   failed before a newer acknowledged one), and a block no acknowledged write reached
+//!   may hold zeros. The time from the kill to the first write the new owner
+//!   acknowledges is printed. The first old owner comes back, gives the volume up, and
+//!   the new owner adds it back as a replica; every replica then compares equal, read
+//!   directly on its node.
+//! - etcd with three members: one killed, failover still works; all stopped: the volume
+//!   keeps serving I/O, and a killed owner is only replaced once etcd is back.
+
+mod common;
+use common::*;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tessera_cluster::{volume_key, Etcd, NodeRecord, VolumeSpec};
+use tessera_testkit::etcd::EtcdCluster;
+
+const BLOCKS: u64 = 96;
+const NAMES: [&str; 3] = ["node-a", "node-b", "node-c"];
+
+fn members(tag: &str, etcd: &EtcdCluster) -> Vec<TestNode> {
+    NAMES
+        .iter()
+        .zip(["z1", "z2", "z3"])
+        .map(|(n, z)| cluster_member(&format!("{tag}-{n}"), n, z, etcd, 256, ""))
+        .collect()
+}
+
+/// Every member is registered with its pool published.
+fn wait_members(e: &Etcd) {
+    wait_for("every member listed with its pool", 30, || {
+        NAMES.iter().all(|n| {
+            e.get(&tessera_cluster::node_key(n))
+                .ok()
+                .flatten()
+                .and_then(|kv| serde_json::from_slice::<NodeRecord>(&kv.value).ok())
+                .is_some_and(|r| !r.pools.is_empty())
+        })
+    });
+}
+
+fn etcd_client(etcd: &EtcdCluster) -> Etcd {
+    let eps: Vec<String> = etcd.endpoints();
+    Etcd::new(&eps, Duration::from_secs(1)).expect("etcd client")
+}
+
+fn spec_of(e: &Etcd, volume: &str) -> Option<VolumeSpec> {
+    e.get(&volume_key(volume))
+        .ok()
+        .flatten()
+        .and_then(|kv| serde_json::from_slice(&kv.value).ok())
+}
+
+/// Every wanted replica listed and none out of sync or lost.
+fn fully_redundant(e: &Etcd, volume: &str, copies: usize) -> bool {
+    spec_of(e, volume).is_some_and(|s| {
+        s.replicas.len() == copies && s.out_of_sync.is_empty() && s.lost.is_empty()
+    })
+}
+
+/// Where the owner of `volume` serves NBD, as the cluster publishes it.
+fn owner_nbd(e: &Etcd, volume: &str) -> Option<(String, String)> {
+    let spec = spec_of(e, volume)?;
+    let kv = e.get(&tessera_cluster::node_key(&spec.owner)).ok()??;
+    let rec: NodeRecord = serde_json::from_slice(&kv.value).ok()?;
+    let addr = rec.nbd.first()?.strip_prefix("nbd://")?.to_string();
+    Some((spec.owner, addr))
+}
+
+/// An NBD client that follows the volume: after an error it asks the cluster who owns
+/// the volume and reconnects there (within `patience`).
+struct Follower {
+    etcd: Etcd,
+    volume: String,
+    conn: Option<tessera_nbd::client::NbdClient>,
+    patience: Duration,
+}
+
+impl Follower {
+    fn new(etcd: Etcd, volume: &str) -> Follower {
+        Follower {
+            etcd,
+            volume: volume.into(),
+            conn: None,
+            patience: Duration::from_secs(60),
+        }
+    }
+
+    fn connect(&mut self) {
+        let end = Instant::now() + self.patience;
+        while Instant::now() < end {
+            if let Some((_, addr)) = owner_nbd(&self.etcd, &self.volume) {
+                if let Ok(s) = std::net::TcpStream::connect(&addr) {
+                    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                    if let Ok(c) = tessera_nbd::client::NbdClient::from_stream(
+                        s,
+                        &self.volume,
+                        tessera_nbd::client::ClientOptions::default(),
+                    ) {
+                        self.conn = Some(c);
+                        return;
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!(
+            "no owner of '{}' served it within {:?}",
+            self.volume, self.patience
+        );
+    }
+
+    /// One write; Err when its outcome is unknown (the connection broke).
+    fn write(&mut self, off: u64, data: &[u8]) -> Result<(), ()> {
+        if self.conn.is_none() {
+            self.connect();
+        }
+        let r = self.conn.as_mut().unwrap().write(off, data, false);
+        r.map_err(|_| self.conn = None)
+    }
+
+    fn read(&mut self, off: u64, buf: &mut [u8]) {
+        for _ in 0..3 {
+            if self.conn.is_none() {
+                self.connect();
+            }
+            if self.conn.as_mut().unwrap().read(off, buf).is_ok() {
+                return;
+            }
+            self.conn = None;
+        }
+        panic!("reads keep failing");
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Op {
+    block: u64,
+    stamp: u64,
+    start: Duration,
+    end: Duration,
+    acked: bool,
+}
+
+/// Check the final content against the history (see the module documentation).
+fn check_history(history: &[Op], final_stamps: &[u64]) -> Result<(), String> {
+    for (b, &f) in final_stamps.iter().enumerate() {
+        let b = b as u64;
+        let acked: Vec<&Op> = history.iter().filter(|o| o.block == b && o.acked).collect();
+        if f == 0 {
+            if let Some(o) = acked.first() {
+                return Err(format!(
+                    "block {b} reads zeros but write {o:?} was acknowledged"
+                ));
+            }
+            continue;
+        }
+        let Some(w) = history.iter().find(|o| o.block == b && o.stamp == f) else {
+            return Err(format!(
+                "block {b} holds stamp {f:#x}, which no client wrote there"
+            ));
+        };
+        if let Some(newer) = acked.iter().find(|o| o.start > w.end) {
+            return Err(format!(
+                "block {b} holds {w:?}, but {newer:?} started after it ended and was acknowledged"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn read_stamps(f: &mut Follower) -> Vec<u64> {
+    let mut buf = vec![0u8; 4096];
+    (0..BLOCKS)
+        .map(|b| {
+            f.read(b * 4096, &mut buf);
+            decode_stamped(b, &buf).unwrap_or_else(|e| panic!("block {b}: {e}"))
+        })
+        .collect()
+}
+
+/// The replica of `volume` on `n`, every byte of it (exported read-only there).
+fn replica_image(n: &TestNode, volume: &str, export: &str) -> Vec<u8> {
+    n.cli_ok(&["export", "add", export, "--volume", volume, "--read-only"]);
+    let img = read_all(n, export);
+    n.cli_ok(&["export", "remove", export]);
+    img
+}
+
+/// Wait for the volume to be fully redundant; on a timeout, show the spec and what the
+/// nodes logged about the volume.
+fn wait_redundant(e: &Etcd, nodes: &[TestNode], what: &str) {
+    let end = Instant::now() + Duration::from_secs(90);
+    while Instant::now() < end {
+        if fully_redundant(e, "db", 3) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for (i, n) in nodes.iter().enumerate() {
+        let log = n.log_text();
+        let _ = std::fs::write(
+            std::env::temp_dir().join(format!("failover-{}.log", NAMES[i])),
+            &log,
+        );
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR") || l.contains("replica"))
+            .collect();
+        eprintln!(
+            "--- {} ---\n{}",
+            NAMES[i],
+            lines[lines.len().saturating_sub(40)..].join("\n")
+        );
+    }
+    panic!("timed out waiting for {what}: spec {:?}", spec_of(e, "db"));
+}
+
+fn index_of(name: &str) -> usize {
+    NAMES.iter().position(|n| *n == name).expect("a member")
+}
+
+/// Wait until the owner is not `old`; returns the new owner.
+fn wait_new_owner(e: &Etcd, volume: &str, old: &str, secs: u64) -> String {
+    let mut owner = String::new();
+    wait_for(
+        &format!("a new owner of {volume} (was {old})"),
+        secs,
+        || {
+            owner = spec_of(e, volume).map(|s| s.owner).unwrap_or_default();
+            !owner.is_empty() && owner != old
+        },
+    );
+    owner
+}
+
+#[test]
+fn history_holds_through_two_owner_kills_and_the_old_owner_rejoins() {
+    if !require_tool("etcd") {
+        return;
+    }
+    let etcd = EtcdCluster::start("fo", 1);
+    let mut nodes = members("fo", &etcd);
+    let e = etcd_client(&etcd);
+    wait_members(&e);
+    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
+    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    assert_eq!(spec_of(&e, "db").unwrap().owner, "node-a");
+
+    let t0 = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let history = Arc::new(Mutex::new(Vec::<Op>::new()));
+    let last_ack = Arc::new(AtomicU64::new(0));
+    let clients: Vec<_> = (0..4u64)
+        .map(|id| {
+            let (stop, history, last_ack) = (stop.clone(), history.clone(), last_ack.clone());
+            let mut f = Follower::new(etcd_client(&etcd), "db");
+            std::thread::spawn(move || {
+                let mut rng = Rng(id * 7919 + 17);
+                let mut seq = 0u64;
+                while !stop.load(Acquire) {
+                    seq += 1;
+                    let block = rng.below(BLOCKS);
+                    let stamp = (id + 1) << 40 | seq;
+                    let start = t0.elapsed();
+                    let ok = f.write(block * 4096, &stamped(block, stamp)).is_ok();
+                    let end = t0.elapsed();
+                    if ok {
+                        last_ack.store(end.as_millis() as u64, Release);
+                    }
+                    history.lock().unwrap().push(Op {
+                        block,
+                        stamp,
+                        start,
+                        end,
+                        acked: ok,
+                    });
+                }
+            })
+        })
+        .collect();
+    let acks_after = |t: Duration| {
+        wait_for("a write acknowledged by the new owner", 60, || {
+            last_ack.load(Acquire) > t.as_millis() as u64
+        });
+        Duration::from_millis(last_ack.load(Acquire)) - t
+    };
+
+    // 1. Kill the owner under load.
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed_at = t0.elapsed();
+    nodes[0].kill9();
+    let owner1 = wait_new_owner(&e, "db", "node-a", 30);
+    let took = acks_after(killed_at);
+    println!(
+        "FAILOVER 1: node-a killed, {owner1} acknowledged a write {} ms later",
+        took.as_millis()
+    );
+    assert_eq!(spec_of(&e, "db").unwrap().epoch, 2);
+
+    // 2. The old owner comes back: it gives the volume up and is added back as a
+    // replica, copied from the new owner; the volume is fully redundant again.
+    nodes[0].restart();
+    wait_redundant(&e, &nodes, "three replicas in sync again");
+    let log = nodes[0].log_text();
+    assert!(
+        log.contains("giving it up"),
+        "node-a did not give the volume up:\n{log}"
+    );
+
+    // 3. Kill the new owner.
+    std::thread::sleep(Duration::from_millis(1000));
+    let killed_at = t0.elapsed();
+    nodes[index_of(&owner1)].kill9();
+    let owner2 = wait_new_owner(&e, "db", &owner1, 30);
+    let took = acks_after(killed_at);
+    println!(
+        "FAILOVER 2: {owner1} killed, {owner2} acknowledged a write {} ms later",
+        took.as_millis()
+    );
+    assert_eq!(spec_of(&e, "db").unwrap().epoch, 3);
+    std::thread::sleep(Duration::from_millis(1000));
+    stop.store(true, Release);
+    for c in clients {
+        c.join().unwrap();
+    }
+
+    // 4. The history holds.
+    let history = history.lock().unwrap().clone();
+    let acked = history.iter().filter(|o| o.acked).count();
+    let failed = history.len() - acked;
+    println!(
+        "HISTORY: {} writes, {acked} acknowledged, {failed} with unknown outcome",
+        history.len()
+    );
+    assert!(acked > 100, "too few writes to mean anything: {acked}");
+    let mut reader = Follower::new(etcd_client(&etcd), "db");
+    let stamps = read_stamps(&mut reader);
+    if let Err(why) = check_history(&history, &stamps) {
+        panic!("history violated: {why}");
+    }
+
+    // 5. The surviving replicas compare equal once in sync, read on each node.
+    let killed = index_of(&owner1);
+    nodes[killed].restart();
+    wait_redundant(
+        &e,
+        &nodes,
+        "three replicas in sync after the second failover",
+    );
+    let owner_img = replica_image(&nodes[index_of(&owner2)], "db", "check");
+    for (i, n) in nodes.iter().enumerate() {
+        if i != index_of(&owner2) {
+            let img = replica_image(n, "db", "check");
+            assert!(
+                img == owner_img,
+                "{}'s replica differs from the owner's",
+                NAMES[i]
+            );
+        }
+    }
+    assert_eq!(spec_of(&e, "db").unwrap().epoch, 3);
+}

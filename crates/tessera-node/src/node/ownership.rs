@@ -1,0 +1,789 @@
+//! Ownership of cluster volumes and failover (issue 13; docs/architecture.md "Cluster",
+//! rules in docs/format.md §12).
+//!
+//! An owner holds its volumes at an epoch (`owned`). Every change of a volume's replica
+//! states goes to the spec in etcd as a compare-and-swap that only succeeds while the spec
+//! still names this node at that epoch: dropping an in-sync replica (the persister asks
+//! [`SpecFence::before_drop`] before it acknowledges any write without it) and a replica
+//! back in sync. A watcher thread on every member:
+//! - takes over a volume whose owner's lease expired when this node holds an in-sync
+//!   replica (epoch + 1; fence its own replica, claim the others, open the volume with
+//!   them needing a copy from this node's replica, export it);
+//! - gives up a volume another node took over (the stale owner's replica set closes, every
+//!   I/O on it fails, its copy is deleted: the new owner adds it back as a fresh replica);
+//! - on an owner: re-adds a lost node's replica when the node is back, replaces it on
+//!   another node after the grace period, within a cluster-wide limit of concurrent
+//!   copies.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tessera_api::{ClusterVolume, LostReplica};
+use tessera_cluster::{placement, volume_key, Membership, PREFIX};
+use tessera_replica::{LegDesc, LegFence, LegState, ReplicatedVolume, SetDesc};
+use tracing::{error, info, warn};
+
+use super::{Error, Node, Result};
+
+/// Why a change of an owned volume's spec did not happen.
+pub(super) enum SpecRefusal {
+    /// Another node owns the volume, or this node at another epoch: it must stop.
+    Lost(String),
+    /// etcd did not answer (or kept changing): try again.
+    Unavailable(String),
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn node_of(place: &str) -> &str {
+    place.split(':').next().unwrap_or(place)
+}
+
+fn rebuild_key(volume: &str) -> String {
+    format!("{PREFIX}rebuilds/{volume}")
+}
+
+/// The persister's link to the volume's spec (see the module documentation).
+struct SpecFence {
+    node: Weak<Node>,
+}
+
+impl LegFence for SpecFence {
+    fn before_drop(&self, volume: &str, place: &str) -> std::result::Result<(), String> {
+        let Some(node) = self.node.upgrade() else {
+            return Err("the node is stopping".into());
+        };
+        let wait = Duration::from_millis(node.cfg.cluster.fence_wait_ms.max(100));
+        let deadline = Instant::now() + wait;
+        loop {
+            let r = node.edit_owned_spec(volume, |s| {
+                if !s.out_of_sync.iter().any(|p| p == place) {
+                    s.out_of_sync.push(place.to_string());
+                }
+            });
+            match r {
+                Ok(()) => {
+                    info!(volume = %volume, replica = %place, "replica recorded out of sync in the cluster");
+                    return Ok(());
+                }
+                Err(SpecRefusal::Lost(why)) => {
+                    node.give_up_later(volume, &why);
+                    return Err(why);
+                }
+                Err(SpecRefusal::Unavailable(why)) => {
+                    if Instant::now() >= deadline {
+                        return Err(format!(
+                            "etcd did not record the dropped replica within {wait:?}: {why}"
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        }
+    }
+
+    fn after_in_sync(&self, volume: &str, _place: &str) {
+        let node = self.node.clone();
+        let volume = volume.to_string();
+        // Off the persister: etcd may be slow. Until it is recorded, the replica only
+        // counts as out of sync, which is the safe side.
+        let _ = std::thread::Builder::new()
+            .name("tessera-spec".into())
+            .spawn(move || {
+                if let Some(n) = node.upgrade() {
+                    for _ in 0..20 {
+                        match n.publish_replica_states(&volume) {
+                            Err(SpecRefusal::Unavailable(_)) => {
+                                std::thread::sleep(Duration::from_millis(500))
+                            }
+                            _ => break,
+                        }
+                    }
+                    if let Some(m) = n.cluster() {
+                        let _ = m.etcd().delete(&rebuild_key(&volume));
+                    }
+                }
+            });
+    }
+}
+
+impl Node {
+    /// The epoch at which this node owns `volume`, if it does.
+    pub(super) fn owned_epoch(&self, volume: &str) -> Option<u64> {
+        self.owned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(volume)
+            .copied()
+    }
+
+    fn set_owned(&self, volume: &str, epoch: Option<u64>) {
+        let mut o = self.owned.lock().unwrap_or_else(|e| e.into_inner());
+        match epoch {
+            Some(e) => o.insert(volume.to_string(), e),
+            None => o.remove(volume),
+        };
+    }
+
+    fn read_spec(&self, m: &Membership, volume: &str) -> Result<Option<(ClusterVolume, i64)>> {
+        match m.etcd().get(&volume_key(volume)) {
+            Ok(None) => Ok(None),
+            Ok(Some(kv)) => serde_json::from_slice(&kv.value)
+                .map(|s| Some((s, kv.mod_revision)))
+                .map_err(|e| Error::Corrupt(format!("volume spec {} in etcd: {e}", kv.key))),
+            Err(e) => Err(Error::io("reading the volume spec", e)),
+        }
+    }
+
+    /// Change the spec of a volume this node owns (compare-and-swap, rule 3 of
+    /// docs/format.md §12): refused when the spec names another owner or epoch.
+    pub(super) fn edit_owned_spec(
+        &self,
+        volume: &str,
+        edit: impl Fn(&mut ClusterVolume),
+    ) -> std::result::Result<(), SpecRefusal> {
+        let Some(m) = self.cluster() else {
+            return Err(SpecRefusal::Unavailable(
+                "not joined to the cluster yet".into(),
+            ));
+        };
+        let Some(epoch) = self.owned_epoch(volume) else {
+            return Err(SpecRefusal::Lost(format!(
+                "this node does not own volume '{volume}'"
+            )));
+        };
+        let me = self.cfg.node_name();
+        for _ in 0..5 {
+            let (mut spec, rev) = match self.read_spec(m, volume) {
+                Ok(Some(s)) => s,
+                Ok(None) => {
+                    return Err(SpecRefusal::Lost(format!(
+                        "volume '{volume}' has no spec in the cluster"
+                    )))
+                }
+                Err(e) => return Err(SpecRefusal::Unavailable(e.to_string())),
+            };
+            if spec.owner != me || spec.epoch != epoch {
+                return Err(SpecRefusal::Lost(format!(
+                    "volume '{volume}' is owned by '{}' at epoch {} (this node held epoch {epoch})",
+                    spec.owner, spec.epoch
+                )));
+            }
+            let before = spec.clone();
+            edit(&mut spec);
+            if spec == before {
+                return Ok(());
+            }
+            let value = serde_json::to_vec(&spec).unwrap_or_default();
+            match m.etcd().swap(&volume_key(volume), rev, &value, 0) {
+                Ok(true) => return Ok(()),
+                Ok(false) => continue,
+                Err(e) => return Err(SpecRefusal::Unavailable(e.to_string())),
+            }
+        }
+        Err(SpecRefusal::Unavailable("the spec kept changing".into()))
+    }
+
+    /// The replica places of an owned volume as its replica set has them (the local one
+    /// first) and those not in sync.
+    fn replica_places(&self, rv: &ReplicatedVolume) -> (Vec<String>, Vec<String>) {
+        let me = self.cfg.node_name();
+        let mut places = Vec::new();
+        for d in rv.descs() {
+            match d {
+                LegDesc::Local { pool, .. } => places.insert(0, format!("{me}:{pool}")),
+                LegDesc::Remote { node, pool, .. } => places.push(format!("{node}:{pool}")),
+                LegDesc::Vacant => {}
+            }
+        }
+        let out = rv
+            .leg_sync_states()
+            .into_iter()
+            .filter(|(_, ok)| !ok)
+            .map(|(p, _)| p)
+            .collect();
+        (places, out)
+    }
+
+    /// Write an owned volume's replicas and their sync states to its spec.
+    pub(super) fn publish_replica_states(
+        &self,
+        volume: &str,
+    ) -> std::result::Result<(), SpecRefusal> {
+        let rv = self
+            .replicated
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(volume)
+            .cloned();
+        let Some(rv) = rv else {
+            return Err(SpecRefusal::Lost(format!(
+                "volume '{volume}' is not open here"
+            )));
+        };
+        let (places, out) = self.replica_places(&rv);
+        self.edit_owned_spec(volume, |s| {
+            // A place that left the set (removed) is no longer listed; one that came
+            // back (re-added) leaves `lost`.
+            s.lost.retain(|l| !places.contains(&l.place));
+            s.replicas = places.clone();
+            s.out_of_sync = out.clone();
+        })
+    }
+
+    /// Put an owned replicated volume under the cluster's fence.
+    fn fence_volume(&self, rv: &ReplicatedVolume) {
+        if let Some(me) = self.self_ref.get() {
+            rv.set_leg_fence(Arc::new(SpecFence { node: me.clone() }));
+        }
+    }
+
+    /// A replicated volume this node just made (created, or a plain one replicated) is
+    /// owned at the epoch of the spec it wrote.
+    pub(super) fn own_new_volume(&self, volume: &str) {
+        let Some(m) = self.cluster() else { return };
+        match self.read_spec(m, volume) {
+            Ok(Some((spec, _))) if spec.owner == self.cfg.node_name() => {
+                self.set_owned(volume, Some(spec.epoch))
+            }
+            Ok(_) => return,
+            Err(e) => {
+                warn!(volume = %volume, error = %e, "cannot read the new volume's spec");
+                return;
+            }
+        }
+        let rv = self
+            .replicated
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(volume)
+            .cloned();
+        if let Some(rv) = rv {
+            self.fence_volume(&rv);
+        }
+    }
+
+    /// At join: the replicated volumes opened at start were held back until the cluster
+    /// says whose they are. Ours (or with no spec yet) are published and served; those
+    /// another node took over meanwhile are given up.
+    pub(super) fn confirm_ownership(&self) {
+        let Some(m) = self.cluster() else { return };
+        let me = self.cfg.node_name();
+        let names: Vec<String> = self
+            .replicated
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        for name in names {
+            match self.read_spec(m, &name) {
+                Ok(Some((spec, _))) if spec.owner != me => {
+                    self.give_up(
+                        &name,
+                        &format!(
+                            "'{}' took the volume over at epoch {} while this node was away",
+                            spec.owner, spec.epoch
+                        ),
+                    );
+                    continue;
+                }
+                Ok(Some((spec, _))) => self.set_owned(&name, Some(spec.epoch)),
+                Ok(None) => {
+                    // A volume replicated before the node joined a cluster: its spec
+                    // starts now, at epoch 1.
+                    let rv = self
+                        .replicated
+                        .read()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get(&name)
+                        .cloned();
+                    if let Some(rv) = rv {
+                        let (places, _) = self.replica_places(&rv);
+                        self.update_volume_spec_replicas(&name, rv.size(), &places);
+                    }
+                    self.set_owned(&name, Some(1));
+                }
+                Err(e) => {
+                    error!(volume = %name, error = %e, "cannot confirm ownership: the volume stays held back");
+                    continue;
+                }
+            }
+            let rv = self
+                .replicated
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&name)
+                .cloned();
+            if let Some(rv) = rv {
+                self.fence_volume(&rv);
+            }
+            match self.publish_replica_states(&name) {
+                Ok(()) => {
+                    self.replica_failures
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&name);
+                    info!(volume = %name, epoch = self.owned_epoch(&name), "owned volume confirmed by the cluster: serving");
+                }
+                Err(SpecRefusal::Lost(why)) => self.give_up(&name, &why),
+                Err(SpecRefusal::Unavailable(why)) => {
+                    error!(volume = %name, error = %why, "cannot publish the replica states: the volume stays held back")
+                }
+            }
+        }
+    }
+
+    /// Give up `volume` from a thread (the caller may hold locks the give-up takes).
+    fn give_up_later(&self, volume: &str, why: &str) {
+        let Some(me) = self.self_ref.get().cloned() else {
+            return;
+        };
+        let (volume, why) = (volume.to_string(), why.to_string());
+        let _ = std::thread::Builder::new()
+            .name("tessera-giveup".into())
+            .spawn(move || {
+                if let Some(n) = me.upgrade() {
+                    n.give_up(&volume, &why);
+                }
+            });
+    }
+
+    /// Another node owns `volume` now: stop serving it and delete this node's stale copy
+    /// (every acknowledged write is on the new owner's replicas, docs/architecture.md
+    /// "Cluster"); the new owner adds this node back as a fresh replica.
+    pub(super) fn give_up(&self, volume: &str, why: &str) {
+        let _g = self.admin();
+        if self.owned_epoch(volume).is_none()
+            && !self
+                .replicated
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(volume)
+        {
+            return;
+        }
+        warn!(volume = %volume, reason = %why, "this node no longer owns the volume: giving it up");
+        self.set_owned(volume, None);
+        self.replica_failures
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(volume.to_string(), format!("given up: {why}"));
+        let rv = self
+            .replicated
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(volume);
+        let Some(rv) = rv else { return };
+        rv.close();
+        let local = rv.local_volume();
+        let _ = std::fs::remove_file(rv.path());
+        let Some(v) = local else { return };
+        let Ok((p, _)) = self.find_volume(&v.name) else {
+            return;
+        };
+        for e in p.exports() {
+            if e.volume_id == v.id {
+                if let Err(err) = p.remove_export(&e.name) {
+                    warn!(export = %e.name, error = %err, "cannot remove the export of a given-up volume");
+                }
+            }
+        }
+        drop(rv);
+        // Connections still open on it end with errors; deleting waits for them a little.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match p.delete_volume(&v) {
+                Ok(()) => {
+                    info!(volume = %v.name, "stale copy of a given-up volume deleted");
+                    // The name is free again: a new replica of it may come here.
+                    self.replica_failures
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(volume);
+                    break;
+                }
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => {
+                    warn!(volume = %v.name, error = %e, "cannot delete the stale copy of a given-up volume: it stays, not served");
+                    break;
+                }
+            }
+        }
+        self.groups.forget_volume(&v.name);
+    }
+
+    /// The replica of `volume` this node holds for another owner: its volume name and
+    /// NVMe/TCP subsystem.
+    fn held_replica(&self, volume: &str) -> Option<(String, String)> {
+        let prefix = format!("{volume}.");
+        self.nvmf_list().into_iter().find_map(|s| {
+            if !s.nqn.starts_with("nqn.2026-11.io.tessera:replica:") {
+                return None;
+            }
+            s.namespaces
+                .iter()
+                .find(|n| n.volume == volume || n.volume.starts_with(&prefix))
+                .map(|n| (n.volume.clone(), s.nqn.clone()))
+        })
+    }
+
+    /// Take `volume` over (rule 5 of docs/format.md §12): its owner's lease expired and
+    /// this node holds an in-sync replica.
+    fn take_over(&self, volume: &str) -> Result<bool> {
+        let _g = self.admin();
+        let m = self.in_cluster()?;
+        let me = self.cfg.node_name();
+        let Some((spec, rev)) = self.read_spec(m, volume)? else {
+            return Ok(false);
+        };
+        let live = m.nodes().map_err(|e| Error::io("reading the cluster", e))?;
+        if spec.owner == me
+            || live.iter().any(|n| n.name == spec.owner)
+            || !spec.in_sync_on(&me)
+            || m.lease_valid_until().is_none()
+        {
+            return Ok(false);
+        }
+        let Some((replica_vol, my_nqn)) = self.held_replica(volume) else {
+            return Ok(false);
+        };
+        let (pool, local) = self.find_volume(&replica_vol)?;
+        let my_place = spec.place_on(&me).unwrap_or_default().to_string();
+        let old_place = spec.place_on(&spec.owner).map(str::to_string);
+        let mut next = spec.clone();
+        next.owner = me.clone();
+        next.epoch = spec.epoch + 1;
+        next.copies = spec.wanted_copies();
+        next.replicas
+            .retain(|p| Some(p) != old_place.as_ref() && *p != my_place);
+        next.replicas.insert(0, my_place.clone());
+        if let Some(p) = &old_place {
+            next.lost.push(LostReplica {
+                place: p.clone(),
+                since_ms: now_ms(),
+            });
+        }
+        next.out_of_sync = next.replicas[1..].to_vec();
+        let value = serde_json::to_vec(&next).map_err(|e| Error::invalid(e.to_string()))?;
+        let started = Instant::now();
+        match m.etcd().swap(&volume_key(volume), rev, &value, 0) {
+            Ok(true) => {}
+            Ok(false) => return Ok(false), // another member was first
+            Err(e) => return Err(Error::io("taking the volume over", e)),
+        }
+        let epoch = next.epoch;
+        warn!(volume = %volume, old_owner = %spec.owner, epoch, "owner lost: taking the volume over");
+        self.set_owned(volume, Some(epoch));
+        // 1. This node's own replica first: once the claim returns, nothing the old
+        // owner sends reaches it, so nothing it acknowledges from now on lacks it.
+        self.claim_replica_locked(&replica_vol, &me, epoch)?;
+        self.nvmf_remove_subsystem_waiting(&my_nqn);
+        // 2. The others: claimed at the new epoch; each gets a copy of this node's
+        // replica (the old owner's activity log, which said where they may differ, is
+        // gone with it).
+        let mut legs = vec![LegDesc::Local {
+            pool: pool.name().to_string(),
+            volume: replica_vol.clone(),
+        }];
+        let mut states = vec![LegState::InSync];
+        let mut unreachable = Vec::new();
+        for place in &next.replicas[1..] {
+            let (node, ppool) = place.split_once(':').unwrap_or((place, ""));
+            let claimed = self.peer(node).and_then(|peer| {
+                let body = serde_json::json!({"owner": me, "epoch": epoch});
+                let rvol = self
+                    .peer_replica_volume(&peer, volume)
+                    .unwrap_or_else(|| volume.to_string());
+                let (status, text) = self.peer_call(
+                    &peer,
+                    "POST",
+                    &format!("/v1/replicas/{rvol}/claim"),
+                    Some(&body),
+                )?;
+                if !(200..300).contains(&status) {
+                    return Err(Error::invalid(format!(
+                        "claim refused (HTTP {status}): {}",
+                        text.trim()
+                    )));
+                }
+                let f: tessera_api::ReplicaFence =
+                    serde_json::from_str(&text).map_err(|e| Error::io("claim answer", e))?;
+                let spec = f
+                    .spec
+                    .ok_or_else(|| Error::invalid("the claim answer has no NVMe/TCP address"))?;
+                Ok(LegDesc::Remote {
+                    node: node.to_string(),
+                    pool: ppool.to_string(),
+                    volume: f.volume,
+                    spec: super::replicas::reachable_spec(&spec, &peer.api),
+                })
+            });
+            match claimed {
+                Ok(leg) => {
+                    legs.push(leg);
+                    states.push(LegState::NeedsFull);
+                }
+                Err(e) => {
+                    warn!(volume = %volume, replica = %place, error = %e, "replica not claimed at takeover: treated as lost");
+                    unreachable.push(place.clone());
+                }
+            }
+        }
+        // 3. Open the volume on this node: its replica in sync, the others to be copied.
+        let path = self.replicas_dir().join(format!("{volume}.rset"));
+        let _ = std::fs::remove_file(&path);
+        let rv = ReplicatedVolume::create_with(
+            &self.replicas_dir(),
+            SetDesc {
+                name: volume.to_string(),
+                legs,
+            },
+            states,
+            spec.size,
+            Some(local.clone()),
+            self.replica_options()?,
+            self.cores(),
+        )
+        .map_err(|e| Error::io("opening the volume taken over", e))?;
+        self.fence_volume(&rv);
+        self.replicated
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(volume.to_string(), rv);
+        self.replica_failures
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(volume);
+        // Replicas that could not be claimed leave the set (they are re-added or
+        // replaced like a lost node's).
+        if !unreachable.is_empty() {
+            let since = now_ms();
+            let _ = self.edit_owned_spec(volume, |s| {
+                for p in &unreachable {
+                    s.replicas.retain(|x| x != p);
+                    s.out_of_sync.retain(|x| x != p);
+                    if !s.lost.iter().any(|l| &l.place == p) {
+                        s.lost.push(LostReplica {
+                            place: p.clone(),
+                            since_ms: since,
+                        });
+                    }
+                }
+            });
+        }
+        // 4. Served under the volume's name, as on the old owner.
+        if self.find_export(volume).is_none() {
+            let record = tessera_pool::ExportRecord {
+                name: volume.to_string(),
+                volume_id: local.id,
+                read_only: false,
+                tls_required: None,
+            };
+            if let Err(e) = pool.add_export(record) {
+                warn!(volume = %volume, error = %e, "cannot export the volume taken over over NBD");
+            }
+        }
+        info!(volume = %volume, epoch, took_ms = started.elapsed().as_millis() as u64,
+              "volume taken over: serving");
+        Ok(true)
+    }
+
+    /// The name of the replica volume a peer holds for cluster volume `volume` (cluster
+    /// replicas are named like the volume; older ones `VOLUME.OWNER`).
+    fn peer_replica_volume(&self, peer: &crate::config::PeerDecl, volume: &str) -> Option<String> {
+        let (status, text) = self
+            .peer_call(peer, "GET", "/v1/nvmf/subsystems", None)
+            .ok()?;
+        if !(200..300).contains(&status) {
+            return None;
+        }
+        let subs: Vec<tessera_api::SubsystemInfo> = serde_json::from_str(&text).ok()?;
+        let prefix = format!("{volume}.");
+        subs.into_iter()
+            .filter(|s| s.nqn.starts_with("nqn.2026-11.io.tessera:replica:"))
+            .flat_map(|s| s.namespaces)
+            .map(|n| n.volume)
+            .find(|v| v == volume || v.starts_with(&prefix))
+    }
+
+    /// Remove an NVMe/TCP subsystem whose connections are ending.
+    fn nvmf_remove_subsystem_waiting(&self, nqn: &str) {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            match self.nvmf_remove_subsystem(nqn) {
+                Err(e) if e.kind == tessera_pool::ErrorKind::Busy && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    warn!(nqn = %nqn, error = %e, "cannot remove the replica subsystem");
+                    return;
+                }
+                Ok(()) => return,
+            }
+        }
+    }
+
+    /// Start the watcher (at join).
+    pub(super) fn start_ownership_watch(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let every = Duration::from_millis((self.cfg.cluster.lease_ttl_ms / 4).clamp(250, 2000));
+        let _ = std::thread::Builder::new()
+            .name("tessera-owners".into())
+            .spawn(move || {
+                let mut absent: BTreeMap<String, Instant> = BTreeMap::new();
+                loop {
+                    std::thread::sleep(every);
+                    let Some(n) = weak.upgrade() else { return };
+                    if n.stopping.load(std::sync::atomic::Ordering::Acquire) {
+                        return;
+                    }
+                    n.watch_once(&mut absent);
+                }
+            });
+    }
+
+    fn watch_once(&self, absent: &mut BTreeMap<String, Instant>) {
+        let Some(m) = self.cluster() else { return };
+        if m.lease_valid_until().is_none() {
+            return;
+        }
+        let me = self.cfg.node_name();
+        let (Ok(specs), Ok(live)) = (self.cluster_volumes(), m.nodes()) else {
+            return;
+        };
+        let live: Vec<String> = live.into_iter().map(|n| n.name).collect();
+        for spec in specs {
+            let mine = self.owned_epoch(&spec.name);
+            if spec.owner == me {
+                if mine == Some(spec.epoch) {
+                    self.maintain(&spec, &live, absent);
+                }
+                continue;
+            }
+            if mine.is_some() {
+                self.give_up(
+                    &spec.name,
+                    &format!("'{}' owns it at epoch {}", spec.owner, spec.epoch),
+                );
+                continue;
+            }
+            if self.cfg.cluster.failover && !live.contains(&spec.owner) && spec.in_sync_on(&me) {
+                if let Err(e) = self.take_over(&spec.name) {
+                    error!(volume = %spec.name, error = %e, "takeover failed");
+                }
+            }
+        }
+    }
+
+    /// An owner's care of its volume's replicas: a replica whose node stays away past the
+    /// grace period becomes lost; a lost one is re-added when its node is back, or
+    /// replaced on another node after the grace period.
+    fn maintain(
+        &self,
+        spec: &ClusterVolume,
+        live: &[String],
+        absent: &mut BTreeMap<String, Instant>,
+    ) {
+        let me = self.cfg.node_name();
+        let grace = Duration::from_millis(self.cfg.cluster.grace_ms);
+        for place in spec.replicas.iter().filter(|p| node_of(p) != me) {
+            let key = format!("{}/{place}", spec.name);
+            if live.iter().any(|n| n == node_of(place)) {
+                absent.remove(&key);
+                continue;
+            }
+            let since = *absent.entry(key.clone()).or_insert_with(Instant::now);
+            if since.elapsed() < grace {
+                continue;
+            }
+            warn!(volume = %spec.name, replica = %place, "replica's node lost past the grace period: replacing it");
+            match self.remove_replica(&spec.name, place) {
+                Ok(_) => {
+                    absent.remove(&key);
+                    let p = place.clone();
+                    let _ = self.edit_owned_spec(&spec.name, |s| {
+                        if !s.lost.iter().any(|l| l.place == p) {
+                            s.lost.push(LostReplica {
+                                place: p.clone(),
+                                since_ms: now_ms().saturating_sub(grace.as_millis() as u64),
+                            });
+                        }
+                    });
+                }
+                Err(e) => {
+                    warn!(volume = %spec.name, replica = %place, error = %e, "cannot remove the lost replica")
+                }
+            }
+        }
+        for lost in &spec.lost {
+            let back = live.iter().any(|n| n == node_of(&lost.place));
+            let expired = now_ms().saturating_sub(lost.since_ms) >= grace.as_millis() as u64;
+            if !back && !expired {
+                continue;
+            }
+            let Some(m) = self.cluster() else { return };
+            let running = m
+                .etcd()
+                .list(&format!("{PREFIX}rebuilds/"))
+                .map_or(usize::MAX, |l| l.len());
+            if running >= self.cfg.cluster.max_rebuilds.max(1) {
+                return;
+            }
+            let place = if back {
+                lost.place.clone()
+            } else {
+                let Ok(nodes) = m.nodes() else { return };
+                let fixed: Vec<&str> = spec.replicas.iter().map(|p| node_of(p)).collect();
+                let want = fixed.len() + 1;
+                match placement::place(&nodes, want, &fixed, placement::DEFAULT_LEVELS) {
+                    Ok(placed) => match placed
+                        .iter()
+                        .map(|p| p.to_string())
+                        .find(|p| !fixed.contains(&node_of(p)))
+                    {
+                        Some(p) => p,
+                        None => continue,
+                    },
+                    Err(why) => {
+                        warn!(volume = %spec.name, reason = %why, "no node to replace a lost replica on");
+                        continue;
+                    }
+                }
+            };
+            let value = serde_json::json!({"volume": spec.name, "place": place, "owner": me});
+            if !matches!(
+                m.etcd().create(
+                    &rebuild_key(&spec.name),
+                    value.to_string().as_bytes(),
+                    m.lease()
+                ),
+                Ok(true)
+            ) {
+                return;
+            }
+            info!(volume = %spec.name, replica = %place, lost = %lost.place, node_back = back,
+                  "adding a replica in place of a lost one");
+            match self.add_replica(&spec.name, &place) {
+                Ok(_) => {
+                    let lp = lost.place.clone();
+                    let _ = self.edit_owned_spec(&spec.name, |s| s.lost.retain(|l| l.place != lp));
+                }
+                Err(e) => {
+                    warn!(volume = %spec.name, replica = %place, error = %e, "cannot add the replacement replica yet");
+                    let _ = m.etcd().delete(&rebuild_key(&spec.name));
+                }
+            }
+            // One copy started per volume and round.
+            return;
+        }
+    }
+}
