@@ -370,3 +370,76 @@ fn history_holds_through_two_owner_kills_and_the_old_owner_rejoins() {
     }
     assert_eq!(spec_of(&e, "db").unwrap().epoch, 3);
 }
+
+/// Write blocks `0..BLOCKS` at generation `gen` through `f` (each acknowledged).
+fn write_all_blocks(f: &mut Follower, gen: u64) {
+    for b in 0..BLOCKS {
+        f.write(b * 4096, &stamped(b, gen))
+            .unwrap_or_else(|_| panic!("write of block {b} at generation {gen} failed"));
+    }
+}
+
+fn assert_generation(f: &mut Follower, gen: u64, what: &str) {
+    let stamps = read_stamps(f);
+    assert!(
+        stamps.iter().all(|&s| s == gen),
+        "{what}: expected generation {gen} everywhere, read {stamps:?}"
+    );
+}
+
+#[test]
+fn one_etcd_member_lost_failover_works_all_lost_io_goes_on_and_failover_waits() {
+    if !require_tool("etcd") {
+        return;
+    }
+    let mut etcd = EtcdCluster::start("foe", 3);
+    let mut nodes = members("foe", &etcd);
+    let e = etcd_client(&etcd);
+    wait_members(&e);
+    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
+    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let mut f = Follower::new(etcd_client(&etcd), "db");
+    write_all_blocks(&mut f, 1);
+
+    // One of three etcd members killed: the cluster keeps working, failover included.
+    etcd.members[2].kill9();
+    nodes[0].kill9();
+    let owner1 = wait_new_owner(&e, "db", "node-a", 30);
+    assert_generation(&mut f, 1, "after a failover with one etcd member down");
+    write_all_blocks(&mut f, 2);
+    wait_for("the other replica copied and recorded in sync", 30, || {
+        spec_of(&e, "db").is_some_and(|s| s.replicas.len() == 2 && s.out_of_sync.is_empty())
+    });
+
+    // etcd stopped entirely: the owner keeps serving reads and writes, past the lease.
+    etcd.members[0].kill9();
+    etcd.members[1].kill9();
+    let until = Instant::now() + Duration::from_secs(5);
+    let mut gen = 2;
+    while Instant::now() < until {
+        gen += 1;
+        write_all_blocks(&mut f, gen);
+        assert_generation(&mut f, gen, "with etcd down");
+    }
+
+    // The owner killed while etcd is down: nobody can take over until etcd is back.
+    let survivor = if owner1 == "node-b" {
+        "node-c"
+    } else {
+        "node-b"
+    };
+    nodes[index_of(&owner1)].kill9();
+    std::thread::sleep(Duration::from_secs(5));
+    let exports = nodes[index_of(survivor)].json(&["export", "list"]);
+    assert!(
+        exports.as_array().unwrap().is_empty(),
+        "{survivor} serves the volume without etcd: {exports}"
+    );
+    etcd.members[0].restart();
+    etcd.members[1].restart();
+    let owner2 = wait_new_owner(&e, "db", &owner1, 60);
+    assert_eq!(owner2, survivor);
+    assert_generation(&mut f, gen, "after the failover that waited for etcd");
+    write_all_blocks(&mut f, gen + 1);
+    assert_generation(&mut f, gen + 1, "on the last owner");
+}

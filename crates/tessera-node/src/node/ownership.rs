@@ -694,6 +694,20 @@ impl Node {
         absent: &mut BTreeMap<String, Instant>,
     ) {
         let me = self.cfg.node_name();
+        // The spec lags the replica set when etcd was away as a replica came back in
+        // sync (or a change was not recorded): catch up.
+        let rv = self
+            .replicated
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&spec.name)
+            .cloned();
+        if let Some(rv) = rv {
+            let (places, out) = self.replica_places(&rv);
+            if places != spec.replicas || out != spec.out_of_sync {
+                let _ = self.publish_replica_states(&spec.name);
+            }
+        }
         let grace = Duration::from_millis(self.cfg.cluster.grace_ms);
         for place in spec.replicas.iter().filter(|p| node_of(p) != me) {
             let key = format!("{}/{place}", spec.name);
