@@ -73,6 +73,10 @@ pub struct ClusterConfig {
     /// Bearer token file and CA certificate for the `https://` APIs of other members.
     pub peer_token_file: Option<PathBuf>,
     pub peer_ca_cert: Option<PathBuf>,
+    /// An NBD client asking this node for a cluster volume another node owns is served
+    /// the owner's export, proxied over NVMe/TCP (docs/architecture.md "Clients follow
+    /// the volume"). Off: only this node's own exports are served.
+    pub nbd_proxy: bool,
 }
 
 impl Default for ClusterConfig {
@@ -85,6 +89,7 @@ impl Default for ClusterConfig {
             advertise_api: None,
             peer_token_file: None,
             peer_ca_cert: None,
+            nbd_proxy: true,
         }
     }
 }

@@ -104,7 +104,7 @@ impl Node {
         })
     }
 
-    fn cluster_volumes(&self) -> Result<Vec<ClusterVolume>> {
+    pub(super) fn cluster_volumes(&self) -> Result<Vec<ClusterVolume>> {
         let m = self.in_cluster()?;
         m.etcd()
             .list(&format!("{}volumes/", tessera_cluster::PREFIX))

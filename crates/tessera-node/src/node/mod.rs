@@ -15,6 +15,7 @@ pub mod fencing;
 mod jobs;
 pub mod nvmf;
 mod pools;
+pub mod proxy;
 mod qos;
 pub mod replicas;
 mod snapshots;
@@ -76,6 +77,9 @@ pub struct Node {
     replica_failures: RwLock<BTreeMap<String, String>>,
     /// Membership of the cluster (`[cluster]`), once joined (node/cluster.rs).
     cluster: std::sync::OnceLock<Arc<tessera_cluster::Membership>>,
+    /// Cluster volumes other nodes own that NBD clients reach through this node
+    /// (node/proxy.rs).
+    proxies: proxy::Proxies,
     /// This node's claim on its data directory, held until the process ends.
     _dir_lock: crate::datadir::DataDirLock,
 }
@@ -147,6 +151,7 @@ impl Node {
             replicated: RwLock::new(BTreeMap::new()),
             replica_failures: RwLock::new(BTreeMap::new()),
             cluster: std::sync::OnceLock::new(),
+            proxies: proxy::Proxies::default(),
             _dir_lock: dir_lock,
         });
         for e in entries {
