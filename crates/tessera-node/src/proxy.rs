@@ -20,7 +20,7 @@ use tessera_export::{IoStats, StatsRegistry, StatsSnapshot};
 use tessera_io::{CoreIo, IoOp, Tag};
 use tessera_qos::{QosLimits, VolumeQos};
 use tessera_remote::{RemoteDevice, RemoteHandle};
-use tracing::info;
+use tracing::{info, warn};
 
 /// A volume served by another node, reached over NVMe/TCP.
 pub struct ProxyVolume {
@@ -95,9 +95,18 @@ impl ProxyVolume {
 impl Drop for ProxyVolume {
     // The last connection went (each core's queue closed with its last handle): the
     // admin queue closes now, not when the reactors' hooks of the closed queues, which
-    // keep a reference to the device, let it go.
+    // keep a reference to the device, let it go. The last connection usually ends on a
+    // reactor, and closing waits for the device's admin lock, which a queue's reconnect
+    // to an unreachable owner holds for up to its timeout: so it closes in a thread.
     fn drop(&mut self) {
-        self.dev.disconnect();
+        let dev = self.dev.clone();
+        let closing = std::thread::Builder::new()
+            .name("tessera-proxy-close".into())
+            .spawn(move || dev.disconnect());
+        if closing.is_err() {
+            warn!(volume = %self.name, "cannot start a thread to close the nbd proxy's admin queue; \
+                  it closes when the device is dropped");
+        }
         info!(volume = %self.name, owner = %self.owner, path = %self.dev.spec(),
               "nbd proxy closed: no connection left");
     }
@@ -129,8 +138,8 @@ impl ProxyCore {
                 link: RefCell::new(None),
                 users: Cell::new(0),
             });
-            io.locals
-                .insert(key, Box::new((c.clone(), Arc::downgrade(vol)) as CoreEntry));
+            let entry: CoreEntry = (c.clone(), Arc::downgrade(vol));
+            io.locals.insert(key, Box::new(entry));
             c
         });
         c.users.set(c.users.get() + 1);
@@ -166,10 +175,9 @@ impl ProxyHandle {
     /// As [`tessera_export::ExportHandle::submit`].
     #[inline]
     pub(crate) unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
-        let core = match &self.core {
-            Some(c) => c,
-            None => self.core.insert(ProxyCore::attach(io, &self.vol)),
-        };
+        let core = self
+            .core
+            .get_or_insert_with(|| ProxyCore::attach(io, &self.vol));
         // Completions are queued on the core, never delivered inside this call, so the
         // borrow cannot be taken twice.
         match &mut *core.link.borrow_mut() {

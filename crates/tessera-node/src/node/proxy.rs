@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tessera_api::ClusterVolume;
+use tessera_export::log_limit::LogLimiter;
 use tessera_export::{Export, StatsRegistry, StatsSnapshot};
 use tessera_nbd::handshake::{ExportCatalog, ExportInfo};
 use tessera_remote::{RemoteConfig, RemoteDevice, RemoteSpec};
@@ -28,6 +29,10 @@ pub fn cluster_nqn(volume: &str) -> String {
 
 /// The namespace of the volume in its cluster subsystem.
 const CLUSTER_NSID: u32 = 1;
+
+/// Lookups that failed (etcd unreachable, owner gone): at most 10 lines per 10 s, since
+/// every client that retries makes one.
+static PROXY_LOG: LogLimiter = LogLimiter::new("nbd-proxy", 10, 10);
 
 /// The proxies this node has open, and the figures of every volume it proxied.
 #[derive(Default)]
@@ -87,7 +92,9 @@ impl Node {
                 .filter(|s| s.owner != me && self.find_export(&s.name).is_none())
                 .collect(),
             Err(e) => {
-                warn!(error = %e, "nbd: cannot list the cluster's volumes; listing local exports only");
+                if PROXY_LOG.admit() {
+                    warn!(error = %e, "nbd: cannot list the cluster's volumes; listing local exports only");
+                }
                 Vec::new()
             }
         }
@@ -301,21 +308,23 @@ impl ExportCatalog for ExportSession<'_> {
     }
 
     fn lookup(&self, name: &str) -> Option<ExportInfo> {
-        if let Some(info) = self.node.lookup(name) {
+        if let Some(info) = ExportCatalog::lookup(self.node, name) {
             return Some(info);
         }
         match self.spec(name) {
             Ok(Some(spec)) => Some(self.proxy_info(&spec, spec.size)),
             Ok(None) => None,
             Err(e) => {
-                warn!(export = %name, error = %e, "nbd: cannot look the export up in the cluster");
+                if PROXY_LOG.admit() {
+                    warn!(export = %name, error = %e, "nbd: cannot look the export up in the cluster");
+                }
                 None
             }
         }
     }
 
     fn dirty_bitmaps(&self, name: &str) -> Vec<String> {
-        self.node.dirty_bitmaps(name)
+        ExportCatalog::dirty_bitmaps(self.node, name)
     }
 
     fn prepare(&self, name: &str, info: ExportInfo) -> Result<ExportInfo, String> {
@@ -326,7 +335,9 @@ impl ExportCatalog for ExportSession<'_> {
             .spec(name)?
             .ok_or_else(|| format!("no export named \"{name}\""))?;
         let proxy = self.node.open_proxy(&spec).inspect_err(|e| {
-            warn!(export = %name, owner = %spec.owner, error = %e, "nbd: cannot proxy the volume to its owner");
+            if PROXY_LOG.admit() {
+                warn!(export = %name, owner = %spec.owner, error = %e, "nbd: cannot proxy the volume to its owner");
+            }
         })?;
         let info = self.proxy_info(&spec, proxy.size());
         *self.prepared.lock().unwrap_or_else(|e| e.into_inner()) = Some(proxy);
