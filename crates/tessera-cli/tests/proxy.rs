@@ -229,13 +229,13 @@ fn any_node_serves_the_owners_volume_over_nbd() {
     let pattern = pattern(7, (8 * MIB) as usize);
     let src = b.dir.join("pattern.raw");
     std::fs::write(&src, &pattern).unwrap();
-    let o = run_bounded(
-        Command::new("nbdcopy").arg(&src).arg(b.uri("db")),
-        60,
-    );
+    let o = run_bounded(Command::new("nbdcopy").arg(&src).arg(b.uri("db")), 60);
     assert!(o.status.success(), "nbdcopy into node-b: {}", combined(&o));
     let on_a = read_all(&a, "db");
-    assert!(on_a[..pattern.len()] == pattern[..], "node-a's volume lacks the pattern");
+    assert!(
+        on_a[..pattern.len()] == pattern[..],
+        "node-a's volume lacks the pattern"
+    );
     let via_b = read_all(&b, "db");
     assert!(via_b == on_a, "node-b reads what node-a holds");
 
@@ -282,9 +282,15 @@ fn any_node_serves_the_owners_volume_over_nbd() {
 
     // Unknown names are unknown exports, with a message; node-c does not proxy.
     let e = go_error(&b, "nope");
-    assert!(e.contains("unknown export") && e.contains("no export named"), "{e}");
+    assert!(
+        e.contains("unknown export") && e.contains("no export named"),
+        "{e}"
+    );
     let e = go_error(&c, "db");
-    assert!(e.contains("unknown export") && e.contains("no export named"), "{e}");
+    assert!(
+        e.contains("unknown export") && e.contains("no export named"),
+        "{e}"
+    );
     let o = run_bounded(Command::new("nbdinfo").arg(b.uri("nope")), 30);
     assert!(!o.status.success(), "nbdinfo of an unknown export");
 

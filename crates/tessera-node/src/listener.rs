@@ -330,7 +330,13 @@ where
             Some(p) => {
                 let via = format!("{} at {}", p.owner, p.path());
                 let volume = p.name.clone();
-                (node.proxy_export(p), false, String::new(), volume, Some(via))
+                (
+                    node.proxy_export(p),
+                    false,
+                    String::new(),
+                    volume,
+                    Some(via),
+                )
             }
             None => {
                 warn!(

@@ -112,15 +112,12 @@ impl Node {
             .nodes()
             .map_err(|e| format!("cannot read the cluster's members from etcd: {e}"))?;
         let name = &spec.name;
-        let owner = nodes
-            .iter()
-            .find(|n| n.name == spec.owner)
-            .ok_or_else(|| {
-                format!(
-                    "volume \"{name}\" is owned by {}, which is not a live member of the cluster",
-                    spec.owner
-                )
-            })?;
+        let owner = nodes.iter().find(|n| n.name == spec.owner).ok_or_else(|| {
+            format!(
+                "volume \"{name}\" is owned by {}, which is not a live member of the cluster",
+                spec.owner
+            )
+        })?;
         let url = |addr: &str| {
             format!(
                 "{}{addr}/{}?nsid={CLUSTER_NSID}",
@@ -290,7 +287,13 @@ impl<'a> ExportSession<'a> {
                 spec.name, spec.owner
             ),
             // The node's default policy: a proxied volume has no export record here.
-            tls_required: self.node.cfg.nbd.tls.as_ref().is_some_and(|t| t.default.is_required()),
+            tls_required: self
+                .node
+                .cfg
+                .nbd
+                .tls
+                .as_ref()
+                .is_some_and(|t| t.default.is_required()),
         }
     }
 }
