@@ -177,7 +177,7 @@ fn any_node_serves_the_owners_volume_over_nbd() {
     // node-a owns `db`: a local volume, exported over NBD (for direct reads) and over
     // NVMe/TCP under the cluster NQN, with its spec in etcd.
     let nqn = "nqn.2026-11.io.tessera:cluster:db";
-    a.cli_ok(&["volume", "create", "db", "--size", "64M"]);
+    a.cli_ok(&["volume", "create", "db", "--size", "64M", "--pool", "p"]);
     a.cli_ok(&["export", "add", "db", "--volume", "db"]);
     a.cli_ok(&[
         "nvmf",
@@ -203,7 +203,7 @@ fn any_node_serves_the_owners_volume_over_nbd() {
     )
     .unwrap();
     // node-b's own export, which must keep serving whatever happens to node-a.
-    b.cli_ok(&["volume", "create", "own", "--size", "16M"]);
+    b.cli_ok(&["volume", "create", "own", "--size", "16M", "--pool", "p"]);
     b.cli_ok(&["export", "add", "own", "--volume", "own"]);
     let mut own_model = vec![0u64; 64];
     let mut own = nbd_connect(&b, "own");
