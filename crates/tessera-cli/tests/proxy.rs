@@ -12,7 +12,8 @@
 //! - Bad cases: an unknown name through node-b, and through node-c (proxy off), is an
 //!   unknown export with a message. Owner killed (-9): a connection through node-b gets
 //!   an error within the remote timeout, never data; a new one is refused saying the
-//!   owner is gone; node-b serves its own export all along.
+//!   owner is gone; once the spec names a new owner (node-c, epoch 2), clients that
+//!   reconnect through node-b reach it; node-b serves its own export all along.
 
 mod common;
 use common::*;
@@ -321,6 +322,43 @@ fn any_node_serves_the_owners_volume_over_nbd() {
     assert!(
         e.contains("unknown export") && e.contains("node-a") && e.contains("not a live member"),
         "{e}"
+    );
+
+    // A new owner (what a failover does: node-c takes `db` at epoch 2): clients that
+    // reconnect through node-b reach it.
+    c.cli_ok(&["volume", "create", "db", "--size", "64M", "--pool", "p"]);
+    c.cli_ok(&["export", "add", "db", "--volume", "db"]);
+    c.cli_ok(&[
+        "nvmf",
+        "subsystem",
+        "add",
+        nqn,
+        "--volume",
+        "db",
+        "--allow-any-host",
+    ]);
+    let moved = tessera_api::ClusterVolume {
+        owner: "node-c".into(),
+        epoch: 2,
+        replicas: vec!["node-c:p".into()],
+        ..spec
+    };
+    kv.put(
+        &tessera_cluster::volume_key("db"),
+        &serde_json::to_vec(&moved).unwrap(),
+        0,
+    )
+    .unwrap();
+    let mut on_c = vec![0u64; 64];
+    let mut cl = nbd_connect(&b, "db");
+    write_generations(&mut cl, &mut on_c, 0..64, 5, BS);
+    cl.disconnect().unwrap();
+    verify_generations(&c, "db", &on_c, BS);
+    assert!(
+        b.log_text()
+            .lines()
+            .any(|l| l.contains("nbd proxy opened") && l.contains("node-c")),
+        "node-b's proxy goes to the new owner"
     );
 
     // node-b served its own export throughout.
