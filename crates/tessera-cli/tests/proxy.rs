@@ -276,9 +276,14 @@ fn any_node_serves_the_owners_volume_over_nbd() {
     let writes = sample(&m, "tessera_proxy_ops_total{volume=\"db\",op=\"write\"}")
         .unwrap_or_else(|| panic!("no proxy write count:\n{m}"));
     assert!(writes >= 4096.0, "fio's writes counted: {writes}");
+    let proxied = sample(&m, "tessera_proxy_bytes_total{volume=\"db\",op=\"write\"}").unwrap();
+    assert!(proxied >= (16 * MIB) as f64, "{proxied}");
+    // The owner counts the same writes under its volume (they reach it over NVMe/TCP).
+    let on_owner = a.json(&["volume", "stats", "db", "--interval", "0.01"]);
+    let owner_writes = on_owner["totals"]["write_bytes"].as_f64().unwrap();
     assert!(
-        sample(&m, "tessera_proxy_bytes_total{volume=\"db\",op=\"write\"}").unwrap()
-            >= (16 * MIB) as f64
+        owner_writes >= proxied,
+        "owner {owner_writes} < proxied {proxied}"
     );
 
     // Unknown names are unknown exports, with a message; node-c does not proxy.
