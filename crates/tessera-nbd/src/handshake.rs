@@ -99,6 +99,16 @@ pub trait ExportCatalog: Send + Sync {
     fn dirty_bitmaps(&self, _name: &str) -> Vec<String> {
         Vec::new()
     }
+    /// A client is about to use export `name` (`NBD_OPT_INFO`, `NBD_OPT_GO`,
+    /// `NBD_OPT_EXPORT_NAME`), which [`ExportCatalog::lookup`] described as `info` and TLS
+    /// allows. A catalogue whose exports need work before they can be served (one served
+    /// by another node, connected on demand) does it here and returns the final
+    /// description, or says why the export cannot be served now: the client gets
+    /// `NBD_REP_ERR_UNKNOWN` with that message. Listing never calls this. By default the
+    /// description stands.
+    fn prepare(&self, _name: &str, info: ExportInfo) -> Result<ExportInfo, String> {
+        Ok(info)
+    }
 }
 
 /// The outcome of a successful negotiation: everything the transmission phase needs.
@@ -551,7 +561,13 @@ impl State<'_> {
                     })
                 }
             }
-            Ok(v) => Ok(v),
+            Ok((canonical, info)) => match self.catalog.prepare(&canonical, info) {
+                Ok(info) => Ok((canonical, info)),
+                Err(msg) => Err(OptError {
+                    rep: proto::REP_ERR_UNKNOWN,
+                    msg,
+                }),
+            },
         }
     }
 
@@ -1545,6 +1561,63 @@ mod tests {
             .run();
         assert!(matches!(r, Err(HandshakeError::Protocol(_))));
         assert_eq!(out.len(), 18, "nothing is sent before closing");
+    }
+
+    /// Exports served from elsewhere: "far" is connected on demand (its size is known
+    /// only then), "down" cannot be reached.
+    struct OnDemand {
+        prepared: std::sync::Mutex<Vec<String>>,
+    }
+    impl ExportCatalog for OnDemand {
+        fn list(&self) -> Vec<String> {
+            vec!["far".into(), "down".into()]
+        }
+        fn lookup(&self, name: &str) -> Option<ExportInfo> {
+            matches!(name, "far" | "down").then(|| ExportInfo {
+                size: 4096,
+                read_only: false,
+                description: String::new(),
+                tls_required: false,
+            })
+        }
+        fn prepare(&self, name: &str, info: ExportInfo) -> Result<ExportInfo, String> {
+            self.prepared.lock().unwrap().push(name.to_string());
+            match name {
+                "far" => Ok(ExportInfo {
+                    size: 1 << 20,
+                    ..info
+                }),
+                _ => Err("the owner of \"down\" is not alive".into()),
+            }
+        }
+    }
+
+    #[test]
+    fn prepare_runs_before_use_and_its_refusal_is_an_unknown_export() {
+        let cat = OnDemand {
+            prepared: std::sync::Mutex::new(Vec::new()),
+        };
+        let (r, out) = Script::fixed()
+            .opt(proto::OPT_LIST, &[])
+            .go_like(proto::OPT_GO, "down", &[])
+            .go_like(proto::OPT_GO, "far", &[])
+            .run_with(&cat);
+        let n = transmission(r);
+        assert_eq!((n.export_name.as_str(), n.size), ("far", 1 << 20));
+        // Listing prepared nothing; each GO prepared its export once.
+        assert_eq!(*cat.prepared.lock().unwrap(), ["down", "far"]);
+        let (reps, _) = parse_output(&out);
+        let refused = reps
+            .iter()
+            .find(|r| r.opt == proto::OPT_GO && r.ty == proto::REP_ERR_UNKNOWN)
+            .expect("GO of an export that cannot be prepared is refused");
+        assert_eq!(refused.data, b"the owner of \"down\" is not alive");
+        let size = reps
+            .iter()
+            .find(|r| r.ty == proto::REP_INFO && r.data[0..2] == proto::INFO_EXPORT.to_be_bytes())
+            .map(|r| u64::from_be_bytes(arr(&r.data[2..10])))
+            .expect("INFO_EXPORT for the prepared export");
+        assert_eq!(size, 1 << 20, "the prepared size is announced");
     }
 
     #[test]

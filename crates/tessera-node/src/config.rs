@@ -83,6 +83,10 @@ pub struct ClusterConfig {
     /// How long an owner keeps trying to record a dropped replica in etcd (writes that
     /// need it wait meanwhile) before the write fails.
     pub fence_wait_ms: u64,
+    /// An NBD client asking this node for a cluster volume another node owns is served
+    /// the owner's export, proxied over NVMe/TCP (docs/architecture.md "Clients follow
+    /// the volume"). Off: only this node's own exports are served.
+    pub nbd_proxy: bool,
 }
 
 impl Default for ClusterConfig {
@@ -99,6 +103,7 @@ impl Default for ClusterConfig {
             grace_ms: 60_000,
             max_rebuilds: 2,
             fence_wait_ms: 30_000,
+            nbd_proxy: true,
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod metrics_http;
 pub mod node;
 pub mod nvmf;
+pub mod proxy;
 pub mod rebuild;
 pub mod registry;
 pub mod scrub;

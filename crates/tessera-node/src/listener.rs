@@ -26,6 +26,7 @@ use tessera_http::{ApiListener, TokenSet};
 
 use crate::config::NodeConfig;
 use crate::error::StartError;
+use crate::node::proxy::ExportSession;
 use crate::node::Node;
 
 /// Handshakes in progress at once; more connections are refused until some finish.
@@ -290,7 +291,8 @@ where
     S: io::Read + io::Write,
 {
     let mut stream = HandshakeStream::new(stream, node.nbd_tls.clone());
-    let outcome = negotiate_io(&mut stream, &*node);
+    let session = ExportSession::new(&node);
+    let outcome = negotiate_io(&mut stream, &session);
     let n = match outcome {
         Ok(HandshakeOutcome::Transmission(n)) => n,
         Ok(HandshakeOutcome::Closed) => return,
@@ -314,16 +316,40 @@ where
             return;
         }
     };
-    let Some((vol, read_only)) = node.resolve_export(&n.export_name) else {
-        warn!(
-            protocol = "nbd",
-            client = %client,
-            export = %n.export_name,
-            "nbd: export vanished during the handshake"
-        );
-        return;
+    // What serves the export: a local volume, or (proxy) the owner of a cluster volume.
+    // (`pool` is empty for a proxy, `proxy` names the owner's export.)
+    let (export, read_only, pool, volume, proxy) = match node.resolve_export(&n.export_name) {
+        Some((vol, read_only)) => (
+            node.export_of(&vol),
+            read_only,
+            vol.pool_name().to_string(),
+            vol.name.clone(),
+            None,
+        ),
+        None => match session.take_proxy(&n.export_name) {
+            Some(p) => {
+                let via = format!("{} at {}", p.owner, p.path());
+                let volume = p.name.clone();
+                (
+                    node.proxy_export(p),
+                    false,
+                    String::new(),
+                    volume,
+                    Some(via),
+                )
+            }
+            None => {
+                warn!(
+                    protocol = "nbd",
+                    client = %client,
+                    export = %n.export_name,
+                    "nbd: export vanished during the handshake"
+                );
+                return;
+            }
+        },
     };
-    let export = node.export_of(&vol);
+    drop(session);
     // The bitmaps the handshake selected, bound to their snapshots now: a name given to
     // another snapshot later does not change what this connection reports.
     let mut dirty_bitmaps = Vec::with_capacity(n.dirty_bitmaps.len());
@@ -347,8 +373,9 @@ where
         protocol = "nbd",
         client = %client,
         export = %n.export_name,
-        pool = %vol.pool_name(),
-        volume = %vol.name,
+        pool = %pool,
+        volume = %volume,
+        proxy = proxy.as_deref(),
         read_only = read_only || n.read_only,
         structured_replies = n.structured_replies,
         block_size_negotiated = n.block_size_negotiated,

@@ -286,8 +286,56 @@ pub fn render(node: &Node) -> String {
     render_jobs(&mut w, node);
     render_groups(&mut w, node, &volumes);
     render_replicas(&mut w, node);
+    render_proxies(&mut w, node);
     render_reactors(&mut w, node);
     w.finish()
+}
+
+/// Client I/O this node proxied to other nodes' volumes (NBD clients that asked this
+/// node for a cluster volume it does not own), by volume, since the node started.
+const PROXY_FAMILIES: &[Family<crate::node::proxy::ProxyFigures>] = &[
+    Family {
+        name: "tessera_proxy_open",
+        kind: "gauge",
+        help: "1 while this node has a proxy to the volume's owner open (an NBD client uses it), else 0.",
+        samples: |p| single(count(u64::from(p.owner.is_some()))),
+    },
+    Family {
+        name: "tessera_proxy_ops_total",
+        kind: "counter",
+        help: "Client requests this node answered through its proxy to the volume's owner, by operation.",
+        samples: |p| per_op(ops_of(&p.stats)),
+    },
+    Family {
+        name: "tessera_proxy_bytes_total",
+        kind: "counter",
+        help: "Bytes clients read and wrote through this node's proxy to the volume's owner.",
+        samples: |p| per_op([("read", p.stats.read_bytes), ("write", p.stats.write_bytes)]),
+    },
+    Family {
+        name: "tessera_proxy_errors_total",
+        kind: "counter",
+        help: "Client requests through the proxy answered with an error (owner unreachable past the timeout, refused I/O).",
+        samples: |p| single(count(p.stats.errors)),
+    },
+    Family {
+        name: "tessera_proxy_latency_seconds",
+        kind: "histogram",
+        help: "Client request latency through the proxy (both hops), from receipt to the reply being queued, by operation.",
+        samples: |p| {
+            vec![
+                (Some(("op", "read")), Value::Histogram(&p.stats.read_latency)),
+                (Some(("op", "write")), Value::Histogram(&p.stats.write_latency)),
+            ]
+        },
+    },
+];
+
+fn render_proxies(w: &mut TextWriter, node: &Node) {
+    let rows = node.proxy_figures();
+    write_families(w, PROXY_FAMILIES, &rows, |p| {
+        vec![("volume", p.volume.as_str())]
+    });
 }
 
 /// One replica of a replicated volume this node owns.

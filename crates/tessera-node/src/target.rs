@@ -1,6 +1,7 @@
-//! What a node exports: a thin volume of one of its pools, or a volume replicated onto
-//! other nodes whose local leg is such a volume. Protocols are generic over the target;
-//! this enum lets one server serve both with a static branch per I/O, no virtual call.
+//! What a node exports: a thin volume of one of its pools, a volume replicated onto
+//! other nodes whose local leg is such a volume, or a cluster volume another node owns,
+//! proxied over NVMe/TCP (crate::proxy). Protocols are generic over the target; this
+//! enum lets one server serve all three with a static branch per I/O, no virtual call.
 
 use std::sync::Arc;
 
@@ -9,14 +10,18 @@ use tessera_io::{CoreIo, IoOp, Tag};
 use tessera_pool::{Volume, VolumeHandle};
 use tessera_replica::{ReplicaHandle, ReplicatedVolume};
 
+use crate::proxy::{ProxyHandle, ProxyVolume};
+
 pub enum NodeTarget {
     Local(Arc<Volume>),
     Replicated(Arc<ReplicatedVolume>),
+    Proxy(Arc<ProxyVolume>),
 }
 
 pub enum NodeHandle {
     Local(VolumeHandle),
     Replicated(ReplicaHandle),
+    Proxy(ProxyHandle),
 }
 
 impl ExportTarget for NodeTarget {
@@ -26,6 +31,7 @@ impl ExportTarget for NodeTarget {
         match self {
             NodeTarget::Local(v) => v.size(),
             NodeTarget::Replicated(r) => r.size(),
+            NodeTarget::Proxy(p) => p.size(),
         }
     }
 
@@ -35,6 +41,8 @@ impl ExportTarget for NodeTarget {
         match self {
             NodeTarget::Local(v) => ExportTarget::identity(&**v),
             NodeTarget::Replicated(r) => ExportTarget::identity(&**r),
+            // One proxy per volume per node, shared by its connections.
+            NodeTarget::Proxy(p) => Arc::as_ptr(p) as usize,
         }
     }
 
@@ -42,6 +50,8 @@ impl ExportTarget for NodeTarget {
         match self {
             NodeTarget::Local(v) => ExportTarget::read_only(&**v),
             NodeTarget::Replicated(r) => r.read_only(),
+            // The owner refuses writes itself if its export is read-only (EROFS).
+            NodeTarget::Proxy(_) => false,
         }
     }
 
@@ -49,6 +59,9 @@ impl ExportTarget for NodeTarget {
         match self {
             NodeTarget::Local(v) => v.allocated_bytes(),
             NodeTarget::Replicated(r) => ExportTarget::allocated_bytes(&**r),
+            // The owner's allocation map is not visible through NVMe/TCP: all of it
+            // counts as allocated (clients then read holes as data, which is correct).
+            NodeTarget::Proxy(p) => p.size(),
         }
     }
 
@@ -56,22 +69,31 @@ impl ExportTarget for NodeTarget {
         match self {
             NodeTarget::Local(v) => v.allocation_runs(offset, len, max_runs),
             NodeTarget::Replicated(r) => r.allocation_runs(offset, len, max_runs),
+            NodeTarget::Proxy(p) => {
+                let len = len.min(p.size().saturating_sub(offset));
+                if len == 0 || max_runs == 0 {
+                    Vec::new()
+                } else {
+                    vec![(len, true)]
+                }
+            }
         }
     }
 
     // Snapshots of replicated volumes are refused (the replicas would differ), so only a
-    // local volume has a chain to report changes from.
+    // local volume has a chain to report changes from (a proxied volume's chain is on
+    // its owner).
     fn change_bases(&self) -> Vec<String> {
         match self {
             NodeTarget::Local(v) => v.change_bases(),
-            NodeTarget::Replicated(_) => Vec::new(),
+            NodeTarget::Replicated(_) | NodeTarget::Proxy(_) => Vec::new(),
         }
     }
 
     fn change_base(&self, name: &str) -> Option<u64> {
         match self {
             NodeTarget::Local(v) => ExportTarget::change_base(&**v, name),
-            NodeTarget::Replicated(_) => None,
+            NodeTarget::Replicated(_) | NodeTarget::Proxy(_) => None,
         }
     }
 
@@ -84,24 +106,34 @@ impl ExportTarget for NodeTarget {
     ) -> Option<Vec<(u64, bool)>> {
         match self {
             NodeTarget::Local(v) => ExportTarget::changed_runs(&**v, base, offset, len, max_runs),
-            NodeTarget::Replicated(_) => None,
+            NodeTarget::Replicated(_) | NodeTarget::Proxy(_) => None,
         }
     }
 
     // Stats live with the local volume either way, so `volume stats` and metrics see a
-    // replicated volume's client I/O under its name.
+    // replicated volume's client I/O under its name. A proxy's are the node's figures of
+    // the proxied volume (metrics: `tessera_proxy_*`).
     fn register_stats(&self) -> Arc<IoStats> {
+        if let NodeTarget::Proxy(p) = self {
+            return p.register_stats();
+        }
         self.stats_volume()
             .map_or_else(|| Arc::new(IoStats::default()), |v| v.register_stats())
     }
 
     fn unregister_stats(&self, stats: &Arc<IoStats>) {
+        if let NodeTarget::Proxy(p) = self {
+            return p.unregister_stats(stats);
+        }
         if let Some(v) = self.stats_volume() {
             v.unregister_stats(stats)
         }
     }
 
     fn stats(&self) -> StatsSnapshot {
+        if let NodeTarget::Proxy(p) = self {
+            return p.stats();
+        }
         self.stats_volume()
             .map_or_else(StatsSnapshot::default, |v| v.stats())
     }
@@ -110,6 +142,7 @@ impl ExportTarget for NodeTarget {
         match &**self {
             NodeTarget::Local(v) => NodeHandle::Local(v.open_handle()),
             NodeTarget::Replicated(r) => NodeHandle::Replicated(r.open()),
+            NodeTarget::Proxy(p) => NodeHandle::Proxy(p.open_handle()),
         }
     }
 }
@@ -119,6 +152,7 @@ impl NodeTarget {
         match self {
             NodeTarget::Local(v) => Some(v.clone()),
             NodeTarget::Replicated(r) => r.local_volume(),
+            NodeTarget::Proxy(_) => None,
         }
     }
 }
@@ -131,6 +165,8 @@ impl ExportHandle for NodeHandle {
             NodeHandle::Local(h) => unsafe { ExportHandle::submit(h, io, op, tag) },
             // SAFETY: as above.
             NodeHandle::Replicated(h) => unsafe { ExportHandle::submit(h, io, op, tag) },
+            // SAFETY: as above.
+            NodeHandle::Proxy(h) => unsafe { h.submit(io, op, tag) },
         }
     }
 
@@ -139,6 +175,8 @@ impl ExportHandle for NodeHandle {
         match self {
             NodeHandle::Local(h) => ExportHandle::is_hole(h, offset, len),
             NodeHandle::Replicated(h) => h.is_hole(offset, len),
+            // Every block of a proxied volume counts as allocated (see allocated_bytes).
+            NodeHandle::Proxy(_) => false,
         }
     }
 }

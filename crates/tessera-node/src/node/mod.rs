@@ -16,6 +16,7 @@ mod jobs;
 pub mod nvmf;
 mod ownership;
 mod pools;
+pub mod proxy;
 mod qos;
 pub mod replicas;
 mod snapshots;
@@ -83,6 +84,9 @@ pub struct Node {
     self_ref: std::sync::OnceLock<std::sync::Weak<Node>>,
     /// Set at shutdown: background watchers end.
     stopping: std::sync::atomic::AtomicBool,
+    /// Cluster volumes other nodes own that NBD clients reach through this node
+    /// (node/proxy.rs).
+    proxies: proxy::Proxies,
     /// This node's claim on its data directory, held until the process ends.
     _dir_lock: crate::datadir::DataDirLock,
 }
@@ -157,6 +161,7 @@ impl Node {
             owned: Mutex::new(BTreeMap::new()),
             self_ref: std::sync::OnceLock::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
+            proxies: proxy::Proxies::default(),
             _dir_lock: dir_lock,
         });
         let _ = node.self_ref.set(Arc::downgrade(&node));
