@@ -236,6 +236,43 @@ impl Node {
         })
     }
 
+    /// Serve an owned volume under its cluster-wide NVMe/TCP name too (NBD proxies on
+    /// other nodes and NVMe/TCP hosts reach the owner there), backed by the local leg.
+    fn export_cluster_path(&self, volume: &str, local_volume: &str) {
+        if !self.cfg.nvmf.enabled {
+            return;
+        }
+        let nqn = super::proxy::cluster_nqn(volume);
+        let sub = match self.nvmf_get(&nqn) {
+            Ok(s) => s,
+            Err(_) => match self.nvmf_add_subsystem(&nqn, true, &[]) {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!(volume = %volume, nqn = %nqn, error = %e, "cannot export the volume over NVMe/TCP");
+                    return;
+                }
+            },
+        };
+        if sub.namespaces.is_empty() {
+            if let Err(e) = self.nvmf_add_namespace(&nqn, local_volume, 1) {
+                warn!(volume = %volume, nqn = %nqn, error = %e, "cannot export the volume over NVMe/TCP");
+            }
+        }
+    }
+
+    /// Stop serving a given-up volume under its cluster-wide name: its hosts are cut off
+    /// first (their writes would fail anyway).
+    fn unexport_cluster_path(&self, volume: &str) {
+        let nqn = super::proxy::cluster_nqn(volume);
+        if self.nvmf_get(&nqn).is_err() {
+            return;
+        }
+        if let Some(t) = self.nvmf.target() {
+            let _ = t.evict(&nqn, |_| false, "this node gave the volume up");
+        }
+        self.nvmf_remove_subsystem_waiting(&nqn);
+    }
+
     /// Put an owned replicated volume under the cluster's fence.
     fn fence_volume(&self, rv: &ReplicatedVolume) {
         if let Some(me) = self.self_ref.get() {
@@ -265,6 +302,9 @@ impl Node {
             .cloned();
         if let Some(rv) = rv {
             self.fence_volume(&rv);
+            if let Some(v) = rv.local_volume() {
+                self.export_cluster_path(volume, &v.name);
+            }
         }
     }
 
@@ -322,6 +362,9 @@ impl Node {
                 .cloned();
             if let Some(rv) = rv {
                 self.fence_volume(&rv);
+                if let Some(v) = rv.local_volume() {
+                    self.export_cluster_path(&name, &v.name);
+                }
             }
             match self.publish_replica_states(&name) {
                 Ok(()) => {
@@ -379,6 +422,7 @@ impl Node {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(volume);
+        self.unexport_cluster_path(volume);
         let Some(rv) = rv else { return };
         rv.close();
         let local = rv.local_volume();
@@ -581,6 +625,7 @@ impl Node {
             });
         }
         // 4. Served under the volume's name, as on the old owner.
+        self.export_cluster_path(volume, &replica_vol);
         if self.find_export(volume).is_none() {
             let record = tessera_pool::ExportRecord {
                 name: volume.to_string(),
