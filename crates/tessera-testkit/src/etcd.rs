@@ -28,12 +28,18 @@ pub struct EtcdCluster {
 impl EtcdCluster {
     /// Start `n` members and wait until the cluster answers (a leader exists).
     pub fn start(tag: &str, n: usize) -> EtcdCluster {
+        Self::start_on(tag, n, "127.0.0.1")
+    }
+
+    /// [`start`](Self::start) with the members listening on `ip` (e.g. the test's end of
+    /// a veth pair, so that nodes in a network namespace reach them).
+    pub fn start_on(tag: &str, n: usize, ip: &str) -> EtcdCluster {
         let tmp = temp_dir(&format!("etcd-{tag}"));
         let mut members: Vec<EtcdMember> = (0..n)
             .map(|i| EtcdMember {
                 name: format!("e{i}"),
-                client_url: format!("http://127.0.0.1:{}", free_port()),
-                peer_url: format!("http://127.0.0.1:{}", free_port()),
+                client_url: format!("http://{ip}:{}", free_port()),
+                peer_url: format!("http://{ip}:{}", free_port()),
                 dir: tmp.path().join(format!("e{i}")),
                 initial_cluster: String::new(),
                 child: None,

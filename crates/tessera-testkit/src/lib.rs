@@ -17,6 +17,7 @@ pub mod blockio;
 pub mod data;
 pub mod devices;
 pub mod etcd;
+pub mod netns;
 pub mod node;
 pub mod proxy;
 pub mod reactor;

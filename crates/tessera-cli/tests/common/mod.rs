@@ -131,13 +131,38 @@ pub fn cluster_member(
     pool_mib: u64,
     cluster_extra: &str,
 ) -> TestNode {
-    let nvmf = free_port();
-    let n = TestNode::start_with_top(
+    cluster_member_at(
         tag,
+        name,
+        zone,
+        etcd,
+        pool_mib,
+        cluster_extra,
+        "127.0.0.1",
+        None,
+    )
+}
+
+/// [`cluster_member`] serving NVMe/TCP on `ip`, in network namespace `netns` if given.
+#[allow(clippy::too_many_arguments)]
+pub fn cluster_member_at(
+    tag: &str,
+    name: &str,
+    zone: &str,
+    etcd: &tessera_testkit::etcd::EtcdCluster,
+    pool_mib: u64,
+    cluster_extra: &str,
+    ip: &str,
+    netns: Option<&str>,
+) -> TestNode {
+    let nvmf = free_port();
+    let n = TestNode::start_in_netns(
+        tag,
+        netns,
         1,
         &format!("name = \"{name}\""),
         &format!(
-            "[nvmf]\nlisten = \"127.0.0.1:{nvmf}\"\ndiscovery = \"\"\n\
+            "[nvmf]\nlisten = \"{ip}:{nvmf}\"\ndiscovery = \"\"\n\
              [replication]\ntimeout_ms = 3000\nregion_size = \"1M\"\n\
              [cluster]\netcd = {}\nlease_ttl_ms = 2000\nlabels = {{ zone = \"{zone}\" }}\n{cluster_extra}\n",
             etcd.toml_endpoints()

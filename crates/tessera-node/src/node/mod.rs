@@ -80,6 +80,8 @@ pub struct Node {
     cluster: std::sync::OnceLock<Arc<tessera_cluster::Membership>>,
     /// Cluster volumes this node owns, with the epoch it holds (node/ownership.rs).
     owned: Mutex<BTreeMap<String, u64>>,
+    /// Given-up volumes whose stale copy was still in use, by volume: local volume.
+    stale_copies: Mutex<BTreeMap<String, String>>,
     /// The node itself, for threads and hooks that must not keep it alive.
     self_ref: std::sync::OnceLock<std::sync::Weak<Node>>,
     /// Set at shutdown: background watchers end.
@@ -159,6 +161,7 @@ impl Node {
             replica_failures: RwLock::new(BTreeMap::new()),
             cluster: std::sync::OnceLock::new(),
             owned: Mutex::new(BTreeMap::new()),
+            stale_copies: Mutex::new(BTreeMap::new()),
             self_ref: std::sync::OnceLock::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
             proxies: proxy::Proxies::default(),

@@ -439,30 +439,59 @@ impl Node {
             }
         }
         drop(rv);
-        // Connections still open on it end with errors; deleting waits for them a little.
+        // Connections still open on it end with errors; deleting waits for them a little,
+        // then the watcher tries again each round.
         let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            match p.delete_volume(&v) {
-                Ok(()) => {
-                    info!(volume = %v.name, "stale copy of a given-up volume deleted");
-                    // The name is free again: a new replica of it may come here.
-                    self.replica_failures
-                        .write()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(volume);
-                    break;
-                }
-                Err(e) if Instant::now() < deadline => {
-                    let _ = e;
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-                Err(e) => {
-                    warn!(volume = %v.name, error = %e, "cannot delete the stale copy of a given-up volume: it stays, not served");
-                    break;
-                }
+        while !self.delete_stale_copy(volume, &v.name) {
+            if Instant::now() >= deadline {
+                warn!(volume = %v.name, "the stale copy of a given-up volume is still in use: it is not served, and deleted once its connections end");
+                self.stale_copies
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(volume.to_string(), v.name.clone());
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Delete the stale copy `local` of given-up volume `volume` if nothing uses it any
+    /// more; true when it is gone.
+    fn delete_stale_copy(&self, volume: &str, local: &str) -> bool {
+        let Ok((p, v)) = self.find_volume(local) else {
+            return true;
+        };
+        if p.delete_volume(&v).is_err() {
+            return false;
+        }
+        info!(volume = %local, "stale copy of a given-up volume deleted");
+        self.groups.forget_volume(local);
+        // The name is free again: a new replica of it may come here.
+        self.replica_failures
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(volume);
+        true
+    }
+
+    /// Stale copies whose connections kept them: try again.
+    fn retry_stale_copies(&self) {
+        let stale: Vec<(String, String)> = self
+            .stale_copies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(a, b)| (a.clone(), b.clone()))
+            .collect();
+        for (volume, local) in stale {
+            let _g = self.admin();
+            if self.delete_stale_copy(&volume, &local) {
+                self.stale_copies
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&volume);
             }
         }
-        self.groups.forget_volume(&v.name);
     }
 
     /// The replica of `volume` this node holds for another owner: its volume name and
@@ -697,6 +726,7 @@ impl Node {
     }
 
     fn watch_once(&self, absent: &mut BTreeMap<String, Instant>) {
+        self.retry_stale_copies();
         let Some(m) = self.cluster() else { return };
         if m.lease_valid_until().is_none() {
             return;
