@@ -273,6 +273,15 @@ impl Node {
         self.nvmf_remove_subsystem_waiting(&nqn);
     }
 
+    /// [`Node::publish_replica_states`], a failure logged (the watcher catches up).
+    pub(super) fn publish_replica_states_logged(&self, volume: &str) {
+        if let Err(SpecRefusal::Lost(why) | SpecRefusal::Unavailable(why)) =
+            self.publish_replica_states(volume)
+        {
+            warn!(volume = %volume, reason = %why, "the volume's spec was not updated");
+        }
+    }
+
     /// Put an owned replicated volume under the cluster's fence.
     fn fence_volume(&self, rv: &ReplicatedVolume) {
         if let Some(me) = self.self_ref.get() {

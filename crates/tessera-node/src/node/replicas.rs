@@ -516,13 +516,7 @@ impl Node {
             self.update_volume_spec_replicas(name, rv.size(), &places);
             self.own_new_volume(name);
         }
-        match self.publish_replica_states(name) {
-            Ok(()) => {}
-            Err(super::ownership::SpecRefusal::Lost(why))
-            | Err(super::ownership::SpecRefusal::Unavailable(why)) => {
-                warn!(volume = %name, reason = %why, "the volume's spec was not updated")
-            }
-        }
+        self.publish_replica_states_logged(name);
     }
 
     /// Remove volume `name`'s replica at `place` (`NODE:POOL`) and ask that node to
