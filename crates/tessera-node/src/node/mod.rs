@@ -14,6 +14,7 @@ mod exports;
 pub mod fencing;
 mod jobs;
 pub mod nvmf;
+pub use nvmf::ClusterPath;
 mod pools;
 mod qos;
 pub mod replicas;
