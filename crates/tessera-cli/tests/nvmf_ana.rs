@@ -433,13 +433,21 @@ fn multipath_initiator_follows_the_owner() {
     assert_eq!(one, stamp_block(0, 2));
 
     // kill -9 the owner (B) while writes run; A takes over within the timeout.
-    let blocks = 4096;
+    let blocks = (VOL_SIZE as usize) / BS;
     let progress = Arc::new(AtomicUsize::new(0));
     let rx = start_writer(&core, &dev, blocks, 3, progress.clone());
-    wait_for("writes under way on B", 30, || progress.load(Relaxed) >= 64);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while progress.load(Relaxed) < 64 {
+        assert!(Instant::now() < deadline, "writes never got under way on B");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     b.node.kill9();
     let killed_at = Instant::now();
     let done_at_kill = progress.load(Relaxed);
+    assert!(
+        done_at_kill + 8 < blocks / 2,
+        "the kill came late ({done_at_kill} of {blocks} done): nothing left to fail over"
+    );
     std::thread::sleep(Duration::from_millis(500));
     owner(&a.node, "db");
     let r = rx

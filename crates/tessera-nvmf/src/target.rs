@@ -8,7 +8,15 @@
 //! queues is shut down, wherever it runs. Queues of one controller live on different
 //! cores; what they share (CC/CSTS, keep-alive, features, error log, pending
 //! asynchronous events, the namespace list) sits behind one mutex here that the I/O path
-//! never takes: an I/O queue reads two atomics per command (ready, namespace generation).
+//! never takes: an I/O queue reads three atomics per command (ready, namespace
+//! generation, and the namespace's ANA state, a relaxed load).
+//!
+//! Asymmetric Namespace Access: every namespace is its own ANA group, whose state the
+//! target keeps per subsystem ([`Target::set_ana_state`]); the ANA log, the change
+//! notices and the path statuses of I/O to an unreachable namespace follow from it. A
+//! namespace may have no data behind it at all (a path to a volume another node owns),
+//! and other nodes' paths to a subsystem can be listed in the discovery log
+//! ([`Target::set_other_paths`]).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::RawFd;
