@@ -42,9 +42,15 @@ struct Site {
 }
 
 fn site(tag: &str) -> Site {
+    site_with(tag, "")
+}
+
+fn site_with(tag: &str, nvmf_extra: &str) -> Site {
     let port = free_port();
-    let node =
-        TestNode::start_with_config(tag, &format!("[nvmf]\nlisten = \"127.0.0.1:{port}\"\n"));
+    let node = TestNode::start_with_config(
+        tag,
+        &format!("[nvmf]\nlisten = \"127.0.0.1:{port}\"\n{nvmf_extra}"),
+    );
     let img = format!("{}:256M", node.dir.join("p.img").display());
     node.cli_ok(&["pool", "create", "p", &img]);
     node.cli_ok(&["volume", "create", "db", "--pool", "p", "--size", "64M"]);
@@ -223,7 +229,8 @@ fn ana_groups_log_notices_and_path_status() {
 #[test]
 fn discovery_on_any_node_lists_every_path() {
     let a = site("ana-disc-a");
-    let b = site("ana-disc-b");
+    // Controller IDs unique across the paths, as Linux multipath requires.
+    let b = site_with("ana-disc-b", "cntlid_range = [1000, 1999]\n");
     let (code, r) = put_path(
         &a.node,
         "db",
@@ -256,6 +263,10 @@ fn discovery_on_any_node_lists_every_path() {
         (ns[..8].to_vec(), ns[104..128].to_vec(), desc[..64].to_vec())
     };
     assert_eq!(ids(&a.nvmf), ids(&b.nvmf));
+    let ca = Controller::connect(&a.nvmf, &nqn("db"), &opts(), 0).unwrap();
+    let cb = Controller::connect(&b.nvmf, &nqn("db"), &opts(), 0).unwrap();
+    assert!(ca.cntlid < 1000, "A: default range ({})", ca.cntlid);
+    assert!((1000..=1999).contains(&cb.cntlid), "B: its range ({})", cb.cntlid);
 }
 
 /// Writes `blocks` 4 KiB blocks (block `i` at offset `i * BS`, stamped with `stamp`) at

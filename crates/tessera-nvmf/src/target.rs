@@ -175,7 +175,9 @@ pub struct Target<T> {
     pub catalog: Arc<dyn Catalog<T>>,
     ports: RwLock<Vec<Port>>,
     ctrls: Mutex<BTreeMap<u16, Arc<Controller<T>>>>,
-    next_cntlid: Mutex<u16>,
+    /// The next CNTLID to try and the range they come from (see
+    /// [`Target::set_cntlid_range`]).
+    next_cntlid: Mutex<(u16, u16, u16)>,
     pub started: Instant,
     /// ANA groups by (subsystem NQN, NSID); created at first use, Optimized.
     ana: Mutex<BTreeMap<(String, u32), Arc<AnaGroup>>>,
@@ -194,7 +196,7 @@ impl<T: ExportTarget> Target<T> {
             catalog,
             ports: RwLock::new(Vec::new()),
             ctrls: Mutex::new(BTreeMap::new()),
-            next_cntlid: Mutex::new(1),
+            next_cntlid: Mutex::new((1, 1, 0xFFEF)),
             started: Instant::now(),
             ana: Mutex::new(BTreeMap::new()),
             ana_changes: AtomicU64::new(0),
@@ -223,6 +225,20 @@ impl<T: ExportTarget> Target<T> {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// Allocate CNTLIDs from `first..=last` from now on (within 1..=0xFFEF). A host
+    /// reaching one subsystem through several targets (Linux native multipath across
+    /// nodes) needs its controller IDs unique across them, so each node of a cluster gets
+    /// a range of its own.
+    pub fn set_cntlid_range(&self, first: u16, last: u16) -> Result<(), String> {
+        if first == 0 || first > last || last > 0xFFEF {
+            return Err(format!(
+                "controller ID range {first}..={last} is not within 1..=0xFFEF"
+            ));
+        }
+        *self.next_cntlid.lock().unwrap_or_else(|e| e.into_inner()) = (first, first, last);
+        Ok(())
+    }
+
     /// A new controller for an admin queue's Connect.
     pub(crate) fn create_controller(
         &self,
@@ -234,19 +250,22 @@ impl<T: ExportTarget> Target<T> {
     ) -> Option<Arc<Controller<T>>> {
         let auth = sub.as_ref().and_then(|s| s.auth.get(hostnqn).cloned());
         let mut ctrls = self.ctrls();
-        // CNTLIDs 1..=0xFFEF; skip ones in use (a long-lived node wraps around).
+        // CNTLIDs from the range (1..=0xFFEF by default); skip ones in use (a
+        // long-lived node wraps around).
         let cntlid = {
-            let mut next = self.next_cntlid.lock().unwrap_or_else(|e| e.into_inner());
-            let mut tries = 0;
-            while ctrls.contains_key(&*next) {
-                *next = if *next >= 0xFFEF { 1 } else { *next + 1 };
+            let mut g = self.next_cntlid.lock().unwrap_or_else(|e| e.into_inner());
+            let (next, first, last) = &mut *g;
+            let step = |n: u16| if n >= *last || n < *first { *first } else { n + 1 };
+            let mut tries = 0u32;
+            while ctrls.contains_key(&*next) || *next < *first || *next > *last {
+                *next = step(*next);
                 tries += 1;
-                if tries > 0xFFEF {
+                if tries > u32::from(*last - *first) + 1 {
                     return None;
                 }
             }
             let id = *next;
-            *next = if *next >= 0xFFEF { 1 } else { *next + 1 };
+            *next = step(*next);
             id
         };
         let c = Arc::new(Controller {

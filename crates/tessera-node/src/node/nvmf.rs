@@ -583,6 +583,12 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
         }
     }
     let target = Target::new(Arc::new(NodeCatalog(Arc::downgrade(node))));
+    if let Some([first, last]) = cfg.cntlid_range {
+        // Checked when the configuration was loaded.
+        if let Err(e) = target.set_cntlid_range(first, last) {
+            tracing::error!(error = %e, "nvmf: [nvmf] cntlid_range ignored");
+        }
+    }
     let _ = node.nvmf.target.set(target.clone());
     let mut addrs = Vec::new();
     let mut ports: BTreeMap<String, bool> = BTreeMap::new();
