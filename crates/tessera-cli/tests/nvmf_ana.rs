@@ -222,6 +222,10 @@ fn ana_groups_log_notices_and_path_status() {
     assert_eq!(code, 400, "a standby path needs the size");
     let (code, _) = put_path(&a.node, "ghost", json!({"owner": false, "size": 1000}));
     assert_eq!(code, 400, "the size must be whole sectors");
+    let out = a
+        .node
+        .cli(&["nvmf", "subsystem", "add", &nqn("other"), "--allow-any-host"]);
+    assert!(!out.status.success(), "cluster NQNs are reserved");
     g.disconnect();
     c.disconnect();
 }

@@ -215,6 +215,12 @@ impl Node {
         hosts: &[String],
     ) -> Result<SubsystemReply, Error> {
         valid_nqn(nqn)?;
+        if nqn.starts_with(CLUSTER_NQN_PREFIX) {
+            return Err(Error::invalid(format!(
+                "subsystem names starting with '{CLUSTER_NQN_PREFIX}' are the cluster's \
+                 (PUT /v1/nvmf/cluster-paths/VOLUME)"
+            )));
+        }
         for h in hosts {
             valid_host(h)?;
         }
