@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tessera_http::client::{request, Endpoint};
+use tessera_http::{request, Endpoint};
 use tessera_io::{AlignedBuf, CoreIo, IoHandle, IoOp, Tag, Task};
 use tessera_nvmf::initiator::{discover, Controller, Error as NvmfError, Options};
 use tessera_nvmf::nvme::{self, AnaState, Sqe};

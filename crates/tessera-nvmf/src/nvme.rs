@@ -987,6 +987,7 @@ mod tests {
             nguid: [9; 16],
             eui64: [8; 8],
             uuid: [7; 16],
+            anagrpid: 0,
         };
         let b = identify_namespace(&n);
         assert_eq!(le64(&b, 0), 1000);
