@@ -184,7 +184,10 @@ fn ana_groups_log_notices_and_path_status() {
     assert_eq!(cqe.dw0, nvme::AEN_ANA_CHANGE, "notice: ANA change, log 0Ch");
 
     let (count1, groups) = c.ana_log(false).unwrap();
-    assert!(count1 > count0, "the log's change count moves ({count0} -> {count1})");
+    assert!(
+        count1 > count0,
+        "the log's change count moves ({count0} -> {count1})"
+    );
     assert_eq!(groups[0].state, AnaState::Inaccessible);
     assert!(groups[0].change_count >= 1);
 
@@ -208,7 +211,11 @@ fn ana_groups_log_notices_and_path_status() {
 
     // A path with no data behind it: declared size, never accessible.
     let (code, r) = put_path(&a.node, "ghost", json!({"owner": false, "size": 1 << 20}));
-    assert_eq!((code, &r["ana_state"]), (200, &json!("inaccessible")), "{r}");
+    assert_eq!(
+        (code, &r["ana_state"]),
+        (200, &json!("inaccessible")),
+        "{r}"
+    );
     let mut g = Controller::connect(&a.nvmf, &nqn("ghost"), &opts(), 1).unwrap();
     assert_eq!(g.namespace_size(1).unwrap(), ((1 << 20) / 512, 512));
     assert_eq!(g.ana_state(1).unwrap(), Some(AnaState::Inaccessible));
@@ -222,9 +229,13 @@ fn ana_groups_log_notices_and_path_status() {
     assert_eq!(code, 400, "a standby path needs the size");
     let (code, _) = put_path(&a.node, "ghost", json!({"owner": false, "size": 1000}));
     assert_eq!(code, 400, "the size must be whole sectors");
-    let out = a
-        .node
-        .cli(&["nvmf", "subsystem", "add", &nqn("other"), "--allow-any-host"]);
+    let out = a.node.cli(&[
+        "nvmf",
+        "subsystem",
+        "add",
+        &nqn("other"),
+        "--allow-any-host",
+    ]);
     assert!(!out.status.success(), "cluster NQNs are reserved");
     g.disconnect();
     c.disconnect();
@@ -270,7 +281,11 @@ fn discovery_on_any_node_lists_every_path() {
     let ca = Controller::connect(&a.nvmf, &nqn("db"), &opts(), 0).unwrap();
     let cb = Controller::connect(&b.nvmf, &nqn("db"), &opts(), 0).unwrap();
     assert!(ca.cntlid < 1000, "A: default range ({})", ca.cntlid);
-    assert!((1000..=1999).contains(&cb.cntlid), "B: its range ({})", cb.cntlid);
+    assert!(
+        (1000..=1999).contains(&cb.cntlid),
+        "B: its range ({})",
+        cb.cntlid
+    );
 }
 
 /// Writes `blocks` 4 KiB blocks (block `i` at offset `i * BS`, stamped with `stamp`) at
@@ -428,7 +443,11 @@ fn multipath_initiator_follows_the_owner() {
         .recv_timeout(Duration::from_secs(60))
         .expect("first writes finish");
     all_written(&r, "on A");
-    assert_eq!(block_at(&a.node, n - 1), stamp_block(n - 1, 1), "landed on A");
+    assert_eq!(
+        block_at(&a.node, n - 1),
+        stamp_block(n - 1, 1),
+        "landed on A"
+    );
     assert_eq!(block_at(&b.node, n - 1), vec![0u8; BS], "nothing reached B");
 
     // Ownership moves to B (A first stops serving): the queue follows by itself.

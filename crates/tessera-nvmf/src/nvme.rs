@@ -465,7 +465,7 @@ pub fn identify_controller(c: &ControllerInfo) -> Vec<u8> {
     ascii(&mut b[24..64], &c.model);
     ascii(&mut b[64..72], &c.firmware);
     b[72] = 6; // recommended arbitration burst
-    // CMIC: may be reached through several controllers (bit 1); ANA reporting (bit 3).
+               // CMIC: may be reached through several controllers (bit 1); ANA reporting (bit 3).
     b[76] = if c.ana { 1 << 1 | 1 << 3 } else { 1 << 1 };
     b[77] = c.mdts;
     put16(&mut b, 78, c.cntlid);
@@ -777,7 +777,10 @@ pub fn parse_ana_log(b: &[u8]) -> Result<(u64, Vec<AnaGroupDesc>), String> {
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
         if at + 32 > b.len() {
-            return Err(format!("ANA log: descriptor {i} runs past {} bytes", b.len()));
+            return Err(format!(
+                "ANA log: descriptor {i} runs past {} bytes",
+                b.len()
+            ));
         }
         let grpid = le32(b, at);
         let count = usize_of(u64::from(le32(b, at + 4)));
@@ -786,7 +789,9 @@ pub fn parse_ana_log(b: &[u8]) -> Result<(u64, Vec<AnaGroupDesc>), String> {
             .ok_or_else(|| format!("ANA log: group {grpid} has state {:#x}", b[at + 16]))?;
         at += 32;
         if at + 4 * count > b.len() {
-            return Err(format!("ANA log: group {grpid} lists {count} NSIDs past the end"));
+            return Err(format!(
+                "ANA log: group {grpid} lists {count} NSIDs past the end"
+            ));
         }
         let nsids = (0..count).map(|k| le32(b, at + 4 * k)).collect();
         at += 4 * count;
@@ -1023,7 +1028,11 @@ mod tests {
             ..Default::default()
         };
         let b = identify_controller(&c);
-        assert_eq!(b[76] & (1 << 3 | 1 << 1), 1 << 3 | 1 << 1, "CMIC ANA + multi-ctrl");
+        assert_eq!(
+            b[76] & (1 << 3 | 1 << 1),
+            1 << 3 | 1 << 1,
+            "CMIC ANA + multi-ctrl"
+        );
         assert_ne!(le32(&b, 92) & (1 << 11), 0, "OAES ANA change notices");
         assert_eq!(b[342], ANATT_SECS);
         assert_eq!(b[343], 0x5F);
@@ -1088,7 +1097,11 @@ mod tests {
         assert_eq!(AnaState::Change.io_status(), 0x0303);
         assert!(is_path_error(SC_ANA_TRANSITION));
         assert!(!is_path_error(SC_WRITE_FAULT | DNR));
-        for s in [AnaState::Optimized, AnaState::Change, AnaState::PersistentLoss] {
+        for s in [
+            AnaState::Optimized,
+            AnaState::Change,
+            AnaState::PersistentLoss,
+        ] {
             assert_eq!(AnaState::from_u8(s as u8), Some(s));
             assert_eq!(AnaState::from_name(s.name()), Some(s));
         }

@@ -255,7 +255,13 @@ impl<T: ExportTarget> Target<T> {
         let cntlid = {
             let mut g = self.next_cntlid.lock().unwrap_or_else(|e| e.into_inner());
             let (next, first, last) = &mut *g;
-            let step = |n: u16| if n >= *last || n < *first { *first } else { n + 1 };
+            let step = |n: u16| {
+                if n >= *last || n < *first {
+                    *first
+                } else {
+                    n + 1
+                }
+            };
             let mut tries = 0u32;
             while ctrls.contains_key(&*next) || *next < *first || *next > *last {
                 *next = step(*next);
@@ -406,7 +412,12 @@ impl<T: ExportTarget> Target<T> {
         }
         g.changes.fetch_add(1, AcqRel);
         self.ana_changes.fetch_add(1, AcqRel);
-        tracing::info!(subnqn = nqn, nsid, state = state.name(), "nvmf: ANA state changed");
+        tracing::info!(
+            subnqn = nqn,
+            nsid,
+            state = state.name(),
+            "nvmf: ANA state changed"
+        );
         let ctrls: Vec<Arc<Controller<T>>> = self
             .ctrls()
             .values()
@@ -444,10 +455,7 @@ impl<T: ExportTarget> Target<T> {
     /// NVMe/TCP I/O listeners): a host reading this target's discovery log learns them
     /// with this target's own. Replaces what was set before; an empty list removes them.
     pub fn set_other_paths(&self, nqn: &str, paths: Vec<(String, String)>) {
-        let mut m = self
-            .other_paths
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut m = self.other_paths.write().unwrap_or_else(|e| e.into_inner());
         let changed = if paths.is_empty() {
             m.remove(nqn).is_some()
         } else {

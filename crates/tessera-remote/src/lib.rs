@@ -727,7 +727,10 @@ mod tests {
             m.paths().collect::<Vec<_>>(),
             vec!["10.0.0.1:4420", "10.0.0.2:4421"]
         );
-        assert_eq!((m.path(0), m.path(1), m.path_count()), ("10.0.0.1:4420", "10.0.0.2:4421", 2));
+        assert_eq!(
+            (m.path(0), m.path(1), m.path_count()),
+            ("10.0.0.1:4420", "10.0.0.2:4421", 2)
+        );
         assert_eq!(RemoteSpec::parse(&m.to_string()).unwrap(), m);
         assert_eq!(
             RemoteSpec::single("h:1", "nqn.x", 1),

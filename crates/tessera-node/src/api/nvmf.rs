@@ -89,7 +89,11 @@ pub async fn cluster_path_put(
     }
 }
 
-fn put_cluster_path(node: &Node, volume: &str, b: &PutClusterPath) -> Result<ClusterPathInfo, Error> {
+fn put_cluster_path(
+    node: &Node,
+    volume: &str,
+    b: &PutClusterPath,
+) -> Result<ClusterPathInfo, Error> {
     let path = match (b.owner, b.size) {
         (true, _) => crate::node::ClusterPath::Owner,
         (false, Some(size)) => crate::node::ClusterPath::Standby { size },
