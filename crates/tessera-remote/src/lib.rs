@@ -8,6 +8,14 @@
 //! (the admin queue, Identify, and each queue's TCP connect + ICReq + Fabrics Connect)
 //! runs off the reactors, in the opening thread or a short-lived connect thread.
 //!
+//! Multipath: `nvme-tcp://H1:P1,H2:P2/SUBNQN?nsid=N` names several paths to one
+//! subsystem (a cluster volume exported by every node). The device uses the path where the
+//! namespace's ANA state is Optimized (read from each path's ANA log at open and whenever
+//! the admin controller is set up again), and a command answered with a path related
+//! status (ANA inaccessible, persistent loss, transition) is not failed: its queue drops the
+//! connection and resubmits everything outstanding once a path serves the namespace again,
+//! under the same reconnect backoff and timeout as a broken connection.
+//!
 //! Delivery semantics (what the mirror layer above relies on):
 //! - A broken connection is re-established with bounded backoff and every command in
 //!   flight on it is sent again on the new connection. NVMe command ids are the only
