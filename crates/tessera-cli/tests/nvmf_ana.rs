@@ -223,6 +223,21 @@ fn ana_groups_log_notices_and_path_status() {
         status_of(g.read(0, 1, 0, 1, 512)),
         nvme::SC_ANA_INACCESSIBLE
     );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args([
+            "nvmf",
+            "identify",
+            "--addr",
+            &a.nvmf,
+            "--nqn",
+            &nqn("ghost"),
+        ])
+        .output()
+        .expect("run tessera nvmf identify");
+    assert!(out.status.success(), "{out:?}");
+    let id: serde_json::Value = serde_json::from_slice(&out.stdout).expect("identify prints JSON");
+    assert_eq!(id["namespaces"][0]["ana_state"], "inaccessible", "{id}");
+    assert_eq!(id["namespaces"][0]["ana_group"], 1, "{id}");
     let (code, r) = put_path(&a.node, "ghost", json!({"owner": true}));
     assert_eq!(code, 404, "no local volume 'ghost' to own: {r}");
     let (code, _) = put_path(&a.node, "ghost", json!({"owner": false}));
