@@ -98,3 +98,29 @@ impl std::fmt::Debug for AddHost {
             .finish()
     }
 }
+
+/// `PUT /v1/nvmf/cluster-paths/VOLUME`: this node's path to a cluster volume.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PutClusterPath {
+    /// This node owns the volume (the namespace is the local volume, ANA optimized);
+    /// otherwise the namespace holds no data here (ANA inaccessible).
+    pub owner: bool,
+    /// The volume's size in bytes; required when not the owner.
+    #[serde(default)]
+    pub size: Option<u64>,
+    /// Other nodes' NVMe/TCP I/O listeners (`HOST:PORT`) serving the volume, listed by
+    /// this node's discovery service; left as they are when absent.
+    #[serde(default)]
+    pub other_paths: Option<Vec<String>>,
+}
+
+/// A cluster volume path of this node (`GET`/`PUT /v1/nvmf/cluster-paths`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ClusterPathInfo {
+    pub volume: String,
+    pub nqn: String,
+    pub owner: bool,
+    pub size: u64,
+    /// ANA state of namespace 1 through this node.
+    pub ana_state: String,
+}

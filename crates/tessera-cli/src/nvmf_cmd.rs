@@ -393,6 +393,12 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
                 "firmware": ascii(&id[64..72]), "subnqn": ascii(&id[768..1024]),
                 "mdts": id[77], "nn": le32(&id, 516), "ioccsz": le32(&id, 1792),
             });
+            // Asymmetric Namespace Access: each namespace's state through this path.
+            let ana = if id[76] & (1 << 3) != 0 {
+                c.ana_log(false).map_err(|e| host.error(e))?.1
+            } else {
+                Vec::new()
+            };
             let mut nss = Vec::new();
             for nsid in c.namespaces().map_err(|e| host.error(e))? {
                 let n = c
@@ -400,8 +406,13 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
                     .map_err(|e| host.error(e))?;
                 let lba = 1u64 << n[130];
                 let nguid: String = n[104..120].iter().map(|b| format!("{b:02x}")).collect();
-                nss.push(json!({"nsid": nsid, "blocks": le64(&n, 0), "lba_size": lba,
-                    "size": le64(&n, 0) * lba, "used_blocks": le64(&n, 16), "nguid": nguid}));
+                let mut ns = json!({"nsid": nsid, "blocks": le64(&n, 0), "lba_size": lba,
+                    "size": le64(&n, 0) * lba, "used_blocks": le64(&n, 16), "nguid": nguid});
+                if let Some(g) = ana.iter().find(|g| g.nsids.contains(&nsid)) {
+                    ns["ana_group"] = json!(g.grpid);
+                    ns["ana_state"] = json!(g.state.name());
+                }
+                nss.push(ns);
             }
             out["namespaces"] = Value::Array(nss);
             c.disconnect();

@@ -177,18 +177,10 @@ fn any_node_serves_the_owners_volume_over_nbd() {
 
     // node-a owns `db`: a local volume, exported over NBD (for direct reads) and over
     // NVMe/TCP under the cluster NQN, with its spec in etcd.
-    let nqn = "nqn.2026-11.io.tessera:cluster:db";
     a.cli_ok(&["volume", "create", "db", "--size", "64M", "--pool", "p"]);
     a.cli_ok(&["export", "add", "db", "--volume", "db"]);
-    a.cli_ok(&[
-        "nvmf",
-        "subsystem",
-        "add",
-        nqn,
-        "--volume",
-        "db",
-        "--allow-any-host",
-    ]);
+    let (code, r) = put_path(&a, "db", serde_json::json!({"owner": true}));
+    assert_eq!(code, 200, "{r}");
     let spec = tessera_api::ClusterVolume {
         name: "db".into(),
         size: SIZE,
@@ -336,15 +328,8 @@ fn any_node_serves_the_owners_volume_over_nbd() {
     // reconnect through node-b reach it.
     c.cli_ok(&["volume", "create", "db", "--size", "64M", "--pool", "p"]);
     c.cli_ok(&["export", "add", "db", "--volume", "db"]);
-    c.cli_ok(&[
-        "nvmf",
-        "subsystem",
-        "add",
-        nqn,
-        "--volume",
-        "db",
-        "--allow-any-host",
-    ]);
+    let (code, r) = put_path(&c, "db", serde_json::json!({"owner": true}));
+    assert_eq!(code, 200, "{r}");
     let moved = tessera_api::ClusterVolume {
         owner: "node-c".into(),
         epoch: 2,

@@ -288,8 +288,18 @@ impl NodeConfig {
         let text = std::fs::read_to_string(path).map_err(|e| {
             StartError::Config(format!("cannot read config {}: {e}", path.display()))
         })?;
-        toml::from_str(&text)
-            .map_err(|e| StartError::Config(format!("config {}: {e}", path.display())))
+        let cfg: NodeConfig = toml::from_str(&text)
+            .map_err(|e| StartError::Config(format!("config {}: {e}", path.display())))?;
+        if let Some([first, last]) = cfg.nvmf.cntlid_range {
+            if first == 0 || first > last || last > 0xFFEF {
+                return Err(StartError::Config(format!(
+                    "config {}: [nvmf] cntlid_range = [{first}, {last}] must be \
+                     [first, last] with 1 <= first <= last <= 65519",
+                    path.display()
+                )));
+            }
+        }
+        Ok(cfg)
     }
 
     /// The embedded default: a file-backed pool with room for a fully written 4 GiB thin
@@ -369,6 +379,11 @@ pub struct NvmfConfig {
     /// Declarative first setup: subsystems created at start when missing.
     #[serde(rename = "subsystem")]
     pub subsystems: Vec<SubsystemDecl>,
+    /// Controller IDs this node hands out, `[first, last]` within 1..=65519 (default the
+    /// whole range). Nodes serving one cluster subsystem to a Linux multipath host need
+    /// disjoint ranges: the host refuses two controllers of one subsystem with one ID.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cntlid_range: Option<[u16; 2]>,
 }
 
 impl Default for NvmfConfig {
@@ -378,6 +393,7 @@ impl Default for NvmfConfig {
             listen: "127.0.0.1:4420".into(),
             discovery: "127.0.0.1:8009".into(),
             subsystems: Vec::new(),
+            cntlid_range: None,
         }
     }
 }

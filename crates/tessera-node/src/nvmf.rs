@@ -140,6 +140,41 @@ pub struct NvmfState {
     file: Mutex<NvmfFile>,
     pub(crate) target: OnceLock<Arc<Target<NodeTarget>>>,
     pub addresses: Mutex<Vec<String>>,
+    /// This node's paths to cluster volumes, by subsystem NQN. In memory only: the
+    /// cluster declares them again after a restart (whoever owns the volume then).
+    pub(crate) cluster_paths: Mutex<BTreeMap<String, ClusterPathRecord>>,
+    /// Bumped when `cluster_paths` changes (part of the discovery generation).
+    pub(crate) cluster_generation: std::sync::atomic::AtomicU64,
+}
+
+/// The NQN every node exports cluster volume `volume` under.
+pub fn cluster_nqn(volume: &str) -> String {
+    format!("{CLUSTER_NQN_PREFIX}{volume}")
+}
+
+pub const CLUSTER_NQN_PREFIX: &str = "nqn.2026-11.io.tessera:cluster:";
+
+/// One node's path to a cluster volume: namespace 1 of subsystem [`cluster_nqn`], backed
+/// by the local volume on the owner, without data elsewhere.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ClusterPathRecord {
+    pub volume: String,
+    /// Size in bytes every path reports.
+    pub size: u64,
+    /// The local volume (pool UUID, volume ID) on the owner; None elsewhere.
+    pub backing: Option<(String, u32)>,
+}
+
+/// Identifiers of cluster volume `volume`'s namespace: derived from the name alone, so
+/// that every node reports the same NGUID/UUID/EUI-64 and a multipath host sees one
+/// namespace behind all of them.
+pub fn cluster_ids(volume: &str) -> ([u8; 16], [u8; 16], [u8; 8]) {
+    let mut seed = [0u8; 16];
+    for (i, chunk) in seed.chunks_mut(4).enumerate() {
+        let text = format!("tessera-cluster-namespace/{i}/{volume}");
+        chunk.copy_from_slice(&crc32c::crc32c(text.as_bytes()).to_be_bytes());
+    }
+    volume_ids(&seed, 1)
 }
 
 pub(crate) fn io_err(e: impl std::fmt::Display) -> Error {
@@ -173,7 +208,15 @@ impl NvmfState {
             file: Mutex::new(file),
             target: OnceLock::new(),
             addresses: Mutex::new(Vec::new()),
+            cluster_paths: Mutex::new(BTreeMap::new()),
+            cluster_generation: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    pub(crate) fn cluster_paths(
+        &self,
+    ) -> std::sync::MutexGuard<'_, BTreeMap<String, ClusterPathRecord>> {
+        self.cluster_paths.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(crate) fn file(&self) -> std::sync::MutexGuard<'_, NvmfFile> {

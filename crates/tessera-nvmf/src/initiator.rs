@@ -511,6 +511,53 @@ impl Controller {
         self.admin_cmd(sqe, len).map(|(_, d)| d)
     }
 
+    /// The ANA log page (change count, group descriptors); with `groups_only`, without
+    /// the NSID lists (RGO). Read in one command sized for a first 4 KiB look.
+    pub fn ana_log(&mut self, groups_only: bool) -> Result<(u64, Vec<AnaGroupDesc>)> {
+        let mut len = 4096;
+        loop {
+            let numd = u32_of(len / 4 - 1);
+            let rgo = if groups_only { ANA_LSP_RGO } else { 0 };
+            let sqe = Sqe {
+                opc: ADM_GET_LOG_PAGE,
+                cdw10: u32::from(LID_ANA) | u32::from(rgo) << 8 | (numd & 0xFFFF) << 16,
+                cdw11: numd >> 16,
+                ..Sqe::default()
+            };
+            let (_, b) = self.admin_cmd(sqe, len)?;
+            // Everything the header announces must fit; a larger log is read again whole.
+            let groups = usize::from(pdu::le16(&b, 8));
+            let ids = if groups_only { 0 } else { 1024 };
+            let worst = 16 + groups * 32 + groups * 4 * ids;
+            match parse_ana_log(&b) {
+                Ok(r) => return Ok(r),
+                Err(_) if len < worst.min(1 << 20) => len = worst.min(1 << 20).next_multiple_of(4),
+                Err(e) => return Err(Error::Protocol(e)),
+            }
+        }
+    }
+
+    /// Whether the controller reports Asymmetric Namespace Access (Identify CMIC bit 3).
+    pub fn reports_ana(&mut self) -> Result<bool> {
+        Ok(self.identify(CNS_CONTROLLER, 0)?[76] & (1 << 3) != 0)
+    }
+
+    /// The ANA state of namespace `nsid` through this controller; None when the
+    /// controller does not report ANA (every namespace is then reachable through it).
+    pub fn ana_state(&mut self, nsid: u32) -> Result<Option<AnaState>> {
+        if !self.reports_ana()? {
+            return Ok(None);
+        }
+        let (_, groups) = self.ana_log(false)?;
+        groups
+            .iter()
+            .find(|g| g.nsids.contains(&nsid))
+            .map(|g| Some(g.state))
+            .ok_or_else(|| {
+                Error::Protocol(format!("namespace {nsid} is in no ANA group of the log"))
+            })
+    }
+
     pub fn keep_alive(&mut self) -> Result<()> {
         let sqe = Sqe {
             opc: ADM_KEEP_ALIVE,

@@ -98,8 +98,21 @@ pub const SC_AUTH_REQUIRED: Status = 0x0191;
 pub const SC_WRITE_FAULT: Status = 0x0280;
 pub const SC_READ_ERROR: Status = 0x0281;
 pub const SC_COMPARE_FAILED: Status = 0x0285;
+/// Path related (SCT 3): the namespace is not reachable through this controller now
+/// (Asymmetric Namespace Access). Retryable on another path (DNR clear).
+pub const SC_ANA_PERSISTENT_LOSS: Status = 0x0301;
+pub const SC_ANA_INACCESSIBLE: Status = 0x0302;
+pub const SC_ANA_TRANSITION: Status = 0x0303;
+/// Status code type 3h: path related.
+pub const SCT_PATH: Status = 0x0300;
 /// Do Not Retry.
 pub const DNR: Status = 0x4000;
+
+/// Whether `s` is a path related status: the command may succeed through another path
+/// (or this one after a transition), so a multipath host moves instead of failing it.
+pub fn is_path_error(s: Status) -> bool {
+    s & 0x0700 == SCT_PATH
+}
 
 /// The status an I/O error from the volume (negative errno) maps to.
 pub fn status_from_errno(errno: i32, write: bool) -> Status {
@@ -272,6 +285,9 @@ pub fn status_text(s: Status) -> String {
         SC_WRITE_FAULT => "write fault",
         SC_READ_ERROR => "unrecovered read error",
         SC_COMPARE_FAILED => "compare failure",
+        SC_ANA_PERSISTENT_LOSS => "asymmetric access persistent loss",
+        SC_ANA_INACCESSIBLE => "asymmetric access inaccessible",
+        SC_ANA_TRANSITION => "asymmetric access transition",
         _ => "status",
     };
     format!(
@@ -422,7 +438,17 @@ pub struct ControllerInfo {
     pub aerl: u8,
     /// Error log entries, 0's based.
     pub elpe: u8,
+    /// Asymmetric Namespace Access reporting: one ANA group per namespace (group ID =
+    /// NSID), so ANAGRPMAX = NANAGRPID = `nn`.
+    pub ana: bool,
 }
+
+/// ANA transition time reported (ANATT, seconds): how long a namespace may stay in the
+/// Change state before a host gives up on the path.
+pub const ANATT_SECS: u8 = 10;
+/// ANACAP: the states reported (Optimized, Non-Optimized, Inaccessible, Persistent Loss,
+/// Change: bits 0-4) and a namespace's group never changes while attached (bit 6).
+pub const ANACAP: u8 = 0x1F | 1 << 6;
 
 fn ascii(b: &mut [u8], s: &str) {
     // Space padded, not NUL terminated.
@@ -439,12 +465,14 @@ pub fn identify_controller(c: &ControllerInfo) -> Vec<u8> {
     ascii(&mut b[24..64], &c.model);
     ascii(&mut b[64..72], &c.firmware);
     b[72] = 6; // recommended arbitration burst
-    b[76] = 1 << 1; // CMIC: may be reached through several controllers
+               // CMIC: may be reached through several controllers (bit 1); ANA reporting (bit 3).
+    b[76] = if c.ana { 1 << 1 | 1 << 3 } else { 1 << 1 };
     b[77] = c.mdts;
     put16(&mut b, 78, c.cntlid);
     put32(&mut b, 80, VERSION);
     if !c.discovery {
-        put32(&mut b, 92, 1 << 8); // OAES: namespace attribute notices
+        // OAES: namespace attribute notices; ANA change notices when reporting ANA.
+        put32(&mut b, 92, if c.ana { 1 << 8 | 1 << 11 } else { 1 << 8 });
     }
     put32(&mut b, 96, 1); // CTRATT: 128-bit host identifier
     b[111] = if c.discovery { 2 } else { 1 }; // CNTRLTYPE
@@ -454,12 +482,22 @@ pub fn identify_controller(c: &ControllerInfo) -> Vec<u8> {
     b[261] = 1 << 2; // LPA: extended data for Get Log Page
     b[262] = c.elpe;
     put16(&mut b, 320, c.kas);
+    if c.ana {
+        b[342] = ANATT_SECS;
+        b[343] = ANACAP;
+        put32(&mut b, 344, c.nn); // ANAGRPMAX
+        put32(&mut b, 348, c.nn); // NANAGRPID
+    }
     if !c.discovery {
         b[512] = 0x66; // SQES: 64 bytes
         b[513] = 0x44; // CQES: 16 bytes
     }
     put16(&mut b, 514, c.maxcmd);
     put32(&mut b, 516, c.nn);
+    if c.ana {
+        // MNAN: hosts size the ANA log buffer from it (every NSID in some group).
+        put32(&mut b, 540, c.nn);
+    }
     if !c.discovery {
         // ONCS: Compare, Dataset Management, Write Zeroes.
         put16(&mut b, 520, 1 | 1 << 2 | 1 << 3);
@@ -486,6 +524,8 @@ pub struct NamespaceInfo {
     pub nguid: [u8; 16],
     pub eui64: [u8; 8],
     pub uuid: [u8; 16],
+    /// ANA group ID (0: the controller does not report ANA).
+    pub anagrpid: u32,
 }
 
 pub fn identify_namespace(n: &NamespaceInfo) -> Vec<u8> {
@@ -499,6 +539,7 @@ pub fn identify_namespace(n: &NamespaceInfo) -> Vec<u8> {
     b[30] = 1; // NMIC: may be attached to several controllers
                // DLFEAT: deallocated blocks read as zeros; Write Zeroes may deallocate.
     b[33] = 1 | 1 << 3;
+    put32(&mut b, 92, n.anagrpid); // ANAGRPID
     b[104..120].copy_from_slice(&n.nguid);
     b[120..128].copy_from_slice(&n.eui64);
     b[128 + 2] = n.lba_shift; // LBAF0: LBADS
@@ -534,7 +575,16 @@ pub const LID_ERROR: u8 = 0x01;
 pub const LID_SMART: u8 = 0x02;
 pub const LID_FW_SLOT: u8 = 0x03;
 pub const LID_CHANGED_NS: u8 = 0x04;
+pub const LID_ANA: u8 = 0x0C;
 pub const LID_DISCOVERY: u8 = 0x70;
+
+/// Log Specific Field (Get Log Page CDW10 bits 11:8).
+pub fn log_specific(s: &Sqe) -> u8 {
+    low8(s.cdw10 >> 8) & 0xF
+}
+
+/// ANA log LSP bit 0: Return Groups Only (no NSID lists).
+pub const ANA_LSP_RGO: u8 = 1;
 
 /// Get Log Page fields: log id, bytes wanted, offset, retain asynchronous event.
 pub fn log_page_args(s: &Sqe) -> (u8, usize, u64, bool) {
@@ -612,6 +662,147 @@ pub fn changed_ns_log(ids: &[u32]) -> Vec<u8> {
         }
     }
     b
+}
+
+// ---- Asymmetric Namespace Access ----
+
+/// The access state of a namespace through one controller (ANA group state).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum AnaState {
+    Optimized = 0x01,
+    NonOptimized = 0x02,
+    Inaccessible = 0x03,
+    PersistentLoss = 0x04,
+    Change = 0x0F,
+}
+
+impl AnaState {
+    pub fn from_u8(v: u8) -> Option<AnaState> {
+        Some(match v & 0xF {
+            0x01 => AnaState::Optimized,
+            0x02 => AnaState::NonOptimized,
+            0x03 => AnaState::Inaccessible,
+            0x04 => AnaState::PersistentLoss,
+            0x0F => AnaState::Change,
+            _ => return None,
+        })
+    }
+
+    /// I/O is served in this state.
+    pub fn accessible(self) -> bool {
+        matches!(self, AnaState::Optimized | AnaState::NonOptimized)
+    }
+
+    /// The status I/O gets in this state (success when accessible).
+    pub fn io_status(self) -> Status {
+        match self {
+            AnaState::Optimized | AnaState::NonOptimized => SC_SUCCESS,
+            AnaState::Inaccessible => SC_ANA_INACCESSIBLE,
+            AnaState::PersistentLoss => SC_ANA_PERSISTENT_LOSS,
+            AnaState::Change => SC_ANA_TRANSITION,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AnaState::Optimized => "optimized",
+            AnaState::NonOptimized => "non-optimized",
+            AnaState::Inaccessible => "inaccessible",
+            AnaState::PersistentLoss => "persistent-loss",
+            AnaState::Change => "change",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<AnaState> {
+        [
+            AnaState::Optimized,
+            AnaState::NonOptimized,
+            AnaState::Inaccessible,
+            AnaState::PersistentLoss,
+            AnaState::Change,
+        ]
+        .into_iter()
+        .find(|a| a.name() == s)
+    }
+}
+
+/// One ANA group descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AnaGroupDesc {
+    pub grpid: u32,
+    pub change_count: u64,
+    pub state: AnaState,
+    /// Empty when the log was read with Return Groups Only.
+    pub nsids: Vec<u32>,
+}
+
+/// The ANA log page: a 16-byte header (change count, number of descriptors), then per
+/// group a 32-byte descriptor (group ID, NSID count, change count, state) followed by
+/// its NSIDs (none with RGO; the count then reads 0).
+pub fn ana_log(change_count: u64, groups: &[AnaGroupDesc], groups_only: bool) -> Vec<u8> {
+    let ids = if groups_only {
+        0
+    } else {
+        groups.iter().map(|g| g.nsids.len()).sum::<usize>()
+    };
+    let mut b = vec![0u8; 16 + 32 * groups.len() + 4 * ids];
+    put64(&mut b, 0, change_count);
+    put16(&mut b, 8, u16::try_from(groups.len()).unwrap_or(u16::MAX));
+    let mut at = 16;
+    for g in groups {
+        let n = if groups_only { 0 } else { g.nsids.len() };
+        put32(&mut b, at, g.grpid);
+        put32(&mut b, at + 4, u32_of(n));
+        put64(&mut b, at + 8, g.change_count);
+        b[at + 16] = g.state as u8;
+        at += 32;
+        for &id in &g.nsids[..n] {
+            put32(&mut b, at, id);
+            at += 4;
+        }
+    }
+    b
+}
+
+/// Parse an ANA log page: (change count, groups). A descriptor with an unknown state or
+/// running past the buffer is an error.
+pub fn parse_ana_log(b: &[u8]) -> Result<(u64, Vec<AnaGroupDesc>), String> {
+    if b.len() < 16 {
+        return Err(format!("ANA log of {} bytes (header is 16)", b.len()));
+    }
+    let change = le64(b, 0);
+    let n = usize::from(le16(b, 8));
+    let mut at = 16;
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        if at + 32 > b.len() {
+            return Err(format!(
+                "ANA log: descriptor {i} runs past {} bytes",
+                b.len()
+            ));
+        }
+        let grpid = le32(b, at);
+        let count = usize_of(u64::from(le32(b, at + 4)));
+        let change_count = le64(b, at + 8);
+        let state = AnaState::from_u8(b[at + 16])
+            .ok_or_else(|| format!("ANA log: group {grpid} has state {:#x}", b[at + 16]))?;
+        at += 32;
+        if at + 4 * count > b.len() {
+            return Err(format!(
+                "ANA log: group {grpid} lists {count} NSIDs past the end"
+            ));
+        }
+        let nsids = (0..count).map(|k| le32(b, at + 4 * k)).collect();
+        at += 4 * count;
+        out.push(AnaGroupDesc {
+            grpid,
+            change_count,
+            state,
+            nsids,
+        });
+    }
+    Ok((change, out))
 }
 
 /// One discovery log entry.
@@ -694,6 +885,10 @@ pub const FEAT_KATO: u8 = 0x0F;
 pub const AEN_NS_CHANGED: u32 = 0x2 | (LID_CHANGED_NS as u32) << 16;
 /// Asynchronous Event Configuration bit enabling namespace attribute notices.
 pub const AEC_NS_ATTR: u32 = 1 << 8;
+/// AER completion DW0 for "ANA change" (notice, information 03h, log page 0Ch).
+pub const AEN_ANA_CHANGE: u32 = 0x2 | 0x03 << 8 | (LID_ANA as u32) << 16;
+/// Asynchronous Event Configuration bit enabling ANA change notices.
+pub const AEC_ANA_CHANGE: u32 = 1 << 11;
 
 // ---- Dataset Management ----
 
@@ -797,6 +992,7 @@ mod tests {
             nguid: [9; 16],
             eui64: [8; 8],
             uuid: [7; 16],
+            anagrpid: 0,
         };
         let b = identify_namespace(&n);
         assert_eq!(le64(&b, 0), 1000);
@@ -822,6 +1018,99 @@ mod tests {
         };
         let b = discovery_log(5, std::slice::from_ref(&e));
         assert_eq!(parse_discovery_log(&b), (5, vec![e]));
+    }
+
+    #[test]
+    fn identify_reports_ana() {
+        let mut c = ControllerInfo {
+            nn: 3,
+            ana: true,
+            ..Default::default()
+        };
+        let b = identify_controller(&c);
+        assert_eq!(
+            b[76] & (1 << 3 | 1 << 1),
+            1 << 3 | 1 << 1,
+            "CMIC ANA + multi-ctrl"
+        );
+        assert_ne!(le32(&b, 92) & (1 << 11), 0, "OAES ANA change notices");
+        assert_eq!(b[342], ANATT_SECS);
+        assert_eq!(b[343], 0x5F);
+        assert_eq!(le32(&b, 344), 3, "ANAGRPMAX");
+        assert_eq!(le32(&b, 348), 3, "NANAGRPID");
+        assert_eq!(le32(&b, 540), 3, "MNAN");
+        c.ana = false;
+        let b = identify_controller(&c);
+        assert_eq!(b[76] & (1 << 3), 0);
+        assert_eq!((b[342], b[343], le32(&b, 348)), (0, 0, 0));
+        let n = identify_namespace(&NamespaceInfo {
+            anagrpid: 7,
+            ..Default::default()
+        });
+        assert_eq!(le32(&n, 92), 7, "ANAGRPID");
+    }
+
+    #[test]
+    fn ana_log_layout_and_roundtrip() {
+        let groups = vec![
+            AnaGroupDesc {
+                grpid: 1,
+                change_count: 4,
+                state: AnaState::Optimized,
+                nsids: vec![1],
+            },
+            AnaGroupDesc {
+                grpid: 2,
+                change_count: 9,
+                state: AnaState::Inaccessible,
+                nsids: vec![2],
+            },
+        ];
+        let b = ana_log(13, &groups, false);
+        assert_eq!(b.len(), 16 + 2 * (32 + 4));
+        assert_eq!(le64(&b, 0), 13);
+        assert_eq!(le16(&b, 8), 2);
+        // Second descriptor: after the first one and its NSID.
+        assert_eq!(le32(&b, 16 + 36), 2);
+        assert_eq!(le32(&b, 16 + 36 + 4), 1);
+        assert_eq!(le64(&b, 16 + 36 + 8), 9);
+        assert_eq!(b[16 + 36 + 16], 0x03);
+        assert_eq!(le32(&b, 16 + 36 + 32), 2);
+        assert_eq!(parse_ana_log(&b).unwrap(), (13, groups.clone()));
+        // Return Groups Only: no NSID lists, counts 0.
+        let r = ana_log(13, &groups, true);
+        assert_eq!(r.len(), 16 + 64);
+        let (_, g) = parse_ana_log(&r).unwrap();
+        assert!(g.iter().all(|d| d.nsids.is_empty()));
+        assert_eq!(g[1].state, AnaState::Inaccessible);
+        // Truncated or corrupt pages are errors, not panics.
+        assert!(parse_ana_log(&b[..40]).is_err());
+        let mut bad = b.clone();
+        bad[16 + 16] = 0x09;
+        assert!(parse_ana_log(&bad).is_err());
+    }
+
+    #[test]
+    fn ana_states_and_statuses() {
+        assert_eq!(AnaState::Inaccessible.io_status(), 0x0302);
+        assert_eq!(AnaState::PersistentLoss.io_status(), 0x0301);
+        assert_eq!(AnaState::Change.io_status(), 0x0303);
+        assert!(is_path_error(SC_ANA_TRANSITION));
+        assert!(!is_path_error(SC_WRITE_FAULT | DNR));
+        for s in [
+            AnaState::Optimized,
+            AnaState::Change,
+            AnaState::PersistentLoss,
+        ] {
+            assert_eq!(AnaState::from_u8(s as u8), Some(s));
+            assert_eq!(AnaState::from_name(s.name()), Some(s));
+        }
+        let s = Sqe {
+            cdw10: u32::from(LID_ANA) | u32::from(ANA_LSP_RGO) << 8,
+            ..Sqe::default()
+        };
+        assert_eq!(log_specific(&s), ANA_LSP_RGO);
+        assert_eq!(AEN_ANA_CHANGE, 0x000C_0302);
     }
 
     #[test]

@@ -8,11 +8,19 @@
 //! queues is shut down, wherever it runs. Queues of one controller live on different
 //! cores; what they share (CC/CSTS, keep-alive, features, error log, pending
 //! asynchronous events, the namespace list) sits behind one mutex here that the I/O path
-//! never takes: an I/O queue reads two atomics per command (ready, namespace generation).
+//! never takes: an I/O queue reads three atomics per command (ready, namespace
+//! generation, and the namespace's ANA state, a relaxed load).
+//!
+//! Asymmetric Namespace Access: every namespace is its own ANA group, whose state the
+//! target keeps per subsystem ([`Target::set_ana_state`]); the ANA log, the change
+//! notices and the path statuses of I/O to an unreachable namespace follow from it. A
+//! namespace may have no data behind it at all (a path to a volume another node owns),
+//! and other nodes' paths to a subsystem can be listed in the discovery log
+//! ([`Target::set_other_paths`]).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::*};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
@@ -20,7 +28,7 @@ use tessera_export::{Export, ExportTarget};
 use tracing::warn;
 
 use crate::auth::HostKeys;
-use crate::nvme::{self, DiscoveryEntry, ErrorEntry};
+use crate::nvme::{self, AnaGroupDesc, AnaState, DiscoveryEntry, ErrorEntry};
 
 /// The well-known NQN of the discovery subsystem.
 pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
@@ -48,7 +56,13 @@ pub const ERROR_LOG: usize = 64;
 /// host sees.
 pub struct NamespaceEntry<T> {
     pub nsid: u32,
-    pub export: Export<T>,
+    /// The data behind the namespace. `None` for a path that holds no data here (a
+    /// cluster volume's namespace on a node that does not own it): its ANA state is then
+    /// never accessible and I/O to it fails with an ANA status without touching anything.
+    pub export: Option<Export<T>>,
+    /// Size in bytes reported when there is no `export` (the namespace's declared size,
+    /// the same on every path).
+    pub declared_size: u64,
     pub nguid: [u8; 16],
     pub uuid: [u8; 16],
     pub eui64: [u8; 8],
@@ -59,10 +73,52 @@ impl<T> Clone for NamespaceEntry<T> {
         NamespaceEntry {
             nsid: self.nsid,
             export: self.export.clone(),
+            declared_size: self.declared_size,
             nguid: self.nguid,
             uuid: self.uuid,
             eui64: self.eui64,
         }
+    }
+}
+
+impl<T: ExportTarget> NamespaceEntry<T> {
+    /// Size in bytes (the target's, which may grow; else the declared one).
+    pub fn size(&self) -> u64 {
+        self.export
+            .as_ref()
+            .map_or(self.declared_size, |e| e.target.size())
+    }
+}
+
+/// The ANA group of one namespace of one subsystem (group ID = NSID): its state, shared
+/// by every controller and queue of the subsystem on this target, and how often it
+/// changed. I/O queues read `state` once per command (a relaxed load).
+#[derive(Debug)]
+pub struct AnaGroup {
+    state: AtomicU8,
+    changes: AtomicU64,
+}
+
+impl AnaGroup {
+    fn new() -> AnaGroup {
+        AnaGroup {
+            state: AtomicU8::new(AnaState::Optimized as u8),
+            changes: AtomicU64::new(0),
+        }
+    }
+
+    /// The state as set; a namespace without data is never accessible, whatever was set.
+    pub fn state(&self, backed: bool) -> AnaState {
+        let s = AnaState::from_u8(self.state.load(Relaxed)).unwrap_or(AnaState::Change);
+        if !backed && s.accessible() {
+            AnaState::Inaccessible
+        } else {
+            s
+        }
+    }
+
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Relaxed)
     }
 }
 
@@ -119,8 +175,19 @@ pub struct Target<T> {
     pub catalog: Arc<dyn Catalog<T>>,
     ports: RwLock<Vec<Port>>,
     ctrls: Mutex<BTreeMap<u16, Arc<Controller<T>>>>,
-    next_cntlid: Mutex<u16>,
+    /// The next CNTLID to try and the range they come from (see
+    /// [`Target::set_cntlid_range`]).
+    next_cntlid: Mutex<(u16, u16, u16)>,
     pub started: Instant,
+    /// ANA groups by (subsystem NQN, NSID); created at first use, Optimized.
+    ana: Mutex<BTreeMap<(String, u32), Arc<AnaGroup>>>,
+    /// Bumped on every ANA state change here (the ANA log's change count).
+    ana_changes: AtomicU64,
+    /// Paths to subsystems through other nodes, listed in the discovery log after this
+    /// target's own ports, by subsystem NQN.
+    other_paths: RwLock<BTreeMap<String, Vec<(String, String)>>>,
+    /// Bumped when `other_paths` changes (added to the catalog's discovery generation).
+    other_paths_gen: AtomicU64,
 }
 
 impl<T: ExportTarget> Target<T> {
@@ -129,8 +196,12 @@ impl<T: ExportTarget> Target<T> {
             catalog,
             ports: RwLock::new(Vec::new()),
             ctrls: Mutex::new(BTreeMap::new()),
-            next_cntlid: Mutex::new(1),
+            next_cntlid: Mutex::new((1, 1, 0xFFEF)),
             started: Instant::now(),
+            ana: Mutex::new(BTreeMap::new()),
+            ana_changes: AtomicU64::new(0),
+            other_paths: RwLock::new(BTreeMap::new()),
+            other_paths_gen: AtomicU64::new(0),
         })
     }
 
@@ -154,6 +225,20 @@ impl<T: ExportTarget> Target<T> {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// Allocate CNTLIDs from `first..=last` from now on (within 1..=0xFFEF). A host
+    /// reaching one subsystem through several targets (Linux native multipath across
+    /// nodes) needs its controller IDs unique across them, so each node of a cluster gets
+    /// a range of its own.
+    pub fn set_cntlid_range(&self, first: u16, last: u16) -> Result<(), String> {
+        if first == 0 || first > last || last > 0xFFEF {
+            return Err(format!(
+                "controller ID range {first}..={last} is not within 1..=0xFFEF"
+            ));
+        }
+        *self.next_cntlid.lock().unwrap_or_else(|e| e.into_inner()) = (first, first, last);
+        Ok(())
+    }
+
     /// A new controller for an admin queue's Connect.
     pub(crate) fn create_controller(
         &self,
@@ -165,19 +250,28 @@ impl<T: ExportTarget> Target<T> {
     ) -> Option<Arc<Controller<T>>> {
         let auth = sub.as_ref().and_then(|s| s.auth.get(hostnqn).cloned());
         let mut ctrls = self.ctrls();
-        // CNTLIDs 1..=0xFFEF; skip ones in use (a long-lived node wraps around).
+        // CNTLIDs from the range (1..=0xFFEF by default); skip ones in use (a
+        // long-lived node wraps around).
         let cntlid = {
-            let mut next = self.next_cntlid.lock().unwrap_or_else(|e| e.into_inner());
-            let mut tries = 0;
-            while ctrls.contains_key(&*next) {
-                *next = if *next >= 0xFFEF { 1 } else { *next + 1 };
+            let mut g = self.next_cntlid.lock().unwrap_or_else(|e| e.into_inner());
+            let (next, first, last) = &mut *g;
+            let step = |n: u16| {
+                if n >= *last || n < *first {
+                    *first
+                } else {
+                    n + 1
+                }
+            };
+            let mut tries = 0u32;
+            while ctrls.contains_key(&*next) || *next < *first || *next > *last {
+                *next = step(*next);
                 tries += 1;
-                if tries > 0xFFEF {
+                if tries > u32::from(*last - *first) + 1 {
                     return None;
                 }
             }
             let id = *next;
-            *next = if *next >= 0xFFEF { 1 } else { *next + 1 };
+            *next = step(*next);
             id
         };
         let c = Arc::new(Controller {
@@ -281,6 +375,105 @@ impl<T: ExportTarget> Target<T> {
         gone
     }
 
+    /// The ANA group of namespace `nsid` of subsystem `nqn` (created Optimized).
+    pub fn ana_group(&self, nqn: &str, nsid: u32) -> Arc<AnaGroup> {
+        self.ana
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((nqn.to_string(), nsid))
+            .or_insert_with(|| Arc::new(AnaGroup::new()))
+            .clone()
+    }
+
+    /// Set the ANA state of namespace `nsid` of subsystem `nqn` on this target. A change
+    /// bumps the group's and the log's change counts and queues an ANA change notice on
+    /// every controller of the subsystem that enabled them (held AERs complete at the
+    /// admin queue's next tick). I/O commands see the new state from their next command.
+    /// A namespace without data cannot be made accessible. The state of a subsystem or
+    /// namespace not (yet) in the catalog may be set: it applies once it appears.
+    pub fn set_ana_state(&self, nqn: &str, nsid: u32, state: AnaState) -> Result<(), String> {
+        if nsid == 0 || nsid == u32::MAX {
+            return Err(format!("{nsid} is not a namespace ID"));
+        }
+        let backed = self
+            .catalog
+            .subsystem(nqn)
+            .and_then(|s| s.namespaces.into_iter().find(|n| n.nsid == nsid))
+            .map(|n| n.export.is_some());
+        if backed == Some(false) && state.accessible() {
+            return Err(format!(
+                "namespace {nsid} of {nqn} holds no data on this node; it cannot be {}",
+                state.name()
+            ));
+        }
+        let g = self.ana_group(nqn, nsid);
+        if g.state.swap(state as u8, AcqRel) == state as u8 {
+            return Ok(());
+        }
+        g.changes.fetch_add(1, AcqRel);
+        self.ana_changes.fetch_add(1, AcqRel);
+        tracing::info!(
+            subnqn = nqn,
+            nsid,
+            state = state.name(),
+            "nvmf: ANA state changed"
+        );
+        let ctrls: Vec<Arc<Controller<T>>> = self
+            .ctrls()
+            .values()
+            .filter(|c| c.subnqn == nqn)
+            .cloned()
+            .collect();
+        for c in ctrls {
+            let mut st = c.state();
+            if st.aec & nvme::AEC_ANA_CHANGE != 0 && !st.aen.contains(&nvme::AEN_ANA_CHANGE) {
+                st.aen.push_back(nvme::AEN_ANA_CHANGE);
+            }
+        }
+        Ok(())
+    }
+
+    /// The ANA log of controller `c`: one group per namespace of its subsystem.
+    pub(crate) fn ana_log(&self, c: &Controller<T>, groups_only: bool) -> Vec<u8> {
+        let groups: Vec<AnaGroupDesc> = c
+            .namespaces()
+            .iter()
+            .map(|n| {
+                let g = self.ana_group(&c.subnqn, n.nsid);
+                AnaGroupDesc {
+                    grpid: n.nsid,
+                    change_count: g.changes(),
+                    state: g.state(n.export.is_some()),
+                    nsids: vec![n.nsid],
+                }
+            })
+            .collect();
+        nvme::ana_log(self.ana_changes.load(Acquire), &groups, groups_only)
+    }
+
+    /// The paths to subsystem `nqn` through other nodes (`(traddr, trsvcid)` of their
+    /// NVMe/TCP I/O listeners): a host reading this target's discovery log learns them
+    /// with this target's own. Replaces what was set before; an empty list removes them.
+    pub fn set_other_paths(&self, nqn: &str, paths: Vec<(String, String)>) {
+        let mut m = self.other_paths.write().unwrap_or_else(|e| e.into_inner());
+        let changed = if paths.is_empty() {
+            m.remove(nqn).is_some()
+        } else {
+            m.insert(nqn.to_string(), paths.clone()).as_ref() != Some(&paths)
+        };
+        if changed {
+            self.other_paths_gen.fetch_add(1, AcqRel);
+        }
+    }
+
+    /// The discovery log's generation counter: changes with the catalog or the other
+    /// paths.
+    pub fn discovery_generation(&self) -> u64 {
+        self.catalog
+            .generation()
+            .wrapping_add(self.other_paths_gen.load(Acquire))
+    }
+
     /// Controllers connected to subsystem `nqn` (the node refuses some changes meanwhile).
     pub fn connected(&self, nqn: &str) -> usize {
         self.ctrls().values().filter(|c| c.subnqn == nqn).count()
@@ -304,9 +497,12 @@ impl<T: ExportTarget> Target<T> {
     }
 
     /// The discovery log for `hostnqn`: every NVM subsystem it may connect to, on every
-    /// I/O port.
+    /// I/O port, then the paths to subsystems through other nodes (see
+    /// [`Target::set_other_paths`]) unless this target's own subsystem of that name
+    /// refuses the host.
     pub fn discovery_entries(&self, hostnqn: &str) -> Vec<DiscoveryEntry> {
         let ports = self.ports();
+        let adrfam = |traddr: &str| if traddr.contains(':') { 2 } else { 1 };
         let mut out = Vec::new();
         for nqn in self.catalog.subsystem_nqns() {
             let Some(s) = self.catalog.subsystem(&nqn) else {
@@ -322,7 +518,34 @@ impl<T: ExportTarget> Target<T> {
                     trsvcid: p.trsvcid.clone(),
                     traddr: p.traddr.clone(),
                     subnqn: nqn.clone(),
-                    adrfam: if p.traddr.contains(':') { 2 } else { 1 },
+                    adrfam: adrfam(&p.traddr),
+                });
+            }
+        }
+        let other = self.other_paths.read().unwrap_or_else(|e| e.into_inner());
+        for (nqn, paths) in other.iter() {
+            if self
+                .catalog
+                .subsystem(nqn)
+                .is_some_and(|s| !s.allows(hostnqn))
+            {
+                continue;
+            }
+            for (i, (traddr, trsvcid)) in paths.iter().enumerate() {
+                let ours = ports
+                    .iter()
+                    .any(|p| p.io && p.traddr == *traddr && p.trsvcid == *trsvcid);
+                if ours {
+                    continue;
+                }
+                out.push(DiscoveryEntry {
+                    subtype: 2,
+                    // Port IDs of other nodes' ports: past this target's own.
+                    portid: u16::try_from(0x100 + i).unwrap_or(u16::MAX),
+                    trsvcid: trsvcid.clone(),
+                    traddr: traddr.clone(),
+                    subnqn: nqn.clone(),
+                    adrfam: adrfam(traddr),
                 });
             }
         }

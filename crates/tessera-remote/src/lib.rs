@@ -8,6 +8,14 @@
 //! (the admin queue, Identify, and each queue's TCP connect + ICReq + Fabrics Connect)
 //! runs off the reactors, in the opening thread or a short-lived connect thread.
 //!
+//! Multipath: `nvme-tcp://H1:P1,H2:P2/SUBNQN?nsid=N` names several paths to one
+//! subsystem (a cluster volume exported by every node). The device uses the path where the
+//! namespace's ANA state is Optimized (read from each path's ANA log at open and whenever
+//! the admin controller is set up again), and a command answered with a path related
+//! status (ANA inaccessible, persistent loss, transition) is not failed: its queue drops the
+//! connection and resubmits everything outstanding once a path serves the namespace again,
+//! under the same reconnect backoff and timeout as a broken connection.
+//!
 //! Delivery semantics (what the mirror layer above relies on):
 //! - A broken connection is re-established with bounded backoff and every command in
 //!   flight on it is sent again on the new connection. NVMe command ids are the only
@@ -37,7 +45,7 @@ use std::time::Duration;
 
 use tessera_device::{BlockDevice, IoHandle};
 use tessera_nvmf::initiator::{Controller, Error as NvmfError, Options, Queue};
-use tessera_nvmf::nvme::{self, Sqe};
+use tessera_nvmf::nvme::{self, AnaState, Sqe};
 use tessera_nvmf::pdu;
 use tracing::{info, warn};
 
@@ -53,33 +61,78 @@ pub const SCHEME: &str = "nvme-tcp://";
 /// Where a remote namespace lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RemoteSpec {
-    /// `HOST:PORT` of the NVMe/TCP I/O listener.
+    /// `HOST:PORT` of the NVMe/TCP I/O listener (the first path).
     pub addr: String,
+    /// Further paths to the same subsystem (`HOST:PORT` of other nodes' listeners). With
+    /// any, the device is multipath: it uses the path where the namespace's ANA state is
+    /// Optimized and moves when that changes.
+    pub alternates: Vec<String>,
     pub subnqn: String,
     pub nsid: u32,
 }
 
 impl RemoteSpec {
-    /// Parse `nvme-tcp://HOST:PORT/SUBNQN[?nsid=N]` (nsid defaults to 1).
+    /// A spec for one path.
+    pub fn single(addr: &str, subnqn: &str, nsid: u32) -> RemoteSpec {
+        RemoteSpec {
+            addr: addr.to_string(),
+            alternates: Vec::new(),
+            subnqn: subnqn.to_string(),
+            nsid,
+        }
+    }
+
+    /// Every path, the first one first.
+    pub fn paths(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.addr.as_str()).chain(self.alternates.iter().map(String::as_str))
+    }
+
+    pub fn path_count(&self) -> usize {
+        1 + self.alternates.len()
+    }
+
+    /// Path `i` (0: `addr`); out of range reads as the first.
+    pub fn path(&self, i: usize) -> &str {
+        i.checked_sub(1)
+            .and_then(|k| self.alternates.get(k))
+            .map_or(self.addr.as_str(), String::as_str)
+    }
+
+    /// Several paths: ANA decides which one carries I/O.
+    pub fn multipath(&self) -> bool {
+        !self.alternates.is_empty()
+    }
+
+    /// Parse `nvme-tcp://HOST:PORT[,HOST:PORT...]/SUBNQN[?nsid=N]` (nsid defaults to 1;
+    /// several addresses are paths to the same subsystem).
     pub fn parse(s: &str) -> io::Result<RemoteSpec> {
         let bad = |why: &str| {
             io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
-                    "bad remote device '{s}': {why} (expected {SCHEME}HOST:PORT/SUBNQN?nsid=N)"
+                    "bad remote device '{s}': {why} (expected \
+                     {SCHEME}HOST:PORT[,HOST:PORT...]/SUBNQN?nsid=N)"
                 ),
             )
         };
         let rest = s
             .strip_prefix(SCHEME)
             .ok_or_else(|| bad("no nvme-tcp:// prefix"))?;
-        let (addr, path) = rest
+        let (addrs, path) = rest
             .split_once('/')
             .ok_or_else(|| bad("no subsystem NQN"))?;
-        let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("no port"))?;
-        if host.is_empty() || port.parse::<u16>().is_err() {
-            return Err(bad("the address must be HOST:PORT"));
+        let mut paths = Vec::new();
+        for addr in addrs.split(',') {
+            let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+            if host.is_empty() || port.parse::<u16>().is_err() {
+                return Err(bad("each address must be HOST:PORT"));
+            }
+            if paths.iter().any(|p| p == addr) {
+                return Err(bad(&format!("address {addr} is given twice")));
+            }
+            paths.push(addr.to_string());
         }
+        let addr = paths.remove(0);
         let (subnqn, query) = match path.split_once('?') {
             Some((n, q)) => (n, Some(q)),
             None => (path, None),
@@ -103,7 +156,8 @@ impl RemoteSpec {
             }
         }
         Ok(RemoteSpec {
-            addr: addr.to_string(),
+            addr,
+            alternates: paths,
             subnqn: subnqn.to_string(),
             nsid,
         })
@@ -112,11 +166,11 @@ impl RemoteSpec {
 
 impl std::fmt::Display for RemoteSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{SCHEME}{}/{}?nsid={}",
-            self.addr, self.subnqn, self.nsid
-        )
+        write!(f, "{SCHEME}{}", self.addr)?;
+        for a in &self.alternates {
+            write!(f, ",{a}")?;
+        }
+        write!(f, "/{}?nsid={}", self.subnqn, self.nsid)
     }
 }
 
@@ -156,6 +210,8 @@ struct Admin {
     ctrl: Option<Controller>,
     /// I/O queues the controller granted.
     granted: u16,
+    /// The path (index into the spec's paths) `ctrl` is on: I/O queues connect there.
+    path: usize,
 }
 
 /// A namespace of a remote NVMe/TCP subsystem.
@@ -205,7 +261,7 @@ impl RemoteDevice {
             timeout: cfg.timeout.max(Duration::from_millis(100)),
             ..Options::default()
         };
-        let (mut ctrl, granted) = connect_admin(&spec, &opts).map_err(|e| nvmf_err(&spec, e))?;
+        let (mut ctrl, granted, path) = open_path(&spec, &opts, 0)?;
         let ident = ctrl
             .identify(nvme::CNS_CONTROLLER, 0)
             .map_err(|e| nvmf_err(&spec, e))?;
@@ -236,8 +292,8 @@ impl RemoteDevice {
                 "{spec}: the controller grants {granted} I/O queues; a remote device needs at least 2"
             )));
         }
-        info!(device = %spec, size = blocks * u64::from(lba), lba, max_transfer, in_capsule,
-              io_queues = granted, "remote device connected");
+        info!(device = %spec, path = spec.path(path), size = blocks * u64::from(lba), lba,
+              max_transfer, in_capsule, io_queues = granted, "remote device connected");
         Ok(Arc::new(RemoteDevice {
             free_qids: Mutex::new((SYNC_QID + 1..=granted).rev().collect()),
             revivals: AtomicU64::new(0),
@@ -251,6 +307,7 @@ impl RemoteDevice {
             admin: Mutex::new(Admin {
                 ctrl: Some(ctrl),
                 granted,
+                path,
             }),
         }))
     }
@@ -270,15 +327,10 @@ impl RemoteDevice {
         let mut admin = self.admin.lock().unwrap_or_else(|e| e.into_inner());
         let mut last = String::new();
         for fresh in [false, true] {
-            if fresh || admin.ctrl.is_none() {
+            if fresh || admin.ctrl.is_none() || !self.path_usable(&mut admin) {
                 admin.ctrl = None;
-                match connect_admin(&self.spec, &self.opts) {
-                    Ok((c, granted)) => {
-                        admin.ctrl = Some(c);
-                        admin.granted = granted;
-                    }
-                    Err(e) => return Err(format!("connecting the admin queue: {e}")),
-                }
+                self.reopen_admin(&mut admin)
+                    .map_err(|e| format!("connecting the admin queue: {e}"))?;
             }
             if qid > admin.granted {
                 return Err(format!(
@@ -287,7 +339,7 @@ impl RemoteDevice {
                 ));
             }
             let cntlid = admin.ctrl.as_ref().map_or(0, |c| c.cntlid);
-            let r = Queue::open(&self.spec.addr, &self.opts).and_then(|mut q| {
+            let r = Queue::open(self.spec.path(admin.path), &self.opts).and_then(|mut q| {
                 q.connect(
                     qid,
                     &self.spec.subnqn,
@@ -305,20 +357,68 @@ impl RemoteDevice {
         Err(last)
     }
 
+    /// Multipath: whether the admin controller's path still serves the namespace (its
+    /// ANA state is Optimized or Non-Optimized, or it does not report ANA). Asked before
+    /// I/O queues connect there, so a queue that broke because the namespace became
+    /// inaccessible does not come back to the same path. Single path: always.
+    fn path_usable(&self, admin: &mut Admin) -> bool {
+        if !self.spec.multipath() {
+            return true;
+        }
+        let Some(c) = admin.ctrl.as_mut() else {
+            return false;
+        };
+        match c.ana_state(self.spec.nsid) {
+            Ok(None) => true,
+            Ok(Some(s)) => s.accessible(),
+            Err(_) => false,
+        }
+    }
+
+    /// Connect a new admin controller on the path to use (see [`open_path`]), starting
+    /// with the current one.
+    fn reopen_admin(&self, admin: &mut Admin) -> io::Result<()> {
+        admin.ctrl = None;
+        let (c, granted, path) = open_path(&self.spec, &self.opts, admin.path)?;
+        if path != admin.path {
+            info!(device = %self.spec, from = self.spec.path(admin.path),
+                  to = self.spec.path(path), "remote device: moving to the optimized path");
+        }
+        admin.ctrl = Some(c);
+        admin.granted = granted;
+        admin.path = path;
+        Ok(())
+    }
+
     /// Run `f` on the synchronous face's I/O queue, reconnecting once when it fails for a
-    /// transport reason.
+    /// transport reason. Multipath: a transport failure or a path related status (ANA)
+    /// moves to the path that serves the namespace now, retrying with backoff within the
+    /// timeout.
     fn with_sync_queue<T>(
         &self,
         mut f: impl FnMut(&mut Controller, usize) -> tessera_nvmf::initiator::Result<T>,
     ) -> io::Result<T> {
         let mut admin = self.admin.lock().unwrap_or_else(|e| e.into_inner());
+        let multipath = self.spec.multipath();
+        let deadline = std::time::Instant::now() + self.cfg.timeout;
+        let mut backoff = Duration::from_millis(20);
         let mut last = None;
-        for _ in 0..2 {
+        for attempt in 0.. {
+            if attempt >= 2 {
+                if !multipath || std::time::Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
             if admin.ctrl.is_none() {
-                let (c, granted) =
-                    connect_admin(&self.spec, &self.opts).map_err(|e| nvmf_err(&self.spec, e))?;
-                admin.ctrl = Some(c);
-                admin.granted = granted;
+                if let Err(e) = self.reopen_admin(&mut admin) {
+                    if !multipath {
+                        return Err(e);
+                    }
+                    last = Some(NvmfError::Io(e));
+                    continue;
+                }
             }
             let ctrl = admin.ctrl.as_mut().expect("connected above");
             if ctrl.io.is_empty() {
@@ -330,6 +430,13 @@ impl RemoteDevice {
             }
             match f(ctrl, 0) {
                 Ok(v) => return Ok(v),
+                Err(NvmfError::Status(s, c)) if multipath && nvme::is_path_error(s) => {
+                    warn!(device = %self.spec, path = self.spec.path(admin.path),
+                          status = %nvme::status_text(s),
+                          "remote device: the path no longer serves the namespace");
+                    admin.ctrl = None;
+                    last = Some(NvmfError::Status(s, c));
+                }
                 Err(NvmfError::Status(s, c)) => {
                     return Err(errno_error(status_to_errno(s), NvmfError::Status(s, c)))
                 }
@@ -397,12 +504,14 @@ impl RemoteDevice {
     }
 }
 
-/// Connect and enable a controller; returns it and the number of I/O queues granted.
+/// Connect and enable a controller at `addr`; returns it and the number of I/O queues
+/// granted.
 fn connect_admin(
+    addr: &str,
     spec: &RemoteSpec,
     o: &Options,
 ) -> tessera_nvmf::initiator::Result<(Controller, u16)> {
-    let mut c = Controller::connect(&spec.addr, &spec.subnqn, o, 0)?;
+    let mut c = Controller::connect(addr, &spec.subnqn, o, 0)?;
     let n = u32::from(WANT_IO_QUEUES - 1);
     let (cqe, _) = c.admin_cmd(
         Sqe {
@@ -415,6 +524,51 @@ fn connect_admin(
     )?;
     let granted = u16::try_from((cqe.dw0 & 0xFFFF) + 1).unwrap_or(u16::MAX);
     Ok((c, granted))
+}
+
+/// Connect the admin queue of the path to use, with the I/O queues granted and the
+/// path's index. One path: that one. Several: each is asked for the namespace's ANA state
+/// (starting with path `first`); the first where it is Optimized wins (or that does not
+/// report ANA), else the first Non-Optimized one; none is an error naming every path's
+/// state, which the callers retry with backoff within the timeout (a new owner may be
+/// taking over).
+fn open_path(spec: &RemoteSpec, o: &Options, first: usize) -> io::Result<(Controller, u16, usize)> {
+    if !spec.multipath() {
+        let (c, granted) = connect_admin(&spec.addr, spec, o).map_err(|e| nvmf_err(spec, e))?;
+        return Ok((c, granted, 0));
+    }
+    let n = spec.path_count();
+    let mut fallback = None;
+    let mut seen = Vec::with_capacity(n);
+    for k in 0..n {
+        let i = (first + k) % n;
+        let addr = spec.path(i);
+        let r = connect_admin(addr, spec, o).and_then(|(mut c, granted)| {
+            let state = c.ana_state(spec.nsid)?;
+            Ok((c, granted, state))
+        });
+        match r {
+            Ok((c, granted, None | Some(AnaState::Optimized))) => return Ok((c, granted, i)),
+            Ok((c, granted, Some(AnaState::NonOptimized))) => {
+                seen.push(format!("{addr}: non-optimized"));
+                if fallback.is_none() {
+                    fallback = Some((c, granted, i));
+                }
+            }
+            Ok((_, _, Some(state))) => seen.push(format!("{addr}: {}", state.name())),
+            Err(e) => seen.push(format!("{addr}: {e}")),
+        }
+    }
+    fallback.ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotConnected,
+            format!(
+                "{spec}: no path serves namespace {} now ({})",
+                spec.nsid,
+                seen.join("; ")
+            ),
+        )
+    })
 }
 
 fn nvmf_err(spec: &RemoteSpec, e: NvmfError) -> io::Error {
@@ -574,7 +728,26 @@ mod tests {
         assert_eq!(RemoteSpec::parse(&s.to_string()).unwrap(), s);
         let d = RemoteSpec::parse("nvme-tcp://host:1/nqn.x").unwrap();
         assert_eq!(d.nsid, 1);
+        assert!(!d.multipath());
+        let m = RemoteSpec::parse("nvme-tcp://10.0.0.1:4420,10.0.0.2:4421/nqn.c:v?nsid=1").unwrap();
+        assert!(m.multipath());
+        assert_eq!(
+            m.paths().collect::<Vec<_>>(),
+            vec!["10.0.0.1:4420", "10.0.0.2:4421"]
+        );
+        assert_eq!(
+            (m.path(0), m.path(1), m.path_count()),
+            ("10.0.0.1:4420", "10.0.0.2:4421", 2)
+        );
+        assert_eq!(RemoteSpec::parse(&m.to_string()).unwrap(), m);
+        assert_eq!(
+            RemoteSpec::single("h:1", "nqn.x", 1),
+            RemoteSpec::parse("nvme-tcp://h:1/nqn.x").unwrap()
+        );
         for bad in [
+            "nvme-tcp://h:1,/n",
+            "nvme-tcp://h:1,h:1/n",
+            "nvme-tcp://h:1,h2/n",
             "tcp://h:1/n",
             "nvme-tcp://h/n",
             "nvme-tcp://h:x/n",

@@ -146,6 +146,8 @@ struct Link {
     cc: Window,
     /// The round clock of the receive being parsed: completion time of its commands.
     rx_now: Instant,
+    /// A command got a path related status (ANA) in the receive being parsed.
+    path_error: Option<nvme::Status>,
 }
 
 struct LinkCell(RefCell<Link>);
@@ -211,6 +213,7 @@ impl RemoteHandle {
             stats: LinkStats::default(),
             cc: Window::new(&dev.cfg.congestion, depth),
             rx_now: Instant::now(),
+            path_error: None,
         };
         RemoteHandle {
             link: Rc::new(LinkCell(RefCell::new(link))),
@@ -435,6 +438,13 @@ impl Link {
                 self.last_heard = io.now();
                 self.rx_now = io.now();
                 if let Err(why) = self.parse() {
+                    return self.break_link(io, &why);
+                }
+                if let Some(status) = self.path_error.take() {
+                    let why = format!(
+                        "the path no longer serves the namespace ({})",
+                        nvme::status_text(status)
+                    );
                     return self.break_link(io, &why);
                 }
                 self.arm_recv(io);
@@ -800,7 +810,15 @@ impl Link {
                 pdu::CAPSULE_RESP => {
                     let cqe = nvme::Cqe::parse(&b[8..24]);
                     self.busy_cmd(cqe.cid, "a response")?;
-                    self.finish(cqe.cid, cqe.status);
+                    if nvme::is_path_error(cqe.status) {
+                        // The namespace is not served through this path (now): the
+                        // command stays outstanding, and once this receive is parsed
+                        // the connection is dropped and every outstanding command is
+                        // sent again on the path that serves it (see `event`).
+                        self.path_error = Some(cqe.status);
+                    } else {
+                        self.finish(cqe.cid, cqe.status);
+                    }
                 }
                 pdu::R2T => {
                     let cid = pdu::le16(b, 8);
@@ -889,6 +907,7 @@ impl Link {
         self.fd = -1;
         self.gen = self.gen.wrapping_add(1);
         self.data_in = None;
+        self.path_error = None;
         self.in_start = 0;
         self.in_end = 0;
         self.out.clear();

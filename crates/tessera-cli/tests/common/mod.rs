@@ -176,3 +176,18 @@ pub fn cluster_member_at(
     ]);
     n
 }
+
+/// `PUT /v1/nvmf/cluster-paths/VOLUME`; returns the HTTP status and the reply.
+pub fn put_path(n: &TestNode, volume: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+    let (code, text) = tessera_http::request(
+        &tessera_http::Endpoint::parse(&n.api()),
+        "PUT",
+        &format!("/v1/nvmf/cluster-paths/{volume}"),
+        Some(&body),
+    )
+    .expect("API request");
+    (
+        code,
+        serde_json::from_str(&text).unwrap_or(serde_json::json!(text)),
+    )
+}

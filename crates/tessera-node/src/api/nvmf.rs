@@ -4,11 +4,11 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::Router;
 use tessera_api::{
-    AddHost, AddNamespace, ControllerInfo, CreateSubsystem, Deleted, ErrorReply, PatchSubsystem,
-    SubsystemInfo,
+    AddHost, AddNamespace, ClusterPathInfo, ControllerInfo, CreateSubsystem, Deleted, ErrorReply,
+    PatchSubsystem, PutClusterPath, SubsystemInfo,
 };
 use tessera_http::Response;
 
@@ -34,6 +34,96 @@ pub fn routes() -> Router<Arc<Node>> {
             "/v1/nvmf/subsystems/{nqn}/hosts/{host}",
             delete(host_remove),
         )
+        .route("/v1/nvmf/cluster-paths", get(cluster_paths))
+        .route(
+            "/v1/nvmf/cluster-paths/{volume}",
+            put(cluster_path_put).delete(cluster_path_remove),
+        )
+}
+
+fn cluster_path_info(node: &Node, volume: &str) -> Option<ClusterPathInfo> {
+    let (volume, owner, size) = node
+        .cluster_paths()
+        .into_iter()
+        .find(|(v, _, _)| v == volume)?;
+    let nqn = crate::nvmf::cluster_nqn(&volume);
+    let ana_state = node
+        .nvmf
+        .target()
+        .map(|t| t.ana_group(&nqn, 1).state(owner).name().to_string())
+        .unwrap_or_default();
+    Some(ClusterPathInfo {
+        volume,
+        nqn,
+        owner,
+        size,
+        ana_state,
+    })
+}
+
+#[utoipa::path(get, path = "/v1/nvmf/cluster-paths", tag = "nvmf",
+    responses((status = 200, body = Vec<ClusterPathInfo>)))]
+pub async fn cluster_paths(State(node): NodeState) -> Response {
+    with_node(node, |n| {
+        let all: Vec<ClusterPathInfo> = n
+            .cluster_paths()
+            .iter()
+            .filter_map(|(v, _, _)| cluster_path_info(n, v))
+            .collect();
+        Response::json(200, &all)
+    })
+    .await
+}
+
+#[utoipa::path(put, path = "/v1/nvmf/cluster-paths/{volume}", tag = "nvmf",
+    params(("volume" = String, Path)), request_body = PutClusterPath,
+    responses((status = 200, body = ClusterPathInfo), (status = "4XX", body = ErrorReply)))]
+pub async fn cluster_path_put(
+    State(node): NodeState,
+    Path(volume): Path<String>,
+    bytes: Bytes,
+) -> Response {
+    match body::<PutClusterPath>(&bytes, "cluster path", "owner, size, other_paths") {
+        Ok(b) => with_node(node, move |n| reply(put_cluster_path(n, &volume, &b), 200)).await,
+        Err(r) => r,
+    }
+}
+
+fn put_cluster_path(
+    node: &Node,
+    volume: &str,
+    b: &PutClusterPath,
+) -> Result<ClusterPathInfo, Error> {
+    let path = match (b.owner, b.size) {
+        (true, _) => crate::node::ClusterPath::Owner,
+        (false, Some(size)) => crate::node::ClusterPath::Standby { size },
+        (false, None) => {
+            return Err(Error::invalid(
+                "a path that is not the owner needs the volume's size",
+            ))
+        }
+    };
+    if let Some(p) = &b.other_paths {
+        node.set_discovery_paths(volume, p)?;
+    }
+    node.export_cluster_path(volume, path)?;
+    cluster_path_info(node, volume)
+        .ok_or_else(|| Error::invalid(format!("cluster path '{volume}' vanished")))
+}
+
+#[utoipa::path(delete, path = "/v1/nvmf/cluster-paths/{volume}", tag = "nvmf",
+    params(("volume" = String, Path)),
+    responses((status = 200, body = Deleted), (status = "4XX", body = ErrorReply)))]
+pub async fn cluster_path_remove(State(node): NodeState, Path(volume): Path<String>) -> Response {
+    with_node(node, move |n| {
+        reply(
+            n.remove_cluster_path(&volume).map(|()| Deleted {
+                deleted: volume.clone(),
+            }),
+            200,
+        )
+    })
+    .await
 }
 
 #[utoipa::path(get, path = "/v1/nvmf/subsystems", tag = "nvmf",

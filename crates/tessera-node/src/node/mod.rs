@@ -15,6 +15,7 @@ pub mod fencing;
 mod jobs;
 pub mod nvmf;
 mod ownership;
+pub use nvmf::ClusterPath;
 mod pools;
 pub mod proxy;
 mod qos;

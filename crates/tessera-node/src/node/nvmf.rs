@@ -2,9 +2,11 @@
 //! (`crate::nvmf`) through, the management operations the API calls, and the listeners.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 use tessera_api::{ControllerInfo, NamespaceInfo, SubsystemInfo as SubsystemReply};
+use tessera_nvmf::nvme::AnaState;
 use tessera_nvmf::target::{Catalog, NamespaceEntry, Port, SubsystemInfo, Target};
 use tessera_pool::{Error, ErrorKind, Volume};
 
@@ -26,6 +28,42 @@ impl NodeCatalog {
     }
 }
 
+impl NodeCatalog {
+    /// The subsystem of a cluster volume path on this node.
+    fn cluster_subsystem(node: &Node, nqn: &str) -> Option<SubsystemInfo<NodeTarget>> {
+        let rec = node.nvmf.cluster_paths().get(nqn).cloned()?;
+        let (nguid, uuid, eui64) = cluster_ids(&rec.volume);
+        let export = rec.backing.as_ref().and_then(|(pool_uuid, id)| {
+            let v = Self::volume(
+                node,
+                &NsRecord {
+                    nsid: 1,
+                    volume: rec.volume.clone(),
+                    pool_uuid: pool_uuid.clone(),
+                    volume_id: *id,
+                },
+            )?;
+            Some(node.export_of(&v))
+        });
+        Some(SubsystemInfo {
+            nqn: nqn.to_string(),
+            // The same on every node: one subsystem reached through several.
+            serial: format!("{:016x}", crc32c::crc32c(nqn.as_bytes())),
+            allow_any_host: true,
+            hosts: Vec::new(),
+            auth: BTreeMap::new(),
+            namespaces: vec![NamespaceEntry {
+                nsid: 1,
+                export,
+                declared_size: rec.size,
+                nguid,
+                uuid,
+                eui64,
+            }],
+        })
+    }
+}
+
 impl Catalog<NodeTarget> for NodeCatalog {
     fn subsystem(&self, nqn: &str) -> Option<SubsystemInfo<NodeTarget>> {
         let node = self.0.upgrade()?;
@@ -35,7 +73,10 @@ impl Catalog<NodeTarget> for NodeCatalog {
             .subsystems
             .iter()
             .find(|s| s.nqn == nqn)
-            .cloned()?;
+            .cloned();
+        let Some(rec) = rec else {
+            return Self::cluster_subsystem(&node, nqn);
+        };
         let namespaces = rec
             .namespaces
             .iter()
@@ -45,7 +86,8 @@ impl Catalog<NodeTarget> for NodeCatalog {
                     volume_ids(&parse_uuid(&n.pool_uuid).unwrap_or_default(), n.volume_id);
                 Some(NamespaceEntry {
                     nsid: n.nsid,
-                    export: node.export_of(&volume),
+                    declared_size: volume.size(),
+                    export: Some(node.export_of(&volume)),
                     nguid,
                     uuid,
                     eui64,
@@ -71,18 +113,26 @@ impl Catalog<NodeTarget> for NodeCatalog {
         self.0
             .upgrade()
             .map(|n| {
-                n.nvmf
+                let mut nqns: Vec<String> = n
+                    .nvmf
                     .file()
                     .subsystems
                     .iter()
                     .map(|s| s.nqn.clone())
-                    .collect()
+                    .collect();
+                nqns.extend(n.nvmf.cluster_paths().keys().cloned());
+                nqns
             })
             .unwrap_or_default()
     }
 
     fn generation(&self) -> u64 {
-        self.0.upgrade().map_or(0, |n| n.nvmf.file().generation)
+        self.0.upgrade().map_or(0, |n| {
+            n.nvmf
+                .file()
+                .generation
+                .wrapping_add(n.nvmf.cluster_generation.load(Ordering::Acquire))
+        })
     }
 }
 
@@ -165,6 +215,12 @@ impl Node {
         hosts: &[String],
     ) -> Result<SubsystemReply, Error> {
         valid_nqn(nqn)?;
+        if nqn.starts_with(CLUSTER_NQN_PREFIX) {
+            return Err(Error::invalid(format!(
+                "subsystem names starting with '{CLUSTER_NQN_PREFIX}' are the cluster's \
+                 (PUT /v1/nvmf/cluster-paths/VOLUME)"
+            )));
+        }
         for h in hosts {
             valid_host(h)?;
         }
@@ -367,6 +423,141 @@ impl Node {
     }
 }
 
+/// What this node is for a cluster volume (see [`Node::export_cluster_path`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClusterPath {
+    /// This node owns the volume: the namespace is the local volume, ANA Optimized.
+    Owner,
+    /// Another node owns it: the namespace has no data here and is ANA Inaccessible;
+    /// `size` (bytes) is the volume's, so every path reports the same namespace.
+    Standby { size: u64 },
+}
+
+impl Node {
+    fn nvmf_target(&self) -> Result<&Arc<Target<NodeTarget>>, Error> {
+        self.nvmf.target().ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidInput,
+                "NVMe/TCP is not enabled on this node ([nvmf] enabled = true)",
+            )
+        })
+    }
+
+    /// Create or update this node's path to cluster volume `volume`: subsystem
+    /// `nqn.2026-11.io.tessera:cluster:<volume>` on the node's NVMe/TCP target, namespace
+    /// 1 with identifiers derived from the volume name (the same on every node). As
+    /// [`ClusterPath::Owner`], the namespace is backed by the local volume `volume` and
+    /// ANA Optimized; as [`ClusterPath::Standby`], it holds no data and is Inaccessible.
+    ///
+    /// Order matters for hosts connected meanwhile: a node giving the volume up turns
+    /// Inaccessible before its data goes away, and a new owner attaches the data before
+    /// turning Optimized, so no I/O reaches a path without data and every refused I/O
+    /// carries an ANA status that sends the host elsewhere. In memory only: after a
+    /// restart the cluster declares the path again. Returns the subsystem NQN.
+    pub fn export_cluster_path(&self, volume: &str, path: ClusterPath) -> Result<String, Error> {
+        let nqn = cluster_nqn(volume);
+        valid_nqn(&nqn)?;
+        let target = self.nvmf_target()?.clone();
+        let old = self.nvmf.cluster_paths().get(&nqn).cloned();
+        let rec = match path {
+            ClusterPath::Owner => {
+                let (p, v) = self.find_volume(volume)?;
+                if let Some(why) = self.replica_blocked(&v) {
+                    return Err(Error::new(
+                        ErrorKind::Busy,
+                        format!("volume '{volume}' cannot be served: {why}"),
+                    ));
+                }
+                if let Some(o) = old.as_ref().filter(|o| o.size != v.size()) {
+                    return Err(Error::invalid(format!(
+                        "volume '{volume}' is {} bytes here; its other paths report {}",
+                        v.size(),
+                        o.size
+                    )));
+                }
+                ClusterPathRecord {
+                    volume: volume.to_string(),
+                    size: v.size(),
+                    backing: Some((p.status().uuid, v.id)),
+                }
+            }
+            ClusterPath::Standby { size } => {
+                if size == 0 || size % 512 != 0 {
+                    return Err(Error::invalid(format!(
+                        "a cluster path's size must be a positive multiple of 512 (got {size})"
+                    )));
+                }
+                ClusterPathRecord {
+                    volume: volume.to_string(),
+                    size,
+                    backing: None,
+                }
+            }
+        };
+        if old.as_ref() == Some(&rec) {
+            return Ok(nqn);
+        }
+        if rec.backing.is_none() {
+            // Refuse I/O before the data goes.
+            target
+                .set_ana_state(&nqn, 1, AnaState::Inaccessible)
+                .map_err(Error::invalid)?;
+        }
+        self.nvmf.cluster_paths().insert(nqn.clone(), rec.clone());
+        self.nvmf.cluster_generation.fetch_add(1, Ordering::AcqRel);
+        target.subsystem_changed(&nqn);
+        if rec.backing.is_some() {
+            target
+                .set_ana_state(&nqn, 1, AnaState::Optimized)
+                .map_err(Error::invalid)?;
+        }
+        tracing::info!(volume, subnqn = %nqn, owner = rec.backing.is_some(), size = rec.size,
+                       "nvmf: cluster volume path exported");
+        Ok(nqn)
+    }
+
+    /// Stop exporting this node's path to cluster volume `volume`.
+    pub fn remove_cluster_path(&self, volume: &str) -> Result<(), Error> {
+        let nqn = cluster_nqn(volume);
+        let target = self.nvmf_target()?.clone();
+        if !self.nvmf.cluster_paths().contains_key(&nqn) {
+            return Err(nf("cluster path", volume));
+        }
+        let _ = target.set_ana_state(&nqn, 1, AnaState::Inaccessible);
+        self.nvmf.cluster_paths().remove(&nqn);
+        self.nvmf.cluster_generation.fetch_add(1, Ordering::AcqRel);
+        target.subsystem_changed(&nqn);
+        Ok(())
+    }
+
+    /// The other nodes' NVMe/TCP I/O listeners (`HOST:PORT`) serving cluster volume
+    /// `volume`: this node's discovery log lists them with its own port, so a host asking
+    /// any node learns every path. Replaces the list set before.
+    pub fn set_discovery_paths(&self, volume: &str, addrs: &[String]) -> Result<(), Error> {
+        let nqn = cluster_nqn(volume);
+        valid_nqn(&nqn)?;
+        let mut paths = Vec::with_capacity(addrs.len());
+        for a in addrs {
+            let (host, port) = a
+                .rsplit_once(':')
+                .filter(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+                .ok_or_else(|| Error::invalid(format!("'{a}' is not HOST:PORT")))?;
+            paths.push((host.trim_matches(['[', ']']).to_string(), port.to_string()));
+        }
+        self.nvmf_target()?.set_other_paths(&nqn, paths);
+        Ok(())
+    }
+
+    /// This node's cluster volume paths: (volume, owner, size).
+    pub fn cluster_paths(&self) -> Vec<(String, bool, u64)> {
+        self.nvmf
+            .cluster_paths()
+            .values()
+            .map(|r| (r.volume.clone(), r.backing.is_some(), r.size))
+            .collect()
+    }
+}
+
 fn valid_host(h: &str) -> Result<(), Error> {
     if !h.starts_with("nqn.") || h.len() > 223 {
         return Err(Error::invalid(format!("'{h}' is not a host NQN")));
@@ -398,6 +589,12 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
         }
     }
     let target = Target::new(Arc::new(NodeCatalog(Arc::downgrade(node))));
+    if let Some([first, last]) = cfg.cntlid_range {
+        // Checked when the configuration was loaded.
+        if let Err(e) = target.set_cntlid_range(first, last) {
+            tracing::error!(error = %e, "nvmf: [nvmf] cntlid_range ignored");
+        }
+    }
     let _ = node.nvmf.target.set(target.clone());
     let mut addrs = Vec::new();
     let mut ports: BTreeMap<String, bool> = BTreeMap::new();

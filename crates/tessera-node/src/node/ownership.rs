@@ -236,41 +236,30 @@ impl Node {
         })
     }
 
-    /// Serve an owned volume under its cluster-wide NVMe/TCP name too (NBD proxies on
-    /// other nodes and NVMe/TCP hosts reach the owner there), backed by the local leg.
-    fn export_cluster_path(&self, volume: &str, local_volume: &str) {
+    /// This node's NVMe/TCP path of cluster volume `volume` (`nqn...:cluster:VOLUME`,
+    /// ANA, docs/architecture.md "NVMe/TCP target"): Optimized and backed by the local
+    /// replica on the owner, Inaccessible without data elsewhere. Changed only when it
+    /// differs (a change sends hosts an ANA notice).
+    fn set_cluster_path(&self, volume: &str, owner: bool, size: u64) {
         if !self.cfg.nvmf.enabled {
             return;
         }
-        let nqn = super::proxy::cluster_nqn(volume);
-        let sub = match self.nvmf_get(&nqn) {
-            Ok(s) => s,
-            Err(_) => match self.nvmf_add_subsystem(&nqn, true, &[]) {
-                Ok(s) => s,
-                Err(e) => {
-                    warn!(volume = %volume, nqn = %nqn, error = %e, "cannot export the volume over NVMe/TCP");
-                    return;
-                }
-            },
-        };
-        if sub.namespaces.is_empty() {
-            if let Err(e) = self.nvmf_add_namespace(&nqn, local_volume, 1) {
-                warn!(volume = %volume, nqn = %nqn, error = %e, "cannot export the volume over NVMe/TCP");
-            }
-        }
-    }
-
-    /// Stop serving a given-up volume under its cluster-wide name: its hosts are cut off
-    /// first (their writes would fail anyway).
-    fn unexport_cluster_path(&self, volume: &str) {
-        let nqn = super::proxy::cluster_nqn(volume);
-        if self.nvmf_get(&nqn).is_err() {
+        let now = self
+            .cluster_paths()
+            .into_iter()
+            .find(|(v, _, _)| v == volume)
+            .map(|(_, backed, _)| backed);
+        if now == Some(owner) {
             return;
         }
-        if let Some(t) = self.nvmf.target() {
-            let _ = t.evict(&nqn, |_| false, "this node gave the volume up");
+        let path = if owner {
+            super::ClusterPath::Owner
+        } else {
+            super::ClusterPath::Standby { size }
+        };
+        if let Err(e) = self.export_cluster_path(volume, path) {
+            warn!(volume = %volume, owner, error = %e, "cannot set the volume's NVMe/TCP cluster path");
         }
-        self.nvmf_remove_subsystem_waiting(&nqn);
     }
 
     /// [`Node::publish_replica_states`], a failure logged (the watcher catches up).
@@ -311,9 +300,7 @@ impl Node {
             .cloned();
         if let Some(rv) = rv {
             self.fence_volume(&rv);
-            if let Some(v) = rv.local_volume() {
-                self.export_cluster_path(volume, &v.name);
-            }
+            self.set_cluster_path(volume, true, rv.size());
         }
     }
 
@@ -369,11 +356,8 @@ impl Node {
                 .unwrap_or_else(|e| e.into_inner())
                 .get(&name)
                 .cloned();
-            if let Some(rv) = rv {
-                self.fence_volume(&rv);
-                if let Some(v) = rv.local_volume() {
-                    self.export_cluster_path(&name, &v.name);
-                }
+            if let Some(rv) = &rv {
+                self.fence_volume(rv);
             }
             match self.publish_replica_states(&name) {
                 Ok(()) => {
@@ -381,6 +365,9 @@ impl Node {
                         .write()
                         .unwrap_or_else(|e| e.into_inner())
                         .remove(&name);
+                    if let Some(rv) = &rv {
+                        self.set_cluster_path(&name, true, rv.size());
+                    }
                     info!(volume = %name, epoch = self.owned_epoch(&name), "owned volume confirmed by the cluster: serving");
                 }
                 Err(SpecRefusal::Lost(why)) => self.give_up(&name, &why),
@@ -431,7 +418,10 @@ impl Node {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(volume);
-        self.unexport_cluster_path(volume);
+        // Inaccessible here before its data goes (hosts move to the owner's path).
+        if let Some(rv) = &rv {
+            self.set_cluster_path(volume, false, rv.size());
+        }
         let Some(rv) = rv else { return };
         rv.close();
         let local = rv.local_volume();
@@ -663,7 +653,7 @@ impl Node {
             });
         }
         // 4. Served under the volume's name, as on the old owner.
-        self.export_cluster_path(volume, &replica_vol);
+        self.set_cluster_path(volume, true, spec.size);
         if self.find_export(volume).is_none() {
             let record = tessera_pool::ExportRecord {
                 name: volume.to_string(),
@@ -744,8 +734,13 @@ impl Node {
         let (Ok(specs), Ok(live)) = (self.cluster_volumes(), m.nodes()) else {
             return;
         };
+        let addrs: BTreeMap<String, String> = live
+            .iter()
+            .filter_map(|n| n.nvmf.clone().map(|a| (n.name.clone(), a)))
+            .collect();
         let live: Vec<String> = live.into_iter().map(|n| n.name).collect();
         for spec in specs {
+            self.advertise_paths(&spec, &addrs);
             let mine = self.owned_epoch(&spec.name);
             if spec.owner == me {
                 if mine == Some(spec.epoch) {
@@ -766,6 +761,30 @@ impl Node {
                 }
             }
         }
+    }
+
+    /// A replica holder serves a standby NVMe/TCP path of the volume, and every holder's
+    /// discovery lists the other holders' paths, so a multipath host finds them all and
+    /// the owner's is the optimized one.
+    fn advertise_paths(&self, spec: &ClusterVolume, addrs: &BTreeMap<String, String>) {
+        if !self.cfg.nvmf.enabled {
+            return;
+        }
+        let me = self.cfg.node_name();
+        if spec.place_on(&me).is_none() {
+            return;
+        }
+        if spec.owner != me && self.owned_epoch(&spec.name).is_none() {
+            self.set_cluster_path(&spec.name, false, spec.size);
+        }
+        let others: Vec<String> = spec
+            .replicas
+            .iter()
+            .map(|p| node_of(p))
+            .filter(|n| *n != me)
+            .filter_map(|n| addrs.get(n).cloned())
+            .collect();
+        let _ = self.set_discovery_paths(&spec.name, &others);
     }
 
     /// An owner's care of its volume's replicas: a replica whose node stays away past the

@@ -159,10 +159,14 @@ impl Node {
         if let Some(p) = slot.upgrade().filter(|p| p.owner == spec.owner) {
             return Ok(p);
         }
-        // One path until the initiator follows ANA across several: the owner's.
-        let remote = RemoteSpec::parse(&paths[0]).map_err(|e| e.to_string())?;
+        // Every member's path, the owner's first: the initiator uses the ANA-optimized
+        // one and moves with the volume when another member takes it over.
+        let remote = RemoteSpec::parse(&multipath_url(&paths)).map_err(|e| e.to_string())?;
         let cfg = RemoteConfig {
-            timeout: Duration::from_millis(self.cfg.replication.timeout_ms.max(1)),
+            // Long enough to ride out a failover (the owner's lease must expire first).
+            timeout: Duration::from_millis(
+                self.cfg.replication.timeout_ms.max(1) + 2 * self.cfg.cluster.lease_ttl_ms,
+            ),
             hostnqn: super::fencing::host_nqn(&self.cfg.node_name()),
             ..RemoteConfig::default()
         };
@@ -345,5 +349,35 @@ impl ExportCatalog for ExportSession<'_> {
         let info = self.proxy_info(&spec, proxy.size());
         *self.prepared.lock().unwrap_or_else(|e| e.into_inner()) = Some(proxy);
         Ok(info)
+    }
+}
+
+/// One multipath URL (`nvme-tcp://A:P,B:Q/NQN?nsid=1`) from single-path URLs of one
+/// subsystem.
+fn multipath_url(paths: &[String]) -> String {
+    let split = |u: &str| -> (String, String) {
+        let rest = u.strip_prefix("nvme-tcp://").unwrap_or(u);
+        match rest.split_once('/') {
+            Some((addr, tail)) => (addr.to_string(), tail.to_string()),
+            None => (rest.to_string(), String::new()),
+        }
+    };
+    let tail = paths.first().map(|p| split(p).1).unwrap_or_default();
+    let addrs: Vec<String> = paths.iter().map(|p| split(p).0).collect();
+    format!("nvme-tcp://{}/{tail}", addrs.join(","))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn multipath_url_joins_the_addresses_of_one_subsystem() {
+        let p = [
+            "nvme-tcp://10.0.0.1:4420/nqn.x:cluster:db?nsid=1".to_string(),
+            "nvme-tcp://10.0.0.2:4421/nqn.x:cluster:db?nsid=1".to_string(),
+        ];
+        assert_eq!(
+            super::multipath_url(&p),
+            "nvme-tcp://10.0.0.1:4420,10.0.0.2:4421/nqn.x:cluster:db?nsid=1"
+        );
     }
 }

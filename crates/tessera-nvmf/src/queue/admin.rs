@@ -296,12 +296,17 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 .iter()
                 .find(|n| n.nsid == nsid)
                 .map(|n| NamespaceInfo {
-                    blocks: n.export.target.size() >> target::LBA_SHIFT,
-                    allocated_blocks: n.export.target.allocated_bytes() >> target::LBA_SHIFT,
+                    blocks: n.size() >> target::LBA_SHIFT,
+                    allocated_blocks: n
+                        .export
+                        .as_ref()
+                        .map_or(0, |e| e.target.allocated_bytes() >> target::LBA_SHIFT),
                     lba_shift: target::LBA_SHIFT,
                     nguid: n.nguid,
                     eui64: n.eui64,
                     uuid: n.uuid,
+                    // One ANA group per namespace.
+                    anagrpid: n.nsid,
                 })
         };
         let data = match cns {
@@ -319,6 +324,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 kas: 1,
                 aerl: target::AERL,
                 elpe: u8_of(target::ERROR_LOG - 1),
+                ana: !ctrl.discovery,
             }),
             CNS_NAMESPACE if !ctrl.discovery => match ns_info(sqe.nsid) {
                 Some(n) => identify_namespace(&n),
@@ -351,7 +357,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
         let page = match lid {
             LID_DISCOVERY if ctrl.discovery => {
                 let e = self.target.discovery_entries(&ctrl.hostnqn);
-                discovery_log(self.target.catalog.generation(), &e)
+                discovery_log(self.target.discovery_generation(), &e)
             }
             LID_ERROR => {
                 let st = ctrl.state();
@@ -364,7 +370,10 @@ impl<T: ExportTarget> NvmfQueue<T> {
                     if sqe.nsid != 0xFFFF_FFFF && sqe.nsid != 0 && sqe.nsid != n.nsid {
                         continue;
                     }
-                    let st = n.export.target.stats();
+                    let Some(export) = &n.export else {
+                        continue;
+                    };
+                    let st = export.target.stats();
                     sm.read_bytes += st.read_bytes;
                     sm.write_bytes += st.write_bytes;
                     sm.reads += st.reads;
@@ -382,6 +391,10 @@ impl<T: ExportTarget> NvmfQueue<T> {
                     *x = *fw.get(i).unwrap_or(&b' ');
                 }
                 b
+            }
+            LID_ANA if !ctrl.discovery => {
+                let groups_only = log_specific(&sqe) & ANA_LSP_RGO != 0;
+                self.target.ana_log(ctrl, groups_only)
             }
             LID_CHANGED_NS if !ctrl.discovery => {
                 let ids = std::mem::take(&mut ctrl.state().changed);

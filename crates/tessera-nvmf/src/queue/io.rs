@@ -24,24 +24,45 @@ impl<T: ExportTarget> NvmfQueue<T> {
 
     pub(super) fn open_namespaces(&mut self, io: &mut CoreIo, ctrl: &Controller<T>) {
         for n in self.ns.drain(..) {
-            n.target.unregister_stats(&n.stats);
+            n.close();
         }
         for e in ctrl.namespaces() {
-            let t = e.export.target.clone();
-            let stats = t.register_stats();
             let i = u32_of(self.ns.len());
+            let ana = self.target.ana_group(&ctrl.subnqn, e.nsid);
+            let blocks = e.size() >> target::LBA_SHIFT;
+            let (backing, qos, stats, read_only) = match e.export {
+                Some(x) => {
+                    let stats = x.target.register_stats();
+                    let read_only = x.target.read_only();
+                    let backing = Backing {
+                        vol: x.target.open(),
+                        target: x.target,
+                    };
+                    (Some(backing), x.qos, stats, read_only)
+                }
+                // No data here: nothing is admitted to anything, so an unlimited gate.
+                None => (
+                    None,
+                    Arc::new(tessera_export::VolumeQos::new(
+                        Default::default(),
+                        Instant::now(),
+                    )),
+                    Arc::new(IoStats::default()),
+                    false,
+                ),
+            };
             let gate = Gate::new(
                 io,
-                &e.export.qos,
+                &qos,
                 self.tag(SLOT_GATE - 2 * i),
                 self.tag(SLOT_GATE - 2 * i - 1),
             );
             self.ns.push(Ns {
                 nsid: e.nsid,
-                vol: t.open(),
-                read_only: t.read_only(),
-                blocks: t.size() >> target::LBA_SHIFT,
-                target: t,
+                backing,
+                ana,
+                read_only,
+                blocks,
                 gate,
                 stats,
             });
@@ -102,9 +123,15 @@ impl<T: ExportTarget> NvmfQueue<T> {
     /// Hand `op` to namespace `ns`; its buffer (if any) is one of the slot's buffers.
     pub(super) fn submit(&mut self, io: &mut CoreIo, ns: usize, op: IoOp, tag: Tag) {
         self.in_io += 1;
-        // SAFETY: a Read or Write buffer is the slot's `buf` or `buf2`, which stay with
-        // the slot (not released, not reused) until the slot's I/O completes in on_io.
-        unsafe { self.ns[ns].vol.submit(io, op, tag) };
+        match &mut self.ns[ns].backing {
+            // SAFETY: a Read or Write buffer is the slot's `buf` or `buf2`, which stay
+            // with the slot (not released, not reused) until the slot's I/O completes in
+            // on_io.
+            Some(b) => unsafe { b.vol.submit(io, op, tag) },
+            // dispatch_io refused the command already; namespaces are only reopened with
+            // no I/O in flight, so this is never reached, and fails safe if it were.
+            None => io.complete(tag, -libc::EIO),
+        }
     }
 
     /// The byte range of an LBA-addressed command, if it lies inside the namespace.
@@ -122,20 +149,31 @@ impl<T: ExportTarget> NvmfQueue<T> {
         let sqe = self.slots[idx].sqe;
         let ns = self.slots[idx].ns;
         self.slots[idx].phase = Phase::Io;
+        if let Some(n) = self.ns.get(ns) {
+            // Asymmetric Namespace Access: one relaxed load per command.
+            let ana = n.ana.state(n.backing.is_some());
+            if !ana.accessible() {
+                return self.finish(io, s, ana.io_status());
+            }
+        }
         let writes = matches!(sqe.opc, IO_WRITE | IO_WRITE_ZEROES | IO_DSM);
         if writes && self.ns.get(ns).is_some_and(|n| n.read_only) {
             return self.finish(io, s, SC_NS_WRITE_PROTECTED | DNR);
         }
         if ns == usize::MAX {
-            // Flush of every namespace.
-            if self.ns.is_empty() {
+            // Flush of every namespace reachable through this path.
+            let reachable = |n: &Ns<T>| n.ana.state(n.backing.is_some()).accessible();
+            let count = self.ns.iter().filter(|n| reachable(n)).count();
+            if count == 0 {
                 return self.finish(io, s, 0);
             }
-            let child = io.join(tag, u32_of(self.ns.len()));
+            let child = io.join(tag, u32_of(count));
             self.in_io += 1;
-            for n in &mut self.ns {
-                // SAFETY: a flush carries no buffer.
-                unsafe { n.vol.submit(io, IoOp::Flush, child) };
+            for n in self.ns.iter_mut().filter(|n| reachable(n)) {
+                if let Some(b) = &mut n.backing {
+                    // SAFETY: a flush carries no buffer.
+                    unsafe { b.vol.submit(io, IoOp::Flush, child) };
+                }
             }
             return;
         }
@@ -223,8 +261,12 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 let child = io.join(tag, u32_of(ops.len()));
                 self.in_io += 1;
                 for op in ops {
-                    // SAFETY: a discard carries no buffer.
-                    unsafe { self.ns[ns].vol.submit(io, op, child) };
+                    match &mut self.ns[ns].backing {
+                        // SAFETY: a discard carries no buffer.
+                        Some(b) => unsafe { b.vol.submit(io, op, child) },
+                        // Checked accessible (hence backed) above.
+                        None => io.complete(child, -libc::EIO),
+                    }
                 }
             }
             _ => self.finish(io, s, SC_INVALID_OPCODE | DNR),

@@ -133,14 +133,31 @@ enum Out {
 /// block (the same pieces an NBD connection uses).
 struct Ns<T: ExportTarget> {
     nsid: u32,
-    target: Arc<T>,
-    vol: T::Handle,
+    /// None: the namespace holds no data on this path (every I/O gets an ANA status).
+    backing: Option<Backing<T>>,
+    /// The namespace's ANA group on this target: read once per I/O command.
+    ana: Arc<target::AnaGroup>,
     /// Writes are refused (a read-only target).
     read_only: bool,
     /// QoS admission for this namespace's volume (limits, group, shares).
     gate: Gate,
     stats: Arc<IoStats>,
     blocks: u64,
+}
+
+/// The target behind a namespace and this core's handle to it.
+struct Backing<T: ExportTarget> {
+    target: Arc<T>,
+    vol: T::Handle,
+}
+
+impl<T: ExportTarget> Ns<T> {
+    /// Hand the connection's figures back to the target (the queue closes or reopens).
+    fn close(self) {
+        if let Some(b) = &self.backing {
+            b.target.unregister_stats(&self.stats);
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -306,7 +323,7 @@ impl<T: ExportTarget> Drop for NvmfQueue<T> {
             );
         }
         for n in self.ns.drain(..) {
-            n.target.unregister_stats(&n.stats);
+            n.close();
         }
         if let Some(c) = self.ctrl.take() {
             if self.registered {
