@@ -613,3 +613,80 @@ fn a_partitioned_owner_acknowledges_nothing_the_new_owner_lacks_and_rejoins_afte
         }
     }
 }
+
+#[test]
+fn fio_verify_through_a_non_owner_rides_out_the_owners_kill() {
+    if !require_tool("etcd") || !require_tool("fio") {
+        return;
+    }
+    let etcd = EtcdCluster::start("fof", 1);
+    let mut nodes = members("fof", &etcd);
+    let e = etcd_client(&etcd);
+    wait_members(&e);
+    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
+    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    // Every replica holder serves a (standby) NVMe/TCP path of the volume.
+    for n in &nodes[1..] {
+        wait_for("a standby cluster path", 20, || {
+            n.json(&["nvmf", "subsystem", "list"])
+                .to_string()
+                .contains(":cluster:db")
+                || tessera_http::request(
+                    &tessera_http::Endpoint::parse(&n.api()),
+                    "GET",
+                    "/v1/nvmf/cluster-paths",
+                    None,
+                )
+                .is_ok_and(|(_, t)| t.contains("\"db\""))
+        });
+    }
+    // fio (crc32c verify) through node-c, which does not own the volume: its NBD proxy
+    // reaches the owner over NVMe/TCP and follows the optimized path.
+    let uri = nodes[2].uri("db");
+    let fio = std::process::Command::new("fio")
+        .current_dir(&nodes[2].dir)
+        .args([
+            "--name=fo",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=8",
+            "--size=16M",
+            "--rate_iops=1500",
+            "--loops=3",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--do_verify=1",
+            "--group_reporting",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start fio");
+    std::thread::sleep(Duration::from_secs(3));
+    let killed = Instant::now();
+    nodes[0].kill9();
+    let owner = wait_new_owner(&e, "db", "node-a", 30);
+    println!(
+        "FIO FAILOVER: {owner} owns db {} ms after the kill",
+        killed.elapsed().as_millis()
+    );
+    let out = fio.wait_with_output().expect("fio");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "fio failed ({}):\n{text}", out.status);
+    assert!(
+        !text.contains("verify:") && !text.contains("bad magic") && text.contains("err= 0"),
+        "fio reported errors:\n{text}"
+    );
+    for l in text.lines().filter(|l| {
+        l.contains("clat") && l.contains("max=") || l.trim_start().starts_with("write:")
+    }) {
+        println!("FIO through the failover: {}", l.trim());
+    }
+}
