@@ -690,3 +690,82 @@ fn fio_verify_through_a_non_owner_rides_out_the_owners_kill() {
         println!("FIO through the failover: {}", l.trim());
     }
 }
+
+#[test]
+fn a_replica_lost_past_the_grace_period_is_replaced_on_another_node() {
+    if !require_tool("etcd") {
+        return;
+    }
+    let etcd = EtcdCluster::start("fog", 1);
+    let mut nodes: Vec<TestNode> = ["node-a", "node-b", "node-c", "node-d"]
+        .iter()
+        .zip(["z1", "z2", "z3", "z4"])
+        .map(|(n, z)| cluster_member(&format!("fog-{n}"), n, z, &etcd, 256, "grace_ms = 3000"))
+        .collect();
+    let e = etcd_client(&etcd);
+    wait_for("four members listed with their pools", 30, || {
+        ["node-a", "node-b", "node-c", "node-d"].iter().all(|n| {
+            e.get(&tessera_cluster::node_key(n))
+                .ok()
+                .flatten()
+                .and_then(|kv| serde_json::from_slice::<NodeRecord>(&kv.value).ok())
+                .is_some_and(|r| !r.pools.is_empty())
+        })
+    });
+    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
+    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let spec = spec_of(&e, "db").unwrap();
+    let victim = spec.replicas[2].split(':').next().unwrap().to_string();
+    let spare = ["node-b", "node-c", "node-d"]
+        .into_iter()
+        .find(|n| {
+            !spec
+                .replicas
+                .iter()
+                .any(|p| p.starts_with(&format!("{n}:")))
+        })
+        .unwrap();
+    let mut f = Follower::new(etcd_client(&etcd), "db");
+    write_all_blocks(&mut f, 1);
+
+    // The victim dies and stays away: after the grace period its replica is removed,
+    // recorded lost, and a new one is placed on the spare node and copied.
+    let vi = ["node-a", "node-b", "node-c", "node-d"]
+        .iter()
+        .position(|n| *n == victim)
+        .unwrap();
+    nodes[vi].kill9();
+    let t = Instant::now();
+    wait_for("the lost replica replaced and copied", 60, || {
+        spec_of(&e, "db").is_some_and(|s| {
+            s.replicas.len() == 3
+                && s.replicas
+                    .iter()
+                    .any(|p| p.starts_with(&format!("{spare}:")))
+                && s.out_of_sync.is_empty()
+                && s.lost.is_empty()
+        })
+    });
+    println!(
+        "REPLACED: {victim}'s replica on {spare}, fully redundant {} ms after the kill (grace 3 s)",
+        t.elapsed().as_millis()
+    );
+    // The copy holds the data; the rebuild slot was given back.
+    write_all_blocks(&mut f, 2);
+    let si = ["node-a", "node-b", "node-c", "node-d"]
+        .iter()
+        .position(|n| *n == spare)
+        .unwrap();
+    wait_for("the spare in sync after the last writes", 20, || {
+        spec_of(&e, "db").is_some_and(|s| s.out_of_sync.is_empty())
+    });
+    let img = replica_image(&nodes[si], "db", "check");
+    assert!(
+        stamps_of(&img).iter().all(|&s| s == 2),
+        "the new replica lacks writes"
+    );
+    wait_for("no rebuild running", 20, || {
+        e.list(&format!("{}rebuilds/", tessera_cluster::PREFIX))
+            .is_ok_and(|l| l.is_empty())
+    });
+}

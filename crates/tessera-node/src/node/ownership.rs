@@ -745,6 +745,15 @@ impl Node {
             if spec.owner == me {
                 if mine == Some(spec.epoch) {
                     self.maintain(&spec, &live, absent);
+                } else if mine.is_none()
+                    && self
+                        .replicated
+                        .read()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .contains_key(&spec.name)
+                {
+                    // Held back at start because etcd did not answer then: confirm now.
+                    self.confirm_ownership();
                 }
                 continue;
             }
