@@ -215,12 +215,7 @@ impl Node {
         &self,
         volume: &str,
     ) -> std::result::Result<(), SpecRefusal> {
-        let rv = self
-            .replicated
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(volume)
-            .cloned();
+        let rv = self.replica_set(volume);
         let Some(rv) = rv else {
             return Err(SpecRefusal::Lost(format!(
                 "volume '{volume}' is not open here"
@@ -292,12 +287,7 @@ impl Node {
                 return;
             }
         }
-        let rv = self
-            .replicated
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(volume)
-            .cloned();
+        let rv = self.replica_set(volume);
         if let Some(rv) = rv {
             self.fence_volume(&rv);
             self.set_cluster_path(volume, true, rv.size());
@@ -333,12 +323,7 @@ impl Node {
                 Ok(None) => {
                     // A volume replicated before the node joined a cluster: its spec
                     // starts now, at epoch 1.
-                    let rv = self
-                        .replicated
-                        .read()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .get(&name)
-                        .cloned();
+                    let rv = self.replica_set(&name);
                     if let Some(rv) = rv {
                         let (places, _) = self.replica_places(&rv);
                         self.update_volume_spec_replicas(&name, rv.size(), &places);
@@ -350,12 +335,7 @@ impl Node {
                     continue;
                 }
             }
-            let rv = self
-                .replicated
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&name)
-                .cloned();
+            let rv = self.replica_set(&name);
             if let Some(rv) = &rv {
                 self.fence_volume(rv);
             }
@@ -398,13 +378,7 @@ impl Node {
     /// "Cluster"); the new owner adds this node back as a fresh replica.
     pub(super) fn give_up(&self, volume: &str, why: &str) {
         let _g = self.admin();
-        if self.owned_epoch(volume).is_none()
-            && !self
-                .replicated
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .contains_key(volume)
-        {
+        if self.owned_epoch(volume).is_none() && self.replica_set(volume).is_none() {
             return;
         }
         warn!(volume = %volume, reason = %why, "this node no longer owns the volume: giving it up");
@@ -745,13 +719,7 @@ impl Node {
             if spec.owner == me {
                 if mine == Some(spec.epoch) {
                     self.maintain(&spec, &live, absent);
-                } else if mine.is_none()
-                    && self
-                        .replicated
-                        .read()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .contains_key(&spec.name)
-                {
+                } else if mine.is_none() && self.replica_set(&spec.name).is_some() {
                     // Held back at start because etcd did not answer then: confirm now.
                     self.confirm_ownership();
                 }
@@ -808,12 +776,7 @@ impl Node {
         let me = self.cfg.node_name();
         // The spec lags the replica set when etcd was away as a replica came back in
         // sync (or a change was not recorded): catch up.
-        let rv = self
-            .replicated
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&spec.name)
-            .cloned();
+        let rv = self.replica_set(&spec.name);
         if let Some(rv) = rv {
             let (places, out) = self.replica_places(&rv);
             if places != spec.replicas || out != spec.out_of_sync {

@@ -64,6 +64,15 @@ impl Node {
         Cores::new(self.reactors.clone())
     }
 
+    /// The replicated volume this node owns under `name`, if open.
+    pub(super) fn replica_set(&self, name: &str) -> Option<Arc<ReplicatedVolume>> {
+        self.replicated
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+    }
+
     /// The replicated volume whose local leg is `vol`, if any.
     pub fn replicated_of(&self, vol: &Volume) -> Option<Arc<ReplicatedVolume>> {
         // A volume taken over from another owner may have a local leg named otherwise
@@ -489,13 +498,7 @@ impl Node {
 
     /// In a cluster, the volume's spec lists its replicas as they are now.
     fn publish_replica_places(&self, name: &str) {
-        let Some(rv) = self
-            .replicated
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-            .cloned()
-        else {
+        let Some(rv) = self.replica_set(name) else {
             return;
         };
         let me = self.cfg.node_name();
