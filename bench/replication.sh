@@ -96,6 +96,38 @@ rt=$(timeout 60 $T nvmf perf --addr "127.0.0.1:$NVMF_B" --nqn "$NQN" --pattern r
   --size 1G --time "$SECS" 2>/dev/null | grep '^RESULT' | sed 's/.*mean_us=\([0-9.]*\).*/\1/')
 echo "NVMe/TCP round trip to the replica alone (nvmf perf randwrite QD1, mean): ${rt} us"
 
+# Snapshot under load (issue 14 on a replicated volume): 4 KiB randwrite QD32 for 6 s,
+# a snapshot created at 2 s (or none), on the plain and on the replicated volume; the
+# longest client I/O (fio clat max), the create call's latency, and how long the owner
+# held the replicated volume's writes (its log's paused_ms).
+now_us() { date +%s%6N; }
+stall_run() { # VOLUME none|snapshot ROUND -> "clat_max_us create_ms paused_ms"
+  timeout 70 fio --name=s --ioengine=nbd "--uri=nbd://127.0.0.1:$NBD_A/$1" --rw=randwrite \
+    --bs=4k --iodepth=32 --size=1G --time_based --runtime=6 --output-format=json \
+    "--output=$DIR/stall.json" >/dev/null 2>&1 &
+  local f=$! ms=- paused=-
+  sleep 2
+  if [[ $2 == snapshot ]]; then
+    local t0 t1; t0=$(now_us)
+    $T "${A[@]}" snapshot create "$1" --name "st-$1-$3" >/dev/null; t1=$(now_us)
+    ms=$(python3 -c "print('%.1f' % (($t1 - $t0) / 1000))")
+    paused=$(grep 'snapshots created' "$DIR/a.log" | tail -1 | sed -n 's/.*paused_ms=\([0-9.]*\).*/\1/p')
+    [[ $1 == plain ]] && paused=-
+  fi
+  wait $f || { echo "fio failed" >&2; exit 1; }
+  python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["jobs"][0]["write"]; print("%.0f" % (d["clat_ns"]["max"]/1000))' "$DIR/stall.json" | tr -d '\n'
+  echo " $ms ${paused:--}"
+  [[ $2 == snapshot ]] && $T "${A[@]}" snapshot delete "st-$1-$3" >/dev/null
+}
+echo "snapshot under 4k randwrite QD32 (6 s, created at 2 s): volume kind clat_max_us create_ms paused_ms"
+for r in $(seq "${SNAP_ROUNDS:-2}"); do
+  for v in plain rep; do
+    for kind in none snapshot; do
+      echo "stall $r $v $kind $(stall_run $v $kind $r)"
+    done
+  done
+done
+
 # Resync: stop node-b past the timeout, dirty DIRTY MiB, resume it.
 before=$(fio_run "nbd://127.0.0.1:$NBD_A/rep" randread 1 2)
 kill -STOP $PB
