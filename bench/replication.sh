@@ -9,7 +9,8 @@
 #     written, it is resumed; the bytes the resync copied against the dirty bytes, its
 #     rate, and a QD1 client's IOPS on the volume while the resync runs against before.
 # Both nodes use RAM pools and share this machine's CPUs (2 on the reference VM).
-# Usage: bench/replication.sh   (env: SECS [5], DIRTY [256] MiB, RATE [0 = unlimited])
+# Usage: bench/replication.sh   (env: SECS [5], DIRTY [256] MiB, RATE [0 = unlimited],
+#   ONLY=snapshot: only the snapshot-under-load rows, SNAP_ROUNDS [2])
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${SECS:-5}
@@ -56,7 +57,7 @@ $T node --config "$DIR/b.toml" >"$DIR/b.log" 2>&1 &
 PB=$!
 $T node --config "$DIR/a.toml" >"$DIR/a.log" 2>&1 &
 PA=$!
-trap 'kill -CONT $PB 2>/dev/null; kill $PA $PB 2>/dev/null; wait $PA $PB 2>/dev/null; rm -rf "$DIR"' EXIT
+trap 'kill -CONT $PB 2>/dev/null; kill $PA $PB 2>/dev/null; wait $PA $PB 2>/dev/null; [[ -n ${KEEP:-} ]] && echo "kept $DIR" || rm -rf "$DIR"' EXIT
 for f in a b; do
   for _ in $(seq 100); do [[ -S "$DIR/$f/data/api.sock" ]] && break; sleep 0.1; done
 done
@@ -82,8 +83,10 @@ for v in plain rep; do
   timeout 300 fio --name=fill --ioengine=nbd "--uri=nbd://127.0.0.1:$NBD_A/$v" --rw=write --bs=1M \
     --iodepth=8 --size=1G >/dev/null 2>&1
 done
+ONLY=${ONLY:-all}   # all | snapshot (only the snapshot-under-load rows)
 printf '%-22s %-20s %-20s %s\n' "test" "local iops/mean_us" "replicated" "ratio"
-for spec in "randwrite 1" "randwrite 128" "randread 128" "randread 1"; do
+[[ $ONLY == snapshot ]] && SPECS=() || SPECS=("randwrite 1" "randwrite 128" "randread 128" "randread 1")
+for spec in "${SPECS[@]}"; do
   set -- $spec
   l1=$(fio_run "nbd://127.0.0.1:$NBD_A/plain" "$1" "$2" "$SECS")
   r1=$(fio_run "nbd://127.0.0.1:$NBD_A/rep" "$1" "$2" "$SECS")
@@ -92,18 +95,21 @@ for spec in "randwrite 1" "randwrite 128" "randread 128" "randread 1"; do
   ratio=$(python3 -c "print('%.2f' % ((${r1% *}+${r2% *})/(${l1% *}+${l2% *})))")
   printf '%-22s %-20s %-20s %s\n' "$1 QD$2" "$l1 | $l2" "$r1 | $r2" "$ratio"
 done
+[[ $ONLY == snapshot ]] || {
 rt=$(timeout 60 $T nvmf perf --addr "127.0.0.1:$NVMF_B" --nqn "$NQN" --pattern randwrite --qd 1 \
   --size 1G --time "$SECS" 2>/dev/null | grep '^RESULT' | sed 's/.*mean_us=\([0-9.]*\).*/\1/')
 echo "NVMe/TCP round trip to the replica alone (nvmf perf randwrite QD1, mean): ${rt} us"
+}
 
-# Snapshot under load (issue 14 on a replicated volume): 4 KiB randwrite QD32 for 6 s,
+# Snapshot under load (issue 14 on a replicated volume): 4 KiB randwrite QD32 for 6 s
+# over the first 256 MiB (each snapshot then pins at most 256 MiB of the RAM pools),
 # a snapshot created at 2 s (or none), on the plain and on the replicated volume; the
 # longest client I/O (fio clat max), the create call's latency, and how long the owner
 # held the replicated volume's writes (its log's paused_ms).
 now_us() { date +%s%6N; }
 stall_run() { # VOLUME none|snapshot ROUND -> "clat_max_us create_ms paused_ms"
   timeout 70 fio --name=s --ioengine=nbd "--uri=nbd://127.0.0.1:$NBD_A/$1" --rw=randwrite \
-    --bs=4k --iodepth=32 --size=1G --time_based --runtime=6 --output-format=json \
+    --bs=4k --iodepth=32 --size=256M --time_based --runtime=6 --output-format=json \
     "--output=$DIR/stall.json" >/dev/null 2>&1 &
   local f=$! ms=- paused=-
   sleep 2
@@ -128,6 +134,7 @@ for r in $(seq "${SNAP_ROUNDS:-2}"); do
   done
 done
 
+[[ $ONLY == snapshot ]] && exit 0
 # Resync: stop node-b past the timeout, dirty DIRTY MiB, resume it.
 before=$(fio_run "nbd://127.0.0.1:$NBD_A/rep" randread 1 2)
 kill -STOP $PB
