@@ -37,6 +37,14 @@ pub const FAILURE_POLL: Duration = Duration::from_millis(100);
 /// stay free (counted as free space), so the reserve costs no capacity.
 const ZERO_RESERVE: usize = 32;
 
+/// Bytes of free units a parity pool keeps in its allocation reserve (docs/format.md
+/// §3.5): what an unclean open zeroes at most. 256 MiB is ~0.1-0.3 s of zeroing on one
+/// disk, and at 1 MiB units 256 allocations between two commits (a burst of first
+/// writes larger than half of it asks for a commit early).
+const ALLOCATION_RESERVE_BYTES: u64 = 256 << 20;
+/// Bounds on the reserve in units, whatever the unit size.
+const ALLOCATION_RESERVE_UNITS: (u64, u64) = (2, 1024);
+
 /// How a new pool is made ([`Pool::create`]).
 #[derive(Clone, Copy, Debug)]
 pub struct PoolOptions {
@@ -84,6 +92,8 @@ impl Default for PoolTuning {
 
 pub(crate) enum CommitRequest {
     Flush(RemoteCompleter, Tag),
+    /// The allocation reserve of a parity pool runs low: commit to top it up.
+    Refill,
     Stop,
 }
 
@@ -104,6 +114,17 @@ pub(crate) struct State {
     pub zero_epoch: u64,
     /// The pool is closing: the zeroer returns.
     pub zeroer_stop: bool,
+    /// Parity pools: the allocation reserve (docs/format.md §3.5), units whose
+    /// reservation is durable: the only units `allocate` hands out. Lowest first.
+    pub reserve: VecDeque<u32>,
+    /// Units reserved (owner `OWNER_RESERVED`) whose reservation is not durable yet: they
+    /// join `reserve` when the commit or checkpoint that records them succeeds.
+    pub reserving: Vec<u32>,
+    /// An allocation asked the commit thread to top the reserve up (asked once).
+    pub reserve_wanted: bool,
+    /// The last commit that should have made reservations durable failed: an allocation
+    /// that finds the reserve empty fails (EIO) instead of waiting.
+    pub reserve_failed: bool,
     pub records: Vec<Record>,
     pub volumes: BTreeMap<u32, Arc<Volume>>,
     pub exports: Vec<ExportRecord>,
@@ -173,6 +194,11 @@ pub struct PoolCore {
 /// `PoolCore::allocate` for a volume whose chain has data at the unit: the write must
 /// take the first-write path (`volume::first_write`). Not an errno.
 pub(crate) const NEEDS_REDIRECT: i32 = i32::MIN;
+
+/// `PoolCore::allocate` in a parity pool whose allocation reserve is empty while free
+/// units remain: a commit that reserves more is under way; the write retries later (the
+/// first-write path's retry), the reactor never waits for it. Not an errno.
+pub(crate) const NEEDS_RESERVE: i32 = i32::MIN + 1;
 
 pub struct Pool {
     pub core: Arc<PoolCore>,
@@ -251,6 +277,10 @@ impl PoolCore {
         if vol.parent().is_some() && vol.ancestor_maps().iter().any(|m| m.get(unit) != HOLE) {
             return Err(NEEDS_REDIRECT);
         }
+        if self.layout.parity.is_some() {
+            let p = self.take_reserved(&mut s)?;
+            return Ok(self.map_allocated(&mut s, vol, &map, unit, p));
+        }
         let (p, is_zero) = loop {
             let pick = if whole {
                 s.free.pop().map(|p| (p, false))
@@ -274,7 +304,7 @@ impl PoolCore {
             // The reserve was used (or is empty): the zeroer tops it up.
             self.zero_wanted.notify_one();
         }
-        if !whole && !is_zero && self.layout.parity.is_none() {
+        if !whole && !is_zero {
             if let Err(e) = self
                 .layout
                 .write_zeroes_at((p as u64) << self.unit_shift, self.unit_size())
@@ -283,6 +313,18 @@ impl PoolCore {
                 return Err(-e.raw_os_error().unwrap_or(libc::EIO));
             }
         }
+        Ok(self.map_allocated(&mut s, vol, &map, unit, p))
+    }
+
+    /// Record pool unit `p` as `vol`'s unit `unit` (a full unit) and publish it.
+    fn map_allocated(
+        &self,
+        s: &mut State,
+        vol: &Volume,
+        map: &crate::volume::UnitMap,
+        unit: u64,
+        p: u32,
+    ) -> u32 {
         s.owners[p as usize] = (vol.layer(), u32_of(unit));
         self.presence.set_full(p);
         s.records.push(Record {
@@ -292,7 +334,75 @@ impl PoolCore {
         });
         map.set(unit, p);
         vol.allocated.fetch_add(1, Relaxed);
-        Ok(p)
+        p
+    }
+
+    /// A parity pool's next unit for a volume: from the allocation reserve only (its
+    /// reservation is durable, so a power loss before this allocation is committed
+    /// leaves it reserved, and the next open zeroes it: docs/format.md §3.5). Asks the
+    /// commit thread for more when half of the reserve is used; never waits for it.
+    pub(crate) fn take_reserved(&self, s: &mut State) -> std::result::Result<u32, i32> {
+        let p = s.reserve.pop_front();
+        if p.is_none() {
+            if s.free.is_empty() && s.reserving.is_empty() {
+                return Err(-libc::ENOSPC);
+            }
+            if s.reserve_failed {
+                return Err(-libc::EIO);
+            }
+        }
+        let low = s.reserve.len() * 2 < self.reserve_target();
+        if low && !s.reserve_wanted && !(s.free.is_empty() && s.reserving.is_empty()) {
+            let tx = self.commit_tx.lock().unwrap_or_else(|e| e.into_inner());
+            if tx.send(CommitRequest::Refill).is_err() {
+                // The commit thread is gone (the pool is closing): nothing will refill.
+                return p.ok_or(-libc::ESHUTDOWN);
+            }
+            s.reserve_wanted = true;
+        }
+        p.ok_or(NEEDS_RESERVE)
+    }
+
+    /// Units a parity pool's allocation reserve holds at most.
+    fn reserve_target(&self) -> usize {
+        let (lo, hi) = ALLOCATION_RESERVE_UNITS;
+        usize_of((ALLOCATION_RESERVE_BYTES >> self.unit_shift).clamp(lo, hi))
+    }
+
+    /// Parity pools: move free units into the allocation reserve (owner `OWNER_RESERVED`,
+    /// a journal record each) until it is full. Returns every reserved unit whose
+    /// reservation is not durable yet; the caller makes them durable with the pending
+    /// records and hands them to `reservation_done`.
+    fn top_up_reserve(&self, s: &mut State) -> Vec<u32> {
+        if self.layout.parity.is_none() {
+            return Vec::new();
+        }
+        s.reserve_wanted = false;
+        while s.reserve.len() + s.reserving.len() < self.reserve_target() {
+            let Some(p) = s.free.pop() else { break };
+            s.owners[p as usize] = (OWNER_RESERVED, 0);
+            s.records.push(Record {
+                pool_unit: p,
+                volume_id: OWNER_RESERVED,
+                volume_unit: 0,
+            });
+            s.reserving.push(p);
+        }
+        std::mem::take(&mut s.reserving)
+    }
+
+    /// The records of `reserved` (from `top_up_reserve`) are durable, or failed to be.
+    fn reservation_done(&self, reserved: Vec<u32>, durable: bool) {
+        if self.layout.parity.is_none() {
+            return;
+        }
+        let mut s = self.lock();
+        s.reserve_failed = !durable;
+        if durable {
+            s.reserve.extend(reserved);
+        } else {
+            s.reserving.extend(reserved);
+        }
     }
 
     /// Units zeroed so far stop counting as zeroed: called when a rebuild starts, since
@@ -308,7 +418,11 @@ impl PoolCore {
     /// Free units ready for a volume: the free list, the zeroed reserve and the unit
     /// being zeroed.
     pub(crate) fn free_units(s: &State) -> usize {
-        s.free.len() + s.zeroed.len() + usize::from(s.zeroing.is_some())
+        s.free.len()
+            + s.zeroed.len()
+            + usize::from(s.zeroing.is_some())
+            + s.reserve.len()
+            + s.reserving.len()
     }
 
     /// Give units `[first, last]` of `vol` back to the pool.
@@ -424,16 +538,18 @@ impl PoolCore {
     pub fn commit(&self) -> Result<()> {
         self.persist_device_state()?;
         let mut cur = self.journal();
-        let (records, freed) = {
+        let (records, freed, reserved) = {
             let mut s = self.lock();
             for v in s.volumes.values() {
                 if v.compact_wanted.swap(false, Relaxed) {
                     v.compact_map();
                 }
             }
+            let reserved = self.top_up_reserve(&mut s);
             (
                 std::mem::take(&mut s.records),
                 std::mem::take(&mut s.pending_free),
+                reserved,
             )
         };
         let freed = self.zero_freed(freed);
@@ -441,7 +557,9 @@ impl PoolCore {
         if cur.force_checkpoint
             || cur.next_seq + blocks - cur.ckpt_seq > self.meta.sb.journal_blocks
         {
-            // The snapshot taken by the checkpoint contains these records' effects.
+            // The snapshot taken by the checkpoint contains these records' effects; it
+            // makes the reservations durable too (and hands them to the reserve).
+            self.lock().reserving.extend(reserved);
             let r = self.checkpoint_locked(&mut cur);
             self.release(freed, r.is_ok());
             return r;
@@ -464,6 +582,7 @@ impl PoolCore {
             Ok(()) => {
                 cur.next_seq += blocks;
                 self.release(freed, true);
+                self.reservation_done(reserved, true);
                 Ok(())
             }
             Err(e) => {
@@ -471,6 +590,7 @@ impl PoolCore {
                 cur.force_checkpoint = true;
                 self.lock().records.splice(0..0, records);
                 self.release(freed, false);
+                self.reservation_done(reserved, false);
                 Err(e)
             }
         }
@@ -519,8 +639,9 @@ impl PoolCore {
     fn checkpoint_flags(&self, cur: &mut JournalCursor, flags: u32) -> Result<()> {
         // Snapshot first, sync data second: every unit the snapshot maps was zeroed or
         // written before the snapshot, so the sync covers it.
-        let (catalog, owners) = {
+        let (catalog, owners, reserved) = {
             let mut s = self.lock();
+            let reserved = self.top_up_reserve(&mut s);
             s.records.clear();
             let mut catalog = s.catalog();
             catalog.partial = s
@@ -528,7 +649,7 @@ impl PoolCore {
                 .iter()
                 .map(|&p| (p, self.presence.bits(p)))
                 .collect();
-            (catalog.encode()?, s.owners.clone())
+            (catalog.encode()?, s.owners.clone(), reserved)
         };
         let generation = cur.ckpt_gen + 1;
         let slot_a = !cur.newest_is_a;
@@ -552,10 +673,12 @@ impl PoolCore {
                 cur.next_seq = journal_seq;
                 cur.newest_is_a = slot_a;
                 cur.force_checkpoint = false;
+                self.reservation_done(reserved, true);
                 Ok(())
             }
             Err(e) => {
                 cur.force_checkpoint = true;
+                self.reservation_done(reserved, false);
                 Err(e)
             }
         }
@@ -648,6 +771,7 @@ fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
         for r in first.into_iter().chain(rx.try_iter()) {
             match r {
                 CommitRequest::Flush(rc, tag) => waiters.push((rc, tag)),
+                CommitRequest::Refill => {}
                 CommitRequest::Stop => stop = true,
             }
         }
@@ -805,14 +929,19 @@ impl Pool {
         meta.write_checkpoint(true, 0, 1, 1, &catalog, &owners)
             .map_err(ioe("writing the first checkpoint"))?;
         layout.sync().map_err(ioe("syncing the new pool"))?;
-        Self::assemble(
+        let pool = Self::assemble(
             name,
             meta,
             Catalog::decode(&catalog)?,
             owners,
             (1, 1, true),
             (0, labels),
-        )
+        )?;
+        if pool.core.layout.parity.is_some() {
+            // Fill the allocation reserve (docs/format.md §3.5) before the first write.
+            pool.core.checkpoint()?;
+        }
+        Ok(pool)
     }
 
     /// Open an existing pool from its devices (in label order), tuned by default.
@@ -847,6 +976,10 @@ impl Pool {
             }
         })?;
         catalog.partial = partial.into_iter().collect();
+        let clean = ck.header.flags & crate::format::CKPT_FLAG_CLEAN != 0;
+        if !clean && meta.layout.parity.is_some() {
+            Self::zero_reserved(&first.pool_name, &meta, &owners)?;
+        }
         let pool = Self::assemble(
             &first.pool_name,
             meta,
@@ -859,14 +992,48 @@ impl Pool {
             let mut cur = pool.core.journal();
             cur.ckpt_seq = ck.header.journal_seq;
         }
-        pool.was_clean.store(
-            ck.header.flags & crate::format::CKPT_FLAG_CLEAN != 0,
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        pool.was_clean
+            .store(clean, std::sync::atomic::Ordering::Relaxed);
         // Fold the replayed journal into a fresh checkpoint (and skip a journal lap).
         // It has no clean flag: until the next clean shutdown the pool counts as open.
         pool.core.checkpoint()?;
         Ok(pool)
+    }
+
+    /// After an unclean shutdown of a parity pool: zero every unit of its allocation
+    /// reserve (docs/format.md §3.5). Any of them may have been handed out and written
+    /// after the last commit, which then never recorded its new owner; a later partial
+    /// write into it would otherwise leave that data readable around it. The reserve is
+    /// bounded (`ALLOCATION_RESERVE_BYTES`), so is this work. Through the layout's
+    /// synchronous face, which writes whole rows (the parity follows the zeroes) and
+    /// journals the rows a unit shares with its neighbours.
+    fn zero_reserved(name: &str, meta: &MetaStore, owners: &[(u32, u32)]) -> Result<()> {
+        let unit = meta.sb.unit_size;
+        let started = std::time::Instant::now();
+        let mut zeroed = 0u64;
+        for (p, o) in owners.iter().enumerate() {
+            if o.0 != OWNER_RESERVED || (p as u64) < meta.sb.meta_units {
+                continue;
+            }
+            meta.layout
+                .write_zeroes_at(p as u64 * unit, unit)
+                .map_err(|e| Error::io(&format!("zeroing reserved unit {p}"), e))?;
+            zeroed += 1;
+        }
+        if zeroed > 0 {
+            // Durable before any of them is handed out (the open's checkpoint syncs too).
+            meta.layout
+                .sync()
+                .map_err(|e| Error::io("syncing the zeroed reserved units", e))?;
+            tracing::info!(
+                pool = %name,
+                units = zeroed,
+                bytes = zeroed * unit,
+                ms = started.elapsed().as_millis() as u64,
+                "zeroed the allocation reserve after an unclean shutdown"
+            );
+        }
+        Ok(())
     }
 
     /// Read every device's label. Returns the device state of the newest readable label
@@ -1011,6 +1178,10 @@ impl Pool {
                 zeroing: None,
                 zero_epoch: 0,
                 zeroer_stop: false,
+                reserve: VecDeque::new(),
+                reserving: Vec::new(),
+                reserve_wanted: false,
+                reserve_failed: false,
                 records: Vec::new(),
                 volumes: BTreeMap::new(),
                 exports: catalog.exports.clone(),
@@ -1070,9 +1241,16 @@ impl Pool {
                 .map(|v| (v.layer(), (v, v.current_map())))
                 .collect();
             let mut free = Vec::new();
+            let parity = core.layout.parity.is_some();
             for (p, o) in owners.iter_mut().enumerate() {
                 if p < meta_units {
                     *o = (OWNER_META, 0);
+                    continue;
+                }
+                if parity && o.0 == OWNER_RESERVED {
+                    // Zeroed by `open_with` after an unclean shutdown.
+                    *o = (OWNER_RESERVED, 0);
+                    s.reserve.push_back(u32_of(p));
                     continue;
                 }
                 match maps.get(&o.0) {
@@ -1092,7 +1270,7 @@ impl Pool {
             for (p, bits) in &catalog.partial {
                 let owned = owners
                     .get(*p as usize)
-                    .is_some_and(|o| o.0 != OWNER_FREE && o.0 != OWNER_META);
+                    .is_some_and(|o| ![OWNER_FREE, OWNER_META, OWNER_RESERVED].contains(&o.0));
                 if owned {
                     core.presence.load_bits(*p, bits);
                     if !core.presence.is_full(*p) {
@@ -1372,7 +1550,7 @@ impl Pool {
         s.owners
             .iter()
             .enumerate()
-            .filter(|(_, o)| o.0 != OWNER_FREE && o.0 != OWNER_META)
+            .filter(|(_, o)| ![OWNER_FREE, OWNER_META, OWNER_RESERVED].contains(&o.0))
             .map(|(p, _)| p as u64)
             .collect()
     }
