@@ -573,8 +573,12 @@ impl Pool {
         let layers: BTreeMap<u32, &Arc<Volume>> =
             s.volumes.values().map(|v| (v.layer(), v)).collect();
         for (p, &(layer, u)) in s.owners.iter().enumerate() {
-            if [OWNER_FREE, crate::format::OWNER_META, crate::format::OWNER_RESERVED]
-                .contains(&layer)
+            if [
+                OWNER_FREE,
+                crate::format::OWNER_META,
+                crate::format::OWNER_RESERVED,
+            ]
+            .contains(&layer)
             {
                 continue;
             }
