@@ -1833,3 +1833,83 @@ fn validate_volume_size(size: u64, unit: u64) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tessera_device::{BlockDevice, RamDevice};
+    use tessera_io::IoOp;
+    use tessera_testkit::blockio::{core, read, run, write};
+
+    use super::*;
+
+    fn raid5_pool() -> Pool {
+        let devs: Vec<Arc<dyn BlockDevice>> = (0..3)
+            .map(|_| RamDevice::new(48 << 20).unwrap() as Arc<dyn BlockDevice>)
+            .collect();
+        let opts = PoolOptions {
+            layout: LayoutKind::Raid5 { stripe: 16 << 10 },
+            ..PoolOptions::default()
+        };
+        Pool::create("p", devs, opts).unwrap()
+    }
+
+    /// Empty the allocation reserve into the free list, as if a burst had used it up.
+    fn drain_reserve(pool: &Pool) {
+        let mut s = pool.core.lock();
+        assert!(!s.reserve.is_empty(), "the reserve was not filled");
+        let units = std::mem::take(&mut s.reserve);
+        s.free.extend(units.into_iter().rev());
+    }
+
+    /// A write into a new unit that finds a parity pool's reserve empty neither fails
+    /// nor blocks its reactor: it is retried until the commit thread has reserved more
+    /// (a partial write, a whole-unit write and a write-zeroes each find it empty). Once
+    /// the pool is full, a new unit is ENOSPC as before.
+    #[test]
+    fn parity_allocation_waits_for_the_reserve_off_the_reactor() {
+        let pool = raid5_pool();
+        let unit = pool.core.unit_size();
+        let units = pool.status().free / unit;
+        let v = pool.create_volume("v", units * unit).unwrap();
+        let mut io = core();
+        let mut h = v.open_handle();
+        drain_reserve(&pool);
+        assert_eq!(write(&mut io, &mut h, 4096, &[7u8; 4096]), 0);
+        drain_reserve(&pool);
+        let whole = vec![9u8; usize_of(unit)];
+        assert_eq!(write(&mut io, &mut h, unit, &whole), 0);
+        drain_reserve(&pool);
+        let zeroes = IoOp::WriteZeroes {
+            offset: 2 * unit + 512,
+            len: 8192,
+            may_unmap: false,
+        };
+        assert_eq!(run(&mut io, &mut h, zeroes), 0);
+        assert_eq!(v.allocated_bytes(), 3 * unit);
+        let got = read(&mut io, &mut h, 0, usize_of(2 * unit)).unwrap();
+        assert!(got[..4096].iter().all(|&b| b == 0));
+        assert!(got[4096..8192].iter().all(|&b| b == 7));
+        assert!(got[8192..usize_of(unit)].iter().all(|&b| b == 0));
+        assert!(got[usize_of(unit)..] == whole[..]);
+        {
+            // Only reserved units were handed out, and the reserve is all that is free.
+            let s = pool.core.lock();
+            let reserved = s.owners.iter().filter(|o| o.0 == OWNER_RESERVED).count();
+            assert_eq!(reserved, s.reserve.len() + s.reserving.len());
+            assert!(
+                s.free.is_empty(),
+                "a small pool's free units all fit the reserve"
+            );
+        }
+        // Fill the rest (each unit from the reserve), then the pool is full.
+        for u in 3..units {
+            assert_eq!(write(&mut io, &mut h, u * unit, &[1u8; 512]), 0, "unit {u}");
+        }
+        assert_eq!(pool.status().free, 0);
+        let w = pool.create_volume("w", unit).unwrap();
+        let mut hw = w.open_handle();
+        assert_eq!(write(&mut io, &mut hw, 0, &[1u8; 512]), -libc::ENOSPC);
+    }
+}
