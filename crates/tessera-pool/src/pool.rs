@@ -1029,7 +1029,7 @@ impl Pool {
                 pool = %name,
                 units = zeroed,
                 bytes = zeroed * unit,
-                ms = started.elapsed().as_millis() as u64,
+                ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
                 "zeroed the allocation reserve after an unclean shutdown"
             );
         }
