@@ -125,6 +125,8 @@ pub(crate) struct State {
     /// The last commit that should have made reservations durable failed: an allocation
     /// that finds the reserve empty fails (EIO) instead of waiting.
     pub reserve_failed: bool,
+    /// The commit thread has returned (the pool is closing): nothing tops the reserve up.
+    pub committer_stopped: bool,
     pub records: Vec<Record>,
     pub volumes: BTreeMap<u32, Arc<Volume>>,
     pub exports: Vec<ExportRecord>,
@@ -349,6 +351,9 @@ impl PoolCore {
             }
             if s.reserve_failed {
                 return Err(-libc::EIO);
+            }
+            if s.committer_stopped {
+                return Err(-libc::ESHUTDOWN);
             }
         }
         let low = s.reserve.len() * 2 < self.reserve_target();
@@ -739,6 +744,12 @@ fn zeroer_loop(core: Arc<PoolCore>) {
 }
 
 fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
+    commit_requests(&core, &rx);
+    // A write waiting for the allocation reserve must not wait for this thread any more.
+    core.lock().committer_stopped = true;
+}
+
+fn commit_requests(core: &PoolCore, rx: &Receiver<CommitRequest>) {
     let mut last = std::time::Instant::now();
     loop {
         // Mirrors: a device failure is recorded within FAILURE_POLL (and before any
@@ -1182,6 +1193,7 @@ impl Pool {
                 reserving: Vec::new(),
                 reserve_wanted: false,
                 reserve_failed: false,
+                committer_stopped: false,
                 records: Vec::new(),
                 volumes: BTreeMap::new(),
                 exports: catalog.exports.clone(),
