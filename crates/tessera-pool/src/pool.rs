@@ -38,10 +38,11 @@ pub const FAILURE_POLL: Duration = Duration::from_millis(100);
 const ZERO_RESERVE: usize = 32;
 
 /// Bytes of free units a parity pool keeps in its allocation reserve (docs/format.md
-/// §3.5): what an unclean open zeroes at most. 256 MiB is ~0.1-0.3 s of zeroing on one
-/// disk, and at 1 MiB units 256 allocations between two commits (a burst of first
-/// writes larger than half of it asks for a commit early).
-const ALLOCATION_RESERVE_BYTES: u64 = 256 << 20;
+/// §3.5): what an unclean open zeroes at most (healthy rows are zeroed with the devices'
+/// write-zeroes; rows with a failed device go through the stripe journal, seconds for
+/// ~100 MiB on a busy machine). At 1 MiB units, 64 allocations between two commits; a
+/// burst of first writes beyond half of it asks for a commit early (one per 32 MiB).
+const ALLOCATION_RESERVE_BYTES: u64 = 64 << 20;
 /// Bounds on the reserve in units, whatever the unit size.
 const ALLOCATION_RESERVE_UNITS: (u64, u64) = (2, 1024);
 
@@ -1568,12 +1569,14 @@ impl Pool {
     }
 
     /// Pool units a rebuild has to copy: the metadata units and every allocated unit.
+    /// Units of a parity pool's allocation reserve are free space and skipped like free
+    /// units (a rebuild would otherwise copy up to the whole reserve more).
     pub fn rebuild_units(&self) -> Vec<u64> {
         let s = self.core.lock();
         s.owners
             .iter()
             .enumerate()
-            .filter(|(_, o)| o.0 != OWNER_FREE)
+            .filter(|(_, o)| o.0 != OWNER_FREE && o.0 != OWNER_RESERVED)
             .map(|(p, _)| p as u64)
             .collect()
     }
