@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_device::{BlockDevice, FileDevice};
+use tessera_io::buf::AlignedBuf;
 use tessera_pool::{LayoutKind, Pool, PoolOptions};
 use tessera_testkit::blockio::{core, write};
 
@@ -46,8 +47,12 @@ fn main() {
             let v = pool.create_volume("v", 64 << 20).expect("volume");
             let mut io = core();
             let mut h = v.open_handle();
+            // O_DIRECT files: an aligned buffer.
+            let mut data = AlignedBuf::zeroed(4096);
+            data.as_mut_slice().fill(7);
             for u in 0..64u64 {
-                assert!(write(&mut io, &mut h, u << 20, &[7u8; 4096]) >= 0);
+                let r = write(&mut io, &mut h, u << 20, data.as_slice());
+                assert!(r >= 0, "write: {r}");
             }
             pool.commit().expect("commit");
             println!("prepared: free {} MiB", pool.status().free >> 20);

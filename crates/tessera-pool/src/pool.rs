@@ -1016,9 +1016,10 @@ impl Pool {
     /// reserve (docs/format.md §3.5). Any of them may have been handed out and written
     /// after the last commit, which then never recorded its new owner; a later partial
     /// write into it would otherwise leave that data readable around it. The reserve is
-    /// bounded (`ALLOCATION_RESERVE_BYTES`), so is this work. Through the layout's
-    /// synchronous face, which writes whole rows (the parity follows the zeroes) and
-    /// journals the rows a unit shares with its neighbours.
+    /// bounded (`ALLOCATION_RESERVE_BYTES`), so is this work. The rows inside a unit are
+    /// zeroed without the stripe journal (`Layout::zero_at_open`): a crash during this
+    /// leaves the units reserved in the durable metadata, and the next (unclean) open
+    /// zeroes them again; the rows a unit shares with its neighbours are journaled.
     fn zero_reserved(name: &str, meta: &MetaStore, owners: &[(u32, u32)]) -> Result<()> {
         let unit = meta.sb.unit_size;
         let started = std::time::Instant::now();
@@ -1028,7 +1029,7 @@ impl Pool {
                 continue;
             }
             meta.layout
-                .write_zeroes_at(p as u64 * unit, unit)
+                .zero_at_open(p as u64 * unit, unit)
                 .map_err(|e| Error::io(&format!("zeroing reserved unit {p}"), e))?;
             zeroed += 1;
         }
