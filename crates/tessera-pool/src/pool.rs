@@ -259,7 +259,9 @@ impl PoolCore {
     /// A whole-unit write takes a unit that was not zeroed, leaving the zeroed ones to
     /// partial writes. Parity layouts keep every free unit zeroed (see `zero_freed`):
     /// zeroing here, on a reactor, could wait for a row lock that this very reactor's
-    /// in-flight I/O holds (a unit's edge row is shared with the next).
+    /// in-flight I/O holds (a unit's edge row is shared with the next). They hand out
+    /// units of their allocation reserve only (`take_reserved`), so a unit written before
+    /// its allocation is committed is zeroed again after a power loss.
     pub(crate) fn allocate(
         &self,
         vol: &Volume,
