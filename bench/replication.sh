@@ -9,7 +9,10 @@
 #     written, it is resumed; the bytes the resync copied against the dirty bytes, its
 #     rate, and a QD1 client's IOPS on the volume while the resync runs against before.
 # Both nodes use RAM pools and share this machine's CPUs (2 on the reference VM).
-# Usage: bench/replication.sh   (env: SECS [5], DIRTY [256] MiB, RATE [0 = unlimited])
+# Usage: bench/replication.sh   (env: SECS [5], DIRTY [256] MiB, RATE [0 = unlimited],
+#   POLL_US [50] both nodes' hybrid polling window, SPECS ["randwrite:1 randwrite:128
+#   randread:128 randread:1"] the fio rows, RESYNC [1] (0 skips the resync part),
+#   TESSERA [target/release/tessera] the binary, e.g. from bench/ab.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${SECS:-5}
@@ -17,8 +20,10 @@ DIRTY=${DIRTY:-1024}
 RATE=${RATE:-0}
 CORES=${CORES:-1}   # reactor cores per node (two nodes and fio share the CPUs)
 POLL_US=${POLL_US:-50}  # hybrid polling window of both nodes (the node default)
-T=target/release/tessera
-cargo build --release --bin tessera -p tessera-cli >/dev/null
+SPECS=${SPECS:-randwrite:1 randwrite:128 randread:128 randread:1}
+RESYNC=${RESYNC:-1}
+T=${TESSERA:-target/release/tessera}
+[[ "$T" != target/release/tessera ]] || cargo build --release --bin tessera -p tessera-cli >/dev/null
 command -v fio >/dev/null || { echo "fio is needed (scripts/install-deps.sh)" >&2; exit 1; }
 DIR=$(mktemp -d /tmp/tessera-repl-bench.XXXXXX)
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -83,8 +88,8 @@ for v in plain rep; do
     --iodepth=8 --size=1G >/dev/null 2>&1
 done
 printf '%-22s %-20s %-20s %s\n' "test" "local iops/mean_us" "replicated" "ratio"
-for spec in "randwrite 1" "randwrite 128" "randread 128" "randread 1"; do
-  set -- $spec
+for spec in $SPECS; do
+  set -- ${spec/:/ }
   l1=$(fio_run "nbd://127.0.0.1:$NBD_A/plain" "$1" "$2" "$SECS")
   r1=$(fio_run "nbd://127.0.0.1:$NBD_A/rep" "$1" "$2" "$SECS")
   r2=$(fio_run "nbd://127.0.0.1:$NBD_A/rep" "$1" "$2" "$SECS")
@@ -95,6 +100,10 @@ done
 rt=$(timeout 60 $T nvmf perf --addr "127.0.0.1:$NVMF_B" --nqn "$NQN" --pattern randwrite --qd 1 \
   --size 1G --time "$SECS" 2>/dev/null | grep '^RESULT' | sed 's/.*mean_us=\([0-9.]*\).*/\1/')
 echo "NVMe/TCP round trip to the replica alone (nvmf perf randwrite QD1, mean): ${rt} us"
+if [[ $RESYNC == 0 ]]; then
+  echo "load after the run: $(cut -d' ' -f1-3 /proc/loadavg)"
+  exit 0
+fi
 
 # Resync: stop node-b past the timeout, dirty DIRTY MiB, resume it.
 before=$(fio_run "nbd://127.0.0.1:$NBD_A/rep" randread 1 2)
