@@ -10,7 +10,11 @@
 #     rate, and a QD1 client's IOPS on the volume while the resync runs against before.
 # Both nodes use RAM pools and share this machine's CPUs (2 on the reference VM).
 # Usage: bench/replication.sh   (env: SECS [5], DIRTY [256] MiB, RATE [0 = unlimited],
-#   ONLY=snapshot: only the snapshot-under-load rows, SNAP_ROUNDS [2])
+#   POLL_US [50] both nodes' hybrid polling window, SPECS ["randwrite:1 randwrite:128
+#   randread:128 randread:1"] the fio rows, RESYNC [1] (0 skips the resync part),
+#   TESSERA [target/release/tessera] the binary, e.g. from bench/ab.sh,
+#   ONLY=snapshot: only the snapshot-under-load rows, SNAP_ROUNDS [2 with ONLY=snapshot,
+#   else 0] rounds of them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${SECS:-5}
@@ -18,8 +22,10 @@ DIRTY=${DIRTY:-1024}
 RATE=${RATE:-0}
 CORES=${CORES:-1}   # reactor cores per node (two nodes and fio share the CPUs)
 POLL_US=${POLL_US:-50}  # hybrid polling window of both nodes (the node default)
-T=target/release/tessera
-cargo build --release --bin tessera -p tessera-cli >/dev/null
+SPECS=${SPECS:-randwrite:1 randwrite:128 randread:128 randread:1}
+RESYNC=${RESYNC:-1}
+T=${TESSERA:-target/release/tessera}
+[[ "$T" != target/release/tessera ]] || cargo build --release --bin tessera -p tessera-cli >/dev/null
 command -v fio >/dev/null || { echo "fio is needed (scripts/install-deps.sh)" >&2; exit 1; }
 DIR=$(mktemp -d /tmp/tessera-repl-bench.XXXXXX)
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -85,9 +91,9 @@ for v in plain rep; do
 done
 ONLY=${ONLY:-all}   # all | snapshot (only the snapshot-under-load rows)
 printf '%-22s %-20s %-20s %s\n' "test" "local iops/mean_us" "replicated" "ratio"
-[[ $ONLY == snapshot ]] && SPECS=() || SPECS=("randwrite 1" "randwrite 128" "randread 128" "randread 1")
-for spec in "${SPECS[@]}"; do
-  set -- $spec
+[[ $ONLY == snapshot ]] && SPECS=""
+for spec in $SPECS; do
+  set -- ${spec/:/ }
   l1=$(fio_run "nbd://127.0.0.1:$NBD_A/plain" "$1" "$2" "$SECS")
   r1=$(fio_run "nbd://127.0.0.1:$NBD_A/rep" "$1" "$2" "$SECS")
   r2=$(fio_run "nbd://127.0.0.1:$NBD_A/rep" "$1" "$2" "$SECS")
@@ -125,8 +131,9 @@ stall_run() { # VOLUME none|snapshot ROUND -> "clat_max_us create_ms paused_ms"
   echo " $ms ${paused:--}"
   [[ $2 == snapshot ]] && $T "${A[@]}" snapshot delete "st-$1-$3" >/dev/null
 }
-echo "snapshot under 4k randwrite QD32 (6 s, created at 2 s): volume kind clat_max_us create_ms paused_ms"
-for r in $(seq "${SNAP_ROUNDS:-2}"); do
+[[ $ONLY == snapshot ]] && SNAP_ROUNDS=${SNAP_ROUNDS:-2} || SNAP_ROUNDS=${SNAP_ROUNDS:-0}
+(( SNAP_ROUNDS > 0 )) && echo "snapshot under 4k randwrite QD32 (6 s, created at 2 s): volume kind clat_max_us create_ms paused_ms"
+for r in $(seq "$SNAP_ROUNDS"); do
   for v in plain rep; do
     for kind in none snapshot; do
       echo "stall $r $v $kind $(stall_run $v $kind $r)"
@@ -134,7 +141,10 @@ for r in $(seq "${SNAP_ROUNDS:-2}"); do
   done
 done
 
-[[ $ONLY == snapshot ]] && exit 0
+if [[ $ONLY == snapshot || $RESYNC == 0 ]]; then
+  echo "load after the run: $(cut -d' ' -f1-3 /proc/loadavg)"
+  exit 0
+fi
 # Resync: stop node-b past the timeout, dirty DIRTY MiB, resume it.
 before=$(fio_run "nbd://127.0.0.1:$NBD_A/rep" randread 1 2)
 kill -STOP $PB

@@ -82,6 +82,11 @@ struct Outcome {
     data: Vec<Vec<u8>>,
     stats: LinkStats,
     elapsed: Duration,
+    /// The most commands the core counted as waiting for a peer on this host right after
+    /// this job's submissions (the reactor sleeps instead of polling while any do).
+    peer_waits_max: usize,
+    /// What the core still counted when the job's last completion arrived.
+    peer_waits_left: usize,
 }
 
 /// Runs a list of requests through the core's RemoteHandle at a queue depth.
@@ -101,6 +106,7 @@ struct Job {
     tx: Sender<Outcome>,
     started: Instant,
     done: bool,
+    peer_waits_max: usize,
 }
 
 impl Job {
@@ -133,6 +139,7 @@ impl Job {
                 Handle::Volume(h) => unsafe { h.submit(io, op, tag) },
             }
         }
+        self.peer_waits_max = self.peer_waits_max.max(io.peer_waits());
     }
 }
 
@@ -199,6 +206,8 @@ impl Job {
             data,
             stats,
             elapsed: self.started.elapsed(),
+            peer_waits_max: self.peer_waits_max,
+            peer_waits_left: io.peer_waits(),
         });
     }
 }
@@ -256,15 +265,21 @@ impl Core {
                 tx,
                 started: Instant::now(),
                 done: false,
+                peer_waits_max: 0,
             }) as Box<dyn Task>
         }));
         rx
     }
 
     fn run(&self, dev: &Arc<RemoteDevice>, reqs: Vec<Req>, qd: usize, limit: Duration) -> Outcome {
-        self.spawn(dev, reqs, qd, Arc::new(AtomicUsize::new(0)))
+        let o = self
+            .spawn(dev, reqs, qd, Arc::new(AtomicUsize::new(0)))
             .recv_timeout(limit)
-            .expect("the job finished in time")
+            .expect("the job finished in time");
+        // Every command answered (or failed) is no longer counted as waiting on the peer:
+        // a leftover count would stop this core's polling for good.
+        assert_eq!(o.peer_waits_left, 0, "peer waits left after the job");
+        o
     }
 }
 
@@ -394,6 +409,13 @@ fn writes_read_back_directly_and_through_nbd_and_qd64_batches() {
         20_000.0 / o.elapsed.as_secs_f64()
     );
     assert!(capsules >= 20_000);
+    // The target is on this host: commands in flight count as waits on a peer here, one
+    // each, up to the queue depth.
+    assert!(
+        (2..=64).contains(&o.peer_waits_max),
+        "QD64 peer waits: {}",
+        o.peer_waits_max
+    );
     assert!(
         sends * 3 / 2 < capsules,
         "QD64 writes were not batched: {capsules} capsules in {sends} sends"
@@ -450,6 +472,8 @@ fn a_killed_and_restarted_target_loses_no_io() {
     );
     assert!(o.stats.connects >= 2, "the queue did not reconnect");
     assert!(o.stats.resubmitted > 0, "nothing was in flight at the kill");
+    // Commands dropped with the connection and sent again are counted once, not twice.
+    assert_eq!(o.peer_waits_left, 0, "peer waits left after the restart");
     // Acknowledged writes must be durable on the target before we compare after another
     // restart; flush, then check both ways.
     let o = core.run(&dev, vec![Req::Flush], 1, Duration::from_secs(10));

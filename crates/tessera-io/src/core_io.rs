@@ -145,6 +145,10 @@ pub struct CoreIo {
     /// Tags to complete in the next round, after the ring has been polled.
     deferred: Vec<Tag>,
     hooks: Vec<std::rc::Rc<dyn Continuation>>,
+    /// Operations outstanding on this core whose completion comes from a peer node on
+    /// this host (see [`CoreIo::note_peer_waits`]); the reactor sleeps instead of polling
+    /// while there are any.
+    peer_waits: usize,
 }
 
 impl CoreIo {
@@ -180,6 +184,7 @@ impl CoreIo {
             round: 0,
             deferred: Vec::new(),
             hooks: Vec::new(),
+            peer_waits: 0,
         })
     }
 
@@ -233,6 +238,26 @@ impl CoreIo {
         for tag in std::mem::take(&mut self.deferred) {
             self.complete(tag, 0);
         }
+    }
+
+    /// A user of this core (a remote initiator's queue) now has `now` operations waiting
+    /// for a peer node on this host, instead of `before`. While the core has any, the
+    /// reactor sleeps rather than polls (`crate::poll`): the answer needs that peer's
+    /// reactor, which shares our CPUs. Each user reports its own count's changes, so the
+    /// core's total stays exact without per-I/O bookkeeping here.
+    #[inline]
+    pub fn note_peer_waits(&mut self, before: usize, now: usize) {
+        debug_assert!(
+            self.peer_waits >= before,
+            "more peer waits released than noted"
+        );
+        self.peer_waits = self.peer_waits.saturating_sub(before) + now;
+    }
+
+    /// Operations outstanding on this core that wait for a peer node on this host.
+    #[inline]
+    pub fn peer_waits(&self) -> usize {
+        self.peer_waits
     }
 
     /// Something other threads can use to complete a tag on this core (e.g. a flush served

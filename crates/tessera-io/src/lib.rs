@@ -13,6 +13,7 @@ pub mod cast;
 pub mod core_io;
 pub mod counters;
 pub mod hist;
+pub mod poll;
 pub mod reactor;
 mod tag;
 

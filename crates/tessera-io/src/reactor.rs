@@ -8,6 +8,7 @@ use std::time::Duration;
 use io_uring::{opcode, types, types::SubmitArgs, types::Timespec};
 
 use crate::core_io::CoreIo;
+use crate::poll::{PollOutcome, PollPolicy};
 use crate::tag::Tag;
 
 /// Work living on one core: a connection, a benchmark driver. All its operations carry
@@ -156,7 +157,8 @@ pub struct ReactorConfig {
     /// (hybrid polling): a request arriving within the window costs no wakeup, which on
     /// a VM is worth more than serving a small request. A pending timer shortens the
     /// window to its deadline. Zero disables; a reactor with nothing to do for longer
-    /// than this sleeps in the kernel.
+    /// than this sleeps in the kernel. The reactor skips the poll while it waits for a
+    /// peer node on this host and after polls kept finding nothing ([`crate::poll`]).
     pub poll_window: Duration,
     /// io_uring submission queue entries per core.
     pub ring_entries: u32,
@@ -192,13 +194,16 @@ pub struct Reactor {
     live: usize,
     /// A task has been installed at least once (exit_when_idle waits for the first).
     had_task: bool,
+    poll: PollPolicy,
 }
 
 impl Reactor {
     pub fn new(core: usize, cfg: ReactorConfig) -> std::io::Result<Reactor> {
         let mailbox = Mailbox::new(core)?;
         let io = CoreIo::new(core, cfg.ring_entries, Some(mailbox.clone()))?;
+        let poll = PollPolicy::new(cfg.poll_window);
         Ok(Reactor {
+            poll,
             io,
             tasks: Vec::new(),
             free_ids: Vec::new(),
@@ -351,21 +356,29 @@ impl Reactor {
             // Poll briefly before sleeping (hybrid polling). A pending timer (a keep-alive
             // tick, a QoS retry) only shortens the poll: it used to cancel it, which cost
             // every NVMe/TCP queue (its keep-alive tick is always armed) a wakeup per
-            // request at queue depth 1.
-            let window = next_timer.map_or(self.cfg.poll_window, |d| d.min(self.cfg.poll_window));
-            // Polling always, not only when a connection expects its client to answer
-            // fast: gating the poll on such a hint made QD1 NBD 22 -> 64 us (measured).
-            if !self.cfg.busy_poll && !window.is_zero() && self.poll_briefly(window) {
-                self.io.tick();
-                self.io.reap(&mut |tag, _res| {
-                    if tag == MAILBOX_TAG {
-                        mailbox_fired = true;
+            // request at queue depth 1. Polling is not gated on a connection's hint that
+            // its client answers fast (that made QD1 NBD 22 -> 64 us, measured) but on
+            // what the core waits for and on what its polls found (see `crate::poll`).
+            let window = if self.cfg.busy_poll {
+                Duration::ZERO
+            } else {
+                self.poll.window(next_timer, self.io.peer_waits() > 0)
+            };
+            if !window.is_zero() {
+                let outcome = self.poll_briefly(window);
+                self.poll.record(outcome, window);
+                if outcome != PollOutcome::Nothing {
+                    self.io.tick();
+                    self.io.reap(&mut |tag, _res| {
+                        if tag == MAILBOX_TAG {
+                            mailbox_fired = true;
+                        }
+                    });
+                    if mailbox_fired {
+                        self.arm_mailbox();
                     }
-                });
-                if mailbox_fired {
-                    self.arm_mailbox();
+                    continue;
                 }
-                continue;
             }
             let sleep_from = std::time::Instant::now();
             let res = if self.cfg.busy_poll {
@@ -411,14 +424,15 @@ impl Reactor {
 }
 
 impl Reactor {
-    /// Poll the ring without sleeping for up to the poll window. True if completions
-    /// arrived (they are left in the CQ for the caller to reap).
-    fn poll_briefly(&mut self, window: Duration) -> bool {
+    /// Poll the ring without sleeping for up to the poll window. Completions found are
+    /// left in the CQ for the caller to reap.
+    fn poll_briefly(&mut self, window: Duration) -> PollOutcome {
         let from = std::time::Instant::now();
         let until = from + window;
         // The clock as last read in the loop: the time spent polling is accounted with
         // it, so a poll that finds a completion costs no extra clock read.
         let mut last = from;
+        let mut outcome = PollOutcome::Ready;
         loop {
             let pending = self.io.sq_pending();
             // GETEVENTS with min_complete 0 runs deferred task work without sleeping.
@@ -431,12 +445,13 @@ impl Reactor {
             };
             if !self.io.ring.completion().is_empty() {
                 CoreLoad::add(&self.mailbox.load.poll_ns, last - from);
-                return true;
+                return outcome;
             }
+            outcome = PollOutcome::Arrived;
             last = std::time::Instant::now();
             if last >= until {
                 CoreLoad::add(&self.mailbox.load.poll_ns, last - from);
-                return false;
+                return PollOutcome::Nothing;
             }
             std::hint::spin_loop();
         }

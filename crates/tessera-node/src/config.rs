@@ -19,7 +19,8 @@ pub struct NodeConfig {
     pub busy_poll: bool,
     /// Hybrid polling: after serving I/O a reactor polls its ring this many microseconds
     /// before sleeping (0 = sleep at once). Lower latency for back-to-back requests; an
-    /// idle reactor still sleeps.
+    /// idle reactor still sleeps. Skipped while the core waits on a peer node on this
+    /// host, and suspended while polls keep finding nothing (`tessera_io::poll`).
     pub poll_us: u64,
     /// Pin reactor i to CPU i (default). Measured on the 2-core VM: with polling, an
     /// unpinned reactor and its client end up sharing a CPU and both slow down.

@@ -148,6 +148,12 @@ struct Link {
     rx_now: Instant,
     /// A command got a path related status (ANA) in the receive being parsed.
     path_error: Option<nvme::Status>,
+    /// The connected peer runs on this host (loopback, or our own address): its reactor
+    /// shares our CPUs, so our core should sleep rather than poll while it waits for it.
+    peer_on_this_host: bool,
+    /// How many of our commands the core counts as waiting for a peer on this host
+    /// ([`CoreIo::note_peer_waits`]); kept equal to `busy()` while `peer_on_this_host`.
+    noted_peer_waits: usize,
 }
 
 struct LinkCell(RefCell<Link>);
@@ -214,6 +220,8 @@ impl RemoteHandle {
             cc: Window::new(&dev.cfg.congestion, depth),
             rx_now: Instant::now(),
             path_error: None,
+            peer_on_this_host: false,
+            noted_peer_waits: 0,
         };
         RemoteHandle {
             link: Rc::new(LinkCell(RefCell::new(link))),
@@ -437,7 +445,9 @@ impl Link {
                 self.in_end += usize::try_from(res).unwrap_or(0);
                 self.last_heard = io.now();
                 self.rx_now = io.now();
-                if let Err(why) = self.parse() {
+                let parsed = self.parse();
+                self.note_peer_waits(io);
+                if let Err(why) = parsed {
                     return self.break_link(io, &why);
                 }
                 if let Some(status) = self.path_error.take() {
@@ -534,6 +544,7 @@ impl Link {
         if self.busy() >= allowed {
             self.cc.note_full();
         }
+        self.note_peer_waits(io);
         self.kick_send(io);
         if self.busy() > 0 && !self.watchdog_armed {
             self.arm_watchdog(io);
@@ -543,6 +554,20 @@ impl Link {
     /// Commands sent and not answered.
     fn busy(&self) -> usize {
         self.cmds.len() - self.free.len()
+    }
+
+    /// Tell the core how many commands now wait for a peer on this host (see
+    /// `tessera_io::poll`): two compares per batch of sends or receives, no atomic.
+    fn note_peer_waits(&mut self, io: &mut CoreIo) {
+        let now = if self.peer_on_this_host {
+            self.busy()
+        } else {
+            0
+        };
+        if now != self.noted_peer_waits {
+            io.note_peer_waits(self.noted_peer_waits, now);
+            self.noted_peer_waits = now;
+        }
     }
 
     /// Silence with commands outstanding after which the connection counts as broken:
@@ -928,6 +953,7 @@ impl Link {
         self.free.clear();
         self.free
             .extend((0..u16::try_from(self.cmds.len()).unwrap_or(u16::MAX)).rev());
+        self.note_peer_waits(io);
         if self.closed {
             for (_, tag) in self.waiting.drain(..) {
                 self.done.push((tag, -libc::ENOTCONN));
@@ -1004,6 +1030,7 @@ impl Link {
                 let _ = q.stream.set_read_timeout(None);
                 let _ = q.stream.set_write_timeout(None);
                 self.fd = q.stream.as_raw_fd();
+                self.peer_on_this_host = peer_on_this_host(&q.stream);
                 self.framing = q.framing;
                 self.limits.hdgst = q.limits.hdgst;
                 self.limits.ddgst = q.limits.ddgst;
@@ -1085,5 +1112,14 @@ impl Link {
         if self.sock.is_none() && !self.connecting && !self.draining && due {
             self.start_connect(io);
         }
+    }
+}
+
+/// Whether the other end of `stream` runs on this host: a loopback address, or the very
+/// address we connected from (a peer reached through one of our own interfaces).
+fn peer_on_this_host(stream: &TcpStream) -> bool {
+    match (stream.peer_addr(), stream.local_addr()) {
+        (Ok(peer), Ok(local)) => peer.ip().is_loopback() || peer.ip() == local.ip(),
+        _ => false,
     }
 }
