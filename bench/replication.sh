@@ -11,8 +11,10 @@
 # Both nodes use RAM pools and share this machine's CPUs (2 on the reference VM).
 # Usage: bench/replication.sh   (env: SECS [5], DIRTY [256] MiB, RATE [0 = unlimited],
 #   POLL_US [50] both nodes' hybrid polling window, SPECS ["randwrite:1 randwrite:128
-#   randread:128 randread:1"] the fio rows, RESYNC [1] (0 skips the resync part),
-#   TESSERA [target/release/tessera] the binary, e.g. from bench/ab.sh)
+#   randread:128 randread:1"] the fio rows, RESYNC [1] (0 ends after the fio rows and the
+#   round trip: no snapshot or resync part), TESSERA [target/release/tessera] the binary,
+#   e.g. from bench/ab.sh, ONLY=snapshot: only the snapshot-under-load rows,
+#   SNAP_ROUNDS [2])
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${SECS:-5}
@@ -61,7 +63,7 @@ $T node --config "$DIR/b.toml" >"$DIR/b.log" 2>&1 &
 PB=$!
 $T node --config "$DIR/a.toml" >"$DIR/a.log" 2>&1 &
 PA=$!
-trap 'kill -CONT $PB 2>/dev/null; kill $PA $PB 2>/dev/null; wait $PA $PB 2>/dev/null; rm -rf "$DIR"' EXIT
+trap 'kill -CONT $PB 2>/dev/null; kill $PA $PB 2>/dev/null; wait $PA $PB 2>/dev/null; [[ -n ${KEEP:-} ]] && echo "kept $DIR" || rm -rf "$DIR"' EXIT
 for f in a b; do
   for _ in $(seq 100); do [[ -S "$DIR/$f/data/api.sock" ]] && break; sleep 0.1; done
 done
@@ -87,7 +89,9 @@ for v in plain rep; do
   timeout 300 fio --name=fill --ioengine=nbd "--uri=nbd://127.0.0.1:$NBD_A/$v" --rw=write --bs=1M \
     --iodepth=8 --size=1G >/dev/null 2>&1
 done
+ONLY=${ONLY:-all}   # all | snapshot (only the snapshot-under-load rows)
 printf '%-22s %-20s %-20s %s\n' "test" "local iops/mean_us" "replicated" "ratio"
+[[ $ONLY == snapshot ]] && SPECS=""
 for spec in $SPECS; do
   set -- ${spec/:/ }
   l1=$(fio_run "nbd://127.0.0.1:$NBD_A/plain" "$1" "$2" "$SECS")
@@ -97,14 +101,50 @@ for spec in $SPECS; do
   ratio=$(python3 -c "print('%.2f' % ((${r1% *}+${r2% *})/(${l1% *}+${l2% *})))")
   printf '%-22s %-20s %-20s %s\n' "$1 QD$2" "$l1 | $l2" "$r1 | $r2" "$ratio"
 done
+[[ $ONLY == snapshot ]] || {
 rt=$(timeout 60 $T nvmf perf --addr "127.0.0.1:$NVMF_B" --nqn "$NQN" --pattern randwrite --qd 1 \
   --size 1G --time "$SECS" 2>/dev/null | grep '^RESULT' | sed 's/.*mean_us=\([0-9.]*\).*/\1/')
 echo "NVMe/TCP round trip to the replica alone (nvmf perf randwrite QD1, mean): ${rt} us"
+}
 if [[ $RESYNC == 0 ]]; then
   echo "load after the run: $(cut -d' ' -f1-3 /proc/loadavg)"
   exit 0
 fi
 
+# Snapshot under load (issue 14 on a replicated volume): 4 KiB randwrite QD32 for 6 s
+# over the first 256 MiB (each snapshot then pins at most 256 MiB of the RAM pools),
+# a snapshot created at 2 s (or none), on the plain and on the replicated volume; the
+# longest client I/O (fio clat max), the create call's latency, and how long the owner
+# held the replicated volume's writes (its log's paused_ms).
+now_us() { date +%s%6N; }
+stall_run() { # VOLUME none|snapshot ROUND -> "clat_max_us create_ms paused_ms"
+  timeout 70 fio --name=s --ioengine=nbd "--uri=nbd://127.0.0.1:$NBD_A/$1" --rw=randwrite \
+    --bs=4k --iodepth=32 --size=256M --time_based --runtime=6 --output-format=json \
+    "--output=$DIR/stall.json" >/dev/null 2>&1 &
+  local f=$! ms=- paused=-
+  sleep 2
+  if [[ $2 == snapshot ]]; then
+    local t0 t1; t0=$(now_us)
+    $T "${A[@]}" snapshot create "$1" --name "st-$1-$3" >/dev/null; t1=$(now_us)
+    ms=$(python3 -c "print('%.1f' % (($t1 - $t0) / 1000))")
+    paused=$(grep 'snapshots created' "$DIR/a.log" | tail -1 | sed -n 's/.*paused_ms=\([0-9.]*\).*/\1/p')
+    [[ $1 == plain ]] && paused=-
+  fi
+  wait $f || { echo "fio failed" >&2; exit 1; }
+  python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["jobs"][0]["write"]; print("%.0f" % (d["clat_ns"]["max"]/1000))' "$DIR/stall.json" | tr -d '\n'
+  echo " $ms ${paused:--}"
+  [[ $2 == snapshot ]] && $T "${A[@]}" snapshot delete "st-$1-$3" >/dev/null
+}
+echo "snapshot under 4k randwrite QD32 (6 s, created at 2 s): volume kind clat_max_us create_ms paused_ms"
+for r in $(seq "${SNAP_ROUNDS:-2}"); do
+  for v in plain rep; do
+    for kind in none snapshot; do
+      echo "stall $r $v $kind $(stall_run $v $kind $r)"
+    done
+  done
+done
+
+[[ $ONLY == snapshot ]] && exit 0
 # Resync: stop node-b past the timeout, dirty DIRTY MiB, resume it.
 before=$(fio_run "nbd://127.0.0.1:$NBD_A/rep" randread 1 2)
 kill -STOP $PB

@@ -22,6 +22,33 @@ pub struct SnapshotInfo {
     pub exclusive: u64,
     /// Bytes of this snapshot that a child still reads.
     pub shared: u64,
+    /// Reply to a create on a replicated volume: the replicas (`NODE:POOL`) that hold a
+    /// copy of the snapshot, all taken at one point of the write stream.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<String>,
+    /// Reply to a create on a replicated volume: the replicas without a copy, and why
+    /// (out of sync at the point, or their node refused).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing: Vec<String>,
+}
+
+/// `POST /v1/replicas/VOLUME/snapshots` (owner to replica holder): a snapshot of the
+/// replica, taken while the owner holds the volume's writes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ReplicaSnapshot {
+    pub name: String,
+    /// The node that owns the replicated volume (checked against the replica's fence).
+    pub owner: String,
+}
+
+/// Reply to `DELETE /v1/snapshots/NAME`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct DeletedSnapshot {
+    pub deleted: String,
+    /// For a snapshot of a replicated volume: the replicas whose copy could not be
+    /// deleted, and why (it stays there until deleted on that node).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_deleted: Vec<String>,
 }
 
 /// `POST /v1/snapshots`: a snapshot `name` of `volume`.

@@ -3,14 +3,14 @@
 
 use clap::Subcommand;
 use tessera_api::{
-    ChangedExtents, CloneVolume, CreateSnapshot, CreateSnapshotGroup, Deleted, Rollback,
+    ChangedExtents, CloneVolume, CreateSnapshot, CreateSnapshotGroup, DeletedSnapshot, Rollback,
     SnapshotInfo, VolumeInfo,
 };
 use tessera_http::Endpoint;
 
 use crate::error::Result;
 use crate::format::{bytes, table};
-use crate::manage::{delete, deleted, get, send, show};
+use crate::manage::{delete, get, send, show};
 
 #[derive(Subcommand)]
 pub enum SnapshotCmd {
@@ -67,6 +67,15 @@ fn print_snapshots(snaps: &[SnapshotInfo]) {
         ]);
     }
     table(rows);
+    // A replicated volume's snapshot: where its copies are, and where they are not.
+    for s in snaps {
+        if !s.replicas.is_empty() {
+            println!("{}: copies on {}", s.name, s.replicas.join(", "));
+        }
+        for m in &s.missing {
+            println!("{}: no copy on {m}", s.name);
+        }
+    }
 }
 
 pub fn snapshot(ep: &Endpoint, c: SnapshotCmd, raw: bool) -> Result<()> {
@@ -106,8 +115,13 @@ pub fn snapshot(ep: &Endpoint, c: SnapshotCmd, raw: bool) -> Result<()> {
             show(&s[..], raw, print_snapshots);
         }
         SnapshotCmd::Delete { name } => {
-            let v: Deleted = delete(ep, &format!("/v1/snapshots/{name}"))?;
-            deleted(&v, raw, &format!("snapshot {name}"));
+            let v: DeletedSnapshot = delete(ep, &format!("/v1/snapshots/{name}"))?;
+            show(&v, raw, |v| {
+                println!("snapshot {name} deleted");
+                for n in &v.not_deleted {
+                    println!("its copy stays on {n}");
+                }
+            });
         }
     }
     Ok(())

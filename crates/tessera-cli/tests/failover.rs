@@ -13,6 +13,8 @@
 //!   directly on its node.
 //! - etcd with three members: one killed, failover still works; all stopped: the volume
 //!   keeps serving I/O, and a killed owner is only replaced once etcd is back.
+//! - A snapshot taken before the owner's kill is on the new owner (a clone of it reads
+//!   the point's data), which snapshots and deletes on the replicas left.
 
 mod common;
 use common::*;
@@ -768,4 +770,73 @@ fn a_replica_lost_past_the_grace_period_is_replaced_on_another_node() {
         e.list(&format!("{}rebuilds/", tessera_cluster::PREFIX))
             .is_ok_and(|l| l.is_empty())
     });
+}
+
+/// A snapshot taken before a failover is on the new owner, as its own replica's copy: a
+/// clone of it there reads the data of the point. The new owner snapshots the volume on
+/// the replicas in sync with it, and deletes a snapshot on all of them.
+#[test]
+fn a_snapshot_taken_before_a_failover_is_on_the_new_owner() {
+    if !require_tool("etcd") {
+        return;
+    }
+    let etcd = EtcdCluster::start("fos", 1);
+    let mut nodes = members("fos", &etcd);
+    let e = etcd_client(&etcd);
+    wait_members(&e);
+    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
+    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let mut f = Follower::new(etcd_client(&etcd), "db");
+    write_all_blocks(&mut f, 1);
+    let r = nodes[0].json(&["snapshot", "create", "db", "--name", "s1"]);
+    assert_eq!(r["replicas"].as_array().map(Vec::len), Some(3), "{r}");
+    write_all_blocks(&mut f, 2);
+    nodes[0].kill9();
+    let owner = wait_new_owner(&e, "db", "node-a", 30);
+    assert_generation(&mut f, 2, "after the failover");
+    let n = &nodes[index_of(&owner)];
+    n.cli_ok(&["volume", "clone", "s1", "--name", "c1"]);
+    let img = replica_image(n, "c1", "c1-read");
+    assert!(
+        stamps_of(&img).iter().all(|&s| s == 1),
+        "the clone of s1 on the new owner {owner} is not generation 1"
+    );
+    write_all_blocks(&mut f, 3);
+    // The volume is on the new owner and the third node now (node-a is down), once the
+    // third node's copy from the new owner is done.
+    let third = NAMES
+        .iter()
+        .find(|m| **m != "node-a" && **m != owner)
+        .unwrap();
+    wait_for("the third node's replica in sync", 60, || {
+        n.json(&["volume", "show", "db"])["replicas"]
+            .as_array()
+            .is_some_and(|rs| {
+                rs.iter().any(|r| {
+                    r["place"].as_str().is_some_and(|p| p.starts_with(third))
+                        && r["state"] == "in_sync"
+                })
+            })
+    });
+    let r = n.json(&["snapshot", "create", "db", "--name", "s2"]);
+    let held: Vec<&str> = r["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p.as_str())
+        .collect();
+    assert_eq!(held.len(), 2, "{r}");
+    assert!(!held.iter().any(|p| p.starts_with("node-a")), "{r}");
+    let s2 = replica_image(&nodes[index_of(third)], "s2", "s2-read");
+    assert!(
+        stamps_of(&s2).iter().all(|&s| s == 3),
+        "{third}'s copy of s2 is not generation 3"
+    );
+    let d = n.json(&["snapshot", "delete", "s2"]);
+    assert!(d.get("not_deleted").is_none(), "{d}");
+    let left = nodes[index_of(third)].json(&["snapshot", "list"]);
+    assert!(
+        !left.as_array().unwrap().iter().any(|s| s["name"] == "s2"),
+        "s2 stays on {third}: {left}"
+    );
 }

@@ -812,3 +812,161 @@ fn a_partitioned_replica_is_dropped_and_resynced_from_what_changed_when_it_heals
     assert_same("node-b vs owner", &image(&b, "replica"), &a_img);
     assert_same("node-c vs owner", &image_unix(&c, "replica"), &a_img);
 }
+
+/// The places (`NODE:POOL`) of a snapshot create's `replicas` (or any list of strings).
+fn strings(v: &serde_json::Value) -> Vec<String> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .map(|s| s.as_str().unwrap_or_default().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Snapshot `snap` of `n`, exported read-only as `x-SNAP`, every byte.
+fn snapshot_image(n: &TestNode, snap: &str) -> Vec<u8> {
+    let export = format!("x-{snap}");
+    n.cli_ok(&["export", "add", &export, "--volume", snap, "--read-only"]);
+    let img = image(n, &export);
+    n.cli_ok(&["export", "remove", &export]);
+    img
+}
+
+fn snapshot_names(n: &TestNode) -> Vec<String> {
+    n.json(&["snapshot", "list"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// A snapshot of a replicated volume is taken on every replica in sync at one point of
+/// the write stream, while fio writes at QD32: the three copies compare equal byte for
+/// byte, and each holds every write acknowledged before it and none after.
+#[test]
+fn snapshots_of_a_replicated_volume_are_one_point_on_every_replica() {
+    if !require_tool("fio") {
+        return;
+    }
+    let mut cl = cluster("repl-snap");
+    let all = ["node-a:p", "node-b:p", "node-c:p"];
+    // Our own writes in the second half (generation 1 before the snapshots, 2 after);
+    // fio writes the first half, unbounded, through the snapshots.
+    let blocks = VOL as usize / BS;
+    let mut model = vec![0u64; blocks];
+    let mut c = nbd_connect(&cl.a, "db");
+    write_generations(&mut c, &mut model, blocks / 2..blocks, 1, BS);
+    let uri = cl.a.uri("db");
+    let fio = std::process::Command::new("fio")
+        .current_dir(&cl.a.dir)
+        .args([
+            "--name=snap-load",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=32",
+            "--size=32M",
+            "--time_based",
+            "--runtime=8",
+            "--group_reporting",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start fio");
+    std::thread::sleep(Duration::from_secs(2));
+    let snaps = ["s1", "s2", "s3"];
+    for s in snaps {
+        let r = snapshot(&cl.a, "db", s);
+        assert_eq!(strings(&r["replicas"]), all, "{s}: {r}");
+        assert!(strings(&r["missing"]).is_empty(), "{s}: {r}");
+        std::thread::sleep(Duration::from_millis(700));
+    }
+    fio_clean(
+        "fio through three snapshots",
+        &fio.wait_with_output().unwrap(),
+    );
+    write_generations(&mut c, &mut model, blocks / 2..blocks, 2, BS);
+    drop(c);
+    for s in snaps {
+        let a_img = snapshot_image(&cl.a, s);
+        assert_same(
+            &format!("{s}: node-b's copy vs node-a's"),
+            &snapshot_image(&cl.b, s),
+            &a_img,
+        );
+        assert_same(
+            &format!("{s}: node-c's copy vs node-a's"),
+            &snapshot_image(&cl.c, s),
+            &a_img,
+        );
+        for i in blocks / 2..blocks {
+            assert!(
+                a_img[i * BS..(i + 1) * BS] == block(i, 1, BS),
+                "{s}: block {i} is not the generation written before the snapshot"
+            );
+        }
+    }
+    // The live volume moved on past the snapshots; it reports what changed since one
+    // (the second half, rewritten after the snapshots), over the API and NBD's map.
+    verify_written(&cl.a, &model);
+    let changed = changes(&cl.a, "db", "s3");
+    for half_unit in (VOL / 2..VOL).step_by(MIB as usize) {
+        assert!(
+            changed
+                .iter()
+                .any(|&(o, l)| o <= half_unit && half_unit < o + l),
+            "changes since s3 miss offset {half_unit}: {changed:?}"
+        );
+    }
+    // A clone of a snapshot is a volume of the owner, with the snapshot's data.
+    cl.a.cli_ok(&["volume", "clone", "s1", "--name", "c1"]);
+    cl.a.cli_ok(&["export", "add", "c1", "--volume", "c1"]);
+    assert_same(
+        "clone of s1",
+        &image(&cl.a, "c1"),
+        &snapshot_image(&cl.a, "s1"),
+    );
+    // Refused clearly: a rollback of the replicated volume, a snapshot of a replica on
+    // its holder.
+    let e = cli_fails(&cl.a, &["volume", "rollback", "db", "--to", "s1"]);
+    assert!(e.contains("clone the snapshot"), "{e}");
+    let e = cli_fails(&cl.b, &["snapshot", "create", "db.node-a", "--name", "x"]);
+    assert!(e.contains("held for node 'node-a'"), "{e}");
+    // Deleting at the owner deletes every copy.
+    let d = cl.a.json(&["snapshot", "delete", "s2"]);
+    assert!(strings(&d["not_deleted"]).is_empty(), "{d}");
+    for n in [&cl.a, &cl.b, &cl.c] {
+        assert_eq!(snapshot_names(n), ["s1", "s3"], "after deleting s2");
+    }
+    // A replica out of sync at the point gets no copy, and says so.
+    cl.c.kill9();
+    // The next write finds node-c gone and waits for the timeout, then drops it.
+    let mut c = nbd_connect(&cl.a, "db");
+    write_generations(&mut c, &mut model, blocks / 2..blocks / 2 + 16, 3, BS);
+    wait_for("node-c dropped", 20, || {
+        state_of(&cl.a, "node-c:p")["state"] != "in_sync"
+    });
+    let r = snapshot(&cl.a, "db", "s4");
+    assert_eq!(strings(&r["replicas"]), ["node-a:p", "node-b:p"], "{r}");
+    let missing = strings(&r["missing"]);
+    assert!(
+        missing.len() == 1 && missing[0].starts_with("node-c:p"),
+        "{r}"
+    );
+    write_generations(&mut c, &mut model, blocks / 2..blocks / 2 + 256, 4, BS);
+    drop(c);
+    cl.c.restart();
+    wait_for("node-c in sync", 60, || all_in_sync(&cl.a));
+    assert_eq!(snapshot_names(&cl.c), ["s1", "s3"]);
+    let a_img = image(&cl.a, "db");
+    assert_same("node-b vs owner", &image(&cl.b, "replica"), &a_img);
+    assert_same("node-c vs owner", &image(&cl.c, "replica"), &a_img);
+    let d = cl.a.json(&["snapshot", "delete", "s4"]);
+    assert!(strings(&d["not_deleted"]).is_empty(), "{d}");
+    assert_eq!(snapshot_names(&cl.b), ["s1", "s3"]);
+}

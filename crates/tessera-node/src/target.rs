@@ -80,20 +80,21 @@ impl ExportTarget for NodeTarget {
         }
     }
 
-    // Snapshots of replicated volumes are refused (the replicas would differ), so only a
-    // local volume has a chain to report changes from (a proxied volume's chain is on
-    // its owner).
+    // A replicated volume reports its local replica's chain (snapshots are taken on every
+    // replica at one point); a proxied volume's chain is on its owner.
     fn change_bases(&self) -> Vec<String> {
         match self {
             NodeTarget::Local(v) => v.change_bases(),
-            NodeTarget::Replicated(_) | NodeTarget::Proxy(_) => Vec::new(),
+            NodeTarget::Replicated(r) => r.change_bases(),
+            NodeTarget::Proxy(_) => Vec::new(),
         }
     }
 
     fn change_base(&self, name: &str) -> Option<u64> {
         match self {
             NodeTarget::Local(v) => ExportTarget::change_base(&**v, name),
-            NodeTarget::Replicated(_) | NodeTarget::Proxy(_) => None,
+            NodeTarget::Replicated(r) => ExportTarget::change_base(&**r, name),
+            NodeTarget::Proxy(_) => None,
         }
     }
 
@@ -106,7 +107,10 @@ impl ExportTarget for NodeTarget {
     ) -> Option<Vec<(u64, bool)>> {
         match self {
             NodeTarget::Local(v) => ExportTarget::changed_runs(&**v, base, offset, len, max_runs),
-            NodeTarget::Replicated(_) | NodeTarget::Proxy(_) => None,
+            NodeTarget::Replicated(r) => {
+                ExportTarget::changed_runs(&**r, base, offset, len, max_runs)
+            }
+            NodeTarget::Proxy(_) => None,
         }
     }
 

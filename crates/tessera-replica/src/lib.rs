@@ -272,6 +272,33 @@ pub struct ReplicatedVolume {
     fence: RwLock<Option<Arc<dyn LegFence>>>,
 }
 
+/// Writes of a replicated volume held by [`ReplicatedVolume::quiesce`]; they go on when
+/// this is dropped.
+pub struct Quiesced<'a> {
+    vol: &'a ReplicatedVolume,
+}
+
+impl Quiesced<'_> {
+    /// The replicas in sync now (they had every acknowledged write): vacant slots and
+    /// replicas out of sync or resyncing are left out.
+    pub fn in_sync(&self) -> Vec<LegDesc> {
+        let m = in_sync(self.vol.masks.load(Acquire));
+        self.vol
+            .legs
+            .iter()
+            .enumerate()
+            .filter(|(i, l)| m & (1 << i) != 0 && !l.is_vacant())
+            .map(|(_, l)| l.desc())
+            .collect()
+    }
+}
+
+impl Drop for Quiesced<'_> {
+    fn drop(&mut self) {
+        self.vol.send(persist::Req::Resume);
+    }
+}
+
 /// What the owner's cluster layer does around a change of a replica's sync state
 /// (docs/format.md §12 rule 4): the persister asks before it drops an in-sync replica,
 /// and says when one is in sync again.
@@ -655,6 +682,36 @@ impl ReplicatedVolume {
         Ok(desc)
     }
 
+    /// Hold every write that starts from now on and wait (at most `timeout`) until none
+    /// is in flight on any leg. Until the returned guard is dropped the replicas in sync
+    /// ([`Quiesced::in_sync`]) hold the same data and take no write: a snapshot taken on
+    /// each of them then is one point in time of the volume. Reads, flushes and resync
+    /// copies go on; held writes go on when the guard drops.
+    pub fn quiesce(&self, timeout: Duration) -> io::Result<Quiesced<'_>> {
+        let (tx, rx) = mpsc::channel();
+        self.send(persist::Req::Quiesce { reply: tx });
+        let guard = Quiesced { vol: self };
+        match rx.recv_timeout(timeout) {
+            Ok(()) => Ok(guard),
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "volume '{}': the writes in flight did not end within {} ms",
+                    self.name,
+                    timeout.as_millis()
+                ),
+            )),
+        }
+    }
+
+    /// The local leg's volume while it is in sync (it then has the volume's data).
+    fn local_in_sync(&self) -> Option<Arc<Volume>> {
+        let l = self.local?;
+        (in_sync(self.masks.load(Acquire)) & (1 << l) != 0)
+            .then(|| self.local_volume())
+            .flatten()
+    }
+
     /// The local leg's volume, if the owner holds a replica.
     pub fn local_volume(&self) -> Option<Arc<Volume>> {
         let l = &self.legs[self.local?];
@@ -803,13 +860,32 @@ impl ExportTarget for ReplicatedVolume {
     }
 
     fn allocation_runs(&self, offset: u64, len: u64, max_runs: usize) -> Vec<(u64, bool)> {
-        let m = self.masks.load(Acquire);
-        match (self.local, self.local_volume()) {
-            (Some(l), Some(v)) if in_sync(m) & (1 << l) != 0 => {
-                v.allocation_runs(offset, len, max_runs)
-            }
-            _ => vec![(len.min(self.size.saturating_sub(offset)), true)],
+        match self.local_in_sync() {
+            Some(v) => v.allocation_runs(offset, len, max_runs),
+            None => vec![(len.min(self.size.saturating_sub(offset)), true)],
         }
+    }
+
+    // Snapshots are taken on every replica in sync at one point (`quiesce`), so the
+    // local replica's chain, while it is in sync, is the volume's.
+    fn change_bases(&self) -> Vec<String> {
+        self.local_in_sync()
+            .map(|v| v.change_bases())
+            .unwrap_or_default()
+    }
+
+    fn change_base(&self, name: &str) -> Option<u64> {
+        ExportTarget::change_base(&*self.local_in_sync()?, name)
+    }
+
+    fn changed_runs(
+        &self,
+        base: u64,
+        offset: u64,
+        len: u64,
+        max_runs: usize,
+    ) -> Option<Vec<(u64, bool)>> {
+        ExportTarget::changed_runs(&*self.local_in_sync()?, base, offset, len, max_runs)
     }
 
     fn register_stats(&self) -> Arc<IoStats> {

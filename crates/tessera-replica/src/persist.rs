@@ -15,8 +15,8 @@ use tracing::{error, info, warn};
 
 use crate::meta::{LegDesc, LegState, MetaFile, FLAG_CLEAN};
 use crate::{
-    in_sync, resyncing, LegDev, ReplicatedVolume, CLEAN, DIRTY, HOT, INFLIGHT, REDIRTY,
-    STARTED_SHIFT, STATE,
+    in_sync, resyncing, LegDev, ReplicatedVolume, CLEAN, DIRTY, HOT, INFLIGHT, INFLIGHT_ONE,
+    REDIRTY, STARTED_SHIFT, STATE,
 };
 
 /// Who waits for a request: a tag on a reactor core.
@@ -57,6 +57,12 @@ pub(crate) enum Req {
     Lock { region: u64, done: Done },
     /// The held copy of `region` is over: the writes held for it go on.
     Unlock { region: u64 },
+    /// Hold every write that starts from now on (as [`Req::Lock`] does for one region)
+    /// and reply once none is in flight on any leg: the legs in sync are then identical,
+    /// and stay so until [`Req::Resume`] (a snapshot on every replica at one point).
+    Quiesce { reply: mpsc::Sender<()> },
+    /// The quiesce is over: the held writes go on.
+    Resume,
     /// Put a new replica in a vacant slot, needing a full copy.
     AddLeg {
         desc: LegDesc,
@@ -92,7 +98,18 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
     // Regions a resync copies with writes held, and the writes' log requests held for them.
     let mut locked: std::collections::BTreeSet<u64> = Default::default();
     let mut held: Vec<(u64, u64, Done)> = Vec::new();
+    // A quiesce holds every region's writes; its caller waits until nothing is in flight.
+    let mut frozen = false;
+    let mut quiesce_waiter: Option<mpsc::Sender<()>> = None;
     loop {
+        if let Some(tx) = quiesce_waiter.take() {
+            match vol.upgrade() {
+                Some(v) if !drained(&v, &held) => quiesce_waiter = Some(tx),
+                _ => {
+                    let _ = tx.send(());
+                }
+            }
+        }
         if last_tick.elapsed() >= IDLE_TICK {
             last_tick = std::time::Instant::now();
             let Some(v) = vol.upgrade() else { return };
@@ -103,7 +120,13 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
                 v.hot_regions.store(m.count(0), Relaxed);
             }
         }
-        let first = match rx.recv_timeout(Duration::from_millis(500)) {
+        // While a quiesce waits for the writes in flight to end, look again soon.
+        let wait = if quiesce_waiter.is_some() {
+            Duration::from_micros(200)
+        } else {
+            Duration::from_millis(500)
+        };
+        let first = match rx.recv_timeout(wait) {
             Ok(r) => r,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if vol.strong_count() == 0 {
@@ -123,7 +146,7 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
         for req in batch {
             match req {
                 Req::Hot { first, count, done } => {
-                    if (first..first + count).any(|r| locked.contains(&r)) {
+                    if frozen || (first..first + count).any(|r| locked.contains(&r)) {
                         held.push((first, count, done));
                         continue;
                     }
@@ -134,23 +157,24 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
                     locked.insert(region);
                     // Out of the log in memory: a write that starts now asks here first
                     // (and is held); the log on disk keeps it until a lazy clear (rule 4).
-                    let w = &v.regions[usize_of(region)];
-                    let mut x = w.load(Acquire);
-                    while let Err(now) = w.compare_exchange(x, x & !HOT, AcqRel, Acquire) {
-                        x = now;
-                    }
+                    cool(&v.regions[usize_of(region)]);
                     after.push(Action::Complete(done, 0));
                 }
                 Req::Unlock { region } => {
                     locked.remove(&region);
-                    let (go, stay): (Vec<_>, Vec<_>) = std::mem::take(&mut held)
-                        .into_iter()
-                        .partition(|(f, c, _)| !(*f..*f + *c).any(|r| locked.contains(&r)));
-                    held = stay;
-                    for (first, count, done) in go {
-                        hot(&v, &mut m, first, count);
-                        after.push(Action::Hot { first, count, done });
+                    if !frozen {
+                        release_held(&v, &mut m, &mut held, &locked, &mut after);
                     }
+                }
+                Req::Quiesce { reply } => {
+                    frozen = true;
+                    v.regions.iter().for_each(cool);
+                    quiesce_waiter = Some(reply);
+                }
+                Req::Resume => {
+                    frozen = false;
+                    quiesce_waiter = None;
+                    release_held(&v, &mut m, &mut held, &locked, &mut after);
                 }
                 Req::LegFailed { leg, res, done } => {
                     let res = leg_failed(&v, &mut m, leg, res);
@@ -201,8 +225,11 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
         for a in after {
             match a {
                 Action::Hot { first, count, done } => {
-                    if ok {
-                        for r in first..first + count {
+                    // A region held meanwhile (a lock or a quiesce later in this batch)
+                    // stays out of the log in memory, so its next writes still ask here;
+                    // this write itself was admitted and is waited for as in flight.
+                    if ok && !frozen {
+                        for r in (first..first + count).filter(|r| !locked.contains(r)) {
                             v.regions[usize_of(r)].fetch_or(HOT, Release);
                         }
                     }
@@ -224,6 +251,48 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
             return;
         }
     }
+}
+
+/// Take a region out of the activity log in memory: a write that starts on it from now
+/// on asks the persister first (the log on disk keeps it until a lazy clear, rule 4).
+fn cool(w: &std::sync::atomic::AtomicU32) {
+    let mut x = w.load(Acquire);
+    while let Err(now) = w.compare_exchange(x, x & !HOT, AcqRel, Acquire) {
+        x = now;
+    }
+}
+
+/// Let the held writes that no locked region covers go on (logged with this batch).
+fn release_held(
+    v: &ReplicatedVolume,
+    m: &mut MetaFile,
+    held: &mut Vec<(u64, u64, Done)>,
+    locked: &std::collections::BTreeSet<u64>,
+    after: &mut Vec<Action>,
+) {
+    let (go, stay): (Vec<_>, Vec<_>) = std::mem::take(held)
+        .into_iter()
+        .partition(|(f, c, _)| !(*f..*f + *c).any(|r| locked.contains(&r)));
+    *held = stay;
+    for (first, count, done) in go {
+        hot(v, m, first, count);
+        after.push(Action::Hot { first, count, done });
+    }
+}
+
+/// Whether no write is in flight on any leg: every region's in-flight count is made only
+/// of writes held here (they were counted when they started, before they asked).
+fn drained(v: &ReplicatedVolume, held: &[(u64, u64, Done)]) -> bool {
+    let mut waiting = vec![0u32; v.regions.len()];
+    for (first, count, _) in held {
+        for r in *first..first + count {
+            waiting[usize_of(r)] += 1;
+        }
+    }
+    v.regions
+        .iter()
+        .zip(waiting)
+        .all(|(w, h)| (w.load(Acquire) & INFLIGHT) / INFLIGHT_ONE == h)
 }
 
 /// What to do once a batch is on disk.

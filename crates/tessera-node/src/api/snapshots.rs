@@ -8,8 +8,8 @@ use axum::extract::{Path, Query, State};
 use axum::routing::{get, post};
 use axum::Router;
 use tessera_api::{
-    ChangedExtents, CloneVolume, CreateSnapshot, CreateSnapshotGroup, Deleted, ErrorReply,
-    Rollback, SnapshotInfo, VolumeInfo,
+    ChangedExtents, CloneVolume, CreateSnapshot, CreateSnapshotGroup, Deleted, DeletedSnapshot,
+    ErrorReply, ReplicaSnapshot, Rollback, SnapshotInfo, VolumeInfo,
 };
 use tessera_http::Response;
 
@@ -24,6 +24,11 @@ pub fn routes() -> Router<Arc<Node>> {
         .route("/v1/clones", post(clone))
         .route("/v1/volumes/{name}/rollback", post(rollback))
         .route("/v1/volumes/{name}/changes", get(changes))
+        .route("/v1/replicas/{volume}/snapshots", post(replica_create))
+        .route(
+            "/v1/replicas/{volume}/snapshots/{name}",
+            axum::routing::delete(replica_delete),
+        )
 }
 
 #[utoipa::path(get, path = "/v1/snapshots", tag = "snapshots",
@@ -65,13 +70,49 @@ pub async fn create_group(State(node): NodeState, bytes: Bytes) -> Response {
 
 #[utoipa::path(delete, path = "/v1/snapshots/{name}", tag = "snapshots",
     params(("name" = String, Path)),
-    responses((status = 200, body = Deleted), (status = "4XX", body = ErrorReply)))]
+    responses((status = 200, body = DeletedSnapshot), (status = "4XX", body = ErrorReply)))]
 pub async fn delete(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.delete_snapshot(&name), 200)).await
+}
+
+#[utoipa::path(post, path = "/v1/replicas/{volume}/snapshots", tag = "snapshots",
+    params(("volume" = String, Path)), request_body = ReplicaSnapshot,
+    description = "Owner to replica holder: take this replica's copy of a snapshot of the replicated volume (the owner holds the volume's writes meanwhile).",
+    responses((status = 201, body = SnapshotInfo),
+        (status = 404, description = "No such replica on this node", body = ErrorReply),
+        (status = 409, description = "The replica is held for another owner, or the name is taken", body = ErrorReply)))]
+pub async fn replica_create(
+    State(node): NodeState,
+    Path(volume): Path<String>,
+    bytes: Bytes,
+) -> Response {
+    match body::<ReplicaSnapshot>(&bytes, "replica snapshot", "name, owner") {
+        Ok(b) => with_node(node, move |n| reply(n.snapshot_replica(&volume, &b), 201)).await,
+        Err(r) => r,
+    }
+}
+
+#[derive(serde::Deserialize, utoipa::IntoParams)]
+pub struct OwnerQuery {
+    /// The node that owns the replicated volume.
+    owner: String,
+}
+
+#[utoipa::path(delete, path = "/v1/replicas/{volume}/snapshots/{name}", tag = "snapshots",
+    params(("volume" = String, Path), ("name" = String, Path), OwnerQuery),
+    description = "Owner to replica holder: delete this replica's copy of a snapshot.",
+    responses((status = 200, body = Deleted),
+        (status = 404, description = "No such replica, or no such snapshot of it", body = ErrorReply),
+        (status = 409, description = "The replica is held for another owner", body = ErrorReply)))]
+pub async fn replica_delete(
+    State(node): NodeState,
+    Path((volume, name)): Path<(String, String)>,
+    Query(q): Query<OwnerQuery>,
+) -> Response {
     with_node(node, move |n| {
         reply(
-            n.delete_snapshot(&name).map(|()| Deleted {
-                deleted: name.clone(),
-            }),
+            n.delete_replica_snapshot(&volume, &name, &q.owner)
+                .map(|()| Deleted { deleted: name }),
             200,
         )
     })

@@ -2,12 +2,43 @@
 //! snapshot and a clone are volumes of their pool, so exports, NVMe/TCP namespaces, QoS
 //! and statistics take them as they take any volume; a snapshot is exported read-only.
 
+//!
+//! A snapshot of a replicated volume is taken on every replica in sync at one point of
+//! the write stream: the owner holds the volume's writes until none is in flight
+//! (`ReplicatedVolume::quiesce`), snapshots its own replica and asks each replica's node
+//! to snapshot its copy (`POST /v1/replicas/VOLUME/snapshots`), then lets the writes go
+//! on. Each copy is an ordinary local snapshot on its node, so a new owner after a
+//! failover has the snapshots of its own replica.
+
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use tessera_api::{ChangedExtents, Extent, SnapshotInfo, VolumeInfo};
+use tessera_api::{
+    ChangedExtents, DeletedSnapshot, Extent, ReplicaSnapshot, SnapshotInfo, VolumeInfo,
+};
 use tessera_pool::{Pool, Volume};
+use tessera_replica::{LegDesc, ReplicatedVolume};
+use tracing::{info, warn};
 
+use super::replicas::replica_nqn;
 use super::{Error, Node, Result};
+
+/// A volume a snapshot is asked of: the local volume that takes it and, for a replicated
+/// volume, its replica set (the other replicas take a copy).
+struct SnapshotSource {
+    pool: Arc<Pool>,
+    local: Arc<Volume>,
+    name: String,
+    set: Option<Arc<ReplicatedVolume>>,
+}
+
+/// One replica's copy of a snapshot, asked of its node.
+struct RemoteCopy {
+    place: String,
+    node: String,
+    volume: String,
+    name: String,
+}
 
 impl Node {
     fn find_snapshot(&self, name: &str) -> Result<(Arc<Pool>, Arc<Volume>)> {
@@ -34,6 +65,8 @@ impl Node {
                 children: s.children,
                 exclusive: s.exclusive,
                 shared: s.shared,
+                replicas: Vec::new(),
+                missing: Vec::new(),
             })
             .ok_or_else(|| Error::missing("snapshot", name))
     }
@@ -45,24 +78,23 @@ impl Node {
     }
 
     /// Snapshots of several volumes at one point in time; they must share a pool (one
-    /// pool's metadata makes the point atomic).
+    /// pool's metadata makes the point atomic). A replicated volume's snapshot is taken
+    /// on each of its replicas in sync, with its writes held meanwhile.
     pub fn create_snapshot_group(&self, what: &[(String, String)]) -> Result<Vec<SnapshotInfo>> {
         let _g = self.admin();
         if what.is_empty() {
             return Err(Error::invalid("no snapshot asked for"));
         }
-        let mut pool: Option<Arc<Pool>> = None;
-        let mut pairs = Vec::new();
+        let mut sources: Vec<(SnapshotSource, String)> = Vec::new();
         for (volume, name) in what {
             if self.find_volume(name).is_ok() {
                 return Err(Error::already_exists(format!(
                     "a volume or snapshot named '{name}' already exists"
                 )));
             }
-            let (p, v) = self.find_volume(volume)?;
-            self.refuse_replicated(&v, "snapshot")?;
-            if let Some(first) = &pool {
-                if !Arc::ptr_eq(first, &p) {
+            let src = self.snapshot_source(volume)?;
+            if let Some((first, _)) = sources.first() {
+                if !Arc::ptr_eq(&first.pool, &src.pool) {
                     return Err(Error::invalid(format!(
                         "volumes '{}' and '{volume}' are in different pools: a group \
                          snapshot is taken in one pool",
@@ -70,16 +102,267 @@ impl Node {
                     )));
                 }
             }
-            pool = Some(p);
-            pairs.push((v, name.clone()));
+            sources.push((src, name.clone()));
         }
-        let p = pool.expect("at least one volume");
-        let t = std::time::Instant::now();
-        p.create_snapshots(&pairs)?;
-        tracing::info!(pool = %p.name(), snapshots = ?what, ms = t.elapsed().as_secs_f64() * 1e3, "snapshots created");
-        what.iter()
-            .map(|(_, n)| self.snapshot_info(&p, n))
+        let p = sources[0].0.pool.clone();
+        let t = Instant::now();
+        // Hold the writes of every replicated volume of the group; the replicas in sync
+        // then hold the same data until the guards drop.
+        let wait = self.replica_options()?.timeout + Duration::from_secs(2);
+        let mut held = Vec::new();
+        let mut remote: Vec<(usize, RemoteCopy)> = Vec::new();
+        let mut missing: Vec<Vec<String>> = vec![Vec::new(); sources.len()];
+        for (i, (src, name)) in sources.iter().enumerate() {
+            let Some(set) = &src.set else { continue };
+            let q = set
+                .quiesce(wait)
+                .map_err(|e| Error::busy(format!("cannot snapshot '{}': {e}", src.name)))?;
+            let legs = q.in_sync();
+            if !legs.iter().any(|l| matches!(l, LegDesc::Local { .. })) {
+                return Err(Error::busy(format!(
+                    "cannot snapshot '{}': this node's replica is out of sync (snapshot it \
+                     once its resync is over)",
+                    src.name
+                )));
+            }
+            for d in set.descs() {
+                match d {
+                    LegDesc::Remote {
+                        ref node,
+                        ref volume,
+                        ..
+                    } if legs.contains(&d) => {
+                        remote.push((
+                            i,
+                            RemoteCopy {
+                                place: d.place(),
+                                node: node.clone(),
+                                volume: volume.clone(),
+                                name: name.clone(),
+                            },
+                        ));
+                    }
+                    LegDesc::Remote { .. } => missing[i].push(format!(
+                        "{}: out of sync at the snapshot's point",
+                        d.place()
+                    )),
+                    LegDesc::Local { .. } | LegDesc::Vacant => {}
+                }
+            }
+            held.push(q);
+        }
+        let quiesced_ms = t.elapsed().as_secs_f64() * 1e3;
+        let pairs: Vec<(Arc<Volume>, String)> = sources
+            .iter()
+            .map(|(src, name)| (src.local.clone(), name.clone()))
+            .collect();
+        // This node's snapshots and the replicas' copies are taken in parallel, so the
+        // writes are held for the slowest of them, not their sum.
+        let (local, answers) = std::thread::scope(|sc| {
+            let asks: Vec<_> = remote
+                .iter()
+                .map(|(_, c)| sc.spawn(|| self.snapshot_on_replica(c)))
+                .collect();
+            let local = p.create_snapshots(&pairs);
+            let answers: Vec<Result<()>> = asks
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::invalid("a snapshot request panicked")))
+                })
+                .collect();
+            (local, answers)
+        });
+        drop(held);
+        let paused_ms = t.elapsed().as_secs_f64() * 1e3;
+        if let Err(e) = local {
+            // The copies already taken on replicas go too: the snapshot does not exist.
+            for ((_, c), a) in remote.iter().zip(&answers) {
+                if a.is_ok() {
+                    if let Some(why) = self.drop_snapshot_on_replica(&c.node, &c.volume, &c.name) {
+                        warn!(snapshot = %c.name, replica = %c.place, why = %why, "a replica's copy of a failed snapshot stays");
+                    }
+                }
+            }
+            return Err(e.into());
+        }
+        let mut held_on: Vec<Vec<String>> = sources
+            .iter()
+            .map(|(src, _)| {
+                src.set
+                    .as_ref()
+                    .and_then(|set| {
+                        set.descs()
+                            .into_iter()
+                            .find(|d| matches!(d, LegDesc::Local { .. }))
+                    })
+                    .and_then(|d| match d {
+                        LegDesc::Local { pool, .. } => {
+                            Some(vec![format!("{}:{pool}", self.cfg.node_name())])
+                        }
+                        LegDesc::Remote { .. } | LegDesc::Vacant => None,
+                    })
+                    .unwrap_or_default()
+            })
+            .collect();
+        for ((i, c), a) in remote.iter().zip(answers) {
+            match a {
+                Ok(()) => held_on[*i].push(c.place.clone()),
+                Err(e) => {
+                    warn!(snapshot = %c.name, replica = %c.place, error = %e, "a replica did not take its copy of the snapshot");
+                    missing[*i].push(format!("{}: {e}", c.place));
+                }
+            }
+        }
+        info!(pool = %p.name(), snapshots = ?what, ms = t.elapsed().as_secs_f64() * 1e3,
+            quiesced_ms, paused_ms, "snapshots created");
+        sources
+            .iter()
+            .enumerate()
+            .map(|(i, (_, n))| {
+                let mut info = self.snapshot_info(&p, n)?;
+                info.replicas = std::mem::take(&mut held_on[i]);
+                info.missing = std::mem::take(&mut missing[i]);
+                Ok(info)
+            })
             .collect()
+    }
+
+    /// What takes a snapshot of `volume` here: a plain volume, or the local replica of a
+    /// replicated volume this node owns (the other replicas take copies).
+    fn snapshot_source(&self, volume: &str) -> Result<SnapshotSource> {
+        if let Some(set) = self.replica_set(volume) {
+            let local = set.local_volume().ok_or_else(|| {
+                Error::invalid(format!(
+                    "volume '{volume}' has no replica on this node: a snapshot is taken \
+                     where the owner holds one"
+                ))
+            })?;
+            let (pool, local) = self.find_volume(&local.name)?;
+            return Ok(SnapshotSource {
+                pool,
+                local,
+                name: volume.to_string(),
+                set: Some(set),
+            });
+        }
+        let (pool, v) = self.find_volume(volume)?;
+        if let Some(why) = self.replica_blocked(&v) {
+            return Err(Error::busy(format!(
+                "volume '{volume}' is replicated and not served now ({why}): no snapshot"
+            )));
+        }
+        if let Some(owner) = self.replica_held_for(volume) {
+            return Err(Error::invalid(format!(
+                "volume '{volume}' is a replica held for node '{owner}': snapshot the \
+                 volume on its owner, which takes a copy on every replica at one point"
+            )));
+        }
+        let set = self.replicated_of(&v);
+        Ok(SnapshotSource {
+            pool,
+            local: v,
+            name: volume.to_string(),
+            set,
+        })
+    }
+
+    /// The owner this node holds replica volume `volume` for, if it is one.
+    fn replica_held_for(&self, volume: &str) -> Option<String> {
+        let prefix = replica_nqn("", "");
+        let prefix = prefix.trim_end_matches(':');
+        self.nvmf_list()
+            .into_iter()
+            .filter(|s| s.namespaces.iter().any(|n| n.volume == volume))
+            .find_map(|s| {
+                let rest = s.nqn.strip_prefix(prefix)?.strip_prefix(':')?;
+                let (owner, vol) = rest.split_once(':')?;
+                (vol == volume).then(|| owner.to_string())
+            })
+    }
+
+    /// Ask a replica's node for its copy of a snapshot.
+    fn snapshot_on_replica(&self, c: &RemoteCopy) -> Result<()> {
+        let peer = self.peer(&c.node)?;
+        let body = serde_json::to_value(ReplicaSnapshot {
+            name: c.name.clone(),
+            owner: self.cfg.node_name(),
+        })
+        .map_err(|e| Error::invalid(e.to_string()))?;
+        let path = format!("/v1/replicas/{}/snapshots", c.volume);
+        match self.peer_call(&peer, "POST", &path, Some(&body))? {
+            (s, _) if (200..300).contains(&s) => Ok(()),
+            (s, t) => Err(Error::invalid(format!(
+                "node '{}' refused (HTTP {s}): {}",
+                c.node,
+                t.trim()
+            ))),
+        }
+    }
+
+    /// Ask a replica's node to delete its copy of a snapshot: None when it did (or had
+    /// none), else why not.
+    fn drop_snapshot_on_replica(&self, node: &str, volume: &str, name: &str) -> Option<String> {
+        let path = format!(
+            "/v1/replicas/{volume}/snapshots/{name}?owner={}",
+            self.cfg.node_name()
+        );
+        match self
+            .peer(node)
+            .and_then(|p| self.peer_call(&p, "DELETE", &path, None))
+        {
+            Ok((s, _)) if (200..300).contains(&s) || s == 404 => None,
+            Ok((s, t)) => Some(format!("node '{node}' (HTTP {s}): {}", t.trim())),
+            Err(e) => Some(format!("node '{node}' could not be reached ({e})")),
+        }
+    }
+
+    /// Replica holder side of `POST /v1/replicas/VOLUME/snapshots`: a snapshot of the
+    /// replica this node holds for `owner` (its owner holds the volume's writes).
+    pub fn snapshot_replica(&self, volume: &str, req: &ReplicaSnapshot) -> Result<SnapshotInfo> {
+        let _g = self.admin();
+        self.check_replica_owner(volume, &req.owner)?;
+        if self.find_volume(&req.name).is_ok() {
+            return Err(Error::already_exists(format!(
+                "a volume or snapshot named '{}' already exists on this node",
+                req.name
+            )));
+        }
+        let (p, v) = self.find_volume(volume)?;
+        p.create_snapshots(&[(v, req.name.clone())])?;
+        info!(volume, snapshot = %req.name, owner = %req.owner, "snapshot of a replica taken for its owner");
+        self.snapshot_info(&p, &req.name)
+    }
+
+    /// Replica holder side of `DELETE /v1/replicas/VOLUME/snapshots/NAME`.
+    pub fn delete_replica_snapshot(&self, volume: &str, name: &str, owner: &str) -> Result<()> {
+        {
+            let _g = self.admin();
+            self.check_replica_owner(volume, owner)?;
+            let (_, v) = self.find_volume(volume)?;
+            if !v.ancestors().iter().any(|a| a.name == name) {
+                return Err(Error::missing(
+                    "snapshot",
+                    &format!("{name} (of replica '{volume}')"),
+                ));
+            }
+        }
+        self.delete_volume(name)
+    }
+
+    /// Only the replica's owner (its fence's, once claimed) may snapshot it.
+    fn check_replica_owner(&self, volume: &str, owner: &str) -> Result<()> {
+        let holder = match self.replica_fence(volume)? {
+            Some((fenced, _)) => Some(fenced),
+            None => self.replica_held_for(volume),
+        };
+        match holder {
+            Some(o) if o == owner => Ok(()),
+            Some(o) => Err(Error::busy(format!(
+                "replica '{volume}' is held for node '{o}', not '{owner}'"
+            ))),
+            None => Err(Error::missing("replica", volume)),
+        }
     }
 
     pub fn list_snapshots(&self) -> Vec<SnapshotInfo> {
@@ -95,10 +378,38 @@ impl Node {
     }
 
     /// Delete a snapshot (refused while exported, like a volume). Its space comes back
-    /// once no volume reads through it.
-    pub fn delete_snapshot(&self, name: &str) -> Result<()> {
-        self.find_snapshot(name)?;
-        self.delete_volume(name)
+    /// once no volume reads through it. A snapshot of a replicated volume this node owns
+    /// is deleted on its replicas too.
+    pub fn delete_snapshot(&self, name: &str) -> Result<DeletedSnapshot> {
+        let (_, s) = self.find_snapshot(name)?;
+        // The replicated volumes reading through it (before the chain changes).
+        let sets: Vec<Arc<ReplicatedVolume>> = self
+            .replicated
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter(|rv| {
+                rv.local_volume()
+                    .is_some_and(|v| v.ancestors().iter().any(|a| Arc::ptr_eq(a, &s)))
+            })
+            .cloned()
+            .collect();
+        self.delete_volume(name)?;
+        let mut not_deleted = Vec::new();
+        for rv in sets {
+            for d in rv.descs() {
+                if let LegDesc::Remote { node, volume, .. } = &d {
+                    if let Some(why) = self.drop_snapshot_on_replica(node, volume, name) {
+                        warn!(snapshot = name, replica = %d.place(), why = %why, "a replica's copy of the snapshot stays");
+                        not_deleted.push(format!("{}: {why}", d.place()));
+                    }
+                }
+            }
+        }
+        Ok(DeletedSnapshot {
+            deleted: name.to_string(),
+            not_deleted,
+        })
     }
 
     /// A writable clone `name` of snapshot `snapshot`.
@@ -119,7 +430,7 @@ impl Node {
     pub fn rollback_volume(&self, volume: &str, to: &str) -> Result<VolumeInfo> {
         let _g = self.admin();
         let (p, v) = self.find_volume(volume)?;
-        self.refuse_replicated(&v, "roll back")?;
+        self.refuse_replicated(&v)?;
         if let Some(nqn) = self.nvmf.subsystem_using(&p.status().uuid, v.id) {
             return Err(Error::busy(format!(
                 "volume '{volume}' is a namespace of NVMe subsystem '{nqn}'; remove it before a rollback"
@@ -155,13 +466,21 @@ impl Node {
         })
     }
 
-    /// Snapshots act on one node's copy: on a replicated volume they would make the
-    /// replicas differ, so they are refused until they are taken on every replica.
-    fn refuse_replicated(&self, v: &tessera_pool::Volume, what: &str) -> Result<()> {
+    /// A rollback acts on one node's copy: on a replicated volume it would have to
+    /// happen on every replica at one point with the volume not served, which is not
+    /// built; a clone of the snapshot is the way back.
+    fn refuse_replicated(&self, v: &tessera_pool::Volume) -> Result<()> {
         if self.replicated_of(v).is_some() || self.replica_blocked(v).is_some() {
             return Err(Error::invalid(format!(
-                "volume '{}' is replicated: cannot {what} it (snapshots of replicated volumes \
-                 are not supported yet)",
+                "volume '{}' is replicated: it cannot be rolled back in place (every replica \
+                 would have to go back at once); clone the snapshot instead (`tessera volume \
+                 clone SNAPSHOT --name NEW`) and serve the clone",
+                v.name
+            )));
+        }
+        if let Some(owner) = self.replica_held_for(&v.name) {
+            return Err(Error::invalid(format!(
+                "volume '{}' is a replica held for node '{owner}': it cannot be rolled back here",
                 v.name
             )));
         }
