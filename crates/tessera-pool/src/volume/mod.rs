@@ -810,9 +810,7 @@ impl IoHandle for VolumeHandle {
                     if p == HOLE {
                         match h.vol.pool.allocate(&h.vol, u, seg == 1u64 << h.shift) {
                             Ok(n) => p = n,
-                            // The chain has data here, or the allocation reserve is
-                            // being topped up: the first-write path plans (again).
-                            Err(crate::pool::NEEDS_REDIRECT | crate::pool::NEEDS_RESERVE) => {
+                            Err(crate::pool::NEEDS_REDIRECT) => {
                                 // SAFETY: as above.
                                 return unsafe { h.first_write(io, u, at, seg, b, t) };
                             }
@@ -906,7 +904,7 @@ impl VolumeHandle {
                 match h.vol.pool.allocate(&h.vol, u, false) {
                     Ok(_) => io.complete(t, 0),
                     // SAFETY: zeros: no buffer.
-                    Err(crate::pool::NEEDS_REDIRECT | crate::pool::NEEDS_RESERVE) => unsafe {
+                    Err(crate::pool::NEEDS_REDIRECT) => unsafe {
                         h.first_write(io, u, at, seg, std::ptr::null(), t)
                     },
                     Err(e) => io.complete(t, e),
