@@ -645,14 +645,11 @@ fn fio_verify_through_a_non_owner_rides_out_the_owners_kill() {
     // fio (crc32c verify) through node-c, which does not own the volume: its NBD proxy
     // reaches the owner over NVMe/TCP and follows the optimized path.
     let uri = nodes[2].uri("db");
-    let fio = std::process::Command::new("fio")
-        .current_dir(&nodes[2].dir)
-        .args([
-            "--name=fo",
-            "--ioengine=nbd",
-            &format!("--uri={uri}"),
-            "--rw=randwrite",
-            "--bs=4k",
+    let fio = spawn_fio_randwrite(
+        &nodes[2].dir,
+        "fo",
+        &uri,
+        &[
             "--iodepth=8",
             "--size=16M",
             "--rate_iops=1500",
@@ -660,13 +657,8 @@ fn fio_verify_through_a_non_owner_rides_out_the_owners_kill() {
             "--verify=crc32c",
             "--verify_fatal=1",
             "--do_verify=1",
-            "--group_reporting",
-        ])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start fio");
+        ],
+    );
     std::thread::sleep(Duration::from_secs(3));
     let killed = Instant::now();
     nodes[0].kill9();

@@ -375,14 +375,11 @@ fn fio_verify_holds_while_a_replica_is_killed_and_restarted_twice() {
     // 32 MiB of random 4 KiB writes, rate-limited so that each pass takes ~4 s, then a
     // verify pass (crc32c) per loop; 4 loops span both outages.
     let uri = cl.a.uri("db");
-    let fio = std::process::Command::new("fio")
-        .current_dir(&cl.a.dir)
-        .args([
-            "--name=repl",
-            "--ioengine=nbd",
-            &format!("--uri={uri}"),
-            "--rw=randwrite",
-            "--bs=4k",
+    let fio = spawn_fio_randwrite(
+        &cl.a.dir,
+        "repl",
+        &uri,
+        &[
             "--iodepth=8",
             "--size=32M",
             "--rate_iops=2000",
@@ -390,13 +387,8 @@ fn fio_verify_holds_while_a_replica_is_killed_and_restarted_twice() {
             "--verify=crc32c",
             "--verify_fatal=1",
             "--do_verify=1",
-            "--group_reporting",
-        ])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start fio");
+        ],
+    );
     let mut dirty_seen = 0u64;
     for round in 0..2 {
         std::thread::sleep(Duration::from_secs(2));
@@ -594,14 +586,11 @@ fn a_new_replica_gets_a_copy_of_the_allocated_space_only_while_fio_writes() {
     drop(nbd);
     // fio keeps writing (and verifying) 2 MiB at 48 MiB across the addition.
     let uri = a.uri("db");
-    let fio = std::process::Command::new("fio")
-        .current_dir(&a.dir)
-        .args([
-            "--name=add",
-            "--ioengine=nbd",
-            &format!("--uri={uri}"),
-            "--rw=randwrite",
-            "--bs=4k",
+    let fio = spawn_fio_randwrite(
+        &a.dir,
+        "add",
+        &uri,
+        &[
             "--iodepth=4",
             "--offset=48M",
             "--size=2M",
@@ -610,13 +599,8 @@ fn a_new_replica_gets_a_copy_of_the_allocated_space_only_while_fio_writes() {
             "--verify=crc32c",
             "--verify_fatal=1",
             "--do_verify=1",
-            "--group_reporting",
-        ])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start fio");
+        ],
+    );
     std::thread::sleep(Duration::from_secs(1));
     let e = cli_fails(&a, &["volume", "replica", "add", "db", "node-a:p"]);
     assert!(e.contains("another node"), "{e}");
@@ -859,25 +843,12 @@ fn snapshots_of_a_replicated_volume_are_one_point_on_every_replica() {
     let mut c = nbd_connect(&cl.a, "db");
     write_generations(&mut c, &mut model, blocks / 2..blocks, 1, BS);
     let uri = cl.a.uri("db");
-    let fio = std::process::Command::new("fio")
-        .current_dir(&cl.a.dir)
-        .args([
-            "--name=snap-load",
-            "--ioengine=nbd",
-            &format!("--uri={uri}"),
-            "--rw=randwrite",
-            "--bs=4k",
-            "--iodepth=32",
-            "--size=32M",
-            "--time_based",
-            "--runtime=8",
-            "--group_reporting",
-        ])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start fio");
+    let fio = spawn_fio_randwrite(
+        &cl.a.dir,
+        "snap-load",
+        &uri,
+        &["--iodepth=32", "--size=32M", "--time_based", "--runtime=8"],
+    );
     std::thread::sleep(Duration::from_secs(2));
     let snaps = ["s1", "s2", "s3"];
     for s in snaps {

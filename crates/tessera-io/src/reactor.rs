@@ -336,15 +336,7 @@ impl Reactor {
                         .submitter()
                         .enter::<libc::sigset_t>(pending, 0, 1, None)
                 };
-                self.io.tick();
-                self.io.reap(&mut |tag, _res| {
-                    if tag == MAILBOX_TAG {
-                        mailbox_fired = true;
-                    }
-                });
-                if mailbox_fired {
-                    self.arm_mailbox();
-                }
+                mailbox_fired |= self.reap_ring();
                 self.io.fire_timers();
                 self.io.release_deferred();
                 continue;
@@ -368,15 +360,7 @@ impl Reactor {
                 let outcome = self.poll_briefly(window);
                 self.poll.record(outcome, window);
                 if outcome != PollOutcome::Nothing {
-                    self.io.tick();
-                    self.io.reap(&mut |tag, _res| {
-                        if tag == MAILBOX_TAG {
-                            mailbox_fired = true;
-                        }
-                    });
-                    if mailbox_fired {
-                        self.arm_mailbox();
-                    }
+                    mailbox_fired |= self.reap_ring();
                     continue;
                 }
             }
@@ -410,16 +394,25 @@ impl Reactor {
                     eprintln!("tessera: core {}: io_uring_enter failed: {e}", self.io.core);
                 }
             }
-            self.io.tick();
-            self.io.reap(&mut |tag, _res| {
-                if tag == MAILBOX_TAG {
-                    mailbox_fired = true;
-                }
-            });
-            if mailbox_fired {
-                self.arm_mailbox();
-            }
+            mailbox_fired |= self.reap_ring();
         }
+    }
+
+    /// Take every completion off the ring; true when the mailbox's read completed (it is
+    /// armed again at once, and the caller handles the mailbox in its next round).
+    #[inline]
+    fn reap_ring(&mut self) -> bool {
+        self.io.tick();
+        let mut fired = false;
+        self.io.reap(&mut |tag, _res| {
+            if tag == MAILBOX_TAG {
+                fired = true;
+            }
+        });
+        if fired {
+            self.arm_mailbox();
+        }
+        fired
     }
 }
 

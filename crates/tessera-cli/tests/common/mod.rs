@@ -191,3 +191,30 @@ pub fn put_path(n: &TestNode, volume: &str, body: serde_json::Value) -> (u16, se
         serde_json::from_str(&text).unwrap_or(serde_json::json!(text)),
     )
 }
+
+/// fio with the nbd engine, 4 KiB random writes on export URI `uri`, started in the
+/// background from `dir` (its verify state files land there); `extra` are further fio
+/// options. Its output is piped for `wait_with_output`.
+pub fn spawn_fio_randwrite(
+    dir: &std::path::Path,
+    name: &str,
+    uri: &str,
+    extra: &[&str],
+) -> std::process::Child {
+    std::process::Command::new("fio")
+        .current_dir(dir)
+        .args([
+            format!("--name={name}"),
+            "--ioengine=nbd".into(),
+            format!("--uri={uri}"),
+            "--rw=randwrite".into(),
+            "--bs=4k".into(),
+            "--group_reporting".into(),
+        ])
+        .args(extra)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start fio")
+}
