@@ -118,8 +118,8 @@ volume = "vol0"
 
     // Baseline speed of the other pool.
     let mut other = connect(&n, "vol0");
-    // Best of three runs, each allocating fresh units, to filter out scheduling noise.
-    let before = (0..3)
+    // Best of five runs, each allocating fresh units, to filter out scheduling noise.
+    let before = (0..5)
         .map(|i| throughput(&mut other, i * 32 * MIB, 32 * MIB))
         .fold(0.0, f64::max);
 
@@ -236,13 +236,16 @@ volume = "vol0"
     assert!(bb == expect);
 
     // The other pool is unaffected, at full speed.
-    let after = (3..6)
+    let after = (5..10)
         .map(|i| throughput(&mut other, i * 32 * MIB, 32 * MIB))
         .fold(0.0, f64::max);
     eprintln!(
         "other pool: {before:.0} MiB/s before, {after:.0} MiB/s while the small pool is full"
     );
-    assert!(after * 4.0 >= before, "the other pool slowed down from {before:.0} to {after:.0} MiB/s while the small pool is full");
+    // Best of five against best of five: a full neighbour must not cost the other pool
+    // more than scheduling noise on a busy 2-core machine (the bound was 4x, which hid a
+    // halving).
+    assert!(after * 1.5 >= before, "the other pool slowed down from {before:.0} to {after:.0} MiB/s while the small pool is full");
     assert!(n.is_running(), "node died on ENOSPC");
 
     // Trim 4 MiB of a (unit aligned), flush: new writes succeed again.

@@ -147,7 +147,8 @@ fn a_second_node_on_the_same_data_dir_refuses_at_once() {
     let holder = format!("pid {}", a.pid());
 
     // B: `tessera up` on A's data directory, another NBD port.
-    let other = format!("127.0.0.1:{}", free_port());
+    let other_port = free_port();
+    let other = format!("127.0.0.1:{other_port}");
     let up = run_refused(&[
         "up",
         "--data-dir",
@@ -203,10 +204,19 @@ fn a_second_node_on_the_same_data_dir_refuses_at_once() {
         "{}",
         a.log_text()
     );
-    // With A gone, the directory is free again.
+    // With A gone, the directory is free again: B's very config, refused above, now starts
+    // on A's data directory and serves A's data.
     a.stop();
-    let mut b = TestNode::start_with_config("own-dir-after", "[nvmf]\nenabled = false\n");
-    b.stop();
+    a.config = Some(cfg_b);
+    a.port = other_port;
+    a.restart();
+    verify_pattern(&a, "v", 3, "B on A's directory after A stopped");
+    assert!(
+        !a.log_text().contains("is in use by another tessera node"),
+        "{}",
+        a.log_text()
+    );
+    a.stop();
 }
 
 #[test]
@@ -312,13 +322,9 @@ fn a_device_labelled_for_another_pool_needs_force() {
     n.cli_ok(&["volume", "create", "v", "--pool", "m", "--size", "32M"]);
     n.cli_ok(&["export", "add", "v", "--volume", "v"]);
     write_pattern(&n, "v", 11);
-    n.stop();
-    std::fs::remove_file(n.dir.join("m1.img")).unwrap();
-    n.restart();
-    let p: Value = n.json(&["pool", "status", "m"]);
-    assert_eq!(p["device_states"][1]["state"], "failed", "{p}");
-
-    // pool spare add: refused, naming the pool; --force takes it and wipes its label.
+    // pool spare add: refused, naming the pool; --force takes it and wipes its label. (On
+    // the healthy pool: a degraded one takes a new spare into a rebuild at once, and the
+    // remove below would race it.)
     let e = cli_fails(&n, &["pool", "spare", "add", "m", &z]);
     assert!(e.contains("'other3'") && e.contains("--force"), "{e}");
     n.cli_ok(&["pool", "spare", "add", "m", &z, "--force"]);
@@ -328,6 +334,11 @@ fn a_device_labelled_for_another_pool_needs_force() {
         "the forced spare's label was not wiped"
     );
     n.cli_ok(&["pool", "spare", "remove", "m", &z]);
+    n.stop();
+    std::fs::remove_file(n.dir.join("m1.img")).unwrap();
+    n.restart();
+    let p: Value = n.json(&["pool", "status", "m"]);
+    assert_eq!(p["device_states"][1]["state"], "failed", "{p}");
 
     // pool replace: refused, naming the pool; --force takes it, and the rebuild onto it
     // restores every byte.

@@ -297,20 +297,34 @@ fn bad_pdus_get_the_prescribed_answer_and_others_are_served() {
 #[test]
 fn keep_alive_timeout_tears_down_an_idle_controller() {
     let s = setup("nvmf-kato", "");
+    // A timeout long enough that a keep-alive every 100 ms survives a busy machine's
+    // scheduling stalls.
     let o = Options {
-        kato_ms: 300,
+        kato_ms: 600,
         ..Options::default()
     };
     let mut c = Controller::connect(&s.io, NQN, &o, 2).unwrap();
     // Kept alive: still there after several timeouts' worth.
     let t = Instant::now();
-    while t.elapsed() < Duration::from_millis(900) {
+    while t.elapsed() < Duration::from_millis(1800) {
         c.keep_alive().unwrap();
         std::thread::sleep(Duration::from_millis(100));
     }
     assert_eq!(c.read(0, 1, 0, 8, LBA).unwrap().len(), 4096);
-    // Idle: every queue is closed.
-    std::thread::sleep(Duration::from_millis(900));
+    // Idle: the target tears the controller down (waited for, bounded), and then every
+    // queue is closed.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let ctrls = s.node.cli_ok(&["--json", "nvmf", "subsystem", "list"]);
+        if ctrls.contains("\"controllers\": 0") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the idle controller outlived its keep-alive timeout by 15 s: {ctrls}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert!(c.keep_alive().is_err(), "admin queue survived the timeout");
     assert!(
         c.read(1, 1, 0, 8, LBA).is_err(),

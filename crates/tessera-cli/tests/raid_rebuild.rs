@@ -108,8 +108,16 @@ fn raid1_rebuild_resumes_after_kill9_and_serves_alone() {
     n.kill9();
     n.restart();
 
-    // It resumes from its cursor, not from 0.
-    let v = rebuild_json(&n);
+    // It resumes from its cursor, not from 0 (the resumed job may be reported a moment
+    // after the node says it is ready: wait for it, bounded).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let v = loop {
+        let v = rebuild_json(&n);
+        if v["resumed_at_unit_count"].is_u64() || Instant::now() > deadline {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     let resumed = v["resumed_at_unit_count"].as_u64().unwrap();
     assert!(resumed > 0, "did not resume: {v} (was {before})");
     assert!(resumed <= done_before, "{v} vs {before}");

@@ -47,8 +47,10 @@ fn mirrored_pool(n: &TestNode) -> (String, String) {
     (a, b)
 }
 
-/// Flip 4 KiB of `file` at every MiB of its data area (metadata and data units alike).
-fn corrupt_every_mib(file: &str) {
+/// Flip 4 KiB of `file` at every MiB of its data area (metadata and data units alike);
+/// returns where, and what it wrote there.
+fn corrupt_every_mib(file: &str) -> Vec<(u64, Vec<u8>)> {
+    let mut spots = Vec::new();
     let mut f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -64,8 +66,33 @@ fn corrupt_every_mib(file: &str) {
         }
         f.seek(SeekFrom::Start(at)).unwrap();
         f.write_all(&b).unwrap();
+        spots.push((at, b));
     }
     f.sync_all().unwrap();
+    spots
+}
+
+/// A repair went the right way: no copy holds the bytes the corruption wrote (a repair
+/// from the corrupted copy to the good one would leave them in both, equal).
+fn corruption_gone(spots: &[(u64, Vec<u8>)], files: &[&str]) {
+    for file in files {
+        for (at, bad) in spots {
+            assert!(
+                read_file(file, *at, bad.len() as u64) != *bad,
+                "{file} holds the corrupted bytes at {at}: repaired from the wrong copy"
+            );
+        }
+    }
+}
+
+/// The volume's whole content, as a client reads it.
+fn volume_bytes(n: &TestNode) -> Vec<u8> {
+    let mut c = nbd_connect(n, "v");
+    let mut out = vec![0u8; 32 * MIB as usize];
+    for (i, chunk) in out.chunks_mut(MIB as usize).enumerate() {
+        c.read(i as u64 * MIB, chunk).unwrap();
+    }
+    out
 }
 
 fn read_file(file: &str, at: u64, len: u64) -> Vec<u8> {
@@ -94,8 +121,9 @@ fn ranges_equal(v: &Value, a: &str, b: &str) {
 fn scrub_finds_and_repairs_a_copy_changed_on_disk() {
     let mut n = TestNode::start_with_config("scrub-repair", "");
     let (a, b) = mirrored_pool(&n);
+    let written = volume_bytes(&n);
     n.stop();
-    corrupt_every_mib(&b);
+    let spots = corrupt_every_mib(&b);
     n.restart();
     // A clean shutdown: no resync.
     let p = json(&n, &["--json", "pool", "status", "m"]);
@@ -123,10 +151,16 @@ fn scrub_finds_and_repairs_a_copy_changed_on_disk() {
         text.contains(&format!("{found} bytes mismatched, {found} repaired")),
         "{text}"
     );
-    // Copies are on disk equal where they differed (after a sync: stop the node).
+    // Copies are on disk equal where they differed (after a sync: stop the node), and hold
+    // the good copy's bytes, not the corruption.
     n.stop();
     ranges_equal(&v, &a, &b);
+    corruption_gone(&spots, &[&a, &b]);
     n.restart();
+    assert!(
+        volume_bytes(&n) == written,
+        "the volume does not read what was written"
+    );
     let v = json(&n, &["--json", "pool", "scrub", "m", "--wait"]);
     assert_eq!(v["mismatched_bytes"], 0, "{v}");
     assert_eq!(v["repaired_bytes"], 0, "{v}");
@@ -139,8 +173,9 @@ fn scrub_finds_and_repairs_a_copy_changed_on_disk() {
 fn unclean_shutdown_of_a_mirror_starts_a_resync_that_completes() {
     let mut n = TestNode::start_with_config("resync", "");
     let (a, b) = mirrored_pool(&n);
+    let written = volume_bytes(&n);
     n.kill9();
-    corrupt_every_mib(&b);
+    let spots = corrupt_every_mib(&b);
     n.restart();
     let deadline = Instant::now() + Duration::from_secs(120);
     let v = loop {
@@ -165,7 +200,12 @@ fn unclean_shutdown_of_a_mirror_starts_a_resync_that_completes() {
     // A clean stop after that: the next start does not resync, and the copies agree.
     n.stop();
     ranges_equal(&v, &a, &b);
+    corruption_gone(&spots, &[&a, &b]);
     n.restart();
+    assert!(
+        volume_bytes(&n) == written,
+        "the volume does not read what was written"
+    );
     let p = json(&n, &["--json", "pool", "status", "m"]);
     assert!(p.get("resync").is_none(), "{p}");
     let v = json(

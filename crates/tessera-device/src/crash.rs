@@ -6,6 +6,7 @@
 //! unflushed writes, one of which may be torn (only some of its 512-byte sectors land).
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tessera_io::cast::usize_of;
 
@@ -20,6 +21,45 @@ struct State {
 pub struct CrashDevice {
     size: u64,
     state: Mutex<State>,
+    /// The machine's power, shared with the other devices of the same test "machine".
+    power: Option<Arc<PowerSwitch>>,
+}
+
+/// The power of one simulated machine, shared by its [`CrashDevice`]s, so that a power
+/// loss can hit at any device operation of the code under test, not only between calls:
+/// it counts the writes and flushes of every device on it, and once cut (after a given
+/// count), no device makes anything durable or records anything any more. Writes still
+/// reach the running image, so the code under test goes on unaware, and each device's
+/// [`CrashDevice::crash_image`] is then its disk at the instant of the cut.
+#[derive(Default)]
+pub struct PowerSwitch {
+    ops: AtomicU64,
+    cut_at: AtomicU64,
+}
+
+impl PowerSwitch {
+    pub fn new() -> Arc<PowerSwitch> {
+        Arc::new(PowerSwitch {
+            ops: AtomicU64::new(0),
+            cut_at: AtomicU64::new(u64::MAX),
+        })
+    }
+
+    /// Device writes and flushes so far, on all devices of this machine.
+    pub fn ops(&self) -> u64 {
+        self.ops.load(Ordering::SeqCst)
+    }
+
+    /// Cut the power once `more` further device operations have happened (0: now).
+    pub fn cut_after(&self, more: u64) {
+        self.cut_at.store(self.ops() + more, Ordering::SeqCst);
+    }
+
+    /// Count one operation; false once the power is off (the operation is not recorded).
+    fn operation(&self) -> bool {
+        let cut_at = self.cut_at.load(Ordering::SeqCst);
+        self.ops.fetch_add(1, Ordering::SeqCst) < cut_at
+    }
 }
 
 impl CrashDevice {
@@ -28,6 +68,15 @@ impl CrashDevice {
     }
 
     pub fn from_image(image: Vec<u8>) -> Arc<CrashDevice> {
+        Self::build(image, None)
+    }
+
+    /// A zeroed device of `size` bytes on the machine whose power is `power`.
+    pub fn on_power(size: u64, power: &Arc<PowerSwitch>) -> Arc<CrashDevice> {
+        Self::build(vec![0u8; usize_of(size)], Some(power.clone()))
+    }
+
+    fn build(image: Vec<u8>, power: Option<Arc<PowerSwitch>>) -> Arc<CrashDevice> {
         Arc::new(CrashDevice {
             size: image.len() as u64,
             state: Mutex::new(State {
@@ -35,7 +84,13 @@ impl CrashDevice {
                 durable: image,
                 unflushed: Vec::new(),
             }),
+            power,
         })
+    }
+
+    /// Count an operation on the machine's power switch: false once the power is cut.
+    fn powered(&self) -> bool {
+        self.power.as_ref().is_none_or(|p| p.operation())
     }
 
     fn st(&self) -> std::sync::MutexGuard<'_, State> {
@@ -43,12 +98,18 @@ impl CrashDevice {
     }
 
     fn record_write(&self, offset: u64, data: &[u8]) {
+        let powered = self.powered();
         let mut s = self.st();
         s.current[usize_of(offset)..usize_of(offset) + data.len()].copy_from_slice(data);
-        s.unflushed.push((offset, data.to_vec()));
+        if powered {
+            s.unflushed.push((offset, data.to_vec()));
+        }
     }
 
     fn flush(&self) {
+        if !self.powered() {
+            return;
+        }
         let mut s = self.st();
         let writes = std::mem::take(&mut s.unflushed);
         for (off, d) in writes {

@@ -25,7 +25,7 @@ pub mod swap;
 pub mod watchdog;
 
 #[cfg(any(test, feature = "test-devices"))]
-pub use crash::CrashDevice;
+pub use crash::{CrashDevice, PowerSwitch};
 pub use fault::{FaultConfig, FaultDevice, DEFAULT_STALL_MS};
 pub use file::FileDevice;
 pub use null::NullDevice;

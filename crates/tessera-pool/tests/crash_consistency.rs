@@ -155,24 +155,74 @@ fn flushed_data_and_metadata_survive_random_crashes() {
     }
 }
 
+/// A pool on two crash devices on one power switch, with the switch's count at the end
+/// of the pool's creation.
+fn pool_on_power(power: &Arc<PowerSwitch>) -> (Pool, Vec<Arc<CrashDevice>>) {
+    let devs: Vec<_> = (0..2)
+        .map(|_| CrashDevice::on_power(12 << 20, power))
+        .collect();
+    let pool = Pool::create(
+        "p",
+        as_block(&devs),
+        PoolOptions {
+            unit_size: UNIT,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    (pool, devs)
+}
+
 #[test]
 fn crash_during_volume_creation_leaves_a_consistent_catalog() {
-    for seed in 1..=8u64 {
-        let devs = crash_devs(None);
-        let pool = Pool::create(
-            "p",
-            as_block(&devs),
-            PoolOptions {
-                unit_size: UNIT,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        pool.create_volume("a", 1 << 20).unwrap();
-        // Catalog changes are synchronous checkpoints: after create returns, it is durable.
-        let images: Vec<Vec<u8>> = devs.iter().map(|d| d.crash_image(seed)).collect();
-        drop(pool);
-        let pool2 = Pool::open(as_block(&crash_devs(Some(images)))).unwrap();
-        assert!(pool2.volume("a").is_some());
+    // How many device writes and flushes a volume creation makes.
+    let power = PowerSwitch::new();
+    let (pool, _devs) = pool_on_power(&power);
+    let before = power.ops();
+    pool.create_volume("a", 1 << 20).unwrap();
+    let during = power.ops() - before;
+    assert!(during > 0, "creating a volume wrote nothing");
+    eprintln!("a volume creation makes {during} device writes and flushes");
+    drop(pool);
+
+    // The power goes out before each of those operations (and after the last), with
+    // several choices of which unflushed writes land: the pool opens, and the volume is
+    // either whole (its full size, writable, reads back) or absent (and its name free).
+    for cut in 0..=during {
+        for seed in 1..=3u64 {
+            let power = PowerSwitch::new();
+            let (pool, devs) = pool_on_power(&power);
+            power.cut_after(cut);
+            pool.create_volume("a", 1 << 20).unwrap();
+            let images: Vec<Vec<u8>> = devs.iter().map(|d| d.crash_image(seed)).collect();
+            drop(pool);
+            let pool2 = Pool::open(as_block(&crash_devs(Some(images)))).unwrap_or_else(|e| {
+                panic!("power cut after {cut} of {during} operations (seed {seed}): {e}")
+            });
+            let vol = match pool2.volume("a") {
+                Some(v) => v,
+                None => {
+                    assert!(
+                        cut < during,
+                        "the volume is lost after its creation completed"
+                    );
+                    pool2.create_volume("a", 1 << 20).unwrap_or_else(|e| {
+                        panic!(
+                            "cut after {cut}: the name of a volume that is not there is taken: {e}"
+                        )
+                    })
+                }
+            };
+            assert_eq!(vol.size(), 1 << 20, "cut after {cut} (seed {seed})");
+            let data = pattern(cut * 10 + seed, 2 * BLK as usize);
+            let mut h = vol.open_handle();
+            let mut io = core();
+            assert!(write(&mut io, &mut h, 3 * BLK, &data) >= 0);
+            assert_eq!(read(&mut io, &mut h, 3 * BLK, data.len()).unwrap(), data);
+            drop(h);
+            let st = pool2.status();
+            assert_eq!(st.allocated, vol.allocated_bytes(), "cut after {cut}");
+            assert_eq!(st.allocated + st.free, st.capacity, "cut after {cut}");
+        }
     }
 }

@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-pub use tessera_device::CrashDevice;
 use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
+pub use tessera_device::{CrashDevice, PowerSwitch};
 use tessera_io::{CoreIo, IoHandle, IoOp};
 
 use crate::data::Rng;

@@ -1,6 +1,7 @@
 //! Network namespaces for partition tests: a namespace joined to the test's by a veth
 //! pair, and an nftables table in it that cuts the link (root, `ip` and `nft` needed;
-//! without them `NetNs::create` says why and the test skips).
+//! without them `NetNs::create` fails the test with the reason, or, where
+//! `TESSERA_ALLOW_NO_NETNS` is set, says why and the test skips).
 
 use crate::node::require_tool;
 
@@ -33,14 +34,27 @@ fn sh_ok(what: &str, o: std::io::Result<std::process::Output>) -> Result<(), Str
     }
 }
 
+/// A partition test that cannot make its namespace: a failure (a partition test that
+/// silently passes tests nothing), unless the environment opts out with
+/// `TESSERA_ALLOW_NO_NETNS` (a sandbox that forbids namespaces), where it skips.
+fn cannot_partition(why: &str) -> Option<NetNs> {
+    if std::env::var_os("TESSERA_ALLOW_NO_NETNS").is_some() {
+        eprintln!("SKIP: {why} (TESSERA_ALLOW_NO_NETNS is set)");
+        return None;
+    }
+    panic!("{why}; set TESSERA_ALLOW_NO_NETNS=1 to skip the partition tests where namespaces cannot be made");
+}
+
 impl NetNs {
-    /// None (with the reason printed) where namespaces cannot be made: not root, no
-    /// `ip` or `nft`, or a sandbox that forbids them.
+    /// The namespace, or where namespaces cannot be made (not root, no `ip` or `nft`, or a
+    /// sandbox that forbids them) a test failure, or None with the reason printed when
+    /// `TESSERA_ALLOW_NO_NETNS` is set.
     pub fn create() -> Option<NetNs> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
-            eprintln!("SKIP: the partition test needs root (network namespaces, nftables)");
-            return None;
+            return cannot_partition(
+                "the partition test needs root (network namespaces, nftables)",
+            );
         }
         if !require_tool("ip") || !require_tool("nft") {
             return None;
@@ -102,8 +116,8 @@ impl NetNs {
         ];
         for (what, args) in steps {
             if let Err(e) = sh_ok(what, ip(&args)) {
-                eprintln!("SKIP: cannot set a network namespace up here ({e})");
-                return None; // `ns` is dropped: what was made is removed
+                drop(ns); // what was made is removed
+                return cannot_partition(&format!("cannot set a network namespace up here ({e})"));
             }
         }
         Some(ns)
