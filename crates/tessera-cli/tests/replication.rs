@@ -6,6 +6,9 @@
 //!   the replica is dropped after the timeout; the owner reports it degraded with the
 //!   bytes it lacks; restarted, it is resynced by copying only the dirty regions, and
 //!   all three replicas compare equal byte for byte (read directly on each node).
+//! - A replica node killed (-9) right after unflushed writes, with nothing in flight:
+//!   the owner notices the broken connection, and the resync brings back what the
+//!   replica had acknowledged but not made durable.
 //! - The owner killed (-9) under writes with flushes: restarted, every write acknowledged
 //!   before an acknowledged flush reads back, the activity log's regions are reconciled
 //!   (not a full copy), and the replicas compare equal.
@@ -253,6 +256,42 @@ fn a_killed_replica_is_dropped_then_resynced_from_its_dirty_regions_only() {
     drop(c);
     verify_generations(&cl.a, "db", &model, BS);
     let a_img = image(&cl.a, "db");
+    assert_same("node-b vs owner", &image(&cl.b, "replica"), &a_img);
+    assert_same("node-c vs owner", &image(&cl.c, "replica"), &a_img);
+}
+
+#[test]
+fn a_replica_killed_before_a_flush_is_resynced_with_what_it_had_not_made_durable() {
+    let mut cl = cluster("repl-crash");
+    // 8 MiB through the owner, acknowledged by every replica but never flushed: node-c
+    // may hold them only in memory (its thin allocations not yet committed).
+    let blocks = (8 * MIB) as usize / BS;
+    let mut c = nbd_connect(&cl.a, "db");
+    for i in 0..blocks {
+        c.write((i * BS) as u64, &block(i, 1, BS), false).unwrap();
+    }
+    cl.c.kill9();
+    // No I/O fails (none is in flight, and the reconnect would hide a short outage):
+    // the owner notices the broken connection itself, and counts every region written
+    // since node-c's last flush as lacking there.
+    wait_for("the owner notices node-c's crash", 15, || {
+        state_of(&cl.a, "node-c:p")["state"] != "in_sync"
+    });
+    let dirty = state_of(&cl.a, "node-c:p")["dirty_bytes"].as_u64().unwrap();
+    assert!(
+        dirty >= 8 * MIB,
+        "node-c lacks {dirty} bytes; 8 MiB were written to it without a flush"
+    );
+    cl.c.restart();
+    wait_for("node-c back in sync", 40, || all_in_sync(&cl.a));
+    drop(c);
+    let a_img = image(&cl.a, "db");
+    for i in 0..blocks {
+        assert!(
+            a_img[i * BS..(i + 1) * BS] == block(i, 1, BS),
+            "block {i}: the owner lost an acknowledged write"
+        );
+    }
     assert_same("node-b vs owner", &image(&cl.b, "replica"), &a_img);
     assert_same("node-c vs owner", &image(&cl.c, "replica"), &a_img);
 }

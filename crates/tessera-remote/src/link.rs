@@ -915,6 +915,9 @@ impl Link {
         if self.draining {
             return;
         }
+        // Before anything is resubmitted: the layer above must be able to see the outage
+        // whatever the resubmitted I/Os' results.
+        self.dev.note_break();
         let inflight = self.cmds.iter().filter(|c| c.busy).count();
         warn!(device = %self.dev.spec, qid = self.qid.unwrap_or(0), core = io.core,
               inflight, reason = why, "remote device: connection lost, reconnecting");
