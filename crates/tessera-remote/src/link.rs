@@ -253,6 +253,12 @@ impl RemoteHandle {
         }
     }
 
+    /// The device's count of lost connections ([`RemoteDevice::breaks`]). A completion
+    /// this queue delivers after the count moved may come from a peer that restarted.
+    pub fn device_breaks(&self) -> u64 {
+        self.dev.breaks()
+    }
+
     /// True while the queue fails I/O at once (the peer stayed away past the timeout).
     pub fn is_failing_fast(&self) -> bool {
         self.link.0.borrow().fail_fast

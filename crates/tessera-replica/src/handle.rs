@@ -417,12 +417,21 @@ impl Continuation for ReplicaCore {
                 if res < 0 {
                     return self.report_failure(io, leg, res, Some(parent));
                 }
-                let e = u32_of(low >> EPOCH_SHIFT).wrapping_add(1);
-                let _ = self.vol.legs[leg]
-                    .flushed
-                    .fetch_update(AcqRel, Acquire, |d| {
+                // A flush answered after the connection broke (resubmitted, perhaps to a
+                // restarted node) proves nothing about the writes before the break: only
+                // one answered while the count is the persister's may advance `flushed`
+                // (the link counts a break before it resubmits anything).
+                let l = &self.vol.legs[leg];
+                let same_peer = match &*self.legs[leg].borrow() {
+                    LegHandle::Remote(h) => h.device_breaks() == l.breaks_seen.load(Acquire),
+                    _ => true,
+                };
+                if same_peer {
+                    let e = u32_of(low >> EPOCH_SHIFT).wrapping_add(1);
+                    let _ = l.flushed.fetch_update(AcqRel, Acquire, |d| {
                         crate::unflushed(e, d.wrapping_add(1)).then_some(e)
                     });
+                }
                 io.complete(parent, res)
             }
             K_READ => {

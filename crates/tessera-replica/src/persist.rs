@@ -17,8 +17,8 @@ use tessera_device::BlockDevice;
 
 use crate::meta::{LegDesc, LegState, MetaFile, FLAG_CLEAN};
 use crate::{
-    in_sync, resyncing, unflushed, LegDev, ReplicatedVolume, CLEAN, DIRTY, FIRST_EPOCH, HOT,
-    INFLIGHT, INFLIGHT_ONE, REDIRTY, STARTED_SHIFT, STATE,
+    in_sync, resyncing, unflushed, LegDev, ReplicatedVolume, CLEAN, DIRTY, HOT, INFLIGHT,
+    INFLIGHT_ONE, REDIRTY, STARTED_SHIFT, STATE,
 };
 
 /// Who waits for a request: a tag on a reactor core.
@@ -53,10 +53,7 @@ pub(crate) enum Req {
     },
     /// Flush the remote legs in mask `legs` (those that received writes), then write an
     /// empty activity log and the clean flag if no write is in flight.
-    Close {
-        legs: u64,
-        reply: mpsc::Sender<()>,
-    },
+    Close { legs: u64, reply: mpsc::Sender<()> },
     /// A resync copies `region` with writes to it held (its copies kept being overlapped
     /// by writes): take it out of the activity log in memory, so that new writes to it
     /// ask here first, and hold them until [`Req::Unlock`]; then complete `done`.
@@ -107,9 +104,6 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
     // A quiesce holds every region's writes; its caller waits until nothing is in flight.
     let mut frozen = false;
     let mut quiesce_waiter: Option<mpsc::Sender<()>> = None;
-    // Per leg, its `flushed` epoch as last seen with no connection lost before it: what
-    // a leg that failed or restarted is assumed to hold durably.
-    let mut durable = vec![FIRST_EPOCH; crate::meta::MAX_LEGS];
     loop {
         if let Some(tx) = quiesce_waiter.take() {
             match vol.upgrade() {
@@ -132,7 +126,7 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
         // At least every half second (the longest wait below), and before any request:
         // a remote leg whose connection broke is out of sync before anything else.
         if let Some(v) = vol.upgrade() {
-            if watch_legs(&v, &mut m, &mut durable) {
+            if watch_legs(&v, &mut m) {
                 if let Err(e) = m.commit() {
                     error!(volume = %v.name, error = %e, "replicated volume: cannot write the replica-set file");
                 }
@@ -195,7 +189,8 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
                     release_held(&v, &mut m, &mut held, &locked, &mut after);
                 }
                 Req::LegFailed { leg, res, done } => {
-                    let res = leg_failed(&v, &mut m, leg, res, durable[leg]);
+                    let durable = v.legs[leg].flushed.load(Acquire);
+                    let res = leg_failed(&v, &mut m, leg, res, durable);
                     if let Some(d) = done {
                         after.push(Action::Complete(d, res));
                     }
@@ -215,7 +210,7 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
                     after.push(Action::Reply(reply, ok));
                 }
                 Req::Close { legs, reply } => {
-                    flush_for_close(&v, &mut m, legs, &durable);
+                    flush_for_close(&v, &mut m, legs);
                     closing = Some(reply);
                 }
                 Req::AddLeg { desc, reply } => {
@@ -349,14 +344,9 @@ fn hot(v: &ReplicatedVolume, m: &mut MetaFile, first: u64, count: u64) {
 }
 
 /// Leg `leg` failed an I/O with `res` (or its connection broke: `res` is `-ENOTCONN`);
-/// `durable` is its flush epoch as last trusted (see `watch_legs`).
-fn leg_failed(
-    v: &ReplicatedVolume,
-    m: &mut MetaFile,
-    leg: usize,
-    res: i32,
-    durable: u32,
-) -> i32 {
+/// `durable` is its `flushed` epoch, read before anything could move it past a break
+/// (see `watch_legs`).
+fn leg_failed(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, res: i32, durable: u32) -> i32 {
     let masks = v.masks.load(Acquire);
     let bit = 1u64 << leg;
     if in_sync(masks) & bit != 0 && in_sync(masks) & !bit == 0 {
@@ -442,34 +432,29 @@ fn mark_lost(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, durable: u32) {
 }
 
 /// Drop every remote leg that receives writes and whose connection broke since the last
-/// look (its node may have restarted and lost its unflushed writes, which a reconnect
-/// and resubmission hide from the I/Os), and note each such leg's `flushed` epoch while
-/// nothing broke: a flush sent before a break but completed by the restarted node after
-/// it proves nothing, and the epoch read before the break count is not moved by it. True
-/// if the replica-set file changed.
-fn watch_legs(v: &ReplicatedVolume, m: &mut MetaFile, durable: &mut [u32]) -> bool {
+/// look: its node may have restarted and lost its unflushed writes, which a reconnect
+/// and resubmission hide from the I/Os. True if the replica-set file changed.
+fn watch_legs(v: &ReplicatedVolume, m: &mut MetaFile) -> bool {
     let masks = v.masks.load(Acquire);
     let mut changed = false;
     for (i, l) in v.legs.iter().enumerate() {
         if (in_sync(masks) | resyncing(masks)) & (1 << i) == 0 || v.closing.load(Acquire) {
             continue;
         }
-        let flushed = l.flushed.load(Acquire);
         let breaks = match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
             LegDev::Remote(Some(d)) => d.breaks(),
-            _ => {
-                durable[i] = flushed;
-                continue;
-            }
+            _ => continue,
         };
         if breaks == l.breaks_seen.load(Acquire) {
-            durable[i] = flushed;
             continue;
         }
+        // Read before `breaks_seen` moves: until then no flush answered after the break
+        // advances it (handle.rs, `K_FLUSH`).
+        let durable = l.flushed.load(Acquire);
         l.breaks_seen.store(breaks, Release);
         warn!(volume = %v.name, leg = %l.place(),
             "replicated volume: the connection to a replica broke; it may have lost its unflushed writes");
-        leg_failed(v, m, i, -libc::ENOTCONN, durable[i]);
+        leg_failed(v, m, i, -libc::ENOTCONN, durable);
         changed = true;
     }
     changed
@@ -478,7 +463,7 @@ fn watch_legs(v: &ReplicatedVolume, m: &mut MetaFile, durable: &mut [u32]) -> bo
 /// Closing: flush every remote leg in `legs` (the owner's clean close empties the
 /// activity log, and a leg's node could still lose what it holds unflushed); one whose
 /// flush fails, or whose connection broke, is marked out of sync as a failed leg is.
-fn flush_for_close(v: &ReplicatedVolume, m: &mut MetaFile, legs: u64, durable: &[u32]) {
+fn flush_for_close(v: &ReplicatedVolume, m: &mut MetaFile, legs: u64) {
     for (i, l) in v.legs.iter().enumerate() {
         if legs & (1 << i) == 0 {
             continue;
@@ -487,6 +472,7 @@ fn flush_for_close(v: &ReplicatedVolume, m: &mut MetaFile, legs: u64, durable: &
             LegDev::Remote(Some(d)) => d.clone(),
             _ => continue,
         };
+        let durable = l.flushed.load(Acquire);
         let flushed = dev.sync();
         if flushed.is_ok() && dev.breaks() == l.breaks_seen.load(Acquire) {
             continue;
@@ -497,7 +483,7 @@ fn flush_for_close(v: &ReplicatedVolume, m: &mut MetaFile, legs: u64, durable: &
             m.set_state(i, LegState::OutOfSync);
             l.state.store(LegState::OutOfSync as u8, Relaxed);
         }
-        mark_lost(v, m, i, durable[i]);
+        mark_lost(v, m, i, durable);
     }
 }
 
