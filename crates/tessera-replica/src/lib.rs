@@ -20,8 +20,10 @@
 //!
 //! Per I/O, the datapath ([`handle`]) costs one atomic load of the legs' state and, per
 //! region a write touches, one atomic add at submission and one at completion (the count
-//! of writes in flight that keeps a region in the activity log). The network round trip
-//! to a replica is three orders of magnitude larger.
+//! of writes in flight that keeps a region in the activity log), plus, at completion,
+//! one load of the flush epoch and a store of it in the region's cell when it changed. A
+//! flush costs one atomic add more. The network round trip to a replica is three orders
+//! of magnitude larger.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
