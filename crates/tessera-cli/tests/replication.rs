@@ -6,9 +6,13 @@
 //!   the replica is dropped after the timeout; the owner reports it degraded with the
 //!   bytes it lacks; restarted, it is resynced by copying only the dirty regions, and
 //!   all three replicas compare equal byte for byte (read directly on each node).
-//! - The owner killed (-9) under writes with flushes: restarted, every write acknowledged
-//!   before an acknowledged flush reads back, the activity log's regions are reconciled
-//!   (not a full copy), and the replicas compare equal.
+//! - A replica node killed (-9) right after unflushed writes, with nothing in flight:
+//!   the owner notices the broken connection, and the resync brings back what the
+//!   replica had acknowledged but not made durable.
+//! - The owner killed (-9) with writes in flight (a replica frozen holds them): restarted,
+//!   every write acknowledged before an acknowledged flush reads back, only the activity
+//!   log's regions are reconciled (a small log: far from a full copy), and the replicas
+//!   compare equal.
 
 mod common;
 use common::*;
@@ -57,14 +61,15 @@ fn cluster(tag: &str) -> Cluster {
 /// A cluster whose owner's pool device spec is wrapped as `PREFIX{file}:256M{suffix}`
 /// (`owner_fault`: e.g. `;vanish_after_ms=6000` makes it a fault device).
 fn cluster_on(tag: &str, owner_fault: &str) -> Cluster {
-    cluster_with(tag, owner_fault, "")
+    cluster_with(tag, owner_fault, "", "")
 }
 
-/// As [`cluster_on`], with node-c's pool device wrapped the same way.
-fn cluster_with(tag: &str, owner_fault: &str, c_fault: &str) -> Cluster {
+/// As [`cluster_on`], with node-c's pool device wrapped the same way and `replication`
+/// added to the owner's `[replication]` section.
+fn cluster_with(tag: &str, owner_fault: &str, c_fault: &str, replication: &str) -> Cluster {
     let b = holder(&format!("{tag}-b"), "node-b");
     let c = holder_on(&format!("{tag}-c"), "node-c", c_fault);
-    let (a, metrics) = owner(tag, owner_fault, &b, &c);
+    let (a, metrics) = owner_with(tag, owner_fault, replication, &b, &c);
     a.cli_ok(&[
         "volume",
         "create",
@@ -97,6 +102,17 @@ fn export_replica(n: &TestNode, volume: &str) {
 /// The owner node-a (pool `p`, its device wrapped as in [`cluster_on`]) with node-b and
 /// node-c as peers; returns it and its `/metrics` address.
 fn owner(tag: &str, owner_fault: &str, b: &TestNode, c: &TestNode) -> (TestNode, String) {
+    owner_with(tag, owner_fault, "", b, c)
+}
+
+/// As [`owner`], with `replication` added to its `[replication]` section.
+fn owner_with(
+    tag: &str,
+    owner_fault: &str,
+    replication: &str,
+    b: &TestNode,
+    c: &TestNode,
+) -> (TestNode, String) {
     let nvmf = free_port();
     let metrics = format!("127.0.0.1:{}", free_port());
     let peers = format!(
@@ -110,7 +126,7 @@ fn owner(tag: &str, owner_fault: &str, b: &TestNode, c: &TestNode) -> (TestNode,
         "name = \"node-a\"",
         &format!(
             "{peers}[metrics]\nlisten = \"{metrics}\"\n[replication]\ntimeout_ms = 3000\nregion_size = \"1M\"\n\
-             [nvmf]\nlisten = \"127.0.0.1:{nvmf}\"\ndiscovery = \"\"\n"
+             {replication}[nvmf]\nlisten = \"127.0.0.1:{nvmf}\"\ndiscovery = \"\"\n"
         ),
     );
     let img = if owner_fault.is_empty() {
@@ -258,18 +274,92 @@ fn a_killed_replica_is_dropped_then_resynced_from_its_dirty_regions_only() {
 }
 
 #[test]
+fn a_replica_killed_before_a_flush_is_resynced_with_what_it_had_not_made_durable() {
+    let mut cl = cluster("repl-crash");
+    // 8 MiB through the owner, acknowledged by every replica but never flushed: node-c
+    // may hold them only in memory (its thin allocations not yet committed).
+    let blocks = (8 * MIB) as usize / BS;
+    let mut c = nbd_connect(&cl.a, "db");
+    for i in 0..blocks {
+        c.write((i * BS) as u64, &block(i, 1, BS), false).unwrap();
+    }
+    cl.c.kill9();
+    // No I/O fails (none is in flight, and the reconnect would hide a short outage):
+    // the owner notices the broken connection itself, and counts every region written
+    // since node-c's last flush as lacking there.
+    wait_for("the owner notices node-c's crash", 15, || {
+        state_of(&cl.a, "node-c:p")["state"] != "in_sync"
+    });
+    let dirty = state_of(&cl.a, "node-c:p")["dirty_bytes"].as_u64().unwrap();
+    assert!(
+        dirty >= 8 * MIB,
+        "node-c lacks {dirty} bytes; 8 MiB were written to it without a flush"
+    );
+    cl.c.restart();
+    wait_for("node-c back in sync", 40, || all_in_sync(&cl.a));
+    drop(c);
+    let a_img = image(&cl.a, "db");
+    for i in 0..blocks {
+        assert!(
+            a_img[i * BS..(i + 1) * BS] == block(i, 1, BS),
+            "block {i}: the owner lost an acknowledged write"
+        );
+    }
+    assert_same("node-b vs owner", &image(&cl.b, "replica"), &a_img);
+    assert_same("node-c vs owner", &image(&cl.c, "replica"), &a_img);
+}
+
+/// The activity log's capacity in [`the_owner_killed_under_writes_reconciles_its_activity_log_on_restart`]:
+/// a quarter of the volume's regions, so that reconciling it is far from a full copy.
+const SMALL_AL: u64 = 16;
+
+#[test]
 fn the_owner_killed_under_writes_reconciles_its_activity_log_on_restart() {
-    let mut cl = cluster("repl-owner");
+    let mut cl = cluster_with("repl-owner", "", "", &format!("al_regions = {SMALL_AL}\n"));
     let blocks = (VOL as usize) / BS;
+    let per_region = (MIB as usize) / BS;
     let mut model = vec![0u64; blocks];
     let mut c = nbd_connect(&cl.a, "db");
     write_generations(&mut c, &mut model, 0..blocks, 1, BS);
-    // Durable generation 2 on a few regions, then unflushed writes in flight at the kill.
+    // Durable generation 2 on a few blocks of every region, then acknowledged but
+    // unflushed writes (generation 3) to regions 0-3.
     write_generations(&mut c, &mut model, (0..blocks).step_by(7), 2, BS);
-    for i in (3..blocks).step_by(5) {
+    let gen3 = |i: usize| i < 4 * per_region && i % 5 == 3;
+    for i in (0..blocks).filter(|&i| gen3(i)) {
         c.write((i * BS) as u64, &block(i, 3, BS), false).unwrap();
     }
+    // Writes in flight at the kill (generation 4, regions 40-43): node-c is frozen, so
+    // none of them can complete (before the 3 s timeout) while they are sent, pipelined,
+    // and the owner is killed.
+    let gen4 = |i: usize| (40 * per_region..44 * per_region).contains(&i) && i % 25 == 1;
+    let pid_c = cl.c.pid() as i32;
+    // SAFETY: signalling a child process this test started.
+    unsafe { libc::kill(pid_c, libc::SIGSTOP) };
+    let mut sent = 0;
+    for i in (0..blocks).filter(|&i| gen4(i)) {
+        let cookie = 1 + i as u64;
+        c.send_request(
+            tessera_nbd::proto::CMD_WRITE,
+            0,
+            cookie,
+            (i * BS) as u64,
+            BS as u32,
+            &block(i, 4, BS),
+        )
+        .unwrap();
+        sent += 1;
+    }
     cl.a.kill9();
+    // SAFETY: as above.
+    unsafe { libc::kill(pid_c, libc::SIGCONT) };
+    let mut answered = 0;
+    while c.recv_reply(|_| 0).is_ok() {
+        answered += 1;
+    }
+    assert!(
+        answered < sent,
+        "all {sent} writes were answered before the kill: none was in flight"
+    );
     drop(c);
     cl.a.restart();
     wait_for("replicas reconciled", 60, || all_in_sync(&cl.a));
@@ -278,16 +368,22 @@ fn the_owner_killed_under_writes_reconciles_its_activity_log_on_restart() {
         .map(|r| r["resync_copied_bytes_total"].as_u64().unwrap())
         .sum();
     assert!(copied > 0, "the activity log's regions were reconciled");
-    // The activity log holds at most the regions written recently (all 64 here), never
-    // more than the volume: no fallback to a full copy of both replicas beyond it.
-    assert!(copied <= 2 * VOL, "copied {copied}");
-    // Everything acknowledged by a flush is there; the unflushed writes are either
-    // version, but the same on every replica.
+    // Only the activity log's regions are reconciled: at most its capacity plus the
+    // regions with writes in flight (4, and one of the sequential writes), on each of
+    // the two other replicas; a full copy of one replica would be the whole volume.
+    let most = 2 * (SMALL_AL + 5) * MIB;
+    assert!(
+        copied <= most,
+        "copied {copied} bytes, more than the activity log's {most}"
+    );
+    // Everything acknowledged by a flush is there; the unflushed and the in-flight
+    // writes are either version, but the same on every replica.
     let a_img = image(&cl.a, "db");
     for (i, &g) in model.iter().enumerate() {
         let got = &a_img[i * BS..(i + 1) * BS];
         let ok = got == block(i, g, BS).as_slice()
-            || (i >= 3 && (i - 3) % 5 == 0 && got == block(i, 3, BS).as_slice());
+            || (gen3(i) && got == block(i, 3, BS).as_slice())
+            || (gen4(i) && got == block(i, 4, BS).as_slice());
         assert!(
             ok,
             "block {i}: neither the flushed generation {g} nor the later write"
@@ -503,7 +599,7 @@ fn the_owners_local_replica_failing_under_it_is_a_lost_replica() {
 fn a_replica_answering_errors_is_dropped_and_the_volume_goes_on() {
     // node-c's device starts failing every write 20 s after it was opened: it answers
     // each with an NVMe error status, quickly, rather than going silent.
-    let cl = cluster_with("repl-errors", "", ";vanish_after_ms=20000");
+    let cl = cluster_with("repl-errors", "", ";vanish_after_ms=20000", "");
     let t0 = Instant::now();
     let (mut c, mut model) = first_generation_then_fault(&cl, t0);
     let t = Instant::now();

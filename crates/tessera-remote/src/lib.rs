@@ -31,6 +31,12 @@
 //!   succeeds, or until the owner of the device calls [`RemoteDevice::revive`] after
 //!   seeing the peer answer (the queues then hold new I/O for a fresh connection). The
 //!   layer above marks the replica out of sync.
+//! - A write the peer acknowledged is durable only once a later flush completed: a peer
+//!   that restarts (killed, crashed) forgets what it had not made durable, and the
+//!   connection breaking is all the initiator sees of it. Every connection lost (on any
+//!   queue) is counted ([`RemoteDevice::breaks`]), so the layer above can treat what it
+//!   wrote since the last completed flush as possibly lost, even when the reconnect and
+//!   the resubmission hid the outage from every I/O.
 //!
 //! Flow control (seed 001): each queue keeps at most a congestion window of commands
 //! outstanding, adapted to the round-trip times it measures ([`congestion`]); the rest
@@ -232,6 +238,8 @@ pub struct RemoteDevice {
     /// Bumped by [`RemoteDevice::revive`]: queues failing fast see it on their next I/O
     /// and reconnect, holding that I/O, instead of failing it at once.
     revivals: AtomicU64,
+    /// Connections lost so far, on any queue ([`RemoteDevice::breaks`]).
+    breaks: AtomicU64,
 }
 
 impl RemoteDevice {
@@ -297,6 +305,7 @@ impl RemoteDevice {
         Ok(Arc::new(RemoteDevice {
             free_qids: Mutex::new((SYNC_QID + 1..=granted).rev().collect()),
             revivals: AtomicU64::new(0),
+            breaks: AtomicU64::new(0),
             spec,
             cfg,
             opts,
@@ -423,6 +432,7 @@ impl RemoteDevice {
             let ctrl = admin.ctrl.as_mut().expect("connected above");
             if ctrl.io.is_empty() {
                 if let Err(e) = ctrl.add_io_queue(SYNC_QID) {
+                    self.note_break();
                     admin.ctrl = None;
                     last = Some(e);
                     continue;
@@ -434,6 +444,7 @@ impl RemoteDevice {
                     warn!(device = %self.spec, path = self.spec.path(admin.path),
                           status = %nvme::status_text(s),
                           "remote device: the path no longer serves the namespace");
+                    self.note_break();
                     admin.ctrl = None;
                     last = Some(NvmfError::Status(s, c));
                 }
@@ -442,6 +453,7 @@ impl RemoteDevice {
                 }
                 Err(e) => {
                     warn!(device = %self.spec, error = %e, "remote device: synchronous I/O failed, reconnecting");
+                    self.note_break();
                     admin.ctrl = None;
                     last = Some(e);
                 }
@@ -699,6 +711,18 @@ impl RemoteDevice {
     /// later synchronous I/O would connect again.
     pub fn disconnect(&self) {
         self.admin.lock().unwrap_or_else(|e| e.into_inner()).ctrl = None;
+    }
+
+    /// How many connections to the peer were lost so far (on the per-core queues and the
+    /// synchronous one; not those closed on purpose). A change means the peer may have
+    /// restarted and lost the writes it acknowledged since its last completed flush,
+    /// although the reconnect and the resubmission may have hidden that from every I/O.
+    pub fn breaks(&self) -> u64 {
+        self.breaks.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn note_break(&self) {
+        self.breaks.fetch_add(1, Ordering::AcqRel);
     }
 
     pub(crate) fn revivals(&self) -> u64 {

@@ -253,6 +253,12 @@ impl RemoteHandle {
         }
     }
 
+    /// The device's count of lost connections ([`RemoteDevice::breaks`]). A completion
+    /// this queue delivers after the count moved may come from a peer that restarted.
+    pub fn device_breaks(&self) -> u64 {
+        self.dev.breaks()
+    }
+
     /// True while the queue fails I/O at once (the peer stayed away past the timeout).
     pub fn is_failing_fast(&self) -> bool {
         self.link.0.borrow().fail_fast
@@ -915,6 +921,9 @@ impl Link {
         if self.draining {
             return;
         }
+        // Before anything is resubmitted: the layer above must be able to see the outage
+        // whatever the resubmitted I/Os' results.
+        self.dev.note_break();
         let inflight = self.cmds.iter().filter(|c| c.busy).count();
         warn!(device = %self.dev.spec, qid = self.qid.unwrap_or(0), core = io.core,
               inflight, reason = why, "remote device: connection lost, reconnecting");

@@ -16,7 +16,7 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::Ordering::*;
 use std::sync::{Arc, Weak};
-use tessera_io::cast::usize_of;
+use tessera_io::cast::{u32_of, usize_of};
 
 use tessera_device::IoHandle;
 use tessera_export::ExportHandle;
@@ -70,6 +70,9 @@ const K_WRITE_DONE: u64 = 2;
 const K_LEG: u64 = 3;
 /// A read from one leg: low bits = legs tried so far (mask).
 const K_READ: u64 = 4;
+/// One leg's part of a flush: low bits = leg (bits 0-7) and the flush's epoch (8-39).
+const K_FLUSH: u64 = 5;
+const EPOCH_SHIFT: u32 = 8;
 /// In a read's context: the leg it was sent to last (the one that failed, on error).
 const LAST_SHIFT: u32 = 48;
 const TRIED_MASK: u64 = 0xFF;
@@ -261,7 +264,14 @@ impl ReplicaCore {
 
     fn release(&self, first: u64, count: u64) {
         let m = self.vol.masks.load(Acquire);
+        // Every leg answered before this load: a flush that took an epoch after it was
+        // sent after they did, and covers this write (`Leg::flushed`).
+        let epoch = self.vol.flush_epoch.load(SeqCst);
         for r in first..first + count {
+            let e = &self.vol.written[usize_of(r)];
+            if e.load(Relaxed) != epoch {
+                e.store(epoch, Release);
+            }
             // A copy of this region that overlapped the write is redone (resync.rs).
             let mut rs = resyncing(m);
             while rs != 0 {
@@ -308,11 +318,22 @@ impl ReplicaCore {
             hook,
             ctx(K_WRITE_DONE, first | count << REGION_BITS),
         );
+        // A flush's epoch: once a leg completes it, every write released before now is
+        // durable there. Writes pay nothing for this; a flush one atomic add.
+        let epoch = matches!(op, IoOp::Flush).then(|| self.vol.flush_epoch.fetch_add(1, SeqCst));
         let mut t = targets;
         while t != 0 {
             let l = t.trailing_zeros() as usize;
             t &= t - 1;
-            let child = io.hooked(done, hook, op, ctx(K_LEG, l as u64));
+            let child = match epoch {
+                Some(e) => io.tracked(
+                    done,
+                    1,
+                    hook,
+                    ctx(K_FLUSH, l as u64 | u64::from(e) << EPOCH_SHIFT),
+                ),
+                None => io.hooked(done, hook, op, ctx(K_LEG, l as u64)),
+            };
             // SAFETY: forwarded under the caller's contract; the client's buffer stays
             // valid until `tag` completes, which waits for every leg.
             unsafe { self.legs[l].borrow_mut().submit(io, op, child) };
@@ -390,6 +411,28 @@ impl Continuation for ReplicaCore {
                 // Only errors get here (a hooked part): the persister drops the leg out
                 // of sync, then completes this part.
                 self.report_failure(io, low as usize, res, Some(parent));
+            }
+            K_FLUSH => {
+                let leg = (low & 0xFF) as usize;
+                if res < 0 {
+                    return self.report_failure(io, leg, res, Some(parent));
+                }
+                // A flush answered after the connection broke (resubmitted, perhaps to a
+                // restarted node) proves nothing about the writes before the break: only
+                // one answered while the count is the persister's may advance `flushed`
+                // (the link counts a break before it resubmits anything).
+                let l = &self.vol.legs[leg];
+                let same_peer = match &*self.legs[leg].borrow() {
+                    LegHandle::Remote(h) => h.device_breaks() == l.breaks_seen.load(Acquire),
+                    _ => true,
+                };
+                if same_peer {
+                    let e = u32_of(low >> EPOCH_SHIFT).wrapping_add(1);
+                    let _ = l.flushed.fetch_update(AcqRel, Acquire, |d| {
+                        crate::unflushed(e, d.wrapping_add(1)).then_some(e)
+                    });
+                }
+                io.complete(parent, res)
             }
             K_READ => {
                 let tried = low & TRIED_MASK;

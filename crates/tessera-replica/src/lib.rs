@@ -10,14 +10,20 @@
 //!   when it is in sync, else by an in-sync remote one, failing over on error.
 //! - A leg that fails (a remote that stayed away past its timeout, a local device error)
 //!   is marked out of sync on disk before any write completes without it ([`persist`]).
+//!   So is a remote leg whose connection broke, even if the reconnect hid it from every
+//!   I/O: its node may have restarted and lost what it had acknowledged but not made
+//!   durable. Either way it is marked dirty for every region written since its last
+//!   completed flush (flush epochs: [`ReplicatedVolume::written`], `Leg::flushed`).
 //! - The activity log and the per-leg dirty bitmaps ([`meta`], docs/format.md §11) make a
 //!   returning leg, and the legs after a crash of the owner, catch up by copying only the
 //!   regions that may differ ([`resync`]).
 //!
 //! Per I/O, the datapath ([`handle`]) costs one atomic load of the legs' state and, per
 //! region a write touches, one atomic add at submission and one at completion (the count
-//! of writes in flight that keeps a region in the activity log). The network round trip
-//! to a replica is three orders of magnitude larger.
+//! of writes in flight that keeps a region in the activity log), plus, at completion,
+//! one load of the flush epoch and a store of it in the region's cell when it changed. A
+//! flush costs one atomic add more. The network round trip to a replica is three orders
+//! of magnitude larger.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
@@ -181,6 +187,14 @@ pub(crate) struct Leg {
     pub(crate) dirty_regions: AtomicU64,
     pub(crate) progress: Progress,
     pub(crate) last_error: Mutex<Option<String>>,
+    /// Every write released (`ReplicatedVolume::written`) before this flush epoch is
+    /// durable on the leg: the epoch a flush took when it was sent, plus one, once the
+    /// leg completed it. Meaningful while the leg receives writes.
+    pub(crate) flushed: AtomicU32,
+    /// The remote device's [`RemoteDevice::breaks`] when the persister last looked (or
+    /// when a resync started): a different count means the connection broke since, and
+    /// the leg may have lost what it had not made durable.
+    pub(crate) breaks_seen: AtomicU64,
 }
 
 impl Leg {
@@ -195,6 +209,8 @@ impl Leg {
             dirty_regions: AtomicU64::new(0),
             progress: Progress::default(),
             last_error: Mutex::new(None),
+            flushed: AtomicU32::new(FIRST_EPOCH),
+            breaks_seen: AtomicU64::new(0),
         }
     }
 
@@ -240,6 +256,17 @@ pub(crate) fn resyncing(m: u64) -> u64 {
     (m >> 8) & 0xFF
 }
 
+/// The flush epoch a volume starts at: writes of an earlier run (the regions' `written`
+/// start at 0) count as durable, what this run writes does not until a flush.
+pub(crate) const FIRST_EPOCH: u32 = 1;
+
+/// Whether a write released at flush epoch `written` may not be durable on a leg whose
+/// `flushed` is `durable` (epochs wrap: serial-number order, as long as they are less
+/// than 2^31 apart; an older one then reads as newer, which only costs a copy).
+pub(crate) fn unflushed(written: u32, durable: u32) -> bool {
+    written.wrapping_sub(durable) as i32 >= 0
+}
+
 /// A volume replicated on several legs; see the crate documentation.
 pub struct ReplicatedVolume {
     pub name: String,
@@ -247,6 +274,11 @@ pub struct ReplicatedVolume {
     size: u64,
     pub(crate) region_shift: u32,
     pub(crate) regions: Box<[AtomicU32]>,
+    /// Per region, the flush epoch when its last write was released (all legs answered):
+    /// with `Leg::flushed`, which regions a leg may lose if its node restarts.
+    pub(crate) written: Box<[AtomicU32]>,
+    /// Taken (and bumped) by every flush as it is sent to the legs.
+    pub(crate) flush_epoch: AtomicU32,
     /// [`meta::MAX_LEGS`] slots, so a replica can be added or removed while the datapath
     /// runs (leg numbers, the bits of `masks`, never change); free ones are vacant.
     pub(crate) legs: Vec<Leg>,
@@ -462,6 +494,8 @@ impl ReplicatedVolume {
                 dirty_regions: AtomicU64::new(dirty_regions),
                 progress: Progress::default(),
                 last_error: Mutex::new(None),
+                flushed: AtomicU32::new(FIRST_EPOCH),
+                breaks_seen: AtomicU64::new(0),
             });
             if st == LegState::InSync && matches!(d, LegDesc::Local { .. }) {
                 mask |= 1 << i;
@@ -513,6 +547,8 @@ impl ReplicatedVolume {
             size: h.size,
             region_shift: h.region_size.trailing_zeros(),
             regions: (0..nregions).map(|_| AtomicU32::new(0)).collect(),
+            written: (0..nregions).map(|_| AtomicU32::new(0)).collect(),
+            flush_epoch: AtomicU32::new(FIRST_EPOCH),
             legs,
             legs_gen: AtomicU64::new(0),
             masks: AtomicU64::new(mask),
@@ -815,9 +851,18 @@ impl ReplicatedVolume {
         }
         // From now on every I/O fails at once (no leg in the state word), and each core
         // lets go of its leg handles (the local volume's handles, the NVMe/TCP queues).
-        self.masks.store(0, SeqCst);
+        let m = self.masks.swap(0, SeqCst);
         let key = handle::core_key(self);
         self.cores.on_each(move |io| handle::release_core(io, key));
+        // The persister flushes the remote legs that received writes before it empties
+        // the activity log (they could lose what they hold unflushed after a clean
+        // close too), so the synchronous queues stay until it answered.
+        let (tx, rx) = mpsc::channel();
+        self.send(persist::Req::Close {
+            legs: in_sync(m) | resyncing(m),
+            reply: tx,
+        });
+        let _ = rx.recv_timeout(Duration::from_secs(30));
         // And the admin and synchronous queues: the peers see the owner go.
         for l in &self.legs {
             let mut d = l.dev.write().unwrap_or_else(|e| e.into_inner());
@@ -827,9 +872,6 @@ impl ReplicatedVolume {
                 }
             }
         }
-        let (tx, rx) = mpsc::channel();
-        self.send(persist::Req::Close { reply: tx });
-        let _ = rx.recv_timeout(Duration::from_secs(10));
         for t in [&self.supervisor, &self.persister] {
             if let Some(t) = t.lock().unwrap_or_else(|e| e.into_inner()).take() {
                 let _ = t.join();

@@ -13,10 +13,12 @@ use tessera_io::reactor::RemoteCompleter;
 use tessera_io::Tag;
 use tracing::{error, info, warn};
 
+use tessera_device::BlockDevice;
+
 use crate::meta::{LegDesc, LegState, MetaFile, FLAG_CLEAN};
 use crate::{
-    in_sync, resyncing, LegDev, ReplicatedVolume, CLEAN, DIRTY, HOT, INFLIGHT, INFLIGHT_ONE,
-    REDIRTY, STARTED_SHIFT, STATE,
+    in_sync, resyncing, unflushed, LegDev, ReplicatedVolume, CLEAN, DIRTY, HOT, INFLIGHT,
+    INFLIGHT_ONE, REDIRTY, STARTED_SHIFT, STATE,
 };
 
 /// Who waits for a request: a tag on a reactor core.
@@ -49,8 +51,9 @@ pub(crate) enum Req {
         leg: usize,
         reply: mpsc::Sender<bool>,
     },
-    /// Write an empty activity log and the clean flag if no write is in flight.
-    Close { reply: mpsc::Sender<()> },
+    /// Flush the remote legs in mask `legs` (those that received writes), then write an
+    /// empty activity log and the clean flag if no write is in flight.
+    Close { legs: u64, reply: mpsc::Sender<()> },
     /// A resync copies `region` with writes to it held (its copies kept being overlapped
     /// by writes): take it out of the activity log in memory, so that new writes to it
     /// ask here first, and hold them until [`Req::Unlock`]; then complete `done`.
@@ -120,6 +123,15 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
                 v.hot_regions.store(m.count(0), Relaxed);
             }
         }
+        // At least every half second (the longest wait below), and before any request:
+        // a remote leg whose connection broke is out of sync before anything else.
+        if let Some(v) = vol.upgrade() {
+            if watch_legs(&v, &mut m) {
+                if let Err(e) = m.commit() {
+                    error!(volume = %v.name, error = %e, "replicated volume: cannot write the replica-set file");
+                }
+            }
+        }
         // While a quiesce waits for the writes in flight to end, look again soon.
         let wait = if quiesce_waiter.is_some() {
             Duration::from_micros(200)
@@ -177,7 +189,8 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
                     release_held(&v, &mut m, &mut held, &locked, &mut after);
                 }
                 Req::LegFailed { leg, res, done } => {
-                    let res = leg_failed(&v, &mut m, leg, res);
+                    let durable = v.legs[leg].flushed.load(Acquire);
+                    let res = leg_failed(&v, &mut m, leg, res, durable);
                     if let Some(d) = done {
                         after.push(Action::Complete(d, res));
                     }
@@ -196,7 +209,10 @@ pub(crate) fn run(vol: Weak<ReplicatedVolume>, mut m: MetaFile, rx: mpsc::Receiv
                     let ok = resync_done(&v, &mut m, leg);
                     after.push(Action::Reply(reply, ok));
                 }
-                Req::Close { reply } => closing = Some(reply),
+                Req::Close { legs, reply } => {
+                    flush_for_close(&v, &mut m, legs);
+                    closing = Some(reply);
+                }
                 Req::AddLeg { desc, reply } => {
                     let _ = reply.send(add_leg(&v, &mut m, desc));
                 }
@@ -327,7 +343,10 @@ fn hot(v: &ReplicatedVolume, m: &mut MetaFile, first: u64, count: u64) {
     }
 }
 
-fn leg_failed(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, res: i32) -> i32 {
+/// Leg `leg` failed an I/O with `res` (or its connection broke: `res` is `-ENOTCONN`);
+/// `durable` is its `flushed` epoch, read before anything could move it past a break
+/// (see `watch_legs`).
+fn leg_failed(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, res: i32, durable: u32) -> i32 {
     let masks = v.masks.load(Acquire);
     let bit = 1u64 << leg;
     if in_sync(masks) & bit != 0 && in_sync(masks) & !bit == 0 {
@@ -358,28 +377,10 @@ fn leg_failed(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, res: i32) -> i
         "I/O failed: {}",
         std::io::Error::from_raw_os_error(-res)
     ));
-    // Rule 2: every region that may have a write in flight is dirty for it. The leg is
-    // already out of the state word, so a write that starts now skips it; such a write
-    // must find its region out of the activity log, so that it comes here (rule 3, the
-    // leg now out of sync) before it starts. Hence, per region: writes in flight (or
-    // waiting for the log) → dirty; in the log with nothing in flight → taken out of the
-    // log in memory. Precise: a leg that fails after a quiet spell lacks nothing.
     if m.header.states[leg] == LegState::InSync {
         m.set_state(leg, LegState::OutOfSync);
     }
-    for (r, w) in v.regions.iter().enumerate() {
-        let r64 = r as u64;
-        loop {
-            let x = w.load(Acquire);
-            if x & INFLIGHT != 0 {
-                m.set_dirty(leg, r64, true);
-                break;
-            }
-            if x & HOT == 0 || w.compare_exchange(x, x & !HOT, AcqRel, Acquire).is_ok() {
-                break;
-            }
-        }
-    }
+    mark_lost(v, m, leg, durable);
     l.state.store(m.header.states[leg] as u8, Relaxed);
     let full = m.header.states[leg] == LegState::NeedsFull;
     for (r, s) in l.regions.iter().enumerate() {
@@ -399,6 +400,91 @@ fn leg_failed(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, res: i32) -> i
         dirty_regions = l.dirty_regions.load(Relaxed),
         "replicated volume: replica dropped out of sync");
     0
+}
+
+/// Rule 2: mark dirty for `leg` (already out of the state word) every region it may lack:
+/// those with a write in flight (or waiting for the log), and those written since its
+/// last completed flush (flush epoch `durable`): a leg that failed because its node
+/// stopped lost what it had acknowledged but not made durable. A write that starts now
+/// skips the leg; such a write must find its region out of the activity log, so that it
+/// comes here (rule 3, the leg now out of sync) before it starts: a region in the log is
+/// taken out of it in memory. Precise: a leg that fails after a quiet, flushed spell
+/// lacks nothing.
+fn mark_lost(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, durable: u32) {
+    for (r, w) in v.regions.iter().enumerate() {
+        let r64 = r as u64;
+        loop {
+            let x = w.load(Acquire);
+            if x & INFLIGHT != 0 {
+                m.set_dirty(leg, r64, true);
+                break;
+            }
+            // A write is released (its in-flight count taken back) after its epoch was
+            // stored: one seen done here has its epoch seen too.
+            if unflushed(v.written[r].load(Acquire), durable) {
+                m.set_dirty(leg, r64, true);
+            }
+            if x & HOT == 0 || w.compare_exchange(x, x & !HOT, AcqRel, Acquire).is_ok() {
+                break;
+            }
+        }
+    }
+}
+
+/// Drop every remote leg that receives writes and whose connection broke since the last
+/// look: its node may have restarted and lost its unflushed writes, which a reconnect
+/// and resubmission hide from the I/Os. True if the replica-set file changed.
+fn watch_legs(v: &ReplicatedVolume, m: &mut MetaFile) -> bool {
+    let masks = v.masks.load(Acquire);
+    let mut changed = false;
+    for (i, l) in v.legs.iter().enumerate() {
+        if (in_sync(masks) | resyncing(masks)) & (1 << i) == 0 || v.closing.load(Acquire) {
+            continue;
+        }
+        let breaks = match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+            LegDev::Remote(Some(d)) => d.breaks(),
+            _ => continue,
+        };
+        if breaks == l.breaks_seen.load(Acquire) {
+            continue;
+        }
+        // Read before `breaks_seen` moves: until then no flush answered after the break
+        // advances it (handle.rs, `K_FLUSH`).
+        let durable = l.flushed.load(Acquire);
+        l.breaks_seen.store(breaks, Release);
+        warn!(volume = %v.name, leg = %l.place(),
+            "replicated volume: the connection to a replica broke; it may have lost its unflushed writes");
+        leg_failed(v, m, i, -libc::ENOTCONN, durable);
+        changed = true;
+    }
+    changed
+}
+
+/// Closing: flush every remote leg in `legs` (the owner's clean close empties the
+/// activity log, and a leg's node could still lose what it holds unflushed); one whose
+/// flush fails, or whose connection broke, is marked out of sync as a failed leg is.
+fn flush_for_close(v: &ReplicatedVolume, m: &mut MetaFile, legs: u64) {
+    for (i, l) in v.legs.iter().enumerate() {
+        if legs & (1 << i) == 0 {
+            continue;
+        }
+        let dev = match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+            LegDev::Remote(Some(d)) => d.clone(),
+            _ => continue,
+        };
+        let durable = l.flushed.load(Acquire);
+        let flushed = dev.sync();
+        if flushed.is_ok() && dev.breaks() == l.breaks_seen.load(Acquire) {
+            continue;
+        }
+        warn!(volume = %v.name, leg = %l.place(), error = ?flushed.err(),
+            "replicated volume: a replica could not be flushed at close; it is out of sync");
+        if m.header.states[i] == LegState::InSync {
+            m.set_state(i, LegState::OutOfSync);
+            l.state.store(LegState::OutOfSync as u8, Relaxed);
+        }
+        mark_lost(v, m, i, durable);
+    }
 }
 
 fn resync_done(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize) -> bool {

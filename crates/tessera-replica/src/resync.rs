@@ -84,6 +84,13 @@ pub(crate) fn supervise(vol: Weak<ReplicatedVolume>) {
             if !reachable(&v, i) {
                 continue;
             }
+            // The leg answers: connections lost before now (the outage a resync repairs,
+            // the probe's reconnect) are accounted for by its dirty regions; one lost
+            // from now on, once it resyncs, drops it again (`persist::watch_legs`). (A
+            // next pass of a running resync, `finish`, keeps the count it had.)
+            if let LegDev::Remote(Some(d)) = &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+                l.breaks_seen.store(d.breaks(), Release);
+            }
             let Some(source) = pick_source(&v, m) else {
                 continue;
             };
