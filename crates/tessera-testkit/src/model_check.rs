@@ -1018,9 +1018,7 @@ pub fn run(
             Some(o) => o[i].clone(),
             None => gen.next(&m, t.as_ref()),
         };
-        if cfg.verbose {
-            eprintln!("step {i}: {op:?}");
-        }
+        let t0 = std::time::Instant::now();
         // A panic inside the system under test is a failure of this sequence too.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             step(&mut m, t.as_mut(), &op)
@@ -1034,6 +1032,9 @@ pub fn run(
                     .unwrap_or_default()
             ))
         });
+        if cfg.verbose {
+            eprintln!("step {i} ({} ms): {op:?}", t0.elapsed().as_millis());
+        }
         match r {
             Ok(true) => done.push(op),
             Ok(false) => {}
@@ -1175,6 +1176,11 @@ pub fn check_seeds(
         match run(seed, cfg, make, None) {
             Ok(done) => steps += done.len(),
             Err(f) => {
+                eprintln!(
+                    "model check {what}: seed {seed} failed after {} ops: {}; shrinking...",
+                    f.ops.len(),
+                    f.error
+                );
                 let quiet = Config {
                     verbose: false,
                     ..cfg.clone()
