@@ -35,7 +35,7 @@ while ((SECONDS < end)); do
     ((SECONDS < end)) || break
     first=$((1000000 + round * BATCH))
     out=$(TESSERA_MC_FIRST_SEED=$first TESSERA_MC_SEEDS=$BATCH TESSERA_MC_ALL=${ALL:-0} \
-      cargo test --release -q -p tessera-pool --test model_check "model_check_${l}\$" \
+      cargo test --release -q -p tessera-pool --test model_check "model_check_${l}" \
       -- --exact --nocapture 2>&1) || true
     printf '%s\n' "$out" >>"$LOG"
     if done_line=$(grep -E "^model check $l: [0-9]+ seeds" <<<"$out"); then

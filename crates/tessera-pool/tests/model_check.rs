@@ -25,7 +25,7 @@ use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
 use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 use tessera_pool::format::DEV_DATA_START;
 use tessera_pool::{LayoutKind, Pool, PoolOptions, ScrubFindings};
-use tessera_testkit::model_check::{self, Config, Io, Kind, Target};
+use tessera_testkit::model_check::{self, Config, Io, IoResults, Kind, Target};
 
 const UNIT: u64 = 64 << 10;
 const VOL_SIZE: u64 = 1 << 20;
@@ -65,7 +65,14 @@ fn layouts() -> Vec<(&'static str, LayoutKind, usize)> {
         ("concat", LayoutKind::Concat, 2),
         ("raid0", LayoutKind::Raid0 { stripe: 16 << 10 }, 2),
         ("raid1", LayoutKind::Raid1 { copies: 2 }, 2),
-        ("raid10", LayoutKind::Raid10 { copies: 2, stripe: 16 << 10 }, 4),
+        (
+            "raid10",
+            LayoutKind::Raid10 {
+                copies: 2,
+                stripe: 16 << 10,
+            },
+            4,
+        ),
         ("raid5", LayoutKind::Raid5 { stripe: 16 << 10 }, 3),
         ("raid6", LayoutKind::Raid6 { stripe: 16 << 10 }, 4),
         (
@@ -200,9 +207,7 @@ impl Target for PoolTarget {
     }
     fn redundancy(&self) -> usize {
         match self.layout {
-            LayoutKind::Raid1 { copies } | LayoutKind::Raid10 { copies, .. } => {
-                copies as usize - 1
-            }
+            LayoutKind::Raid1 { copies } | LayoutKind::Raid10 { copies, .. } => copies as usize - 1,
             l => l.parity() as usize,
         }
     }
@@ -248,7 +253,7 @@ impl Target for PoolTarget {
         latency_us: &[u64],
         crash_after: Option<u64>,
         snapshot: Option<(&str, &str)>,
-    ) -> (Vec<Result<Vec<u8>, i32>>, Result<(), String>) {
+    ) -> (IoResults, Result<(), String>) {
         let sec = model_check::SECTOR as u64;
         let mut handles = Vec::new();
         for io in ios {
@@ -408,7 +413,9 @@ impl Target for PoolTarget {
         // The moment of the crash: no device I/O lands from here on (the pool's own
         // threads included), then each cache keeps a random part of its unflushed writes.
         if self.commit_first {
-            self.pool().commit().map_err(err("commit before the power loss"))?;
+            self.pool()
+                .commit()
+                .map_err(err("commit before the power loss"))?;
         }
         self.budget.store(0, SeqCst);
         drop(self.pool.take());
@@ -472,7 +479,7 @@ fn enabled(layout: LayoutKind, all: bool) -> (Vec<Kind>, bool) {
 }
 
 fn check_layout(name: &str, layout: LayoutKind, ndev: usize, first_seed: u64) {
-    let (seeds, verbose) = model_check::seeds_from_env(first_seed, 3);
+    let (seeds, verbose) = model_check::seeds_from_env(first_seed, 2);
     let all = std::env::var("TESSERA_MC_ALL").is_ok_and(|v| v == "1");
     let steps = std::env::var("TESSERA_MC_STEPS")
         .ok()

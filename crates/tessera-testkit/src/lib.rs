@@ -18,9 +18,9 @@
 
 pub mod blockio;
 pub mod data;
-pub mod model_check;
 pub mod devices;
 pub mod etcd;
+pub mod model_check;
 pub mod netns;
 pub mod node;
 pub mod proxy;

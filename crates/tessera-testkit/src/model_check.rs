@@ -37,7 +37,10 @@ pub enum Val {
     Zero,
     /// Written by a volume of `lineage` (a number never reused, one per created volume or
     /// clone) as its generation `gen` (unique across the run).
-    Stamp { lineage: u32, gen: u64 },
+    Stamp {
+        lineage: u32,
+        gen: u64,
+    },
 }
 
 impl fmt::Debug for Val {
@@ -59,12 +62,10 @@ pub fn stamp(val: Val, sector: u64) -> [u8; SECTOR] {
     b[8..16].copy_from_slice(&u64::from(lineage).to_le_bytes());
     b[16..24].copy_from_slice(&sector.to_le_bytes());
     b[24..32].copy_from_slice(&gen.to_le_bytes());
-    let mut r = Rng(
-        (u64::from(lineage).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            ^ sector.wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
-            ^ gen.wrapping_mul(0x1656_67b1_9e37_79f9))
-            | 1,
-    );
+    let mut r = Rng((u64::from(lineage).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ^ sector.wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
+        ^ gen.wrapping_mul(0x1656_67b1_9e37_79f9))
+        | 1);
     for c in b[32..].chunks_mut(8) {
         c.copy_from_slice(&r.next().to_le_bytes());
     }
@@ -76,7 +77,11 @@ pub fn stamp(val: Val, sector: u64) -> [u8; SECTOR] {
 pub enum Seen {
     Val(Val),
     /// A stamp written at another offset (misplaced data).
-    Misplaced { lineage: u32, sector: u64, gen: u64 },
+    Misplaced {
+        lineage: u32,
+        sector: u64,
+        gen: u64,
+    },
     /// Not zeros and not a whole stamp: garbage, or a sector torn inside.
     Garbage,
 }
@@ -185,7 +190,10 @@ pub enum Io {
 impl Io {
     pub fn vol(&self) -> &Name {
         match self {
-            Io::Write { vol, .. } | Io::Zero { vol, .. } | Io::Trim { vol, .. } | Io::Read { vol, .. } => vol,
+            Io::Write { vol, .. }
+            | Io::Zero { vol, .. }
+            | Io::Trim { vol, .. }
+            | Io::Read { vol, .. } => vol,
         }
     }
     pub fn range(&self) -> (u64, u64) {
@@ -262,22 +270,44 @@ pub enum Op {
         /// flight.
         snapshot: Option<(Name, Name)>,
     },
-    Flush { vol: Name },
-    CreateVolume { vol: Name },
-    DeleteVolume { vol: Name },
-    Snapshot { vol: Name, snap: Name },
-    Clone { snap: Name, vol: Name },
-    Rollback { vol: Name, snap: Name },
+    Flush {
+        vol: Name,
+    },
+    CreateVolume {
+        vol: Name,
+    },
+    DeleteVolume {
+        vol: Name,
+    },
+    Snapshot {
+        vol: Name,
+        snap: Name,
+    },
+    Clone {
+        snap: Name,
+        vol: Name,
+    },
+    Rollback {
+        vol: Name,
+        snap: Name,
+    },
     /// Device `dev` fails (vanishes).
-    FailDevice { dev: usize },
+    FailDevice {
+        dev: usize,
+    },
     /// Failed device `dev` is replaced by a garbage-filled one (clean restart), which is
     /// rebuilt.
-    Replace { dev: usize, garbage: u64 },
+    Replace {
+        dev: usize,
+        garbage: u64,
+    },
     /// Verify copies / parity of every allocated unit (no repair): must find nothing.
     Scrub,
     /// Power is lost now (`seed` picks which unflushed device writes survive, torn or
     /// not); the pool is reopened from what the devices hold.
-    PowerLoss { seed: u64 },
+    PowerLoss {
+        seed: u64,
+    },
     /// Clean shutdown and reopen.
     Reopen,
 }
@@ -374,6 +404,9 @@ impl Kind {
     ];
 }
 
+/// Each I/O's result: the data of a read, or the negative errno.
+pub type IoResults = Vec<Result<Vec<u8>, i32>>;
+
 /// What the system under test does. Every method returns `Err` with a description when
 /// the system reports a failure the model does not allow (an I/O error while the layout's
 /// redundancy suffices, a refused catalog change...).
@@ -400,7 +433,7 @@ pub trait Target {
         latency_us: &[u64],
         crash_after: Option<u64>,
         snapshot: Option<(&str, &str)>,
-    ) -> (Vec<Result<Vec<u8>, i32>>, Result<(), String>);
+    ) -> (IoResults, Result<(), String>);
     fn flush(&mut self, vol: &str) -> Result<(), String>;
     /// Read a whole volume.
     fn read_volume(&mut self, vol: &str) -> Result<Vec<u8>, String>;
@@ -1268,8 +1301,14 @@ mod tests {
             };
             assert!(m2.check("a", 0, &stamp(ok, 0), true).is_ok());
         }
-        assert!(m.check("a", 0, &[0u8; SECTOR], true).is_err(), "durable value lost");
-        assert!(m.check("a", 0, &stamp(g(2), 0), false).is_err(), "stale read");
+        assert!(
+            m.check("a", 0, &[0u8; SECTOR], true).is_err(),
+            "durable value lost"
+        );
+        assert!(
+            m.check("a", 0, &stamp(g(2), 0), false).is_err(),
+            "stale read"
+        );
         let other = Val::Stamp { lineage: 2, gen: 1 };
         let e = m.check("a", 0, &stamp(other, 0), true).unwrap_err();
         assert!(e.contains("ANOTHER"), "{e}");
@@ -1281,6 +1320,9 @@ mod tests {
         let min = minimise(ops, 500, &mut |o: &[Op]| {
             o.contains(&Op::PowerLoss { seed: 7 }) && o.last() == Some(&Op::PowerLoss { seed: 39 })
         });
-        assert_eq!(min, vec![Op::PowerLoss { seed: 7 }, Op::PowerLoss { seed: 39 }]);
+        assert_eq!(
+            min,
+            vec![Op::PowerLoss { seed: 7 }, Op::PowerLoss { seed: 39 }]
+        );
     }
 }
