@@ -103,6 +103,8 @@ struct PoolTarget {
     crashes: u64,
     /// Commit before a power loss (a [`KNOWN_OPEN`] gate).
     commit_first: bool,
+    /// Failed devices may come back at a power loss (`Kind::Revive`).
+    revive: bool,
 }
 
 /// Device offset where the layout's data begins (docs/format.md §2.1: parity layouts
@@ -134,6 +136,7 @@ impl PoolTarget {
             io: core(),
             crashes: 0,
             commit_first: false,
+            revive: false,
         };
         t.wrap_devices();
         t.pool = Some(
@@ -426,6 +429,11 @@ impl Target for PoolTarget {
         }
         for c in &self.cfgs {
             c.latency_us.store(0, SeqCst);
+            // Half the power losses bring failed devices back (Kind::Revive); the model
+            // keeps them failed: the pool's labels must say so.
+            if self.revive && seed & 1 == 1 {
+                c.vanished.store(false, SeqCst);
+            }
         }
         self.wrap_devices();
         self.open()?;
@@ -465,7 +473,7 @@ impl Target for PoolTarget {
 fn enabled(layout: LayoutKind, all: bool) -> (Vec<Kind>, bool) {
     let mut kinds: Vec<Kind> = Kind::ALL.to_vec();
     if !layout.is_redundant() {
-        kinds.retain(|k| !matches!(k, Kind::FailDevice | Kind::Replace));
+        kinds.retain(|k| !matches!(k, Kind::FailDevice | Kind::Replace | Kind::Revive));
     }
     let mut commit_first = false;
     if !all {
@@ -486,6 +494,7 @@ fn check_layout(name: &str, layout: LayoutKind, ndev: usize, first_seed: u64) {
         .and_then(|s| s.parse().ok())
         .unwrap_or(120);
     let (enabled, commit_first) = enabled(layout, all);
+    let revive = enabled.contains(&Kind::Revive);
     let cfg = Config {
         steps,
         enabled,
@@ -495,6 +504,7 @@ fn check_layout(name: &str, layout: LayoutKind, ndev: usize, first_seed: u64) {
     let mut make = || {
         let mut t = PoolTarget::new(layout, ndev);
         t.commit_first = commit_first;
+        t.revive = revive;
         Box::new(t) as Box<dyn Target>
     };
     let t0 = std::time::Instant::now();

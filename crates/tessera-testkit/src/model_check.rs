@@ -378,10 +378,14 @@ pub enum Kind {
     Stall,
     /// A snapshot taken while writes to the volume are in flight.
     SnapshotInFlight,
+    /// A failed device answers again after a power loss (with what it held when it
+    /// failed), as a device behind a loose cable does: the pool must still know it
+    /// missed writes.
+    Revive,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 19] = [
+    pub const ALL: [Kind; 20] = [
         Kind::Write,
         Kind::SubBlockWrite,
         Kind::Fua,
@@ -401,6 +405,7 @@ impl Kind {
         Kind::Reopen,
         Kind::Stall,
         Kind::SnapshotInFlight,
+        Kind::Revive,
     ];
 }
 
