@@ -546,6 +546,13 @@ impl Model {
                         lineage,
                         sector,
                         gen,
+                    } if lineage != my => format!(
+                        "ANOTHER volume's data, the stamp of its sector {sector} (L{lineage}g{gen}): misplaced data"
+                    ),
+                    Seen::Misplaced {
+                        lineage,
+                        sector,
+                        gen,
                     } => format!("the stamp of sector {sector} (L{lineage}g{gen}): misplaced data"),
                     Seen::Val(Val::Stamp { lineage, gen }) if dead.contains(&lineage) => {
                         format!("a DELETED volume's data (L{lineage}g{gen})")
