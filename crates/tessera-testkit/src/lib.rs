@@ -4,6 +4,9 @@
 //! - [`data`]: reproducible randomness and test data.
 //! - [`blockio`]: one block operation at a time on a private core context, and a bulk
 //!   read-back check.
+//! - [`model_check`]: a seeded model checker: operation generator, stamped data, the
+//!   model of what every volume may read back (after power loss too), the checker and
+//!   the shrinker that prints a minimal replayable failing sequence.
 //! - [`devices`]: devices that only tests need (a volatile write cache that loses writes
 //!   at power loss; the crash device of `tessera-device`, built here with its
 //!   `test-devices` feature), and fault wrapping of RAM devices.
@@ -17,6 +20,7 @@ pub mod blockio;
 pub mod data;
 pub mod devices;
 pub mod etcd;
+pub mod model_check;
 pub mod netns;
 pub mod node;
 pub mod proxy;

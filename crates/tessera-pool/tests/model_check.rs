@@ -1,0 +1,560 @@
+//! The model checker of `tessera-testkit` (`model_check`) driven against a real pool on
+//! every layout: random batches of aligned and sub-block writes, write-zeroes, TRIM and
+//! reads from several handles at once (with per-device latency so they overlap and
+//! complete out of order), FLUSH, FUA, snapshots, clones, rollbacks, volume create and
+//! delete, device failure, replacement by a garbage-filled device and rebuild, scrub,
+//! power loss at step boundaries and in the middle of a batch, clean reopen. Every volume
+//! is read back whole and checked against the model after every step.
+//!
+//! `TESSERA_MC_SEEDS=N`: seeds per layout (default sized for CI); `TESSERA_MC_SEED=N`:
+//! one seed, every step printed; `TESSERA_MC_STEPS=N`: steps per seed;
+//! `TESSERA_MC_ALL=1`: also the operations gated off by [`KNOWN_OPEN`] (the soak script
+//! runs both ways). A failing seed prints a minimal replayable sequence.
+
+// Test and benchmark code builds data patterns and sizes from its own constants: its
+// truncating casts are bounded by them or wrap on purpose.
+#![allow(clippy::cast_possible_truncation)]
+
+mod common;
+
+use std::sync::atomic::{AtomicI64, Ordering::SeqCst};
+use std::sync::Arc;
+
+use common::*;
+use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
+use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
+use tessera_pool::format::DEV_DATA_START;
+use tessera_pool::{LayoutKind, Pool, PoolOptions, ScrubFindings};
+use tessera_testkit::model_check::{self, Config, Io, IoResults, Kind, Target};
+
+const UNIT: u64 = 64 << 10;
+const VOL_SIZE: u64 = 1 << 20;
+
+/// A finding of this checker on main that is being fixed (issue 20): in CI mode the
+/// operation kinds it needs are off on the layouts it affects, so CI gates what passes
+/// today without weakening any check. Delete the entry when its fix lands;
+/// `TESSERA_MC_ALL=1` runs everything (the soak script's `ALL=1`).
+struct KnownOpen {
+    /// Issue 20 item, and what the checker saw (docs/testing.md has the sequences).
+    item: &'static str,
+    affects: fn(&LayoutKind) -> bool,
+    off: &'static [Kind],
+}
+
+const KNOWN_OPEN: &[KnownOpen] = &[
+    // A whole-unit write, power lost before the next commit, then a partial first write
+    // gets that unit back and reads the lost write's data around its own (seed 7000 ec,
+    // 4 ops). `Kind::PowerLoss` off here means: commit before cutting the power (what
+    // tests/snapshots.rs does today); a cut in the middle of a batch cannot commit first.
+    KnownOpen {
+        item: "issue 20 item 1: parity pools hand out free units without zeroing them",
+        affects: LayoutKind::is_parity,
+        off: &[Kind::PowerLoss, Kind::CrashInFlight],
+    },
+    // A replacement device's free units keep its garbage; a snapshot's partial unit
+    // allocated from them then scrubs as mismatched on raid1 (seed 3001, 6 ops).
+    KnownOpen {
+        item: "issue 20 item 2: a rebuild skips free units",
+        affects: LayoutKind::is_redundant,
+        off: &[Kind::Replace],
+    },
+];
+
+fn layouts() -> Vec<(&'static str, LayoutKind, usize)> {
+    vec![
+        ("concat", LayoutKind::Concat, 2),
+        ("raid0", LayoutKind::Raid0 { stripe: 16 << 10 }, 2),
+        ("raid1", LayoutKind::Raid1 { copies: 2 }, 2),
+        (
+            "raid10",
+            LayoutKind::Raid10 {
+                copies: 2,
+                stripe: 16 << 10,
+            },
+            4,
+        ),
+        ("raid5", LayoutKind::Raid5 { stripe: 16 << 10 }, 3),
+        ("raid6", LayoutKind::Raid6 { stripe: 16 << 10 }, 4),
+        (
+            "ec",
+            LayoutKind::Ec {
+                k: 2,
+                m: 2,
+                stripe: 16 << 10,
+            },
+            4,
+        ),
+    ]
+}
+
+/// A pool on RAM devices behind a volatile write cache (the power-loss model) behind a
+/// fault device (failure, latency).
+struct PoolTarget {
+    layout: LayoutKind,
+    dev_size: u64,
+    rams: Vec<Arc<RamDevice>>,
+    caches: Vec<Arc<CacheDevice>>,
+    cfgs: Vec<Arc<FaultConfig>>,
+    devs: Vec<Arc<dyn BlockDevice>>,
+    /// I/Os left before "the power goes" (shared by every device of the pool).
+    budget: Arc<AtomicI64>,
+    pool: Option<Pool>,
+    io: CoreIo,
+    crashes: u64,
+    /// Commit before a power loss (a [`KNOWN_OPEN`] gate).
+    commit_first: bool,
+    /// Failed devices may come back at a power loss (`Kind::Revive`).
+    revive: bool,
+}
+
+/// Device offset where the layout's data begins (docs/format.md §2.1: parity layouts
+/// keep their 16 MiB stripe journal after the label).
+fn data_start(layout: LayoutKind) -> u64 {
+    DEV_DATA_START + if layout.is_parity() { 16 << 20 } else { 0 }
+}
+
+fn err<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+impl PoolTarget {
+    fn new(layout: LayoutKind, ndev: usize) -> PoolTarget {
+        // Parity layouts keep 16 MiB of each device for their stripe journal.
+        let dev_size = data_start(layout) + (24 << 20);
+        let rams: Vec<Arc<RamDevice>> = (0..ndev)
+            .map(|_| RamDevice::new(dev_size).unwrap())
+            .collect();
+        let mut t = PoolTarget {
+            layout,
+            dev_size,
+            rams,
+            caches: Vec::new(),
+            cfgs: (0..ndev).map(|_| Arc::default()).collect(),
+            devs: Vec::new(),
+            budget: Arc::new(AtomicI64::new(i64::MAX)),
+            pool: None,
+            io: core(),
+            crashes: 0,
+            commit_first: false,
+            revive: false,
+        };
+        t.wrap_devices();
+        t.pool = Some(
+            Pool::create(
+                "p",
+                t.devs.clone(),
+                PoolOptions {
+                    layout,
+                    unit_size: UNIT,
+                    ..PoolOptions::default()
+                },
+            )
+            .unwrap(),
+        );
+        t
+    }
+
+    /// Fresh caches (nothing unflushed) and fault devices over the RAM devices.
+    fn wrap_devices(&mut self) {
+        self.budget = Arc::new(AtomicI64::new(i64::MAX));
+        self.caches = self
+            .rams
+            .iter()
+            .map(|r| CacheDevice::new(r.clone(), self.budget.clone()))
+            .collect();
+        self.devs = self
+            .caches
+            .iter()
+            .zip(&self.cfgs)
+            .map(|(c, f)| FaultDevice::new(c.clone(), f.clone()) as Arc<dyn BlockDevice>)
+            .collect();
+    }
+
+    fn pool(&self) -> &Pool {
+        self.pool.as_ref().expect("open")
+    }
+
+    fn vol(&self, name: &str) -> Result<Arc<tessera_pool::Volume>, String> {
+        self.pool()
+            .volume(name)
+            .ok_or_else(|| format!("volume {name} missing"))
+    }
+
+    /// Scrub the metadata units and every allocated unit (as the node's scrub job does).
+    fn scrub_pass(&self, repair: bool) -> Result<ScrubFindings, String> {
+        let pool = self.pool();
+        // Track writes once for the whole pass, as the node's scrub job does (a mirror's
+        // scrub_range switches tracking on, and waits its grace, when nothing holds it).
+        let _t = pool.core.layout.track_writes();
+        let mut f = ScrubFindings::default();
+        for u in pool.rebuild_units() {
+            let r = pool
+                .core
+                .layout
+                .scrub_range(u * UNIT, UNIT, repair)
+                .map_err(err("scrub"))?;
+            f.add(&r);
+        }
+        Ok(f)
+    }
+
+    fn open(&mut self) -> Result<(), String> {
+        self.pool = Some(Pool::open(self.devs.clone()).map_err(err("reopen"))?);
+        Ok(())
+    }
+}
+
+impl Target for PoolTarget {
+    fn volume_size(&self) -> u64 {
+        VOL_SIZE
+    }
+    fn redundancy(&self) -> usize {
+        match self.layout {
+            LayoutKind::Raid1 { copies } | LayoutKind::Raid10 { copies, .. } => copies as usize - 1,
+            l => l.parity() as usize,
+        }
+    }
+    fn devices(&self) -> usize {
+        self.rams.len()
+    }
+    fn create_volume(&mut self, vol: &str) -> Result<(), String> {
+        self.pool()
+            .create_volume(vol, VOL_SIZE)
+            .map(|_| ())
+            .map_err(err("create volume"))
+    }
+    fn delete_volume(&mut self, vol: &str) -> Result<(), String> {
+        let v = self.vol(vol)?;
+        self.pool().delete_volume(&v).map_err(err("delete"))
+    }
+    fn snapshot(&mut self, vol: &str, snap: &str) -> Result<(), String> {
+        let v = self.vol(vol)?;
+        self.pool()
+            .create_snapshot(&v, snap)
+            .map(|_| ())
+            .map_err(err("snapshot"))
+    }
+    fn clone_snapshot(&mut self, snap: &str, vol: &str) -> Result<(), String> {
+        let s = self.vol(snap)?;
+        self.pool()
+            .clone_snapshot(&s, vol, true)
+            .map(|_| ())
+            .map_err(err("clone"))
+    }
+    fn rollback(&mut self, vol: &str, snap: &str) -> Result<(), String> {
+        let v = self.vol(vol)?;
+        let s = self.vol(snap)?;
+        if !v.ancestors().iter().any(|a| Arc::ptr_eq(a, &s)) {
+            return Err(format!("not an ancestor: {snap} of {vol}"));
+        }
+        self.pool().rollback_volume(&v, &s).map_err(err("rollback"))
+    }
+    fn batch(
+        &mut self,
+        ios: &[Io],
+        data: &[Vec<u8>],
+        latency_us: &[u64],
+        crash_after: Option<u64>,
+        snapshot: Option<(&str, &str)>,
+    ) -> (IoResults, Result<(), String>) {
+        let sec = model_check::SECTOR as u64;
+        let mut handles = Vec::new();
+        for io in ios {
+            handles.push(self.vol(io.vol()).expect("checked").open_handle());
+        }
+        for (c, &l) in self.cfgs.iter().zip(latency_us) {
+            c.latency_us.store(l, SeqCst);
+        }
+        if let Some(n) = crash_after {
+            self.budget.store(n as i64, SeqCst);
+        }
+        let mut bufs: Vec<Vec<u8>> = ios
+            .iter()
+            .map(|io| match io {
+                Io::Read { sectors, .. } => vec![0xEE; (sectors * sec) as usize],
+                _ => Vec::new(),
+            })
+            .collect();
+        for (i, io) in ios.iter().enumerate() {
+            let op = match io {
+                Io::Write {
+                    sector, sectors, ..
+                } => IoOp::Write {
+                    offset: sector * sec,
+                    len: (sectors * sec) as u32,
+                    buf: data[i].as_ptr(),
+                },
+                Io::Zero {
+                    sector,
+                    sectors,
+                    may_unmap,
+                    ..
+                } => IoOp::WriteZeroes {
+                    offset: sector * sec,
+                    len: sectors * sec,
+                    may_unmap: *may_unmap,
+                },
+                Io::Trim {
+                    sector, sectors, ..
+                } => IoOp::Discard {
+                    offset: sector * sec,
+                    len: sectors * sec,
+                },
+                Io::Read {
+                    sector, sectors, ..
+                } => IoOp::Read {
+                    offset: sector * sec,
+                    len: (sectors * sec) as u32,
+                    buf: bufs[i].as_mut_ptr(),
+                },
+            };
+            // SAFETY: `data` and `bufs` outlive the drain below.
+            unsafe { handles[i].submit(&mut self.io, op, Tag::task(0, i as u32)) };
+        }
+        let mut res = vec![None; ios.len()];
+        let mut snapped = Ok(());
+        let pool = self.pool.as_ref().expect("open");
+        let io = &mut self.io;
+        std::thread::scope(|s| {
+            // The snapshot is created on a thread of its own while this one drives the
+            // I/Os: a create that waits for writes in flight must not wait for itself.
+            let snap = snapshot.map(|(v, name)| {
+                let v = pool.volume(v).expect("checked");
+                s.spawn(move || pool.create_snapshot(&v, name).map(|_| ()))
+            });
+            io.run_until_idle(|_, tag, r| {
+                res[tag.slot() as usize] = Some(r);
+            });
+            if let Some(h) = snap {
+                snapped = h
+                    .join()
+                    .unwrap_or_else(|_| Err(tessera_pool::Error::invalid("snapshot panicked")))
+                    .map_err(err("snapshot in flight"));
+            }
+        });
+        // FUA as the frontends do it: the write, then a flush before the answer.
+        for (i, io) in ios.iter().enumerate() {
+            if let (Io::Write { fua: true, .. }, Some(r)) = (io, res[i]) {
+                if r >= 0 {
+                    res[i] = Some(flush(&mut self.io, &mut handles[i]));
+                }
+            }
+        }
+        for c in &self.cfgs {
+            c.latency_us.store(0, SeqCst);
+        }
+        let res = res
+            .into_iter()
+            .zip(bufs)
+            .map(|(r, b)| match r {
+                Some(r) if r >= 0 => Ok(b),
+                Some(r) => Err(r),
+                None => Err(-libc::ETIMEDOUT),
+            })
+            .collect();
+        (res, snapped)
+    }
+    fn flush(&mut self, vol: &str) -> Result<(), String> {
+        let mut h = self.vol(vol)?.open_handle();
+        match flush(&mut self.io, &mut h) {
+            0 => Ok(()),
+            r => Err(format!("flush {vol} failed: {r}")),
+        }
+    }
+    fn read_volume(&mut self, vol: &str) -> Result<Vec<u8>, String> {
+        let mut h = self.vol(vol)?.open_handle();
+        let mut out = Vec::with_capacity(VOL_SIZE as usize);
+        let chunk = 256 << 10;
+        for off in (0..VOL_SIZE).step_by(chunk) {
+            let got = read(&mut self.io, &mut h, off, chunk)
+                .map_err(|r| format!("read {vol} at {off} failed: {r}"))?;
+            out.extend_from_slice(&got);
+        }
+        Ok(out)
+    }
+    fn fail_device(&mut self, dev: usize) -> Result<(), String> {
+        self.cfgs[dev].vanish();
+        Ok(())
+    }
+    fn replace_device(&mut self, dev: usize, garbage: u64) -> Result<(), String> {
+        let pool = self.pool.take().expect("open");
+        pool.shutdown().map_err(err("shutdown"))?;
+        drop(pool);
+        // A new disk that held something else: garbage in the data area (a blank label,
+        // so the pool takes it as the missing member).
+        let ram = RamDevice::new(self.dev_size).unwrap();
+        let start = data_start(self.layout);
+        let junk = pattern(garbage, (self.dev_size - start) as usize);
+        ram.write_at(start, &junk).unwrap();
+        self.rams[dev] = ram;
+        self.cfgs[dev] = Arc::default();
+        self.wrap_devices();
+        self.open()?;
+        let pool = self.pool();
+        pool.start_rebuild(dev).map_err(err("start rebuild"))?;
+        let mut buf = vec![0u8; 256 << 10];
+        for u in pool.rebuild_units() {
+            pool.rebuild_unit(dev, u, &mut buf)
+                .map_err(err("rebuild unit"))?;
+        }
+        pool.finish_rebuild(dev).map_err(err("finish rebuild"))
+    }
+    fn scrub(&mut self) -> Result<(), String> {
+        self.scrub_pass(false).and_then(|f| {
+            if f.mismatched != 0 || f.unreadable != 0 {
+                Err(format!(
+                    "scrub found {} bytes mismatched, {} unreadable: {:?}",
+                    f.mismatched, f.unreadable, f.ranges
+                ))
+            } else {
+                Ok(())
+            }
+        })
+    }
+
+    fn power_loss(&mut self, seed: u64) -> Result<(), String> {
+        // The moment of the crash: no device I/O lands from here on (the pool's own
+        // threads included), then each cache keeps a random part of its unflushed writes.
+        if self.commit_first {
+            self.pool()
+                .commit()
+                .map_err(err("commit before the power loss"))?;
+        }
+        self.budget.store(0, SeqCst);
+        drop(self.pool.take());
+        self.crashes += 1;
+        let mut rng = Rng((seed ^ self.crashes.wrapping_mul(0x9e37_79b9)) | 1);
+        for c in &self.caches {
+            c.power_loss(&mut rng);
+        }
+        for c in &self.cfgs {
+            c.latency_us.store(0, SeqCst);
+            // Half the power losses bring failed devices back (Kind::Revive); the model
+            // keeps them failed: the pool's labels must say so.
+            if self.revive && seed & 1 == 1 {
+                c.vanished.store(false, SeqCst);
+            }
+        }
+        self.wrap_devices();
+        self.open()?;
+        // What the node does at start after an unclean shutdown (architecture.md,
+        // "Resync after an unclean shutdown"): a mirrored pool's copies are made equal
+        // (scrub with repair) before the checker reads either copy.
+        if self.layout.is_mirror() && !self.pool().opened_clean() {
+            self.scrub_pass(true)?;
+        }
+        Ok(())
+    }
+    fn reopen(&mut self) -> Result<(), String> {
+        let pool = self.pool.take().expect("open");
+        pool.shutdown().map_err(err("shutdown"))?;
+        drop(pool);
+        self.open()
+    }
+    fn self_check(&mut self) -> Result<(), String> {
+        let pool = self.pool();
+        let chains = pool.verify_chains();
+        if !chains.is_empty() {
+            return Err(format!("chain checks: {chains:?}"));
+        }
+        let st = pool.status();
+        if st.allocated + st.free != st.capacity {
+            return Err(format!(
+                "space: allocated {} + free {} != capacity {}",
+                st.allocated, st.free, st.capacity
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The operation kinds to generate on `layout`, and whether power loss must follow a
+/// commit (the gate of a known-open finding that leaves power loss itself on).
+fn enabled(layout: LayoutKind, all: bool) -> (Vec<Kind>, bool) {
+    let mut kinds: Vec<Kind> = Kind::ALL.to_vec();
+    if !layout.is_redundant() {
+        kinds.retain(|k| !matches!(k, Kind::FailDevice | Kind::Replace | Kind::Revive));
+    }
+    let mut commit_first = false;
+    if !all {
+        for k in KNOWN_OPEN.iter().filter(|k| (k.affects)(&layout)) {
+            eprintln!("gated off on {layout:?}: {:?} ({})", k.off, k.item);
+            kinds.retain(|x| !k.off.contains(x) || *x == Kind::PowerLoss);
+            commit_first |= k.off.contains(&Kind::PowerLoss);
+        }
+    }
+    (kinds, commit_first)
+}
+
+fn check_layout(name: &str, layout: LayoutKind, ndev: usize, first_seed: u64) {
+    let (seeds, verbose) = model_check::seeds_from_env(first_seed, 2);
+    let all = std::env::var("TESSERA_MC_ALL").is_ok_and(|v| v == "1");
+    let steps = std::env::var("TESSERA_MC_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(120);
+    let (enabled, commit_first) = enabled(layout, all);
+    let revive = enabled.contains(&Kind::Revive);
+    let cfg = Config {
+        steps,
+        enabled,
+        max_volumes: 6,
+        verbose,
+    };
+    let mut make = || {
+        let mut t = PoolTarget::new(layout, ndev);
+        t.commit_first = commit_first;
+        t.revive = revive;
+        Box::new(t) as Box<dyn Target>
+    };
+    let t0 = std::time::Instant::now();
+    match model_check::check_seeds(name, &seeds, &cfg, &mut make) {
+        Ok(ops) => eprintln!(
+            "model check {name}: {} seeds, {ops} ops, {:.1} s",
+            seeds.len(),
+            t0.elapsed().as_secs_f64()
+        ),
+        Err(msg) => panic!("{msg}"),
+    }
+}
+
+#[test]
+fn model_check_concat() {
+    check_layout("concat", LayoutKind::Concat, 2, 1000);
+}
+
+#[test]
+fn model_check_raid0() {
+    let (n, l, d) = layouts()[1];
+    check_layout(n, l, d, 2000);
+}
+
+#[test]
+fn model_check_raid1() {
+    let (n, l, d) = layouts()[2];
+    check_layout(n, l, d, 3000);
+}
+
+#[test]
+fn model_check_raid10() {
+    let (n, l, d) = layouts()[3];
+    check_layout(n, l, d, 4000);
+}
+
+#[test]
+fn model_check_raid5() {
+    let (n, l, d) = layouts()[4];
+    check_layout(n, l, d, 5000);
+}
+
+#[test]
+fn model_check_raid6() {
+    let (n, l, d) = layouts()[5];
+    check_layout(n, l, d, 6000);
+}
+
+#[test]
+fn model_check_ec() {
+    let (n, l, d) = layouts()[6];
+    check_layout(n, l, d, 7000);
+}
