@@ -172,7 +172,10 @@ fn reads_keep_working(n: &TestNode, c: &mut NbdClient, at: u64, rounds: usize, l
     for i in 0..rounds {
         c.read(at, &mut got)
             .unwrap_or_else(|e| panic!("read {i} of the well-behaved client: {e}"));
-        assert!(got == want, "read {i} of the well-behaved client: wrong data");
+        assert!(
+            got == want,
+            "read {i} of the well-behaved client: wrong data"
+        );
         let r = rss(n);
         assert!(
             r <= limit,
@@ -219,7 +222,7 @@ fn nbd_clients_that_never_read_stay_within_the_buffer_budget() {
     // the baseline.
     let mut good = nbd_client(n, "v");
     let at = 500 * MIB;
-    good.write(at, &pattern(at, MIB as usize)).unwrap();
+    good.write(at, &pattern(at, MIB as usize), false).unwrap();
     good.flush().unwrap();
     reads_keep_working(n, &mut good, at, 4, u64::MAX);
     let base = rss(n);
@@ -251,7 +254,11 @@ fn nbd_clients_that_never_read_stay_within_the_buffer_budget() {
     let extra: Vec<NbdClient> = (0..3).map(|_| nbd_client(n, "v")).collect();
     assert!(!greeted(n), "a connection past the cap was served");
     let labels = format!("{{protocol=\"nbd\",listener=\"{}\"}}", n.addr());
-    let refused = metric(&l.metrics, "tessera_listener_refused_connections_total", &labels);
+    let refused = metric(
+        &l.metrics,
+        "tessera_listener_refused_connections_total",
+        &labels,
+    );
     assert!(refused >= Some(1.0), "refused connections: {refused:?}");
     drop(extra);
     wait_within(n, limit, "a place under the cap", || greeted(n));
@@ -291,7 +298,10 @@ fn collect(q: &mut tessera_nvmf::initiator::Queue, cids: &[u16]) -> HashMap<u16,
             t => panic!("unexpected PDU type {t:#x}"),
         };
         assert!(cids.contains(&cid), "completion for command {cid}");
-        assert!(done.insert(cid, status).is_none(), "second completion for {cid}");
+        assert!(
+            done.insert(cid, status).is_none(),
+            "second completion for {cid}"
+        );
     }
     done
 }
@@ -303,7 +313,7 @@ fn nvmf_queues_that_never_read_stay_within_the_buffer_budget() {
     let n = &l.node;
     let mut good = nbd_client(n, "v");
     let at = 500 * MIB;
-    good.write(at, &pattern(at, MIB as usize)).unwrap();
+    good.write(at, &pattern(at, MIB as usize), false).unwrap();
     good.flush().unwrap();
     reads_keep_working(n, &mut good, at, 4, u64::MAX);
     let base = rss(n);
