@@ -98,6 +98,8 @@ enum Cmd {
         metrics: Option<String>,
         #[command(flatten)]
         tls: run::NbdTlsArgs,
+        #[command(flatten)]
+        limits: run::ClientLimitArgs,
     },
     /// Node status: capacity, allocation, pools, exports.
     Status,
@@ -286,7 +288,8 @@ fn dispatch(cmd: Cmd, api: &tessera_http::Endpoint, json: bool) -> Result<(), Cl
             config,
             metrics,
             tls,
-        } => run::node_from_file(&config, metrics, tls),
+            limits,
+        } => run::node_from_file(&config, metrics, tls, limits),
         Cmd::Status => manage::status(api, raw),
         Cmd::Pool(c) => pool_cmd::pool(api, c, raw),
         Cmd::Volume(manage::VolumeCmd::Clone {

@@ -48,6 +48,41 @@ pub struct UpArgs {
     metrics: Option<String>,
     #[command(flatten)]
     tls: NbdTlsArgs,
+    #[command(flatten)]
+    limits: ClientLimitArgs,
+}
+
+/// What one client may hold of the node, for `up` and `node` (overrides
+/// `[client_buffers]` and the listeners' `max_connections`).
+#[derive(Args)]
+pub struct ClientLimitArgs {
+    /// Bytes of request data one connection (NBD connection, NVMe/TCP queue) may hold
+    /// in flight before it stops reading its socket, e.g. 64M [default: 64M].
+    #[arg(long, value_name = "SIZE")]
+    conn_buffers: Option<String>,
+    /// Bytes of request data all connections together may hold in flight, e.g. 1G
+    /// [default: 1G].
+    #[arg(long, value_name = "SIZE")]
+    node_buffers: Option<String>,
+    /// Connections each NBD and NVMe/TCP listener serves at a time; more are closed
+    /// right after accept [default: 256 NBD, 1024 NVMe/TCP].
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+}
+
+impl ClientLimitArgs {
+    fn apply(self, cfg: &mut NodeConfig) {
+        if let Some(v) = self.conn_buffers {
+            cfg.client_buffers.per_connection = v;
+        }
+        if let Some(v) = self.node_buffers {
+            cfg.client_buffers.per_node = v;
+        }
+        if let Some(n) = self.max_connections {
+            cfg.nbd.max_connections = n;
+            cfg.nvmf.max_connections = n;
+        }
+    }
 }
 
 /// NBD TLS (`NBD_OPT_STARTTLS`, X.509) for `up` and `node` (overrides `[nbd.tls]`).
@@ -110,15 +145,22 @@ pub fn up(a: UpArgs) -> Result<()> {
     cfg.nvmf.discovery = a.nvmf_discovery;
     cfg.metrics.listen = a.metrics;
     a.tls.apply(&mut cfg);
+    a.limits.apply(&mut cfg);
     serve(cfg)
 }
 
-pub fn node_from_file(path: &Path, metrics: Option<String>, tls: NbdTlsArgs) -> Result<()> {
+pub fn node_from_file(
+    path: &Path,
+    metrics: Option<String>,
+    tls: NbdTlsArgs,
+    limits: ClientLimitArgs,
+) -> Result<()> {
     let mut cfg = NodeConfig::load(path)?;
     if metrics.is_some() {
         cfg.metrics.listen = metrics;
     }
     tls.apply(&mut cfg);
+    limits.apply(&mut cfg);
     serve(cfg)
 }
 

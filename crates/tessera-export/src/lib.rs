@@ -10,12 +10,15 @@
 //! - [`Export`]: a target as a protocol receives it, bound to its QoS state.
 //! - [`conn`]: receive buffer, slot free list, gathered `sendmsg` with partial-send
 //!   advance, batched stats, socket teardown.
+//! - [`budget`]: bytes of request buffers in flight per connection and per node
+//!   (back-pressure), connections per listener.
 //! - [`stats`]: per-connection I/O figures and the per-target registry summing them.
 
 use std::sync::Arc;
 
 use tessera_io::{CoreIo, IoOp, Tag};
 
+pub mod budget;
 pub mod conn;
 pub mod log_limit;
 pub mod stats;

@@ -88,6 +88,16 @@ impl BufPool {
         (class < CLASSES).then_some(class)
     }
 
+    /// The capacity [`BufPool::get`] hands out for `len` bytes (a power-of-two class, or
+    /// `len` itself past the largest class): what a request's buffer really holds, for
+    /// budgets that count memory in flight.
+    pub fn capacity_for(len: usize) -> usize {
+        match Self::class_of(len) {
+            Some(c) => 1 << (c + MIN_CLASS_SHIFT as usize),
+            None => len,
+        }
+    }
+
     /// A buffer of at least `len` bytes. Reuses a cached one when possible; its contents
     /// are then whatever its last user left (initialised bytes, not zeroes).
     ///

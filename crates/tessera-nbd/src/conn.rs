@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use tessera_export::budget::ConnBudget;
 use tessera_export::conn::{
     add_throttled, io_slot, read_into_new_buf, FreeList, RecvBuf, SendDone, Socket, StatsBatch,
 };
@@ -47,7 +48,7 @@ use tessera_export::{
     Charge, Export, ExportHandle, ExportTarget, Gate, IoClass, IoStats, Released,
 };
 use tessera_io::cast::{u32_of, u8_of, usize_of};
-use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag, Task};
+use tessera_io::{AlignedBuf, BufPool, CoreIo, IoOp, Tag, Task};
 use tracing::{info, warn};
 
 use crate::proto::*;
@@ -138,6 +139,32 @@ fn align_up(x: u64) -> u64 {
     align_down(x + ALIGN - 1)
 }
 
+/// Bytes of data buffers the request `h` may take from the core's pool, as the pool
+/// rounds them (its budget charge, taken before the request leaves the receive buffer):
+/// a READ's reply data (the aligned superset when unaligned), a WRITE's payload (and the
+/// merge buffer of a read-modify-write), an unaligned WRITE_ZEROES' edge blocks, a
+/// BLOCK_STATUS reply at its largest. Requests refused before any buffer is taken are
+/// charged all the same until their reply leaves: the charge is a bound, not a count.
+fn buffer_charge(h: &RequestHeader, opts: &ConnOptions) -> u64 {
+    let pooled = |n: u64| BufPool::capacity_for(usize_of(n)) as u64;
+    let len = u64::from(h.length);
+    let unaligned = !(h.offset | len).is_multiple_of(ALIGN);
+    let edges = if unaligned { 2 * ALIGN } else { 0 };
+    match h.cmd {
+        CMD_READ if h.length == 0 || h.length > MAX_PAYLOAD => 0,
+        CMD_READ => pooled(len + edges),
+        CMD_WRITE if unaligned => pooled(len) + pooled(len + edges),
+        CMD_WRITE => pooled(len),
+        CMD_WRITE_ZEROES if unaligned => pooled(edges),
+        CMD_BLOCK_STATUS => {
+            let contexts = opts.dirty_bitmaps.len() + usize::from(opts.base_allocation.is_some());
+            let per_context = (STRUCTURED_REPLY_LEN + 4 + 8 * MAX_EXTENTS) as u64;
+            pooled(contexts as u64 * per_context)
+        }
+        _ => 0,
+    }
+}
+
 /// Partial blocks a read-modify-write holds across the connections of one export: the
 /// block's offset and the holder (connection id and slot).
 #[derive(Default)]
@@ -200,6 +227,8 @@ struct Slot {
     rmw_buf: Option<AlignedBuf>,
     rmw_pending: u8,
     rmw_err: u32,
+    /// Bytes of the connection's buffer budget the request holds (`buffer_charge`).
+    charged: u64,
 }
 
 impl Slot {
@@ -245,6 +274,7 @@ impl Slot {
             rmw_buf: None,
             rmw_pending: 0,
             rmw_err: 0,
+            charged: 0,
         }
     }
 }
@@ -283,12 +313,21 @@ pub struct NbdConn<T: ExportTarget> {
     /// The TLS session, when the client started TLS: bytes pass through it between the
     /// socket and the receive buffer / the gathered replies. `None` costs one branch.
     tls: Option<Box<TlsLink>>,
+    /// Bytes of data buffers this connection may hold (back-pressure: see
+    /// `tessera_export::budget`).
+    budget: ConnBudget,
 }
 
 impl<T: ExportTarget> NbdConn<T> {
     /// Build a connection on the core that will serve it (`io` is that core's context).
     /// A read-only target is served read-only whatever the handshake said.
-    pub fn new(io: &mut CoreIo, fd: OwnedFd, export: &Export<T>, mut opts: ConnOptions) -> Self {
+    pub fn new(
+        io: &mut CoreIo,
+        fd: OwnedFd,
+        export: &Export<T>,
+        mut opts: ConnOptions,
+        budget: ConnBudget,
+    ) -> Self {
         let target = export.target.clone();
         opts.read_only |= target.read_only();
         let stats = target.register_stats();
@@ -319,6 +358,7 @@ impl<T: ExportTarget> NbdConn<T> {
             uid: NEXT_CONN_UID.fetch_add(1, Relaxed),
             connected: std::time::Instant::now(),
             tls: None,
+            budget,
         }
     }
 
@@ -348,8 +388,8 @@ impl<T: ExportTarget> NbdConn<T> {
                 )
             }
             None => {
-                if self.free.is_empty() {
-                    return; // resume when a slot frees up
+                if self.free.is_empty() || self.budget.stalled() {
+                    return; // resume when a slot or budget frees up (on_send)
                 }
                 if self.rbuf.is_full() {
                     return; // parse() compacts first; a full buffer means a slot is awaited
@@ -452,6 +492,13 @@ impl<T: ExportTarget> NbdConn<T> {
                 break; // wait for the rest of the payload in the buffer
             }
             let Some(s) = self.free.pop() else { break };
+            // Back-pressure: a request whose buffers do not fit the budget stays in the
+            // receive buffer, and the socket is not read, until replies leave.
+            let charge = buffer_charge(&h, &self.opts);
+            if !self.budget.try_take(charge) {
+                self.free.push(s);
+                break;
+            }
             self.rbuf.consume(REQUEST_HEADER_LEN);
             let slot = &mut self.slots[s as usize];
             slot.cookie = h.cookie;
@@ -460,6 +507,7 @@ impl<T: ExportTarget> NbdConn<T> {
             slot.offset = h.offset;
             slot.len = h.length;
             slot.data_len = 0;
+            slot.charged = charge;
             slot.start = io.now();
             if payload > 0 {
                 let mut buf = io.bufs.get(payload);
@@ -1147,6 +1195,7 @@ impl<T: ExportTarget> NbdConn<T> {
             io.bufs.put(b);
         }
         sl.phase = Phase::Free;
+        self.budget.release(std::mem::take(&mut sl.charged));
         self.free.push(s);
     }
 

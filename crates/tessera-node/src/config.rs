@@ -38,6 +38,7 @@ pub struct NodeConfig {
     pub nbd: NbdConfig,
     pub nvmf: NvmfConfig,
     pub metrics: MetricsConfig,
+    pub client_buffers: ClientBuffersConfig,
     #[serde(rename = "pool")]
     pub pools: Vec<PoolDecl>,
     #[serde(rename = "volume")]
@@ -183,6 +184,43 @@ pub struct MetricsConfig {
     pub listen: Option<String>,
 }
 
+/// `[client_buffers]`: how many bytes of client request data (READ replies, WRITE
+/// payloads) the node holds in flight, NBD and NVMe/TCP together; past it a connection
+/// stops reading its socket until its replies leave (back-pressure, never an error).
+/// Replies a client does not read keep counting. See `tessera_export::budget`.
+///
+/// Defaults: 64 MiB per connection lets a client keep 64 requests of 1 MiB (or two of
+/// NBD's largest, 32 MiB) in flight at full speed; 1 GiB per node is 16 such clients at
+/// full window on a node that also caches buffers per core. A connection holding nothing
+/// is always given one request, so the node's ceiling is this plus one request per open
+/// connection (bounded by `max_connections` of each listener).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClientBuffersConfig {
+    /// Per connection (an NBD connection, an NVMe/TCP queue), e.g. "64M".
+    pub per_connection: String,
+    /// Every connection of the node together, e.g. "1G".
+    pub per_node: String,
+}
+
+impl Default for ClientBuffersConfig {
+    fn default() -> Self {
+        ClientBuffersConfig {
+            per_connection: "64M".into(),
+            per_node: "1G".into(),
+        }
+    }
+}
+
+/// Connections an NBD listener serves at a time by default (handshakes included): far
+/// more than NBD clients open, few enough that one request each stays bounded (256 x 32
+/// MiB).
+pub const NBD_MAX_CONNECTIONS: usize = 256;
+/// Connections (queues) an NVMe/TCP listener serves at a time by default: a host opens
+/// an admin queue and up to 64 I/O queues, so this is 15 hosts at full width (each
+/// request is at most 1 MiB).
+pub const NVMF_MAX_CONNECTIONS: usize = 1024;
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct NbdConfig {
@@ -192,6 +230,9 @@ pub struct NbdConfig {
     pub unix: Option<PathBuf>,
     /// TLS (`NBD_OPT_STARTTLS`) on every NBD listener; absent: no TLS.
     pub tls: Option<NbdTlsConfig>,
+    /// Connections each NBD listener serves at a time; past it a new connection is
+    /// closed right after accept (logged, counted in metrics).
+    pub max_connections: usize,
 }
 
 impl Default for NbdConfig {
@@ -200,6 +241,7 @@ impl Default for NbdConfig {
             listen: vec!["127.0.0.1:10809".into()],
             unix: None,
             tls: None,
+            max_connections: NBD_MAX_CONNECTIONS,
         }
     }
 }
@@ -273,6 +315,7 @@ impl Default for NodeConfig {
             nbd: NbdConfig::default(),
             nvmf: NvmfConfig::default(),
             metrics: MetricsConfig::default(),
+            client_buffers: ClientBuffersConfig::default(),
             pools: Vec::new(),
             volumes: Vec::new(),
             exports: Vec::new(),
@@ -385,6 +428,9 @@ pub struct NvmfConfig {
     /// disjoint ranges: the host refuses two controllers of one subsystem with one ID.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cntlid_range: Option<[u16; 2]>,
+    /// Connections (queues) each NVMe/TCP port serves at a time; past it a new
+    /// connection is closed right after accept (logged, counted in metrics).
+    pub max_connections: usize,
 }
 
 impl Default for NvmfConfig {
@@ -395,6 +441,7 @@ impl Default for NvmfConfig {
             discovery: "127.0.0.1:8009".into(),
             subsystems: Vec::new(),
             cntlid_range: None,
+            max_connections: NVMF_MAX_CONNECTIONS,
         }
     }
 }

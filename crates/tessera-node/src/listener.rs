@@ -18,6 +18,7 @@ use tessera_nbd::conn::{ConnOptions, NbdConn};
 use tessera_nbd::handshake::{negotiate_io, HandshakeOutcome};
 use tessera_nbd::tls::{HandshakeStream, TlsLink};
 
+use tessera_export::budget::{ListenerCap, ListenerSlot};
 use tessera_export::log_limit::LogLimiter;
 use tessera_export::ExportTarget;
 use tracing::{info, warn};
@@ -286,8 +287,13 @@ static HANDSHAKE_LOG: LogLimiter = LogLimiter::new("nbd-handshake", 10, 10);
 
 /// Run the handshake on `stream`; on success hand the socket (and its TLS session, if
 /// the client started TLS) to a reactor core.
-fn serve_client<S>(node: Arc<Node>, stream: S, client: String, into_fd: impl FnOnce(S) -> OwnedFd)
-where
+fn serve_client<S>(
+    node: Arc<Node>,
+    stream: S,
+    client: String,
+    slot: ListenerSlot,
+    into_fd: impl FnOnce(S) -> OwnedFd,
+) where
     S: io::Read + io::Write,
 {
     let mut stream = HandshakeStream::new(stream, node.nbd_tls.clone());
@@ -396,8 +402,9 @@ where
     };
     let tls = tls.map(|session| TlsLink::new(session, client));
     let fd = into_fd(stream);
+    let budget = node.buffers.conn(Some(slot));
     node.next_reactor().spawn(Box::new(move |io| {
-        let conn = NbdConn::new(io, fd, &export, opts);
+        let conn = NbdConn::new(io, fd, &export, opts, budget);
         Box::new(match tls {
             Some(t) => conn.with_tls(t),
             None => conn,
@@ -433,11 +440,31 @@ impl NbdSocket for std::os::unix::net::UnixStream {
     }
 }
 
+/// Connections refused at a listener's cap: at most 10 lines per 10 s.
+static CAP_LOG: LogLimiter = LogLimiter::new("nbd-connection-cap", 10, 10);
+
 /// Accept connections forever: each gets a handshake thread (bounded by MAX_HANDSHAKES,
-/// timed out by HANDSHAKE_TIMEOUT), then moves to a reactor core.
-fn accept_loop<S: NbdSocket>(node: Arc<Node>, incoming: impl Iterator<Item = io::Result<S>>) {
+/// timed out by HANDSHAKE_TIMEOUT), then moves to a reactor core. Past `cap` open
+/// connections (handshakes included) a new one is closed at once.
+fn accept_loop<S: NbdSocket>(
+    node: Arc<Node>,
+    cap: Arc<ListenerCap>,
+    incoming: impl Iterator<Item = io::Result<S>>,
+) {
     for s in incoming {
         let Ok(s) = s else { continue };
+        let Some(slot) = cap.try_open() else {
+            if CAP_LOG.admit() {
+                warn!(
+                    protocol = "nbd",
+                    listener = %cap.address,
+                    client = %s.peer(),
+                    max_connections = cap.max(),
+                    "nbd: connection refused: the listener serves its maximum of connections"
+                );
+            }
+            continue; // dropping the stream closes it
+        };
         if HANDSHAKES.fetch_add(1, Relaxed) >= MAX_HANDSHAKES {
             HANDSHAKES.fetch_sub(1, Relaxed);
             continue; // dropping the stream closes it
@@ -448,7 +475,7 @@ fn accept_loop<S: NbdSocket>(node: Arc<Node>, incoming: impl Iterator<Item = io:
         let r = std::thread::Builder::new()
             .name("tessera-nbd-hs".into())
             .spawn(move || {
-                serve_client(node, s, client, |s| {
+                serve_client(node, s, client, slot, |s| {
                     s.set_timeouts(None);
                     s.into()
                 });
@@ -464,12 +491,14 @@ pub fn start_nbd_tcp(node: &Arc<Node>, addr: &str) -> io::Result<String> {
     let l = TcpListener::bind(addr)
         .map_err(|e| io::Error::new(e.kind(), format!("cannot listen for NBD on {addr}: {e}")))?;
     let local = l.local_addr()?.to_string();
+    let cap = node.listener_cap("nbd", local.clone(), node.cfg.nbd.max_connections);
     let node = node.clone();
     std::thread::Builder::new()
         .name("tessera-nbd-accept".into())
         .spawn(move || {
             accept_loop(
                 node,
+                cap,
                 l.incoming().map(|s| {
                     let s = s?;
                     let _ = s.set_nodelay(true);
@@ -482,9 +511,11 @@ pub fn start_nbd_tcp(node: &Arc<Node>, addr: &str) -> io::Result<String> {
 
 pub fn start_nbd_unix(node: &Arc<Node>, path: &Path) -> io::Result<()> {
     let l = bind_unix(path)?;
+    let address = format!("unix:{}", path.display());
+    let cap = node.listener_cap("nbd", address, node.cfg.nbd.max_connections);
     let node = node.clone();
     std::thread::Builder::new()
         .name("tessera-nbd-accept-unix".into())
-        .spawn(move || accept_loop(node, l.incoming()))?;
+        .spawn(move || accept_loop(node, cap, l.incoming()))?;
     Ok(())
 }

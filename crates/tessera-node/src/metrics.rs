@@ -288,7 +288,72 @@ pub fn render(node: &Node) -> String {
     render_replicas(&mut w, node);
     render_proxies(&mut w, node);
     render_reactors(&mut w, node);
+    render_client_limits(&mut w, node);
     w.finish()
+}
+
+/// The client buffer budget (`[client_buffers]`) and each listener's connection cap.
+fn render_client_limits(w: &mut TextWriter, node: &Node) {
+    let b = &node.buffers;
+    w.family(
+        "tessera_client_buffer_bytes",
+        "gauge",
+        "Bytes of client request data buffers (READ replies, WRITE payloads) held now, NBD and NVMe/TCP together, from request to the reply's last byte leaving.",
+    );
+    w.sample("tessera_client_buffer_bytes", &[], b.held());
+    w.family(
+        "tessera_client_buffer_limit_bytes",
+        "gauge",
+        "The client buffer budget ([client_buffers]): per connection, and for the node (which each connection may pass by one request).",
+    );
+    w.sample(
+        "tessera_client_buffer_limit_bytes",
+        &[("scope", "connection")],
+        b.conn_limit(),
+    );
+    w.sample(
+        "tessera_client_buffer_limit_bytes",
+        &[("scope", "node")],
+        b.node_limit(),
+    );
+    w.family(
+        "tessera_client_buffer_stalls_total",
+        "counter",
+        "Times a connection's next request did not fit the client buffer budget: it waited (NBD: its socket was not read) until its replies left.",
+    );
+    w.sample("tessera_client_buffer_stalls_total", &[], b.stalls());
+    let caps = node.listener_caps();
+    fn labels(c: &tessera_export::budget::ListenerCap) -> [(&'static str, &str); 2] {
+        [("protocol", c.protocol), ("listener", c.address.as_str())]
+    }
+    w.family(
+        "tessera_listener_connections",
+        "gauge",
+        "Connections a listener serves now (NBD handshakes included; an NVMe/TCP queue is one connection).",
+    );
+    for c in &caps {
+        w.sample("tessera_listener_connections", &labels(c), c.open());
+    }
+    w.family(
+        "tessera_listener_max_connections",
+        "gauge",
+        "The listener's connection cap ([nbd]/[nvmf] max_connections).",
+    );
+    for c in &caps {
+        w.sample("tessera_listener_max_connections", &labels(c), c.max());
+    }
+    w.family(
+        "tessera_listener_refused_connections_total",
+        "counter",
+        "Connections closed right after accept because the listener served its maximum.",
+    );
+    for c in &caps {
+        w.sample(
+            "tessera_listener_refused_connections_total",
+            &labels(c),
+            c.refused(),
+        );
+    }
 }
 
 /// Client I/O this node proxied to other nodes' volumes (NBD clients that asked this

@@ -90,6 +90,10 @@ pub struct Node {
     /// Cluster volumes other nodes own that NBD clients reach through this node
     /// (node/proxy.rs).
     proxies: proxy::Proxies,
+    /// Bytes of client request buffers in flight, NBD and NVMe/TCP (`[client_buffers]`).
+    pub buffers: Arc<tessera_export::budget::BufferBudget>,
+    /// The connection cap of every listener started, for metrics.
+    listener_caps: Mutex<Vec<Arc<tessera_export::budget::ListenerCap>>>,
     /// This node's claim on its data directory, held until the process ends.
     _dir_lock: crate::datadir::DataDirLock,
 }
@@ -109,7 +113,45 @@ fn size_arg(what: &str, v: &str) -> Result<u64> {
     parse_size(v).map_err(|e| Error::invalid(format!("{what}: {e}")))
 }
 
+/// The buffer budget `[client_buffers]` sets; a size that does not parse stops the start.
+fn client_buffers(
+    cfg: &NodeConfig,
+) -> std::result::Result<Arc<tessera_export::budget::BufferBudget>, StartError> {
+    let b = &cfg.client_buffers;
+    let size = |what: &str, v: &str| {
+        parse_size(v).map_err(|e| StartError::Config(format!("[client_buffers] {what}: {e}")))
+    };
+    Ok(tessera_export::budget::BufferBudget::new(
+        size("per_connection", &b.per_connection)?,
+        size("per_node", &b.per_node)?,
+    ))
+}
+
 impl Node {
+    /// A connection cap for a new listener of `protocol` on `address`, listed in the
+    /// node's metrics.
+    pub fn listener_cap(
+        &self,
+        protocol: &'static str,
+        address: String,
+        max: usize,
+    ) -> Arc<tessera_export::budget::ListenerCap> {
+        let cap = tessera_export::budget::ListenerCap::new(protocol, address, max);
+        self.listener_caps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(cap.clone());
+        cap
+    }
+
+    /// Every listener's connection cap.
+    pub fn listener_caps(&self) -> Vec<Arc<tessera_export::budget::ListenerCap>> {
+        self.listener_caps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Start the reactors and bring back every pool in the registry. `dir_lock` is the
     /// data directory's lock ([`crate::DataDirLock::acquire`]), taken before anything else
     /// so that a second node on the same directory opens nothing.
@@ -132,6 +174,7 @@ impl Node {
             ),
             None => None,
         };
+        let buffers = client_buffers(&cfg)?;
         let reactors = spawn_reactors(&rcfg).map_err(StartError::Reactors)?;
         let registry = Registry::new(&cfg.data_dir);
         let entries = registry.load()?;
@@ -166,6 +209,8 @@ impl Node {
             self_ref: std::sync::OnceLock::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
             proxies: proxy::Proxies::default(),
+            buffers,
+            listener_caps: Mutex::new(Vec::new()),
             _dir_lock: dir_lock,
         });
         let _ = node.self_ref.set(Arc::downgrade(&node));

@@ -622,9 +622,13 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
         });
         let n = node.clone();
         let t = target.clone();
+        let cap = node.listener_cap("nvme-tcp", local.clone(), cfg.max_connections);
+        let budget = node.buffers.clone();
         let spawned = std::thread::Builder::new()
             .name("tessera-nvmf-accept".into())
-            .spawn(move || tessera_nvmf::accept::accept_loop(l, t, move || n.next_reactor()));
+            .spawn(move || {
+                tessera_nvmf::accept::accept_loop(l, t, cap, budget, move || n.next_reactor())
+            });
         if let Err(e) = spawned {
             tracing::error!(addr = %local, error = %e, "nvmf: cannot start the accept thread");
             continue;

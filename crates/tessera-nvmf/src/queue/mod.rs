@@ -21,11 +21,13 @@ mod auth;
 mod io;
 mod transport;
 
+use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tessera_export::budget::ConnBudget;
 use tessera_export::conn::{io_slot, FreeList, RecvBuf, Socket, StatsBatch};
 use tessera_export::{ExportTarget, Gate, IoStats, Released};
 use tessera_io::cast::u32_of;
@@ -67,6 +69,8 @@ enum Phase {
     CompareRead,
     /// An Asynchronous Event Request held until an event.
     Aer,
+    /// Waiting in `budget_wait` for its data buffers to fit the buffer budget.
+    Budget,
     Reply,
 }
 
@@ -95,6 +99,8 @@ struct Slot {
     r2t: [u8; 28],
     r2t_len: usize,
     skip_resp: bool,
+    /// Bytes of the queue's buffer budget the command holds (`buffer_charge`).
+    charged: u64,
 }
 
 impl Slot {
@@ -119,6 +125,7 @@ impl Slot {
             r2t: [0; 28],
             r2t_len: 0,
             skip_resp: false,
+            charged: 0,
         }
     }
 }
@@ -196,6 +203,8 @@ pub struct NvmfQueue<T: ExportTarget> {
     /// Commands received and not yet answered (what the host counts as outstanding).
     active: usize,
     aers: Vec<u16>,
+    /// Commands waiting for buffer budget, oldest first (`transfer_within_budget`).
+    budget_wait: VecDeque<u16>,
     outq: Vec<Out>,
     sending: Vec<Out>,
     in_io: usize,
@@ -208,6 +217,9 @@ pub struct NvmfQueue<T: ExportTarget> {
     registered: bool,
     /// The host's address, for log lines.
     client: String,
+    /// Bytes of data buffers this queue may hold (back-pressure: see
+    /// `tessera_export::budget`).
+    budget: ConnBudget,
 }
 
 /// Connections that break the protocol or never connect (garbage, port scans): at most
@@ -216,7 +228,7 @@ pub(crate) static BAD_CONN_LOG: tessera_export::log_limit::LogLimiter =
     tessera_export::log_limit::LogLimiter::new("nvmf-bad-connection", 10, 10);
 
 impl<T: ExportTarget> NvmfQueue<T> {
-    pub fn new(_io: &mut CoreIo, fd: OwnedFd, target: Arc<Target<T>>) -> Self {
+    pub fn new(_io: &mut CoreIo, fd: OwnedFd, target: Arc<Target<T>>, budget: ConnBudget) -> Self {
         use std::os::fd::AsRawFd;
         let client = tessera_export::log_limit::peer_name(fd.as_raw_fd());
         NvmfQueue {
@@ -245,6 +257,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
             free: FreeList::new(INITIAL_SLOTS),
             active: 0,
             aers: Vec::new(),
+            budget_wait: VecDeque::new(),
             outq: Vec::new(),
             sending: Vec::new(),
             in_io: 0,
@@ -253,6 +266,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
             tick_armed: false,
             started: Instant::now(),
             registered: false,
+            budget,
         }
     }
 
@@ -357,8 +371,12 @@ impl<T: ExportTarget> Task for NvmfQueue<T> {
         let ns = &self.ns;
         self.unrecorded
             .flush(io.now(), |n| ns.get(n).map(|n| &*n.stats));
+        // Replies that left this batch released budget: start what waited for it.
+        if !self.budget_wait.is_empty() {
+            self.retry_budget(io);
+        }
         self.send(io);
-        let idle = self.in_io == 0 && self.outq.is_empty();
+        let idle = self.in_io == 0 && self.outq.is_empty() && self.budget_wait.is_empty();
         if self.sock.shut_down_when_idle(idle) {
             // The queue is gone for the controller (which shuts down registered sockets
             // from any thread) before its socket closes.

@@ -245,20 +245,86 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 if !self.authenticated && sqe.opc != FABRICS {
                     return self.finish(io, s, SC_AUTH_REQUIRED | DNR);
                 }
-                // Ask for all of it with one R2T; the host splits it into H2CData PDUs of
-                // at most MAXH2CDATA bytes.
-                let buf = io.bufs.get(len);
-                let fr = self.send_framing;
-                let sl = &mut self.slots[s as usize];
-                sl.buf = Some(buf);
-                sl.h2c_len = sqe.sgl.len;
-                sl.phase = Phase::AwaitData;
-                sl.r2t_len = fr.r2t(&mut sl.r2t, sqe.cid, s, 0, sqe.sgl.len);
-                self.outq.push(Out::R2t(s));
+                self.transfer_within_budget(io, s)
             }
-            (SGL_TRANSPORT_DATA_BLOCK, 2) => self.execute(io, s),
+            (SGL_TRANSPORT_DATA_BLOCK, 2) => self.transfer_within_budget(io, s),
             (SGL_DATA_BLOCK_OFFSET, _) => self.finish(io, s, SC_SGL_INVALID_DATA | DNR),
             _ => self.finish(io, s, SC_SGL_INVALID_TYPE | DNR),
+        }
+    }
+
+    /// Start command `s`, whose data moves as R2T/H2CData or C2HData, once its buffers
+    /// fit the queue's budget; until then it waits in `budget_wait`, in arrival order,
+    /// holding its slot but no buffer (`retry_budget` starts it).
+    ///
+    /// Unlike NBD, a queue over its budget keeps reading its socket: the H2CData of a
+    /// write already sent its R2T may sit in the stream behind the command that does
+    /// not fit, and the write holds budget until that data arrives. The queue stops
+    /// reading when every slot is taken (the queue depth), so what it holds stays the
+    /// budget's bytes plus one SQE per waiting command.
+    fn transfer_within_budget(&mut self, io: &mut CoreIo, s: u16) {
+        if self.budget_wait.is_empty() && self.take_budget(s) {
+            return self.start_transfer(io, s);
+        }
+        self.slots[s as usize].phase = Phase::Budget;
+        self.budget_wait.push_back(s);
+    }
+
+    fn take_budget(&mut self, s: u16) -> bool {
+        let charge = self.buffer_charge(&self.slots[s as usize].sqe);
+        if !self.budget.try_take(charge) {
+            return false;
+        }
+        self.slots[s as usize].charged = charge;
+        true
+    }
+
+    /// Bytes of data buffers command `sqe` takes from the core's pool, as the pool
+    /// rounds them: its transfer, twice for a Compare (the stored data is read beside
+    /// it). A bound: a command that fails before taking its buffer holds the charge
+    /// until its reply left.
+    fn buffer_charge(&self, sqe: &Sqe) -> u64 {
+        let one = tessera_io::BufPool::capacity_for(sqe.sgl.len as usize) as u64;
+        if self.qid != 0 && sqe.opc == IO_COMPARE {
+            2 * one
+        } else {
+            one
+        }
+    }
+
+    /// Command `s` has its budget: a host-to-controller transfer asks for all its data
+    /// with one R2T (the host splits it into H2CData PDUs of at most MAXH2CDATA bytes);
+    /// a controller-to-host one runs.
+    fn start_transfer(&mut self, io: &mut CoreIo, s: u16) {
+        let sqe = self.slots[s as usize].sqe;
+        if Self::direction(&sqe) != 1 {
+            return self.execute(io, s);
+        }
+        let buf = io.bufs.get(sqe.sgl.len as usize);
+        let fr = self.send_framing;
+        let sl = &mut self.slots[s as usize];
+        sl.buf = Some(buf);
+        sl.h2c_len = sqe.sgl.len;
+        sl.phase = Phase::AwaitData;
+        sl.r2t_len = fr.r2t(&mut sl.r2t, sqe.cid, s, 0, sqe.sgl.len);
+        self.outq.push(Out::R2t(s));
+    }
+
+    /// Start, in arrival order, the commands waiting for budget that fit now (buffers
+    /// were released); on a dead socket, drop them (nobody waits for their replies).
+    pub(super) fn retry_budget(&mut self, io: &mut CoreIo) {
+        while let Some(&s) = self.budget_wait.front() {
+            if !self.sock.dead && !self.take_budget(s) {
+                break;
+            }
+            self.budget_wait.pop_front();
+            if self.sock.dead {
+                self.active -= 1;
+                self.release(io, s);
+                continue;
+            }
+            self.slots[s as usize].phase = Phase::Io;
+            self.start_transfer(io, s);
         }
     }
 
@@ -395,6 +461,7 @@ impl<T: ExportTarget> NvmfQueue<T> {
             io.bufs.put(b);
         }
         sl.phase = Phase::Free;
+        self.budget.release(std::mem::take(&mut sl.charged));
         self.free.push(s);
     }
 
