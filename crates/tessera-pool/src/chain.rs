@@ -547,8 +547,7 @@ impl Pool {
                     .volumes
                     .values()
                     .filter(|c| {
-                        !c.is_hidden()
-                            && c.listed_parent().is_some_and(|p| Arc::ptr_eq(&p, v))
+                        !c.is_hidden() && c.listed_parent().is_some_and(|p| Arc::ptr_eq(&p, v))
                     })
                     .map(|c| c.name.clone())
                     .collect();

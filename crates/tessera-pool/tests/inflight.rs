@@ -202,7 +202,11 @@ fn snapshot_waits_for_writes_in_flight() {
     let mut hs = s.open_handle();
     let mut in_snap = old[..4096].to_vec();
     in_snap[..512].copy_from_slice(&w1);
-    assert_eq!(read(&mut io, &mut hs, 0, 4096).unwrap(), in_snap, "the snapshot");
+    assert_eq!(
+        read(&mut io, &mut hs, 0, 4096).unwrap(),
+        in_snap,
+        "the snapshot"
+    );
     assert_eq!(pool.verify_chains(), Vec::<String>::new());
 }
 
@@ -268,7 +272,10 @@ fn trim_does_not_reuse_a_unit_with_a_write_in_flight() {
     let mut hc = c.open_handle();
     assert_eq!(write(&mut io, &mut hc, 4096, &[7u8; 512]), 0);
     let got = read(&mut io, &mut hc, 0, 8192).unwrap();
-    assert!(got[..4096].iter().all(|&x| x == 0), "a reused unit is zeroed");
+    assert!(
+        got[..4096].iter().all(|&x| x == 0),
+        "a reused unit is zeroed"
+    );
     let st = pool.status();
     assert_eq!(st.allocated, 2 * UNIT);
 }
@@ -288,7 +295,11 @@ fn check_listing(pool: &Pool) {
         let mut seen = vec![v.name.clone()];
         let mut at = listed_parent(pool, &v.name);
         while let Some(p) = at {
-            assert!(names.contains(&p), "'{}' lists '{p}', which is gone", v.name);
+            assert!(
+                names.contains(&p),
+                "'{}' lists '{p}', which is gone",
+                v.name
+            );
             assert!(
                 snaps.iter().any(|s| s.name == p),
                 "'{p}' is not a listed snapshot"
@@ -384,7 +395,10 @@ fn a_reused_snapshot_name_makes_no_cycle() {
     assert_eq!(listed_parent(&pool, "v").as_deref(), Some("a1"));
     let snaps = pool.snapshots();
     let a2 = snaps.iter().find(|s| s.name == "a2").unwrap();
-    assert_eq!((a2.parent.as_deref(), a2.children.clone()), (None, vec!["a1".to_string()]));
+    assert_eq!(
+        (a2.parent.as_deref(), a2.children.clone()),
+        (None, vec!["a1".to_string()])
+    );
     check_listing(&pool);
     let mut want = vec![1u8; 4096];
     want.extend([2u8; 4096]);
