@@ -28,9 +28,10 @@ pub struct SnapshotInfo {
     pub id: u32,
     pub created: u64,
     pub size: u64,
-    /// The snapshot this one reads through (an older snapshot of the same chain).
+    /// The nearest older snapshot of the same chain that still exists (deleted ones that
+    /// volumes still read through are skipped: `Volume::listed_parent`).
     pub parent: Option<String>,
-    /// Volumes and snapshots that read through this one.
+    /// Volumes and snapshots that list this one as their parent.
     pub children: Vec<String>,
     /// Bytes only this snapshot holds: given back when it is deleted.
     pub exclusive: u64,
@@ -97,10 +98,14 @@ impl PoolCore {
     /// (`volume::first_write`), and `finish_first_write` marks the blocks present once it is on
     /// the devices. A block another first write has claimed makes this `Busy`: its
     /// contents are not settled until that write completes (two writers each merging
-    /// the parent's block with their own bytes would lose one of them).
+    /// the parent's block with their own bytes would lose one of them). So does a write
+    /// whose request (token `epoch`) began after a snapshot of the volume did, until the
+    /// snapshot has taken the map (`create_snapshots`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn plan_first_write(
         &self,
         vol: &Volume,
+        epoch: u64,
         unit: u64,
         at: u64,
         len: u64,
@@ -109,6 +114,9 @@ impl PoolCore {
     ) -> FirstWritePlan {
         if vol.is_snapshot() {
             return FirstWritePlan::Fail(-libc::EROFS);
+        }
+        if vol.held(epoch) {
+            return FirstWritePlan::Busy;
         }
         let mut s = self.lock();
         if vol.is_deleted() {
@@ -330,7 +338,26 @@ impl Pool {
                 )));
             }
         }
-        self.core.change_and_checkpoint(|s| {
+        // Quiesced: writes to the volumes that began before the snapshot complete before
+        // it takes their maps (a write landing in a unit after the snapshot took it would
+        // be missing from the volume wherever a later first write copies the block), and
+        // writes that begin meanwhile wait (`Volume::held`) and go to the new layer. The
+        // wait is for the requests in flight on the pool (one device round trip, or the
+        // device timeout at worst). A caller's own core is not waited for (see
+        // `IoEpochs::drain`): drive it from another thread.
+        let release = || {
+            for (vol, _) in what {
+                vol.hold_from(u64::MAX);
+            }
+        };
+        let quiesce = || {
+            self.core.inflight.drain(|next| {
+                for (vol, _) in what {
+                    vol.hold_from(next);
+                }
+            });
+        };
+        let made = self.core.quiesce_change_and_checkpoint(quiesce, |s| {
             for (vol, name) in what {
                 if Self::volume_named_in(s, name) {
                     return Err(Error::new(
@@ -374,8 +401,13 @@ impl Pool {
                 s.volumes.insert(id, snap.clone());
                 made.push(snap);
             }
+            // The new maps are in place: held writes go on (into them), before the
+            // checkpoint's syncs.
+            release();
             Ok(made)
-        })
+        });
+        release();
+        made
     }
 
     /// A writable volume `name` that reads through snapshot `snap` (a clone). Counts
@@ -510,6 +542,15 @@ impl Pool {
             .filter(|v| v.is_snapshot() && !v.is_hidden())
             .map(|v| {
                 let children = children_of(&s, v.id);
+                // As listed: the volumes whose nearest existing ancestor it is.
+                let listed_children = s
+                    .volumes
+                    .values()
+                    .filter(|c| {
+                        !c.is_hidden() && c.listed_parent().is_some_and(|p| Arc::ptr_eq(&p, v))
+                    })
+                    .map(|c| c.name.clone())
+                    .collect();
                 let unread = unread_units(&self.core, v, &children).len() as u64;
                 let own = v.allocated.load(Relaxed);
                 SnapshotInfo {
@@ -517,8 +558,8 @@ impl Pool {
                     id: v.id,
                     created: v.created,
                     size: v.size(),
-                    parent: v.parent().map(|p| p.name.clone()),
-                    children: children.iter().map(|c| c.name.clone()).collect(),
+                    parent: v.listed_parent().map(|p| p.name.clone()),
+                    children: listed_children,
                     exclusive: unread * unit,
                     shared: own.saturating_sub(unread) * unit,
                 }

@@ -9,12 +9,15 @@
 //! - [`pool`]: allocation, commits, volume and export management.
 //! - [`volume`]: the thin map and the per-core volume datapath.
 //! - [`chain`]: snapshots and clones; `changes`: what changed since a snapshot.
+//! - `inflight`: volume requests in flight per core, which snapshots and releases of
+//!   units wait for.
 
 pub mod chain;
 mod changes;
 pub mod devstats;
 pub mod error;
 pub mod format;
+mod inflight;
 pub mod layout;
 pub mod meta;
 pub mod parity;

@@ -168,6 +168,9 @@ pub struct PoolCore {
     overcommit: std::sync::atomic::AtomicU64,
     /// Presence bitmaps of partial units (snapshots and clones, docs/format.md §3.4).
     pub(crate) presence: crate::presence::PresenceTable,
+    /// Requests in flight on the volumes, per core: what a release of units (and a
+    /// snapshot) waits for (`inflight`).
+    pub(crate) inflight: Arc<crate::inflight::IoEpochs>,
 }
 
 /// `PoolCore::allocate` for a volume whose chain has data at the unit: the write must
@@ -404,8 +407,21 @@ impl PoolCore {
     /// commit that frees them comes after), so allocation never zeroes on a reactor and a
     /// unit is zero whenever it is free, also after a crash. Units that cannot be zeroed
     /// stay pending. Runs on the commit thread (never a reactor).
+    ///
+    /// Before anything else, the requests that may still reach the units (they looked a
+    /// map up before the units were unmapped) are waited for: a stalled write must not
+    /// land after the unit was zeroed or handed to another volume, nor a stalled read
+    /// return the next owner's data. Where the caller's own core has such requests (a
+    /// test or tool thread driving a private core), the units stay pending.
     fn zero_freed(&self, freed: Vec<u32>) -> Vec<u32> {
-        if self.layout.parity.is_none() || freed.is_empty() {
+        if freed.is_empty() {
+            return freed;
+        }
+        if !self.inflight.drain(|_| ()) {
+            self.lock().pending_free.extend(freed);
+            return Vec::new();
+        }
+        if self.layout.parity.is_none() {
             return freed;
         }
         let unit = self.unit_size();
@@ -492,7 +508,19 @@ impl PoolCore {
         &self,
         f: impl FnOnce(&mut State) -> Result<T>,
     ) -> Result<T> {
+        self.quiesce_change_and_checkpoint(|| (), f)
+    }
+
+    /// [`PoolCore::change_and_checkpoint`], with `quiesce` run first, outside the pool
+    /// lock (it may wait for requests in flight, which may need that lock) and inside
+    /// the journal lock (no commit, which waits for requests too, runs meanwhile).
+    pub(crate) fn quiesce_change_and_checkpoint<T>(
+        &self,
+        quiesce: impl FnOnce(),
+        f: impl FnOnce(&mut State) -> Result<T>,
+    ) -> Result<T> {
         let mut cur = self.journal();
+        quiesce();
         let out = f(&mut self.lock())?;
         let freed = std::mem::take(&mut self.lock().pending_free);
         let freed = self.zero_freed(freed);
@@ -559,6 +587,12 @@ impl PoolCore {
                 Err(e)
             }
         }
+    }
+
+    /// Threads waiting now for volume requests in flight to complete (a snapshot being
+    /// taken, or units being released): for diagnostics and tests.
+    pub fn io_drains_waiting(&self) -> u64 {
+        self.inflight.waiting()
     }
 
     pub(crate) fn request_flush(&self, rc: RemoteCompleter, tag: Tag) {
@@ -1033,6 +1067,7 @@ impl Pool {
             zero_wanted: Condvar::new(),
             zero_done: Condvar::new(),
             overcommit: std::sync::atomic::AtomicU64::new(DEFAULT_OVERCOMMIT.to_bits()),
+            inflight: crate::inflight::IoEpochs::new(),
         });
         {
             let mut s = core.lock();

@@ -88,7 +88,7 @@ impl Node {
             group: self.groups.group_of(&v.name),
             replicas: self.replica_infos(v),
             snapshot: v.is_snapshot(),
-            parent: v.parent().map(|p| p.name.clone()),
+            parent: v.listed_parent().map(|p| p.name.clone()),
         }
     }
 

@@ -48,6 +48,9 @@ struct Slot {
     /// The client's bytes (`len` of them, alive until `parent` completes), or null for
     /// zeros (write-zeroes).
     data: *const u8,
+    /// The request's token (`inflight`): while the volume is held for a snapshot, a
+    /// write that began after the snapshot did waits.
+    epoch: u64,
     p: u32,
     layer: u32,
     phase: Phase,
@@ -64,6 +67,7 @@ impl Default for Slot {
             at: 0,
             len: 0,
             data: std::ptr::null(),
+            epoch: 0,
             p: HOLE,
             layer: 0,
             phase: Phase::Retry,
@@ -129,16 +133,18 @@ pub(crate) fn first_writes_for(io: &mut CoreIo, pool: &Arc<PoolCore>) -> Rc<Firs
 
 impl FirstWrites {
     /// Write `len` bytes at volume offset `at` (all inside one unit) of `vol` from `data`
-    /// (null: zeros) through the first-write path; `parent` completes once, with the
-    /// result.
+    /// (null: zeros) through the first-write path, for a request whose token is `epoch`;
+    /// `parent` completes once, with the result.
     ///
     /// # Safety
     /// `data`, when not null, points to `len` bytes that stay valid and unchanged until
     /// `parent` completes (the contract of `IoHandle::submit`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn submit(
         &self,
         io: &mut CoreIo,
         vol: &Arc<Volume>,
+        epoch: u64,
         at: u64,
         len: u64,
         data: *const u8,
@@ -157,7 +163,7 @@ impl FirstWrites {
             let s = &mut slots[idx as usize];
             s.vol = Some(vol.clone());
             s.parent = parent;
-            (s.unit, s.at, s.len, s.data) = (unit, at, len, data);
+            (s.unit, s.at, s.len, s.data, s.epoch) = (unit, at, len, data, epoch);
             s.phase = Phase::Retry;
             idx
         };
@@ -166,7 +172,7 @@ impl FirstWrites {
 
     /// Plan (under the pool lock, metadata only), then start the reads or the writes.
     fn start(&self, io: &mut CoreIo, idx: u32) {
-        let (vol, unit, at, len, data, mut runs, mut reads) = {
+        let (vol, unit, at, len, data, epoch, mut runs, mut reads) = {
             let mut slots = self.slots.borrow_mut();
             let s = &mut slots[idx as usize];
             (
@@ -175,12 +181,13 @@ impl FirstWrites {
                 s.at,
                 s.len,
                 s.data,
+                s.epoch,
                 std::mem::take(&mut s.runs),
                 std::mem::take(&mut s.reads),
             )
         };
         let pool = &vol.pool;
-        let plan = pool.plan_first_write(&vol, unit, at, len, &mut runs, &mut reads);
+        let plan = pool.plan_first_write(&vol, epoch, unit, at, len, &mut runs, &mut reads);
         let shift = pool.unit_shift;
         let within = at - (unit << shift);
         match plan {

@@ -23,6 +23,7 @@ use tessera_export::{ExportHandle, ExportTarget, StatsRegistry};
 pub use tessera_export::{IoClass, IoStats, StatsSnapshot};
 use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
+use crate::inflight::{inflight_for, CoreInflight};
 use crate::layout::LayoutHandle;
 use crate::pool::PoolCore;
 use tessera_io::cast::{u32_of, usize_of};
@@ -290,6 +291,10 @@ pub struct Volume {
     snapshot: AtomicBool,
     /// A deleted snapshot kept because some volume still reads through it.
     hidden: AtomicBool,
+    /// While a snapshot of this volume is being taken: the first epoch (`inflight`) whose
+    /// writes wait until the snapshot has its map, so that none lands in what becomes
+    /// the snapshot's units; `u64::MAX` otherwise. See [`Volume::held`].
+    hold_from: AtomicU64,
     pub(crate) pool: Arc<PoolCore>,
 }
 
@@ -322,6 +327,7 @@ impl Volume {
             parent: RwLock::new(None),
             snapshot: AtomicBool::new(false),
             hidden: AtomicBool::new(false),
+            hold_from: AtomicU64::new(u64::MAX),
             pool,
         })
     }
@@ -362,6 +368,18 @@ impl Volume {
         self.hidden.store(true, Release);
     }
 
+    /// Whether a change to this volume by a request whose token carries `epoch` must
+    /// wait: a snapshot is being taken and the request began after it did.
+    #[inline]
+    pub(crate) fn held(&self, epoch: u64) -> bool {
+        epoch >= self.hold_from.load(Acquire)
+    }
+
+    /// Hold changes of requests from `epoch` on (`u64::MAX`: release them).
+    pub(crate) fn hold_from(&self, epoch: u64) {
+        self.hold_from.store(epoch, Release);
+    }
+
     /// The snapshot this volume reads through, if any.
     pub fn parent(&self) -> Option<Arc<Volume>> {
         self.parent
@@ -376,6 +394,21 @@ impl Volume {
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
             .map(|p| p.id)
+    }
+
+    /// The parent a listing names: the nearest ancestor that was not deleted (a deleted
+    /// snapshot stays, hidden, while volumes read through it, but it no longer exists
+    /// for its users; naming it would also let a new snapshot that reuses its name
+    /// appear as its own descendant's parent).
+    pub fn listed_parent(&self) -> Option<Arc<Volume>> {
+        let mut at = self.parent();
+        while let Some(p) = at {
+            if !p.is_hidden() {
+                return Some(p);
+            }
+            at = p.parent();
+        }
+        None
     }
 
     /// Its parent, the parent's parent, and so on.
@@ -569,6 +602,8 @@ impl Volume {
             vol: self.clone(),
             first_writes: None,
             read_runs: Vec::new(),
+            inflight: None,
+            epoch: 0,
         }
     }
 }
@@ -589,6 +624,10 @@ pub struct VolumeHandle {
     first_writes: Option<std::rc::Rc<first_write::FirstWrites>>,
     /// Scratch for `read_chained`: the runs of one unit's read, decided once.
     read_runs: Vec<(u32, u64)>,
+    /// This core's count of the pool's requests in flight (`inflight`), found on first use.
+    inflight: Option<std::rc::Rc<CoreInflight>>,
+    /// The token of the request being submitted (the epoch it counts under).
+    epoch: u64,
 }
 
 impl Drop for VolumeHandle {
@@ -744,7 +783,6 @@ impl VolumeHandle {
 
 impl IoHandle for VolumeHandle {
     unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
-        self.refresh();
         let size = self.vol.size();
         let (offset, len) = match op {
             IoOp::Read { offset, len, .. } | IoOp::Write { offset, len, .. } => {
@@ -770,6 +808,21 @@ impl IoHandle for VolumeHandle {
         }
         if self.read_only && !matches!(op, IoOp::Read { .. }) {
             return io.complete(tag, -libc::EROFS);
+        }
+        // Counted in flight from before the map is looked at until it completes: a
+        // snapshot or a release of units waits for it (`inflight`).
+        if self.inflight.is_none() {
+            self.inflight = Some(inflight_for(io, &self.vol.pool.inflight));
+        }
+        let (epoch, tag) = {
+            let counter = self.inflight.as_deref().expect("set above");
+            let epoch = counter.begin();
+            (epoch, counter.track(io, tag, epoch))
+        };
+        self.epoch = epoch;
+        self.refresh();
+        if self.vol.held(epoch) && !matches!(op, IoOp::Read { .. }) {
+            return self.submit_held(io, op, tag);
         }
         match op {
             IoOp::Read { buf, .. } => {
@@ -848,6 +901,31 @@ impl IoHandle for VolumeHandle {
 }
 
 impl VolumeHandle {
+    /// A change that began while a snapshot of the volume is being taken: it waits in
+    /// the first-write path (which retries it each round until the snapshot has its
+    /// map) and then goes to the volume's new layer. A discard is dropped (it is
+    /// advisory; releasing units now would take them from the snapshot).
+    ///
+    /// # Safety
+    /// As [`IoHandle::submit`].
+    unsafe fn submit_held(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+        let (offset, len, buf) = match op {
+            IoOp::Write { offset, len, buf } => (offset, len as u64, buf),
+            IoOp::WriteZeroes { offset, len, .. } => (offset, len, std::ptr::null()),
+            _ => return io.complete(tag, 0),
+        };
+        self.for_units(io, offset, len, tag, |h, io, u, at, seg, roff, t| {
+            let b = if buf.is_null() {
+                buf
+            } else {
+                // SAFETY: roff + seg <= len, within the submitter's buffer.
+                unsafe { buf.add(usize_of(roff)) }
+            };
+            // SAFETY: the submitter keeps `b` alive until `t` completes.
+            unsafe { h.first_write(io, u, at, seg, b, t) }
+        });
+    }
+
     /// Release every unit wholly inside the range; partial units are left alone
     /// (discard is advisory).
     fn release_whole_units(&mut self, offset: u64, len: u64) {
@@ -978,7 +1056,7 @@ impl VolumeHandle {
         };
         debug_assert_eq!(u, at >> self.shift);
         // SAFETY: forwarded to the caller.
-        unsafe { engine.submit(io, &self.vol, at, seg, data, t) };
+        unsafe { engine.submit(io, &self.vol, self.epoch, at, seg, data, t) };
     }
 }
 
