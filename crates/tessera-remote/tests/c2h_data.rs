@@ -4,6 +4,10 @@
 //! wrongly: with too few bytes and the SUCCESS flag, or with C2HData PDUs that overlap.
 //! The first must complete with an error, never with a buffer still holding what was
 //! there before; the second is a protocol error that resets the connection.
+//!
+//! And a queue whose handle is dropped leaves nothing on its core: the hook it
+//! registered there (which holds the queue and its buffers) goes once its last
+//! operation is done.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -91,7 +95,7 @@ fn serve(mut s: TcpStream, answer: Answer) {
             }
             // CSTS.RDY, whatever property is asked for: the controller is ready.
             nvme::FABRICS => respond(&mut s, &fr, sqe.cid, nvme::CSTS_RDY),
-            nvme::ADM_SET_FEATURES => respond(&mut s, &fr, sqe.cid, 3 | 3 << 16),
+            nvme::ADM_SET_FEATURES => respond(&mut s, &fr, sqe.cid, 63 | 63 << 16),
             nvme::ADM_IDENTIFY => {
                 let mut id = vec![0u8; 4096];
                 if sqe.cdw10 & 0xFF == u32::from(nvme::CNS_NAMESPACE) {
@@ -159,14 +163,21 @@ impl Task for ReadOnce {
     }
 }
 
-fn read_through(answer: Answer, len: usize) -> (i32, Vec<u8>, LinkStats) {
+fn device(answer: Answer) -> Arc<RemoteDevice> {
     let addr = fake_target(answer);
     let cfg = RemoteConfig {
         timeout: Duration::from_millis(400),
         ..RemoteConfig::default()
     };
-    let dev = RemoteDevice::open_with(RemoteSpec::single(&addr, NQN, 1), cfg).unwrap();
-    let core = ReactorThread::start();
+    RemoteDevice::open_with(RemoteSpec::single(&addr, NQN, 1), cfg).unwrap()
+}
+
+fn read_through(answer: Answer, len: usize) -> (i32, Vec<u8>, LinkStats) {
+    read_on(&ReactorThread::start(), device(answer), len)
+}
+
+/// Open a handle on `core`, read `len` bytes at 0, drop the handle.
+fn read_on(core: &ReactorThread, dev: Arc<RemoteDevice>, len: usize) -> (i32, Vec<u8>, LinkStats) {
     let (tx, rx) = channel();
     core.mailbox.spawn(Box::new(move |_io: &mut CoreIo| {
         Box::new(ReadOnce {
@@ -229,4 +240,49 @@ fn a_blocking_read_with_a_short_c2hdata_fails() {
     let mut buf = vec![STALE; 4096];
     let r = tessera_device::BlockDevice::read_at(&*dev, 0, &mut buf);
     assert!(r.is_err(), "a read missing half its bytes returned Ok");
+}
+
+/// Reports the hooks registered on its core, and is done.
+struct CountHooks(std::sync::mpsc::Sender<usize>);
+
+impl Task for CountHooks {
+    fn start(&mut self, io: &mut CoreIo, _id: u32) {
+        let _ = self.0.send(io.hook_count());
+    }
+    fn on_complete(&mut self, _io: &mut CoreIo, _slot: u32, _res: i32) {}
+    fn finished(&self) -> bool {
+        true
+    }
+}
+
+fn hooks_on(core: &ReactorThread) -> usize {
+    let (tx, rx) = channel();
+    core.mailbox.spawn(Box::new(move |_io: &mut CoreIo| {
+        Box::new(CountHooks(tx)) as Box<dyn Task>
+    }));
+    rx.recv_timeout(Duration::from_secs(20))
+        .expect("the core answered")
+}
+
+#[test]
+fn closed_queues_leave_no_hook_on_their_core() {
+    let dev = device(|len| vec![(0, len)]);
+    let core = ReactorThread::start();
+    let before = hooks_on(&core);
+    for i in 0..50 {
+        let (res, _, _) = read_on(&core, dev.clone(), 4096);
+        assert_eq!(res, 4096, "read {i}");
+    }
+    // Each closed queue goes once its last timer has fired (the reconnect deadline, at
+    // most the device's timeout, 400 ms here).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut left = hooks_on(&core);
+    while left > before && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        left = hooks_on(&core);
+    }
+    assert_eq!(
+        left, before,
+        "hooks left on the core after 50 queues closed"
+    );
 }
