@@ -7,6 +7,10 @@
 //! - Ranges off the wire that do not fit (u64::MAX-ish LBAs, counts that wrap) get a
 //!   clean LBA-range status, and the queue keeps serving.
 
+// Test code builds data patterns and sizes from its own constants: its truncating casts
+// are bounded by them or wrap on purpose.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::sync::Arc;

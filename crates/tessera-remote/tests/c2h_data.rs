@@ -9,6 +9,10 @@
 //! registered there (which holds the queue and its buffers) goes once its last
 //! operation is done.
 
+// Test code builds data patterns and sizes from its own constants: its truncating casts
+// are bounded by them or wrap on purpose.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc::channel;
