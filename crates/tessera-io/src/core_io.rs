@@ -114,6 +114,26 @@ pub trait Continuation {
     }
 }
 
+/// Hooks registered and not yet dropped, on every core of the process (a leak check: a
+/// hook whose owner went away and was never released stays counted).
+static LIVE_HOOKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Hooks registered on the cores of this process and not yet dropped (see
+/// [`CoreIo::release_hook`]); the node reports it in its metrics.
+pub fn live_hooks() -> usize {
+    LIVE_HOOKS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// One registered hook and the operations still addressed to it.
+struct HookSlot {
+    /// `None` once released and dropped: the slot waits in `free_hooks` for reuse.
+    hook: Option<std::rc::Rc<dyn Continuation>>,
+    /// Joins outstanding that name this hook (their completion still goes to it).
+    pending: u32,
+    /// Its owner released it: dropped as soon as `pending` is 0.
+    released: bool,
+}
+
 /// A pending timer: (deadline, sequence, tag, result, background); see
 /// [`CoreIo::complete_after_background`].
 type Timer = (Instant, u64, Tag, i32, bool);
@@ -144,11 +164,20 @@ pub struct CoreIo {
     round: u64,
     /// Tags to complete in the next round, after the ring has been polled.
     deferred: Vec<Tag>,
-    hooks: Vec<std::rc::Rc<dyn Continuation>>,
+    hooks: Vec<HookSlot>,
+    /// Slots of released hooks, reused by the next registrations.
+    free_hooks: Vec<u32>,
     /// Operations outstanding on this core whose completion comes from a peer node on
     /// this host (see [`CoreIo::note_peer_waits`]); the reactor sleeps instead of polling
     /// while there are any.
     peer_waits: usize,
+}
+
+impl Drop for CoreIo {
+    fn drop(&mut self) {
+        // The hooks still registered go with the core: keep the process-wide count exact.
+        LIVE_HOOKS.fetch_sub(self.hook_count(), std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl CoreIo {
@@ -184,6 +213,7 @@ impl CoreIo {
             round: 0,
             deferred: Vec::new(),
             hooks: Vec::new(),
+            free_hooks: Vec::new(),
             peer_waits: 0,
         })
     }
@@ -306,14 +336,22 @@ impl CoreIo {
             let always = j.always;
             self.free_joins.push(join_index(idx));
             if let Some((h, op, ctx)) = hook {
-                if always {
-                    let h = self.hooks[h as usize].clone();
-                    return h.on_done(self, parent, op, ctx, result);
+                if always || result < 0 {
+                    let c = self.hooks[h as usize]
+                        .hook
+                        .clone()
+                        .expect("a hook with operations pending is not dropped");
+                    if always {
+                        c.on_done(self, parent, op, ctx, result);
+                    } else {
+                        c.on_error(self, parent, op, ctx, result);
+                    }
+                    // After the call: operations it addressed to its hook meanwhile keep
+                    // a released hook alive.
+                    self.hook_op_done(h);
+                    return;
                 }
-                if result < 0 {
-                    let h = self.hooks[h as usize].clone();
-                    return h.on_error(self, parent, op, ctx, result);
-                }
+                self.hook_op_done(h);
             }
             if !delay.is_zero() {
                 self.complete_after(delay, parent, result);
@@ -361,9 +399,59 @@ impl CoreIo {
     }
 
     /// Register an error hook on this core; the returned id is for [`CoreIo::hooked`].
+    /// The core keeps the hook until [`CoreIo::release_hook`]: an owner that goes away
+    /// (a connection, a per-connection handle) must release it, or it and everything it
+    /// holds stay for the life of the core.
     pub fn register_hook(&mut self, hook: std::rc::Rc<dyn Continuation>) -> u32 {
-        self.hooks.push(hook);
+        LIVE_HOOKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let slot = HookSlot {
+            hook: Some(hook),
+            pending: 0,
+            released: false,
+        };
+        if let Some(id) = self.free_hooks.pop() {
+            self.hooks[id as usize] = slot;
+            return id;
+        }
+        self.hooks.push(slot);
         u32::try_from(self.hooks.len() - 1).expect("fewer than 2^32 hooks on a core")
+    }
+
+    /// The owner of hook `hook` is done with it: the core drops it once no operation
+    /// addressed to it is outstanding (at once if none is), and reuses its id. Until then
+    /// its completions still reach it, so a hook whose ring operations point into its own
+    /// buffers stays alive until the kernel is done with them. Never use `hook` for new
+    /// operations after this returns, except from the hook's own completions.
+    pub fn release_hook(&mut self, hook: u32) {
+        let slot = &mut self.hooks[hook as usize];
+        debug_assert!(slot.hook.is_some() && !slot.released, "hook released twice");
+        slot.released = true;
+        self.drop_hook_if_idle(hook);
+    }
+
+    /// Hooks registered on this core and not yet dropped.
+    pub fn hook_count(&self) -> usize {
+        self.hooks.len() - self.free_hooks.len()
+    }
+
+    fn pin_hook(&mut self, hook: u32) {
+        self.hooks[hook as usize].pending += 1;
+    }
+
+    fn hook_op_done(&mut self, hook: u32) {
+        self.hooks[hook as usize].pending -= 1;
+        self.drop_hook_if_idle(hook);
+    }
+
+    fn drop_hook_if_idle(&mut self, hook: u32) {
+        let slot = &mut self.hooks[hook as usize];
+        if slot.released && slot.pending == 0 && slot.hook.is_some() {
+            // Taken out before it drops: its destructor may not look at the table.
+            let gone = slot.hook.take();
+            self.free_hooks.push(hook);
+            LIVE_HOOKS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            drop(gone);
+        }
     }
 
     /// A child tag for one operation `op`: success passes on to `parent`, an error goes to
@@ -371,6 +459,7 @@ impl CoreIo {
     pub fn hooked(&mut self, parent: Tag, hook: u32, op: IoOp, ctx: u64) -> Tag {
         let t = self.new_join(parent, 1, Duration::ZERO);
         self.joins[t.internal_index()].hook = Some((hook, op, ctx));
+        self.pin_hook(hook);
         t
     }
 
@@ -382,6 +471,7 @@ impl CoreIo {
         let j = &mut self.joins[t.internal_index()];
         j.hook = Some((hook, IoOp::Flush, ctx));
         j.always = true;
+        self.pin_hook(hook);
         t
     }
 

@@ -18,7 +18,7 @@ pub mod reactor;
 mod tag;
 
 pub use buf::{AlignedBuf, BufPool};
-pub use core_io::{Continuation, CoreIo, IoHandle, IoOp, REMOTE_COMPLETER_NONE};
+pub use core_io::{live_hooks, Continuation, CoreIo, IoHandle, IoOp, REMOTE_COMPLETER_NONE};
 pub use reactor::{
     spawn_reactors, CoreLoad, CoreTime, Mailbox, Reactor, ReactorConfig, RemoteCompleter, Task,
 };

@@ -143,6 +143,49 @@ fn a_watched_operation_gives_its_continuation_the_raw_result() {
 }
 
 #[test]
+fn a_released_hook_is_dropped_once_nothing_is_addressed_to_it_and_its_id_reused() {
+    let mut io = core();
+    let before = io.hook_count();
+    // Nothing outstanding: dropped at once.
+    let idle = Rc::new(Recorder::default());
+    let id = io.register_hook(idle.clone());
+    assert_eq!(io.hook_count(), before + 1);
+    io.release_hook(id);
+    assert_eq!(Rc::strong_count(&idle), 1, "the core let the hook go");
+    assert_eq!(io.hook_count(), before);
+
+    // Operations outstanding (a ring receive, a timer): the hook stays and still gets
+    // their completions, and goes with the last one. Its id is the one given back.
+    let busy = Rc::new(Recorder::default());
+    let id2 = io.register_hook(busy.clone());
+    assert_eq!(id2, id, "a released hook's id is reused");
+    let w = io.watched(id2, 1);
+    let t = io.tracked(Tag::NO_PARENT, 1, id2, 2);
+    io.complete_after(Duration::from_millis(1), t, 0);
+    io.release_hook(id2);
+    assert_eq!(
+        Rc::strong_count(&busy),
+        2,
+        "kept while operations are pending"
+    );
+    io.complete(w, 4096);
+    assert_eq!(Rc::strong_count(&busy), 2, "the timer is still pending");
+    drain(&mut io);
+    assert_eq!(
+        *busy.done.borrow(),
+        vec![(Tag::NO_PARENT, 1, 4096), (Tag::NO_PARENT, 2, 0)]
+    );
+    assert_eq!(
+        Rc::strong_count(&busy),
+        1,
+        "dropped after its last completion"
+    );
+    assert_eq!(io.hook_count(), before);
+    let (slots, free) = io.join_slots();
+    assert_eq!(slots, free);
+}
+
+#[test]
 fn deferred_work_runs_after_what_is_ready_now() {
     let mut io = core();
     let rec = Rc::new(Recorder::default());

@@ -561,6 +561,18 @@ impl<T: ExportTarget> NbdConn<T> {
         if let Some(e) = err {
             return self.finish(io, s, e);
         }
+        // The range came off the wire: check it before anything computes its end (the
+        // overlap checks below widen it to whole blocks).
+        if matches!(cmd, CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES)
+            && !self.in_bounds(&self.slots[idx])
+        {
+            let e = if matches!(cmd, CMD_WRITE | CMD_WRITE_ZEROES) {
+                ENOSPC
+            } else {
+                EINVAL
+            };
+            return self.finish(io, s, e);
+        }
         if !(offset | len as u64).is_multiple_of(ALIGN)
             && matches!(cmd, CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES)
         {
@@ -574,9 +586,6 @@ impl<T: ExportTarget> NbdConn<T> {
         self.slots[idx].phase = Phase::Io;
         match cmd {
             CMD_READ => {
-                if !self.in_bounds(&self.slots[idx]) {
-                    return self.finish(io, s, EINVAL);
-                }
                 if len > MAX_PAYLOAD {
                     return self.finish(io, s, EOVERFLOW);
                 }
@@ -591,9 +600,6 @@ impl<T: ExportTarget> NbdConn<T> {
                 self.submit(io, op, tag);
             }
             CMD_WRITE => {
-                if !self.in_bounds(&self.slots[idx]) {
-                    return self.finish(io, s, ENOSPC);
-                }
                 let buf = self.slots[idx]
                     .buf
                     .as_ref()
@@ -602,9 +608,6 @@ impl<T: ExportTarget> NbdConn<T> {
             }
             CMD_FLUSH => self.submit(io, IoOp::Flush, tag),
             CMD_TRIM => {
-                if !self.in_bounds(&self.slots[idx]) {
-                    return self.finish(io, s, EINVAL);
-                }
                 self.submit(
                     io,
                     IoOp::Discard {
@@ -615,9 +618,6 @@ impl<T: ExportTarget> NbdConn<T> {
                 );
             }
             CMD_WRITE_ZEROES => {
-                if !self.in_bounds(&self.slots[idx]) {
-                    return self.finish(io, s, ENOSPC);
-                }
                 // Zeroing with NO_HOLE means writing real zeros: not fast.
                 if flags & CMD_FLAG_FAST_ZERO != 0 && flags & CMD_FLAG_NO_HOLE != 0 {
                     return self.finish(io, s, ENOTSUP);
@@ -660,14 +660,7 @@ impl<T: ExportTarget> NbdConn<T> {
         if self.opts.strict_block_size {
             return self.finish(io, s, EINVAL);
         }
-        if !self.in_bounds(&self.slots[idx]) {
-            let e = if matches!(cmd, CMD_WRITE | CMD_WRITE_ZEROES) {
-                ENOSPC
-            } else {
-                EINVAL
-            };
-            return self.finish(io, s, e);
-        }
+        // In bounds: checked by `dispatch`.
         if len == 0 {
             return self.finish(io, s, 0);
         }

@@ -820,6 +820,12 @@ fn render_reactors(w: &mut TextWriter, node: &Node) {
     write_families(w, REACTOR_FAMILIES, &cores, |r| {
         vec![("core", r.core.as_str())]
     });
+    w.family(
+        "tessera_reactor_hooks",
+        "gauge",
+        "Continuation hooks registered on the reactor cores (connections' and handles' per-core state); flat while connections come and go.",
+    );
+    w.sample("tessera_reactor_hooks", &[], tessera_io::live_hooks());
 }
 
 /// Whether the node should get traffic: its pools open and none lost, its exports

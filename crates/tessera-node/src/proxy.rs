@@ -134,6 +134,12 @@ impl ProxyCore {
             .filter(|(_, w)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(vol)) && w.strong_count() > 0)
             .map(|(c, _)| c.clone());
         let c = known.unwrap_or_else(|| {
+            // Entries of proxies that have closed since go now: a core sees no other
+            // moment to drop them, and every proxy opened would leave one.
+            io.locals.retain(|_, b| {
+                b.downcast_ref::<CoreEntry>()
+                    .is_none_or(|(_, w)| w.strong_count() > 0)
+            });
             let c = Rc::new(ProxyCore {
                 link: RefCell::new(None),
                 users: Cell::new(0),

@@ -221,6 +221,17 @@ impl Queue {
         }
         self.send_capsule(&sqe, if in_capsule { data_out } else { &[] })?;
         let mut got = vec![0u8; data_in];
+        // Bytes of `got` the C2HData PDUs filled: in order, each once. A read must get
+        // all of them before it succeeds (else part of its data would be our zeros, not
+        // the target's); an admin command may answer with less than the room it was
+        // given (an authentication message).
+        let mut filled = 0usize;
+        let whole = self.qid != 0 && sqe.opc == IO_READ;
+        let short = |filled: usize| {
+            Error::Protocol(format!(
+                "the read succeeded with {filled} of its {data_in} bytes of data"
+            ))
+        };
         loop {
             let (f, b) = self.recv_pdu()?;
             match f.ch.ty {
@@ -235,16 +246,26 @@ impl Queue {
                     if cqe.status & 0x7FF != 0 {
                         return Err(Error::Status(cqe.status, cqe));
                     }
+                    if whole && filled != data_in {
+                        return Err(short(filled));
+                    }
                     return Ok((cqe, got));
                 }
                 pdu::C2H_DATA => {
                     let off = pdu::le32(&b, 12) as usize;
                     let len = pdu::le32(&b, 16) as usize;
-                    if off + len > got.len() {
-                        return Err(Error::Protocol("C2HData beyond the buffer".into()));
-                    }
-                    got[off..off + len].copy_from_slice(&b[f.data_off..f.data_off + len]);
+                    let end = off.checked_add(len).filter(|&e| e <= got.len());
+                    let Some(end) = end.filter(|_| off == filled && len == f.data_len) else {
+                        return Err(Error::Protocol(format!(
+                            "C2HData {off}+{len} for {data_in} bytes, {filled} received"
+                        )));
+                    };
+                    got[off..end].copy_from_slice(&b[f.data_off..f.data_off + len]);
+                    filled = end;
                     if f.ch.flags & pdu::F_DATA_SUCCESS != 0 {
+                        if whole && filled != data_in {
+                            return Err(short(filled));
+                        }
                         let cqe = Cqe {
                             cid: sqe.cid,
                             sqid: self.qid,

@@ -50,6 +50,9 @@ const EV_CONNECTED: u64 = 3;
 const EV_RETRY: u64 = 4;
 const EV_DEADLINE: u64 = 5;
 const EV_WATCHDOG: u64 = 6;
+/// The handle was dropped (sent through the core's mailbox by `Drop`, which has no
+/// `CoreIo`): release the hook.
+const EV_CLOSE: u64 = 7;
 
 #[derive(Clone, Copy)]
 struct Cmd {
@@ -60,6 +63,9 @@ struct Cmd {
     /// for the congestion window's epochs.
     sent: Instant,
     seq: u64,
+    /// Of a read: the bytes its C2HData PDUs delivered so far (they must arrive in order,
+    /// each byte once, and all of them before the read may complete successfully).
+    got: u32,
 }
 
 /// A C2HData payload being received into a read's buffer.
@@ -101,6 +107,9 @@ struct Link {
     dev: Arc<RemoteDevice>,
     qid: Option<u16>,
     hook: Option<u32>,
+    /// Where `Drop` sends the [`EV_CLOSE`] event, and its tag (made when the hook was
+    /// registered, so it keeps the hook until it arrives). None without a reactor.
+    close: Option<(tessera_io::RemoteCompleter, Tag)>,
     sock: Option<TcpStream>,
     fd: RawFd,
     /// Bumped when a connection ends; events of older connections are ignored.
@@ -173,6 +182,7 @@ impl RemoteHandle {
             dev: dev.clone(),
             qid,
             hook: None,
+            close: None,
             sock: None,
             fd: -1,
             gen: 0,
@@ -209,6 +219,7 @@ impl RemoteHandle {
                     busy: false,
                     sent: Instant::now(),
                     seq: 0,
+                    got: 0,
                 };
                 usize::from(depth)
             ],
@@ -305,7 +316,11 @@ impl RemoteHandle {
             let mut l = self.link.0.borrow_mut();
             if l.hook.is_none() {
                 let hook: Rc<dyn Continuation> = self.link.clone();
-                l.hook = Some(io.register_hook(hook));
+                let id = io.register_hook(hook);
+                l.hook = Some(id);
+                l.close = io
+                    .remote_completer()
+                    .map(|m| (m, io.tracked(Tag::NO_PARENT, 1, id, ctx(EV_CLOSE, 0))));
             }
             if l.qid.is_none() {
                 l.done.push((tag, -libc::EBUSY));
@@ -408,6 +423,11 @@ impl Drop for RemoteHandle {
                 self.dev.release_qid(q);
             }
         }
+        // The core holds the link through its hook: have it let go (on the core, once
+        // the socket's ring operations and the link's timers are done).
+        if let Some((mailbox, tag)) = l.close.take() {
+            mailbox.complete(tag, 0);
+        }
     }
 }
 
@@ -485,6 +505,12 @@ impl Link {
                 }
             }
             EV_CONNECTED => self.on_connected(io),
+            EV_CLOSE => {
+                if let Some(hook) = self.hook {
+                    io.release_hook(hook);
+                }
+                self.shed_buffers();
+            }
             EV_WATCHDOG if gen == self.gen => {
                 self.watchdog_armed = false;
                 if self.sock.is_none() || self.draining || self.busy() == 0 {
@@ -499,6 +525,7 @@ impl Link {
             }
             EV_RETRY
                 if gen == self.gen
+                    && !self.closed
                     && self.sock.is_none()
                     && !self.connecting
                     && !self.fail_fast =>
@@ -544,6 +571,7 @@ impl Link {
                 busy: true,
                 sent: now,
                 seq: self.cc.on_send(),
+                got: 0,
             };
             self.encode(cid, op);
         }
@@ -727,7 +755,17 @@ impl Link {
     fn finish(&mut self, cid: u16, status: nvme::Status) {
         let c = &mut self.cmds[usize::from(cid)];
         c.busy = false;
-        let res = if status & 0x7FF == 0 {
+        let short = match c.op {
+            IoOp::Read { len, .. } => c.got != len,
+            _ => false,
+        };
+        let res = if status & 0x7FF == 0 && short {
+            // The target reported success without sending the whole range: the rest of
+            // the buffer holds whatever was there before, never data to hand out.
+            warn!(device = %self.dev.spec, qid = self.qid.unwrap_or(0), cid,
+                  received = c.got, "remote device: a read completed without all its data");
+            -libc::EIO
+        } else if status & 0x7FF == 0 {
             match c.op {
                 IoOp::Read { len, .. } | IoOp::Write { len, .. } => {
                     i32::try_from(len).unwrap_or(i32::MAX)
@@ -802,25 +840,30 @@ impl Link {
                     return Ok(());
                 }
                 let cid = pdu::le16(b, 8);
-                let off = pdu::le32(b, 12) as usize;
-                let len = pdu::le32(b, 16) as usize;
+                let off = pdu::le32(b, 12);
+                let len = pdu::le32(b, 16);
                 let c = self.busy_cmd(cid, "C2HData")?;
                 let IoOp::Read { len: rlen, buf, .. } = c.op else {
                     return Err(format!("C2HData for command {cid}, which is not a read"));
                 };
-                if len != f.data_len || off + len > rlen as usize {
+                // Each byte of the read once, in order: a PDU starts where the previous
+                // one ended (a gap, an overlap or a byte past the end is a broken target).
+                let end = off.checked_add(len).filter(|&e| e <= rlen);
+                if len as usize != f.data_len || off != c.got || end.is_none() {
                     return Err(format!(
-                        "C2HData {off}+{len} outside read {cid} of {rlen} bytes"
+                        "C2HData {off}+{len} for read {cid} of {rlen} bytes, {} received",
+                        c.got
                     ));
                 }
+                self.cmds[usize::from(cid)].got = end.unwrap_or(rlen);
                 let success = f.ch.flags & pdu::F_DATA_SUCCESS != 0;
                 self.in_start += f.data_off.max(f.header_end());
                 // SAFETY: off + len <= rlen, inside the read's buffer.
-                let at = unsafe { buf.add(off) };
+                let at = unsafe { buf.add(off as usize) };
                 self.data_in = Some(DataIn {
                     cid,
                     at,
-                    left: len,
+                    left: len as usize,
                     success,
                 });
                 if len == 0 {
@@ -907,6 +950,19 @@ impl Link {
         }
     }
 
+    /// A closed link may wait a while for its last timers before the core drops it (see
+    /// [`CoreIo::release_hook`]): give its buffers back now, once the ring is done
+    /// with them.
+    fn shed_buffers(&mut self) {
+        if self.closed && self.sock.is_none() && !self.recv_armed && !self.send_armed {
+            self.inb = Box::default();
+            self.in_start = 0;
+            self.in_end = 0;
+            self.out = Vec::new();
+            self.sending = Vec::new();
+        }
+    }
+
     fn shutdown(&mut self) {
         if self.sock.is_some() {
             // SAFETY: shutting down our own socket; ring operations on it then complete.
@@ -970,6 +1026,7 @@ impl Link {
             if let Some(q) = self.qid.take() {
                 self.dev.release_qid(q);
             }
+            self.shed_buffers();
             return;
         }
         match self.down_since {

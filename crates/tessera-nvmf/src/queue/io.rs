@@ -292,7 +292,9 @@ impl<T: ExportTarget> NvmfQueue<T> {
                 };
                 self.finish(io, s, if same { 0 } else { SC_COMPARE_FAILED | DNR })
             }
-            Phase::Io if sqe.opc == IO_WRITE && sqe.fua() => {
+            // FUA (CDW12 bit 30, the same bit in Write and Write Zeroes): the data must
+            // be durable before the completion, so a flush follows.
+            Phase::Io if matches!(sqe.opc, IO_WRITE | IO_WRITE_ZEROES) && sqe.fua() => {
                 self.slots[idx].phase = Phase::FuaFlush;
                 let tag = self.tag(s as u32);
                 let ns = self.slots[idx].ns;
