@@ -37,6 +37,15 @@ pub const FAILURE_POLL: Duration = Duration::from_millis(100);
 /// stay free (counted as free space), so the reserve costs no capacity.
 const ZERO_RESERVE: usize = 32;
 
+/// Bytes of free units a parity pool keeps in its allocation reserve (docs/format.md
+/// §3.5): what an unclean open zeroes at most (healthy rows are zeroed with the devices'
+/// write-zeroes; rows with a failed device go through the stripe journal, seconds for
+/// ~100 MiB on a busy machine). At 1 MiB units, 64 allocations between two commits; a
+/// burst of first writes beyond half of it asks for a commit early (one per 32 MiB).
+const ALLOCATION_RESERVE_BYTES: u64 = 64 << 20;
+/// Bounds on the reserve in units, whatever the unit size.
+const ALLOCATION_RESERVE_UNITS: (u64, u64) = (2, 1024);
+
 /// How a new pool is made ([`Pool::create`]).
 #[derive(Clone, Copy, Debug)]
 pub struct PoolOptions {
@@ -84,6 +93,8 @@ impl Default for PoolTuning {
 
 pub(crate) enum CommitRequest {
     Flush(RemoteCompleter, Tag),
+    /// The allocation reserve of a parity pool runs low: commit to top it up.
+    Refill,
     Stop,
 }
 
@@ -104,6 +115,19 @@ pub(crate) struct State {
     pub zero_epoch: u64,
     /// The pool is closing: the zeroer returns.
     pub zeroer_stop: bool,
+    /// Parity pools: the allocation reserve (docs/format.md §3.5), units whose
+    /// reservation is durable: the only units `allocate` hands out. Lowest first.
+    pub reserve: VecDeque<u32>,
+    /// Units reserved (owner `OWNER_RESERVED`) whose reservation is not durable yet: they
+    /// join `reserve` when the commit or checkpoint that records them succeeds.
+    pub reserving: Vec<u32>,
+    /// An allocation asked the commit thread to top the reserve up (asked once).
+    pub reserve_wanted: bool,
+    /// The last commit that should have made reservations durable failed: an allocation
+    /// that finds the reserve empty fails (EIO) instead of waiting.
+    pub reserve_failed: bool,
+    /// The commit thread has returned (the pool is closing): nothing tops the reserve up.
+    pub committer_stopped: bool,
     pub records: Vec<Record>,
     pub volumes: BTreeMap<u32, Arc<Volume>>,
     pub exports: Vec<ExportRecord>,
@@ -174,6 +198,11 @@ pub struct PoolCore {
 /// take the first-write path (`volume::first_write`). Not an errno.
 pub(crate) const NEEDS_REDIRECT: i32 = i32::MIN;
 
+/// `PoolCore::allocate` in a parity pool whose allocation reserve is empty while free
+/// units remain: a commit that reserves more is under way; the write retries later (the
+/// first-write path's retry), the reactor never waits for it. Not an errno.
+pub(crate) const NEEDS_RESERVE: i32 = i32::MIN + 1;
+
 pub struct Pool {
     pub core: Arc<PoolCore>,
     committer: Mutex<Option<JoinHandle<()>>>,
@@ -230,7 +259,9 @@ impl PoolCore {
     /// A whole-unit write takes a unit that was not zeroed, leaving the zeroed ones to
     /// partial writes. Parity layouts keep every free unit zeroed (see `zero_freed`):
     /// zeroing here, on a reactor, could wait for a row lock that this very reactor's
-    /// in-flight I/O holds (a unit's edge row is shared with the next).
+    /// in-flight I/O holds (a unit's edge row is shared with the next). They hand out
+    /// units of their allocation reserve only (`take_reserved`), so a unit written before
+    /// its allocation is committed is zeroed again after a power loss.
     pub(crate) fn allocate(
         &self,
         vol: &Volume,
@@ -250,6 +281,10 @@ impl PoolCore {
         // through the blocks this write does not cover.
         if vol.parent().is_some() && vol.ancestor_maps().iter().any(|m| m.get(unit) != HOLE) {
             return Err(NEEDS_REDIRECT);
+        }
+        if self.layout.parity.is_some() {
+            let p = self.take_reserved(&mut s)?;
+            return Ok(self.map_allocated(&mut s, vol, &map, unit, p));
         }
         let (p, is_zero) = loop {
             let pick = if whole {
@@ -274,7 +309,7 @@ impl PoolCore {
             // The reserve was used (or is empty): the zeroer tops it up.
             self.zero_wanted.notify_one();
         }
-        if !whole && !is_zero && self.layout.parity.is_none() {
+        if !whole && !is_zero {
             if let Err(e) = self
                 .layout
                 .write_zeroes_at((p as u64) << self.unit_shift, self.unit_size())
@@ -283,6 +318,18 @@ impl PoolCore {
                 return Err(-e.raw_os_error().unwrap_or(libc::EIO));
             }
         }
+        Ok(self.map_allocated(&mut s, vol, &map, unit, p))
+    }
+
+    /// Record pool unit `p` as `vol`'s unit `unit` (a full unit) and publish it.
+    fn map_allocated(
+        &self,
+        s: &mut State,
+        vol: &Volume,
+        map: &crate::volume::UnitMap,
+        unit: u64,
+        p: u32,
+    ) -> u32 {
         s.owners[p as usize] = (vol.layer(), u32_of(unit));
         self.presence.set_full(p);
         s.records.push(Record {
@@ -292,7 +339,78 @@ impl PoolCore {
         });
         map.set(unit, p);
         vol.allocated.fetch_add(1, Relaxed);
-        Ok(p)
+        p
+    }
+
+    /// A parity pool's next unit for a volume: from the allocation reserve only (its
+    /// reservation is durable, so a power loss before this allocation is committed
+    /// leaves it reserved, and the next open zeroes it: docs/format.md §3.5). Asks the
+    /// commit thread for more when half of the reserve is used; never waits for it.
+    pub(crate) fn take_reserved(&self, s: &mut State) -> std::result::Result<u32, i32> {
+        let p = s.reserve.pop_front();
+        if p.is_none() {
+            if s.free.is_empty() && s.reserving.is_empty() {
+                return Err(-libc::ENOSPC);
+            }
+            if s.reserve_failed {
+                return Err(-libc::EIO);
+            }
+            if s.committer_stopped {
+                return Err(-libc::ESHUTDOWN);
+            }
+        }
+        let low = s.reserve.len() * 2 < self.reserve_target();
+        if low && !s.reserve_wanted && !(s.free.is_empty() && s.reserving.is_empty()) {
+            let tx = self.commit_tx.lock().unwrap_or_else(|e| e.into_inner());
+            if tx.send(CommitRequest::Refill).is_err() {
+                // The commit thread is gone (the pool is closing): nothing will refill.
+                return p.ok_or(-libc::ESHUTDOWN);
+            }
+            s.reserve_wanted = true;
+        }
+        p.ok_or(NEEDS_RESERVE)
+    }
+
+    /// Units a parity pool's allocation reserve holds at most.
+    fn reserve_target(&self) -> usize {
+        let (lo, hi) = ALLOCATION_RESERVE_UNITS;
+        usize_of((ALLOCATION_RESERVE_BYTES >> self.unit_shift).clamp(lo, hi))
+    }
+
+    /// Parity pools: move free units into the allocation reserve (owner `OWNER_RESERVED`,
+    /// a journal record each) until it is full. Returns every reserved unit whose
+    /// reservation is not durable yet; the caller makes them durable with the pending
+    /// records and hands them to `reservation_done`.
+    fn top_up_reserve(&self, s: &mut State) -> Vec<u32> {
+        if self.layout.parity.is_none() {
+            return Vec::new();
+        }
+        s.reserve_wanted = false;
+        while s.reserve.len() + s.reserving.len() < self.reserve_target() {
+            let Some(p) = s.free.pop() else { break };
+            s.owners[p as usize] = (OWNER_RESERVED, 0);
+            s.records.push(Record {
+                pool_unit: p,
+                volume_id: OWNER_RESERVED,
+                volume_unit: 0,
+            });
+            s.reserving.push(p);
+        }
+        std::mem::take(&mut s.reserving)
+    }
+
+    /// The records of `reserved` (from `top_up_reserve`) are durable, or failed to be.
+    fn reservation_done(&self, reserved: Vec<u32>, durable: bool) {
+        if self.layout.parity.is_none() {
+            return;
+        }
+        let mut s = self.lock();
+        s.reserve_failed = !durable;
+        if durable {
+            s.reserve.extend(reserved);
+        } else {
+            s.reserving.extend(reserved);
+        }
     }
 
     /// Units zeroed so far stop counting as zeroed: called when a rebuild starts, since
@@ -308,7 +426,11 @@ impl PoolCore {
     /// Free units ready for a volume: the free list, the zeroed reserve and the unit
     /// being zeroed.
     pub(crate) fn free_units(s: &State) -> usize {
-        s.free.len() + s.zeroed.len() + usize::from(s.zeroing.is_some())
+        s.free.len()
+            + s.zeroed.len()
+            + usize::from(s.zeroing.is_some())
+            + s.reserve.len()
+            + s.reserving.len()
     }
 
     /// Give units `[first, last]` of `vol` back to the pool.
@@ -424,16 +546,18 @@ impl PoolCore {
     pub fn commit(&self) -> Result<()> {
         self.persist_device_state()?;
         let mut cur = self.journal();
-        let (records, freed) = {
+        let (records, freed, reserved) = {
             let mut s = self.lock();
             for v in s.volumes.values() {
                 if v.compact_wanted.swap(false, Relaxed) {
                     v.compact_map();
                 }
             }
+            let reserved = self.top_up_reserve(&mut s);
             (
                 std::mem::take(&mut s.records),
                 std::mem::take(&mut s.pending_free),
+                reserved,
             )
         };
         let freed = self.zero_freed(freed);
@@ -441,7 +565,9 @@ impl PoolCore {
         if cur.force_checkpoint
             || cur.next_seq + blocks - cur.ckpt_seq > self.meta.sb.journal_blocks
         {
-            // The snapshot taken by the checkpoint contains these records' effects.
+            // The snapshot taken by the checkpoint contains these records' effects; it
+            // makes the reservations durable too (and hands them to the reserve).
+            self.lock().reserving.extend(reserved);
             let r = self.checkpoint_locked(&mut cur);
             self.release(freed, r.is_ok());
             return r;
@@ -464,6 +590,7 @@ impl PoolCore {
             Ok(()) => {
                 cur.next_seq += blocks;
                 self.release(freed, true);
+                self.reservation_done(reserved, true);
                 Ok(())
             }
             Err(e) => {
@@ -471,6 +598,7 @@ impl PoolCore {
                 cur.force_checkpoint = true;
                 self.lock().records.splice(0..0, records);
                 self.release(freed, false);
+                self.reservation_done(reserved, false);
                 Err(e)
             }
         }
@@ -519,8 +647,9 @@ impl PoolCore {
     fn checkpoint_flags(&self, cur: &mut JournalCursor, flags: u32) -> Result<()> {
         // Snapshot first, sync data second: every unit the snapshot maps was zeroed or
         // written before the snapshot, so the sync covers it.
-        let (catalog, owners) = {
+        let (catalog, owners, reserved) = {
             let mut s = self.lock();
+            let reserved = self.top_up_reserve(&mut s);
             s.records.clear();
             let mut catalog = s.catalog();
             catalog.partial = s
@@ -528,7 +657,7 @@ impl PoolCore {
                 .iter()
                 .map(|&p| (p, self.presence.bits(p)))
                 .collect();
-            (catalog.encode()?, s.owners.clone())
+            (catalog.encode()?, s.owners.clone(), reserved)
         };
         let generation = cur.ckpt_gen + 1;
         let slot_a = !cur.newest_is_a;
@@ -552,10 +681,12 @@ impl PoolCore {
                 cur.next_seq = journal_seq;
                 cur.newest_is_a = slot_a;
                 cur.force_checkpoint = false;
+                self.reservation_done(reserved, true);
                 Ok(())
             }
             Err(e) => {
                 cur.force_checkpoint = true;
+                self.reservation_done(reserved, false);
                 Err(e)
             }
         }
@@ -616,6 +747,12 @@ fn zeroer_loop(core: Arc<PoolCore>) {
 }
 
 fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
+    commit_requests(&core, &rx);
+    // A write waiting for the allocation reserve must not wait for this thread any more.
+    core.lock().committer_stopped = true;
+}
+
+fn commit_requests(core: &PoolCore, rx: &Receiver<CommitRequest>) {
     let mut last = std::time::Instant::now();
     loop {
         // Mirrors: a device failure is recorded within FAILURE_POLL (and before any
@@ -648,6 +785,7 @@ fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
         for r in first.into_iter().chain(rx.try_iter()) {
             match r {
                 CommitRequest::Flush(rc, tag) => waiters.push((rc, tag)),
+                CommitRequest::Refill => {}
                 CommitRequest::Stop => stop = true,
             }
         }
@@ -805,14 +943,19 @@ impl Pool {
         meta.write_checkpoint(true, 0, 1, 1, &catalog, &owners)
             .map_err(ioe("writing the first checkpoint"))?;
         layout.sync().map_err(ioe("syncing the new pool"))?;
-        Self::assemble(
+        let pool = Self::assemble(
             name,
             meta,
             Catalog::decode(&catalog)?,
             owners,
             (1, 1, true),
             (0, labels),
-        )
+        )?;
+        if pool.core.layout.parity.is_some() {
+            // Fill the allocation reserve (docs/format.md §3.5) before the first write.
+            pool.core.checkpoint()?;
+        }
+        Ok(pool)
     }
 
     /// Open an existing pool from its devices (in label order), tuned by default.
@@ -847,6 +990,10 @@ impl Pool {
             }
         })?;
         catalog.partial = partial.into_iter().collect();
+        let clean = ck.header.flags & crate::format::CKPT_FLAG_CLEAN != 0;
+        if !clean && meta.layout.parity.is_some() {
+            Self::zero_reserved(&first.pool_name, &meta, &owners)?;
+        }
         let pool = Self::assemble(
             &first.pool_name,
             meta,
@@ -859,14 +1006,49 @@ impl Pool {
             let mut cur = pool.core.journal();
             cur.ckpt_seq = ck.header.journal_seq;
         }
-        pool.was_clean.store(
-            ck.header.flags & crate::format::CKPT_FLAG_CLEAN != 0,
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        pool.was_clean
+            .store(clean, std::sync::atomic::Ordering::Relaxed);
         // Fold the replayed journal into a fresh checkpoint (and skip a journal lap).
         // It has no clean flag: until the next clean shutdown the pool counts as open.
         pool.core.checkpoint()?;
         Ok(pool)
+    }
+
+    /// After an unclean shutdown of a parity pool: zero every unit of its allocation
+    /// reserve (docs/format.md §3.5). Any of them may have been handed out and written
+    /// after the last commit, which then never recorded its new owner; a later partial
+    /// write into it would otherwise leave that data readable around it. The reserve is
+    /// bounded (`ALLOCATION_RESERVE_BYTES`), so is this work. The rows inside a unit are
+    /// zeroed without the stripe journal (`Layout::zero_at_open`): a crash during this
+    /// leaves the units reserved in the durable metadata, and the next (unclean) open
+    /// zeroes them again; the rows a unit shares with its neighbours are journaled.
+    fn zero_reserved(name: &str, meta: &MetaStore, owners: &[(u32, u32)]) -> Result<()> {
+        let unit = meta.sb.unit_size;
+        let started = std::time::Instant::now();
+        let mut zeroed = 0u64;
+        for (p, o) in owners.iter().enumerate() {
+            if o.0 != OWNER_RESERVED || (p as u64) < meta.sb.meta_units {
+                continue;
+            }
+            meta.layout
+                .zero_at_open(p as u64 * unit, unit)
+                .map_err(|e| Error::io(&format!("zeroing reserved unit {p}"), e))?;
+            zeroed += 1;
+        }
+        if zeroed > 0 {
+            // Durable before any of them is handed out (the open's checkpoint syncs too).
+            meta.layout
+                .sync()
+                .map_err(|e| Error::io("syncing the zeroed reserved units", e))?;
+            tracing::info!(
+                pool = %name,
+                units = zeroed,
+                bytes = zeroed * unit,
+                ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+                "zeroed the allocation reserve after an unclean shutdown"
+            );
+        }
+        Ok(())
     }
 
     /// Read every device's label. Returns the device state of the newest readable label
@@ -1011,6 +1193,11 @@ impl Pool {
                 zeroing: None,
                 zero_epoch: 0,
                 zeroer_stop: false,
+                reserve: VecDeque::new(),
+                reserving: Vec::new(),
+                reserve_wanted: false,
+                reserve_failed: false,
+                committer_stopped: false,
                 records: Vec::new(),
                 volumes: BTreeMap::new(),
                 exports: catalog.exports.clone(),
@@ -1070,9 +1257,16 @@ impl Pool {
                 .map(|v| (v.layer(), (v, v.current_map())))
                 .collect();
             let mut free = Vec::new();
+            let parity = core.layout.parity.is_some();
             for (p, o) in owners.iter_mut().enumerate() {
                 if p < meta_units {
                     *o = (OWNER_META, 0);
+                    continue;
+                }
+                if parity && o.0 == OWNER_RESERVED {
+                    // Zeroed by `open_with` after an unclean shutdown.
+                    *o = (OWNER_RESERVED, 0);
+                    s.reserve.push_back(u32_of(p));
                     continue;
                 }
                 match maps.get(&o.0) {
@@ -1092,7 +1286,7 @@ impl Pool {
             for (p, bits) in &catalog.partial {
                 let owned = owners
                     .get(*p as usize)
-                    .is_some_and(|o| o.0 != OWNER_FREE && o.0 != OWNER_META);
+                    .is_some_and(|o| ![OWNER_FREE, OWNER_META, OWNER_RESERVED].contains(&o.0));
                 if owned {
                     core.presence.load_bits(*p, bits);
                     if !core.presence.is_full(*p) {
@@ -1372,18 +1566,20 @@ impl Pool {
         s.owners
             .iter()
             .enumerate()
-            .filter(|(_, o)| o.0 != OWNER_FREE && o.0 != OWNER_META)
+            .filter(|(_, o)| ![OWNER_FREE, OWNER_META, OWNER_RESERVED].contains(&o.0))
             .map(|(p, _)| p as u64)
             .collect()
     }
 
     /// Pool units a rebuild has to copy: the metadata units and every allocated unit.
+    /// Units of a parity pool's allocation reserve are free space and skipped like free
+    /// units (a rebuild would otherwise copy up to the whole reserve more).
     pub fn rebuild_units(&self) -> Vec<u64> {
         let s = self.core.lock();
         s.owners
             .iter()
             .enumerate()
-            .filter(|(_, o)| o.0 != OWNER_FREE)
+            .filter(|(_, o)| o.0 != OWNER_FREE && o.0 != OWNER_RESERVED)
             .map(|(p, _)| p as u64)
             .collect()
     }
@@ -1654,4 +1850,84 @@ fn validate_volume_size(size: u64, unit: u64) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tessera_device::{BlockDevice, RamDevice};
+    use tessera_io::IoOp;
+    use tessera_testkit::blockio::{core, read, run, write};
+
+    use super::*;
+
+    fn raid5_pool() -> Pool {
+        let devs: Vec<Arc<dyn BlockDevice>> = (0..3)
+            .map(|_| RamDevice::new(48 << 20).unwrap() as Arc<dyn BlockDevice>)
+            .collect();
+        let opts = PoolOptions {
+            layout: LayoutKind::Raid5 { stripe: 16 << 10 },
+            ..PoolOptions::default()
+        };
+        Pool::create("p", devs, opts).unwrap()
+    }
+
+    /// Empty the allocation reserve into the free list, as if a burst had used it up.
+    fn drain_reserve(pool: &Pool) {
+        let mut s = pool.core.lock();
+        assert!(!s.reserve.is_empty(), "the reserve was not filled");
+        let units = std::mem::take(&mut s.reserve);
+        s.free.extend(units.into_iter().rev());
+    }
+
+    /// A write into a new unit that finds a parity pool's reserve empty neither fails
+    /// nor blocks its reactor: it is retried until the commit thread has reserved more
+    /// (a partial write, a whole-unit write and a write-zeroes each find it empty). Once
+    /// the pool is full, a new unit is ENOSPC as before.
+    #[test]
+    fn parity_allocation_waits_for_the_reserve_off_the_reactor() {
+        let pool = raid5_pool();
+        let unit = pool.core.unit_size();
+        let units = pool.status().free / unit;
+        let v = pool.create_volume("v", units * unit).unwrap();
+        let mut io = core();
+        let mut h = v.open_handle();
+        drain_reserve(&pool);
+        assert_eq!(write(&mut io, &mut h, 4096, &[7u8; 4096]), 0);
+        drain_reserve(&pool);
+        let whole = vec![9u8; usize_of(unit)];
+        assert_eq!(write(&mut io, &mut h, unit, &whole), 0);
+        drain_reserve(&pool);
+        let zeroes = IoOp::WriteZeroes {
+            offset: 2 * unit + 512,
+            len: 8192,
+            may_unmap: false,
+        };
+        assert_eq!(run(&mut io, &mut h, zeroes), 0);
+        assert_eq!(v.allocated_bytes(), 3 * unit);
+        let got = read(&mut io, &mut h, 0, usize_of(2 * unit)).unwrap();
+        assert!(got[..4096].iter().all(|&b| b == 0));
+        assert!(got[4096..8192].iter().all(|&b| b == 7));
+        assert!(got[8192..usize_of(unit)].iter().all(|&b| b == 0));
+        assert!(got[usize_of(unit)..] == whole[..]);
+        {
+            // Only reserved units were handed out, and the reserve is all that is free.
+            let s = pool.core.lock();
+            let reserved = s.owners.iter().filter(|o| o.0 == OWNER_RESERVED).count();
+            assert_eq!(reserved, s.reserve.len() + s.reserving.len());
+            assert!(
+                s.free.is_empty(),
+                "a small pool's free units all fit the reserve"
+            );
+        }
+        // Fill the rest (each unit from the reserve), then the pool is full.
+        for u in 3..units {
+            assert_eq!(write(&mut io, &mut h, u * unit, &[1u8; 512]), 0, "unit {u}");
+        }
+        assert_eq!(pool.status().free, 0);
+        let w = pool.create_volume("w", unit).unwrap();
+        let mut hw = w.open_handle();
+        assert_eq!(write(&mut io, &mut hw, 0, &[1u8; 512]), -libc::ENOSPC);
+    }
 }
