@@ -378,12 +378,14 @@ impl PoolCore {
     }
 
     /// Parity pools: move free units into the allocation reserve (owner `OWNER_RESERVED`,
-    /// a journal record each) until it is full. Returns every reserved unit whose
-    /// reservation is not durable yet; the caller makes them durable with the pending
-    /// records and hands them to `reservation_done`.
-    fn top_up_reserve(&self, s: &mut State) -> Vec<u32> {
+    /// a journal record each) until it is full. The new units wait in `reserving`, with
+    /// those a failed commit left there, until the commit or checkpoint that this call is
+    /// part of (under the journal lock) calls `reservation_done`. They stay counted there
+    /// all along: an allocation that finds the reserve empty meanwhile waits for them
+    /// (`NEEDS_RESERVE`) instead of failing with ENOSPC, and free space does not dip.
+    fn top_up_reserve(&self, s: &mut State) {
         if self.layout.parity.is_none() {
-            return Vec::new();
+            return;
         }
         s.reserve_wanted = false;
         while s.reserve.len() + s.reserving.len() < self.reserve_target() {
@@ -396,20 +398,21 @@ impl PoolCore {
             });
             s.reserving.push(p);
         }
-        std::mem::take(&mut s.reserving)
     }
 
-    /// The records of `reserved` (from `top_up_reserve`) are durable, or failed to be.
-    fn reservation_done(&self, reserved: Vec<u32>, durable: bool) {
+    /// The commit or checkpoint that followed `top_up_reserve` made every unit in
+    /// `reserving` durably reserved (they join the reserve), or failed (they wait for the
+    /// next one, whose records or checkpoint carry them again). Caller holds the journal
+    /// lock, so nothing added to `reserving` since that top-up.
+    fn reservation_done(&self, durable: bool) {
         if self.layout.parity.is_none() {
             return;
         }
         let mut s = self.lock();
         s.reserve_failed = !durable;
         if durable {
+            let reserved = std::mem::take(&mut s.reserving);
             s.reserve.extend(reserved);
-        } else {
-            s.reserving.extend(reserved);
         }
     }
 
@@ -546,18 +549,17 @@ impl PoolCore {
     pub fn commit(&self) -> Result<()> {
         self.persist_device_state()?;
         let mut cur = self.journal();
-        let (records, freed, reserved) = {
+        let (records, freed) = {
             let mut s = self.lock();
             for v in s.volumes.values() {
                 if v.compact_wanted.swap(false, Relaxed) {
                     v.compact_map();
                 }
             }
-            let reserved = self.top_up_reserve(&mut s);
+            self.top_up_reserve(&mut s);
             (
                 std::mem::take(&mut s.records),
                 std::mem::take(&mut s.pending_free),
-                reserved,
             )
         };
         let freed = self.zero_freed(freed);
@@ -567,7 +569,6 @@ impl PoolCore {
         {
             // The snapshot taken by the checkpoint contains these records' effects; it
             // makes the reservations durable too (and hands them to the reserve).
-            self.lock().reserving.extend(reserved);
             let r = self.checkpoint_locked(&mut cur);
             self.release(freed, r.is_ok());
             return r;
@@ -590,7 +591,7 @@ impl PoolCore {
             Ok(()) => {
                 cur.next_seq += blocks;
                 self.release(freed, true);
-                self.reservation_done(reserved, true);
+                self.reservation_done(true);
                 Ok(())
             }
             Err(e) => {
@@ -598,7 +599,7 @@ impl PoolCore {
                 cur.force_checkpoint = true;
                 self.lock().records.splice(0..0, records);
                 self.release(freed, false);
-                self.reservation_done(reserved, false);
+                self.reservation_done(false);
                 Err(e)
             }
         }
@@ -647,9 +648,9 @@ impl PoolCore {
     fn checkpoint_flags(&self, cur: &mut JournalCursor, flags: u32) -> Result<()> {
         // Snapshot first, sync data second: every unit the snapshot maps was zeroed or
         // written before the snapshot, so the sync covers it.
-        let (catalog, owners, reserved) = {
+        let (catalog, owners) = {
             let mut s = self.lock();
-            let reserved = self.top_up_reserve(&mut s);
+            self.top_up_reserve(&mut s);
             s.records.clear();
             let mut catalog = s.catalog();
             catalog.partial = s
@@ -657,7 +658,7 @@ impl PoolCore {
                 .iter()
                 .map(|&p| (p, self.presence.bits(p)))
                 .collect();
-            (catalog.encode()?, s.owners.clone(), reserved)
+            (catalog.encode()?, s.owners.clone())
         };
         let generation = cur.ckpt_gen + 1;
         let slot_a = !cur.newest_is_a;
@@ -681,12 +682,12 @@ impl PoolCore {
                 cur.next_seq = journal_seq;
                 cur.newest_is_a = slot_a;
                 cur.force_checkpoint = false;
-                self.reservation_done(reserved, true);
+                self.reservation_done(true);
                 Ok(())
             }
             Err(e) => {
                 cur.force_checkpoint = true;
-                self.reservation_done(reserved, false);
+                self.reservation_done(false);
                 Err(e)
             }
         }
@@ -1873,18 +1874,59 @@ mod tests {
         Pool::create("p", devs, opts).unwrap()
     }
 
-    /// Empty the allocation reserve into the free list, as if a burst had used it up.
-    fn drain_reserve(pool: &Pool) {
-        let mut s = pool.core.lock();
-        assert!(!s.reserve.is_empty(), "the reserve was not filled");
-        let units = std::mem::take(&mut s.reserve);
-        s.free.extend(units.into_iter().rev());
+    /// Run `op` on a thread of its own (its own core context and handle of `v`) while
+    /// this thread holds the journal lock, which every commit and checkpoint takes before
+    /// it tops the allocation reserve up: with the reserve emptied into the free list
+    /// first, the allocation of `op` finds it empty, and nothing can refill it until
+    /// the lock is let go. Checks that `op` then asks for a refill and keeps waiting
+    /// (it neither fails nor completes), and returns its result once the commit thread
+    /// has reserved more.
+    fn with_the_reserve_empty(pool: &Pool, v: &Arc<Volume>, op: IoOp) -> i32 {
+        let cur = pool.core.journal();
+        {
+            let mut s = pool.core.lock();
+            assert!(!s.reserve.is_empty(), "the reserve was not filled");
+            assert!(s.reserving.is_empty(), "no top-up is in flight");
+            let units = std::mem::take(&mut s.reserve);
+            s.free.extend(units.into_iter().rev());
+            // As after a burst whose refill request was served: the next allocation
+            // that finds the reserve low asks again.
+            s.reserve_wanted = false;
+        }
+        // The raw pointers of `op` are the caller's buffers, alive until the join below.
+        struct SendOp(IoOp);
+        // SAFETY: see above; the op is only submitted on the spawned thread.
+        unsafe impl Send for SendOp {}
+        let op = SendOp(op);
+        let v = v.clone();
+        let t = std::thread::spawn(move || {
+            let op = op;
+            let mut io = core();
+            let mut h = v.open_handle();
+            run(&mut io, &mut h, op.0)
+        });
+        // Bounded wait for the allocation to have found the reserve empty (it asked
+        // for a refill, and nothing else can have asked since the drain above).
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !pool.core.lock().reserve_wanted {
+            assert!(
+                !t.is_finished(),
+                "the write ended without asking for a refill"
+            );
+            assert!(std::time::Instant::now() < deadline, "no allocation ran");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(pool.core.lock().reserve.is_empty());
+        assert!(!t.is_finished(), "the write did not wait for the reserve");
+        drop(cur);
+        t.join().unwrap()
     }
 
     /// A write into a new unit that finds a parity pool's reserve empty neither fails
     /// nor blocks its reactor: it is retried until the commit thread has reserved more
     /// (a partial write, a whole-unit write and a write-zeroes each find it empty). Once
-    /// the pool is full, a new unit is ENOSPC as before.
+    /// the pool is full, a new unit is ENOSPC as before. Deterministic: the reserve
+    /// stays empty until the test lets the commit thread go (`with_the_reserve_empty`).
     #[test]
     fn parity_allocation_waits_for_the_reserve_off_the_reactor() {
         let pool = raid5_pool();
@@ -1893,18 +1935,26 @@ mod tests {
         let v = pool.create_volume("v", units * unit).unwrap();
         let mut io = core();
         let mut h = v.open_handle();
-        drain_reserve(&pool);
-        assert_eq!(write(&mut io, &mut h, 4096, &[7u8; 4096]), 0);
-        drain_reserve(&pool);
+        let small = [7u8; 4096];
+        let partial = IoOp::Write {
+            offset: 4096,
+            len: 4096,
+            buf: small.as_ptr(),
+        };
+        assert_eq!(with_the_reserve_empty(&pool, &v, partial), 0);
         let whole = vec![9u8; usize_of(unit)];
-        assert_eq!(write(&mut io, &mut h, unit, &whole), 0);
-        drain_reserve(&pool);
+        let full = IoOp::Write {
+            offset: unit,
+            len: u32_of(unit),
+            buf: whole.as_ptr(),
+        };
+        assert_eq!(with_the_reserve_empty(&pool, &v, full), 0);
         let zeroes = IoOp::WriteZeroes {
             offset: 2 * unit + 512,
             len: 8192,
             may_unmap: false,
         };
-        assert_eq!(run(&mut io, &mut h, zeroes), 0);
+        assert_eq!(with_the_reserve_empty(&pool, &v, zeroes), 0);
         assert_eq!(v.allocated_bytes(), 3 * unit);
         let got = read(&mut io, &mut h, 0, usize_of(2 * unit)).unwrap();
         assert!(got[..4096].iter().all(|&b| b == 0));
@@ -1929,5 +1979,36 @@ mod tests {
         let w = pool.create_volume("w", unit).unwrap();
         let mut hw = w.open_handle();
         assert_eq!(write(&mut io, &mut hw, 0, &[1u8; 512]), -libc::ENOSPC);
+    }
+
+    /// Units a commit is reserving are still free space while it writes them: an
+    /// allocation that finds the reserve empty then waits for them (`NEEDS_RESERVE`)
+    /// instead of failing with ENOSPC, and the pool's free space does not dip. The
+    /// commit's first step is done here by hand under the journal lock, so the commit
+    /// thread cannot finish it: the state is the one a write sees while it runs.
+    #[test]
+    fn units_being_reserved_are_not_out_of_space() {
+        let pool = raid5_pool();
+        let free = pool.status().free;
+        let _cur = pool.core.journal();
+        let mut s = pool.core.lock();
+        let units = std::mem::take(&mut s.reserve);
+        s.free.extend(units.into_iter().rev());
+        assert!(
+            pool.core.reserve_target() > PoolCore::free_units(&s),
+            "a small pool"
+        );
+        pool.core.top_up_reserve(&mut s);
+        assert!(s.free.is_empty() && s.reserve.is_empty());
+        assert_eq!(
+            (PoolCore::free_units(&s) as u64) << pool.core.unit_shift,
+            free,
+            "units being reserved count as free"
+        );
+        assert_eq!(pool.core.take_reserved(&mut s), Err(NEEDS_RESERVE));
+        drop(s);
+        pool.core.reservation_done(true);
+        let mut s = pool.core.lock();
+        assert!(pool.core.take_reserved(&mut s).is_ok());
     }
 }
