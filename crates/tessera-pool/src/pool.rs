@@ -128,6 +128,10 @@ pub(crate) struct State {
     pub reserve_failed: bool,
     /// The commit thread has returned (the pool is closing): nothing tops the reserve up.
     pub committer_stopped: bool,
+    /// A unit of the reserve that a rebuild is zero-filling on the rebuilt device
+    /// (`Pool::rebuild_free_unit`): out of the reserve meanwhile, so no write reaches it,
+    /// and still free space.
+    pub rebuild_held: Option<u32>,
     pub records: Vec<Record>,
     pub volumes: BTreeMap<u32, Arc<Volume>>,
     pub exports: Vec<ExportRecord>,
@@ -349,7 +353,7 @@ impl PoolCore {
     pub(crate) fn take_reserved(&self, s: &mut State) -> std::result::Result<u32, i32> {
         let p = s.reserve.pop_front();
         if p.is_none() {
-            if s.free.is_empty() && s.reserving.is_empty() {
+            if s.free.is_empty() && s.reserving.is_empty() && s.rebuild_held.is_none() {
                 return Err(-libc::ENOSPC);
             }
             if s.reserve_failed {
@@ -434,6 +438,7 @@ impl PoolCore {
             + usize::from(s.zeroing.is_some())
             + s.reserve.len()
             + s.reserving.len()
+            + usize::from(s.rebuild_held.is_some())
     }
 
     /// Give units `[first, last]` of `vol` back to the pool.
@@ -1199,6 +1204,7 @@ impl Pool {
                 reserve_wanted: false,
                 reserve_failed: false,
                 committer_stopped: false,
+                rebuild_held: None,
                 records: Vec::new(),
                 volumes: BTreeMap::new(),
                 exports: catalog.exports.clone(),
@@ -1615,6 +1621,78 @@ impl Pool {
             off += len as u64;
         }
         Ok(done)
+    }
+
+    /// Parity pools: the units `rebuild_units` leaves out (free or in the allocation
+    /// reserve), which a rebuild zero-fills on the rebuilt device (`rebuild_free_unit`).
+    /// Empty for other layouts.
+    pub fn rebuild_free_units(&self) -> Vec<u64> {
+        if self.core.layout.parity.is_none() {
+            return Vec::new();
+        }
+        let s = self.core.lock();
+        s.owners
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| o.0 == OWNER_FREE || o.0 == OWNER_RESERVED)
+            .map(|(p, _)| p as u64)
+            .collect()
+    }
+
+    /// Rebuild pool unit `u`, free when `rebuild_free_units` listed it, onto the
+    /// rebuilding device `d` of a parity pool: its rows there become zero, as they are on
+    /// every other device, whatever `d` held (a replacement's old contents, or data of a
+    /// unit freed while `d` was away: freeing zeroes the readable devices only). Without
+    /// this a partial write into the unit later would read those bytes back and compute
+    /// the row's parity from them. The unit is kept free while `d` is zero-filled, which
+    /// no row lock covers: the journal lock holds off the commit that would move a unit
+    /// of the free list into the allocation reserve, and a unit of the reserve is taken
+    /// out of it meanwhile (`rebuild_held`). A unit that is no longer free (allocated
+    /// since, or freed but not zeroed yet) is reconstructed instead. Other layouts:
+    /// nothing to do. Returns the bytes written to `d`.
+    pub fn rebuild_free_unit(&self, d: usize, u: u64, buf: &mut [u8]) -> Result<u64> {
+        let l = &self.core.layout;
+        if l.parity.is_none() {
+            return Ok(0);
+        }
+        let unit = self.core.unit_size();
+        let p = u32_of(u);
+        let cur = self.core.journal();
+        let held = {
+            let mut s = self.core.lock();
+            match s.owners[usize_of(u)].0 {
+                // In the free list (not waiting to be zeroed): only a top-up, which
+                // waits for the journal lock, could hand it out.
+                OWNER_FREE if !s.pending_free.contains(&p) => Some(false),
+                OWNER_RESERVED => match s.reserve.iter().position(|&q| q == p) {
+                    Some(i) => {
+                        s.reserve.remove(i);
+                        s.rebuild_held = Some(p);
+                        Some(true)
+                    }
+                    None => None,
+                },
+                _ => None,
+            }
+        };
+        let Some(in_reserve) = held else {
+            drop(cur);
+            return self.rebuild_unit(d, u, buf);
+        };
+        if in_reserve {
+            // Commits may go on: the held unit is in no list a top-up takes from.
+            drop(cur);
+            let r = l.rebuild_free_range(d, u * unit, unit);
+            let mut s = self.core.lock();
+            s.rebuild_held = None;
+            s.reserve.push_front(p);
+            drop(s);
+            r.map_err(|e| Error::io("rebuilding", e))
+        } else {
+            let r = l.rebuild_free_range(d, u * unit, unit);
+            drop(cur);
+            r.map_err(|e| Error::io("rebuilding", e))
+        }
     }
 
     /// Device `d` holds every copied unit: it becomes readable, and the labels (a new
