@@ -2,9 +2,11 @@
 //!
 //! - fio writes and verifies (crc32c) over NBD on a raid6 pool while one device vanishes
 //!   mid-run: no error, the pool is degraded, and a second verify-only pass agrees;
-//! - a raid5 device is lost, replaced, and the rebuild onto the new device is killed with
-//!   SIGKILL mid-way: it resumes from its cursor, completes, every byte reads back, and
-//!   still does once another device is gone (so the rebuilt device holds the right data);
+//! - a raid5 device is lost, replaced by a file full of other data, and the rebuild onto
+//!   it is killed with SIGKILL mid-way: it resumes from its cursor, completes, every byte
+//!   reads back, a new volume's first writes into units that were free read zeros around
+//!   them, and all of it still does once another device is gone (so the rebuilt device
+//!   holds the right data, zeros in free units included);
 //! - the write hole at node level: SIGKILL under a 4 KiB random write load, then a restart
 //!   with one data device failing every read: each block reads back as a version that was
 //!   acknowledged (or was in flight) at the kill, never as garbage.
@@ -487,8 +489,14 @@ fn kill9_during_parity_rebuild_resumes_and_completes() {
     assert_eq!(p["device_states"][1]["state"], "failed", "{p}");
     verify_model(&n, "v", &model, "degraded, before the replace");
 
-    // Replace b by a new file, live: the rebuild onto it starts at once, slowly.
+    // Replace b by a file that is not blank (a disk that held other data), live: the
+    // rebuild onto it starts at once, slowly.
     cli(&n, &["background", "set", "rebuild", "--bw", "4M"]);
+    let mut x = 0x6a75_6e6b_u64;
+    let junk: Vec<u8> = (0..64 * MIB / 8)
+        .flat_map(|_| xorshift(&mut x).to_le_bytes())
+        .collect();
+    std::fs::write(format!("{d}/e.img"), junk).unwrap();
     let e = format!("{d}/e.img:64M");
     let out = cli(&n, &["pool", "replace", "p", "--device", "1", &e]);
     assert!(out.contains("rebuilding"), "{out}");
@@ -561,6 +569,23 @@ fn kill9_during_parity_rebuild_resumes_and_completes() {
     assert_eq!(p["state"], "online", "{p}");
     assert!(p["devices"][1].as_str().unwrap().contains("e.img"), "{p}");
     verify_model(&n, "v", &model, "after the rebuild");
+    // Units that were free during the rebuild: a new volume's first 4 KiB write into
+    // each reads zeros around it, not what the replacement held there.
+    cli(
+        &n,
+        &["volume", "create", "w", "--pool", "p", "--size", "16M"],
+    );
+    cli(&n, &["export", "add", "w", "--volume", "w"]);
+    let mut model_w = vec![0u64; (16 * MIB / 4096) as usize];
+    {
+        let mut c = connect(&n, "w");
+        for b in (7..model_w.len() as u64).step_by(256) {
+            c.write(b * 4096, &pattern(b, 5), false).unwrap();
+            model_w[b as usize] = 5;
+        }
+        c.flush().unwrap();
+    }
+    verify_model(&n, "w", &model_w, "new volume after the rebuild");
 
     // Another device goes: reads of its chunks are reconstructed from the others,
     // including the rebuilt one.
@@ -572,6 +597,12 @@ fn kill9_during_parity_rebuild_resumes_and_completes() {
     assert_eq!(p["device_states"][0]["state"], "failed", "{p}");
     assert_eq!(p["device_states"][1]["state"], "online", "{p}");
     verify_model(&n, "v", &model, "after the rebuild, device a gone");
+    verify_model(
+        &n,
+        "w",
+        &model_w,
+        "new volume after the rebuild, device a gone",
+    );
 }
 
 // ------------------------------------------------- c. the write hole --

@@ -2,7 +2,8 @@
 //! (its own thread at idle CPU priority, the "rebuild" background class: a bandwidth limit
 //! lowered while the pool's clients see their p99 latency rise), that copies (mirrors) or
 //! reconstructs (parity) the metadata units and every allocated unit onto a write-only
-//! member (tessera_pool::Layout::start_rebuild, docs/architecture.md).
+//! member (tessera_pool::Layout::start_rebuild, docs/architecture.md); a parity pool's
+//! free units are zero-filled there (`Pool::rebuild_free_unit`).
 //!
 //! The cursor (the next pool unit to copy) is kept in `DATA_DIR/rebuild-POOL.json`,
 //! written after a device sync every `CURSOR_EVERY` units: a node that restarts resumes
@@ -103,8 +104,11 @@ pub fn start(
     // a restart shows where it resumed (a test read 0 on a busy machine otherwise).
     let unit = pool.core.unit_size();
     let meta_units = pool.status().metadata / unit;
-    let all = pool.rebuild_units();
-    let skipped = all.iter().filter(|&&u| u < from && u >= meta_units).count() as u64;
+    let all = plan(&pool);
+    let skipped = all
+        .iter()
+        .filter(|w| w.0 < from && w.0 >= meta_units)
+        .count() as u64;
     let job = Arc::new(Job::new(
         pool.name(),
         Progress {
@@ -126,15 +130,28 @@ pub fn start(
     Ok(job)
 }
 
+/// The units a rebuild goes through, in pool order (the cursor's order): each with
+/// whether it is free (zero-filled) rather than copied or reconstructed.
+fn plan(pool: &Pool) -> Vec<(u64, bool)> {
+    let mut all: Vec<(u64, bool)> = pool
+        .rebuild_units()
+        .into_iter()
+        .map(|u| (u, false))
+        .collect();
+    all.extend(pool.rebuild_free_units().into_iter().map(|u| (u, true)));
+    all.sort_unstable();
+    all
+}
+
 fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLimits, path: &Path) {
     let t0 = Instant::now();
-    let all = pool.rebuild_units();
+    let all = plan(pool);
     let unit = pool.core.unit_size();
     // A resumed rebuild copies the metadata units again: the pool's open wrote them
     // (a checkpoint) while the device was still failed.
     let meta_units = pool.status().metadata / unit;
     let todo = |u: u64| u >= from || u < meta_units;
-    let skipped = all.iter().filter(|&&u| !todo(u)).count() as u64;
+    let skipped = all.iter().filter(|w| !todo(w.0)).count() as u64;
     {
         let mut p = job.progress();
         p.job.units_total = all.len() as u64;
@@ -152,7 +169,24 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     let mut buf = vec![0u8; CHUNK];
     let mut since_save = 0;
     let mut outcome: Result<bool, String> = Ok(true);
-    'units: for &u in all.iter().filter(|&&u| todo(u)) {
+    'units: for &(u, free) in all.iter().filter(|w| todo(w.0)) {
+        if free {
+            // A few write-zeroes: not paced by bytes, but the turn still answers a stop.
+            if !job.wait_turn(&mut pacer, pool, 0, t0) {
+                outcome = Ok(false);
+                break 'units;
+            }
+            match pool.rebuild_free_unit(d, u, &mut buf) {
+                Ok(n) => job.progress().job.bytes_done += n,
+                Err(e) => {
+                    outcome = Err(format!("unit {u}: {e}"));
+                    break 'units;
+                }
+            }
+            // Cheap to redo after a restart: no cursor save (a device sync) for it.
+            job.progress().job.units_done += 1;
+            continue;
+        }
         let mut off = 0u64;
         while off < unit {
             let len = (unit - off).min(CHUNK as u64) as usize;

@@ -133,16 +133,29 @@ impl PoolCore {
                 drop(s);
                 return match self.allocate(vol, unit, len == unit_size) {
                     Ok(p) => FirstWritePlan::Plain(p),
-                    // A snapshot came in between: plan again.
-                    Err(crate::pool::NEEDS_REDIRECT) => FirstWritePlan::Busy,
+                    // A snapshot came in between, or a parity pool's allocation reserve
+                    // is being topped up: plan again.
+                    Err(crate::pool::NEEDS_REDIRECT | crate::pool::NEEDS_RESERVE) => {
+                        FirstWritePlan::Busy
+                    }
                     Err(e) => FirstWritePlan::Fail(e),
                 };
             }
-            // Not zeroed: its absent blocks are never read (§3.4).
-            let Some(q) = s.free.pop().or_else(|| s.zeroed.pop_back()) else {
-                return FirstWritePlan::Fail(-libc::ENOSPC);
+            // Not zeroed: its absent blocks are never read (§3.4). A parity pool's unit
+            // still comes from its reserve: after a power loss before this allocation is
+            // committed, the unit must not go back to the free list with data in it.
+            p = if self.layout.parity.is_some() {
+                match self.take_reserved(&mut s) {
+                    Ok(q) => q,
+                    Err(crate::pool::NEEDS_RESERVE) => return FirstWritePlan::Busy,
+                    Err(e) => return FirstWritePlan::Fail(e),
+                }
+            } else {
+                let Some(q) = s.free.pop().or_else(|| s.zeroed.pop_back()) else {
+                    return FirstWritePlan::Fail(-libc::ENOSPC);
+                };
+                q
             };
-            p = q;
             // The presence marker first: a replay never takes this unit as full.
             s.records.push(presence_record(p, 0, 0));
             s.records.push(Record {
@@ -601,7 +614,13 @@ impl Pool {
         let layers: BTreeMap<u32, &Arc<Volume>> =
             s.volumes.values().map(|v| (v.layer(), v)).collect();
         for (p, &(layer, u)) in s.owners.iter().enumerate() {
-            if layer == OWNER_FREE || layer == crate::format::OWNER_META {
+            if [
+                OWNER_FREE,
+                crate::format::OWNER_META,
+                crate::format::OWNER_RESERVED,
+            ]
+            .contains(&layer)
+            {
                 continue;
             }
             match layers.get(&layer) {

@@ -27,6 +27,9 @@ pub const CHAIN_HIDDEN: u8 = 2;
 pub const RECORDS_PER_BLOCK: usize = (BLOCK - 4 - 40) / 12;
 pub const OWNER_FREE: u32 = 0;
 pub const OWNER_META: u32 = u32::MAX;
+/// Owner table entry and journal record layer id of a unit in a parity pool's allocation
+/// reserve (§3.5): free, zeroed unless a power loss came after it was handed out.
+pub const OWNER_RESERVED: u32 = 0xFFFF_FFFD;
 
 pub const LABEL_MAGIC: &[u8; 8] = b"TSRDEV01";
 pub const SUPER_MAGIC: &[u8; 8] = b"TSRPOOL1";

@@ -37,6 +37,15 @@ pub const FAILURE_POLL: Duration = Duration::from_millis(100);
 /// stay free (counted as free space), so the reserve costs no capacity.
 const ZERO_RESERVE: usize = 32;
 
+/// Bytes of free units a parity pool keeps in its allocation reserve (docs/format.md
+/// §3.5): what an unclean open zeroes at most (healthy rows are zeroed with the devices'
+/// write-zeroes; rows with a failed device go through the stripe journal, seconds for
+/// ~100 MiB on a busy machine). At 1 MiB units, 64 allocations between two commits; a
+/// burst of first writes beyond half of it asks for a commit early (one per 32 MiB).
+const ALLOCATION_RESERVE_BYTES: u64 = 64 << 20;
+/// Bounds on the reserve in units, whatever the unit size.
+const ALLOCATION_RESERVE_UNITS: (u64, u64) = (2, 1024);
+
 /// How a new pool is made ([`Pool::create`]).
 #[derive(Clone, Copy, Debug)]
 pub struct PoolOptions {
@@ -84,6 +93,8 @@ impl Default for PoolTuning {
 
 pub(crate) enum CommitRequest {
     Flush(RemoteCompleter, Tag),
+    /// The allocation reserve of a parity pool runs low: commit to top it up.
+    Refill,
     Stop,
 }
 
@@ -104,6 +115,23 @@ pub(crate) struct State {
     pub zero_epoch: u64,
     /// The pool is closing: the zeroer returns.
     pub zeroer_stop: bool,
+    /// Parity pools: the allocation reserve (docs/format.md §3.5), units whose
+    /// reservation is durable: the only units `allocate` hands out. Lowest first.
+    pub reserve: VecDeque<u32>,
+    /// Units reserved (owner `OWNER_RESERVED`) whose reservation is not durable yet: they
+    /// join `reserve` when the commit or checkpoint that records them succeeds.
+    pub reserving: Vec<u32>,
+    /// An allocation asked the commit thread to top the reserve up (asked once).
+    pub reserve_wanted: bool,
+    /// The last commit that should have made reservations durable failed: an allocation
+    /// that finds the reserve empty fails (EIO) instead of waiting.
+    pub reserve_failed: bool,
+    /// The commit thread has returned (the pool is closing): nothing tops the reserve up.
+    pub committer_stopped: bool,
+    /// A unit of the reserve that a rebuild is zero-filling on the rebuilt device
+    /// (`Pool::rebuild_free_unit`): out of the reserve meanwhile, so no write reaches it,
+    /// and still free space.
+    pub rebuild_held: Option<u32>,
     pub records: Vec<Record>,
     pub volumes: BTreeMap<u32, Arc<Volume>>,
     pub exports: Vec<ExportRecord>,
@@ -177,6 +205,11 @@ pub struct PoolCore {
 /// take the first-write path (`volume::first_write`). Not an errno.
 pub(crate) const NEEDS_REDIRECT: i32 = i32::MIN;
 
+/// `PoolCore::allocate` in a parity pool whose allocation reserve is empty while free
+/// units remain: a commit that reserves more is under way; the write retries later (the
+/// first-write path's retry), the reactor never waits for it. Not an errno.
+pub(crate) const NEEDS_RESERVE: i32 = i32::MIN + 1;
+
 pub struct Pool {
     pub core: Arc<PoolCore>,
     committer: Mutex<Option<JoinHandle<()>>>,
@@ -233,7 +266,9 @@ impl PoolCore {
     /// A whole-unit write takes a unit that was not zeroed, leaving the zeroed ones to
     /// partial writes. Parity layouts keep every free unit zeroed (see `zero_freed`):
     /// zeroing here, on a reactor, could wait for a row lock that this very reactor's
-    /// in-flight I/O holds (a unit's edge row is shared with the next).
+    /// in-flight I/O holds (a unit's edge row is shared with the next). They hand out
+    /// units of their allocation reserve only (`take_reserved`), so a unit written before
+    /// its allocation is committed is zeroed again after a power loss.
     pub(crate) fn allocate(
         &self,
         vol: &Volume,
@@ -253,6 +288,10 @@ impl PoolCore {
         // through the blocks this write does not cover.
         if vol.parent().is_some() && vol.ancestor_maps().iter().any(|m| m.get(unit) != HOLE) {
             return Err(NEEDS_REDIRECT);
+        }
+        if self.layout.parity.is_some() {
+            let p = self.take_reserved(&mut s)?;
+            return Ok(self.map_allocated(&mut s, vol, &map, unit, p));
         }
         let (p, is_zero) = loop {
             let pick = if whole {
@@ -277,7 +316,7 @@ impl PoolCore {
             // The reserve was used (or is empty): the zeroer tops it up.
             self.zero_wanted.notify_one();
         }
-        if !whole && !is_zero && self.layout.parity.is_none() {
+        if !whole && !is_zero {
             if let Err(e) = self
                 .layout
                 .write_zeroes_at((p as u64) << self.unit_shift, self.unit_size())
@@ -286,6 +325,18 @@ impl PoolCore {
                 return Err(-e.raw_os_error().unwrap_or(libc::EIO));
             }
         }
+        Ok(self.map_allocated(&mut s, vol, &map, unit, p))
+    }
+
+    /// Record pool unit `p` as `vol`'s unit `unit` (a full unit) and publish it.
+    fn map_allocated(
+        &self,
+        s: &mut State,
+        vol: &Volume,
+        map: &crate::volume::UnitMap,
+        unit: u64,
+        p: u32,
+    ) -> u32 {
         s.owners[p as usize] = (vol.layer(), u32_of(unit));
         self.presence.set_full(p);
         s.records.push(Record {
@@ -295,7 +346,81 @@ impl PoolCore {
         });
         map.set(unit, p);
         vol.allocated.fetch_add(1, Relaxed);
-        Ok(p)
+        p
+    }
+
+    /// A parity pool's next unit for a volume: from the allocation reserve only (its
+    /// reservation is durable, so a power loss before this allocation is committed
+    /// leaves it reserved, and the next open zeroes it: docs/format.md §3.5). Asks the
+    /// commit thread for more when half of the reserve is used; never waits for it.
+    pub(crate) fn take_reserved(&self, s: &mut State) -> std::result::Result<u32, i32> {
+        let p = s.reserve.pop_front();
+        if p.is_none() {
+            if s.free.is_empty() && s.reserving.is_empty() && s.rebuild_held.is_none() {
+                return Err(-libc::ENOSPC);
+            }
+            if s.reserve_failed {
+                return Err(-libc::EIO);
+            }
+            if s.committer_stopped {
+                return Err(-libc::ESHUTDOWN);
+            }
+        }
+        let low = s.reserve.len() * 2 < self.reserve_target();
+        if low && !s.reserve_wanted && !(s.free.is_empty() && s.reserving.is_empty()) {
+            let tx = self.commit_tx.lock().unwrap_or_else(|e| e.into_inner());
+            if tx.send(CommitRequest::Refill).is_err() {
+                // The commit thread is gone (the pool is closing): nothing will refill.
+                return p.ok_or(-libc::ESHUTDOWN);
+            }
+            s.reserve_wanted = true;
+        }
+        p.ok_or(NEEDS_RESERVE)
+    }
+
+    /// Units a parity pool's allocation reserve holds at most.
+    fn reserve_target(&self) -> usize {
+        let (lo, hi) = ALLOCATION_RESERVE_UNITS;
+        usize_of((ALLOCATION_RESERVE_BYTES >> self.unit_shift).clamp(lo, hi))
+    }
+
+    /// Parity pools: move free units into the allocation reserve (owner `OWNER_RESERVED`,
+    /// a journal record each) until it is full. The new units wait in `reserving`, with
+    /// those a failed commit left there, until the commit or checkpoint that this call is
+    /// part of (under the journal lock) calls `reservation_done`. They stay counted there
+    /// all along: an allocation that finds the reserve empty meanwhile waits for them
+    /// (`NEEDS_RESERVE`) instead of failing with ENOSPC, and free space does not dip.
+    fn top_up_reserve(&self, s: &mut State) {
+        if self.layout.parity.is_none() {
+            return;
+        }
+        s.reserve_wanted = false;
+        while s.reserve.len() + s.reserving.len() < self.reserve_target() {
+            let Some(p) = s.free.pop() else { break };
+            s.owners[p as usize] = (OWNER_RESERVED, 0);
+            s.records.push(Record {
+                pool_unit: p,
+                volume_id: OWNER_RESERVED,
+                volume_unit: 0,
+            });
+            s.reserving.push(p);
+        }
+    }
+
+    /// The commit or checkpoint that followed `top_up_reserve` made every unit in
+    /// `reserving` durably reserved (they join the reserve), or failed (they wait for the
+    /// next one, whose records or checkpoint carry them again). Caller holds the journal
+    /// lock, so nothing added to `reserving` since that top-up.
+    fn reservation_done(&self, durable: bool) {
+        if self.layout.parity.is_none() {
+            return;
+        }
+        let mut s = self.lock();
+        s.reserve_failed = !durable;
+        if durable {
+            let reserved = std::mem::take(&mut s.reserving);
+            s.reserve.extend(reserved);
+        }
     }
 
     /// Units zeroed so far stop counting as zeroed: called when a rebuild starts, since
@@ -311,7 +436,12 @@ impl PoolCore {
     /// Free units ready for a volume: the free list, the zeroed reserve and the unit
     /// being zeroed.
     pub(crate) fn free_units(s: &State) -> usize {
-        s.free.len() + s.zeroed.len() + usize::from(s.zeroing.is_some())
+        s.free.len()
+            + s.zeroed.len()
+            + usize::from(s.zeroing.is_some())
+            + s.reserve.len()
+            + s.reserving.len()
+            + usize::from(s.rebuild_held.is_some())
     }
 
     /// Give units `[first, last]` of `vol` back to the pool.
@@ -447,6 +577,7 @@ impl PoolCore {
                     v.compact_map();
                 }
             }
+            self.top_up_reserve(&mut s);
             (
                 std::mem::take(&mut s.records),
                 std::mem::take(&mut s.pending_free),
@@ -457,7 +588,8 @@ impl PoolCore {
         if cur.force_checkpoint
             || cur.next_seq + blocks - cur.ckpt_seq > self.meta.sb.journal_blocks
         {
-            // The snapshot taken by the checkpoint contains these records' effects.
+            // The snapshot taken by the checkpoint contains these records' effects; it
+            // makes the reservations durable too (and hands them to the reserve).
             let r = self.checkpoint_locked(&mut cur);
             self.release(freed, r.is_ok());
             return r;
@@ -480,6 +612,7 @@ impl PoolCore {
             Ok(()) => {
                 cur.next_seq += blocks;
                 self.release(freed, true);
+                self.reservation_done(true);
                 Ok(())
             }
             Err(e) => {
@@ -487,6 +620,7 @@ impl PoolCore {
                 cur.force_checkpoint = true;
                 self.lock().records.splice(0..0, records);
                 self.release(freed, false);
+                self.reservation_done(false);
                 Err(e)
             }
         }
@@ -549,6 +683,7 @@ impl PoolCore {
         // written before the snapshot, so the sync covers it.
         let (catalog, owners) = {
             let mut s = self.lock();
+            self.top_up_reserve(&mut s);
             s.records.clear();
             let mut catalog = s.catalog();
             catalog.partial = s
@@ -580,10 +715,12 @@ impl PoolCore {
                 cur.next_seq = journal_seq;
                 cur.newest_is_a = slot_a;
                 cur.force_checkpoint = false;
+                self.reservation_done(true);
                 Ok(())
             }
             Err(e) => {
                 cur.force_checkpoint = true;
+                self.reservation_done(false);
                 Err(e)
             }
         }
@@ -650,6 +787,12 @@ fn zeroer_loop(core: Arc<PoolCore>) {
 }
 
 fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
+    commit_requests(&core, &rx);
+    // A write waiting for the allocation reserve must not wait for this thread any more.
+    core.lock().committer_stopped = true;
+}
+
+fn commit_requests(core: &PoolCore, rx: &Receiver<CommitRequest>) {
     let mut last = std::time::Instant::now();
     loop {
         // Mirrors: a device failure is recorded within FAILURE_POLL (and before any
@@ -682,6 +825,7 @@ fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
         for r in first.into_iter().chain(rx.try_iter()) {
             match r {
                 CommitRequest::Flush(rc, tag) => waiters.push((rc, tag)),
+                CommitRequest::Refill => {}
                 CommitRequest::Stop => stop = true,
             }
         }
@@ -839,14 +983,19 @@ impl Pool {
         meta.write_checkpoint(true, 0, 1, 1, &catalog, &owners)
             .map_err(ioe("writing the first checkpoint"))?;
         layout.sync().map_err(ioe("syncing the new pool"))?;
-        Self::assemble(
+        let pool = Self::assemble(
             name,
             meta,
             Catalog::decode(&catalog)?,
             owners,
             (1, 1, true),
             (0, labels),
-        )
+        )?;
+        if pool.core.layout.parity.is_some() {
+            // Fill the allocation reserve (docs/format.md §3.5) before the first write.
+            pool.core.checkpoint()?;
+        }
+        Ok(pool)
     }
 
     /// Open an existing pool from its devices (in label order), tuned by default.
@@ -881,6 +1030,10 @@ impl Pool {
             }
         })?;
         catalog.partial = partial.into_iter().collect();
+        let clean = ck.header.flags & crate::format::CKPT_FLAG_CLEAN != 0;
+        if !clean && meta.layout.parity.is_some() {
+            Self::zero_reserved(&first.pool_name, &meta, &owners)?;
+        }
         let pool = Self::assemble(
             &first.pool_name,
             meta,
@@ -893,14 +1046,49 @@ impl Pool {
             let mut cur = pool.core.journal();
             cur.ckpt_seq = ck.header.journal_seq;
         }
-        pool.was_clean.store(
-            ck.header.flags & crate::format::CKPT_FLAG_CLEAN != 0,
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        pool.was_clean
+            .store(clean, std::sync::atomic::Ordering::Relaxed);
         // Fold the replayed journal into a fresh checkpoint (and skip a journal lap).
         // It has no clean flag: until the next clean shutdown the pool counts as open.
         pool.core.checkpoint()?;
         Ok(pool)
+    }
+
+    /// After an unclean shutdown of a parity pool: zero every unit of its allocation
+    /// reserve (docs/format.md §3.5). Any of them may have been handed out and written
+    /// after the last commit, which then never recorded its new owner; a later partial
+    /// write into it would otherwise leave that data readable around it. The reserve is
+    /// bounded (`ALLOCATION_RESERVE_BYTES`), so is this work. The rows inside a unit are
+    /// zeroed without the stripe journal (`Layout::zero_at_open`): a crash during this
+    /// leaves the units reserved in the durable metadata, and the next (unclean) open
+    /// zeroes them again; the rows a unit shares with its neighbours are journaled.
+    fn zero_reserved(name: &str, meta: &MetaStore, owners: &[(u32, u32)]) -> Result<()> {
+        let unit = meta.sb.unit_size;
+        let started = std::time::Instant::now();
+        let mut zeroed = 0u64;
+        for (p, o) in owners.iter().enumerate() {
+            if o.0 != OWNER_RESERVED || (p as u64) < meta.sb.meta_units {
+                continue;
+            }
+            meta.layout
+                .zero_at_open(p as u64 * unit, unit)
+                .map_err(|e| Error::io(&format!("zeroing reserved unit {p}"), e))?;
+            zeroed += 1;
+        }
+        if zeroed > 0 {
+            // Durable before any of them is handed out (the open's checkpoint syncs too).
+            meta.layout
+                .sync()
+                .map_err(|e| Error::io("syncing the zeroed reserved units", e))?;
+            tracing::info!(
+                pool = %name,
+                units = zeroed,
+                bytes = zeroed * unit,
+                ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+                "zeroed the allocation reserve after an unclean shutdown"
+            );
+        }
+        Ok(())
     }
 
     /// Read every device's label. Returns the device state of the newest readable label
@@ -1045,6 +1233,12 @@ impl Pool {
                 zeroing: None,
                 zero_epoch: 0,
                 zeroer_stop: false,
+                reserve: VecDeque::new(),
+                reserving: Vec::new(),
+                reserve_wanted: false,
+                reserve_failed: false,
+                committer_stopped: false,
+                rebuild_held: None,
                 records: Vec::new(),
                 volumes: BTreeMap::new(),
                 exports: catalog.exports.clone(),
@@ -1105,9 +1299,16 @@ impl Pool {
                 .map(|v| (v.layer(), (v, v.current_map())))
                 .collect();
             let mut free = Vec::new();
+            let parity = core.layout.parity.is_some();
             for (p, o) in owners.iter_mut().enumerate() {
                 if p < meta_units {
                     *o = (OWNER_META, 0);
+                    continue;
+                }
+                if parity && o.0 == OWNER_RESERVED {
+                    // Zeroed by `open_with` after an unclean shutdown.
+                    *o = (OWNER_RESERVED, 0);
+                    s.reserve.push_back(u32_of(p));
                     continue;
                 }
                 match maps.get(&o.0) {
@@ -1127,7 +1328,7 @@ impl Pool {
             for (p, bits) in &catalog.partial {
                 let owned = owners
                     .get(*p as usize)
-                    .is_some_and(|o| o.0 != OWNER_FREE && o.0 != OWNER_META);
+                    .is_some_and(|o| ![OWNER_FREE, OWNER_META, OWNER_RESERVED].contains(&o.0));
                 if owned {
                     core.presence.load_bits(*p, bits);
                     if !core.presence.is_full(*p) {
@@ -1407,18 +1608,20 @@ impl Pool {
         s.owners
             .iter()
             .enumerate()
-            .filter(|(_, o)| o.0 != OWNER_FREE && o.0 != OWNER_META)
+            .filter(|(_, o)| ![OWNER_FREE, OWNER_META, OWNER_RESERVED].contains(&o.0))
             .map(|(p, _)| p as u64)
             .collect()
     }
 
     /// Pool units a rebuild has to copy: the metadata units and every allocated unit.
+    /// Units of a parity pool's allocation reserve are free space and skipped like free
+    /// units (a rebuild would otherwise copy up to the whole reserve more).
     pub fn rebuild_units(&self) -> Vec<u64> {
         let s = self.core.lock();
         s.owners
             .iter()
             .enumerate()
-            .filter(|(_, o)| o.0 != OWNER_FREE)
+            .filter(|(_, o)| o.0 != OWNER_FREE && o.0 != OWNER_RESERVED)
             .map(|(p, _)| p as u64)
             .collect()
     }
@@ -1453,6 +1656,78 @@ impl Pool {
             off += len as u64;
         }
         Ok(done)
+    }
+
+    /// Parity pools: the units `rebuild_units` leaves out (free or in the allocation
+    /// reserve), which a rebuild zero-fills on the rebuilt device (`rebuild_free_unit`).
+    /// Empty for other layouts.
+    pub fn rebuild_free_units(&self) -> Vec<u64> {
+        if self.core.layout.parity.is_none() {
+            return Vec::new();
+        }
+        let s = self.core.lock();
+        s.owners
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| o.0 == OWNER_FREE || o.0 == OWNER_RESERVED)
+            .map(|(p, _)| p as u64)
+            .collect()
+    }
+
+    /// Rebuild pool unit `u`, free when `rebuild_free_units` listed it, onto the
+    /// rebuilding device `d` of a parity pool: its rows there become zero, as they are on
+    /// every other device, whatever `d` held (a replacement's old contents, or data of a
+    /// unit freed while `d` was away: freeing zeroes the readable devices only). Without
+    /// this a partial write into the unit later would read those bytes back and compute
+    /// the row's parity from them. The unit is kept free while `d` is zero-filled, which
+    /// no row lock covers: the journal lock holds off the commit that would move a unit
+    /// of the free list into the allocation reserve, and a unit of the reserve is taken
+    /// out of it meanwhile (`rebuild_held`). A unit that is no longer free (allocated
+    /// since, or freed but not zeroed yet) is reconstructed instead. Other layouts:
+    /// nothing to do. Returns the bytes written to `d`.
+    pub fn rebuild_free_unit(&self, d: usize, u: u64, buf: &mut [u8]) -> Result<u64> {
+        let l = &self.core.layout;
+        if l.parity.is_none() {
+            return Ok(0);
+        }
+        let unit = self.core.unit_size();
+        let p = u32_of(u);
+        let cur = self.core.journal();
+        let held = {
+            let mut s = self.core.lock();
+            match s.owners[usize_of(u)].0 {
+                // In the free list (not waiting to be zeroed): only a top-up, which
+                // waits for the journal lock, could hand it out.
+                OWNER_FREE if !s.pending_free.contains(&p) => Some(false),
+                OWNER_RESERVED => match s.reserve.iter().position(|&q| q == p) {
+                    Some(i) => {
+                        s.reserve.remove(i);
+                        s.rebuild_held = Some(p);
+                        Some(true)
+                    }
+                    None => None,
+                },
+                _ => None,
+            }
+        };
+        let Some(in_reserve) = held else {
+            drop(cur);
+            return self.rebuild_unit(d, u, buf);
+        };
+        if in_reserve {
+            // Commits may go on: the held unit is in no list a top-up takes from.
+            drop(cur);
+            let r = l.rebuild_free_range(d, u * unit, unit);
+            let mut s = self.core.lock();
+            s.rebuild_held = None;
+            s.reserve.push_front(p);
+            drop(s);
+            r.map_err(|e| Error::io("rebuilding", e))
+        } else {
+            let r = l.rebuild_free_range(d, u * unit, unit);
+            drop(cur);
+            r.map_err(|e| Error::io("rebuilding", e))
+        }
     }
 
     /// Device `d` holds every copied unit: it becomes readable, and the labels (a new
@@ -1689,4 +1964,164 @@ fn validate_volume_size(size: u64, unit: u64) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tessera_device::{BlockDevice, RamDevice};
+    use tessera_io::IoOp;
+    use tessera_testkit::blockio::{core, read, run, write};
+
+    use super::*;
+
+    fn raid5_pool() -> Pool {
+        let devs: Vec<Arc<dyn BlockDevice>> = (0..3)
+            .map(|_| RamDevice::new(48 << 20).unwrap() as Arc<dyn BlockDevice>)
+            .collect();
+        let opts = PoolOptions {
+            layout: LayoutKind::Raid5 { stripe: 16 << 10 },
+            ..PoolOptions::default()
+        };
+        Pool::create("p", devs, opts).unwrap()
+    }
+
+    /// Run `op` on a thread of its own (its own core context and handle of `v`) while
+    /// this thread holds the journal lock, which every commit and checkpoint takes before
+    /// it tops the allocation reserve up: with the reserve emptied into the free list
+    /// first, the allocation of `op` finds it empty, and nothing can refill it until
+    /// the lock is let go. Checks that `op` then asks for a refill and keeps waiting
+    /// (it neither fails nor completes), and returns its result once the commit thread
+    /// has reserved more.
+    fn with_the_reserve_empty(pool: &Pool, v: &Arc<Volume>, op: IoOp) -> i32 {
+        let cur = pool.core.journal();
+        {
+            let mut s = pool.core.lock();
+            assert!(!s.reserve.is_empty(), "the reserve was not filled");
+            assert!(s.reserving.is_empty(), "no top-up is in flight");
+            let units = std::mem::take(&mut s.reserve);
+            s.free.extend(units.into_iter().rev());
+            // As after a burst whose refill request was served: the next allocation
+            // that finds the reserve low asks again.
+            s.reserve_wanted = false;
+        }
+        // The raw pointers of `op` are the caller's buffers, alive until the join below.
+        struct SendOp(IoOp);
+        // SAFETY: see above; the op is only submitted on the spawned thread.
+        unsafe impl Send for SendOp {}
+        let op = SendOp(op);
+        let v = v.clone();
+        let t = std::thread::spawn(move || {
+            let op = op;
+            let mut io = core();
+            let mut h = v.open_handle();
+            run(&mut io, &mut h, op.0)
+        });
+        // Bounded wait for the allocation to have found the reserve empty (it asked
+        // for a refill, and nothing else can have asked since the drain above).
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !pool.core.lock().reserve_wanted {
+            assert!(
+                !t.is_finished(),
+                "the write ended without asking for a refill"
+            );
+            assert!(std::time::Instant::now() < deadline, "no allocation ran");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(pool.core.lock().reserve.is_empty());
+        assert!(!t.is_finished(), "the write did not wait for the reserve");
+        drop(cur);
+        t.join().unwrap()
+    }
+
+    /// A write into a new unit that finds a parity pool's reserve empty neither fails
+    /// nor blocks its reactor: it is retried until the commit thread has reserved more
+    /// (a partial write, a whole-unit write and a write-zeroes each find it empty). Once
+    /// the pool is full, a new unit is ENOSPC as before. Deterministic: the reserve
+    /// stays empty until the test lets the commit thread go (`with_the_reserve_empty`).
+    #[test]
+    fn parity_allocation_waits_for_the_reserve_off_the_reactor() {
+        let pool = raid5_pool();
+        let unit = pool.core.unit_size();
+        let units = pool.status().free / unit;
+        let v = pool.create_volume("v", units * unit).unwrap();
+        let mut io = core();
+        let mut h = v.open_handle();
+        let small = [7u8; 4096];
+        let partial = IoOp::Write {
+            offset: 4096,
+            len: 4096,
+            buf: small.as_ptr(),
+        };
+        assert_eq!(with_the_reserve_empty(&pool, &v, partial), 0);
+        let whole = vec![9u8; usize_of(unit)];
+        let full = IoOp::Write {
+            offset: unit,
+            len: u32_of(unit),
+            buf: whole.as_ptr(),
+        };
+        assert_eq!(with_the_reserve_empty(&pool, &v, full), 0);
+        let zeroes = IoOp::WriteZeroes {
+            offset: 2 * unit + 512,
+            len: 8192,
+            may_unmap: false,
+        };
+        assert_eq!(with_the_reserve_empty(&pool, &v, zeroes), 0);
+        assert_eq!(v.allocated_bytes(), 3 * unit);
+        let got = read(&mut io, &mut h, 0, usize_of(2 * unit)).unwrap();
+        assert!(got[..4096].iter().all(|&b| b == 0));
+        assert!(got[4096..8192].iter().all(|&b| b == 7));
+        assert!(got[8192..usize_of(unit)].iter().all(|&b| b == 0));
+        assert!(got[usize_of(unit)..] == whole[..]);
+        {
+            // Only reserved units were handed out, and the reserve is all that is free.
+            let s = pool.core.lock();
+            let reserved = s.owners.iter().filter(|o| o.0 == OWNER_RESERVED).count();
+            assert_eq!(reserved, s.reserve.len() + s.reserving.len());
+            assert!(
+                s.free.is_empty(),
+                "a small pool's free units all fit the reserve"
+            );
+        }
+        // Fill the rest (each unit from the reserve), then the pool is full.
+        for u in 3..units {
+            assert_eq!(write(&mut io, &mut h, u * unit, &[1u8; 512]), 0, "unit {u}");
+        }
+        assert_eq!(pool.status().free, 0);
+        let w = pool.create_volume("w", unit).unwrap();
+        let mut hw = w.open_handle();
+        assert_eq!(write(&mut io, &mut hw, 0, &[1u8; 512]), -libc::ENOSPC);
+    }
+
+    /// Units a commit is reserving are still free space while it writes them: an
+    /// allocation that finds the reserve empty then waits for them (`NEEDS_RESERVE`)
+    /// instead of failing with ENOSPC, and the pool's free space does not dip. The
+    /// commit's first step is done here by hand under the journal lock, so the commit
+    /// thread cannot finish it: the state is the one a write sees while it runs.
+    #[test]
+    fn units_being_reserved_are_not_out_of_space() {
+        let pool = raid5_pool();
+        let free = pool.status().free;
+        let _cur = pool.core.journal();
+        let mut s = pool.core.lock();
+        let units = std::mem::take(&mut s.reserve);
+        s.free.extend(units.into_iter().rev());
+        assert!(
+            pool.core.reserve_target() > PoolCore::free_units(&s),
+            "a small pool"
+        );
+        pool.core.top_up_reserve(&mut s);
+        assert!(s.free.is_empty() && s.reserve.is_empty());
+        assert_eq!(
+            (PoolCore::free_units(&s) as u64) << pool.core.unit_shift,
+            free,
+            "units being reserved count as free"
+        );
+        assert_eq!(pool.core.take_reserved(&mut s), Err(NEEDS_RESERVE));
+        drop(s);
+        pool.core.reservation_done(true);
+        let mut s = pool.core.lock();
+        assert!(pool.core.take_reserved(&mut s).is_ok());
+    }
 }

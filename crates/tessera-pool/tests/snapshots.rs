@@ -253,14 +253,9 @@ fn run_chain_model(seed: u64, unit: u64, layout: LayoutKind) {
     let mut devs = devs;
     let mut pool = pool;
     for round in 0..2 {
-        if layout.is_parity() {
-            // A parity pool takes its free units as zeroed, but a unit allocated and
-            // written since the last commit goes back to the free list with its data
-            // after a power loss (a plain partial write into it then shows that data;
-            // not a chain matter, reported apart): these pools lose power only after a
-            // commit, and what is checked is the chain's state across the reopen.
-            pool.commit().unwrap();
-        }
+        // Power is lost between commits, parity pools included: a unit allocated and
+        // written since the last commit is free again after the reopen, and a parity
+        // pool must not hand it out with that data in it (seed 22 caught it).
         let images: Vec<Vec<u8>> = devs.iter().map(|d| d.crash_image(rng.next())).collect();
         drop(pool);
         devs = crash_devs(Some(images), dev_size, ndev);

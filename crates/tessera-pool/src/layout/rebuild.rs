@@ -46,6 +46,20 @@ impl Layout {
         self.health.rebuilding.fetch_and(!(1u64 << d), SeqCst);
     }
 
+    /// Rebuild the part of the rebuilding device `d` that lies in pool range
+    /// `[offset, offset+len)`, a range of free space. Parity layouts take free space as
+    /// zero (a unit handed out is not zeroed again, and a read-modify-write computes
+    /// parity from what the row holds), so `d`'s part of it is zero-filled
+    /// (`parity_rebuild_zero`); the caller keeps the range free meanwhile. Mirrors:
+    /// nothing, since they zero a unit when they hand it out. Returns bytes written.
+    pub fn rebuild_free_range(&self, d: usize, offset: u64, len: u64) -> io::Result<u64> {
+        self.check(offset, len)?;
+        if self.parity.is_none() || len == 0 {
+            return Ok(0);
+        }
+        self.parity_rebuild_zero(d, offset, len)
+    }
+
     /// Copy pool range `[offset, offset+len)` onto the rebuilding device `d` from a
     /// readable copy of its mirror set, so that no concurrent client write is lost:
     /// writes already in flight are waited for, and the copy is redone when a write to

@@ -94,6 +94,18 @@ impl Layout {
         self.zero_range(offset, len, false)
     }
 
+    /// Zero a range that no client writes to yet (a pool being opened) and whose zeroing
+    /// is redone if a crash interrupts it: parity layouts skip the stripe journal for the
+    /// rows it covers whole (`parity_zero_unjournaled`); other layouts zero as
+    /// `write_zeroes_at` does.
+    pub fn zero_at_open(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.check(offset, len)?;
+        if self.parity.is_some() {
+            return self.parity_zero_unjournaled(offset, len);
+        }
+        self.zero_range(offset, len, false)
+    }
+
     /// Zero a range ahead of its use, so that small writes into it later cost what
     /// rewrites cost (see `BlockDevice::fill_zeroes_at`). Not for a reactor thread.
     pub fn fill_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {

@@ -863,7 +863,9 @@ impl IoHandle for VolumeHandle {
                     if p == HOLE {
                         match h.vol.pool.allocate(&h.vol, u, seg == 1u64 << h.shift) {
                             Ok(n) => p = n,
-                            Err(crate::pool::NEEDS_REDIRECT) => {
+                            // The chain has data here, or the allocation reserve is
+                            // being topped up: the first-write path plans (again).
+                            Err(crate::pool::NEEDS_REDIRECT | crate::pool::NEEDS_RESERVE) => {
                                 // SAFETY: as above.
                                 return unsafe { h.first_write(io, u, at, seg, b, t) };
                             }
@@ -982,7 +984,7 @@ impl VolumeHandle {
                 match h.vol.pool.allocate(&h.vol, u, false) {
                     Ok(_) => io.complete(t, 0),
                     // SAFETY: zeros: no buffer.
-                    Err(crate::pool::NEEDS_REDIRECT) => unsafe {
+                    Err(crate::pool::NEEDS_REDIRECT | crate::pool::NEEDS_RESERVE) => unsafe {
                         h.first_write(io, u, at, seg, std::ptr::null(), t)
                     },
                     Err(e) => io.complete(t, e),
