@@ -292,7 +292,11 @@ fn a_copy_whose_flush_failed_is_stale_after_a_power_loss() {
     let data = pattern(0x5eed, 4 << 16);
     assert!(write(&mut io, &mut h, 0, &data) >= 0, "write");
     cfgs[0].fail_flushes(true);
-    assert_eq!(flush(&mut io, &mut h), 0, "the flush fails on one copy only");
+    assert_eq!(
+        flush(&mut io, &mut h),
+        0,
+        "the flush fails on one copy only"
+    );
     // Power lost right after the answer: every write since a device's last successful
     // flush survives or not, by chance.
     budget.store(0, SeqCst);
@@ -309,7 +313,10 @@ fn a_copy_whose_flush_failed_is_stale_after_a_power_loss() {
     let pool = Pool::open(devs(&cfgs)).unwrap();
     let st = pool.status();
     assert_eq!(
-        (st.device_states[0].0.as_str(), st.device_states[1].0.as_str()),
+        (
+            st.device_states[0].0.as_str(),
+            st.device_states[1].0.as_str()
+        ),
         ("failed", "online"),
         "the copy whose flush failed must open stale: {:?}",
         st.device_states
