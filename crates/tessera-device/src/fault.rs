@@ -9,6 +9,8 @@
 //! - `latency_us=N`: every completion is N µs late;
 //! - `error_ppm=N`: random EIO on the datapath at N parts per million;
 //! - `fail_read=A-B`, `fail_write=A-B`: EIO for I/O touching the byte range [A, B);
+//! - `fail_flush=1`: every flush fails with EIO (and its cache is not written back), while
+//!   reads and writes still succeed — a write cache that lost what it held;
 //! - `vanish_after_ios=N`, `vanish_after_ms=T`: the device disappears (ENODEV) after N I/Os
 //!   or T ms after it was opened;
 //! - `stall_ms=N`: the device hangs — every datapath I/O submitted while the knob is set
@@ -33,6 +35,8 @@ pub struct FaultConfig {
     /// Writes touching [fail_write_start, fail_write_end) fail with EIO.
     pub fail_write_start: AtomicU64,
     pub fail_write_end: AtomicU64,
+    /// Flushes fail with EIO (the inner device is not flushed).
+    pub fail_flush: AtomicBool,
     /// Probability of a random EIO, in parts per million of I/Os.
     pub error_ppm: AtomicU64,
     /// Latency added to every completion, in microseconds.
@@ -63,6 +67,10 @@ impl FaultConfig {
     pub fn fail_writes(&self, start: u64, end: u64) {
         self.fail_write_start.store(start, Relaxed);
         self.fail_write_end.store(end, Relaxed);
+    }
+    /// Make every flush fail (`true`) or work again (`false`).
+    pub fn fail_flushes(&self, on: bool) {
+        self.fail_flush.store(on, Relaxed);
     }
     pub fn vanish(&self) {
         self.vanished.store(true, Relaxed);
@@ -105,11 +113,12 @@ impl FaultConfig {
                     self.fail_writes(a, b)
                 }
             }
+            "fail_flush" => self.fail_flushes(num()? != 0),
             "vanish_after_ios" => self.vanish_after_ios.store(num()?, Relaxed),
             "vanish_after_ms" => self.vanish_after_ms.store(num()?, Relaxed),
             "stall_ms" => self.stall_ms.store(num()?, Relaxed),
             "stall_after_ms" => self.stall_after_ms.store(num()?, Relaxed),
-            _ => return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("fault device: unknown setting '{key}' (latency_us, error_ppm, fail_read=A-B, fail_write=A-B, vanish_after_ios, vanish_after_ms, stall_ms, stall_after_ms)"))),
+            _ => return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("fault device: unknown setting '{key}' (latency_us, error_ppm, fail_read=A-B, fail_write=A-B, fail_flush, vanish_after_ios, vanish_after_ms, stall_ms, stall_after_ms)"))),
         }
         Ok(())
     }
@@ -181,6 +190,7 @@ impl FaultDevice {
             {
                 return Some(-libc::EIO)
             }
+            IoOp::Flush if c.fail_flush.load(Relaxed) => return Some(-libc::EIO),
             _ => {}
         }
         let ppm = c.error_ppm.load(Relaxed);
@@ -293,6 +303,9 @@ impl BlockDevice for FaultDevice {
     fn sync(&self) -> io::Result<()> {
         self.sync_stall();
         self.sync_check(None)?;
+        if self.config.fail_flush.load(Relaxed) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
         self.inner.sync()
     }
     fn open_handle(self: Arc<Self>) -> Box<dyn IoHandle> {

@@ -6,6 +6,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types};
 use tessera_io::AlignedBuf;
@@ -172,37 +173,68 @@ fn in_use(path: &Path, why: String) -> io::Error {
     )
 }
 
+/// How long [`lock_file`] waits for a lock whose holder has exited. A process killed
+/// with I/O in flight keeps its files open in its io_uring until the kernel has torn the
+/// ring down, which waits for that I/O: the lock outlives the process by milliseconds
+/// (longer on a slow device), and a supervisor restarting the node at once meets it.
+const DEAD_HOLDER_WAIT: Duration = Duration::from_secs(10);
+
 /// Take an exclusive, non-blocking `flock` on a regular file used as a device, for as long
 /// as `file` stays open (the lock goes with the open file description: a second open of
-/// the same file, in this process or another, is refused; a killed process releases it).
+/// the same file, in this process or another, is refused).
+///
+/// A lock whose holder has exited is waited for (up to [`DEAD_HOLDER_WAIT`]) rather than
+/// refused. The lock stays on the descriptor the dead process's io_uring used on purpose:
+/// it ends only once the last of that process's writes has completed, so none of them can
+/// land after this process has started recovering the pool from the device.
 fn lock_file(file: &File, path: &Path) -> io::Result<()> {
-    // SAFETY: flock on an fd this function's caller owns; no memory is involved.
-    let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if r == 0 {
-        return Ok(());
-    }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-        return Err(io::Error::new(
-            e.kind(),
-            format!("{}: cannot lock: {e}", path.display()),
+    let deadline = Instant::now() + DEAD_HOLDER_WAIT;
+    loop {
+        // SAFETY: flock on an fd this function's caller owns; no memory is involved.
+        let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("{}: cannot lock: {e}", path.display()),
+            ));
+        }
+        let holder = file.metadata().ok().and_then(|m| flock_holder(&m));
+        let why = match holder {
+            Some(Holder::Alive(pid)) => format!("locked by process {pid}"),
+            Some(Holder::Gone(_)) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            Some(Holder::Gone(pid)) => format!(
+                "locked by process {}, which has exited, and still locked after {:?}",
+                pid.map_or_else(|| "?".into(), |p| p.to_string()),
+                DEAD_HOLDER_WAIT
+            ),
+            None => "locked by another process".into(),
+        };
+        return Err(in_use(
+            path,
+            format!("{why}: a device belongs to one pool of one node at a time"),
         ));
     }
-    let holder = file
-        .metadata()
-        .ok()
-        .and_then(|m| flock_holder(&m))
-        .map(|pid| format!("locked by process {pid}"))
-        .unwrap_or_else(|| "locked by another process".into());
-    Err(in_use(
-        path,
-        format!("{holder}: a device belongs to one pool of one node at a time"),
-    ))
 }
 
-/// The process that holds a `flock` on the file `meta` describes, from /proc/locks
+/// The holder of a `flock`, as /proc tells it.
+enum Holder {
+    Alive(u32),
+    /// The process that took the lock has exited (its pid, when /proc/locks still shows
+    /// it: in another pid namespace a freed pid reads as 0), or the lock is gone.
+    Gone(Option<u32>),
+}
+
+/// The holder of a `flock` on the file `meta` describes, from /proc/locks
 /// (`ID: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END`, major and minor in hex).
-fn flock_holder(meta: &std::fs::Metadata) -> Option<u32> {
+/// None when /proc/locks cannot be read.
+fn flock_holder(meta: &std::fs::Metadata) -> Option<Holder> {
     use std::os::unix::fs::MetadataExt;
     let dev = meta.dev();
     let want = format!(
@@ -212,13 +244,32 @@ fn flock_holder(meta: &std::fs::Metadata) -> Option<u32> {
         meta.ino()
     );
     let locks = std::fs::read_to_string("/proc/locks").ok()?;
-    locks.lines().find_map(|l| {
+    let pid: Option<u32> = locks.lines().find_map(|l| {
         let f: Vec<&str> = l.split_whitespace().collect();
         // A waiter's line starts with "ID: ->"; only holders have FLOCK in field 1.
         (f.len() >= 6 && f[1] == "FLOCK" && f[5] == want)
             .then(|| f[4].parse().ok())
             .flatten()
+    });
+    // No line: the lock was released since the attempt (try again).
+    Some(match pid {
+        None | Some(0) => Holder::Gone(None),
+        Some(p) if process_alive(p) => Holder::Alive(p),
+        Some(p) => Holder::Gone(Some(p)),
     })
+}
+
+/// Whether process `pid` is alive: it exists and is not a zombie (a zombie has closed its
+/// files; what still holds them is its io_uring's teardown).
+fn process_alive(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // `PID (COMM) STATE ...`: COMM may hold spaces and parentheses, so look after the last ')'.
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat[i + 1..].split_whitespace().next());
+    !matches!(state, Some("Z" | "X" | "x"))
 }
 
 struct FileHandle {
@@ -386,6 +437,36 @@ mod tests {
         let again = FileDevice::open(&path, None).unwrap();
         assert_eq!(again.size(), 4 << 20);
         drop(again);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// A lock whose holder has exited while its open file lives on (as a killed node's
+    /// io_uring keeps it until the ring is torn down) is waited for, not refused: here
+    /// flock(1) takes the lock on a descriptor its shell keeps open for a second after
+    /// flock itself exited.
+    #[test]
+    fn a_lock_left_by_an_exited_process_is_waited_for() {
+        use std::io::BufRead;
+        let path = std::env::temp_dir().join(format!("tessera-dead-{}.img", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        drop(FileDevice::open(&path, Some(4 << 20)).unwrap());
+        let mut sh = std::process::Command::new("sh")
+            .args([
+                "-c",
+                "exec 9<>\"$0\" && flock -x 9 && echo locked && exec sleep 1",
+            ])
+            .arg(&path)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("sh");
+        let mut line = String::new();
+        std::io::BufReader::new(sh.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "locked", "flock(1) did not take the lock");
+        let dev = FileDevice::open(&path, None).expect("the dead holder's lock was waited for");
+        sh.wait().unwrap();
+        drop(dev);
         std::fs::remove_file(&path).unwrap();
     }
 }

@@ -480,6 +480,17 @@ impl PoolCore {
         self.write_device_state(false)
     }
 
+    /// Sync the devices, then record any device the sync failed. A redundant layout's
+    /// sync succeeds while a copy is left and only marks a copy whose flush failed
+    /// failed in memory; until the healthy copies' labels say so, a power loss brings
+    /// that copy back as healthy without what its cache lost, to be read (and copied by
+    /// the resync) in place of the good one. So whatever counts on a sync (a commit, and
+    /// the FLUSH or FUA it answers) waits for the record too.
+    fn sync_devices(&self, what: &str) -> Result<()> {
+        self.layout.sync().map_err(|e| Error::io(what, e))?;
+        self.persist_device_state()
+    }
+
     /// As [`PoolCore::persist_device_state`]; with `always`, the labels are written even
     /// when the durable failed set looks current. A rebuilt device needs that: its label
     /// was cleared when it was put in, and if the device it replaced failed after the last
@@ -595,16 +606,12 @@ impl PoolCore {
             return r;
         }
         let r = (|| {
-            self.layout
-                .sync()
-                .map_err(|e| Error::io("syncing data devices", e))?;
+            self.sync_devices("syncing data devices")?;
             if !records.is_empty() {
                 self.meta
                     .write_journal(cur.next_seq, &records)
                     .map_err(|e| Error::io("writing the journal", e))?;
-                self.layout
-                    .sync()
-                    .map_err(|e| Error::io("syncing the journal", e))?;
+                self.sync_devices("syncing the journal")?;
             }
             Ok(())
         })();
@@ -698,15 +705,11 @@ impl PoolCore {
         // A full ring ahead: no block of an earlier, possibly unfinished commit can match.
         let journal_seq = cur.next_seq + self.meta.sb.journal_blocks;
         let r = (|| {
-            self.layout
-                .sync()
-                .map_err(|e| Error::io("syncing data devices", e))?;
+            self.sync_devices("syncing data devices")?;
             self.meta
                 .write_checkpoint(slot_a, flags, generation, journal_seq, &catalog, &owners)
                 .map_err(|e| Error::io("writing a metadata checkpoint", e))?;
-            self.layout
-                .sync()
-                .map_err(|e| Error::io("syncing a metadata checkpoint", e))
+            self.sync_devices("syncing a metadata checkpoint")
         })();
         match r {
             Ok(()) => {
@@ -796,7 +799,7 @@ fn commit_requests(core: &PoolCore, rx: &Receiver<CommitRequest>) {
     let mut last = std::time::Instant::now();
     loop {
         // Mirrors: a device failure is recorded within FAILURE_POLL (and before any
-        // FLUSH is answered, since every commit records it first).
+        // FLUSH is answered, since every commit records it first and after each sync).
         let wait = if core.layout.kind.is_redundant() {
             FAILURE_POLL
         } else {

@@ -337,54 +337,92 @@ impl Node {
         Ok((p, slots))
     }
 
-    /// Create what the config declares and does not exist yet.
+    /// Create what the config declares and the registry lacks. One pool that cannot come
+    /// up does not stop the node: a declared pool whose devices fail is offline (with the
+    /// reason, as one the registry could not open is), and the volumes and exports that
+    /// need an offline pool are skipped with an error logged, while the rest is served.
+    /// A declaration that is wrong in itself (`Error::Invalid`) still stops the start.
     fn apply_declarations(&self) -> std::result::Result<(), StartError> {
         let cfg = self.cfg.clone();
         for p in &cfg.pools {
-            if self.pool(&p.name).is_err()
-                && !self
-                    .offline
-                    .read()
-                    .unwrap_or_else(|x| x.into_inner())
-                    .contains_key(&p.name)
-            {
-                self.create_pool(
-                    &p.name,
-                    &p.devices,
-                    &p.layout,
-                    p.stripe_size.as_deref(),
-                    p.unit_size.as_deref(),
-                    false,
-                )
-                .map_err(|source| StartError::Declaration {
-                    what: "pool",
-                    name: p.name.clone(),
-                    source,
-                })?;
+            if self.pool(&p.name).is_ok() || self.offline_reason(&p.name).is_some() {
+                continue;
+            }
+            match self.create_pool(
+                &p.name,
+                &p.devices,
+                &p.layout,
+                p.stripe_size.as_deref(),
+                p.unit_size.as_deref(),
+                false,
+            ) {
+                Ok(_) => {}
+                Err(source @ Error::Invalid(_)) => {
+                    return Err(StartError::Declaration {
+                        what: "pool",
+                        name: p.name.clone(),
+                        source,
+                    })
+                }
+                Err(err) => {
+                    error!(pool = %p.name, error = %err, "pool from the config cannot be created: it is offline");
+                    self.offline
+                        .write()
+                        .unwrap_or_else(|x| x.into_inner())
+                        .insert(p.name.clone(), err.to_string());
+                }
             }
         }
         for v in &cfg.volumes {
-            if self.find_volume(&v.name).is_err() {
-                size_arg("volume size", &v.size)
-                    .and_then(|size| self.create_volume(&v.name, &v.pool, size, false))
-                    .map_err(|source| StartError::Declaration {
-                        what: "volume",
-                        name: v.name.clone(),
-                        source,
-                    })?;
+            if self.find_volume(&v.name).is_ok() {
+                continue;
             }
+            if let Some(why) = self.offline_reason(&v.pool) {
+                error!(volume = %v.name, pool = %v.pool, reason = %why, "volume from the config skipped: its pool is offline");
+                continue;
+            }
+            size_arg("volume size", &v.size)
+                .and_then(|size| self.create_volume(&v.name, &v.pool, size, false))
+                .map_err(|source| StartError::Declaration {
+                    what: "volume",
+                    name: v.name.clone(),
+                    source,
+                })?;
         }
         for x in &cfg.exports {
-            if self.find_export(&x.name).is_none() {
-                self.add_export(&x.name, &x.volume, x.read_only, x.tls)
-                    .map_err(|source| StartError::Declaration {
-                        what: "export",
-                        name: x.name.clone(),
-                        source,
-                    })?;
+            if self.find_export(&x.name).is_some() {
+                continue;
             }
+            // A volume not found may live in an offline pool (the config need not declare
+            // it): its export waits for that pool too.
+            let offline: Vec<String> = self
+                .offline
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .keys()
+                .cloned()
+                .collect();
+            if self.find_volume(&x.volume).is_err() && !offline.is_empty() {
+                error!(export = %x.name, volume = %x.volume, offline_pools = ?offline, "export from the config skipped: its volume is not open (is its pool offline?)");
+                continue;
+            }
+            self.add_export(&x.name, &x.volume, x.read_only, x.tls)
+                .map_err(|source| StartError::Declaration {
+                    what: "export",
+                    name: x.name.clone(),
+                    source,
+                })?;
         }
         Ok(())
+    }
+
+    /// Why pool `name` is offline (it is listed but could not be opened), if it is.
+    fn offline_reason(&self, name: &str) -> Option<String> {
+        self.offline
+            .read()
+            .unwrap_or_else(|x| x.into_inner())
+            .get(name)
+            .cloned()
     }
 
     fn admin(&self) -> MutexGuard<'_, ()> {
