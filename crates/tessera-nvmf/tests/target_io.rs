@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_device::BlockDevice;
+use tessera_export::budget::{BufferBudget, ListenerCap};
 use tessera_export::Export;
 use tessera_nvmf::initiator::{Controller, Error, Options};
 use tessera_nvmf::nvme::{self, Sqe};
@@ -70,8 +71,15 @@ fn serve(vol: Arc<Volume>) -> (ReactorThread, String) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let mailbox = core.mailbox.clone();
+    let addr_for_cap = addr.clone();
     std::thread::spawn(move || {
-        tessera_nvmf::accept::accept_loop(l, target, move || mailbox.clone())
+        tessera_nvmf::accept::accept_loop(
+            l,
+            target,
+            ListenerCap::new("nvme-tcp", addr_for_cap, 64),
+            BufferBudget::unlimited(),
+            move || mailbox.clone(),
+        )
     });
     (core, addr)
 }
