@@ -93,7 +93,13 @@ fn out_of_range_requests_get_errors_and_the_connection_goes_on() {
         ..ConnOptions::default()
     };
     core.mailbox.spawn(Box::new(move |io: &mut CoreIo| {
-        Box::new(NbdConn::new(io, fd, &export, opts))
+        Box::new(NbdConn::new(
+            io,
+            fd,
+            &export,
+            opts,
+            tessera_export::budget::BufferBudget::unlimited().conn(None),
+        ))
     }));
 
     // (cookie, command, offset, length, expected error)
