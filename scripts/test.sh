@@ -44,6 +44,9 @@ cargo clippy --workspace --all-targets -- -D warnings
 # No import cycle between the files of a crate (beyond the two type-level ones the
 # script allows, with reasons).
 python3 scripts/import-cycles.py
+# Every path and crate docs/architecture.md names exists, and its crate dependency
+# list matches the Cargo.toml files.
+python3 scripts/check-doc-paths.py
 step_done "format and lints"
 
 section "build (cargo build --release --workspace --bins)"
