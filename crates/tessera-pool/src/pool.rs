@@ -531,6 +531,9 @@ impl PoolCore {
                 }
             }
             if written == 0 {
+                // No label can say so: the writes waiting for the record would wait
+                // forever (and the pool has lost more than it can bear anyway).
+                l.health.recorder.store(false, Relaxed);
                 return Err(Error::io(
                     "recording failed devices",
                     std::io::Error::from_raw_os_error(libc::EIO),
@@ -790,7 +793,10 @@ fn zeroer_loop(core: Arc<PoolCore>) {
 }
 
 fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
+    core.layout.health.recorder.store(true, Relaxed);
     commit_requests(&core, &rx);
+    // Nobody records failures any more: parity writes must not wait for it.
+    core.layout.health.recorder.store(false, Relaxed);
     // A write waiting for the allocation reserve must not wait for this thread any more.
     core.lock().committer_stopped = true;
 }

@@ -1,7 +1,7 @@
 //! Device health: which devices of a layout are failed or being rebuilt, why, and the
 //! watchdog that fails a device whose I/O hangs.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
 use crate::devstats::DeviceHandle;
@@ -16,6 +16,11 @@ pub struct DeviceHealth {
     pub failed: AtomicU64,
     /// Failure bits already recorded durably in the labels.
     pub failed_durable: AtomicU64,
+    /// True while a pool's commit thread records failures into the labels: a parity
+    /// row write that went without a failed device then waits for the record before it
+    /// completes (`Layout::failure_unrecorded`). False for a layout with no pool around
+    /// it (tests, tools) and once the thread stopped or could not write any label.
+    pub recorder: AtomicBool,
     /// Per device: why it failed (`FailReason::byte`, 0 for none).
     pub fail_reason: Vec<AtomicU8>,
     /// Bit d set: device d is being rebuilt — a write-only member: writes go to it,
@@ -35,6 +40,7 @@ impl DeviceHealth {
         DeviceHealth {
             failed: AtomicU64::new(0),
             failed_durable: AtomicU64::new(0),
+            recorder: AtomicBool::new(false),
             fail_reason: (0..devices).map(|_| AtomicU8::new(0)).collect(),
             rebuilding: AtomicU64::new(0),
             nonvolatile,
@@ -81,6 +87,19 @@ impl Layout {
     #[inline]
     pub(crate) fn is_readable(&self, d: usize) -> bool {
         self.unreadable() & (1 << d) == 0
+    }
+
+    /// A device is failed in memory and its labels do not say so yet, while a commit
+    /// thread is there to record it. A parity row written without such a device must
+    /// not complete (nor release its journal record) before the record is durable: a
+    /// power loss would otherwise bring the device back as a healthy member holding the
+    /// row's old chunk under the new parity, and a later reconstruction of any chunk of
+    /// that row would decode garbage (md holds writes on a pending superblock change for
+    /// the same reason).
+    #[inline]
+    pub(crate) fn failure_unrecorded(&self) -> bool {
+        let h = &self.health;
+        h.failed.load(Relaxed) & !h.failed_durable.load(Relaxed) != 0 && h.recorder.load(Relaxed)
     }
 
     #[inline]

@@ -110,7 +110,16 @@ impl Engine {
                         return self.join_group_flush(io, l, st, id, devs);
                     }
                 }
-                Phase::Done => return self.finish(io, l, p, st, id),
+                Phase::Done => {
+                    if st.ops[id as usize].write && l.failure_unrecorded() {
+                        // Written without a device whose failure the labels do not
+                        // record yet (`Layout::failure_unrecorded`): keep the record
+                        // and the row until the commit thread has written them.
+                        io.defer_hook(hook, id as u64);
+                        return;
+                    }
+                    return self.finish(io, l, p, st, id);
+                }
             }
         }
     }

@@ -1290,7 +1290,11 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut seen = vec![false; units as usize];
                     let mut loads = 0u64;
-                    while !done.load(Ordering::Acquire) {
+                    // At least one pass, even when this thread first runs after the
+                    // writer finished (a loaded machine): the count below then still
+                    // proves the reader read something.
+                    loop {
+                        let finished = done.load(Ordering::Acquire);
                         let map = current.read().unwrap().clone();
                         for i in 0..4096 {
                             let u = (i * 131 + r * 17 + loads) % units;
@@ -1303,6 +1307,9 @@ mod tests {
                             }
                         }
                         loads += 1;
+                        if finished {
+                            break;
+                        }
                     }
                     seen.iter().filter(|&&s| s).count()
                 })
