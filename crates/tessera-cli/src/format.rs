@@ -55,6 +55,37 @@ pub fn table(rows: Vec<Vec<String>>) {
     }
 }
 
+/// Seconds since the epoch as the machine's local time, `2026-11-27 12:05:01 UTC` (the
+/// zone's abbreviation as the C library names it; `TZ` applies). The raw seconds are
+/// printed instead if the C library cannot convert them.
+pub fn local_time(epoch_secs: u64) -> String {
+    let Ok(t) = libc::time_t::try_from(epoch_secs) else {
+        return epoch_secs.to_string();
+    };
+    // SAFETY: `tm` is plain data that localtime_r fills; zeroed is a valid value of it.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    // SAFETY: both pointers are valid for the call; localtime_r is the thread-safe form.
+    if unsafe { libc::localtime_r(&t, &mut tm) }.is_null() {
+        return epoch_secs.to_string();
+    }
+    let zone = if tm.tm_zone.is_null() {
+        String::new()
+    } else {
+        // SAFETY: a non-null tm_zone points at a NUL-terminated name the C library keeps.
+        let z = unsafe { std::ffi::CStr::from_ptr(tm.tm_zone) };
+        format!(" {}", z.to_string_lossy())
+    };
+    format!(
+        "{:04}-{:02}-{:02} {:02}:{:02}:{:02}{zone}",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +107,18 @@ mod tests {
         assert_eq!(rate(1536 << 20), "1.5 GiB/s");
         assert_eq!(rate(1000), "1000 B/s");
         assert_eq!(rate(0), "0 B/s");
+    }
+
+    #[test]
+    fn local_time_is_a_readable_date() {
+        // Whatever the machine's zone, the date is within a day of the UTC one.
+        let s = local_time(1_795_765_301); // 2026-11-27 07:41:41 UTC
+        assert!(
+            s.starts_with("2026-11-27 ")
+                || s.starts_with("2026-11-26 ")
+                || s.starts_with("2026-11-28 "),
+            "{s}"
+        );
+        assert_eq!(s.as_bytes()[13], b':', "{s}");
     }
 }

@@ -302,12 +302,9 @@ pub struct VolumeName {
 pub struct VolumeCreateArgs {
     /// Name of the new volume (unique on the node).
     pub name: String,
-    /// Pool that holds the volume's data (not with --replicas).
-    #[arg(
-        long,
-        required_unless_present = "replicas",
-        conflicts_with = "replicas"
-    )]
+    /// Pool that holds the volume's data (not with --replicas); may be left out on a
+    /// node with one pool.
+    #[arg(long, conflicts_with = "replicas")]
     pub pool: Option<String>,
     /// Virtual size, a multiple of 512 bytes: bytes or K, M, G, T, P (or KiB ... PiB).
     #[arg(long)]
@@ -456,6 +453,7 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
                 ),
                 _ => None,
             };
+            let chosen = a.pool.is_none() && a.replicas.is_empty();
             let body = CreateVolume {
                 name: a.name,
                 pool: a.pool.unwrap_or_default(),
@@ -469,6 +467,13 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
                 force: a.force,
             };
             let v: VolumeInfo = send(ep, "POST", "/v1/volumes", &body)?;
+            if chosen && !raw {
+                // On stderr: the table (or JSON) on stdout stays what scripts parse.
+                eprintln!(
+                    "no --pool given: using pool '{}', the node's only pool",
+                    v.pool
+                );
+            }
             show(&v, raw, print_volume);
         }
         VolumeCmd::List => {

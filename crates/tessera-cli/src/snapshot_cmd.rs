@@ -9,7 +9,7 @@ use tessera_api::{
 use tessera_http::Endpoint;
 
 use crate::error::Result;
-use crate::format::{bytes, table};
+use crate::format::{bytes, local_time, table};
 use crate::manage::{delete, get, send, show};
 
 #[derive(Subcommand)]
@@ -55,7 +55,7 @@ fn print_snapshots(snaps: &[SnapshotInfo]) {
             s.name.clone(),
             s.pool.clone(),
             bytes(s.size),
-            s.created.to_string(),
+            local_time(s.created),
             bytes(s.exclusive),
             bytes(s.shared),
             s.parent.clone().unwrap_or_else(|| "-".into()),

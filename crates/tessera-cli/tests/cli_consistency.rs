@@ -469,3 +469,49 @@ fn the_systemd_unit_runs_the_example_config_as_a_notify_service() {
     );
     assert!(!cfg.pools.is_empty() && !cfg.exports.is_empty());
 }
+
+/// Issue 21, found as a new user: on a node with one pool `volume create` needs no
+/// `--pool` (and says which pool it took); with several it names them; snapshot tables
+/// show a date, `--json` the exact seconds.
+#[test]
+fn a_volume_goes_to_the_only_pool_and_snapshot_tables_show_dates() {
+    let n = TestNode::start_default("cli-only-pool");
+    let args = ["volume", "create", "db", "--size", "64M"];
+    let o = n.cli(&args);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "tessera {args:?}: {out} {err}");
+    assert!(err.contains("using pool 'pool0'"), "{err}");
+    assert_eq!(n.json(&["volume", "show", "db"])["pool"], "pool0");
+
+    // Two pools: refused, naming both, and nothing made.
+    let volumes = n.json(&["volume", "list"]).as_array().unwrap().len();
+    let spec = format!("{}:64M", n.dir.join("a.img").display());
+    n.cli_ok(&["pool", "create", "pa", &spec]);
+    let err = refused(&n, &["volume", "create", "w", "--size", "1M"], INVALID);
+    assert!(
+        err.contains("2 pools (pa, pool0)") && err.contains("--pool"),
+        "{err}"
+    );
+    assert_eq!(
+        n.json(&["volume", "list"]).as_array().unwrap().len(),
+        volumes
+    );
+
+    // Snapshot times: a local date in the table, seconds in JSON.
+    n.cli_ok(&["snapshot", "create", "db", "--name", "s1"]);
+    let snaps = n.json(&["snapshot", "list"]);
+    let created = snaps[0]["created"].as_u64().expect("seconds in --json");
+    let table = n.cli_ok(&["snapshot", "list"]);
+    assert!(
+        !table.contains(&created.to_string()),
+        "raw seconds in {table}"
+    );
+    let year = 1970 + created / 31_556_952;
+    assert!(
+        table
+            .lines()
+            .nth(1)
+            .is_some_and(|l| l.contains(&format!("{year}-"))),
+        "no date in {table}"
+    );
+}

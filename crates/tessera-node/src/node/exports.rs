@@ -49,7 +49,18 @@ impl Node {
         tls: Option<TlsPolicy>,
     ) -> Result<ExportInfo> {
         let _g = self.admin();
-        if self.find_export(name).is_some() {
+        if let Some((p, e)) = self.find_export(name) {
+            // The same export again is not an error (a cluster volume's owner exports
+            // it under its name by itself; scripts may still ask for it): creation is
+            // idempotent for an identical export, a conflict for any other.
+            let same = self
+                .find_volume(volume)
+                .is_ok_and(|(vp, v)| Arc::ptr_eq(&vp, &p) && v.id == e.volume_id)
+                && e.read_only == read_only
+                && e.tls_required == tls.map(TlsPolicy::is_required);
+            if same {
+                return Ok(self.export_info(&p, &e));
+            }
             return Err(Error::already_exists(format!(
                 "export '{name}' already exists"
             )));

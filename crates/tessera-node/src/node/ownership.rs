@@ -291,6 +291,28 @@ impl Node {
         if let Some(rv) = rv {
             self.fence_volume(&rv);
             self.set_cluster_path(volume, true, rv.size());
+            self.export_owned(volume);
+        }
+    }
+
+    /// Serve a cluster volume this node owns over NBD under its own name, as the other
+    /// nodes' proxies do (and as a new owner after a takeover does), unless an export of
+    /// that name exists already.
+    fn export_owned(&self, volume: &str) {
+        if self.find_export(volume).is_some() {
+            return;
+        }
+        let Ok((pool, local)) = self.find_volume(volume) else {
+            return;
+        };
+        let record = tessera_pool::ExportRecord {
+            name: volume.to_string(),
+            volume_id: local.id,
+            read_only: false,
+            tls_required: None,
+        };
+        if let Err(e) = pool.add_export(record) {
+            warn!(volume = %volume, error = %e, "cannot export the owned volume over NBD");
         }
     }
 
@@ -628,17 +650,7 @@ impl Node {
         }
         // 4. Served under the volume's name, as on the old owner.
         self.set_cluster_path(volume, true, spec.size);
-        if self.find_export(volume).is_none() {
-            let record = tessera_pool::ExportRecord {
-                name: volume.to_string(),
-                volume_id: local.id,
-                read_only: false,
-                tls_required: None,
-            };
-            if let Err(e) = pool.add_export(record) {
-                warn!(volume = %volume, error = %e, "cannot export the volume taken over over NBD");
-            }
-        }
+        self.export_owned(volume);
         info!(volume = %volume, epoch, took_ms = started.elapsed().as_millis() as u64,
               "volume taken over: serving");
         Ok(true)

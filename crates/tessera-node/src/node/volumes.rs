@@ -24,9 +24,33 @@ impl Node {
                 "volume '{name}' already exists"
             )));
         }
-        let p = self.pool(pool)?;
+        let p = if pool.is_empty() {
+            self.only_pool()?
+        } else {
+            self.pool(pool)?
+        };
         let v = p.create_volume_opts(name, size, force)?;
         Ok(self.volume_info(&p, &v))
+    }
+
+    /// The pool a volume created without one goes to: the node's only pool. With none,
+    /// or several, the error says what to do.
+    fn only_pool(&self) -> Result<Arc<Pool>> {
+        let pools = self.pools();
+        match pools.as_slice() {
+            [one] => Ok(one.clone()),
+            [] => Err(Error::invalid(
+                "this node has no pool: create one first (tessera pool create NAME DEVICE...)",
+            )),
+            many => Err(Error::invalid(format!(
+                "this node has {} pools ({}): say which one with --pool",
+                many.len(),
+                many.iter()
+                    .map(|p| p.name().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))),
+        }
     }
 
     /// `force`: beyond the pool's overcommit ratio.
