@@ -156,23 +156,41 @@ impl Node {
             .iter()
             .map(|(src, name)| (src.local.clone(), name.clone()))
             .collect();
+        #[cfg(feature = "test-hooks")]
+        let one_by_one = self.hook_snapshot_kill_after();
+        #[cfg(not(feature = "test-hooks"))]
+        let one_by_one: Option<usize> = None;
         // This node's snapshots and the replicas' copies are taken in parallel, so the
         // writes are held for the slowest of them, not their sum.
-        let (local, answers) = std::thread::scope(|sc| {
-            let asks: Vec<_> = remote
-                .iter()
-                .map(|(_, c)| sc.spawn(|| self.snapshot_on_replica(c)))
-                .collect();
+        let (local, answers) = if let Some(kill_after) = one_by_one {
             let local = p.create_snapshots(&pairs);
-            let answers: Vec<Result<()>> = asks
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(Error::invalid("a snapshot request panicked")))
-                })
-                .collect();
+            let mut answers = Vec::new();
+            for (_, c) in &remote {
+                answers.push(self.snapshot_on_replica(c));
+                #[cfg(feature = "test-hooks")]
+                if answers.iter().filter(|a| a.is_ok()).count() >= kill_after {
+                    super::test_hooks::kill_self("snapshot-kill-after-copies");
+                }
+            }
+            let _ = kill_after;
             (local, answers)
-        });
+        } else {
+            std::thread::scope(|sc| {
+                let asks: Vec<_> = remote
+                    .iter()
+                    .map(|(_, c)| sc.spawn(|| self.snapshot_on_replica(c)))
+                    .collect();
+                let local = p.create_snapshots(&pairs);
+                let answers: Vec<Result<()>> = asks
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err(Error::invalid("a snapshot request panicked")))
+                    })
+                    .collect();
+                (local, answers)
+            })
+        };
         drop(held);
         let paused_ms = t.elapsed().as_secs_f64() * 1e3;
         if let Err(e) = local {
