@@ -78,6 +78,24 @@ pub struct ClusterVolume {
     /// grace period) or replaced elsewhere (after it).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub lost: Vec<LostReplica>,
+    /// A snapshot whose copies the owner is taking on the replicas (written before it
+    /// asks any replica, removed once every copy is taken): while it is here the
+    /// snapshot is not promised, and an owner that finds it outside its own snapshot
+    /// create (after a takeover, or a create cut off) deletes its copies and removes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_intent: Option<SnapshotIntent>,
+}
+
+/// A snapshot create in progress on a replicated volume (docs/format.md §12).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SnapshotIntent {
+    /// The snapshot's name.
+    pub name: String,
+    /// The owner's epoch when it started.
+    pub epoch: u64,
+    /// `NODE:POOL` of the replicas that may hold a copy (the owner's first); those whose
+    /// copy was deleted leave the list.
+    pub replicas: Vec<String>,
 }
 
 fn is_zero(n: &usize) -> bool {

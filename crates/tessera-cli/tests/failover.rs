@@ -15,6 +15,10 @@
 //!   keeps serving I/O, and a killed owner is only replaced once etcd is back.
 //! - A snapshot taken before the owner's kill is on the new owner (a clone of it reads
 //!   the point's data), which snapshots and deletes on the replicas left.
+//! - A snapshot create cut off by the owner's kill (a `test-hooks` hook SIGKILLs it after
+//!   one replica's copy) is on every surviving replica or on none after the failover,
+//!   its name can be taken again, and the old owner, back, keeps no orphan copy; a copy
+//!   given up after a failover goes with its snapshots.
 
 mod common;
 use common::*;
@@ -830,5 +834,144 @@ fn a_snapshot_taken_before_a_failover_is_on_the_new_owner() {
     assert!(
         !left.as_array().unwrap().iter().any(|s| s["name"] == "s2"),
         "s2 stays on {third}: {left}"
+    );
+}
+
+/// The names of the snapshots node `n` lists.
+fn snapshot_names(n: &TestNode) -> Vec<String> {
+    n.json(&["snapshot", "list"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// A snapshot create cut off by the owner's death (SIGKILL through the `test-hooks`
+/// hook, once one of the two other replicas took its copy, before the third is asked) is
+/// on every surviving replica or on none after the failover, a retry of the same name
+/// on the new owner takes it on every replica in sync, and the old owner, back, holds no
+/// orphan copy.
+#[test]
+fn a_snapshot_cut_off_by_the_owners_kill_is_on_every_replica_or_none() {
+    if !require_tool("etcd") {
+        return;
+    }
+    let etcd = EtcdCluster::start("fsk", 1);
+    let mut nodes = members("fsk", &etcd);
+    let e = etcd_client(&etcd);
+    wait_members(&e);
+    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
+    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let mut f = Follower::new(etcd_client(&etcd), "db");
+    write_all_blocks(&mut f, 1);
+    wait_redundant(&e, &nodes, "three replicas in sync");
+    let hook = nodes[0]
+        .data_dir
+        .join("test-hooks/snapshot-kill-after-copies");
+    std::fs::create_dir_all(hook.parent().unwrap()).unwrap();
+    std::fs::write(&hook, "1").unwrap();
+    let out = nodes[0].cli(&["snapshot", "create", "db", "--name", "s1"]);
+    assert!(
+        !out.status.success(),
+        "the create answered although the hook killed its node midway: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    wait_for("node-a killed by the hook", 10, || !nodes[0].is_running());
+    nodes[0].kill9();
+    std::fs::remove_file(&hook).unwrap();
+    // Midway: one of the two other replicas has its copy (the lease, 2 s, has not
+    // expired yet, so nobody took the volume over).
+    let copies = [1, 2]
+        .iter()
+        .filter(|&&i| snapshot_names(&nodes[i]).iter().any(|s| s == "s1"))
+        .count();
+    assert_eq!(copies, 1, "the hook did not stop the create after one copy");
+
+    let owner = wait_new_owner(&e, "db", "node-a", 30);
+    wait_for("the other survivor copied from the new owner", 60, || {
+        spec_of(&e, "db").is_some_and(|s| s.replicas.len() == 2 && s.out_of_sync.is_empty())
+    });
+    let held: Vec<&str> = ["node-b", "node-c"]
+        .into_iter()
+        .filter(|m| {
+            snapshot_names(&nodes[index_of(m)])
+                .iter()
+                .any(|s| s == "s1")
+        })
+        .collect();
+    assert!(
+        held.is_empty() || held.len() == 2,
+        "after the failover s1 is on {held:?} only, not on every surviving replica nor on none"
+    );
+    // A retry of the name on the new owner works: every replica in sync takes it.
+    let n = &nodes[index_of(&owner)];
+    let out = n.cli(&["snapshot", "create", "db", "--name", "s1", "--json"]);
+    assert!(
+        out.status.success(),
+        "a retry of s1 on the new owner {owner} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["replicas"].as_array().map(Vec::len), Some(2), "{r}");
+    assert!(r["missing"].as_array().is_none_or(|m| m.is_empty()), "{r}");
+    for m in ["node-b", "node-c"] {
+        assert!(
+            snapshot_names(&nodes[index_of(m)])
+                .iter()
+                .any(|s| s == "s1"),
+            "{m} has no copy of the retried s1"
+        );
+    }
+    // The old owner comes back, gives its copy up (with its copy of the cut-off s1) and
+    // is added back as a fresh replica: no orphan snapshot stays there.
+    nodes[0].restart();
+    wait_redundant(&e, &nodes, "node-a back as a replica");
+    let left = snapshot_names(&nodes[0]);
+    assert!(left.is_empty(), "node-a keeps orphan snapshots {left:?}");
+}
+
+/// A stale copy given up after a failover goes with its snapshots (the new owner's
+/// replicas have them); a snapshot a clone reads through stays with the clone, which is a
+/// user's volume.
+#[test]
+fn a_given_up_copy_takes_its_snapshots_with_it() {
+    if !require_tool("etcd") {
+        return;
+    }
+    let etcd = EtcdCluster::start("fsg", 1);
+    let mut nodes = members("fsg", &etcd);
+    let e = etcd_client(&etcd);
+    wait_members(&e);
+    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
+    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let mut f = Follower::new(etcd_client(&etcd), "db");
+    write_all_blocks(&mut f, 1);
+    wait_redundant(&e, &nodes, "three replicas in sync");
+    for s in ["s0", "s1"] {
+        let r = nodes[0].json(&["snapshot", "create", "db", "--name", s]);
+        assert_eq!(r["replicas"].as_array().map(Vec::len), Some(3), "{r}");
+    }
+    nodes[0].cli_ok(&["volume", "clone", "s0", "--name", "c0"]);
+    nodes[0].kill9();
+    let owner = wait_new_owner(&e, "db", "node-a", 30);
+    nodes[0].restart();
+    wait_redundant(&e, &nodes, "node-a back as a replica");
+    let left = snapshot_names(&nodes[0]);
+    assert!(
+        !left.iter().any(|s| s == "s1"),
+        "the given-up copy's snapshot s1 stays on node-a: {left:?}"
+    );
+    assert_eq!(
+        left,
+        ["s0"],
+        "only s0, which clone c0 reads, stays on node-a"
+    );
+    nodes[0].cli_ok(&["volume", "show", "c0"]);
+    let kept = snapshot_names(&nodes[index_of(&owner)]);
+    assert!(
+        ["s0", "s1"].iter().all(|s| kept.iter().any(|k| k == s)),
+        "the new owner {owner} lost a snapshot: {kept:?}"
     );
 }

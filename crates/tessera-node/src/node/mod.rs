@@ -22,6 +22,8 @@ mod qos;
 pub mod replicas;
 mod snapshots;
 mod spares;
+#[cfg(feature = "test-hooks")]
+mod test_hooks;
 mod volumes;
 
 use std::collections::BTreeMap;

@@ -130,7 +130,11 @@ impl Node {
         };
     }
 
-    fn read_spec(&self, m: &Membership, volume: &str) -> Result<Option<(ClusterVolume, i64)>> {
+    pub(super) fn read_spec(
+        &self,
+        m: &Membership,
+        volume: &str,
+    ) -> Result<Option<(ClusterVolume, i64)>> {
         match m.etcd().get(&volume_key(volume)) {
             Ok(None) => Ok(None),
             Ok(Some(kv)) => serde_json::from_slice(&kv.value)
@@ -191,7 +195,7 @@ impl Node {
 
     /// The replica places of an owned volume as its replica set has them (the local one
     /// first) and those not in sync.
-    fn replica_places(&self, rv: &ReplicatedVolume) -> (Vec<String>, Vec<String>) {
+    pub(super) fn replica_places(&self, rv: &ReplicatedVolume) -> (Vec<String>, Vec<String>) {
         let me = self.cfg.node_name();
         let mut places = Vec::new();
         for d in rv.descs() {
@@ -451,16 +455,35 @@ impl Node {
     }
 
     /// Delete the stale copy `local` of given-up volume `volume` if nothing uses it any
-    /// more; true when it is gone.
+    /// more, with its snapshots (the new owner's replicas have them; a snapshot a clone
+    /// reads through stays, with the older ones: the clone is a user's volume); true when
+    /// it is gone.
     fn delete_stale_copy(&self, volume: &str, local: &str) -> bool {
         let Ok((p, v)) = self.find_volume(local) else {
             return true;
         };
+        let snapshots = super::snapshots::own_snapshots(&p, &v);
         if p.delete_volume(&v).is_err() {
             return false;
         }
         info!(volume = %local, "stale copy of a given-up volume deleted");
         self.groups.forget_volume(local);
+        for s in snapshots {
+            for e in p.exports() {
+                if e.volume_id == s.id {
+                    let _ = p.remove_export(&e.name);
+                }
+            }
+            match p.delete_volume(&s) {
+                Ok(()) => {
+                    info!(volume = %local, snapshot = %s.name, "snapshot of the given-up copy deleted");
+                    self.groups.forget_volume(&s.name);
+                }
+                Err(e) => {
+                    warn!(volume = %local, snapshot = %s.name, error = %e, "a snapshot of the given-up copy stays: delete it by hand")
+                }
+            }
+        }
         // The name is free again: a new replica of it may come here.
         self.replica_failures
             .write()
@@ -648,6 +671,11 @@ impl Node {
                 }
             });
         }
+        // A snapshot create the old owner did not complete is undone before the volume
+        // is served (what cannot be deleted now, the watcher retries).
+        if let Err(why) = self.resolve_snapshot_intent_locked(volume) {
+            warn!(volume = %volume, reason = %why, "a cut-off snapshot is not undone yet");
+        }
         // 4. Served under the volume's name, as on the old owner.
         self.set_cluster_path(volume, true, spec.size);
         self.export_owned(volume);
@@ -794,6 +822,11 @@ impl Node {
             if places != spec.replicas || out != spec.out_of_sync {
                 let _ = self.publish_replica_states(&spec.name);
             }
+        }
+        // A snapshot create left open (cut off, or its end not recorded): undo it.
+        if spec.snapshot_intent.is_some() {
+            let _g = self.admin();
+            let _ = self.resolve_snapshot_intent_locked(&spec.name);
         }
         let grace = Duration::from_millis(self.cfg.cluster.grace_ms);
         for place in spec.replicas.iter().filter(|p| node_of(p) != me) {

@@ -673,8 +673,30 @@ impl Node {
         })
     }
 
-    /// Peer side of `DELETE /v1/replicas/VOLUME`.
+    /// Peer side of `DELETE /v1/replicas/VOLUME`: the replica volume goes with its
+    /// snapshots (copies of the owner's, which its owner no longer reaches; one a clone
+    /// reads through stays, with the older ones).
     pub fn delete_replica(&self, volume: &str) -> Result<()> {
+        let snapshots: Vec<String> = match self.find_volume(volume) {
+            Ok((p, v)) => super::snapshots::own_snapshots(&p, &v)
+                .into_iter()
+                .map(|s| s.name.clone())
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        self.delete_replica_volume(volume)?;
+        for s in snapshots {
+            match self.delete_volume(&s) {
+                Ok(()) => info!(volume, snapshot = %s, "snapshot of a deleted replica deleted"),
+                Err(e) => {
+                    warn!(volume, snapshot = %s, error = %e, "a snapshot of a deleted replica stays: delete it by hand")
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn delete_replica_volume(&self, volume: &str) -> Result<()> {
         let subs = self.nvmf_list();
         for s in subs {
             if s.nqn.starts_with("nqn.2026-11.io.tessera:replica:")

@@ -9,19 +9,56 @@
 //! to snapshot its copy (`POST /v1/replicas/VOLUME/snapshots`), then lets the writes go
 //! on. Each copy is an ordinary local snapshot on its node, so a new owner after a
 //! failover has the snapshots of its own replica.
+//!
+//! In a cluster the create is made atomic across the nodes by an intent in the volume's
+//! spec (`snapshot_intent`, docs/format.md §12): written (compare-and-swap, as the owner
+//! at its epoch) before any copy is taken, removed once every copy is; the create
+//! answers only after that. An owner that finds an intent outside its own create (it took
+//! the volume over from an owner that died midway, or its own create could not record
+//! the end) undoes it: deletes every copy it names, then removes it. So a snapshot is on
+//! every replica that was in sync at its point, or on none.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_api::{
-    ChangedExtents, DeletedSnapshot, Extent, ReplicaSnapshot, SnapshotInfo, VolumeInfo,
+    ChangedExtents, DeletedSnapshot, Extent, ReplicaSnapshot, SnapshotInfo, SnapshotIntent,
+    VolumeInfo,
 };
 use tessera_pool::{Pool, Volume};
 use tessera_replica::{LegDesc, ReplicatedVolume};
 use tracing::{info, warn};
 
+use super::ownership::SpecRefusal;
 use super::replicas::replica_nqn;
 use super::{Error, Node, Result};
+
+/// The node of a `NODE:POOL` place.
+fn node_of(place: &str) -> &str {
+    place.split(':').next().unwrap_or(place)
+}
+
+/// The snapshots of `v`'s own history that nothing else reads: its ancestors, nearest
+/// first, up to the first one another volume reads through (a clone made from it, or the
+/// volume `v` was itself cloned from): that one and every older one stay.
+pub(super) fn own_snapshots(p: &Pool, v: &Volume) -> Vec<Arc<Volume>> {
+    let listed = p.snapshots();
+    let mut lineage = vec![v.name.clone()];
+    let mut out = Vec::new();
+    for a in v.ancestors() {
+        // A hidden one (deleted, still read through) is not listed: the pool drops it
+        // with its last reader.
+        let Some(info) = listed.iter().find(|s| s.id == a.id) else {
+            continue;
+        };
+        if !info.children.iter().all(|c| lineage.contains(c)) {
+            break;
+        }
+        lineage.push(a.name.clone());
+        out.push(a);
+    }
+    out
+}
 
 /// A volume a snapshot is asked of: the local volume that takes it and, for a replicated
 /// volume, its replica set (the other replicas take a copy).
@@ -105,6 +142,54 @@ impl Node {
             sources.push((src, name.clone()));
         }
         let p = sources[0].0.pool.clone();
+        // In a cluster: an intent in each replicated volume's spec before any copy.
+        let mut intents: Vec<(String, SnapshotIntent)> = Vec::new();
+        for (src, name) in &sources {
+            let Some(set) = &src.set else { continue };
+            let Some(intent) = self.begin_snapshot_intent(set, name).inspect_err(|_| {
+                self.abandon_snapshot_intents(&intents);
+            })?
+            else {
+                continue;
+            };
+            intents.push((set.name.clone(), intent));
+        }
+        let result = self.take_snapshot_group(&sources, &p, what);
+        if result.is_err() {
+            self.abandon_snapshot_intents(&intents);
+            return result;
+        }
+        // The create is complete once every intent is gone; until then it may be undone.
+        let mut unrecorded = Vec::new();
+        for (volume, intent) in &intents {
+            let r = self.edit_owned_spec(volume, |s| {
+                if s.snapshot_intent.as_ref() == Some(intent) {
+                    s.snapshot_intent = None;
+                }
+            });
+            if let Err(SpecRefusal::Lost(why) | SpecRefusal::Unavailable(why)) = r {
+                unrecorded.push(format!("{volume}: {why}"));
+            }
+        }
+        if !unrecorded.is_empty() {
+            warn!(snapshots = ?what, why = ?unrecorded, "the snapshot's end was not recorded in the cluster: its copies are deleted");
+            self.abandon_snapshot_intents(&intents);
+            return Err(Error::busy(format!(
+                "the snapshot was taken but its completion could not be recorded in the \
+                 cluster ({}), so it was undone on every replica; try again",
+                unrecorded.join("; ")
+            )));
+        }
+        result
+    }
+
+    /// The copies of a group snapshot (see [`Node::create_snapshot_group`]).
+    fn take_snapshot_group(
+        &self,
+        sources: &[(SnapshotSource, String)],
+        p: &Arc<Pool>,
+        what: &[(String, String)],
+    ) -> Result<Vec<SnapshotInfo>> {
         let t = Instant::now();
         // Hold the writes of every replicated volume of the group; the replicas in sync
         // then hold the same data until the guards drop.
@@ -156,23 +241,41 @@ impl Node {
             .iter()
             .map(|(src, name)| (src.local.clone(), name.clone()))
             .collect();
+        #[cfg(feature = "test-hooks")]
+        let one_by_one = self.hook_snapshot_kill_after();
+        #[cfg(not(feature = "test-hooks"))]
+        let one_by_one: Option<usize> = None;
         // This node's snapshots and the replicas' copies are taken in parallel, so the
         // writes are held for the slowest of them, not their sum.
-        let (local, answers) = std::thread::scope(|sc| {
-            let asks: Vec<_> = remote
-                .iter()
-                .map(|(_, c)| sc.spawn(|| self.snapshot_on_replica(c)))
-                .collect();
+        let (local, answers) = if let Some(kill_after) = one_by_one {
             let local = p.create_snapshots(&pairs);
-            let answers: Vec<Result<()>> = asks
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(Error::invalid("a snapshot request panicked")))
-                })
-                .collect();
+            let mut answers = Vec::new();
+            for (_, c) in &remote {
+                answers.push(self.snapshot_on_replica(c));
+                #[cfg(feature = "test-hooks")]
+                if answers.iter().filter(|a| a.is_ok()).count() >= kill_after {
+                    super::test_hooks::kill_self("snapshot-kill-after-copies");
+                }
+            }
+            let _ = kill_after;
             (local, answers)
-        });
+        } else {
+            std::thread::scope(|sc| {
+                let asks: Vec<_> = remote
+                    .iter()
+                    .map(|(_, c)| sc.spawn(|| self.snapshot_on_replica(c)))
+                    .collect();
+                let local = p.create_snapshots(&pairs);
+                let answers: Vec<Result<()>> = asks
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err(Error::invalid("a snapshot request panicked")))
+                    })
+                    .collect();
+                (local, answers)
+            })
+        };
         drop(held);
         let paused_ms = t.elapsed().as_secs_f64() * 1e3;
         if let Err(e) = local {
@@ -220,12 +323,190 @@ impl Node {
             .iter()
             .enumerate()
             .map(|(i, (_, n))| {
-                let mut info = self.snapshot_info(&p, n)?;
+                let mut info = self.snapshot_info(p, n)?;
                 info.replicas = std::mem::take(&mut held_on[i]);
                 info.missing = std::mem::take(&mut missing[i]);
                 Ok(info)
             })
             .collect()
+    }
+
+    /// In a cluster, write the intent of snapshot `name` of replicated volume `set` to
+    /// its spec (the admin lock held), after undoing one an earlier create left; None
+    /// outside a cluster (no failover, no intent).
+    fn begin_snapshot_intent(
+        &self,
+        set: &ReplicatedVolume,
+        name: &str,
+    ) -> Result<Option<SnapshotIntent>> {
+        if self.cluster().is_none() && self.cfg.cluster.etcd.is_empty() {
+            return Ok(None);
+        }
+        let volume = &set.name;
+        let Some(epoch) = self.owned_epoch(volume) else {
+            return Err(Error::busy(format!(
+                "cannot snapshot '{volume}': the cluster has not confirmed that this node \
+                 owns it (not joined yet, or another node took it over)"
+            )));
+        };
+        self.resolve_snapshot_intent_locked(volume).map_err(|why| {
+            Error::busy(format!(
+                "cannot snapshot '{volume}': an earlier snapshot create of it was cut off \
+                 and is not undone yet ({why}); try again later"
+            ))
+        })?;
+        let intent = SnapshotIntent {
+            name: name.to_string(),
+            epoch,
+            replicas: self.replica_places(set).0,
+        };
+        match self.edit_owned_spec(volume, |s| s.snapshot_intent = Some(intent.clone())) {
+            Ok(()) => Ok(Some(intent)),
+            Err(SpecRefusal::Lost(why) | SpecRefusal::Unavailable(why)) => {
+                Err(Error::busy(format!(
+                    "cannot snapshot '{volume}': its intent could not be recorded in the \
+                     cluster ({why}); nothing was taken"
+                )))
+            }
+        }
+    }
+
+    /// A create that will not complete: undo its intents (copies deleted, intents
+    /// removed; what cannot be done now the watcher does later).
+    fn abandon_snapshot_intents(&self, intents: &[(String, SnapshotIntent)]) {
+        for (volume, intent) in intents {
+            let left = self.undo_snapshot_copies(volume, intent);
+            let r = self.edit_owned_spec(volume, |s| {
+                if s.snapshot_intent.as_ref().map(|i| &i.name) == Some(&intent.name) {
+                    s.snapshot_intent = if left.is_empty() {
+                        None
+                    } else {
+                        Some(SnapshotIntent {
+                            replicas: left.iter().map(|(p, _)| p.clone()).collect(),
+                            ..intent.clone()
+                        })
+                    };
+                }
+            });
+            if !left.is_empty() || r.is_err() {
+                warn!(volume = %volume, snapshot = %intent.name, left = ?left,
+                      "a snapshot create that did not complete is not undone everywhere yet: the owner finishes the undo");
+            }
+        }
+    }
+
+    /// Undo an intent left in the spec of owned volume `volume` by a create that did not
+    /// complete (the admin lock held): delete every copy it names, then remove it. Err
+    /// says what stays (the intent then names only those replicas).
+    pub(super) fn resolve_snapshot_intent_locked(
+        &self,
+        volume: &str,
+    ) -> std::result::Result<(), String> {
+        let Some(m) = self.cluster() else {
+            return Ok(());
+        };
+        let me = self.cfg.node_name();
+        let intent = match self.read_spec(m, volume) {
+            Ok(Some((spec, _)))
+                if spec.owner != me || Some(spec.epoch) != self.owned_epoch(volume) =>
+            {
+                return Err(format!(
+                    "'{}' owns the volume at epoch {}",
+                    spec.owner, spec.epoch
+                ))
+            }
+            Ok(Some((spec, _))) => match spec.snapshot_intent {
+                Some(i) => i,
+                None => return Ok(()),
+            },
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
+        };
+        warn!(volume = %volume, snapshot = %intent.name, epoch = intent.epoch, replicas = ?intent.replicas,
+              "a snapshot create was cut off before it completed (its owner died or failed midway): deleting its copies");
+        let left = self.undo_snapshot_copies(volume, &intent);
+        let places: Vec<String> = left.iter().map(|(p, _)| p.clone()).collect();
+        let r = self.edit_owned_spec(volume, |s| {
+            if s.snapshot_intent.as_ref() == Some(&intent) {
+                s.snapshot_intent = if places.is_empty() {
+                    None
+                } else {
+                    Some(SnapshotIntent {
+                        replicas: places.clone(),
+                        ..intent.clone()
+                    })
+                };
+            }
+        });
+        if let Err(SpecRefusal::Lost(why) | SpecRefusal::Unavailable(why)) = r {
+            return Err(format!("the spec was not updated: {why}"));
+        }
+        if left.is_empty() {
+            info!(volume = %volume, snapshot = %intent.name, "the cut-off snapshot is undone: no replica holds a copy");
+            Ok(())
+        } else {
+            let why: Vec<String> = left.into_iter().map(|(p, w)| format!("{p}: {w}")).collect();
+            warn!(volume = %volume, snapshot = %intent.name, left = ?why, "copies of the cut-off snapshot stay for now: retried");
+            Err(format!(
+                "the copies of snapshot '{}' on {} are not deleted yet",
+                intent.name,
+                why.join("; ")
+            ))
+        }
+    }
+
+    /// Delete the copies of `intent`'s snapshot on the replicas of owned volume `volume`:
+    /// what stays, with why. A place no longer among the volume's replicas (the old
+    /// owner's, a lost or removed one) is not asked: its copy goes with its replica volume
+    /// (a given-up copy and a deleted replica take their snapshots with them).
+    fn undo_snapshot_copies(&self, volume: &str, intent: &SnapshotIntent) -> Vec<(String, String)> {
+        let me = self.cfg.node_name();
+        let Some(rv) = self.replica_set(volume) else {
+            return intent
+                .replicas
+                .iter()
+                .map(|p| (p.clone(), "the volume is not open on its owner".to_string()))
+                .collect();
+        };
+        let mut left = Vec::new();
+        for place in &intent.replicas {
+            let node = node_of(place);
+            if node == me {
+                if let Some(why) = self.drop_local_copy(&rv, &intent.name) {
+                    left.push((place.clone(), why));
+                }
+                continue;
+            }
+            let remote = rv.descs().into_iter().find_map(|d| match d {
+                LegDesc::Remote {
+                    node: n, volume, ..
+                } if n == node => Some(volume),
+                _ => None,
+            });
+            if let Some(rvol) = remote {
+                if let Some(why) = self.drop_snapshot_on_replica(node, &rvol, &intent.name) {
+                    left.push((place.clone(), why));
+                }
+            }
+        }
+        left
+    }
+
+    /// Delete snapshot `name` of this node's replica of `rv` if it is in that replica's
+    /// chain: None when it is gone (or was never taken), else why not.
+    fn drop_local_copy(&self, rv: &ReplicatedVolume, name: &str) -> Option<String> {
+        let local = rv.local_volume()?;
+        let (p, snap) = self.find_snapshot(name).ok()?;
+        if !local.ancestors().iter().any(|a| Arc::ptr_eq(a, &snap)) {
+            return None;
+        }
+        match p.delete_volume(&snap) {
+            Ok(()) => {
+                self.groups.forget_volume(name);
+                None
+            }
+            Err(e) => Some(e.to_string()),
+        }
     }
 
     /// What takes a snapshot of `volume` here: a plain volume, or the local replica of a
