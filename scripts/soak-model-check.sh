@@ -7,6 +7,7 @@
 #   scripts/soak-model-check.sh [SECONDS] [BATCH]     # defaults: 1800 s, 20 seeds a batch
 #   ALL=1 scripts/soak-model-check.sh                 # also the gated-off (known open) ops
 #   LAYOUTS="raid5 ec" scripts/soak-model-check.sh    # only these layouts
+#   BASE=2000000 scripts/soak-model-check.sh          # seeds from here (default 1000000)
 #
 # Replay one failure: TESSERA_MC_SEED=N cargo test --release -p tessera-pool \
 #   --test model_check model_check_LAYOUT -- --nocapture
@@ -15,6 +16,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 DURATION=${1:-1800}
 BATCH=${2:-20}
+# First seed of round 0 (a new soak can start past the seeds an earlier one ran).
+BASE=${BASE:-1000000}
 LAYOUTS=${LAYOUTS:-"concat raid0 raid1 raid10 raid5 raid6 ec"}
 LOG=${LOG:-target/soak-model-check.log}
 mkdir -p "$(dirname "$LOG")"
@@ -33,7 +36,7 @@ end=$((SECONDS + DURATION))
 while ((SECONDS < end)); do
   for l in $LAYOUTS; do
     ((SECONDS < end)) || break
-    first=$((1000000 + round * BATCH))
+    first=$((BASE + round * BATCH))
     out=$(TESSERA_MC_FIRST_SEED=$first TESSERA_MC_SEEDS=$BATCH TESSERA_MC_ALL=${ALL:-0} \
       cargo test --release -q -p tessera-pool --test model_check "model_check_${l}" \
       -- --exact --nocapture 2>&1) || true
