@@ -1678,7 +1678,11 @@ impl Pool {
 
     /// Parity pools: the units `rebuild_units` leaves out (free or in the allocation
     /// reserve), which a rebuild zero-fills on the rebuilt device (`rebuild_free_unit`).
-    /// Empty for other layouts.
+    /// Empty for other layouts: a mirror's free units may keep other bytes on the rebuilt
+    /// device, since a mirror zeroes a unit on every copy when it hands it out
+    /// (`PoolCore::allocate`, `plan_first_write`), which costs far less than zero-filling
+    /// all free space at every rebuild (and does not need one: a power loss can make the
+    /// copies of a free unit differ too).
     pub fn rebuild_free_units(&self) -> Vec<u64> {
         if self.core.layout.parity.is_none() {
             return Vec::new();
