@@ -91,8 +91,9 @@ impl PoolCore {
     /// The metadata half of a write of `len` bytes at volume offset `at` inside unit
     /// `unit` of a volume in a chain, where the fast path could not take it (the unit
     /// has no space of its own yet, or some block it touches is still the parent's).
-    /// Under the pool lock and without any data I/O: allocates the unit (partial, not
-    /// zeroed) if needed, splits the blocks the write touches into `runs`, claims the
+    /// Under the pool lock and without any data I/O (but a mirror's zeroing of the new
+    /// unit when the zeroer's reserve has run dry, as `allocate` does): allocates the
+    /// unit (partial; zeroed on mirrors only) if needed, splits the blocks the write touches into `runs`, claims the
     /// absent ones, and lists in `reads` where the parts of absent blocks the write does
     /// not cover come from. The data is then written through the per-core datapath
     /// (`volume::first_write`), and `finish_first_write` marks the blocks present once it is on
@@ -141,15 +142,43 @@ impl PoolCore {
                     Err(e) => FirstWritePlan::Fail(e),
                 };
             }
-            // Not zeroed: its absent blocks are never read (§3.4). A parity pool's unit
-            // still comes from its reserve: after a power loss before this allocation is
-            // committed, the unit must not go back to the free list with data in it.
+            // Its absent blocks are never read (§3.4). A parity pool's unit comes from
+            // its reserve (zero on every device): after a power loss before this
+            // allocation is committed, the unit must not go back to the free list with
+            // data in it.
+            //
+            // A mirror's unit is zeroed on every copy, as a plain partial first write's is
+            // (`PoolCore::allocate`): the copies of a free unit need not be equal (a
+            // replacement's old bytes, which a rebuild does not copy over free units; a
+            // write that reached one copy of a unit whose allocation a power loss undid,
+            // which the resync after an unclean open does not cover), and the absent
+            // blocks of an allocated unit would otherwise differ between copies, which a
+            // scrub reports and a scrub repair or rebuild copies either way. Zeroing here
+            // is the cheapest way to make them equal: one unit's write-zeroes per
+            // allocation, mostly taken from the zeroer's reserve (off the reactor), where
+            // making free units equal would cost a copy or zero-fill of all free space at
+            // every rebuild and every unclean open. Concat and raid0 keep one copy whose
+            // absent blocks are never read: nothing to zero.
             p = if self.layout.parity.is_some() {
                 match self.take_reserved(&mut s) {
                     Ok(q) => q,
                     Err(crate::pool::NEEDS_RESERVE) => return FirstWritePlan::Busy,
                     Err(e) => return FirstWritePlan::Fail(e),
                 }
+            } else if self.layout.kind.is_mirror() {
+                let (g, q) = self.take_free(s, true);
+                s = g;
+                let q = match q {
+                    Ok(q) => q,
+                    Err(e) => return FirstWritePlan::Fail(e),
+                };
+                // `take_free` may have waited for the zeroer (the lock released): plan
+                // again if the volume or its unit changed meanwhile.
+                if vol.is_deleted() || map.get(unit) != HOLE {
+                    s.free.push(q);
+                    return FirstWritePlan::Busy;
+                }
+                q
             } else {
                 let Some(q) = s.free.pop().or_else(|| s.zeroed.pop_back()) else {
                     return FirstWritePlan::Fail(-libc::ENOSPC);

@@ -293,39 +293,54 @@ impl PoolCore {
             let p = self.take_reserved(&mut s)?;
             return Ok(self.map_allocated(&mut s, vol, &map, unit, p));
         }
+        let (mut s, p) = self.take_free(s, !whole);
+        let p = p?;
+        Ok(self.map_allocated(&mut s, vol, &map, unit, p))
+    }
+
+    /// A free unit of a pool without parity, for a first write: zeroed on every copy
+    /// when `zeroed` (a partial write), else preferably one that was not (a whole-unit
+    /// write leaves the zeroer's reserve to partial ones). Takes the zeroer's reserve
+    /// first and zeroes the unit here (on the caller's reactor, under the pool lock) only
+    /// when the reserve has run dry. Gives the guard back.
+    pub(crate) fn take_free<'a>(
+        &'a self,
+        mut s: MutexGuard<'a, State>,
+        zeroed: bool,
+    ) -> (MutexGuard<'a, State>, std::result::Result<u32, i32>) {
         let (p, is_zero) = loop {
-            let pick = if whole {
-                s.free.pop().map(|p| (p, false))
-            } else {
+            let pick = if zeroed {
                 s.zeroed.pop_front().map(|p| (p, true))
+            } else {
+                s.free.pop().map(|p| (p, false))
             };
-            let pick = pick.or_else(|| match whole {
-                true => s.zeroed.pop_back().map(|p| (p, true)),
-                false => s.free.pop().map(|p| (p, false)),
+            let pick = pick.or_else(|| match zeroed {
+                false => s.zeroed.pop_back().map(|p| (p, true)),
+                true => s.free.pop().map(|p| (p, false)),
             });
             if let Some(pick) = pick {
                 break pick;
             }
             if s.zeroing.is_none() {
-                return Err(-libc::ENOSPC);
+                return (s, Err(-libc::ENOSPC));
             }
             // The last free unit is being zeroed: it is ours in at most one unit's zeroing.
             s = self.zero_done.wait(s).unwrap_or_else(|e| e.into_inner());
         };
-        if !whole {
+        if zeroed {
             // The reserve was used (or is empty): the zeroer tops it up.
             self.zero_wanted.notify_one();
         }
-        if !whole && !is_zero {
+        if zeroed && !is_zero {
             if let Err(e) = self
                 .layout
                 .write_zeroes_at((p as u64) << self.unit_shift, self.unit_size())
             {
                 s.free.push(p);
-                return Err(-e.raw_os_error().unwrap_or(libc::EIO));
+                return (s, Err(-e.raw_os_error().unwrap_or(libc::EIO)));
             }
         }
-        Ok(self.map_allocated(&mut s, vol, &map, unit, p))
+        (s, Ok(p))
     }
 
     /// Record pool unit `p` as `vol`'s unit `unit` (a full unit) and publish it.
@@ -1669,7 +1684,11 @@ impl Pool {
 
     /// Parity pools: the units `rebuild_units` leaves out (free or in the allocation
     /// reserve), which a rebuild zero-fills on the rebuilt device (`rebuild_free_unit`).
-    /// Empty for other layouts.
+    /// Empty for other layouts: a mirror's free units may keep other bytes on the rebuilt
+    /// device, since a mirror zeroes a unit on every copy when it hands it out
+    /// (`PoolCore::allocate`, `plan_first_write`), which costs far less than zero-filling
+    /// all free space at every rebuild (and does not need one: a power loss can make the
+    /// copies of a free unit differ too).
     pub fn rebuild_free_units(&self) -> Vec<u64> {
         if self.core.layout.parity.is_none() {
             return Vec::new();
