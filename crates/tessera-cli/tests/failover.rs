@@ -13,6 +13,9 @@
 //!   directly on its node.
 //! - etcd with three members: one killed, failover still works; all stopped: the volume
 //!   keeps serving I/O, and a killed owner is only replaced once etcd is back.
+//! - The owner cut off by nftables (its own network namespace): it acknowledges no
+//!   write the new owner lacks, its reads stop within its read lease, and after the new
+//!   owner acknowledged a write a read through the old owner fails or returns that write.
 //! - A snapshot taken before the owner's kill is on the new owner (a clone of it reads
 //!   the point's data), which snapshots and deletes on the replicas left.
 //! - A snapshot create cut off by the owner's kill (a `test-hooks` hook SIGKILLs it after
@@ -469,6 +472,18 @@ fn unix_client(n: &TestNode, export: &str) -> tessera_nbd::client::NbdClient {
     .expect("NBD handshake")
 }
 
+/// [`unix_client`], or None when node `n` no longer takes the connection or the handshake.
+fn try_unix_client(n: &TestNode, export: &str) -> Option<tessera_nbd::client::NbdClient> {
+    let s = std::os::unix::net::UnixStream::connect(n.dir.join("nbd.sock")).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    tessera_nbd::client::NbdClient::from_stream(
+        s,
+        export,
+        tessera_nbd::client::ClientOptions::default(),
+    )
+    .ok()
+}
+
 /// The stamps of the first `BLOCKS` blocks of a whole-volume image.
 fn stamps_of(img: &[u8]) -> Vec<u64> {
     (0..BLOCKS)
@@ -538,8 +553,27 @@ fn a_partitioned_owner_acknowledges_nothing_the_new_owner_lacks_and_rejoins_afte
         assert!(write(&mut cl, &mut history), "write before the partition");
     }
 
-    // Cut node-a off. A client still attached to it keeps writing.
+    // Cut node-a off. Its reads stop within its read lease (half the 2 s ownership
+    // lease), before a new owner can exist: a read through it is served (the data it
+    // had) until then, and fails from then on.
     ns.cut();
+    let cut_at = Instant::now();
+    let mut buf = vec![0u8; 4096];
+    let mut refused_after = None;
+    while refused_after.is_none() && cut_at.elapsed() < Duration::from_secs(5) {
+        if cl.read(0, &mut buf).is_err() {
+            refused_after = Some(cut_at.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let epoch_when_refused = spec_of(&e, "db").map_or(0, |s| s.epoch);
+    println!(
+        "PARTITION: the old owner refused reads {refused_after:?} after the cut (spec at epoch {epoch_when_refused} then)"
+    );
+    if let Some(c) = try_unix_client(&nodes[0], "db") {
+        cl = c;
+    }
+    // A client still attached to it keeps writing.
     let mut new_epoch_at = None;
     let mut after_new_epoch = 0;
     let until = Instant::now() + Duration::from_secs(60);
@@ -559,15 +593,8 @@ fn a_partitioned_owner_acknowledges_nothing_the_new_owner_lacks_and_rejoins_afte
         }
         if !acked {
             // The connection may be gone after an error: attach again, still to node-a.
-            if let Ok(s) = std::os::unix::net::UnixStream::connect(nodes[0].dir.join("nbd.sock")) {
-                s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-                if let Ok(c) = tessera_nbd::client::NbdClient::from_stream(
-                    s,
-                    "db",
-                    tessera_nbd::client::ClientOptions::default(),
-                ) {
-                    cl = c;
-                }
+            if let Some(c) = try_unix_client(&nodes[0], "db") {
+                cl = c;
             }
         }
     }
@@ -601,6 +628,50 @@ fn a_partitioned_owner_acknowledges_nothing_the_new_owner_lacks_and_rejoins_afte
             }
         }
     }
+
+    // The new owner acknowledges a new generation of every block; a read through the
+    // old owner (still cut off, still exporting its copy) fails or returns it, never the
+    // data the old owner had (issue 20 item 8: stale reads from a partitioned owner).
+    const NEW_GEN: u64 = 0x5eed_0000_0000;
+    for b in 0..BLOCKS {
+        f.write(b * 4096, &stamped(b, NEW_GEN + b))
+            .unwrap_or_else(|_| panic!("write of block {b} through the new owner failed"));
+    }
+    let mut old_cl = try_unix_client(&nodes[0], "db");
+    let (mut refused, mut served) = (0, 0);
+    for b in 0..BLOCKS {
+        let Some(c) = old_cl.as_mut() else {
+            refused += 1;
+            old_cl = try_unix_client(&nodes[0], "db");
+            continue;
+        };
+        match c.read(b * 4096, &mut buf) {
+            Err(_) => {
+                refused += 1;
+                old_cl = try_unix_client(&nodes[0], "db");
+            }
+            Ok(()) => {
+                let got = decode_stamped(b, &buf).unwrap_or_else(|e| panic!("block {b}: {e}"));
+                assert_eq!(
+                    got,
+                    NEW_GEN + b,
+                    "a read of block {b} through the cut-off old owner returned stamp {got:#x}, \
+                     older than the write the new owner acknowledged"
+                );
+                served += 1;
+            }
+        }
+    }
+    drop(old_cl);
+    println!("PARTITION: reads through the old owner after the new owner's writes: {refused} refused, {served} served the new data");
+    // The lease (1 s) from the last ping before the cut, plus the ping period and
+    // scheduling slack on a loaded machine: within the 2 s ownership lease + 1 s.
+    let refused_after =
+        refused_after.expect("the cut-off owner still served reads 5 s after the cut");
+    assert!(
+        refused_after < Duration::from_secs(3),
+        "reads on the cut-off owner stopped only {refused_after:?} after the cut"
+    );
 
     // Heal: node-a gives its stale copy up (deleted once the client attached to it,
     // which only saw errors since the new epoch, goes) and comes back as a replica.

@@ -212,6 +212,11 @@ impl ReplicaCore {
         match (op, range) {
             (IoOp::Read { .. }, _) => {
                 let m = self.vol.masks.load(Acquire);
+                // A cut-off owner stops serving reads once its replicas stop answering it
+                // (a new owner's claim ends its connections): `lease`.
+                if !self.vol.read_lease_holds(io.now(), in_sync(m)) {
+                    return io.complete(tag, -libc::EIO);
+                }
                 // SAFETY: forwarded under the caller's contract.
                 unsafe { self.read(io, op, tag, in_sync(m), 0) }
             }
@@ -482,6 +487,13 @@ impl ExportHandle for ReplicaHandle {
 
     fn is_hole(&mut self, offset: u64, len: u64) -> bool {
         let m = self.vol.masks.load(Acquire);
+        // A hole is answered without a read: only under the read lease (`lease`).
+        if !self
+            .vol
+            .read_lease_holds(std::time::Instant::now(), in_sync(m))
+        {
+            return false;
+        }
         match (self.vol.local, &mut self.local) {
             (Some(l), Some(h)) if in_sync(m) & (1 << l) != 0 => h.is_hole(offset, len),
             _ => false,

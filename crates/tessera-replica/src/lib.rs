@@ -7,7 +7,9 @@
 //!
 //! - Writes go to every in-sync leg in parallel and complete when all acknowledged
 //!   (synchronous replication); flushes reach every leg. Reads are served by the local leg
-//!   when it is in sync, else by an in-sync remote one, failing over on error.
+//!   when it is in sync, else by an in-sync remote one, failing over on error. In a
+//!   cluster, only under the read lease ([`lease`]): while every remote leg in sync
+//!   answered the owner recently, so a partitioned owner stops serving stale data.
 //! - A leg that fails (a remote that stayed away past its timeout, a local device error)
 //!   is marked out of sync on disk before any write completes without it ([`persist`]).
 //!   So is a remote leg whose connection broke, even if the reconnect hid it from every
@@ -39,6 +41,7 @@ use tessera_remote::{RemoteConfig, RemoteDevice, RemoteSpec};
 use tracing::{info, warn};
 
 pub mod handle;
+pub mod lease;
 pub mod meta;
 pub mod persist;
 pub mod resync;
@@ -195,6 +198,8 @@ pub(crate) struct Leg {
     /// when a resync started): a different count means the connection broke since, and
     /// the leg may have lost what it had not made durable.
     pub(crate) breaks_seen: AtomicU64,
+    /// The read lease's view of the leg ([`lease`]).
+    pub(crate) lease: lease::LegLease,
 }
 
 impl Leg {
@@ -211,6 +216,7 @@ impl Leg {
             last_error: Mutex::new(None),
             flushed: AtomicU32::new(FIRST_EPOCH),
             breaks_seen: AtomicU64::new(0),
+            lease: lease::LegLease::default(),
         }
     }
 
@@ -302,6 +308,11 @@ pub struct ReplicatedVolume {
     pub(crate) resync_rate: AtomicU64,
     /// The cluster's say on dropping a replica (none for a volume outside a cluster).
     fence: RwLock<Option<Arc<dyn LegFence>>>,
+    /// The read lease in nanoseconds (0: off, outside a cluster; [`lease`]).
+    pub(crate) read_lease: AtomicU64,
+    /// Reads are refused now (the lease lapsed): logged once per change.
+    pub(crate) reads_refused: AtomicBool,
+    pub(crate) read_lease_lapses: AtomicU64,
 }
 
 /// Writes of a replicated volume held by [`ReplicatedVolume::quiesce`]; they go on when
@@ -496,6 +507,7 @@ impl ReplicatedVolume {
                 last_error: Mutex::new(None),
                 flushed: AtomicU32::new(FIRST_EPOCH),
                 breaks_seen: AtomicU64::new(0),
+                lease: lease::LegLease::default(),
             });
             if st == LegState::InSync && matches!(d, LegDesc::Local { .. }) {
                 mask |= 1 << i;
@@ -508,8 +520,11 @@ impl ReplicatedVolume {
         // cannot be reached is marked out of sync now, so no write ever waits for it.
         for (i, l) in legs.iter().enumerate() {
             if let LegDesc::Remote { spec, .. } = &l.desc() {
+                let sent = Instant::now();
                 match connect_remote(spec, &opts) {
                     Ok(dev) => {
+                        // The peer let this owner connect: the read lease's first answer.
+                        l.lease.answered_at(sent);
                         *l.dev.write().unwrap_or_else(|e| e.into_inner()) =
                             LegDev::Remote(Some(dev));
                         if m.header.states[i] == LegState::InSync {
@@ -565,6 +580,9 @@ impl ReplicatedVolume {
             al_writes: AtomicU64::new(0),
             resync_rate: AtomicU64::new(rate),
             fence: RwLock::new(None),
+            read_lease: AtomicU64::new(0),
+            reads_refused: AtomicBool::new(false),
+            read_lease_lapses: AtomicU64::new(0),
         });
         let w = Arc::downgrade(&vol);
         let t = std::thread::Builder::new()

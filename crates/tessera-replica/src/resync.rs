@@ -136,8 +136,10 @@ fn reachable(v: &ReplicatedVolume, i: usize) -> bool {
     }
     // A read through the synchronous queue: the peer serves I/O again.
     let mut probe = vec![0u8; 4096];
+    let sent = Instant::now();
     match dev.read_at(0, &mut probe) {
         Ok(()) => {
+            l.lease.answered_at(sent);
             // The per-core queues that gave up on the peer reconnect on their next I/O
             // instead of failing it (and dropping the leg again) while their backoff runs.
             dev.revive();

@@ -270,11 +270,21 @@ impl Node {
         }
     }
 
-    /// Put an owned replicated volume under the cluster's fence.
-    fn fence_volume(&self, rv: &ReplicatedVolume) {
+    /// Put an owned replicated volume under the cluster's fence: for writes (dropping a
+    /// replica needs the spec), and for reads (the read lease).
+    fn fence_volume(&self, rv: &Arc<ReplicatedVolume>) {
         if let Some(me) = self.self_ref.get() {
             rv.set_leg_fence(Arc::new(SpecFence { node: me.clone() }));
         }
+        rv.set_read_lease(self.read_lease());
+    }
+
+    /// The read lease of owned volumes (tessera_replica::lease): half the ownership lease
+    /// as etcd grants it (whole seconds, at least 2). An owner cut off from etcd and its
+    /// replicas stops serving reads within it, before its ownership lease can expire.
+    pub(super) fn read_lease(&self) -> Duration {
+        let ttl_s = (self.cfg.cluster.lease_ttl_ms.max(2000) / 1000).max(2);
+        Duration::from_millis(ttl_s * 1000 / 2)
     }
 
     /// A replicated volume this node just made (created, or a plain one replicated) is
@@ -576,7 +586,8 @@ impl Node {
         self.set_owned(volume, Some(epoch));
         // 1. This node's own replica first: once the claim returns, nothing the old
         // owner sends reaches it, so nothing it acknowledges from now on lacks it.
-        self.claim_replica_locked(&replica_vol, &me, epoch)?;
+        let own = self.claim_replica_locked(&replica_vol, &me, epoch)?;
+        let claimed_at = Instant::now();
         self.nvmf_remove_subsystem_waiting(&my_nqn);
         // 2. The others: claimed at the new epoch; each gets a copy of this node's
         // replica (the old owner's activity log, which said where they may differ, is
@@ -676,7 +687,17 @@ impl Node {
         if let Err(why) = self.resolve_snapshot_intent_locked(volume) {
             warn!(volume = %volume, reason = %why, "a cut-off snapshot is not undone yet");
         }
-        // 4. Served under the volume's name, as on the old owner.
+        // 4. Served under the volume's name, as on the old owner. If the claim ended a
+        // connection of the old owner, it may have had an answer from this replica just
+        // before, and serve reads until that answer is a read lease old: no write is
+        // taken here before then, so no read there returns data older than a write
+        // acknowledged here (a killed owner's connections are gone: no wait).
+        if own.evicted > 0 {
+            let wait = self.read_lease().saturating_sub(claimed_at.elapsed());
+            info!(volume = %volume, wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+                  "the old owner was still connected: waiting out its read lease before serving");
+            std::thread::sleep(wait);
+        }
         self.set_cluster_path(volume, true, spec.size);
         self.export_owned(volume);
         info!(volume = %volume, epoch, took_ms = started.elapsed().as_millis() as u64,
