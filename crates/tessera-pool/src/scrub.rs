@@ -133,6 +133,9 @@ impl Layout {
             for (o, l) in r.ranges {
                 f.note_range(o, l);
             }
+            if f.repaired > 0 {
+                self.sync()?;
+            }
             return Ok(f);
         }
         if !self.kind.is_mirror() {
@@ -163,6 +166,13 @@ impl Layout {
         for p in self.pieces(offset, len) {
             self.scrub_piece(offset + p.range_offset, p, repair, &mut bufs, &mut f)?;
             f.bytes_checked += p.len;
+        }
+        if f.repaired > 0 {
+            // A repair is durable before the range counts as repaired: a client may read
+            // the repaired value now, and if the copy it came from failed later, a power
+            // loss must not bring back what the repaired copy held before (soak finding
+            // 7: the resync after an unclean open, then a device loss, then a power loss).
+            self.sync()?;
         }
         Ok(f)
     }
