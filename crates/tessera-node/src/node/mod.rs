@@ -4,7 +4,8 @@
 //! The operations are grouped by what they manage, one `impl Node` per file: pools
 //! (`pools.rs`), volumes (`volumes.rs`), NBD exports (`exports.rs`), background jobs
 //! (`jobs.rs`: scrub, resync, rebuild), device replacement and hot spares (`spares.rs`),
-//! QoS groups (`qos.rs`), and the devices the pools are opened on (`devices.rs`). This
+//! QoS groups (`qos.rs`), and the devices the pools are opened on (`devices.rs`); a
+//! volume's own snapshot history (`lineage.rs`, a leaf the others share). This
 //! file holds the state, starting the node and the lookups every part uses. Operations
 //! answer with the types of `tessera_api`; the JSON is made at the API edge (crate::api).
 
@@ -13,6 +14,7 @@ mod devices;
 mod exports;
 pub mod fencing;
 mod jobs;
+mod lineage;
 pub mod nvmf;
 mod ownership;
 pub use nvmf::ClusterPath;

@@ -472,7 +472,7 @@ impl Node {
         let Ok((p, v)) = self.find_volume(local) else {
             return true;
         };
-        let snapshots = super::snapshots::own_snapshots(&p, &v);
+        let snapshots = super::lineage::own_snapshots(&p, &v);
         if p.delete_volume(&v).is_err() {
             return false;
         }

@@ -678,7 +678,7 @@ impl Node {
     /// reads through stays, with the older ones).
     pub fn delete_replica(&self, volume: &str) -> Result<()> {
         let snapshots: Vec<String> = match self.find_volume(volume) {
-            Ok((p, v)) => super::snapshots::own_snapshots(&p, &v)
+            Ok((p, v)) => super::lineage::own_snapshots(&p, &v)
                 .into_iter()
                 .map(|s| s.name.clone())
                 .collect(),
