@@ -73,6 +73,15 @@ const K_READ: u64 = 4;
 /// One leg's part of a flush: low bits = leg (bits 0-7) and the flush's epoch (8-39).
 const K_FLUSH: u64 = 5;
 const EPOCH_SHIFT: u32 = 8;
+/// A read waiting for the read lease (`lease`), retried each round: low bits = slot of
+/// the parked read (bits 0-23) and when it began to wait, in ms (24-55, wrapping).
+const K_LEASE: u64 = 6;
+const LEASE_SLOT_BITS: u32 = 24;
+const LEASE_SLOT_MASK: u64 = (1 << LEASE_SLOT_BITS) - 1;
+/// How long a read waits for the read lease before it fails with EIO: longer than the
+/// replication timeout (5 s), after which a silent replica is dropped and the others
+/// carry the lease; a fenced old owner's lease never comes back, and its reads fail then.
+const LEASE_WAIT_MS: u64 = 8_000;
 /// In a read's context: the leg it was sent to last (the one that failed, on error).
 const LAST_SHIFT: u32 = 48;
 const TRIED_MASK: u64 = 0xFF;
@@ -215,7 +224,14 @@ impl ReplicaCore {
                 // A cut-off owner stops serving reads once its replicas stop answering it
                 // (a new owner's claim ends its connections): `lease`.
                 if !self.vol.read_lease_holds(io.now(), in_sync(m)) {
-                    return io.complete(tag, -libc::EIO);
+                    // Wait for the lease (an answer, or the silent replica's drop) rather
+                    // than fail at once: a replica node that dies unannounced holds the
+                    // writes up to the replication timeout anyway, and a client takes a
+                    // slow read better than EIO. Bounded: `LEASE_WAIT_NS`.
+                    let slot = self.park(op, tag);
+                    let since = crate::lease::ns(io.now()) / 1_000_000;
+                    let low = slot & LEASE_SLOT_MASK | (since & 0xFFFF_FFFF) << LEASE_SLOT_BITS;
+                    return io.defer_hook(self.hook.get(), ctx(K_LEASE, low));
                 }
                 // SAFETY: forwarded under the caller's contract.
                 unsafe { self.read(io, op, tag, in_sync(m), 0) }
@@ -265,6 +281,15 @@ impl ReplicaCore {
             }
         };
         slot as u64
+    }
+
+    /// Take the request parked in `slot` back (once).
+    fn unpark(&self, slot: usize) -> (IoOp, Tag) {
+        let r = self.parked.borrow_mut()[slot]
+            .take()
+            .expect("a parked request is resumed once");
+        self.free_parked.borrow_mut().push(slot);
+        r
     }
 
     fn release(&self, first: u64, count: u64) {
@@ -386,17 +411,13 @@ impl Continuation for ReplicaCore {
         let low = c & ((1 << KIND_SHIFT) - 1);
         match c >> KIND_SHIFT {
             K_PARKED => {
-                let slot = low as usize;
-                let (op, tag) = self.parked.borrow_mut()[slot]
-                    .take()
-                    .expect("a parked write is resumed once");
-                self.free_parked.borrow_mut().push(slot);
+                let (op, tag) = self.unpark(low as usize);
                 let (first, count) = match op {
                     IoOp::Write { offset, len, .. } => self.regions(offset, u64::from(len)),
                     IoOp::Discard { offset, len } | IoOp::WriteZeroes { offset, len, .. } => {
                         self.regions(offset, len)
                     }
-                    _ => unreachable!("only writes are parked"),
+                    _ => unreachable!("only writes are parked with K_PARKED"),
                 };
                 if res < 0 {
                     self.release(first, count);
@@ -405,6 +426,23 @@ impl Continuation for ReplicaCore {
                 // SAFETY: the client's buffer is valid until `tag` completes (the
                 // caller's contract when it was parked).
                 unsafe { self.fan_out(io, op, tag, first, count) }
+            }
+            K_LEASE => {
+                let slot = usize_of(low & LEASE_SLOT_MASK);
+                let m = self.vol.masks.load(Acquire);
+                if self.vol.read_lease_holds(io.now(), in_sync(m)) {
+                    let (op, tag) = self.unpark(slot);
+                    // SAFETY: the client's buffer is valid until `tag` completes (the
+                    // caller's contract when it was parked).
+                    return unsafe { self.read(io, op, tag, in_sync(m), 0) };
+                }
+                let since = low >> LEASE_SLOT_BITS;
+                let now = (crate::lease::ns(io.now()) / 1_000_000) & 0xFFFF_FFFF;
+                if now.wrapping_sub(since) & 0xFFFF_FFFF >= LEASE_WAIT_MS {
+                    let (_, tag) = self.unpark(slot);
+                    return io.complete(tag, -libc::EIO);
+                }
+                io.defer_hook(self.hook.get(), c);
             }
             K_WRITE_DONE => {
                 let first = low & REGION_MASK;

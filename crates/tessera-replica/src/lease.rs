@@ -24,6 +24,11 @@
 //! it; the other replicas then carry the lease. While that cannot be recorded (etcd away,
 //! or the volume lost), the replica stays in sync and reads fail with EIO.
 //!
+//! A read that finds the lease lapsed is not failed at once: it is parked and retried
+//! each reactor round (`handle.rs`, `K_LEASE`) until the lease holds again (an answer,
+//! or the silent replica dropped, which a dead replica node's writes wait for anyway) or
+//! 8 s went by, then it fails with EIO.
+//!
 //! Per read, the datapath pays one relaxed load (the lease is off outside a cluster) and,
 //! per remote replica in sync, one load of its last answer's time against the reactor's
 //! clock of this round: no shared write, no system call.
@@ -131,7 +136,7 @@ impl ReplicatedVolume {
                 self.read_lease_lapses.fetch_add(1, Relaxed);
                 warn!(volume = %self.name, read_lease_ms = w / 1_000_000,
                     "replicated volume: a replica in sync did not answer within the read lease \
-                     (partitioned, or fenced by a new owner): reads fail until it answers or is dropped");
+                     (partitioned, or fenced by a new owner): reads wait (up to 8 s, then fail) until it answers or is dropped");
             }
         }
         good
