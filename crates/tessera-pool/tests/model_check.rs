@@ -737,3 +737,285 @@ fn finding5_raid6_degraded_power_loss_rebuild() {
 fn finding5_ec_degraded_power_loss_rebuild() {
     replay(6, 1000001, &degraded_power_loss_rebuild_ops());
 }
+
+/// Soak finding 8 (raid6 and ec, seeds 2000009 and 2000035): a device fails, a batch of
+/// writes is cut by a power loss (the failed device comes back: its failure was not
+/// recorded yet), then a second device fails: a row whose degraded write's record left
+/// out the first device's chunk decoded to an old value (or garbage).
+fn degraded_crash_then_second_failure_ops(seed: u64) -> Vec<Op> {
+    if seed == 2000009 {
+        vec![
+            Op::CreateVolume { vol: "v1".into() },
+            Op::CreateVolume { vol: "v2".into() },
+            Op::Batch {
+                ios: vec![
+                    Io::Write {
+                        vol: "v2".into(),
+                        sector: 352,
+                        sectors: 40,
+                        fua: false,
+                    },
+                    Io::Trim {
+                        vol: "v1".into(),
+                        sector: 368,
+                        sectors: 24,
+                    },
+                    Io::Read {
+                        vol: "v1".into(),
+                        sector: 1872,
+                        sectors: 8,
+                    },
+                ],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: Some(("v2".into(), "s3".into())),
+            },
+            Op::Batch {
+                ios: vec![Io::Write {
+                    vol: "v2".into(),
+                    sector: 1536,
+                    sectors: 128,
+                    fua: false,
+                }],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: None,
+            },
+            Op::Snapshot {
+                vol: "v1".into(),
+                snap: "s4".into(),
+            },
+            Op::Batch {
+                ios: vec![
+                    Io::Read {
+                        vol: "s4".into(),
+                        sector: 208,
+                        sectors: 8,
+                    },
+                    Io::Read {
+                        vol: "s4".into(),
+                        sector: 312,
+                        sectors: 8,
+                    },
+                    Io::Write {
+                        vol: "v2".into(),
+                        sector: 424,
+                        sectors: 48,
+                        fua: false,
+                    },
+                ],
+                latency_us: vec![279, 286, 133, 129],
+                crash_after: None,
+                snapshot: None,
+            },
+            Op::Snapshot {
+                vol: "v1".into(),
+                snap: "s5".into(),
+            },
+            Op::Batch {
+                ios: vec![
+                    Io::Write {
+                        vol: "v1".into(),
+                        sector: 1291,
+                        sectors: 3,
+                        fua: true,
+                    },
+                    Io::Read {
+                        vol: "s5".into(),
+                        sector: 434,
+                        sectors: 3,
+                    },
+                ],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: None,
+            },
+            Op::Batch {
+                ios: vec![Io::Read {
+                    vol: "v1".into(),
+                    sector: 968,
+                    sectors: 8,
+                }],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: Some(("v2".into(), "s6".into())),
+            },
+            Op::FailDevice { dev: 1 },
+            Op::Batch {
+                ios: vec![
+                    Io::Write {
+                        vol: "v1".into(),
+                        sector: 1248,
+                        sectors: 40,
+                        fua: true,
+                    },
+                    Io::Read {
+                        vol: "s6".into(),
+                        sector: 1408,
+                        sectors: 128,
+                    },
+                    Io::Write {
+                        vol: "v2".into(),
+                        sector: 22,
+                        sectors: 1,
+                        fua: false,
+                    },
+                ],
+                latency_us: vec![],
+                crash_after: Some(18),
+                snapshot: None,
+            },
+            Op::FailDevice { dev: 3 },
+        ]
+    } else {
+        vec![
+            Op::CreateVolume { vol: "v1".into() },
+            Op::Batch {
+                ios: vec![Io::Write {
+                    vol: "v1".into(),
+                    sector: 1632,
+                    sectors: 16,
+                    fua: true,
+                }],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: None,
+            },
+            Op::Batch {
+                ios: vec![
+                    Io::Write {
+                        vol: "v1".into(),
+                        sector: 704,
+                        sectors: 8,
+                        fua: false,
+                    },
+                    Io::Write {
+                        vol: "v1".into(),
+                        sector: 1152,
+                        sectors: 128,
+                        fua: true,
+                    },
+                ],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: Some(("v1".into(), "s3".into())),
+            },
+            Op::Snapshot {
+                vol: "v1".into(),
+                snap: "s4".into(),
+            },
+            Op::Batch {
+                ios: vec![Io::Write {
+                    vol: "v1".into(),
+                    sector: 696,
+                    sectors: 32,
+                    fua: false,
+                }],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: None,
+            },
+            Op::Batch {
+                ios: vec![Io::Write {
+                    vol: "v1".into(),
+                    sector: 159,
+                    sectors: 1,
+                    fua: false,
+                }],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: None,
+            },
+            Op::Batch {
+                ios: vec![
+                    Io::Write {
+                        vol: "v1".into(),
+                        sector: 1632,
+                        sectors: 8,
+                        fua: true,
+                    },
+                    Io::Write {
+                        vol: "v1".into(),
+                        sector: 936,
+                        sectors: 16,
+                        fua: false,
+                    },
+                ],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: None,
+            },
+            Op::Batch {
+                ios: vec![Io::Read {
+                    vol: "v1".into(),
+                    sector: 432,
+                    sectors: 8,
+                }],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: Some(("v1".into(), "s5".into())),
+            },
+            Op::CreateVolume { vol: "v6".into() },
+            Op::Batch {
+                ios: vec![Io::Write {
+                    vol: "v6".into(),
+                    sector: 1277,
+                    sectors: 3,
+                    fua: false,
+                }],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: None,
+            },
+            Op::Batch {
+                ios: vec![Io::Write {
+                    vol: "v1".into(),
+                    sector: 986,
+                    sectors: 9,
+                    fua: false,
+                }],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: None,
+            },
+            Op::Batch {
+                ios: vec![Io::Write {
+                    vol: "v1".into(),
+                    sector: 1936,
+                    sectors: 48,
+                    fua: true,
+                }],
+                latency_us: vec![],
+                crash_after: None,
+                snapshot: None,
+            },
+            Op::FailDevice { dev: 0 },
+            Op::Batch {
+                ios: vec![Io::Write {
+                    vol: "v1".into(),
+                    sector: 956,
+                    sectors: 9,
+                    fua: false,
+                }],
+                latency_us: vec![],
+                crash_after: Some(14),
+                snapshot: None,
+            },
+            Op::FailDevice { dev: 3 },
+        ]
+    }
+}
+
+#[test]
+fn finding8_raid6_degraded_crash_then_second_failure() {
+    for seed in [2000009, 2000035] {
+        replay(5, seed, &degraded_crash_then_second_failure_ops(seed));
+    }
+}
+
+#[test]
+fn finding8_ec_degraded_crash_then_second_failure() {
+    for seed in [2000009, 2000035] {
+        replay(6, seed, &degraded_crash_then_second_failure_ops(seed));
+    }
+}

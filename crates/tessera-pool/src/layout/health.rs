@@ -17,9 +17,10 @@ pub struct DeviceHealth {
     /// Failure bits already recorded durably in the labels.
     pub failed_durable: AtomicU64,
     /// True while a pool's commit thread records failures into the labels: a parity
-    /// row write that went without a failed device then waits for the record before it
-    /// completes (`Layout::failure_unrecorded`). False for a layout with no pool around
-    /// it (tests, tools) and once the thread stopped or could not write any label.
+    /// row write then waits for the record of every failed device before it goes in
+    /// place and before it completes (`Layout::failure_unrecorded`). False for a layout
+    /// with no pool around it (tests, tools) and once the thread stopped or could not
+    /// write any label.
     pub recorder: AtomicBool,
     /// Per device: why it failed (`FailReason::byte`, 0 for none).
     pub fail_reason: Vec<AtomicU8>,
@@ -90,8 +91,8 @@ impl Layout {
     }
 
     /// A device is failed in memory and its labels do not say so yet, while a commit
-    /// thread is there to record it. A parity row written without such a device must
-    /// not complete (nor release its journal record) before the record is durable: a
+    /// thread is there to record it. A parity row write neither goes in place nor
+    /// completes (nor releases its journal record) before the record is durable: a
     /// power loss would otherwise bring the device back as a healthy member holding the
     /// row's old chunk under the new parity, and a later reconstruction of any chunk of
     /// that row would decode garbage (md holds writes on a pending superblock change for

@@ -95,6 +95,11 @@ impl DevOp {
 const GROUP_FLUSH: u32 = u32::MAX;
 /// Attempts at planning one row operation (each failure marks a device failed first).
 const MAX_TRIES: u8 = 8;
+/// The longest a row write waits for a device failure to be recorded in the labels
+/// (the commit thread does it within `FAILURE_POLL`, 100 ms): a bound, so that a commit
+/// thread held up behind this very write (a drain) cannot deadlock with it; past it the
+/// write goes on, logged.
+const FAILURE_RECORD_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Phase {
@@ -165,6 +170,9 @@ struct RowOp {
     holders: u64,
     writes: Vec<DevWrite>,
     tries: u8,
+    /// When this op began to wait for a device failure to be recorded in the labels
+    /// (`Engine::held_for_failure_record`).
+    held_since: Option<std::time::Instant>,
     result: i32,
 }
 
@@ -189,6 +197,7 @@ impl RowOp {
             holders: 0,
             writes: Vec::new(),
             tries: 0,
+            held_since: None,
             result: 0,
         }
     }
@@ -445,6 +454,7 @@ impl Engine {
         op.segs.clear();
         op.phase = Phase::Lock;
         op.tries = 0;
+        op.held_since = None;
         op.result = 0;
         op.ring_id = None;
         op.holders = 0;

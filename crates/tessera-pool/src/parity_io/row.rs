@@ -64,6 +64,17 @@ impl Engine {
                     op.phase = Phase::Journal;
                 }
                 Phase::Journal => {
+                    if self.held_for_failure_record(io, l, st, id) {
+                        // Nothing goes in place while a failed device is not recorded
+                        // failed in the labels (`Layout::failure_unrecorded`): the
+                        // record of a degraded write leaves out the failed device's
+                        // chunks, so if a power loss brought that device back as a
+                        // healthy member, recovery could not rewrite them and the row
+                        // would decode garbage once a second device is lost (soak
+                        // finding 8). Only writes get here.
+                        io.defer_hook(hook, id as u64);
+                        return;
+                    }
                     match self.journal(io, l, p, st, id, hook) {
                         None => {
                             // The journal slice is full of unfinished writes: next round.
@@ -111,7 +122,7 @@ impl Engine {
                     }
                 }
                 Phase::Done => {
-                    if st.ops[id as usize].write && l.failure_unrecorded() {
+                    if st.ops[id as usize].write && self.held_for_failure_record(io, l, st, id) {
                         // Written without a device whose failure the labels do not
                         // record yet (`Layout::failure_unrecorded`): keep the record
                         // and the row until the commit thread has written them.
@@ -122,6 +133,28 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// Whether row write `id` must wait (another round) for a device failure to be
+    /// recorded in the labels (`Layout::failure_unrecorded`), at most
+    /// `FAILURE_RECORD_WAIT` in all.
+    fn held_for_failure_record(&self, io: &CoreIo, l: &Layout, st: &mut State, id: u32) -> bool {
+        let op = &mut st.ops[id as usize];
+        if !l.failure_unrecorded() {
+            op.held_since = None;
+            return false;
+        }
+        let since = *op.held_since.get_or_insert(io.now());
+        if io.now().saturating_duration_since(since) < super::FAILURE_RECORD_WAIT {
+            return true;
+        }
+        tracing::warn!(
+            row = op.row,
+            "a parity row write waited {} s for a device failure to be recorded: going on",
+            super::FAILURE_RECORD_WAIT.as_secs()
+        );
+        op.held_since = None;
+        false
     }
 
     /// Choose how to do the row operation and issue its reads; returns how many.
