@@ -2,8 +2,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::qos::{BackgroundLimits, QosLimits, StepBurst};
 use serde::{Deserialize, Serialize};
-use tessera_qos::{BackgroundLimits, QosLimits, StepBurst};
 
 /// A QoS group (`GET /v1/groups/NAME`, entries of `GET /v1/groups`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]

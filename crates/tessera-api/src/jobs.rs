@@ -2,6 +2,19 @@
 
 use serde::{Deserialize, Serialize};
 
+wire_state! {
+    /// A background job's state (a job starts running).
+    #[derive(Default)]
+    pub enum JobState {
+        #[default]
+        Running => "running",
+        Done => "done",
+        /// Stopped by a request (or the node's shutdown) before the end.
+        Stopped => "stopped",
+        Failed => "failed",
+    }
+}
+
 /// The background class controller's view of a job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ClassFigures {
@@ -42,7 +55,7 @@ pub struct Range {
 pub struct ScrubStatus {
     pub pool: String,
     /// "running", "done", "stopped" or "failed".
-    pub state: String,
+    pub state: JobState,
     /// Unix time the job started.
     pub started: u64,
     pub repair: bool,
@@ -63,7 +76,7 @@ pub struct RebuildStatus {
     pub pool: String,
     pub device: usize,
     /// "running", "done", "stopped" or "failed".
-    pub state: String,
+    pub state: JobState,
     pub started: u64,
     /// Units already rebuilt when this run resumed.
     pub resumed_at_unit_count: u64,
@@ -72,6 +85,6 @@ pub struct RebuildStatus {
     pub progress: JobProgress,
 }
 
-/// A job's state strings.
-pub const JOB_RUNNING: &str = "running";
-pub const JOB_DONE: &str = "done";
+/// A job's states, by their former names.
+pub const JOB_RUNNING: JobState = JobState::Running;
+pub const JOB_DONE: JobState = JobState::Done;

@@ -4,12 +4,44 @@
 //! them; the `tessera` CLI does the reverse. JSON field names and values are the wire
 //! format: a field added here is added to the API.
 
+/// A state sent as a lowercase string: the enum, its serde names (`rename_all`), its
+/// `as_str` and `Display` (the same strings), for a status field of the API.
+macro_rules! wire_state {
+    ($(#[$m:meta])* pub enum $name:ident { $($(#[$vm:meta])* $v:ident => $s:tt,)+ }) => {
+        $(#[$m])*
+        #[derive(
+            Clone, Copy, Debug, PartialEq, Eq, Hash,
+            serde::Serialize, serde::Deserialize, utoipa::ToSchema,
+        )]
+        pub enum $name {
+            $($(#[$vm])* #[serde(rename = $s)] $v,)+
+        }
+
+        impl $name {
+            /// The state as the API writes it.
+            pub fn as_str(&self) -> &'static str {
+                match self {
+                    $($name::$v => $s,)+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
 pub mod cluster;
 pub mod exports;
 pub mod groups;
 pub mod jobs;
+pub mod layout;
 pub mod nvmf;
 pub mod pools;
+pub mod qos;
 pub mod snapshots;
 pub mod status;
 pub mod volumes;
@@ -20,13 +52,14 @@ pub use cluster::*;
 pub use exports::*;
 pub use groups::*;
 pub use jobs::*;
+pub use layout::LayoutSpec;
 pub use nvmf::*;
 pub use pools::*;
 pub use snapshots::*;
 pub use status::*;
 pub use volumes::*;
 
-pub use tessera_qos::{BackgroundLimits, QosLimits, StepBurst};
+pub use qos::{BackgroundLimits, QosLimits, StepBurst};
 
 /// The body of every reply whose HTTP status is not 2xx.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -86,7 +119,7 @@ mod tests {
     fn a_healthy_device_has_no_reason_on_the_wire() {
         let d = DeviceState {
             device: "/a".into(),
-            state: "online".into(),
+            state: DeviceHealth::Online,
             reason: None,
         };
         assert_eq!(
@@ -122,7 +155,7 @@ mod tests {
         let r = RebuildStatus {
             pool: "m".into(),
             device: 1,
-            state: JOB_DONE.into(),
+            state: JOB_DONE,
             started: 1,
             resumed_at_unit_count: 0,
             error: None,
@@ -148,5 +181,66 @@ mod tests {
         assert!(text.contains(r#""error":null"#), "{text}");
         let back: RebuildStatus = serde_json::from_str(&text).unwrap();
         assert_eq!(back, r);
+    }
+
+    #[test]
+    fn states_are_the_same_strings_on_the_wire() {
+        fn json<T: Serialize>(v: &T) -> String {
+            serde_json::to_string(v).unwrap()
+        }
+        assert_eq!(json(&PoolState::Degraded), r#""degraded""#);
+        assert_eq!(json(&PoolState::Offline), r#""offline""#);
+        assert_eq!(json(&DeviceHealth::Rebuilding), r#""rebuilding""#);
+        assert_eq!(json(&JobState::Stopped), r#""stopped""#);
+        assert_eq!(json(&ReplicaState::InSync), r#""in_sync""#);
+        assert_eq!(ReplicaState::InSync.to_string(), "in_sync");
+        let r: ReplicaState = serde_json::from_str(r#""resyncing""#).unwrap();
+        assert_eq!(r, ReplicaState::Resyncing);
+        assert!(serde_json::from_str::<PoolState>(r#""Online""#).is_err());
+    }
+
+    #[test]
+    fn the_openapi_enums_are_the_wire_strings() {
+        fn listed<T: utoipa::PartialSchema>() -> serde_json::Value {
+            serde_json::to_value(T::schema()).unwrap()["enum"].clone()
+        }
+        let strings = |v: &[&str]| serde_json::json!(v);
+        assert_eq!(
+            listed::<PoolState>(),
+            strings(&["online", "degraded", "rebuilding", "failed", "offline"])
+        );
+        assert_eq!(
+            listed::<DeviceHealth>(),
+            strings(&["online", "failed", "rebuilding"])
+        );
+        assert_eq!(
+            listed::<JobState>(),
+            strings(&["running", "done", "stopped", "failed"])
+        );
+        assert_eq!(
+            listed::<ReplicaState>(),
+            strings(&["in_sync", "degraded", "resyncing", "failed"])
+        );
+    }
+
+    #[test]
+    fn a_replacement_state_is_its_sentence() {
+        for s in [
+            ReplaceState::Rebuilding,
+            ReplaceState::Recorded {
+                why: "no slot (x)".into(),
+            },
+            ReplaceState::RebuildNotStarted {
+                error: "busy".into(),
+            },
+        ] {
+            let text = serde_json::to_string(&s).unwrap();
+            assert_eq!(text, format!("\"{s}\""));
+            assert_eq!(serde_json::from_str::<ReplaceState>(&text).unwrap(), s);
+        }
+        assert_eq!(
+            ReplaceState::Recorded { why: "w".into() }.to_string(),
+            "recorded (w): restart the node; the rebuild onto the new device then starts by itself"
+        );
     }
 }

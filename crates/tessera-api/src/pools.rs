@@ -3,14 +3,41 @@
 use serde::{Deserialize, Serialize};
 
 use crate::jobs::{RebuildStatus, ScrubStatus};
+use crate::layout::LayoutSpec;
 use crate::SizeArg;
+
+wire_state! {
+    /// A device of a pool: how it serves.
+    pub enum DeviceHealth {
+        Online => "online",
+        /// Failed: reads and writes go around it.
+        Failed => "failed",
+        /// Being rebuilt (a replacement, or a device given back).
+        Rebuilding => "rebuilding",
+    }
+}
+
+wire_state! {
+    /// A pool's state (`state` of a pool and of an entry of `GET /v1/pools`).
+    pub enum PoolState {
+        Online => "online",
+        /// A device failed; every block still has a copy.
+        Degraded => "degraded",
+        /// A device is being rebuilt.
+        Rebuilding => "rebuilding",
+        /// Data is lost (more devices failed than the layout survives).
+        Failed => "failed",
+        /// Listed in the registry, but the node could not open it.
+        Offline => "offline",
+    }
+}
 
 /// One device of a pool and its health.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DeviceState {
     pub device: String,
-    /// "online" or "failed".
-    pub state: String,
+    /// "online", "failed" or "rebuilding".
+    pub state: DeviceHealth,
     /// Why the device failed (absent while it is online).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
@@ -18,7 +45,7 @@ pub struct DeviceState {
 
 impl DeviceState {
     pub fn is_failed(&self) -> bool {
-        self.state == "failed"
+        self.state == DeviceHealth::Failed
     }
 }
 
@@ -26,8 +53,9 @@ impl DeviceState {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PoolInfo {
     pub name: String,
-    /// "online", "degraded" (a device failed, every block still has a copy) or "failed".
-    pub state: String,
+    /// "online", "degraded" (a device failed, every block still has a copy), "rebuilding"
+    /// or "failed".
+    pub state: PoolState,
     pub uuid: String,
     pub layout: String,
     pub stripe_size: u64,
@@ -35,7 +63,8 @@ pub struct PoolInfo {
     /// Parity chunks per row (raid5 1, raid6 2, ec m; 0 otherwise).
     pub parity: u32,
     /// The layout as `pool create --layout` takes it (e.g. `raid1:2`, `ec:4+2`).
-    pub layout_spec: String,
+    #[schema(value_type = String)]
+    pub layout_spec: LayoutSpec,
     pub device_states: Vec<DeviceState>,
     pub devices: Vec<String>,
     pub unit_size: u64,
@@ -70,7 +99,7 @@ pub struct PoolInfo {
 impl PoolInfo {
     /// Is any device failed, or the pool not fully online?
     pub fn is_degraded(&self) -> bool {
-        self.state != "online" || self.device_states.iter().any(DeviceState::is_failed)
+        self.state != PoolState::Online || self.device_states.iter().any(DeviceState::is_failed)
     }
 }
 
@@ -79,7 +108,7 @@ impl PoolInfo {
 pub struct OfflinePool {
     pub name: String,
     /// Always "offline".
-    pub state: String,
+    pub state: PoolState,
     /// Why it could not be opened.
     pub error: String,
 }
@@ -100,10 +129,10 @@ impl PoolEntry {
         }
     }
 
-    pub fn state(&self) -> &str {
+    pub fn state(&self) -> PoolState {
         match self {
-            PoolEntry::Online(p) => &p.state,
-            PoolEntry::Offline(p) => &p.state,
+            PoolEntry::Online(p) => p.state,
+            PoolEntry::Offline(p) => p.state,
         }
     }
 }
@@ -114,10 +143,11 @@ pub struct CreatePool {
     pub name: String,
     /// Device specs: /path, /path:SIZE, ram:SIZE, null:SIZE, fault:INNER;key=value...
     pub devices: Vec<String>,
-    /// concat (default), raid0, raid1, raid10, raid5, raid6 or ec:K+M.
+    /// concat (default), raid0, raid1[:COPIES], raid10[:COPIES], raid5, raid6 or ec:K+M.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub layout: Option<String>,
-    /// Mirrors: copies of each block (appended to the layout as `layout:copies`).
+    #[schema(value_type = Option<String>)]
+    pub layout: Option<LayoutSpec>,
+    /// Mirrors: copies of each block (raid1 and raid10 without copies in `layout`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copies: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -183,10 +213,71 @@ pub struct ReplaceReply {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spare: Option<bool>,
     /// "rebuilding", or what happened instead.
-    pub state: String,
+    #[schema(value_type = String)]
+    pub state: ReplaceState,
     /// The rebuild onto the new device, when it started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebuild: Option<RebuildStatus>,
+}
+
+/// What became of a replacement (`state` of [`ReplaceReply`]). On the wire it is a
+/// sentence: `rebuilding`, `recorded (WHY): restart the node; ...` or
+/// `replaced; the rebuild did not start: ERROR`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum ReplaceState {
+    /// Swapped in; the rebuild onto it runs.
+    Rebuilding,
+    /// Recorded only: the device could not be swapped live (`why`); it takes the slot,
+    /// and is rebuilt, at the next node start.
+    Recorded { why: String },
+    /// Swapped in, but the rebuild did not start (`error`); the next start, or
+    /// `pool rebuild`, starts it.
+    RebuildNotStarted { error: String },
+}
+
+const RECORDED: (&str, &str) = (
+    "recorded (",
+    "): restart the node; the rebuild onto the new device then starts by itself",
+);
+const NOT_STARTED: &str = "replaced; the rebuild did not start: ";
+
+impl std::fmt::Display for ReplaceState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReplaceState::Rebuilding => f.write_str("rebuilding"),
+            ReplaceState::Recorded { why } => write!(f, "{}{why}{}", RECORDED.0, RECORDED.1),
+            ReplaceState::RebuildNotStarted { error } => write!(f, "{NOT_STARTED}{error}"),
+        }
+    }
+}
+
+impl TryFrom<String> for ReplaceState {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<ReplaceState, String> {
+        if s == "rebuilding" {
+            return Ok(ReplaceState::Rebuilding);
+        }
+        if let Some(why) = s
+            .strip_prefix(RECORDED.0)
+            .and_then(|r| r.strip_suffix(RECORDED.1))
+        {
+            return Ok(ReplaceState::Recorded { why: why.into() });
+        }
+        if let Some(error) = s.strip_prefix(NOT_STARTED) {
+            return Ok(ReplaceState::RebuildNotStarted {
+                error: error.into(),
+            });
+        }
+        Err(format!("unknown replacement state '{s}'"))
+    }
+}
+
+impl From<ReplaceState> for String {
+    fn from(s: ReplaceState) -> String {
+        s.to_string()
+    }
 }
 
 /// `POST /v1/pools/NAME/rebuild`.

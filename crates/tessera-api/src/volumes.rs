@@ -1,9 +1,23 @@
 //! `/v1/volumes`: thin volumes, their QoS and their I/O statistics.
 
+use crate::qos::QosLimits;
 use serde::{Deserialize, Serialize};
-use tessera_qos::QosLimits;
 
 use crate::SizeArg;
+
+wire_state! {
+    /// A replica's state.
+    pub enum ReplicaState {
+        /// Holds every write.
+        InSync => "in_sync",
+        /// Lacks some writes (`dirty_bytes`), no resync running.
+        Degraded => "degraded",
+        /// Being brought in sync.
+        Resyncing => "resyncing",
+        /// Degraded and unreachable (or its last I/O failed).
+        Failed => "failed",
+    }
+}
 
 /// `GET /v1/volumes/NAME`, and the entries of `GET /v1/volumes`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -46,7 +60,7 @@ pub struct ReplicaInfo {
     pub volume: String,
     /// `in_sync`, `degraded` (lacks `dirty_bytes`), `resyncing`, or `failed` (degraded
     /// and unreachable).
-    pub state: String,
+    pub state: ReplicaState,
     pub local: bool,
     pub connected: bool,
     /// Bytes it lacks (whole dirty regions).

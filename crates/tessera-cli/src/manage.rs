@@ -183,7 +183,7 @@ pub(crate) fn print_pools(pools: &[PoolEntry]) {
                     .join(",");
                 vec![
                     p.name.clone(),
-                    p.state.clone(),
+                    p.state.to_string(),
                     p.layout.clone(),
                     bytes(p.capacity),
                     bytes(p.allocated),
@@ -193,7 +193,7 @@ pub(crate) fn print_pools(pools: &[PoolEntry]) {
                 ]
             }
             PoolEntry::Offline(p) => {
-                let mut row = vec![p.name.clone(), p.state.clone()];
+                let mut row = vec![p.name.clone(), p.state.to_string()];
                 row.extend(std::iter::repeat_n("-".to_string(), 5));
                 row.push(p.error.clone());
                 row
@@ -254,7 +254,7 @@ fn print_volume(v: &VolumeInfo) {
         rows.push(vec![
             r.place.clone(),
             r.volume.clone(),
-            r.state.clone(),
+            r.state.to_string(),
             bytes(r.dirty_bytes),
             resync,
             r.last_error.clone().unwrap_or_else(|| "-".into()),

@@ -5,9 +5,9 @@ use clap::{Args, Subcommand};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tessera_api::{
-    CreatePool, Deleted, JobProgress, PoolEntry, PoolInfo, RebuildRequest, RebuildStatus,
-    ReplaceReply, ReplaceRequest, ScrubRequest, ScrubStatus, SizeArg, SpareList, SpareRequest,
-    UpdatePool, JOB_DONE, JOB_RUNNING,
+    CreatePool, Deleted, JobProgress, JobState, LayoutSpec, PoolEntry, PoolInfo, RebuildRequest,
+    RebuildStatus, ReplaceReply, ReplaceRequest, ScrubRequest, ScrubStatus, SizeArg, SpareList,
+    SpareRequest, UpdatePool, JOB_DONE, JOB_RUNNING,
 };
 use tessera_http::Endpoint;
 
@@ -370,13 +370,13 @@ fn print_scrub(v: &ScrubStatus) {
 
 /// What scrub, rebuild and resync statuses share.
 trait Job {
-    fn state(&self) -> &str;
+    fn state(&self) -> JobState;
     fn progress(&self) -> &JobProgress;
 }
 
 impl Job for ScrubStatus {
-    fn state(&self) -> &str {
-        &self.state
+    fn state(&self) -> JobState {
+        self.state
     }
     fn progress(&self) -> &JobProgress {
         &self.progress
@@ -384,8 +384,8 @@ impl Job for ScrubStatus {
 }
 
 impl Job for RebuildStatus {
-    fn state(&self) -> &str {
-        &self.state
+    fn state(&self) -> JobState {
+        self.state
     }
     fn progress(&self) -> &JobProgress {
         &self.progress
@@ -478,12 +478,12 @@ fn print_pool_status(v: &PoolInfo) {
 
 /// The layouts `--stripe-size` means something for; concat and raid1 have no stripes,
 /// and a size the node would silently ignore is refused instead.
-fn check_stripe_size(layout: &str, stripe_size: Option<&str>) -> Result<()> {
-    let base = layout.split(':').next().unwrap_or(layout);
-    if stripe_size.is_some() && matches!(base, "concat" | "raid1") {
+fn check_stripe_size(layout: LayoutSpec, stripe_size: Option<&str>) -> Result<()> {
+    if stripe_size.is_some() && !layout.stripes() {
         return Err(CliError::Invalid(format!(
-            "--stripe-size does not apply to layout {base} (it does not stripe); it sets \
-             the stripe of raid0/raid10 and the chunk of raid5/raid6/ec"
+            "--stripe-size does not apply to layout {} (it does not stripe); it sets \
+             the stripe of raid0/raid10 and the chunk of raid5/raid6/ec",
+            layout.name()
         )));
     }
     Ok(())
@@ -492,11 +492,13 @@ fn check_stripe_size(layout: &str, stripe_size: Option<&str>) -> Result<()> {
 pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
     match c {
         PoolCmd::Create(a) => {
-            check_stripe_size(&a.layout, a.stripe_size.as_deref())?;
+            // Parsed here, once: a bad layout is refused before anything is sent.
+            let layout: LayoutSpec = a.layout.parse().map_err(CliError::Invalid)?;
+            check_stripe_size(layout, a.stripe_size.as_deref())?;
             let body = CreatePool {
                 name: a.name,
                 devices: a.devices,
-                layout: Some(a.layout),
+                layout: Some(layout),
                 copies: a.copies,
                 stripe_size: a.stripe_size.map(SizeArg::from),
                 unit_size: a.unit_size.map(SizeArg::from),
@@ -646,12 +648,13 @@ mod tests {
 
     #[test]
     fn stripe_size_is_refused_where_nothing_stripes() {
-        assert!(check_stripe_size("raid1", Some("64K")).is_err());
-        assert!(check_stripe_size("raid1:3", Some("64K")).is_err());
-        assert!(check_stripe_size("concat", Some("64K")).is_err());
-        assert!(check_stripe_size("raid1", None).is_ok());
+        let spec = |l: &str| l.parse::<LayoutSpec>().unwrap();
+        assert!(check_stripe_size(spec("raid1"), Some("64K")).is_err());
+        assert!(check_stripe_size(spec("raid1:3"), Some("64K")).is_err());
+        assert!(check_stripe_size(spec("concat"), Some("64K")).is_err());
+        assert!(check_stripe_size(spec("raid1"), None).is_ok());
         for l in ["raid0", "raid10", "raid5", "raid6", "ec:4+2"] {
-            assert!(check_stripe_size(l, Some("64K")).is_ok(), "{l}");
+            assert!(check_stripe_size(spec(l), Some("64K")).is_ok(), "{l}");
         }
     }
 }

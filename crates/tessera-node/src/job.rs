@@ -12,7 +12,7 @@ use tessera_pool::Pool;
 use tessera_qos::background::{BackgroundLimits, Feedback, FEEDBACK_TICK};
 use tessera_qos::TokenBucket;
 
-use tessera_api::{ClassFigures, JobProgress, JOB_RUNNING};
+use tessera_api::{ClassFigures, JobProgress, JobState, JOB_RUNNING};
 
 /// The CPU priority of a background-job thread. It runs at idle priority (`SCHED_IDLE`):
 /// it only gets CPU time that the reactors and the clients leave, which keeps a QD1
@@ -167,8 +167,8 @@ impl Pacer {
 /// own findings. Each job keeps one under its progress mutex.
 #[derive(Default)]
 pub struct Figures {
-    /// "running", then "done", "stopped" or "failed".
-    pub state: &'static str,
+    /// Running, then done, stopped or failed.
+    pub state: JobState,
     /// Unix time the job started.
     pub started_unix: u64,
     pub elapsed: Duration,

@@ -407,7 +407,7 @@ fn render_proxies(w: &mut TextWriter, node: &Node) {
 struct ReplicaRow {
     volume: String,
     place: String,
-    state: String,
+    state: &'static str,
     dirty: u64,
     copied: u64,
     recopied: u64,
@@ -430,8 +430,8 @@ const REPLICA_FAMILIES: &[Family<ReplicaRow>] = &[
         help: "Each replica of a replicated volume this node owns: 0 in sync, 1 degraded (lacks writes), 2 resyncing, 3 failed (degraded and unreachable); the state label names it.",
         samples: |r| {
             vec![(
-                Some(("state", r.state.as_str())),
-                count(replica_state_code(&r.state)),
+                Some(("state", r.state)),
+                count(replica_state_code(r.state)),
             )]
         },
     },
@@ -463,7 +463,7 @@ fn render_replicas(w: &mut TextWriter, node: &Node) {
             legs.into_iter().map(move |l| ReplicaRow {
                 volume: volume.clone(),
                 place: l.place,
-                state: l.state,
+                state: l.state.as_str(),
                 dirty: l.dirty_bytes,
                 copied: l.resync_copied_bytes_total,
                 recopied: l.resync_recopied_bytes_total,
@@ -554,7 +554,7 @@ const POOL_FAMILIES: &[Family<PoolRow>] = &[
         kind: "gauge",
         help: "Pool state: 0 online, 1 degraded, 2 rebuilding, 3 failed (data lost), 4 offline (not open); the state label names it.",
         samples: |p| {
-            let state = p.entry.state();
+            let state = p.entry.state().as_str();
             vec![(Some(("state", state)), count(pool_state_code(state).into()))]
         },
     },
@@ -630,7 +630,7 @@ struct DeviceRow {
     pool: String,
     slot: String,
     device: String,
-    state: String,
+    state: &'static str,
     totals: DeviceTotals,
 }
 
@@ -641,8 +641,8 @@ const DEVICE_FAMILIES: &[Family<DeviceRow>] = &[
         help: "Device state: 0 online, 1 rebuilding, 2 failed; the state label names it.",
         samples: |d| {
             vec![(
-                Some(("state", d.state.as_str())),
-                count(device_state_code(&d.state).into()),
+                Some(("state", d.state)),
+                count(device_state_code(d.state).into()),
             )]
         },
     },
@@ -676,7 +676,7 @@ fn render_devices(w: &mut TextWriter, node: &Node) {
                 pool: info.name.clone(),
                 slot: i.to_string(),
                 device: st.device.clone(),
-                state: st.state.clone(),
+                state: st.state.as_str(),
                 totals: stats.get(i).map(|s| s.totals()).unwrap_or_default(),
             });
         }
@@ -694,7 +694,7 @@ fn render_devices(w: &mut TextWriter, node: &Node) {
 struct JobRow {
     pool: String,
     job: &'static str,
-    state: String,
+    state: &'static str,
     done: u64,
     total: u64,
 }
@@ -706,8 +706,8 @@ const JOB_FAMILIES: &[Family<JobRow>] = &[
         help: "The running or last scrub, resync or rebuild of a pool since the node started: 0 done, 1 running, 2 stopped, 3 failed; the state label names it.",
         samples: |j| {
             vec![(
-                Some(("state", j.state.as_str())),
-                count(job_state_code(&j.state).into()),
+                Some(("state", j.state)),
+                count(job_state_code(j.state).into()),
             )]
         },
     },
@@ -730,11 +730,11 @@ fn render_jobs(w: &mut TextWriter, node: &Node) {
     for p in node.pools() {
         let name = p.name().to_string();
         let unit = p.core.unit_size();
-        let mut push = |job, state: String, pr: &tessera_api::JobProgress| {
+        let mut push = |job, state: tessera_api::JobState, pr: &tessera_api::JobProgress| {
             jobs.push(JobRow {
                 pool: name.clone(),
                 job,
-                state,
+                state: state.as_str(),
                 done: pr.bytes_done,
                 total: pr.units_total.saturating_mul(unit),
             })
@@ -850,10 +850,12 @@ pub fn readiness(node: Option<&Node>, serving: bool) -> (bool, serde_json::Value
             PoolEntry::Offline(p) => {
                 reasons.push(format!("pool '{}' is offline: {}", p.name, p.error))
             }
-            PoolEntry::Online(p) if p.state == "failed" => reasons.push(format!(
-                "pool '{}' has failed: every copy of some of its data is on failed devices",
-                p.name
-            )),
+            PoolEntry::Online(p) if p.state == tessera_api::PoolState::Failed => {
+                reasons.push(format!(
+                    "pool '{}' has failed: every copy of some of its data is on failed devices",
+                    p.name
+                ))
+            }
             PoolEntry::Online(p) if p.is_degraded() => degraded.push(p.name.clone()),
             PoolEntry::Online(_) => {}
         }

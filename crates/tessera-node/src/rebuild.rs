@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use tessera_api::RebuildStatus;
+use tessera_api::{JobState, RebuildStatus};
 use tessera_pool::Pool;
 use tessera_qos::background::BackgroundLimits;
 use tracing::{error, info};
@@ -79,7 +79,7 @@ impl RebuildJob {
         RebuildStatus {
             pool: self.pool.clone(),
             device: p.device,
-            state: p.job.state.to_string(),
+            state: p.job.state,
             started: p.job.started_unix,
             resumed_at_unit_count: p.job.counted_from,
             error: p.error.clone(),
@@ -233,17 +233,17 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     p.job.elapsed = t0.elapsed();
     match outcome {
         Ok(true) => {
-            p.job.state = "done";
+            p.job.state = JobState::Done;
             info!(
                 pool = %job.pool, device = d, units = p.job.units_done,
                 seconds = p.job.elapsed.as_secs_f64(),
                 "rebuild done"
             );
         }
-        Ok(false) => p.job.state = "stopped",
+        Ok(false) => p.job.state = JobState::Stopped,
         Err(e) => {
             error!(pool = %job.pool, device = d, error = %e, "rebuild failed");
-            p.job.state = "failed";
+            p.job.state = JobState::Failed;
             p.error = Some(e);
         }
     }

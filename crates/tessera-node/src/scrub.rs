@@ -19,7 +19,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tessera_api::{Range, ScrubStatus};
+use tessera_api::{JobState, Range, ScrubStatus};
 use tessera_pool::{Pool, ScrubFindings};
 use tessera_qos::background::{BackgroundLimits, FEEDBACK_TICK};
 use tracing::info;
@@ -58,7 +58,7 @@ impl ScrubJob {
         let p = self.progress();
         ScrubStatus {
             pool: self.pool.clone(),
-            state: p.job.state.to_string(),
+            state: p.job.state,
             started: p.job.started_unix,
             repair: p.repair,
             read_errors: p.read_errors,
@@ -188,7 +188,11 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits, class: &str, repa
     }
     let mut p = job.progress();
     p.job.elapsed = t0.elapsed();
-    p.job.state = if stopped { "stopped" } else { "done" };
+    p.job.state = if stopped {
+        JobState::Stopped
+    } else {
+        JobState::Done
+    };
     if !stopped {
         info!(
             job = class, pool = %job.pool, units = p.job.units_done,

@@ -19,25 +19,8 @@ use crate::format::{ChainRecord, Record, CHAIN_SNAPSHOT, OWNER_FREE};
 use crate::pool::{now_secs, Pool, PoolCore, State};
 use crate::presence::{presence_record, PARTIAL_MAX};
 use crate::volume::{UnitMap, Volume, HOLE};
+use tessera_api::SnapshotInfo;
 use tessera_io::cast::u32_of;
-
-/// Space of one snapshot, as `snapshot list` shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SnapshotInfo {
-    pub name: String,
-    pub id: u32,
-    pub created: u64,
-    pub size: u64,
-    /// The nearest older snapshot of the same chain that still exists (deleted ones that
-    /// volumes still read through are skipped: `Volume::listed_parent`).
-    pub parent: Option<String>,
-    /// Volumes and snapshots that list this one as their parent.
-    pub children: Vec<String>,
-    /// Bytes only this snapshot holds: given back when it is deleted.
-    pub exclusive: u64,
-    /// Bytes of this snapshot that a child still reads.
-    pub shared: u64,
-}
 
 /// One run of blocks of a first write into a shared unit (`PoolCore::plan_first_write`):
 /// blocks `[first, last]`, all present in the writer's unit or all absent (still the
@@ -575,7 +558,12 @@ impl Pool {
         }
     }
 
-    /// The pool's snapshots (hidden ones left out) with their space.
+    /// The pool's snapshots (hidden ones left out) with their space, as the API lists
+    /// them (`replicas` and `missing`, which the node knows, left empty). A snapshot's
+    /// `parent` is the nearest older snapshot of the same chain that still exists
+    /// (deleted ones that volumes still read through are skipped:
+    /// `Volume::listed_parent`); its `children` are the volumes and snapshots that list it
+    /// as their parent.
     pub fn snapshots(&self) -> Vec<SnapshotInfo> {
         let s = self.core.lock();
         let unit = self.core.unit_size();
@@ -597,6 +585,7 @@ impl Pool {
                 let own = v.allocated.load(Relaxed);
                 SnapshotInfo {
                     name: v.name.clone(),
+                    pool: self.core.name.clone(),
                     id: v.id,
                     created: v.created,
                     size: v.size(),
@@ -604,6 +593,8 @@ impl Pool {
                     children: listed_children,
                     exclusive: unread * unit,
                     shared: own.saturating_sub(unread) * unit,
+                    replicas: Vec::new(),
+                    missing: Vec::new(),
                 }
             })
             .collect()

@@ -27,14 +27,13 @@ mod presence;
 pub mod scrub;
 pub mod volume;
 
-pub use chain::SnapshotInfo;
 pub use devstats::DeviceTotals;
 pub use error::{Error, ErrorKind, Result};
 pub use format::ExportRecord;
 pub use layout::{Layout, LayoutHandle, LayoutKind};
 pub use pool::{
     human_bytes, random_uuid, uuid_string, validate_name, validate_overcommit, Pool, PoolOptions,
-    PoolStatus, PoolTuning, DEFAULT_OVERCOMMIT, DEFAULT_UNIT_SIZE,
+    PoolTuning, DEFAULT_OVERCOMMIT, DEFAULT_UNIT_SIZE,
 };
 pub use scrub::ScrubFindings;
 pub use volume::{IoClass, IoStats, StatsSnapshot, Volume, VolumeHandle, HOLE};

@@ -8,7 +8,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tessera_device::BlockDevice;
+use tessera_api::{DeviceHealth, DeviceState, PoolInfo, PoolState};
+use tessera_device::{format_size, BlockDevice};
 use tessera_io::{RemoteCompleter, Tag};
 
 use crate::error::{Error, ErrorKind, Result};
@@ -869,37 +870,6 @@ fn commit_requests(core: &PoolCore, rx: &Receiver<CommitRequest>) {
     }
 }
 
-/// Status of a pool, as reported by the API.
-#[derive(Clone, Debug)]
-pub struct PoolStatus {
-    pub name: String,
-    pub uuid: String,
-    pub layout: String,
-    pub stripe_size: u64,
-    pub devices: Vec<String>,
-    pub unit_size: u64,
-    /// Bytes available to volumes (excluding metadata).
-    pub capacity: u64,
-    pub allocated: u64,
-    pub free: u64,
-    pub metadata: u64,
-    pub volumes: usize,
-    pub volatile: bool,
-    /// Sum of the volumes' virtual sizes.
-    pub provisioned: u64,
-    /// The overcommit ratio: `provisioned` may reach this many times `capacity`.
-    pub overcommit: f64,
-    /// "online", "degraded" (a device failed, every block still has a copy) or "failed".
-    pub state: String,
-    pub copies: u32,
-    /// Parity chunks per row (raid5 1, raid6 2, ec m; 0 otherwise).
-    pub parity: u32,
-    /// The layout as `LayoutKind::parse` reads it (e.g. `raid1:2`, `ec:4+2`).
-    pub spec: String,
-    /// Per device: "online" or "failed", and why it failed.
-    pub device_states: Vec<(String, String)>,
-}
-
 impl Pool {
     /// Format `devices` as a new pool.
     pub fn create(
@@ -1394,45 +1364,61 @@ impl Pool {
         &self.core.name
     }
 
-    pub fn status(&self) -> PoolStatus {
+    /// The pool as the API shows it. What the pool does not know is left empty for the
+    /// node to fill in: `spares`, `rebuild`, `resync`.
+    pub fn status(&self) -> PoolInfo {
         let s = self.core.lock();
         let unit = self.core.unit_size();
         let sb = &self.core.meta.sb;
         let l = &self.core.layout;
         let data_units = sb.total_units - sb.meta_units;
         let free_units = (PoolCore::free_units(&s) + s.pending_free.len()) as u64;
-        PoolStatus {
+        let devices: Vec<String> = l.devices.iter().map(|d| d.describe()).collect();
+        let capacity = data_units * unit;
+        PoolInfo {
             name: self.core.name.clone(),
             uuid: uuid_string(&self.core.uuid),
             layout: l.kind.name().to_string(),
             stripe_size: l.kind.stripe(),
             state: if l.has_lost_data() {
-                "failed".into()
+                PoolState::Failed
             } else if l.health.rebuilding.load(Relaxed) != 0 {
-                "rebuilding".into()
+                PoolState::Rebuilding
             } else if l.health.failed.load(Relaxed) != 0 {
-                "degraded".into()
+                PoolState::Degraded
             } else {
-                "online".into()
+                PoolState::Online
             },
             copies: l.kind.copies(),
             parity: l.kind.parity(),
-            spec: l.kind.spec(),
-            device_states: (0..l.devices.len())
-                .map(|i| {
-                    if l.is_failed(i) {
+            layout_spec: l.kind.spec(),
+            device_states: devices
+                .iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    let (state, reason) = if l.is_failed(i) {
                         let r = l.health.fail_reason[i].load(Relaxed);
-                        ("failed".into(), crate::layout::fail_reason_name(r).into())
+                        let why = crate::layout::fail_reason_name(r);
+                        (
+                            DeviceHealth::Failed,
+                            (!why.is_empty()).then(|| why.to_string()),
+                        )
                     } else if l.health.rebuilding.load(Relaxed) & (1 << i) != 0 {
-                        ("rebuilding".into(), String::new())
+                        (DeviceHealth::Rebuilding, None)
                     } else {
-                        ("online".into(), String::new())
+                        (DeviceHealth::Online, None)
+                    };
+                    DeviceState {
+                        device: d.clone(),
+                        state,
+                        reason,
                     }
                 })
                 .collect(),
-            devices: l.devices.iter().map(|d| d.describe()).collect(),
+            devices,
             unit_size: unit,
-            capacity: data_units * unit,
+            capacity,
+            capacity_human: format_size(capacity),
             allocated: (data_units - free_units) * unit,
             free: free_units * unit,
             metadata: sb.meta_units * unit,
@@ -1440,6 +1426,9 @@ impl Pool {
             volatile: l.is_volatile(),
             provisioned: provisioned(&s),
             overcommit: self.overcommit(),
+            spares: Vec::new(),
+            rebuild: None,
+            resync: None,
         }
     }
 

@@ -22,6 +22,7 @@ mod common;
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use tessera_api::PoolState;
 
 use common::*;
 use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
@@ -89,7 +90,7 @@ fn rebuild(r: &Rig, d: usize) {
         r.pool.rebuild_free_unit(d, u, &mut buf).unwrap();
     }
     r.pool.finish_rebuild(d).unwrap();
-    assert_eq!(r.pool.status().state, "online");
+    assert_eq!(r.pool.status().state, PoolState::Online);
 }
 
 /// Scrub the metadata and every allocated unit, as the node's scrub job does: the

@@ -11,6 +11,7 @@
 mod common;
 
 use std::sync::Arc;
+use tessera_api::{DeviceHealth, PoolState};
 
 use common::*;
 use tessera_device::{BlockDevice, RamDevice};
@@ -99,13 +100,17 @@ fn scenario(kind: LayoutKind, ndev: usize, victim: usize, fault: Fault, seed: u6
     assert_eq!(flush(&mut io, &mut h), 0);
     verify_all(&mut io, &mut h, &model, "mirror");
     let st = pool.status();
-    assert_eq!(st.device_states[victim].0, "failed", "{kind:?} {fault:?}");
+    assert_eq!(
+        st.device_states[victim].state,
+        DeviceHealth::Failed,
+        "{kind:?} {fault:?}"
+    );
     for (i, s) in st.device_states.iter().enumerate() {
         if i != victim {
-            assert_eq!(s.0, "online");
+            assert_eq!(s.state, DeviceHealth::Online);
         }
     }
-    assert_eq!(st.state, "degraded");
+    assert_eq!(st.state, PoolState::Degraded);
     drop(h);
     pool.shutdown().unwrap();
     drop(vol);
@@ -115,8 +120,8 @@ fn scenario(kind: LayoutKind, ndev: usize, victim: usize, fault: Fault, seed: u6
     let (devs, _cfgs) = wrap(&ram);
     let pool = Pool::open(devs).unwrap();
     let st = pool.status();
-    assert_eq!(st.device_states[victim].0, "failed");
-    assert_eq!(st.state, "degraded");
+    assert_eq!(st.device_states[victim].state, DeviceHealth::Failed);
+    assert_eq!(st.state, PoolState::Degraded);
     let vol = pool.volume("v").unwrap();
     let mut h = vol.open_handle();
     verify_all(&mut io, &mut h, &model, "mirror");
@@ -132,8 +137,8 @@ fn scenario(kind: LayoutKind, ndev: usize, victim: usize, fault: Fault, seed: u6
     let (devs, _cfgs) = wrap(&ram2);
     let pool = Pool::open(devs).unwrap();
     let st = pool.status();
-    assert_eq!(st.device_states[victim].0, "failed");
-    assert_eq!(st.state, "degraded");
+    assert_eq!(st.device_states[victim].state, DeviceHealth::Failed);
+    assert_eq!(st.state, PoolState::Degraded);
     let vol = pool.volume("v").unwrap();
     let mut h = vol.open_handle();
     verify_all(&mut io, &mut h, &model, "mirror");
@@ -220,9 +225,9 @@ fn losing_every_copy_of_a_set_fails_only_its_stripes() {
     }
     // A read spanning both sets fails; the good set alone still reads.
     assert!(read(&mut io, &mut h, base, 2 * stripe as usize).is_err());
-    assert_eq!(pool.status().state, "failed");
-    assert_eq!(pool.status().device_states[0].0, "failed");
-    assert_eq!(pool.status().device_states[1].0, "failed");
+    assert_eq!(pool.status().state, PoolState::Failed);
+    assert_eq!(pool.status().device_states[0].state, DeviceHealth::Failed);
+    assert_eq!(pool.status().device_states[1].state, DeviceHealth::Failed);
 }
 
 #[test]
@@ -314,8 +319,8 @@ fn a_copy_whose_flush_failed_is_stale_after_a_power_loss() {
     let st = pool.status();
     assert_eq!(
         (
-            st.device_states[0].0.as_str(),
-            st.device_states[1].0.as_str()
+            st.device_states[0].state.as_str(),
+            st.device_states[1].state.as_str()
         ),
         ("failed", "online"),
         "the copy whose flush failed must open stale: {:?}",

@@ -13,6 +13,7 @@
 mod common;
 
 use std::sync::Arc;
+use tessera_api::{DeviceHealth, PoolState};
 
 use common::*;
 use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
@@ -142,9 +143,13 @@ fn scenario(kind: LayoutKind, ndev: usize, victims: &[(usize, Fault)], seed: u64
     // A read error is only seen when the device is read; make sure every victim was.
     let st = pool.status();
     for &(v, _) in victims {
-        assert_eq!(st.device_states[v].0, "failed", "{what}: device {v}");
+        assert_eq!(
+            st.device_states[v].state,
+            DeviceHealth::Failed,
+            "{what}: device {v}"
+        );
     }
-    assert_eq!(st.state, "degraded");
+    assert_eq!(st.state, PoolState::Degraded);
     drop(h);
     pool.shutdown().unwrap();
     drop(vol);
@@ -154,7 +159,7 @@ fn scenario(kind: LayoutKind, ndev: usize, victims: &[(usize, Fault)], seed: u64
     let (devs, _cfgs) = wrap(&ram);
     let pool = Pool::open(devs).unwrap();
     for &(v, _) in victims {
-        assert_eq!(pool.status().device_states[v].0, "failed");
+        assert_eq!(pool.status().device_states[v].state, DeviceHealth::Failed);
     }
     let vol = pool.volume("v").unwrap();
     let mut h = vol.open_handle();
@@ -296,7 +301,7 @@ fn too_many_failures_give_eio_not_wrong_data() {
         -libc::EIO
     );
     assert!(write(&mut io, &mut h, base, &data) < 0);
-    assert_eq!(pool.status().state, "failed");
+    assert_eq!(pool.status().state, PoolState::Failed);
 }
 
 #[test]
@@ -661,9 +666,13 @@ fn a_hung_device_is_marked_failed_and_io_continues() {
             "{kind:?}: marked after {m:?}"
         );
         let st = pool.status();
-        assert_eq!(st.device_states[1].0, "failed");
+        assert_eq!(st.device_states[1].state, DeviceHealth::Failed);
         assert!(
-            st.device_states[1].1.contains("timed out"),
+            st.device_states[1]
+                .reason
+                .as_deref()
+                .unwrap_or("")
+                .contains("timed out"),
             "{:?}",
             st.device_states[1]
         );

@@ -10,6 +10,7 @@ mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
+use tessera_api::{DeviceHealth, PoolState};
 
 use common::*;
 use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
@@ -99,7 +100,7 @@ fn rebuild_scenario(kind: LayoutKind, ndev: usize, victim: usize, other: usize, 
     cfgs[victim].vanished.store(false, Relaxed);
 
     pool.start_rebuild(victim).unwrap();
-    assert_eq!(pool.status().state, "rebuilding");
+    assert_eq!(pool.status().state, PoolState::Rebuilding);
     let units = pool.rebuild_units();
     let done = Arc::new(AtomicBool::new(false));
     let t = {
@@ -127,8 +128,11 @@ fn rebuild_scenario(kind: LayoutKind, ndev: usize, victim: usize, other: usize, 
     assert!(batches > 0);
     pool.finish_rebuild(victim).unwrap();
     let st = pool.status();
-    assert_eq!(st.state, "online");
-    assert!(st.device_states.iter().all(|(s, _)| s == "online"));
+    assert_eq!(st.state, PoolState::Online);
+    assert!(st
+        .device_states
+        .iter()
+        .all(|d| d.state == DeviceHealth::Online));
     verify_all(&mut io, &mut h, &model, "rebuild");
 
     // The other copy fails: every byte comes from the rebuilt device.

@@ -13,65 +13,10 @@
 
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+pub use tessera_api::qos::{BackgroundLimits, DEFAULT_TARGET_US};
 
 /// How often a background job re-reads client latency and adjusts its rate.
 pub const FEEDBACK_TICK: Duration = Duration::from_millis(100);
-
-/// A background class's settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct BackgroundLimits {
-    /// Maximum bandwidth, bytes per second.
-    pub bps: u64,
-    /// Client p99 latency above which the class backs off, in microseconds.
-    /// `None`: 1.5x the clients' p99 measured just before the job started
-    /// (or [`DEFAULT_TARGET_US`] if clients were idle then).
-    #[serde(default)]
-    pub latency_target_us: Option<u64>,
-    /// Floor of the backed-off rate, percent of `bps` (default 1).
-    #[serde(default = "default_min_pct")]
-    pub min_pct: u32,
-}
-
-fn default_min_pct() -> u32 {
-    1
-}
-
-/// Target when neither configured nor measurable at the start.
-pub const DEFAULT_TARGET_US: u64 = 2000;
-
-impl BackgroundLimits {
-    pub fn new(bps: u64) -> Self {
-        BackgroundLimits {
-            bps,
-            latency_target_us: None,
-            min_pct: default_min_pct(),
-        }
-    }
-
-    pub fn validate(&self) -> Result<(), String> {
-        if self.bps < 4096 {
-            return Err(format!("bps: {} is below 4096 bytes per second", self.bps));
-        }
-        if self.min_pct == 0 || self.min_pct > 100 {
-            return Err(format!("min_pct: {} is outside 1..=100", self.min_pct));
-        }
-        if self.latency_target_us == Some(0) {
-            return Err("latency_target_us must be at least 1".into());
-        }
-        Ok(())
-    }
-
-    /// The latency target given the clients' p99 before the job started.
-    pub fn target_us(&self, baseline_p99_us: Option<f64>) -> f64 {
-        match (self.latency_target_us, baseline_p99_us) {
-            (Some(t), _) => t as f64,
-            (None, Some(b)) if b > 0.0 => b * 1.5,
-            _ => DEFAULT_TARGET_US as f64,
-        }
-    }
-}
 
 /// The AIMD controller (see the module docs).
 #[derive(Clone, Debug)]

@@ -109,16 +109,17 @@ pub mod background;
 mod bucket;
 pub mod gate;
 mod limiter;
-mod limits;
 pub mod shares;
 mod step;
 
 pub use background::{BackgroundLimits, Feedback};
 pub use bucket::TokenBucket;
 pub use limiter::{CoreLimiter, VolumeQos, MAX_CORES, REBALANCE, STALE_MS};
-pub use limits::{
+pub use shares::ShareScheduler;
+pub use step::{StepBurst, StepState};
+/// The settings types live in the API crate (a leaf); re-exported so callers of this
+/// crate keep their paths.
+pub use tessera_api::qos::{
     QosLimits, DEFAULT_BURST_MS, DEFAULT_ONE_TIME_BURST_MS, DEFAULT_WEIGHT, MAX_BURST_MS,
     MAX_ONE_TIME_BURST_MS, MAX_WEIGHT,
 };
-pub use shares::ShareScheduler;
-pub use step::{StepBurst, StepState};

@@ -10,7 +10,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::bucket::TokenBucket;
-use crate::limits::QosLimits;
+use tessera_api::qos::QosLimits;
 
 /// Most cores that can serve one volume (core indices `0..MAX_CORES`).
 pub const MAX_CORES: usize = 64;

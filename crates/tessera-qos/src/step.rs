@@ -11,59 +11,7 @@
 
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
-use crate::QosLimits;
-
-/// The ladder's shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct StepBurst {
-    /// Each step adds this percentage of the base rates.
-    pub step_pct: u32,
-    /// Highest step.
-    pub max_steps: u32,
-    /// Time spent on a step before climbing (or descending) one more.
-    pub step_ms: u64,
-    /// Credit cap, in milliseconds of the base rate: a group idle long enough
-    /// may run `credit_ms` worth of base-rate work above its base.
-    pub credit_ms: u64,
-}
-
-impl StepBurst {
-    pub fn validate(&self) -> Result<(), String> {
-        if self.step_pct == 0 || self.step_pct > 1000 {
-            return Err(format!("step_pct: {} is outside 1..=1000", self.step_pct));
-        }
-        if self.max_steps == 0 || self.max_steps > 100 {
-            return Err(format!("max_steps: {} is outside 1..=100", self.max_steps));
-        }
-        if !(10..=3_600_000).contains(&self.step_ms) {
-            return Err(format!("step_ms: {} is outside 10..=3600000", self.step_ms));
-        }
-        if self.credit_ms > 86_400_000 {
-            return Err(format!("credit_ms: {} exceeds one day", self.credit_ms));
-        }
-        Ok(())
-    }
-
-    /// The limits at `level`: every rate of `base` raised by
-    /// `level * step_pct` percent (burst settings unchanged).
-    pub fn scaled(&self, base: &QosLimits, level: u32) -> QosLimits {
-        let pct = 100 + u64::from(level) * u64::from(self.step_pct);
-        let up = |r: Option<u64>| {
-            r.map(|r| u64::try_from(u128::from(r) * u128::from(pct) / 100).unwrap_or(u64::MAX))
-        };
-        QosLimits {
-            iops: up(base.iops),
-            read_iops: up(base.read_iops),
-            write_iops: up(base.write_iops),
-            bps: up(base.bps),
-            read_bps: up(base.read_bps),
-            write_bps: up(base.write_bps),
-            ..base.clone()
-        }
-    }
-}
+pub use tessera_api::qos::StepBurst;
 
 /// Where a group is on its ladder.
 #[derive(Clone, Debug, PartialEq)]
@@ -127,6 +75,7 @@ impl StepState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_api::qos::QosLimits;
 
     fn cfg() -> StepBurst {
         StepBurst {

@@ -33,6 +33,7 @@ use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use std::{fs, io};
 
+use tessera_api::{ReplicaInfo, ReplicaState};
 use tessera_export::{ExportTarget, IoStats, StatsRegistry, StatsSnapshot};
 use tessera_io::reactor::{Mailbox, SpawnFn, Task};
 use tessera_io::CoreIo;
@@ -354,27 +355,6 @@ pub trait LegFence: Send + Sync {
     /// Replica `place` of `volume` is in sync again (already recorded in the replica-set
     /// file). Must not block: it runs on the persister.
     fn after_in_sync(&self, volume: &str, place: &str);
-}
-
-/// One leg as status shows it.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct LegStatus {
-    pub place: String,
-    pub volume: String,
-    /// `in_sync`, `degraded`, `resyncing`, `failed` (degraded and unreachable).
-    pub state: String,
-    pub local: bool,
-    pub connected: bool,
-    /// Bytes the leg lacks (dirty regions × region size; the whole volume when it needs a
-    /// full copy).
-    pub dirty_bytes: u64,
-    pub resync_percent: Option<f64>,
-    pub resync_rate_bytes_per_sec: Option<f64>,
-    pub resync_eta_secs: Option<f64>,
-    pub resync_copied_bytes_total: u64,
-    pub resync_recopied_bytes_total: u64,
-    pub resync_regions_total: u64,
-    pub last_error: Option<String>,
 }
 
 impl ReplicatedVolume {
@@ -783,7 +763,7 @@ impl ReplicatedVolume {
     }
 
     /// Each leg's state, dirty bytes and resync progress.
-    pub fn status(&self) -> Vec<LegStatus> {
+    pub fn status(&self) -> Vec<ReplicaInfo> {
         let m = self.masks.load(Acquire);
         let rs = self.region_size();
         self.legs
@@ -798,13 +778,13 @@ impl ReplicatedVolume {
                 let p = &l.progress;
                 let running = p.running.load(Relaxed) && resyncing(m) & (1 << i) != 0;
                 let state = if in_sync(m) & (1 << i) != 0 {
-                    "in_sync"
+                    ReplicaState::InSync
                 } else if running {
-                    "resyncing"
+                    ReplicaState::Resyncing
                 } else if !connected || l.last_error.lock().map(|e| e.is_some()).unwrap_or(false) {
-                    "failed"
+                    ReplicaState::Failed
                 } else {
-                    "degraded"
+                    ReplicaState::Degraded
                 };
                 let dirty = if in_sync(m) & (1 << i) != 0 {
                     0
@@ -837,10 +817,10 @@ impl ReplicatedVolume {
                     }
                     LegDesc::Vacant => String::new(),
                 };
-                LegStatus {
+                ReplicaInfo {
                     place: desc.place(),
                     volume,
-                    state: state.into(),
+                    state,
                     local: l.is_local(),
                     connected,
                     dirty_bytes: dirty,

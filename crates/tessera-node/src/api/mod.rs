@@ -21,7 +21,7 @@ use axum::routing::get;
 use axum::Router;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tessera_api::NodeStatus;
+use tessera_api::{NodeStatus, SizeArg};
 use tessera_http::{blocking, Response};
 use utoipa::OpenApi;
 
@@ -64,6 +64,16 @@ fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> serde_json::Result<T> {
 fn body<T: DeserializeOwned>(bytes: &[u8], what: &str, fields: &str) -> Result<T, Response> {
     parse_body::<T>(bytes)
         .map_err(|e| Response::error(400, &format!("bad {what}: {e} (fields: {fields})")))
+}
+
+/// A size of a request in bytes; `what` names it in the error.
+fn size_of(what: &str, s: &SizeArg) -> Result<u64, Error> {
+    match s {
+        SizeArg::Bytes(n) => Ok(*n),
+        SizeArg::Text(t) => {
+            tessera_device::parse_size(t).map_err(|e| Error::invalid(format!("{what}: {e}")))
+        }
+    }
 }
 
 /// The node, as every handler gets it.

@@ -12,7 +12,8 @@ use tessera_api::{
 };
 use tessera_http::Response;
 
-use super::{body, parse_body, reply, with_node, NodeState};
+use super::{body, parse_body, reply, size_of, with_node, NodeState};
+use crate::error::Error;
 use crate::node::Node;
 
 pub fn routes() -> Router<Arc<Node>> {
@@ -56,10 +57,32 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
         Ok(b) => b,
         Err(r) => return r,
     };
-    let mut layout = b.layout.unwrap_or_else(|| "concat".into());
-    if let Some(c) = b.copies {
-        layout = format!("{layout}:{c}");
-    }
+    let layout = b.layout.unwrap_or_default();
+    let layout = match b.copies {
+        Some(c) => match layout.with_copies(c) {
+            Ok(l) => l,
+            Err(e) => return reply::<(), _>(Err(Error::invalid(e)), 201),
+        },
+        None => layout,
+    };
+    let stripe = match b
+        .stripe_size
+        .as_ref()
+        .map(|s| size_of("stripe size", s))
+        .transpose()
+    {
+        Ok(s) => s,
+        Err(e) => return reply::<(), _>(Err(e), 201),
+    };
+    let unit = match b
+        .unit_size
+        .as_ref()
+        .map(|s| size_of("unit size", s))
+        .transpose()
+    {
+        Ok(s) => s,
+        Err(e) => return reply::<(), _>(Err(e), 201),
+    };
     // A bad ratio is refused before anything is created; a good one is set on the new
     // (empty) pool as `PATCH` would.
     if let Some(Err(e)) = b.overcommit.map(tessera_pool::validate_overcommit) {
@@ -67,14 +90,7 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     }
     with_node(node, move |n| {
         let created = n
-            .create_pool(
-                &b.name,
-                &b.devices,
-                &layout,
-                b.stripe_size.map(|s| s.as_text()).as_deref(),
-                b.unit_size.map(|s| s.as_text()).as_deref(),
-                b.force,
-            )
+            .create_pool(&b.name, &b.devices, layout, stripe, unit, b.force)
             .and_then(|info| match b.overcommit {
                 Some(r) => n.update_pool(
                     &info.name,

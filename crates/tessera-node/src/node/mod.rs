@@ -44,7 +44,7 @@ use crate::config::NodeConfig;
 pub use crate::error::{Error, Result, StartError};
 use crate::registry::{PoolEntry, Registry};
 use devices::{fit_slots, open_devices, wrap_slots, MissingDevice};
-use pools::layout_kind;
+use pools::{layout_kind, parse_layout};
 
 pub struct Node {
     pub cfg: NodeConfig,
@@ -297,7 +297,8 @@ impl Node {
 
     fn open_pool(&self, e: &PoolEntry) -> Result<(Pool, Vec<Arc<SwappableDevice>>)> {
         let redundant = e.layout.starts_with("raid1")
-            || layout_kind(&e.layout, e.stripe_size, e.devices.len())
+            || parse_layout(&e.layout)
+                .and_then(|l| layout_kind(l, e.stripe_size, e.devices.len()))
                 .is_ok_and(|k| k.is_redundant());
         let devs = if redundant {
             // A redundant pool comes up without a device that cannot be opened (it is
@@ -322,7 +323,7 @@ impl Node {
         if volatile {
             // RAM/null contents did not survive the restart: recreate the pool empty.
             info!(pool = %e.name, "pool is on volatile devices; recreated empty");
-            let layout = layout_kind(&e.layout, e.stripe_size, devs.len())?;
+            let layout = layout_kind(parse_layout(&e.layout)?, e.stripe_size, devs.len())?;
             let p = Pool::create(
                 &e.name,
                 devs,
@@ -352,14 +353,14 @@ impl Node {
             if self.pool(&p.name).is_ok() || self.offline_reason(&p.name).is_some() {
                 continue;
             }
-            match self.create_pool(
-                &p.name,
-                &p.devices,
-                &p.layout,
-                p.stripe_size.as_deref(),
-                p.unit_size.as_deref(),
-                false,
-            ) {
+            let size = |what: &str, v: &Option<String>| v.as_deref().map(|v| size_arg(what, v));
+            let created = (|| {
+                let stripe = size("stripe size", &p.stripe_size).transpose()?;
+                let unit = size("unit size", &p.unit_size).transpose()?;
+                let layout = parse_layout(&p.layout)?;
+                self.create_pool(&p.name, &p.devices, layout, stripe, unit, false)
+            })();
+            match created {
                 Ok(_) => {}
                 Err(source @ Error::Invalid(_)) => {
                     return Err(StartError::Declaration {

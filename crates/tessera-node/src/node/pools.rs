@@ -4,22 +4,24 @@ use super::pool_tuning;
 use std::sync::Arc;
 use tracing::info;
 
-use tessera_api::{DeviceState, OfflinePool, PoolEntry, PoolInfo, UpdatePool};
-use tessera_device::{format_size, DeviceSpec};
+use tessera_api::{LayoutSpec, OfflinePool, PoolEntry, PoolInfo, PoolState, UpdatePool};
+use tessera_device::DeviceSpec;
 use tessera_pool::{LayoutKind, Pool, PoolOptions, DEFAULT_UNIT_SIZE};
 
 use super::devices::{canonical_spec, fit_slots, open_devices, spec_path, wrap_slots};
-use super::{size_arg, Error, Node, Result};
+use super::{Error, Node, Result};
 use crate::registry::PoolEntry as RegistryEntry;
 
 impl Node {
+    /// A new pool `name` on `devices`; `stripe` (default 64K) and `unit` (default 1M)
+    /// in bytes.
     pub fn create_pool(
         &self,
         name: &str,
         devices: &[String],
-        layout: &str,
-        stripe: Option<&str>,
-        unit: Option<&str>,
+        layout: LayoutSpec,
+        stripe: Option<u64>,
+        unit: Option<u64>,
         force: bool,
     ) -> Result<PoolInfo> {
         let _g = self.admin();
@@ -32,14 +34,8 @@ impl Node {
         if devices.is_empty() {
             return Err(Error::invalid("a pool needs at least one device"));
         }
-        let stripe = match stripe {
-            Some(s) => size_arg("stripe size", s)?,
-            None => 64 << 10,
-        };
-        let unit_size = match unit {
-            Some(u) => size_arg("unit size", u)?,
-            None => DEFAULT_UNIT_SIZE,
-        };
+        let stripe = stripe.unwrap_or(64 << 10);
+        let unit_size = unit.unwrap_or(DEFAULT_UNIT_SIZE);
         let kind = layout_kind(layout, stripe, devices.len())?;
         let mut seen = std::collections::HashSet::new();
         for d in devices {
@@ -91,7 +87,7 @@ impl Node {
             uuid: st.uuid.clone(),
             // Record plain paths: a file is created once, with its size, and never again.
             devices: devices.iter().map(|d| canonical_spec(d)).collect(),
-            layout: layout_spec(&kind),
+            layout: kind.spec().to_string(),
             stripe_size: st.stripe_size,
             unit_size,
             spares: Vec::new(),
@@ -173,11 +169,11 @@ impl Node {
         Ok(self.pool_info(&p))
     }
 
-    /// A pool's status (`pool_status`) with the node's view of it: its hot spares.
+    /// A pool's status (`Pool::status`) with the node's view of it: its hot spares.
     pub fn pool_info(&self, p: &Pool) -> PoolInfo {
         PoolInfo {
             spares: self.spares(p.name()),
-            ..pool_status(p)
+            ..p.status()
         }
     }
 
@@ -206,7 +202,7 @@ impl Node {
         {
             v.push(PoolEntry::Offline(OfflinePool {
                 name: name.clone(),
-                state: "offline".into(),
+                state: PoolState::Offline,
                 error: reason.clone(),
             }));
         }
@@ -214,52 +210,12 @@ impl Node {
     }
 }
 
-/// What the pool itself reports (no spares, no jobs).
-pub fn pool_status(p: &Pool) -> PoolInfo {
-    let s = p.status();
-    let device_states = s
-        .devices
-        .iter()
-        .zip(&s.device_states)
-        .map(|(d, (st, why))| DeviceState {
-            device: d.clone(),
-            state: st.clone(),
-            reason: (!why.is_empty()).then(|| why.clone()),
-        })
-        .collect();
-    PoolInfo {
-        capacity_human: format_size(s.capacity),
-        name: s.name,
-        state: s.state,
-        uuid: s.uuid,
-        layout: s.layout,
-        stripe_size: s.stripe_size,
-        copies: s.copies,
-        parity: s.parity,
-        layout_spec: s.spec,
-        device_states,
-        devices: s.devices,
-        unit_size: s.unit_size,
-        capacity: s.capacity,
-        allocated: s.allocated,
-        free: s.free,
-        metadata: s.metadata,
-        volumes: s.volumes,
-        volatile: s.volatile,
-        provisioned: s.provisioned,
-        overcommit: s.overcommit,
-        spares: Vec::new(),
-        rebuild: None,
-        resync: None,
-    }
+/// The layout `spec` names, on `ndev` devices.
+pub(super) fn layout_kind(spec: LayoutSpec, stripe: u64, ndev: usize) -> Result<LayoutKind> {
+    LayoutKind::from_spec(spec, stripe, ndev).map_err(Error::invalid)
 }
 
-/// `layout` as users write it (see `LayoutKind::parse`).
-pub(super) fn layout_kind(layout: &str, stripe: u64, ndev: usize) -> Result<LayoutKind> {
-    LayoutKind::parse(layout, stripe, ndev).map_err(Error::invalid)
-}
-
-/// How the registry records a layout: mirrors with their copies, ec with k+m.
-fn layout_spec(kind: &LayoutKind) -> String {
-    kind.spec()
+/// A layout as the registry and the config write it (see `LayoutSpec`).
+pub(super) fn parse_layout(text: &str) -> Result<LayoutSpec> {
+    text.parse().map_err(Error::invalid)
 }

@@ -583,31 +583,11 @@ impl Node {
     }
 
     pub(super) fn replica_infos(&self, vol: &Volume) -> Option<Vec<ReplicaInfo>> {
-        let rv = self.replicated_of(vol)?;
-        Some(
-            rv.status()
-                .into_iter()
-                .map(|s| ReplicaInfo {
-                    place: s.place,
-                    volume: s.volume,
-                    state: s.state,
-                    local: s.local,
-                    connected: s.connected,
-                    dirty_bytes: s.dirty_bytes,
-                    resync_percent: s.resync_percent,
-                    resync_rate_bytes_per_sec: s.resync_rate_bytes_per_sec,
-                    resync_eta_secs: s.resync_eta_secs,
-                    resync_copied_bytes_total: s.resync_copied_bytes_total,
-                    resync_recopied_bytes_total: s.resync_recopied_bytes_total,
-                    resync_regions_total: s.resync_regions_total,
-                    last_error: s.last_error,
-                })
-                .collect(),
-        )
+        Some(self.replicated_of(vol)?.status())
     }
 
     /// Every replicated volume this node owns, with its legs' status (for metrics).
-    pub fn replica_statuses(&self) -> Vec<(String, Vec<tessera_replica::LegStatus>)> {
+    pub fn replica_statuses(&self) -> Vec<(String, Vec<ReplicaInfo>)> {
         self.replicated
             .read()
             .unwrap_or_else(|e| e.into_inner())

@@ -70,19 +70,6 @@ impl Node {
         p.snapshots()
             .into_iter()
             .find(|s| s.name == name)
-            .map(|s| SnapshotInfo {
-                name: s.name,
-                pool: p.name().to_string(),
-                id: s.id,
-                created: s.created,
-                size: s.size,
-                parent: s.parent,
-                children: s.children,
-                exclusive: s.exclusive,
-                shared: s.shared,
-                replicas: Vec::new(),
-                missing: Vec::new(),
-            })
             .ok_or_else(|| Error::missing("snapshot", name))
     }
 

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, MutexGuard};
 
-use tessera_api::{ReplaceReply, SpareList};
+use tessera_api::{ReplaceReply, ReplaceState, SpareList};
 use tessera_device::{format_size, BlockDevice, SwappableDevice};
 use tessera_pool::Pool;
 use tracing::{error, info, warn};
@@ -204,7 +204,7 @@ impl Node {
                 with: spec.to_string(),
                 live: false,
                 spare: None,
-                state: format!("recorded ({why}): restart the node; the rebuild onto the new device then starts by itself"),
+                state: ReplaceState::Recorded { why },
                 rebuild: None,
             });
         }
@@ -220,7 +220,7 @@ impl Node {
             with: spec.to_string(),
             live: true,
             spare: Some(spare),
-            state: "rebuilding".to_string(),
+            state: ReplaceState::Rebuilding,
             rebuild: None,
         };
         match self.run_rebuild(p, index, 0) {
@@ -229,7 +229,9 @@ impl Node {
                 // The device is in place and recorded; the cursor makes the next start
                 // rebuild it, and `pool rebuild` can start it now.
                 error!(pool, with = spec, error = %e, "the rebuild onto the new device did not start");
-                v.state = format!("replaced; the rebuild did not start: {e}");
+                v.state = ReplaceState::RebuildNotStarted {
+                    error: e.to_string(),
+                };
             }
         }
         Ok(v)

@@ -1,5 +1,6 @@
 //! The kinds of layout a pool can have, their names and their parameters.
 
+use tessera_api::LayoutSpec;
 use tessera_io::cast::u32_of;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,56 +94,51 @@ impl LayoutKind {
     /// per device), `raid10[:COPIES]` (default 2), `raid5`, `raid6`, `ec:K+M` (or `ec:M`,
     /// K being the other devices); `stripe` is the stripe (parity: chunk) size.
     pub fn parse(spec: &str, stripe: u64, ndev: usize) -> Result<LayoutKind, String> {
-        let (name, arg) = match spec.split_once(':') {
-            Some((n, a)) => (n, Some(a)),
-            None => (spec, None),
-        };
-        let num = |a: &str| {
-            a.parse::<u32>()
-                .map_err(|_| format!("bad number '{a}' in layout '{spec}'"))
-        };
-        match (name, arg) {
-            ("concat", None) => Ok(LayoutKind::Concat),
-            ("raid0", None) => Ok(LayoutKind::Raid0 { stripe }),
-            ("raid1", c) => Ok(LayoutKind::Raid1 {
-                copies: c.map(num).transpose()?.unwrap_or(u32_of(ndev)),
-            }),
-            ("raid10", c) => Ok(LayoutKind::Raid10 {
-                copies: c.map(num).transpose()?.unwrap_or(2),
+        LayoutKind::from_spec(spec.parse()?, stripe, ndev)
+    }
+
+    /// The layout `spec` names, on `ndev` devices (the parameters it leaves out are
+    /// defaulted from them); `stripe` is the stripe (parity: chunk) size.
+    pub fn from_spec(spec: LayoutSpec, stripe: u64, ndev: usize) -> Result<LayoutKind, String> {
+        Ok(match spec {
+            LayoutSpec::Concat => LayoutKind::Concat,
+            LayoutSpec::Raid0 => LayoutKind::Raid0 { stripe },
+            LayoutSpec::Raid1 { copies } => LayoutKind::Raid1 {
+                copies: copies.unwrap_or(u32_of(ndev)),
+            },
+            LayoutSpec::Raid10 { copies } => LayoutKind::Raid10 {
+                copies: copies.unwrap_or(2),
                 stripe,
-            }),
-            ("raid5", None) => Ok(LayoutKind::Raid5 { stripe }),
-            ("raid6", None) => Ok(LayoutKind::Raid6 { stripe }),
-            ("ec", Some(a)) => {
-                let (k, m) = match a.split_once('+') {
-                    Some((k, m)) => (num(k)?, num(m)?),
-                    None => {
-                        let m = num(a)?;
-                        (u32_of(ndev).saturating_sub(m), m)
-                    }
-                };
+            },
+            LayoutSpec::Raid5 => LayoutKind::Raid5 { stripe },
+            LayoutSpec::Raid6 => LayoutKind::Raid6 { stripe },
+            LayoutSpec::Ec { k, m } => {
+                let k = k.unwrap_or(u32_of(ndev).saturating_sub(m));
                 if k == 0 || m == 0 || (k + m) as usize != ndev {
                     return Err(format!(
                         "layout '{spec}' needs k+m devices with k, m at least 1 (got {ndev} devices)"
                     ));
                 }
-                Ok(LayoutKind::Ec { k, m, stripe })
+                LayoutKind::Ec { k, m, stripe }
             }
-            ("ec", None) => Err("ec needs its shape: ec:K+M (e.g. ec:4+2)".into()),
-            (_, _) => Err(format!(
-                "unknown layout '{spec}' (concat, raid0, raid1[:COPIES], raid10[:COPIES], raid5, raid6, ec:K+M)"
-            )),
-        }
+        })
     }
 
-    /// The inverse of [`LayoutKind::parse`] (without the stripe size).
-    pub fn spec(&self) -> String {
+    /// The inverse of [`LayoutKind::from_spec`] (without the stripe size), every
+    /// parameter given.
+    pub fn spec(&self) -> LayoutSpec {
         match *self {
-            LayoutKind::Raid1 { copies } | LayoutKind::Raid10 { copies, .. } => {
-                format!("{}:{copies}", self.name())
-            }
-            LayoutKind::Ec { k, m, .. } => format!("ec:{k}+{m}"),
-            _ => self.name().to_string(),
+            LayoutKind::Concat => LayoutSpec::Concat,
+            LayoutKind::Raid0 { .. } => LayoutSpec::Raid0,
+            LayoutKind::Raid1 { copies } => LayoutSpec::Raid1 {
+                copies: Some(copies),
+            },
+            LayoutKind::Raid10 { copies, .. } => LayoutSpec::Raid10 {
+                copies: Some(copies),
+            },
+            LayoutKind::Raid5 { .. } => LayoutSpec::Raid5,
+            LayoutKind::Raid6 { .. } => LayoutSpec::Raid6,
+            LayoutKind::Ec { k, m, .. } => LayoutSpec::Ec { k: Some(k), m },
         }
     }
 }

@@ -47,7 +47,7 @@ pub struct QosLimits {
     /// One-time burst as this many ms of the rate; default 0.
     pub one_time_burst_ms: Option<u64>,
     /// Share weight when volumes compete for a saturated core (see
-    /// [`ShareScheduler`](crate::ShareScheduler)); default [`DEFAULT_WEIGHT`].
+    /// `tessera_qos::ShareScheduler`); default [`DEFAULT_WEIGHT`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight: Option<u32>,
     /// Serve this volume's reads before its writes: reads are never held by
