@@ -8,7 +8,8 @@ use axum::Router;
 use std::sync::Arc;
 use tessera_api::{
     CreatePool, Deleted, ErrorReply, PoolEntry, PoolInfo, RebuildRequest, RebuildStatus,
-    ReplaceReply, ReplaceRequest, ScrubRequest, ScrubStatus, SpareList, SpareRequest, UpdatePool,
+    ReplaceReply, ReplaceRequest, ScrubRequest, ScrubStatus, SizeArg, SpareList, SpareRequest,
+    UpdatePool,
 };
 use tessera_http::Response;
 
@@ -57,30 +58,19 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
         Ok(b) => b,
         Err(r) => return r,
     };
-    let layout = b.layout.unwrap_or_default();
-    let layout = match b.copies {
-        Some(c) => match layout.with_copies(c) {
-            Ok(l) => l,
-            Err(e) => return reply::<(), _>(Err(Error::invalid(e)), 201),
-        },
-        None => layout,
+    // The request, typed: the layout with its copies, the sizes in bytes.
+    let args = || -> Result<_, Error> {
+        let mut layout = b.layout.unwrap_or_default();
+        if let Some(c) = b.copies {
+            layout = layout.with_copies(c).map_err(Error::invalid)?;
+        }
+        let size = |what, s: &Option<SizeArg>| s.as_ref().map(|s| size_of(what, s)).transpose();
+        let stripe = size("stripe size", &b.stripe_size)?;
+        let unit = size("unit size", &b.unit_size)?;
+        Ok((layout, stripe, unit))
     };
-    let stripe = match b
-        .stripe_size
-        .as_ref()
-        .map(|s| size_of("stripe size", s))
-        .transpose()
-    {
-        Ok(s) => s,
-        Err(e) => return reply::<(), _>(Err(e), 201),
-    };
-    let unit = match b
-        .unit_size
-        .as_ref()
-        .map(|s| size_of("unit size", s))
-        .transpose()
-    {
-        Ok(s) => s,
+    let (layout, stripe, unit) = match args() {
+        Ok(a) => a,
         Err(e) => return reply::<(), _>(Err(e), 201),
     };
     // A bad ratio is refused before anything is created; a good one is set on the new
