@@ -23,6 +23,9 @@
 //!   its name can be taken again, and the old owner, back, keeps no orphan copy; a copy
 //!   given up after a failover goes with its snapshots.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

@@ -3,6 +3,9 @@
 //! was 823 lines before), the node keeps serving real clients, and the connect and
 //! disconnect lines of those clients carry their fields, in text and in JSON.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

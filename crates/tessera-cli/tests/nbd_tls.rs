@@ -2,6 +2,9 @@
 //! `nbdcopy` with `nbds://` URIs) and qemu (`qemu-io` with `tls-creds-x509`). Each test
 //! makes its own CA and certificates with `scripts/nbd-tls-certs.sh` (openssl).
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

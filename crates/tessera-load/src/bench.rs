@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tessera_io::cast::{u32_of, usize_of, DurationU64};
 
 use clap::{Args, ValueEnum};
 use tessera_device::{open_device, parse_size, BlockDevice, DeviceSpec};
@@ -146,13 +147,13 @@ impl BenchTask {
         if write {
             IoOp::Write {
                 offset,
-                len: self.bs as u32,
+                len: u32_of(self.bs),
                 buf,
             }
         } else {
             IoOp::Read {
                 offset,
-                len: self.bs as u32,
+                len: u32_of(self.bs),
                 buf,
             }
         }
@@ -165,7 +166,7 @@ impl BenchTask {
         // SAFETY: slot `slot`'s buffer (`bufs[slot]`) belongs to this driver, which issues
         // the slot again only after its completion and is not dropped while I/O is
         // in flight.
-        unsafe { self.handle.submit(io, op, Tag::task(self.id, slot as u32)) };
+        unsafe { self.handle.submit(io, op, Tag::task(self.id, u32_of(slot))) };
     }
 }
 
@@ -186,7 +187,7 @@ impl Task for BenchTask {
         let r = self.r.as_mut().expect("report");
         let s = slot as usize;
         r.hist
-            .record(now.duration_since(self.started[s]).as_nanos() as u64);
+            .record(now.duration_since(self.started[s]).nanos_u64());
         if res < 0 {
             if r.errors == 0 {
                 r.first_error = -res;
@@ -320,7 +321,7 @@ fn prefill(s: &Subject) -> Result<(), String> {
     let mut io = CoreIo::new(0, 256, None).map_err(|e| e.to_string())?;
     let mut h = (s.open)();
     let chunk = 1u64 << 20;
-    let mut buf = AlignedBuf::zeroed(chunk as usize);
+    let mut buf = AlignedBuf::zeroed(usize_of(chunk));
     fill_payload(buf.as_mut_slice());
     let mut off = 0;
     let mut err = 0;
@@ -336,7 +337,7 @@ fn prefill(s: &Subject) -> Result<(), String> {
                     &mut io,
                     IoOp::Write {
                         offset: s.base + off,
-                        len: len as u32,
+                        len: u32_of(len),
                         buf: buf.as_ptr(),
                     },
                     Tag::task(0, n),
@@ -426,7 +427,7 @@ impl BenchTask {
             // always-cached bytes once made parity writes look 20% cheaper.
             bufs: (0..a.qd)
                 .map(|_| {
-                    let mut b = io.bufs.get(bs as usize);
+                    let mut b = io.bufs.get(usize_of(bs));
                     fill_payload(b.as_mut_slice());
                     b
                 })

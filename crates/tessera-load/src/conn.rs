@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
+use tessera_io::cast::{usize_of, DurationU64};
 
 use clap::Args;
 use tessera_device::{format_size, parse_size};
@@ -224,7 +225,13 @@ pub fn poll_rw(fd: RawFd, timeout: Duration) -> io::Result<(bool, bool)> {
     };
     loop {
         // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as libc::c_int) };
+        let n = unsafe {
+            libc::poll(
+                &mut p,
+                1,
+                libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX),
+            )
+        };
         if n >= 0 {
             let err = p.revents & (libc::POLLERR | libc::POLLHUP) != 0;
             return Ok((
@@ -386,8 +393,8 @@ impl Core {
     /// The slot an answer's ID refers to; anything but an outstanding request means the
     /// peer (or our parsing) is broken and the stream cannot be trusted.
     pub fn slot_of(&self, id: u64, what: impl FnOnce() -> String) -> Result<usize, String> {
-        match self.slots.get(id as usize) {
-            Some(s) if s.busy => Ok(id as usize),
+        match self.slots.get(usize_of(id)) {
+            Some(s) if s.busy => Ok(usize_of(id)),
             _ => Err(what()),
         }
     }
@@ -471,7 +478,7 @@ pub fn drive<P: Protocol>(
     stream
         .set_read_timeout(Some(Duration::from_secs(1)))
         .map_err(|err| format!("setting the receive timeout: {err}"))?;
-    let now_ns = || epoch.elapsed().as_nanos() as u64;
+    let now_ns = || epoch.elapsed().nanos_u64();
     c.fill(now_ns());
     let mut last_progress = Instant::now();
     loop {
@@ -716,7 +723,7 @@ pub fn run<P: Protocol>(w: &Workload, conns: Vec<(TcpStream, Conn<P>)>) -> Resul
     let (tx, rx) = channel();
     let progress = Arc::new(AtomicU64::new(0));
     let barrier = Arc::new(Barrier::new(n + 1));
-    let deadline_ns = Duration::from_secs(w.time).as_nanos() as u64;
+    let deadline_ns = Duration::from_secs(w.time).nanos_u64();
     let cpu0 = report::cpu_time(libc::RUSAGE_SELF);
     let mut threads = Vec::with_capacity(n);
     for (i, (stream, mut c)) in conns.into_iter().enumerate() {
@@ -811,6 +818,7 @@ fn show_progress(rx: &Receiver<Report>, progress: &AtomicU64, w: &Workload) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_io::cast::u8_of;
 
     #[test]
     fn send_queue_keeps_order_across_partial_sends() {
@@ -818,7 +826,7 @@ mod tests {
         let mut q = SendQueue::default();
         let mut want = Vec::new();
         for i in 0..50usize {
-            let h = vec![i as u8; 1 + i % 7];
+            let h = vec![u8_of(i); 1 + i % 7];
             q.push_bytes(&h);
             want.extend_from_slice(&h);
             let r = (i * 997) % 90_000..(i * 997) % 90_000 + 1 + i * 113;

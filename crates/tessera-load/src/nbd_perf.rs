@@ -19,6 +19,7 @@
 
 use std::io::Write as _;
 use std::net::TcpStream;
+use tessera_io::cast::{u32_of, usize_of};
 
 use clap::Args;
 use tessera_device::format_size;
@@ -138,7 +139,7 @@ impl Nbd {
     /// A connection of `qd` requests of `w.bs` bytes over `blocks` blocks.
     fn conn(w: &Workload, blocks: u64, qd: usize, structured: bool, rng: Rng) -> Conn<Nbd> {
         let b = Buffers::new(
-            payload(w.bs as usize),
+            payload(usize_of(w.bs)),
             RECV_BUF.max(4 * MAX_ERROR_CHUNK),
             MAX_ERROR_CHUNK + proto::STRUCTURED_REPLY_LEN,
             qd * proto::REQUEST_HEADER_LEN,
@@ -185,7 +186,7 @@ impl Nbd {
                 ));
             }
             // The READ data follows the header.
-            self.skip = c.bs as usize;
+            self.skip = usize_of(c.bs);
             self.skip_then = Some(slot);
             return Ok(Some((proto::SIMPLE_REPLY_LEN, 0)));
         }
@@ -276,7 +277,7 @@ fn check_data_chunk(
     let write = c.slots[slot].write;
     match ty {
         proto::REPLY_TYPE_OFFSET_DATA => {
-            if write || len < 8 || len - 8 > c.bs as usize {
+            if write || len < 8 || len - 8 > usize_of(c.bs) {
                 return Err(format!(
                     "OFFSET_DATA chunk of {len} bytes for a {} of {} bytes \
                      (cookie {cookie:#x})",
@@ -331,7 +332,7 @@ impl Protocol for Nbd {
             },
             cookie: slot as u64,
             offset,
-            length: c.bs as u32,
+            length: u32_of(c.bs),
         });
         c.b.out.push_bytes(&h);
         if write {
@@ -594,7 +595,7 @@ mod tests {
 
     fn chunk(out: &mut Vec<u8>, flags: u16, ty: u16, cookie: u64, payload: &[u8]) {
         let mut b = [0u8; proto::STRUCTURED_REPLY_LEN];
-        proto::encode_structured_reply(&mut b, flags, ty, cookie, payload.len() as u32);
+        proto::encode_structured_reply(&mut b, flags, ty, cookie, u32_of(payload.len()));
         out.extend_from_slice(&b);
         out.extend_from_slice(payload);
     }
@@ -700,7 +701,7 @@ mod tests {
             let mut h = [0u8; proto::SIMPLE_REPLY_LEN];
             proto::encode_simple_reply(&mut h, 0, slot);
             r.extend_from_slice(&h);
-            if !e.core.slots[slot as usize].write {
+            if !e.core.slots[usize_of(slot)].write {
                 r.extend(std::iter::repeat_n(0u8, 4096));
             }
         }

@@ -15,6 +15,7 @@
 //! sleeping.
 
 use std::net::TcpStream;
+use tessera_io::cast::{u16_of, u32_of, usize_of};
 
 use clap::Args;
 use tessera_device::format_size;
@@ -75,7 +76,7 @@ impl Nvmf {
         maxh2cdata: u32,
         rng: Rng,
     ) -> Conn<Nvmf> {
-        let payload = payload(w.bs as usize);
+        let payload = payload(usize_of(w.bs));
         let proto = Nvmf {
             lba_shift: lba.trailing_zeros(),
             nsid,
@@ -111,7 +112,7 @@ impl Nvmf {
     ) -> Result<(), String> {
         let (write, asked) = (c.slots[slot].write, self.r2t_asked[slot]);
         let end = offset as u64 + len as u64;
-        if !write || (c.bs as usize) <= self.in_capsule {
+        if !write || usize_of(c.bs) <= self.in_capsule {
             return Err(format!("R2T for command {slot}, which has no data to send"));
         }
         if offset != asked || len == 0 || end > c.bs {
@@ -120,16 +121,16 @@ impl Nvmf {
                 c.bs
             ));
         }
-        self.r2t_asked[slot] = end as u32;
+        self.r2t_asked[slot] = u32_of(end);
         let mut at = offset;
-        while at < end as u32 {
-            let n = (end as u32 - at).min(self.maxh2cdata as u32);
-            let last = at + n == end as u32;
+        while at < u32_of(end) {
+            let n = (u32_of(end) - at).min(u32_of(self.maxh2cdata));
+            let last = at + n == u32_of(end);
             let mut h = [0u8; 160];
             let flags = if last { pdu::F_DATA_LAST } else { 0 };
             let hl = self
                 .framing
-                .data_pdu(&mut h, pdu::H2C_DATA, flags, slot as u16, ttag, at, n);
+                .data_pdu(&mut h, pdu::H2C_DATA, flags, u16_of(slot), ttag, at, n);
             c.b.out.push_bytes(&h[..hl]);
             c.b.out.push_payload(at as usize..(at + n) as usize);
             if self.framing.ddgst {
@@ -171,14 +172,14 @@ impl Protocol for Nvmf {
     fn encode(&mut self, c: &mut Core, slot: usize, write: bool, offset: u64) {
         let bs = c.bs;
         let slba = offset >> self.lba_shift;
-        let nlb = (bs >> self.lba_shift) as u32;
-        let in_capsule = write && bs as usize <= self.in_capsule;
+        let nlb = u32_of(bs >> self.lba_shift);
+        let in_capsule = write && usize_of(bs) <= self.in_capsule;
         let sqe = Sqe {
             opc: if write { nvme::IO_WRITE } else { nvme::IO_READ },
-            cid: slot as u16,
+            cid: u16_of(slot),
             nsid: self.nsid,
-            cdw10: slba as u32,
-            cdw11: (slba >> 32) as u32,
+            cdw10: u32_of(slba & 0xffff_ffff),
+            cdw11: u32_of(slba >> 32),
             cdw12: nlb - 1,
             ..Sqe::default()
         }
@@ -188,10 +189,10 @@ impl Protocol for Nvmf {
             } else {
                 nvme::SGL_TRANSPORT_DATA_BLOCK
             },
-            bs as u32,
+            u32_of(bs),
         );
         let mut h = [0u8; 160];
-        let data = if in_capsule { bs as usize } else { 0 };
+        let data = if in_capsule { usize_of(bs) } else { 0 };
         let n = self.framing.capsule_cmd(&mut h, &sqe.encode(), data);
         c.b.out.push_bytes(&h[..n]);
         if in_capsule {
@@ -298,7 +299,7 @@ impl NvmfPerfArgs {
 pub fn run(addr: &str, mut o: Options, a: NvmfPerfArgs) -> Result<(), String> {
     let w = a.check()?;
     let bs = w.bs;
-    o.queue_size = a.load.qd.max(32) as u16;
+    o.queue_size = u16_of(a.load.qd.max(32));
     let (hdgst, ddgst) = (o.hdgst, o.ddgst);
     let mut ctrl = Controller::connect(addr, &a.nqn, &o, a.queues)
         .map_err(|e| format!("connecting to {} at {addr}: {e}", a.nqn))?;
@@ -448,7 +449,7 @@ mod tests {
         // R2T for the whole of command 2.
         let fr = e.proto.framing;
         let mut r = [0u8; 64];
-        let n = fr.r2t(&mut r, 2, 77, 0, bs as u32);
+        let n = fr.r2t(&mut r, 2, 77, 0, u32_of(bs));
         assert_eq!(feed(&mut e, &r[..n]), Ok(0));
         let out = e.core.b.out.to_vec(&e.core.b.payload);
         let p = pdus(&out);
@@ -460,7 +461,7 @@ mod tests {
         assert_eq!(p.len(), 3);
         for (x, &(off, len)) in p.iter().zip(&want) {
             assert_eq!((x.0, x.2, x.3, x.4), (pdu::H2C_DATA, 2, off, len));
-            let last = off + len == bs as u32;
+            let last = off + len == u32_of(bs);
             assert_eq!(x.1 & pdu::F_DATA_LAST != 0, last);
             let d = &e.core.b.payload[off as usize..(off + len) as usize];
             assert_eq!(&x.5[..len as usize], d);

@@ -1,6 +1,7 @@
 //! Devices only tests need, and fault wrapping for RAM devices.
 
 use std::sync::Arc;
+use tessera_io::cast::usize_of;
 
 use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
 pub use tessera_device::{CrashDevice, PowerSwitch};
@@ -106,7 +107,7 @@ impl BlockDevice for CacheDevice {
         self.logged_write(offset, buf)
     }
     fn write_zeroes_at(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.logged_write(offset, &vec![0u8; len as usize])
+        self.logged_write(offset, &vec![0u8; usize_of(len)])
     }
     fn sync(&self) -> std::io::Result<()> {
         self.alive()?;

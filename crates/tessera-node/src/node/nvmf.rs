@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
+use tessera_io::cast::u16_of;
 
 use tessera_api::{ControllerInfo, NamespaceInfo, SubsystemInfo as SubsystemReply};
 use tessera_nvmf::nvme::AnaState;
@@ -617,7 +618,7 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
         target.add_port(Port {
             traddr: host.trim_matches(['[', ']']).to_string(),
             trsvcid: port.to_string(),
-            portid: i as u16 + 1,
+            portid: u16_of(i + 1),
             io,
         });
         let n = node.clone();

@@ -1,6 +1,7 @@
 //! Thin volumes: create, resize, delete, list, QoS limits and I/O statistics.
 
 use std::sync::Arc;
+use tessera_io::cast::DurationU64;
 
 use tessera_api::{IoTotals, LatencyWindow, VolumeInfo, VolumeStats};
 use tessera_pool::{Pool, Volume};
@@ -160,7 +161,7 @@ impl Node {
         let us = |ns: u64| ns as f64 / 1000.0;
         Ok(VolumeStats {
             volume: name.to_string(),
-            interval_ms: interval.as_millis() as u64,
+            interval_ms: interval.millis_u64(),
             read_iops: rate(a.reads, b.reads),
             write_iops: rate(a.writes, b.writes),
             other_iops: rate(a.others, b.others),
