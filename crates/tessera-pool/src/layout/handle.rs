@@ -1,6 +1,6 @@
 //! The per-core datapath handle of a layout: splits requests into device pieces, fans
 //! mirror writes out to every healthy copy, fails reads over, and hands parity layouts to
-//! their row engine (`crate::parity_io`).
+//! their row engine (`crate::layout::parity_io`).
 
 use std::rc::Rc;
 use std::sync::atomic::{Ordering::Relaxed, Ordering::SeqCst};
@@ -36,8 +36,8 @@ pub struct LayoutHandle {
     mirror: Option<Rc<MirrorHook>>,
     /// Mirrors: spreads reads over the copies.
     rr: u32,
-    /// Parity layouts: this core's row engine (crate::parity_io).
-    engine: Option<Rc<crate::parity_io::Engine>>,
+    /// Parity layouts: this core's row engine (crate::layout::parity_io).
+    engine: Option<Rc<crate::layout::parity_io::Engine>>,
 }
 
 /// Mirror error handling on a core: mark the device failed, then fail a read over to
@@ -358,7 +358,7 @@ impl IoHandle for LayoutHandle {
     unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         if self.layout.parity.is_some() {
             let LayoutHandle { layout, engine, .. } = self;
-            let e = engine.get_or_insert_with(|| crate::parity_io::engine_for(io, layout));
+            let e = engine.get_or_insert_with(|| crate::layout::parity_io::engine_for(io, layout));
             // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.
             return unsafe { e.submit(io, layout, op, tag) };
         }
