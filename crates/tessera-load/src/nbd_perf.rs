@@ -101,18 +101,6 @@ fn percent_decode(s: &str) -> Result<String, String> {
     String::from_utf8(out).map_err(|_| "export name is not UTF-8".to_string())
 }
 
-fn be16(b: &[u8]) -> u16 {
-    u16::from_be_bytes([b[0], b[1]])
-}
-fn be32(b: &[u8]) -> u32 {
-    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
-}
-fn be64(b: &[u8]) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[..8]);
-    u64::from_be_bytes(a)
-}
-
 /// Describe an NBD error number for humans.
 fn nbd_error_text(code: u32, msg: Option<&str>) -> String {
     let e = nbd_error_to_io(code);
@@ -167,15 +155,17 @@ impl Nbd {
         })
     }
 
-    /// A simple reply at `p`: its header; the data of a READ is skipped after it.
+    /// A simple reply (parsed by `proto::parse_reply`); the data of a READ is skipped
+    /// after it.
     #[inline]
-    fn simple_reply(&mut self, c: &mut Core, p: usize, now: u64) -> Result<Parsed, String> {
-        let b = &c.b.inb[p..c.b.in_end];
-        if b.len() < proto::SIMPLE_REPLY_LEN {
-            return Ok(None);
-        }
-        let error = be32(&b[4..]);
-        let slot = Self::slot_of(c, be64(&b[8..]))?;
+    fn simple_reply(
+        &mut self,
+        c: &mut Core,
+        error: u32,
+        cookie: u64,
+        now: u64,
+    ) -> Result<Parsed, String> {
+        let slot = Self::slot_of(c, cookie)?;
         if error != 0 {
             Self::fail(c, slot, error, None);
         } else if !c.slots[slot].write {
@@ -194,23 +184,26 @@ impl Nbd {
         Ok(Some((proto::SIMPLE_REPLY_LEN, 1)))
     }
 
-    /// A structured reply chunk at `p`: its header, and the payload of an error chunk;
-    /// the payload of any other chunk is skipped after it.
+    /// A structured reply chunk at `p` (its header parsed by `proto::parse_reply`), and
+    /// the payload of an error chunk; the payload of any other chunk is skipped after it.
     #[inline]
-    fn structured_chunk(&mut self, c: &mut Core, p: usize, now: u64) -> Result<Parsed, String> {
-        let b = &c.b.inb[p..c.b.in_end];
-        if b.len() < proto::STRUCTURED_REPLY_LEN {
-            return Ok(None);
-        }
+    #[allow(clippy::too_many_arguments)]
+    fn structured_chunk(
+        &mut self,
+        c: &mut Core,
+        p: usize,
+        flags: u16,
+        ty: u16,
+        cookie: u64,
+        length: u32,
+        now: u64,
+    ) -> Result<Parsed, String> {
         if !self.structured {
             return Err(
                 "structured reply chunk, but structured replies were not negotiated".into(),
             );
         }
-        let flags = be16(&b[4..]);
-        let ty = be16(&b[6..]);
-        let cookie = be64(&b[8..]);
-        let len = be32(&b[16..]) as usize;
+        let len = usize_of(u64::from(length));
         let slot = Self::slot_of(c, cookie)?;
         let last = flags & proto::REPLY_FLAG_DONE != 0;
         if ty & 0x8000 != 0 {
@@ -249,8 +242,8 @@ impl Nbd {
             return Ok(None);
         }
         let pl = &b[proto::STRUCTURED_REPLY_LEN..][..len];
-        let code = be32(pl);
-        let mlen = be16(&pl[4..]) as usize;
+        let code = proto::be_u32(pl);
+        let mlen = proto::be_u16(&pl[4..]) as usize;
         let msg = pl
             .get(6..6 + mlen)
             .map(|m| String::from_utf8_lossy(m).into_owned());
@@ -359,15 +352,18 @@ impl Protocol for Nbd {
                 }
                 continue;
             }
-            if c.b.in_end - p < 4 {
-                break Ok(());
-            }
-            let step = match be32(&c.b.inb[p..]) {
-                proto::SIMPLE_REPLY_MAGIC => self.simple_reply(c, p, now),
-                proto::STRUCTURED_REPLY_MAGIC => self.structured_chunk(c, p, now),
-                m => Err(format!(
-                    "bad reply magic {m:#010x}: the stream is out of sync"
-                )),
+            let step = match proto::parse_reply(&c.b.inb[p..c.b.in_end]) {
+                Ok(None) => break Ok(()),
+                Ok(Some(proto::ReplyHeader::Simple { error, cookie })) => {
+                    self.simple_reply(c, error, cookie, now)
+                }
+                Ok(Some(proto::ReplyHeader::Chunk {
+                    flags,
+                    ty,
+                    cookie,
+                    length,
+                })) => self.structured_chunk(c, p, flags, ty, cookie, length, now),
+                Err(e) => Err(e.to_string()),
             };
             match step {
                 Ok(Some((len, d))) => {

@@ -17,6 +17,7 @@ pub(crate) use allocator::{NEEDS_REDIRECT, NEEDS_RESERVE};
 pub use catalog::{validate_name, validate_overcommit};
 pub(crate) use committer::CommitRequest;
 pub(crate) use first_write_plan::{BlockRun, ChainRead, FirstWritePlan};
+pub use tessera_io::units::human_bytes;
 
 use allocator::zeroer_loop;
 use catalog::provisioned;
@@ -1060,21 +1061,6 @@ fn initial_owners(sb: &Superblock) -> Vec<(u32, u32)> {
             }
         })
         .collect()
-}
-
-/// Bytes in binary units for messages ("4.0 GiB"; exact below 1 KiB).
-pub fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    if b < 1024 {
-        return format!("{b} B");
-    }
-    let mut v = b as f64 / 1024.0;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < UNITS.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    format!("{v:.1} {}", UNITS[i])
 }
 
 #[cfg(test)]
