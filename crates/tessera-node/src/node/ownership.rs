@@ -729,7 +729,7 @@ impl Node {
         let deadline = Instant::now() + Duration::from_secs(3);
         loop {
             match self.nvmf_remove_subsystem(nqn) {
-                Err(e) if e.kind == tessera_pool::ErrorKind::Busy && Instant::now() < deadline => {
+                Err(crate::error::Error::Busy(_)) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(50));
                 }
                 Err(e) => {

@@ -121,7 +121,7 @@ impl Node {
     pub fn set_volume_qos(&self, name: &str, limits: QosLimits) -> Result<QosLimits> {
         let _g = self.admin();
         let (_, v) = self.find_volume(name)?;
-        Ok(self.groups.set_volume_qos(&v, limits)?)
+        self.groups.set_volume_qos(&v, limits)
     }
 
     /// A volume as the protocols export it: the volume and the QoS state its

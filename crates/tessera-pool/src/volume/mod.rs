@@ -1162,19 +1162,17 @@ mod tests {
         let Err(e) = pool.create_volume("b", 9 * cap) else {
             panic!("a volume beyond the ratio was created")
         };
-        assert_eq!(e.kind, crate::ErrorKind::NoSpace);
-        assert!(
-            e.message.contains("20x") && e.message.contains("--force"),
-            "{e}"
-        );
-        assert!(e.message.contains(&format!("{} bytes", 21 * cap)), "{e}");
+        assert_eq!(e.kind(), crate::ErrorKind::NoSpace);
+        let m = e.to_string();
+        assert!(m.contains("20x") && m.contains("--force"), "{e}");
+        assert!(m.contains(&format!("{} bytes", 21 * cap)), "{e}");
         assert!(pool.volume("b").is_none());
         pool.create_volume("b", 8 * cap).unwrap();
         let b = pool.volume("b").unwrap();
         assert_eq!(
             pool.resize_volume(&b, 8 * cap + (1 << 20))
                 .unwrap_err()
-                .kind,
+                .kind(),
             crate::ErrorKind::NoSpace
         );
         assert_eq!(b.size(), 8 * cap);
