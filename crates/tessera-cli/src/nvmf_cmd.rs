@@ -576,6 +576,7 @@ pub struct NvmfPerfArgs {
     load: tessera_load::nvmf_perf::NvmfPerfArgs,
 }
 
-fn perf(a: NvmfPerfArgs) -> std::result::Result<(), String> {
-    tessera_load::nvmf_perf::run(a.host.addr(), a.host.options()?, a.load)
+fn perf(a: NvmfPerfArgs) -> std::result::Result<(), CliError> {
+    let options = a.host.options().map_err(CliError::Invalid)?;
+    Ok(tessera_load::nvmf_perf::run(a.host.addr(), options, a.load)?)
 }

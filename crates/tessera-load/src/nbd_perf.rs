@@ -17,6 +17,7 @@
 //! queue-depth-1 measurements; on a VM that wake-up can cost more than the server's
 //! whole round trip.
 
+use crate::error::LoadError;
 use std::io::Write as _;
 use std::net::TcpStream;
 use tessera_io::cast::{u32_of, usize_of};
@@ -56,14 +57,16 @@ const MAX_ERROR_CHUNK: usize = 64 * 1024;
 const DEFAULT_PORT: u16 = 10809;
 
 /// Split `nbd://HOST[:PORT]/[EXPORT]` into `("HOST:PORT", "EXPORT")`.
-fn parse_uri(uri: &str) -> Result<(String, String), String> {
+fn parse_uri(uri: &str) -> Result<(String, String), LoadError> {
     let rest = uri.strip_prefix("nbd://").ok_or_else(|| {
-        format!("{uri:?}: only nbd://HOST[:PORT]/EXPORT URIs are supported (TCP, no TLS)")
+        LoadError::Invalid(format!(
+            "{uri:?}: only nbd://HOST[:PORT]/EXPORT URIs are supported (TCP, no TLS)"
+        ))
     })?;
     let rest = rest.split(['?', '#']).next().unwrap_or_default();
     let (auth, path) = rest.split_once('/').unwrap_or((rest, ""));
     if auth.is_empty() {
-        return Err(format!("{uri:?}: no host"));
+        return Err(LoadError::invalid(format!("{uri:?}: no host")));
     }
     let has_port = match auth.rfind(']') {
         Some(i) => auth[i + 1..].starts_with(':'),
@@ -76,11 +79,11 @@ fn parse_uri(uri: &str) -> Result<(String, String), String> {
     };
     Ok((
         addr,
-        percent_decode(path).map_err(|e| format!("{uri:?}: {e}"))?,
+        percent_decode(path).map_err(|e| e.within(format_args!("{uri:?}")))?,
     ))
 }
 
-fn percent_decode(s: &str) -> Result<String, String> {
+fn percent_decode(s: &str) -> Result<String, LoadError> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -90,7 +93,7 @@ fn percent_decode(s: &str) -> Result<String, String> {
                 .get(i + 1..i + 3)
                 .and_then(|h| std::str::from_utf8(h).ok())
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or("bad percent escape in the export name")?;
+                .ok_or_else(|| LoadError::invalid("bad percent escape in the export name"))?;
             out.push(hex);
             i += 3;
         } else {
@@ -98,7 +101,7 @@ fn percent_decode(s: &str) -> Result<String, String> {
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| "export name is not UTF-8".to_string())
+    String::from_utf8(out).map_err(|_| LoadError::invalid("export name is not UTF-8"))
 }
 
 /// Describe an NBD error number for humans.
@@ -149,7 +152,7 @@ impl Nbd {
         });
     }
 
-    fn slot_of(c: &Core, cookie: u64) -> Result<usize, String> {
+    fn slot_of(c: &Core, cookie: u64) -> Result<usize, LoadError> {
         c.slot_of(cookie, || {
             format!("reply for cookie {cookie:#x}, which is not an outstanding request")
         })
@@ -164,16 +167,16 @@ impl Nbd {
         error: u32,
         cookie: u64,
         now: u64,
-    ) -> Result<Parsed, String> {
+    ) -> Result<Parsed, LoadError> {
         let slot = Self::slot_of(c, cookie)?;
         if error != 0 {
             Self::fail(c, slot, error, None);
         } else if !c.slots[slot].write {
             if self.structured {
-                return Err(format!(
+                return Err(LoadError::protocol(format!(
                     "simple reply to READ cookie {slot:#x} after structured replies \
                      were negotiated (the spec forbids this)"
-                ));
+                )));
             }
             // The READ data follows the header.
             self.skip = usize_of(c.bs);
@@ -197,11 +200,11 @@ impl Nbd {
         cookie: u64,
         length: u32,
         now: u64,
-    ) -> Result<Parsed, String> {
+    ) -> Result<Parsed, LoadError> {
         if !self.structured {
-            return Err(
-                "structured reply chunk, but structured replies were not negotiated".into(),
-            );
+            return Err(LoadError::protocol(
+                "structured reply chunk, but structured replies were not negotiated",
+            ));
         }
         let len = usize_of(u64::from(length));
         let slot = Self::slot_of(c, cookie)?;
@@ -233,9 +236,11 @@ impl Nbd {
         len: usize,
         last: bool,
         now: u64,
-    ) -> Result<Parsed, String> {
+    ) -> Result<Parsed, LoadError> {
         if !(6..=MAX_ERROR_CHUNK).contains(&len) {
-            return Err(format!("error chunk of {len} bytes for cookie {slot:#x}"));
+            return Err(LoadError::protocol(format!(
+                "error chunk of {len} bytes for cookie {slot:#x}"
+            )));
         }
         let b = &c.b.inb[p..c.b.in_end];
         if b.len() < proto::STRUCTURED_REPLY_LEN + len {
@@ -266,39 +271,39 @@ fn check_data_chunk(
     len: usize,
     last: bool,
     cookie: u64,
-) -> Result<(), String> {
+) -> Result<(), LoadError> {
     let write = c.slots[slot].write;
     match ty {
         proto::REPLY_TYPE_OFFSET_DATA => {
             if write || len < 8 || len - 8 > usize_of(c.bs) {
-                return Err(format!(
+                return Err(LoadError::protocol(format!(
                     "OFFSET_DATA chunk of {len} bytes for a {} of {} bytes \
                      (cookie {cookie:#x})",
                     if write { "WRITE" } else { "READ" },
                     c.bs
-                ));
+                )));
             }
         }
         proto::REPLY_TYPE_OFFSET_HOLE => {
             if write || len != 12 {
-                return Err(format!(
+                return Err(LoadError::protocol(format!(
                     "OFFSET_HOLE chunk of {len} bytes (cookie {cookie:#x})"
-                ));
+                )));
             }
         }
         proto::REPLY_TYPE_NONE => {
             if len != 0 || !last {
-                return Err(format!(
+                return Err(LoadError::protocol(format!(
                     "NONE chunk with {len} bytes of payload or without \
                      the DONE flag (cookie {cookie:#x})"
-                ));
+                )));
             }
         }
         _ => {
             if len > RECV_BUF {
-                return Err(format!(
+                return Err(LoadError::protocol(format!(
                     "chunk of type {ty} with {len} bytes for cookie {cookie:#x}"
-                ));
+                )));
             }
         }
     }
@@ -335,7 +340,7 @@ impl Protocol for Nbd {
 
     /// Parse every complete reply in the receive buffer, completing (and reissuing) their
     /// slots. Returns how many requests completed.
-    fn parse(&mut self, c: &mut Core, now: u64) -> Result<u64, String> {
+    fn parse(&mut self, c: &mut Core, now: u64) -> Result<u64, LoadError> {
         let mut p = c.b.in_start;
         let mut done = 0u64;
         let r = loop {
@@ -363,7 +368,7 @@ impl Protocol for Nbd {
                     cookie,
                     length,
                 })) => self.structured_chunk(c, p, flags, ty, cookie, length, now),
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(LoadError::protocol(e.to_string())),
             };
             match step {
                 Ok(Some((len, d))) => {
@@ -398,14 +403,15 @@ struct Negotiated {
     block_size: Option<(u32, u32, u32)>,
 }
 
-fn connect(addr: &str, export: &str) -> Result<Negotiated, String> {
-    let stream = TcpStream::connect(addr).map_err(|e| format!("connecting to {addr}: {e}"))?;
+fn connect(addr: &str, export: &str) -> Result<Negotiated, LoadError> {
+    let stream =
+        TcpStream::connect(addr).map_err(|e| LoadError::io(format!("connecting to {addr}"), e))?;
     stream
         .set_nodelay(true)
-        .map_err(|e| format!("{addr}: TCP_NODELAY: {e}"))?;
+        .map_err(|e| LoadError::io(format!("{addr}: TCP_NODELAY"), e))?;
     let hs = stream
         .try_clone()
-        .map_err(|e| format!("{addr}: cloning the socket: {e}"))?;
+        .map_err(|e| LoadError::io(format!("{addr}: cloning the socket"), e))?;
     // The handshake reads exactly what it needs (no buffering), so after it the raw socket
     // is positioned at the start of the transmission phase.
     let c = NbdClient::from_stream(
@@ -416,7 +422,7 @@ fn connect(addr: &str, export: &str) -> Result<Negotiated, String> {
             base_allocation: false,
         },
     )
-    .map_err(|e| format!("{addr}: handshake for export {export:?}: {e}"))?;
+    .map_err(|e| LoadError::io(format!("{addr}: handshake for export {export:?}"), e))?;
     Ok(Negotiated {
         stream,
         size: c.size(),
@@ -441,38 +447,43 @@ fn disconnect(mut s: &TcpStream) {
 
 /// Check the workload against what the server negotiated; returns the number of blocks
 /// in the range to use.
-fn blocks_to_use(a: &NbdPerfArgs, c0: &Negotiated, export: &str, bs: u64) -> Result<u64, String> {
+fn blocks_to_use(
+    a: &NbdPerfArgs,
+    c0: &Negotiated,
+    export: &str,
+    bs: u64,
+) -> Result<u64, LoadError> {
     let (export_size, flags) = (c0.size, c0.flags);
     let writes = a.load.pattern != Pattern::Randread;
     if writes && flags & proto::TFLAG_READ_ONLY != 0 {
-        return Err(format!(
+        return Err(LoadError::invalid(format!(
             "export {export:?} is read-only; use --pattern randread"
-        ));
+        )));
     }
     if let Some((min, _, max)) = c0.block_size {
         if !bs.is_multiple_of(min as u64) || bs > max as u64 {
-            return Err(format!(
+            return Err(LoadError::invalid(format!(
                 "--bs {} does not suit the export: the server wants multiples of {min} \
                  bytes up to {}",
                 format_size(bs),
                 format_size(max as u64)
-            ));
+            )));
         }
     }
     let size = a.load.size_or(export_size)?;
     if size > export_size {
-        return Err(format!(
+        return Err(LoadError::invalid(format!(
             "--size {} is larger than the export ({})",
             format_size(size),
             format_size(export_size)
-        ));
+        )));
     }
     let blocks = size / bs;
     if blocks == 0 {
-        return Err(format!(
+        return Err(LoadError::invalid(format!(
             "the range used ({} bytes) is smaller than one block",
             size
-        ));
+        )));
     }
     Ok(blocks)
 }
@@ -484,28 +495,32 @@ struct Plan {
     w: Workload,
 }
 
-fn plan(a: &NbdPerfArgs) -> Result<Plan, String> {
+fn plan(a: &NbdPerfArgs) -> Result<Plan, LoadError> {
     let (addr, export) = match (&a.uri, &a.addr) {
         (Some(u), _) => parse_uri(u)?,
         (None, Some(addr)) => (addr.clone(), a.export.clone().unwrap_or_default()),
-        (None, None) => return Err("give --uri nbd://HOST:PORT/EXPORT or --addr".into()),
+        (None, None) => {
+            return Err(LoadError::invalid(
+                "give --uri nbd://HOST:PORT/EXPORT or --addr",
+            ))
+        }
     };
     let w = a.load.workload(proto::MAX_PAYLOAD as u64)?;
     if a.load.qd == 0 || a.load.qd > 4096 {
-        return Err("--qd must be 1..4096".into());
+        return Err(LoadError::invalid("--qd must be 1..4096"));
     }
     if a.conns == 0 || a.conns > 256 {
-        return Err("--conns must be 1..256".into());
+        return Err(LoadError::invalid("--conns must be 1..256"));
     }
     Ok(Plan { addr, export, w })
 }
 
-pub fn run(a: NbdPerfArgs) -> Result<(), String> {
+pub fn run(a: NbdPerfArgs) -> Result<(), LoadError> {
     let Plan { addr, export, w } = plan(&a)?;
     let bs = w.bs;
     let mut sockets = Vec::with_capacity(a.conns);
     for i in 0..a.conns {
-        let c = connect(&addr, &export).map_err(|e| format!("connection {i}: {e}"))?;
+        let c = connect(&addr, &export).map_err(|e| e.within(format_args!("connection {i}")))?;
         sockets.push(c);
     }
     let c0 = &sockets[0];
@@ -617,7 +632,7 @@ mod tests {
     }
 
     /// Feed `bytes` to the engine in pieces of `step` bytes; returns completions.
-    fn feed(e: &mut Conn<Nbd>, bytes: &[u8], step: usize) -> Result<u64, String> {
+    fn feed(e: &mut Conn<Nbd>, bytes: &[u8], step: usize) -> Result<u64, LoadError> {
         let mut done = 0;
         for piece in bytes.chunks(step) {
             let space = e.core.b.recv_space();
@@ -677,7 +692,11 @@ mod tests {
                 3,
                 &data(0, 512),
             );
-            assert_eq!(feed(&mut e, &r, step), Ok(4), "step {step}");
+            assert_eq!(
+                feed(&mut e, &r, step).map_err(|e| e.to_string()),
+                Ok(4),
+                "step {step}"
+            );
             assert_eq!(
                 (e.core.stats.ios, e.core.stats.errors, e.core.inflight),
                 (3, 1, 0)
@@ -701,7 +720,7 @@ mod tests {
                 r.extend(std::iter::repeat_n(0u8, 4096));
             }
         }
-        assert_eq!(feed(&mut e, &r, 1000), Ok(8));
+        assert_eq!(feed(&mut e, &r, 1000).map_err(|e| e.to_string()), Ok(8));
         // Every completion was reissued.
         assert_eq!(e.core.inflight, 8);
         assert!(e.core.b.out.len() > first);
@@ -709,7 +728,7 @@ mod tests {
         let mut e = engine(Pattern::Randread, 70, 4096, 1000, 2, false, 7);
         let mut h = [0u8; proto::SIMPLE_REPLY_LEN];
         proto::encode_simple_reply(&mut h, 0, 5);
-        assert!(feed(&mut e, &h, 16).is_err());
+        assert!(matches!(feed(&mut e, &h, 16), Err(LoadError::Protocol(_))));
     }
 
     #[test]

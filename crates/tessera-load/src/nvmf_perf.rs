@@ -14,6 +14,7 @@
 //! taking in completions and R2Ts. With `--busy-poll` the receive spins instead of
 //! sleeping.
 
+use crate::error::LoadError;
 use std::net::TcpStream;
 use tessera_io::cast::{u16_of, u32_of, usize_of};
 
@@ -109,17 +110,19 @@ impl Nvmf {
         ttag: u16,
         offset: u32,
         len: u32,
-    ) -> Result<(), String> {
+    ) -> Result<(), LoadError> {
         let (write, asked) = (c.slots[slot].write, self.r2t_asked[slot]);
         let end = offset as u64 + len as u64;
         if !write || usize_of(c.bs) <= self.in_capsule {
-            return Err(format!("R2T for command {slot}, which has no data to send"));
+            return Err(LoadError::protocol(format!(
+                "R2T for command {slot}, which has no data to send"
+            )));
         }
         if offset != asked || len == 0 || end > c.bs {
-            return Err(format!(
+            return Err(LoadError::protocol(format!(
                 "R2T for {len} bytes at {offset} of command {slot} ({asked} of {} asked before)",
                 c.bs
-            ));
+            )));
         }
         self.r2t_asked[slot] = u32_of(end);
         let mut at = offset;
@@ -153,7 +156,7 @@ impl Nvmf {
         d
     }
 
-    fn slot_of(c: &Core, cid: u16) -> Result<usize, String> {
+    fn slot_of(c: &Core, cid: u16) -> Result<usize, LoadError> {
         c.slot_of(cid as u64, || {
             format!("PDU for command {cid}, which is not outstanding")
         })
@@ -205,7 +208,7 @@ impl Protocol for Nvmf {
     }
 
     /// Parse every complete PDU; returns how many commands completed.
-    fn parse(&mut self, c: &mut Core, now: u64) -> Result<u64, String> {
+    fn parse(&mut self, c: &mut Core, now: u64) -> Result<u64, LoadError> {
         let mut done = 0;
         loop {
             let avail = c.b.in_end - c.b.in_start;
@@ -214,7 +217,7 @@ impl Protocol for Nvmf {
             }
             let b = &c.b.inb[c.b.in_start..c.b.in_end];
             let f = pdu::check_header(pdu::Role::Host, b, &self.limits)
-                .map_err(|e| format!("bad PDU from the target: {e}"))?;
+                .map_err(|e| LoadError::Protocol(format!("bad PDU from the target: {e}")))?;
             if avail < f.plen() {
                 return Ok(done);
             }
@@ -228,9 +231,9 @@ impl Protocol for Nvmf {
             let (ttag, offset, len) = (pdu::le16(b, 10), pdu::le32(b, 12), pdu::le32(b, 16));
             if ty == pdu::C2H_TERM {
                 let (fes, fei) = pdu::parse_term(b);
-                return Err(format!(
+                return Err(LoadError::protocol(format!(
                     "the target terminated the queue (FES {fes:#x}, FEI {fei:#x})"
-                ));
+                )));
             }
             c.b.in_start += f.plen();
             match ty {
@@ -256,7 +259,7 @@ impl Protocol for Nvmf {
                     let s = Self::slot_of(c, cid)?;
                     self.on_r2t(c, s, ttag, offset, len)?;
                 }
-                t => return Err(format!("unexpected PDU type {t:#x}")),
+                t => return Err(LoadError::protocol(format!("unexpected PDU type {t:#x}"))),
             }
         }
     }
@@ -272,43 +275,58 @@ impl Protocol for Nvmf {
 }
 
 impl NvmfPerfArgs {
-    fn check(&self) -> Result<Workload, String> {
+    fn check(&self) -> Result<Workload, LoadError> {
         let w = self
             .load
             .workload(tessera_nvmf::target::MAX_TRANSFER as u64)?;
         if self.load.qd == 0 || self.load.qd > 512 {
-            return Err("--qd must be 1..512 (the queue size)".into());
+            return Err(LoadError::invalid("--qd must be 1..512 (the queue size)"));
         }
         if self.queues == 0 || self.queues > 64 {
-            return Err("--queues must be 1..64".into());
+            return Err(LoadError::invalid("--queues must be 1..64"));
         }
         Ok(w)
     }
 
     /// Blocks of `bs` bytes to use in a namespace of `ns_size` bytes.
-    fn blocks(&self, ns_size: u64, bs: u64) -> Result<u64, String> {
+    fn blocks(&self, ns_size: u64, bs: u64) -> Result<u64, LoadError> {
         let size = self.load.size_or(ns_size)?.min(ns_size);
         match size / bs {
-            0 => Err("the namespace is smaller than one block".into()),
+            0 => Err(LoadError::invalid(
+                "the namespace is smaller than one block",
+            )),
             b => Ok(b),
         }
     }
 }
 
 /// Run the load on the target at `addr` (host options `o`: host NQN, digests).
-pub fn run(addr: &str, mut o: Options, a: NvmfPerfArgs) -> Result<(), String> {
+pub fn run(addr: &str, mut o: Options, a: NvmfPerfArgs) -> Result<(), LoadError> {
     let w = a.check()?;
     let bs = w.bs;
     o.queue_size = u16_of(a.load.qd.max(32));
     let (hdgst, ddgst) = (o.hdgst, o.ddgst);
-    let mut ctrl = Controller::connect(addr, &a.nqn, &o, a.queues)
-        .map_err(|e| format!("connecting to {} at {addr}: {e}", a.nqn))?;
+    let mut ctrl =
+        Controller::connect(addr, &a.nqn, &o, a.queues).map_err(|source| LoadError::Nvme {
+            context: format!("connecting to {} at {addr}", a.nqn),
+            source,
+        })?;
     if ctrl.io.len() < a.queues as usize {
-        return Err(format!("the target granted {} I/O queues", ctrl.io.len()));
+        return Err(LoadError::Protocol(format!(
+            "the target granted {} I/O queues",
+            ctrl.io.len()
+        )));
     }
-    let (nblocks, lba) = ctrl.namespace_size(a.nsid).map_err(|e| e.to_string())?;
+    let (nblocks, lba) = ctrl
+        .namespace_size(a.nsid)
+        .map_err(|source| LoadError::Nvme {
+            context: format!("namespace {}", a.nsid),
+            source,
+        })?;
     if bs % lba as u64 != 0 {
-        return Err(format!("--bs must be a multiple of the {lba}-byte LBA"));
+        return Err(LoadError::Invalid(format!(
+            "--bs must be a multiple of the {lba}-byte LBA"
+        )));
     }
     let blocks = a.blocks(nblocks * lba as u64, bs)?;
     eprintln!(
@@ -394,7 +412,7 @@ mod tests {
     }
 
     /// Feed PDUs to the engine; returns completions.
-    fn feed(e: &mut Conn<Nvmf>, bytes: &[u8]) -> Result<u64, String> {
+    fn feed(e: &mut Conn<Nvmf>, bytes: &[u8]) -> Result<u64, LoadError> {
         let space = e.core.b.recv_space();
         space[..bytes.len()].copy_from_slice(bytes);
         e.core.b.in_end += bytes.len();
@@ -450,7 +468,7 @@ mod tests {
         let fr = e.proto.framing;
         let mut r = [0u8; 64];
         let n = fr.r2t(&mut r, 2, 77, 0, u32_of(bs));
-        assert_eq!(feed(&mut e, &r[..n]), Ok(0));
+        assert_eq!(feed(&mut e, &r[..n]).map_err(|e| e.to_string()), Ok(0));
         let out = e.core.b.out.to_vec(&e.core.b.payload);
         let p = pdus(&out);
         let want = [
@@ -468,9 +486,9 @@ mod tests {
             assert_eq!(x.5[len as usize..], pdu::crc(d).to_le_bytes());
         }
         // A second R2T for the same data, or one for a read, breaks the stream.
-        assert!(feed(&mut e, &r[..n]).is_err());
+        assert!(matches!(feed(&mut e, &r[..n]), Err(LoadError::Protocol(_))));
         let mut e = engine(&["--pattern", "randread"], bs, false);
         e.fill(0);
-        assert!(feed(&mut e, &r[..n]).is_err());
+        assert!(matches!(feed(&mut e, &r[..n]), Err(LoadError::Protocol(_))));
     }
 }
