@@ -578,5 +578,9 @@ pub struct NvmfPerfArgs {
 
 fn perf(a: NvmfPerfArgs) -> std::result::Result<(), CliError> {
     let options = a.host.options().map_err(CliError::Invalid)?;
-    Ok(tessera_load::nvmf_perf::run(a.host.addr(), options, a.load)?)
+    Ok(tessera_load::nvmf_perf::run(
+        a.host.addr(),
+        options,
+        a.load,
+    )?)
 }
