@@ -9,7 +9,7 @@
 mod common;
 use common::*;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -46,14 +46,7 @@ impl Node {
             .spawn()
             .expect("start tessera");
         let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if line.starts_with("tessera: ready") {
-                    let _ = tx.send(());
-                }
-            }
-        });
+        let ready = await_ready(out, Duration::from_secs(30));
         let mut n = Node {
             child,
             log,
@@ -61,7 +54,7 @@ impl Node {
             nvmf: format!("127.0.0.1:{p2}"),
             _dir: Box::new(dir),
         };
-        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+        if ready.is_none() {
             let _ = n.child.kill();
             panic!("node did not become ready:\n{}", n.log_text());
         }
