@@ -4,7 +4,8 @@
 A file "imports" another when it names it through a `crate::a::b` or `super::x` path
 (in `use` lines or inline). Cycles between a module and its own parent `mod.rs`/`lib.rs`
 are normal Rust structure (a parent declares its children, children use the parent's
-types) and are not reported; cycles between sibling or cousin files are.
+types) and are not reported; cycles between sibling modules are, where a directory
+module counts with all its files (so a cycle through a child file of a sibling is found).
 
 Cycles listed in ALLOWED are mutual recursion of the types themselves, which no split of
 files removes; each says why.
@@ -75,9 +76,31 @@ def is_ancestor(a, b):
     return len(a) < len(b) and b[: len(a)] == a
 
 
+def collapse(m, t):
+    """The edge m -> t as seen between siblings: both ends lifted to the children of their
+    deepest common ancestor. `volume::first_write -> chain` is an edge `volume -> chain`:
+    a directory module and its files are one unit to the modules beside it, so a cycle
+    that passes through a child file (chain -> pool -> volume -> volume::first_write ->
+    chain) is found. None for an edge between a module and its own ancestor (a parent
+    declares its children, children use the parent's types: normal Rust structure)."""
+    if is_ancestor(t, m) or is_ancestor(m, t):
+        return None
+    k = 0
+    while k < min(len(m), len(t)) and m[k] == t[k]:
+        k += 1
+    return m[: k + 1], t[: k + 1]
+
+
 def cycles(g):
-    """Strongly connected components with more than one member, ignoring parent edges."""
-    h = {m: {t for t in ts if not is_ancestor(t, m) and not is_ancestor(m, t)} for m, ts in g.items()}
+    """Strongly connected components with more than one member, between sibling modules
+    (each directory module counted with everything under it; parent edges ignored)."""
+    h = {}
+    for m, ts in g.items():
+        for t in ts:
+            e = collapse(m, t)
+            if e is not None:
+                h.setdefault(e[0], set()).add(e[1])
+                h.setdefault(e[1], set())
     index, low, stack, on, out = {}, {}, [], set(), []
     counter = [0]
 

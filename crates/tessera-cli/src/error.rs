@@ -66,7 +66,22 @@ impl CliError {
     }
 }
 
-/// The load generators and the node runner still report errors as text.
+/// A load run's error, by what went wrong: bad arguments are invalid, a socket, device or
+/// target that failed is unavailable, a broken protocol or a failed run is a failure.
+impl From<tessera_load::LoadError> for CliError {
+    fn from(e: tessera_load::LoadError) -> CliError {
+        use tessera_load::LoadError as L;
+        match e {
+            L::Invalid(m) => CliError::Invalid(m),
+            e @ (L::Io { .. } | L::Nvme { .. } | L::Setup { .. }) => {
+                CliError::Unavailable(e.to_string())
+            }
+            e @ (L::Protocol(_) | L::Failed(_)) => CliError::Failed(e.to_string()),
+        }
+    }
+}
+
+/// The node runner still reports errors as text.
 impl From<String> for CliError {
     fn from(e: String) -> CliError {
         CliError::Failed(e)

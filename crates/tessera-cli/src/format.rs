@@ -3,21 +3,9 @@
 
 const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
 
-/// `n` in the largest binary unit it reaches, with one decimal: `4.0 GiB`, `512.0 KiB`,
-/// `4097 B`.
-pub fn bytes(n: u64) -> String {
-    let mut f = n as f64;
-    let mut i = 0;
-    while f >= 1024.0 && i + 1 < UNITS.len() {
-        f /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{n} B")
-    } else {
-        format!("{f:.1} {}", UNITS[i])
-    }
-}
+/// `n` in the largest binary unit it reaches, with one decimal: `4.0 GiB`, `512.0 KiB`
+/// (the formatter the pool's own messages use).
+pub use tessera_io::units::human_bytes as bytes;
 
 /// A rate in bytes per second: exact when it is a whole number of its unit (`100 MiB/s`,
 /// as the operator typed `--bw 100M`), else with one decimal (`1.5 GiB/s`).

@@ -7,6 +7,7 @@
 //! and namespaces). The spellings of earlier releases stay as hidden aliases.
 
 use std::collections::BTreeMap;
+use tessera_io::cast::u64_of_f64;
 
 use clap::{Args, Subcommand};
 use serde::de::DeserializeOwned;
@@ -246,7 +247,7 @@ fn print_volume(v: &VolumeInfo) {
             r.resync_eta_secs,
         ) {
             (Some(p), Some(rate), Some(eta)) => {
-                format!("{p:.1}% at {}/s, {eta:.0} s left", bytes(rate as u64))
+                format!("{p:.1}% at {}/s, {eta:.0} s left", bytes(u64_of_f64(rate)))
             }
             (Some(p), _, _) => format!("{p:.1}%"),
             _ => "-".into(),
@@ -525,7 +526,7 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
             unreachable!("routed to snapshot_cmd by main")
         }
         VolumeCmd::Stats { name, interval } => {
-            let ms = (interval * 1000.0).round().clamp(1.0, 60_000.0) as u64;
+            let ms = u64_of_f64((interval * 1000.0).round().clamp(1.0, 60_000.0));
             let v: VolumeStats = get(ep, &format!("/v1/volumes/{name}/stats?interval_ms={ms}"))?;
             show(&v, raw, print_stats);
         }

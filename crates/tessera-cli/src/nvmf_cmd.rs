@@ -2,6 +2,7 @@
 //! management of a node's NVMe/TCP subsystems over its API.
 
 use std::io::{Read as _, Write as _};
+use tessera_io::cast::{u32_of, usize_of};
 
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
@@ -439,13 +440,13 @@ pub fn run(ep: &Endpoint, c: NvmfCmd, raw: bool) -> Result<()> {
                     "--offset and --length must be multiples of the {lba}-byte LBA"
                 )));
             }
-            let mut data = Vec::with_capacity(len as usize);
+            let mut data = Vec::with_capacity(usize_of(len));
             let chunk = 256 * lba64;
             let mut at = off;
             while at < off + len {
                 let n = chunk.min(off + len - at);
                 let d = c
-                    .read(0, nsid, at / lba64, (n / lba64) as u32, lba)
+                    .read(0, nsid, at / lba64, u32_of(n / lba64), lba)
                     .map_err(|e| host.error(e))?;
                 data.extend_from_slice(&d);
                 at += n;
@@ -575,6 +576,11 @@ pub struct NvmfPerfArgs {
     load: tessera_load::nvmf_perf::NvmfPerfArgs,
 }
 
-fn perf(a: NvmfPerfArgs) -> std::result::Result<(), String> {
-    tessera_load::nvmf_perf::run(a.host.addr(), a.host.options()?, a.load)
+fn perf(a: NvmfPerfArgs) -> std::result::Result<(), CliError> {
+    let options = a.host.options().map_err(CliError::Invalid)?;
+    Ok(tessera_load::nvmf_perf::run(
+        a.host.addr(),
+        options,
+        a.load,
+    )?)
 }

@@ -10,6 +10,7 @@ use tessera_api::{
     SpareRequest, UpdatePool, JOB_DONE, JOB_RUNNING,
 };
 use tessera_http::Endpoint;
+use tessera_io::cast::{u64_of_f64, usize_of};
 
 use crate::error::{CliError, Result};
 use crate::format::{bytes, rate};
@@ -308,7 +309,7 @@ fn print_spares(v: &SpareList) {
 /// bar, units, rate, ETA and the class controller's limit.
 fn job_progress(v: &JobProgress) -> String {
     let pct = v.percent;
-    let filled = ((pct / 5.0).round() as usize).min(20);
+    let filled = usize_of(u64_of_f64((pct / 5.0).round()).min(20));
     let bar = format!("[{}{}]", "#".repeat(filled), ".".repeat(20 - filled));
     format!(
         "{bar} {pct:.1}% {}/{} units, {}",

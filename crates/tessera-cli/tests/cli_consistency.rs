@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::io::{BufRead as _, BufReader};
 use std::os::unix::net::UnixDatagram;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -389,18 +388,7 @@ fn up_prints_absolute_paths_and_how_to_stop_and_notifies_systemd() {
     assert!(msg.contains(&format!("MAINPID={pid}")), "{msg:?}");
 
     // READY=1 comes after the banner: read it up to its ready line.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut banner = String::new();
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            banner.push_str(&line);
-            banner.push('\n');
-            if line.starts_with("tessera: ready") {
-                let _ = tx.send(banner.clone());
-            }
-        }
-    });
-    let banner = rx.recv_timeout(Duration::from_secs(10)).expect("banner");
+    let banner = await_ready(stdout, Duration::from_secs(10)).expect("banner");
     let data = dir.path().canonicalize().unwrap().join("data");
     let api = format!("unix:{}", data.join("api.sock").display());
     assert!(

@@ -3,6 +3,9 @@
 //! version or one of the versions written after it, never as garbage. Space accounting
 //! stays consistent across crashes.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

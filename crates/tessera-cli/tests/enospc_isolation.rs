@@ -1,6 +1,9 @@
 //! A full thin pool: writes that need new space fail with ENOSPC, everything else on that
 //! pool keeps working, other pools are unaffected, and trimming gives the space back.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

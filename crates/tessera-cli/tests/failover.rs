@@ -23,6 +23,9 @@
 //!   its name can be taken again, and the old owner, back, keeps no orphan copy; a copy
 //!   given up after a failover goes with its snapshots.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 
@@ -60,6 +63,20 @@ fn wait_members(e: &Etcd) {
 fn etcd_client(etcd: &EtcdCluster) -> Etcd {
     let eps: Vec<String> = etcd.endpoints();
     Etcd::new(&eps, Duration::from_secs(1)).expect("etcd client")
+}
+
+/// Three nodes (node-a, node-b, node-c in zones z1..z3) on an etcd of `etcd_members`
+/// members, every member listed, and volume `db` (64 MiB, three replicas) created and
+/// exported by node-a. Bind in this order (`let (etcd, mut nodes, e) = ...`) so that
+/// the nodes stop before etcd does.
+fn three_nodes_with_db(tag: &str, etcd_members: usize) -> (EtcdCluster, Vec<TestNode>, Etcd) {
+    let etcd = EtcdCluster::start(tag, etcd_members);
+    let nodes = members(tag, &etcd);
+    let e = etcd_client(&etcd);
+    wait_members(&e);
+    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
+    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    (etcd, nodes, e)
 }
 
 fn spec_of(e: &Etcd, volume: &str) -> Option<VolumeSpec> {
@@ -263,12 +280,7 @@ fn history_holds_through_two_owner_kills_and_the_old_owner_rejoins() {
     if !require_tool("etcd") {
         return;
     }
-    let etcd = EtcdCluster::start("fo", 1);
-    let mut nodes = members("fo", &etcd);
-    let e = etcd_client(&etcd);
-    wait_members(&e);
-    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
-    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let (etcd, mut nodes, e) = three_nodes_with_db("fo", 1);
     assert_eq!(spec_of(&e, "db").unwrap().owner, "node-a");
 
     let t0 = Instant::now();
@@ -407,12 +419,7 @@ fn one_etcd_member_lost_failover_works_all_lost_io_goes_on_and_failover_waits() 
     if !require_tool("etcd") {
         return;
     }
-    let mut etcd = EtcdCluster::start("foe", 3);
-    let mut nodes = members("foe", &etcd);
-    let e = etcd_client(&etcd);
-    wait_members(&e);
-    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
-    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let (mut etcd, mut nodes, e) = three_nodes_with_db("foe", 3);
     let mut f = Follower::new(etcd_client(&etcd), "db");
     write_all_blocks(&mut f, 1);
 
@@ -713,12 +720,7 @@ fn fio_verify_through_a_non_owner_rides_out_the_owners_kill() {
     if !require_tool("etcd") || !require_tool("fio") {
         return;
     }
-    let etcd = EtcdCluster::start("fof", 1);
-    let mut nodes = members("fof", &etcd);
-    let e = etcd_client(&etcd);
-    wait_members(&e);
-    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
-    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let (_etcd, mut nodes, e) = three_nodes_with_db("fof", 1);
     // Every replica holder serves a (standby) NVMe/TCP path of the volume.
     for n in &nodes[1..] {
         wait_for("a standby cluster path", 20, || {
@@ -864,12 +866,7 @@ fn a_snapshot_taken_before_a_failover_is_on_the_new_owner() {
     if !require_tool("etcd") {
         return;
     }
-    let etcd = EtcdCluster::start("fos", 1);
-    let mut nodes = members("fos", &etcd);
-    let e = etcd_client(&etcd);
-    wait_members(&e);
-    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
-    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let (etcd, mut nodes, e) = three_nodes_with_db("fos", 1);
     let mut f = Follower::new(etcd_client(&etcd), "db");
     write_all_blocks(&mut f, 1);
     let r = nodes[0].json(&["snapshot", "create", "db", "--name", "s1"]);
@@ -945,12 +942,7 @@ fn a_snapshot_cut_off_by_the_owners_kill_is_on_every_replica_or_none() {
     if !require_tool("etcd") {
         return;
     }
-    let etcd = EtcdCluster::start("fsk", 1);
-    let mut nodes = members("fsk", &etcd);
-    let e = etcd_client(&etcd);
-    wait_members(&e);
-    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
-    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let (etcd, mut nodes, e) = three_nodes_with_db("fsk", 1);
     let mut f = Follower::new(etcd_client(&etcd), "db");
     write_all_blocks(&mut f, 1);
     wait_redundant(&e, &nodes, "three replicas in sync");
@@ -1028,12 +1020,7 @@ fn a_given_up_copy_takes_its_snapshots_with_it() {
     if !require_tool("etcd") {
         return;
     }
-    let etcd = EtcdCluster::start("fsg", 1);
-    let mut nodes = members("fsg", &etcd);
-    let e = etcd_client(&etcd);
-    wait_members(&e);
-    nodes[0].cli_ok(&["volume", "create", "db", "--size", "64M", "--replicas", "3"]);
-    nodes[0].cli_ok(&["export", "add", "db", "--volume", "db"]);
+    let (etcd, mut nodes, e) = three_nodes_with_db("fsg", 1);
     let mut f = Follower::new(etcd_client(&etcd), "db");
     write_all_blocks(&mut f, 1);
     wait_redundant(&e, &nodes, "three replicas in sync");

@@ -4,6 +4,9 @@
 //! after a restart the spare is a member. `pool replace` is live too. Every wait is
 //! bounded by a deadline; the node listens on 127.0.0.1 only.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

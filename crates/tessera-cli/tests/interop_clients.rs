@@ -2,6 +2,9 @@
 //! nbdinfo and nbdcopy (libnbd), plus the project's own client for multi-connection
 //! flush semantics and read-only exports. Each test runs its own node.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

@@ -3,10 +3,13 @@
 //! was 823 lines before), the node keeps serving real clients, and the connect and
 //! disconnect lines of those clients carry their fields, in text and in JSON.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -43,14 +46,7 @@ impl Node {
             .spawn()
             .expect("start tessera");
         let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if line.starts_with("tessera: ready") {
-                    let _ = tx.send(());
-                }
-            }
-        });
+        let ready = await_ready(out, Duration::from_secs(30));
         let mut n = Node {
             child,
             log,
@@ -58,7 +54,7 @@ impl Node {
             nvmf: format!("127.0.0.1:{p2}"),
             _dir: Box::new(dir),
         };
-        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+        if ready.is_none() {
             let _ = n.child.kill();
             panic!("node did not become ready:\n{}", n.log_text());
         }

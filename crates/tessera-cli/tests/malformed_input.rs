@@ -3,6 +3,9 @@
 //! The node must answer by the spec (error replies or a closed connection), never hang,
 //! never stop serving other clients, and never die.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

@@ -2,6 +2,9 @@
 //! `nbdcopy` with `nbds://` URIs) and qemu (`qemu-io` with `tls-creds-x509`). Each test
 //! makes its own CA and certificates with `scripts/nbd-tls-certs.sh` (openssl).
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 
@@ -9,7 +12,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_nbd::proto;
 
@@ -118,14 +121,6 @@ fn tls_failures(node: &TestNode) -> usize {
         .lines()
         .filter(|l| l.contains("TLS handshake failed"))
         .count()
-}
-
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -265,7 +260,7 @@ fn tls_with_libnbd_and_qemu_client_certificates_and_garbage() {
             text(&o)
         );
     }
-    wait_for("the refused handshakes in the log", || {
+    wait_for("the refused handshakes in the log", 10, || {
         tls_failures(&node) >= before + 2
     });
     let log = node.log_text();
@@ -357,23 +352,7 @@ fn up_with_tls_flags_forces_tls_and_export_policy_is_per_export() {
     }
     let out = child.stdout.take().unwrap();
     let mut child = Kill(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut banner = Vec::new();
-    loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("node ready");
-        let ready = line.starts_with("tessera: ready");
-        banner.push(line);
-        if ready {
-            break;
-        }
-    }
+    await_ready(out, Duration::from_secs(30)).expect("node ready");
     let api = path_str(&data_dir.join("api.sock"));
     let cli = |args: &[&str]| {
         let mut c = Command::new(BIN);

@@ -10,6 +10,9 @@
 //!   optimized path, follows an ANA flip, and survives a kill -9 of the owner while I/O
 //!   runs once another node takes over, with no error surfacing.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

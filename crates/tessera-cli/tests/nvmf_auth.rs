@@ -5,6 +5,9 @@
 //! authentication messages leave the node serving others; secrets never come back from
 //! the API and sit in a 0600 file; `nvme gen-dhchap-key` output is accepted.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

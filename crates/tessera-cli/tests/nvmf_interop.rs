@@ -3,6 +3,9 @@
 //! queues, deallocate as holes, keep-alive teardown, bad PDUs, host allowlist, restart
 //! persistence.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

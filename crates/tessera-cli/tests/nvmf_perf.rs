@@ -4,6 +4,9 @@
 //! And a host that floods a queue far past its size without reading the answers must get
 //! every answer exactly once when it finally reads, and the queue must go on working.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

@@ -15,6 +15,9 @@
 //!   owner is gone; once the spec names a new owner (node-c, epoch 2), clients that
 //!   reconnect through node-b reach it; node-b serves its own export all along.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

@@ -11,6 +11,9 @@
 //!   with one data device failing every read: each block reads back as a version that was
 //!   acknowledged (or was in flight) at the kill, never as garbage.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

@@ -3,6 +3,9 @@
 //! killed with SIGKILL mid-rebuild and resumes from the persisted cursor, and once done
 //! the OTHER device can go: every byte reads back from the rebuilt one.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

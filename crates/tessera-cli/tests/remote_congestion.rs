@@ -6,6 +6,9 @@
 //! and goes the window shrinks and then recovers. Every write is checked afterwards
 //! through the target's NBD export.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

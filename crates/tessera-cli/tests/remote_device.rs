@@ -4,6 +4,9 @@
 //! commands are resubmitted), and a target gone past the timeout fails I/O with an error
 //! while the reactor keeps running.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

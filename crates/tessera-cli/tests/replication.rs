@@ -14,6 +14,9 @@
 //!   log's regions are reconciled (a small log: far from a full copy), and the replicas
 //!   compare equal.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 use tessera_testkit::netns::NetNs;

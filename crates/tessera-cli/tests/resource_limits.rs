@@ -5,6 +5,9 @@
 //! connection) while another client keeps being served; past `max_connections`, a
 //! listener closes new connections right after accept.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

@@ -2,6 +2,9 @@
 //! with its pools, and a pool that cannot be opened does not keep the node from serving
 //! the others.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

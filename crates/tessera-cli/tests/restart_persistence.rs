@@ -1,6 +1,9 @@
 //! The catalog (pools, volumes, exports) and flushed data survive a clean stop and a
 //! SIGKILL; management operations refuse what would lose data and give space back.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

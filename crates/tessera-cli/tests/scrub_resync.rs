@@ -3,6 +3,9 @@
 //! the node's back, and the scrub (or the resync) finds the difference and makes the
 //! copies equal again.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

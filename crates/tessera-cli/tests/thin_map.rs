@@ -3,6 +3,9 @@
 //! the default overcommit ratio), 1 GiB written, and the node's RSS stays small, before
 //! and after a restart.
 
+// Test code: the values cast here are the test's own small sizes, offsets and counts.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 use common::*;
 

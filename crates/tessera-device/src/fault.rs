@@ -248,7 +248,8 @@ impl IoHandle for FaultHandle {
         } else {
             io.delayed(tag, latency)
         };
-        self.inner.submit(io, op, t);
+        // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.
+        unsafe { self.inner.submit(io, op, t) };
     }
     fn size(&self) -> u64 {
         self.inner.size()

@@ -75,10 +75,8 @@ impl FileDevice {
         let (file, direct) = match open(true) {
             Ok(f) => (f, true),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                eprintln!(
-                    "tessera: {}: O_DIRECT not supported here, using buffered I/O",
-                    path.display()
-                );
+                tracing::warn!(path = %path.display(),
+                    "O_DIRECT not supported here: using buffered I/O");
                 (open(false).map_err(|e| ctx(e, "cannot open"))?, false)
             }
             Err(e) if is_block_path && e.raw_os_error() == Some(libc::EBUSY) => {

@@ -165,7 +165,8 @@ impl IoHandle for SwapHandle {
         if g != self.generation {
             self.reopen(g);
         }
-        self.cur.submit(io, op, tag)
+        // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.
+        unsafe { self.cur.submit(io, op, tag) }
     }
     fn size(&self) -> u64 {
         self.dev.size

@@ -260,7 +260,8 @@ impl IoHandle for Watched {
             arm_check(io, a.hook, self.dog.period);
         }
         let t = io.tracked(tag, 1, a.hook, slot as u64);
-        self.inner.submit(io, op, t);
+        // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.
+        unsafe { self.inner.submit(io, op, t) };
     }
 
     fn size(&self) -> u64 {

@@ -398,7 +398,8 @@ fn read_response<R: Read>(stream: &mut R, ep: &Endpoint) -> io::Result<(u16, Str
                 if length > MAX_RESPONSE_BODY {
                     return Err(malformed(ep, "response body too large"));
                 }
-                let length = length as usize;
+                // At most MAX_RESPONSE_BODY (checked above), so it fits.
+                let length = usize::try_from(length).unwrap_or(usize::MAX);
                 while buf.len() < length {
                     if fill(stream, &mut buf, ep)? == 0 {
                         return Err(malformed(

@@ -65,6 +65,39 @@ where
     }
 }
 
+/// `x` as a `u64`, saturating: a NaN or negative value is 0, one above `u64::MAX` is
+/// `u64::MAX` (what Rust's `as` does for floats, written down once). For rates, sizes
+/// and durations computed in floating point, where a fraction is dropped on purpose.
+#[inline]
+#[must_use]
+pub fn u64_of_f64(x: f64) -> u64 {
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // saturating, above
+    let v = x as u64;
+    v
+}
+
+/// Whole milliseconds and nanoseconds of a `Duration` as a `u64`, saturating (a `u64` of
+/// nanoseconds spans 584 years, of milliseconds far more: saturation never shows in
+/// practice, and a timeout or a latency must never wrap to a small value).
+pub trait DurationU64 {
+    /// [`Duration::as_millis`], saturated to `u64`.
+    fn millis_u64(&self) -> u64;
+    /// [`Duration::as_nanos`], saturated to `u64`.
+    fn nanos_u64(&self) -> u64;
+}
+
+impl DurationU64 for std::time::Duration {
+    #[inline]
+    fn millis_u64(&self) -> u64 {
+        u64::try_from(self.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    #[inline]
+    fn nanos_u64(&self) -> u64 {
+        u64::try_from(self.as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -78,5 +111,12 @@ mod tests {
         assert_eq!(u8_of(63usize), 63);
         assert!(std::panic::catch_unwind(|| u32_of(1u64 << 32)).is_err());
         assert!(std::panic::catch_unwind(|| u8_of(256usize)).is_err());
+        assert_eq!(u64_of_f64(-1.0), 0);
+        assert_eq!(u64_of_f64(f64::NAN), 0);
+        assert_eq!(u64_of_f64(2.9), 2);
+        assert_eq!(u64_of_f64(1e30), u64::MAX);
+        let d = std::time::Duration::from_millis(1500);
+        assert_eq!((d.millis_u64(), d.nanos_u64()), (1500, 1_500_000_000));
+        assert_eq!(std::time::Duration::MAX.nanos_u64(), u64::MAX);
     }
 }

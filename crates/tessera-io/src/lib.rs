@@ -16,6 +16,7 @@ pub mod hist;
 pub mod poll;
 pub mod reactor;
 mod tag;
+pub mod units;
 
 pub use buf::{AlignedBuf, BufPool};
 pub use core_io::{live_hooks, Continuation, CoreIo, IoHandle, IoOp, REMOTE_COMPLETER_NONE};

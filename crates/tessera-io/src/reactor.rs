@@ -287,6 +287,7 @@ impl Reactor {
     pub fn run(&mut self) {
         self.arm_mailbox();
         let mut mailbox_fired = true; // drain anything sent before we started
+        let mut enter_errors = 0u64;
         loop {
             if mailbox_fired {
                 mailbox_fired = false;
@@ -391,7 +392,13 @@ impl Reactor {
                     e.raw_os_error(),
                     Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)
                 ) {
-                    eprintln!("tessera: core {}: io_uring_enter failed: {e}", self.io.core);
+                    // Logged at the 1st, 2nd, 4th, 8th, ... failure: a ring that keeps
+                    // failing must not flood the log from the busiest loop in the node.
+                    enter_errors += 1;
+                    if enter_errors.is_power_of_two() {
+                        tracing::error!(core = self.io.core, error = %e, failures = enter_errors,
+                            "io_uring_enter failed");
+                    }
                 }
             }
             mailbox_fired |= self.reap_ring();

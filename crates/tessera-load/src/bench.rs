@@ -1,11 +1,13 @@
 //! `tessera bench`: drive a device, pool or volume in-process from reactor cores, like
 //! SPDK's bdevperf, and report IOPS, bandwidth, latency percentiles and CPU per I/O.
 
+use crate::error::LoadError;
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tessera_io::cast::{u32_of, usize_of, DurationU64};
 
 use clap::{Args, ValueEnum};
 use tessera_device::{open_device, parse_size, BlockDevice, DeviceSpec};
@@ -146,13 +148,13 @@ impl BenchTask {
         if write {
             IoOp::Write {
                 offset,
-                len: self.bs as u32,
+                len: u32_of(self.bs),
                 buf,
             }
         } else {
             IoOp::Read {
                 offset,
-                len: self.bs as u32,
+                len: u32_of(self.bs),
                 buf,
             }
         }
@@ -165,7 +167,7 @@ impl BenchTask {
         // SAFETY: slot `slot`'s buffer (`bufs[slot]`) belongs to this driver, which issues
         // the slot again only after its completion and is not dropped while I/O is
         // in flight.
-        unsafe { self.handle.submit(io, op, Tag::task(self.id, slot as u32)) };
+        unsafe { self.handle.submit(io, op, Tag::task(self.id, u32_of(slot))) };
     }
 }
 
@@ -186,7 +188,7 @@ impl Task for BenchTask {
         let r = self.r.as_mut().expect("report");
         let s = slot as usize;
         r.hist
-            .record(now.duration_since(self.started[s]).as_nanos() as u64);
+            .record(now.duration_since(self.started[s]).nanos_u64());
         if res < 0 {
             if r.errors == 0 {
                 r.first_error = -res;
@@ -231,18 +233,20 @@ struct Subject {
     pool: Option<Arc<Pool>>,
 }
 
-fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
+fn build_subject(a: &BenchArgs) -> Result<Subject, LoadError> {
     let devs: Vec<Arc<dyn BlockDevice>> = a
         .devices
         .iter()
         .map(|d| {
-            open_device(&DeviceSpec::parse(d).map_err(|e| e.to_string())?)
-                .map_err(|e| format!("{d}: {e}"))
+            open_device(&DeviceSpec::parse(d).map_err(|e| LoadError::invalid(e.to_string()))?)
+                .map_err(|e| LoadError::io(d.as_str(), e))
         })
         .collect::<Result<_, _>>()?;
     if a.target == Target::Device {
         if devs.len() != 1 {
-            return Err("--target device takes exactly one --device".into());
+            return Err(LoadError::invalid(
+                "--target device takes exactly one --device",
+            ));
         }
         let d = devs[0].clone();
         let len = d.size();
@@ -256,13 +260,15 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
             pool: None,
         });
     }
-    let stripe = parse_size(&a.stripe_size).map_err(|e| e.to_string())?;
+    let stripe = parse_size(&a.stripe_size)
+        .map_err(|e| LoadError::invalid(format!("--stripe-size: {e}")))?;
     let spec = match a.copies {
         Some(c) => format!("{}:{c}", a.layout),
         None => a.layout.clone(),
     };
-    let layout = LayoutKind::parse(&spec, stripe, devs.len())?;
-    let unit_size = parse_size(&a.unit_size).map_err(|e| e.to_string())?;
+    let layout = LayoutKind::parse(&spec, stripe, devs.len()).map_err(LoadError::Invalid)?;
+    let unit_size =
+        parse_size(&a.unit_size).map_err(|e| LoadError::invalid(format!("--unit-size: {e}")))?;
     let pool = Arc::new(
         Pool::create(
             "bench",
@@ -277,7 +283,10 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
                 },
             },
         )
-        .map_err(|e| e.to_string())?,
+        .map_err(|source| LoadError::Setup {
+            context: "creating the bench pool".into(),
+            source,
+        })?,
     );
     let st = pool.status();
     let describe = format!(
@@ -301,9 +310,12 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
             pool: Some(pool),
         });
     }
-    let vol: Arc<Volume> = pool
-        .create_volume("bench", st.capacity)
-        .map_err(|e| e.to_string())?;
+    let vol: Arc<Volume> =
+        pool.create_volume("bench", st.capacity)
+            .map_err(|source| LoadError::Setup {
+                context: "creating the bench volume".into(),
+                source,
+            })?;
     let v2 = vol.clone();
     Ok(Subject {
         open: Arc::new(move || Box::new(v2.open_handle()) as Box<dyn IoHandle>),
@@ -316,11 +328,12 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, String> {
 }
 
 /// Write the whole range once so reads hit real data (and volumes have their space).
-fn prefill(s: &Subject) -> Result<(), String> {
-    let mut io = CoreIo::new(0, 256, None).map_err(|e| e.to_string())?;
+fn prefill(s: &Subject) -> Result<(), LoadError> {
+    let mut io =
+        CoreIo::new(0, 256, None).map_err(|e| LoadError::io("setting up an io_uring", e))?;
     let mut h = (s.open)();
     let chunk = 1u64 << 20;
-    let mut buf = AlignedBuf::zeroed(chunk as usize);
+    let mut buf = AlignedBuf::zeroed(usize_of(chunk));
     fill_payload(buf.as_mut_slice());
     let mut off = 0;
     let mut err = 0;
@@ -336,7 +349,7 @@ fn prefill(s: &Subject) -> Result<(), String> {
                     &mut io,
                     IoOp::Write {
                         offset: s.base + off,
-                        len: len as u32,
+                        len: u32_of(len),
                         buf: buf.as_ptr(),
                     },
                     Tag::task(0, n),
@@ -352,9 +365,9 @@ fn prefill(s: &Subject) -> Result<(), String> {
         });
     }
     if err < 0 {
-        return Err(format!(
-            "prefill failed: {}",
-            std::io::Error::from_raw_os_error(-err)
+        return Err(LoadError::io(
+            "prefill failed",
+            std::io::Error::from_raw_os_error(-err),
         ));
     }
     eprintln!(
@@ -366,29 +379,33 @@ fn prefill(s: &Subject) -> Result<(), String> {
 }
 
 /// Check the arguments; returns the block size.
-fn block_size(a: &BenchArgs) -> Result<u64, String> {
-    let bs = parse_size(&a.bs).map_err(|e| e.to_string())?;
+fn block_size(a: &BenchArgs) -> Result<u64, LoadError> {
+    let bs = parse_size(&a.bs).map_err(|e| LoadError::invalid(format!("--bs: {e}")))?;
     if bs == 0 || bs > 32 << 20 {
-        return Err("block size must be between 1 byte and 32M".into());
+        return Err(LoadError::invalid(
+            "block size must be between 1 byte and 32M",
+        ));
     }
     if a.qd == 0 || a.qd > 4096 || a.cores == 0 {
-        return Err("queue depth must be 1..4096 and cores at least 1".into());
+        return Err(LoadError::invalid(
+            "queue depth must be 1..4096 and cores at least 1",
+        ));
     }
     Ok(bs)
 }
 
 /// `--fail-device`: mark a device of the redundant pool failed, to measure degraded I/O.
-fn fail_device(s: &Subject, d: usize) -> Result<(), String> {
+fn fail_device(s: &Subject, d: usize) -> Result<(), LoadError> {
     let l = &s
         .pool
         .as_ref()
-        .ok_or("--fail-device needs --target pool or volume")?
+        .ok_or_else(|| LoadError::invalid("--fail-device needs --target pool or volume"))?
         .core
         .layout;
     if !l.kind.is_redundant() || d >= l.devices.len() {
-        return Err(
-            "--fail-device takes a device index of a raid1/raid10/raid5/raid6/ec pool".into(),
-        );
+        return Err(LoadError::invalid(
+            "--fail-device takes a device index of a raid1/raid10/raid5/raid6/ec pool",
+        ));
     }
     l.mark_failed(d, tessera_pool::layout::FailReason::Gone);
     Ok(())
@@ -426,7 +443,7 @@ impl BenchTask {
             // always-cached bytes once made parity writes look 20% cheaper.
             bufs: (0..a.qd)
                 .map(|_| {
-                    let mut b = io.bufs.get(bs as usize);
+                    let mut b = io.bufs.get(usize_of(bs));
                     fill_payload(b.as_mut_slice());
                     b
                 })
@@ -612,15 +629,15 @@ pub fn print_summary(s: &Summary) {
 }
 
 /// The run's outcome from its figures.
-pub fn outcome(s: &Summary) -> Result<(), String> {
+pub fn outcome(s: &Summary) -> Result<(), LoadError> {
     if s.errors > 0 && s.ios == 0 {
-        return Err("every I/O failed".into());
+        return Err(LoadError::Failed("every I/O failed".into()));
     }
     Ok(())
 }
 
 /// Run the bench, printing the human report (with the rate on a terminal each second).
-pub fn run(a: BenchArgs) -> Result<(), String> {
+pub fn run(a: BenchArgs) -> Result<(), LoadError> {
     let s = run_with(a, &mut terminal_ticker())?;
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         eprintln!();
@@ -631,12 +648,12 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
 
 /// Run the bench and return its figures; `tick` sees the rate once a second. Only
 /// stderr is written to (the prefill's note), so the caller owns stdout.
-pub fn run_with(a: BenchArgs, tick: &mut dyn FnMut(&Tick)) -> Result<Summary, String> {
+pub fn run_with(a: BenchArgs, tick: &mut dyn FnMut(&Tick)) -> Result<Summary, LoadError> {
     let bs = block_size(&a)?;
     let subject = build_subject(&a)?;
     let blocks = subject.len / bs;
     if blocks == 0 {
-        return Err("target is smaller than one block".into());
+        return Err(LoadError::invalid("target is smaller than one block"));
     }
     if !a.no_prefill {
         prefill(&subject)?;
@@ -663,7 +680,7 @@ pub fn run_with(a: BenchArgs, tick: &mut dyn FnMut(&Tick)) -> Result<Summary, St
         a.cores,
         a.time
     );
-    let reactors = spawn_reactors(&cfg).map_err(|e| format!("cannot start reactors: {e}"))?;
+    let reactors = spawn_reactors(&cfg).map_err(|e| LoadError::io("cannot start reactors", e))?;
     // Each core works on its own slice of the target (no two cores share blocks).
     let per_core = blocks / a.cores as u64;
     for (core, (mb, _)) in reactors.iter().enumerate() {

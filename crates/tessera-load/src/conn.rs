@@ -10,6 +10,7 @@
 //! NVMe/TCP target asking for write data with R2T, or any server whose send buffer is
 //! full, may) therefore cannot deadlock the tool.
 
+use crate::error::LoadError;
 use std::collections::VecDeque;
 use std::io::{self, Write as _};
 use std::net::TcpStream;
@@ -19,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
+use tessera_io::cast::{usize_of, DurationU64};
 
 use clap::Args;
 use tessera_device::{format_size, parse_size};
@@ -224,7 +226,13 @@ pub fn poll_rw(fd: RawFd, timeout: Duration) -> io::Result<(bool, bool)> {
     };
     loop {
         // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as libc::c_int) };
+        let n = unsafe {
+            libc::poll(
+                &mut p,
+                1,
+                libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX),
+            )
+        };
         if n >= 0 {
             let err = p.revents & (libc::POLLERR | libc::POLLHUP) != 0;
             return Ok((
@@ -385,10 +393,10 @@ impl Core {
 
     /// The slot an answer's ID refers to; anything but an outstanding request means the
     /// peer (or our parsing) is broken and the stream cannot be trusted.
-    pub fn slot_of(&self, id: u64, what: impl FnOnce() -> String) -> Result<usize, String> {
-        match self.slots.get(id as usize) {
-            Some(s) if s.busy => Ok(id as usize),
-            _ => Err(what()),
+    pub fn slot_of(&self, id: u64, what: impl FnOnce() -> String) -> Result<usize, LoadError> {
+        match self.slots.get(usize_of(id)) {
+            Some(s) if s.busy => Ok(usize_of(id)),
+            _ => Err(LoadError::Protocol(what())),
         }
     }
 }
@@ -404,7 +412,7 @@ pub trait Protocol: Sized + Send + 'static {
     fn encode(&mut self, c: &mut Core, slot: usize, write: bool, offset: u64);
     /// Parse every complete answer in `c.b`, calling [`Protocol::complete`] for each
     /// request answered; returns how many were.
-    fn parse(&mut self, c: &mut Core, now: u64) -> Result<u64, String>;
+    fn parse(&mut self, c: &mut Core, now: u64) -> Result<u64, LoadError>;
     /// The name of connection `index` in messages ("connection 0", "queue 1").
     fn conn_name(index: usize) -> String;
     /// Close the connection after the run (`clean`: it ended without a failure).
@@ -441,7 +449,7 @@ impl<P: Protocol> Conn<P> {
     }
 
     /// Parse every complete answer received; returns how many requests completed.
-    pub fn parse(&mut self, now: u64) -> Result<u64, String> {
+    pub fn parse(&mut self, now: u64) -> Result<u64, LoadError> {
         self.proto.parse(&mut self.core, now)
     }
 }
@@ -464,14 +472,14 @@ pub fn drive<P: Protocol>(
     deadline_ns: u64,
     busy_poll: bool,
     progress: &AtomicU64,
-) -> Result<(), String> {
+) -> Result<(), LoadError> {
     let w = &P::WORDS;
     let fd = stream.as_raw_fd();
     // A blocking recv wakes up at least once a second to notice a stalled peer.
     stream
         .set_read_timeout(Some(Duration::from_secs(1)))
-        .map_err(|err| format!("setting the receive timeout: {err}"))?;
-    let now_ns = || epoch.elapsed().as_nanos() as u64;
+        .map_err(|err| LoadError::io("setting the receive timeout", err))?;
+    let now_ns = || epoch.elapsed().nanos_u64();
     c.fill(now_ns());
     let mut last_progress = Instant::now();
     loop {
@@ -479,7 +487,7 @@ pub fn drive<P: Protocol>(
         if !b.out.is_empty() {
             let n = b
                 .send(fd)
-                .map_err(|err| format!("sending {}: {err}", w.requests))?;
+                .map_err(|err| LoadError::io(format!("sending {}", w.requests), err))?;
             if n > 0 {
                 last_progress = Instant::now();
             }
@@ -502,25 +510,25 @@ pub fn drive<P: Protocol>(
                 Err(err) => Err(err),
             }
         }
-        .map_err(|err| format!("receiving replies: {err}"))?;
+        .map_err(|err| LoadError::io("receiving replies", err))?;
         match got {
             None => {
                 if last_progress.elapsed() >= STALL {
-                    return Err(format!(
+                    return Err(LoadError::Failed(format!(
                         "no progress for {} s with {} {} outstanding ({queued} bytes \
                          unsent); giving up on this {}",
                         STALL.as_secs(),
                         c.core.inflight,
                         w.requests,
                         w.conn
-                    ));
+                    )));
                 }
             }
             Some(0) => {
-                return Err(format!(
+                return Err(LoadError::Protocol(format!(
                     "the {} closed the {} with {} {} outstanding",
                     w.peer, w.conn, c.core.inflight, w.requests
-                ))
+                )))
             }
             Some(n) => {
                 c.core.b.in_end += n;
@@ -568,19 +576,19 @@ pub struct LoadArgs {
 
 impl LoadArgs {
     /// The workload, with the block size checked against `max_bs`.
-    pub fn workload(&self, max_bs: u64) -> Result<Workload, String> {
-        let bs = parse_size(&self.bs).map_err(|e| format!("--bs: {e}"))?;
+    pub fn workload(&self, max_bs: u64) -> Result<Workload, LoadError> {
+        let bs = parse_size(&self.bs).map_err(|e| LoadError::invalid(format!("--bs: {e}")))?;
         if bs == 0 || bs > max_bs {
-            return Err(format!(
+            return Err(LoadError::invalid(format!(
                 "--bs must be between 1 byte and {}",
                 format_size(max_bs)
-            ));
+            )));
         }
         if self.rwmix_read > 100 {
-            return Err("--rwmix-read is a percentage (0..100)".into());
+            return Err(LoadError::invalid("--rwmix-read is a percentage (0..100)"));
         }
         if self.time == 0 {
-            return Err("--time must be at least 1 second".into());
+            return Err(LoadError::invalid("--time must be at least 1 second"));
         }
         Ok(Workload {
             pattern: self.pattern,
@@ -592,9 +600,9 @@ impl LoadArgs {
     }
 
     /// `--size` in bytes, or `all` when not given.
-    pub fn size_or(&self, all: u64) -> Result<u64, String> {
+    pub fn size_or(&self, all: u64) -> Result<u64, LoadError> {
         match &self.size {
-            Some(s) => parse_size(s).map_err(|e| format!("--size: {e}")),
+            Some(s) => parse_size(s).map_err(|e| LoadError::invalid(format!("--size: {e}"))),
             None => Ok(all),
         }
     }
@@ -676,7 +684,7 @@ impl Totals {
     }
 
     /// The error lines and the RESULT line; the run's outcome.
-    pub fn print_outcome(&self) -> Result<(), String> {
+    pub fn print_outcome(&self) -> Result<(), LoadError> {
         if self.errors > 0 {
             println!(
                 "errors:     {} (first: {})",
@@ -695,15 +703,15 @@ impl Totals {
             self.errors,
         );
         if !self.failures.is_empty() {
-            return Err(format!(
+            return Err(LoadError::Failed(format!(
                 "{} of {} {}s failed",
                 self.failures.len(),
                 self.conns,
                 self.conn_word
-            ));
+            )));
         }
         if self.errors > 0 && self.ios == 0 {
-            return Err("every I/O failed".into());
+            return Err(LoadError::Failed("every I/O failed".into()));
         }
         Ok(())
     }
@@ -711,12 +719,15 @@ impl Totals {
 
 /// Drive every connection from its own thread for `w.time` seconds, showing the progress
 /// on stderr once a second, and add up what they measured.
-pub fn run<P: Protocol>(w: &Workload, conns: Vec<(TcpStream, Conn<P>)>) -> Result<Totals, String> {
+pub fn run<P: Protocol>(
+    w: &Workload,
+    conns: Vec<(TcpStream, Conn<P>)>,
+) -> Result<Totals, LoadError> {
     let n = conns.len();
     let (tx, rx) = channel();
     let progress = Arc::new(AtomicU64::new(0));
     let barrier = Arc::new(Barrier::new(n + 1));
-    let deadline_ns = Duration::from_secs(w.time).as_nanos() as u64;
+    let deadline_ns = Duration::from_secs(w.time).nanos_u64();
     let cpu0 = report::cpu_time(libc::RUSAGE_SELF);
     let mut threads = Vec::with_capacity(n);
     for (i, (stream, mut c)) in conns.into_iter().enumerate() {
@@ -736,11 +747,11 @@ pub fn run<P: Protocol>(w: &Workload, conns: Vec<(TcpStream, Conn<P>)>) -> Resul
                 let _ = tx.send(Report {
                     conn: i,
                     stats: std::mem::take(&mut c.core.stats),
-                    failure: r.err(),
+                    failure: r.err().map(|e| e.to_string()),
                     wall,
                 });
             })
-            .map_err(|e| format!("cannot start a thread: {e}"))?;
+            .map_err(|e| LoadError::io("cannot start a thread", e))?;
         threads.push(t);
     }
     drop(tx);
@@ -811,6 +822,7 @@ fn show_progress(rx: &Receiver<Report>, progress: &AtomicU64, w: &Workload) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_io::cast::u8_of;
 
     #[test]
     fn send_queue_keeps_order_across_partial_sends() {
@@ -818,7 +830,7 @@ mod tests {
         let mut q = SendQueue::default();
         let mut want = Vec::new();
         for i in 0..50usize {
-            let h = vec![i as u8; 1 + i % 7];
+            let h = vec![u8_of(i); 1 + i % 7];
             q.push_bytes(&h);
             want.extend_from_slice(&h);
             let r = (i * 997) % 90_000..(i * 997) % 90_000 + 1 + i * 113;

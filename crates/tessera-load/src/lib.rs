@@ -6,10 +6,13 @@
 //!   request generation, non-blocking batched sends, bulk parsing, latency histogram,
 //!   time bound, totals); each adds only its wire format as a [`conn::Protocol`].
 //! - [`bench`] drives a device, pool or volume in-process from reactor cores.
+//! - [`error`]: [`LoadError`], what every run returns when it fails.
 
 pub mod bench;
 pub mod conn;
+pub mod error;
 pub mod nbd_perf;
 pub mod nvmf_perf;
 mod report;
 pub mod workload;
+pub use error::LoadError;

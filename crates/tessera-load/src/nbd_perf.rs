@@ -17,8 +17,10 @@
 //! queue-depth-1 measurements; on a VM that wake-up can cost more than the server's
 //! whole round trip.
 
+use crate::error::LoadError;
 use std::io::Write as _;
 use std::net::TcpStream;
+use tessera_io::cast::{u32_of, usize_of};
 
 use clap::Args;
 use tessera_device::format_size;
@@ -55,14 +57,16 @@ const MAX_ERROR_CHUNK: usize = 64 * 1024;
 const DEFAULT_PORT: u16 = 10809;
 
 /// Split `nbd://HOST[:PORT]/[EXPORT]` into `("HOST:PORT", "EXPORT")`.
-fn parse_uri(uri: &str) -> Result<(String, String), String> {
+fn parse_uri(uri: &str) -> Result<(String, String), LoadError> {
     let rest = uri.strip_prefix("nbd://").ok_or_else(|| {
-        format!("{uri:?}: only nbd://HOST[:PORT]/EXPORT URIs are supported (TCP, no TLS)")
+        LoadError::Invalid(format!(
+            "{uri:?}: only nbd://HOST[:PORT]/EXPORT URIs are supported (TCP, no TLS)"
+        ))
     })?;
     let rest = rest.split(['?', '#']).next().unwrap_or_default();
     let (auth, path) = rest.split_once('/').unwrap_or((rest, ""));
     if auth.is_empty() {
-        return Err(format!("{uri:?}: no host"));
+        return Err(LoadError::invalid(format!("{uri:?}: no host")));
     }
     let has_port = match auth.rfind(']') {
         Some(i) => auth[i + 1..].starts_with(':'),
@@ -75,11 +79,11 @@ fn parse_uri(uri: &str) -> Result<(String, String), String> {
     };
     Ok((
         addr,
-        percent_decode(path).map_err(|e| format!("{uri:?}: {e}"))?,
+        percent_decode(path).map_err(|e| e.within(format_args!("{uri:?}")))?,
     ))
 }
 
-fn percent_decode(s: &str) -> Result<String, String> {
+fn percent_decode(s: &str) -> Result<String, LoadError> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -89,7 +93,7 @@ fn percent_decode(s: &str) -> Result<String, String> {
                 .get(i + 1..i + 3)
                 .and_then(|h| std::str::from_utf8(h).ok())
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or("bad percent escape in the export name")?;
+                .ok_or_else(|| LoadError::invalid("bad percent escape in the export name"))?;
             out.push(hex);
             i += 3;
         } else {
@@ -97,19 +101,7 @@ fn percent_decode(s: &str) -> Result<String, String> {
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| "export name is not UTF-8".to_string())
-}
-
-fn be16(b: &[u8]) -> u16 {
-    u16::from_be_bytes([b[0], b[1]])
-}
-fn be32(b: &[u8]) -> u32 {
-    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
-}
-fn be64(b: &[u8]) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[..8]);
-    u64::from_be_bytes(a)
+    String::from_utf8(out).map_err(|_| LoadError::invalid("export name is not UTF-8"))
 }
 
 /// Describe an NBD error number for humans.
@@ -138,7 +130,7 @@ impl Nbd {
     /// A connection of `qd` requests of `w.bs` bytes over `blocks` blocks.
     fn conn(w: &Workload, blocks: u64, qd: usize, structured: bool, rng: Rng) -> Conn<Nbd> {
         let b = Buffers::new(
-            payload(w.bs as usize),
+            payload(usize_of(w.bs)),
             RECV_BUF.max(4 * MAX_ERROR_CHUNK),
             MAX_ERROR_CHUNK + proto::STRUCTURED_REPLY_LEN,
             qd * proto::REQUEST_HEADER_LEN,
@@ -160,32 +152,34 @@ impl Nbd {
         });
     }
 
-    fn slot_of(c: &Core, cookie: u64) -> Result<usize, String> {
+    fn slot_of(c: &Core, cookie: u64) -> Result<usize, LoadError> {
         c.slot_of(cookie, || {
             format!("reply for cookie {cookie:#x}, which is not an outstanding request")
         })
     }
 
-    /// A simple reply at `p`: its header; the data of a READ is skipped after it.
+    /// A simple reply (parsed by `proto::parse_reply`); the data of a READ is skipped
+    /// after it.
     #[inline]
-    fn simple_reply(&mut self, c: &mut Core, p: usize, now: u64) -> Result<Parsed, String> {
-        let b = &c.b.inb[p..c.b.in_end];
-        if b.len() < proto::SIMPLE_REPLY_LEN {
-            return Ok(None);
-        }
-        let error = be32(&b[4..]);
-        let slot = Self::slot_of(c, be64(&b[8..]))?;
+    fn simple_reply(
+        &mut self,
+        c: &mut Core,
+        error: u32,
+        cookie: u64,
+        now: u64,
+    ) -> Result<Parsed, LoadError> {
+        let slot = Self::slot_of(c, cookie)?;
         if error != 0 {
             Self::fail(c, slot, error, None);
         } else if !c.slots[slot].write {
             if self.structured {
-                return Err(format!(
+                return Err(LoadError::protocol(format!(
                     "simple reply to READ cookie {slot:#x} after structured replies \
                      were negotiated (the spec forbids this)"
-                ));
+                )));
             }
             // The READ data follows the header.
-            self.skip = c.bs as usize;
+            self.skip = usize_of(c.bs);
             self.skip_then = Some(slot);
             return Ok(Some((proto::SIMPLE_REPLY_LEN, 0)));
         }
@@ -193,23 +187,26 @@ impl Nbd {
         Ok(Some((proto::SIMPLE_REPLY_LEN, 1)))
     }
 
-    /// A structured reply chunk at `p`: its header, and the payload of an error chunk;
-    /// the payload of any other chunk is skipped after it.
+    /// A structured reply chunk at `p` (its header parsed by `proto::parse_reply`), and
+    /// the payload of an error chunk; the payload of any other chunk is skipped after it.
     #[inline]
-    fn structured_chunk(&mut self, c: &mut Core, p: usize, now: u64) -> Result<Parsed, String> {
-        let b = &c.b.inb[p..c.b.in_end];
-        if b.len() < proto::STRUCTURED_REPLY_LEN {
-            return Ok(None);
-        }
+    #[allow(clippy::too_many_arguments)]
+    fn structured_chunk(
+        &mut self,
+        c: &mut Core,
+        p: usize,
+        flags: u16,
+        ty: u16,
+        cookie: u64,
+        length: u32,
+        now: u64,
+    ) -> Result<Parsed, LoadError> {
         if !self.structured {
-            return Err(
-                "structured reply chunk, but structured replies were not negotiated".into(),
-            );
+            return Err(LoadError::protocol(
+                "structured reply chunk, but structured replies were not negotiated",
+            ));
         }
-        let flags = be16(&b[4..]);
-        let ty = be16(&b[6..]);
-        let cookie = be64(&b[8..]);
-        let len = be32(&b[16..]) as usize;
+        let len = usize_of(u64::from(length));
         let slot = Self::slot_of(c, cookie)?;
         let last = flags & proto::REPLY_FLAG_DONE != 0;
         if ty & 0x8000 != 0 {
@@ -239,17 +236,19 @@ impl Nbd {
         len: usize,
         last: bool,
         now: u64,
-    ) -> Result<Parsed, String> {
+    ) -> Result<Parsed, LoadError> {
         if !(6..=MAX_ERROR_CHUNK).contains(&len) {
-            return Err(format!("error chunk of {len} bytes for cookie {slot:#x}"));
+            return Err(LoadError::protocol(format!(
+                "error chunk of {len} bytes for cookie {slot:#x}"
+            )));
         }
         let b = &c.b.inb[p..c.b.in_end];
         if b.len() < proto::STRUCTURED_REPLY_LEN + len {
             return Ok(None);
         }
         let pl = &b[proto::STRUCTURED_REPLY_LEN..][..len];
-        let code = be32(pl);
-        let mlen = be16(&pl[4..]) as usize;
+        let code = proto::be_u32(pl);
+        let mlen = proto::be_u16(&pl[4..]) as usize;
         let msg = pl
             .get(6..6 + mlen)
             .map(|m| String::from_utf8_lossy(m).into_owned());
@@ -272,39 +271,39 @@ fn check_data_chunk(
     len: usize,
     last: bool,
     cookie: u64,
-) -> Result<(), String> {
+) -> Result<(), LoadError> {
     let write = c.slots[slot].write;
     match ty {
         proto::REPLY_TYPE_OFFSET_DATA => {
-            if write || len < 8 || len - 8 > c.bs as usize {
-                return Err(format!(
+            if write || len < 8 || len - 8 > usize_of(c.bs) {
+                return Err(LoadError::protocol(format!(
                     "OFFSET_DATA chunk of {len} bytes for a {} of {} bytes \
                      (cookie {cookie:#x})",
                     if write { "WRITE" } else { "READ" },
                     c.bs
-                ));
+                )));
             }
         }
         proto::REPLY_TYPE_OFFSET_HOLE => {
             if write || len != 12 {
-                return Err(format!(
+                return Err(LoadError::protocol(format!(
                     "OFFSET_HOLE chunk of {len} bytes (cookie {cookie:#x})"
-                ));
+                )));
             }
         }
         proto::REPLY_TYPE_NONE => {
             if len != 0 || !last {
-                return Err(format!(
+                return Err(LoadError::protocol(format!(
                     "NONE chunk with {len} bytes of payload or without \
                      the DONE flag (cookie {cookie:#x})"
-                ));
+                )));
             }
         }
         _ => {
             if len > RECV_BUF {
-                return Err(format!(
+                return Err(LoadError::protocol(format!(
                     "chunk of type {ty} with {len} bytes for cookie {cookie:#x}"
-                ));
+                )));
             }
         }
     }
@@ -331,7 +330,7 @@ impl Protocol for Nbd {
             },
             cookie: slot as u64,
             offset,
-            length: c.bs as u32,
+            length: u32_of(c.bs),
         });
         c.b.out.push_bytes(&h);
         if write {
@@ -341,7 +340,7 @@ impl Protocol for Nbd {
 
     /// Parse every complete reply in the receive buffer, completing (and reissuing) their
     /// slots. Returns how many requests completed.
-    fn parse(&mut self, c: &mut Core, now: u64) -> Result<u64, String> {
+    fn parse(&mut self, c: &mut Core, now: u64) -> Result<u64, LoadError> {
         let mut p = c.b.in_start;
         let mut done = 0u64;
         let r = loop {
@@ -358,15 +357,18 @@ impl Protocol for Nbd {
                 }
                 continue;
             }
-            if c.b.in_end - p < 4 {
-                break Ok(());
-            }
-            let step = match be32(&c.b.inb[p..]) {
-                proto::SIMPLE_REPLY_MAGIC => self.simple_reply(c, p, now),
-                proto::STRUCTURED_REPLY_MAGIC => self.structured_chunk(c, p, now),
-                m => Err(format!(
-                    "bad reply magic {m:#010x}: the stream is out of sync"
-                )),
+            let step = match proto::parse_reply(&c.b.inb[p..c.b.in_end]) {
+                Ok(None) => break Ok(()),
+                Ok(Some(proto::ReplyHeader::Simple { error, cookie })) => {
+                    self.simple_reply(c, error, cookie, now)
+                }
+                Ok(Some(proto::ReplyHeader::Chunk {
+                    flags,
+                    ty,
+                    cookie,
+                    length,
+                })) => self.structured_chunk(c, p, flags, ty, cookie, length, now),
+                Err(e) => Err(LoadError::protocol(e.to_string())),
             };
             match step {
                 Ok(Some((len, d))) => {
@@ -401,14 +403,15 @@ struct Negotiated {
     block_size: Option<(u32, u32, u32)>,
 }
 
-fn connect(addr: &str, export: &str) -> Result<Negotiated, String> {
-    let stream = TcpStream::connect(addr).map_err(|e| format!("connecting to {addr}: {e}"))?;
+fn connect(addr: &str, export: &str) -> Result<Negotiated, LoadError> {
+    let stream =
+        TcpStream::connect(addr).map_err(|e| LoadError::io(format!("connecting to {addr}"), e))?;
     stream
         .set_nodelay(true)
-        .map_err(|e| format!("{addr}: TCP_NODELAY: {e}"))?;
+        .map_err(|e| LoadError::io(format!("{addr}: TCP_NODELAY"), e))?;
     let hs = stream
         .try_clone()
-        .map_err(|e| format!("{addr}: cloning the socket: {e}"))?;
+        .map_err(|e| LoadError::io(format!("{addr}: cloning the socket"), e))?;
     // The handshake reads exactly what it needs (no buffering), so after it the raw socket
     // is positioned at the start of the transmission phase.
     let c = NbdClient::from_stream(
@@ -419,7 +422,7 @@ fn connect(addr: &str, export: &str) -> Result<Negotiated, String> {
             base_allocation: false,
         },
     )
-    .map_err(|e| format!("{addr}: handshake for export {export:?}: {e}"))?;
+    .map_err(|e| LoadError::io(format!("{addr}: handshake for export {export:?}"), e))?;
     Ok(Negotiated {
         stream,
         size: c.size(),
@@ -444,38 +447,43 @@ fn disconnect(mut s: &TcpStream) {
 
 /// Check the workload against what the server negotiated; returns the number of blocks
 /// in the range to use.
-fn blocks_to_use(a: &NbdPerfArgs, c0: &Negotiated, export: &str, bs: u64) -> Result<u64, String> {
+fn blocks_to_use(
+    a: &NbdPerfArgs,
+    c0: &Negotiated,
+    export: &str,
+    bs: u64,
+) -> Result<u64, LoadError> {
     let (export_size, flags) = (c0.size, c0.flags);
     let writes = a.load.pattern != Pattern::Randread;
     if writes && flags & proto::TFLAG_READ_ONLY != 0 {
-        return Err(format!(
+        return Err(LoadError::invalid(format!(
             "export {export:?} is read-only; use --pattern randread"
-        ));
+        )));
     }
     if let Some((min, _, max)) = c0.block_size {
         if !bs.is_multiple_of(min as u64) || bs > max as u64 {
-            return Err(format!(
+            return Err(LoadError::invalid(format!(
                 "--bs {} does not suit the export: the server wants multiples of {min} \
                  bytes up to {}",
                 format_size(bs),
                 format_size(max as u64)
-            ));
+            )));
         }
     }
     let size = a.load.size_or(export_size)?;
     if size > export_size {
-        return Err(format!(
+        return Err(LoadError::invalid(format!(
             "--size {} is larger than the export ({})",
             format_size(size),
             format_size(export_size)
-        ));
+        )));
     }
     let blocks = size / bs;
     if blocks == 0 {
-        return Err(format!(
+        return Err(LoadError::invalid(format!(
             "the range used ({} bytes) is smaller than one block",
             size
-        ));
+        )));
     }
     Ok(blocks)
 }
@@ -487,28 +495,32 @@ struct Plan {
     w: Workload,
 }
 
-fn plan(a: &NbdPerfArgs) -> Result<Plan, String> {
+fn plan(a: &NbdPerfArgs) -> Result<Plan, LoadError> {
     let (addr, export) = match (&a.uri, &a.addr) {
         (Some(u), _) => parse_uri(u)?,
         (None, Some(addr)) => (addr.clone(), a.export.clone().unwrap_or_default()),
-        (None, None) => return Err("give --uri nbd://HOST:PORT/EXPORT or --addr".into()),
+        (None, None) => {
+            return Err(LoadError::invalid(
+                "give --uri nbd://HOST:PORT/EXPORT or --addr",
+            ))
+        }
     };
     let w = a.load.workload(proto::MAX_PAYLOAD as u64)?;
     if a.load.qd == 0 || a.load.qd > 4096 {
-        return Err("--qd must be 1..4096".into());
+        return Err(LoadError::invalid("--qd must be 1..4096"));
     }
     if a.conns == 0 || a.conns > 256 {
-        return Err("--conns must be 1..256".into());
+        return Err(LoadError::invalid("--conns must be 1..256"));
     }
     Ok(Plan { addr, export, w })
 }
 
-pub fn run(a: NbdPerfArgs) -> Result<(), String> {
+pub fn run(a: NbdPerfArgs) -> Result<(), LoadError> {
     let Plan { addr, export, w } = plan(&a)?;
     let bs = w.bs;
     let mut sockets = Vec::with_capacity(a.conns);
     for i in 0..a.conns {
-        let c = connect(&addr, &export).map_err(|e| format!("connection {i}: {e}"))?;
+        let c = connect(&addr, &export).map_err(|e| e.within(format_args!("connection {i}")))?;
         sockets.push(c);
     }
     let c0 = &sockets[0];
@@ -594,7 +606,7 @@ mod tests {
 
     fn chunk(out: &mut Vec<u8>, flags: u16, ty: u16, cookie: u64, payload: &[u8]) {
         let mut b = [0u8; proto::STRUCTURED_REPLY_LEN];
-        proto::encode_structured_reply(&mut b, flags, ty, cookie, payload.len() as u32);
+        proto::encode_structured_reply(&mut b, flags, ty, cookie, u32_of(payload.len()));
         out.extend_from_slice(&b);
         out.extend_from_slice(payload);
     }
@@ -620,7 +632,7 @@ mod tests {
     }
 
     /// Feed `bytes` to the engine in pieces of `step` bytes; returns completions.
-    fn feed(e: &mut Conn<Nbd>, bytes: &[u8], step: usize) -> Result<u64, String> {
+    fn feed(e: &mut Conn<Nbd>, bytes: &[u8], step: usize) -> Result<u64, LoadError> {
         let mut done = 0;
         for piece in bytes.chunks(step) {
             let space = e.core.b.recv_space();
@@ -680,7 +692,11 @@ mod tests {
                 3,
                 &data(0, 512),
             );
-            assert_eq!(feed(&mut e, &r, step), Ok(4), "step {step}");
+            assert_eq!(
+                feed(&mut e, &r, step).map_err(|e| e.to_string()),
+                Ok(4),
+                "step {step}"
+            );
             assert_eq!(
                 (e.core.stats.ios, e.core.stats.errors, e.core.inflight),
                 (3, 1, 0)
@@ -700,11 +716,11 @@ mod tests {
             let mut h = [0u8; proto::SIMPLE_REPLY_LEN];
             proto::encode_simple_reply(&mut h, 0, slot);
             r.extend_from_slice(&h);
-            if !e.core.slots[slot as usize].write {
+            if !e.core.slots[usize_of(slot)].write {
                 r.extend(std::iter::repeat_n(0u8, 4096));
             }
         }
-        assert_eq!(feed(&mut e, &r, 1000), Ok(8));
+        assert_eq!(feed(&mut e, &r, 1000).map_err(|e| e.to_string()), Ok(8));
         // Every completion was reissued.
         assert_eq!(e.core.inflight, 8);
         assert!(e.core.b.out.len() > first);
@@ -712,7 +728,7 @@ mod tests {
         let mut e = engine(Pattern::Randread, 70, 4096, 1000, 2, false, 7);
         let mut h = [0u8; proto::SIMPLE_REPLY_LEN];
         proto::encode_simple_reply(&mut h, 0, 5);
-        assert!(feed(&mut e, &h, 16).is_err());
+        assert!(matches!(feed(&mut e, &h, 16), Err(LoadError::Protocol(_))));
     }
 
     #[test]

@@ -14,7 +14,9 @@
 //! taking in completions and R2Ts. With `--busy-poll` the receive spins instead of
 //! sleeping.
 
+use crate::error::LoadError;
 use std::net::TcpStream;
+use tessera_io::cast::{u16_of, u32_of, usize_of};
 
 use clap::Args;
 use tessera_device::format_size;
@@ -75,7 +77,7 @@ impl Nvmf {
         maxh2cdata: u32,
         rng: Rng,
     ) -> Conn<Nvmf> {
-        let payload = payload(w.bs as usize);
+        let payload = payload(usize_of(w.bs));
         let proto = Nvmf {
             lba_shift: lba.trailing_zeros(),
             nsid,
@@ -108,28 +110,30 @@ impl Nvmf {
         ttag: u16,
         offset: u32,
         len: u32,
-    ) -> Result<(), String> {
+    ) -> Result<(), LoadError> {
         let (write, asked) = (c.slots[slot].write, self.r2t_asked[slot]);
         let end = offset as u64 + len as u64;
-        if !write || (c.bs as usize) <= self.in_capsule {
-            return Err(format!("R2T for command {slot}, which has no data to send"));
+        if !write || usize_of(c.bs) <= self.in_capsule {
+            return Err(LoadError::protocol(format!(
+                "R2T for command {slot}, which has no data to send"
+            )));
         }
         if offset != asked || len == 0 || end > c.bs {
-            return Err(format!(
+            return Err(LoadError::protocol(format!(
                 "R2T for {len} bytes at {offset} of command {slot} ({asked} of {} asked before)",
                 c.bs
-            ));
+            )));
         }
-        self.r2t_asked[slot] = end as u32;
+        self.r2t_asked[slot] = u32_of(end);
         let mut at = offset;
-        while at < end as u32 {
-            let n = (end as u32 - at).min(self.maxh2cdata as u32);
-            let last = at + n == end as u32;
+        while at < u32_of(end) {
+            let n = (u32_of(end) - at).min(u32_of(self.maxh2cdata));
+            let last = at + n == u32_of(end);
             let mut h = [0u8; 160];
             let flags = if last { pdu::F_DATA_LAST } else { 0 };
             let hl = self
                 .framing
-                .data_pdu(&mut h, pdu::H2C_DATA, flags, slot as u16, ttag, at, n);
+                .data_pdu(&mut h, pdu::H2C_DATA, flags, u16_of(slot), ttag, at, n);
             c.b.out.push_bytes(&h[..hl]);
             c.b.out.push_payload(at as usize..(at + n) as usize);
             if self.framing.ddgst {
@@ -152,7 +156,7 @@ impl Nvmf {
         d
     }
 
-    fn slot_of(c: &Core, cid: u16) -> Result<usize, String> {
+    fn slot_of(c: &Core, cid: u16) -> Result<usize, LoadError> {
         c.slot_of(cid as u64, || {
             format!("PDU for command {cid}, which is not outstanding")
         })
@@ -171,14 +175,14 @@ impl Protocol for Nvmf {
     fn encode(&mut self, c: &mut Core, slot: usize, write: bool, offset: u64) {
         let bs = c.bs;
         let slba = offset >> self.lba_shift;
-        let nlb = (bs >> self.lba_shift) as u32;
-        let in_capsule = write && bs as usize <= self.in_capsule;
+        let nlb = u32_of(bs >> self.lba_shift);
+        let in_capsule = write && usize_of(bs) <= self.in_capsule;
         let sqe = Sqe {
             opc: if write { nvme::IO_WRITE } else { nvme::IO_READ },
-            cid: slot as u16,
+            cid: u16_of(slot),
             nsid: self.nsid,
-            cdw10: slba as u32,
-            cdw11: (slba >> 32) as u32,
+            cdw10: u32_of(slba & 0xffff_ffff),
+            cdw11: u32_of(slba >> 32),
             cdw12: nlb - 1,
             ..Sqe::default()
         }
@@ -188,10 +192,10 @@ impl Protocol for Nvmf {
             } else {
                 nvme::SGL_TRANSPORT_DATA_BLOCK
             },
-            bs as u32,
+            u32_of(bs),
         );
         let mut h = [0u8; 160];
-        let data = if in_capsule { bs as usize } else { 0 };
+        let data = if in_capsule { usize_of(bs) } else { 0 };
         let n = self.framing.capsule_cmd(&mut h, &sqe.encode(), data);
         c.b.out.push_bytes(&h[..n]);
         if in_capsule {
@@ -204,7 +208,7 @@ impl Protocol for Nvmf {
     }
 
     /// Parse every complete PDU; returns how many commands completed.
-    fn parse(&mut self, c: &mut Core, now: u64) -> Result<u64, String> {
+    fn parse(&mut self, c: &mut Core, now: u64) -> Result<u64, LoadError> {
         let mut done = 0;
         loop {
             let avail = c.b.in_end - c.b.in_start;
@@ -213,7 +217,7 @@ impl Protocol for Nvmf {
             }
             let b = &c.b.inb[c.b.in_start..c.b.in_end];
             let f = pdu::check_header(pdu::Role::Host, b, &self.limits)
-                .map_err(|e| format!("bad PDU from the target: {e}"))?;
+                .map_err(|e| LoadError::Protocol(format!("bad PDU from the target: {e}")))?;
             if avail < f.plen() {
                 return Ok(done);
             }
@@ -227,9 +231,9 @@ impl Protocol for Nvmf {
             let (ttag, offset, len) = (pdu::le16(b, 10), pdu::le32(b, 12), pdu::le32(b, 16));
             if ty == pdu::C2H_TERM {
                 let (fes, fei) = pdu::parse_term(b);
-                return Err(format!(
+                return Err(LoadError::protocol(format!(
                     "the target terminated the queue (FES {fes:#x}, FEI {fei:#x})"
-                ));
+                )));
             }
             c.b.in_start += f.plen();
             match ty {
@@ -255,7 +259,7 @@ impl Protocol for Nvmf {
                     let s = Self::slot_of(c, cid)?;
                     self.on_r2t(c, s, ttag, offset, len)?;
                 }
-                t => return Err(format!("unexpected PDU type {t:#x}")),
+                t => return Err(LoadError::protocol(format!("unexpected PDU type {t:#x}"))),
             }
         }
     }
@@ -271,43 +275,58 @@ impl Protocol for Nvmf {
 }
 
 impl NvmfPerfArgs {
-    fn check(&self) -> Result<Workload, String> {
+    fn check(&self) -> Result<Workload, LoadError> {
         let w = self
             .load
             .workload(tessera_nvmf::target::MAX_TRANSFER as u64)?;
         if self.load.qd == 0 || self.load.qd > 512 {
-            return Err("--qd must be 1..512 (the queue size)".into());
+            return Err(LoadError::invalid("--qd must be 1..512 (the queue size)"));
         }
         if self.queues == 0 || self.queues > 64 {
-            return Err("--queues must be 1..64".into());
+            return Err(LoadError::invalid("--queues must be 1..64"));
         }
         Ok(w)
     }
 
     /// Blocks of `bs` bytes to use in a namespace of `ns_size` bytes.
-    fn blocks(&self, ns_size: u64, bs: u64) -> Result<u64, String> {
+    fn blocks(&self, ns_size: u64, bs: u64) -> Result<u64, LoadError> {
         let size = self.load.size_or(ns_size)?.min(ns_size);
         match size / bs {
-            0 => Err("the namespace is smaller than one block".into()),
+            0 => Err(LoadError::invalid(
+                "the namespace is smaller than one block",
+            )),
             b => Ok(b),
         }
     }
 }
 
 /// Run the load on the target at `addr` (host options `o`: host NQN, digests).
-pub fn run(addr: &str, mut o: Options, a: NvmfPerfArgs) -> Result<(), String> {
+pub fn run(addr: &str, mut o: Options, a: NvmfPerfArgs) -> Result<(), LoadError> {
     let w = a.check()?;
     let bs = w.bs;
-    o.queue_size = a.load.qd.max(32) as u16;
+    o.queue_size = u16_of(a.load.qd.max(32));
     let (hdgst, ddgst) = (o.hdgst, o.ddgst);
-    let mut ctrl = Controller::connect(addr, &a.nqn, &o, a.queues)
-        .map_err(|e| format!("connecting to {} at {addr}: {e}", a.nqn))?;
+    let mut ctrl =
+        Controller::connect(addr, &a.nqn, &o, a.queues).map_err(|source| LoadError::Nvme {
+            context: format!("connecting to {} at {addr}", a.nqn),
+            source,
+        })?;
     if ctrl.io.len() < a.queues as usize {
-        return Err(format!("the target granted {} I/O queues", ctrl.io.len()));
+        return Err(LoadError::Protocol(format!(
+            "the target granted {} I/O queues",
+            ctrl.io.len()
+        )));
     }
-    let (nblocks, lba) = ctrl.namespace_size(a.nsid).map_err(|e| e.to_string())?;
+    let (nblocks, lba) = ctrl
+        .namespace_size(a.nsid)
+        .map_err(|source| LoadError::Nvme {
+            context: format!("namespace {}", a.nsid),
+            source,
+        })?;
     if bs % lba as u64 != 0 {
-        return Err(format!("--bs must be a multiple of the {lba}-byte LBA"));
+        return Err(LoadError::Invalid(format!(
+            "--bs must be a multiple of the {lba}-byte LBA"
+        )));
     }
     let blocks = a.blocks(nblocks * lba as u64, bs)?;
     eprintln!(
@@ -393,7 +412,7 @@ mod tests {
     }
 
     /// Feed PDUs to the engine; returns completions.
-    fn feed(e: &mut Conn<Nvmf>, bytes: &[u8]) -> Result<u64, String> {
+    fn feed(e: &mut Conn<Nvmf>, bytes: &[u8]) -> Result<u64, LoadError> {
         let space = e.core.b.recv_space();
         space[..bytes.len()].copy_from_slice(bytes);
         e.core.b.in_end += bytes.len();
@@ -448,8 +467,8 @@ mod tests {
         // R2T for the whole of command 2.
         let fr = e.proto.framing;
         let mut r = [0u8; 64];
-        let n = fr.r2t(&mut r, 2, 77, 0, bs as u32);
-        assert_eq!(feed(&mut e, &r[..n]), Ok(0));
+        let n = fr.r2t(&mut r, 2, 77, 0, u32_of(bs));
+        assert_eq!(feed(&mut e, &r[..n]).map_err(|e| e.to_string()), Ok(0));
         let out = e.core.b.out.to_vec(&e.core.b.payload);
         let p = pdus(&out);
         let want = [
@@ -460,16 +479,16 @@ mod tests {
         assert_eq!(p.len(), 3);
         for (x, &(off, len)) in p.iter().zip(&want) {
             assert_eq!((x.0, x.2, x.3, x.4), (pdu::H2C_DATA, 2, off, len));
-            let last = off + len == bs as u32;
+            let last = off + len == u32_of(bs);
             assert_eq!(x.1 & pdu::F_DATA_LAST != 0, last);
             let d = &e.core.b.payload[off as usize..(off + len) as usize];
             assert_eq!(&x.5[..len as usize], d);
             assert_eq!(x.5[len as usize..], pdu::crc(d).to_le_bytes());
         }
         // A second R2T for the same data, or one for a read, breaks the stream.
-        assert!(feed(&mut e, &r[..n]).is_err());
+        assert!(matches!(feed(&mut e, &r[..n]), Err(LoadError::Protocol(_))));
         let mut e = engine(&["--pattern", "randread"], bs, false);
         e.fill(0);
-        assert!(feed(&mut e, &r[..n]).is_err());
+        assert!(matches!(feed(&mut e, &r[..n]), Err(LoadError::Protocol(_))));
     }
 }

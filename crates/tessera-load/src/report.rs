@@ -1,6 +1,7 @@
 //! What `bench` and `nbd-perf` share: CPU accounting and the result lines they print.
 
 use std::time::Duration;
+use tessera_io::cast::u32_of;
 
 use tessera_io::hist::Histogram;
 
@@ -9,8 +10,9 @@ use tessera_io::hist::Histogram;
 pub fn cpu_time(who: libc::c_int) -> (Duration, Duration) {
     // SAFETY: getrusage fills a plain struct.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable rusage for the call.
     unsafe { libc::getrusage(who, &mut ru) };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, u32_of(t.tv_usec) * 1000);
     (tv(ru.ru_utime), tv(ru.ru_stime))
 }
 

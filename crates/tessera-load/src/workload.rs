@@ -2,6 +2,7 @@
 //! random number generator and the data written.
 
 use clap::ValueEnum;
+use tessera_io::cast::u8_of;
 
 /// The access pattern of the network load generators (`nbd-perf`, `nvmf perf`).
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
@@ -52,6 +53,6 @@ pub fn payload(len: usize) -> Vec<u8> {
 /// Fill `b` with the data of [`payload`].
 pub fn fill_payload(b: &mut [u8]) {
     for (i, x) in b.iter_mut().enumerate() {
-        *x = (i * 131 % 251) as u8;
+        *x = u8_of(i * 131 % 251);
     }
 }

@@ -162,18 +162,6 @@ fn read_vec(s: &mut dyn ReadWrite, len: usize) -> io::Result<Vec<u8>> {
     Ok(v)
 }
 
-fn be32(b: &[u8]) -> u32 {
-    let mut a = [0u8; 4];
-    a.copy_from_slice(b);
-    u32::from_be_bytes(a)
-}
-
-fn be64(b: &[u8]) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(b);
-    u64::from_be_bytes(a)
-}
-
 /// One option reply from the server.
 struct OptReply {
     ty: u32,
@@ -194,18 +182,18 @@ fn send_option(s: &mut dyn ReadWrite, opt: u32, data: &[u8]) -> io::Result<()> {
 
 fn recv_option_reply(s: &mut dyn ReadWrite, opt: u32) -> io::Result<OptReply> {
     let h: [u8; 20] = read_array(s)?;
-    let magic = be64(&h[0..8]);
+    let magic = proto::be_u64(&h[0..8]);
     if magic != proto::OPTION_REPLY_MAGIC {
         return Err(invalid(format!("bad option reply magic {magic:#018x}")));
     }
-    let echoed = be32(&h[8..12]);
+    let echoed = proto::be_u32(&h[8..12]);
     if echoed != opt {
         return Err(invalid(format!(
             "option reply for option {echoed}, expected {opt}"
         )));
     }
-    let ty = be32(&h[12..16]);
-    let len = be32(&h[16..20]);
+    let ty = proto::be_u32(&h[12..16]);
+    let len = proto::be_u32(&h[16..20]);
     if len > MAX_OPTION_REPLY {
         return Err(invalid(format!("option reply of {len} bytes is too large")));
     }
@@ -250,10 +238,10 @@ fn option_error(what: &str, r: &OptReply) -> io::Error {
 /// offered `NBD_FLAG_NO_ZEROES` (which we then always accept).
 fn greet(s: &mut dyn ReadWrite) -> io::Result<bool> {
     let g: [u8; 18] = read_array(s)?;
-    if be64(&g[0..8]) != proto::NBDMAGIC {
+    if proto::be_u64(&g[0..8]) != proto::NBDMAGIC {
         return Err(invalid("not an NBD server (bad NBDMAGIC)"));
     }
-    if be64(&g[8..16]) != proto::IHAVEOPT {
+    if proto::be_u64(&g[8..16]) != proto::IHAVEOPT {
         return Err(io::Error::new(
             io::ErrorKind::Unsupported,
             "server uses oldstyle negotiation, which is not supported",
@@ -329,7 +317,7 @@ fn handshake(s: &mut dyn ReadWrite, export: &str, opts: ClientOptions) -> io::Re
                             String::from_utf8_lossy(&r.data[4..])
                         )));
                     }
-                    meta_context = Some(be32(&r.data[0..4]));
+                    meta_context = Some(proto::be_u32(&r.data[0..4]));
                 }
                 proto::REP_ACK => break,
                 // Per spec a failed SET selects nothing; block status is then unavailable.
@@ -370,7 +358,7 @@ fn handshake(s: &mut dyn ReadWrite, export: &str, opts: ClientOptions) -> io::Re
                             )));
                         }
                         export_info = Some((
-                            be64(&r.data[2..10]),
+                            proto::be_u64(&r.data[2..10]),
                             u16::from_be_bytes([r.data[10], r.data[11]]),
                         ));
                     }
@@ -382,9 +370,9 @@ fn handshake(s: &mut dyn ReadWrite, export: &str, opts: ClientOptions) -> io::Re
                             )));
                         }
                         block_size = Some((
-                            be32(&r.data[2..6]),
-                            be32(&r.data[6..10]),
-                            be32(&r.data[10..14]),
+                            proto::be_u32(&r.data[2..6]),
+                            proto::be_u32(&r.data[6..10]),
+                            proto::be_u32(&r.data[10..14]),
                         ));
                     }
                     _ => {} // Clients MUST ignore information types they do not understand.
@@ -417,7 +405,7 @@ fn handshake(s: &mut dyn ReadWrite, export: &str, opts: ClientOptions) -> io::Re
         let _: [u8; 124] = read_array(s)?;
     }
     Ok(Handshaked {
-        size: be64(&b[0..8]),
+        size: proto::be_u64(&b[0..8]),
         flags: u16::from_be_bytes([b[8], b[9]]),
         block_size: None,
         structured,
@@ -480,7 +468,7 @@ impl NbdClient {
                     if r.data.len() < 4 {
                         return Err(invalid("NBD_REP_SERVER shorter than its name length"));
                     }
-                    let n = be32(&r.data[0..4]) as usize;
+                    let n = proto::be_u32(&r.data[0..4]) as usize;
                     let name = r.data[4..]
                         .get(..n)
                         .ok_or_else(|| invalid("NBD_REP_SERVER name length exceeds the reply"))?;
@@ -691,12 +679,16 @@ impl NbdClient {
 
     fn recv_from_wire(&mut self, len_for: Option<&dyn Fn(u64) -> u32>) -> io::Result<Reply> {
         loop {
-            let magic = u32::from_be_bytes(read_array(&mut *self.stream)?);
-            match magic {
-                proto::SIMPLE_REPLY_MAGIC => {
-                    let b: [u8; 12] = read_array(&mut *self.stream)?;
-                    let error = be32(&b[0..4]);
-                    let cookie = be64(&b[4..12]);
+            let mut b = [0u8; proto::STRUCTURED_REPLY_LEN];
+            self.stream.read_exact(&mut b[..4])?;
+            let len =
+                proto::reply_header_len(proto::be_u32(&b)).map_err(|e| invalid(e.to_string()))?;
+            self.stream.read_exact(&mut b[4..len])?;
+            let header = proto::parse_reply(&b[..len])
+                .map_err(|e| invalid(e.to_string()))?
+                .expect("a whole header was read");
+            match header {
+                proto::ReplyHeader::Simple { error, cookie } => {
                     if self.partial.contains_key(&cookie) {
                         return Err(invalid(format!("simple reply for cookie {cookie:#x} in the middle of a structured reply")));
                     }
@@ -725,20 +717,19 @@ impl NbdClient {
                         ..Reply::default()
                     });
                 }
-                proto::STRUCTURED_REPLY_MAGIC => {
+                proto::ReplyHeader::Chunk {
+                    flags,
+                    ty,
+                    cookie,
+                    length,
+                } => {
                     if !self.structured {
                         return Err(invalid("structured reply chunk although structured replies were not negotiated"));
                     }
-                    let b: [u8; 16] = read_array(&mut *self.stream)?;
-                    let flags = u16::from_be_bytes([b[0], b[1]]);
-                    let ty = u16::from_be_bytes([b[2], b[3]]);
-                    let cookie = be64(&b[4..12]);
-                    let length = be32(&b[12..16]);
                     if let Some(r) = self.chunk(flags, ty, cookie, length, len_for)? {
                         return Ok(r);
                     }
                 }
-                m => return Err(invalid(format!("bad reply magic {m:#010x}"))),
             }
         }
     }
@@ -881,7 +872,7 @@ impl Partial {
             return Err(invalid("block status chunk in reply to another command"));
         }
         let b = read_vec(s, length as usize)?;
-        let id = be32(&b[0..4]);
+        let id = proto::be_u32(&b[0..4]);
         if meta_context.is_some_and(|m| m != id) {
             return Err(invalid(format!(
                 "block status for context id {id}, which was not selected"
@@ -894,7 +885,7 @@ impl Partial {
             ));
         }
         for d in b[4..].chunks_exact(8) {
-            let (len, st) = (be32(&d[0..4]), be32(&d[4..8]));
+            let (len, st) = (proto::be_u32(&d[0..4]), proto::be_u32(&d[4..8]));
             if len == 0 {
                 return Err(invalid("block status descriptor of length 0"));
             }
@@ -921,7 +912,7 @@ impl Partial {
             )));
         }
         let b = read_vec(s, length as usize)?;
-        let code = be32(&b[0..4]);
+        let code = proto::be_u32(&b[0..4]);
         let mlen = usize::from(u16::from_be_bytes([b[4], b[5]]));
         if mlen > b.len() - fixed as usize {
             return Err(invalid("error chunk message longer than the chunk"));

@@ -149,16 +149,104 @@ impl std::fmt::Display for BadRequestMagic {
 
 impl std::error::Error for BadRequestMagic {}
 
-fn be_u16(b: &[u8]) -> u16 {
+/// The big-endian `u16` at the front of `b` (which must hold 2 bytes). The one byte
+/// reader of the NBD wire, for the server, the client and the load generator.
+#[inline]
+pub fn be_u16(b: &[u8]) -> u16 {
     u16::from_be_bytes([b[0], b[1]])
 }
-fn be_u32(b: &[u8]) -> u32 {
+
+/// The big-endian `u32` at the front of `b` (which must hold 4 bytes).
+#[inline]
+pub fn be_u32(b: &[u8]) -> u32 {
     u32::from_be_bytes([b[0], b[1], b[2], b[3]])
 }
-fn be_u64(b: &[u8]) -> u64 {
+
+/// The big-endian `u64` at the front of `b` (which must hold 8 bytes).
+#[inline]
+pub fn be_u64(b: &[u8]) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[..8]);
     u64::from_be_bytes(a)
+}
+
+/// One reply header from the server: a simple reply, or the header of one structured
+/// reply chunk (its payload, `length` bytes, follows it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyHeader {
+    Simple {
+        error: u32,
+        cookie: u64,
+    },
+    Chunk {
+        flags: u16,
+        ty: u16,
+        cookie: u64,
+        length: u32,
+    },
+}
+
+impl ReplyHeader {
+    /// Bytes the header takes on the wire.
+    pub fn wire_len(&self) -> usize {
+        match self {
+            ReplyHeader::Simple { .. } => SIMPLE_REPLY_LEN,
+            ReplyHeader::Chunk { .. } => STRUCTURED_REPLY_LEN,
+        }
+    }
+}
+
+/// A reply did not start with a reply magic: the stream is out of sync and cannot be
+/// resynchronised; the client must close the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BadReplyMagic(pub u32);
+
+impl std::fmt::Display for BadReplyMagic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "bad NBD reply magic {:#010x}: the stream is out of sync",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for BadReplyMagic {}
+
+/// Length of the reply header that starts with `magic`, or the error for a bad magic.
+/// A client reading from a stream reads the magic first, then this many bytes in all.
+pub fn reply_header_len(magic: u32) -> Result<usize, BadReplyMagic> {
+    match magic {
+        SIMPLE_REPLY_MAGIC => Ok(SIMPLE_REPLY_LEN),
+        STRUCTURED_REPLY_MAGIC => Ok(STRUCTURED_REPLY_LEN),
+        m => Err(BadReplyMagic(m)),
+    }
+}
+
+/// Parse one reply header from the front of `buf`. `Ok(None)` means more bytes are
+/// needed; an error means the connection must be closed.
+#[inline]
+pub fn parse_reply(buf: &[u8]) -> Result<Option<ReplyHeader>, BadReplyMagic> {
+    if buf.len() < 4 {
+        return Ok(None);
+    }
+    let len = reply_header_len(be_u32(buf))?;
+    if buf.len() < len {
+        return Ok(None);
+    }
+    Ok(Some(if len == SIMPLE_REPLY_LEN {
+        ReplyHeader::Simple {
+            error: be_u32(&buf[4..]),
+            cookie: be_u64(&buf[8..]),
+        }
+    } else {
+        ReplyHeader::Chunk {
+            flags: be_u16(&buf[4..]),
+            ty: be_u16(&buf[6..]),
+            cookie: be_u64(&buf[8..]),
+            length: be_u32(&buf[16..]),
+        }
+    }))
 }
 
 /// Parse one request header from the front of `buf`. `Ok(None)` means more bytes are
@@ -242,6 +330,31 @@ pub fn transmission_flags(read_only: bool) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reply_headers_parse_what_the_encoders_write() {
+        let mut b = [0u8; STRUCTURED_REPLY_LEN];
+        encode_simple_reply(&mut b, EIO, 0x1234);
+        let simple = ReplyHeader::Simple {
+            error: EIO,
+            cookie: 0x1234,
+        };
+        assert_eq!(parse_reply(&b[..SIMPLE_REPLY_LEN]), Ok(Some(simple)));
+        assert_eq!(parse_reply(&b[..SIMPLE_REPLY_LEN - 1]), Ok(None));
+        encode_structured_reply(&mut b, REPLY_FLAG_DONE, 1, 7, 4096);
+        let chunk = ReplyHeader::Chunk {
+            flags: REPLY_FLAG_DONE,
+            ty: 1,
+            cookie: 7,
+            length: 4096,
+        };
+        assert_eq!(parse_reply(&b), Ok(Some(chunk)));
+        assert_eq!(chunk.wire_len(), STRUCTURED_REPLY_LEN);
+        assert_eq!(parse_reply(&b[..19]), Ok(None));
+        assert_eq!(parse_reply(&[0, 0, 0]), Ok(None));
+        b[0] = 0xff;
+        assert!(matches!(parse_reply(&b), Err(BadReplyMagic(_))));
+    }
 
     #[test]
     fn request_round_trip() {

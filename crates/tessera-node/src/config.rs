@@ -3,6 +3,7 @@
 //! when they do not exist yet (a declarative first setup), and left alone when they do.
 
 use std::path::{Path, PathBuf};
+use tessera_io::cast::DurationU64;
 
 use crate::error::StartError;
 use serde::{Deserialize, Serialize};
@@ -309,7 +310,7 @@ impl Default for NodeConfig {
             busy_poll: false,
             poll_us: 50,
             pin_cores: true,
-            device_timeout_ms: tessera_pool::layout::DEFAULT_DEVICE_TIMEOUT.as_millis() as u64,
+            device_timeout_ms: tessera_pool::layout::DEFAULT_DEVICE_TIMEOUT.millis_u64(),
             parity_journal_flush: true,
             api: ApiConfig::default(),
             nbd: NbdConfig::default(),

@@ -3,12 +3,11 @@
 //! ([`StartError`]).
 
 use std::path::PathBuf;
-
-use tessera_pool::ErrorKind;
+use std::sync::Arc;
 
 /// Why a management operation was refused or failed. The message is meant for the
-/// operator as it is.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// operator as it is; an I/O failure keeps the error that caused it as its `source`.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
     /// A named object (pool, volume, export, group, subsystem, job...) does not exist.
     #[error("{0}")]
@@ -28,9 +27,14 @@ pub enum Error {
     /// Metadata that does not decode.
     #[error("{0}")]
     Corrupt(String),
-    /// A device or a file of the data directory failed.
-    #[error("{0}")]
-    Io(String),
+    /// A device, a file of the data directory, a peer or etcd failed: what was being
+    /// done, and the error (shared, so that an error can be cloned to several waiters).
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: Arc<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -48,9 +52,12 @@ impl Error {
     pub fn invalid(message: impl Into<String>) -> Error {
         Error::Invalid(message.into())
     }
-    /// `context: e`, for an I/O error.
-    pub fn io(context: &str, e: impl std::fmt::Display) -> Error {
-        Error::Io(format!("{context}: {e}"))
+    /// `context: e`, for an I/O error; `e` stays the source.
+    pub fn io(context: &str, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
+        Error::Io {
+            context: context.to_string(),
+            source: Arc::from(e.into()),
+        }
     }
 
     /// `"{what} '{name}' not found"`.
@@ -59,34 +66,22 @@ impl Error {
     }
 }
 
+/// The pool's error, variant for variant; an I/O error keeps its `io::Error` source.
 impl From<tessera_pool::Error> for Error {
     fn from(e: tessera_pool::Error) -> Error {
-        let m = e.message;
-        match e.kind {
-            ErrorKind::NotFound => Error::NotFound(m),
-            ErrorKind::AlreadyExists => Error::AlreadyExists(m),
-            ErrorKind::Busy => Error::Busy(m),
-            ErrorKind::InvalidInput => Error::Invalid(m),
-            ErrorKind::NoSpace => Error::NoSpace(m),
-            ErrorKind::Corrupt => Error::Corrupt(m),
-            ErrorKind::Io => Error::Io(m),
+        use tessera_pool::Error as P;
+        match e {
+            P::NotFound(m) => Error::NotFound(m),
+            P::AlreadyExists(m) => Error::AlreadyExists(m),
+            P::Busy(m) => Error::Busy(m),
+            P::InvalidInput(m) => Error::Invalid(m),
+            P::NoSpace(m) => Error::NoSpace(m),
+            P::Corrupt(m) => Error::Corrupt(m),
+            P::Io { context, source } => Error::Io {
+                context,
+                source: Arc::new(source),
+            },
         }
-    }
-}
-
-/// For the parts of the node that still answer with the pool's error type.
-impl From<Error> for tessera_pool::Error {
-    fn from(e: Error) -> tessera_pool::Error {
-        let kind = match &e {
-            Error::NotFound(_) => ErrorKind::NotFound,
-            Error::AlreadyExists(_) => ErrorKind::AlreadyExists,
-            Error::Busy(_) => ErrorKind::Busy,
-            Error::Invalid(_) => ErrorKind::InvalidInput,
-            Error::NoSpace(_) => ErrorKind::NoSpace,
-            Error::Corrupt(_) => ErrorKind::Corrupt,
-            Error::Io(_) => ErrorKind::Io,
-        };
-        tessera_pool::Error::new(kind, e.to_string())
     }
 }
 
@@ -138,6 +133,27 @@ impl From<SaveError> for String {
 
 impl From<SaveError> for Error {
     fn from(e: SaveError) -> Error {
-        Error::Io(e.to_string())
+        Error::Io {
+            context: format!("saving {}", e.path.display()),
+            source: Arc::new(e.source),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_io_error_keeps_its_errno_through_the_node() {
+        let p = tessera_pool::Error::io(
+            "writing a checkpoint",
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+        );
+        let e = Error::from(p);
+        let src = std::error::Error::source(&e).expect("a source");
+        let io = src.downcast_ref::<std::io::Error>().expect("an io::Error");
+        assert_eq!(io.raw_os_error(), Some(libc::ENOSPC));
+        assert!(e.to_string().starts_with("writing a checkpoint: "), "{e}");
     }
 }

@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tessera_api::GroupInfo;
-use tessera_pool::{Error, ErrorKind, Volume};
+use tessera_pool::Volume;
+
+use crate::error::Error;
 use tessera_qos::{QosLimits, StepBurst, StepState, VolumeQos};
 use tracing::{info, warn};
 
@@ -69,7 +71,7 @@ struct VolumeTable {
 }
 
 fn invalid(msg: String) -> Error {
-    Error::new(ErrorKind::InvalidInput, msg)
+    Error::invalid(msg)
 }
 
 impl Groups {
@@ -119,8 +121,7 @@ impl Groups {
 
     fn save_volumes(&self, t: &VolumeTable) -> Result<(), Error> {
         let text = serde_json::to_string_pretty(&t.stored).expect("volume limits serialise");
-        crate::registry::write_atomic(&self.volumes_path, text.as_bytes())
-            .map_err(|e| Error::new(ErrorKind::Io, e))
+        crate::registry::write_atomic(&self.volumes_path, text.as_bytes()).map_err(Error::from)
     }
 
     /// The QoS state every connection to `volume` is admitted by (one per volume, made on
@@ -191,8 +192,7 @@ impl Groups {
         let stored: BTreeMap<&String, &GroupConfig> =
             groups.iter().map(|(n, g)| (n, &g.cfg)).collect();
         let text = serde_json::to_string_pretty(&stored).expect("groups serialise");
-        crate::registry::write_atomic(&self.path, text.as_bytes())
-            .map_err(|e| Error::new(ErrorKind::Io, e))
+        crate::registry::write_atomic(&self.path, text.as_bytes()).map_err(Error::from)
     }
 
     /// The group a volume belongs to, if any.
@@ -297,7 +297,7 @@ impl Groups {
         let mut groups = self.lock();
         let g = groups
             .remove(name)
-            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("group '{name}' not found")))?;
+            .ok_or_else(|| Error::not_found(format!("group '{name}' not found")))?;
         if let Err(e) = self.save(&groups) {
             groups.insert(name.to_string(), g);
             return Err(e);
@@ -317,10 +317,7 @@ impl Groups {
         let qos = self.volume_qos(volume);
         let mut groups = self.lock();
         if !groups.contains_key(name) {
-            return Err(Error::new(
-                ErrorKind::NotFound,
-                format!("group '{name}' not found"),
-            ));
+            return Err(Error::not_found(format!("group '{name}' not found")));
         }
         let saved: Vec<(String, Vec<String>)> = groups
             .iter()
@@ -355,12 +352,11 @@ impl Groups {
         let mut groups = self.lock();
         let g = groups
             .get_mut(name)
-            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("group '{name}' not found")))?;
+            .ok_or_else(|| Error::not_found(format!("group '{name}' not found")))?;
         let Some(i) = g.cfg.members.iter().position(|m| m == volume) else {
-            return Err(Error::new(
-                ErrorKind::NotFound,
-                format!("volume '{volume}' is not a member of group '{name}'"),
-            ));
+            return Err(Error::not_found(format!(
+                "volume '{volume}' is not a member of group '{name}'"
+            )));
         };
         g.cfg.members.remove(i);
         if let Err(e) = self.save(&groups) {
@@ -405,7 +401,7 @@ impl Groups {
         groups
             .get(name)
             .map(|g| group_json(name, g))
-            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("group '{name}' not found")))
+            .ok_or_else(|| Error::not_found(format!("group '{name}' not found")))
     }
 
     pub fn list(&self) -> Vec<GroupInfo> {

@@ -6,6 +6,7 @@
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tessera_io::cast::u64_of_f64;
 
 use tessera_io::hist::Histogram;
 use tessera_pool::Pool;
@@ -147,7 +148,7 @@ impl Pacer {
             self.bucket.set_rate(rate, (rate / 10).max(self.chunk), now);
             self.cpu.tick(
                 bytes_done(),
-                (limit as f64 * FEEDBACK_TICK.as_secs_f64()) as u64,
+                u64_of_f64(limit as f64 * FEEDBACK_TICK.as_secs_f64()),
             );
             tick = Some(Tick {
                 rate,

@@ -13,6 +13,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
+use tessera_io::cast::{u16_of, u32_of};
 
 use tessera_nbd::conn::{ConnOptions, NbdConn};
 use tessera_nbd::handshake::{negotiate_io, HandshakeOutcome};
@@ -166,7 +167,7 @@ fn bind_api_socket(path: &Path, group: Option<&str>) -> io::Result<UnixListener>
         .map_err(|_| invalid_input(format!("{} holds a NUL byte", path.display())))?;
     // SAFETY: `sockaddr_un` is plain data; zero bytes are a valid (empty) address.
     let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    addr.sun_family = u16_of(libc::AF_UNIX);
     let bytes = c_path.as_bytes_with_nul();
     if bytes.len() > addr.sun_path.len() {
         return Err(invalid_input(format!(
@@ -190,7 +191,7 @@ fn bind_api_socket(path: &Path, group: Option<&str>) -> io::Result<UnixListener>
         libc::bind(
             fd.as_raw_fd(),
             (&addr as *const libc::sockaddr_un).cast(),
-            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+            u32_of(std::mem::size_of::<libc::sockaddr_un>()),
         )
     };
     if rc != 0 {

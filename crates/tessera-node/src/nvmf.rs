@@ -12,11 +12,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::error::Error;
 use crate::target::NodeTarget;
 use serde::{Deserialize, Serialize};
 use tessera_nvmf::auth::{DhGroup, Hash, HostKeys, Secret};
 use tessera_nvmf::target::Target;
-use tessera_pool::{Error, ErrorKind};
 
 pub use crate::config::{default_nqn, NvmfConfig, SubsystemDecl};
 
@@ -177,10 +177,6 @@ pub fn cluster_ids(volume: &str) -> ([u8; 16], [u8; 16], [u8; 8]) {
     volume_ids(&seed, 1)
 }
 
-pub(crate) fn io_err(e: impl std::fmt::Display) -> Error {
-    Error::new(ErrorKind::Io, e.to_string())
-}
-
 impl NvmfState {
     pub fn load(data_dir: &Path) -> Result<NvmfState, String> {
         let path = data_dir.join("nvmf.json");
@@ -227,7 +223,7 @@ impl NvmfState {
     fn save(&self, f: &NvmfFile) -> Result<(), Error> {
         let text = serde_json::to_string_pretty(f).expect("nvmf config serialises");
         // Owner only: the file holds the hosts' DH-HMAC-CHAP secrets.
-        crate::registry::write_atomic_mode(&self.path, text.as_bytes(), 0o600).map_err(io_err)
+        crate::registry::write_atomic_mode(&self.path, text.as_bytes(), 0o600).map_err(Error::from)
     }
 
     /// Apply `change` to a copy, persist it, then make it live.

@@ -12,6 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
+use tessera_io::cast::usize_of;
 
 use serde::{Deserialize, Serialize};
 use tessera_api::{JobState, RebuildStatus};
@@ -189,7 +190,7 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
         }
         let mut off = 0u64;
         while off < unit {
-            let len = (unit - off).min(CHUNK as u64) as usize;
+            let len = usize_of((unit - off).min(CHUNK as u64));
             if !job.wait_turn(&mut pacer, pool, len as u64, t0) {
                 outcome = Ok(false);
                 break 'units;

@@ -18,6 +18,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
+use tessera_io::cast::usize_of;
 
 use tessera_api::{JobState, Range, ScrubStatus};
 use tessera_pool::{Pool, ScrubFindings};
@@ -150,7 +151,7 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits, class: &str, repa
         let base = u * unit;
         let mut off = 0u64;
         while off < unit {
-            let len = (unit - off).min(CHUNK as u64) as usize;
+            let len = usize_of((unit - off).min(CHUNK as u64));
             if !job.wait_turn(&mut pacer, pool, len as u64, t0) {
                 stopped = true;
                 break 'units;

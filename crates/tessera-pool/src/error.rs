@@ -1,7 +1,9 @@
-//! Errors of pool and volume management. The message is what the user reads.
+//! Errors of pool and volume management. Each variant is what went wrong (the node maps
+//! it to an HTTP status, the CLI to an exit code); its message is what the user reads;
+//! an I/O error keeps the `std::io::Error` that caused it as its `source`, so a caller
+//! can still ask for its kind and errno instead of parsing text.
 
-use std::fmt;
-
+/// The variant of an [`Error`] without its payload: what callers branch on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
     NotFound,
@@ -13,36 +15,99 @@ pub enum ErrorKind {
     Io,
 }
 
-#[derive(Debug, Clone)]
-pub struct Error {
-    pub kind: ErrorKind,
-    pub message: String,
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A pool, volume, snapshot or export of that name or id does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// The name is taken already.
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// A bad name, size, layout or argument.
+    #[error("{0}")]
+    InvalidInput(String),
+    /// No free unit, or the overcommit ratio would be exceeded.
+    #[error("{0}")]
+    NoSpace(String),
+    /// In use: clones read through it, a rebuild or a copy holds it.
+    #[error("{0}")]
+    Busy(String),
+    /// Metadata that does not decode or does not add up.
+    #[error("{0}")]
+    Corrupt(String),
+    /// A device or metadata I/O failed: what was being done, and the error.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl Error {
+    /// An error of `kind` with `message`. An `Io` error made this way has no cause of its
+    /// own: its source is an `io::Error` of kind `Other` carrying the message.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
-        Error {
-            kind,
-            message: message.into(),
+        let m = message.into();
+        match kind {
+            ErrorKind::NotFound => Error::NotFound(m),
+            ErrorKind::AlreadyExists => Error::AlreadyExists(m),
+            ErrorKind::InvalidInput => Error::InvalidInput(m),
+            ErrorKind::NoSpace => Error::NoSpace(m),
+            ErrorKind::Busy => Error::Busy(m),
+            ErrorKind::Corrupt => Error::Corrupt(m),
+            ErrorKind::Io => Error::Io {
+                context: m,
+                source: std::io::Error::other("failed"),
+            },
         }
     }
     pub fn invalid(message: impl Into<String>) -> Error {
-        Error::new(ErrorKind::InvalidInput, message)
+        Error::InvalidInput(message.into())
     }
     pub fn corrupt(message: impl Into<String>) -> Error {
-        Error::new(ErrorKind::Corrupt, message)
+        Error::Corrupt(message.into())
     }
+    /// `context: e`, keeping `e` as the source.
     pub fn io(context: &str, e: std::io::Error) -> Error {
-        Error::new(ErrorKind::Io, format!("{context}: {e}"))
+        Error::Io {
+            context: context.to_string(),
+            source: e,
+        }
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::NotFound(_) => ErrorKind::NotFound,
+            Error::AlreadyExists(_) => ErrorKind::AlreadyExists,
+            Error::InvalidInput(_) => ErrorKind::InvalidInput,
+            Error::NoSpace(_) => ErrorKind::NoSpace,
+            Error::Busy(_) => ErrorKind::Busy,
+            Error::Corrupt(_) => ErrorKind::Corrupt,
+            Error::Io { .. } => ErrorKind::Io,
+        }
     }
 }
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl std::error::Error for Error {}
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_io_error_keeps_its_cause() {
+        let e = Error::io(
+            "reading the label of /dev/x",
+            std::io::Error::from_raw_os_error(libc::EIO),
+        );
+        assert_eq!(e.kind(), ErrorKind::Io);
+        let src = std::error::Error::source(&e).expect("a source");
+        let io = src.downcast_ref::<std::io::Error>().expect("an io::Error");
+        assert_eq!(io.raw_os_error(), Some(libc::EIO));
+        assert!(
+            e.to_string().starts_with("reading the label of /dev/x: "),
+            "{e}"
+        );
+    }
+}

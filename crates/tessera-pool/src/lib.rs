@@ -2,8 +2,9 @@
 //!
 //! - [`layout`]: how the pool's address space maps onto devices (concat, raid0, raid1,
 //!   raid10, raid5, raid6, ec k+m).
-//! - [`parity`]: parity geometry, row locks, the stripe journal and its recovery (the
-//!   per-core parity datapath is `parity_io`); [`scrub`]: verify and repair.
+//!   Parity layouts live under it: [`parity`] (`layout::parity`: geometry, row locks, the
+//!   stripe journal and its recovery) and `layout::parity_io` (the per-core parity
+//!   datapath). [`scrub`]: verify and repair.
 //! - [`format`]: byte-exact codecs of `docs/format.md`.
 //! - [`meta`]: superblock, checkpoints and journal on the pool's metadata region.
 //! - [`pool`]: allocation, commits, volume and export management.
@@ -20,8 +21,7 @@ pub mod format;
 mod inflight;
 pub mod layout;
 pub mod meta;
-pub mod parity;
-mod parity_io;
+pub use layout::parity;
 pub mod pool;
 mod presence;
 pub mod scrub;

@@ -20,78 +20,15 @@
 
 mod common;
 
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use tessera_api::PoolState;
 
 use common::*;
-use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
+use tessera_device::BlockDevice;
 use tessera_io::CoreIo;
-use tessera_pool::{LayoutKind, Pool, PoolOptions, Volume};
+use tessera_pool::{LayoutKind, Volume};
 
 const DEV_SIZE: u64 = 16 << 20;
 const UNIT: u64 = 64 << 10;
-
-struct Rig {
-    ram: Vec<Arc<RamDevice>>,
-    cfgs: Vec<Arc<FaultConfig>>,
-    pool: Arc<Pool>,
-}
-
-fn rig(kind: LayoutKind, ndev: usize) -> Rig {
-    let ram: Vec<Arc<RamDevice>> = (0..ndev)
-        .map(|_| RamDevice::new(DEV_SIZE).unwrap())
-        .collect();
-    let cfgs: Vec<Arc<FaultConfig>> = ram.iter().map(|_| Arc::default()).collect();
-    let devs: Vec<Arc<dyn BlockDevice>> = ram
-        .iter()
-        .zip(&cfgs)
-        .map(|(r, c)| FaultDevice::new(r.clone(), c.clone()) as Arc<dyn BlockDevice>)
-        .collect();
-    let pool = Pool::create(
-        "p",
-        devs,
-        PoolOptions {
-            layout: kind,
-            unit_size: UNIT,
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap();
-    Rig {
-        ram,
-        cfgs,
-        pool: Arc::new(pool),
-    }
-}
-
-/// Device `d` vanishes and a write that reaches every device finds it gone.
-fn fail(r: &Rig, io: &mut CoreIo, v: &Arc<Volume>, model: &mut [u8], d: usize) {
-    r.cfgs[d].vanish();
-    let mut h = v.open_handle();
-    let data = pattern(0xfa11 + d as u64, 256 << 10);
-    assert_eq!(write(io, &mut h, 0, &data), 0);
-    model[..data.len()].copy_from_slice(&data);
-    assert_eq!(flush(io, &mut h), 0);
-    assert!(r.pool.core.layout.is_failed(d), "device {d} did not fail");
-}
-
-/// Rebuild device `d` as the node's rebuild job does (`tessera-node` rebuild.rs): every
-/// unit `rebuild_units` names is copied, every unit `rebuild_free_units` names is
-/// handed to `rebuild_free_unit`.
-fn rebuild(r: &Rig, d: usize) {
-    r.cfgs[d].vanished.store(false, Relaxed);
-    r.pool.start_rebuild(d).unwrap();
-    let mut buf = vec![0u8; 64 << 10];
-    for u in r.pool.rebuild_units() {
-        r.pool.rebuild_unit(d, u, &mut buf).unwrap();
-    }
-    for u in r.pool.rebuild_free_units() {
-        r.pool.rebuild_free_unit(d, u, &mut buf).unwrap();
-    }
-    r.pool.finish_rebuild(d).unwrap();
-    assert_eq!(r.pool.status().state, PoolState::Online);
-}
 
 /// Scrub the metadata and every allocated unit, as the node's scrub job does: the
 /// copies must be equal.
@@ -170,7 +107,7 @@ enum Diverge {
 /// and every volume read as written, zeros around, also from `victim` alone.
 fn check(kind: LayoutKind, ndev: usize, victim: usize, how: Diverge, seed: u64) {
     let what = format!("{kind:?}, {how:?} on device {victim}");
-    let r = rig(kind, ndev);
+    let r = rig(kind, ndev, DEV_SIZE, UNIT);
     let mut io = core();
     let mut rng = Rng(seed | 1);
     // 'a' fills about a quarter of the pool.
@@ -184,7 +121,7 @@ fn check(kind: LayoutKind, ndev: usize, victim: usize, how: Diverge, seed: u64) 
     r.pool.commit().unwrap();
     match how {
         Diverge::GarbageReplacement => {
-            fail(&r, &mut io, &a, &mut model_a, victim);
+            fail_by_write(&r, &mut io, &a, &mut model_a, victim);
             let junk = pattern(seed ^ 0x6a75_6e6b, DEV_SIZE as usize);
             r.ram[victim].write_at(0, &junk).unwrap();
             rebuild(&r, victim);
@@ -216,7 +153,7 @@ fn check(kind: LayoutKind, ndev: usize, victim: usize, how: Diverge, seed: u64) 
 
     // The other copies of the victim's set go: the diverged copy serves every read.
     let partner = victim / 2 * 2 + (1 - victim % 2);
-    fail(&r, &mut io, &a, &mut model_a, partner);
+    fail_by_write(&r, &mut io, &a, &mut model_a, partner);
     let what = format!("{what}, device {partner} failed");
     read_back(&mut io, &a, &model_a, &what);
     read_back(&mut io, &b, &model_b, &what);

@@ -386,19 +386,8 @@ impl Target for PoolTarget {
         self.cfgs[dev] = Arc::default();
         self.wrap_devices();
         self.open()?;
-        let pool = self.pool();
-        pool.start_rebuild(dev).map_err(err("start rebuild"))?;
-        let mut buf = vec![0u8; 256 << 10];
-        for u in pool.rebuild_units() {
-            pool.rebuild_unit(dev, u, &mut buf)
-                .map_err(err("rebuild unit"))?;
-        }
-        // As the node's rebuild job does: the free units' rows too (parity layouts).
-        for u in pool.rebuild_free_units() {
-            pool.rebuild_free_unit(dev, u, &mut buf)
-                .map_err(err("rebuild free unit"))?;
-        }
-        pool.finish_rebuild(dev).map_err(err("finish rebuild"))
+        // As the node's rebuild job does: the free units' rows too.
+        rebuild_as_the_node_does(self.pool(), dev).map_err(err("rebuild"))
     }
     fn scrub(&mut self) -> Result<(), String> {
         self.scrub_pass(false).and_then(|f| {

@@ -14,78 +14,15 @@
 
 mod common;
 
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use tessera_api::PoolState;
 
 use common::*;
-use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
+use tessera_device::BlockDevice;
 use tessera_io::CoreIo;
-use tessera_pool::{LayoutKind, Pool, PoolOptions, Volume};
+use tessera_pool::{LayoutKind, Volume};
 
 const DEV_SIZE: u64 = 32 << 20;
 const UNIT: u64 = 64 << 10;
-
-struct Rig {
-    ram: Vec<Arc<RamDevice>>,
-    cfgs: Vec<Arc<FaultConfig>>,
-    pool: Arc<Pool>,
-}
-
-fn rig(kind: LayoutKind, ndev: usize) -> Rig {
-    let ram: Vec<Arc<RamDevice>> = (0..ndev)
-        .map(|_| RamDevice::new(DEV_SIZE).unwrap())
-        .collect();
-    let cfgs: Vec<Arc<FaultConfig>> = ram.iter().map(|_| Arc::default()).collect();
-    let devs: Vec<Arc<dyn BlockDevice>> = ram
-        .iter()
-        .zip(&cfgs)
-        .map(|(r, c)| FaultDevice::new(r.clone(), c.clone()) as Arc<dyn BlockDevice>)
-        .collect();
-    let pool = Pool::create(
-        "p",
-        devs,
-        PoolOptions {
-            layout: kind,
-            unit_size: UNIT,
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap();
-    Rig {
-        ram,
-        cfgs,
-        pool: Arc::new(pool),
-    }
-}
-
-/// Device `d` vanishes and a write finds it gone (the pool marks it failed).
-fn fail(r: &Rig, io: &mut CoreIo, v: &Arc<Volume>, model: &mut [u8], d: usize) {
-    r.cfgs[d].vanish();
-    let mut h = v.open_handle();
-    // A whole row of every device: this write reaches `d` whatever the rotation.
-    let data = pattern(0xfa11 + d as u64, 256 << 10);
-    assert_eq!(write(io, &mut h, 0, &data), 0);
-    model[..data.len()].copy_from_slice(&data);
-    assert_eq!(flush(io, &mut h), 0);
-    assert!(r.pool.core.layout.is_failed(d), "device {d} did not fail");
-}
-
-/// Rebuild device `d` as the node's rebuild job does: every unit `rebuild_units` names
-/// is reconstructed, every other one zero-filled.
-fn rebuild(r: &Rig, d: usize) {
-    r.cfgs[d].vanished.store(false, Relaxed);
-    r.pool.start_rebuild(d).unwrap();
-    let mut buf = vec![0u8; 64 << 10];
-    for u in r.pool.rebuild_units() {
-        r.pool.rebuild_unit(d, u, &mut buf).unwrap();
-    }
-    for u in r.pool.rebuild_free_units() {
-        r.pool.rebuild_free_unit(d, u, &mut buf).unwrap();
-    }
-    r.pool.finish_rebuild(d).unwrap();
-    assert_eq!(r.pool.status().state, PoolState::Online);
-}
 
 /// Parity of every row is consistent with its data.
 fn assert_scrub_clean(r: &Rig, what: &str) {
@@ -173,7 +110,7 @@ fn check_after_rebuild(
     let (b, model_b) = take_every_free_unit(r, &mut io, &mut rng, what);
     assert_scrub_clean(r, what);
     for d in second_failures(kind, victim) {
-        fail(r, &mut io, a, model_a, d);
+        fail_by_write(r, &mut io, a, model_a, d);
     }
     let mut ha = a.open_handle();
     verify_all(&mut io, &mut ha, model_a, &format!("{what}: 'a' degraded"));
@@ -186,7 +123,7 @@ fn check_after_rebuild(
 /// modify-write leaves parity that reconstructs garbage once another device fails.
 fn garbage_replacement(kind: LayoutKind, victim: usize, seed: u64) {
     let what = format!("{kind:?}, garbage replacement for device {victim}");
-    let r = rig(kind, ndev(kind));
+    let r = rig(kind, ndev(kind), DEV_SIZE, UNIT);
     let mut io = core();
     // 'a' fills about a third of the pool.
     let size = r.pool.status().free / UNIT / 3 * UNIT;
@@ -196,7 +133,7 @@ fn garbage_replacement(kind: LayoutKind, victim: usize, seed: u64) {
     assert_eq!(write(&mut io, &mut h, 0, &model_a), 0);
     drop(h);
     r.pool.commit().unwrap();
-    fail(&r, &mut io, &a, &mut model_a, victim);
+    fail_by_write(&r, &mut io, &a, &mut model_a, victim);
     // The replacement in the slot holds somebody else's data everywhere.
     let junk = pattern(seed ^ 0x6a75_6e6b, DEV_SIZE as usize);
     r.ram[victim].write_at(0, &junk).unwrap();
@@ -209,7 +146,7 @@ fn garbage_replacement(kind: LayoutKind, victim: usize, seed: u64) {
 /// still holds its data in them.
 fn device_back_after_free(kind: LayoutKind, victim: usize, seed: u64) {
     let what = format!("{kind:?}, device {victim} back after a delete");
-    let r = rig(kind, ndev(kind));
+    let r = rig(kind, ndev(kind), DEV_SIZE, UNIT);
     let mut io = core();
     let units = r.pool.status().free / UNIT;
     let size = units / 3 * UNIT;
@@ -226,7 +163,7 @@ fn device_back_after_free(kind: LayoutKind, victim: usize, seed: u64) {
     assert_eq!(write(&mut io, &mut hg, 0, &secret), 0);
     drop(hg);
     r.pool.commit().unwrap();
-    fail(&r, &mut io, &a, &mut model_a, victim);
+    fail_by_write(&r, &mut io, &a, &mut model_a, victim);
     r.pool.delete_volume(&gone).unwrap();
     drop(gone);
     // The deleted units are zeroed (on the readable devices) and free once committed.

@@ -57,15 +57,8 @@ fn write_batch(io: &mut tessera_io::CoreIo, h: &mut dyn IoHandle, model: &mut [u
 }
 
 fn rebuild_scenario(kind: LayoutKind, ndev: usize, victim: usize, other: usize, seed: u64) {
-    let ram: Vec<Arc<RamDevice>> = (0..ndev)
-        .map(|_| RamDevice::new(DEV_SIZE).unwrap())
-        .collect();
-    let cfgs: Vec<Arc<FaultConfig>> = ram.iter().map(|_| Arc::default()).collect();
-    let devs: Vec<Arc<dyn BlockDevice>> = ram
-        .iter()
-        .zip(&cfgs)
-        .map(|(r, c)| FaultDevice::new(r.clone(), c.clone()) as Arc<dyn BlockDevice>)
-        .collect();
+    let ram = ram_devices(ndev, DEV_SIZE);
+    let (devs, cfgs) = wrap(&ram);
     let pool = Arc::new(
         Pool::create(
             "r",

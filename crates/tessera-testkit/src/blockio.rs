@@ -1,6 +1,7 @@
 //! Block operations run one at a time on a private core context, as the pool and device
 //! tests drive their handles.
 
+use tessera_io::cast::u32_of;
 use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
 /// A core context of its own for a test thread.
@@ -27,7 +28,7 @@ pub fn write(io: &mut CoreIo, h: &mut dyn IoHandle, offset: u64, data: &[u8]) ->
         h,
         IoOp::Write {
             offset,
-            len: data.len() as u32,
+            len: u32_of(data.len()),
             buf: data.as_ptr(),
         },
     )
@@ -45,7 +46,7 @@ pub fn read(
         h,
         IoOp::Read {
             offset,
-            len: len as u32,
+            len: u32_of(len),
             buf: v.as_mut_ptr(),
         },
     );
@@ -81,10 +82,10 @@ pub fn verify_all(io: &mut CoreIo, h: &mut dyn IoHandle, model: &[u8], what: &st
                     io,
                     IoOp::Read {
                         offset: off as u64,
-                        len: len as u32,
+                        len: u32_of(len),
                         buf: b.as_mut_ptr(),
                     },
-                    Tag::task(0, i as u32),
+                    Tag::task(0, u32_of(i)),
                 )
             };
             n += 1;

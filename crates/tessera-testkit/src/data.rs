@@ -20,7 +20,7 @@ impl Rng {
 /// `len` bytes of the xorshift stream that starts from `x` (made odd).
 fn stream(x: u64, len: usize) -> Vec<u8> {
     let mut r = Rng(x | 1);
-    (0..len).map(|_| r.next() as u8).collect()
+    (0..len).map(|_| r.next().to_le_bytes()[0]).collect()
 }
 
 /// `len` bytes that depend on `seed` only: different seeds, different data.

@@ -25,6 +25,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use tessera_io::cast::usize_of;
 
 use crate::data::Rng;
 
@@ -491,7 +492,7 @@ impl Model {
     fn apply_write(&mut self, vol: &str, sector: u64, vals: &[Val], acked: bool, fua: bool) {
         let v = self.vols.get_mut(vol).expect("checked");
         for (i, &val) in vals.iter().enumerate() {
-            let s = &mut v.sectors[(sector + i as u64) as usize];
+            let s = &mut v.sectors[usize_of(sector + i as u64)];
             if acked {
                 s.now = vec![val];
                 if fua {
@@ -510,7 +511,7 @@ impl Model {
 
     fn apply_trim(&mut self, vol: &str, sector: u64, sectors: u64) {
         let v = self.vols.get_mut(vol).expect("checked");
-        for s in &mut v.sectors[sector as usize..(sector + sectors) as usize] {
+        for s in &mut v.sectors[usize_of(sector)..usize_of(sector + sectors)] {
             add(&mut s.now, Val::Zero);
             add(&mut s.crash, Val::Zero);
         }
@@ -526,7 +527,7 @@ impl Model {
         let mut bad = 0;
         for (i, data) in got.chunks(SECTOR).enumerate() {
             let at = sector + i as u64;
-            let s = &mut vm.sectors[at as usize];
+            let s = &mut vm.sectors[usize_of(at)];
             let allowed = if crash { &s.crash } else { &s.now };
             let seen = decode(data, at);
             let ok = matches!(seen, Seen::Val(v) if allowed.contains(&v));
@@ -615,7 +616,7 @@ impl Generator {
         if v.is_empty() {
             None
         } else {
-            Some(v[self.rng.below(v.len() as u64) as usize])
+            Some(v[usize_of(self.rng.below(v.len() as u64))])
         }
     }
 
@@ -704,7 +705,7 @@ impl Generator {
             let k = self.rng.below(100);
             let op = match k {
                 0..=54 if !names.is_empty() => {
-                    let n = 1 + self.rng.below(6) as usize;
+                    let n = 1 + usize_of(self.rng.below(6));
                     let mut ios = Vec::new();
                     let mut taken = Vec::new();
                     for _ in 0..n {
@@ -770,11 +771,11 @@ impl Generator {
                     let healthy: Vec<usize> =
                         (0..t.devices()).filter(|d| !m.failed.contains(d)).collect();
                     Op::FailDevice {
-                        dev: healthy[self.rng.below(healthy.len() as u64) as usize],
+                        dev: healthy[usize_of(self.rng.below(healthy.len() as u64))],
                     }
                 }
                 80..=83 if self.on(Kind::Replace) && !m.failed.is_empty() => Op::Replace {
-                    dev: m.failed[self.rng.below(m.failed.len() as u64) as usize],
+                    dev: m.failed[usize_of(self.rng.below(m.failed.len() as u64))],
                     garbage: self.rng.next(),
                 },
                 84..=85 if self.on(Kind::Scrub) => Op::Scrub,
@@ -873,7 +874,7 @@ pub fn step(m: &mut Model, t: &mut dyn Target, op: &Op) -> Result<bool, String> 
                                 gen: m.gen(),
                             })
                             .collect();
-                        let mut d = Vec::with_capacity(*sectors as usize * SECTOR);
+                        let mut d = Vec::with_capacity(usize_of(*sectors) * SECTOR);
                         for (i, val) in v.iter().enumerate() {
                             d.extend_from_slice(&stamp(*val, sector + i as u64));
                         }
@@ -882,7 +883,7 @@ pub fn step(m: &mut Model, t: &mut dyn Target, op: &Op) -> Result<bool, String> 
                     }
                     Io::Zero { sectors, .. } => {
                         data.push(Vec::new());
-                        vals.push(vec![Val::Zero; *sectors as usize]);
+                        vals.push(vec![Val::Zero; usize_of(*sectors)]);
                     }
                     _ => {
                         data.push(Vec::new());
@@ -903,9 +904,9 @@ pub fn step(m: &mut Model, t: &mut dyn Target, op: &Op) -> Result<bool, String> 
                     }
                     let (first, n) = io.range();
                     for i in 0..n {
-                        let sec = &mut sm.sectors[(first + i) as usize];
+                        let sec = &mut sm.sectors[usize_of(first + i)];
                         let val = match io {
-                            Io::Write { .. } | Io::Zero { .. } => v[i as usize],
+                            Io::Write { .. } | Io::Zero { .. } => v[usize_of(i)],
                             Io::Trim { .. } => Val::Zero,
                             Io::Read { .. } => continue,
                         };

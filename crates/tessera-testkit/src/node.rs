@@ -16,6 +16,40 @@ static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// A fresh, empty directory for one test, under `$TESSERA_TEST_DIR` if set (else the
 /// system's temporary directory); removed when dropped.
+/// Poll `f` every 100 ms until it holds; fail the test naming `what` after `secs` seconds.
+pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < end {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// Read a starting node's stdout up to its `tessera: ready` line: the banner, that line
+/// included, or `None` when `limit` passes first. A thread goes on draining the rest of
+/// the output, so the node never blocks on a full pipe.
+pub fn await_ready(out: std::process::ChildStdout, limit: Duration) -> Option<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut banner = String::new();
+        let mut tx = Some(tx);
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some(t) = &tx {
+                banner.push_str(&line);
+                banner.push('\n');
+                if line.starts_with("tessera: ready") {
+                    let _ = t.send(std::mem::take(&mut banner));
+                    tx = None;
+                }
+            }
+        }
+    });
+    rx.recv_timeout(limit).ok()
+}
+
 pub fn temp_dir(tag: &str) -> TempDir {
     let base = std::env::var_os("TESSERA_TEST_DIR")
         .map(PathBuf::from)
@@ -167,15 +201,7 @@ impl<B: Binary> TestNode<B> {
             .spawn()
             .expect("start tessera");
         let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if line.starts_with("tessera: ready") {
-                    let _ = tx.send(());
-                }
-            }
-        });
-        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+        if await_ready(out, Duration::from_secs(30)).is_none() {
             let _ = child.kill();
             let _ = child.wait();
             panic!(

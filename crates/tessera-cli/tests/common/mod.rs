@@ -5,8 +5,8 @@
 
 pub use tessera_testkit::data::*;
 pub use tessera_testkit::node::{
-    cli_stdout, free_port, path_str, require_tool, result_fields, run_ok, temp_dir, Binary,
-    PerfResult,
+    await_ready, cli_stdout, free_port, path_str, require_tool, result_fields, run_ok, temp_dir,
+    wait_for, Binary, PerfResult,
 };
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_tessera");
@@ -106,18 +106,6 @@ pub fn changes(n: &TestNode, name: &str, since: &str) -> Vec<(u64, u64)> {
         .iter()
         .map(|e| (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap()))
         .collect()
-}
-
-/// Poll `f` every 100 ms until it holds; fail the test naming `what` after `secs` seconds.
-pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let end = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    while std::time::Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    panic!("timed out waiting for {what}");
 }
 
 /// A member of a cluster on `etcd`: node `name` with failure-domain label `zone`, a

@@ -35,7 +35,7 @@ pub fn status_of(e: &Error) -> u16 {
         Error::AlreadyExists(_) | Error::Busy(_) => 409,
         Error::Invalid(_) => 400,
         Error::NoSpace(_) => 507,
-        Error::Corrupt(_) | Error::Io(_) => 500,
+        Error::Corrupt(_) | Error::Io { .. } => 500,
     }
 }
 

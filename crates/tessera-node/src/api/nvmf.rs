@@ -209,7 +209,7 @@ pub async fn namespace_add(
                 reply(
                     u32::try_from(b.nsid)
                         .map_err(|_| Error::invalid("nsid is too large"))
-                        .and_then(|id| Ok(n.nvmf_add_namespace(&nqn, &b.volume, id)?)),
+                        .and_then(|id| n.nvmf_add_namespace(&nqn, &b.volume, id)),
                     201,
                 )
             })
@@ -274,7 +274,7 @@ fn add_host(node: &Node, nqn: &str, b: &AddHost) -> Result<tessera_api::Subsyste
         }
         None => None,
     };
-    Ok(node.nvmf_add_host(nqn, &b.nqn, auth)?)
+    node.nvmf_add_host(nqn, &b.nqn, auth)
 }
 
 #[utoipa::path(delete, path = "/v1/nvmf/subsystems/{nqn}/hosts/{host}", tag = "nvmf",

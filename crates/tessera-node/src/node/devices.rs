@@ -19,7 +19,7 @@ pub(super) fn open_devices(specs: &[String]) -> Result<Vec<Arc<dyn BlockDevice>>
                     Some(pool) => Error::busy(format!("{e}; it belongs to pool '{pool}'")),
                     None => Error::busy(e.to_string()),
                 },
-                _ => Error::Io(format!("device {s}: {e}")),
+                _ => Error::io(&format!("device {s}"), e),
             })
         })
         .collect()

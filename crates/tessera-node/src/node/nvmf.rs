@@ -4,11 +4,14 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
+use tessera_io::cast::u16_of;
 
 use tessera_api::{ControllerInfo, NamespaceInfo, SubsystemInfo as SubsystemReply};
 use tessera_nvmf::nvme::AnaState;
 use tessera_nvmf::target::{Catalog, NamespaceEntry, Port, SubsystemInfo, Target};
-use tessera_pool::{Error, ErrorKind, Volume};
+use tessera_pool::Volume;
+
+use crate::error::Error;
 
 use crate::node::Node;
 use crate::nvmf::*;
@@ -150,7 +153,7 @@ fn valid_nqn(nqn: &str) -> Result<(), Error> {
 }
 
 fn nf(what: &str, name: &str) -> Error {
-    Error::new(ErrorKind::NotFound, format!("{what} '{name}' not found"))
+    Error::not_found(format!("{what} '{name}' not found"))
 }
 
 impl Node {
@@ -226,10 +229,9 @@ impl Node {
         }
         let rec = self.nvmf.update(|f| {
             if f.subsystems.iter().any(|s| s.nqn == nqn) {
-                return Err(Error::new(
-                    ErrorKind::AlreadyExists,
-                    format!("subsystem '{nqn}' already exists"),
-                ));
+                return Err(Error::already_exists(format!(
+                    "subsystem '{nqn}' already exists"
+                )));
             }
             let serial = format!(
                 "{:016x}",
@@ -256,10 +258,9 @@ impl Node {
             .map(|t| t.connected(nqn))
             .filter(|&n| n > 0)
         {
-            return Err(Error::new(
-                ErrorKind::Busy,
-                format!("subsystem '{nqn}' has {n} connected controller(s)"),
-            ));
+            return Err(Error::busy(format!(
+                "subsystem '{nqn}' has {n} connected controller(s)"
+            )));
         }
         self.nvmf.update(|f| {
             let before = f.subsystems.len();
@@ -292,10 +293,9 @@ impl Node {
                 .iter()
                 .any(|n| n.pool_uuid == pool_uuid && n.volume_id == v.id)
             {
-                return Err(Error::new(
-                    ErrorKind::AlreadyExists,
-                    format!("volume '{volume}' is already a namespace of '{nqn}'"),
-                ));
+                return Err(Error::already_exists(format!(
+                    "volume '{volume}' is already a namespace of '{nqn}'"
+                )));
             }
             let id = if nsid == 0 {
                 (1..)
@@ -436,10 +436,7 @@ pub enum ClusterPath {
 impl Node {
     fn nvmf_target(&self) -> Result<&Arc<Target<NodeTarget>>, Error> {
         self.nvmf.target().ok_or_else(|| {
-            Error::new(
-                ErrorKind::InvalidInput,
-                "NVMe/TCP is not enabled on this node ([nvmf] enabled = true)",
-            )
+            Error::invalid("NVMe/TCP is not enabled on this node ([nvmf] enabled = true)")
         })
     }
 
@@ -463,10 +460,9 @@ impl Node {
             ClusterPath::Owner => {
                 let (p, v) = self.find_volume(volume)?;
                 if let Some(why) = self.replica_blocked(&v) {
-                    return Err(Error::new(
-                        ErrorKind::Busy,
-                        format!("volume '{volume}' cannot be served: {why}"),
-                    ));
+                    return Err(Error::busy(format!(
+                        "volume '{volume}' cannot be served: {why}"
+                    )));
                 }
                 if let Some(o) = old.as_ref().filter(|o| o.size != v.size()) {
                     return Err(Error::invalid(format!(
@@ -617,7 +613,7 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
         target.add_port(Port {
             traddr: host.trim_matches(['[', ']']).to_string(),
             trsvcid: port.to_string(),
-            portid: i as u16 + 1,
+            portid: u16_of(i + 1),
             io,
         });
         let n = node.clone();

@@ -18,6 +18,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tessera_io::cast::DurationU64;
 
 use tessera_api::{ClusterVolume, LostReplica};
 use tessera_cluster::{placement, volume_key, Membership, PREFIX};
@@ -700,7 +701,7 @@ impl Node {
         }
         self.set_cluster_path(volume, true, spec.size);
         self.export_owned(volume);
-        info!(volume = %volume, epoch, took_ms = started.elapsed().as_millis() as u64,
+        info!(volume = %volume, epoch, took_ms = started.elapsed().millis_u64(),
               "volume taken over: serving");
         Ok(true)
     }
@@ -728,7 +729,7 @@ impl Node {
         let deadline = Instant::now() + Duration::from_secs(3);
         loop {
             match self.nvmf_remove_subsystem(nqn) {
-                Err(e) if e.kind == tessera_pool::ErrorKind::Busy && Instant::now() < deadline => {
+                Err(crate::error::Error::Busy(_)) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(50));
                 }
                 Err(e) => {
@@ -869,7 +870,7 @@ impl Node {
                         if !s.lost.iter().any(|l| l.place == p) {
                             s.lost.push(LostReplica {
                                 place: p.clone(),
-                                since_ms: now_ms().saturating_sub(grace.as_millis() as u64),
+                                since_ms: now_ms().saturating_sub(grace.millis_u64()),
                             });
                         }
                     });
@@ -881,7 +882,7 @@ impl Node {
         }
         for lost in &spec.lost {
             let back = live.iter().any(|n| n == node_of(&lost.place));
-            let expired = now_ms().saturating_sub(lost.since_ms) >= grace.as_millis() as u64;
+            let expired = now_ms().saturating_sub(lost.since_ms) >= grace.millis_u64();
             if !back && !expired {
                 continue;
             }

@@ -39,24 +39,23 @@ impl Node {
         step: Option<tessera_qos::StepBurst>,
     ) -> Result<GroupInfo> {
         let _g = self.admin();
-        Ok(self.groups.put(name, limits, step)?)
+        self.groups.put(name, limits, step)
     }
 
     pub fn delete_group(&self, name: &str) -> Result<()> {
         let _g = self.admin();
-        Ok(self.groups.delete(name, |n| self.volume_by_name(n))?)
+        self.groups.delete(name, |n| self.volume_by_name(n))
     }
 
     pub fn add_group_member(&self, name: &str, volume: &str) -> Result<GroupInfo> {
         let _g = self.admin();
         let (_, v) = self.find_volume(volume)?;
-        Ok(self.groups.add_member(name, &v)?)
+        self.groups.add_member(name, &v)
     }
 
     pub fn remove_group_member(&self, name: &str, volume: &str) -> Result<GroupInfo> {
         let _g = self.admin();
-        Ok(self
-            .groups
-            .remove_member(name, volume, self.volume_by_name(volume))?)
+        self.groups
+            .remove_member(name, volume, self.volume_by_name(volume))
     }
 }

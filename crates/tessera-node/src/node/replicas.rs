@@ -687,9 +687,8 @@ impl Node {
                 let deadline = std::time::Instant::now() + Duration::from_secs(3);
                 loop {
                     match self.nvmf_remove_subsystem(&s.nqn) {
-                        Err(e)
-                            if e.kind == tessera_pool::ErrorKind::Busy
-                                && std::time::Instant::now() < deadline =>
+                        Err(crate::error::Error::Busy(_))
+                            if std::time::Instant::now() < deadline =>
                         {
                             std::thread::sleep(Duration::from_millis(50));
                         }

@@ -1,6 +1,7 @@
 //! Thin volumes: create, resize, delete, list, QoS limits and I/O statistics.
 
 use std::sync::Arc;
+use tessera_io::cast::DurationU64;
 
 use tessera_api::{IoTotals, LatencyWindow, VolumeInfo, VolumeStats};
 use tessera_pool::{Pool, Volume};
@@ -120,7 +121,7 @@ impl Node {
     pub fn set_volume_qos(&self, name: &str, limits: QosLimits) -> Result<QosLimits> {
         let _g = self.admin();
         let (_, v) = self.find_volume(name)?;
-        Ok(self.groups.set_volume_qos(&v, limits)?)
+        self.groups.set_volume_qos(&v, limits)
     }
 
     /// A volume as the protocols export it: the volume and the QoS state its
@@ -160,7 +161,7 @@ impl Node {
         let us = |ns: u64| ns as f64 / 1000.0;
         Ok(VolumeStats {
             volume: name.to_string(),
-            interval_ms: interval.as_millis() as u64,
+            interval_ms: interval.millis_u64(),
             read_iops: rate(a.reads, b.reads),
             write_iops: rate(a.writes, b.writes),
             other_iops: rate(a.others, b.others),

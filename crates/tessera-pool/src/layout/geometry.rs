@@ -23,7 +23,7 @@ impl Layout {
                 .max()
                 .unwrap_or(1);
             let min = usable.iter().min().copied().unwrap_or(0);
-            let p = crate::parity::Parity::new(kind, devices.len(), min, align)?;
+            let p = crate::layout::parity::Parity::new(kind, devices.len(), min, align)?;
             let s = Sizing {
                 dev_data_len: vec![p.rows * p.chunk; devices.len()],
                 starts: Vec::new(),

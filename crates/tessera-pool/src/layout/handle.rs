@@ -1,6 +1,6 @@
 //! The per-core datapath handle of a layout: splits requests into device pieces, fans
 //! mirror writes out to every healthy copy, fails reads over, and hands parity layouts to
-//! their row engine (`crate::parity_io`).
+//! their row engine (`crate::layout::parity_io`).
 
 use std::rc::Rc;
 use std::sync::atomic::{Ordering::Relaxed, Ordering::SeqCst};
@@ -36,8 +36,8 @@ pub struct LayoutHandle {
     mirror: Option<Rc<MirrorHook>>,
     /// Mirrors: spreads reads over the copies.
     rr: u32,
-    /// Parity layouts: this core's row engine (crate::parity_io).
-    engine: Option<Rc<crate::parity_io::Engine>>,
+    /// Parity layouts: this core's row engine (crate::layout::parity_io).
+    engine: Option<Rc<crate::layout::parity_io::Engine>>,
 }
 
 /// Mirror error handling on a core: mark the device failed, then fail a read over to
@@ -183,7 +183,8 @@ unsafe fn submit_piece(
     p: Piece,
     tag: Tag,
 ) {
-    handles[p.dev].submit(io, piece_op(op, p), tag);
+    // SAFETY: a piece's buffer is a sub-range of `op`'s, whose contract our caller upholds.
+    unsafe { handles[p.dev].submit(io, piece_op(op, p), tag) };
 }
 
 #[inline]
@@ -281,7 +282,9 @@ impl LayoutHandle {
                 q.dev = d;
                 let sub = piece_op(&op, q);
                 let h = io.hooked(t, hook, sub, d as u64);
-                handles[d].submit(io, sub, h);
+                // SAFETY: `sub`'s buffer is a sub-range of `op`'s, whose contract our
+                // caller upholds.
+                unsafe { handles[d].submit(io, sub, h) };
             }
             return;
         }
@@ -292,7 +295,8 @@ impl LayoutHandle {
             let h = self.mirror.as_ref().expect("registered by hook_id");
             return h.hold(io, op, offset, len, tag);
         }
-        mirror_write(layout, handles, io, op, offset, len, tag, hook);
+        // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.
+        unsafe { mirror_write(layout, handles, io, op, offset, len, tag, hook) };
     }
 }
 
@@ -339,7 +343,9 @@ unsafe fn mirror_write(
             q.dev = d;
             let sub = piece_op(&op, q);
             let h = io.hooked(t, hook, sub, d as u64);
-            handles[d].submit(io, sub, h);
+            // SAFETY: `sub`'s buffer is a sub-range of `op`'s, whose contract our caller
+            // upholds.
+            unsafe { handles[d].submit(io, sub, h) };
         }
         if !any {
             io.complete(t, -libc::EIO);
@@ -352,8 +358,9 @@ impl IoHandle for LayoutHandle {
     unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         if self.layout.parity.is_some() {
             let LayoutHandle { layout, engine, .. } = self;
-            let e = engine.get_or_insert_with(|| crate::parity_io::engine_for(io, layout));
-            return e.submit(io, layout, op, tag);
+            let e = engine.get_or_insert_with(|| crate::layout::parity_io::engine_for(io, layout));
+            // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.
+            return unsafe { e.submit(io, layout, op, tag) };
         }
         let (offset, len) = match op {
             IoOp::Read { offset, len, .. } | IoOp::Write { offset, len, .. } => {
@@ -378,7 +385,8 @@ impl IoHandle for LayoutHandle {
                         } else {
                             t
                         };
-                        h.submit(io, IoOp::Flush, ti);
+                        // SAFETY: a flush carries no buffer.
+                        unsafe { h.submit(io, IoOp::Flush, ti) };
                     }
                 }
                 return;
@@ -389,7 +397,8 @@ impl IoHandle for LayoutHandle {
             return io.complete(tag, if len == 0 { 0 } else { -libc::EINVAL });
         }
         if self.layout.copies > 1 {
-            return self.submit_mirror(io, op, offset, len, tag);
+            // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.
+            return unsafe { self.submit_mirror(io, op, offset, len, tag) };
         }
         // Split borrows instead of cloning the Arc: a clone would be an atomic write to
         // a cache line every core shares.
@@ -399,11 +408,13 @@ impl IoHandle for LayoutHandle {
         let n = layout.piece_count(offset, len);
         if n == 1 {
             let p = layout.piece(offset, len);
-            return submit_piece(handles, io, &op, p, tag);
+            // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.
+            return unsafe { submit_piece(handles, io, &op, p, tag) };
         }
         let t = io.join(tag, u32_of(n));
         for p in layout.pieces(offset, len) {
-            submit_piece(handles, io, &op, p, t);
+            // SAFETY: as above, for each piece of `op`.
+            unsafe { submit_piece(handles, io, &op, p, t) };
         }
     }
 

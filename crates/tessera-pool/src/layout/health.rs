@@ -139,11 +139,15 @@ impl Layout {
         self.devices.iter().any(|d| d.is_volatile())
     }
 
-    /// Apply the pool's tuning: journal flushes, and the device watchdog of redundant
-    /// layouts. Once, right after `Layout::new`.
-    pub(crate) fn apply_tuning(self: &Arc<Self>, t: &crate::pool::PoolTuning) {
-        self.journal_flush.store(t.journal_flush, Relaxed);
-        self.watch_devices(t.device_timeout);
+    /// Apply the pool's tuning (`PoolTuning`'s fields): journal flushes, and the device
+    /// watchdog of redundant layouts. Once, right after `Layout::new`.
+    pub(crate) fn apply_tuning(
+        self: &Arc<Self>,
+        journal_flush: bool,
+        device_timeout: std::time::Duration,
+    ) {
+        self.journal_flush.store(journal_flush, Relaxed);
+        self.watch_devices(device_timeout);
     }
 
     pub fn watch_devices(self: &Arc<Self>, timeout: std::time::Duration) {

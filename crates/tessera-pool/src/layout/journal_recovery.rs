@@ -8,7 +8,7 @@ use tessera_io::cast::usize_of;
 
 use super::{error_reason, FailReason, Layout};
 use crate::format::DEV_DATA_START;
-use crate::parity::{
+use crate::layout::parity::{
     Parity, StripeRecord, JOURNAL_LEN, KIND_CHUNK, KIND_FULL, SCAN_STEP, SLICES, SLICE_LEN,
 };
 
@@ -258,8 +258,8 @@ fn unfinished_writes(
 #[allow(clippy::cast_possible_truncation)] // test data patterns wrap on purpose
 mod tests {
     use super::*;
+    use crate::layout::parity::{encode_header, RecordHead};
     use crate::layout::LayoutKind;
-    use crate::parity::{encode_header, RecordHead};
     use std::sync::Arc;
     use tessera_device::{BlockDevice, RamDevice};
 

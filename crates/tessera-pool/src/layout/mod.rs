@@ -10,6 +10,8 @@ mod handle;
 mod health;
 mod journal_recovery;
 pub(crate) mod kind;
+pub mod parity;
+pub(crate) mod parity_io;
 mod parity_sync;
 mod rebuild;
 mod sync_io;
@@ -101,7 +103,7 @@ pub(crate) fn error_reason(e: &io::Error, other: FailReason) -> FailReason {
 /// - geometry (this file's fields and `geometry.rs`): how logical offsets map to devices;
 /// - device health (`health.rs`): which devices are failed or being rebuilt, and why;
 /// - copy tracking (`copy_track.rs`): the writes in flight while a rebuild or scrub copies;
-/// - parity (`crate::parity`): row geometry, code, row locks and journal of parity layouts.
+/// - parity (`layout::parity`): row geometry, code, row locks and journal of parity layouts.
 ///
 /// Rebuild (`rebuild.rs`), the synchronous face (`sync_io.rs`) and the per-core datapath
 /// handle (`handle.rs`) are built on those.
@@ -122,8 +124,8 @@ pub struct Layout {
     pub health: DeviceHealth,
     /// Writes in flight while a rebuild or scrub copies a range.
     pub(crate) copy: CopyTracker,
-    /// Parity layouts: geometry, code, row locks and journal (crate::parity).
-    pub(crate) parity: Option<crate::parity::Parity>,
+    /// Parity layouts: geometry, code, row locks and journal (crate::layout::parity).
+    pub(crate) parity: Option<crate::layout::parity::Parity>,
     /// `PoolTuning::journal_flush` (set once at open; read by parity writes).
     journal_flush: AtomicBool,
     /// Per device slot: what the layout sent it, and its errors (crate::devstats).

@@ -1,13 +1,13 @@
 //! The synchronous face of parity layouts (raid5, raid6, ec): whole-row reads and
 //! writes under the row lock with their stripe-journal records, zeroing, rebuild, scrub
-//! and format. Used off the reactors; the per-core datapath is `crate::parity_io`.
+//! and format. Used off the reactors; the per-core datapath is `crate::layout::parity_io`.
 
 use std::io;
 use tessera_io::cast::{u32_of, u8_of, usize_of};
 
 use super::{error_reason, FailReason, Layout};
 use crate::format::DEV_DATA_START;
-use crate::parity::{
+use crate::layout::parity::{
     encode_header, Parity, RecordHead, RowScrub, JOURNAL_LEN, KIND_CHUNK, KIND_FULL,
 };
 

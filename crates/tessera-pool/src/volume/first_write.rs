@@ -24,9 +24,9 @@ use tessera_io::cast::{u32_of, usize_of};
 use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use super::{Volume, HOLE};
-use crate::chain::{BlockRun, ChainRead, FirstWritePlan};
 use crate::layout::LayoutHandle;
 use crate::pool::PoolCore;
+use crate::pool::{BlockRun, ChainRead, FirstWritePlan};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Phase {

@@ -822,7 +822,8 @@ impl IoHandle for VolumeHandle {
         self.epoch = epoch;
         self.refresh();
         if self.vol.held(epoch) && !matches!(op, IoOp::Read { .. }) {
-            return self.submit_held(io, op, tag);
+            // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.
+            return unsafe { self.submit_held(io, op, tag) };
         }
         match op {
             IoOp::Read { buf, .. } => {
@@ -839,15 +840,19 @@ impl IoHandle for VolumeHandle {
                         io.complete(t, 0);
                     } else {
                         let off = h.pool_offset(p, at);
-                        h.layout.submit(
-                            io,
-                            IoOp::Read {
-                                offset: off,
-                                len: u32_of(seg),
-                                buf: b,
-                            },
-                            t,
-                        );
+                        // SAFETY: `b` is in the submitter's buffer (above), kept alive by our caller
+                        // until `t` completes.
+                        unsafe {
+                            h.layout.submit(
+                                io,
+                                IoOp::Read {
+                                    offset: off,
+                                    len: u32_of(seg),
+                                    buf: b,
+                                },
+                                t,
+                            )
+                        };
                     }
                 })
             }
@@ -873,15 +878,19 @@ impl IoHandle for VolumeHandle {
                         }
                     }
                     let off = h.pool_offset(p, at);
-                    h.layout.submit(
-                        io,
-                        IoOp::Write {
-                            offset: off,
-                            len: u32_of(seg),
-                            buf: b,
-                        },
-                        t,
-                    );
+                    // SAFETY: `b` is in the submitter's buffer (above), kept alive by our caller
+                    // until `t` completes.
+                    unsafe {
+                        h.layout.submit(
+                            io,
+                            IoOp::Write {
+                                offset: off,
+                                len: u32_of(seg),
+                                buf: b,
+                            },
+                            t,
+                        )
+                    };
                 })
             }
             IoOp::Discard { .. } => {
@@ -1120,7 +1129,8 @@ impl ExportTarget for Volume {
 impl ExportHandle for VolumeHandle {
     #[inline]
     unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
-        IoHandle::submit(self, io, op, tag)
+        // SAFETY: the same contract, which our caller upholds.
+        unsafe { IoHandle::submit(self, io, op, tag) }
     }
 
     #[inline]
@@ -1152,19 +1162,17 @@ mod tests {
         let Err(e) = pool.create_volume("b", 9 * cap) else {
             panic!("a volume beyond the ratio was created")
         };
-        assert_eq!(e.kind, crate::ErrorKind::NoSpace);
-        assert!(
-            e.message.contains("20x") && e.message.contains("--force"),
-            "{e}"
-        );
-        assert!(e.message.contains(&format!("{} bytes", 21 * cap)), "{e}");
+        assert_eq!(e.kind(), crate::ErrorKind::NoSpace);
+        let m = e.to_string();
+        assert!(m.contains("20x") && m.contains("--force"), "{e}");
+        assert!(m.contains(&format!("{} bytes", 21 * cap)), "{e}");
         assert!(pool.volume("b").is_none());
         pool.create_volume("b", 8 * cap).unwrap();
         let b = pool.volume("b").unwrap();
         assert_eq!(
             pool.resize_volume(&b, 8 * cap + (1 << 20))
                 .unwrap_err()
-                .kind,
+                .kind(),
             crate::ErrorKind::NoSpace
         );
         assert_eq!(b.size(), 8 * cap);

@@ -5,8 +5,8 @@
 use tessera_io::{CoreIo, IoOp, Tag};
 
 use super::{DevOp, DevWrite, Engine, Event, Mode, State, GROUP_FLUSH};
+use crate::layout::parity::{encode_header, Parity, RecordHead, KIND_CHUNK, KIND_FULL};
 use crate::layout::Layout;
-use crate::parity::{encode_header, Parity, RecordHead, KIND_CHUNK, KIND_FULL};
 use tessera_io::cast::{u32_of, u8_of, usize_of};
 
 impl Engine {

@@ -126,7 +126,7 @@ impl Engine {
         buf: usize,
     ) {
         let p = l.parity_geo();
-        let rel = offset - crate::parity::PARITY_DATA_START;
+        let rel = offset - crate::layout::parity::PARITY_DATA_START;
         let (r, off) = (rel / p.chunk, rel % p.chunk);
         let shard = (0..p.k)
             .find(|&s| p.shard_dev(r, s) == dev)

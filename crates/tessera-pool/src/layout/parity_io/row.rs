@@ -5,8 +5,8 @@ use tessera_io::buf::AlignedBuf;
 use tessera_io::{CoreIo, IoOp, Tag};
 
 use super::{DevOp, Engine, Mode, Phase, RowOp, State, MAX_TRIES};
+use crate::layout::parity::Parity;
 use crate::layout::Layout;
-use crate::parity::Parity;
 use tessera_io::cast::{u32_of, usize_of};
 
 impl Engine {

@@ -1,16 +1,37 @@
 //! A pool: devices under a layout, a metadata region, the unit allocator, the volumes
 //! carved from it, and the commit thread that makes thin-map changes durable.
+//!
+//! Here: the pool's state (`State`, behind the pool lock) and its shared core, creating
+//! and opening a pool (labels, layout, metadata), status, rebuild of units, shutdown.
+//! The rest is one file per part: `allocator` (free units, the reserve, the zeroer),
+//! `committer` (journal and checkpoints, device syncs, FLUSH), `catalog` (volumes and
+//! exports by name, sizes, overcommit) and `first_write_plan` (the metadata half of a
+//! first write into a snapshot chain's unit).
+
+mod allocator;
+mod catalog;
+mod committer;
+mod first_write_plan;
+
+pub(crate) use allocator::{NEEDS_REDIRECT, NEEDS_RESERVE};
+pub use catalog::{validate_name, validate_overcommit};
+pub(crate) use committer::CommitRequest;
+pub(crate) use first_write_plan::{BlockRun, ChainRead, FirstWritePlan};
+pub use tessera_io::units::human_bytes;
+
+use allocator::zeroer_loop;
+use catalog::provisioned;
+use committer::{committer_loop, JournalCursor};
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tessera_api::{DeviceHealth, DeviceState, PoolInfo, PoolState};
 use tessera_device::{format_size, BlockDevice};
-use tessera_io::{RemoteCompleter, Tag};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::*;
@@ -33,19 +54,6 @@ pub const DEFAULT_OVERCOMMIT: f64 = 20.0;
 pub const COMMIT_INTERVAL: Duration = Duration::from_secs(5);
 /// Mirrored pools: how soon a device failure is recorded in the labels.
 pub const FAILURE_POLL: Duration = Duration::from_millis(100);
-/// Free units the zeroer keeps zeroed ahead of allocation (non-parity pools; see
-/// `zeroer_loop`). Enough to absorb a burst of first writes while it catches up; they
-/// stay free (counted as free space), so the reserve costs no capacity.
-const ZERO_RESERVE: usize = 32;
-
-/// Bytes of free units a parity pool keeps in its allocation reserve (docs/format.md
-/// §3.5): what an unclean open zeroes at most (healthy rows are zeroed with the devices'
-/// write-zeroes; rows with a failed device go through the stripe journal, seconds for
-/// ~100 MiB on a busy machine). At 1 MiB units, 64 allocations between two commits; a
-/// burst of first writes beyond half of it asks for a commit early (one per 32 MiB).
-const ALLOCATION_RESERVE_BYTES: u64 = 64 << 20;
-/// Bounds on the reserve in units, whatever the unit size.
-const ALLOCATION_RESERVE_UNITS: (u64, u64) = (2, 1024);
 
 /// How a new pool is made ([`Pool::create`]).
 #[derive(Clone, Copy, Debug)]
@@ -90,13 +98,6 @@ impl Default for PoolTuning {
             journal_flush: true,
         }
     }
-}
-
-pub(crate) enum CommitRequest {
-    Flush(RemoteCompleter, Tag),
-    /// The allocation reserve of a parity pool runs low: commit to top it up.
-    Refill,
-    Stop,
 }
 
 pub(crate) struct State {
@@ -144,38 +145,6 @@ pub(crate) struct State {
     pub copying: std::collections::HashMap<u32, [u64; 4]>,
 }
 
-impl State {
-    fn catalog(&self) -> Catalog {
-        Catalog {
-            next_volume_id: self.next_volume_id,
-            volumes: self
-                .volumes
-                .values()
-                .map(|v| VolumeRecord {
-                    id: v.id,
-                    size: v.size(),
-                    created: v.created,
-                    name: v.name.clone(),
-                    qos: v.legacy_qos().unwrap_or_default(),
-                    chain: v.chain_record(),
-                })
-                .collect(),
-            exports: self.exports.clone(),
-            partial: Vec::new(),
-        }
-    }
-}
-
-struct JournalCursor {
-    next_seq: u64,
-    /// Journal sequence of the newest durable checkpoint.
-    ckpt_seq: u64,
-    ckpt_gen: u64,
-    newest_is_a: bool,
-    /// A failed commit may have left the journal in doubt: the next commit checkpoints.
-    force_checkpoint: bool,
-}
-
 /// Shared between the control plane, the commit thread and every volume handle.
 pub struct PoolCore {
     pub name: String,
@@ -201,15 +170,6 @@ pub struct PoolCore {
     /// snapshot) waits for (`inflight`).
     pub(crate) inflight: Arc<crate::inflight::IoEpochs>,
 }
-
-/// `PoolCore::allocate` for a volume whose chain has data at the unit: the write must
-/// take the first-write path (`volume::first_write`). Not an errno.
-pub(crate) const NEEDS_REDIRECT: i32 = i32::MIN;
-
-/// `PoolCore::allocate` in a parity pool whose allocation reserve is empty while free
-/// units remain: a commit that reserves more is under way; the write retries later (the
-/// first-write path's retry), the reactor never waits for it. Not an errno.
-pub(crate) const NEEDS_RESERVE: i32 = i32::MIN + 1;
 
 pub struct Pool {
     pub core: Arc<PoolCore>,
@@ -256,618 +216,6 @@ impl PoolCore {
     pub fn unit_size(&self) -> u64 {
         1 << self.unit_shift
     }
-
-    /// Allocate a unit for (`vol`, `unit`) unless one is already mapped; it reads as
-    /// zeroes unless the caller is about to overwrite it whole. Runs on a reactor core,
-    /// under the pool lock: this is the slow path taken once per unit.
-    ///
-    /// A partial first write takes a unit the zeroer has zeroed ahead of time, so the
-    /// reactor does not zero a whole unit under the pool lock; only when the reserve has
-    /// run dry (a burst faster than the zeroer) does it zero the unit here, as before.
-    /// A whole-unit write takes a unit that was not zeroed, leaving the zeroed ones to
-    /// partial writes. Parity layouts keep every free unit zeroed (see `zero_freed`):
-    /// zeroing here, on a reactor, could wait for a row lock that this very reactor's
-    /// in-flight I/O holds (a unit's edge row is shared with the next). They hand out
-    /// units of their allocation reserve only (`take_reserved`), so a unit written before
-    /// its allocation is committed is zeroed again after a power loss.
-    pub(crate) fn allocate(
-        &self,
-        vol: &Volume,
-        unit: u64,
-        whole: bool,
-    ) -> std::result::Result<u32, i32> {
-        let mut s = self.lock();
-        if vol.is_deleted() {
-            return Err(-libc::ESHUTDOWN);
-        }
-        let map = vol.current_map();
-        let existing = map.get(unit);
-        if existing != HOLE {
-            return Ok(existing);
-        }
-        // A snapshot was taken since the caller looked: the chain's data must show
-        // through the blocks this write does not cover.
-        if vol.parent().is_some() && vol.ancestor_maps().iter().any(|m| m.get(unit) != HOLE) {
-            return Err(NEEDS_REDIRECT);
-        }
-        if self.layout.parity.is_some() {
-            let p = self.take_reserved(&mut s)?;
-            return Ok(self.map_allocated(&mut s, vol, &map, unit, p));
-        }
-        let (mut s, p) = self.take_free(s, !whole);
-        let p = p?;
-        Ok(self.map_allocated(&mut s, vol, &map, unit, p))
-    }
-
-    /// A free unit of a pool without parity, for a first write: zeroed on every copy
-    /// when `zeroed` (a partial write), else preferably one that was not (a whole-unit
-    /// write leaves the zeroer's reserve to partial ones). Takes the zeroer's reserve
-    /// first and zeroes the unit here (on the caller's reactor, under the pool lock) only
-    /// when the reserve has run dry. Gives the guard back.
-    pub(crate) fn take_free<'a>(
-        &'a self,
-        mut s: MutexGuard<'a, State>,
-        zeroed: bool,
-    ) -> (MutexGuard<'a, State>, std::result::Result<u32, i32>) {
-        let (p, is_zero) = loop {
-            let pick = if zeroed {
-                s.zeroed.pop_front().map(|p| (p, true))
-            } else {
-                s.free.pop().map(|p| (p, false))
-            };
-            let pick = pick.or_else(|| match zeroed {
-                false => s.zeroed.pop_back().map(|p| (p, true)),
-                true => s.free.pop().map(|p| (p, false)),
-            });
-            if let Some(pick) = pick {
-                break pick;
-            }
-            if s.zeroing.is_none() {
-                return (s, Err(-libc::ENOSPC));
-            }
-            // The last free unit is being zeroed: it is ours in at most one unit's zeroing.
-            s = self.zero_done.wait(s).unwrap_or_else(|e| e.into_inner());
-        };
-        if zeroed {
-            // The reserve was used (or is empty): the zeroer tops it up.
-            self.zero_wanted.notify_one();
-        }
-        if zeroed && !is_zero {
-            if let Err(e) = self
-                .layout
-                .write_zeroes_at((p as u64) << self.unit_shift, self.unit_size())
-            {
-                s.free.push(p);
-                return (s, Err(-e.raw_os_error().unwrap_or(libc::EIO)));
-            }
-        }
-        (s, Ok(p))
-    }
-
-    /// Record pool unit `p` as `vol`'s unit `unit` (a full unit) and publish it.
-    fn map_allocated(
-        &self,
-        s: &mut State,
-        vol: &Volume,
-        map: &crate::volume::UnitMap,
-        unit: u64,
-        p: u32,
-    ) -> u32 {
-        s.owners[p as usize] = (vol.layer(), u32_of(unit));
-        self.presence.set_full(p);
-        s.records.push(Record {
-            pool_unit: p,
-            volume_id: vol.layer(),
-            volume_unit: u32_of(unit),
-        });
-        map.set(unit, p);
-        vol.allocated.fetch_add(1, Relaxed);
-        p
-    }
-
-    /// A parity pool's next unit for a volume: from the allocation reserve only (its
-    /// reservation is durable, so a power loss before this allocation is committed
-    /// leaves it reserved, and the next open zeroes it: docs/format.md §3.5). Asks the
-    /// commit thread for more when half of the reserve is used; never waits for it.
-    pub(crate) fn take_reserved(&self, s: &mut State) -> std::result::Result<u32, i32> {
-        let p = s.reserve.pop_front();
-        if p.is_none() {
-            if s.free.is_empty() && s.reserving.is_empty() && s.rebuild_held.is_none() {
-                return Err(-libc::ENOSPC);
-            }
-            if s.reserve_failed {
-                return Err(-libc::EIO);
-            }
-            if s.committer_stopped {
-                return Err(-libc::ESHUTDOWN);
-            }
-        }
-        let low = s.reserve.len() * 2 < self.reserve_target();
-        if low && !s.reserve_wanted && !(s.free.is_empty() && s.reserving.is_empty()) {
-            let tx = self.commit_tx.lock().unwrap_or_else(|e| e.into_inner());
-            if tx.send(CommitRequest::Refill).is_err() {
-                // The commit thread is gone (the pool is closing): nothing will refill.
-                return p.ok_or(-libc::ESHUTDOWN);
-            }
-            s.reserve_wanted = true;
-        }
-        p.ok_or(NEEDS_RESERVE)
-    }
-
-    /// Units a parity pool's allocation reserve holds at most.
-    fn reserve_target(&self) -> usize {
-        let (lo, hi) = ALLOCATION_RESERVE_UNITS;
-        usize_of((ALLOCATION_RESERVE_BYTES >> self.unit_shift).clamp(lo, hi))
-    }
-
-    /// Parity pools: move free units into the allocation reserve (owner `OWNER_RESERVED`,
-    /// a journal record each) until it is full. The new units wait in `reserving`, with
-    /// those a failed commit left there, until the commit or checkpoint that this call is
-    /// part of (under the journal lock) calls `reservation_done`. They stay counted there
-    /// all along: an allocation that finds the reserve empty meanwhile waits for them
-    /// (`NEEDS_RESERVE`) instead of failing with ENOSPC, and free space does not dip.
-    fn top_up_reserve(&self, s: &mut State) {
-        if self.layout.parity.is_none() {
-            return;
-        }
-        s.reserve_wanted = false;
-        while s.reserve.len() + s.reserving.len() < self.reserve_target() {
-            let Some(p) = s.free.pop() else { break };
-            s.owners[p as usize] = (OWNER_RESERVED, 0);
-            s.records.push(Record {
-                pool_unit: p,
-                volume_id: OWNER_RESERVED,
-                volume_unit: 0,
-            });
-            s.reserving.push(p);
-        }
-    }
-
-    /// The commit or checkpoint that followed `top_up_reserve` made every unit in
-    /// `reserving` durably reserved (they join the reserve), or failed (they wait for the
-    /// next one, whose records or checkpoint carry them again). Caller holds the journal
-    /// lock, so nothing added to `reserving` since that top-up.
-    fn reservation_done(&self, durable: bool) {
-        if self.layout.parity.is_none() {
-            return;
-        }
-        let mut s = self.lock();
-        s.reserve_failed = !durable;
-        if durable {
-            let reserved = std::mem::take(&mut s.reserving);
-            s.reserve.extend(reserved);
-        }
-    }
-
-    /// Units zeroed so far stop counting as zeroed: called when a rebuild starts, since
-    /// a rebuild copies allocated units only and a free unit's zeroes are then missing
-    /// on the device being rebuilt. Zeroes written from now on reach that device too.
-    pub(crate) fn forget_zeroed(&self) {
-        let mut s = self.lock();
-        s.zero_epoch += 1;
-        let zeroed = std::mem::take(&mut s.zeroed);
-        s.free.extend(zeroed.into_iter().rev());
-    }
-
-    /// Free units ready for a volume: the free list, the zeroed reserve and the unit
-    /// being zeroed.
-    pub(crate) fn free_units(s: &State) -> usize {
-        s.free.len()
-            + s.zeroed.len()
-            + usize::from(s.zeroing.is_some())
-            + s.reserve.len()
-            + s.reserving.len()
-            + usize::from(s.rebuild_held.is_some())
-    }
-
-    /// Give units `[first, last]` of `vol` back to the pool.
-    pub(crate) fn unmap_units(&self, vol: &Volume, first: u64, last: u64) {
-        let mut s = self.lock();
-        let map = vol.current_map();
-        // Only mapped units are visited: a discard of a huge sparse range skips the
-        // regions without a map leaf.
-        let mapped: Vec<(u64, u32)> = map.mapped_in(first, last + 1).collect();
-        for (u, p) in mapped {
-            map.set(u, HOLE);
-            s.owners[p as usize] = (OWNER_FREE, 0);
-            s.pending_free.push(p);
-            s.partial.remove(&p);
-            self.presence.set_full(p);
-            s.records.push(Record {
-                pool_unit: p,
-                volume_id: OWNER_FREE,
-                volume_unit: 0,
-            });
-            vol.allocated.fetch_sub(1, Relaxed);
-        }
-        if map.has_empty_leaf_in(first, last + 1) {
-            vol.compact_wanted.store(true, Relaxed);
-        }
-    }
-
-    fn journal(&self) -> MutexGuard<'_, JournalCursor> {
-        self.journal.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Record newly failed devices in the labels of the healthy ones (a new state
-    /// generation), so a restart never reads a device that missed writes. Runs on the
-    /// commit thread (and before every commit), never on a reactor.
-    pub fn persist_device_state(&self) -> Result<()> {
-        self.write_device_state(false)
-    }
-
-    /// Sync the devices, then record any device the sync failed. A redundant layout's
-    /// sync succeeds while a copy is left and only marks a copy whose flush failed
-    /// failed in memory; until the healthy copies' labels say so, a power loss brings
-    /// that copy back as healthy without what its cache lost, to be read (and copied by
-    /// the resync) in place of the good one. So whatever counts on a sync (a commit, and
-    /// the FLUSH or FUA it answers) waits for the record too.
-    fn sync_devices(&self, what: &str) -> Result<()> {
-        self.layout.sync().map_err(|e| Error::io(what, e))?;
-        self.persist_device_state()
-    }
-
-    /// As [`PoolCore::persist_device_state`]; with `always`, the labels are written even
-    /// when the durable failed set looks current. A rebuilt device needs that: its label
-    /// was cleared when it was put in, and if the device it replaced failed after the last
-    /// label write (the commit thread had not recorded it yet), the failed set before and
-    /// after the rebuild is the same and nothing would write the new device's label, so
-    /// the pool could not open from it alone.
-    fn write_device_state(&self, always: bool) -> Result<()> {
-        let l = &self.layout;
-        let mut st = self.dev_state.lock().unwrap_or_else(|e| e.into_inner());
-        // A device being rebuilt stays failed in the labels until its rebuild is done.
-        let unreadable = || l.health.failed.load(Relaxed) | l.health.rebuilding.load(Relaxed);
-        let mut always = always;
-        loop {
-            let failed = unreadable();
-            if failed == l.health.failed_durable.load(Relaxed) && !always {
-                return Ok(());
-            }
-            always = false;
-            let gen = st.0 + 1;
-            let mut reasons = [0u8; 64];
-            for (i, r) in l.health.fail_reason.iter().enumerate() {
-                reasons[i] = r.load(Relaxed);
-            }
-            let mut written = 0;
-            for (i, d) in l.devices.iter().enumerate() {
-                if failed & (1 << i) != 0 {
-                    continue;
-                }
-                let label = Label {
-                    state_gen: gen,
-                    failed,
-                    fail_reason: reasons,
-                    ..st.1[i].clone()
-                };
-                match d.write_at(0, &label.encode()).and_then(|()| d.sync()) {
-                    Ok(()) => written += 1,
-                    Err(_) => l.mark_failed(i, crate::layout::FailReason::Write),
-                }
-            }
-            if written == 0 {
-                // No label can say so: the writes waiting for the record would wait
-                // forever (and the pool has lost more than it can bear anyway).
-                l.health.recorder.store(false, Relaxed);
-                return Err(Error::io(
-                    "recording failed devices",
-                    std::io::Error::from_raw_os_error(libc::EIO),
-                ));
-            }
-            st.0 = gen;
-            if unreadable() == failed {
-                l.health.failed_durable.store(failed, Relaxed);
-                return Ok(());
-            }
-        }
-    }
-
-    /// Units of a parity pool are zeroed before they go back to the free list (the
-    /// commit that frees them comes after), so allocation never zeroes on a reactor and a
-    /// unit is zero whenever it is free, also after a crash. Units that cannot be zeroed
-    /// stay pending. Runs on the commit thread (never a reactor).
-    ///
-    /// Before anything else, the requests that may still reach the units (they looked a
-    /// map up before the units were unmapped) are waited for: a stalled write must not
-    /// land after the unit was zeroed or handed to another volume, nor a stalled read
-    /// return the next owner's data. Where the caller's own core has such requests (a
-    /// test or tool thread driving a private core), the units stay pending.
-    fn zero_freed(&self, freed: Vec<u32>) -> Vec<u32> {
-        if freed.is_empty() {
-            return freed;
-        }
-        if !self.inflight.drain(|_| ()) {
-            self.lock().pending_free.extend(freed);
-            return Vec::new();
-        }
-        if self.layout.parity.is_none() {
-            return freed;
-        }
-        let unit = self.unit_size();
-        let (ok, bad): (Vec<u32>, Vec<u32>) = freed.into_iter().partition(|&p| {
-            self.layout
-                .write_zeroes_at((p as u64) << self.unit_shift, unit)
-                .is_ok()
-        });
-        if !bad.is_empty() {
-            self.lock().pending_free.extend(bad);
-        }
-        ok
-    }
-
-    /// Make every completed write and every thin-map change so far durable.
-    pub fn commit(&self) -> Result<()> {
-        self.persist_device_state()?;
-        let mut cur = self.journal();
-        let (records, freed) = {
-            let mut s = self.lock();
-            for v in s.volumes.values() {
-                if v.compact_wanted.swap(false, Relaxed) {
-                    v.compact_map();
-                }
-            }
-            self.top_up_reserve(&mut s);
-            (
-                std::mem::take(&mut s.records),
-                std::mem::take(&mut s.pending_free),
-            )
-        };
-        let freed = self.zero_freed(freed);
-        let blocks = records.len().div_ceil(RECORDS_PER_BLOCK) as u64;
-        if cur.force_checkpoint
-            || cur.next_seq + blocks - cur.ckpt_seq > self.meta.sb.journal_blocks
-        {
-            // The snapshot taken by the checkpoint contains these records' effects; it
-            // makes the reservations durable too (and hands them to the reserve).
-            let r = self.checkpoint_locked(&mut cur);
-            self.release(freed, r.is_ok());
-            return r;
-        }
-        let r = (|| {
-            self.sync_devices("syncing data devices")?;
-            if !records.is_empty() {
-                self.meta
-                    .write_journal(cur.next_seq, &records)
-                    .map_err(|e| Error::io("writing the journal", e))?;
-                self.sync_devices("syncing the journal")?;
-            }
-            Ok(())
-        })();
-        match r {
-            Ok(()) => {
-                cur.next_seq += blocks;
-                self.release(freed, true);
-                self.reservation_done(true);
-                Ok(())
-            }
-            Err(e) => {
-                // Keep the changes in memory; the next commit writes a full checkpoint.
-                cur.force_checkpoint = true;
-                self.lock().records.splice(0..0, records);
-                self.release(freed, false);
-                self.reservation_done(false);
-                Err(e)
-            }
-        }
-    }
-
-    fn release(&self, freed: Vec<u32>, durable: bool) {
-        let mut s = self.lock();
-        if durable {
-            s.free.extend(freed);
-        } else {
-            s.pending_free.extend(freed);
-        }
-    }
-
-    /// Apply the catalog change `f` and write a checkpoint, with no commit in between:
-    /// a commit could otherwise make durable thin-map records that name a layer only
-    /// the new catalog knows (a snapshot's volume writing into its new layer).
-    pub(crate) fn change_and_checkpoint<T>(
-        &self,
-        f: impl FnOnce(&mut State) -> Result<T>,
-    ) -> Result<T> {
-        self.quiesce_change_and_checkpoint(|| (), f)
-    }
-
-    /// [`PoolCore::change_and_checkpoint`], with `quiesce` run first, outside the pool
-    /// lock (it may wait for requests in flight, which may need that lock) and inside
-    /// the journal lock (no commit, which waits for requests too, runs meanwhile).
-    pub(crate) fn quiesce_change_and_checkpoint<T>(
-        &self,
-        quiesce: impl FnOnce(),
-        f: impl FnOnce(&mut State) -> Result<T>,
-    ) -> Result<T> {
-        let mut cur = self.journal();
-        quiesce();
-        let out = f(&mut self.lock())?;
-        let freed = std::mem::take(&mut self.lock().pending_free);
-        let freed = self.zero_freed(freed);
-        let r = self.checkpoint_locked(&mut cur);
-        self.release(freed, r.is_ok());
-        r.map(|()| out)
-    }
-
-    /// Write a full checkpoint of the current state (after catalog changes).
-    pub fn checkpoint(&self) -> Result<()> {
-        let mut cur = self.journal();
-        let freed = std::mem::take(&mut self.lock().pending_free);
-        let freed = self.zero_freed(freed);
-        let r = self.checkpoint_locked(&mut cur);
-        self.release(freed, r.is_ok());
-        r
-    }
-
-    fn checkpoint_locked(&self, cur: &mut JournalCursor) -> Result<()> {
-        self.checkpoint_flags(cur, 0)
-    }
-
-    /// A checkpoint with `flags` (`CKPT_FLAG_CLEAN` only from `Pool::shutdown`).
-    fn checkpoint_flags(&self, cur: &mut JournalCursor, flags: u32) -> Result<()> {
-        // Snapshot first, sync data second: every unit the snapshot maps was zeroed or
-        // written before the snapshot, so the sync covers it.
-        let (catalog, owners) = {
-            let mut s = self.lock();
-            self.top_up_reserve(&mut s);
-            s.records.clear();
-            let mut catalog = s.catalog();
-            catalog.partial = s
-                .partial
-                .iter()
-                .map(|&p| (p, self.presence.bits(p)))
-                .collect();
-            (catalog.encode()?, s.owners.clone())
-        };
-        let generation = cur.ckpt_gen + 1;
-        let slot_a = !cur.newest_is_a;
-        // A full ring ahead: no block of an earlier, possibly unfinished commit can match.
-        let journal_seq = cur.next_seq + self.meta.sb.journal_blocks;
-        let r = (|| {
-            self.sync_devices("syncing data devices")?;
-            self.meta
-                .write_checkpoint(slot_a, flags, generation, journal_seq, &catalog, &owners)
-                .map_err(|e| Error::io("writing a metadata checkpoint", e))?;
-            self.sync_devices("syncing a metadata checkpoint")
-        })();
-        match r {
-            Ok(()) => {
-                cur.ckpt_gen = generation;
-                cur.ckpt_seq = journal_seq;
-                cur.next_seq = journal_seq;
-                cur.newest_is_a = slot_a;
-                cur.force_checkpoint = false;
-                self.reservation_done(true);
-                Ok(())
-            }
-            Err(e) => {
-                cur.force_checkpoint = true;
-                self.reservation_done(false);
-                Err(e)
-            }
-        }
-    }
-
-    /// Threads waiting now for volume requests in flight to complete (a snapshot being
-    /// taken, or units being released): for diagnostics and tests.
-    pub fn io_drains_waiting(&self) -> u64 {
-        self.inflight.waiting()
-    }
-
-    pub(crate) fn request_flush(&self, rc: RemoteCompleter, tag: Tag) {
-        let tx = self.commit_tx.lock().unwrap_or_else(|e| e.into_inner());
-        if tx.send(CommitRequest::Flush(rc.clone(), tag)).is_err() {
-            rc.complete(tag, -libc::ESHUTDOWN);
-        }
-    }
-}
-
-/// Keeps up to `ZERO_RESERVE` free units zeroed for `PoolCore::allocate` (pools without
-/// parity, whose free units are not zeroed otherwise). It starts on demand: only the
-/// first partial write after an open (or after the reserve ran dry) zeroes on its reactor.
-///
-/// Crash safety is the allocator's as before: a unit's zeroes are written before its
-/// mapping can become durable, because a commit syncs the data devices before it writes
-/// the journal records that map the unit. The reserve lives in memory only, so a restart
-/// forgets it and nothing on disk claims that a free unit is zeroed.
-fn zeroer_loop(core: Arc<PoolCore>) {
-    let unit = core.unit_size();
-    let mut s = core.lock();
-    // Sleep until the first allocation asks for zeroed units.
-    let mut wanted = false;
-    loop {
-        if s.zeroer_stop {
-            return;
-        }
-        if !wanted || s.zeroed.len() >= ZERO_RESERVE || s.free.is_empty() {
-            s = core.zero_wanted.wait(s).unwrap_or_else(|e| e.into_inner());
-            wanted = true;
-            continue;
-        }
-        let Some(p) = s.free.pop() else { continue };
-        s.zeroing = Some(p);
-        let epoch = s.zero_epoch;
-        drop(s);
-        let r = core
-            .layout
-            .fill_zeroes_at((p as u64) << core.unit_shift, unit);
-        s = core.lock();
-        s.zeroing = None;
-        if r.is_ok() && s.zero_epoch == epoch {
-            s.zeroed.push_back(p);
-        } else {
-            s.free.push(p);
-        }
-        core.zero_done.notify_all();
-        if let Err(e) = r {
-            tracing::error!(pool = %core.name, error = %e, "zeroing a free unit failed");
-            // Leave it to the allocator (which reports the error to its client) until
-            // the next allocation asks again.
-            wanted = false;
-        }
-    }
-}
-
-fn committer_loop(core: Arc<PoolCore>, rx: Receiver<CommitRequest>) {
-    core.layout.health.recorder.store(true, Relaxed);
-    commit_requests(&core, &rx);
-    // Nobody records failures any more: parity writes must not wait for it.
-    core.layout.health.recorder.store(false, Relaxed);
-    // A write waiting for the allocation reserve must not wait for this thread any more.
-    core.lock().committer_stopped = true;
-}
-
-fn commit_requests(core: &PoolCore, rx: &Receiver<CommitRequest>) {
-    let mut last = std::time::Instant::now();
-    loop {
-        // Mirrors: a device failure is recorded within FAILURE_POLL (and before any
-        // FLUSH is answered, since every commit records it first and after each sync).
-        let wait = if core.layout.kind.is_redundant() {
-            FAILURE_POLL
-        } else {
-            COMMIT_INTERVAL
-        };
-        let first = match rx.recv_timeout(wait) {
-            Ok(r) => Some(r),
-            Err(RecvTimeoutError::Timeout) => {
-                let l = &core.layout;
-                if l.health.failed.load(Relaxed) != l.health.failed_durable.load(Relaxed) {
-                    if let Err(e) = core.persist_device_state() {
-                        tracing::error!(pool = %core.name, error = %e, "cannot record the device states");
-                    }
-                }
-                if last.elapsed() < COMMIT_INTERVAL {
-                    continue;
-                }
-                None
-            }
-            Err(RecvTimeoutError::Disconnected) => return,
-        };
-        last = std::time::Instant::now();
-        // Group commit: everything queued now rides on one commit.
-        let mut waiters = Vec::new();
-        let mut stop = false;
-        for r in first.into_iter().chain(rx.try_iter()) {
-            match r {
-                CommitRequest::Flush(rc, tag) => waiters.push((rc, tag)),
-                CommitRequest::Refill => {}
-                CommitRequest::Stop => stop = true,
-            }
-        }
-        let res = match core.commit() {
-            Ok(()) => 0,
-            Err(e) => {
-                tracing::error!(pool = %core.name, error = %e, "commit failed");
-                -libc::EIO
-            }
-        };
-        for (rc, tag) in waiters {
-            rc.complete(tag, res);
-        }
-        if stop {
-            return;
-        }
-    }
 }
 
 impl Pool {
@@ -898,7 +246,7 @@ impl Pool {
             }
         }
         let layout = Arc::new(Layout::new(opts.layout, devices).map_err(Error::invalid)?);
-        layout.apply_tuning(&opts.tuning);
+        layout.apply_tuning(opts.tuning.journal_flush, opts.tuning.device_timeout);
         let total_units = layout.size / unit;
         if total_units >= u32::MAX as u64 {
             return Err(Error::invalid(
@@ -1163,7 +511,7 @@ impl Pool {
     ) -> Result<Arc<Layout>> {
         let kind = layout_kind_of(first);
         let layout = Arc::new(Layout::new(kind, devices).map_err(Error::corrupt)?);
-        layout.apply_tuning(&tuning);
+        layout.apply_tuning(tuning.journal_flush, tuning.device_timeout);
         // Devices recorded failed stay failed: they missed writes. So do missing ones.
         for i in 0..layout.devices.len() {
             if first.failed & (1 << i) != 0 {
@@ -1432,187 +780,6 @@ impl Pool {
         }
     }
 
-    /// Volumes, snapshots and clones (hidden snapshots left out).
-    pub fn volumes(&self) -> Vec<Arc<Volume>> {
-        self.core
-            .lock()
-            .volumes
-            .values()
-            .filter(|v| !v.is_hidden())
-            .cloned()
-            .collect()
-    }
-
-    pub fn volume(&self, name: &str) -> Option<Arc<Volume>> {
-        self.core
-            .lock()
-            .volumes
-            .values()
-            .find(|v| v.name == name && !v.is_hidden())
-            .cloned()
-    }
-
-    pub fn volume_by_id(&self, id: u32) -> Option<Arc<Volume>> {
-        self.core.lock().volumes.get(&id).cloned()
-    }
-
-    /// The overcommit ratio in force (see [`DEFAULT_OVERCOMMIT`]).
-    pub fn overcommit(&self) -> f64 {
-        f64::from_bits(self.core.overcommit.load(Relaxed))
-    }
-
-    /// Set the overcommit ratio (the node keeps it in its registry). Volumes already
-    /// beyond a lowered ratio stay; only new volumes and growth are checked.
-    pub fn set_overcommit(&self, ratio: f64) -> Result<()> {
-        validate_overcommit(ratio)?;
-        self.core.overcommit.store(ratio.to_bits(), Relaxed);
-        Ok(())
-    }
-
-    /// Refuse to bring the volumes' virtual sizes, now `provisioned`, to `provisioned +
-    /// more` if that exceeds the overcommit ratio, unless `force`.
-    pub(crate) fn check_overcommit(
-        &self,
-        s: &State,
-        what: &str,
-        more: u64,
-        force: bool,
-    ) -> Result<()> {
-        let ratio = self.overcommit();
-        let sb = &self.core.meta.sb;
-        let capacity = (sb.total_units - sb.meta_units) * self.core.unit_size();
-        let total = provisioned(s).saturating_add(more);
-        let limit = ratio * capacity as f64;
-        if force || total as f64 <= limit {
-            return Ok(());
-        }
-        Err(Error::new(
-            ErrorKind::NoSpace,
-            format!(
-                "{what} would bring the volumes of pool '{}' to {} ({total} bytes) on {} of \
-                 capacity ({capacity} bytes), {:.1}x; the pool allows {ratio}x ({}); use \
-                 --force (API: \"force\": true) to overcommit anyway, or raise the ratio \
-                 (`pool update {} --overcommit N`)",
-                self.core.name,
-                human_bytes(total),
-                human_bytes(capacity),
-                total as f64 / capacity.max(1) as f64,
-                human_bytes(saturating_bytes(limit)),
-                self.core.name,
-            ),
-        ))
-    }
-
-    /// Create a thin volume of `size` bytes (a multiple of 512). No space is taken yet.
-    /// Refused beyond the pool's overcommit ratio.
-    pub fn create_volume(&self, name: &str, size: u64) -> Result<Arc<Volume>> {
-        self.create_volume_opts(name, size, false)
-    }
-
-    /// [`Pool::create_volume`]; `force` creates it beyond the overcommit ratio.
-    pub fn create_volume_opts(&self, name: &str, size: u64, force: bool) -> Result<Arc<Volume>> {
-        validate_name("volume", name)?;
-        validate_volume_size(size, self.core.unit_size())?;
-        let vol = {
-            let mut s = self.core.lock();
-            if s.volumes.values().any(|v| v.name == name && !v.is_hidden()) {
-                return Err(Error::new(
-                    ErrorKind::AlreadyExists,
-                    format!("volume '{name}' already exists"),
-                ));
-            }
-            self.check_overcommit(
-                &s,
-                &format!("volume '{name}' of {}", human_bytes(size)),
-                size,
-                force,
-            )?;
-            let id = s.next_volume_id;
-            s.next_volume_id += 1;
-            let vol = Volume::new(
-                self.core.clone(),
-                id,
-                name.to_string(),
-                size,
-                now_secs(),
-                UnitMap::new(size.div_ceil(self.core.unit_size())),
-                Default::default(),
-            );
-            s.volumes.insert(id, vol.clone());
-            vol
-        };
-        if let Err(e) = self.core.checkpoint() {
-            self.core.lock().volumes.remove(&vol.id);
-            return Err(e);
-        }
-        Ok(vol)
-    }
-
-    /// Grow a volume. Shrinking is refused: it would silently drop data. Growing beyond
-    /// the pool's overcommit ratio is refused.
-    pub fn resize_volume(&self, vol: &Arc<Volume>, new_size: u64) -> Result<()> {
-        self.resize_volume_opts(vol, new_size, false)
-    }
-
-    /// [`Pool::resize_volume`]; `force` grows it beyond the overcommit ratio.
-    pub fn resize_volume_opts(&self, vol: &Arc<Volume>, new_size: u64, force: bool) -> Result<()> {
-        validate_volume_size(new_size, self.core.unit_size())?;
-        if vol.is_snapshot() {
-            return Err(Error::invalid(format!(
-                "'{}' is a snapshot: its size is the volume's when it was taken",
-                vol.name
-            )));
-        }
-        let old = vol.size();
-        if new_size < old {
-            return Err(Error::invalid(format!(
-                "volume '{}' is {old} bytes; shrinking to {new_size} is not supported",
-                vol.name
-            )));
-        }
-        if new_size == old {
-            return Ok(());
-        }
-        {
-            let s = self.core.lock();
-            self.check_overcommit(
-                &s,
-                &format!("growing volume '{}' to {}", vol.name, human_bytes(new_size)),
-                new_size - old,
-                force,
-            )?;
-            vol.grow(new_size, new_size.div_ceil(self.core.unit_size()));
-        }
-        self.core.checkpoint()
-    }
-
-    /// Delete a volume and give all its space back. Refused while clients hold it open.
-    pub fn delete_volume(&self, vol: &Arc<Volume>) -> Result<()> {
-        let open = vol.open_handles();
-        if open > 0 {
-            return Err(Error::new(
-                ErrorKind::Busy,
-                format!("volume '{}' is busy: {open} open connection(s)", vol.name),
-            ));
-        }
-        {
-            let mut s = self.core.lock();
-            if let Some(e) = s.exports.iter().find(|e| e.volume_id == vol.id) {
-                return Err(Error::new(
-                    ErrorKind::Busy,
-                    format!(
-                        "volume '{}' is exported as '{}'; remove the export first",
-                        vol.name, e.name
-                    ),
-                ));
-            }
-            // A snapshot that other volumes read through is hidden, not removed; a
-            // volume's removal may free hidden snapshots it was the last reader of.
-            self.delete_in_chain(&mut s, vol);
-        }
-        self.core.checkpoint()
-    }
-
     /// Set (or, with all fields empty, clear) a volume's QoS limits, live and durably.
     /// Pool units (indexes) that hold volume data, in pool order: what a background pass
     /// (scrub, rebuild) has to cover on a thin pool.
@@ -1773,34 +940,6 @@ impl Pool {
         found
     }
 
-    pub fn exports(&self) -> Vec<ExportRecord> {
-        self.core.lock().exports.clone()
-    }
-
-    pub fn add_export(&self, e: ExportRecord) -> Result<()> {
-        validate_name("export", &e.name)?;
-        {
-            let mut s = self.core.lock();
-            if !s.volumes.contains_key(&e.volume_id) {
-                return Err(Error::new(
-                    ErrorKind::NotFound,
-                    "volume not found in this pool",
-                ));
-            }
-            s.exports.push(e.clone());
-        }
-        if let Err(err) = self.core.checkpoint() {
-            self.core.lock().exports.retain(|x| x.name != e.name);
-            return Err(err);
-        }
-        Ok(())
-    }
-
-    pub fn remove_export(&self, name: &str) -> Result<()> {
-        self.core.lock().exports.retain(|x| x.name != name);
-        self.core.checkpoint()
-    }
-
     /// Commit now (used by tests and at shutdown).
     pub fn commit(&self) -> Result<()> {
         self.core.commit()
@@ -1911,76 +1050,6 @@ fn initial_owners(sb: &Superblock) -> Vec<(u32, u32)> {
             }
         })
         .collect()
-}
-
-/// A byte count computed in floating point (a ratio of a capacity), saturated into u64.
-#[allow(clippy::cast_possible_truncation)] // `as` saturates; the fraction of a byte goes
-fn saturating_bytes(x: f64) -> u64 {
-    x as u64
-}
-
-/// Names are what users type on command lines and in NBD URIs: keep them plain.
-pub fn validate_name(what: &str, name: &str) -> Result<()> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        && !name.starts_with('.');
-    if ok {
-        Ok(())
-    } else {
-        Err(Error::invalid(format!("bad {what} name '{name}': use 1-64 characters from A-Z a-z 0-9 - _ . (not starting with '.')")))
-    }
-}
-
-/// Sum of the virtual sizes of the pool's volumes (snapshots promise no new space: they
-/// only keep what their volume had).
-fn provisioned(s: &State) -> u64 {
-    s.volumes
-        .values()
-        .filter(|v| !v.is_snapshot())
-        .map(|v| v.size())
-        .sum()
-}
-
-pub fn validate_overcommit(ratio: f64) -> Result<()> {
-    if ratio.is_finite() && ratio > 0.0 {
-        Ok(())
-    } else {
-        Err(Error::invalid(format!(
-            "overcommit ratio {ratio} must be a number above 0 (e.g. 1 for none, 20)"
-        )))
-    }
-}
-
-/// Bytes in binary units for messages ("4.0 GiB"; exact below 1 KiB).
-pub fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    if b < 1024 {
-        return format!("{b} B");
-    }
-    let mut v = b as f64 / 1024.0;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < UNITS.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    format!("{v:.1} {}", UNITS[i])
-}
-
-fn validate_volume_size(size: u64, unit: u64) -> Result<()> {
-    if size == 0 || !size.is_multiple_of(512) {
-        return Err(Error::invalid(format!(
-            "volume size {size} must be a non-zero multiple of 512 bytes"
-        )));
-    }
-    if size.div_ceil(unit) >= u32::MAX as u64 {
-        return Err(Error::invalid(
-            "volume too large for this pool's allocation unit",
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -41,8 +41,8 @@ use std::sync::{Arc, Weak};
 use tessera_io::buf::AlignedBuf;
 use tessera_io::{Continuation, CoreIo, IoOp, Tag};
 
+use crate::layout::parity::{Parity, MAX_CHUNK};
 use crate::layout::{reason_of, Layout};
-use crate::parity::{Parity, MAX_CHUNK};
 use tessera_io::cast::{u32_of, usize_of};
 
 /// Which kind of device operation of the engine failed, with the device's index: the
