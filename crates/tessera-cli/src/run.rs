@@ -2,6 +2,7 @@
 //! when it serves and when it stops.
 
 use std::path::{Path, PathBuf};
+use tessera_io::sync::RwLockExt;
 
 use clap::Args;
 use tessera_api::{PoolEntry, TlsPolicy};
@@ -203,10 +204,7 @@ fn serve(cfg: NodeConfig) -> Result<()> {
         listener::start_nbd_unix(&node, &p)?;
         addrs.push(format!("unix:{}", paths::absolute(&p).display()));
     }
-    *node
-        .nbd_addresses
-        .write()
-        .unwrap_or_else(|e| e.into_inner()) = addrs
+    *node.nbd_addresses.write_locked() = addrs
         .iter()
         .filter(|a| a.starts_with("nbd://"))
         .cloned()

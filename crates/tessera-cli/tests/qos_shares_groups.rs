@@ -5,6 +5,7 @@
 mod common;
 
 use std::time::Duration;
+use tessera_io::sync::MutexExt;
 
 use common::*;
 
@@ -12,7 +13,7 @@ use common::*;
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    SERIAL.locked()
 }
 
 fn within(got: f64, want: f64, tol: f64) -> bool {

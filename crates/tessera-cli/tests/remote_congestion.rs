@@ -11,6 +11,7 @@
 
 mod common;
 use common::*;
+use tessera_io::sync::MutexExt;
 
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -36,7 +37,7 @@ const RATE: u64 = 4 << 20;
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn exclusive() -> MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+    ONE_AT_A_TIME.locked()
 }
 
 /// A node exporting a 64 MiB RAM volume over NVMe/TCP (and NBD, for checking);

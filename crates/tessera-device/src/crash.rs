@@ -9,6 +9,7 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tessera_io::cast::usize_of;
+use tessera_io::sync::MutexExt;
 
 use crate::{check_range, out_of_range, BlockDevice, CoreIo, IoHandle, IoOp, Tag};
 
@@ -94,7 +95,7 @@ impl CrashDevice {
     }
 
     fn st(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     fn record_write(&self, offset: u64, data: &[u8]) {

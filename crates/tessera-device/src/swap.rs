@@ -19,6 +19,7 @@
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+use tessera_io::sync::RwLockExt;
 
 use crate::{BlockDevice, CoreIo, IoHandle, IoOp, Tag};
 
@@ -48,7 +49,7 @@ impl SwappableDevice {
 
     /// The device I/O goes to now.
     pub fn current(&self) -> Arc<dyn BlockDevice> {
-        self.inner.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.inner.read_locked().clone()
     }
 
     /// How many swaps happened.
@@ -88,7 +89,7 @@ impl SwappableDevice {
                 self.alignment
             ));
         }
-        let mut cur = self.inner.write().unwrap_or_else(|e| e.into_inner());
+        let mut cur = self.inner.write_locked();
         *cur = new;
         // Under the lock: a handle that sees the new generation reads the new device.
         self.generation.fetch_add(1, Ordering::AcqRel);

@@ -32,6 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tessera_io::cast::{u32_of, usize_of};
+use tessera_io::sync::MutexExt;
 
 use tessera_io::Continuation;
 
@@ -95,7 +96,7 @@ impl Watchdog {
 
     /// Device `dev_index` has a hang reported and not yet over (see the module docs).
     pub fn is_hung(&self, dev_index: usize) -> bool {
-        let devs = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        let devs = self.devices.locked();
         devs.get(dev_index)
             .and_then(|d| d.as_ref())
             .is_some_and(|d| d.reported.load(Relaxed))
@@ -105,7 +106,7 @@ impl Watchdog {
     /// callback is given. Handles of one device on different cores share its state.
     pub fn wrap(self: &Arc<Self>, dev_index: usize, inner: Box<dyn IoHandle>) -> Box<dyn IoHandle> {
         let dev = {
-            let mut devs = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+            let mut devs = self.devices.locked();
             if devs.len() <= dev_index {
                 devs.resize(dev_index + 1, None);
             }

@@ -9,6 +9,7 @@
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use tessera_io::sync::MutexExt;
 
 pub struct LogLimiter {
     kind: &'static str,
@@ -44,7 +45,7 @@ impl LogLimiter {
     }
 
     fn admit_at(&self, now: Instant) -> bool {
-        let mut w = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = self.state.locked();
         let expired = w.start.is_none_or(|s| now.duration_since(s) >= self.window);
         if expired {
             if w.suppressed > 0 {

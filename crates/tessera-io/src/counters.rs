@@ -8,6 +8,7 @@
 //! counting closed connections and dropped handles. Registering, unregistering and
 //! summing take a mutex: control plane only, never per I/O.
 
+use crate::sync::MutexExt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// A block of counters one owner writes, and how its figures add into totals.
@@ -43,7 +44,7 @@ impl<C: Counters> Default for CounterRegistry<C> {
 
 impl<C: Counters> CounterRegistry<C> {
     fn lock(&self) -> MutexGuard<'_, Registered<C>> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.locked()
     }
 
     /// A new block for one owner; hand it back with [`CounterRegistry::unregister`].

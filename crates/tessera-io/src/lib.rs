@@ -15,6 +15,7 @@ pub mod counters;
 pub mod hist;
 pub mod poll;
 pub mod reactor;
+pub mod sync;
 mod tag;
 pub mod units;
 

@@ -1,5 +1,6 @@
 //! The reactor loop: one thread per core, one io_uring, many tasks.
 
+use crate::sync::MutexExt;
 use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -114,7 +115,7 @@ impl Mailbox {
     }
 
     pub fn send(&self, m: Msg) {
-        self.queue.lock().unwrap_or_else(|e| e.into_inner()).push(m);
+        self.queue.locked().push(m);
         let one: u64 = 1;
         // SAFETY: writing 8 bytes from a valid u64 to our eventfd.
         unsafe { libc::write(self.efd, &one as *const u64 as *const libc::c_void, 8) };
@@ -125,7 +126,7 @@ impl Mailbox {
     }
 
     fn take(&self) -> Vec<Msg> {
-        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *self.queue.locked())
     }
 }
 

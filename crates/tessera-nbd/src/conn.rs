@@ -38,6 +38,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
+use tessera_io::sync::MutexExt;
 
 use tessera_export::budget::ConnBudget;
 use tessera_export::conn::{
@@ -176,7 +177,7 @@ impl EdgeLocks {
     /// The table of the export whose target is at `key`, shared by all its connections.
     fn of(key: usize) -> Arc<EdgeLocks> {
         static TABLES: Mutex<Vec<(usize, Weak<EdgeLocks>)>> = Mutex::new(Vec::new());
-        let mut t = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = TABLES.locked();
         t.retain(|(_, w)| w.strong_count() > 0);
         if let Some(l) = t
             .iter()
@@ -192,7 +193,7 @@ impl EdgeLocks {
 
     /// Take `blocks` (one or two block offsets) for `owner`, all or none.
     fn try_take(&self, owner: u64, blocks: &[u64]) -> bool {
-        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mut h = self.held.locked();
         if h.iter().any(|&(b, o)| o != owner && blocks.contains(&b)) {
             return false;
         }
@@ -201,7 +202,7 @@ impl EdgeLocks {
     }
 
     fn release(&self, owner: u64) {
-        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mut h = self.held.locked();
         h.retain(|&(_, o)| o != owner);
     }
 }

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use tessera_io::sync::MutexExt;
 
 use tessera_api::BackgroundList;
 use tessera_qos::BackgroundLimits;
@@ -47,7 +48,7 @@ impl Background {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, BackgroundLimits>> {
-        self.set.lock().unwrap_or_else(|e| e.into_inner())
+        self.set.locked()
     }
 
     /// A class's settings: what was set, else the default.

@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tessera_io::sync::MutexExt;
 
 use serde::{Deserialize, Serialize};
 use tessera_api::GroupInfo;
@@ -116,7 +117,7 @@ impl Groups {
     }
 
     fn volumes(&self) -> std::sync::MutexGuard<'_, VolumeTable> {
-        self.volumes.lock().unwrap_or_else(|e| e.into_inner())
+        self.volumes.locked()
     }
 
     fn save_volumes(&self, t: &VolumeTable) -> Result<(), Error> {
@@ -185,7 +186,7 @@ impl Groups {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Group>> {
-        self.groups.lock().unwrap_or_else(|e| e.into_inner())
+        self.groups.locked()
     }
 
     fn save(&self, groups: &BTreeMap<String, Group>) -> Result<(), Error> {

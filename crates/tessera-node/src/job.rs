@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tessera_io::cast::u64_of_f64;
+use tessera_io::sync::MutexExt;
 
 use tessera_io::hist::Histogram;
 use tessera_pool::Pool;
@@ -267,7 +268,7 @@ impl<P: AsMut<Figures>> Job<P> {
     }
 
     pub(crate) fn progress(&self) -> MutexGuard<'_, P> {
-        self.progress.lock().unwrap_or_else(|e| e.into_inner())
+        self.progress.locked()
     }
 
     pub(crate) fn is_running(&self) -> bool {

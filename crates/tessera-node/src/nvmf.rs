@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
+use tessera_io::sync::MutexExt;
 
 use crate::error::Error;
 use crate::target::NodeTarget;
@@ -212,11 +213,11 @@ impl NvmfState {
     pub(crate) fn cluster_paths(
         &self,
     ) -> std::sync::MutexGuard<'_, BTreeMap<String, ClusterPathRecord>> {
-        self.cluster_paths.lock().unwrap_or_else(|e| e.into_inner())
+        self.cluster_paths.locked()
     }
 
     pub(crate) fn file(&self) -> std::sync::MutexGuard<'_, NvmfFile> {
-        self.file.lock().unwrap_or_else(|e| e.into_inner())
+        self.file.locked()
     }
 
     /// Replace the file atomically (temporary file, fsync, rename, fsync directory).

@@ -23,6 +23,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::*};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
+use tessera_io::sync::{MutexExt, RwLockExt};
 
 use tessera_export::{Export, ExportTarget};
 use tracing::warn;
@@ -206,18 +207,15 @@ impl<T: ExportTarget> Target<T> {
     }
 
     pub fn add_port(&self, p: Port) {
-        self.ports
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(p);
+        self.ports.write_locked().push(p);
     }
 
     pub fn ports(&self) -> Vec<Port> {
-        self.ports.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.ports.read_locked().clone()
     }
 
     fn ctrls(&self) -> MutexGuard<'_, BTreeMap<u16, Arc<Controller<T>>>> {
-        self.ctrls.lock().unwrap_or_else(|e| e.into_inner())
+        self.ctrls.locked()
     }
 
     /// Milliseconds since the target started (the keep-alive clock).
@@ -235,7 +233,7 @@ impl<T: ExportTarget> Target<T> {
                 "controller ID range {first}..={last} is not within 1..=0xFFEF"
             ));
         }
-        *self.next_cntlid.lock().unwrap_or_else(|e| e.into_inner()) = (first, first, last);
+        *self.next_cntlid.locked() = (first, first, last);
         Ok(())
     }
 
@@ -253,7 +251,7 @@ impl<T: ExportTarget> Target<T> {
         // CNTLIDs from the range (1..=0xFFEF by default); skip ones in use (a
         // long-lived node wraps around).
         let cntlid = {
-            let mut g = self.next_cntlid.lock().unwrap_or_else(|e| e.into_inner());
+            let mut g = self.next_cntlid.locked();
             let (next, first, last) = &mut *g;
             let step = |n: u16| {
                 if n >= *last || n < *first {
@@ -336,7 +334,7 @@ impl<T: ExportTarget> Target<T> {
                 .copied()
                 .collect();
             changed.sort_unstable();
-            *c.sub.write().unwrap_or_else(|e| e.into_inner()) = fresh.clone().map(Arc::new);
+            *c.sub.write_locked() = fresh.clone().map(Arc::new);
             c.ns_gen.fetch_add(1, Release);
             if !changed.is_empty() {
                 let mut st = c.state();
@@ -378,8 +376,7 @@ impl<T: ExportTarget> Target<T> {
     /// The ANA group of namespace `nsid` of subsystem `nqn` (created Optimized).
     pub fn ana_group(&self, nqn: &str, nsid: u32) -> Arc<AnaGroup> {
         self.ana
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .entry((nqn.to_string(), nsid))
             .or_insert_with(|| Arc::new(AnaGroup::new()))
             .clone()
@@ -455,7 +452,7 @@ impl<T: ExportTarget> Target<T> {
     /// NVMe/TCP I/O listeners): a host reading this target's discovery log learns them
     /// with this target's own. Replaces what was set before; an empty list removes them.
     pub fn set_other_paths(&self, nqn: &str, paths: Vec<(String, String)>) {
-        let mut m = self.other_paths.write().unwrap_or_else(|e| e.into_inner());
+        let mut m = self.other_paths.write_locked();
         let changed = if paths.is_empty() {
             m.remove(nqn).is_some()
         } else {
@@ -522,7 +519,7 @@ impl<T: ExportTarget> Target<T> {
                 });
             }
         }
-        let other = self.other_paths.read().unwrap_or_else(|e| e.into_inner());
+        let other = self.other_paths.read_locked();
         for (nqn, paths) in other.iter() {
             if self
                 .catalog
@@ -600,13 +597,12 @@ pub(crate) struct CtrlState {
 
 impl<T> Controller<T> {
     pub(crate) fn state(&self) -> MutexGuard<'_, CtrlState> {
-        self.st.lock().unwrap_or_else(|e| e.into_inner())
+        self.st.locked()
     }
 
     pub fn namespaces(&self) -> Vec<NamespaceEntry<T>> {
         self.sub
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .as_ref()
             .map(|s| s.namespaces.clone())
             .unwrap_or_default()
@@ -614,8 +610,7 @@ impl<T> Controller<T> {
 
     pub fn serial(&self) -> String {
         self.sub
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .as_ref()
             .map(|s| s.serial.clone())
             .unwrap_or_else(|| "tessera-discovery".into())

@@ -280,10 +280,13 @@ impl ReedSolomon {
     }
 
     fn plan(&self, key: [u64; 4]) -> Arc<Plan> {
+        // The workspace's lock policy (`tessera_io::sync`: a poisoned lock is still taken),
+        // written out here because this crate depends on nothing: the cache holds only
+        // complete plans, so whatever a panicking thread left in it is valid.
         if let Some(p) = self
             .cache
             .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .get(&key)
         {
             return p.clone();
@@ -306,7 +309,10 @@ impl ReedSolomon {
             }
         }
         let plan = Arc::new(Plan { survivors, coeffs });
-        let mut cache = self.cache.write().unwrap_or_else(|e| e.into_inner());
+        let mut cache = self
+            .cache
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if cache.len() >= CACHE_LIMIT {
             cache.clear();
         }

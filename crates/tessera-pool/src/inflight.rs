@@ -19,6 +19,7 @@ use std::sync::atomic::Ordering::{Relaxed, Release, SeqCst};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::ThreadId;
 use std::time::Duration;
+use tessera_io::sync::MutexExt;
 
 use tessera_io::{Continuation, CoreIo, IoOp, Tag};
 
@@ -61,12 +62,12 @@ impl IoEpochs {
     /// Never called with the pool lock held: a request in flight may need it (an
     /// allocation, a first write).
     pub(crate) fn drain(&self, before: impl FnOnce(u64)) -> bool {
-        let _one = self.drain.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = self.drain.locked();
         before(self.epoch.load(SeqCst) + 1);
         let old = self.epoch.fetch_add(1, SeqCst);
         let slot = (old & 1) as usize;
         let cores: Vec<Arc<CoreCount>> = {
-            let mut c = self.cores.lock().unwrap_or_else(|e| e.into_inner());
+            let mut c = self.cores.locked();
             c.retain(|w| w.strong_count() > 0);
             c.iter().filter_map(Weak::upgrade).collect()
         };
@@ -179,11 +180,7 @@ pub(crate) fn inflight_for(io: &mut CoreIo, epochs: &Arc<IoEpochs>) -> Rc<CoreIn
         counts: [AtomicU64::new(0), AtomicU64::new(0)],
         thread: std::thread::current().id(),
     });
-    epochs
-        .cores
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(Arc::downgrade(&count));
+    epochs.cores.locked().push(Arc::downgrade(&count));
     let c = Rc::new(CoreInflight {
         epochs: epochs.clone(),
         count,

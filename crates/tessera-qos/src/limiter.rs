@@ -8,6 +8,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
+use tessera_io::sync::RwLockExt;
 
 use crate::bucket::TokenBucket;
 use tessera_api::qos::QosLimits;
@@ -166,7 +167,7 @@ impl VolumeQos {
     /// Callers should [`QosLimits::validate`] first; a zero rate behaves as
     /// a rate of 1 per core.
     pub fn set_limits(&self, l: QosLimits) {
-        let mut guard = self.limits.write().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.limits.write_locked();
         for (pool, g) in self.one_time_pool.iter().zip(globals(&l)) {
             pool.store(g.map_or(0, |g| g.one_time), Ordering::Relaxed);
         }
@@ -175,21 +176,18 @@ impl VolumeQos {
     }
 
     pub fn limits(&self) -> QosLimits {
-        self.limits
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.limits.read_locked().clone()
     }
 
     /// Make this volume's requests pass `group`'s limits too (or stop, with
     /// `None`). Cores pick the change up on their next request.
     pub fn set_group(&self, group: Option<Arc<VolumeQos>>) {
-        *self.group.write().unwrap_or_else(|e| e.into_inner()) = group;
+        *self.group.write_locked() = group;
         self.group_generation.fetch_add(1, Ordering::Release);
     }
 
     pub fn group(&self) -> Option<Arc<VolumeQos>> {
-        self.group.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.group.read_locked().clone()
     }
 
     /// Whether any core refused a request of this volume (or group) within

@@ -48,6 +48,7 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tessera_io::sync::MutexExt;
 
 use tessera_device::{BlockDevice, IoHandle};
 use tessera_nvmf::initiator::{Controller, Error as NvmfError, Options, Queue};
@@ -333,7 +334,7 @@ impl RemoteDevice {
     /// when there is none or the current one refuses (the target restarted). Blocking:
     /// called from connect threads, never on a reactor.
     pub(crate) fn connect_io_queue(&self, qid: u16) -> Result<Queue, String> {
-        let mut admin = self.admin.lock().unwrap_or_else(|e| e.into_inner());
+        let mut admin = self.admin.locked();
         let mut last = String::new();
         for fresh in [false, true] {
             if fresh || admin.ctrl.is_none() || !self.path_usable(&mut admin) {
@@ -407,7 +408,7 @@ impl RemoteDevice {
         &self,
         mut f: impl FnMut(&mut Controller, usize) -> tessera_nvmf::initiator::Result<T>,
     ) -> io::Result<T> {
-        let mut admin = self.admin.lock().unwrap_or_else(|e| e.into_inner());
+        let mut admin = self.admin.locked();
         let multipath = self.spec.multipath();
         let deadline = std::time::Instant::now() + self.cfg.timeout;
         let mut backoff = Duration::from_millis(20);
@@ -710,7 +711,7 @@ impl RemoteDevice {
     /// keep one. For a device its owner stops using (a replica removed or deleted); a
     /// later synchronous I/O would connect again.
     pub fn disconnect(&self) {
-        self.admin.lock().unwrap_or_else(|e| e.into_inner()).ctrl = None;
+        self.admin.locked().ctrl = None;
     }
 
     /// How many connections to the peer were lost so far (on the per-core queues and the
@@ -731,10 +732,7 @@ impl RemoteDevice {
 
     /// A handle gave its queue id back.
     pub(crate) fn release_qid(&self, qid: u16) {
-        self.free_qids
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(qid);
+        self.free_qids.locked().push(qid);
     }
 }
 

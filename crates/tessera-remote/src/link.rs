@@ -18,6 +18,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tessera_io::sync::MutexExt;
 
 use io_uring::{opcode, types};
 use tessera_device::{CoreIo, IoHandle, IoOp, Tag};
@@ -242,11 +243,7 @@ impl RemoteHandle {
 
     /// A concrete handle for the calling core (the trait's `open_handle` boxes this).
     pub fn open(dev: &Arc<RemoteDevice>) -> RemoteHandle {
-        let qid = dev
-            .free_qids
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop();
+        let qid = dev.free_qids.locked().pop();
         RemoteHandle::new(dev.clone(), qid)
     }
 
@@ -1058,7 +1055,7 @@ impl Link {
         let dev = self.dev.clone();
         let Some(mailbox) = io.remote_completer() else {
             // No reactor (a tool driving a bare CoreIo): connect here, deliver next round.
-            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(dev.connect_io_queue(qid));
+            *slot.locked() = Some(dev.connect_io_queue(qid));
             io.defer(tag);
             return;
         };
@@ -1066,12 +1063,11 @@ impl Link {
             .name(format!("tessera-remote-connect-q{qid}"))
             .spawn(move || {
                 let r = dev.connect_io_queue(qid);
-                *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                *slot.locked() = Some(r);
                 mailbox.complete(tag, 0);
             });
         if let Err(e) = spawned {
-            *self.connect_slot.lock().unwrap_or_else(|e| e.into_inner()) =
-                Some(Err(format!("cannot start a connect thread: {e}")));
+            *self.connect_slot.locked() = Some(Err(format!("cannot start a connect thread: {e}")));
             io.defer(tag);
         }
     }
@@ -1080,8 +1076,7 @@ impl Link {
         self.connecting = false;
         let r = self
             .connect_slot
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .take()
             .unwrap_or_else(|| Err("no connect result".into()));
         match r {

@@ -17,6 +17,7 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering::*;
 use std::sync::{Arc, Weak};
 use tessera_io::cast::{u32_of, usize_of};
+use tessera_io::sync::RwLockExt;
 
 use tessera_device::IoHandle;
 use tessera_export::ExportHandle;
@@ -183,7 +184,7 @@ impl ReplicaCore {
             if g == self.gens[i].get() {
                 continue;
             }
-            let h = match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+            let h = match &*l.dev.read_locked() {
                 LegDev::Local(v) => LegHandle::Local(v.open_handle()),
                 LegDev::Remote(Some(d)) => LegHandle::Remote(RemoteHandle::open(d)),
                 LegDev::Remote(None) => LegHandle::Absent,

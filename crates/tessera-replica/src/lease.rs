@@ -37,6 +37,7 @@ use std::sync::atomic::Ordering::*;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{OnceLock, Weak};
 use std::time::{Duration, Instant};
+use tessera_io::sync::RwLockExt;
 
 use tracing::{info, warn};
 
@@ -163,8 +164,7 @@ fn pinger(vol: Weak<ReplicatedVolume>, every: Duration) {
                 let i = legs.trailing_zeros() as usize;
                 legs &= legs - 1;
                 let l = &v.legs[i];
-                let LegDev::Remote(Some(dev)) = &*l.dev.read().unwrap_or_else(|e| e.into_inner())
-                else {
+                let LegDev::Remote(Some(dev)) = &*l.dev.read_locked() else {
                     continue;
                 };
                 if l.lease.pinging.swap(true, AcqRel) {

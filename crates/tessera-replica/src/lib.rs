@@ -32,6 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize,
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use std::{fs, io};
+use tessera_io::sync::{MutexExt, RwLockExt};
 
 use tessera_api::{ReplicaInfo, ReplicaState};
 use tessera_export::{ExportTarget, IoStats, StatsRegistry, StatsSnapshot};
@@ -235,22 +236,19 @@ impl Leg {
     }
 
     pub(crate) fn desc(&self) -> LegDesc {
-        self.desc.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.desc.read_locked().clone()
     }
 
     pub(crate) fn place(&self) -> String {
-        self.desc.read().unwrap_or_else(|e| e.into_inner()).place()
+        self.desc.read_locked().place()
     }
 
     pub(crate) fn is_local(&self) -> bool {
-        matches!(
-            *self.desc.read().unwrap_or_else(|e| e.into_inner()),
-            LegDesc::Local { .. }
-        )
+        matches!(*self.desc.read_locked(), LegDesc::Local { .. })
     }
 
     pub(crate) fn set_error(&self, e: Option<String>) {
-        *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = e;
+        *self.last_error.locked() = e;
     }
 }
 
@@ -505,8 +503,7 @@ impl ReplicatedVolume {
                     Ok(dev) => {
                         // The peer let this owner connect: the read lease's first answer.
                         l.lease.answered_at(sent);
-                        *l.dev.write().unwrap_or_else(|e| e.into_inner()) =
-                            LegDev::Remote(Some(dev));
+                        *l.dev.write_locked() = LegDev::Remote(Some(dev));
                         if m.header.states[i] == LegState::InSync {
                             mask |= 1 << i;
                         }
@@ -514,8 +511,7 @@ impl ReplicatedVolume {
                     Err(e) => {
                         warn!(volume = %h.desc.name, leg = %l.place(), error = %e,
                             "replicated volume: replica unreachable at open");
-                        *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) =
-                            Some(e.to_string());
+                        *l.last_error.locked() = Some(e.to_string());
                         if m.header.states[i] == LegState::InSync {
                             m.set_state(i, LegState::OutOfSync);
                             l.state.store(LegState::OutOfSync as u8, Relaxed);
@@ -568,12 +564,12 @@ impl ReplicatedVolume {
         let t = std::thread::Builder::new()
             .name(format!("rset-{}", vol.name))
             .spawn(move || persist::run(w, m, rx))?;
-        *vol.persister.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        *vol.persister.locked() = Some(t);
         let w = Arc::downgrade(&vol);
         let t = std::thread::Builder::new()
             .name(format!("rsup-{}", vol.name))
             .spawn(move || resync::supervise(w))?;
-        *vol.supervisor.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        *vol.supervisor.locked() = Some(t);
         info!(volume = %vol.name, legs = h.desc.legs.len(), region_size = h.region_size,
             "replicated volume open");
         Ok(vol)
@@ -586,11 +582,11 @@ impl ReplicatedVolume {
     /// The bandwidth of resyncs started from now on (bytes per second, 0: unlimited).
     /// Put the volume under a cluster's fence (before it serves).
     pub fn set_leg_fence(&self, f: Arc<dyn LegFence>) {
-        *self.fence.write().unwrap_or_else(|e| e.into_inner()) = Some(f);
+        *self.fence.write_locked() = Some(f);
     }
 
     pub(crate) fn leg_fence(&self) -> Option<Arc<dyn LegFence>> {
-        self.fence.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.fence.read_locked().clone()
     }
 
     /// Each leg's place and whether it is in sync (persisted state), vacant slots left out.
@@ -696,14 +692,8 @@ impl ReplicatedVolume {
         while l.progress.running.load(Acquire) && Instant::now() < end {
             std::thread::sleep(Duration::from_millis(10));
         }
-        let desc = std::mem::replace(
-            &mut *l.desc.write().unwrap_or_else(|e| e.into_inner()),
-            LegDesc::Vacant,
-        );
-        let old = std::mem::replace(
-            &mut *l.dev.write().unwrap_or_else(|e| e.into_inner()),
-            LegDev::Remote(None),
-        );
+        let desc = std::mem::replace(&mut *l.desc.write_locked(), LegDesc::Vacant);
+        let old = std::mem::replace(&mut *l.dev.write_locked(), LegDev::Remote(None));
         if let LegDev::Remote(Some(d)) = old {
             d.disconnect();
         }
@@ -749,14 +739,14 @@ impl ReplicatedVolume {
     /// The local leg's volume, if the owner holds a replica.
     pub fn local_volume(&self) -> Option<Arc<Volume>> {
         let l = &self.legs[self.local?];
-        match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+        match &*l.dev.read_locked() {
             LegDev::Local(v) => Some(v.clone()),
             LegDev::Remote(_) => None,
         }
     }
 
     pub(crate) fn send(&self, r: persist::Req) {
-        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = self.tx.locked();
         // A closed channel means the set is closing; whoever waits is completed by
         // `persist::run`'s drain (or gets EIO from a dropped `Done`).
         let _ = tx.send(r);
@@ -771,7 +761,7 @@ impl ReplicatedVolume {
             .enumerate()
             .filter(|(_, l)| !l.is_vacant())
             .map(|(i, l)| {
-                let connected = match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+                let connected = match &*l.dev.read_locked() {
                     LegDev::Local(_) => true,
                     LegDev::Remote(d) => d.is_some(),
                 };
@@ -863,7 +853,7 @@ impl ReplicatedVolume {
         let _ = rx.recv_timeout(Duration::from_secs(30));
         // And the admin and synchronous queues: the peers see the owner go.
         for l in &self.legs {
-            let mut d = l.dev.write().unwrap_or_else(|e| e.into_inner());
+            let mut d = l.dev.write_locked();
             if let LegDev::Remote(r) = &mut *d {
                 if let Some(dev) = r.take() {
                     dev.disconnect();
@@ -871,7 +861,7 @@ impl ReplicatedVolume {
             }
         }
         for t in [&self.supervisor, &self.persister] {
-            if let Some(t) = t.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            if let Some(t) = t.locked().take() {
                 let _ = t.join();
             }
         }

@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering::*;
 use std::sync::{mpsc, Weak};
 use std::time::Duration;
 use tessera_io::cast::usize_of;
+use tessera_io::sync::{MutexExt, RwLockExt};
 
 use tessera_io::reactor::RemoteCompleter;
 use tessera_io::Tag;
@@ -373,7 +374,7 @@ fn leg_failed(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize, res: i32, dura
     // Datapath first: no new I/O goes to the leg, the resync (if any) stops.
     v.masks.fetch_and(!(bit | bit << 8), AcqRel);
     let l = &v.legs[leg];
-    *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!(
+    *l.last_error.locked() = Some(format!(
         "I/O failed: {}",
         std::io::Error::from_raw_os_error(-res)
     ));
@@ -441,7 +442,7 @@ fn watch_legs(v: &ReplicatedVolume, m: &mut MetaFile) -> bool {
         if (in_sync(masks) | resyncing(masks)) & (1 << i) == 0 || v.closing.load(Acquire) {
             continue;
         }
-        let breaks = match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+        let breaks = match &*l.dev.read_locked() {
             LegDev::Remote(Some(d)) => d.breaks(),
             _ => continue,
         };
@@ -468,7 +469,7 @@ fn flush_for_close(v: &ReplicatedVolume, m: &mut MetaFile, legs: u64) {
         if legs & (1 << i) == 0 {
             continue;
         }
-        let dev = match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+        let dev = match &*l.dev.read_locked() {
             LegDev::Remote(Some(d)) => d.clone(),
             _ => continue,
         };
@@ -507,7 +508,7 @@ fn resync_done(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize) -> bool {
     // the two and sends to the leg either way.
     v.masks.fetch_or(bit, AcqRel);
     v.masks.fetch_and(!(bit << 8), AcqRel);
-    *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    *l.last_error.locked() = None;
     info!(volume = %v.name, leg = %l.place(), "replicated volume: replica back in sync");
     if let Some(f) = v.leg_fence() {
         f.after_in_sync(&v.name, &l.place());
@@ -592,8 +593,8 @@ fn add_leg(v: &ReplicatedVolume, m: &mut MetaFile, desc: LegDesc) -> io::Result<
         return Err(e);
     }
     let l = &v.legs[slot];
-    *l.desc.write().unwrap_or_else(|e| e.into_inner()) = desc;
-    *l.dev.write().unwrap_or_else(|e| e.into_inner()) = LegDev::Remote(None);
+    *l.desc.write_locked() = desc;
+    *l.dev.write_locked() = LegDev::Remote(None);
     v.bump_gen(slot);
     for s in l.regions.iter() {
         s.store(DIRTY, Release);

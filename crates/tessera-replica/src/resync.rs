@@ -16,6 +16,7 @@ use std::sync::atomic::Ordering::*;
 use std::sync::{mpsc, Arc, Weak};
 use std::time::{Duration, Instant};
 use tessera_io::cast::{u32_of, usize_of};
+use tessera_io::sync::{MutexExt, RwLockExt};
 
 use tessera_device::BlockDevice;
 use tessera_io::reactor::Task;
@@ -88,7 +89,7 @@ pub(crate) fn supervise(vol: Weak<ReplicatedVolume>) {
             // the probe's reconnect) are accounted for by its dirty regions; one lost
             // from now on, once it resyncs, drops it again (`persist::watch_legs`). (A
             // next pass of a running resync, `finish`, keeps the count it had.)
-            if let LegDev::Remote(Some(d)) = &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+            if let LegDev::Remote(Some(d)) = &*l.dev.read_locked() {
                 l.breaks_seen.store(d.breaks(), Release);
             }
             let Some(source) = pick_source(&v, m) else {
@@ -102,7 +103,7 @@ pub(crate) fn supervise(vol: Weak<ReplicatedVolume>) {
 /// Whether leg `i` answers now (connecting a remote that never was).
 fn reachable(v: &ReplicatedVolume, i: usize) -> bool {
     let l = &v.legs[i];
-    let dev = match &*l.dev.read().unwrap_or_else(|e| e.into_inner()) {
+    let dev = match &*l.dev.read_locked() {
         LegDev::Local(_) => return true,
         LegDev::Remote(d) => d.clone(),
     };
@@ -114,20 +115,19 @@ fn reachable(v: &ReplicatedVolume, i: usize) -> bool {
             };
             match connect_remote(spec, &v.opts) {
                 Ok(d) => {
-                    *l.dev.write().unwrap_or_else(|e| e.into_inner()) =
-                        LegDev::Remote(Some(d.clone()));
+                    *l.dev.write_locked() = LegDev::Remote(Some(d.clone()));
                     v.bump_gen(i);
                     d
                 }
                 Err(e) => {
-                    *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.to_string());
+                    *l.last_error.locked() = Some(e.to_string());
                     return false;
                 }
             }
         }
     };
     if dev.size() < v.size() {
-        *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!(
+        *l.last_error.locked() = Some(format!(
             "the replica has {} bytes, the volume {}",
             dev.size(),
             v.size()
@@ -146,7 +146,7 @@ fn reachable(v: &ReplicatedVolume, i: usize) -> bool {
             true
         }
         Err(e) => {
-            *l.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.to_string());
+            *l.last_error.locked() = Some(e.to_string());
             false
         }
     }
@@ -183,7 +183,7 @@ fn start(v: &Arc<ReplicatedVolume>, leg: usize, source: usize) {
     let p = &l.progress;
     p.total.store(dirty * v.region_size(), Relaxed);
     p.copied.store(0, Relaxed);
-    *p.started.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    *p.started.locked() = Some(Instant::now());
     p.running.store(true, Release);
     v.masks.fetch_or(1 << (8 + leg), AcqRel);
     info!(volume = %v.name, leg = %l.place(), source = %v.legs[source].place(),

@@ -18,6 +18,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use tessera_io::sync::MutexExt;
 
 /// Connections relayed at once; more are closed at accept.
 pub const MAX_CONNECTIONS: usize = 32;
@@ -99,7 +100,7 @@ impl Drop for ShapingProxy {
         if let Some(t) = self.acceptor.take() {
             let _ = t.join();
         }
-        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
+        let conns = std::mem::take(&mut *self.conns.locked());
         for c in &conns {
             for s in &c.sockets {
                 let _ = s.shutdown(Shutdown::Both);
@@ -125,7 +126,7 @@ fn accept_loop(
             return;
         }
         let Ok(client) = client else { continue };
-        let mut live = conns.lock().unwrap_or_else(|e| e.into_inner());
+        let mut live = conns.locked();
         // Forget connections whose threads have all ended (joined: they are done).
         let (ended, running): (Vec<Conn>, Vec<Conn>) = std::mem::take(&mut *live)
             .into_iter()

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tessera_io::sync::RwLockExt;
 
 use tessera_api::{ClusterNode, ClusterPool, ClusterStatus, ClusterVolume};
 use tessera_cluster::{placement, volume_key, Etcd, Membership, MembershipConfig};
@@ -75,11 +76,7 @@ impl Node {
             name: self.cfg.node_name(),
             api,
             nvmf: self.cfg.nvmf.enabled.then(|| self.cfg.nvmf.listen.clone()),
-            nbd: self
-                .nbd_addresses
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
+            nbd: self.nbd_addresses.read_locked().clone(),
             labels: self.cfg.cluster.labels.clone(),
             pools,
             started: std::time::SystemTime::now()

@@ -1,6 +1,7 @@
 //! NBD exports: which volume is served under which name.
 
 use std::sync::Arc;
+use tessera_io::sync::RwLockExt;
 
 use tessera_api::{ExportInfo, TlsPolicy};
 use tessera_pool::{ExportRecord, Pool, Volume};
@@ -92,11 +93,7 @@ impl Node {
 
     pub fn export_info(&self, p: &Pool, e: &ExportRecord) -> ExportInfo {
         let vol = p.volume_by_id(e.volume_id);
-        let addrs = self
-            .nbd_addresses
-            .read()
-            .unwrap_or_else(|x| x.into_inner())
-            .clone();
+        let addrs = self.nbd_addresses.read_locked().clone();
         let tls_required = self.export_tls_required(e);
         let uri = |a: &String| match a.strip_prefix("nbd://") {
             Some(host) if tls_required => format!("nbds://{host}/{}", e.name),

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, MutexGuard};
+use tessera_io::sync::MutexExt;
 
 use tessera_api::{RebuildStatus, ScrubStatus};
 use tessera_pool::Pool;
@@ -11,11 +12,11 @@ use super::{Error, Node, Result};
 
 impl Node {
     pub(super) fn scrubs(&self) -> MutexGuard<'_, BTreeMap<String, Arc<crate::scrub::ScrubJob>>> {
-        self.scrubs.lock().unwrap_or_else(|e| e.into_inner())
+        self.scrubs.locked()
     }
 
     pub(super) fn resyncs(&self) -> MutexGuard<'_, BTreeMap<String, Arc<crate::scrub::ScrubJob>>> {
-        self.resyncs.lock().unwrap_or_else(|e| e.into_inner())
+        self.resyncs.locked()
     }
 
     /// The running or last resync of `pool` (started at node start after an unclean
@@ -87,7 +88,7 @@ impl Node {
     pub(super) fn rebuilds(
         &self,
     ) -> MutexGuard<'_, BTreeMap<String, Arc<crate::rebuild::RebuildJob>>> {
-        self.rebuilds.lock().unwrap_or_else(|e| e.into_inner())
+        self.rebuilds.locked()
     }
 
     pub(super) fn run_rebuild(

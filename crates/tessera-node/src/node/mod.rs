@@ -32,6 +32,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
+use tessera_io::sync::{MutexExt, RwLockExt};
 
 use tessera_api::NodeStatus;
 use tessera_device::{parse_size, BlockDevice, SwappableDevice};
@@ -141,19 +142,13 @@ impl Node {
         max: usize,
     ) -> Arc<tessera_export::budget::ListenerCap> {
         let cap = tessera_export::budget::ListenerCap::new(protocol, address, max);
-        self.listener_caps
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(cap.clone());
+        self.listener_caps.locked().push(cap.clone());
         cap
     }
 
     /// Every listener's connection cap.
     pub fn listener_caps(&self) -> Vec<Arc<tessera_export::budget::ListenerCap>> {
-        self.listener_caps
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.listener_caps.locked().clone()
     }
 
     /// Start the reactors and bring back every pool in the registry. `dir_lock` is the
@@ -233,8 +228,7 @@ impl Node {
             match node.restore_pool(&e) {
                 Ok((p, slots)) => {
                     node.pools
-                        .write()
-                        .unwrap_or_else(|x| x.into_inner())
+                        .write_locked()
                         .insert(e.name.clone(), Arc::new(p));
                     if !slots.is_empty() {
                         node.slots_map().insert(e.name.clone(), slots);
@@ -243,8 +237,7 @@ impl Node {
                 Err(err) => {
                     error!(pool = %e.name, error = %err, "pool is offline");
                     node.offline
-                        .write()
-                        .unwrap_or_else(|x| x.into_inner())
+                        .write_locked()
                         .insert(e.name.clone(), err.to_string());
                 }
             }
@@ -372,8 +365,7 @@ impl Node {
                 Err(err) => {
                     error!(pool = %p.name, error = %err, "pool from the config cannot be created: it is offline");
                     self.offline
-                        .write()
-                        .unwrap_or_else(|x| x.into_inner())
+                        .write_locked()
                         .insert(p.name.clone(), err.to_string());
                 }
             }
@@ -400,13 +392,7 @@ impl Node {
             }
             // A volume not found may live in an offline pool (the config need not declare
             // it): its export waits for that pool too.
-            let offline: Vec<String> = self
-                .offline
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .keys()
-                .cloned()
-                .collect();
+            let offline: Vec<String> = self.offline.read_locked().keys().cloned().collect();
             if self.find_volume(&x.volume).is_err() && !offline.is_empty() {
                 error!(export = %x.name, volume = %x.volume, offline_pools = ?offline, "export from the config skipped: its volume is not open (is its pool offline?)");
                 continue;
@@ -423,30 +409,20 @@ impl Node {
 
     /// Why pool `name` is offline (it is listed but could not be opened), if it is.
     fn offline_reason(&self, name: &str) -> Option<String> {
-        self.offline
-            .read()
-            .unwrap_or_else(|x| x.into_inner())
-            .get(name)
-            .cloned()
+        self.offline.read_locked().get(name).cloned()
     }
 
     fn admin(&self) -> MutexGuard<'_, ()> {
-        self.admin.lock().unwrap_or_else(|e| e.into_inner())
+        self.admin.locked()
     }
 
     pub fn pools(&self) -> Vec<Arc<Pool>> {
-        self.pools
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect()
+        self.pools.read_locked().values().cloned().collect()
     }
 
     pub fn pool(&self, name: &str) -> Result<Arc<Pool>> {
         self.pools
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .get(name)
             .cloned()
             .ok_or_else(|| Error::missing("pool", name))
@@ -474,7 +450,7 @@ impl Node {
     /// Change pool `pool`'s registry entry with `f` and save the registry; when `f` or the
     /// save fails, the entries stay as they were.
     fn edit_entry<T>(&self, pool: &str, f: impl FnOnce(&mut PoolEntry) -> Result<T>) -> Result<T> {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries = self.entries.locked();
         let before = entries.clone();
         let e = entries
             .iter_mut()
@@ -502,11 +478,7 @@ impl Node {
             cores: self.reactors.len(),
             data_dir: self.cfg.data_dir.clone(),
             api_socket: self.cfg.api_socket(),
-            nbd: self
-                .nbd_addresses
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
+            nbd: self.nbd_addresses.read_locked().clone(),
             capacity: cap,
             allocated: alloc,
             free: cap - alloc,

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use tessera_io::cast::u16_of;
+use tessera_io::sync::MutexExt;
 
 use tessera_api::{ControllerInfo, NamespaceInfo, SubsystemInfo as SubsystemReply};
 use tessera_nvmf::nvme::AnaState;
@@ -185,12 +186,7 @@ impl Node {
                 })
                 .collect(),
             controllers: connected,
-            addresses: self
-                .nvmf
-                .addresses
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
+            addresses: self.nvmf.addresses.locked().clone(),
         }
     }
 
@@ -634,10 +630,6 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
             if io { "" } else { " (discovery)" }
         ));
     }
-    *node
-        .nvmf
-        .addresses
-        .lock()
-        .unwrap_or_else(|e| e.into_inner()) = addrs.clone();
+    *node.nvmf.addresses.locked() = addrs.clone();
     addrs
 }

@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tessera_io::cast::DurationU64;
+use tessera_io::sync::{MutexExt, RwLockExt};
 
 use tessera_api::{ClusterVolume, LostReplica};
 use tessera_cluster::{placement, volume_key, Membership, PREFIX};
@@ -116,15 +117,11 @@ impl LegFence for SpecFence {
 impl Node {
     /// The epoch at which this node owns `volume`, if it does.
     pub(super) fn owned_epoch(&self, volume: &str) -> Option<u64> {
-        self.owned
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(volume)
-            .copied()
+        self.owned.locked().get(volume).copied()
     }
 
     fn set_owned(&self, volume: &str, epoch: Option<u64>) {
-        let mut o = self.owned.lock().unwrap_or_else(|e| e.into_inner());
+        let mut o = self.owned.locked();
         match epoch {
             Some(e) => o.insert(volume.to_string(), e),
             None => o.remove(volume),
@@ -337,13 +334,7 @@ impl Node {
     pub(super) fn confirm_ownership(&self) {
         let Some(m) = self.cluster() else { return };
         let me = self.cfg.node_name();
-        let names: Vec<String> = self
-            .replicated
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .keys()
-            .cloned()
-            .collect();
+        let names: Vec<String> = self.replicated.read_locked().keys().cloned().collect();
         for name in names {
             match self.read_spec(m, &name) {
                 Ok(Some((spec, _))) if spec.owner != me => {
@@ -378,10 +369,7 @@ impl Node {
             }
             match self.publish_replica_states(&name) {
                 Ok(()) => {
-                    self.replica_failures
-                        .write()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(&name);
+                    self.replica_failures.write_locked().remove(&name);
                     if let Some(rv) = &rv {
                         self.set_cluster_path(&name, true, rv.size());
                     }
@@ -421,14 +409,9 @@ impl Node {
         warn!(volume = %volume, reason = %why, "this node no longer owns the volume: giving it up");
         self.set_owned(volume, None);
         self.replica_failures
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
+            .write_locked()
             .insert(volume.to_string(), format!("given up: {why}"));
-        let rv = self
-            .replicated
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(volume);
+        let rv = self.replicated.write_locked().remove(volume);
         // Inaccessible here before its data goes (hosts move to the owner's path).
         if let Some(rv) = &rv {
             self.set_cluster_path(volume, false, rv.size());
@@ -456,8 +439,7 @@ impl Node {
             if Instant::now() >= deadline {
                 warn!(volume = %v.name, "the stale copy of a given-up volume is still in use: it is not served, and deleted once its connections end");
                 self.stale_copies
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
+                    .locked()
                     .insert(volume.to_string(), v.name.clone());
                 break;
             }
@@ -496,10 +478,7 @@ impl Node {
             }
         }
         // The name is free again: a new replica of it may come here.
-        self.replica_failures
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(volume);
+        self.replica_failures.write_locked().remove(volume);
         true
     }
 
@@ -507,18 +486,14 @@ impl Node {
     fn retry_stale_copies(&self) {
         let stale: Vec<(String, String)> = self
             .stale_copies
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .iter()
             .map(|(a, b)| (a.clone(), b.clone()))
             .collect();
         for (volume, local) in stale {
             let _g = self.admin();
             if self.delete_stale_copy(&volume, &local) {
-                self.stale_copies
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&volume);
+                self.stale_copies.locked().remove(&volume);
             }
         }
     }
@@ -659,13 +634,9 @@ impl Node {
         .map_err(|e| Error::io("opening the volume taken over", e))?;
         self.fence_volume(&rv);
         self.replicated
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
+            .write_locked()
             .insert(volume.to_string(), rv);
-        self.replica_failures
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(volume);
+        self.replica_failures.write_locked().remove(volume);
         // Replicas that could not be claimed leave the set (they are re-added or
         // replaced like a lost node's).
         if !unreachable.is_empty() {

@@ -2,6 +2,7 @@
 
 use super::pool_tuning;
 use std::sync::Arc;
+use tessera_io::sync::{MutexExt, RwLockExt};
 use tracing::info;
 
 use tessera_api::{LayoutSpec, OfflinePool, PoolEntry, PoolInfo, PoolState, UpdatePool};
@@ -49,18 +50,12 @@ impl Node {
                         path.display()
                     )));
                 }
-                if self
-                    .entries
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .iter()
-                    .any(|e| {
-                        e.devices
-                            .iter()
-                            .chain(&e.spares)
-                            .any(|x| spec_path(x) == Some(path.clone()))
-                    })
-                {
+                if self.entries.locked().iter().any(|e| {
+                    e.devices
+                        .iter()
+                        .chain(&e.spares)
+                        .any(|x| spec_path(x) == Some(path.clone()))
+                }) {
                     return Err(Error::already_exists(format!(
                         "device {} is already used by a pool of this node",
                         path.display()
@@ -93,7 +88,7 @@ impl Node {
             spares: Vec::new(),
             overcommit: None,
         };
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries = self.entries.locked();
         entries.push(entry);
         if let Err(e) = self.save_registry(&entries) {
             entries.pop();
@@ -102,8 +97,7 @@ impl Node {
         drop(entries);
         let v = self.pool_info(&pool);
         self.pools
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
+            .write_locked()
             .insert(name.to_string(), Arc::new(pool));
         if !slots.is_empty() {
             self.slots_map().insert(name.to_string(), slots);
@@ -113,13 +107,8 @@ impl Node {
 
     pub fn destroy_pool(&self, name: &str) -> Result<()> {
         let _g = self.admin();
-        if let Some(_reason) = self
-            .offline
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name)
-        {
-            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(_reason) = self.offline.write_locked().remove(name) {
+            let mut entries = self.entries.locked();
             entries.retain(|e| e.name != name);
             return self.save_registry(&entries);
         }
@@ -136,12 +125,9 @@ impl Node {
             let _ = d.write_at(0, &[0u8; 4096]);
             let _ = d.sync();
         }
-        self.pools
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
+        self.pools.write_locked().remove(name);
         self.slots_map().remove(name);
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries = self.entries.locked();
         if let Some(e) = entries.iter().find(|e| e.name == name) {
             let mut sd = self.spare_devs();
             for s in &e.spares {
@@ -194,12 +180,7 @@ impl Node {
             .iter()
             .map(|p| PoolEntry::Online(Box::new(self.pool_info(p))))
             .collect();
-        for (name, reason) in self
-            .offline
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
+        for (name, reason) in self.offline.read_locked().iter() {
             v.push(PoolEntry::Offline(OfflinePool {
                 name: name.clone(),
                 state: PoolState::Offline,

@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
+use tessera_io::sync::MutexExt;
 
 use tessera_api::ClusterVolume;
 use tessera_export::log_limit::LogLimiter;
@@ -150,12 +151,11 @@ impl Node {
         let slot = self
             .proxies
             .open
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .entry(spec.name.clone())
             .or_default()
             .clone();
-        let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = slot.locked();
         if let Some(p) = slot.upgrade().filter(|p| p.owner == spec.owner) {
             return Ok(p);
         }
@@ -190,8 +190,7 @@ impl Node {
         let stats = self
             .proxies
             .stats
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .entry(spec.name.clone())
             .or_default()
             .clone();
@@ -217,13 +216,8 @@ impl Node {
 
     /// Every volume this node proxied since it started, with its figures.
     pub fn proxy_figures(&self) -> Vec<ProxyFigures> {
-        let stats = self
-            .proxies
-            .stats
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let open = self.proxies.open.lock().unwrap_or_else(|e| e.into_inner());
+        let stats = self.proxies.stats.locked().clone();
+        let open = self.proxies.open.locked();
         stats
             .into_iter()
             .map(|(volume, reg)| {
@@ -263,20 +257,11 @@ impl<'a> ExportSession<'a> {
 
     /// The proxy prepared for export `name`, for the connection that negotiated it.
     pub fn take_proxy(&self, name: &str) -> Option<Arc<ProxyVolume>> {
-        self.prepared
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .filter(|p| p.name == name)
+        self.prepared.locked().take().filter(|p| p.name == name)
     }
 
     fn spec(&self, name: &str) -> Result<Option<ClusterVolume>, String> {
-        if let Some(s) = self
-            .listed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-        {
+        if let Some(s) = self.listed.locked().get(name) {
             return Ok(Some(s.clone()));
         }
         self.node.proxied_spec(name)
@@ -306,7 +291,7 @@ impl ExportCatalog for ExportSession<'_> {
     fn list(&self) -> Vec<String> {
         let mut names = ExportCatalog::list(self.node);
         let specs = self.node.proxied_specs();
-        let mut listed = self.listed.lock().unwrap_or_else(|e| e.into_inner());
+        let mut listed = self.listed.locked();
         for s in specs {
             names.push(s.name.clone());
             listed.insert(s.name.clone(), s);
@@ -347,7 +332,7 @@ impl ExportCatalog for ExportSession<'_> {
             }
         })?;
         let info = self.proxy_info(&spec, proxy.size());
-        *self.prepared.lock().unwrap_or_else(|e| e.into_inner()) = Some(proxy);
+        *self.prepared.locked() = Some(proxy);
         Ok(info)
     }
 }

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use tessera_io::sync::RwLockExt;
 
 use tessera_api::{CreateReplica, RemovedReplica, ReplicaInfo, ReplicaTarget, VolumeInfo};
 use tessera_http::{request, Endpoint};
@@ -50,12 +51,7 @@ impl Node {
         let Ok(rate) = self.replica_resync_rate() else {
             return;
         };
-        for rv in self
-            .replicated
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-        {
+        for rv in self.replicated.read_locked().values() {
             rv.set_resync_rate(rate);
         }
     }
@@ -66,18 +62,14 @@ impl Node {
 
     /// The replicated volume this node owns under `name`, if open.
     pub(super) fn replica_set(&self, name: &str) -> Option<Arc<ReplicatedVolume>> {
-        self.replicated
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-            .cloned()
+        self.replicated.read_locked().get(name).cloned()
     }
 
     /// The replicated volume whose local leg is `vol`, if any.
     pub fn replicated_of(&self, vol: &Volume) -> Option<Arc<ReplicatedVolume>> {
         // A volume taken over from another owner may have a local leg named otherwise
         // (`VOLUME.OWNER`, a replica made outside a cluster): look by leg, not by name.
-        let sets = self.replicated.read().unwrap_or_else(|e| e.into_inner());
+        let sets = self.replicated.read_locked();
         sets.get(&vol.name)
             .into_iter()
             .chain(sets.values())
@@ -88,11 +80,7 @@ impl Node {
     /// Whether `vol` is the local leg of a replicated volume that could not be opened:
     /// it must not be served on its own (the other replicas would miss the writes).
     pub fn replica_blocked(&self, vol: &Volume) -> Option<String> {
-        self.replica_failures
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&vol.name)
-            .cloned()
+        self.replica_failures.read_locked().get(&vol.name).cloned()
     }
 
     /// Open every replicated volume this node owns (node start).
@@ -137,24 +125,17 @@ impl Node {
                     if !self.cfg.cluster.etcd.is_empty() {
                         // Served once the cluster confirms this node still owns it
                         // (node/ownership.rs, at join).
-                        self.replica_failures
-                            .write()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .insert(
-                                name.clone(),
-                                "waiting for the cluster to confirm this node owns it".into(),
-                            );
+                        self.replica_failures.write_locked().insert(
+                            name.clone(),
+                            "waiting for the cluster to confirm this node owns it".into(),
+                        );
                     }
-                    self.replicated
-                        .write()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(name, v);
+                    self.replicated.write_locked().insert(name, v);
                 }
                 Err(e) => {
                     error!(volume = %name, error = %e, "replicated volume cannot be opened: it is not served");
                     self.replica_failures
-                        .write()
-                        .unwrap_or_else(|e| e.into_inner())
+                        .write_locked()
                         .insert(name, e.to_string());
                 }
             }
@@ -274,10 +255,7 @@ impl Node {
         match result {
             Ok(rv) => {
                 info!(volume = %name, replicas = ?replicas, "replicated volume created");
-                self.replicated
-                    .write()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(name.to_string(), rv);
+                self.replicated.write_locked().insert(name.to_string(), rv);
                 self.own_new_volume(name);
                 Ok(self.volume_info(&p, &local))
             }
@@ -477,10 +455,7 @@ impl Node {
                     )
                     .map_err(|e| Error::io("creating the replica set", e))
                     .map(|rv| {
-                        self.replicated
-                            .write()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .insert(name.to_string(), rv);
+                        self.replicated.write_locked().insert(name.to_string(), rv);
                     })
                 })
             }
@@ -575,10 +550,7 @@ impl Node {
         }
         std::fs::remove_file(rv.path()).map_err(|e| Error::io("removing the replica set", e))?;
         self.release_volume_spec(&rv.name);
-        self.replicated
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&rv.name);
+        self.replicated.write_locked().remove(&rv.name);
         Ok(())
     }
 
@@ -589,8 +561,7 @@ impl Node {
     /// Every replicated volume this node owns, with its legs' status (for metrics).
     pub fn replica_statuses(&self) -> Vec<(String, Vec<ReplicaInfo>)> {
         self.replicated
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .iter()
             .map(|(n, rv)| (n.clone(), rv.status()))
             .collect()
@@ -598,13 +569,7 @@ impl Node {
 
     /// Close every replicated volume cleanly (node shutdown).
     pub(super) fn close_replicated(&self) {
-        let all: Vec<_> = self
-            .replicated
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
+        let all: Vec<_> = self.replicated.read_locked().values().cloned().collect();
         for rv in all {
             rv.close();
         }

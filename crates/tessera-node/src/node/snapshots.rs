@@ -20,6 +20,7 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tessera_io::sync::RwLockExt;
 
 use tessera_api::{
     ChangedExtents, DeletedSnapshot, Extent, ReplicaSnapshot, SnapshotInfo, SnapshotIntent,
@@ -631,8 +632,7 @@ impl Node {
         // The replicated volumes reading through it (before the chain changes).
         let sets: Vec<Arc<ReplicatedVolume>> = self
             .replicated
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .values()
             .filter(|rv| {
                 rv.local_volume()

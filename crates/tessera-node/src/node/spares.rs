@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, MutexGuard};
+use tessera_io::sync::MutexExt;
 
 use tessera_api::{ReplaceReply, ReplaceState, SpareList};
 use tessera_device::{format_size, BlockDevice, SwappableDevice};
@@ -103,7 +104,7 @@ impl Node {
             )));
         }
         if let Some(path) = spec_path(spec) {
-            let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            let entries = self.entries.locked();
             for e in entries.iter() {
                 let member = e
                     .devices
@@ -238,18 +239,17 @@ impl Node {
     }
 
     pub(super) fn slots_map(&self) -> MutexGuard<'_, BTreeMap<String, Vec<Arc<SwappableDevice>>>> {
-        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+        self.slots.locked()
     }
 
     pub(super) fn spare_devs(&self) -> MutexGuard<'_, BTreeMap<String, Arc<dyn BlockDevice>>> {
-        self.spare_devs.lock().unwrap_or_else(|e| e.into_inner())
+        self.spare_devs.locked()
     }
 
     /// The hot spares of `pool` (specs, in the order they are used).
     pub fn spares(&self, pool: &str) -> Vec<String> {
         self.entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .iter()
             .find(|e| e.name == pool)
             .map(|e| e.spares.clone())
@@ -365,8 +365,7 @@ impl Node {
     fn spare_tick(&self) {
         let candidates: Vec<String> = self
             .entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .iter()
             .filter(|e| !e.spares.is_empty())
             .map(|e| e.name.clone())

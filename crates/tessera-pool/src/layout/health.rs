@@ -3,6 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
+use tessera_io::sync::MutexExt;
 
 use crate::devstats::DeviceHandle;
 
@@ -163,21 +164,12 @@ impl Layout {
                 }
             }),
         );
-        *self
-            .health
-            .watchdog
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(dog);
+        *self.health.watchdog.locked() = Some(dog);
     }
 
     /// Per-core handles of every device (behind the watchdog when one is set).
     pub(crate) fn device_handles(&self) -> Vec<DeviceHandle> {
-        let dog = self
-            .health
-            .watchdog
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let dog = self.health.watchdog.locked().clone();
         self.devices
             .iter()
             .enumerate()

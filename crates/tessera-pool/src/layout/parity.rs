@@ -13,6 +13,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::AcqRel, Ordering::Acquire, Ordering::Release};
 use std::sync::{Mutex, OnceLock};
 use tessera_io::cast::{u32_of, usize_of};
+use tessera_io::sync::MutexExt;
 
 use tessera_parity::{pq_gen, pq_recover, pq_update, xor_into, xor_parity, ReedSolomon};
 
@@ -216,9 +217,7 @@ impl Parity {
     /// The journal ring row `r` writes its records in.
     #[inline]
     pub(crate) fn ring(&self, r: u64) -> std::sync::MutexGuard<'_, Ring> {
-        self.rings[(r % SLICES) as usize]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.rings[(r % SLICES) as usize].locked()
     }
 
     // ---- the code ----------------------------------------------------------------------

@@ -10,6 +10,7 @@ use crate::volume::{UnitMap, Volume, HOLE};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, MutexGuard};
 use tessera_io::cast::{u32_of, usize_of};
+use tessera_io::sync::{CondvarExt, MutexExt};
 
 /// Free units the zeroer keeps zeroed ahead of allocation (non-parity pools; see
 /// `zeroer_loop`). Enough to absorb a burst of first writes while it catches up; they
@@ -105,7 +106,7 @@ impl PoolCore {
                 return (s, Err(-libc::ENOSPC));
             }
             // The last free unit is being zeroed: it is ours in at most one unit's zeroing.
-            s = self.zero_done.wait(s).unwrap_or_else(|e| e.into_inner());
+            s = self.zero_done.wait_locked(s);
         };
         if zeroed {
             // The reserve was used (or is empty): the zeroer tops it up.
@@ -163,7 +164,7 @@ impl PoolCore {
         }
         let low = s.reserve.len() * 2 < self.reserve_target();
         if low && !s.reserve_wanted && !(s.free.is_empty() && s.reserving.is_empty()) {
-            let tx = self.commit_tx.lock().unwrap_or_else(|e| e.into_inner());
+            let tx = self.commit_tx.locked();
             if tx.send(CommitRequest::Refill).is_err() {
                 // The commit thread is gone (the pool is closing): nothing will refill.
                 return p.ok_or(-libc::ESHUTDOWN);
@@ -333,7 +334,7 @@ pub(super) fn zeroer_loop(core: Arc<PoolCore>) {
             return;
         }
         if !wanted || s.zeroed.len() >= ZERO_RESERVE || s.free.is_empty() {
-            s = core.zero_wanted.wait(s).unwrap_or_else(|e| e.into_inner());
+            s = core.zero_wanted.wait_locked(s);
             wanted = true;
             continue;
         }

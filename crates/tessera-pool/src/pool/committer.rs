@@ -9,6 +9,7 @@ use crate::format::*;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, MutexGuard};
+use tessera_io::sync::MutexExt;
 use tessera_io::{RemoteCompleter, Tag};
 
 pub(crate) enum CommitRequest {
@@ -30,7 +31,7 @@ pub(super) struct JournalCursor {
 
 impl PoolCore {
     pub(super) fn journal(&self) -> MutexGuard<'_, JournalCursor> {
-        self.journal.lock().unwrap_or_else(|e| e.into_inner())
+        self.journal.locked()
     }
 
     /// Record newly failed devices in the labels of the healthy ones (a new state
@@ -59,7 +60,7 @@ impl PoolCore {
     /// the pool could not open from it alone.
     pub(super) fn write_device_state(&self, always: bool) -> Result<()> {
         let l = &self.layout;
-        let mut st = self.dev_state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.dev_state.locked();
         // A device being rebuilt stays failed in the labels until its rebuild is done.
         let unreadable = || l.health.failed.load(Relaxed) | l.health.rebuilding.load(Relaxed);
         let mut always = always;
@@ -257,7 +258,7 @@ impl PoolCore {
     }
 
     pub(crate) fn request_flush(&self, rc: RemoteCompleter, tag: Tag) {
-        let tx = self.commit_tx.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = self.commit_tx.locked();
         if tx.send(CommitRequest::Flush(rc.clone(), tag)).is_err() {
             rc.complete(tag, -libc::ESHUTDOWN);
         }

@@ -22,6 +22,7 @@ pub use tessera_io::units::human_bytes;
 use allocator::zeroer_loop;
 use catalog::provisioned;
 use committer::{committer_loop, JournalCursor};
+use tessera_io::sync::MutexExt;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
@@ -210,7 +211,7 @@ pub fn uuid_string(u: &Uuid) -> String {
 
 impl PoolCore {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     pub fn unit_size(&self) -> u64 {
@@ -950,7 +951,7 @@ impl Pool {
     fn stop_zeroer(&self) {
         self.core.lock().zeroer_stop = true;
         self.core.zero_wanted.notify_all();
-        if let Some(h) = self.zeroer.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(h) = self.zeroer.locked().take() {
             let _ = h.join();
         }
     }
@@ -958,18 +959,8 @@ impl Pool {
     /// Final commit; stop the commit and zeroing threads.
     pub fn shutdown(&self) -> Result<()> {
         self.stop_zeroer();
-        let _ = self
-            .core
-            .commit_tx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(CommitRequest::Stop);
-        if let Some(h) = self
-            .committer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        let _ = self.core.commit_tx.locked().send(CommitRequest::Stop);
+        if let Some(h) = self.committer.locked().take() {
             let _ = h.join();
         }
         self.core.commit()?;
@@ -1001,12 +992,7 @@ impl Pool {
 impl Drop for Pool {
     fn drop(&mut self) {
         self.stop_zeroer();
-        let _ = self
-            .core
-            .commit_tx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(CommitRequest::Stop);
+        let _ = self.core.commit_tx.locked().send(CommitRequest::Stop);
         // Break the volume → pool reference cycle.
         self.core.lock().volumes.clear();
     }

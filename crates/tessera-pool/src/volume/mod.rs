@@ -15,6 +15,7 @@ mod first_write;
 
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize};
+use tessera_io::sync::{MutexExt, RwLockExt};
 
 use crate::format::ChainRecord;
 use std::sync::{Arc, Mutex, RwLock};
@@ -340,7 +341,7 @@ impl Volume {
             .store(chain.flags & crate::format::CHAIN_SNAPSHOT != 0, Release);
         self.hidden
             .store(chain.flags & crate::format::CHAIN_HIDDEN != 0, Release);
-        *self.parent.write().unwrap_or_else(|e| e.into_inner()) = parent;
+        *self.parent.write_locked() = parent;
     }
 
     pub(crate) fn chain_record(&self) -> ChainRecord {
@@ -382,18 +383,11 @@ impl Volume {
 
     /// The snapshot this volume reads through, if any.
     pub fn parent(&self) -> Option<Arc<Volume>> {
-        self.parent
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.parent.read_locked().clone()
     }
 
     pub(crate) fn parent_id(&self) -> Option<u32> {
-        self.parent
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(|p| p.id)
+        self.parent.read_locked().as_ref().map(|p| p.id)
     }
 
     /// The parent a listing names: the nearest ancestor that was not deleted (a deleted
@@ -432,7 +426,7 @@ impl Volume {
     /// next request (the parent is in place before the map generation moves).
     pub(crate) fn take_new_layer(&self, layer: u32, parent: Arc<Volume>, map: Arc<UnitMap>) {
         self.layer.store(layer, Release);
-        *self.parent.write().unwrap_or_else(|e| e.into_inner()) = Some(parent);
+        *self.parent.write_locked() = Some(parent);
         self.replace_map(map);
     }
 
@@ -443,15 +437,12 @@ impl Volume {
     /// QoS limits this volume's pool metadata still carries from before QoS moved to the
     /// node's catalog, if any (read once by the node, which migrates them).
     pub fn legacy_qos(&self) -> Option<tessera_qos::QosLimits> {
-        self.legacy_qos
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.legacy_qos.locked().clone()
     }
 
     /// The node's catalog holds the legacy limits now: the next checkpoint drops them.
     pub fn clear_legacy_qos(&self) {
-        *self.legacy_qos.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.legacy_qos.locked() = None;
     }
 
     /// Bytes of pool space this volume holds.
@@ -476,13 +467,13 @@ impl Volume {
     }
 
     pub(crate) fn current_map(&self) -> Arc<UnitMap> {
-        self.map.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.map.read_locked().clone()
     }
 
     /// Publish `new` as the volume's map: handles pick it up at their next request and
     /// drop the old one (and the leaves only it holds) then. Called under the pool lock.
     fn replace_map(&self, new: Arc<UnitMap>) {
-        *self.map.write().unwrap_or_else(|e| e.into_inner()) = new;
+        *self.map.write_locked() = new;
         self.map_gen.fetch_add(1, Release);
     }
 
