@@ -3,11 +3,10 @@
 //! ([`StartError`]).
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 /// Why a management operation was refused or failed. The message is meant for the
 /// operator as it is; an I/O failure keeps the error that caused it as its `source`.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A named object (pool, volume, export, group, subsystem, job...) does not exist.
     #[error("{0}")]
@@ -28,12 +27,12 @@ pub enum Error {
     #[error("{0}")]
     Corrupt(String),
     /// A device, a file of the data directory, a peer or etcd failed: what was being
-    /// done, and the error (shared, so that an error can be cloned to several waiters).
+    /// done, and the error.
     #[error("{context}: {source}")]
     Io {
         context: String,
         #[source]
-        source: Arc<dyn std::error::Error + Send + Sync>,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 }
 
@@ -56,7 +55,7 @@ impl Error {
     pub fn io(context: &str, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
         Error::Io {
             context: context.to_string(),
-            source: Arc::from(e.into()),
+            source: e.into(),
         }
     }
 
@@ -79,7 +78,7 @@ impl From<tessera_pool::Error> for Error {
             P::Corrupt(m) => Error::Corrupt(m),
             P::Io { context, source } => Error::Io {
                 context,
-                source: Arc::new(source),
+                source: Box::new(source),
             },
         }
     }
@@ -135,7 +134,7 @@ impl From<SaveError> for Error {
     fn from(e: SaveError) -> Error {
         Error::Io {
             context: format!("saving {}", e.path.display()),
-            source: Arc::new(e.source),
+            source: Box::new(e.source),
         }
     }
 }
