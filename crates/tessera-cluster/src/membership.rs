@@ -61,7 +61,10 @@ impl Membership {
         let ttl = ttl_secs(cfg.ttl);
         let sent = Instant::now();
         let lease = etcd.grant(ttl)?;
-        let value = serde_json::to_vec(&first).map_err(|e| crate::EtcdError(e.to_string()))?;
+        let value = serde_json::to_vec(&first).map_err(|source| crate::EtcdError::Record {
+            what: format!("encoding node record {name}"),
+            source,
+        })?;
         etcd.put(&node_key(&name), &value, lease)?;
         info!(node = %name, lease, ttl_secs = ttl, "joined the cluster");
         let m = Arc::new(Membership {
@@ -76,7 +79,10 @@ impl Membership {
         let t = std::thread::Builder::new()
             .name("tessera-cluster".into())
             .spawn(move || me.run(cfg, record, value))
-            .map_err(|e| crate::EtcdError(format!("cannot start the membership thread: {e}")))?;
+            .map_err(|source| crate::EtcdError::Runtime {
+                what: "cannot start the membership thread",
+                source,
+            })?;
         *m.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
         Ok(m)
     }
@@ -189,8 +195,10 @@ impl Membership {
             .list(&format!("{}nodes/", crate::PREFIX))?
             .into_iter()
             .map(|kv| {
-                serde_json::from_slice(&kv.value)
-                    .map_err(|e| crate::EtcdError(format!("bad node record at {}: {e}", kv.key)))
+                serde_json::from_slice(&kv.value).map_err(|source| crate::EtcdError::Record {
+                    what: format!("bad node record at {}", kv.key),
+                    source,
+                })
             })
             .collect()
     }
