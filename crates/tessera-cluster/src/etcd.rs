@@ -25,7 +25,7 @@ use std::fmt;
 use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering::*};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -282,6 +282,9 @@ struct Inner {
     /// TLS without a client certificate (a member that demands one closes the
     /// connection after the handshake, which the library reports as a broken pipe).
     tls_without_identity: bool,
+    /// The prefixes [`PrefixCache`]s follow, each with the revision of this client's
+    /// last write under it.
+    followed: Mutex<Vec<(String, Arc<AtomicI64>)>>,
     /// Open keepalive streams, by lease and member.
     keepers: Mutex<HashMap<(i64, usize), Keeper>>,
 }
@@ -423,6 +426,7 @@ impl Etcd {
                 user: o.user,
                 preferred: AtomicUsize::new(0),
                 keepers: Mutex::new(HashMap::new()),
+                followed: Mutex::new(Vec::new()),
                 tls_without_identity: tls && o.cert.is_none(),
             }),
             rt: Arc::new(Runtime(Some(rt))),
@@ -536,14 +540,17 @@ impl Etcd {
 
     /// Write `key` (attached to `lease` unless 0).
     pub fn put(&self, key: &str, value: &[u8], lease: i64) -> Result<()> {
-        let (key, value) = (key.to_string(), value.to_vec());
+        let (k, value) = (key.to_string(), value.to_vec());
         self.call("put", move |_, mut c| {
-            let (key, value) = (key.clone(), value.clone());
+            let (key, value) = (k.clone(), value.clone());
             async move {
                 let opts = (lease != 0).then(|| PutOptions::new().with_lease(lease));
-                c.put(key, value, opts).await.map(|_| ())
+                c.put(key, value, opts)
+                    .await
+                    .map(|r| revision_of(r.header()))
             }
         })
+        .map(|rev| self.inner.note_write(key, rev))
     }
 
     /// Read one key.
@@ -573,11 +580,19 @@ impl Etcd {
 
     /// Delete one key; whether it existed.
     pub fn delete(&self, key: &str) -> Result<bool> {
-        let key = key.to_string();
-        self.call("delete", move |_, mut c| {
-            let key = key.clone();
-            async move { c.delete(key, None).await.map(|r| r.deleted() > 0) }
-        })
+        let k = key.to_string();
+        let (deleted, rev) = self.call("delete", move |_, mut c| {
+            let key = k.clone();
+            async move {
+                c.delete(key, None)
+                    .await
+                    .map(|r| (r.deleted() > 0, revision_of(r.header())))
+            }
+        })?;
+        if deleted {
+            self.inner.note_write(key, rev);
+        }
+        Ok(deleted)
     }
 
     /// Create `key` only if it does not exist; whether it was created.
@@ -653,6 +668,10 @@ impl Etcd {
     }
 }
 
+fn revision_of(h: Option<&etcd_client::ResponseHeader>) -> i64 {
+    h.map_or(0, |h| h.revision())
+}
+
 fn read(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|source| EtcdError::File {
         path: path.to_path_buf(),
@@ -709,6 +728,21 @@ impl Inner {
         let c = Client::connect([self.endpoints[i].as_str()], Some(self.connect.clone())).await?;
         *self.clients[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(c.clone());
         Ok(c)
+    }
+
+    /// A write of `key` at `rev` succeeded: caches of a prefix of it are behind until
+    /// their watch delivers `rev` (so this client reads its own writes from them).
+    fn note_write(&self, key: &str, rev: i64) {
+        for (prefix, written) in self
+            .followed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            if key.starts_with(prefix.as_str()) {
+                written.fetch_max(rev, AcqRel);
+            }
+        }
     }
 
     fn forget(&self, i: usize) {
@@ -951,6 +985,11 @@ pub struct PrefixCache {
     prefix: String,
     state: Arc<RwLock<CacheState>>,
     synced: Arc<AtomicBool>,
+    /// The revision of this client's last write under the prefix: a read waits (a
+    /// little) until the watch delivered it, so the cache is never older than what
+    /// this node itself wrote.
+    written: Arc<AtomicI64>,
+    wait: Duration,
     _watch: WatchHandle,
 }
 
@@ -963,6 +1002,12 @@ struct CacheState {
 impl PrefixCache {
     /// List `prefix` now (an error if etcd does not answer) and follow it.
     pub fn start(etcd: &Etcd, prefix: &str) -> Result<PrefixCache> {
+        let written = Arc::new(AtomicI64::new(0));
+        etcd.inner
+            .followed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((prefix.to_string(), written.clone()));
         let (kvs, revision) = etcd.list_at(prefix)?;
         let state = Arc::new(RwLock::new(CacheState {
             kvs: kvs.into_iter().map(|kv| (kv.key.clone(), kv)).collect(),
@@ -997,6 +1042,8 @@ impl PrefixCache {
             prefix: prefix.to_string(),
             state,
             synced,
+            written,
+            wait: etcd.inner.timeout,
             _watch: watch,
         })
     }
@@ -1006,9 +1053,22 @@ impl PrefixCache {
         &self.prefix
     }
 
-    /// Whether the watch is connected (the cache follows etcd).
+    /// Whether the watch is connected (the cache follows etcd) and has delivered this
+    /// client's own writes (waiting for them up to the call timeout).
     pub fn in_sync(&self) -> bool {
-        self.synced.load(Acquire)
+        let until = std::time::Instant::now() + self.wait;
+        loop {
+            if !self.synced.load(Acquire) {
+                return false;
+            }
+            if self.revision() >= self.written.load(Acquire) {
+                return true;
+            }
+            if std::time::Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Every key, in key order (None while the watch is reconnecting).

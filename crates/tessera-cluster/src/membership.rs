@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-use crate::{node_key, Etcd, NodeRecord};
+use crate::{node_key, Etcd, Kv, NodeRecord, PrefixCache};
 
 /// How a node takes part in the cluster.
 #[derive(Clone, Debug)]
@@ -46,6 +46,8 @@ pub struct Membership {
     valid_until: Mutex<Option<Instant>>,
     stop: AtomicBool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The volume specs and node records, followed by watches ([`Membership::follow`]).
+    caches: std::sync::OnceLock<(PrefixCache, PrefixCache)>,
 }
 
 impl Membership {
@@ -74,6 +76,7 @@ impl Membership {
             valid_until: Mutex::new(Some(sent + Duration::from_secs(ttl.unsigned_abs()))),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
+            caches: std::sync::OnceLock::new(),
         });
         let me = m.clone();
         let t = std::thread::Builder::new()
@@ -189,19 +192,56 @@ impl Membership {
         *self.valid_until.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
+    /// Follow the volume specs and the node records with watches (one listing of each
+    /// now, then only changes), for [`Membership::cached_volumes`] and
+    /// [`Membership::cached_nodes`]. Idempotent.
+    pub fn follow(&self) -> Result<(), crate::EtcdError> {
+        if self.caches.get().is_some() {
+            return Ok(());
+        }
+        let v = PrefixCache::start(&self.etcd, &format!("{}volumes/", crate::PREFIX))?;
+        let n = PrefixCache::start(&self.etcd, &format!("{}nodes/", crate::PREFIX))?;
+        let _ = self.caches.set((v, n));
+        Ok(())
+    }
+
+    fn caches(&self) -> Option<&(PrefixCache, PrefixCache)> {
+        if self.caches.get().is_none() {
+            if let Err(e) = self.follow() {
+                warn!(node = %self.name, error = %e, "cannot follow the cluster state yet");
+            }
+        }
+        self.caches.get()
+    }
+
+    /// Every volume spec's key, as the watch last delivered it (None: not following
+    /// etcd right now, as a failed read).
+    pub fn cached_volumes(&self) -> Option<Vec<Kv>> {
+        self.caches()?.0.snapshot()
+    }
+
+    /// Every live node's record, as the watch last delivered it (None: not following
+    /// etcd right now).
+    pub fn cached_nodes(&self) -> Option<Result<Vec<NodeRecord>, crate::EtcdError>> {
+        let kvs = self.caches()?.1.snapshot()?;
+        Some(kvs.into_iter().map(|kv| decode_node(&kv)).collect())
+    }
+
     /// Every live node's record.
     pub fn nodes(&self) -> Result<Vec<NodeRecord>, crate::EtcdError> {
         self.etcd
             .list(&format!("{}nodes/", crate::PREFIX))?
-            .into_iter()
-            .map(|kv| {
-                serde_json::from_slice(&kv.value).map_err(|source| crate::EtcdError::Record {
-                    what: format!("bad node record at {}", kv.key),
-                    source,
-                })
-            })
+            .iter()
+            .map(decode_node)
             .collect()
     }
+}
+
+fn decode_node(kv: &Kv) -> Result<NodeRecord, crate::EtcdError> {
+    serde_json::from_slice(&kv.value).map_err(|source| crate::EtcdError::Record {
+        what: format!("bad node record at {}", kv.key),
+        source,
+    })
 }
 
 /// A TTL in whole seconds, at least 2 (etcd's minimum is its election timeout anyway).
