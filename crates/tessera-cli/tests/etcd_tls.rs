@@ -158,6 +158,41 @@ fn up_joins_a_tls_and_password_etcd_and_creates_a_cluster_volume() {
         status["etcd"][0].as_str().unwrap().starts_with("https://"),
         "{status}"
     );
+    // A second member, configured in its TOML file this time (`[cluster]` keys).
+    let q = |f: &str| path_str(&c.join(f));
+    let b = TestNode::start_in_netns(
+        "etcd-tls-b",
+        None,
+        1,
+        "name = \"node-b\"",
+        &format!(
+            "[nvmf]\nlisten = \"127.0.0.1:{}\"\ndiscovery = \"\"\n\
+             [replication]\ntimeout_ms = 3000\nregion_size = \"1M\"\n\
+             [cluster]\netcd = {}\netcd_ca = \"{}\"\netcd_cert = \"{}\"\netcd_key = \"{}\"\n\
+             etcd_user = \"tessera\"\netcd_password_file = \"{}\"\n",
+            free_port(),
+            etcd.toml_endpoints(),
+            q("ca-cert.pem"),
+            q("client-cert.pem"),
+            q("client-key.pem"),
+            path_str(&pw),
+        ),
+    );
+    b.cli_ok(&[
+        "pool",
+        "create",
+        "p",
+        &format!("{}:256M", path_str(&b.dir.join("p.img"))),
+    ]);
+    wait_for("both members listed with their pools", 20, || {
+        let v: serde_json::Value =
+            serde_json::from_str(&cli(&["--json", "cluster", "nodes"])).unwrap();
+        v.as_array().is_some_and(|l| {
+            l.len() == 2
+                && l.iter()
+                    .all(|r| r["pools"].as_array().is_some_and(|p| !p.is_empty()))
+        })
+    });
     cli(&[
         "volume",
         "create",
@@ -165,7 +200,7 @@ fn up_joins_a_tls_and_password_etcd_and_creates_a_cluster_volume() {
         "--size",
         "16M",
         "--replicas",
-        "1",
+        "2",
     ]);
     // The spec is in etcd, written by the node as user tessera over TLS.
     o.user = Some("tessera".into());
@@ -177,6 +212,8 @@ fn up_joins_a_tls_and_password_etcd_and_creates_a_cluster_volume() {
         .expect("the spec in etcd");
     let spec: serde_json::Value = serde_json::from_slice(&kv.value).unwrap();
     assert_eq!(spec["owner"], me.as_str(), "{spec}");
+    assert_eq!(spec["replicas"].as_array().map(Vec::len), Some(2), "{spec}");
+    assert!(spec.to_string().contains("node-b:p"), "{spec}");
     let vols = cli(&["--json", "cluster", "volumes"]);
     assert!(vols.contains("tlsvol"), "{vols}");
     // The password is in no output, status or log.
