@@ -60,12 +60,13 @@ fn args() -> Args {
     while i < v.len() {
         let val = v.get(i + 1).cloned().unwrap_or_default();
         let n = || val.parse::<u64>().expect("a number");
+        let u = || val.parse::<usize>().expect("a number");
         match v[i].as_str() {
-            "--volumes" => a.volumes = n() as usize,
-            "--nodes" => a.nodes = n() as usize,
+            "--volumes" => a.volumes = u(),
+            "--nodes" => a.nodes = u(),
             "--secs" => a.secs = n().min(600),
-            "--per-conn" => a.per_conn = (n() as usize).max(1),
-            "--poll-nodes" => a.poll_nodes = n() as usize,
+            "--per-conn" => a.per_conn = u().max(1),
+            "--poll-nodes" => a.poll_nodes = u(),
             "--poll-secs" => a.poll_secs = n().min(600),
             "--changes-per-sec" => a.changes_per_sec = n(),
             "--etcd" => a.etcd = Some(val.clone()),

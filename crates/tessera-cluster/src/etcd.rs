@@ -970,7 +970,7 @@ async fn watch_loop(
             }
         }
         i += 1;
-        if i % n == 0 {
+        if i.is_multiple_of(n) {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(1));
         }
