@@ -745,8 +745,15 @@ impl Inner {
         }
     }
 
+    /// Drop member `i`'s connection and its keepalive streams after a failure (a stream
+    /// whose call timed out could deliver that call's answer to the next one, making a
+    /// lease look renewed later than it was).
     fn forget(&self, i: usize) {
         *self.clients[i].lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.keepers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(_, m), _| *m != i);
     }
 
     fn refused(&self, i: usize, op: &'static str, e: etcd_client::Error) -> EtcdError {
