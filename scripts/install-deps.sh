@@ -23,6 +23,8 @@
 #                                          a node with a real server]
 #   etcd (the cluster tests start their own members on free loopback ports;
 #         the package's service is not used)  [etcd-server]
+#   protoc (the build script of the etcd-client crate compiles etcd's
+#           .proto files: needed to build Tessera at all)  [protobuf-compiler]
 #
 # Non-interactive: never reads stdin, works with CI=true and no TTY.
 # Uses sudo (non-interactively) only when not root and sudo exists.
@@ -53,8 +55,9 @@ declare -A PKG_OF=(
   [etcd]=etcd-server
   [ip]=iproute2
   [nft]=nftables
+  [protoc]=protobuf-compiler
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd ip nft)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd ip nft protoc)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1

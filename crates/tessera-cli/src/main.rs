@@ -100,6 +100,8 @@ enum Cmd {
         tls: run::NbdTlsArgs,
         #[command(flatten)]
         limits: run::ClientLimitArgs,
+        #[command(flatten)]
+        etcd: run::EtcdArgs,
     },
     /// Node status: capacity, allocation, pools, exports.
     Status,
@@ -289,7 +291,8 @@ fn dispatch(cmd: Cmd, api: &tessera_http::Endpoint, json: bool) -> Result<(), Cl
             metrics,
             tls,
             limits,
-        } => run::node_from_file(&config, metrics, tls, limits),
+            etcd,
+        } => run::node_from_file(&config, metrics, tls, limits, etcd),
         Cmd::Status => manage::status(api, raw),
         Cmd::Pool(c) => pool_cmd::pool(api, c, raw),
         Cmd::Volume(manage::VolumeCmd::Clone {

@@ -51,6 +51,53 @@ pub struct UpArgs {
     tls: NbdTlsArgs,
     #[command(flatten)]
     limits: ClientLimitArgs,
+    #[command(flatten)]
+    etcd: EtcdArgs,
+}
+
+/// Cluster membership for `up` and `node` (overrides `[cluster]`'s etcd settings).
+#[derive(Args)]
+pub struct EtcdArgs {
+    /// Join the cluster whose state is in these etcd members (client URLs,
+    /// `http://HOST:PORT` or `https://HOST:PORT`; repeat or separate with commas).
+    #[arg(long, value_name = "URL", value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// etcd TLS: the CA certificate (PEM) that signed the members' certificates.
+    #[arg(long, value_name = "FILE")]
+    etcd_ca: Option<PathBuf>,
+    /// etcd TLS: this node's client certificate (PEM); needs --etcd-key.
+    #[arg(long, value_name = "FILE", requires = "etcd_key")]
+    etcd_cert: Option<PathBuf>,
+    /// etcd TLS: this node's client key (PEM).
+    #[arg(long, value_name = "FILE", requires = "etcd_cert")]
+    etcd_key: Option<PathBuf>,
+    /// etcd authentication: user name; needs --etcd-password-file.
+    #[arg(long, value_name = "NAME", requires = "etcd_password_file")]
+    etcd_user: Option<String>,
+    /// etcd authentication: file holding the password (mode 600: refused when the group
+    /// or others may read it).
+    #[arg(long, value_name = "FILE", requires = "etcd_user")]
+    etcd_password_file: Option<PathBuf>,
+}
+
+impl EtcdArgs {
+    fn apply(self, cfg: &mut NodeConfig) {
+        let c = &mut cfg.cluster;
+        if !self.etcd.is_empty() {
+            c.etcd = self.etcd;
+        }
+        if self.etcd_ca.is_some() {
+            c.etcd_ca = self.etcd_ca;
+        }
+        if self.etcd_cert.is_some() {
+            c.etcd_cert = self.etcd_cert;
+            c.etcd_key = self.etcd_key;
+        }
+        if self.etcd_user.is_some() {
+            c.etcd_user = self.etcd_user;
+            c.etcd_password_file = self.etcd_password_file;
+        }
+    }
 }
 
 /// What one client may hold of the node, for `up` and `node` (overrides
@@ -147,6 +194,7 @@ pub fn up(a: UpArgs) -> Result<()> {
     cfg.metrics.listen = a.metrics;
     a.tls.apply(&mut cfg);
     a.limits.apply(&mut cfg);
+    a.etcd.apply(&mut cfg);
     serve(cfg)
 }
 
@@ -155,6 +203,7 @@ pub fn node_from_file(
     metrics: Option<String>,
     tls: NbdTlsArgs,
     limits: ClientLimitArgs,
+    etcd: EtcdArgs,
 ) -> Result<()> {
     let mut cfg = NodeConfig::load(path)?;
     if metrics.is_some() {
@@ -162,6 +211,7 @@ pub fn node_from_file(
     }
     tls.apply(&mut cfg);
     limits.apply(&mut cfg);
+    etcd.apply(&mut cfg);
     serve(cfg)
 }
 

@@ -221,8 +221,28 @@ fn a_node_that_cannot_reach_its_etcd_refuses_to_start() {
         .output()
         .expect("run tessera node");
     let err = String::from_utf8_lossy(&out.stderr);
+    // (https:// is supported since the gRPC client: without the CA it is refused.)
     assert!(
-        !out.status.success() && err.contains("https is not supported"),
+        !out.status.success() && err.contains("https:// etcd endpoints need etcd_ca"),
+        "{err}"
+    );
+    // An endpoint of no known scheme is refused too.
+    std::fs::write(
+        &cfg,
+        format!(
+            "data_dir = \"{}\"\n[nvmf]\nenabled = false\n[cluster]\netcd = [\"ftp://x:1\"]\n",
+            dir.path().join("data").display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["node", "--config", cfg.to_str().unwrap()])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run tessera node");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("expected http://HOST:PORT or https://HOST:PORT"),
         "{err}"
     );
 }

@@ -18,7 +18,10 @@ pub mod etcd;
 pub mod membership;
 pub mod placement;
 
-pub use etcd::{Etcd, EtcdError, Kv};
+pub use etcd::{
+    read_password_file, Etcd, EtcdError, EtcdOptions, Kv, PrefixCache, Secret, Watch, WatchEvent,
+    WatchHandle,
+};
 pub use membership::{Membership, MembershipConfig};
 pub use placement::{place, Placed};
 /// The records kept in etcd are the API's types: what `GET /v1/cluster` shows is what

@@ -12,10 +12,11 @@
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering::*};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tessera_io::sync::MutexExt;
 
 use tracing::{info, warn};
 
-use crate::{node_key, Etcd, NodeRecord};
+use crate::{node_key, Etcd, Kv, NodeRecord, PrefixCache};
 
 /// How a node takes part in the cluster.
 #[derive(Clone, Debug)]
@@ -46,6 +47,8 @@ pub struct Membership {
     valid_until: Mutex<Option<Instant>>,
     stop: AtomicBool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The volume specs and node records, followed by watches ([`Membership::follow`]).
+    caches: std::sync::OnceLock<(PrefixCache, PrefixCache)>,
 }
 
 impl Membership {
@@ -61,7 +64,10 @@ impl Membership {
         let ttl = ttl_secs(cfg.ttl);
         let sent = Instant::now();
         let lease = etcd.grant(ttl)?;
-        let value = serde_json::to_vec(&first).map_err(|e| crate::EtcdError(e.to_string()))?;
+        let value = serde_json::to_vec(&first).map_err(|source| crate::EtcdError::Record {
+            what: format!("encoding node record {name}"),
+            source,
+        })?;
         etcd.put(&node_key(&name), &value, lease)?;
         info!(node = %name, lease, ttl_secs = ttl, "joined the cluster");
         let m = Arc::new(Membership {
@@ -71,13 +77,17 @@ impl Membership {
             valid_until: Mutex::new(Some(sent + Duration::from_secs(ttl.unsigned_abs()))),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
+            caches: std::sync::OnceLock::new(),
         });
         let me = m.clone();
         let t = std::thread::Builder::new()
             .name("tessera-cluster".into())
             .spawn(move || me.run(cfg, record, value))
-            .map_err(|e| crate::EtcdError(format!("cannot start the membership thread: {e}")))?;
-        *m.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
+            .map_err(|source| crate::EtcdError::Runtime {
+                what: "cannot start the membership thread",
+                source,
+            })?;
+        *m.thread.locked() = Some(t);
         Ok(m)
     }
 
@@ -93,7 +103,7 @@ impl Membership {
 
     /// Until when this node's lease surely holds (None: it may have expired).
     pub fn lease_valid_until(&self) -> Option<Instant> {
-        let v = *self.valid_until.lock().unwrap_or_else(|e| e.into_inner());
+        let v = *self.valid_until.locked();
         v.filter(|t| *t > Instant::now())
     }
 
@@ -105,14 +115,9 @@ impl Membership {
         while !self.stop.load(Acquire) {
             std::thread::sleep(renew_every.min(Duration::from_millis(200)));
             // Sleep in short steps so that leave() is prompt; renew on schedule.
-            let due = self
-                .valid_until
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_none_or(|t| {
-                    t.saturating_duration_since(Instant::now())
-                        <= cfg.ttl.saturating_sub(renew_every)
-                });
+            let due = self.valid_until.locked().is_none_or(|t| {
+                t.saturating_duration_since(Instant::now()) <= cfg.ttl.saturating_sub(renew_every)
+            });
             if !due && Instant::now() < next_publish {
                 continue;
             }
@@ -120,7 +125,7 @@ impl Membership {
             let lease = self.lease();
             match self.etcd.keepalive(lease) {
                 Ok(left) if left > 0 => {
-                    *self.valid_until.lock().unwrap_or_else(|e| e.into_inner()) =
+                    *self.valid_until.locked() =
                         Some(sent + Duration::from_secs(left.unsigned_abs()));
                     if lost_logged {
                         info!(node = %self.name, "etcd reachable again");
@@ -138,8 +143,7 @@ impl Membership {
                     }) {
                         Ok(l) => {
                             self.lease.store(l, Release);
-                            *self.valid_until.lock().unwrap_or_else(|e| e.into_inner()) =
-                                Some(sent + cfg.ttl);
+                            *self.valid_until.locked() = Some(sent + cfg.ttl);
                         }
                         Err(e) => warn!(node = %self.name, error = %e, "cannot join again"),
                     }
@@ -174,26 +178,65 @@ impl Membership {
     /// Leave the cluster: stop renewing and revoke the lease (the record goes at once).
     pub fn leave(&self) {
         self.stop.store(true, Release);
-        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(t) = self.thread.locked().take() {
             let _ = t.join();
         }
         if let Err(e) = self.etcd.revoke(self.lease()) {
             warn!(node = %self.name, error = %e, "cannot revoke the cluster lease (it expires by itself)");
         }
-        *self.valid_until.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.valid_until.locked() = None;
+    }
+
+    /// Follow the volume specs and the node records with watches (one listing of each
+    /// now, then only changes), for [`Membership::cached_volumes`] and
+    /// [`Membership::cached_nodes`]. Idempotent.
+    pub fn follow(&self) -> Result<(), crate::EtcdError> {
+        if self.caches.get().is_some() {
+            return Ok(());
+        }
+        let v = PrefixCache::start(&self.etcd, &format!("{}volumes/", crate::PREFIX))?;
+        let n = PrefixCache::start(&self.etcd, &format!("{}nodes/", crate::PREFIX))?;
+        let _ = self.caches.set((v, n));
+        Ok(())
+    }
+
+    fn caches(&self) -> Option<&(PrefixCache, PrefixCache)> {
+        if self.caches.get().is_none() {
+            if let Err(e) = self.follow() {
+                warn!(node = %self.name, error = %e, "cannot follow the cluster state yet");
+            }
+        }
+        self.caches.get()
+    }
+
+    /// Every volume spec's key, as the watch last delivered it (None: not following
+    /// etcd right now, as a failed read).
+    pub fn cached_volumes(&self) -> Option<Vec<Kv>> {
+        self.caches()?.0.snapshot()
+    }
+
+    /// Every live node's record, as the watch last delivered it (None: not following
+    /// etcd right now).
+    pub fn cached_nodes(&self) -> Option<Result<Vec<NodeRecord>, crate::EtcdError>> {
+        let kvs = self.caches()?.1.snapshot()?;
+        Some(kvs.into_iter().map(|kv| decode_node(&kv)).collect())
     }
 
     /// Every live node's record.
     pub fn nodes(&self) -> Result<Vec<NodeRecord>, crate::EtcdError> {
         self.etcd
             .list(&format!("{}nodes/", crate::PREFIX))?
-            .into_iter()
-            .map(|kv| {
-                serde_json::from_slice(&kv.value)
-                    .map_err(|e| crate::EtcdError(format!("bad node record at {}: {e}", kv.key)))
-            })
+            .iter()
+            .map(decode_node)
             .collect()
     }
+}
+
+fn decode_node(kv: &Kv) -> Result<NodeRecord, crate::EtcdError> {
+    serde_json::from_slice(&kv.value).map_err(|source| crate::EtcdError::Record {
+        what: format!("bad node record at {}", kv.key),
+        source,
+    })
 }
 
 /// A TTL in whole seconds, at least 2 (etcd's minimum is its election timeout anyway).

@@ -61,8 +61,22 @@ pub struct NodeConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClusterConfig {
-    /// Client URLs of the etcd members (`http://HOST:PORT`); empty: no cluster.
+    /// Client URLs of the etcd members (`http://HOST:PORT`, or `https://HOST:PORT` with
+    /// `etcd_ca`); empty: no cluster.
     pub etcd: Vec<String>,
+    /// The CA certificate (PEM) that signed the etcd members' certificates: needed for
+    /// `https://` endpoints.
+    pub etcd_ca: Option<PathBuf>,
+    /// This node's client certificate and key (PEM) for members started with
+    /// `--client-cert-auth`.
+    pub etcd_cert: Option<PathBuf>,
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user name (etcd's authentication); its password is read from
+    /// `etcd_password_file`.
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (first line), readable by its owner only
+    /// (refused otherwise); the password itself is never logged nor shown.
+    pub etcd_password_file: Option<PathBuf>,
     /// Failure-domain labels (e.g. `zone = "z1"`, `rack = "r4"`): placement never puts two
     /// replicas in one zone (then rack) when the cluster allows it.
     pub labels: std::collections::BTreeMap<String, String>,
@@ -96,6 +110,11 @@ impl Default for ClusterConfig {
     fn default() -> Self {
         ClusterConfig {
             etcd: Vec::new(),
+            etcd_ca: None,
+            etcd_cert: None,
+            etcd_key: None,
+            etcd_user: None,
+            etcd_password_file: None,
             labels: Default::default(),
             lease_ttl_ms: 5000,
             etcd_timeout_ms: 2000,

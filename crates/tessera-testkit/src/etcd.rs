@@ -1,7 +1,9 @@
 //! A real etcd (Debian `etcd-server`) for cluster tests: one member or three, on free
-//! loopback ports, data in a temporary directory, killed when dropped.
+//! loopback ports, data in a temporary directory, killed when dropped. With
+//! [`EtcdCluster::start_tls`] the members serve clients over TLS only and demand a client
+//! certificate their CA signed (`--client-cert-auth`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -16,6 +18,9 @@ pub struct EtcdMember {
     pub peer_url: String,
     dir: PathBuf,
     initial_cluster: String,
+    /// Server TLS for clients: the CA's certificate, the server's certificate and key
+    /// (`scripts/nbd-tls-certs.sh` names), and a client certificate for health checks.
+    tls: Option<PathBuf>,
     child: Option<Child>,
 }
 
@@ -34,14 +39,28 @@ impl EtcdCluster {
     /// [`start`](Self::start) with the members listening on `ip` (e.g. the test's end of
     /// a veth pair, so that nodes in a network namespace reach them).
     pub fn start_on(tag: &str, n: usize, ip: &str) -> EtcdCluster {
+        Self::start_inner(tag, n, ip, None)
+    }
+
+    /// [`start`](Self::start) with client TLS: `certs` holds `ca-cert.pem`,
+    /// `server-cert.pem`, `server-key.pem` and `client-cert.pem`, `client-key.pem` (as
+    /// `scripts/nbd-tls-certs.sh` writes them); clients must present a certificate the CA
+    /// signed. Client URLs are `https://127.0.0.1:PORT`.
+    pub fn start_tls(tag: &str, n: usize, certs: &Path) -> EtcdCluster {
+        Self::start_inner(tag, n, "127.0.0.1", Some(certs.to_path_buf()))
+    }
+
+    fn start_inner(tag: &str, n: usize, ip: &str, tls: Option<PathBuf>) -> EtcdCluster {
         let tmp = temp_dir(&format!("etcd-{tag}"));
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let mut members: Vec<EtcdMember> = (0..n)
             .map(|i| EtcdMember {
                 name: format!("e{i}"),
-                client_url: format!("http://{ip}:{}", free_port()),
+                client_url: format!("{scheme}://{ip}:{}", free_port()),
                 peer_url: format!("http://{ip}:{}", free_port()),
                 dir: tmp.path().join(format!("e{i}")),
                 initial_cluster: String::new(),
+                tls: tls.clone(),
                 child: None,
             })
             .collect();
@@ -92,7 +111,20 @@ impl EtcdCluster {
 impl EtcdMember {
     fn spawn(&mut self) {
         let log = std::fs::File::create(format!("{}.log", self.dir.display())).expect("etcd log");
-        let child = Command::new("etcd")
+        let mut cmd = Command::new("etcd");
+        if let Some(c) = &self.tls {
+            let f = |n: &str| c.join(n).display().to_string();
+            cmd.args([
+                "--client-cert-auth",
+                "--trusted-ca-file",
+                &f("ca-cert.pem"),
+                "--cert-file",
+                &f("server-cert.pem"),
+                "--key-file",
+                &f("server-key.pem"),
+            ]);
+        }
+        let child = cmd
             .args([
                 "--name",
                 &self.name,
@@ -128,6 +160,22 @@ impl EtcdMember {
 
     /// Whether this member answers `/health` with a healthy cluster.
     pub fn healthy(&self) -> bool {
+        if let Some(c) = &self.tls {
+            let f = |n: &str| c.join(n).display().to_string();
+            let out = Command::new("curl")
+                .args(["-s", "--max-time", "2", "--cacert", &f("ca-cert.pem")])
+                .args([
+                    "--cert",
+                    &f("client-cert.pem"),
+                    "--key",
+                    &f("client-key.pem"),
+                ])
+                .arg(format!("{}/health", self.client_url))
+                .stdin(Stdio::null())
+                .output();
+            return out
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("\"health\":\"true\""));
+        }
         let addr = self.client_url.trim_start_matches("http://");
         let Ok(mut s) = std::net::TcpStream::connect(addr) else {
             return false;

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use tessera_io::sync::RwLockExt;
 
 use tessera_api::{ClusterNode, ClusterPool, ClusterStatus, ClusterVolume};
-use tessera_cluster::{placement, volume_key, Etcd, Membership, MembershipConfig};
+use tessera_cluster::{
+    placement, read_password_file, volume_key, Etcd, EtcdOptions, Membership, MembershipConfig,
+};
 use tracing::{info, warn};
 
 use super::{Error, Node, Result};
@@ -23,7 +25,18 @@ impl Node {
         if c.etcd.is_empty() {
             return Ok(());
         }
-        let etcd = Etcd::new(&c.etcd, Duration::from_millis(c.etcd_timeout_ms.max(100)))
+        let mut opts = EtcdOptions::new(Duration::from_millis(c.etcd_timeout_ms.max(100)));
+        opts.ca = c.etcd_ca.clone();
+        opts.cert = c.etcd_cert.clone();
+        opts.key = c.etcd_key.clone();
+        opts.user = c.etcd_user.clone();
+        if let Some(f) = &c.etcd_password_file {
+            opts.password = Some(
+                read_password_file(f)
+                    .map_err(|e| Error::invalid(format!("[cluster] etcd_password_file: {e}")))?,
+            );
+        }
+        let etcd = Etcd::with_options(&c.etcd, opts)
             .map_err(|e| Error::invalid(format!("[cluster] etcd: {e}")))?;
         let weak = Arc::downgrade(self);
         let cfg = MembershipConfig {
@@ -36,6 +49,11 @@ impl Node {
         });
         let m =
             Membership::join(etcd, cfg, record).map_err(|e| Error::io("joining the cluster", e))?;
+        // Follow the specs and members by watches from now on (the ownership rounds
+        // read them); a failure here is retried by the first round.
+        if let Err(e) = m.follow() {
+            warn!(error = %e, "cannot follow the cluster state yet");
+        }
         let _ = self.cluster.set(m);
         self.confirm_ownership();
         self.start_ownership_watch();
@@ -114,6 +132,21 @@ impl Node {
                     .map_err(|e| Error::Corrupt(format!("volume spec {} in etcd: {e}", kv.key)))
             })
             .collect()
+    }
+
+    /// The volume specs as this node's watch last delivered them (None: the watch is
+    /// reconnecting).
+    pub(super) fn cached_cluster_volumes(&self) -> Option<Result<Vec<ClusterVolume>>> {
+        let m = self.cluster()?;
+        let kvs = m.cached_volumes()?;
+        Some(
+            kvs.into_iter()
+                .map(|kv| {
+                    serde_json::from_slice(&kv.value)
+                        .map_err(|e| Error::Corrupt(format!("volume spec {} in etcd: {e}", kv.key)))
+                })
+                .collect(),
+        )
     }
 
     /// A node replicas may go to: a `[[peer]]` of the config, else a live cluster member

@@ -738,7 +738,11 @@ impl Node {
             return;
         }
         let me = self.cfg.node_name();
-        let (Ok(specs), Ok(live)) = (self.cluster_volumes(), m.nodes()) else {
+        // The specs and members as the watches delivered them (no listing per round:
+        // docs/cluster-scale.md); a round is skipped while a watch reconnects, as it
+        // was when a read failed.
+        let (Some(Ok(specs)), Some(Ok(live))) = (self.cached_cluster_volumes(), m.cached_nodes())
+        else {
             return;
         };
         let addrs: BTreeMap<String, String> = live
