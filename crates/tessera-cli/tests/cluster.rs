@@ -180,69 +180,58 @@ fn members_placement_specs_and_etcd_outage() {
     drop(cl);
 }
 
-#[test]
-fn a_node_that_cannot_reach_its_etcd_refuses_to_start() {
-    let dir = temp_dir("cl-noetcd");
-    let cfg = dir.path().join("tessera.toml");
-    let dead = free_port();
-    std::fs::write(
-        &cfg,
-        format!(
-            "name = \"lonely\"\ndata_dir = \"{}\"\ncores = 1\n[nbd]\nlisten = [\"127.0.0.1:{}\"]\n\
-             [nvmf]\nenabled = false\n[cluster]\netcd = [\"http://127.0.0.1:{dead}\"]\netcd_timeout_ms = 500\n",
-            dir.path().join("data").display(),
-            free_port()
-        ),
-    )
-    .unwrap();
+/// Write `config` to the node's config file, run `tessera node` with it to its exit, and
+/// give whether it succeeded and what it printed on stderr.
+fn run_node_with(cfg: &std::path::Path, config: &str) -> (bool, String) {
+    std::fs::write(cfg, config).unwrap();
     let out = std::process::Command::new(BIN)
         .args(["node", "--config", cfg.to_str().unwrap()])
         .stdin(std::process::Stdio::null())
         .output()
         .expect("run tessera node");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "started without its etcd");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_node_that_cannot_reach_its_etcd_refuses_to_start() {
+    let dir = temp_dir("cl-noetcd");
+    let cfg = dir.path().join("tessera.toml");
+    let data = dir.path().join("data");
+    let dead = free_port();
+    let (ok, err) = run_node_with(
+        &cfg,
+        &format!(
+            "name = \"lonely\"\ndata_dir = \"{}\"\ncores = 1\n[nbd]\nlisten = [\"127.0.0.1:{}\"]\n\
+             [nvmf]\nenabled = false\n[cluster]\netcd = [\"http://127.0.0.1:{dead}\"]\netcd_timeout_ms = 500\n",
+            data.display(),
+            free_port()
+        ),
+    );
+    assert!(!ok, "started without its etcd");
     assert!(
         err.contains("cannot join the cluster") && err.contains(&dead.to_string()),
         "{err}"
     );
     // A bad endpoint is a configuration error.
-    std::fs::write(
-        &cfg,
+    let with_endpoint = |endpoint: &str| {
         format!(
-            "data_dir = \"{}\"\n[nvmf]\nenabled = false\n[cluster]\netcd = [\"https://x:1\"]\n",
-            dir.path().join("data").display()
-        ),
-    )
-    .unwrap();
-    let out = std::process::Command::new(BIN)
-        .args(["node", "--config", cfg.to_str().unwrap()])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .expect("run tessera node");
-    let err = String::from_utf8_lossy(&out.stderr);
+            "data_dir = \"{}\"\n[nvmf]\nenabled = false\n[cluster]\netcd = [\"{endpoint}\"]\n",
+            data.display()
+        )
+    };
+    let (ok, err) = run_node_with(&cfg, &with_endpoint("https://x:1"));
     // (https:// is supported since the gRPC client: without the CA it is refused.)
     assert!(
-        !out.status.success() && err.contains("https:// etcd endpoints need etcd_ca"),
+        !ok && err.contains("https:// etcd endpoints need etcd_ca"),
         "{err}"
     );
     // An endpoint of no known scheme is refused too.
-    std::fs::write(
-        &cfg,
-        format!(
-            "data_dir = \"{}\"\n[nvmf]\nenabled = false\n[cluster]\netcd = [\"ftp://x:1\"]\n",
-            dir.path().join("data").display()
-        ),
-    )
-    .unwrap();
-    let out = std::process::Command::new(BIN)
-        .args(["node", "--config", cfg.to_str().unwrap()])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .expect("run tessera node");
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (ok, err) = run_node_with(&cfg, &with_endpoint("ftp://x:1"));
     assert!(
-        !out.status.success() && err.contains("expected http://HOST:PORT or https://HOST:PORT"),
+        !ok && err.contains("expected http://HOST:PORT or https://HOST:PORT"),
         "{err}"
     );
 }

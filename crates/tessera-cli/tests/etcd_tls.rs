@@ -76,22 +76,9 @@ fn up_joins_a_tls_and_password_etcd_and_creates_a_cluster_volume() {
     o.cert = Some(c.join("client-cert.pem"));
     o.key = Some(c.join("client-key.pem"));
     let admin = Etcd::with_options(&etcd.endpoints(), o.clone()).unwrap();
-    let (mut raw, rt) = admin.raw().unwrap();
-    rt.block_on(async {
-        raw.user_add("root", "rootpw", None).await?;
-        raw.user_grant_role("root", "root").await?;
-        raw.role_add("tessera").await?;
-        raw.role_grant_permission(
-            "tessera",
-            etcd_client::Permission::read_write("/tessera/").with_prefix(),
-        )
-        .await?;
-        raw.user_add("tessera", PASSWORD, None).await?;
-        raw.user_grant_role("tessera", "tessera").await?;
-        raw.auth_enable().await
-    })
-    .unwrap();
-
+    admin
+        .enable_auth("rootpw", "tessera", PASSWORD, "/tessera/")
+        .unwrap();
     // A password file others may read: refused, saying why.
     let pw = tmp.path().join("etcd-password");
     std::fs::write(&pw, format!("{PASSWORD}\n")).unwrap();

@@ -616,6 +616,43 @@ impl Etcd {
         })
     }
 
+    /// Turn on etcd's authentication for Tessera, as an operator does once: a `root`
+    /// user (etcd demands one before auth goes on), a role `user` with read and write on
+    /// every key under `prefix`, the user `user` with that role, then auth on. Calls
+    /// after this one need a user and password.
+    pub fn enable_auth(
+        &self,
+        root_password: &str,
+        user: &str,
+        password: &str,
+        prefix: &str,
+    ) -> Result<()> {
+        let (root_password, user, password, prefix) = (
+            root_password.to_string(),
+            user.to_string(),
+            password.to_string(),
+            prefix.to_string(),
+        );
+        self.call("enable auth", move |_, mut c| {
+            let (root_password, user, password, prefix) = (
+                root_password.clone(),
+                user.clone(),
+                password.clone(),
+                prefix.clone(),
+            );
+            async move {
+                c.user_add("root", root_password, None).await?;
+                c.user_grant_role("root", "root").await?;
+                c.role_add(user.as_str()).await?;
+                let access = etcd_client::Permission::read_write(prefix).with_prefix();
+                c.role_grant_permission(user.as_str(), access).await?;
+                c.user_add(user.as_str(), password, None).await?;
+                c.user_grant_role(user.as_str(), user.as_str()).await?;
+                c.auth_enable().await.map(drop)
+            }
+        })
+    }
+
     /// A client for one-off administration (tests, benchmarks): the async client of the
     /// first member that connects, and the runtime to drive it on.
     pub fn raw(&self) -> Result<(Client, tokio::runtime::Handle)> {

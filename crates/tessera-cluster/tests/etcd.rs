@@ -300,21 +300,8 @@ fn tls_with_client_certificates_and_password_auth() {
     );
 
     // Auth: root, a tessera user with a role on Tessera's prefix, then auth on.
-    let (mut raw, rt) = e.raw().unwrap();
-    rt.block_on(async {
-        raw.user_add("root", "rootpw", None).await?;
-        raw.user_grant_role("root", "root").await?;
-        raw.role_add("tessera").await?;
-        raw.role_grant_permission(
-            "tessera",
-            etcd_client::Permission::read_write("/tessera/").with_prefix(),
-        )
-        .await?;
-        raw.user_add("tessera", "right-password", None).await?;
-        raw.user_grant_role("tessera", "tessera").await?;
-        raw.auth_enable().await
-    })
-    .unwrap();
+    e.enable_auth("rootpw", "tessera", "right-password", "/tessera/")
+        .unwrap();
     let auth = |pw: &str| {
         let mut o = tls_options(&good, true);
         o.user = Some("tessera".into());

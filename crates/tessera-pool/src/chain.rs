@@ -31,10 +31,6 @@ fn children_of(s: &State, id: u32) -> Vec<Arc<Volume>> {
 }
 
 impl Pool {
-    fn volume_named_in(s: &State, name: &str) -> bool {
-        s.volumes.values().any(|v| !v.is_hidden() && v.name == name)
-    }
-
     /// Take a snapshot of `vol` named `name`: metadata only (the snapshot takes the
     /// volume's map as it is, the volume goes on with an empty one reading through it),
     /// durable when this returns. Writes acknowledged before the call are in it.
@@ -86,12 +82,7 @@ impl Pool {
         };
         let made = self.core.quiesce_change_and_checkpoint(quiesce, |s| {
             for (vol, name) in what {
-                if Self::volume_named_in(s, name) {
-                    return Err(Error::new(
-                        ErrorKind::AlreadyExists,
-                        format!("a volume or snapshot named '{name}' already exists"),
-                    ));
-                }
+                s.name_free(name)?;
                 if vol.is_deleted() || !s.volumes.contains_key(&vol.id) {
                     return Err(Error::new(
                         ErrorKind::NotFound,
@@ -153,12 +144,7 @@ impl Pool {
             )));
         }
         self.core.change_and_checkpoint(|s| {
-            if Self::volume_named_in(s, name) {
-                return Err(Error::new(
-                    ErrorKind::AlreadyExists,
-                    format!("a volume or snapshot named '{name}' already exists"),
-                ));
-            }
+            s.name_free(name)?;
             if !s.volumes.contains_key(&snap.id) {
                 return Err(Error::new(
                     ErrorKind::NotFound,

@@ -9,6 +9,22 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 impl State {
+    /// Refuse `name` when a volume, snapshot or clone already has it: they share one
+    /// namespace (hidden snapshots, which have no name of their own, are left out).
+    pub(crate) fn name_free(&self, name: &str) -> Result<()> {
+        if self
+            .volumes
+            .values()
+            .any(|v| !v.is_hidden() && v.name == name)
+        {
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                format!("a volume or snapshot named '{name}' already exists"),
+            ));
+        }
+        Ok(())
+    }
+
     pub(super) fn catalog(&self) -> Catalog {
         Catalog {
             next_volume_id: self.next_volume_id,
@@ -114,12 +130,7 @@ impl Pool {
         validate_volume_size(size, self.core.unit_size())?;
         let vol = {
             let mut s = self.core.lock();
-            if s.volumes.values().any(|v| v.name == name && !v.is_hidden()) {
-                return Err(Error::new(
-                    ErrorKind::AlreadyExists,
-                    format!("volume '{name}' already exists"),
-                ));
-            }
+            s.name_free(name)?;
             self.check_overcommit(
                 &s,
                 &format!("volume '{name}' of {}", human_bytes(size)),
