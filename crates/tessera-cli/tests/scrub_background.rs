@@ -129,11 +129,13 @@ fn background_class_limits_persist_and_scrub_backs_off_for_clients() {
     // behind a threshold that fails one run in four. Only starvation fails here.
     let kept = with.iops / alone.iops;
     eprintln!(
-        "client kept {:.0}% of its IOPS during the scrub ({} vs {}), {} backoffs",
+        "client kept {:.0}% of its IOPS during the scrub ({} vs {}), {} backoffs; \
+         controller: {}",
         kept * 100.0,
         with.iops,
         alone.iops,
-        v["background"]["backoffs"]
+        v["background"]["backoffs"],
+        v["background"]
     );
     assert!(
         kept >= 0.3,

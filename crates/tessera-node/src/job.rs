@@ -85,6 +85,22 @@ pub(crate) fn client_p99(pool: &Pool, last: &mut Vec<(u32, Histogram)>) -> Optio
     (window.count() > 0).then(|| window.quantile(0.99) as f64 / 1000.0)
 }
 
+/// Feedback ticks the clients' baseline p99 is measured over before a job starts.
+///
+/// One tick was not enough: a QD1 client's p99 over 100 ms is the 13th slowest of about
+/// 1,300 requests, and one tick with a hiccup in it set a target the job never crossed
+/// while the client lost a third of its rate (docs/benchmarks.md, "Scrub feedback").
+const BASELINE_TICKS: usize = 5;
+
+/// The baseline from the per-tick p99s before the job: their median (the lower one of
+/// an even count), so that one unlucky tick does not raise the target; ticks without
+/// client I/O are left out, and `None` when every tick was idle.
+fn baseline_p99(ticks: &[Option<f64>]) -> Option<f64> {
+    let mut busy: Vec<f64> = ticks.iter().flatten().copied().collect();
+    busy.sort_by(f64::total_cmp);
+    busy.get(busy.len().checked_sub(1)? / 2).copied()
+}
+
 /// What a feedback tick decided, for the job's status.
 pub(crate) struct Tick {
     pub rate: u64,
@@ -106,13 +122,22 @@ pub(crate) struct Pacer {
 }
 
 impl Pacer {
-    /// Measure the clients' baseline p99 (one tick) and start at the class's rate; puts
-    /// the calling thread at idle CPU priority.
+    /// Measure the clients' baseline p99 (unless the class has a latency target of its
+    /// own) and start at the class's rate; puts the calling thread at idle CPU priority.
     pub fn start(pool: &Pool, limits: &BackgroundLimits, chunk: u64) -> Pacer {
         let mut hist = Vec::new();
         client_p99(pool, &mut hist);
-        std::thread::sleep(FEEDBACK_TICK);
-        let baseline = client_p99(pool, &mut hist);
+        let baseline = if limits.latency_target_us.is_some() {
+            None
+        } else {
+            let ticks: Vec<Option<f64>> = (0..BASELINE_TICKS)
+                .map(|_| {
+                    std::thread::sleep(FEEDBACK_TICK);
+                    client_p99(pool, &mut hist)
+                })
+                .collect();
+            baseline_p99(&ticks)
+        };
         let fb = Feedback::new(limits, limits.target_us(baseline));
         let now = Instant::now();
         Pacer {
@@ -301,5 +326,31 @@ impl<P: AsMut<Figures>> Job<P> {
                 Err(wait) => std::thread::sleep(wait),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::baseline_p99;
+
+    #[test]
+    fn one_slow_tick_does_not_set_the_baseline() {
+        // Four quiet ticks and one with a hiccup: the hiccup's p99 is not the baseline
+        // (a one-tick baseline taking it would put the target at 1.5x 900 us).
+        let ticks = [
+            Some(110.0),
+            Some(900.0),
+            Some(100.0),
+            Some(120.0),
+            Some(105.0),
+        ];
+        assert_eq!(baseline_p99(&ticks), Some(110.0));
+        // Idle ticks are left out; an even count takes the lower middle.
+        assert_eq!(
+            baseline_p99(&[None, Some(300.0), Some(100.0), None]),
+            Some(100.0)
+        );
+        assert_eq!(baseline_p99(&[None, None]), None);
+        assert_eq!(baseline_p99(&[]), None);
     }
 }
