@@ -739,13 +739,13 @@ fn render_jobs(w: &mut TextWriter, node: &Node) {
                 total: pr.units_total.saturating_mul(unit),
             })
         };
-        if let Ok(s) = node.scrub_status(&name) {
+        if let Ok(s) = node.jobs().scrub_status(&p) {
             push("scrub", s.state, &s.progress);
         }
-        if let Ok(s) = node.resync_status(&name) {
+        if let Ok(s) = node.jobs().resync_status(&p) {
             push("resync", s.state, &s.progress);
         }
-        if let Ok(s) = node.rebuild_status(&name) {
+        if let Ok(s) = node.jobs().rebuild_status(&p) {
             push("rebuild", s.state, &s.progress);
         }
     }

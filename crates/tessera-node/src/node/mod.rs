@@ -1,19 +1,25 @@
 //! The node's state and every management operation. The API and the CLI are thin layers
 //! over these methods. Management runs on control-plane threads, never on a reactor.
 //!
-//! The operations are grouped by what they manage, one `impl Node` per file: pools
-//! (`pools.rs`), volumes (`volumes.rs`), NBD exports (`exports.rs`), background jobs
-//! (`jobs.rs`: scrub, resync, rebuild), device replacement and hot spares (`spares.rs`),
-//! QoS groups (`qos.rs`), and the devices the pools are opened on (`devices.rs`); a
-//! volume's own snapshot history (`lineage.rs`, a leaf the others share). This
-//! file holds the state, starting the node and the lookups every part uses. Operations
-//! answer with the types of `tessera_api`; the JSON is made at the API edge (crate::api).
+//! The node is being split into services that each own their state and its lock, which
+//! `Node` only holds and wires together: so far the pools' background jobs (`jobs.rs`,
+//! [`Jobs`], reached with [`Node::jobs`]: scrub, resync and rebuild, which exclude each
+//! other per pool, and the background classes' limits). The other operations are
+//! still grouped by what they manage, one `impl Node` per file: pools (`pools.rs`),
+//! volumes (`volumes.rs`), NBD exports (`exports.rs`), device replacement and hot
+//! spares (`spares.rs`, which asks the jobs service whether a pool is busy and starts
+//! the rebuild onto a new device through it), QoS groups (`qos.rs`), and the devices
+//! the pools are opened on (`devices.rs`); a volume's own snapshot history
+//! (`lineage.rs`, a leaf the others share). This file holds the state, starting the
+//! node and the lookups every part uses. Operations answer with the types of
+//! `tessera_api`; the JSON is made at the API edge (crate::api).
 
 mod cluster;
 mod devices;
 mod exports;
 pub mod fencing;
 mod jobs;
+pub use jobs::Jobs;
 mod lineage;
 pub mod nvmf;
 mod ownership;
@@ -66,12 +72,9 @@ pub struct Node {
     pub nvmf: crate::nvmf::NvmfState,
     /// QoS groups (tenants) and their stepped bursts.
     pub groups: crate::groups::Groups,
-    /// Background classes' limits and the scrub jobs, by pool.
-    pub background: crate::background::Background,
-    scrubs: Mutex<BTreeMap<String, Arc<crate::scrub::ScrubJob>>>,
-    rebuilds: Mutex<BTreeMap<String, Arc<crate::rebuild::RebuildJob>>>,
-    /// Mirror resyncs after an unclean shutdown (crate::scrub::start_resync), by pool.
-    resyncs: Mutex<BTreeMap<String, Arc<crate::scrub::ScrubJob>>>,
+    /// Scrub, resync and rebuild of the pools, and the background classes' limits
+    /// (node/jobs.rs).
+    jobs: Jobs,
     /// The device slots of each redundant pool: a replacement or a hot spare is swapped
     /// into them live (docs/architecture.md "Device replacement and hot spares").
     slots: Mutex<BTreeMap<String, Vec<Arc<SwappableDevice>>>>,
@@ -179,7 +182,7 @@ impl Node {
         let entries = registry.load()?;
         let nvmf = crate::nvmf::NvmfState::load(&cfg.data_dir).map_err(StartError::Catalog)?;
         let groups = crate::groups::Groups::load(&cfg.data_dir).map_err(StartError::Catalog)?;
-        let background = crate::background::Background::load(&cfg.data_dir)?;
+        let jobs = Jobs::load(&cfg.data_dir)?;
         let node = Arc::new(Node {
             cfg,
             pools: RwLock::new(BTreeMap::new()),
@@ -194,10 +197,7 @@ impl Node {
             nbd_tls,
             nvmf,
             groups,
-            background,
-            scrubs: Mutex::new(BTreeMap::new()),
-            rebuilds: Mutex::new(BTreeMap::new()),
-            resyncs: Mutex::new(BTreeMap::new()),
+            jobs,
             slots: Mutex::new(BTreeMap::new()),
             spare_devs: Mutex::new(BTreeMap::new()),
             replicated: RwLock::new(BTreeMap::new()),
@@ -243,13 +243,9 @@ impl Node {
             }
         }
         // A rebuild the node was running when it stopped resumes from its cursor, before
-        // any client can write (the device missed nothing below the cursor).
+        // any client can write.
         for p in node.pools() {
-            if let Some((d, next)) = crate::rebuild::load_cursor(&node.cfg.data_dir, p.name()) {
-                if let Err(e) = node.run_rebuild(&p, d, next) {
-                    error!(pool = %p.name(), device = d, error = %e, "cannot resume the rebuild");
-                }
-            }
+            node.jobs.resume_rebuild(&p);
         }
         // A mirrored pool whose previous run did not end with a clean shutdown may have
         // copies that differ where a write was cut between them: resync it in the
@@ -260,14 +256,8 @@ impl Node {
                     pool = %p.name(),
                     "pool was not shut down cleanly: resyncing its mirror copies"
                 );
-                match node.background.limits("resync").and_then(|l| {
-                    crate::scrub::start_resync(p.clone(), l)
-                        .map_err(|e| Error::io("starting the resync thread", e))
-                }) {
-                    Ok(job) => {
-                        node.resyncs().insert(p.name().to_string(), job);
-                    }
-                    Err(e) => error!(pool = %p.name(), error = %e, "cannot resync"),
+                if let Err(e) = node.jobs.start_resync(&p) {
+                    error!(pool = %p.name(), error = %e, "cannot resync");
                 }
             }
         }
@@ -410,6 +400,11 @@ impl Node {
     /// Why pool `name` is offline (it is listed but could not be opened), if it is.
     fn offline_reason(&self, name: &str) -> Option<String> {
         self.offline.read_locked().get(name).cloned()
+    }
+
+    /// The pools' background jobs (scrub, resync, rebuild) and the background classes.
+    pub fn jobs(&self) -> &Jobs {
+        &self.jobs
     }
 
     fn admin(&self) -> MutexGuard<'_, ()> {
