@@ -290,27 +290,16 @@ mod tests {
     use super::*;
     use std::time::{Duration, Instant};
     use tessera_api::JobState;
-    use tessera_device::{BlockDevice, RamDevice};
+    use tessera_device::BlockDevice;
     use tessera_pool::format::DEV_DATA_START;
-    use tessera_pool::{LayoutKind, PoolOptions};
+    use tessera_pool::LayoutKind;
     use tessera_qos::BackgroundLimits;
 
-    const DEV_SIZE: u64 = 16 << 20;
-    const UNIT: u64 = 64 << 10;
+    use crate::node::test_pools::{ram_pool, UNIT};
 
-    /// Pool "p", a two-way mirror on RAM devices (kept to write under the pool).
-    fn mirror() -> (Arc<Pool>, Vec<Arc<RamDevice>>) {
-        let ram: Vec<Arc<RamDevice>> = (0..2).map(|_| RamDevice::new(DEV_SIZE).unwrap()).collect();
-        let devs = ram
-            .iter()
-            .map(|r| r.clone() as Arc<dyn BlockDevice>)
-            .collect();
-        let opts = PoolOptions {
-            layout: LayoutKind::Raid1 { copies: 2 },
-            unit_size: UNIT,
-            ..PoolOptions::default()
-        };
-        (Arc::new(Pool::create("p", devs, opts).unwrap()), ram)
+    /// Pool "p", a two-way mirror, and its RAM devices.
+    fn mirror() -> (Arc<Pool>, Vec<Arc<tessera_device::RamDevice>>) {
+        ram_pool("p", LayoutKind::Raid1 { copies: 2 }, 2)
     }
 
     /// A jobs service on data directory `dir` whose class `slow` runs at the lowest rate
