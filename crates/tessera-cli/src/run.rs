@@ -2,7 +2,6 @@
 //! when it serves and when it stops.
 
 use std::path::{Path, PathBuf};
-use tessera_io::sync::RwLockExt;
 
 use clap::Args;
 use tessera_api::{PoolEntry, TlsPolicy};
@@ -254,11 +253,13 @@ fn serve(cfg: NodeConfig) -> Result<()> {
         listener::start_nbd_unix(&node, &p)?;
         addrs.push(format!("unix:{}", paths::absolute(&p).display()));
     }
-    *node.nbd_addresses.write_locked() = addrs
-        .iter()
-        .filter(|a| a.starts_with("nbd://"))
-        .cloned()
-        .collect();
+    node.exports().set_nbd_addresses(
+        addrs
+            .iter()
+            .filter(|a| a.starts_with("nbd://"))
+            .cloned()
+            .collect(),
+    );
     // NVMe/TCP listens before the banner says ready.
     let nvmf = tessera_node::node::nvmf::start(&node);
     // Join the cluster last: the record published says where every listener is.

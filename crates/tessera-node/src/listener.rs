@@ -297,7 +297,7 @@ fn serve_client<S>(
 ) where
     S: io::Read + io::Write,
 {
-    let mut stream = HandshakeStream::new(stream, node.nbd_tls.clone());
+    let mut stream = HandshakeStream::new(stream, node.exports().tls());
     let session = ExportSession::new(&node);
     let outcome = negotiate_io(&mut stream, &session);
     let n = match outcome {
@@ -403,7 +403,7 @@ fn serve_client<S>(
     };
     let tls = tls.map(|session| TlsLink::new(session, client));
     let fd = into_fd(stream);
-    let budget = node.buffers.conn(Some(slot));
+    let budget = node.exports().buffers().conn(Some(slot));
     node.next_reactor().spawn(Box::new(move |io| {
         let conn = NbdConn::new(io, fd, &export, opts, budget);
         Box::new(match tls {
@@ -492,7 +492,9 @@ pub fn start_nbd_tcp(node: &Arc<Node>, addr: &str) -> io::Result<String> {
     let l = TcpListener::bind(addr)
         .map_err(|e| io::Error::new(e.kind(), format!("cannot listen for NBD on {addr}: {e}")))?;
     let local = l.local_addr()?.to_string();
-    let cap = node.listener_cap("nbd", local.clone(), node.cfg.nbd.max_connections);
+    let cap = node
+        .exports()
+        .listener_cap("nbd", local.clone(), node.cfg.nbd.max_connections);
     let node = node.clone();
     std::thread::Builder::new()
         .name("tessera-nbd-accept".into())
@@ -513,7 +515,9 @@ pub fn start_nbd_tcp(node: &Arc<Node>, addr: &str) -> io::Result<String> {
 pub fn start_nbd_unix(node: &Arc<Node>, path: &Path) -> io::Result<()> {
     let l = bind_unix(path)?;
     let address = format!("unix:{}", path.display());
-    let cap = node.listener_cap("nbd", address, node.cfg.nbd.max_connections);
+    let cap = node
+        .exports()
+        .listener_cap("nbd", address, node.cfg.nbd.max_connections);
     let node = node.clone();
     std::thread::Builder::new()
         .name("tessera-nbd-accept-unix".into())

@@ -294,7 +294,7 @@ pub fn render(node: &Node) -> String {
 
 /// The client buffer budget (`[client_buffers]`) and each listener's connection cap.
 fn render_client_limits(w: &mut TextWriter, node: &Node) {
-    let b = &node.buffers;
+    let b = node.exports().buffers();
     w.family(
         "tessera_client_buffer_bytes",
         "gauge",
@@ -322,7 +322,7 @@ fn render_client_limits(w: &mut TextWriter, node: &Node) {
         "Times a connection's next request did not fit the client buffer budget: it waited (NBD: its socket was not read) until its replies left.",
     );
     w.sample("tessera_client_buffer_stalls_total", &[], b.stalls());
-    let caps = node.listener_caps();
+    let caps = node.exports().listener_caps();
     fn labels(c: &tessera_export::budget::ListenerCap) -> [(&'static str, &str); 2] {
         [("protocol", c.protocol), ("listener", c.address.as_str())]
     }
@@ -739,13 +739,13 @@ fn render_jobs(w: &mut TextWriter, node: &Node) {
                 total: pr.units_total.saturating_mul(unit),
             })
         };
-        if let Ok(s) = node.scrub_status(&name) {
+        if let Ok(s) = node.jobs().scrub_status(&p) {
             push("scrub", s.state, &s.progress);
         }
-        if let Ok(s) = node.resync_status(&name) {
+        if let Ok(s) = node.jobs().resync_status(&p) {
             push("resync", s.state, &s.progress);
         }
-        if let Ok(s) = node.rebuild_status(&name) {
+        if let Ok(s) = node.jobs().rebuild_status(&p) {
             push("rebuild", s.state, &s.progress);
         }
     }

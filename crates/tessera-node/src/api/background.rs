@@ -22,7 +22,7 @@ pub fn routes() -> Router<Arc<Node>> {
     responses((status = 200, description = "Every class's limits, by class name",
         body = std::collections::BTreeMap<String, BackgroundLimits>)))]
 pub async fn list(State(node): NodeState) -> Response {
-    with_node(node, |n| Response::json(200, &n.background.list())).await
+    with_node(node, |n| Response::json(200, &n.jobs().background().list())).await
 }
 
 #[utoipa::path(put, path = "/v1/background/{class}", tag = "background",
@@ -41,7 +41,7 @@ pub async fn put_limits(
     ) {
         Ok(l) => {
             with_node(node, move |n| {
-                let r = n.background.put(&class, Some(l));
+                let r = n.jobs().background().put(&class, Some(l));
                 n.refresh_replica_rates();
                 reply(r, 200)
             })
@@ -57,7 +57,7 @@ pub async fn put_limits(
         body = BackgroundLimits), (status = "4XX", body = ErrorReply)))]
 pub async fn reset(State(node): NodeState, Path(class): Path<String>) -> Response {
     with_node(node, move |n| {
-        let r = n.background.put(&class, None);
+        let r = n.jobs().background().put(&class, None);
         n.refresh_replica_rates();
         reply(r, 200)
     })

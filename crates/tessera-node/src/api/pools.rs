@@ -129,7 +129,10 @@ pub async fn destroy(State(node): NodeState, Path(name): Path<String>) -> Respon
     params(("name" = String, Path)),
     responses((status = 200, body = RebuildStatus), (status = 404, body = ErrorReply)))]
 pub async fn rebuild_status(State(node): NodeState, Path(name): Path<String>) -> Response {
-    with_node(node, move |n| reply(n.rebuild_status(&name), 200)).await
+    with_node(node, move |n| {
+        reply(n.pool(&name).and_then(|p| n.jobs().rebuild_status(&p)), 200)
+    })
+    .await
 }
 
 #[utoipa::path(post, path = "/v1/pools/{name}/rebuild", tag = "pools",
@@ -144,7 +147,10 @@ pub async fn rebuild_start(
     match body::<RebuildRequest>(&bytes, "rebuild", "device, force") {
         Ok(b) => {
             with_node(node, move |n| {
-                reply(n.start_rebuild(&name, b.device, b.force), 202)
+                let r = n
+                    .pool(&name)
+                    .and_then(|p| n.jobs().start_rebuild(&p, b.device, b.force));
+                reply(r, 202)
             })
             .await
         }
@@ -156,7 +162,10 @@ pub async fn rebuild_start(
     params(("name" = String, Path)),
     responses((status = 200, body = RebuildStatus), (status = "4XX", body = ErrorReply)))]
 pub async fn rebuild_stop(State(node): NodeState, Path(name): Path<String>) -> Response {
-    with_node(node, move |n| reply(n.stop_rebuild(&name), 200)).await
+    with_node(node, move |n| {
+        reply(n.pool(&name).and_then(|p| n.jobs().stop_rebuild(&p)), 200)
+    })
+    .await
 }
 
 #[utoipa::path(post, path = "/v1/pools/{name}/replace", tag = "pools",
@@ -231,7 +240,10 @@ pub async fn spares_remove(
     params(("name" = String, Path)),
     responses((status = 200, body = ScrubStatus), (status = 404, body = ErrorReply)))]
 pub async fn scrub_status(State(node): NodeState, Path(name): Path<String>) -> Response {
-    with_node(node, move |n| reply(n.scrub_status(&name), 200)).await
+    with_node(node, move |n| {
+        reply(n.pool(&name).and_then(|p| n.jobs().scrub_status(&p)), 200)
+    })
+    .await
 }
 
 #[utoipa::path(post, path = "/v1/pools/{name}/scrub", tag = "pools",
@@ -244,7 +256,15 @@ pub async fn scrub_start(
     bytes: Bytes,
 ) -> Response {
     match parse_body::<ScrubRequest>(&bytes) {
-        Ok(b) => with_node(node, move |n| reply(n.start_scrub(&name, b.repair), 202)).await,
+        Ok(b) => {
+            with_node(node, move |n| {
+                let r = n
+                    .pool(&name)
+                    .and_then(|p| n.jobs().start_scrub(&p, b.repair));
+                reply(r, 202)
+            })
+            .await
+        }
         Err(_) => Response::error(400, "field 'repair' must be true or false"),
     }
 }
@@ -253,12 +273,18 @@ pub async fn scrub_start(
     params(("name" = String, Path)),
     responses((status = 200, body = ScrubStatus), (status = "4XX", body = ErrorReply)))]
 pub async fn scrub_stop(State(node): NodeState, Path(name): Path<String>) -> Response {
-    with_node(node, move |n| reply(n.stop_scrub(&name), 200)).await
+    with_node(node, move |n| {
+        reply(n.pool(&name).and_then(|p| n.jobs().stop_scrub(&p)), 200)
+    })
+    .await
 }
 
 #[utoipa::path(get, path = "/v1/pools/{name}/resync", tag = "pools",
     params(("name" = String, Path)),
     responses((status = 200, body = ScrubStatus), (status = 404, body = ErrorReply)))]
 pub async fn resync_status(State(node): NodeState, Path(name): Path<String>) -> Response {
-    with_node(node, move |n| reply(n.resync_status(&name), 200)).await
+    with_node(node, move |n| {
+        reply(n.pool(&name).and_then(|p| n.jobs().resync_status(&p)), 200)
+    })
+    .await
 }

@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_io::sync::RwLockExt;
 
 use tessera_api::{ClusterNode, ClusterPool, ClusterStatus, ClusterVolume};
 use tessera_cluster::{
@@ -94,7 +93,7 @@ impl Node {
             name: self.cfg.node_name(),
             api,
             nvmf: self.cfg.nvmf.enabled.then(|| self.cfg.nvmf.listen.clone()),
-            nbd: self.nbd_addresses.read_locked().clone(),
+            nbd: self.exports.nbd_addresses(),
             labels: self.cfg.cluster.labels.clone(),
             pools,
             started: std::time::SystemTime::now()

@@ -1,19 +1,32 @@
 //! The node's state and every management operation. The API and the CLI are thin layers
 //! over these methods. Management runs on control-plane threads, never on a reactor.
 //!
-//! The operations are grouped by what they manage, one `impl Node` per file: pools
-//! (`pools.rs`), volumes (`volumes.rs`), NBD exports (`exports.rs`), background jobs
-//! (`jobs.rs`: scrub, resync, rebuild), device replacement and hot spares (`spares.rs`),
-//! QoS groups (`qos.rs`), and the devices the pools are opened on (`devices.rs`); a
-//! volume's own snapshot history (`lineage.rs`, a leaf the others share). This
-//! file holds the state, starting the node and the lookups every part uses. Operations
-//! answer with the types of `tessera_api`; the JSON is made at the API edge (crate::api).
+//! The node is being split into services that each own their state and its lock, which
+//! `Node` only holds and wires together. So far:
+//!
+//! - jobs (`jobs.rs`, [`Jobs`], [`Node::jobs`]): the pools' scrub, resync and rebuild,
+//!   which exclude each other per pool, and the background classes' limits;
+//! - exports and protocols (`exports.rs`, [`Exports`], [`Node::exports`]): NBD TLS and
+//!   addresses, every listener's connection cap, the client buffer budget, and how an
+//!   export looks to clients. Adding and removing an export stays a `Node` operation
+//!   in the same file: it needs the admin lock (below) and the pools.
+//!
+//! The other operations are still grouped by what they manage, one `impl Node` per
+//! file: pools (`pools.rs`), volumes (`volumes.rs`), device replacement and hot spares
+//! (`spares.rs`, which asks the jobs service whether a pool is busy and starts the
+//! rebuild onto a new device through it), QoS groups (`qos.rs`), NVMe/TCP (`nvmf.rs`),
+//! and the devices the pools are opened on (`devices.rs`); a volume's own snapshot
+//! history (`lineage.rs`, a leaf the others share). This file holds the state, starting
+//! the node and the lookups every part uses. Operations answer with the types of
+//! `tessera_api`; the JSON is made at the API edge (crate::api).
 
 mod cluster;
 mod devices;
 mod exports;
+pub use exports::Exports;
 pub mod fencing;
 mod jobs;
+pub use jobs::Jobs;
 mod lineage;
 pub mod nvmf;
 mod ownership;
@@ -26,6 +39,8 @@ mod snapshots;
 mod spares;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
+#[cfg(test)]
+mod test_pools;
 mod volumes;
 
 use std::collections::BTreeMap;
@@ -59,19 +74,16 @@ pub struct Node {
     pub reactors: Vec<Arc<Mailbox>>,
     next_core: AtomicUsize,
     pub started: Instant,
-    pub nbd_addresses: RwLock<Vec<String>>,
-    /// TLS of the NBD listeners (`[nbd.tls]`), loaded before anything is opened.
-    pub nbd_tls: Option<Arc<tessera_nbd::tls::ServerConfig>>,
+    /// NBD TLS and addresses, listener caps and the client buffer budget
+    /// (node/exports.rs).
+    exports: Exports,
     /// NVMe/TCP subsystems and target (crate::nvmf).
     pub nvmf: crate::nvmf::NvmfState,
     /// QoS groups (tenants) and their stepped bursts.
     pub groups: crate::groups::Groups,
-    /// Background classes' limits and the scrub jobs, by pool.
-    pub background: crate::background::Background,
-    scrubs: Mutex<BTreeMap<String, Arc<crate::scrub::ScrubJob>>>,
-    rebuilds: Mutex<BTreeMap<String, Arc<crate::rebuild::RebuildJob>>>,
-    /// Mirror resyncs after an unclean shutdown (crate::scrub::start_resync), by pool.
-    resyncs: Mutex<BTreeMap<String, Arc<crate::scrub::ScrubJob>>>,
+    /// Scrub, resync and rebuild of the pools, and the background classes' limits
+    /// (node/jobs.rs).
+    jobs: Jobs,
     /// The device slots of each redundant pool: a replacement or a hot spare is swapped
     /// into them live (docs/architecture.md "Device replacement and hot spares").
     slots: Mutex<BTreeMap<String, Vec<Arc<SwappableDevice>>>>,
@@ -95,10 +107,6 @@ pub struct Node {
     /// Cluster volumes other nodes own that NBD clients reach through this node
     /// (node/proxy.rs).
     proxies: proxy::Proxies,
-    /// Bytes of client request buffers in flight, NBD and NVMe/TCP (`[client_buffers]`).
-    pub buffers: Arc<tessera_export::budget::BufferBudget>,
-    /// The connection cap of every listener started, for metrics.
-    listener_caps: Mutex<Vec<Arc<tessera_export::budget::ListenerCap>>>,
     /// This node's claim on its data directory, held until the process ends.
     _dir_lock: crate::datadir::DataDirLock,
 }
@@ -118,39 +126,7 @@ fn size_arg(what: &str, v: &str) -> Result<u64> {
     parse_size(v).map_err(|e| Error::invalid(format!("{what}: {e}")))
 }
 
-/// The buffer budget `[client_buffers]` sets; a size that does not parse stops the start.
-fn client_buffers(
-    cfg: &NodeConfig,
-) -> std::result::Result<Arc<tessera_export::budget::BufferBudget>, StartError> {
-    let b = &cfg.client_buffers;
-    let size = |what: &str, v: &str| {
-        parse_size(v).map_err(|e| StartError::Config(format!("[client_buffers] {what}: {e}")))
-    };
-    Ok(tessera_export::budget::BufferBudget::new(
-        size("per_connection", &b.per_connection)?,
-        size("per_node", &b.per_node)?,
-    ))
-}
-
 impl Node {
-    /// A connection cap for a new listener of `protocol` on `address`, listed in the
-    /// node's metrics.
-    pub fn listener_cap(
-        &self,
-        protocol: &'static str,
-        address: String,
-        max: usize,
-    ) -> Arc<tessera_export::budget::ListenerCap> {
-        let cap = tessera_export::budget::ListenerCap::new(protocol, address, max);
-        self.listener_caps.locked().push(cap.clone());
-        cap
-    }
-
-    /// Every listener's connection cap.
-    pub fn listener_caps(&self) -> Vec<Arc<tessera_export::budget::ListenerCap>> {
-        self.listener_caps.locked().clone()
-    }
-
     /// Start the reactors and bring back every pool in the registry. `dir_lock` is the
     /// data directory's lock ([`crate::DataDirLock::acquire`]), taken before anything else
     /// so that a second node on the same directory opens nothing.
@@ -166,20 +142,13 @@ impl Node {
             ..ReactorConfig::default()
         };
         // A bad certificate or key stops the start before any pool is opened.
-        let nbd_tls = match &cfg.nbd.tls {
-            Some(t) => Some(
-                tessera_nbd::tls::server_config(&t.cert, &t.key, t.client_ca.as_deref())
-                    .map_err(StartError::Config)?,
-            ),
-            None => None,
-        };
-        let buffers = client_buffers(&cfg)?;
+        let exports = Exports::load(&cfg)?;
         let reactors = spawn_reactors(&rcfg).map_err(StartError::Reactors)?;
         let registry = Registry::new(&cfg.data_dir);
         let entries = registry.load()?;
         let nvmf = crate::nvmf::NvmfState::load(&cfg.data_dir).map_err(StartError::Catalog)?;
         let groups = crate::groups::Groups::load(&cfg.data_dir).map_err(StartError::Catalog)?;
-        let background = crate::background::Background::load(&cfg.data_dir)?;
+        let jobs = Jobs::load(&cfg.data_dir)?;
         let node = Arc::new(Node {
             cfg,
             pools: RwLock::new(BTreeMap::new()),
@@ -190,14 +159,10 @@ impl Node {
             reactors: reactors.into_iter().map(|(m, _h)| m).collect(),
             next_core: AtomicUsize::new(0),
             started: Instant::now(),
-            nbd_addresses: RwLock::new(Vec::new()),
-            nbd_tls,
+            exports,
             nvmf,
             groups,
-            background,
-            scrubs: Mutex::new(BTreeMap::new()),
-            rebuilds: Mutex::new(BTreeMap::new()),
-            resyncs: Mutex::new(BTreeMap::new()),
+            jobs,
             slots: Mutex::new(BTreeMap::new()),
             spare_devs: Mutex::new(BTreeMap::new()),
             replicated: RwLock::new(BTreeMap::new()),
@@ -208,8 +173,6 @@ impl Node {
             self_ref: std::sync::OnceLock::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
             proxies: proxy::Proxies::default(),
-            buffers,
-            listener_caps: Mutex::new(Vec::new()),
             _dir_lock: dir_lock,
         });
         let _ = node.self_ref.set(Arc::downgrade(&node));
@@ -243,13 +206,9 @@ impl Node {
             }
         }
         // A rebuild the node was running when it stopped resumes from its cursor, before
-        // any client can write (the device missed nothing below the cursor).
+        // any client can write.
         for p in node.pools() {
-            if let Some((d, next)) = crate::rebuild::load_cursor(&node.cfg.data_dir, p.name()) {
-                if let Err(e) = node.run_rebuild(&p, d, next) {
-                    error!(pool = %p.name(), device = d, error = %e, "cannot resume the rebuild");
-                }
-            }
+            node.jobs.resume_rebuild(&p);
         }
         // A mirrored pool whose previous run did not end with a clean shutdown may have
         // copies that differ where a write was cut between them: resync it in the
@@ -260,14 +219,8 @@ impl Node {
                     pool = %p.name(),
                     "pool was not shut down cleanly: resyncing its mirror copies"
                 );
-                match node.background.limits("resync").and_then(|l| {
-                    crate::scrub::start_resync(p.clone(), l)
-                        .map_err(|e| Error::io("starting the resync thread", e))
-                }) {
-                    Ok(job) => {
-                        node.resyncs().insert(p.name().to_string(), job);
-                    }
-                    Err(e) => error!(pool = %p.name(), error = %e, "cannot resync"),
+                if let Err(e) = node.jobs.start_resync(&p) {
+                    error!(pool = %p.name(), error = %e, "cannot resync");
                 }
             }
         }
@@ -412,6 +365,17 @@ impl Node {
         self.offline.read_locked().get(name).cloned()
     }
 
+    /// The pools' background jobs (scrub, resync, rebuild) and the background classes.
+    pub fn jobs(&self) -> &Jobs {
+        &self.jobs
+    }
+
+    /// The protocols' shared state: NBD TLS and addresses, listener caps, client
+    /// buffers, and how an export looks to its clients.
+    pub fn exports(&self) -> &Exports {
+        &self.exports
+    }
+
     fn admin(&self) -> MutexGuard<'_, ()> {
         self.admin.locked()
     }
@@ -478,13 +442,13 @@ impl Node {
             cores: self.reactors.len(),
             data_dir: self.cfg.data_dir.clone(),
             api_socket: self.cfg.api_socket(),
-            nbd: self.nbd_addresses.read_locked().clone(),
+            nbd: self.exports.nbd_addresses(),
             capacity: cap,
             allocated: alloc,
             free: cap - alloc,
             pools: self.list_pools(),
             volumes: vols,
-            exports: self.list_exports(),
+            exports: self.exports.list(&pools),
         }
     }
 
@@ -518,7 +482,7 @@ impl ExportCatalog for Node {
             // tell the client before its first write.
             read_only: e.read_only || v.is_snapshot(),
             description: format!("Tessera volume {} in pool {}", v.name, p.name()),
-            tls_required: self.export_tls_required(&e),
+            tls_required: self.exports.tls_required(&e),
         })
     }
     /// The snapshots the export's volume descends from: `qemu:dirty-bitmap:NAME`

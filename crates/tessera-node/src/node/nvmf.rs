@@ -614,8 +614,10 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
         });
         let n = node.clone();
         let t = target.clone();
-        let cap = node.listener_cap("nvme-tcp", local.clone(), cfg.max_connections);
-        let budget = node.buffers.clone();
+        let cap = node
+            .exports()
+            .listener_cap("nvme-tcp", local.clone(), cfg.max_connections);
+        let budget = node.exports().buffers().clone();
         let spawned = std::thread::Builder::new()
             .name("tessera-nvmf-accept".into())
             .spawn(move || {

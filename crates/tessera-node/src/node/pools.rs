@@ -167,8 +167,8 @@ impl Node {
     pub fn pool_detail(&self, name: &str) -> Result<PoolInfo> {
         let p = self.pool(name)?;
         Ok(PoolInfo {
-            rebuild: self.rebuild_status(name).ok(),
-            resync: self.resync_status(name).ok(),
+            rebuild: self.jobs.rebuild_status(&p).ok(),
+            resync: self.jobs.resync_status(&p).ok(),
             ..self.pool_info(&p)
         })
     }

@@ -42,7 +42,7 @@ impl Node {
     fn replica_resync_rate(&self) -> Result<u64> {
         match &self.cfg.replication.resync_rate {
             Some(r) => size_arg("[replication] resync_rate", r),
-            None => Ok(self.background.limits("resync")?.bps),
+            None => Ok(self.jobs.background().limits("resync")?.bps),
         }
     }
 

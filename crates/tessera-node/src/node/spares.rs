@@ -71,7 +71,7 @@ impl Node {
                 "device {d} of pool '{pool}' is not failed"
             )));
         }
-        if let Some(job) = self.busy_with_copy_job(pool, "") {
+        if let Some(job) = self.jobs.busy(pool) {
             return Err(Error::busy(format!(
                 "a {job} of pool '{pool}' is running: replace the device when it ends"
             )));
@@ -224,7 +224,7 @@ impl Node {
             state: ReplaceState::Rebuilding,
             rebuild: None,
         };
-        match self.run_rebuild(p, index, 0) {
+        match self.jobs.rebuild(p, index, 0) {
             Ok(r) => v.rebuild = Some(r),
             Err(e) => {
                 // The device is in place and recorded; the cursor makes the next start
@@ -377,14 +377,14 @@ impl Node {
             if !l.kind.is_redundant()
                 || failed(l).is_none()
                 || l.has_lost_data()
-                || self.busy_with_copy_job(&name, "").is_some()
+                || self.jobs.busy(&name).is_some()
             {
                 continue;
             }
             let _g = self.admin();
             // Again under the admin lock: a `pool replace` may have just run.
             let Some(d) = failed(l) else { continue };
-            if self.busy_with_copy_job(&name, "").is_some() {
+            if self.jobs.busy(&name).is_some() {
                 continue;
             }
             for spec in self.spares(&name) {

@@ -1,0 +1,33 @@
+//! Pools on RAM devices for the services' unit tests.
+
+use std::sync::Arc;
+
+use tessera_device::{BlockDevice, RamDevice};
+use tessera_pool::{LayoutKind, Pool, PoolOptions};
+
+/// Bytes of each RAM device.
+pub const DEV_SIZE: u64 = 16 << 20;
+/// The pools' unit size.
+pub const UNIT: u64 = 64 << 10;
+
+/// Pool `name` of `layout` on `devices` RAM devices, with the devices (to write under
+/// the pool).
+pub fn ram_pool(
+    name: &str,
+    layout: LayoutKind,
+    devices: usize,
+) -> (Arc<Pool>, Vec<Arc<RamDevice>>) {
+    let ram: Vec<Arc<RamDevice>> = (0..devices)
+        .map(|_| RamDevice::new(DEV_SIZE).unwrap())
+        .collect();
+    let devs = ram
+        .iter()
+        .map(|r| r.clone() as Arc<dyn BlockDevice>)
+        .collect();
+    let opts = PoolOptions {
+        layout,
+        unit_size: UNIT,
+        ..PoolOptions::default()
+    };
+    (Arc::new(Pool::create(name, devs, opts).unwrap()), ram)
+}
