@@ -172,6 +172,14 @@ pub struct IoTotals {
     pub write_bytes: u64,
     pub errors: u64,
     pub throttled_ms: f64,
+    /// Cost units (a 4 KiB request is 1) dispatched in core rounds that this volume and
+    /// another one both wanted more of: the work share weights split. Two saturated
+    /// volumes on one core have shared units in the proportion of their weights.
+    #[serde(default)]
+    pub shared_units: u64,
+    /// Times a request waited for the next round because the volume had used its share.
+    #[serde(default)]
+    pub share_deferrals: u64,
 }
 
 /// `GET /v1/volumes/NAME/stats?interval_ms=N`.

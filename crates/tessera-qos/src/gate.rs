@@ -15,8 +15,13 @@ use std::time::{Duration, Instant};
 
 use tessera_io::{CoreIo, Tag};
 
-use crate::shares::{cost, FlowId};
+use crate::limiter::ShareFigures;
+use crate::shares::{cost, Admit, FlowId};
 use crate::{CoreLimiter, ShareScheduler, VolumeQos};
+
+/// Share figures a connection keeps before adding them to its volume's (one atomic
+/// add per this many events, not one per request).
+const SHARE_BATCH: u64 = 64;
 
 /// What a request costs the limits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,6 +120,8 @@ pub struct Gate {
     round_tag: Tag,
     timer_armed: bool,
     round_armed: bool,
+    /// This connection's share figures not yet added to the volume's.
+    shares: ShareFigures,
 }
 
 impl Gate {
@@ -140,6 +147,7 @@ impl Gate {
             round_tag,
             timer_armed: false,
             round_armed: false,
+            shares: ShareFigures::default(),
         };
         g.refresh(io);
         g
@@ -196,9 +204,20 @@ impl Gate {
 
     fn share(&mut self, io: &CoreIo, charge: Charge) -> bool {
         let (write, bytes) = charge.limited().unwrap_or((true, 0));
-        self.sched
+        let units = cost(bytes);
+        let admit = self
+            .sched
             .borrow_mut()
-            .admit(self.flow, write, cost(bytes), io.round(), io.now())
+            .admit(self.flow, write, units, io.round(), io.now());
+        match admit {
+            Admit::Free => return true,
+            Admit::Shared => self.shares.shared_units += u64::from(units),
+            Admit::Deferred => self.shares.deferrals += 1,
+        }
+        if self.shares.shared_units + self.shares.deferrals >= SHARE_BATCH {
+            self.qos.add_share_figures(std::mem::take(&mut self.shares));
+        }
+        admit.dispatched()
     }
 
     fn arm_timer(&mut self, io: &mut CoreIo, wait: Duration) {
@@ -310,6 +329,7 @@ impl Gate {
 
 impl Drop for Gate {
     fn drop(&mut self) {
+        self.qos.add_share_figures(self.shares);
         self.sched.borrow_mut().unregister(self.flow);
     }
 }

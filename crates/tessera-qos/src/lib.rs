@@ -114,8 +114,8 @@ mod step;
 
 pub use background::{BackgroundLimits, Feedback};
 pub use bucket::TokenBucket;
-pub use limiter::{CoreLimiter, VolumeQos, MAX_CORES, REBALANCE, STALE_MS};
-pub use shares::ShareScheduler;
+pub use limiter::{CoreLimiter, ShareFigures, VolumeQos, MAX_CORES, REBALANCE, STALE_MS};
+pub use shares::{Admit, ShareScheduler};
 pub use step::{StepBurst, StepState};
 /// The settings types live in the API crate (a leaf); re-exported so callers of this
 /// crate keep their paths.

@@ -138,6 +138,22 @@ pub struct VolumeQos {
     /// notice with one load per request.
     group: RwLock<Option<Arc<VolumeQos>>>,
     group_generation: AtomicU64,
+    /// What the share scheduler did with this volume's requests, summed over its
+    /// connections on every core ([`ShareFigures`]).
+    shared_units: AtomicU64,
+    share_deferrals: AtomicU64,
+}
+
+/// A volume's share-scheduler figures since the node started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShareFigures {
+    /// Cost units (a 4 KiB request is 1) dispatched in rounds where this volume and
+    /// another one on the same core were both backlogged: the work the weights split.
+    /// Two saturated volumes' shared units are in the proportion of their weights.
+    pub shared_units: u64,
+    /// Times a request was held for the next round because the volume had used its
+    /// part of the current one.
+    pub deferrals: u64,
 }
 
 impl VolumeQos {
@@ -154,6 +170,8 @@ impl VolumeQos {
             one_time_pool: std::array::from_fn(|_| AtomicU64::new(0)),
             group: RwLock::new(None),
             group_generation: AtomicU64::new(0),
+            shared_units: AtomicU64::new(0),
+            share_deferrals: AtomicU64::new(0),
         };
         q.set_limits(limits);
         q
@@ -197,6 +215,27 @@ impl VolumeQos {
     }
 
     /// Bumped on every [`set_group`](Self::set_group).
+    /// The share scheduler's figures for this volume (connections add theirs in
+    /// batches, so a busy connection's last few units may not be in yet).
+    pub fn share_figures(&self) -> ShareFigures {
+        ShareFigures {
+            shared_units: self.shared_units.load(Ordering::Relaxed),
+            deferrals: self.share_deferrals.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Add a connection's share figures (a batch).
+    pub(crate) fn add_share_figures(&self, f: ShareFigures) {
+        if f.shared_units > 0 {
+            self.shared_units
+                .fetch_add(f.shared_units, Ordering::Relaxed);
+        }
+        if f.deferrals > 0 {
+            self.share_deferrals
+                .fetch_add(f.deferrals, Ordering::Relaxed);
+        }
+    }
+
     pub fn group_generation(&self) -> u64 {
         self.group_generation.load(Ordering::Acquire)
     }

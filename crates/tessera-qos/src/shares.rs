@@ -70,6 +70,28 @@ pub fn cost(bytes: u64) -> u32 {
     1 + u32::try_from(units).unwrap_or(u32::MAX / 2)
 }
 
+/// What [`ShareScheduler::admit`] decided for a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admit {
+    /// Dispatch now; the volume was not competing for a split round (alone on the core,
+    /// reads first, or not backlogged itself, or nobody else backlogged).
+    Free,
+    /// Dispatch now, within this volume's weighted part of a round in which it and
+    /// another volume were both backlogged: the units admitted this way split in
+    /// proportion to the weights, which is what the node reports as shared units.
+    Shared,
+    /// Defer the request to the next round.
+    Deferred,
+}
+
+impl Admit {
+    /// Whether the request may be dispatched now.
+    #[inline]
+    pub fn dispatched(self) -> bool {
+        self != Admit::Deferred
+    }
+}
+
 /// A volume's handle in a core's [`ShareScheduler`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FlowId(u32);
@@ -169,9 +191,9 @@ impl ShareScheduler {
     }
 
     /// May a request of `cost` units from `id` be dispatched in `round`
-    /// (the core's current round) at `now`? `false` means: defer it to the
-    /// next round and ask again then.
-    pub fn admit(&mut self, id: FlowId, write: bool, cost: u32, round: u64, now: Instant) -> bool {
+    /// (the core's current round) at `now`? [`Admit::Deferred`] means: defer it to
+    /// the next round and ask again then.
+    pub fn admit(&mut self, id: FlowId, write: bool, cost: u32, round: u64, now: Instant) -> Admit {
         if round != self.round {
             self.start_round(round, now);
         }
@@ -190,7 +212,7 @@ impl ShareScheduler {
         }
         if self.active <= 1 || (f.reads_first && !write) {
             f.used = f.used.saturating_add(cost);
-            return true;
+            return Admit::Free;
         }
         // A heavier volume active on the core shortens this one's rounds in proportion
         // (never below MIN_ROUND): the weight buys the heavier volume's requests a
@@ -212,7 +234,11 @@ impl ShareScheduler {
         };
         if fits_round && fits_share {
             f.used = f.used.saturating_add(cost);
-            true
+            if mine_backlogged && others > 0 {
+                Admit::Shared
+            } else {
+                Admit::Free
+            }
         } else {
             if f.deferred_round != Some(round) {
                 f.deferred_round = Some(round);
@@ -220,7 +246,7 @@ impl ShareScheduler {
                     self.backlogged_weight += u64::from(f.weight);
                 }
             }
-            false
+            Admit::Deferred
         }
     }
 
@@ -246,7 +272,7 @@ mod tests {
                 let i = (k + tessera_io::cast::usize_of(r)) % flows.len();
                 let (id, want) = flows[i];
                 for _ in 0..want {
-                    if s.admit(id, write, 1, r, now) {
+                    if s.admit(id, write, 1, r, now).dispatched() {
                         got[i] += 1;
                     } else {
                         break;
@@ -283,6 +309,45 @@ mod tests {
     }
 
     #[test]
+    fn shared_admissions_are_those_of_a_split_round() {
+        // Alone on the core: everything is free, nothing shared.
+        let mut s = ShareScheduler::new();
+        let t0 = Instant::now();
+        let a = s.register(1);
+        for r in 1..=10 {
+            for _ in 0..100 {
+                assert_eq!(s.admit(a, true, 1, r, t0), Admit::Free);
+            }
+        }
+        // Two saturated volumes weighted 3:1: once both are backlogged, what each is
+        // admitted is shared, in the weights' proportion.
+        let b = s.register(2);
+        s.configure(a, 300, false);
+        s.configure(b, 100, false);
+        let mut shared = [0u64; 2];
+        for r in 11..=2000u64 {
+            let now = t0 + Duration::from_micros(r * 10);
+            for k in 0..2 {
+                let i = (k + tessera_io::cast::usize_of(r)) % 2;
+                let id = [a, b][i];
+                loop {
+                    match s.admit(id, true, 1, r, now) {
+                        Admit::Shared => shared[i] += 1,
+                        Admit::Free => {}
+                        Admit::Deferred => break,
+                    }
+                }
+            }
+        }
+        let ratio = shared[0] as f64 / shared[1] as f64;
+        assert!(
+            (ratio - 3.0).abs() < 0.2,
+            "shared {shared:?}, ratio {ratio}"
+        );
+        assert!(shared[0] + shared[1] >= 1990 * u64::from(ROUND_BUDGET) * 9 / 10);
+    }
+
+    #[test]
     fn equal_weights_split_equally() {
         let mut s = ShareScheduler::new();
         let ids: Vec<_> = (0..3).map(|k| s.register(k)).collect();
@@ -303,11 +368,11 @@ mod tests {
             let now = t0 + Duration::from_micros(r * 10);
             // The heavy volume goes first and would take everything.
             let mut h = 0;
-            while h < 128 && s.admit(heavy, true, 1, r, now) {
+            while h < 128 && s.admit(heavy, true, 1, r, now).dispatched() {
                 h += 1;
             }
             assert!(
-                s.admit(light, false, 1, r, now),
+                s.admit(light, false, 1, r, now).dispatched(),
                 "light deferred in round {r}"
             );
             if r > 2 {
@@ -327,9 +392,9 @@ mod tests {
         let t0 = Instant::now();
         for r in 1..=100u64 {
             let now = t0 + Duration::from_micros(r * 10);
-            assert!(s.admit(light, false, 1, r, now));
+            assert!(s.admit(light, false, 1, r, now).dispatched());
             let mut h = 0;
-            while h < 128 && s.admit(heavy, true, 1, r, now) {
+            while h < 128 && s.admit(heavy, true, 1, r, now).dispatched() {
                 h += 1;
             }
             if r > 1 {
@@ -351,14 +416,14 @@ mod tests {
             let now = t0 + Duration::from_micros(r);
             // The heavy writer `a` takes what the scheduler gives it.
             let mut n = 0;
-            while n < 128 && s.admit(a, true, 1, r, now) {
+            while n < 128 && s.admit(a, true, 1, r, now).dispatched() {
                 n += 1;
             }
             for _ in 0..8 {
-                if s.admit(b, false, 1, r, now) {
+                if s.admit(b, false, 1, r, now).dispatched() {
                     reads += 1;
                 }
-                if s.admit(b, true, 1, r, now) {
+                if s.admit(b, true, 1, r, now).dispatched() {
                     writes += 1;
                 }
             }
@@ -373,11 +438,11 @@ mod tests {
         let a = s.register(1);
         let b = s.register(2);
         let t0 = Instant::now();
-        assert!(s.admit(b, false, 1, 1, t0));
+        assert!(s.admit(b, false, 1, 1, t0).dispatched());
         // Long after b's last request, a alone is not capped.
         let later = t0 + ACTIVE_WINDOW * 2;
         let mut n = 0;
-        while n < 1000 && s.admit(a, true, 1, 2, later) {
+        while n < 1000 && s.admit(a, true, 1, 2, later).dispatched() {
             n += 1;
         }
         assert_eq!(n, 1000);

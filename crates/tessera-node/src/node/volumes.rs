@@ -154,6 +154,7 @@ impl Node {
         let a = v.stats();
         std::thread::sleep(interval);
         let b = v.stats();
+        let shares = self.groups.volume_qos(&v).share_figures();
         let secs = interval.as_secs_f64().max(1e-3);
         let rate = |x: u64, y: u64| (y.saturating_sub(x)) as f64 / secs;
         let mib = |x: u64, y: u64| rate(x, y) / 1048576.0;
@@ -184,6 +185,8 @@ impl Node {
                 write_bytes: b.write_bytes,
                 errors: b.errors,
                 throttled_ms: b.throttled_ns as f64 / 1e6,
+                shared_units: shares.shared_units,
+                share_deferrals: shares.deferrals,
             },
         })
     }
