@@ -150,6 +150,8 @@ pub struct IscsiConn<T: ExportTarget> {
     free: FreeList,
     statsn: u32,
     exp_cmdsn: u32,
+    /// MaxCmdSN as last sent.
+    advertised_max: u32,
     outq: VecDeque<Out>,
     sending: Vec<Out>,
     in_io: usize,
@@ -157,12 +159,6 @@ pub struct IscsiConn<T: ExportTarget> {
     timer_armed: bool,
     started: Instant,
     budget: ConnBudget,
-}
-
-fn fill_seq(h: &mut [u8; BHS_LEN], statsn: u32, exp: u32, max: u32) {
-    put_u32(h, 24, statsn);
-    put_u32(h, 28, exp);
-    put_u32(h, 32, max);
 }
 
 impl<T: ExportTarget> IscsiConn<T> {
@@ -187,6 +183,7 @@ impl<T: ExportTarget> IscsiConn<T> {
             free: FreeList::new(SLOTS),
             statsn: 0,
             exp_cmdsn: 0,
+            advertised_max: 0,
             outq: VecDeque::new(),
             sending: Vec::new(),
             in_io: 0,
@@ -206,6 +203,43 @@ impl<T: ExportTarget> IscsiConn<T> {
     fn max_cmdsn(&self) -> u32 {
         let window = self.free.len().saturating_sub(RESERVED_SLOTS);
         self.exp_cmdsn.wrapping_add(u32_of(window)).wrapping_sub(1)
+    }
+
+    /// Fill StatSN, ExpCmdSN and MaxCmdSN (bytes 24..36, the same place in every
+    /// target PDU that carries them), remembering the window advertised.
+    fn stamp(&mut self, h: &mut [u8; BHS_LEN], statsn: u32) {
+        let max = self.max_cmdsn();
+        put_u32(h, 24, statsn);
+        put_u32(h, 28, self.exp_cmdsn);
+        put_u32(h, 32, max);
+        self.advertised_max = max;
+    }
+
+    /// The window last advertised is less than half open and slots have been freed
+    /// since: tell the initiator with a NOP-In that asks for nothing (RFC 7143
+    /// §11.19: ITT and TTT reserved), or an initiator that filled the window waits for
+    /// an answer that never comes.
+    fn update_window(&mut self) {
+        if !matches!(self.state, State::Full) || self.sock.draining {
+            return;
+        }
+        let open = self
+            .advertised_max
+            .wrapping_add(1)
+            .wrapping_sub(self.exp_cmdsn);
+        let now = self
+            .max_cmdsn()
+            .wrapping_add(1)
+            .wrapping_sub(self.exp_cmdsn);
+        let narrow = open > u32_of(WINDOW) || open < u32_of(WINDOW / 2);
+        if narrow && now != open && now <= u32_of(WINDOW) {
+            let mut h = pdu::header(OP_NOP_IN, FLAG_FINAL, 0);
+            put_u32(&mut h, 16, RESERVED_TAG);
+            put_u32(&mut h, 20, RESERVED_TAG);
+            let st = self.statsn;
+            self.stamp(&mut h, st);
+            self.queue(h, &[], false);
+        }
     }
 
     /// The next StatSN for a response (taken).
@@ -232,8 +266,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         h[2] = reason;
         put_u32(&mut h, 16, RESERVED_TAG);
         let s = self.next_statsn();
-        let (e, m) = (self.exp_cmdsn, self.max_cmdsn());
-        fill_seq(&mut h, s, e, m);
+        self.stamp(&mut h, s);
         self.queue(h, &bhs.0, fatal);
         if fatal {
             self.sock.draining = true;
@@ -383,8 +416,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                 h[36] = class;
                 h[37] = detail;
                 let s = self.next_statsn();
-                let (x, m) = (self.exp_cmdsn, self.max_cmdsn());
-                fill_seq(&mut h, s, x, m);
+                self.stamp(&mut h, s);
                 self.queue(h, &[], true);
                 self.sock.draining = true;
                 return;
@@ -393,8 +425,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         let len = u32_of(reply_text.len()).to_be_bytes();
         h[5..8].copy_from_slice(&len[1..]);
         let s = self.next_statsn();
-        let (x, m) = (self.exp_cmdsn, self.max_cmdsn());
-        fill_seq(&mut h, s, x, m);
+        self.stamp(&mut h, s);
         self.queue(h, &reply_text, false);
         if full {
             let State::Login(login) = std::mem::replace(&mut self.state, State::Full) else {
@@ -465,8 +496,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         put_u32(&mut h, 16, bhs.itt());
         put_u32(&mut h, 20, RESERVED_TAG);
         let s = self.next_statsn();
-        let (x, m) = (self.exp_cmdsn, self.max_cmdsn());
-        fill_seq(&mut h, s, x, m);
+        self.stamp(&mut h, s);
         let echo = echo.to_vec();
         self.queue(h, &echo, false);
     }
@@ -507,8 +537,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         put_u32(&mut h, 16, bhs.itt());
         put_u32(&mut h, 20, RESERVED_TAG);
         let s = self.next_statsn();
-        let (x, m) = (self.exp_cmdsn, self.max_cmdsn());
-        fill_seq(&mut h, s, x, m);
+        self.stamp(&mut h, s);
         self.queue(h, &body, false);
     }
 
@@ -546,8 +575,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         h[2] = response;
         put_u32(&mut h, 16, bhs.itt());
         let s = self.next_statsn();
-        let (x, m) = (self.exp_cmdsn, self.max_cmdsn());
-        fill_seq(&mut h, s, x, m);
+        self.stamp(&mut h, s);
         self.queue(h, &[], false);
     }
 
@@ -559,8 +587,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         h[2] = if bhs.flags() & 0x7f <= 1 { 0 } else { 2 };
         put_u32(&mut h, 16, bhs.itt());
         let s = self.next_statsn();
-        let (x, m) = (self.exp_cmdsn, self.max_cmdsn());
-        fill_seq(&mut h, s, x, m);
+        self.stamp(&mut h, s);
         self.queue(h, &[], true);
         self.sock.draining = true;
     }
@@ -581,8 +608,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         h[3] = status;
         put_u32(&mut h, 16, itt);
         let s = self.next_statsn();
-        let (x, m) = (self.exp_cmdsn, self.max_cmdsn());
-        fill_seq(&mut h, s, x, m);
+        self.stamp(&mut h, s);
         put_u32(&mut h, 44, residual.1);
         self.queue(h, &data, false);
     }
@@ -649,7 +675,10 @@ impl<T: ExportTarget> IscsiConn<T> {
             c.start = io.now();
             c.charged = 0;
         }
-        let needs = cmd.data_out_len();
+        // WRITE SAME with UNMAP may come without its block (libiscsi's unaligned unmap
+        // sends none): the range is unmapped, which reads back as zeros.
+        let unmap_only = matches!(cmd, Command::WriteSame16 { unmap: true, .. }) && edtl == 0;
+        let needs = if unmap_only { 0 } else { cmd.data_out_len() };
         if needs == 0 {
             if !data.is_empty() {
                 // Immediate data with a command that takes none.
@@ -735,8 +764,8 @@ impl<T: ExportTarget> IscsiConn<T> {
         put_u32(&mut h, 16, itt);
         put_u32(&mut h, 20, u32::from(s));
         // R2T carries the next StatSN without taking it.
-        let (st, x, m) = (self.statsn, self.exp_cmdsn, self.max_cmdsn());
-        fill_seq(&mut h, st, x, m);
+        let st = self.statsn;
+        self.stamp(&mut h, st);
         put_u32(&mut h, 36, r2tsn);
         put_u32(&mut h, 40, offset);
         put_u32(&mut h, 44, len);
@@ -857,8 +886,7 @@ impl<T: ExportTarget> IscsiConn<T> {
             put_u32(&mut h, 16, itt);
             put_u32(&mut h, 20, RESERVED_TAG);
             let statsn = if last { self.next_statsn() } else { 0 };
-            let (x, m) = (self.exp_cmdsn, self.max_cmdsn());
-            fill_seq(&mut h, statsn, x, m);
+            self.stamp(&mut h, statsn);
             put_u32(&mut h, 36, data_sn);
             put_u32(&mut h, 40, u32_of(off));
             if last {
@@ -1054,14 +1082,16 @@ impl<T: ExportTarget> IscsiConn<T> {
                     unsafe { self.luns[lun].vol.submit(io, op, child) };
                 }
             }
-            Command::WriteSame16 { lba, blocks, unmap } => {
+            Command::WriteSame16 {
+                lba, blocks, unmap, ..
+            } => {
                 if !scsi::in_range(lba, u64::from(blocks), capacity) {
                     return self.finish(io, s, Some(Sense::LBA_OUT_OF_RANGE));
                 }
                 let zero = self.slots[idx]
                     .buf
                     .as_ref()
-                    .is_some_and(|b| b.as_slice()[..512].iter().all(|&x| x == 0));
+                    .is_none_or(|b| b.as_slice()[..512].iter().all(|&x| x == 0));
                 if zero {
                     return self.submit(
                         io,
@@ -1073,35 +1103,42 @@ impl<T: ExportTarget> IscsiConn<T> {
                         },
                     );
                 }
-                if blocks > scsi::MAX_WRITE_SAME_BLOCKS {
-                    return self.finish(io, s, Some(Sense::INVALID_FIELD_IN_CDB));
-                }
-                // The block replicated over the range, written at once.
-                let len = blocks << BLOCK_SHIFT;
-                let mut big = io.bufs.get(usize_of(u64::from(len)));
+                // The block replicated over one buffer of at most a chunk, written
+                // at each chunk of the range (the writes only read the buffer).
+                let chunk = blocks.min(scsi::WRITE_SAME_CHUNK_BLOCKS);
+                let chunk_len = chunk << BLOCK_SHIFT;
+                let mut big = io.bufs.get(usize_of(u64::from(chunk_len)));
                 {
                     let block = &self.slots[idx]
                         .buf
                         .as_ref()
                         .expect("write same data")
                         .as_slice()[..512];
-                    for chunk in big.as_mut_slice()[..usize_of(u64::from(len))].chunks_mut(512) {
-                        chunk.copy_from_slice(block);
+                    for b in big.as_mut_slice()[..usize_of(u64::from(chunk_len))].chunks_mut(512) {
+                        b.copy_from_slice(block);
                     }
                 }
                 let ptr = big.as_ptr();
                 if let Some(old) = self.slots[idx].buf.replace(big) {
                     io.bufs.put(old);
                 }
-                self.submit(
-                    io,
-                    s,
-                    IoOp::Write {
-                        offset: lba << BLOCK_SHIFT,
-                        len,
+                let parts = blocks.div_ceil(chunk);
+                let tag = self.tag(u32::from(s));
+                let child = io.join(tag, parts);
+                self.in_io += 1;
+                let mut at = 0u32;
+                while at < blocks {
+                    let n = (blocks - at).min(chunk);
+                    let op = IoOp::Write {
+                        offset: (lba + u64::from(at)) << BLOCK_SHIFT,
+                        len: n << BLOCK_SHIFT,
                         buf: ptr,
-                    },
-                );
+                    };
+                    // SAFETY: every part reads from the slot's buffer, which stays
+                    // with the slot until the joined completion arrives in on_io.
+                    unsafe { self.luns[lun].vol.submit(io, op, child) };
+                    at += n;
+                }
             }
         }
     }
@@ -1270,6 +1307,9 @@ impl<T: ExportTarget> Task for IscsiConn<T> {
         let luns = &self.luns;
         self.unrecorded
             .flush(io.now(), |n| luns.get(n).map(|l| &*l.stats));
+        if self.outq.is_empty() && self.sending.is_empty() {
+            self.update_window();
+        }
         self.send(io);
         let idle = self.in_io == 0 && self.outq.is_empty() && self.sending.is_empty();
         self.sock.shut_down_when_idle(idle);

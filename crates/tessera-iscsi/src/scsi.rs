@@ -14,10 +14,13 @@ pub const BLOCK_SHIFT: u32 = 9;
 pub const BLOCK_SIZE: u32 = 1 << BLOCK_SHIFT;
 /// Largest READ/WRITE a command may ask for: 1 MiB (the Block Limits page says so).
 pub const MAX_TRANSFER_BLOCKS: u32 = 2048;
-/// Largest WRITE SAME with data (replicated into one buffer): 1 MiB.
-pub const MAX_WRITE_SAME_BLOCKS: u32 = 2048;
+/// Largest WRITE SAME (the Block Limits page's MAXIMUM WRITE SAME LENGTH): 16 MiB.
+pub const MAX_WRITE_SAME_BLOCKS: u32 = 1 << 15;
+/// WRITE SAME with non-zero data is written as writes of one replicated buffer of at
+/// most this many blocks (1 MiB).
+pub const WRITE_SAME_CHUNK_BLOCKS: u32 = 2048;
 /// UNMAP limits (Block Limits page).
-pub const MAX_UNMAP_BLOCKS: u32 = 1 << 22;
+pub const MAX_UNMAP_BLOCKS: u32 = 1 << 20;
 pub const MAX_UNMAP_DESCRIPTORS: u32 = 256;
 
 /// SCSI status codes.
@@ -110,17 +113,47 @@ impl Sense {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Command {
     TestUnitReady,
-    Inquiry { evpd: bool, page: u8, alloc: u32 },
+    Inquiry {
+        evpd: bool,
+        page: u8,
+        alloc: u32,
+    },
     ReadCapacity10,
-    ReadCapacity16 { alloc: u32 },
-    Read { lba: u64, blocks: u32, fua: bool },
-    Write { lba: u64, blocks: u32, fua: bool },
-    SynchronizeCache { lba: u64, blocks: u32 },
-    ReportLuns { alloc: u32 },
+    ReadCapacity16 {
+        alloc: u32,
+    },
+    Read {
+        lba: u64,
+        blocks: u32,
+        fua: bool,
+    },
+    Write {
+        lba: u64,
+        blocks: u32,
+        fua: bool,
+    },
+    SynchronizeCache {
+        lba: u64,
+        blocks: u32,
+    },
+    ReportLuns {
+        alloc: u32,
+    },
     ModeSense(ModeSense),
-    RequestSense { desc: bool, alloc: u32 },
-    Unmap { param_len: u32 },
-    WriteSame16 { lba: u64, blocks: u32, unmap: bool },
+    RequestSense {
+        desc: bool,
+        alloc: u32,
+    },
+    Unmap {
+        param_len: u32,
+    },
+    /// `ndob`: no data-out buffer, the blocks are zeroed (unmapped with `unmap`).
+    WriteSame16 {
+        lba: u64,
+        blocks: u32,
+        unmap: bool,
+        ndob: bool,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,7 +174,7 @@ impl Command {
         match *self {
             Command::Write { blocks, .. } => u64::from(blocks) << BLOCK_SHIFT,
             Command::Unmap { param_len } => u64::from(param_len),
-            Command::WriteSame16 { .. } => u64::from(BLOCK_SIZE),
+            Command::WriteSame16 { ndob: false, .. } => u64::from(BLOCK_SIZE),
             _ => 0,
         }
     }
@@ -258,20 +291,21 @@ pub fn decode(cdb: &[u8]) -> Result<Command, Sense> {
         }
         0x93 => {
             let unmap = cdb[1] & 0x08 != 0;
-            // ANCHOR, NDOB and protection are not supported.
-            if cdb[1] & 0x11 != 0 || protect != 0 {
+            // ANCHOR and protection are not supported.
+            if cdb[1] & 0x10 != 0 || protect != 0 {
                 return Err(Sense::INVALID_FIELD_IN_CDB);
             }
             let blocks = get_u32(cdb, 10);
-            // WSNZ is set: 0 blocks ("to the end") is refused, as is more than one
-            // buffer's worth when the data must be replicated.
-            if blocks == 0 || (!unmap && blocks > MAX_WRITE_SAME_BLOCKS) {
+            // WSNZ is set: 0 blocks ("to the end") is refused, as is more than the
+            // Block Limits page allows.
+            if blocks == 0 || blocks > MAX_WRITE_SAME_BLOCKS {
                 return Err(Sense::INVALID_FIELD_IN_CDB);
             }
             Ok(Command::WriteSame16 {
                 lba: get_u64(cdb, 2),
                 blocks,
                 unmap,
+                ndob: cdb[1] & 0x01 != 0,
             })
         }
         _ => Err(Sense::INVALID_OPCODE),
@@ -341,6 +375,7 @@ pub fn inquiry(u: &Unit, evpd: bool, page: u8) -> Result<Vec<u8>, Sense> {
             let mut b = vec![0u8; 0x3c];
             // Offsets below are of the whole page; the body starts at byte 4.
             let mut p = vec![0u8; 0x40];
+            p[4] = 0x01; // WSNZ: WRITE SAME of 0 blocks ("to the end") is refused
             put_u16(&mut p, 6, 8); // optimal transfer length granularity: 4 KiB
             put_u32(&mut p, 8, MAX_TRANSFER_BLOCKS);
             put_u32(&mut p, 12, MAX_TRANSFER_BLOCKS);
