@@ -1,21 +1,14 @@
 //! The iSCSI target: the named targets it serves (each a list of LUNs, LUN `i` being
-//! the `i`th export), the portals it reports to SendTargets, session handles, and the
-//! TCP accept loop that hands each connection to a reactor core, where a
-//! [`crate::conn::IscsiConn`] serves it.
+//! the `i`th export), the portals it reports to SendTargets, and session handles. The
+//! listener is [`crate::accept`].
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
-use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU16, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};
 
-use tessera_export::budget::{BufferBudget, ListenerCap};
-use tessera_export::log_limit::LogLimiter;
 use tessera_export::{Export, ExportTarget};
 use tessera_io::sync::RwLockExt;
-use tessera_io::Mailbox;
 use thiserror::Error;
-use tracing::warn;
 
 use crate::login::PORTAL_GROUP_TAG;
 
@@ -137,44 +130,6 @@ impl<T: ExportTarget> Target<T> {
                 return t;
             }
         }
-    }
-}
-
-/// Connections refused at the listener's cap: at most 10 lines per 10 s.
-static CAP_LOG: LogLimiter = LogLimiter::new("iscsi-connection-cap", 10, 10);
-
-/// Accept iSCSI connections forever; each becomes a connection task on the core `next`
-/// picks, with its share of the node's buffer `budget`. Past `cap` open connections a
-/// new one is closed at once. Everything after accept (login included) runs on that
-/// core.
-pub fn accept_loop<T: ExportTarget>(
-    l: TcpListener,
-    target: Arc<Target<T>>,
-    cap: Arc<ListenerCap>,
-    budget: Arc<BufferBudget>,
-    next: impl Fn() -> Arc<Mailbox> + Send + 'static,
-) {
-    for s in l.incoming() {
-        let Ok(s) = s else { continue };
-        let Some(slot) = cap.try_open() else {
-            if CAP_LOG.admit() {
-                warn!(
-                    protocol = "iscsi",
-                    listener = %cap.address,
-                    client = %s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string()),
-                    max_connections = cap.max(),
-                    "iscsi: connection refused: the listener serves its maximum of connections"
-                );
-            }
-            continue;
-        };
-        let _ = s.set_nodelay(true);
-        let fd: OwnedFd = s.into();
-        let t = target.clone();
-        let b = budget.conn(Some(slot));
-        next().spawn(Box::new(move |io| {
-            Box::new(crate::conn::IscsiConn::new(io, fd, t, b))
-        }));
     }
 }
 
