@@ -42,10 +42,6 @@ const SLOT_SEND: u32 = u32::MAX - 1;
 const SLOT_LOGIN_TIMER: u32 = u32::MAX - 2;
 /// A connection that has not completed its login in this time is closed.
 const LOGIN_TIMEOUT: Duration = Duration::from_secs(15);
-/// The most data one command may carry in (write data, a parameter list): a transfer
-/// of the largest READ/WRITE.
-const MAX_DATA_OUT: u32 = scsi::MAX_TRANSFER_BLOCKS << BLOCK_SHIFT;
-
 /// SCSI status BUSY: the connection's buffer budget is spent for now.
 const BUSY: u8 = 0x08;
 
@@ -80,6 +76,14 @@ struct Cmd {
     /// End of the burst the last R2T asked for.
     burst_end: u32,
     r2tsn: u32,
+    /// DataSN the next Data-Out of the current burst must carry.
+    data_sn: u32,
+    /// What the final response says of a transfer length that differs from the CDB's
+    /// (flag bits and residual count).
+    residual: (u8, u32),
+    /// ABORT TASK of this command waits for its I/O: the ITT of that request, answered
+    /// instead of the command once the I/O is done.
+    abort_itt: Option<u32>,
     start: Instant,
     /// Bytes of the connection's buffer budget the command holds.
     charged: u64,
@@ -98,6 +102,9 @@ impl Cmd {
             got: 0,
             burst_end: 0,
             r2tsn: 0,
+            data_sn: 0,
+            residual: (0, 0),
+            abort_itt: None,
             start: Instant::now(),
             charged: 0,
         }
@@ -356,7 +363,7 @@ impl<T: ExportTarget> IscsiConn<T> {
             OP_DATA_OUT => self.on_data_out(io, bhs, data),
             OP_NOP_OUT => self.on_nop_out(bhs, data),
             OP_TEXT_REQ => self.on_text(bhs, data),
-            OP_TASK_MGMT_REQ => self.on_task_mgmt(bhs),
+            OP_TASK_MGMT_REQ => self.on_task_mgmt(io, bhs),
             OP_LOGOUT_REQ => self.on_logout(bhs),
             // SNACK needs error recovery level 1; a Login in the full feature phase is
             // a protocol error.
@@ -373,7 +380,8 @@ impl<T: ExportTarget> IscsiConn<T> {
         }
         let sn = bhs.cmdsn();
         let ahead = sn.wrapping_sub(self.exp_cmdsn);
-        let window = self.max_cmdsn().wrapping_sub(self.exp_cmdsn);
+        // The window the initiator was told, not the one the free slots allow now.
+        let window = self.advertised_max.wrapping_sub(self.exp_cmdsn);
         if ahead > window {
             debug!(client = %self.client, cmdsn = sn, exp = self.exp_cmdsn, "iscsi: CmdSN outside the window, dropped");
             return false;
@@ -541,39 +549,48 @@ impl<T: ExportTarget> IscsiConn<T> {
         self.queue(h, &body, false);
     }
 
-    fn on_task_mgmt(&mut self, bhs: &Bhs) {
+    fn on_task_mgmt(&mut self, io: &mut CoreIo, bhs: &Bhs) {
         if !self.take_cmdsn(bhs) {
             return;
         }
         let function = bhs.flags() & 0x7f;
-        // Commands here run to completion (no I/O is cancelled); the answers say what
-        // that means for each function.
         let response = match function {
-            // ABORT TASK: function complete if the task is no longer here (it was
-            // answered), else "task still allegiant" is not an ERL 0 answer: say
-            // complete once nothing of it is pending.
+            // ABORT TASK: a command waiting for its data ends now; one whose I/O is in
+            // flight ends when the I/O does (nothing cancels it), and the answer to
+            // this request takes the place of its status then; one already answered
+            // or unknown "does not exist".
             1 => {
                 let rtt = bhs.word20();
-                let live = self
-                    .slots
-                    .iter()
-                    .any(|c| c.phase != Phase::Free && c.itt == rtt);
-                if live {
-                    // Rejected: the task exists and cannot be aborted in this slice.
-                    5
-                } else {
-                    0
+                let found = (0..SLOTS).find(|&i| {
+                    let c = &self.slots[i];
+                    c.itt == rtt
+                        && matches!(c.phase, Phase::AwaitData | Phase::Io | Phase::FuaFlush)
+                });
+                match found {
+                    Some(i) if self.slots[i].phase == Phase::AwaitData => {
+                        self.free_slot(io, u16_of(i));
+                        0
+                    }
+                    Some(i) => {
+                        self.slots[i].abort_itt = Some(bhs.itt());
+                        return;
+                    }
+                    None => 1,
                 }
             }
-            // ABORT TASK SET, CLEAR TASK SET, LUN RESET, TARGET WARM RESET: every task
-            // ends on its own, nothing is held: complete.
+            // ABORT TASK SET, CLEAR TASK SET, LUN RESET, TARGET WARM RESET: commands
+            // run to completion here (no I/O is cancelled) and nothing else is held.
             2 | 3 | 5 | 6 => 0,
             // CLEAR ACA, TARGET COLD RESET, TASK REASSIGN: not supported.
             _ => 5,
         };
+        self.tmf_response(bhs.itt(), response);
+    }
+
+    fn tmf_response(&mut self, itt: u32, response: u8) {
         let mut h = pdu::header(OP_TASK_MGMT_RESP, FLAG_FINAL, 0);
         h[2] = response;
-        put_u32(&mut h, 16, bhs.itt());
+        put_u32(&mut h, 16, itt);
         let s = self.next_statsn();
         self.stamp(&mut h, s);
         self.queue(h, &[], false);
@@ -625,7 +642,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         let cmd = match scsi::decode(bhs.cdb()) {
             Ok(c) => c,
             Err(sense) => {
-                return self.respond(itt, scsi::CHECK_CONDITION, Some(sense), no_residual(edtl))
+                return self.respond(itt, scsi::CHECK_CONDITION, Some(sense), NO_RESIDUAL)
             }
         };
         let lun = pdu::lun_of(bhs.lun_raw()).map(usize::from);
@@ -652,13 +669,13 @@ impl<T: ExportTarget> IscsiConn<T> {
                         itt,
                         scsi::CHECK_CONDITION,
                         Some(Sense::LUN_NOT_SUPPORTED),
-                        no_residual(edtl),
+                        NO_RESIDUAL,
                     ),
                 };
             }
         };
         let Some(s) = self.free.pop() else {
-            return self.respond(itt, BUSY, None, no_residual(edtl));
+            return self.respond(itt, BUSY, None, NO_RESIDUAL);
         };
         let idx = usize::from(s);
         {
@@ -672,75 +689,90 @@ impl<T: ExportTarget> IscsiConn<T> {
             c.got = 0;
             c.burst_end = 0;
             c.r2tsn = 0;
+            c.data_sn = 0;
+            c.residual = (0, 0);
+            c.abort_itt = None;
             c.start = io.now();
             c.charged = 0;
+        }
+        if !data.is_empty() && !self.params.immediate_data {
+            // Immediate data after the initiator agreed to send none.
+            self.free_slot(io, s);
+            return self.reject(bhs, REJECT_PROTOCOL_ERROR, true);
+        }
+        if data.len() > usize_of(u64::from(self.params.first_burst)) {
+            self.free_slot(io, s);
+            return self.reject(bhs, REJECT_PROTOCOL_ERROR, true);
         }
         // WRITE SAME with UNMAP may come without its block (libiscsi's unaligned unmap
         // sends none): the range is unmapped, which reads back as zeros.
         let unmap_only = matches!(cmd, Command::WriteSame16 { unmap: true, .. }) && edtl == 0;
         let needs = if unmap_only { 0 } else { cmd.data_out_len() };
         if needs == 0 {
-            if !data.is_empty() {
-                // Immediate data with a command that takes none.
-                self.free_slot(io, s);
-                return self.reject(bhs, REJECT_PROTOCOL_ERROR, false);
-            }
+            // Immediate data with a command that takes none (a READ flagged as a write)
+            // is ignored: the command is served as its CDB says.
             return self.execute(io, s);
         }
-        // Data-Out: what the initiator will send is the Expected Data Transfer Length.
-        // More than the command needs, or more than one buffer: CHECK CONDITION without
-        // asking for it (with InitialR2T=Yes nothing but immediate data comes unasked).
-        let read_only = self.luns[lun].unit.read_only;
-        if read_only {
+        if self.luns[lun].unit.read_only {
             self.free_slot(io, s);
             return self.respond(
                 itt,
                 scsi::CHECK_CONDITION,
                 Some(Sense::WRITE_PROTECTED),
-                no_residual(edtl),
+                NO_RESIDUAL,
             );
         }
-        if u64::from(edtl) != needs {
-            self.free_slot(io, s);
-            let (flag, residual) = if u64::from(edtl) < needs {
-                (
-                    0x04,
-                    u32::try_from(needs - u64::from(edtl)).unwrap_or(u32::MAX),
-                )
-            } else {
-                (
-                    0x02,
-                    u32::try_from(u64::from(edtl) - needs).unwrap_or(u32::MAX),
-                )
-            };
-            // A write whose transfer length and data length disagree is refused before
-            // any data is taken (a truncated or padded write would store the wrong
-            // blocks).
-            return self.respond(
-                itt,
-                scsi::CHECK_CONDITION,
-                Some(Sense::INVALID_FIELD_IN_CDB),
-                (flag, residual),
-            );
-        }
-        if edtl > MAX_DATA_OUT
-            || data.len() > usize_of(u64::from(edtl))
-            || data.len() > usize_of(u64::from(self.params.first_burst))
+        // The transfer is what both the CDB and the Expected Data Transfer Length cover
+        // (RFC 7143 §11.4.5.1, as libiscsi's residual tests expect): the target asks only
+        // for that much (with InitialR2T=Yes nothing else comes unasked, and immediate
+        // data past it is dropped), and the response reports the difference.
+        let needs = u32::try_from(needs).unwrap_or(u32::MAX);
+        let want = needs.min(edtl);
+        let residual = if edtl < needs {
+            (RESIDUAL_OVERFLOW, needs - edtl)
+        } else if edtl > needs {
+            (RESIDUAL_UNDERFLOW, edtl - needs)
+        } else {
+            NO_RESIDUAL
+        };
+        let cmd = match cmd {
+            // Whole blocks only: a partial last block is not written.
+            Command::Write { lba, fua, .. } => Command::Write {
+                lba,
+                blocks: want >> BLOCK_SHIFT,
+                fua,
+            },
+            Command::WriteSame16 { .. } if want < scsi::BLOCK_SIZE => {
+                self.free_slot(io, s);
+                return self.respond(
+                    itt,
+                    scsi::CHECK_CONDITION,
+                    Some(Sense::INVALID_FIELD_IN_CDB),
+                    residual,
+                );
+            }
+            c => c,
+        };
         {
-            self.free_slot(io, s);
-            return self.reject(bhs, REJECT_PROTOCOL_ERROR, false);
+            let c = &mut self.slots[idx];
+            c.cmd = cmd;
+            c.residual = residual;
         }
-        if !self.budget.try_take(u64::from(edtl)) {
-            self.free_slot(io, s);
-            return self.respond(itt, BUSY, None, no_residual(edtl));
+        if want == 0 {
+            return self.execute(io, s);
         }
-        let mut buf = io.bufs.get(usize_of(u64::from(edtl)));
-        buf.as_mut_slice()[..data.len()].copy_from_slice(data);
+        if !self.budget.try_take(u64::from(want)) {
+            self.free_slot(io, s);
+            return self.respond(itt, BUSY, None, NO_RESIDUAL);
+        }
+        let imm = data.len().min(usize_of(u64::from(want)));
+        let mut buf = io.bufs.get(usize_of(u64::from(want)));
+        buf.as_mut_slice()[..imm].copy_from_slice(&data[..imm]);
         let c = &mut self.slots[idx];
-        c.charged = u64::from(edtl);
+        c.charged = u64::from(want);
         c.buf = Some(buf);
-        c.want = edtl;
-        c.got = u32_of(data.len());
+        c.want = want;
+        c.got = u32_of(imm);
         c.burst_end = c.got;
         if c.got == c.want {
             return self.execute(io, s);
@@ -758,6 +790,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         c.burst_end = c.got + len;
         let r2tsn = c.r2tsn;
         c.r2tsn += 1;
+        c.data_sn = 0;
         let itt = c.itt;
         let mut h = pdu::header(OP_R2T, FLAG_FINAL, 0);
         put_u64(&mut h, 8, lun);
@@ -786,10 +819,15 @@ impl<T: ExportTarget> IscsiConn<T> {
         let end = u64::from(off) + u64::from(u32_of(data.len()));
         // In order (DataPDUInOrder=Yes) and within the burst the R2T asked for.
         let c = &self.slots[idx];
-        if off != c.got || end > u64::from(c.burst_end) || c.buf.is_none() {
+        if off != c.got
+            || end > u64::from(c.burst_end)
+            || c.buf.is_none()
+            || bhs.data_sn() != c.data_sn
+        {
             return self.reject(bhs, REJECT_PROTOCOL_ERROR, true);
         }
         let c = &mut self.slots[idx];
+        c.data_sn = c.data_sn.wrapping_add(1);
         let at = usize_of(u64::from(off));
         if let Some(buf) = c.buf.as_mut() {
             buf.as_mut_slice()[at..at + data.len()].copy_from_slice(data);
@@ -835,7 +873,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                     c.charged = 0;
                     s
                 }
-                None => return self.respond(itt, BUSY, None, no_residual(edtl)),
+                None => return self.respond(itt, BUSY, None, NO_RESIDUAL),
             },
         };
         let mut buf = io.bufs.get(d.len().max(1));
@@ -937,7 +975,7 @@ impl<T: ExportTarget> IscsiConn<T> {
     fn finish(&mut self, io: &mut CoreIo, s: u16, sense: Option<Sense>) {
         let idx = usize::from(s);
         let c = &self.slots[idx];
-        let (itt, edtl, lun) = (c.itt, c.edtl, c.lun);
+        let (itt, lun, residual) = (c.itt, c.lun, c.residual);
         let class = class_of(&c.cmd);
         self.unrecorded
             .push(lun, class, c.cmd.data_out_len(), c.start, sense.is_none());
@@ -946,13 +984,9 @@ impl<T: ExportTarget> IscsiConn<T> {
         } else {
             scsi::GOOD
         };
-        let residual = if sense.is_some() {
-            no_residual(edtl)
-        } else {
-            (0, 0)
-        };
-        self.respond(itt, status, sense, residual);
+        // Freed first, so the response's MaxCmdSN already counts the slot.
         self.free_slot(io, s);
+        self.respond(itt, status, sense, residual);
     }
 
     fn submit(&mut self, io: &mut CoreIo, s: u16, op: IoOp) {
@@ -1013,7 +1047,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                 }
                 let len = blocks << BLOCK_SHIFT;
                 if !self.budget.try_take(u64::from(len)) {
-                    self.respond(itt, BUSY, None, no_residual(edtl));
+                    self.respond(itt, BUSY, None, NO_RESIDUAL);
                     return self.free_slot(io, s);
                 }
                 self.slots[idx].charged = u64::from(len);
@@ -1058,7 +1092,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                 let list = self.slots[idx]
                     .buf
                     .as_ref()
-                    .map(|b| b.as_slice()[..usize_of(u64::from(edtl))].to_vec())
+                    .map(|b| b.as_slice()[..usize_of(u64::from(self.slots[idx].want))].to_vec())
                     .unwrap_or_default();
                 let ranges = match scsi::unmap_descriptors(&list, capacity) {
                     Ok(r) => r,
@@ -1146,6 +1180,11 @@ impl<T: ExportTarget> IscsiConn<T> {
     fn on_io(&mut self, io: &mut CoreIo, s: u16, res: i32) {
         self.in_io -= 1;
         let idx = usize::from(s);
+        if let Some(tmf) = self.slots[idx].abort_itt.take() {
+            // Aborted while its I/O ran: no status for it, the ABORT TASK is answered.
+            self.free_slot(io, s);
+            return self.tmf_response(tmf, 0);
+        }
         let cmd = self.slots[idx].cmd;
         let write = !matches!(cmd, Command::Read { .. } | Command::SynchronizeCache { .. });
         if res < 0 {
@@ -1225,9 +1264,10 @@ impl<T: ExportTarget> IscsiConn<T> {
     }
 }
 
-fn no_residual(_edtl: u32) -> (u8, u32) {
-    (0, 0)
-}
+/// The residual flags of a SCSI Response / final Data-In (byte 1).
+const RESIDUAL_OVERFLOW: u8 = 0x04;
+const RESIDUAL_UNDERFLOW: u8 = 0x02;
+const NO_RESIDUAL: (u8, u32) = (0, 0);
 
 fn class_of(c: &Command) -> IoClass {
     match c {

@@ -188,6 +188,9 @@ fn iscsi_test_cu_block_command_subset_passes() {
         "SCSI.Unmap",
         "SCSI.WriteSame16",
         "SCSI.Mandatory",
+        "iSCSI.iSCSIcmdsn",
+        "iSCSI.iSCSIResiduals",
+        "iSCSI.iSCSITMF",
     ] {
         let (_, out) = run(
             "iscsi-test-cu",
