@@ -18,8 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_export::budget::ConnBudget;
+use tessera_export::conn::add_throttled;
 use tessera_export::conn::{io_slot, FreeList, RecvBuf, SendDone, Socket, StatsBatch};
-use tessera_export::{ExportHandle, ExportTarget, IoClass, IoStats};
+use tessera_export::{Charge, ExportHandle, ExportTarget, Gate, IoClass, IoStats, Released};
 use tessera_io::cast::{u16_of, u32_of, usize_of};
 use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag, Task};
 use tracing::{debug, info, warn};
@@ -40,6 +41,15 @@ const SLOTS: usize = WINDOW + RESERVED_SLOTS;
 const SLOT_RECV: u32 = u32::MAX;
 const SLOT_SEND: u32 = u32::MAX - 1;
 const SLOT_LOGIN_TIMER: u32 = u32::MAX - 2;
+/// LUN `i`'s QoS gate uses slots `SLOT_GATE - 2i` (limits timer) and
+/// `SLOT_GATE - 2i - 1` (share round); request slots are u16, far below.
+const SLOT_GATE: u32 = u32::MAX - 16;
+const GATES: u32 = 256;
+const SLOT_GATE_END: u32 = SLOT_GATE - 2 * GATES;
+const _: () = assert!(
+    crate::target::MAX_LUNS <= GATES as usize,
+    "every LUN has its two gate slots"
+);
 /// A connection that has not completed its login in this time is closed.
 const LOGIN_TIMEOUT: Duration = Duration::from_secs(15);
 /// SCSI status BUSY: the connection's buffer budget is spent for now.
@@ -55,6 +65,8 @@ enum Phase {
     /// Receiving Data-Out (an R2T is out).
     AwaitData,
     Io,
+    /// Held at the LUN's QoS gate.
+    Throttled,
     /// Write done; the FUA flush is in flight.
     FuaFlush,
     /// The answer is queued; the slot is released once it has been sent.
@@ -127,6 +139,8 @@ struct Out {
 struct Lu<T: ExportTarget> {
     target: Arc<T>,
     vol: T::Handle,
+    /// QoS admission for the LUN's volume (limits, group, shares).
+    gate: Gate,
     unit: Unit,
     stats: Arc<IoStats>,
 }
@@ -465,7 +479,15 @@ impl<T: ExportTarget> IscsiConn<T> {
                         serial: format!("{:016x}", unit_id(&t.name, i)),
                         id: unit_id(&t.name, i),
                     };
+                    let i = u32_of(self.luns.len());
+                    let gate = Gate::new(
+                        io,
+                        &e.qos,
+                        self.tag(SLOT_GATE - 2 * i),
+                        self.tag(SLOT_GATE - 2 * i - 1),
+                    );
                     self.luns.push(Lu {
+                        gate,
                         vol: e.target.open(),
                         target: e.target.clone(),
                         unit,
@@ -474,7 +496,6 @@ impl<T: ExportTarget> IscsiConn<T> {
                 }
             }
         }
-        let _ = io;
         info!(
             protocol = "iscsi",
             client = %self.client,
@@ -564,7 +585,10 @@ impl<T: ExportTarget> IscsiConn<T> {
                 let found = (0..SLOTS).find(|&i| {
                     let c = &self.slots[i];
                     c.itt == rtt
-                        && matches!(c.phase, Phase::AwaitData | Phase::Io | Phase::FuaFlush)
+                        && matches!(
+                            c.phase,
+                            Phase::AwaitData | Phase::Io | Phase::Throttled | Phase::FuaFlush
+                        )
                 });
                 match found {
                     Some(i) if self.slots[i].phase == Phase::AwaitData => {
@@ -998,8 +1022,60 @@ impl<T: ExportTarget> IscsiConn<T> {
         unsafe { self.luns[lun].vol.submit(io, op, tag) };
     }
 
-    /// Serve a decoded command whose data (if any) has arrived.
+    /// A decoded command whose data (if any) has arrived: I/O commands pass the LUN's
+    /// QoS gate first (held there, they come back through `on_gate`).
     fn execute(&mut self, io: &mut CoreIo, s: u16) {
+        let idx = usize::from(s);
+        let charge = match self.slots[idx].cmd {
+            Command::Read { blocks, .. } => Charge::Read(u64::from(blocks) << BLOCK_SHIFT),
+            Command::Write { blocks, .. } => Charge::Write(u64::from(blocks) << BLOCK_SHIFT),
+            Command::WriteSame16 { .. } | Command::Unmap { .. } => Charge::Write(0),
+            Command::SynchronizeCache { .. } => Charge::Free,
+            // Answered from data, without I/O: nothing to admit.
+            _ => return self.dispatch(io, s),
+        };
+        let lun = self.slots[idx].lun;
+        if self.luns[lun].gate.offer(io, s, charge) {
+            return self.dispatch(io, s);
+        }
+        self.slots[idx].phase = Phase::Throttled;
+    }
+
+    /// LUN `i`'s gate timer or share round came: serve what it lets through now.
+    fn on_gate(&mut self, io: &mut CoreIo, slot: u32) {
+        let i = usize_of(u64::from((SLOT_GATE - slot) / 2));
+        if i >= self.luns.len() {
+            return;
+        }
+        if self.sock.dead {
+            // Nobody to answer: what the gate holds is dropped.
+            let mut held = Vec::new();
+            self.luns[i].gate.drain(&mut held);
+            for s in held {
+                self.free_slot(io, s);
+            }
+        }
+        let mut out: Vec<Released> = Vec::new();
+        let tag = self.tag(slot);
+        self.luns[i].gate.wake(io, tag, &mut out);
+        for r in out {
+            let idx = usize::from(r.slot);
+            if r.throttled {
+                add_throttled(&self.luns[i].stats, self.slots[idx].start, io.now());
+            }
+            if let Some(tmf) = self.slots[idx].abort_itt.take() {
+                // Aborted while held: it never reaches the volume.
+                self.free_slot(io, r.slot);
+                self.tmf_response(tmf, 0);
+                continue;
+            }
+            self.slots[idx].phase = Phase::Io;
+            self.dispatch(io, r.slot);
+        }
+    }
+
+    /// Serve a command the gate admitted (or one that needs no admission).
+    fn dispatch(&mut self, io: &mut CoreIo, s: u16) {
         let idx = usize::from(s);
         let (cmd, lun, itt, edtl) = {
             let c = &self.slots[idx];
@@ -1330,6 +1406,7 @@ impl<T: ExportTarget> Task for IscsiConn<T> {
         match slot {
             SLOT_RECV => self.on_recv(io, res),
             SLOT_SEND => self.on_send(io, res),
+            s if s <= SLOT_GATE && s > SLOT_GATE_END => self.on_gate(io, s),
             SLOT_LOGIN_TIMER => {
                 self.timer_armed = false;
                 if let State::Login(_) = self.state {
@@ -1356,6 +1433,9 @@ impl<T: ExportTarget> Task for IscsiConn<T> {
     }
 
     fn finished(&self) -> bool {
-        self.sock.is_closed() && self.in_io == 0 && !self.timer_armed
+        self.sock.is_closed()
+            && self.in_io == 0
+            && !self.timer_armed
+            && self.luns.iter().all(|l| l.gate.is_idle())
     }
 }

@@ -2,7 +2,8 @@
 //! crate's own codec: data written in process reads back over iSCSI byte for byte and
 //! the reverse (a write large enough for immediate data and several R2Ts, with header
 //! and data digests on), and hostile input (PDUs before login, an unknown target, an
-//! oversized data segment, a bad data digest) ends only the connection that sent it.
+//! oversized data segment, a bad data digest) ends only the connection that sent it;
+//! the export's QoS limits hold the LUN's I/O.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -33,6 +34,10 @@ struct Served {
 }
 
 fn serve() -> Served {
+    serve_with(QosLimits::default())
+}
+
+fn serve_with(limits: QosLimits) -> Served {
     let dev: Arc<dyn BlockDevice> = RamDevice::new(VOL + (64 << 20)).unwrap();
     let pool = Pool::create("p", vec![dev], PoolOptions::default()).unwrap();
     let vol = pool.create_volume("v", VOL).unwrap();
@@ -42,7 +47,7 @@ fn serve() -> Served {
             IQN,
             vec![Export {
                 target: vol.clone(),
-                qos: Arc::new(VolumeQos::new(QosLimits::default(), Instant::now())),
+                qos: Arc::new(VolumeQos::new(limits, Instant::now())),
             }],
         )
         .unwrap();
@@ -348,4 +353,31 @@ fn hostile_input_ends_only_the_connection_that_sent_it() {
     assert_eq!(get_u32(&r, 16), 78);
     assert_eq!(data, b"hello");
     assert_eq!(c.test_unit_ready(), 0);
+}
+
+#[test]
+fn the_exports_qos_limits_hold_its_io() {
+    let s = serve_with(QosLimits {
+        read_iops: Some(50),
+        ..QosLimits::default()
+    });
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, false).unwrap();
+    // 30 reads at 50 IOPS (a bucket of 100 ms, 5 reads): at least half a second; an
+    // unlimited LUN on a RAM device answers them in milliseconds.
+    let t = Instant::now();
+    for i in 0..30u32 {
+        c.read10(i * 8, 8);
+    }
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(400),
+        "30 reads at 50 IOPS took {took:?}: the limit did not hold"
+    );
+    // Commands without I/O are not held.
+    let t = Instant::now();
+    for _ in 0..30 {
+        assert_eq!(c.test_unit_ready(), 0);
+    }
+    assert!(t.elapsed() < Duration::from_millis(400));
 }
