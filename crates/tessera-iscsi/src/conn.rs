@@ -52,6 +52,10 @@ const _: () = assert!(
 );
 /// A connection that has not completed its login in this time is closed.
 const LOGIN_TIMEOUT: Duration = Duration::from_secs(15);
+/// How often the login deadline is checked: a connection that closes during its login
+/// finishes within one tick (a timer cannot be cancelled, and the task lives until its
+/// timer fired, holding its listener slot).
+const LOGIN_TICK: Duration = Duration::from_secs(1);
 /// SCSI status BUSY: the connection's buffer budget is spent for now.
 const BUSY: u8 = 0x08;
 
@@ -1398,7 +1402,7 @@ impl<T: ExportTarget> Task for IscsiConn<T> {
     fn start(&mut self, io: &mut CoreIo, id: u32) {
         self.id = id;
         self.timer_armed = true;
-        io.complete_after(LOGIN_TIMEOUT, self.tag(SLOT_LOGIN_TIMER), 0);
+        io.complete_after(LOGIN_TICK, self.tag(SLOT_LOGIN_TIMER), 0);
         self.post_recv(io);
     }
 
@@ -1409,12 +1413,18 @@ impl<T: ExportTarget> Task for IscsiConn<T> {
             s if s <= SLOT_GATE && s > SLOT_GATE_END => self.on_gate(io, s),
             SLOT_LOGIN_TIMER => {
                 self.timer_armed = false;
-                if let State::Login(_) = self.state {
+                if !matches!(self.state, State::Login(_)) || self.sock.draining {
+                    return;
+                }
+                if self.started.elapsed() >= LOGIN_TIMEOUT {
                     if BAD_CONN_LOG.admit() {
                         warn!(protocol = "iscsi", client = %self.client, "iscsi: no login within {LOGIN_TIMEOUT:?}, closing");
                     }
                     self.sock.draining = true;
+                    return;
                 }
+                self.timer_armed = true;
+                io.complete_after(LOGIN_TICK, self.tag(SLOT_LOGIN_TIMER), 0);
             }
             s => self.on_io(io, io_slot(s), res),
         }

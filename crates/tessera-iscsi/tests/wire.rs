@@ -27,6 +27,7 @@ const IQN: &str = "iqn.2026-11.io.tessera:wire";
 const VOL: u64 = 16 << 20;
 
 struct Served {
+    cap: Arc<ListenerCap>,
     _pool: Pool,
     vol: Arc<Volume>,
     _core: ReactorThread,
@@ -56,17 +57,19 @@ fn serve_with(limits: QosLimits) -> Served {
     target.add_portal(addr.clone());
     let core = ReactorThread::start();
     let mailbox = core.mailbox.clone();
-    let cap_addr = addr.clone();
+    let cap = ListenerCap::new("iscsi", addr.clone(), 64);
+    let listener_cap = cap.clone();
     std::thread::spawn(move || {
         accept_loop(
             l,
             target,
-            ListenerCap::new("iscsi", cap_addr, 64),
+            listener_cap,
             BufferBudget::unlimited(),
             move || mailbox.clone(),
         )
     });
     Served {
+        cap,
         _pool: pool,
         vol,
         _core: core,
@@ -380,4 +383,28 @@ fn the_exports_qos_limits_hold_its_io() {
         assert_eq!(c.test_unit_ready(), 0);
     }
     assert!(t.elapsed() < Duration::from_millis(400));
+}
+
+#[test]
+fn connections_dropped_during_login_give_their_listener_slot_back() {
+    let s = serve();
+    for _ in 0..5 {
+        let c = Initiator::connect(&s.addr);
+        drop(c);
+    }
+    // Half a login: the first PDU of a continued text, then gone.
+    let mut c = Initiator::connect(&s.addr);
+    let mut h = pdu::header(pdu::OP_LOGIN_REQ | pdu::FLAG_IMMEDIATE, 0x40, 16);
+    put_u32(&mut h, 24, 1);
+    c.send(&h, b"InitiatorName=iq");
+    drop(c);
+    let t = Instant::now();
+    while s.cap.open() > 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{} connections still hold listener slots",
+            s.cap.open()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
