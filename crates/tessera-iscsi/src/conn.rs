@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use tessera_export::budget::ConnBudget;
 use tessera_export::conn::add_throttled;
-use tessera_export::conn::{io_slot, FreeList, RecvBuf, SendDone, Socket, StatsBatch};
+use tessera_export::conn::{io_slot, FreeList, RecvBuf, SendDone, Socket, StatsBatch, MAX_IOV};
 use tessera_export::{Charge, ExportHandle, ExportTarget, Gate, IoClass, IoStats, Released};
 use tessera_io::cast::{u16_of, u32_of, usize_of};
 use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag, Task};
@@ -1292,16 +1292,29 @@ impl<T: ExportTarget> IscsiConn<T> {
     }
 
     fn send(&mut self, io: &mut CoreIo) {
-        if self.sock.send_posted() || self.sock.dead || self.outq.is_empty() {
+        if self.sock.dead && !self.sock.send_posted() {
+            // The peer is gone: what waits to go out never will. Drop it (and free the
+            // slots it held) so the connection can go idle, close and finish.
+            while let Some(o) = self.outq.pop_front() {
+                if let Some(s) = o.release {
+                    self.free_slot(io, s);
+                }
+            }
+            return;
+        }
+        if self.sock.send_posted() || self.outq.is_empty() {
             return;
         }
         let batch = self.sock.batch();
         batch.clear();
+        // Take whole PDUs while their iovecs fit in one sendmsg; the rest goes next time.
+        let mut iovs = 0;
         while let Some(o) = self.outq.front() {
-            if !batch.has_room(3) {
+            let n = 1 + usize::from(o.data.is_some()) + usize::from(!o.tail.is_empty());
+            if iovs + n > MAX_IOV {
                 break;
             }
-            let _ = o;
+            iovs += n;
             let o = self.outq.pop_front().expect("front");
             self.sending.push(o);
         }

@@ -386,7 +386,7 @@ fn the_exports_qos_limits_hold_its_io() {
 }
 
 #[test]
-fn connections_dropped_during_login_give_their_listener_slot_back() {
+fn vanished_clients_give_their_listener_slot_back() {
     let s = serve();
     for _ in 0..5 {
         let c = Initiator::connect(&s.addr);
@@ -398,6 +398,21 @@ fn connections_dropped_during_login_give_their_listener_slot_back() {
     put_u32(&mut h, 24, 1);
     c.send(&h, b"InitiatorName=iq");
     drop(c);
+    // A session that queues reads and goes away without reading their data: the
+    // target's sends fail, and what it still had to send must not keep it alive.
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, false).unwrap();
+    // 64 reads of 1 MiB, 16 Data-In PDUs each: more than one gathered send holds.
+    for i in 0..64u32 {
+        let mut cdb = [0u8; 10];
+        cdb[0] = 0x28;
+        cdb[2..6].copy_from_slice(&((i % 8) * 2048).to_be_bytes());
+        cdb[7..9].copy_from_slice(&2048u16.to_be_bytes());
+        c.command(&cdb, 2048 * 512, true, false, &[]);
+    }
+    // Unread data in the receive queue makes the close a reset.
+    std::thread::sleep(Duration::from_millis(50));
+    drop(c);
     let t = Instant::now();
     while s.cap.open() > 0 {
         assert!(
@@ -407,4 +422,8 @@ fn connections_dropped_during_login_give_their_listener_slot_back() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // And the core still serves.
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, false).unwrap();
+    assert_eq!(c.test_unit_ready(), 0);
 }
