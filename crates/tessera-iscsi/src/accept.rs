@@ -1,0 +1,65 @@
+//! The iSCSI listener: hands each accepted connection to a reactor core, where it
+//! becomes a [`crate::conn::IscsiConn`] of a [`crate::target::Target`].
+
+use std::net::TcpListener;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use tessera_export::budget::{BufferBudget, ListenerCap};
+use tessera_export::log_limit::LogLimiter;
+use tessera_export::ExportTarget;
+use tessera_io::Mailbox;
+use tracing::warn;
+
+use crate::target::Target;
+
+/// Connections refused at the listener's cap: at most 10 lines per 10 s.
+static CAP_LOG: LogLimiter = LogLimiter::new("iscsi-connection-cap", 10, 10);
+/// Failed accepts: at most 10 lines per 10 s.
+static ACCEPT_LOG: LogLimiter = LogLimiter::new("iscsi-accept", 10, 10);
+
+/// Accept iSCSI connections forever; each becomes a connection task on the core `next`
+/// picks, with its share of the node's buffer `budget`. Past `cap` open connections a
+/// new one is closed at once. Everything after accept (login included) runs on that
+/// core.
+pub fn accept_loop<T: ExportTarget>(
+    l: TcpListener,
+    target: Arc<Target<T>>,
+    cap: Arc<ListenerCap>,
+    budget: Arc<BufferBudget>,
+    next: impl Fn() -> Arc<Mailbox> + Send + 'static,
+) {
+    for s in l.incoming() {
+        let s = match s {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of descriptors or memory: accept fails at once until something
+                // closes, so wait a little instead of spinning on it.
+                if ACCEPT_LOG.admit() {
+                    warn!(protocol = "iscsi", "iscsi: accept failed: {e}");
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                continue;
+            }
+        };
+        let Some(slot) = cap.try_open() else {
+            if CAP_LOG.admit() {
+                warn!(
+                    protocol = "iscsi",
+                    listener = %cap.address,
+                    client = %s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string()),
+                    max_connections = cap.max(),
+                    "iscsi: connection refused: the listener serves its maximum of connections"
+                );
+            }
+            continue;
+        };
+        let _ = s.set_nodelay(true);
+        let fd: OwnedFd = s.into();
+        let t = target.clone();
+        let b = budget.conn(Some(slot));
+        next().spawn(Box::new(move |io| {
+            Box::new(crate::conn::IscsiConn::new(io, fd, t, b))
+        }));
+    }
+}

@@ -1,0 +1,22 @@
+//! iSCSI (RFC 7143) for Tessera volumes: a target that serves SCSI block commands over
+//! the export layer, a sibling of NBD and NVMe/TCP that depends on neither.
+//!
+//! - [`pdu`]: the PDU codec (Basic Header Segment, AHS skipping, padding, CRC32C
+//!   digests), strict and bounded.
+//! - [`text`]: `key=value` text and the negotiation of the operational keys.
+//! - [`login`]: the login phase of a connection (security and operational stages,
+//!   discovery and normal sessions).
+//! - [`scsi`]: CDB decoding, the data of INQUIRY/READ CAPACITY/MODE SENSE/REPORT LUNS,
+//!   sense data.
+//! - [`target`]: the named targets and their LUNs, SendTargets, session handles.
+//! - [`accept`]: the listener, handing each connection to a reactor core.
+//! - [`conn`]: one connection (one session) on a reactor core: a [`tessera_io::Task`]
+//!   that does its I/O through the LUNs' per-core export handles.
+
+pub mod accept;
+pub mod conn;
+pub mod login;
+pub mod pdu;
+pub mod scsi;
+pub mod target;
+pub mod text;

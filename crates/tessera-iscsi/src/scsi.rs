@@ -1,0 +1,728 @@
+//! SCSI block commands (SPC-4 / SBC-3 as hosts and libiscsi's suite use them): CDB
+//! decoding into [`Command`], the data of the commands answered without I/O (INQUIRY and
+//! its VPD pages, READ CAPACITY, MODE SENSE, REPORT LUNS, REQUEST SENSE), and fixed
+//! format sense data for everything that fails.
+//!
+//! Logical blocks are 512 bytes, the alignment the volumes enforce (as the NVMe/TCP
+//! namespaces use), on 4 KiB physical blocks.
+
+use tessera_io::cast::{u16_of, u32_of, u8_of};
+
+use crate::pdu::{get_u16, get_u32, get_u64, put_u16, put_u32, put_u64};
+
+pub const BLOCK_SHIFT: u32 = 9;
+pub const BLOCK_SIZE: u32 = 1 << BLOCK_SHIFT;
+/// Largest READ/WRITE a command may ask for: 1 MiB (the Block Limits page says so).
+pub const MAX_TRANSFER_BLOCKS: u32 = 2048;
+/// Largest WRITE SAME (the Block Limits page's MAXIMUM WRITE SAME LENGTH): 16 MiB.
+pub const MAX_WRITE_SAME_BLOCKS: u32 = 1 << 15;
+/// WRITE SAME with non-zero data is written as writes of one replicated buffer of at
+/// most this many blocks (1 MiB).
+pub const WRITE_SAME_CHUNK_BLOCKS: u32 = 2048;
+/// UNMAP limits (Block Limits page).
+pub const MAX_UNMAP_BLOCKS: u32 = 1 << 20;
+pub const MAX_UNMAP_DESCRIPTORS: u32 = 256;
+
+/// SCSI status codes.
+pub const GOOD: u8 = 0x00;
+pub const CHECK_CONDITION: u8 = 0x02;
+
+/// Sense keys.
+pub const NO_SENSE: u8 = 0x00;
+pub const MEDIUM_ERROR: u8 = 0x03;
+pub const HARDWARE_ERROR: u8 = 0x04;
+pub const ILLEGAL_REQUEST: u8 = 0x05;
+pub const DATA_PROTECT: u8 = 0x07;
+
+/// Sense data: key and additional sense code/qualifier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sense {
+    pub key: u8,
+    pub asc: u8,
+    pub ascq: u8,
+}
+
+impl Sense {
+    pub const INVALID_OPCODE: Sense = Sense::illegal(0x20, 0);
+    pub const LBA_OUT_OF_RANGE: Sense = Sense::illegal(0x21, 0);
+    pub const INVALID_FIELD_IN_CDB: Sense = Sense::illegal(0x24, 0);
+    pub const LUN_NOT_SUPPORTED: Sense = Sense::illegal(0x25, 0);
+    pub const INVALID_FIELD_IN_PARAMETER_LIST: Sense = Sense::illegal(0x26, 0);
+    pub const PARAMETER_LIST_LENGTH_ERROR: Sense = Sense::illegal(0x1a, 0);
+    pub const SAVING_NOT_SUPPORTED: Sense = Sense::illegal(0x39, 0);
+    pub const WRITE_PROTECTED: Sense = Sense {
+        key: DATA_PROTECT,
+        asc: 0x27,
+        ascq: 0,
+    };
+    /// Thin provisioning: the pool has no space left for the write.
+    pub const SPACE_ALLOCATION_FAILED: Sense = Sense {
+        key: DATA_PROTECT,
+        asc: 0x27,
+        ascq: 0x07,
+    };
+    pub const READ_ERROR: Sense = Sense {
+        key: MEDIUM_ERROR,
+        asc: 0x11,
+        ascq: 0,
+    };
+    pub const WRITE_ERROR: Sense = Sense {
+        key: MEDIUM_ERROR,
+        asc: 0x0c,
+        ascq: 0,
+    };
+    pub const INTERNAL_TARGET_FAILURE: Sense = Sense {
+        key: HARDWARE_ERROR,
+        asc: 0x44,
+        ascq: 0,
+    };
+
+    const fn illegal(asc: u8, ascq: u8) -> Sense {
+        Sense {
+            key: ILLEGAL_REQUEST,
+            asc,
+            ascq,
+        }
+    }
+
+    /// Fixed format sense data (response code 0x70, current error), 18 bytes.
+    pub fn fixed(&self) -> [u8; 18] {
+        let mut s = [0u8; 18];
+        s[0] = 0x70;
+        s[2] = self.key & 0x0f;
+        s[7] = 10;
+        s[12] = self.asc;
+        s[13] = self.ascq;
+        s
+    }
+
+    /// The sense for an I/O that failed with `-errno`.
+    pub fn from_errno(errno: i32, write: bool) -> Sense {
+        match errno {
+            libc::EINVAL | libc::ERANGE => Sense::LBA_OUT_OF_RANGE,
+            libc::EROFS => Sense::WRITE_PROTECTED,
+            libc::ENOSPC => Sense::SPACE_ALLOCATION_FAILED,
+            libc::EIO if write => Sense::WRITE_ERROR,
+            libc::EIO => Sense::READ_ERROR,
+            _ => Sense::INTERNAL_TARGET_FAILURE,
+        }
+    }
+}
+
+/// A decoded CDB.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Command {
+    TestUnitReady,
+    Inquiry {
+        evpd: bool,
+        page: u8,
+        alloc: u32,
+    },
+    ReadCapacity10,
+    ReadCapacity16 {
+        alloc: u32,
+    },
+    Read {
+        lba: u64,
+        blocks: u32,
+        fua: bool,
+    },
+    Write {
+        lba: u64,
+        blocks: u32,
+        fua: bool,
+    },
+    SynchronizeCache {
+        lba: u64,
+        blocks: u32,
+    },
+    ReportLuns {
+        alloc: u32,
+    },
+    ModeSense(ModeSense),
+    RequestSense {
+        desc: bool,
+        alloc: u32,
+    },
+    Unmap {
+        param_len: u32,
+    },
+    /// `ndob`: no data-out buffer, the blocks are zeroed (unmapped with `unmap`).
+    WriteSame16 {
+        lba: u64,
+        blocks: u32,
+        unmap: bool,
+        ndob: bool,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModeSense {
+    pub ten: bool,
+    /// Disable block descriptors.
+    pub dbd: bool,
+    /// Page control: 0 current, 1 changeable, 2 default, 3 saved.
+    pub pc: u8,
+    pub page: u8,
+    pub subpage: u8,
+    pub alloc: u32,
+}
+
+impl Command {
+    /// Bytes the initiator sends with the command (Data-Out) for the unit's block size.
+    pub fn data_out_len(&self) -> u64 {
+        match *self {
+            Command::Write { blocks, .. } => u64::from(blocks) << BLOCK_SHIFT,
+            Command::Unmap { param_len } => u64::from(param_len),
+            Command::WriteSame16 { ndob: false, .. } => u64::from(BLOCK_SIZE),
+            _ => 0,
+        }
+    }
+}
+
+/// Decode a CDB (16 bytes as the SCSI Command PDU carries it; shorter CDBs are padded).
+pub fn decode(cdb: &[u8]) -> Result<Command, Sense> {
+    let op = cdb[0];
+    let fua = cdb[1] & 0x08 != 0;
+    // Protection information: volumes have none, so a non-zero RDPROTECT/WRPROTECT is
+    // an invalid field (SBC-3 §5.x, "not formatted with protection information").
+    let protect = cdb[1] >> 5;
+    let io = |lba: u64, blocks: u32, write: bool| -> Result<Command, Sense> {
+        if protect != 0 {
+            return Err(Sense::INVALID_FIELD_IN_CDB);
+        }
+        if blocks > MAX_TRANSFER_BLOCKS {
+            return Err(Sense::INVALID_FIELD_IN_CDB);
+        }
+        Ok(if write {
+            Command::Write { lba, blocks, fua }
+        } else {
+            Command::Read { lba, blocks, fua }
+        })
+    };
+    match op {
+        0x00 => Ok(Command::TestUnitReady),
+        0x03 => Ok(Command::RequestSense {
+            desc: cdb[1] & 1 != 0,
+            alloc: u32::from(cdb[4]),
+        }),
+        0x12 => {
+            let evpd = cdb[1] & 1 != 0;
+            if !evpd && cdb[2] != 0 {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::Inquiry {
+                evpd,
+                page: cdb[2],
+                alloc: u32::from(get_u16(cdb, 3)),
+            })
+        }
+        0x25 => Ok(Command::ReadCapacity10),
+        0x9e if cdb[1] & 0x1f == 0x10 => Ok(Command::ReadCapacity16 {
+            alloc: get_u32(cdb, 10),
+        }),
+        0x9e => Err(Sense::INVALID_FIELD_IN_CDB),
+        // READ(6)/WRITE(6): 21-bit LBA, 0 blocks means 256; no FUA, no protection.
+        0x08 | 0x0a => {
+            let lba = (u64::from(cdb[1] & 0x1f) << 16) | u64::from(get_u16(cdb, 2));
+            let blocks = if cdb[4] == 0 { 256 } else { u32::from(cdb[4]) };
+            let write = op == 0x0a;
+            Ok(if write {
+                Command::Write {
+                    lba,
+                    blocks,
+                    fua: false,
+                }
+            } else {
+                Command::Read {
+                    lba,
+                    blocks,
+                    fua: false,
+                }
+            })
+        }
+        0x28 | 0x2a => io(
+            u64::from(get_u32(cdb, 2)),
+            u32::from(get_u16(cdb, 7)),
+            op == 0x2a,
+        ),
+        0xa8 | 0xaa => io(u64::from(get_u32(cdb, 2)), get_u32(cdb, 6), op == 0xaa),
+        0x88 | 0x8a => io(get_u64(cdb, 2), get_u32(cdb, 10), op == 0x8a),
+        0x35 => Ok(Command::SynchronizeCache {
+            lba: u64::from(get_u32(cdb, 2)),
+            blocks: u32::from(get_u16(cdb, 7)),
+        }),
+        0x91 => Ok(Command::SynchronizeCache {
+            lba: get_u64(cdb, 2),
+            blocks: get_u32(cdb, 10),
+        }),
+        0xa0 => {
+            let alloc = get_u32(cdb, 6);
+            // SPC-4: an allocation length under 16 is an invalid field; select reports
+            // 0, 1 and 2 are the ones defined for a target without well-known LUNs.
+            if alloc < 16 || cdb[2] > 2 {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::ReportLuns { alloc })
+        }
+        0x1a | 0x5a => {
+            let ten = op == 0x5a;
+            Ok(Command::ModeSense(ModeSense {
+                ten,
+                dbd: cdb[1] & 0x08 != 0,
+                pc: cdb[2] >> 6,
+                page: cdb[2] & 0x3f,
+                subpage: cdb[3],
+                alloc: if ten {
+                    u32::from(get_u16(cdb, 7))
+                } else {
+                    u32::from(cdb[4])
+                },
+            }))
+        }
+        0x42 => {
+            if cdb[1] & 1 != 0 {
+                // ANCHOR: anchored blocks are not supported (ANC_SUP is 0).
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::Unmap {
+                param_len: u32::from(get_u16(cdb, 7)),
+            })
+        }
+        0x93 => {
+            let unmap = cdb[1] & 0x08 != 0;
+            // ANCHOR and protection are not supported.
+            if cdb[1] & 0x10 != 0 || protect != 0 {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            let blocks = get_u32(cdb, 10);
+            // WSNZ is set: 0 blocks ("to the end") is refused, as is more than the
+            // Block Limits page allows.
+            if blocks == 0 || blocks > MAX_WRITE_SAME_BLOCKS {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::WriteSame16 {
+                lba: get_u64(cdb, 2),
+                blocks,
+                unmap,
+                ndob: cdb[1] & 0x01 != 0,
+            })
+        }
+        _ => Err(Sense::INVALID_OPCODE),
+    }
+}
+
+/// `[lba, lba+blocks)` lies within a unit of `capacity` blocks.
+pub fn in_range(lba: u64, blocks: u64, capacity: u64) -> bool {
+    lba.checked_add(blocks).is_some_and(|end| end <= capacity)
+}
+
+/// What the commands answered from data describe of one logical unit.
+#[derive(Clone, Debug)]
+pub struct Unit {
+    /// Capacity in logical blocks.
+    pub blocks: u64,
+    pub read_only: bool,
+    /// VPD 0x80 (ASCII, at most 32 bytes used).
+    pub serial: String,
+    /// A 64-bit value unique to the unit (target name and LUN), for the NAA designator.
+    pub id: u64,
+}
+
+const VENDOR: &[u8; 8] = b"TESSERA ";
+const PRODUCT: &[u8; 16] = b"VOLUME          ";
+const REVISION: &[u8; 4] = b"0001";
+
+/// INQUIRY data: standard, or the VPD page `page`.
+pub fn inquiry(u: &Unit, evpd: bool, page: u8) -> Result<Vec<u8>, Sense> {
+    if !evpd {
+        let mut d = vec![0u8; 96];
+        d[2] = 0x06; // SPC-4
+        d[3] = 0x12; // HISUP, response data format 2
+        d[4] = 96 - 5;
+        d[7] = 0x02; // CMDQUE
+        d[8..16].copy_from_slice(VENDOR);
+        d[16..32].copy_from_slice(PRODUCT);
+        d[32..36].copy_from_slice(REVISION);
+        // Version descriptors: SAM-5, iSCSI (RFC 7143), SPC-4, SBC-3.
+        for (i, v) in [0x00a0u16, 0x0960, 0x0460, 0x04c0].iter().enumerate() {
+            put_u16(&mut d, 58 + 2 * i, *v);
+        }
+        return Ok(d);
+    }
+    let body: Vec<u8> = match page {
+        0x00 => vec![0x00, 0x80, 0x83, 0xb0, 0xb1, 0xb2],
+        0x80 => {
+            let s = u.serial.as_bytes();
+            s[..s.len().min(32)].to_vec()
+        }
+        0x83 => {
+            let mut v = Vec::new();
+            // NAA IEEE Registered (5), binary: a locally administered OUI-less form
+            // from the unit's id.
+            v.extend_from_slice(&[0x01, 0x03, 0x00, 0x08]);
+            let naa = (0x5u64 << 60) | (u.id & 0x0fff_ffff_ffff_ffff);
+            v.extend_from_slice(&naa.to_be_bytes());
+            // T10 vendor ID, ASCII: vendor then the serial.
+            let s = u.serial.as_bytes();
+            let s = &s[..s.len().min(32)];
+            v.extend_from_slice(&[0x02, 0x01, 0x00, u8_of(8 + s.len())]);
+            v.extend_from_slice(VENDOR);
+            v.extend_from_slice(s);
+            v
+        }
+        0xb0 => {
+            let mut b = vec![0u8; 0x3c];
+            // Offsets below are of the whole page; the body starts at byte 4.
+            let mut p = vec![0u8; 0x40];
+            p[4] = 0x01; // WSNZ: WRITE SAME of 0 blocks ("to the end") is refused
+            put_u16(&mut p, 6, 8); // optimal transfer length granularity: 4 KiB
+            put_u32(&mut p, 8, MAX_TRANSFER_BLOCKS);
+            put_u32(&mut p, 12, MAX_TRANSFER_BLOCKS);
+            put_u32(&mut p, 20, MAX_UNMAP_BLOCKS);
+            put_u32(&mut p, 24, MAX_UNMAP_DESCRIPTORS);
+            put_u32(&mut p, 28, 8); // optimal unmap granularity: 4 KiB
+            put_u64(&mut p, 36, u64::from(MAX_WRITE_SAME_BLOCKS));
+            b.copy_from_slice(&p[4..]);
+            b
+        }
+        0xb1 => {
+            let mut b = vec![0u8; 0x3c];
+            put_u16(&mut b, 0, 1); // non-rotating medium
+            b
+        }
+        0xb2 => {
+            // LBPU (UNMAP), LBPWS (WRITE SAME(16) with UNMAP), LBPRZ (unmapped blocks
+            // read zeros); provisioning type 2: thin.
+            vec![0x00, 0x80 | 0x40 | 0x04, 0x02, 0x00]
+        }
+        _ => return Err(Sense::INVALID_FIELD_IN_CDB),
+    };
+    let mut d = vec![0x00, page, 0, 0];
+    put_u16(&mut d, 2, u16_of(body.len()));
+    d.extend_from_slice(&body);
+    Ok(d)
+}
+
+pub fn read_capacity10(u: &Unit) -> Vec<u8> {
+    let mut d = vec![0u8; 8];
+    let last = u.blocks.saturating_sub(1);
+    put_u32(&mut d, 0, u32::try_from(last).unwrap_or(u32::MAX));
+    put_u32(&mut d, 4, BLOCK_SIZE);
+    d
+}
+
+pub fn read_capacity16(u: &Unit) -> Vec<u8> {
+    let mut d = vec![0u8; 32];
+    put_u64(&mut d, 0, u.blocks.saturating_sub(1));
+    put_u32(&mut d, 8, BLOCK_SIZE);
+    d[13] = 3; // 8 logical blocks per 4 KiB physical block
+    d[14] = 0x80 | 0x40; // LBPME, LBPRZ
+    d
+}
+
+pub fn report_luns(luns: &[u16]) -> Vec<u8> {
+    let mut d = vec![0u8; 8 + 8 * luns.len()];
+    put_u32(&mut d, 0, u32_of(8 * luns.len()));
+    for (i, &l) in luns.iter().enumerate() {
+        put_u64(&mut d, 8 + 8 * i, crate::pdu::lun_field(l));
+    }
+    d
+}
+
+pub fn request_sense(desc: bool) -> Vec<u8> {
+    if desc {
+        vec![0x72, NO_SENSE, 0, 0, 0, 0, 0, 0]
+    } else {
+        Sense {
+            key: NO_SENSE,
+            asc: 0,
+            ascq: 0,
+        }
+        .fixed()
+        .to_vec()
+    }
+}
+
+/// Mode pages this unit has: caching (0x08) and control (0x0a).
+fn mode_page(page: u8, pc: u8) -> Vec<u8> {
+    let changeable = pc == 1;
+    match page {
+        0x08 => {
+            let mut p = vec![0u8; 20];
+            p[0] = 0x08;
+            p[1] = 0x12;
+            if !changeable {
+                // WCE: writes may sit in a volatile cache until SYNCHRONIZE CACHE or FUA.
+                p[2] = 0x04;
+            }
+            p
+        }
+        _ => {
+            let mut p = vec![0u8; 12];
+            p[0] = 0x0a;
+            p[1] = 0x0a;
+            if !changeable {
+                p[3] = 0x10; // queue algorithm modifier 1: unrestricted reordering
+                put_u16(&mut p, 8, 0xffff); // busy timeout period: unlimited
+            }
+            p
+        }
+    }
+}
+
+pub fn mode_sense(u: &Unit, m: &ModeSense) -> Result<Vec<u8>, Sense> {
+    if m.pc == 3 {
+        return Err(Sense::SAVING_NOT_SUPPORTED);
+    }
+    if m.subpage != 0 && !(m.subpage == 0xff && m.page == 0x3f) {
+        return Err(Sense::INVALID_FIELD_IN_CDB);
+    }
+    let pages: Vec<u8> = match m.page {
+        0x08 => mode_page(0x08, m.pc),
+        0x0a => mode_page(0x0a, m.pc),
+        0x3f => [mode_page(0x08, m.pc), mode_page(0x0a, m.pc)].concat(),
+        _ => return Err(Sense::INVALID_FIELD_IN_CDB),
+    };
+    // Device-specific parameter: WP when read-only, DPOFUA (FUA is honoured).
+    let dsp = if u.read_only { 0x80 } else { 0 } | 0x10;
+    let mut bd = Vec::new();
+    if !m.dbd {
+        bd = vec![0u8; 8];
+        put_u32(&mut bd, 0, u32::try_from(u.blocks).unwrap_or(u32::MAX));
+        put_u32(&mut bd, 4, BLOCK_SIZE);
+    }
+    let mut d = if m.ten {
+        let mut h = vec![0u8; 8];
+        h[3] = dsp;
+        put_u16(&mut h, 6, u16_of(bd.len()));
+        h
+    } else {
+        vec![0, 0, dsp, u8_of(bd.len())]
+    };
+    d.extend_from_slice(&bd);
+    d.extend_from_slice(&pages);
+    if m.ten {
+        let n = u16_of(d.len() - 2);
+        put_u16(&mut d, 0, n);
+    } else {
+        d[0] = u8_of(d.len() - 1);
+    }
+    Ok(d)
+}
+
+/// The (LBA, blocks) descriptors of an UNMAP parameter list, checked against the
+/// unit's capacity and the advertised limits.
+pub fn unmap_descriptors(list: &[u8], capacity: u64) -> Result<Vec<(u64, u32)>, Sense> {
+    if list.is_empty() {
+        return Ok(Vec::new());
+    }
+    if list.len() < 8 {
+        return Err(Sense::PARAMETER_LIST_LENGTH_ERROR);
+    }
+    let desc_len = usize::from(get_u16(list, 2));
+    let avail = (list.len() - 8).min(desc_len);
+    let n = avail / 16;
+    if u32::try_from(n).map_or(true, |n| n > MAX_UNMAP_DESCRIPTORS) {
+        return Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
+    }
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let at = 8 + 16 * i;
+        let lba = get_u64(list, at);
+        let blocks = get_u32(list, at + 8);
+        if blocks > MAX_UNMAP_BLOCKS {
+            return Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
+        }
+        if !in_range(lba, u64::from(blocks), capacity) {
+            return Err(Sense::LBA_OUT_OF_RANGE);
+        }
+        if blocks > 0 {
+            out.push((lba, blocks));
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unit() -> Unit {
+        Unit {
+            blocks: 16384,
+            read_only: false,
+            serial: "abc".into(),
+            id: 42,
+        }
+    }
+
+    fn cdb(bytes: &[u8]) -> [u8; 16] {
+        let mut c = [0u8; 16];
+        c[..bytes.len()].copy_from_slice(bytes);
+        c
+    }
+
+    #[test]
+    fn reads_and_writes_decode_in_every_size() {
+        assert_eq!(
+            decode(&cdb(&[0x08, 0x01, 0x02, 0x03, 0])),
+            Ok(Command::Read {
+                lba: 0x10203,
+                blocks: 256,
+                fua: false
+            })
+        );
+        assert_eq!(
+            decode(&cdb(&[0x2a, 0x08, 0, 0, 1, 0, 0, 0, 8])),
+            Ok(Command::Write {
+                lba: 256,
+                blocks: 8,
+                fua: true
+            })
+        );
+        assert_eq!(
+            decode(&cdb(&[0xa8, 0, 0, 0, 0, 9, 0, 0, 0, 4])),
+            Ok(Command::Read {
+                lba: 9,
+                blocks: 4,
+                fua: false
+            })
+        );
+        let mut c = cdb(&[0x8a, 0x08]);
+        put_u64(&mut c, 2, 1 << 40);
+        put_u32(&mut c, 10, 16);
+        assert_eq!(
+            decode(&c),
+            Ok(Command::Write {
+                lba: 1 << 40,
+                blocks: 16,
+                fua: true
+            })
+        );
+        assert_eq!(
+            Command::Write {
+                lba: 0,
+                blocks: 16,
+                fua: false
+            }
+            .data_out_len(),
+            8192
+        );
+    }
+
+    #[test]
+    fn malformed_cdbs_get_illegal_request() {
+        // Unknown opcode.
+        let e = decode(&cdb(&[0xff])).unwrap_err();
+        assert_eq!(e, Sense::INVALID_OPCODE);
+        let s = e.fixed();
+        assert_eq!((s[0], s[2], s[7], s[12], s[13]), (0x70, 5, 10, 0x20, 0));
+        // Protection information asked for, a transfer over the limit, a page without
+        // EVPD, a short REPORT LUNS, WRITE SAME of 0 blocks, an unknown service action.
+        for c in [
+            cdb(&[0x28, 0x20, 0, 0, 0, 0, 0, 0, 1]),
+            cdb(&[0x28, 0, 0, 0, 0, 0, 0, 0xff, 0xff]),
+            cdb(&[0x12, 0, 0x80, 0, 0xff]),
+            cdb(&[0xa0, 0, 0, 0, 0, 0, 0, 0, 0, 8]),
+            cdb(&[0x93, 0x08]),
+            cdb(&[0x9e, 0x11]),
+        ] {
+            assert_eq!(decode(&c), Err(Sense::INVALID_FIELD_IN_CDB), "{c:02x?}");
+        }
+        assert!(!in_range(u64::MAX, 2, 100));
+        assert!(!in_range(99, 2, 100));
+        assert!(in_range(98, 2, 100));
+    }
+
+    #[test]
+    fn inquiry_pages() {
+        let u = unit();
+        let std = inquiry(&u, false, 0).unwrap();
+        assert_eq!(std.len(), 96);
+        assert_eq!(usize::from(std[4]) + 5, std.len());
+        assert_eq!(&std[8..16], VENDOR);
+        let sup = inquiry(&u, true, 0).unwrap();
+        assert_eq!(&sup[4..], &[0x00, 0x80, 0x83, 0xb0, 0xb1, 0xb2]);
+        for page in [0x80, 0x83, 0xb0, 0xb1, 0xb2] {
+            let p = inquiry(&u, true, page).unwrap();
+            assert_eq!(p[1], page);
+            assert_eq!(usize::from(get_u16(&p, 2)) + 4, p.len(), "page {page:#x}");
+        }
+        let bl = inquiry(&u, true, 0xb0).unwrap();
+        assert_eq!(bl.len(), 0x40);
+        assert_eq!(get_u32(&bl, 8), MAX_TRANSFER_BLOCKS);
+        assert_eq!(get_u32(&bl, 20), MAX_UNMAP_BLOCKS);
+        assert_eq!(inquiry(&u, true, 0x99), Err(Sense::INVALID_FIELD_IN_CDB));
+    }
+
+    #[test]
+    fn capacity_and_mode_pages() {
+        let u = unit();
+        let c = read_capacity10(&u);
+        assert_eq!((get_u32(&c, 0), get_u32(&c, 4)), (16383, 512));
+        let c = read_capacity16(&u);
+        assert_eq!(get_u64(&c, 0), 16383);
+        assert_eq!(c[14] & 0x80, 0x80, "LBPME");
+        let m = ModeSense {
+            ten: false,
+            dbd: false,
+            pc: 0,
+            page: 0x3f,
+            subpage: 0,
+            alloc: 255,
+        };
+        let d = mode_sense(&u, &m).unwrap();
+        assert_eq!(usize::from(d[0]) + 1, d.len());
+        assert_eq!(d[3], 8);
+        assert_eq!(d[12], 0x08);
+        assert_eq!(d[14] & 0x04, 0x04, "WCE");
+        let d = mode_sense(
+            &u,
+            &ModeSense {
+                ten: true,
+                dbd: true,
+                page: 0x08,
+                ..m
+            },
+        )
+        .unwrap();
+        assert_eq!(usize::from(get_u16(&d, 0)) + 2, d.len());
+        assert_eq!(d.len(), 8 + 20);
+        assert_eq!(
+            mode_sense(&u, &ModeSense { page: 0x19, ..m }),
+            Err(Sense::INVALID_FIELD_IN_CDB)
+        );
+        assert_eq!(
+            mode_sense(&u, &ModeSense { pc: 3, ..m }),
+            Err(Sense::SAVING_NOT_SUPPORTED)
+        );
+    }
+
+    #[test]
+    fn report_luns_and_unmap_lists() {
+        let d = report_luns(&[0, 1]);
+        assert_eq!(get_u32(&d, 0), 16);
+        assert_eq!(get_u64(&d, 16), 0x0001_0000_0000_0000);
+        let mut list = vec![0u8; 8 + 32];
+        put_u16(&mut list, 0, 38);
+        put_u16(&mut list, 2, 32);
+        put_u64(&mut list, 8, 10);
+        put_u32(&mut list, 16, 5);
+        put_u64(&mut list, 24, 16380);
+        put_u32(&mut list, 32, 4);
+        assert_eq!(
+            unmap_descriptors(&list, 16384),
+            Ok(vec![(10, 5), (16380, 4)])
+        );
+        put_u32(&mut list, 32, 5);
+        assert_eq!(
+            unmap_descriptors(&list, 16384),
+            Err(Sense::LBA_OUT_OF_RANGE)
+        );
+        assert_eq!(
+            unmap_descriptors(&[0; 4], 16384),
+            Err(Sense::PARAMETER_LIST_LENGTH_ERROR)
+        );
+    }
+}

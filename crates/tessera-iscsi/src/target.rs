@@ -1,0 +1,159 @@
+//! The iSCSI target: the named targets it serves (each a list of LUNs, LUN `i` being
+//! the `i`th export), the portals it reports to SendTargets, and session handles. The
+//! listener is [`crate::accept`].
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU16, Ordering::Relaxed};
+use std::sync::{Arc, RwLock};
+
+use tessera_export::{Export, ExportTarget};
+use tessera_io::sync::RwLockExt;
+use thiserror::Error;
+
+use crate::login::PORTAL_GROUP_TAG;
+
+/// LUNs per target (single-level LUN addressing as this target encodes it).
+pub const MAX_LUNS: usize = 256;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum Error {
+    /// Not an iSCSI name (RFC 7143 §4.2.7: `iqn.`, `eui.` or `naa.`, at most 223 bytes).
+    #[error("{0:?} is not an iSCSI name (iqn., eui. or naa., at most 223 bytes, no spaces)")]
+    InvalidName(String),
+    #[error("target {0} already exists")]
+    Exists(String),
+    #[error("target {0} has no LUN")]
+    NoLuns(String),
+    #[error("target {name} has {count} LUNs; at most {MAX_LUNS}")]
+    TooManyLuns { name: String, count: usize },
+}
+
+/// One named target: its LUNs in order.
+pub struct TargetEntry<T> {
+    pub name: String,
+    pub luns: Vec<Export<T>>,
+}
+
+/// Everything the connections of one listener share.
+pub struct Target<T> {
+    targets: RwLock<BTreeMap<String, Arc<TargetEntry<T>>>>,
+    /// `host:port` of every portal, as SendTargets reports them.
+    portals: RwLock<Vec<String>>,
+    next_tsih: AtomicU16,
+}
+
+fn valid_name(n: &str) -> bool {
+    let prefixed = ["iqn.", "eui.", "naa."].iter().any(|p| n.starts_with(p));
+    prefixed && n.len() <= 223 && n.len() > 4 && !n.chars().any(|c| c.is_whitespace())
+}
+
+impl<T: ExportTarget> Target<T> {
+    pub fn new() -> Arc<Target<T>> {
+        Arc::new(Target {
+            targets: RwLock::new(BTreeMap::new()),
+            portals: RwLock::new(Vec::new()),
+            next_tsih: AtomicU16::new(1),
+        })
+    }
+
+    /// Serve `luns` (LUN 0, 1, ...) under the iSCSI name `name`. Names are compared as
+    /// given (initiators send them lower-case, as RFC 7143 requires them to be).
+    pub fn add_target(&self, name: &str, luns: Vec<Export<T>>) -> Result<(), Error> {
+        if !valid_name(name) {
+            return Err(Error::InvalidName(name.to_string()));
+        }
+        if luns.is_empty() {
+            return Err(Error::NoLuns(name.to_string()));
+        }
+        if luns.len() > MAX_LUNS {
+            return Err(Error::TooManyLuns {
+                name: name.to_string(),
+                count: luns.len(),
+            });
+        }
+        let mut t = self.targets.write_locked();
+        if t.contains_key(name) {
+            return Err(Error::Exists(name.to_string()));
+        }
+        t.insert(
+            name.to_string(),
+            Arc::new(TargetEntry {
+                name: name.to_string(),
+                luns,
+            }),
+        );
+        Ok(())
+    }
+
+    /// Stop offering `name` to new logins (sessions already logged in keep their LUNs).
+    pub fn remove_target(&self, name: &str) -> bool {
+        self.targets.write_locked().remove(name).is_some()
+    }
+
+    pub fn target(&self, name: &str) -> Option<Arc<TargetEntry<T>>> {
+        self.targets.read_locked().get(name).cloned()
+    }
+
+    pub fn target_names(&self) -> Vec<String> {
+        self.targets.read_locked().keys().cloned().collect()
+    }
+
+    pub fn add_portal(&self, addr: String) {
+        self.portals.write_locked().push(addr);
+    }
+
+    /// The SendTargets answer: every target (or only `only`), with every portal.
+    pub fn send_targets(&self, only: Option<&str>) -> Vec<(String, String)> {
+        let portals = self.portals.read_locked().clone();
+        let mut out = Vec::new();
+        for name in self.target_names() {
+            if only.is_some_and(|o| o != name) {
+                continue;
+            }
+            out.push(("TargetName".to_string(), name));
+            for p in &portals {
+                out.push((
+                    "TargetAddress".to_string(),
+                    format!("{p},{PORTAL_GROUP_TAG}"),
+                ));
+            }
+        }
+        out
+    }
+
+    /// A TSIH for a new session: non-zero, cycling (sessions are one connection each,
+    /// so a reused value never names two live sessions unless 65535 are open).
+    pub fn new_tsih(&self) -> u16 {
+        loop {
+            let t = self.next_tsih.fetch_add(1, Relaxed);
+            if t != 0 {
+                return t;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        for good in [
+            "iqn.2026-11.io.tessera:db",
+            "eui.0123456789abcdef",
+            "naa.52004567",
+        ] {
+            assert!(valid_name(good), "{good}");
+        }
+        for bad in [
+            "",
+            "iqn.",
+            "db",
+            "iqn.x y",
+            &format!("iqn.{}", "a".repeat(230)),
+        ] {
+            assert!(!valid_name(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,429 @@
+//! The target on the wire, driven by a small blocking initiator written here on the
+//! crate's own codec: data written in process reads back over iSCSI byte for byte and
+//! the reverse (a write large enough for immediate data and several R2Ts, with header
+//! and data digests on), and hostile input (PDUs before login, an unknown target, an
+//! oversized data segment, a bad data digest) ends only the connection that sent it;
+//! the export's QoS limits hold the LUN's I/O.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_device::{BlockDevice, RamDevice};
+use tessera_export::budget::{BufferBudget, ListenerCap};
+use tessera_export::Export;
+use tessera_iscsi::accept::accept_loop;
+use tessera_iscsi::pdu::{self, get_u32, put_u32, Digests, BHS_LEN, FLAG_FINAL};
+use tessera_iscsi::target::Target;
+use tessera_iscsi::text;
+use tessera_pool::{Pool, PoolOptions, Volume};
+use tessera_qos::{QosLimits, VolumeQos};
+use tessera_testkit::blockio::{core, read, write};
+use tessera_testkit::data::pattern;
+use tessera_testkit::reactor::ReactorThread;
+
+const IQN: &str = "iqn.2026-11.io.tessera:wire";
+const VOL: u64 = 16 << 20;
+
+struct Served {
+    cap: Arc<ListenerCap>,
+    _pool: Pool,
+    vol: Arc<Volume>,
+    _core: ReactorThread,
+    addr: String,
+}
+
+fn serve() -> Served {
+    serve_with(QosLimits::default())
+}
+
+fn serve_with(limits: QosLimits) -> Served {
+    let dev: Arc<dyn BlockDevice> = RamDevice::new(VOL + (64 << 20)).unwrap();
+    let pool = Pool::create("p", vec![dev], PoolOptions::default()).unwrap();
+    let vol = pool.create_volume("v", VOL).unwrap();
+    let target = Target::new();
+    target
+        .add_target(
+            IQN,
+            vec![Export {
+                target: vol.clone(),
+                qos: Arc::new(VolumeQos::new(limits, Instant::now())),
+            }],
+        )
+        .unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    target.add_portal(addr.clone());
+    let core = ReactorThread::start();
+    let mailbox = core.mailbox.clone();
+    let cap = ListenerCap::new("iscsi", addr.clone(), 64);
+    let listener_cap = cap.clone();
+    std::thread::spawn(move || {
+        accept_loop(
+            l,
+            target,
+            listener_cap,
+            BufferBudget::unlimited(),
+            move || mailbox.clone(),
+        )
+    });
+    Served {
+        cap,
+        _pool: pool,
+        vol,
+        _core: core,
+        addr,
+    }
+}
+
+/// A blocking initiator: one session, one command at a time.
+struct Initiator {
+    s: TcpStream,
+    digests: Digests,
+    cmdsn: u32,
+    itt: u32,
+}
+
+impl Initiator {
+    fn connect(addr: &str) -> Initiator {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Initiator {
+            s,
+            digests: Digests::default(),
+            cmdsn: 1,
+            itt: 1,
+        }
+    }
+
+    fn send(&mut self, h: &[u8; BHS_LEN], data: &[u8]) {
+        self.s
+            .write_all(&pdu::encode(h, data, self.digests))
+            .unwrap();
+    }
+
+    /// The next PDU, digests checked; `None` once the target closed the connection.
+    fn recv(&mut self) -> Option<([u8; BHS_LEN], Vec<u8>)> {
+        let mut h = [0u8; BHS_LEN];
+        if self.s.read_exact(&mut h).is_err() {
+            return None;
+        }
+        if self.digests.header {
+            let mut d = [0u8; 4];
+            self.s.read_exact(&mut d).unwrap();
+            assert_eq!(u32::from_le_bytes(d), pdu::crc32c(&h), "header digest");
+        }
+        let len = (usize::from(h[5]) << 16) | (usize::from(h[6]) << 8) | usize::from(h[7]);
+        let mut data = vec![0u8; pdu::padded(len)];
+        self.s.read_exact(&mut data).unwrap();
+        if self.digests.data && len > 0 {
+            let mut d = [0u8; 4];
+            self.s.read_exact(&mut d).unwrap();
+            assert_eq!(u32::from_le_bytes(d), pdu::crc32c(&data), "data digest");
+        }
+        data.truncate(len);
+        Some((h, data))
+    }
+
+    /// Log in straight in the operational stage, asking for `digests`.
+    fn login(&mut self, target: &str, digests: bool) -> Result<(), (u8, u8)> {
+        let d = if digests { "CRC32C" } else { "None" };
+        let keys = format!(
+            "InitiatorName=iqn.2026-11.io.tessera:wire-test\0SessionType=Normal\0\
+             TargetName={target}\0HeaderDigest={d}\0DataDigest={d}\0ImmediateData=Yes\0\
+             InitialR2T=No\0FirstBurstLength=65536\0MaxBurstLength=131072\0\
+             MaxRecvDataSegmentLength=65536\0"
+        );
+        // T, CSG operational, NSG full feature.
+        let mut h = pdu::header(
+            pdu::OP_LOGIN_REQ | pdu::FLAG_IMMEDIATE,
+            0x80 | 0x04 | 0x03,
+            keys.len(),
+        );
+        h[8..14].copy_from_slice(&[0x80, 0, 0, 0, 0, 1]);
+        put_u32(&mut h, 16, 0);
+        put_u32(&mut h, 24, self.cmdsn);
+        self.send(&h, keys.as_bytes());
+        let (r, data) = self.recv().expect("login response");
+        assert_eq!(r[0] & 0x3f, pdu::OP_LOGIN_RESP);
+        if r[36] != 0 {
+            return Err((r[36], r[37]));
+        }
+        assert_eq!(r[1] & 0x83, 0x83, "transit to full feature");
+        let answers = text::parse(&data).unwrap();
+        let get = |k: &str| answers.iter().find(|(x, _)| x == k).map(|(_, v)| v.clone());
+        assert_eq!(get("HeaderDigest").as_deref(), Some(d));
+        assert_eq!(get("InitialR2T").as_deref(), Some("Yes"));
+        self.digests = Digests {
+            header: digests,
+            data: digests,
+        };
+        Ok(())
+    }
+
+    fn command(
+        &mut self,
+        cdb: &[u8],
+        edtl: usize,
+        read: bool,
+        write: bool,
+        imm: &[u8],
+    ) -> [u8; BHS_LEN] {
+        let mut flags = FLAG_FINAL | 0x01; // simple task attribute
+        if read {
+            flags |= 0x40;
+        }
+        if write {
+            flags |= 0x20;
+        }
+        let mut h = pdu::header(pdu::OP_SCSI_CMD, flags, imm.len());
+        self.itt += 1;
+        put_u32(&mut h, 16, self.itt);
+        put_u32(&mut h, 20, u32::try_from(edtl).unwrap());
+        put_u32(&mut h, 24, self.cmdsn);
+        self.cmdsn += 1;
+        h[32..32 + cdb.len()].copy_from_slice(cdb);
+        self.send(&h, imm);
+        h
+    }
+
+    /// WRITE(10) of `data` at `lba`: immediate data up to the first burst, then the
+    /// Data-Outs the R2Ts ask for, in 32 KiB PDUs. Returns the SCSI status.
+    fn write10(&mut self, lba: u32, data: &[u8]) -> u8 {
+        let blocks = u16::try_from(data.len() / 512).unwrap();
+        let mut cdb = [0u8; 10];
+        cdb[0] = 0x2a;
+        cdb[2..6].copy_from_slice(&lba.to_be_bytes());
+        cdb[7..9].copy_from_slice(&blocks.to_be_bytes());
+        let imm = &data[..data.len().min(65536)];
+        self.command(&cdb, data.len(), false, true, imm);
+        let itt = self.itt;
+        loop {
+            let (h, _) = self.recv().expect("answer to WRITE(10)");
+            match h[0] & 0x3f {
+                pdu::OP_R2T => {
+                    let ttt = get_u32(&h, 20);
+                    let off = get_u32(&h, 40) as usize;
+                    let len = get_u32(&h, 44) as usize;
+                    let mut at = off;
+                    let mut sn = 0u32;
+                    while at < off + len {
+                        let n = (off + len - at).min(32 << 10);
+                        let last = at + n == off + len;
+                        let mut d =
+                            pdu::header(pdu::OP_DATA_OUT, if last { FLAG_FINAL } else { 0 }, n);
+                        put_u32(&mut d, 16, itt);
+                        put_u32(&mut d, 20, ttt);
+                        put_u32(&mut d, 36, sn);
+                        put_u32(&mut d, 40, u32::try_from(at).unwrap());
+                        self.send(&d, &data[at..at + n]);
+                        sn += 1;
+                        at += n;
+                    }
+                }
+                pdu::OP_SCSI_RESP => return h[3],
+                op => panic!("unexpected opcode {op:#x} during a write"),
+            }
+        }
+    }
+
+    /// READ(10) of `blocks` at `lba`: the data of every Data-In until the S bit.
+    fn read10(&mut self, lba: u32, blocks: u16) -> Vec<u8> {
+        let mut cdb = [0u8; 10];
+        cdb[0] = 0x28;
+        cdb[2..6].copy_from_slice(&lba.to_be_bytes());
+        cdb[7..9].copy_from_slice(&blocks.to_be_bytes());
+        let len = usize::from(blocks) * 512;
+        self.command(&cdb, len, true, false, &[]);
+        let mut out = vec![0u8; len];
+        loop {
+            let (h, data) = self.recv().expect("Data-In");
+            assert_eq!(
+                h[0] & 0x3f,
+                pdu::OP_DATA_IN,
+                "READ(10) answered without data"
+            );
+            let off = get_u32(&h, 40) as usize;
+            out[off..off + data.len()].copy_from_slice(&data);
+            if h[1] & 0x01 != 0 {
+                assert_eq!(h[3], 0, "READ(10) status");
+                return out;
+            }
+        }
+    }
+
+    fn test_unit_ready(&mut self) -> u8 {
+        self.command(&[0u8; 6], 0, false, false, &[]);
+        let (h, _) = self.recv().expect("answer to TEST UNIT READY");
+        assert_eq!(h[0] & 0x3f, pdu::OP_SCSI_RESP);
+        h[3]
+    }
+
+    /// The target closed the connection (after whatever it still had to say).
+    fn closed(&mut self) -> bool {
+        let mut buf = [0u8; 4096];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            match self.s.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+        false
+    }
+}
+
+#[test]
+fn data_crosses_between_iscsi_and_the_volume_byte_for_byte() {
+    let s = serve();
+    for digests in [false, true] {
+        let mut c = Initiator::connect(&s.addr);
+        c.login(IQN, digests).unwrap();
+        assert_eq!(c.test_unit_ready(), 0);
+        // Over iSCSI (immediate data, then R2Ts of 128 KiB answered in 32 KiB PDUs),
+        // read in process.
+        let data = pattern(if digests { 11 } else { 12 }, 320 << 10);
+        assert_eq!(c.write10(64, &data), 0, "WRITE(10) status");
+        let mut io = core();
+        let mut h = s.vol.open_handle();
+        let got = read(&mut io, &mut h, 64 * 512, data.len()).unwrap();
+        assert!(got == data, "data written over iSCSI differs in the volume");
+        // In process, read over iSCSI (several Data-In PDUs of the initiator's 64 KiB).
+        let data = pattern(if digests { 13 } else { 14 }, 200 << 10);
+        assert_eq!(write(&mut io, &mut h, 4 << 20, &data), 0);
+        let got = c.read10((4 << 20) / 512, u16::try_from(data.len() / 512).unwrap());
+        assert!(got == data, "data written in process differs over iSCSI");
+    }
+}
+
+#[test]
+fn hostile_input_ends_only_the_connection_that_sent_it() {
+    let s = serve();
+    // A command before any login: dropped.
+    let mut c = Initiator::connect(&s.addr);
+    c.command(&[0u8; 6], 0, false, false, &[]);
+    assert!(c.closed(), "a command before login was served");
+    // An unknown target: "not found", then closed.
+    let mut c = Initiator::connect(&s.addr);
+    assert_eq!(c.login("iqn.2026-11.io.tessera:nope", false), Err((2, 3)));
+    assert!(c.closed());
+    // A data segment far over MaxRecvDataSegmentLength: rejected from its header, closed.
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, false).unwrap();
+    let mut h = pdu::header(pdu::OP_SCSI_CMD, FLAG_FINAL | 0x20, 0);
+    h[5..8].copy_from_slice(&[0xff, 0xff, 0xff]);
+    put_u32(&mut h, 24, c.cmdsn);
+    c.s.write_all(&h).unwrap();
+    let (r, data) = c.recv().expect("a Reject");
+    assert_eq!(r[0] & 0x3f, pdu::OP_REJECT);
+    assert_eq!(r[2], pdu::REJECT_PROTOCOL_ERROR);
+    assert_eq!(
+        &data[..8],
+        &h[..8],
+        "the Reject carries the header it refuses"
+    );
+    assert!(c.closed());
+    // A wrong data digest: rejected, closed.
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, true).unwrap();
+    let mut h = pdu::header(pdu::OP_NOP_OUT | pdu::FLAG_IMMEDIATE, FLAG_FINAL, 4);
+    put_u32(&mut h, 16, 77);
+    put_u32(&mut h, 20, pdu::RESERVED_TAG);
+    let mut wire = pdu::encode(&h, b"ping", c.digests);
+    let last = wire.len() - 1;
+    wire[last] ^= 0xff;
+    c.s.write_all(&wire).unwrap();
+    let (r, _) = c.recv().expect("a Reject");
+    assert_eq!(r[0] & 0x3f, pdu::OP_REJECT);
+    assert_eq!(r[2], pdu::REJECT_DIGEST_ERROR);
+    assert!(c.closed());
+    // Garbage instead of a login.
+    let mut c = Initiator::connect(&s.addr);
+    c.s.write_all(&[0xa5; 4096]).unwrap();
+    assert!(c.closed());
+    // The target still serves: a NOP-Out ping is echoed, a command answered.
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, true).unwrap();
+    let mut h = pdu::header(pdu::OP_NOP_OUT | pdu::FLAG_IMMEDIATE, FLAG_FINAL, 5);
+    put_u32(&mut h, 16, 78);
+    put_u32(&mut h, 20, pdu::RESERVED_TAG);
+    c.send(&h, b"hello");
+    let (r, data) = c.recv().expect("a NOP-In");
+    assert_eq!(r[0] & 0x3f, pdu::OP_NOP_IN);
+    assert_eq!(get_u32(&r, 16), 78);
+    assert_eq!(data, b"hello");
+    assert_eq!(c.test_unit_ready(), 0);
+}
+
+#[test]
+fn the_exports_qos_limits_hold_its_io() {
+    let s = serve_with(QosLimits {
+        read_iops: Some(50),
+        ..QosLimits::default()
+    });
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, false).unwrap();
+    // 30 reads at 50 IOPS (a bucket of 100 ms, 5 reads): at least half a second; an
+    // unlimited LUN on a RAM device answers them in milliseconds.
+    let t = Instant::now();
+    for i in 0..30u32 {
+        c.read10(i * 8, 8);
+    }
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(400),
+        "30 reads at 50 IOPS took {took:?}: the limit did not hold"
+    );
+    // Commands without I/O are not held.
+    let t = Instant::now();
+    for _ in 0..30 {
+        assert_eq!(c.test_unit_ready(), 0);
+    }
+    assert!(t.elapsed() < Duration::from_millis(400));
+}
+
+#[test]
+fn vanished_clients_give_their_listener_slot_back() {
+    let s = serve();
+    for _ in 0..5 {
+        let c = Initiator::connect(&s.addr);
+        drop(c);
+    }
+    // Half a login: the first PDU of a continued text, then gone.
+    let mut c = Initiator::connect(&s.addr);
+    let mut h = pdu::header(pdu::OP_LOGIN_REQ | pdu::FLAG_IMMEDIATE, 0x40, 16);
+    put_u32(&mut h, 24, 1);
+    c.send(&h, b"InitiatorName=iq");
+    drop(c);
+    // A session that queues reads and goes away without reading their data: the
+    // target's sends fail, and what it still had to send must not keep it alive.
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, false).unwrap();
+    // 64 reads of 1 MiB, 16 Data-In PDUs each: more than one gathered send holds.
+    for i in 0..64u32 {
+        let mut cdb = [0u8; 10];
+        cdb[0] = 0x28;
+        cdb[2..6].copy_from_slice(&((i % 8) * 2048).to_be_bytes());
+        cdb[7..9].copy_from_slice(&2048u16.to_be_bytes());
+        c.command(&cdb, 2048 * 512, true, false, &[]);
+    }
+    // Unread data in the receive queue makes the close a reset.
+    std::thread::sleep(Duration::from_millis(50));
+    drop(c);
+    let t = Instant::now();
+    while s.cap.open() > 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{} connections still hold listener slots",
+            s.cap.open()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // And the core still serves.
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, false).unwrap();
+    assert_eq!(c.test_unit_ready(), 0);
+}
