@@ -25,6 +25,8 @@
 #         the package's service is not used)  [etcd-server]
 #   protoc (the build script of the etcd-client crate compiles etcd's
 #           .proto files: needed to build Tessera at all)  [protobuf-compiler]
+#   iscsi-ls, iscsi-inq, iscsi-readcapacity16, iscsi-test-cu (libiscsi's
+#           initiator tools, which the iSCSI target's tests drive)  [libiscsi-bin]
 #
 # Non-interactive: never reads stdin, works with CI=true and no TTY.
 # Uses sudo (non-interactively) only when not root and sudo exists.
@@ -56,8 +58,12 @@ declare -A PKG_OF=(
   [ip]=iproute2
   [nft]=nftables
   [protoc]=protobuf-compiler
+  [iscsi-ls]=libiscsi-bin
+  [iscsi-inq]=libiscsi-bin
+  [iscsi-readcapacity16]=libiscsi-bin
+  [iscsi-test-cu]=libiscsi-bin
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd ip nft protoc)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd ip nft protoc iscsi-ls iscsi-inq iscsi-readcapacity16 iscsi-test-cu)
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1

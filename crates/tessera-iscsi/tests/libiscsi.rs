@@ -18,29 +18,11 @@ use tessera_iscsi::target::Target;
 use tessera_pool::{Pool, PoolOptions, Volume};
 use tessera_qos::{QosLimits, VolumeQos};
 use tessera_testkit::blockio::{core, read, write};
+use tessera_testkit::node::require_tool;
 use tessera_testkit::reactor::ReactorThread;
 
 const IQN: &str = "iqn.2026-11.io.tessera:test";
 const VOL: u64 = 64 << 20;
-
-/// Whether `name` can run; outside CI a missing tool skips (with a line saying so), in
-/// CI it fails.
-fn tool(name: &str) -> bool {
-    let found = Command::new("sh")
-        .arg("-c")
-        .arg(format!("command -v {name}"))
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !found {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{name} is not installed (Debian package libiscsi-bin) and CI is set"
-        );
-        eprintln!("SKIP: {name} is not installed (Debian package libiscsi-bin)");
-    }
-    found
-}
 
 struct Served {
     _pool: Pool,
@@ -106,7 +88,7 @@ fn run(cmd: &str, args: &[&str]) -> (bool, String) {
 
 #[test]
 fn iscsi_ls_discovers_the_target_and_its_lun() {
-    if !tool("iscsi-ls") {
+    if !require_tool("iscsi-ls") {
         return;
     }
     let s = serve();
@@ -119,7 +101,7 @@ fn iscsi_ls_discovers_the_target_and_its_lun() {
 
 #[test]
 fn iscsi_inq_and_readcapacity16_describe_the_volume() {
-    if !tool("iscsi-inq") || !tool("iscsi-readcapacity16") {
+    if !require_tool("iscsi-inq") || !require_tool("iscsi-readcapacity16") {
         return;
     }
     let s = serve();
@@ -166,7 +148,7 @@ fn cunit_counts(out: &str) -> Option<(u32, u32)> {
 
 #[test]
 fn iscsi_test_cu_block_command_subset_passes() {
-    if !tool("iscsi-test-cu") {
+    if !require_tool("iscsi-test-cu") {
         return;
     }
     let s = serve();
