@@ -363,3 +363,68 @@ fn nvmf_queues_that_never_read_stay_within_the_buffer_budget() {
         metric(&l.metrics, "tessera_client_buffer_bytes", "") == Some(0.0)
     });
 }
+
+/// CPU time (user + system, clock ticks) the process has used.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    // After the command name in parentheses: state is field 3, utime 14, stime 15.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn a_listener_out_of_descriptors_waits_instead_of_spinning() {
+    // A flood that takes every descriptor the node may open: accept fails with EMFILE
+    // for as long as the flood holds them, and the queued connection stays queued. The
+    // accept loop went straight back to accept and spun a core at 100%; it now waits
+    // between tries and serves again once descriptors are free.
+    if !require_tool("prlimit") {
+        return;
+    }
+    let n = TestNode::start_default("limits-emfile");
+    let pid = n.pid();
+    // Descriptor numbers in use: the limit bounds the numbers, not the count.
+    let fds = || -> Vec<usize> {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect()
+    };
+    // A limit a few numbers past the lowest free one: the node's high descriptors
+    // stay valid, and it can take only a few connections more (fewer than its
+    // listener's cap, which would otherwise close the rest before the table fills).
+    let used = fds();
+    let cap = (0..).find(|fd| !used.contains(fd)).unwrap() + 4;
+    run_ok(
+        std::process::Command::new("prlimit")
+            .arg(format!("--pid={pid}"))
+            .arg(format!("--nofile={cap}:{cap}")),
+    );
+    let flood: Vec<TcpStream> = (0..cap + 8)
+        .map(|_| TcpStream::connect(n.addr()).expect("connect"))
+        .collect();
+    // The node has taken what it can: its descriptor table is full.
+    wait_for("the node to run out of descriptors", 10, || {
+        // (One number below the limit stays free on this node, as seen in
+        // /proc/PID/fd: something the node opens and closes now and then.)
+        fds().into_iter().filter(|&fd| fd < cap).count() >= cap - 2
+    });
+    let ticks_per_s = 100.0; // USER_HZ on Linux
+    let t0 = Instant::now();
+    let c0 = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(2));
+    let busy = (cpu_ticks(pid) - c0) as f64 / ticks_per_s / t0.elapsed().as_secs_f64();
+    eprintln!(
+        "node CPU while out of descriptors: {:.0}% of a core",
+        busy * 100.0
+    );
+    assert!(
+        busy < 0.3,
+        "the node used {:.0}% of a core while its listener could not accept",
+        busy * 100.0
+    );
+    // The flood goes: the node serves again.
+    drop(flood);
+    wait_for("the node to greet a client again", 20, || greeted(&n));
+}

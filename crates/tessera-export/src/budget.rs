@@ -211,7 +211,34 @@ impl ListenerCap {
     pub fn refused(&self) -> u64 {
         self.refused.load(Relaxed)
     }
+
+    /// `accept` on this listener failed with `e`: log it (rate-limited) and wait
+    /// [`ACCEPT_RETRY`] before the caller tries again. Out of descriptors (EMFILE,
+    /// ENFILE) or memory, accept fails at once for as long as that lasts and the
+    /// pending connection stays queued, so an accept loop that simply went on would spin
+    /// a core at 100% while a connection flood holds the node's descriptors.
+    pub fn accept_failed(&self, e: &std::io::Error) {
+        if ACCEPT_LOG.admit() {
+            tracing::warn!(
+                protocol = self.protocol,
+                listener = %self.address,
+                "{}: accept failed: {e}; retrying in {} ms",
+                self.protocol,
+                ACCEPT_RETRY.as_millis()
+            );
+        }
+        std::thread::sleep(ACCEPT_RETRY);
+    }
 }
+
+/// How long an accept loop waits after a failed accept (see
+/// [`ListenerCap::accept_failed`]): short enough that the listener resumes within a
+/// blink once descriptors are free, long enough that a failing accept costs nothing.
+pub const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Failed accepts, every listener: at most 10 lines per 10 s.
+static ACCEPT_LOG: crate::log_limit::LogLimiter =
+    crate::log_limit::LogLimiter::new("accept-failed", 10, 10);
 
 /// One connection's place under its listener's cap, given back on drop.
 pub struct ListenerSlot(Arc<ListenerCap>);

@@ -15,8 +15,6 @@ use crate::target::Target;
 
 /// Connections refused at the listener's cap: at most 10 lines per 10 s.
 static CAP_LOG: LogLimiter = LogLimiter::new("iscsi-connection-cap", 10, 10);
-/// Failed accepts: at most 10 lines per 10 s.
-static ACCEPT_LOG: LogLimiter = LogLimiter::new("iscsi-accept", 10, 10);
 
 /// Accept iSCSI connections forever; each becomes a connection task on the core `next`
 /// picks, with its share of the node's buffer `budget`. Past `cap` open connections a
@@ -33,12 +31,7 @@ pub fn accept_loop<T: ExportTarget>(
         let s = match s {
             Ok(s) => s,
             Err(e) => {
-                // Out of descriptors or memory: accept fails at once until something
-                // closes, so wait a little instead of spinning on it.
-                if ACCEPT_LOG.admit() {
-                    warn!(protocol = "iscsi", "iscsi: accept failed: {e}");
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10));
+                cap.accept_failed(&e);
                 continue;
             }
         };

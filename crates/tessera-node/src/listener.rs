@@ -453,7 +453,13 @@ fn accept_loop<S: NbdSocket>(
     incoming: impl Iterator<Item = io::Result<S>>,
 ) {
     for s in incoming {
-        let Ok(s) = s else { continue };
+        let s = match s {
+            Ok(s) => s,
+            Err(e) => {
+                cap.accept_failed(&e);
+                continue;
+            }
+        };
         let Some(slot) = cap.try_open() else {
             if CAP_LOG.admit() {
                 warn!(

@@ -28,7 +28,13 @@ pub fn accept_loop<T: ExportTarget>(
     next: impl Fn() -> Arc<Mailbox> + Send + 'static,
 ) {
     for s in l.incoming() {
-        let Ok(s) = s else { continue };
+        let s = match s {
+            Ok(s) => s,
+            Err(e) => {
+                cap.accept_failed(&e);
+                continue;
+            }
+        };
         let Some(slot) = cap.try_open() else {
             if CAP_LOG.admit() {
                 warn!(
