@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tessera_io::cast::DurationU64;
-use tessera_io::sync::{MutexExt, RwLockExt};
+use tessera_io::sync::MutexExt;
 
 use tessera_api::{ClusterVolume, LostReplica};
 use tessera_cluster::{placement, volume_key, Membership, PREFIX};
@@ -217,7 +217,7 @@ impl Node {
         &self,
         volume: &str,
     ) -> std::result::Result<(), SpecRefusal> {
-        let rv = self.replica_set(volume);
+        let rv = self.replicas.get(volume);
         let Some(rv) = rv else {
             return Err(SpecRefusal::Lost(format!(
                 "volume '{volume}' is not open here"
@@ -299,7 +299,7 @@ impl Node {
                 return;
             }
         }
-        let rv = self.replica_set(volume);
+        let rv = self.replicas.get(volume);
         if let Some(rv) = rv {
             self.fence_volume(&rv);
             self.set_cluster_path(volume, true, rv.size());
@@ -334,7 +334,7 @@ impl Node {
     pub(super) fn confirm_ownership(&self) {
         let Some(m) = self.cluster() else { return };
         let me = self.cfg.node_name();
-        let names: Vec<String> = self.replicated.read_locked().keys().cloned().collect();
+        let names: Vec<String> = self.replicas.names();
         for name in names {
             match self.read_spec(m, &name) {
                 Ok(Some((spec, _))) if spec.owner != me => {
@@ -351,7 +351,7 @@ impl Node {
                 Ok(None) => {
                     // A volume replicated before the node joined a cluster: its spec
                     // starts now, at epoch 1.
-                    let rv = self.replica_set(&name);
+                    let rv = self.replicas.get(&name);
                     if let Some(rv) = rv {
                         let (places, _) = self.replica_places(&rv);
                         self.update_volume_spec_replicas(&name, rv.size(), &places);
@@ -363,13 +363,13 @@ impl Node {
                     continue;
                 }
             }
-            let rv = self.replica_set(&name);
+            let rv = self.replicas.get(&name);
             if let Some(rv) = &rv {
                 self.fence_volume(rv);
             }
             match self.publish_replica_states(&name) {
                 Ok(()) => {
-                    self.replica_failures.write_locked().remove(&name);
+                    self.replicas.unblock(&name);
                     if let Some(rv) = &rv {
                         self.set_cluster_path(&name, true, rv.size());
                     }
@@ -403,15 +403,12 @@ impl Node {
     /// "Cluster"); the new owner adds this node back as a fresh replica.
     pub(super) fn give_up(&self, volume: &str, why: &str) {
         let _g = self.admin();
-        if self.owned_epoch(volume).is_none() && self.replica_set(volume).is_none() {
+        if self.owned_epoch(volume).is_none() && self.replicas.get(volume).is_none() {
             return;
         }
         warn!(volume = %volume, reason = %why, "this node no longer owns the volume: giving it up");
         self.set_owned(volume, None);
-        self.replica_failures
-            .write_locked()
-            .insert(volume.to_string(), format!("given up: {why}"));
-        let rv = self.replicated.write_locked().remove(volume);
+        let rv = self.replicas.give_up(volume, why);
         // Inaccessible here before its data goes (hosts move to the owner's path).
         if let Some(rv) = &rv {
             self.set_cluster_path(volume, false, rv.size());
@@ -478,7 +475,7 @@ impl Node {
             }
         }
         // The name is free again: a new replica of it may come here.
-        self.replica_failures.write_locked().remove(volume);
+        self.replicas.unblock(volume);
         true
     }
 
@@ -617,10 +614,10 @@ impl Node {
             }
         }
         // 3. Open the volume on this node: its replica in sync, the others to be copied.
-        let path = self.replicas_dir().join(format!("{volume}.rset"));
+        let path = self.replicas.set_path(volume);
         let _ = std::fs::remove_file(&path);
         let rv = ReplicatedVolume::create_with(
-            &self.replicas_dir(),
+            &self.replicas.dir(),
             SetDesc {
                 name: volume.to_string(),
                 legs,
@@ -629,14 +626,11 @@ impl Node {
             spec.size,
             Some(local.clone()),
             self.replica_options()?,
-            self.cores(),
+            self.replicas.cores(),
         )
         .map_err(|e| Error::io("opening the volume taken over", e))?;
         self.fence_volume(&rv);
-        self.replicated
-            .write_locked()
-            .insert(volume.to_string(), rv);
-        self.replica_failures.write_locked().remove(volume);
+        self.replicas.insert_unblocked(volume, rv);
         // Replicas that could not be claimed leave the set (they are re-added or
         // replaced like a lost node's).
         if !unreachable.is_empty() {
@@ -756,7 +750,7 @@ impl Node {
             if spec.owner == me {
                 if mine == Some(spec.epoch) {
                     self.maintain(&spec, &live, absent);
-                } else if mine.is_none() && self.replica_set(&spec.name).is_some() {
+                } else if mine.is_none() && self.replicas.get(&spec.name).is_some() {
                     // Held back at start because etcd did not answer then: confirm now.
                     self.confirm_ownership();
                 }
@@ -813,7 +807,7 @@ impl Node {
         let me = self.cfg.node_name();
         // The spec lags the replica set when etcd was away as a replica came back in
         // sync (or a change was not recorded): catch up.
-        let rv = self.replica_set(&spec.name);
+        let rv = self.replicas.get(&spec.name);
         if let Some(rv) = rv {
             let (places, out) = self.replica_places(&rv);
             if places != spec.replicas || out != spec.out_of_sync {
