@@ -14,12 +14,17 @@
 //!   this node owns, those it does not serve and why, and the `[replication]` settings
 //!   (the resync rate falls back on the jobs service's "resync" class). Creating one,
 //!   adding or removing a replica and deleting one stay `Node` operations in the same
-//!   file (admin lock, pools, peers, cluster); the peer side of a replica too.
+//!   file (admin lock, pools, peers, cluster); the peer side of a replica too;
+//! - cluster (`cluster.rs`, [`Cluster`], [`Node::cluster`]): the membership once
+//!   joined, the volumes this node owns with their epoch, and the stale copies of
+//!   given-up volumes still to delete. Its operations need the pools, replicas and
+//!   exports too and stay `Node` methods: joining, the cluster view and the specs
+//!   (`cluster.rs`), the owner's side (`ownership.rs`), the watcher that takes volumes
+//!   over and gives them up (`failover.rs`), fences (`fencing.rs`).
 //!
 //! The other operations are still grouped by what they manage, one `impl Node` per
 //! file: pools (`pools.rs`, which forgets a destroyed pool's jobs), volumes
-//! (`volumes.rs`), snapshots (`snapshots.rs`), cluster membership and ownership
-//! (`cluster.rs`, `ownership.rs`, `fencing.rs`), the NBD proxy to other nodes'
+//! (`volumes.rs`), snapshots (`snapshots.rs`), the NBD proxy to other nodes'
 //! volumes (`proxy.rs`), device replacement and hot spares
 //! (`spares.rs`, which asks the jobs service whether a pool is busy and starts the
 //! rebuild onto a new device through it), QoS groups (`qos.rs`), NVMe/TCP (`nvmf.rs`),
@@ -29,8 +34,10 @@
 //! `tessera_api`; the JSON is made at the API edge (crate::api).
 
 mod cluster;
+pub use cluster::Cluster;
 mod devices;
 mod exports;
+mod failover;
 pub use exports::Exports;
 pub mod fencing;
 mod jobs;
@@ -101,12 +108,9 @@ pub struct Node {
     /// Replicated volumes this node owns, and those not served with the reason
     /// (node/replicas.rs).
     replicas: Replicas,
-    /// Membership of the cluster (`[cluster]`), once joined (node/cluster.rs).
-    cluster: std::sync::OnceLock<Arc<tessera_cluster::Membership>>,
-    /// Cluster volumes this node owns, with the epoch it holds (node/ownership.rs).
-    owned: Mutex<BTreeMap<String, u64>>,
-    /// Given-up volumes whose stale copy was still in use, by volume: local volume.
-    stale_copies: Mutex<BTreeMap<String, String>>,
+    /// Cluster membership, the volumes this node owns and the stale copies of given-up
+    /// ones (node/cluster.rs, ownership.rs, failover.rs).
+    cluster: Cluster,
     /// The node itself, for threads and hooks that must not keep it alive.
     self_ref: std::sync::OnceLock<std::sync::Weak<Node>>,
     /// Set at shutdown: background watchers end.
@@ -175,9 +179,7 @@ impl Node {
             slots: Mutex::new(BTreeMap::new()),
             spare_devs: Mutex::new(BTreeMap::new()),
             replicas,
-            cluster: std::sync::OnceLock::new(),
-            owned: Mutex::new(BTreeMap::new()),
-            stale_copies: Mutex::new(BTreeMap::new()),
+            cluster: Cluster::default(),
             self_ref: std::sync::OnceLock::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
             proxies: proxy::Proxies::default(),

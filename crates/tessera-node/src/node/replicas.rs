@@ -13,8 +13,9 @@
 //! resync_rate`, else the jobs service's "resync" background class (the caller passes
 //! [`Jobs::background`](super::Jobs::background) in); the exports, NVMe/TCP and
 //! snapshot operations ask [`Replicas::blocked`] before they serve or change a volume,
-//! and a volume's status shows [`Replicas::infos`]. Cluster ownership (node/ownership.rs)
-//! holds sets back at start, confirms, fences, takes over and gives up through it.
+//! and a volume's status shows [`Replicas::infos`]. Cluster ownership
+//! (node/ownership.rs, node/failover.rs) holds sets back at start, confirms, fences,
+//! takes over and gives up through it.
 //!
 //! The operations that need several services stay `Node` methods below, under the admin
 //! lock: creating a replicated volume (a pool's volume, the peers' replicas, the set,
@@ -441,7 +442,7 @@ impl Node {
         // In a cluster a name is taken once cluster-wide, so a replica is named like its
         // volume (a new owner then serves it under that name); between `[[peer]]`s the
         // owner's name keeps two owners' volumes of one name apart.
-        let volume = if self.cluster().is_some() {
+        let volume = if self.cluster.membership().is_some() {
             name.to_string()
         } else {
             format!("{name}.{me}")
@@ -635,10 +636,10 @@ impl Node {
                 LegDesc::Vacant => None,
             })
             .collect();
-        if self.cluster().is_none() {
+        if self.cluster.membership().is_none() {
             return;
         }
-        if self.owned_epoch(name).is_none() {
+        if self.cluster.owned_epoch(name).is_none() {
             // A volume that just became replicated: its spec is written now.
             self.update_volume_spec_replicas(name, rv.size(), &places);
             self.own_new_volume(name);

@@ -304,11 +304,11 @@ impl Node {
         set: &ReplicatedVolume,
         name: &str,
     ) -> Result<Option<SnapshotIntent>> {
-        if self.cluster().is_none() && self.cfg.cluster.etcd.is_empty() {
+        if self.cluster.membership().is_none() && self.cfg.cluster.etcd.is_empty() {
             return Ok(None);
         }
         let volume = &set.name;
-        let Some(epoch) = self.owned_epoch(volume) else {
+        let Some(epoch) = self.cluster.owned_epoch(volume) else {
             return Err(Error::busy(format!(
                 "cannot snapshot '{volume}': the cluster has not confirmed that this node \
                  owns it (not joined yet, or another node took it over)"
@@ -367,13 +367,13 @@ impl Node {
         &self,
         volume: &str,
     ) -> std::result::Result<(), String> {
-        let Some(m) = self.cluster() else {
+        let Some(m) = self.cluster.membership() else {
             return Ok(());
         };
         let me = self.cfg.node_name();
         let intent = match self.read_spec(m, volume) {
             Ok(Some((spec, _)))
-                if spec.owner != me || Some(spec.epoch) != self.owned_epoch(volume) =>
+                if spec.owner != me || Some(spec.epoch) != self.cluster.owned_epoch(volume) =>
             {
                 return Err(format!(
                     "'{}' owns the volume at epoch {}",
