@@ -265,7 +265,7 @@ fn serve(cfg: NodeConfig) -> Result<()> {
     // Join the cluster last: the record published says where every listener is.
     node.join_cluster()
         .map_err(|e| crate::error::CliError::Failed(format!("cannot join the cluster: {e}")))?;
-    if let Some(m) = node.cluster() {
+    if let Some(m) = node.cluster().membership() {
         println!(
             "tessera: cluster member '{}' (etcd {})",
             m.name,

@@ -457,7 +457,8 @@ const REPLICA_FAMILIES: &[Family<ReplicaRow>] = &[
 
 fn render_replicas(w: &mut TextWriter, node: &Node) {
     let rows: Vec<ReplicaRow> = node
-        .replica_statuses()
+        .replicas()
+        .statuses()
         .into_iter()
         .flat_map(|(volume, legs)| {
             legs.into_iter().map(move |l| ReplicaRow {

@@ -42,7 +42,7 @@ pub async fn put_limits(
         Ok(l) => {
             with_node(node, move |n| {
                 let r = n.jobs().background().put(&class, Some(l));
-                n.refresh_replica_rates();
+                n.replicas().refresh_rates(n.jobs().background());
                 reply(r, 200)
             })
             .await
@@ -58,7 +58,7 @@ pub async fn put_limits(
 pub async fn reset(State(node): NodeState, Path(class): Path<String>) -> Response {
     with_node(node, move |n| {
         let r = n.jobs().background().put(&class, None);
-        n.refresh_replica_rates();
+        n.replicas().refresh_rates(n.jobs().background());
         reply(r, 200)
     })
     .await

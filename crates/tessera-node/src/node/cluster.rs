@@ -3,8 +3,10 @@
 //! (`GET /v1/cluster`), other members as peers for replicas, placement of a new volume's
 //! replicas, and the volume specs in etcd.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
+use tessera_io::sync::MutexExt;
 
 use tessera_api::{ClusterNode, ClusterPool, ClusterStatus, ClusterVolume};
 use tessera_cluster::{
@@ -14,6 +16,70 @@ use tracing::{info, warn};
 
 use super::{Error, Node, Result};
 use crate::config::PeerDecl;
+
+/// The cluster service's state: the membership once joined, the volumes this node owns
+/// with the epoch it holds, and the stale copies of given-up volumes still to delete.
+/// Each part has its own lock, none held while another is taken or while etcd is asked.
+/// The operations on it are the `Node` methods of this file (joining, the cluster view,
+/// specs), node/ownership.rs (the owner's side: publishing under its epoch, confirming
+/// at join) and node/failover.rs (the watcher: take-over, give-up, re-adding and
+/// replacing lost replicas); they need the pools, the replicas and the exports too.
+#[derive(Default)]
+pub struct Cluster {
+    /// Membership of the cluster (`[cluster]`), once joined.
+    membership: OnceLock<Arc<Membership>>,
+    /// Cluster volumes this node owns, with the epoch it holds.
+    owned: Mutex<BTreeMap<String, u64>>,
+    /// Given-up volumes whose stale copy was still in use, by volume: local volume.
+    stale_copies: Mutex<BTreeMap<String, String>>,
+}
+
+impl Cluster {
+    /// The membership, when this node is in a cluster.
+    pub fn membership(&self) -> Option<&Arc<Membership>> {
+        self.membership.get()
+    }
+
+    /// The node joined: set once (a second join keeps the first).
+    fn joined(&self, m: Arc<Membership>) {
+        let _ = self.membership.set(m);
+    }
+
+    /// The epoch at which this node owns `volume`, if it does.
+    pub fn owned_epoch(&self, volume: &str) -> Option<u64> {
+        self.owned.locked().get(volume).copied()
+    }
+
+    /// This node owns `volume` at `epoch` from now on (`None`: no longer).
+    pub(super) fn set_owned(&self, volume: &str, epoch: Option<u64>) {
+        let mut o = self.owned.locked();
+        match epoch {
+            Some(e) => o.insert(volume.to_string(), e),
+            None => o.remove(volume),
+        };
+    }
+
+    /// Given-up `volume`'s stale copy `local` is still in use: delete it later.
+    pub(super) fn keep_stale(&self, volume: &str, local: &str) {
+        self.stale_copies
+            .locked()
+            .insert(volume.to_string(), local.to_string());
+    }
+
+    /// The stale copies still to delete, as (volume, local volume).
+    pub(super) fn stale(&self) -> Vec<(String, String)> {
+        self.stale_copies
+            .locked()
+            .iter()
+            .map(|(a, b)| (a.clone(), b.clone()))
+            .collect()
+    }
+
+    /// Given-up `volume`'s stale copy is gone.
+    pub(super) fn forget_stale(&self, volume: &str) {
+        self.stale_copies.locked().remove(volume);
+    }
+}
 
 impl Node {
     /// Join the cluster named in `[cluster]`, if any. Called once the listeners are up,
@@ -53,19 +119,19 @@ impl Node {
         if let Err(e) = m.follow() {
             warn!(error = %e, "cannot follow the cluster state yet");
         }
-        let _ = self.cluster.set(m);
+        self.cluster.joined(m);
         self.confirm_ownership();
         self.start_ownership_watch();
         Ok(())
     }
 
-    /// The membership, when this node is in a cluster.
-    pub fn cluster(&self) -> Option<&Arc<Membership>> {
-        self.cluster.get()
+    /// This node's cluster membership and what it owns there.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
     }
 
     pub(super) fn in_cluster(&self) -> Result<&Arc<Membership>> {
-        self.cluster().ok_or_else(|| {
+        self.cluster.membership().ok_or_else(|| {
             Error::invalid("this node is not in a cluster ([cluster] etcd = [...] in its config)")
         })
     }
@@ -136,7 +202,7 @@ impl Node {
     /// The volume specs as this node's watch last delivered them (None: the watch is
     /// reconnecting).
     pub(super) fn cached_cluster_volumes(&self) -> Option<Result<Vec<ClusterVolume>>> {
-        let m = self.cluster()?;
+        let m = self.cluster.membership()?;
         let kvs = m.cached_volumes()?;
         Some(
             kvs.into_iter()
@@ -154,7 +220,7 @@ impl Node {
         if let Some(p) = self.cfg.peers.iter().find(|p| p.name == name) {
             return Ok(p.clone());
         }
-        if let Some(m) = self.cluster() {
+        if let Some(m) = self.cluster.membership() {
             let nodes = m.nodes().map_err(|e| Error::io("reading the cluster", e))?;
             return match nodes.into_iter().find(|n| n.name == name) {
                 Some(n) => Ok(PeerDecl {
@@ -197,7 +263,7 @@ impl Node {
         size: u64,
         replicas: &[String],
     ) -> Result<()> {
-        let Some(m) = self.cluster() else {
+        let Some(m) = self.cluster.membership() else {
             return Ok(());
         };
         let spec = ClusterVolume {
@@ -227,7 +293,7 @@ impl Node {
     /// etcd trouble is logged, not returned: the replica set file is the datapath's truth,
     /// and the spec catches up at the next change.
     pub(super) fn update_volume_spec_replicas(&self, name: &str, size: u64, replicas: &[String]) {
-        let Some(m) = self.cluster() else {
+        let Some(m) = self.cluster.membership() else {
             return;
         };
         let key = volume_key(name);
@@ -283,7 +349,7 @@ impl Node {
 
     /// The volume is gone (or its creation failed): drop its spec.
     pub(super) fn release_volume_spec(&self, name: &str) {
-        if let Some(m) = self.cluster() {
+        if let Some(m) = self.cluster.membership() {
             match m.etcd().delete(&volume_key(name)) {
                 Ok(_) => info!(volume = %name, "volume spec removed from the cluster"),
                 Err(e) => warn!(volume = %name, error = %e,
@@ -294,8 +360,41 @@ impl Node {
 
     /// Leave the cluster (node shutdown): the record goes at once.
     pub(super) fn leave_cluster(&self) {
-        if let Some(m) = self.cluster() {
+        if let Some(m) = self.cluster.membership() {
             m.leave();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ownership_and_stale_copies_are_kept_by_volume() {
+        let c = Cluster::default();
+        assert!(c.membership().is_none(), "not joined");
+        assert_eq!(c.owned_epoch("v"), None);
+        c.set_owned("v", Some(3));
+        c.set_owned("w", Some(1));
+        assert_eq!(c.owned_epoch("v"), Some(3));
+        c.set_owned("v", Some(4));
+        assert_eq!(c.owned_epoch("v"), Some(4), "a take-over raises the epoch");
+        c.set_owned("v", None);
+        assert_eq!(c.owned_epoch("v"), None);
+        assert_eq!(c.owned_epoch("w"), Some(1), "only the given-up volume goes");
+
+        assert!(c.stale().is_empty());
+        c.keep_stale("v", "v.n1");
+        c.keep_stale("x", "x");
+        assert_eq!(
+            c.stale(),
+            vec![
+                ("v".to_string(), "v.n1".to_string()),
+                ("x".into(), "x".into())
+            ]
+        );
+        c.forget_stale("v");
+        assert_eq!(c.stale(), vec![("x".to_string(), "x".to_string())]);
     }
 }

@@ -188,7 +188,7 @@ impl Node {
     pub fn resolve_export(&self, name: &str) -> Option<(Arc<Volume>, bool)> {
         let (p, e) = self.find_export(name)?;
         let v = p.volume_by_id(e.volume_id)?;
-        if let Some(why) = self.replica_blocked(&v) {
+        if let Some(why) = self.replicas.blocked(&v) {
             tracing::warn!(export = %name, volume = %v.name, reason = %why,
                 "export refused: its replicated volume is not open");
             return None;

@@ -3,7 +3,8 @@
 //! run under (`DATA_DIR/background.json`, crate::background).
 //!
 //! It owns, by pool name, the running or last job of each kind (what `status` shows
-//! until the node stops), under one lock: starting a job checks the others and records
+//! until the node stops or the pool is destroyed; a pool is not destroyed while one
+//! runs), under one lock: starting a job checks the others and records
 //! the new one in the same critical section, so two requests cannot both start. It
 //! owns the rebuild cursors' directory (the data directory) too: a rebuild a stopped
 //! node left resumes from its cursor ([`Jobs::resume_rebuild`]).
@@ -108,6 +109,13 @@ impl Jobs {
     /// one).
     pub fn busy(&self, pool: &str) -> Option<&'static str> {
         self.jobs().get(pool)?.running_besides(None)
+    }
+
+    /// Drop what is recorded of pool `pool`'s jobs: the pool was destroyed, and a new
+    /// pool of the same name must not show them. The caller has checked [`Jobs::busy`]
+    /// (a pool is not destroyed under a running job).
+    pub(crate) fn forget(&self, pool: &str) {
+        self.jobs().remove(pool);
     }
 
     /// Start a scrub of `p` in the scrub background class; `repair`: rewrite mirror

@@ -9,10 +9,23 @@
 //! - exports and protocols (`exports.rs`, [`Exports`], [`Node::exports`]): NBD TLS and
 //!   addresses, every listener's connection cap, the client buffer budget, and how an
 //!   export looks to clients. Adding and removing an export stays a `Node` operation
-//!   in the same file: it needs the admin lock (below) and the pools.
+//!   in the same file: it needs the admin lock (below) and the pools;
+//! - replicas (`replicas.rs`, [`Replicas`], [`Node::replicas`]): the replicated volumes
+//!   this node owns, those it does not serve and why, and the `[replication]` settings
+//!   (the resync rate falls back on the jobs service's "resync" class). Creating one,
+//!   adding or removing a replica and deleting one stay `Node` operations in the same
+//!   file (admin lock, pools, peers, cluster); the peer side of a replica too;
+//! - cluster (`cluster.rs`, [`Cluster`], [`Node::cluster`]): the membership once
+//!   joined, the volumes this node owns with their epoch, and the stale copies of
+//!   given-up volumes still to delete. Its operations need the pools, replicas and
+//!   exports too and stay `Node` methods: joining, the cluster view and the specs
+//!   (`cluster.rs`), the owner's side (`ownership.rs`), the watcher that takes volumes
+//!   over and gives them up (`failover.rs`), fences (`fencing.rs`).
 //!
 //! The other operations are still grouped by what they manage, one `impl Node` per
-//! file: pools (`pools.rs`), volumes (`volumes.rs`), device replacement and hot spares
+//! file: pools (`pools.rs`, which forgets a destroyed pool's jobs), volumes
+//! (`volumes.rs`), snapshots (`snapshots.rs`), the NBD proxy to other nodes'
+//! volumes (`proxy.rs`), device replacement and hot spares
 //! (`spares.rs`, which asks the jobs service whether a pool is busy and starts the
 //! rebuild onto a new device through it), QoS groups (`qos.rs`), NVMe/TCP (`nvmf.rs`),
 //! and the devices the pools are opened on (`devices.rs`); a volume's own snapshot
@@ -21,8 +34,10 @@
 //! `tessera_api`; the JSON is made at the API edge (crate::api).
 
 mod cluster;
+pub use cluster::Cluster;
 mod devices;
 mod exports;
+mod failover;
 pub use exports::Exports;
 pub mod fencing;
 mod jobs;
@@ -35,6 +50,7 @@ mod pools;
 pub mod proxy;
 mod qos;
 pub mod replicas;
+pub use replicas::Replicas;
 mod snapshots;
 mod spares;
 #[cfg(feature = "test-hooks")]
@@ -89,17 +105,12 @@ pub struct Node {
     slots: Mutex<BTreeMap<String, Vec<Arc<SwappableDevice>>>>,
     /// Hot spares the node has opened, by spec (which pool lists which: `entries`).
     spare_devs: Mutex<BTreeMap<String, Arc<dyn BlockDevice>>>,
-    /// Replicated volumes this node owns, by name (node/replicas.rs).
-    replicated: RwLock<BTreeMap<String, Arc<tessera_replica::ReplicatedVolume>>>,
-    /// Replicated volumes whose replica set could not be opened, with the reason: their
-    /// local leg is not served alone.
-    replica_failures: RwLock<BTreeMap<String, String>>,
-    /// Membership of the cluster (`[cluster]`), once joined (node/cluster.rs).
-    cluster: std::sync::OnceLock<Arc<tessera_cluster::Membership>>,
-    /// Cluster volumes this node owns, with the epoch it holds (node/ownership.rs).
-    owned: Mutex<BTreeMap<String, u64>>,
-    /// Given-up volumes whose stale copy was still in use, by volume: local volume.
-    stale_copies: Mutex<BTreeMap<String, String>>,
+    /// Replicated volumes this node owns, and those not served with the reason
+    /// (node/replicas.rs).
+    replicas: Replicas,
+    /// Cluster membership, the volumes this node owns and the stale copies of given-up
+    /// ones (node/cluster.rs, ownership.rs, failover.rs).
+    cluster: Cluster,
     /// The node itself, for threads and hooks that must not keep it alive.
     self_ref: std::sync::OnceLock<std::sync::Weak<Node>>,
     /// Set at shutdown: background watchers end.
@@ -149,6 +160,8 @@ impl Node {
         let nvmf = crate::nvmf::NvmfState::load(&cfg.data_dir).map_err(StartError::Catalog)?;
         let groups = crate::groups::Groups::load(&cfg.data_dir).map_err(StartError::Catalog)?;
         let jobs = Jobs::load(&cfg.data_dir)?;
+        let reactors: Vec<Arc<Mailbox>> = reactors.into_iter().map(|(m, _h)| m).collect();
+        let replicas = Replicas::new(&cfg, reactors.clone());
         let node = Arc::new(Node {
             cfg,
             pools: RwLock::new(BTreeMap::new()),
@@ -156,7 +169,7 @@ impl Node {
             registry,
             entries: Mutex::new(entries.clone()),
             admin: Mutex::new(()),
-            reactors: reactors.into_iter().map(|(m, _h)| m).collect(),
+            reactors,
             next_core: AtomicUsize::new(0),
             started: Instant::now(),
             exports,
@@ -165,11 +178,8 @@ impl Node {
             jobs,
             slots: Mutex::new(BTreeMap::new()),
             spare_devs: Mutex::new(BTreeMap::new()),
-            replicated: RwLock::new(BTreeMap::new()),
-            replica_failures: RwLock::new(BTreeMap::new()),
-            cluster: std::sync::OnceLock::new(),
-            owned: Mutex::new(BTreeMap::new()),
-            stale_copies: Mutex::new(BTreeMap::new()),
+            replicas,
+            cluster: Cluster::default(),
             self_ref: std::sync::OnceLock::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
             proxies: proxy::Proxies::default(),
@@ -224,7 +234,8 @@ impl Node {
                 }
             }
         }
-        node.open_replicated_volumes();
+        node.replicas
+            .open_all(node.jobs.background(), |v| node.volume_by_name(v));
         node.apply_declarations()?;
         node.groups.bind_all(|n| node.volume_by_name(n));
         node.start_ladder();
@@ -376,6 +387,11 @@ impl Node {
         &self.exports
     }
 
+    /// The replicated volumes this node owns, and those it does not serve (with why).
+    pub fn replicas(&self) -> &Replicas {
+        &self.replicas
+    }
+
     fn admin(&self) -> MutexGuard<'_, ()> {
         self.admin.locked()
     }
@@ -457,7 +473,7 @@ impl Node {
         self.stopping
             .store(true, std::sync::atomic::Ordering::Release);
         self.leave_cluster();
-        self.close_replicated();
+        self.replicas.close_all();
         for p in self.pools() {
             if let Err(e) = p.shutdown() {
                 error!(pool = %p.name(), error = %e, "final commit failed");

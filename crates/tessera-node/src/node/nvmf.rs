@@ -28,7 +28,7 @@ impl NodeCatalog {
             .into_iter()
             .find(|p| p.status().uuid == n.pool_uuid)
             .and_then(|p| p.volume_by_id(n.volume_id))
-            .filter(|v| node.replica_blocked(v).is_none())
+            .filter(|v| node.replicas().blocked(v).is_none())
     }
 }
 
@@ -455,7 +455,7 @@ impl Node {
         let rec = match path {
             ClusterPath::Owner => {
                 let (p, v) = self.find_volume(volume)?;
-                if let Some(why) = self.replica_blocked(&v) {
+                if let Some(why) = self.replicas.blocked(&v) {
                     return Err(Error::busy(format!(
                         "volume '{volume}' cannot be served: {why}"
                     )));

@@ -113,6 +113,13 @@ impl Node {
             return self.save_registry(&entries);
         }
         let pool = self.pool(name)?;
+        // The job holds the pool open and writes to its devices, whose labels are wiped
+        // below.
+        if let Some(job) = self.jobs.busy(name) {
+            return Err(Error::busy(format!(
+                "a {job} of pool '{name}' is running: stop it or wait before destroying the pool"
+            )));
+        }
         let n = pool.volumes().len();
         if n > 0 {
             return Err(Error::busy(format!(
@@ -127,6 +134,7 @@ impl Node {
         }
         self.pools.write_locked().remove(name);
         self.slots_map().remove(name);
+        self.jobs.forget(name);
         let mut entries = self.entries.locked();
         if let Some(e) = entries.iter().find(|e| e.name == name) {
             let mut sd = self.spare_devs();
@@ -199,4 +207,71 @@ pub(super) fn layout_kind(spec: LayoutSpec, stripe: u64, ndev: usize) -> Result<
 /// A layout as the registry and the config write it (see `LayoutSpec`).
 pub(super) fn parse_layout(text: &str) -> Result<LayoutSpec> {
     text.parse().map_err(Error::invalid)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use tessera_api::JobState;
+    use tessera_qos::BackgroundLimits;
+
+    use super::super::test_pools::{test_node, UNIT};
+    use super::*;
+
+    fn mirror_on_ram(node: &Node, name: &str) -> Arc<Pool> {
+        let devs = vec!["ram:16M".to_string(), "ram:16M".to_string()];
+        let layout = parse_layout("raid1").unwrap();
+        node.create_pool(name, &devs, layout, None, Some(UNIT), false)
+            .unwrap();
+        node.pool(name).unwrap()
+    }
+
+    /// A destroyed pool's jobs go with it: a new pool of the same name has none, and a
+    /// pool is not destroyed under a running one.
+    #[test]
+    fn destroying_a_pool_forgets_its_jobs_and_waits_for_a_running_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = test_node(dir.path());
+        // The lowest rate there is: the rebuild is still running when destroy is asked.
+        node.jobs()
+            .background()
+            .put("rebuild", Some(BackgroundLimits::new(4096)))
+            .unwrap();
+        let p = mirror_on_ram(&node, "p");
+        node.jobs().start_rebuild(&p, Some(1), true).unwrap();
+
+        match node.destroy_pool("p") {
+            Err(Error::Busy(m)) => assert_eq!(
+                m,
+                "a rebuild of pool 'p' is running: stop it or wait before destroying the pool"
+            ),
+            other => panic!("expected busy, got {other:?}"),
+        }
+        assert!(node.pool("p").is_ok(), "the refused destroy left the pool");
+
+        node.jobs().stop_rebuild(&p).unwrap();
+        let t0 = Instant::now();
+        while node.jobs().busy("p").is_some() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the rebuild did not stop"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(
+            node.jobs().rebuild_status(&p).unwrap().state,
+            JobState::Stopped
+        );
+        drop(p);
+        node.destroy_pool("p").unwrap();
+
+        let again = mirror_on_ram(&node, "p");
+        assert!(
+            matches!(node.jobs().rebuild_status(&again), Err(Error::NotFound(_))),
+            "the new pool 'p' shows the destroyed one's rebuild"
+        );
+        assert!(node.pool_detail("p").unwrap().rebuild.is_none());
+        node.shutdown();
+    }
 }

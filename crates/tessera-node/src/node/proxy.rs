@@ -57,14 +57,18 @@ pub struct ProxyFigures {
 impl Node {
     /// Whether NBD clients may reach other nodes' volumes through this one.
     fn nbd_proxy_on(&self) -> bool {
-        self.cfg.cluster.nbd_proxy && self.cluster().is_some()
+        self.cfg.cluster.nbd_proxy && self.cluster.membership().is_some()
     }
 
     /// The spec of cluster volume `name` when an NBD client asking this node for it must
     /// be proxied: the proxy is on, `name` is no local export, and another node owns it.
     /// `Err` when etcd cannot say.
     pub(crate) fn proxied_spec(&self, name: &str) -> Result<Option<ClusterVolume>, String> {
-        let Some(m) = self.cluster().filter(|_| self.cfg.cluster.nbd_proxy) else {
+        let Some(m) = self
+            .cluster
+            .membership()
+            .filter(|_| self.cfg.cluster.nbd_proxy)
+        else {
             return Ok(None);
         };
         if self.find_export(name).is_some() {
@@ -107,7 +111,8 @@ impl Node {
     /// no way to the owner.
     pub fn proxy_paths(&self, spec: &ClusterVolume) -> Result<Vec<String>, String> {
         let m = self
-            .cluster()
+            .cluster
+            .membership()
             .ok_or_else(|| "this node is not in a cluster".to_string())?;
         let nodes = m
             .nodes()

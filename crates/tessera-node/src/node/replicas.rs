@@ -1,94 +1,240 @@
-//! Replicated volumes (docs/architecture.md "Replicated volumes"): this node as the
-//! owner (create, open at start, status, delete) and as the holder of another node's
-//! replica (`POST /v1/replicas`: a thin volume exported to the owner over NVMe/TCP).
+//! The replicas service, and the node's replicated-volume operations (docs/architecture.md
+//! "Replicated volumes").
+//!
+//! [`Replicas`] owns the replicated volumes this node owns, by name, and the ones whose
+//! replica set could not be opened or that were held back or given up (their local leg
+//! is not served alone: the other replicas would miss the writes), with the reason. Both
+//! maps are under one lock, so a volume moves from served to blocked (given up) in one
+//! step; no lock is held while a replica set is opened, closed or asked for its status.
+//! It also owns where the replica-set files are (`DATA_DIR/replicas`) and the
+//! `[replication]` settings a set opens with.
+//!
+//! How it relates to the other services: a set's resync rate is `[replication]
+//! resync_rate`, else the jobs service's "resync" background class (the caller passes
+//! [`Jobs::background`](super::Jobs::background) in); the exports, NVMe/TCP and
+//! snapshot operations ask [`Replicas::blocked`] before they serve or change a volume,
+//! and a volume's status shows [`Replicas::infos`]. Cluster ownership
+//! (node/ownership.rs, node/failover.rs) holds sets back at start, confirms, fences,
+//! takes over and gives up through it.
+//!
+//! The operations that need several services stay `Node` methods below, under the admin
+//! lock: creating a replicated volume (a pool's volume, the peers' replicas, the set,
+//! its cluster spec), adding and removing a replica, deleting a replicated volume
+//! (refused while exported), and the peer side (`POST /v1/replicas`: a thin volume
+//! exported to the owner over NVMe/TCP).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tessera_io::sync::RwLockExt;
 
 use tessera_api::{CreateReplica, RemovedReplica, ReplicaInfo, ReplicaTarget, VolumeInfo};
 use tessera_http::{request, Endpoint};
+use tessera_io::Mailbox;
 use tessera_pool::Volume;
 use tessera_replica::{Cores, LegDesc, LegState, ReplicaOptions, ReplicatedVolume, SetDesc};
 use tracing::{error, info, warn};
 
 use super::{size_arg, Error, Node, Result};
-use crate::config::PeerDecl;
+use crate::background::Background;
+use crate::config::{NodeConfig, PeerDecl, ReplicationConfig};
 
 /// The NQN under which a node exports a replica to its owner.
 pub fn replica_nqn(owner: &str, volume: &str) -> String {
     format!("nqn.2026-11.io.tessera:replica:{owner}:{volume}")
 }
 
-impl Node {
-    pub(super) fn replicas_dir(&self) -> PathBuf {
-        self.cfg.data_dir.join("replicas")
+/// What the replicas service keeps under its lock.
+#[derive(Default)]
+struct Sets {
+    /// Replicated volumes this node owns and serves, by name.
+    open: BTreeMap<String, Arc<ReplicatedVolume>>,
+    /// Replicated volumes not served, by name, with the reason: their set could not be
+    /// opened, the cluster has not confirmed this node owns them, or they were given up.
+    blocked: BTreeMap<String, String>,
+}
+
+pub struct Replicas {
+    /// Where the replica-set files are (`DATA_DIR/replicas`).
+    dir: PathBuf,
+    /// `[replication]`: how a set opens.
+    settings: ReplicationConfig,
+    /// This node's NVMe host NQN: a replica's fence admits its owner's only.
+    host_nqn: String,
+    /// Whether the node is in a cluster (`[cluster] etcd`): a set opened at start is
+    /// held back until the cluster confirms this node owns it.
+    in_cluster: bool,
+    /// The node's reactors, which run the sets' I/O.
+    reactors: Vec<Arc<Mailbox>>,
+    sets: RwLock<Sets>,
+}
+
+impl Replicas {
+    /// The service of the node `cfg` sets up, its sets' I/O on `reactors`; no set is
+    /// open yet ([`Replicas::open_all`]).
+    pub fn new(cfg: &NodeConfig, reactors: Vec<Arc<Mailbox>>) -> Replicas {
+        Replicas {
+            dir: cfg.data_dir.join("replicas"),
+            settings: cfg.replication.clone(),
+            host_nqn: super::fencing::host_nqn(&cfg.node_name()),
+            in_cluster: !cfg.cluster.etcd.is_empty(),
+            reactors,
+            sets: RwLock::new(Sets::default()),
+        }
     }
 
-    pub(super) fn replica_options(&self) -> Result<ReplicaOptions> {
-        let r = &self.cfg.replication;
+    /// The directory of the replica-set files.
+    pub(super) fn dir(&self) -> PathBuf {
+        self.dir.clone()
+    }
+
+    /// The replica-set file of volume `name`.
+    pub(super) fn set_path(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{name}.rset"))
+    }
+
+    /// How a set opens: `[replication]`, the resync rate as [`Replicas::resync_rate`].
+    pub(super) fn options(&self, background: &Background) -> Result<ReplicaOptions> {
+        let r = &self.settings;
         Ok(ReplicaOptions {
             region_size: size_arg("[replication] region_size", &r.region_size)?,
             al_capacity: r.al_regions.max(1),
             timeout: Duration::from_millis(r.timeout_ms.max(1)),
-            resync_rate: self.replica_resync_rate()?,
-            // One host NQN per node: a replica's fence admits its owner's only.
-            hostnqn: super::fencing::host_nqn(&self.cfg.node_name()),
+            resync_rate: self.resync_rate(background)?,
+            hostnqn: self.host_nqn.clone(),
         })
     }
 
     /// `[replication] resync_rate`, else the "resync" background class's bandwidth.
-    fn replica_resync_rate(&self) -> Result<u64> {
-        match &self.cfg.replication.resync_rate {
+    fn resync_rate(&self, background: &Background) -> Result<u64> {
+        match &self.settings.resync_rate {
             Some(r) => size_arg("[replication] resync_rate", r),
-            None => Ok(self.jobs.background().limits("resync")?.bps),
+            None => Ok(background.limits("resync")?.bps),
         }
     }
 
     /// The "resync" background class changed: resyncs started from now on use it.
-    pub fn refresh_replica_rates(&self) {
-        let Ok(rate) = self.replica_resync_rate() else {
+    pub fn refresh_rates(&self, background: &Background) {
+        let Ok(rate) = self.resync_rate(background) else {
             return;
         };
-        for rv in self.replicated.read_locked().values() {
+        for rv in self.all() {
             rv.set_resync_rate(rate);
         }
     }
 
+    /// The reactors a new set runs on.
     pub(super) fn cores(&self) -> Arc<Cores> {
         Cores::new(self.reactors.clone())
     }
 
     /// The replicated volume this node owns under `name`, if open.
-    pub(super) fn replica_set(&self, name: &str) -> Option<Arc<ReplicatedVolume>> {
-        self.replicated.read_locked().get(name).cloned()
+    pub fn get(&self, name: &str) -> Option<Arc<ReplicatedVolume>> {
+        self.sets.read_locked().open.get(name).cloned()
     }
 
     /// The replicated volume whose local leg is `vol`, if any.
-    pub fn replicated_of(&self, vol: &Volume) -> Option<Arc<ReplicatedVolume>> {
+    pub fn of(&self, vol: &Volume) -> Option<Arc<ReplicatedVolume>> {
         // A volume taken over from another owner may have a local leg named otherwise
         // (`VOLUME.OWNER`, a replica made outside a cluster): look by leg, not by name.
-        let sets = self.replicated.read_locked();
-        sets.get(&vol.name)
+        let sets = self.sets.read_locked();
+        sets.open
+            .get(&vol.name)
             .into_iter()
-            .chain(sets.values())
+            .chain(sets.open.values())
             .find(|r| r.local_volume().is_some_and(|v| std::ptr::eq(&*v, vol)))
             .cloned()
     }
 
-    /// Whether `vol` is the local leg of a replicated volume that could not be opened:
-    /// it must not be served on its own (the other replicas would miss the writes).
-    pub fn replica_blocked(&self, vol: &Volume) -> Option<String> {
-        self.replica_failures.read_locked().get(&vol.name).cloned()
+    /// Whether `vol` is the local leg of a replicated volume that is not served, and
+    /// why: it must not be served on its own (the other replicas would miss the writes).
+    pub fn blocked(&self, vol: &Volume) -> Option<String> {
+        self.sets.read_locked().blocked.get(&vol.name).cloned()
     }
 
-    /// Open every replicated volume this node owns (node start).
-    pub(super) fn open_replicated_volumes(&self) {
-        let Ok(dir) = std::fs::read_dir(self.replicas_dir()) else {
+    /// The names of the replicated volumes open here.
+    pub(super) fn names(&self) -> Vec<String> {
+        self.sets.read_locked().open.keys().cloned().collect()
+    }
+
+    /// The replicated volumes open here.
+    pub(super) fn all(&self) -> Vec<Arc<ReplicatedVolume>> {
+        self.sets.read_locked().open.values().cloned().collect()
+    }
+
+    /// Serve `rv` as replicated volume `name`.
+    pub(super) fn insert(&self, name: &str, rv: Arc<ReplicatedVolume>) {
+        self.sets.write_locked().open.insert(name.to_string(), rv);
+    }
+
+    /// Serve `rv` as replicated volume `name`, which was blocked (taken over).
+    pub(super) fn insert_unblocked(&self, name: &str, rv: Arc<ReplicatedVolume>) {
+        let mut sets = self.sets.write_locked();
+        sets.open.insert(name.to_string(), rv);
+        sets.blocked.remove(name);
+    }
+
+    /// Stop serving replicated volume `name` (deleted): its set, if it was open.
+    pub(super) fn remove(&self, name: &str) -> Option<Arc<ReplicatedVolume>> {
+        self.sets.write_locked().open.remove(name)
+    }
+
+    /// Stop serving replicated volume `name` because another node owns it now: it is
+    /// blocked with `why` from this moment, and its set (if it was open) is returned to
+    /// be closed.
+    pub(super) fn give_up(&self, name: &str, why: &str) -> Option<Arc<ReplicatedVolume>> {
+        let mut sets = self.sets.write_locked();
+        sets.blocked
+            .insert(name.to_string(), format!("given up: {why}"));
+        sets.open.remove(name)
+    }
+
+    /// Serve replicated volume `name` again (the cluster confirmed it), or let its name
+    /// be used again (its stale copy is gone).
+    pub(super) fn unblock(&self, name: &str) {
+        self.sets.write_locked().blocked.remove(name);
+    }
+
+    /// A volume's replicas and their status, when it is the local leg of a replicated
+    /// volume.
+    pub(super) fn infos(&self, vol: &Volume) -> Option<Vec<ReplicaInfo>> {
+        Some(self.of(vol)?.status())
+    }
+
+    /// Every replicated volume this node owns, with its legs' status (for metrics).
+    pub fn statuses(&self) -> Vec<(String, Vec<ReplicaInfo>)> {
+        let open: Vec<(String, Arc<ReplicatedVolume>)> = self
+            .sets
+            .read_locked()
+            .open
+            .iter()
+            .map(|(n, rv)| (n.clone(), rv.clone()))
+            .collect();
+        open.into_iter().map(|(n, rv)| (n, rv.status())).collect()
+    }
+
+    /// Close every replicated volume cleanly (node shutdown).
+    pub(super) fn close_all(&self) {
+        for rv in self.all() {
+            rv.close();
+        }
+    }
+
+    /// Open every replica set in the directory (node start), its local leg found with
+    /// `local_volume` (the node's pools); the resync rate as `background` sets it. A set
+    /// that cannot be opened is blocked with the reason; in a cluster an opened one is
+    /// blocked too until the cluster confirms this node owns it (node/ownership.rs, at
+    /// join).
+    pub(super) fn open_all(
+        &self,
+        background: &Background,
+        local_volume: impl Fn(&str) -> Option<Arc<Volume>>,
+    ) {
+        let Ok(dir) = std::fs::read_dir(&self.dir) else {
             return;
         };
-        let opts = match self.replica_options() {
+        let opts = match self.options(background) {
             Ok(o) => o,
             Err(e) => {
                 error!(error = %e, "bad [replication] settings: replicated volumes stay closed");
@@ -110,7 +256,7 @@ impl Node {
                     LegDesc::Remote { .. } | LegDesc::Vacant => None,
                 });
                 let local = match local {
-                    Some(v) => Some(self.volume_by_name(&v).ok_or_else(|| {
+                    Some(v) => Some(local_volume(&v).ok_or_else(|| {
                         std::io::Error::new(
                             std::io::ErrorKind::NotFound,
                             format!("its local volume '{v}' is missing (pool offline?)"),
@@ -120,26 +266,30 @@ impl Node {
                 };
                 ReplicatedVolume::open(&path, local, opts.clone(), self.cores())
             });
+            let mut sets = self.sets.write_locked();
             match opened {
                 Ok(v) => {
-                    if !self.cfg.cluster.etcd.is_empty() {
-                        // Served once the cluster confirms this node still owns it
-                        // (node/ownership.rs, at join).
-                        self.replica_failures.write_locked().insert(
+                    if self.in_cluster {
+                        sets.blocked.insert(
                             name.clone(),
                             "waiting for the cluster to confirm this node owns it".into(),
                         );
                     }
-                    self.replicated.write_locked().insert(name, v);
+                    sets.open.insert(name, v);
                 }
                 Err(e) => {
                     error!(volume = %name, error = %e, "replicated volume cannot be opened: it is not served");
-                    self.replica_failures
-                        .write_locked()
-                        .insert(name, e.to_string());
+                    sets.blocked.insert(name, e.to_string());
                 }
             }
         }
+    }
+}
+
+impl Node {
+    /// [`Replicas::options`] with the jobs service's background classes.
+    pub(super) fn replica_options(&self) -> Result<ReplicaOptions> {
+        self.replicas.options(self.jobs.background())
     }
 
     pub(super) fn peer_call(
@@ -243,19 +393,19 @@ impl Node {
                 legs,
             };
             ReplicatedVolume::create(
-                &self.replicas_dir(),
+                &self.replicas.dir(),
                 desc,
                 size,
                 Some(local.clone()),
                 opts,
-                self.cores(),
+                self.replicas.cores(),
             )
             .map_err(|e| Error::io("creating the replica set", e))
         })();
         match result {
             Ok(rv) => {
                 info!(volume = %name, replicas = ?replicas, "replicated volume created");
-                self.replicated.write_locked().insert(name.to_string(), rv);
+                self.replicas.insert(name, rv);
                 self.own_new_volume(name);
                 Ok(self.volume_info(&p, &local))
             }
@@ -267,7 +417,7 @@ impl Node {
                         warn!(peer = %peer.name, volume = %vol, error = %err, "could not remove a replica after a failed create");
                     }
                 }
-                let _ = std::fs::remove_file(self.replicas_dir().join(format!("{name}.rset")));
+                let _ = std::fs::remove_file(self.replicas.set_path(name));
                 self.release_volume_spec(name);
                 if let Err(err) = p.delete_volume(&local) {
                     warn!(volume = %name, error = %err, "could not remove the local leg after a failed create");
@@ -292,7 +442,7 @@ impl Node {
         // In a cluster a name is taken once cluster-wide, so a replica is named like its
         // volume (a new owner then serves it under that name); between `[[peer]]`s the
         // owner's name keeps two owners' volumes of one name apart.
-        let volume = if self.cluster().is_some() {
+        let volume = if self.cluster.membership().is_some() {
             name.to_string()
         } else {
             format!("{name}.{me}")
@@ -368,13 +518,13 @@ impl Node {
                 "'{name}' is a snapshot: only a volume can be replicated"
             )));
         }
-        if let Some(why) = self.replica_blocked(&v) {
+        if let Some(why) = self.replicas.blocked(&v) {
             return Err(Error::invalid(format!(
                 "replicated volume '{name}' is not open ({why})"
             )));
         }
         self.peer(node)?;
-        let existing = self.replicated_of(&v);
+        let existing = self.replicas.of(&v);
         match &existing {
             Some(rv) => {
                 if rv
@@ -445,17 +595,17 @@ impl Node {
                 };
                 self.replica_options().and_then(|opts| {
                     ReplicatedVolume::create_with(
-                        &self.replicas_dir(),
+                        &self.replicas.dir(),
                         desc,
                         vec![LegState::InSync, LegState::NeedsFull],
                         v.size(),
                         Some(v.clone()),
                         opts,
-                        self.cores(),
+                        self.replicas.cores(),
                     )
                     .map_err(|e| Error::io("creating the replica set", e))
                     .map(|rv| {
-                        self.replicated.write_locked().insert(name.to_string(), rv);
+                        self.replicas.insert(name, rv);
                     })
                 })
             }
@@ -473,7 +623,7 @@ impl Node {
 
     /// In a cluster, the volume's spec lists its replicas as they are now.
     fn publish_replica_places(&self, name: &str) {
-        let Some(rv) = self.replica_set(name) else {
+        let Some(rv) = self.replicas.get(name) else {
             return;
         };
         let me = self.cfg.node_name();
@@ -486,10 +636,10 @@ impl Node {
                 LegDesc::Vacant => None,
             })
             .collect();
-        if self.cluster().is_none() {
+        if self.cluster.membership().is_none() {
             return;
         }
-        if self.owned_epoch(name).is_none() {
+        if self.cluster.owned_epoch(name).is_none() {
             // A volume that just became replicated: its spec is written now.
             self.update_volume_spec_replicas(name, rv.size(), &places);
             self.own_new_volume(name);
@@ -503,7 +653,8 @@ impl Node {
         let _g = self.admin();
         let (_, v) = self.find_volume(name)?;
         let rv = self
-            .replicated_of(&v)
+            .replicas
+            .of(&v)
             .ok_or_else(|| Error::invalid(format!("volume '{name}' is not replicated")))?;
         let desc = rv.remove_leg(place).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => Error::not_found(e.to_string()),
@@ -550,29 +701,8 @@ impl Node {
         }
         std::fs::remove_file(rv.path()).map_err(|e| Error::io("removing the replica set", e))?;
         self.release_volume_spec(&rv.name);
-        self.replicated.write_locked().remove(&rv.name);
+        self.replicas.remove(&rv.name);
         Ok(())
-    }
-
-    pub(super) fn replica_infos(&self, vol: &Volume) -> Option<Vec<ReplicaInfo>> {
-        Some(self.replicated_of(vol)?.status())
-    }
-
-    /// Every replicated volume this node owns, with its legs' status (for metrics).
-    pub fn replica_statuses(&self) -> Vec<(String, Vec<ReplicaInfo>)> {
-        self.replicated
-            .read_locked()
-            .iter()
-            .map(|(n, rv)| (n.clone(), rv.status()))
-            .collect()
-    }
-
-    /// Close every replicated volume cleanly (node shutdown).
-    pub(super) fn close_replicated(&self) {
-        let all: Vec<_> = self.replicated.read_locked().values().cloned().collect();
-        for rv in all {
-            rv.close();
-        }
     }
 
     /// Peer side of `POST /v1/replicas`: a thin volume of this node, exported over
@@ -691,4 +821,172 @@ pub(super) fn reachable_spec(spec: &str, api: &str) -> String {
         }
     }
     spec.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use tessera_io::{spawn_reactors, ReactorConfig};
+    use tessera_pool::{LayoutKind, Pool};
+    use tessera_qos::BackgroundLimits;
+
+    use super::*;
+    use crate::node::test_pools::ram_pool;
+
+    /// Node "n1"'s config on `dir`; `cluster`: with an etcd endpoint (never reached:
+    /// the service only asks whether there is one).
+    fn config(dir: &Path, cluster: bool) -> NodeConfig {
+        let mut cfg = NodeConfig {
+            data_dir: dir.to_path_buf(),
+            name: Some("n1".into()),
+            ..NodeConfig::default()
+        };
+        if cluster {
+            cfg.cluster.etcd = vec!["127.0.0.1:1".into()];
+        }
+        cfg
+    }
+
+    fn service(cfg: &NodeConfig) -> Replicas {
+        let rcfg = ReactorConfig {
+            cores: 1,
+            pin: false,
+            ..ReactorConfig::default()
+        };
+        let reactors = spawn_reactors(&rcfg).unwrap();
+        Replicas::new(cfg, reactors.into_iter().map(|(m, _h)| m).collect())
+    }
+
+    /// Pool "p" with volume "v", and a replica set "v" whose only leg is "v" (the
+    /// remote legs are what the CLI tests cover), closed as at a clean shutdown.
+    fn local_set(cfg: &NodeConfig) -> (Arc<Pool>, Arc<Volume>) {
+        let (p, _ram) = ram_pool("p", LayoutKind::Concat, 1);
+        let v = p.create_volume("v", 4 << 20).unwrap();
+        let made = service(cfg);
+        let bg = Background::load(&cfg.data_dir).unwrap();
+        let desc = SetDesc {
+            name: "v".into(),
+            legs: vec![LegDesc::Local {
+                pool: "p".into(),
+                volume: "v".into(),
+            }],
+        };
+        let rv = ReplicatedVolume::create(
+            &made.dir(),
+            desc,
+            v.size(),
+            Some(v.clone()),
+            made.options(&bg).unwrap(),
+            made.cores(),
+        )
+        .unwrap();
+        rv.close();
+        (p, v)
+    }
+
+    #[test]
+    fn a_volume_that_is_not_replicated_has_no_set_and_is_not_blocked() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), false);
+        let replicas = service(&cfg);
+        let (p, _ram) = ram_pool("p", LayoutKind::Concat, 1);
+        let v = p.create_volume("v", 4 << 20).unwrap();
+        replicas.open_all(&Background::load(dir.path()).unwrap(), |_| None);
+        assert!(replicas.get("v").is_none());
+        assert!(replicas.of(&v).is_none());
+        assert_eq!(replicas.blocked(&v), None);
+        assert!(replicas.infos(&v).is_none());
+        assert!(replicas.statuses().is_empty());
+        assert!(replicas.names().is_empty());
+    }
+
+    #[test]
+    fn a_set_whose_local_volume_is_missing_is_blocked_with_the_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), false);
+        let (_p, v) = local_set(&cfg);
+        let bg = Background::load(dir.path()).unwrap();
+
+        // As at a start with pool "p" offline.
+        let replicas = service(&cfg);
+        replicas.open_all(&bg, |_| None);
+        assert!(replicas.get("v").is_none());
+        assert!(replicas.of(&v).is_none());
+        assert_eq!(
+            replicas.blocked(&v).as_deref(),
+            Some("its local volume 'v' is missing (pool offline?)")
+        );
+        assert!(
+            replicas.statuses().is_empty(),
+            "a blocked set has no status"
+        );
+
+        // With the pool there, outside a cluster: served at once.
+        let replicas = service(&cfg);
+        replicas.open_all(&bg, |name| (name == "v").then(|| v.clone()));
+        let rv = replicas.get("v").expect("the set is open");
+        assert!(replicas.of(&v).is_some_and(|r| Arc::ptr_eq(&r, &rv)));
+        assert_eq!(replicas.blocked(&v), None);
+        assert_eq!(replicas.infos(&v).map(|i| i.len()), Some(1));
+        let statuses = replicas.statuses();
+        assert_eq!(statuses.len(), 1);
+        assert_eq!(statuses[0].0, "v");
+        assert_eq!(replicas.names(), vec!["v".to_string()]);
+        replicas.close_all();
+    }
+
+    #[test]
+    fn in_a_cluster_a_set_waits_for_its_owner_and_a_given_up_one_stays_blocked() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), true);
+        let (_p, v) = local_set(&cfg);
+        let bg = Background::load(dir.path()).unwrap();
+        let replicas = service(&cfg);
+        replicas.open_all(&bg, |name| (name == "v").then(|| v.clone()));
+        assert!(replicas.get("v").is_some(), "opened, to be confirmed");
+        assert_eq!(
+            replicas.blocked(&v).as_deref(),
+            Some("waiting for the cluster to confirm this node owns it")
+        );
+        replicas.unblock("v");
+        assert_eq!(replicas.blocked(&v), None);
+
+        let rv = replicas
+            .give_up("v", "'n2' took it over")
+            .expect("it was open");
+        assert!(replicas.get("v").is_none());
+        assert!(replicas.of(&v).is_none());
+        assert_eq!(
+            replicas.blocked(&v).as_deref(),
+            Some("given up: 'n2' took it over")
+        );
+        assert!(
+            replicas.give_up("v", "again").is_none(),
+            "nothing left to close"
+        );
+        rv.close();
+    }
+
+    #[test]
+    fn the_resync_rate_is_the_resync_class_unless_replication_sets_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let bg = Background::load(dir.path()).unwrap();
+        let replicas = service(&config(dir.path(), false));
+        let class = bg.limits("resync").unwrap().bps;
+        let opts = replicas.options(&bg).unwrap();
+        assert_eq!(opts.resync_rate, class);
+        assert_eq!(opts.hostnqn, super::super::fencing::host_nqn("n1"));
+        bg.put("resync", Some(BackgroundLimits::new(1 << 20)))
+            .unwrap();
+        assert_eq!(replicas.options(&bg).unwrap().resync_rate, 1 << 20);
+
+        let mut cfg = config(dir.path(), false);
+        cfg.replication.resync_rate = Some("8M".into());
+        let replicas = service(&cfg);
+        assert_eq!(replicas.options(&bg).unwrap().resync_rate, 8 << 20);
+        cfg.replication.region_size = "lots".into();
+        let bad = service(&cfg).options(&bg).map(|_| ());
+        assert!(matches!(bad, Err(Error::Invalid(_))), "{bad:?}");
+    }
 }

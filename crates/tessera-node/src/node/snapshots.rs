@@ -20,7 +20,6 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_io::sync::RwLockExt;
 
 use tessera_api::{
     ChangedExtents, DeletedSnapshot, Extent, ReplicaSnapshot, SnapshotInfo, SnapshotIntent,
@@ -305,11 +304,11 @@ impl Node {
         set: &ReplicatedVolume,
         name: &str,
     ) -> Result<Option<SnapshotIntent>> {
-        if self.cluster().is_none() && self.cfg.cluster.etcd.is_empty() {
+        if self.cluster.membership().is_none() && self.cfg.cluster.etcd.is_empty() {
             return Ok(None);
         }
         let volume = &set.name;
-        let Some(epoch) = self.owned_epoch(volume) else {
+        let Some(epoch) = self.cluster.owned_epoch(volume) else {
             return Err(Error::busy(format!(
                 "cannot snapshot '{volume}': the cluster has not confirmed that this node \
                  owns it (not joined yet, or another node took it over)"
@@ -368,13 +367,13 @@ impl Node {
         &self,
         volume: &str,
     ) -> std::result::Result<(), String> {
-        let Some(m) = self.cluster() else {
+        let Some(m) = self.cluster.membership() else {
             return Ok(());
         };
         let me = self.cfg.node_name();
         let intent = match self.read_spec(m, volume) {
             Ok(Some((spec, _)))
-                if spec.owner != me || Some(spec.epoch) != self.owned_epoch(volume) =>
+                if spec.owner != me || Some(spec.epoch) != self.cluster.owned_epoch(volume) =>
             {
                 return Err(format!(
                     "'{}' owns the volume at epoch {}",
@@ -427,7 +426,7 @@ impl Node {
     /// (a given-up copy and a deleted replica take their snapshots with them).
     fn undo_snapshot_copies(&self, volume: &str, intent: &SnapshotIntent) -> Vec<(String, String)> {
         let me = self.cfg.node_name();
-        let Some(rv) = self.replica_set(volume) else {
+        let Some(rv) = self.replicas.get(volume) else {
             return intent
                 .replicas
                 .iter()
@@ -478,7 +477,7 @@ impl Node {
     /// What takes a snapshot of `volume` here: a plain volume, or the local replica of a
     /// replicated volume this node owns (the other replicas take copies).
     fn snapshot_source(&self, volume: &str) -> Result<SnapshotSource> {
-        if let Some(set) = self.replica_set(volume) {
+        if let Some(set) = self.replicas.get(volume) {
             let local = set.local_volume().ok_or_else(|| {
                 Error::invalid(format!(
                     "volume '{volume}' has no replica on this node: a snapshot is taken \
@@ -494,7 +493,7 @@ impl Node {
             });
         }
         let (pool, v) = self.find_volume(volume)?;
-        if let Some(why) = self.replica_blocked(&v) {
+        if let Some(why) = self.replicas.blocked(&v) {
             return Err(Error::busy(format!(
                 "volume '{volume}' is replicated and not served now ({why}): no snapshot"
             )));
@@ -505,7 +504,7 @@ impl Node {
                  volume on its owner, which takes a copy on every replica at one point"
             )));
         }
-        let set = self.replicated_of(&v);
+        let set = self.replicas.of(&v);
         Ok(SnapshotSource {
             pool,
             local: v,
@@ -631,14 +630,13 @@ impl Node {
         let (_, s) = self.find_snapshot(name)?;
         // The replicated volumes reading through it (before the chain changes).
         let sets: Vec<Arc<ReplicatedVolume>> = self
-            .replicated
-            .read_locked()
-            .values()
+            .replicas
+            .all()
+            .into_iter()
             .filter(|rv| {
                 rv.local_volume()
                     .is_some_and(|v| v.ancestors().iter().any(|a| Arc::ptr_eq(a, &s)))
             })
-            .cloned()
             .collect();
         self.delete_volume(name)?;
         let mut not_deleted = Vec::new();
@@ -716,7 +714,7 @@ impl Node {
     /// happen on every replica at one point with the volume not served, which is not
     /// built; a clone of the snapshot is the way back.
     fn refuse_replicated(&self, v: &tessera_pool::Volume) -> Result<()> {
-        if self.replicated_of(v).is_some() || self.replica_blocked(v).is_some() {
+        if self.replicas.of(v).is_some() || self.replicas.blocked(v).is_some() {
             return Err(Error::invalid(format!(
                 "volume '{}' is replicated: it cannot be rolled back in place (every replica \
                  would have to go back at once); clone the snapshot instead (`tessera volume \

@@ -1,4 +1,4 @@
-//! Pools on RAM devices for the services' unit tests.
+//! Pools on RAM devices, and a node started in process, for the services' unit tests.
 
 use std::sync::Arc;
 
@@ -30,4 +30,19 @@ pub fn ram_pool(
         ..PoolOptions::default()
     };
     (Arc::new(Pool::create(name, devs, opts).unwrap()), ram)
+}
+
+/// A node started in process on data directory `dir`, with one reactor core, no pool and
+/// nothing listening (the listeners are started by `tessera run`, not by the node): for
+/// the operations that go through `Node` and its services together.
+pub fn test_node(dir: &std::path::Path) -> Arc<super::Node> {
+    let cfg = crate::config::NodeConfig {
+        data_dir: dir.to_path_buf(),
+        cores: 1,
+        pin_cores: false,
+        name: Some("test-node".into()),
+        ..crate::config::NodeConfig::default()
+    };
+    let lock = crate::datadir::DataDirLock::acquire(&cfg).unwrap();
+    super::Node::start(cfg, lock).unwrap()
 }

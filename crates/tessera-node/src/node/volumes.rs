@@ -58,7 +58,7 @@ impl Node {
     pub fn resize_volume(&self, name: &str, size: u64, force: bool) -> Result<VolumeInfo> {
         let _g = self.admin();
         let (p, v) = self.find_volume(name)?;
-        if self.replicated_of(&v).is_some() || self.replica_blocked(&v).is_some() {
+        if self.replicas.of(&v).is_some() || self.replicas.blocked(&v).is_some() {
             return Err(Error::invalid(format!(
                 "volume '{name}' is replicated: resizing a replicated volume is not supported yet"
             )));
@@ -79,7 +79,7 @@ impl Node {
                 "volume '{name}' is a namespace of NVMe subsystem '{nqn}'; remove it first"
             )));
         }
-        if let Some(rv) = self.replicated_of(&v) {
+        if let Some(rv) = self.replicas.of(&v) {
             self.delete_replicated(&rv)?;
         }
         p.delete_volume(&v)?;
@@ -111,7 +111,7 @@ impl Node {
             created: v.created,
             qos: self.groups.volume_qos(v).limits(),
             group: self.groups.group_of(&v.name),
-            replicas: self.replica_infos(v),
+            replicas: self.replicas.infos(v),
             snapshot: v.is_snapshot(),
             parent: v.listed_parent().map(|p| p.name.clone()),
         }
@@ -135,7 +135,7 @@ impl Node {
 
     /// What serves a volume: the volume, or the replicated volume it is the local leg of.
     pub fn target_of(&self, vol: &Arc<Volume>) -> NodeTarget {
-        match self.replicated_of(vol) {
+        match self.replicas.of(vol) {
             Some(rv) => NodeTarget::Replicated(rv),
             None => NodeTarget::Local(vol.clone()),
         }
