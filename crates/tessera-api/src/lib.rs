@@ -37,6 +37,7 @@ macro_rules! wire_state {
 pub mod cluster;
 pub mod exports;
 pub mod groups;
+pub mod iscsi;
 pub mod jobs;
 pub mod layout;
 pub mod nvmf;
@@ -51,6 +52,7 @@ use serde::{Deserialize, Serialize};
 pub use cluster::*;
 pub use exports::*;
 pub use groups::*;
+pub use iscsi::*;
 pub use jobs::*;
 pub use layout::LayoutSpec;
 pub use nvmf::*;

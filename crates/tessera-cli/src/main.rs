@@ -4,6 +4,7 @@
 mod cluster_cmd;
 mod error;
 mod format;
+mod iscsi_cmd;
 mod manage;
 mod nvmf_cmd;
 mod paths;
@@ -130,6 +131,9 @@ enum Cmd {
     /// NVMe/TCP: initiator (discover, identify, read, write, perf) and subsystems.
     #[command(subcommand)]
     Nvmf(nvmf_cmd::NvmfCmd),
+    /// iSCSI: the node's targets and their LUNs.
+    #[command(subcommand)]
+    Iscsi(iscsi_cmd::IscsiCmd),
     /// The cluster this node is a member of (`[cluster]` in its config): nodes, volumes.
     #[command(subcommand)]
     Cluster(cluster_cmd::ClusterCmd),
@@ -199,6 +203,7 @@ impl Cmd {
                 | Cmd::Background(_)
                 | Cmd::Cluster(_)
                 | Cmd::Nvmf(nvmf_cmd::NvmfCmd::Subsystem(_))
+                | Cmd::Iscsi(_)
         )
     }
 }
@@ -314,6 +319,7 @@ fn dispatch(cmd: Cmd, api: &tessera_http::Endpoint, json: bool) -> Result<(), Cl
         Cmd::Bench(a) => run_bench(a, raw),
         Cmd::NbdPerf(a) => nbd_perf::run(a).map_err(CliError::from),
         Cmd::Nvmf(c) => nvmf_cmd::run(api, c, raw),
+        Cmd::Iscsi(c) => iscsi_cmd::run(api, c, raw),
         Cmd::Cluster(c) => cluster_cmd::cluster(api, c, raw),
     }
 }

@@ -42,6 +42,9 @@ pub struct UpArgs {
     /// NVMe/TCP discovery port ("" = none).
     #[arg(long, default_value = "127.0.0.1:8009")]
     nvmf_discovery: String,
+    /// iSCSI portal ("" = no iSCSI).
+    #[arg(long, default_value = "127.0.0.1:3260")]
+    iscsi: String,
     /// Serve /metrics, /healthz and /readyz on this address (plain HTTP, read-only),
     /// e.g. 127.0.0.1:9464 (default: no metrics listener).
     #[arg(long, value_name = "ADDR")]
@@ -111,8 +114,8 @@ pub struct ClientLimitArgs {
     /// [default: 1G].
     #[arg(long, value_name = "SIZE")]
     node_buffers: Option<String>,
-    /// Connections each NBD and NVMe/TCP listener serves at a time; more are closed
-    /// right after accept [default: 256 NBD, 1024 NVMe/TCP].
+    /// Connections each NBD, NVMe/TCP and iSCSI listener serves at a time; more are
+    /// closed right after accept [default: 256 NBD, 1024 NVMe/TCP, 1024 iSCSI].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
 }
@@ -128,6 +131,7 @@ impl ClientLimitArgs {
         if let Some(n) = self.max_connections {
             cfg.nbd.max_connections = n;
             cfg.nvmf.max_connections = n;
+            cfg.iscsi.max_connections = n;
         }
     }
 }
@@ -190,6 +194,7 @@ pub fn up(a: UpArgs) -> Result<()> {
     cfg.nvmf.enabled = !a.nvmf.is_empty();
     cfg.nvmf.listen = a.nvmf;
     cfg.nvmf.discovery = a.nvmf_discovery;
+    cfg.iscsi.listen = a.iscsi;
     cfg.metrics.listen = a.metrics;
     a.tls.apply(&mut cfg);
     a.limits.apply(&mut cfg);
@@ -261,7 +266,9 @@ fn serve(cfg: NodeConfig) -> Result<()> {
             .collect(),
     );
     // NVMe/TCP listens before the banner says ready.
-    let nvmf = tessera_node::node::nvmf::start(&node);
+    let mut nvmf = tessera_node::node::nvmf::start(&node);
+    // iSCSI too: the banner lists its portal with the NVMe/TCP ports.
+    nvmf.extend(tessera_node::node::iscsi::start(&node));
     // Join the cluster last: the record published says where every listener is.
     node.join_cluster()
         .map_err(|e| crate::error::CliError::Failed(format!("cannot join the cluster: {e}")))?;
@@ -358,7 +365,11 @@ fn print_banner(node: &Node, addrs: &[String], nvmf: &[String]) {
         }
     }
     for a in nvmf {
-        println!("tessera: NVMe/TCP: {a}");
+        if a.starts_with("iscsi://") {
+            println!("tessera: iSCSI: {a}");
+        } else {
+            println!("tessera: NVMe/TCP: {a}");
+        }
     }
     println!(
         "tessera: stop it with Ctrl-C or `kill {}` (SIGTERM): it commits metadata, then exits",

@@ -367,6 +367,8 @@ fn up_prints_absolute_paths_and_how_to_stop_and_notifies_systemd() {
         .args([
             "--nvmf-discovery",
             "",
+            "--iscsi",
+            "",
             "--nbd",
             &format!("127.0.0.1:{port}"),
         ])

@@ -45,7 +45,7 @@ fn up(data_dir: &Path, etcd: &EtcdCluster, c: &Path, pw_file: &Path) -> Command 
         .arg(format!("127.0.0.1:{}", free_port()))
         .args(["--cores", "1", "--nvmf"])
         .arg(format!("127.0.0.1:{}", free_port()))
-        .args(["--nvmf-discovery", ""])
+        .args(["--nvmf-discovery", "", "--iscsi", ""])
         .arg("--etcd")
         .arg(etcd.endpoints().join(","))
         .arg("--etcd-ca")

@@ -39,6 +39,7 @@ impl Node {
             .args(["--nbd", &format!("127.0.0.1:{p1}")])
             .args(["--nvmf", &format!("127.0.0.1:{p2}")])
             .args(["--nvmf-discovery", &format!("127.0.0.1:{p3}")])
+            .args(["--iscsi", ""])
             .current_dir(dir.path())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -332,7 +332,7 @@ fn up_with_tls_flags_forces_tls_and_export_policy_is_per_export() {
         .arg(format!("127.0.0.1:{port}"))
         .arg("--cores")
         .arg("1")
-        .args(["--nvmf", "", "--nvmf-discovery", ""])
+        .args(["--nvmf", "", "--nvmf-discovery", "", "--iscsi", ""])
         .arg("--nbd-tls-cert")
         .arg(c.join("server-cert.pem"))
         .arg("--nbd-tls-key")

@@ -38,6 +38,7 @@ pub struct NodeConfig {
     pub api: ApiConfig,
     pub nbd: NbdConfig,
     pub nvmf: NvmfConfig,
+    pub iscsi: IscsiConfig,
     pub metrics: MetricsConfig,
     pub client_buffers: ClientBuffersConfig,
     #[serde(rename = "pool")]
@@ -240,6 +241,10 @@ pub const NBD_MAX_CONNECTIONS: usize = 256;
 /// an admin queue and up to 64 I/O queues, so this is 15 hosts at full width (each
 /// request is at most 1 MiB).
 pub const NVMF_MAX_CONNECTIONS: usize = 1024;
+/// Connections (sessions: this target runs one connection per session) an iSCSI
+/// listener serves at a time by default; each request is bounded by the negotiated
+/// burst, as NVMe/TCP's are.
+pub const ISCSI_MAX_CONNECTIONS: usize = 1024;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -334,6 +339,7 @@ impl Default for NodeConfig {
             api: ApiConfig::default(),
             nbd: NbdConfig::default(),
             nvmf: NvmfConfig::default(),
+            iscsi: IscsiConfig::default(),
             metrics: MetricsConfig::default(),
             client_buffers: ClientBuffersConfig::default(),
             pools: Vec::new(),
@@ -426,6 +432,29 @@ impl NodeConfig {
             std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1)
+        }
+    }
+}
+
+/// `[iscsi]` in the node configuration.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IscsiConfig {
+    /// Address of the iSCSI portal ("" = no iSCSI listener). Off unless set in a config
+    /// file: `tessera node` runs many nodes per host in tests and clusters, and a fixed
+    /// default port would have them fight over it; `tessera up` turns it on at
+    /// 127.0.0.1:3260 (`--iscsi`).
+    pub listen: String,
+    /// Connections the portal serves at a time; past it a new connection is closed
+    /// right after accept (logged, counted in metrics).
+    pub max_connections: usize,
+}
+
+impl Default for IscsiConfig {
+    fn default() -> Self {
+        IscsiConfig {
+            listen: String::new(),
+            max_connections: ISCSI_MAX_CONNECTIONS,
         }
     }
 }

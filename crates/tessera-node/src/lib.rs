@@ -7,6 +7,7 @@ pub mod config;
 pub mod datadir;
 pub mod error;
 pub mod groups;
+pub mod iscsi;
 mod job;
 pub mod listener;
 pub mod metrics;

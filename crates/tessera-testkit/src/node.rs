@@ -82,6 +82,10 @@ pub struct TestNode<B: Binary> {
     tmp: Option<TempDir>,
     pub data_dir: PathBuf,
     pub port: u16,
+    /// The iSCSI portal's port of a node started with `tessera up` (a free one: `up`
+    /// would otherwise listen on 3260, which parallel test nodes would fight over);
+    /// config nodes listen for iSCSI only where their config says so.
+    pub iscsi_port: u16,
     /// Config file, when started with one (restart reuses it).
     pub config: Option<PathBuf>,
     pub log: PathBuf,
@@ -102,6 +106,7 @@ impl<B: Binary> TestNode<B> {
             dir,
             tmp: Some(tmp),
             port: free_port(),
+            iscsi_port: free_port(),
             config: None,
             log: PathBuf::new(),
             netns: None,
@@ -156,6 +161,7 @@ impl<B: Binary> TestNode<B> {
             tmp: Some(tmp),
             data_dir,
             port,
+            iscsi_port: 0,
             config: Some(cfg),
             log: PathBuf::new(),
             netns: netns.map(str::to_string),
@@ -186,6 +192,8 @@ impl<B: Binary> TestNode<B> {
                     .arg(&self.data_dir)
                     .arg("--nbd")
                     .arg(format!("127.0.0.1:{}", self.port))
+                    .arg("--iscsi")
+                    .arg(format!("127.0.0.1:{}", self.iscsi_port))
                     .arg("--cores")
                     .arg("2");
             }

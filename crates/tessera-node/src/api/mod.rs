@@ -8,6 +8,7 @@ mod background;
 mod cluster;
 mod exports;
 mod groups;
+mod iscsi;
 mod nvmf;
 mod pools;
 mod snapshots;
@@ -131,6 +132,7 @@ async fn no_route(method: axum::http::Method, uri: Uri) -> Response {
         nvmf::remove, nvmf::namespace_add, nvmf::namespace_remove, nvmf::host_add,
         nvmf::host_remove, nvmf::cluster_paths, nvmf::cluster_path_put,
         nvmf::cluster_path_remove,
+        iscsi::targets, iscsi::target, iscsi::create, iscsi::remove,
         snapshots::list, snapshots::create, snapshots::create_group, snapshots::delete,
         snapshots::clone, snapshots::rollback, snapshots::changes, snapshots::replica_create,
         snapshots::replica_delete,
@@ -175,6 +177,7 @@ pub fn router(node: Arc<Node>) -> Router {
         .merge(groups::routes())
         .merge(background::routes())
         .merge(nvmf::routes())
+        .merge(iscsi::routes())
         .merge(snapshots::routes())
         .merge(cluster::routes())
         .fallback(no_route)

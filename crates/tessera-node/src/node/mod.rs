@@ -28,6 +28,7 @@
 //! volumes (`proxy.rs`), device replacement and hot spares
 //! (`spares.rs`, which asks the jobs service whether a pool is busy and starts the
 //! rebuild onto a new device through it), QoS groups (`qos.rs`), NVMe/TCP (`nvmf.rs`),
+//! iSCSI targets and their listener (`iscsi.rs`, over `crate::iscsi`),
 //! and the devices the pools are opened on (`devices.rs`); a volume's own snapshot
 //! history (`lineage.rs`, a leaf the others share). This file holds the state, starting
 //! the node and the lookups every part uses. Operations answer with the types of
@@ -42,6 +43,7 @@ pub use exports::Exports;
 pub mod fencing;
 mod jobs;
 pub use jobs::Jobs;
+pub mod iscsi;
 mod lineage;
 pub mod nvmf;
 mod ownership;
@@ -95,6 +97,8 @@ pub struct Node {
     exports: Exports,
     /// NVMe/TCP subsystems and target (crate::nvmf).
     pub nvmf: crate::nvmf::NvmfState,
+    /// iSCSI targets and their live target (crate::iscsi).
+    pub iscsi: crate::iscsi::IscsiState,
     /// QoS groups (tenants) and their stepped bursts.
     pub groups: crate::groups::Groups,
     /// Scrub, resync and rebuild of the pools, and the background classes' limits
@@ -158,6 +162,7 @@ impl Node {
         let registry = Registry::new(&cfg.data_dir);
         let entries = registry.load()?;
         let nvmf = crate::nvmf::NvmfState::load(&cfg.data_dir).map_err(StartError::Catalog)?;
+        let iscsi = crate::iscsi::IscsiState::load(&cfg.data_dir).map_err(StartError::Catalog)?;
         let groups = crate::groups::Groups::load(&cfg.data_dir).map_err(StartError::Catalog)?;
         let jobs = Jobs::load(&cfg.data_dir)?;
         let reactors: Vec<Arc<Mailbox>> = reactors.into_iter().map(|(m, _h)| m).collect();
@@ -174,6 +179,7 @@ impl Node {
             started: Instant::now(),
             exports,
             nvmf,
+            iscsi,
             groups,
             jobs,
             slots: Mutex::new(BTreeMap::new()),

@@ -553,13 +553,17 @@ impl Node {
                     .map(|e| e.name)
                     .collect();
                 let nqn = self.nvmf.subsystem_using(&p.status().uuid, v.id);
-                if !exports.is_empty() || nqn.is_some() || v.open_handles() > 0 {
+                let iqn = self.iscsi.target_using(&p.status().uuid, v.id);
+                if !exports.is_empty() || nqn.is_some() || iqn.is_some() || v.open_handles() > 0 {
                     let mut uses = Vec::new();
                     if !exports.is_empty() {
                         uses.push(format!("exported as {}", exports.join(", ")));
                     }
                     if let Some(n) = nqn {
                         uses.push(format!("a namespace of NVMe subsystem '{n}'"));
+                    }
+                    if let Some(t) = iqn {
+                        uses.push(format!("a LUN of iSCSI target '{t}'"));
                     }
                     if v.open_handles() > 0 {
                         uses.push(format!("{} open connections", v.open_handles()));

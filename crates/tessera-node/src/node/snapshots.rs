@@ -680,6 +680,11 @@ impl Node {
                 "volume '{volume}' is a namespace of NVMe subsystem '{nqn}'; remove it before a rollback"
             )));
         }
+        if let Some(iqn) = self.iscsi.target_using(&p.status().uuid, v.id) {
+            return Err(Error::busy(format!(
+                "volume '{volume}' is a LUN of iSCSI target '{iqn}'; delete the target before a rollback"
+            )));
+        }
         let (sp, s) = self.find_snapshot(to)?;
         if !Arc::ptr_eq(&p, &sp) {
             return Err(Error::invalid(format!(

@@ -79,6 +79,11 @@ impl Node {
                 "volume '{name}' is a namespace of NVMe subsystem '{nqn}'; remove it first"
             )));
         }
+        if let Some(iqn) = self.iscsi.target_using(&p.status().uuid, v.id) {
+            return Err(Error::busy(format!(
+                "volume '{name}' is a LUN of iSCSI target '{iqn}'; delete the target first"
+            )));
+        }
         if let Some(rv) = self.replicas.of(&v) {
             self.delete_replicated(&rv)?;
         }
