@@ -37,6 +37,7 @@ pub struct TargetCreateArgs {
 
 #[derive(Args, Debug)]
 pub struct TargetName {
+    /// The target's iSCSI name (as `tessera iscsi target list` shows it).
     pub iqn: String,
 }
 
