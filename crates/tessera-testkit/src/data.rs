@@ -17,6 +17,15 @@ impl Rng {
     }
 }
 
+/// Whether every byte is zero. Checked 64 bytes at a time with an OR, which the compiler
+/// vectorises: the model checker asks this of every sector it reads and of every write's
+/// old contents, and a byte-at-a-time `all` was a fifth of its time.
+pub fn is_zero(bytes: &[u8]) -> bool {
+    let mut chunks = bytes.chunks_exact(64);
+    (&mut chunks).all(|c| c.iter().fold(0, |acc, &b| acc | b) == 0)
+        && chunks.remainder().iter().all(|&b| b == 0)
+}
+
 /// `len` bytes of the xorshift stream that starts from `x` (made odd).
 fn stream(x: u64, len: usize) -> Vec<u8> {
     let mut r = Rng(x | 1);
@@ -60,7 +69,7 @@ pub fn stamped(block: u64, gen: u64) -> Vec<u8> {
 /// Which generation a [`stamped`] block read back at `block` holds (0: zeros), or what
 /// is wrong with it.
 pub fn decode_stamped(block: u64, data: &[u8]) -> Result<u64, String> {
-    if data.iter().all(|&x| x == 0) {
+    if is_zero(data) {
         return Ok(0);
     }
     let b = u64::from_le_bytes(data[0..8].try_into().expect("8 bytes"));
@@ -76,4 +85,22 @@ pub fn decode_stamped(block: u64, data: &[u8]) -> Result<u64, String> {
         ));
     }
     Ok(g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_zero;
+
+    #[test]
+    fn is_zero_sees_one_nonzero_byte_anywhere() {
+        for len in [0, 1, 63, 64, 65, 512, 4096 + 7] {
+            let mut v = vec![0u8; len];
+            assert!(is_zero(&v), "len {len}");
+            for at in 0..len {
+                v[at] = 0x80;
+                assert!(!is_zero(&v), "len {len}, byte {at}");
+                v[at] = 0;
+            }
+        }
+    }
 }

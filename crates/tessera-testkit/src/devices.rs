@@ -87,7 +87,7 @@ impl CacheDevice {
     fn old_bytes(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
         let mut old = vec![0u8; len];
         self.inner.read_at(offset, &mut old)?;
-        Ok(if old.iter().all(|&b| b == 0) {
+        Ok(if crate::data::is_zero(&old) {
             Bytes::Zeros(len)
         } else {
             Bytes::Data(old)

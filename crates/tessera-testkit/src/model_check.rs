@@ -88,7 +88,7 @@ pub enum Seen {
 }
 
 pub fn decode(data: &[u8], sector: u64) -> Seen {
-    if data.iter().all(|&x| x == 0) {
+    if crate::data::is_zero(data) {
         return Seen::Val(Val::Zero);
     }
     let word = |i: usize| u64::from_le_bytes(data[i..i + 8].try_into().expect("8 bytes"));
