@@ -267,7 +267,7 @@ pub fn render(node: &Node) -> String {
         node.started.elapsed().as_secs_f64(),
     );
 
-    let pools = node.pools();
+    let pools = node.pools().list();
     let volumes: Vec<VolumeFigures> = pools
         .iter()
         .flat_map(|p| {
@@ -669,7 +669,7 @@ const DEVICE_FAMILIES: &[Family<DeviceRow>] = &[
 
 fn render_devices(w: &mut TextWriter, node: &Node) {
     let mut devs = Vec::new();
-    for p in node.pools() {
+    for p in node.pools().list() {
         let info = node.pool_info(&p);
         let stats = &p.core.layout.device_stats;
         for (i, st) in info.device_states.iter().enumerate() {
@@ -728,7 +728,7 @@ const JOB_FAMILIES: &[Family<JobRow>] = &[
 
 fn render_jobs(w: &mut TextWriter, node: &Node) {
     let mut jobs = Vec::new();
-    for p in node.pools() {
+    for p in node.pools().list() {
         let name = p.name().to_string();
         let unit = p.core.unit_size();
         let mut push = |job, state: tessera_api::JobState, pr: &tessera_api::JobProgress| {

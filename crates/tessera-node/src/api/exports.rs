@@ -21,7 +21,10 @@ pub fn routes() -> Router<Arc<Node>> {
 #[utoipa::path(get, path = "/v1/exports", tag = "exports",
     responses((status = 200, body = Vec<ExportInfo>)))]
 pub async fn list(State(node): NodeState) -> Response {
-    with_node(node, |n| Response::json(200, &n.exports().list(&n.pools()))).await
+    with_node(node, |n| {
+        Response::json(200, &n.exports().list(&n.pools().list()))
+    })
+    .await
 }
 
 #[utoipa::path(post, path = "/v1/exports", tag = "exports", request_body = CreateExport,

@@ -130,7 +130,12 @@ pub async fn destroy(State(node): NodeState, Path(name): Path<String>) -> Respon
     responses((status = 200, body = RebuildStatus), (status = 404, body = ErrorReply)))]
 pub async fn rebuild_status(State(node): NodeState, Path(name): Path<String>) -> Response {
     with_node(node, move |n| {
-        reply(n.pool(&name).and_then(|p| n.jobs().rebuild_status(&p)), 200)
+        reply(
+            n.pools()
+                .get(&name)
+                .and_then(|p| n.jobs().rebuild_status(&p)),
+            200,
+        )
     })
     .await
 }
@@ -148,7 +153,8 @@ pub async fn rebuild_start(
         Ok(b) => {
             with_node(node, move |n| {
                 let r = n
-                    .pool(&name)
+                    .pools()
+                    .get(&name)
                     .and_then(|p| n.jobs().start_rebuild(&p, b.device, b.force));
                 reply(r, 202)
             })
@@ -163,7 +169,10 @@ pub async fn rebuild_start(
     responses((status = 200, body = RebuildStatus), (status = "4XX", body = ErrorReply)))]
 pub async fn rebuild_stop(State(node): NodeState, Path(name): Path<String>) -> Response {
     with_node(node, move |n| {
-        reply(n.pool(&name).and_then(|p| n.jobs().stop_rebuild(&p)), 200)
+        reply(
+            n.pools().get(&name).and_then(|p| n.jobs().stop_rebuild(&p)),
+            200,
+        )
     })
     .await
 }
@@ -241,7 +250,10 @@ pub async fn spares_remove(
     responses((status = 200, body = ScrubStatus), (status = 404, body = ErrorReply)))]
 pub async fn scrub_status(State(node): NodeState, Path(name): Path<String>) -> Response {
     with_node(node, move |n| {
-        reply(n.pool(&name).and_then(|p| n.jobs().scrub_status(&p)), 200)
+        reply(
+            n.pools().get(&name).and_then(|p| n.jobs().scrub_status(&p)),
+            200,
+        )
     })
     .await
 }
@@ -259,7 +271,8 @@ pub async fn scrub_start(
         Ok(b) => {
             with_node(node, move |n| {
                 let r = n
-                    .pool(&name)
+                    .pools()
+                    .get(&name)
                     .and_then(|p| n.jobs().start_scrub(&p, b.repair));
                 reply(r, 202)
             })
@@ -274,7 +287,10 @@ pub async fn scrub_start(
     responses((status = 200, body = ScrubStatus), (status = "4XX", body = ErrorReply)))]
 pub async fn scrub_stop(State(node): NodeState, Path(name): Path<String>) -> Response {
     with_node(node, move |n| {
-        reply(n.pool(&name).and_then(|p| n.jobs().stop_scrub(&p)), 200)
+        reply(
+            n.pools().get(&name).and_then(|p| n.jobs().stop_scrub(&p)),
+            200,
+        )
     })
     .await
 }
@@ -284,7 +300,12 @@ pub async fn scrub_stop(State(node): NodeState, Path(name): Path<String>) -> Res
     responses((status = 200, body = ScrubStatus), (status = 404, body = ErrorReply)))]
 pub async fn resync_status(State(node): NodeState, Path(name): Path<String>) -> Response {
     with_node(node, move |n| {
-        reply(n.pool(&name).and_then(|p| n.jobs().resync_status(&p)), 200)
+        reply(
+            n.pools()
+                .get(&name)
+                .and_then(|p| n.jobs().resync_status(&p)),
+            200,
+        )
     })
     .await
 }

@@ -145,6 +145,7 @@ impl Node {
         });
         let pools = self
             .pools()
+            .list()
             .iter()
             .map(|p| {
                 let i = self.pool_info(p);

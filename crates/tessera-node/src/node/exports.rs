@@ -176,7 +176,7 @@ impl Exports {
 
 impl Node {
     pub fn find_export(&self, name: &str) -> Option<(Arc<Pool>, ExportRecord)> {
-        self.pools().into_iter().find_map(|p| {
+        self.pools().list().into_iter().find_map(|p| {
             p.exports()
                 .into_iter()
                 .find(|e| e.name == name)
@@ -209,6 +209,7 @@ impl Node {
             // it under its name by itself; scripts may still ask for it): creation is
             // idempotent for an identical export, a conflict for any other.
             let same = self
+                .pools()
                 .find_volume(volume)
                 .is_ok_and(|(vp, v)| Arc::ptr_eq(&vp, &p) && v.id == e.volume_id)
                 && e.read_only == read_only
@@ -221,7 +222,7 @@ impl Node {
             )));
         }
         self.exports.check_policy(name, tls)?;
-        let (p, v) = self.find_volume(volume)?;
+        let (p, v) = self.pools().find_volume(volume)?;
         let record = ExportRecord {
             name: name.to_string(),
             volume_id: v.id,

@@ -60,7 +60,7 @@ impl Node {
         let local = rv.local_volume();
         let _ = std::fs::remove_file(rv.path());
         let Some(v) = local else { return };
-        let Ok((p, _)) = self.find_volume(&v.name) else {
+        let Ok((p, _)) = self.pools().find_volume(&v.name) else {
             return;
         };
         for e in p.exports() {
@@ -89,7 +89,7 @@ impl Node {
     /// reads through stays, with the older ones: the clone is a user's volume); true when
     /// it is gone.
     fn delete_stale_copy(&self, volume: &str, local: &str) -> bool {
-        let Ok((p, v)) = self.find_volume(local) else {
+        let Ok((p, v)) = self.pools().find_volume(local) else {
             return true;
         };
         let snapshots = super::lineage::own_snapshots(&p, &v);
@@ -165,7 +165,7 @@ impl Node {
         let Some((replica_vol, my_nqn)) = self.held_replica(volume) else {
             return Ok(false);
         };
-        let (pool, local) = self.find_volume(&replica_vol)?;
+        let (pool, local) = self.pools().find_volume(&replica_vol)?;
         let my_place = spec.place_on(&me).unwrap_or_default().to_string();
         let old_place = spec.place_on(&spec.owner).map(str::to_string);
         let mut next = spec.clone();

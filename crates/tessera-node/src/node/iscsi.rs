@@ -72,8 +72,8 @@ impl Node {
         let mut luns = Vec::new();
         let mut exports = Vec::new();
         for (i, name) in volumes.iter().enumerate() {
-            let (p, v) = self.find_volume(name)?;
-            let pool_uuid = p.status().uuid;
+            let (p, v) = self.pools().find_volume(name)?;
+            let pool_uuid = p.uuid();
             if luns
                 .iter()
                 .any(|l: &LunRecord| l.pool_uuid == pool_uuid && l.volume_id == v.id)
@@ -139,9 +139,7 @@ impl Node {
         for l in &t.luns {
             let v = self
                 .pools()
-                .into_iter()
-                .find(|p| p.status().uuid == l.pool_uuid)
-                .and_then(|p| p.volume_by_id(l.volume_id))
+                .volume_by_id(&l.pool_uuid, l.volume_id)
                 .filter(|v| self.replicas().blocked(v).is_none());
             let Some(v) = v else {
                 tracing::error!(

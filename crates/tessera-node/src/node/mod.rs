@@ -20,14 +20,20 @@
 //!   given-up volumes still to delete. Its operations need the pools, replicas and
 //!   exports too and stay `Node` methods: joining, the cluster view and the specs
 //!   (`cluster.rs`), the owner's side (`ownership.rs`), the watcher that takes volumes
-//!   over and gives them up (`failover.rs`), fences (`fencing.rs`).
+//!   over and gives them up (`failover.rs`), fences (`fencing.rs`);
+//! - pools (`pools.rs`, [`Pools`], [`Node::pools`]): the open pools, the offline ones
+//!   with the reason, and the registry; every part looks pools and volumes up through
+//!   it. Creating (with the config's declarations, below), destroying (which forgets
+//!   the pool's jobs and slots) and updating a pool stay `Node` operations in the same
+//!   file;
+//! - spares (`spares.rs`, [`Spares`]): the redundant pools' swappable device slots and
+//!   the opened hot spares. Replacing a device and the hot spare watcher stay `Node`
+//!   operations there: they ask the jobs service whether a pool is busy and start the
+//!   rebuild onto the new device through it.
 //!
 //! The other operations are still grouped by what they manage, one `impl Node` per
-//! file: pools (`pools.rs`, which forgets a destroyed pool's jobs), volumes
-//! (`volumes.rs`), snapshots (`snapshots.rs`), the NBD proxy to other nodes'
-//! volumes (`proxy.rs`), device replacement and hot spares
-//! (`spares.rs`, which asks the jobs service whether a pool is busy and starts the
-//! rebuild onto a new device through it), QoS groups (`qos.rs`), NVMe/TCP (`nvmf.rs`),
+//! file: volumes (`volumes.rs`), snapshots (`snapshots.rs`), the NBD proxy to other
+//! nodes' volumes (`proxy.rs`), QoS groups (`qos.rs`), NVMe/TCP (`nvmf.rs`),
 //! iSCSI targets and their listener (`iscsi.rs`, over `crate::iscsi`),
 //! and the devices the pools are opened on (`devices.rs`); a volume's own snapshot
 //! history (`lineage.rs`, a leaf the others share). This file holds the state, starting
@@ -49,29 +55,30 @@ pub mod nvmf;
 mod ownership;
 pub use nvmf::ClusterPath;
 mod pools;
+pub use pools::Pools;
 pub mod proxy;
 mod qos;
 pub mod replicas;
 pub use replicas::Replicas;
 mod snapshots;
 mod spares;
+pub use spares::Spares;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
 #[cfg(test)]
 mod test_pools;
 mod volumes;
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
-use tessera_io::sync::{MutexExt, RwLockExt};
+use tessera_io::sync::MutexExt;
 
 use tessera_api::NodeStatus;
 use tessera_device::{parse_size, BlockDevice, SwappableDevice};
 use tessera_io::{spawn_reactors, Mailbox, ReactorConfig};
 use tessera_nbd::handshake::{ExportCatalog, ExportInfo};
-use tessera_pool::{Pool, PoolOptions, Volume};
+use tessera_pool::{Pool, PoolOptions};
 use tracing::{error, info, warn};
 
 use crate::config::NodeConfig;
@@ -82,11 +89,8 @@ use pools::{layout_kind, parse_layout};
 
 pub struct Node {
     pub cfg: NodeConfig,
-    pools: RwLock<BTreeMap<String, Arc<Pool>>>,
-    /// Pools listed in the registry that could not be opened, with the reason.
-    offline: RwLock<BTreeMap<String, String>>,
-    registry: Registry,
-    entries: Mutex<Vec<PoolEntry>>,
+    /// The open pools, the offline ones and the registry (node/pools.rs).
+    pools: Pools,
     /// Serialises management operations so that checks and changes do not interleave.
     admin: Mutex<()>,
     pub reactors: Vec<Arc<Mailbox>>,
@@ -104,11 +108,10 @@ pub struct Node {
     /// Scrub, resync and rebuild of the pools, and the background classes' limits
     /// (node/jobs.rs).
     jobs: Jobs,
-    /// The device slots of each redundant pool: a replacement or a hot spare is swapped
-    /// into them live (docs/architecture.md "Device replacement and hot spares").
-    slots: Mutex<BTreeMap<String, Vec<Arc<SwappableDevice>>>>,
-    /// Hot spares the node has opened, by spec (which pool lists which: `entries`).
-    spare_devs: Mutex<BTreeMap<String, Arc<dyn BlockDevice>>>,
+    /// The device slots of each redundant pool, which a replacement or a hot spare is
+    /// swapped into live, and the opened hot spares (node/spares.rs;
+    /// docs/architecture.md "Device replacement and hot spares").
+    spares: Spares,
     /// Replicated volumes this node owns, and those not served with the reason
     /// (node/replicas.rs).
     replicas: Replicas,
@@ -169,10 +172,7 @@ impl Node {
         let replicas = Replicas::new(&cfg, reactors.clone());
         let node = Arc::new(Node {
             cfg,
-            pools: RwLock::new(BTreeMap::new()),
-            offline: RwLock::new(BTreeMap::new()),
-            registry,
-            entries: Mutex::new(entries.clone()),
+            pools: Pools::new(registry, entries.clone()),
             admin: Mutex::new(()),
             reactors,
             next_core: AtomicUsize::new(0),
@@ -182,8 +182,7 @@ impl Node {
             iscsi,
             groups,
             jobs,
-            slots: Mutex::new(BTreeMap::new()),
-            spare_devs: Mutex::new(BTreeMap::new()),
+            spares: Spares::default(),
             replicas,
             cluster: Cluster::default(),
             self_ref: std::sync::OnceLock::new(),
@@ -195,9 +194,7 @@ impl Node {
         for e in entries {
             for s in &e.spares {
                 match open_devices(std::slice::from_ref(s)) {
-                    Ok(mut d) => {
-                        node.spare_devs().insert(s.clone(), d.remove(0));
-                    }
+                    Ok(mut d) => node.spares.keep_open(s, d.remove(0)),
                     Err(err) => warn!(
                         pool = %e.name, device = %s, error = %err,
                         "hot spare cannot be opened (it is tried again when needed)"
@@ -206,30 +203,24 @@ impl Node {
             }
             match node.restore_pool(&e) {
                 Ok((p, slots)) => {
-                    node.pools
-                        .write_locked()
-                        .insert(e.name.clone(), Arc::new(p));
-                    if !slots.is_empty() {
-                        node.slots_map().insert(e.name.clone(), slots);
-                    }
+                    node.pools.insert(Arc::new(p));
+                    node.spares.set_slots(&e.name, slots);
                 }
                 Err(err) => {
                     error!(pool = %e.name, error = %err, "pool is offline");
-                    node.offline
-                        .write_locked()
-                        .insert(e.name.clone(), err.to_string());
+                    node.pools.mark_offline(&e.name, err.to_string());
                 }
             }
         }
         // A rebuild the node was running when it stopped resumes from its cursor, before
         // any client can write.
-        for p in node.pools() {
+        for p in node.pools().list() {
             node.jobs.resume_rebuild(&p);
         }
         // A mirrored pool whose previous run did not end with a clean shutdown may have
         // copies that differ where a write was cut between them: resync it in the
         // background (after a resumed rebuild). Parity pools recover from their journal.
-        for p in node.pools() {
+        for p in node.pools().list() {
             if !p.opened_clean() && p.core.layout.kind.is_mirror() {
                 warn!(
                     pool = %p.name(),
@@ -241,9 +232,9 @@ impl Node {
             }
         }
         node.replicas
-            .open_all(node.jobs.background(), |v| node.volume_by_name(v));
+            .open_all(node.jobs.background(), |v| node.pools().volume(v));
         node.apply_declarations()?;
-        node.groups.bind_all(|n| node.volume_by_name(n));
+        node.groups.bind_all(|n| node.pools().volume(n));
         node.start_ladder();
         node.start_spare_watch();
         Ok(node)
@@ -313,7 +304,7 @@ impl Node {
     fn apply_declarations(&self) -> std::result::Result<(), StartError> {
         let cfg = self.cfg.clone();
         for p in &cfg.pools {
-            if self.pool(&p.name).is_ok() || self.offline_reason(&p.name).is_some() {
+            if self.pools().get(&p.name).is_ok() || self.pools().offline_reason(&p.name).is_some() {
                 continue;
             }
             let size = |what: &str, v: &Option<String>| v.as_deref().map(|v| size_arg(what, v));
@@ -334,17 +325,15 @@ impl Node {
                 }
                 Err(err) => {
                     error!(pool = %p.name, error = %err, "pool from the config cannot be created: it is offline");
-                    self.offline
-                        .write_locked()
-                        .insert(p.name.clone(), err.to_string());
+                    self.pools.mark_offline(&p.name, err.to_string());
                 }
             }
         }
         for v in &cfg.volumes {
-            if self.find_volume(&v.name).is_ok() {
+            if self.pools().find_volume(&v.name).is_ok() {
                 continue;
             }
-            if let Some(why) = self.offline_reason(&v.pool) {
+            if let Some(why) = self.pools().offline_reason(&v.pool) {
                 error!(volume = %v.name, pool = %v.pool, reason = %why, "volume from the config skipped: its pool is offline");
                 continue;
             }
@@ -362,8 +351,8 @@ impl Node {
             }
             // A volume not found may live in an offline pool (the config need not declare
             // it): its export waits for that pool too.
-            let offline: Vec<String> = self.offline.read_locked().keys().cloned().collect();
-            if self.find_volume(&x.volume).is_err() && !offline.is_empty() {
+            let offline = self.pools.offline_names();
+            if self.pools().find_volume(&x.volume).is_err() && !offline.is_empty() {
                 error!(export = %x.name, volume = %x.volume, offline_pools = ?offline, "export from the config skipped: its volume is not open (is its pool offline?)");
                 continue;
             }
@@ -375,11 +364,6 @@ impl Node {
                 })?;
         }
         Ok(())
-    }
-
-    /// Why pool `name` is offline (it is listed but could not be opened), if it is.
-    fn offline_reason(&self, name: &str) -> Option<String> {
-        self.offline.read_locked().get(name).cloned()
     }
 
     /// The pools' background jobs (scrub, resync, rebuild) and the background classes.
@@ -402,25 +386,9 @@ impl Node {
         self.admin.locked()
     }
 
-    pub fn pools(&self) -> Vec<Arc<Pool>> {
-        self.pools.read_locked().values().cloned().collect()
-    }
-
-    pub fn pool(&self, name: &str) -> Result<Arc<Pool>> {
-        self.pools
-            .read_locked()
-            .get(name)
-            .cloned()
-            .ok_or_else(|| Error::missing("pool", name))
-    }
-
-    pub fn find_volume(&self, name: &str) -> Result<(Arc<Pool>, Arc<Volume>)> {
-        for p in self.pools() {
-            if let Some(v) = p.volume(name) {
-                return Ok((p, v));
-            }
-        }
-        Err(Error::missing("volume", name))
+    /// The pools: open, offline, and the registry.
+    pub fn pools(&self) -> &Pools {
+        &self.pools
     }
 
     /// The next reactor core for a new connection (round robin).
@@ -429,28 +397,8 @@ impl Node {
         self.reactors[i].clone()
     }
 
-    fn save_registry(&self, entries: &[PoolEntry]) -> Result<()> {
-        Ok(self.registry.save(entries)?)
-    }
-
-    /// Change pool `pool`'s registry entry with `f` and save the registry; when `f` or the
-    /// save fails, the entries stay as they were.
-    fn edit_entry<T>(&self, pool: &str, f: impl FnOnce(&mut PoolEntry) -> Result<T>) -> Result<T> {
-        let mut entries = self.entries.locked();
-        let before = entries.clone();
-        let e = entries
-            .iter_mut()
-            .find(|e| e.name == pool)
-            .ok_or_else(|| Error::missing("pool", pool))?;
-        let r = f(e).and_then(|r| self.save_registry(&entries).map(|()| r));
-        if r.is_err() {
-            *entries = before;
-        }
-        r
-    }
-
     pub fn status(&self) -> NodeStatus {
-        let pools = self.pools();
+        let pools = self.pools().list();
         let (mut cap, mut alloc, mut vols) = (0u64, 0u64, 0usize);
         for p in &pools {
             let s = p.status();
@@ -480,7 +428,7 @@ impl Node {
             .store(true, std::sync::atomic::Ordering::Release);
         self.leave_cluster();
         self.replicas.close_all();
-        for p in self.pools() {
+        for p in self.pools().list() {
             if let Err(e) = p.shutdown() {
                 error!(pool = %p.name(), error = %e, "final commit failed");
             }
@@ -491,6 +439,7 @@ impl Node {
 impl ExportCatalog for Node {
     fn list(&self) -> Vec<String> {
         self.pools()
+            .list()
             .iter()
             .flat_map(|p| p.exports().into_iter().map(|e| e.name))
             .collect()

@@ -25,9 +25,7 @@ struct NodeCatalog(Weak<Node>);
 impl NodeCatalog {
     fn volume(node: &Node, n: &NsRecord) -> Option<Arc<Volume>> {
         node.pools()
-            .into_iter()
-            .find(|p| p.status().uuid == n.pool_uuid)
-            .and_then(|p| p.volume_by_id(n.volume_id))
+            .volume_by_id(&n.pool_uuid, n.volume_id)
             .filter(|v| node.replicas().blocked(v).is_none())
     }
 }
@@ -277,8 +275,8 @@ impl Node {
         volume: &str,
         nsid: u32,
     ) -> Result<SubsystemReply, Error> {
-        let (p, v) = self.find_volume(volume)?;
-        let pool_uuid = p.status().uuid;
+        let (p, v) = self.pools().find_volume(volume)?;
+        let pool_uuid = p.uuid();
         let rec = self.nvmf.update(|f| {
             let s = f
                 .subsystems
@@ -454,7 +452,7 @@ impl Node {
         let old = self.nvmf.cluster_paths().get(&nqn).cloned();
         let rec = match path {
             ClusterPath::Owner => {
-                let (p, v) = self.find_volume(volume)?;
+                let (p, v) = self.pools().find_volume(volume)?;
                 if let Some(why) = self.replicas.blocked(&v) {
                     return Err(Error::busy(format!(
                         "volume '{volume}' cannot be served: {why}"
@@ -470,7 +468,7 @@ impl Node {
                 ClusterPathRecord {
                     volume: volume.to_string(),
                     size: v.size(),
-                    backing: Some((p.status().uuid, v.id)),
+                    backing: Some((p.uuid(), v.id)),
                 }
             }
             ClusterPath::Standby { size } => {

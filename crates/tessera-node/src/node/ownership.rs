@@ -301,7 +301,7 @@ impl Node {
         if self.find_export(volume).is_some() {
             return;
         }
-        let Ok((pool, local)) = self.find_volume(volume) else {
+        let Ok((pool, local)) = self.pools().find_volume(volume) else {
             return;
         };
         let record = tessera_pool::ExportRecord {

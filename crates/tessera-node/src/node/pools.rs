@@ -1,17 +1,176 @@
-//! Pools: create, destroy, list, and how a pool is shown.
+//! Pools: the service that owns them ([`Pools`]: the open pools, those the registry lists
+//! but could not open, and the registry itself), and the node's operations on them
+//! (create, destroy, update, list, and how a pool is shown), which also need the admin
+//! lock, the jobs and the device slots.
 
 use super::pool_tuning;
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use tessera_io::sync::{MutexExt, RwLockExt};
 use tracing::info;
 
 use tessera_api::{LayoutSpec, OfflinePool, PoolEntry, PoolInfo, PoolState, UpdatePool};
 use tessera_device::DeviceSpec;
-use tessera_pool::{LayoutKind, Pool, PoolOptions, DEFAULT_UNIT_SIZE};
+use tessera_pool::{LayoutKind, Pool, PoolOptions, Volume, DEFAULT_UNIT_SIZE};
 
 use super::devices::{canonical_spec, fit_slots, open_devices, spec_path, wrap_slots};
 use super::{Error, Node, Result};
-use crate::registry::PoolEntry as RegistryEntry;
+use crate::registry::{PoolEntry as RegistryEntry, Registry};
+
+/// The node's pools and their registry (`DATA_DIR/pools.json`), each under its own lock.
+/// The registry's entries and the open pools change together only through the node's
+/// operations, which hold the admin lock; lookups take no admin lock.
+pub struct Pools {
+    open: RwLock<BTreeMap<String, Arc<Pool>>>,
+    /// Pools listed in the registry (or declared in the config) that could not be
+    /// opened, with the reason.
+    offline: RwLock<BTreeMap<String, String>>,
+    registry: Registry,
+    entries: Mutex<Vec<RegistryEntry>>,
+}
+
+impl Pools {
+    /// No pool open yet; `entries` as the registry holds them.
+    pub(super) fn new(registry: Registry, entries: Vec<RegistryEntry>) -> Pools {
+        Pools {
+            open: RwLock::new(BTreeMap::new()),
+            offline: RwLock::new(BTreeMap::new()),
+            registry,
+            entries: Mutex::new(entries),
+        }
+    }
+
+    /// The open pools, by name.
+    pub fn list(&self) -> Vec<Arc<Pool>> {
+        self.open.read_locked().values().cloned().collect()
+    }
+
+    pub fn get(&self, name: &str) -> Result<Arc<Pool>> {
+        self.open
+            .read_locked()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::missing("pool", name))
+    }
+
+    /// Volume (or snapshot) `name` and its pool: names are unique across the node.
+    pub fn find_volume(&self, name: &str) -> Result<(Arc<Pool>, Arc<Volume>)> {
+        for p in self.list() {
+            if let Some(v) = p.volume(name) {
+                return Ok((p, v));
+            }
+        }
+        Err(Error::missing("volume", name))
+    }
+
+    /// Volume `name`, if an open pool has it.
+    pub fn volume(&self, name: &str) -> Option<Arc<Volume>> {
+        self.find_volume(name).ok().map(|(_, v)| v)
+    }
+
+    /// Volume `id` of the pool with UUID `pool_uuid` (how targets and subsystems record
+    /// their volumes), if that pool is open and has it.
+    pub fn volume_by_id(&self, pool_uuid: &str, id: u32) -> Option<Arc<Volume>> {
+        self.list()
+            .into_iter()
+            .find(|p| p.uuid() == pool_uuid)
+            .and_then(|p| p.volume_by_id(id))
+    }
+
+    /// Why pool `name` is offline (it is listed but could not be opened), if it is.
+    pub fn offline_reason(&self, name: &str) -> Option<String> {
+        self.offline.read_locked().get(name).cloned()
+    }
+
+    /// The offline pools' names.
+    pub fn offline_names(&self) -> Vec<String> {
+        self.offline.read_locked().keys().cloned().collect()
+    }
+
+    pub(super) fn mark_offline(&self, name: &str, reason: String) {
+        self.offline.write_locked().insert(name.to_string(), reason);
+    }
+
+    /// Serve `pool`, opened from its registry entry or just created and recorded.
+    pub(super) fn insert(&self, pool: Arc<Pool>) {
+        self.open
+            .write_locked()
+            .insert(pool.name().to_string(), pool);
+    }
+
+    /// Add `entry` to the registry and save it; the entries stay as they were when the
+    /// save fails.
+    pub(super) fn record(&self, entry: RegistryEntry) -> Result<()> {
+        let mut entries = self.entries.locked();
+        entries.push(entry);
+        if let Err(e) = self.registry.save(&entries) {
+            entries.pop();
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// Drop pool `name` (open or offline) and its registry entry, and save the registry;
+    /// the removed entry, for its hot spares.
+    pub(super) fn forget(&self, name: &str) -> Result<Option<RegistryEntry>> {
+        self.open.write_locked().remove(name);
+        self.offline.write_locked().remove(name);
+        let mut entries = self.entries.locked();
+        let removed = entries.iter().position(|e| e.name == name);
+        let removed = removed.map(|i| entries.remove(i));
+        self.registry.save(&entries)?;
+        Ok(removed)
+    }
+
+    /// Change pool `pool`'s registry entry with `f` and save the registry; when `f` or
+    /// the save fails, the entries stay as they were.
+    pub(super) fn edit_entry<T>(
+        &self,
+        pool: &str,
+        f: impl FnOnce(&mut RegistryEntry) -> Result<T>,
+    ) -> Result<T> {
+        let mut entries = self.entries.locked();
+        let before = entries.clone();
+        let e = entries
+            .iter_mut()
+            .find(|e| e.name == pool)
+            .ok_or_else(|| Error::missing("pool", pool))?;
+        let r = f(e).and_then(|r| self.registry.save(&entries).map(|()| r).map_err(Into::into));
+        if r.is_err() {
+            *entries = before;
+        }
+        r
+    }
+
+    /// The registry's entries, to read (their changes go through `record`, `forget` and
+    /// `edit_entry`).
+    pub(super) fn entries(&self) -> MutexGuard<'_, Vec<RegistryEntry>> {
+        self.entries.locked()
+    }
+
+    /// The pool (by name) that has the file at `path` as a device or a hot spare.
+    pub(super) fn using_file(&self, path: &PathBuf) -> Option<String> {
+        self.entries()
+            .iter()
+            .find(|e| {
+                e.devices
+                    .iter()
+                    .chain(&e.spares)
+                    .any(|x| spec_path(x).as_ref() == Some(path))
+            })
+            .map(|e| e.name.clone())
+    }
+
+    /// The hot spares of `pool` (specs, in the order they are used).
+    pub fn spares_of(&self, pool: &str) -> Vec<String> {
+        self.entries()
+            .iter()
+            .find(|e| e.name == pool)
+            .map(|e| e.spares.clone())
+            .unwrap_or_default()
+    }
+}
 
 impl Node {
     /// A new pool `name` on `devices`; `stripe` (default 64K) and `unit` (default 1M)
@@ -26,7 +185,7 @@ impl Node {
         force: bool,
     ) -> Result<PoolInfo> {
         let _g = self.admin();
-        if self.pool(name).is_ok() {
+        if self.pools.get(name).is_ok() {
             return Err(Error::already_exists(format!(
                 "pool '{name}' already exists"
             )));
@@ -50,12 +209,7 @@ impl Node {
                         path.display()
                     )));
                 }
-                if self.entries.locked().iter().any(|e| {
-                    e.devices
-                        .iter()
-                        .chain(&e.spares)
-                        .any(|x| spec_path(x) == Some(path.clone()))
-                }) {
+                if self.pools.using_file(&path).is_some() {
                     return Err(Error::already_exists(format!(
                         "device {} is already used by a pool of this node",
                         path.display()
@@ -88,31 +242,19 @@ impl Node {
             spares: Vec::new(),
             overcommit: None,
         };
-        let mut entries = self.entries.locked();
-        entries.push(entry);
-        if let Err(e) = self.save_registry(&entries) {
-            entries.pop();
-            return Err(e);
-        }
-        drop(entries);
+        self.pools.record(entry)?;
         let v = self.pool_info(&pool);
-        self.pools
-            .write_locked()
-            .insert(name.to_string(), Arc::new(pool));
-        if !slots.is_empty() {
-            self.slots_map().insert(name.to_string(), slots);
-        }
+        self.pools.insert(Arc::new(pool));
+        self.spares.set_slots(name, slots);
         Ok(v)
     }
 
     pub fn destroy_pool(&self, name: &str) -> Result<()> {
         let _g = self.admin();
-        if let Some(_reason) = self.offline.write_locked().remove(name) {
-            let mut entries = self.entries.locked();
-            entries.retain(|e| e.name != name);
-            return self.save_registry(&entries);
+        if self.pools.offline_reason(name).is_some() {
+            return self.pools.forget(name).map(drop);
         }
-        let pool = self.pool(name)?;
+        let pool = self.pools.get(name)?;
         // The job holds the pool open and writes to its devices, whose labels are wiped
         // below.
         if let Some(job) = self.jobs.busy(name) {
@@ -132,28 +274,21 @@ impl Node {
             let _ = d.write_at(0, &[0u8; 4096]);
             let _ = d.sync();
         }
-        self.pools.write_locked().remove(name);
-        self.slots_map().remove(name);
         self.jobs.forget(name);
-        let mut entries = self.entries.locked();
-        if let Some(e) = entries.iter().find(|e| e.name == name) {
-            let mut sd = self.spare_devs();
-            for s in &e.spares {
-                sd.remove(s);
-            }
-        }
-        entries.retain(|e| e.name != name);
-        self.save_registry(&entries)
+        let removed = self.pools.forget(name)?;
+        self.spares
+            .forget_pool(name, removed.map(|e| e.spares).unwrap_or_default());
+        Ok(())
     }
 
     /// Change what can be changed of a pool (`PATCH /v1/pools/NAME`): its overcommit
     /// ratio, live and in the registry.
     pub fn update_pool(&self, name: &str, u: &UpdatePool) -> Result<PoolInfo> {
         let _g = self.admin();
-        let p = self.pool(name)?;
+        let p = self.pools.get(name)?;
         if let Some(r) = u.overcommit {
             tessera_pool::validate_overcommit(r)?;
-            self.edit_entry(name, |e| {
+            self.pools.edit_entry(name, |e| {
                 e.overcommit = Some(r);
                 Ok(())
             })?;
@@ -166,14 +301,14 @@ impl Node {
     /// A pool's status (`Pool::status`) with the node's view of it: its hot spares.
     pub fn pool_info(&self, p: &Pool) -> PoolInfo {
         PoolInfo {
-            spares: self.spares(p.name()),
+            spares: self.pools.spares_of(p.name()),
             ..p.status()
         }
     }
 
     /// A pool with its running or last rebuild and resync, if any.
     pub fn pool_detail(&self, name: &str) -> Result<PoolInfo> {
-        let p = self.pool(name)?;
+        let p = self.pools.get(name)?;
         Ok(PoolInfo {
             rebuild: self.jobs.rebuild_status(&p).ok(),
             resync: self.jobs.resync_status(&p).ok(),
@@ -184,11 +319,12 @@ impl Node {
     /// The open pools, then those of the registry that could not be opened.
     pub fn list_pools(&self) -> Vec<PoolEntry> {
         let mut v: Vec<PoolEntry> = self
-            .pools()
+            .pools
+            .list()
             .iter()
             .map(|p| PoolEntry::Online(Box::new(self.pool_info(p))))
             .collect();
-        for (name, reason) in self.offline.read_locked().iter() {
+        for (name, reason) in self.pools.offline.read_locked().iter() {
             v.push(PoolEntry::Offline(OfflinePool {
                 name: name.clone(),
                 state: PoolState::Offline,
@@ -224,7 +360,7 @@ mod tests {
         let layout = parse_layout("raid1").unwrap();
         node.create_pool(name, &devs, layout, None, Some(UNIT), false)
             .unwrap();
-        node.pool(name).unwrap()
+        node.pools().get(name).unwrap()
     }
 
     /// A destroyed pool's jobs go with it: a new pool of the same name has none, and a
@@ -248,7 +384,10 @@ mod tests {
             ),
             other => panic!("expected busy, got {other:?}"),
         }
-        assert!(node.pool("p").is_ok(), "the refused destroy left the pool");
+        assert!(
+            node.pools().get("p").is_ok(),
+            "the refused destroy left the pool"
+        );
 
         node.jobs().stop_rebuild(&p).unwrap();
         let t0 = Instant::now();

@@ -23,7 +23,7 @@ impl Node {
                     let Some(node) = weak.upgrade() else { return };
                     let now = Instant::now();
                     node.groups
-                        .ladder_tick(now - last, &|n| node.volume_by_name(n));
+                        .ladder_tick(now - last, &|n| node.pools().volume(n));
                     last = now;
                 }
             });
@@ -44,18 +44,18 @@ impl Node {
 
     pub fn delete_group(&self, name: &str) -> Result<()> {
         let _g = self.admin();
-        self.groups.delete(name, |n| self.volume_by_name(n))
+        self.groups.delete(name, |n| self.pools().volume(n))
     }
 
     pub fn add_group_member(&self, name: &str, volume: &str) -> Result<GroupInfo> {
         let _g = self.admin();
-        let (_, v) = self.find_volume(volume)?;
+        let (_, v) = self.pools().find_volume(volume)?;
         self.groups.add_member(name, &v)
     }
 
     pub fn remove_group_member(&self, name: &str, volume: &str) -> Result<GroupInfo> {
         let _g = self.admin();
         self.groups
-            .remove_member(name, volume, self.volume_by_name(volume))
+            .remove_member(name, volume, self.pools().volume(volume))
     }
 }

@@ -324,7 +324,7 @@ impl Node {
     ) -> Result<VolumeInfo> {
         let _g = self.admin();
         tessera_pool::validate_name("volume", name)?;
-        if self.find_volume(name).is_ok() {
+        if self.pools().find_volume(name).is_ok() {
             return Err(Error::already_exists(format!(
                 "volume '{name}' already exists"
             )));
@@ -359,7 +359,7 @@ impl Node {
                 self.peer(n)?;
             }
         }
-        let p = self.pool(local_pool)?;
+        let p = self.pools().get(local_pool)?;
         let opts = self.replica_options()?;
         // In a cluster, the name is claimed there first (create-only in etcd).
         self.claim_volume_spec(name, size, replicas)?;
@@ -502,7 +502,7 @@ impl Node {
     /// clients keep writing.
     pub fn add_replica(&self, name: &str, place: &str) -> Result<VolumeInfo> {
         let _g = self.admin();
-        let (p, v) = self.find_volume(name)?;
+        let (p, v) = self.pools().find_volume(name)?;
         let (node, pool) = place
             .split_once(':')
             .ok_or_else(|| Error::invalid(format!("replica '{place}': expected NODE:POOL")))?;
@@ -552,8 +552,8 @@ impl Node {
                     .filter(|e| e.volume_id == v.id)
                     .map(|e| e.name)
                     .collect();
-                let nqn = self.nvmf.subsystem_using(&p.status().uuid, v.id);
-                let iqn = self.iscsi.target_using(&p.status().uuid, v.id);
+                let nqn = self.nvmf.subsystem_using(&p.uuid(), v.id);
+                let iqn = self.iscsi.target_using(&p.uuid(), v.id);
                 if !exports.is_empty() || nqn.is_some() || iqn.is_some() || v.open_handles() > 0 {
                     let mut uses = Vec::new();
                     if !exports.is_empty() {
@@ -655,7 +655,7 @@ impl Node {
     /// delete its volume. The owner's own replica and the last one in sync stay.
     pub fn remove_replica(&self, name: &str, place: &str) -> Result<RemovedReplica> {
         let _g = self.admin();
-        let (_, v) = self.find_volume(name)?;
+        let (_, v) = self.pools().find_volume(name)?;
         let rv = self
             .replicas
             .of(&v)
@@ -688,7 +688,7 @@ impl Node {
     /// peers (those that answer; the others are named in the log) and its local leg.
     pub(super) fn delete_replicated(&self, rv: &Arc<ReplicatedVolume>) -> Result<()> {
         if let Some(v) = rv.local_volume() {
-            let (p, _) = self.find_volume(&v.name)?;
+            let (p, _) = self.pools().find_volume(&v.name)?;
             if let Some(e) = p.exports().into_iter().find(|e| e.volume_id == v.id) {
                 return Err(Error::busy(format!(
                     "volume '{}' is exported as '{}'; remove the export first",
@@ -718,7 +718,7 @@ impl Node {
             ));
         }
         let nqn = replica_nqn(&req.owner, &req.volume);
-        match self.find_volume(&req.volume) {
+        match self.pools().find_volume(&req.volume) {
             Ok(_) if req.fresh => {
                 return Err(Error::already_exists(format!(
                     "volume '{}' already exists here (left from an earlier replica?): a new \
@@ -756,7 +756,7 @@ impl Node {
     /// snapshots (copies of the owner's, which its owner no longer reaches; one a clone
     /// reads through stays, with the older ones).
     pub fn delete_replica(&self, volume: &str) -> Result<()> {
-        let snapshots: Vec<String> = match self.find_volume(volume) {
+        let snapshots: Vec<String> = match self.pools().find_volume(volume) {
             Ok((p, v)) => super::lineage::own_snapshots(&p, &v)
                 .into_iter()
                 .map(|s| s.name.clone())

@@ -57,7 +57,7 @@ struct RemoteCopy {
 
 impl Node {
     fn find_snapshot(&self, name: &str) -> Result<(Arc<Pool>, Arc<Volume>)> {
-        match self.find_volume(name) {
+        match self.pools().find_volume(name) {
             Ok((p, v)) if v.is_snapshot() => Ok((p, v)),
             Ok(_) => Err(Error::invalid(format!(
                 "'{name}' is a volume, not a snapshot"
@@ -89,7 +89,7 @@ impl Node {
         }
         let mut sources: Vec<(SnapshotSource, String)> = Vec::new();
         for (volume, name) in what {
-            if self.find_volume(name).is_ok() {
+            if self.pools().find_volume(name).is_ok() {
                 return Err(Error::already_exists(format!(
                     "a volume or snapshot named '{name}' already exists"
                 )));
@@ -484,7 +484,7 @@ impl Node {
                      where the owner holds one"
                 ))
             })?;
-            let (pool, local) = self.find_volume(&local.name)?;
+            let (pool, local) = self.pools().find_volume(&local.name)?;
             return Ok(SnapshotSource {
                 pool,
                 local,
@@ -492,7 +492,7 @@ impl Node {
                 set: Some(set),
             });
         }
-        let (pool, v) = self.find_volume(volume)?;
+        let (pool, v) = self.pools().find_volume(volume)?;
         if let Some(why) = self.replicas.blocked(&v) {
             return Err(Error::busy(format!(
                 "volume '{volume}' is replicated and not served now ({why}): no snapshot"
@@ -568,13 +568,13 @@ impl Node {
     pub fn snapshot_replica(&self, volume: &str, req: &ReplicaSnapshot) -> Result<SnapshotInfo> {
         let _g = self.admin();
         self.check_replica_owner(volume, &req.owner)?;
-        if self.find_volume(&req.name).is_ok() {
+        if self.pools().find_volume(&req.name).is_ok() {
             return Err(Error::already_exists(format!(
                 "a volume or snapshot named '{}' already exists on this node",
                 req.name
             )));
         }
-        let (p, v) = self.find_volume(volume)?;
+        let (p, v) = self.pools().find_volume(volume)?;
         p.create_snapshots(&[(v, req.name.clone())])?;
         info!(volume, snapshot = %req.name, owner = %req.owner, "snapshot of a replica taken for its owner");
         self.snapshot_info(&p, &req.name)
@@ -585,7 +585,7 @@ impl Node {
         {
             let _g = self.admin();
             self.check_replica_owner(volume, owner)?;
-            let (_, v) = self.find_volume(volume)?;
+            let (_, v) = self.pools().find_volume(volume)?;
             if !v.ancestors().iter().any(|a| a.name == name) {
                 return Err(Error::missing(
                     "snapshot",
@@ -613,7 +613,7 @@ impl Node {
 
     pub fn list_snapshots(&self) -> Vec<SnapshotInfo> {
         let mut out = Vec::new();
-        for p in self.pools() {
+        for p in self.pools().list() {
             for s in p.snapshots() {
                 if let Ok(i) = self.snapshot_info(&p, &s.name) {
                     out.push(i);
@@ -659,7 +659,7 @@ impl Node {
     /// A writable clone `name` of snapshot `snapshot`.
     pub fn clone_volume(&self, snapshot: &str, name: &str, force: bool) -> Result<VolumeInfo> {
         let _g = self.admin();
-        if self.find_volume(name).is_ok() {
+        if self.pools().find_volume(name).is_ok() {
             return Err(Error::already_exists(format!(
                 "volume '{name}' already exists"
             )));
@@ -673,14 +673,14 @@ impl Node {
     /// Roll `volume` back to its snapshot `to`; refused while it is exported or open.
     pub fn rollback_volume(&self, volume: &str, to: &str) -> Result<VolumeInfo> {
         let _g = self.admin();
-        let (p, v) = self.find_volume(volume)?;
+        let (p, v) = self.pools().find_volume(volume)?;
         self.refuse_replicated(&v)?;
-        if let Some(nqn) = self.nvmf.subsystem_using(&p.status().uuid, v.id) {
+        if let Some(nqn) = self.nvmf.subsystem_using(&p.uuid(), v.id) {
             return Err(Error::busy(format!(
                 "volume '{volume}' is a namespace of NVMe subsystem '{nqn}'; remove it before a rollback"
             )));
         }
-        if let Some(iqn) = self.iscsi.target_using(&p.status().uuid, v.id) {
+        if let Some(iqn) = self.iscsi.target_using(&p.uuid(), v.id) {
             return Err(Error::busy(format!(
                 "volume '{volume}' is a LUN of iSCSI target '{iqn}'; delete the target before a rollback"
             )));
@@ -699,7 +699,7 @@ impl Node {
     /// The ranges of `volume` (a volume, clone or snapshot) that may differ from its
     /// older snapshot `since`.
     pub fn changed_extents(&self, volume: &str, since: &str) -> Result<ChangedExtents> {
-        let (p, v) = self.find_volume(volume)?;
+        let (p, v) = self.pools().find_volume(volume)?;
         let (_, s) = self.find_snapshot(since)?;
         let extents: Vec<Extent> = p
             .changed_extents(&s, &v)?

@@ -3,7 +3,7 @@
 //! "Device replacement and hot spares").
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, MutexGuard};
+use std::sync::{Arc, Mutex};
 use tessera_io::sync::MutexExt;
 
 use tessera_api::{ReplaceReply, ReplaceState, SpareList};
@@ -23,6 +23,55 @@ struct Replacement {
     force: bool,
 }
 
+/// The devices a replacement or a hot spare goes into: each redundant pool's swappable
+/// device slots, and the hot spares the node has opened (which pool lists which is in
+/// the pools' registry).
+#[derive(Default)]
+pub struct Spares {
+    slots: Mutex<BTreeMap<String, Vec<Arc<SwappableDevice>>>>,
+    /// Opened hot spares, by spec.
+    devs: Mutex<BTreeMap<String, Arc<dyn BlockDevice>>>,
+}
+
+impl Spares {
+    /// Pool `pool`'s device slots (none for a pool that is not redundant).
+    pub(super) fn set_slots(&self, pool: &str, slots: Vec<Arc<SwappableDevice>>) {
+        if !slots.is_empty() {
+            self.slots.locked().insert(pool.to_string(), slots);
+        }
+    }
+
+    /// Slot `index` of pool `pool`, if it has swappable slots.
+    fn slot(&self, pool: &str, index: usize) -> Option<Arc<SwappableDevice>> {
+        self.slots
+            .locked()
+            .get(pool)
+            .and_then(|s| s.get(index).cloned())
+    }
+
+    /// The opened hot spare `spec`, if it is open.
+    fn device(&self, spec: &str) -> Option<Arc<dyn BlockDevice>> {
+        self.devs.locked().get(spec).cloned()
+    }
+
+    pub(super) fn keep_open(&self, spec: &str, dev: Arc<dyn BlockDevice>) {
+        self.devs.locked().insert(spec.to_string(), dev);
+    }
+
+    fn close(&self, spec: &str) {
+        self.devs.locked().remove(spec);
+    }
+
+    /// A destroyed pool: its slots and its hot spares (`spares`, its registry entry's).
+    pub(super) fn forget_pool(&self, pool: &str, spares: Vec<String>) {
+        self.slots.locked().remove(pool);
+        let mut devs = self.devs.locked();
+        for s in &spares {
+            devs.remove(s);
+        }
+    }
+}
+
 impl Node {
     /// Put device spec `with` in place of failed device `index` of redundant pool `pool`,
     /// live: the new device is checked (size, not volatile, not another pool's), its
@@ -40,7 +89,7 @@ impl Node {
         force: bool,
     ) -> Result<ReplaceReply> {
         let _admin = self.admin();
-        let p = self.pool(pool)?;
+        let p = self.pools().get(pool)?;
         let dev = open_devices(std::slice::from_ref(&with.to_string()))?.remove(0);
         // Canonical once the device exists (a `path:SIZE` file is created by the open).
         let spec = canonical_spec(with);
@@ -104,7 +153,7 @@ impl Node {
             )));
         }
         if let Some(path) = spec_path(spec) {
-            let entries = self.entries.locked();
+            let entries = self.pools.entries();
             for e in entries.iter() {
                 let member = e
                     .devices
@@ -134,7 +183,7 @@ impl Node {
         if dev.read_at(0, &mut b).is_ok() {
             if let Ok(Some(lab)) = tessera_pool::format::Label::decode(&b) {
                 let uuid = tessera_pool::uuid_string(&lab.uuid);
-                if uuid != p.status().uuid {
+                if uuid != p.uuid() {
                     return Err(Error::already_exists(format!(
                         "device {spec} belongs to pool '{}' (uuid {uuid}); destroy that pool first, or pass --force to wipe its label",
                         lab.pool_name
@@ -171,24 +220,21 @@ impl Node {
         dev.write_at(0, &[0u8; 4096])
             .and_then(|()| dev.sync())
             .map_err(|e| Error::io("clearing the new device's label", e))?;
-        let old = self.edit_entry(pool, |e| {
+        let old = self.pools.edit_entry(pool, |e| {
             if spare {
                 e.spares.retain(|s| s != spec);
             }
             Ok(std::mem::replace(&mut e.devices[index], spec.to_string()))
         })?;
         if spare {
-            self.spare_devs().remove(spec);
+            self.spares.close(spec);
         }
         crate::rebuild::save_cursor(
             &crate::rebuild::cursor_path(&self.cfg.data_dir, pool),
             index,
             0,
         );
-        let slot = self
-            .slots_map()
-            .get(pool)
-            .and_then(|s| s.get(index).cloned());
+        let slot = self.spares.slot(pool, index);
         let swapped = match slot {
             Some(slot) => slot.swap(dev),
             None => Err("the pool was opened without swappable device slots".to_string()),
@@ -238,29 +284,11 @@ impl Node {
         Ok(v)
     }
 
-    pub(super) fn slots_map(&self) -> MutexGuard<'_, BTreeMap<String, Vec<Arc<SwappableDevice>>>> {
-        self.slots.locked()
-    }
-
-    pub(super) fn spare_devs(&self) -> MutexGuard<'_, BTreeMap<String, Arc<dyn BlockDevice>>> {
-        self.spare_devs.locked()
-    }
-
-    /// The hot spares of `pool` (specs, in the order they are used).
-    pub fn spares(&self, pool: &str) -> Vec<String> {
-        self.entries
-            .locked()
-            .iter()
-            .find(|e| e.name == pool)
-            .map(|e| e.spares.clone())
-            .unwrap_or_default()
-    }
-
     pub fn list_spares(&self, pool: &str) -> Result<SpareList> {
-        self.pool(pool)?;
+        self.pools().get(pool)?;
         Ok(SpareList {
             pool: pool.to_string(),
-            spares: self.spares(pool),
+            spares: self.pools().spares_of(pool),
         })
     }
 
@@ -270,7 +298,7 @@ impl Node {
     /// device with another pool's label is taken, and that label wiped now.
     pub fn add_spare(&self, pool: &str, spec: &str, force: bool) -> Result<SpareList> {
         let _g = self.admin();
-        let p = self.pool(pool)?;
+        let p = self.pools().get(pool)?;
         let l = &p.core.layout;
         if !l.kind.is_redundant() {
             return Err(Error::invalid(format!(
@@ -280,7 +308,7 @@ impl Node {
         }
         let dev = open_devices(std::slice::from_ref(&spec.to_string()))?.remove(0);
         let canon = canonical_spec(spec);
-        if self.spares(pool).contains(&canon) {
+        if self.pools().spares_of(pool).contains(&canon) {
             return Err(Error::already_exists(format!(
                 "{canon} is already a hot spare of pool '{pool}'"
             )));
@@ -304,18 +332,18 @@ impl Node {
                 .and_then(|()| dev.sync())
                 .map_err(|e| Error::io("wiping the spare's label", e))?;
         }
-        self.edit_entry(pool, |e| {
+        self.pools.edit_entry(pool, |e| {
             e.spares.push(canon.clone());
             Ok(())
         })?;
-        self.spare_devs().insert(canon, dev);
+        self.spares.keep_open(&canon, dev);
         self.list_spares(pool)
     }
 
     /// Remove hot spare `spec` (as added, or its canonical form) from `pool`.
     pub fn remove_spare(&self, pool: &str, spec: &str) -> Result<SpareList> {
         let _g = self.admin();
-        self.pool(pool)?;
+        self.pools().get(pool)?;
         let canon = canonical_spec(spec);
         let path = spec_path(spec).map(|p| std::fs::canonicalize(&p).unwrap_or(p));
         let same = |s: &String| {
@@ -324,7 +352,7 @@ impl Node {
                 || (path.is_some()
                     && spec_path(s).map(|p| std::fs::canonicalize(&p).unwrap_or(p)) == path)
         };
-        let removed = self.edit_entry(pool, |e| {
+        let removed = self.pools.edit_entry(pool, |e| {
             let removed: Vec<String> = e.spares.iter().filter(|s| same(s)).cloned().collect();
             if removed.is_empty() {
                 return Err(Error::not_found(format!(
@@ -334,11 +362,9 @@ impl Node {
             e.spares.retain(|s| !same(s));
             Ok(removed)
         })?;
-        let mut sd = self.spare_devs();
         for s in removed {
-            sd.remove(&s);
+            self.spares.close(&s);
         }
-        drop(sd);
         self.list_spares(pool)
     }
 
@@ -364,14 +390,16 @@ impl Node {
     /// pool's label...) is dropped from the list, with the reason on stderr.
     fn spare_tick(&self) {
         let candidates: Vec<String> = self
-            .entries
-            .locked()
+            .pools
+            .entries()
             .iter()
             .filter(|e| !e.spares.is_empty())
             .map(|e| e.name.clone())
             .collect();
         for name in candidates {
-            let Ok(p) = self.pool(&name) else { continue };
+            let Ok(p) = self.pools.get(&name) else {
+                continue;
+            };
             let l = &p.core.layout;
             let failed = |l: &tessera_pool::Layout| (0..l.devices.len()).find(|&i| l.is_failed(i));
             if !l.kind.is_redundant()
@@ -387,8 +415,8 @@ impl Node {
             if self.jobs.busy(&name).is_some() {
                 continue;
             }
-            for spec in self.spares(&name) {
-                let dev = match self.spare_devs().get(&spec).cloned() {
+            for spec in self.pools.spares_of(&name) {
+                let dev = match self.spares.device(&spec) {
                     Some(d) => Ok(d),
                     None => open_devices(std::slice::from_ref(&spec)).map(|mut d| d.remove(0)),
                 };
@@ -405,11 +433,11 @@ impl Node {
                             pool = %name, device = %spec, index = d, error = %e,
                             "hot spare cannot replace the failed device; removed from the spare list"
                         );
-                        let _ = self.edit_entry(&name, |e| {
+                        let _ = self.pools.edit_entry(&name, |e| {
                             e.spares.retain(|s| *s != spec);
                             Ok(())
                         });
-                        self.spare_devs().remove(&spec);
+                        self.spares.close(&spec);
                     }
                 }
             }

@@ -20,7 +20,7 @@ impl Node {
         force: bool,
     ) -> Result<VolumeInfo> {
         let _g = self.admin();
-        if self.find_volume(name).is_ok() {
+        if self.pools().find_volume(name).is_ok() {
             return Err(Error::already_exists(format!(
                 "volume '{name}' already exists"
             )));
@@ -28,7 +28,7 @@ impl Node {
         let p = if pool.is_empty() {
             self.only_pool()?
         } else {
-            self.pool(pool)?
+            self.pools().get(pool)?
         };
         let v = p.create_volume_opts(name, size, force)?;
         Ok(self.volume_info(&p, &v))
@@ -37,7 +37,7 @@ impl Node {
     /// The pool a volume created without one goes to: the node's only pool. With none,
     /// or several, the error says what to do.
     fn only_pool(&self) -> Result<Arc<Pool>> {
-        let pools = self.pools();
+        let pools = self.pools().list();
         match pools.as_slice() {
             [one] => Ok(one.clone()),
             [] => Err(Error::invalid(
@@ -57,7 +57,7 @@ impl Node {
     /// `force`: beyond the pool's overcommit ratio.
     pub fn resize_volume(&self, name: &str, size: u64, force: bool) -> Result<VolumeInfo> {
         let _g = self.admin();
-        let (p, v) = self.find_volume(name)?;
+        let (p, v) = self.pools().find_volume(name)?;
         if self.replicas.of(&v).is_some() || self.replicas.blocked(&v).is_some() {
             return Err(Error::invalid(format!(
                 "volume '{name}' is replicated: resizing a replicated volume is not supported yet"
@@ -67,19 +67,15 @@ impl Node {
         Ok(self.volume_info(&p, &v))
     }
 
-    pub(super) fn volume_by_name(&self, name: &str) -> Option<Arc<Volume>> {
-        self.find_volume(name).ok().map(|(_, v)| v)
-    }
-
     pub fn delete_volume(&self, name: &str) -> Result<()> {
         let _g = self.admin();
-        let (p, v) = self.find_volume(name)?;
-        if let Some(nqn) = self.nvmf.subsystem_using(&p.status().uuid, v.id) {
+        let (p, v) = self.pools().find_volume(name)?;
+        if let Some(nqn) = self.nvmf.subsystem_using(&p.uuid(), v.id) {
             return Err(Error::busy(format!(
                 "volume '{name}' is a namespace of NVMe subsystem '{nqn}'; remove it first"
             )));
         }
-        if let Some(iqn) = self.iscsi.target_using(&p.status().uuid, v.id) {
+        if let Some(iqn) = self.iscsi.target_using(&p.uuid(), v.id) {
             return Err(Error::busy(format!(
                 "volume '{name}' is a LUN of iSCSI target '{iqn}'; delete the target first"
             )));
@@ -94,7 +90,7 @@ impl Node {
 
     /// A volume of the pool it was found in.
     pub fn volume(&self, name: &str) -> Result<VolumeInfo> {
-        let (p, v) = self.find_volume(name)?;
+        let (p, v) = self.pools().find_volume(name)?;
         Ok(self.volume_info(&p, &v))
     }
 
@@ -125,7 +121,7 @@ impl Node {
     /// Replace a volume's QoS limits (empty limits clear them). Live and persistent.
     pub fn set_volume_qos(&self, name: &str, limits: QosLimits) -> Result<QosLimits> {
         let _g = self.admin();
-        let (_, v) = self.find_volume(name)?;
+        let (_, v) = self.pools().find_volume(name)?;
         self.groups.set_volume_qos(&v, limits)
     }
 
@@ -148,14 +144,14 @@ impl Node {
 
     /// A volume's QoS limits.
     pub fn volume_qos(&self, name: &str) -> Result<QosLimits> {
-        let (_, v) = self.find_volume(name)?;
+        let (_, v) = self.pools().find_volume(name)?;
         Ok(self.groups.volume_qos(&v).limits())
     }
 
     /// Client I/O of a volume over a window of `interval`: rates, latency percentiles,
     /// and the cumulative totals since the node started. Blocks for `interval`.
     pub fn volume_stats(&self, name: &str, interval: std::time::Duration) -> Result<VolumeStats> {
-        let (_, v) = self.find_volume(name)?;
+        let (_, v) = self.pools().find_volume(name)?;
         let a = v.stats();
         std::thread::sleep(interval);
         let b = v.stats();
@@ -198,7 +194,7 @@ impl Node {
 
     pub fn list_volumes(&self) -> Vec<VolumeInfo> {
         let mut out = Vec::new();
-        for p in self.pools() {
+        for p in self.pools().list() {
             for v in p.volumes() {
                 out.push(self.volume_info(&p, &v));
             }

@@ -713,6 +713,11 @@ impl Pool {
         &self.core.name
     }
 
+    /// The pool's UUID, as `status().uuid` shows it (without taking the pool's lock).
+    pub fn uuid(&self) -> String {
+        uuid_string(&self.core.uuid)
+    }
+
     /// The pool as the API shows it. What the pool does not know is left empty for the
     /// node to fill in: `spares`, `rebuild`, `resync`.
     pub fn status(&self) -> PoolInfo {
