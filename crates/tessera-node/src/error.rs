@@ -26,6 +26,10 @@ pub enum Error {
     /// Metadata that does not decode.
     #[error("{0}")]
     Corrupt(String),
+    /// What the operation needs is not there now and may come back: a cluster volume's
+    /// owner that is not a live member, or has no NVMe/TCP listener.
+    #[error("{0}")]
+    Unavailable(String),
     /// A device, a file of the data directory, a peer or etcd failed: what was being
     /// done, and the error.
     #[error("{context}: {source}")]
@@ -50,6 +54,9 @@ impl Error {
     }
     pub fn invalid(message: impl Into<String>) -> Error {
         Error::Invalid(message.into())
+    }
+    pub fn unavailable(message: impl Into<String>) -> Error {
+        Error::Unavailable(message.into())
     }
     /// `context: e`, for an I/O error; `e` stays the source.
     pub fn io(context: &str, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {

@@ -37,6 +37,7 @@ pub fn status_of(e: &Error) -> u16 {
         Error::Invalid(_) => 400,
         Error::NoSpace(_) => 507,
         Error::Corrupt(_) | Error::Io { .. } => 500,
+        Error::Unavailable(_) => 503,
     }
 }
 

@@ -18,7 +18,7 @@ use tessera_nbd::handshake::{ExportCatalog, ExportInfo};
 use tessera_remote::{RemoteConfig, RemoteDevice, RemoteSpec};
 use tracing::{info, warn};
 
-use super::Node;
+use super::{Error, Node, Result};
 use crate::proxy::ProxyVolume;
 use crate::target::NodeTarget;
 
@@ -63,7 +63,7 @@ impl Node {
     /// The spec of cluster volume `name` when an NBD client asking this node for it must
     /// be proxied: the proxy is on, `name` is no local export, and another node owns it.
     /// `Err` when etcd cannot say.
-    pub(crate) fn proxied_spec(&self, name: &str) -> Result<Option<ClusterVolume>, String> {
+    pub(crate) fn proxied_spec(&self, name: &str) -> Result<Option<ClusterVolume>> {
         let Some(m) = self
             .cluster
             .membership()
@@ -77,10 +77,18 @@ impl Node {
         let kv = m
             .etcd()
             .get(&tessera_cluster::volume_key(name))
-            .map_err(|e| format!("cannot read the cluster volume \"{name}\" from etcd: {e}"))?;
+            .map_err(|e| {
+                Error::io(
+                    &format!("cannot read the cluster volume \"{name}\" from etcd"),
+                    e,
+                )
+            })?;
         let Some(kv) = kv else { return Ok(None) };
-        let spec: ClusterVolume = serde_json::from_slice(&kv.value)
-            .map_err(|e| format!("the spec of cluster volume \"{name}\" is unreadable: {e}"))?;
+        let spec: ClusterVolume = serde_json::from_slice(&kv.value).map_err(|e| {
+            Error::Corrupt(format!(
+                "the spec of cluster volume \"{name}\" is unreadable: {e}"
+            ))
+        })?;
         Ok((spec.owner != self.cfg.node_name()).then_some(spec))
     }
 
@@ -109,20 +117,20 @@ impl Node {
     /// same subsystem on every other live member (a multipath initiator follows the
     /// owner across them; the single-path one uses the first). `Err` says why there is
     /// no way to the owner.
-    pub fn proxy_paths(&self, spec: &ClusterVolume) -> Result<Vec<String>, String> {
+    pub fn proxy_paths(&self, spec: &ClusterVolume) -> Result<Vec<String>> {
         let m = self
             .cluster
             .membership()
-            .ok_or_else(|| "this node is not in a cluster".to_string())?;
+            .ok_or_else(|| Error::invalid("this node is not in a cluster"))?;
         let nodes = m
             .nodes()
-            .map_err(|e| format!("cannot read the cluster's members from etcd: {e}"))?;
+            .map_err(|e| Error::io("cannot read the cluster's members from etcd", e))?;
         let name = &spec.name;
         let owner = nodes.iter().find(|n| n.name == spec.owner).ok_or_else(|| {
-            format!(
+            Error::unavailable(format!(
                 "volume \"{name}\" is owned by {}, which is not a live member of the cluster",
                 spec.owner
-            )
+            ))
         })?;
         let url = |addr: &str| {
             format!(
@@ -132,10 +140,10 @@ impl Node {
             )
         };
         let owner_addr = owner.nvmf.as_deref().ok_or_else(|| {
-            format!(
+            Error::unavailable(format!(
                 "volume \"{name}\" is owned by {}, which has no NVMe/TCP listener to proxy to",
                 spec.owner
-            )
+            ))
         })?;
         let mut paths = vec![url(owner_addr)];
         paths.extend(
@@ -151,7 +159,7 @@ impl Node {
     /// The proxy of `spec`: the open one when it still goes to the spec's owner, else a
     /// new one connected now (blocking). Refused when the owner is not a live member,
     /// even while a proxy to it is open: new clients are not sent to a dead node.
-    pub(crate) fn open_proxy(&self, spec: &ClusterVolume) -> Result<Arc<ProxyVolume>, String> {
+    pub(crate) fn open_proxy(&self, spec: &ClusterVolume) -> Result<Arc<ProxyVolume>> {
         let paths = self.proxy_paths(spec)?;
         let slot = self
             .proxies
@@ -166,7 +174,8 @@ impl Node {
         }
         // Every member's path, the owner's first: the initiator uses the ANA-optimized
         // one and moves with the volume when another member takes it over.
-        let remote = RemoteSpec::parse(&multipath_url(&paths)).map_err(|e| e.to_string())?;
+        let remote = RemoteSpec::parse(&multipath_url(&paths))
+            .map_err(|e| Error::io("the proxy's paths do not make an NVMe/TCP URL", e))?;
         let cfg = RemoteConfig {
             // Long enough to ride out a failover (the owner's lease must expire first).
             timeout: Duration::from_millis(
@@ -176,21 +185,24 @@ impl Node {
             ..RemoteConfig::default()
         };
         let dev = RemoteDevice::open_with(remote, cfg).map_err(|e| {
-            format!(
-                "volume \"{}\" is owned by {}, which cannot be reached: {e}",
-                spec.name, spec.owner
+            Error::io(
+                &format!(
+                    "volume \"{}\" is owned by {}, which cannot be reached",
+                    spec.name, spec.owner
+                ),
+                e,
             )
         })?;
         // NBD requests are aligned to 512 bytes (crate tessera-nbd), the LBA size of
         // Tessera's targets; a larger one would refuse them.
         if dev.block_size() != 512 {
             dev.disconnect();
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "volume \"{}\": the owner's namespace has {}-byte blocks; the NBD proxy \
                  needs 512",
                 spec.name,
                 dev.block_size()
-            ));
+            )));
         }
         let stats = self
             .proxies
@@ -265,7 +277,7 @@ impl<'a> ExportSession<'a> {
         self.prepared.locked().take().filter(|p| p.name == name)
     }
 
-    fn spec(&self, name: &str) -> Result<Option<ClusterVolume>, String> {
+    fn spec(&self, name: &str) -> Result<Option<ClusterVolume>> {
         if let Some(s) = self.listed.locked().get(name) {
             return Ok(Some(s.clone()));
         }
@@ -324,18 +336,21 @@ impl ExportCatalog for ExportSession<'_> {
         ExportCatalog::dirty_bitmaps(self.node, name)
     }
 
-    fn prepare(&self, name: &str, info: ExportInfo) -> Result<ExportInfo, String> {
+    fn prepare(&self, name: &str, info: ExportInfo) -> std::result::Result<ExportInfo, String> {
         if self.node.find_export(name).is_some() {
             return Ok(info);
         }
+        // The handshake answers the client with the error's text.
         let spec = self
-            .spec(name)?
+            .spec(name)
+            .map_err(|e| e.to_string())?
             .ok_or_else(|| format!("no export named \"{name}\""))?;
         let proxy = self.node.open_proxy(&spec).inspect_err(|e| {
             if PROXY_LOG.admit() {
                 warn!(export = %name, owner = %spec.owner, error = %e, "nbd: cannot proxy the volume to its owner");
             }
-        })?;
+        })
+        .map_err(|e| e.to_string())?;
         let info = self.proxy_info(&spec, proxy.size());
         *self.prepared.locked() = Some(proxy);
         Ok(info)

@@ -363,10 +363,7 @@ impl Node {
     /// Undo an intent left in the spec of owned volume `volume` by a create that did not
     /// complete (the admin lock held): delete every copy it names, then remove it. Err
     /// says what stays (the intent then names only those replicas).
-    pub(super) fn resolve_snapshot_intent_locked(
-        &self,
-        volume: &str,
-    ) -> std::result::Result<(), String> {
+    pub(super) fn resolve_snapshot_intent_locked(&self, volume: &str) -> Result<()> {
         let Some(m) = self.cluster.membership() else {
             return Ok(());
         };
@@ -375,17 +372,17 @@ impl Node {
             Ok(Some((spec, _)))
                 if spec.owner != me || Some(spec.epoch) != self.cluster.owned_epoch(volume) =>
             {
-                return Err(format!(
+                return Err(Error::busy(format!(
                     "'{}' owns the volume at epoch {}",
                     spec.owner, spec.epoch
-                ))
+                )))
             }
             Ok(Some((spec, _))) => match spec.snapshot_intent {
                 Some(i) => i,
                 None => return Ok(()),
             },
             Ok(None) => return Ok(()),
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e),
         };
         warn!(volume = %volume, snapshot = %intent.name, epoch = intent.epoch, replicas = ?intent.replicas,
               "a snapshot create was cut off before it completed (its owner died or failed midway): deleting its copies");
@@ -404,7 +401,9 @@ impl Node {
             }
         });
         if let Err(SpecRefusal::Lost(why) | SpecRefusal::Unavailable(why)) = r {
-            return Err(format!("the spec was not updated: {why}"));
+            return Err(Error::unavailable(format!(
+                "the spec was not updated: {why}"
+            )));
         }
         if left.is_empty() {
             info!(volume = %volume, snapshot = %intent.name, "the cut-off snapshot is undone: no replica holds a copy");
@@ -412,11 +411,11 @@ impl Node {
         } else {
             let why: Vec<String> = left.into_iter().map(|(p, w)| format!("{p}: {w}")).collect();
             warn!(volume = %volume, snapshot = %intent.name, left = ?why, "copies of the cut-off snapshot stay for now: retried");
-            Err(format!(
+            Err(Error::unavailable(format!(
                 "the copies of snapshot '{}' on {} are not deleted yet",
                 intent.name,
                 why.join("; ")
-            ))
+            )))
         }
     }
 
