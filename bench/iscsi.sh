@@ -27,8 +27,10 @@
 # Environment (defaults in brackets): SECS [5] seconds per run, REPS [2], SIZE [1G] (the
 # LUN and the region used; filled sequentially first so reads hit written data),
 # SERVER_CPU [1], CLIENT_CPU [0], TGT_CTL [61] (tgtd's control port number: pick one no
-# other tgtd on the machine uses), BUSY_POLL_QD1 [1], SKIP_TGT / SKIP_NVMF / SKIP_PERF
-# (=1: leave tgt, NVMe/TCP, or the iscsi-perf cross-check out), TESSERA (binary; the
+# other tgtd on the machine uses), BUSY_POLL_QD1 [1], BEFORE (another tessera binary:
+# a second node, "before", run interleaved with the first for an A/B), SKIP_TGT / SKIP_NVMF / SKIP_PERF
+# (=1: leave tgt, NVMe/TCP, or the iscsi-perf cross-check out), PATTERNS [randread
+# randwrite], QDS [128 1] (for a quicker partial run), TESSERA (binary; the
 # default target/release/tessera is built first), KEEP (=1 keeps the work dir).
 # Every run is bounded by `timeout`; servers are stopped by PID and files removed on exit.
 set -euo pipefail
@@ -44,6 +46,8 @@ BUSY_POLL_QD1=${BUSY_POLL_QD1:-1}
 SKIP_TGT=${SKIP_TGT:-0}
 SKIP_NVMF=${SKIP_NVMF:-0}
 SKIP_PERF=${SKIP_PERF:-0}
+PATTERNS=${PATTERNS:-randread randwrite}
+QDS=${QDS:-128 1}
 T=${TESSERA:-target/release/tessera}
 
 log() { printf '[iscsi-bench] %s\n' "$*" >&2; }
@@ -85,25 +89,38 @@ SIZE_B=$(python3 -c "import sys; s=sys.argv[1]; m={'K':1<<10,'M':1<<20,'G':1<<30
 LOAD=$DIR/iscsi-load
 cc -O2 -o "$LOAD" bench/iscsi-load.c -liscsi || die "could not build bench/iscsi-load.c"
 
-# ------------------------------------------------------------------ Tessera node --
-NBD_P=$(free_port); NVMF_P=$(free_port); ISCSI_P=$(free_port)
+# ----------------------------------------------------------------- Tessera nodes --
 IQN=iqn.2026-11.io.tessera:bench
 NQN=nqn.2026-11.io.tessera:bench
-TESS_CMD=(taskset -c "$SERVER_CPU" "$T" up --data-dir "$DIR/data" --cores 1 --no-pin
-  --nbd "127.0.0.1:$NBD_P" --nvmf "127.0.0.1:$NVMF_P" --nvmf-discovery ""
-  --iscsi "127.0.0.1:$ISCSI_P")
-"${TESS_CMD[@]}" </dev/null >"$DIR/node.log" 2>&1 &
-TESS_PID=$!
-PIDS+=("$TESS_PID")
-for _ in $(seq 300); do grep -q 'tessera: ready' "$DIR/node.log" && break; kill -0 $TESS_PID 2>/dev/null || break; sleep 0.1; done
-grep -q 'tessera: ready' "$DIR/node.log" || { cat "$DIR/node.log" >&2; die "the node did not start"; }
-A=("$T" --api "$DIR/data/api.sock")
-# A RAM pool: the file-backed default would measure the disk, not the protocols.
-"${A[@]}" pool create ram0 "ram:$((2 * SIZE_B))" >/dev/null
-"${A[@]}" volume create bench --pool ram0 --size "$SIZE_B" >/dev/null
-"${A[@]}" iscsi target create $IQN --volume bench >/dev/null
-"${A[@]}" nvmf subsystem add $NQN --volume bench --allow-any-host >/dev/null
-TESS_URL=iscsi://127.0.0.1:$ISCSI_P/$IQN/0
+declare -A URL PID
+# start_node NAME BINARY: a node with one reactor core on SERVER_CPU, a RAM pool (the
+# file-backed default would measure the disk, not the protocols) and a SIZE volume that
+# is LUN 0 of an iSCSI target and an NVMe/TCP namespace.
+start_node() {
+  local name=$1 bin=$2 nbd nvmf iscsi i
+  nbd=$(free_port); nvmf=$(free_port); iscsi=$(free_port)
+  local cmd=(taskset -c "$SERVER_CPU" "$bin" up --data-dir "$DIR/$name" --cores 1 --no-pin
+    --nbd "127.0.0.1:$nbd" --nvmf "127.0.0.1:$nvmf" --nvmf-discovery ""
+    --iscsi "127.0.0.1:$iscsi")
+  printf '%q ' "${cmd[@]}" >>"$COMMANDS"; echo >>"$COMMANDS"
+  "${cmd[@]}" </dev/null >"$DIR/$name.log" 2>&1 &
+  PID[$name]=$!
+  PIDS+=("${PID[$name]}")
+  for i in $(seq 300); do grep -q 'tessera: ready' "$DIR/$name.log" && break; kill -0 "${PID[$name]}" 2>/dev/null || break; sleep 0.1; done
+  grep -q 'tessera: ready' "$DIR/$name.log" || { cat "$DIR/$name.log" >&2; die "the $name node did not start"; }
+  local a=("$bin" --api "$DIR/$name/api.sock")
+  "${a[@]}" pool create ram0 "ram:$((2 * SIZE_B))" >/dev/null
+  "${a[@]}" volume create bench --pool ram0 --size "$SIZE_B" >/dev/null
+  "${a[@]}" iscsi target create $IQN --volume bench >/dev/null
+  "${a[@]}" nvmf subsystem add $NQN --volume bench --allow-any-host >/dev/null
+  URL[$name]=iscsi://127.0.0.1:$iscsi/$IQN/0
+  NVMF_ADDR=127.0.0.1:$nvmf
+}
+COMMANDS=$DIR/commands.txt
+: >"$COMMANDS"
+start_node tessera "$T"
+NVMF_PID=${PID[tessera]}
+[[ -z "${BEFORE:-}" ]] || start_node before "$BEFORE"
 
 # ------------------------------------------------------------------------- tgtd --
 TGT_PID=""
@@ -121,7 +138,9 @@ if [[ $SKIP_TGT != 1 ]]; then
   "${TGTADM[@]}" --op new --mode target --tid 1 -T iqn.2026-11.io.tessera:tgt-bench
   "${TGTADM[@]}" --op new --mode logicalunit --tid 1 --lun 1 -b "$LUNFILE"
   "${TGTADM[@]}" --op bind --mode target --tid 1 -I ALL
-  TGT_URL=iscsi://127.0.0.1:$TGT_P/iqn.2026-11.io.tessera:tgt-bench/1
+  URL[tgt]=iscsi://127.0.0.1:$TGT_P/iqn.2026-11.io.tessera:tgt-bench/1
+  PID[tgt]=$TGT_PID
+  printf '%q ' "${TGT_CMD[@]}" >>"$COMMANDS"; echo >>"$COMMANDS"
 fi
 
 # ----------------------------------------------------------------------- runs --
@@ -129,9 +148,6 @@ CLK=$(getconf CLK_TCK)
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 RESULTS=$DIR/results.tsv   # server client pattern qd rep iops mean_us cpu_s wall_s
 : >"$RESULTS"
-COMMANDS=$DIR/commands.txt
-printf '%s\n' "${TESS_CMD[*]}" >"$COMMANDS"
-[[ -z "$TGT_PID" ]] || printf '%s\n' "${TGT_CMD[*]}" >>"$COMMANDS"
 declare -A SEEN
 
 # measure SERVER CLIENT PATTERN QD REP PID CMD...: run CMD on the client CPU, bounded,
@@ -142,7 +158,7 @@ measure() {
   local out="$DIR/$server-$client-$pat-$qd-$rep.out" t0 t1 c0 c1 line iops us
   if [[ -z ${SEEN[$server-$client-$pat-$qd]:-} ]]; then
     SEEN[$server-$client-$pat-$qd]=1
-    printf '%s\n' "${cmd[*]}" >>"$COMMANDS"
+    printf '%q ' "${cmd[@]}" >>"$COMMANDS"; echo >>"$COMMANDS"
   fi
   c0=$(cpu_ticks "$pid"); t0=$(date +%s.%N)
   if ! "${cmd[@]}" </dev/null >"$out" 2>&1; then
@@ -171,32 +187,31 @@ one() {   # one SERVER PATTERN QD REP
   [[ $pat == randwrite ]] && w=(-w)
   [[ $qd == 1 && $BUSY_POLL_QD1 == 1 ]] && bp=(-p)
   case $server in
-    tessera|tgt)
-      local url=$TESS_URL pid=$TESS_PID
-      [[ $server == tgt ]] && url=$TGT_URL pid=$TGT_PID
-      measure $server iscsi-load $pat $qd $rep $pid "$LOAD" "${w[@]}" "${bp[@]}" -q $qd -b 4K -S "$SIZE_B" -t "$SECS" "$url"
-      if [[ $pat == randread && $SKIP_PERF != 1 ]]; then
-        measure $server iscsi-perf $pat $qd $rep $pid iscsi-perf -b 8 -r -m $qd -t "$SECS" "$url"
-      fi ;;
     nvmf)
       [[ $qd == 1 && $BUSY_POLL_QD1 == 1 ]] && bp=(--busy-poll)
-      measure nvmf tessera-nvmf-perf $pat $qd $rep $TESS_PID "$T" nvmf perf --addr "127.0.0.1:$NVMF_P" \
+      measure nvmf tessera-nvmf-perf $pat $qd $rep $NVMF_PID "$T" nvmf perf --addr "$NVMF_ADDR" \
         --nqn $NQN --pattern $pat --qd $qd --bs 4K --size "$SIZE_B" --time "$SECS" "${bp[@]}" ;;
+    *)
+      measure $server iscsi-load $pat $qd $rep "${PID[$server]}" "$LOAD" "${w[@]}" "${bp[@]}" -q $qd -b 4K -S "$SIZE_B" -t "$SECS" "${URL[$server]}"
+      if [[ $pat == randread && $SKIP_PERF != 1 ]]; then
+        measure $server iscsi-perf $pat $qd $rep "${PID[$server]}" iscsi-perf -b 8 -r -m $qd -t "$SECS" "${URL[$server]}"
+      fi ;;
   esac
 }
 
 SERVERS=(tessera)
+[[ -z "${BEFORE:-}" ]] || SERVERS+=(before)
 [[ -n "$TGT_PID" ]] && SERVERS+=(tgt)
 [[ $SKIP_NVMF == 1 ]] || SERVERS+=(nvmf)
 log "filling $SIZE on each iSCSI LUN (sequential 256 KiB writes) so reads hit written data"
-for url in "$TESS_URL" ${TGT_PID:+"$TGT_URL"}; do
+for url in "${URL[@]}"; do
   timeout -k 5 300 taskset -c "$CLIENT_CPU" "$LOAD" -w -1 -q 16 -b 256K -S "$SIZE_B" -t 240 "$url" >"$DIR/fill.out" 2>&1 \
     || { cat "$DIR/fill.out" >&2; die "filling $url failed"; }
 done
 LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
 log "runs: ${SECS}s each, $REPS rounds, servers ${SERVERS[*]}; load average before: $LOAD0"
-for pat in randread randwrite; do
-  for qd in 128 1; do
+for pat in $PATTERNS; do
+  for qd in $QDS; do
     for rep in $(seq "$REPS"); do
       order=("${SERVERS[@]}")
       if ((rep % 2 == 0)); then
@@ -242,7 +257,7 @@ print("Per server and client: mean IOPS over the runs [min-max], mean latency (c
 print("QD1 also 1/IOPS), server CPU per I/O (utime+stime / I/Os) and server %CPU")
 fmt = "%-8s %-18s %-9s %4s %9s %17s %9s %9s %8s %6s"
 print(fmt % ("server", "client", "pattern", "qd", "IOPS", "[min-max]", "lat_us", "1/IOPS_us", "cpu_us/io", "%cpu"))
-order = ["tessera", "tgt", "nvmf"]
+order = ["tessera", "before", "tgt", "nvmf"]
 keys = sorted(rows, key=lambda k: (k[2], -int(k[3]), k[1] != "iscsi-load", order.index(k[0])))
 for k in keys:
     s = stats(k)
@@ -273,6 +288,16 @@ for pat in ("randread", "randwrite"):
             else:
                 r = t["us"] / g["us"]
                 verdicts.append("%s %s QD1: latency %.2fx tgt (bar <= 0.7x)" % ("PASS" if r <= 0.7 else "FAIL", pat, r))
+if any(k[0] == "before" for k in rows):
+    print()
+    print("A/B: this build (tessera) / BEFORE (before), iscsi-load rows")
+    fmt2 = "%-9s %4s %10s %10s %12s"
+    print(fmt2 % ("pattern", "qd", "IOPS", "lat", "cpu/io"))
+    for pat in ("randread", "randwrite"):
+        for qd in ("128", "1"):
+            t = stats(("tessera", "iscsi-load", pat, qd))
+            b = stats(("before", "iscsi-load", pat, qd))
+            print(fmt2 % (pat, qd, ratio(t, b, "iops"), ratio(t, b, "us"), ratio(t, b, "cpu_us")))
 pt = stats(("tessera", "iscsi-perf", "randread", "128"))
 pg = stats(("tgt", "iscsi-perf", "randread", "128"))
 if pt and pg:
