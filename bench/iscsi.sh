@@ -30,8 +30,11 @@
 # other tgtd on the machine uses), BUSY_POLL_QD1 [1], BEFORE (another tessera binary:
 # a second node, "before", run interleaved with the first for an A/B), SKIP_TGT / SKIP_NVMF / SKIP_PERF
 # (=1: leave tgt, NVMe/TCP, or the iscsi-perf cross-check out), PATTERNS [randread
-# randwrite], QDS [128 1] (for a quicker partial run), TESSERA (binary; the
-# default target/release/tessera is built first), KEEP (=1 keeps the work dir).
+# randwrite], QDS [128 1] (for a quicker partial run), JOBS [1] (client sessions at once
+# in each run above QD1, each at that QD; QD1 runs use one. One libiscsi session on one
+# core limits the IOPS before the servers do; give CLIENT_CPU a list such as 0,2,3 to
+# spread them; NVMe/TCP gets --queues JOBS),
+# TESSERA (binary; the default target/release/tessera is built first), KEEP (=1 keeps the work dir).
 # Every run is bounded by `timeout`; servers are stopped by PID and files removed on exit.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -47,6 +50,7 @@ SKIP_TGT=${SKIP_TGT:-0}
 SKIP_NVMF=${SKIP_NVMF:-0}
 SKIP_PERF=${SKIP_PERF:-0}
 PATTERNS=${PATTERNS:-randread randwrite}
+JOBS=${JOBS:-1}
 QDS=${QDS:-128 1}
 T=${TESSERA:-target/release/tessera}
 
@@ -161,20 +165,41 @@ measure() {
     printf '%q ' "${cmd[@]}" >>"$COMMANDS"; echo >>"$COMMANDS"
   fi
   c0=$(cpu_ticks "$pid"); t0=$(date +%s.%N)
-  if ! "${cmd[@]}" </dev/null >"$out" 2>&1; then
-    log "$server/$client $pat qd=$qd failed:"; sed 's/^/    /' "$out" >&2
-    tail -5 "$DIR/node.log" >&2; exit 1
-  fi
+  # JOBS copies of an iSCSI client above QD1, each its own session (nvmf perf: --queues).
+  local n=1 j rc=0 pids=()
+  # QD1 is a latency figure: one session (busy-polling clients sharing a core would
+  # measure each other).
+  [[ $client == tessera-nvmf-perf || $qd == 1 ]] || n=$JOBS
+  for ((j = 0; j < n; j++)); do
+    "${cmd[@]}" </dev/null >"$out.$j" 2>&1 &
+    pids+=($!)
+  done
+  for j in "${pids[@]}"; do wait "$j" || rc=1; done
   t1=$(date +%s.%N); c1=$(cpu_ticks "$pid")
-  if [[ $client == iscsi-perf ]]; then
-    # Its last "iops average N" is the whole run's; it reports no latency.
-    iops=$(tr '\r' '\n' <"$out" | grep -o 'iops average [0-9]*' | tail -1 | awk '{print $3}')
-    us=-
-  else
-    line=$(grep '^RESULT' "$out") || { log "no RESULT line:"; cat "$out" >&2; exit 1; }
-    iops=$(sed 's/.*iops=\([0-9.]*\).*/\1/' <<<"$line")
-    us=$(sed 's/.*mean_us=\([0-9.]*\).*/\1/' <<<"$line")
+  if ((rc != 0)); then
+    local lf=$DIR/$server.log
+    [[ $server == nvmf ]] && lf=$DIR/tessera.log
+    [[ $server == tgt ]] && lf=$DIR/tgtd.log
+    log "$server/$client $pat qd=$qd failed:"; sed 's/^/    /' "$out".* >&2
+    tail -5 "$lf" >&2; exit 1
   fi
+  iops=0 us=0
+  for ((j = 0; j < n; j++)); do
+    local i u
+    if [[ $client == iscsi-perf ]]; then
+      # Its last "iops average N" is the whole run's; it reports no latency.
+      i=$(tr '\r' '\n' <"$out.$j" | grep -o 'iops average [0-9]*' | tail -1 | awk '{print $3}')
+      u=-
+    else
+      line=$(grep '^RESULT' "$out.$j") || { log "no RESULT line:"; cat "$out.$j" >&2; exit 1; }
+      i=$(sed 's/.*iops=\([0-9.]*\).*/\1/' <<<"$line")
+      u=$(sed 's/.*mean_us=\([0-9.]*\).*/\1/' <<<"$line")
+    fi
+    [[ -n "$i" ]] || { log "$server/$client: no IOPS in its output:"; cat "$out.$j" >&2; exit 1; }
+    # Sum of IOPS; latency weighted by each session's IOPS.
+    us=$(awk -v a="$us" -v b="$u" -v ia="$iops" -v ib="$i" 'BEGIN{ if (b == "-") print "-"; else printf "%.1f", (a*ia + b*ib)/(ia+ib) }')
+    iops=$(awk -v a="$iops" -v b="$i" 'BEGIN{printf "%.0f", a + b}')
+  done
   [[ -n "$iops" ]] || { log "$server/$client: no IOPS in its output:"; cat "$out" >&2; exit 1; }
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$server" "$client" "$pat" "$qd" "$rep" "$iops" "$us" \
     "$(awk -v a="$c0" -v b="$c1" -v k="$CLK" 'BEGIN{print (b-a)/k}')" \
@@ -189,8 +214,10 @@ one() {   # one SERVER PATTERN QD REP
   case $server in
     nvmf)
       [[ $qd == 1 && $BUSY_POLL_QD1 == 1 ]] && bp=(--busy-poll)
+      local queues=$JOBS
+      [[ $qd == 1 ]] && queues=1
       measure nvmf tessera-nvmf-perf $pat $qd $rep $NVMF_PID "$T" nvmf perf --addr "$NVMF_ADDR" \
-        --nqn $NQN --pattern $pat --qd $qd --bs 4K --size "$SIZE_B" --time "$SECS" "${bp[@]}" ;;
+        --queues "$queues" --nqn $NQN --pattern $pat --qd $qd --bs 4K --size "$SIZE_B" --time "$SECS" "${bp[@]}" ;;
     *)
       measure $server iscsi-load $pat $qd $rep "${PID[$server]}" "$LOAD" "${w[@]}" "${bp[@]}" -q $qd -b 4K -S "$SIZE_B" -t "$SECS" "${URL[$server]}"
       if [[ $pat == randread && $SKIP_PERF != 1 ]]; then
@@ -226,7 +253,7 @@ LOAD1=$(cut -d' ' -f1-3 /proc/loadavg)
 # --------------------------------------------------------------------- report --
 echo
 echo "== iSCSI: Tessera vs tgt, and vs Tessera's NVMe/TCP; 4 KiB, ${SECS}s x $REPS runs each, size $SIZE"
-echo "   $(nproc) CPUs: $(lscpu | sed -n 's/^Model name: *//p'); kernel $(uname -r); servers on CPU $SERVER_CPU, clients on CPU $CLIENT_CPU"
+echo "   $(nproc) CPUs: $(lscpu | sed -n 's/^Model name: *//p'); kernel $(uname -r); servers on CPU $SERVER_CPU, clients on CPU $CLIENT_CPU; runs above QD1: $JOBS client session(s) (NVMe/TCP queues) at that QD each"
 echo "   tessera $(git rev-parse --short HEAD 2>/dev/null || echo '?') ($T), tgtd $(tgtd --version 2>/dev/null | head -1 || echo '?'), libiscsi $(dpkg-query -W -f '${Version}' libiscsi7 2>/dev/null || echo '?')"
 echo "   load average before the runs: $LOAD0; after: $LOAD1 (anything above ~0 means other work shared the CPUs)"
 python3 - "$RESULTS" <<'PY'
