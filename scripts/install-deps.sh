@@ -26,7 +26,11 @@
 #   protoc (the build script of the etcd-client crate compiles etcd's
 #           .proto files: needed to build Tessera at all)  [protobuf-compiler]
 #   iscsi-ls, iscsi-inq, iscsi-readcapacity16, iscsi-test-cu (libiscsi's
-#           initiator tools, which the iSCSI target's tests drive)  [libiscsi-bin]
+#           initiator tools, which the iSCSI target's tests drive), iscsi-perf
+#           (bench/iscsi.sh)  [libiscsi-bin]
+#   tgtd, tgtadm (the peer iSCSI target of bench/iscsi.sh)  [tgt]
+#   libiscsi's headers (bench/iscsi.sh compiles its client bench/iscsi-load.c
+#           against them)  [libiscsi-dev]
 #
 # Non-interactive: never reads stdin, works with CI=true and no TTY.
 # Uses sudo (non-interactively) only when not root and sudo exists.
@@ -62,8 +66,15 @@ declare -A PKG_OF=(
   [iscsi-inq]=libiscsi-bin
   [iscsi-readcapacity16]=libiscsi-bin
   [iscsi-test-cu]=libiscsi-bin
+  [iscsi-perf]=libiscsi-bin
+  [tgtd]=tgt
+  [tgtadm]=tgt
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd ip nft protoc iscsi-ls iscsi-inq iscsi-readcapacity16 iscsi-test-cu)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd ip nft protoc iscsi-ls iscsi-inq iscsi-readcapacity16 iscsi-test-cu iscsi-perf tgtd tgtadm)
+
+have_libiscsi_headers() {
+  [[ -f /usr/include/iscsi/iscsi.h ]]
+}
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1
@@ -118,15 +129,23 @@ if ! have_memory_plugin; then
   need_memory_plugin=1
   want_pkgs[nbdkit]=1
 fi
+need_headers=0
+if ! have_libiscsi_headers; then
+  need_headers=1
+  want_pkgs[libiscsi-dev]=1
+fi
 
-if [[ "${#missing_cmds[@]}" -eq 0 && "$need_memory_plugin" -eq 0 ]]; then
-  log "all tools present: ${CMDS[*]} + nbdkit memory plugin"
+if [[ "${#missing_cmds[@]}" -eq 0 && "$need_memory_plugin" -eq 0 && "$need_headers" -eq 0 ]]; then
+  log "all tools present: ${CMDS[*]} + nbdkit memory plugin + libiscsi headers"
 else
   if [[ "${#missing_cmds[@]}" -gt 0 ]]; then
     log "missing commands: ${missing_cmds[*]}"
   fi
   if [[ "$need_memory_plugin" -eq 1 ]]; then
     log "missing: nbdkit memory plugin"
+  fi
+  if [[ "$need_headers" -eq 1 ]]; then
+    log "missing: libiscsi headers"
   fi
 
   if ! have apt-get; then
@@ -156,6 +175,7 @@ for c in "${CMDS[@]}"; do
   have "$c" || still_missing+=("$c")
 done
 have_memory_plugin || still_missing+=("nbdkit-memory-plugin")
+have_libiscsi_headers || still_missing+=("libiscsi-dev")
 if [[ "${#still_missing[@]}" -gt 0 ]]; then
   die "still missing after install: ${still_missing[*]}"
 fi
