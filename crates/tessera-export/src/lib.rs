@@ -1,5 +1,5 @@
 //! The export layer: what a block target must offer to be served over a protocol, and
-//! the connection machinery the protocols (NBD, NVMe/TCP) share.
+//! the connection machinery the protocols (NBD, NVMe/TCP, iSCSI) share.
 //!
 //! - [`ExportTarget`]: the contract of an exported target (size, read-only flag, block
 //!   status, changes since a snapshot, stats, per-core handles). The thin volume of
@@ -12,12 +12,14 @@
 //!   advance, batched stats, socket teardown.
 //! - [`budget`]: bytes of request buffers in flight per connection and per node
 //!   (back-pressure), connections per listener.
+//! - [`accept`]: the accept loop the listeners share (cap, failed accepts).
 //! - [`stats`]: per-connection I/O figures and the per-target registry summing them.
 
 use std::sync::Arc;
 
 use tessera_io::{CoreIo, IoOp, Tag};
 
+pub mod accept;
 pub mod budget;
 pub mod conn;
 pub mod log_limit;

@@ -19,6 +19,7 @@ use tessera_nbd::conn::{ConnOptions, NbdConn};
 use tessera_nbd::handshake::{negotiate_io, HandshakeOutcome};
 use tessera_nbd::tls::{HandshakeStream, TlsLink};
 
+use tessera_export::accept::{accept_each, Peer};
 use tessera_export::budget::{ListenerCap, ListenerSlot};
 use tessera_export::log_limit::LogLimiter;
 use tessera_export::ExportTarget;
@@ -413,11 +414,9 @@ fn serve_client<S>(
     }));
 }
 
-/// A socket the NBD listeners accept: TCP or Unix.
-trait NbdSocket: io::Read + io::Write + Into<OwnedFd> + Send + 'static {
+/// A socket the NBD listeners accept: TCP or Unix ([`Peer`] names the client in logs).
+trait NbdSocket: Peer + io::Read + io::Write + Into<OwnedFd> + Send + 'static {
     fn set_timeouts(&self, t: Option<Duration>);
-    /// The client's address, for log lines.
-    fn peer(&self) -> String;
 }
 
 impl NbdSocket for std::net::TcpStream {
@@ -425,19 +424,12 @@ impl NbdSocket for std::net::TcpStream {
         let _ = self.set_read_timeout(t);
         let _ = self.set_write_timeout(t);
     }
-    fn peer(&self) -> String {
-        self.peer_addr()
-            .map_or_else(|_| "?".into(), |a| a.to_string())
-    }
 }
 
 impl NbdSocket for std::os::unix::net::UnixStream {
     fn set_timeouts(&self, t: Option<Duration>) {
         let _ = self.set_read_timeout(t);
         let _ = self.set_write_timeout(t);
-    }
-    fn peer(&self) -> String {
-        "unix".into()
     }
 }
 
@@ -452,29 +444,10 @@ fn accept_loop<S: NbdSocket>(
     cap: Arc<ListenerCap>,
     incoming: impl Iterator<Item = io::Result<S>>,
 ) {
-    for s in incoming {
-        let s = match s {
-            Ok(s) => s,
-            Err(e) => {
-                cap.accept_failed(&e);
-                continue;
-            }
-        };
-        let Some(slot) = cap.try_open() else {
-            if CAP_LOG.admit() {
-                warn!(
-                    protocol = "nbd",
-                    listener = %cap.address,
-                    client = %s.peer(),
-                    max_connections = cap.max(),
-                    "nbd: connection refused: the listener serves its maximum of connections"
-                );
-            }
-            continue; // dropping the stream closes it
-        };
+    accept_each(incoming, &cap, "nbd", &CAP_LOG, |s, slot| {
         if HANDSHAKES.fetch_add(1, Relaxed) >= MAX_HANDSHAKES {
             HANDSHAKES.fetch_sub(1, Relaxed);
-            continue; // dropping the stream closes it
+            return; // dropping the stream closes it
         }
         s.set_timeouts(Some(HANDSHAKE_TIMEOUT));
         let client = s.peer();
@@ -491,7 +464,7 @@ fn accept_loop<S: NbdSocket>(
         if r.is_err() {
             HANDSHAKES.fetch_sub(1, Relaxed);
         }
-    }
+    });
 }
 
 pub fn start_nbd_tcp(node: &Arc<Node>, addr: &str) -> io::Result<String> {

@@ -5,11 +5,11 @@ use std::net::TcpListener;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
+use tessera_export::accept::accept_each;
 use tessera_export::budget::{BufferBudget, ListenerCap};
 use tessera_export::log_limit::LogLimiter;
 use tessera_export::ExportTarget;
 use tessera_io::Mailbox;
-use tracing::warn;
 
 use crate::target::Target;
 
@@ -27,26 +27,7 @@ pub fn accept_loop<T: ExportTarget>(
     budget: Arc<BufferBudget>,
     next: impl Fn() -> Arc<Mailbox> + Send + 'static,
 ) {
-    for s in l.incoming() {
-        let s = match s {
-            Ok(s) => s,
-            Err(e) => {
-                cap.accept_failed(&e);
-                continue;
-            }
-        };
-        let Some(slot) = cap.try_open() else {
-            if CAP_LOG.admit() {
-                warn!(
-                    protocol = "nvme-tcp",
-                    listener = %cap.address,
-                    client = %s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string()),
-                    max_connections = cap.max(),
-                    "nvmf: connection refused: the listener serves its maximum of connections"
-                );
-            }
-            continue; // dropping the stream closes it
-        };
+    accept_each(l.incoming(), &cap, "nvme-tcp", &CAP_LOG, |s, slot| {
         let _ = s.set_nodelay(true);
         let fd: OwnedFd = s.into();
         let t = target.clone();
@@ -54,5 +35,5 @@ pub fn accept_loop<T: ExportTarget>(
         next().spawn(Box::new(move |io| {
             Box::new(crate::queue::NvmfQueue::new(io, fd, t, b))
         }));
-    }
+    });
 }
