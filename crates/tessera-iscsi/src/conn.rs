@@ -421,7 +421,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         let result = login.on_request(
             bhs,
             data,
-            |n| target.target(n).is_some(),
+            |n| target.target(n).map(|t| t.access()),
             || target.new_tsih(),
         );
         let isid = login.isid;
@@ -549,7 +549,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                             "" => Some(self.target_name.clone()),
                             name => Some(name.to_string()),
                         };
-                        answers.extend(self.target.send_targets(only.as_deref()));
+                        answers.extend(self.target.send_targets(only.as_deref(), &self.initiator));
                     } else {
                         match text::negotiate(&mut self.params, &k, &v, self.discovery) {
                             Some(a) if a.is_empty() => {}

@@ -4,6 +4,8 @@
 //! - [`pdu`]: the PDU codec (Basic Header Segment, AHS skipping, padding, CRC32C
 //!   digests), strict and bounded.
 //! - [`text`]: `key=value` text and the negotiation of the operational keys.
+//! - [`auth`]: who may log in to a target: initiator allowlist, CHAP (one-way and
+//!   mutual).
 //! - [`login`]: the login phase of a connection (security and operational stages,
 //!   discovery and normal sessions).
 //! - [`scsi`]: CDB decoding, the data of INQUIRY/READ CAPACITY/MODE SENSE/REPORT LUNS,
@@ -14,6 +16,7 @@
 //!   that does its I/O through the LUNs' per-core export handles.
 
 pub mod accept;
+pub mod auth;
 pub mod conn;
 pub mod login;
 pub mod pdu;

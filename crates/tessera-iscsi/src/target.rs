@@ -10,6 +10,7 @@ use tessera_export::{Export, ExportTarget};
 use tessera_io::sync::RwLockExt;
 use thiserror::Error;
 
+use crate::auth::{Access, AccessError};
 use crate::login::PORTAL_GROUP_TAG;
 
 /// LUNs per target (single-level LUN addressing as this target encodes it).
@@ -26,12 +27,25 @@ pub enum Error {
     NoLuns(String),
     #[error("target {name} has {count} LUNs; at most {MAX_LUNS}")]
     TooManyLuns { name: String, count: usize },
+    #[error("target {name}: {source}")]
+    Access { name: String, source: AccessError },
+    #[error("no target named {0}")]
+    NotFound(String),
 }
 
-/// One named target: its LUNs in order.
+/// One named target: its LUNs in order, and who may log in to it.
 pub struct TargetEntry<T> {
     pub name: String,
     pub luns: Vec<Export<T>>,
+    /// Replaced whole by [`Target::set_access`]; a login takes the one current when
+    /// it names the target and keeps it to its end.
+    access: RwLock<Arc<Access>>,
+}
+
+impl<T> TargetEntry<T> {
+    pub fn access(&self) -> Arc<Access> {
+        self.access.read_locked().clone()
+    }
 }
 
 /// Everything the connections of one listener share.
@@ -42,7 +56,7 @@ pub struct Target<T> {
     next_tsih: AtomicU16,
 }
 
-fn valid_name(n: &str) -> bool {
+pub(crate) fn valid_name(n: &str) -> bool {
     let prefixed = ["iqn.", "eui.", "naa."].iter().any(|p| n.starts_with(p));
     prefixed && n.len() <= 223 && n.len() > 4 && !n.chars().any(|c| c.is_whitespace())
 }
@@ -59,6 +73,17 @@ impl<T: ExportTarget> Target<T> {
     /// Serve `luns` (LUN 0, 1, ...) under the iSCSI name `name`. Names are compared as
     /// given (initiators send them lower-case, as RFC 7143 requires them to be).
     pub fn add_target(&self, name: &str, luns: Vec<Export<T>>) -> Result<(), Error> {
+        self.add_target_with_access(name, luns, Access::default())
+    }
+
+    /// [`Target::add_target`] with its access control in place from the start (no
+    /// window in which the target is open to every initiator).
+    pub fn add_target_with_access(
+        &self,
+        name: &str,
+        luns: Vec<Export<T>>,
+        access: Access,
+    ) -> Result<(), Error> {
         if !valid_name(name) {
             return Err(Error::InvalidName(name.to_string()));
         }
@@ -71,6 +96,10 @@ impl<T: ExportTarget> Target<T> {
                 count: luns.len(),
             });
         }
+        access.check().map_err(|source| Error::Access {
+            name: name.to_string(),
+            source,
+        })?;
         let mut t = self.targets.write_locked();
         if t.contains_key(name) {
             return Err(Error::Exists(name.to_string()));
@@ -80,6 +109,7 @@ impl<T: ExportTarget> Target<T> {
             Arc::new(TargetEntry {
                 name: name.to_string(),
                 luns,
+                access: RwLock::new(Arc::new(access)),
             }),
         );
         Ok(())
@@ -88,6 +118,20 @@ impl<T: ExportTarget> Target<T> {
     /// Stop offering `name` to new logins (sessions already logged in keep their LUNs).
     pub fn remove_target(&self, name: &str) -> bool {
         self.targets.write_locked().remove(name).is_some()
+    }
+
+    /// Replace who may log in to `name`. Sessions logged in already are not affected;
+    /// the next login is checked against `access`.
+    pub fn set_access(&self, name: &str, access: Access) -> Result<(), Error> {
+        access.check().map_err(|source| Error::Access {
+            name: name.to_string(),
+            source,
+        })?;
+        let t = self
+            .target(name)
+            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        *t.access.write_locked() = Arc::new(access);
+        Ok(())
     }
 
     pub fn target(&self, name: &str) -> Option<Arc<TargetEntry<T>>> {
@@ -102,12 +146,19 @@ impl<T: ExportTarget> Target<T> {
         self.portals.write_locked().push(addr);
     }
 
-    /// The SendTargets answer: every target (or only `only`), with every portal.
-    pub fn send_targets(&self, only: Option<&str>) -> Vec<(String, String)> {
+    /// The SendTargets answer to `initiator`: every target (or only `only`) whose
+    /// allowlist admits it, with every portal. A target that would refuse the initiator's
+    /// login is not listed, so discovery does not tell strangers what exists; one that
+    /// needs CHAP is listed (discovery sessions carry no CHAP here: the secret is checked
+    /// at the normal login).
+    pub fn send_targets(&self, only: Option<&str>, initiator: &str) -> Vec<(String, String)> {
         let portals = self.portals.read_locked().clone();
+        let entries: Vec<Arc<TargetEntry<T>>> =
+            self.targets.read_locked().values().cloned().collect();
         let mut out = Vec::new();
-        for name in self.target_names() {
-            if only.is_some_and(|o| o != name) {
+        for e in entries {
+            let name = e.name.clone();
+            if only.is_some_and(|o| o != name) || !e.access().admits(initiator) {
                 continue;
             }
             out.push(("TargetName".to_string(), name));

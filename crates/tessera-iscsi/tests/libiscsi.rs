@@ -1,6 +1,8 @@
 //! The iSCSI target serving a RAM-backed pool volume in process, driven by libiscsi's
 //! own tools (Debian `libiscsi-bin`): discovery with iscsi-ls, INQUIRY with iscsi-inq,
-//! READ CAPACITY(16) with iscsi-readcapacity16, and a subset of iscsi-test-cu.
+//! READ CAPACITY(16) with iscsi-readcapacity16, a subset of iscsi-test-cu, and access
+//! control (initiator allowlist, CHAP one-way and mutual) as libiscsi's initiator meets
+//! it.
 //!
 //! A tool that is missing skips its test with "SKIP: ..." outside CI; in CI (`CI` set)
 //! it fails the test, so a runner without the package cannot pass silently.
@@ -14,6 +16,7 @@ use tessera_device::{BlockDevice, RamDevice};
 use tessera_export::budget::{BufferBudget, ListenerCap};
 use tessera_export::Export;
 use tessera_iscsi::accept::accept_loop;
+use tessera_iscsi::auth::{Access, Chap, Credentials};
 use tessera_iscsi::target::Target;
 use tessera_pool::{Pool, PoolOptions, Volume};
 use tessera_qos::{QosLimits, VolumeQos};
@@ -40,17 +43,23 @@ impl Served {
 /// A pool on a RAM device with one volume, served as LUN 0 of [`IQN`] on a loopback
 /// port of one reactor core.
 fn serve() -> Served {
+    serve_with(Access::default())
+}
+
+/// [`serve`], with `access` controlling who may log in to [`IQN`].
+fn serve_with(access: Access) -> Served {
     let dev: Arc<dyn BlockDevice> = RamDevice::new(VOL + (64 << 20)).unwrap();
     let pool = Pool::create("p", vec![dev], PoolOptions::default()).unwrap();
     let vol = pool.create_volume("v", VOL).unwrap();
     let target = Target::new();
     target
-        .add_target(
+        .add_target_with_access(
             IQN,
             vec![Export {
                 target: vol.clone(),
                 qos: Arc::new(VolumeQos::new(QosLimits::default(), Instant::now())),
             }],
+            access,
         )
         .unwrap();
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -207,4 +216,116 @@ fn iscsi_test_cu_block_command_subset_passes() {
     }
     eprintln!("{report}");
     assert_eq!(failed_total, 0, "iscsi-test-cu failures:\n{report}");
+}
+
+const HOST1: &str = "iqn.2026-11.io.example:host1";
+const HOST2: &str = "iqn.2026-11.io.example:host2";
+const USER: &str = "alice";
+const SECRET: &str = "initiator-secret-1";
+const MUTUAL_USER: &str = "tessera";
+const MUTUAL_SECRET: &str = "target-secret-222";
+
+fn chap(mutual: bool) -> Access {
+    Access {
+        allowed_initiators: Vec::new(),
+        chap: Some(Chap {
+            initiator: Credentials {
+                user: USER.into(),
+                secret: SECRET.as_bytes().to_vec(),
+            },
+            mutual: mutual.then(|| Credentials {
+                user: MUTUAL_USER.into(),
+                secret: MUTUAL_SECRET.as_bytes().to_vec(),
+            }),
+        }),
+    }
+}
+
+impl Served {
+    /// LUN 0's URL with CHAP credentials `USER%SECRET@` and URL arguments.
+    fn chap_url(&self, creds: &str, args: &str) -> String {
+        format!("iscsi://{creds}@{}/{IQN}/0{args}", self.addr)
+    }
+}
+
+#[test]
+fn one_way_chap_admits_the_right_secret_only() {
+    if !require_tool("iscsi-inq") {
+        return;
+    }
+    let s = serve_with(chap(false));
+    let (ok, out) = run("iscsi-inq", &[&s.chap_url(&format!("{USER}%{SECRET}"), "")]);
+    assert!(ok, "the right secret was refused:\n{out}");
+    assert!(out.contains("TESSERA"), "no INQUIRY data:\n{out}");
+    for (what, url) in [
+        (
+            "a wrong secret",
+            s.chap_url(&format!("{USER}%wrong-secret-123"), ""),
+        ),
+        ("a wrong user", s.chap_url(&format!("mallory%{SECRET}"), "")),
+        ("no credentials", s.url(0)),
+    ] {
+        let (ok, out) = run("iscsi-inq", &[&url]);
+        assert!(!ok, "{what} was let in:\n{out}");
+        // libiscsi prints the Login Response status: 0x0201.
+        assert!(
+            out.contains("Authentication failure"),
+            "{what}: not refused as an authentication failure:\n{out}"
+        );
+    }
+}
+
+#[test]
+fn mutual_chap_proves_the_target_to_the_initiator() {
+    if !require_tool("iscsi-inq") {
+        return;
+    }
+    let s = serve_with(chap(true));
+    let creds = format!("{USER}%{SECRET}");
+    let good = format!("?target_user={MUTUAL_USER}&target_password={MUTUAL_SECRET}");
+    let (ok, out) = run("iscsi-inq", &[&s.chap_url(&creds, &good)]);
+    assert!(ok, "mutual CHAP with the right secrets failed:\n{out}");
+    // The initiator holds another target secret: it must refuse the target.
+    let bad = format!("?target_user={MUTUAL_USER}&target_password=not-the-target-one");
+    let (ok, out) = run("iscsi-inq", &[&s.chap_url(&creds, &bad)]);
+    assert!(
+        !ok,
+        "the initiator accepted a target with the wrong secret:\n{out}"
+    );
+    assert!(
+        out.contains("Invalid CHAP_R response from the target"),
+        "refused, but not by the initiator's check of the target:\n{out}"
+    );
+    // One-way CHAP against a target that also has mutual credentials still works.
+    let (ok, out) = run("iscsi-inq", &[&s.chap_url(&creds, "")]);
+    assert!(ok, "one-way CHAP failed:\n{out}");
+}
+
+#[test]
+fn the_allowlist_admits_listed_initiators_only() {
+    if !require_tool("iscsi-inq") || !require_tool("iscsi-ls") {
+        return;
+    }
+    let s = serve_with(Access {
+        allowed_initiators: vec![HOST1.into()],
+        chap: None,
+    });
+    let (ok, out) = run("iscsi-inq", &["-i", HOST1, &s.url(0)]);
+    assert!(ok, "a listed initiator was refused:\n{out}");
+    let (ok, out) = run("iscsi-inq", &["-i", HOST2, &s.url(0)]);
+    assert!(!ok, "an initiator off the list was let in:\n{out}");
+    // Status 0x0202 (RFC 7143 §11.13.5).
+    assert!(out.contains("Authorization failure"), "{out}");
+    // Discovery lists the target to the initiators that may log in to it only.
+    let portal = format!("iscsi://{}", s.addr);
+    let (ok, out) = run("iscsi-ls", &["-i", HOST1, &portal]);
+    assert!(
+        ok && out.contains(IQN),
+        "not listed to a listed initiator:\n{out}"
+    );
+    let (_, out) = run("iscsi-ls", &["-i", HOST2, &portal]);
+    assert!(
+        !out.contains(IQN),
+        "listed to an initiator off the list:\n{out}"
+    );
 }

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use tessera_io::sync::MutexExt;
+use tessera_iscsi::auth::{Access, Chap, Credentials};
 use tessera_iscsi::target::Target;
 
 use crate::error::Error;
@@ -33,12 +34,76 @@ pub struct TargetRecord {
     pub iqn: String,
     /// In LUN order (LUN `i` is `luns[i]`).
     pub luns: Vec<LunRecord>,
+    /// Initiator names allowed to log in; empty: any initiator.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_initiators: Vec<String>,
+    /// CHAP the initiators must pass; absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chap: Option<ChapRecord>,
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+/// A target's CHAP settings as iscsi.json keeps them (the file is mode 0600, as
+/// nvmf.json with its DH-HMAC-CHAP secrets).
+#[derive(Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ChapRecord {
+    pub user: String,
+    pub secret: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mutual_user: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mutual_secret: Option<String>,
+}
+
+impl std::fmt::Debug for ChapRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Whoever logs a record must not log its secrets.
+        f.debug_struct("ChapRecord")
+            .field("user", &self.user)
+            .field("mutual_user", &self.mutual_user)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TargetRecord {
+    /// Who may log in, as the target crate checks it.
+    pub fn access(&self) -> Access {
+        Access {
+            allowed_initiators: self.allowed_initiators.clone(),
+            chap: self.chap.as_ref().map(|c| Chap {
+                initiator: Credentials {
+                    user: c.user.clone(),
+                    secret: c.secret.as_bytes().to_vec(),
+                },
+                mutual: c
+                    .mutual_user
+                    .as_ref()
+                    .zip(c.mutual_secret.as_ref())
+                    .map(|(u, s)| Credentials {
+                        user: u.clone(),
+                        secret: s.as_bytes().to_vec(),
+                    }),
+            }),
+        }
+    }
+}
+
+/// The version of iscsi.json this node reads and writes.
+pub const ISCSI_VERSION: u32 = 1;
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct IscsiFile {
     pub version: u32,
     pub targets: Vec<TargetRecord>,
+}
+
+/// The file of a node that has none yet: empty, of the current version.
+impl Default for IscsiFile {
+    fn default() -> IscsiFile {
+        IscsiFile {
+            version: ISCSI_VERSION,
+            targets: Vec::new(),
+        }
+    }
 }
 
 pub struct IscsiState {
@@ -52,27 +117,9 @@ pub struct IscsiState {
 }
 
 impl IscsiState {
-    pub fn load(data_dir: &Path) -> Result<IscsiState, String> {
+    pub fn load(data_dir: &Path) -> Result<IscsiState, Error> {
         let path = data_dir.join("iscsi.json");
-        let file = match std::fs::read_to_string(&path) {
-            Ok(t) => {
-                let f: IscsiFile =
-                    serde_json::from_str(&t).map_err(|e| format!("{}: {e}", path.display()))?;
-                if f.version != 1 {
-                    return Err(format!(
-                        "{}: version {} is not supported (this node reads version 1)",
-                        path.display(),
-                        f.version
-                    ));
-                }
-                f
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => IscsiFile {
-                version: 1,
-                ..IscsiFile::default()
-            },
-            Err(e) => return Err(format!("{}: {e}", path.display())),
-        };
+        let file: IscsiFile = crate::registry::load_versioned(&path, ISCSI_VERSION)?;
         Ok(IscsiState {
             path,
             file: Mutex::new(file),
@@ -94,7 +141,7 @@ impl IscsiState {
         let mut next = f.clone();
         let r = change(&mut next)?;
         let text = serde_json::to_string_pretty(&next).expect("iscsi config serialises");
-        // Owner only, as nvmf.json: CHAP secrets will be kept here.
+        // Owner only, as nvmf.json: the targets' CHAP secrets are kept here.
         crate::registry::write_atomic_mode(&self.path, text.as_bytes(), 0o600)?;
         *f = next;
         Ok(r)
@@ -119,5 +166,67 @@ impl IscsiState {
 
     pub fn portals(&self) -> Vec<String> {
         self.portals.locked().clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> TargetRecord {
+        TargetRecord {
+            iqn: "iqn.2026-11.io.tessera:db".into(),
+            luns: Vec::new(),
+            allowed_initiators: vec!["iqn.2026-11.io.example:host1".into()],
+            chap: Some(ChapRecord {
+                user: "alice".into(),
+                secret: "initiator-secret-1".into(),
+                mutual_user: Some("tessera".into()),
+                mutual_secret: Some("target-secret-22".into()),
+            }),
+        }
+    }
+
+    #[test]
+    fn records_debug_without_secrets() {
+        let s = format!("{:?}", record());
+        assert!(s.contains("alice") && s.contains("tessera"), "{s}");
+        assert!(
+            !s.contains("initiator-secret") && !s.contains("target-secret"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn access_carries_both_secrets_to_the_target() {
+        let a = record().access();
+        assert_eq!(a.check(), Ok(()));
+        let c = a.chap.unwrap();
+        assert_eq!(c.initiator.secret, b"initiator-secret-1");
+        assert_eq!(c.mutual.unwrap().secret, b"target-secret-22");
+        assert!(a
+            .allowed_initiators
+            .contains(&"iqn.2026-11.io.example:host1".into()));
+    }
+
+    #[test]
+    fn the_file_is_owner_only_and_reloads() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let s = IscsiState::load(dir.path()).unwrap();
+        assert_eq!(s.file().version, ISCSI_VERSION);
+        s.update(|f| {
+            f.targets.push(record());
+            Ok(())
+        })
+        .unwrap();
+        let path = dir.path().join("iscsi.json");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let again = IscsiState::load(dir.path()).unwrap();
+        assert_eq!(again.file().targets, vec![record()]);
+        std::fs::write(&path, r#"{"version": 2, "targets": []}"#).unwrap();
+        let e = IscsiState::load(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("iscsi.json: version 2 is not supported"), "{e}");
     }
 }

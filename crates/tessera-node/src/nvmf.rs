@@ -128,12 +128,26 @@ impl HostAuthRecord {
     }
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+/// The version of nvmf.json this node reads and writes.
+pub const NVMF_VERSION: u32 = 1;
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct NvmfFile {
     pub version: u32,
     /// Bumped on every change (the discovery log's generation counter).
     pub generation: u64,
     pub subsystems: Vec<SubsystemRecord>,
+}
+
+/// The file of a node that has none yet: empty, of the current version.
+impl Default for NvmfFile {
+    fn default() -> NvmfFile {
+        NvmfFile {
+            version: NVMF_VERSION,
+            generation: 0,
+            subsystems: Vec::new(),
+        }
+    }
 }
 
 pub struct NvmfState {
@@ -179,27 +193,9 @@ pub fn cluster_ids(volume: &str) -> ([u8; 16], [u8; 16], [u8; 8]) {
 }
 
 impl NvmfState {
-    pub fn load(data_dir: &Path) -> Result<NvmfState, String> {
+    pub fn load(data_dir: &Path) -> Result<NvmfState, Error> {
         let path = data_dir.join("nvmf.json");
-        let file = match std::fs::read_to_string(&path) {
-            Ok(t) => {
-                let f: NvmfFile =
-                    serde_json::from_str(&t).map_err(|e| format!("{}: {e}", path.display()))?;
-                if f.version != 1 {
-                    return Err(format!(
-                        "{}: version {} is not supported (this node reads version 1)",
-                        path.display(),
-                        f.version
-                    ));
-                }
-                f
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => NvmfFile {
-                version: 1,
-                ..NvmfFile::default()
-            },
-            Err(e) => return Err(format!("{}: {e}", path.display())),
-        };
+        let file: NvmfFile = crate::registry::load_versioned(&path, NVMF_VERSION)?;
         Ok(NvmfState {
             path,
             file: Mutex::new(file),

@@ -3,9 +3,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::error::{SaveError, StartError};
+use crate::error::{Error, SaveError, StartError};
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct PoolEntry {
@@ -53,6 +54,33 @@ impl Registry {
     }
 }
 
+/// Read a versioned JSON file of the data directory (nvmf.json, iscsi.json): a JSON
+/// object whose `version` must be `supported`. A missing file is `T::default()`, which
+/// must therefore be the empty file of the current version. The errors name the file.
+pub fn load_versioned<T: DeserializeOwned + Default>(
+    path: &Path,
+    supported: u32,
+) -> Result<T, Error> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(T::default()),
+        Err(e) => return Err(Error::io(&path.display().to_string(), e)),
+    };
+    let bad = |e: &dyn std::fmt::Display| Error::Corrupt(format!("{}: {e}", path.display()));
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(&e))?;
+    // The version first: a newer file need not have this version's shape, and its
+    // operator needs to hear that it is newer rather than which field is missing.
+    if let Some(v) = value.get("version").and_then(serde_json::Value::as_u64) {
+        if v != u64::from(supported) {
+            return Err(Error::invalid(format!(
+                "{}: version {v} is not supported (this node reads version {supported})",
+                path.display()
+            )));
+        }
+    }
+    serde_json::from_value(value).map_err(|e| bad(&e))
+}
+
 /// Replace the file at `path` atomically: write a temporary file, fsync, rename, fsync
 /// the directory. Shared by every JSON file the node keeps in its data directory.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SaveError> {
@@ -92,4 +120,48 @@ pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), Sav
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, Deserialize)]
+    struct File {
+        version: u32,
+        items: Vec<String>,
+    }
+
+    impl Default for File {
+        fn default() -> File {
+            File {
+                version: 3,
+                items: Vec::new(),
+            }
+        }
+    }
+
+    #[test]
+    fn load_versioned_reads_checks_and_names_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.json");
+        let f: File = load_versioned(&path, 3).unwrap();
+        assert_eq!(f, File::default(), "a missing file is the empty one");
+        std::fs::write(&path, r#"{"version": 3, "items": ["a"]}"#).unwrap();
+        let f: File = load_versioned(&path, 3).unwrap();
+        assert_eq!(f.items, vec!["a".to_string()]);
+        std::fs::write(&path, r#"{"version": 4, "other": 1}"#).unwrap();
+        let e = load_versioned::<File>(&path, 3).unwrap_err().to_string();
+        assert!(
+            e.contains("x.json") && e.contains("version 4 is not supported"),
+            "{e}"
+        );
+        assert!(e.contains("this node reads version 3"), "{e}");
+        std::fs::write(&path, "{not json").unwrap();
+        let e = load_versioned::<File>(&path, 3).unwrap_err().to_string();
+        assert!(e.starts_with(&path.display().to_string()), "{e}");
+        std::fs::write(&path, r#"{"items": []}"#).unwrap();
+        let e = load_versioned::<File>(&path, 3).unwrap_err().to_string();
+        assert!(e.contains("version"), "{e}");
+    }
 }

@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::routing::get;
+use axum::routing::{get, put};
 use axum::Router;
-use tessera_api::{CreateIscsiTarget, Deleted, ErrorReply, IscsiTargetInfo};
+use tessera_api::{CreateIscsiTarget, Deleted, ErrorReply, IscsiAuth, IscsiTargetInfo};
 use tessera_http::Response;
 
 use super::{body, reply, with_node, NodeState};
@@ -16,6 +16,7 @@ pub fn routes() -> Router<Arc<Node>> {
     Router::new()
         .route("/v1/iscsi/targets", get(targets).post(create))
         .route("/v1/iscsi/targets/{iqn}", get(target).delete(remove))
+        .route("/v1/iscsi/targets/{iqn}/auth", put(set_auth))
 }
 
 #[utoipa::path(get, path = "/v1/iscsi/targets", tag = "iscsi",
@@ -34,13 +35,33 @@ pub async fn target(State(node): NodeState, Path(iqn): Path<String>) -> Response
 #[utoipa::path(post, path = "/v1/iscsi/targets", tag = "iscsi", request_body = CreateIscsiTarget,
     responses((status = 201, body = IscsiTargetInfo), (status = "4XX", body = ErrorReply)))]
 pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
-    match body::<CreateIscsiTarget>(&bytes, "iSCSI target", "iqn, volumes") {
+    match body::<CreateIscsiTarget>(
+        &bytes,
+        "iSCSI target",
+        "iqn, volumes, allowed_initiators, chap",
+    ) {
         Ok(b) => {
             with_node(node, move |n| {
-                reply(n.iscsi_create(&b.iqn, &b.volumes), 201)
+                let auth = IscsiAuth {
+                    allowed_initiators: b.allowed_initiators,
+                    chap: b.chap,
+                };
+                reply(n.iscsi_create(&b.iqn, &b.volumes, auth), 201)
             })
             .await
         }
+        Err(r) => r,
+    }
+}
+
+/// Replace who may log in to a target: its initiator allowlist and CHAP settings, both
+/// (what the body leaves out is cleared). Sessions logged in keep going.
+#[utoipa::path(put, path = "/v1/iscsi/targets/{iqn}/auth", tag = "iscsi",
+    params(("iqn" = String, Path)), request_body = IscsiAuth,
+    responses((status = 200, body = IscsiTargetInfo), (status = "4XX", body = ErrorReply)))]
+pub async fn set_auth(State(node): NodeState, Path(iqn): Path<String>, bytes: Bytes) -> Response {
+    match body::<IscsiAuth>(&bytes, "iSCSI target access", "allowed_initiators, chap") {
+        Ok(b) => with_node(node, move |n| reply(n.iscsi_set_auth(&iqn, b), 200)).await,
         Err(r) => r,
     }
 }

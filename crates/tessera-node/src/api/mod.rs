@@ -133,7 +133,7 @@ async fn no_route(method: axum::http::Method, uri: Uri) -> Response {
         nvmf::remove, nvmf::namespace_add, nvmf::namespace_remove, nvmf::host_add,
         nvmf::host_remove, nvmf::cluster_paths, nvmf::cluster_path_put,
         nvmf::cluster_path_remove,
-        iscsi::targets, iscsi::target, iscsi::create, iscsi::remove,
+        iscsi::targets, iscsi::target, iscsi::create, iscsi::remove, iscsi::set_auth,
         snapshots::list, snapshots::create, snapshots::create_group, snapshots::delete,
         snapshots::clone, snapshots::rollback, snapshots::changes, snapshots::replica_create,
         snapshots::replica_delete,

@@ -8,12 +8,12 @@
 
 use std::sync::Arc;
 
-use tessera_api::{IscsiLunInfo, IscsiTargetInfo};
+use tessera_api::{IscsiAuth, IscsiChap, IscsiChapInfo, IscsiLunInfo, IscsiTargetInfo};
 use tessera_io::cast::u32_of;
 use tessera_io::sync::MutexExt;
 
 use crate::error::Error;
-use crate::iscsi::{LunRecord, TargetRecord};
+use crate::iscsi::{ChapRecord, LunRecord, TargetRecord};
 use crate::node::Node;
 
 /// The crate's refusals, as the API answers them.
@@ -21,8 +21,61 @@ fn from_target(e: tessera_iscsi::target::Error) -> Error {
     use tessera_iscsi::target::Error as T;
     match e {
         T::Exists(_) => Error::already_exists(e.to_string()),
-        T::InvalidName(_) | T::NoLuns(_) | T::TooManyLuns { .. } => Error::invalid(e.to_string()),
+        T::InvalidName(_) | T::NoLuns(_) | T::TooManyLuns { .. } | T::Access { .. } => {
+            Error::invalid(e.to_string())
+        }
+        T::NotFound(n) => Error::missing("iSCSI target", &n),
     }
+}
+
+/// The access control an API call asks for, as the target record keeps it, checked the
+/// way the target checks it (initiator names, secret lengths, distinct secrets).
+fn access_record(auth: IscsiAuth) -> Result<(Vec<String>, Option<ChapRecord>), Error> {
+    let chap = match auth.chap {
+        None => None,
+        Some(IscsiChap {
+            user,
+            secret,
+            mutual_user,
+            mutual_secret,
+        }) => {
+            if mutual_user.is_some() != mutual_secret.is_some() {
+                return Err(Error::invalid(
+                    "chap: mutual_user and mutual_secret go together (mutual CHAP needs both)",
+                ));
+            }
+            Some(ChapRecord {
+                user,
+                secret,
+                mutual_user,
+                mutual_secret,
+            })
+        }
+    };
+    let rec = TargetRecord {
+        allowed_initiators: auth.allowed_initiators,
+        chap,
+        ..TargetRecord::default()
+    };
+    rec.access()
+        .check()
+        .map_err(|e| Error::invalid(e.to_string()))?;
+    Ok((rec.allowed_initiators, rec.chap))
+}
+
+/// How a target's access control reads in the log (never its secrets).
+fn access_summary(t: &TargetRecord) -> String {
+    let chap = match &t.chap {
+        None => "no CHAP",
+        Some(c) if c.mutual_user.is_some() => "mutual CHAP",
+        Some(_) => "one-way CHAP",
+    };
+    let who = if t.allowed_initiators.is_empty() {
+        "any initiator".to_string()
+    } else {
+        format!("{} allowed initiator(s)", t.allowed_initiators.len())
+    };
+    format!("{who}, {chap}")
 }
 
 impl Node {
@@ -40,6 +93,11 @@ impl Node {
             served: self.iscsi.target().target(&t.iqn).is_some()
                 && !self.iscsi.portals().is_empty(),
             portals: self.iscsi.portals(),
+            allowed_initiators: t.allowed_initiators.clone(),
+            chap: t.chap.as_ref().map(|c| IscsiChapInfo {
+                user: c.user.clone(),
+                mutual_user: c.mutual_user.clone(),
+            }),
         }
     }
 
@@ -60,10 +118,17 @@ impl Node {
             .ok_or_else(|| Error::missing("iSCSI target", iqn))
     }
 
-    /// Create target `iqn` with LUNs 0, 1, ... serving `volumes`: live at once, and
-    /// persisted so that it is served again after a restart.
-    pub fn iscsi_create(&self, iqn: &str, volumes: &[String]) -> Result<IscsiTargetInfo, Error> {
+    /// Create target `iqn` with LUNs 0, 1, ... serving `volumes`, open to the initiators
+    /// `auth` admits: live at once, and persisted so that it is served again after a
+    /// restart.
+    pub fn iscsi_create(
+        &self,
+        iqn: &str,
+        volumes: &[String],
+        auth: IscsiAuth,
+    ) -> Result<IscsiTargetInfo, Error> {
         let _g = self.admin();
+        let (allowed_initiators, chap) = access_record(auth)?;
         if self.iscsi.file().targets.iter().any(|t| t.iqn == iqn) {
             return Err(Error::already_exists(format!(
                 "iSCSI target '{iqn}' already exists"
@@ -93,16 +158,18 @@ impl Node {
                 volume_id: v.id,
             });
         }
-        // The crate checks the name and the LUN count; live first, so that a refusal
-        // leaves nothing persisted.
-        self.iscsi
-            .target()
-            .add_target(iqn, exports)
-            .map_err(from_target)?;
         let rec = TargetRecord {
             iqn: iqn.to_string(),
             luns,
+            allowed_initiators,
+            chap,
         };
+        // The crate checks the name and the LUN count; live first (with its access
+        // control from the start), so that a refusal leaves nothing persisted.
+        self.iscsi
+            .target()
+            .add_target_with_access(iqn, exports, rec.access())
+            .map_err(from_target)?;
         let saved = self.iscsi.update(|f| {
             f.targets.push(rec.clone());
             Ok(())
@@ -111,7 +178,32 @@ impl Node {
             self.iscsi.target().remove_target(iqn);
             return Err(e);
         }
-        tracing::info!(iqn, luns = rec.luns.len(), "iscsi: target created");
+        tracing::info!(iqn, luns = rec.luns.len(), access = %access_summary(&rec), "iscsi: target created");
+        Ok(self.iscsi_info(&rec))
+    }
+
+    /// Replace who may log in to target `iqn` (initiator allowlist and CHAP). Persisted
+    /// first, then live: the next login is checked against it; sessions logged in
+    /// already keep going.
+    pub fn iscsi_set_auth(&self, iqn: &str, auth: IscsiAuth) -> Result<IscsiTargetInfo, Error> {
+        let _g = self.admin();
+        let (allowed_initiators, chap) = access_record(auth)?;
+        let rec = self.iscsi.update(|f| {
+            let t = f
+                .targets
+                .iter_mut()
+                .find(|t| t.iqn == iqn)
+                .ok_or_else(|| Error::missing("iSCSI target", iqn))?;
+            t.allowed_initiators = allowed_initiators;
+            t.chap = chap;
+            Ok(t.clone())
+        })?;
+        // Not live when a LUN's volume is offline: the record serves it when it returns.
+        match self.iscsi.target().set_access(iqn, rec.access()) {
+            Ok(()) | Err(tessera_iscsi::target::Error::NotFound(_)) => {}
+            Err(e) => return Err(from_target(e)),
+        }
+        tracing::info!(iqn, access = %access_summary(&rec), "iscsi: target access control set");
         Ok(self.iscsi_info(&rec))
     }
 
@@ -152,7 +244,13 @@ impl Node {
             };
             exports.push(self.export_of(&v));
         }
-        if let Err(e) = self.iscsi.target().add_target(&t.iqn, exports) {
+        // A record whose access control does not pass the checks (a hand edit) is not
+        // served at all, rather than served open.
+        if let Err(e) = self
+            .iscsi
+            .target()
+            .add_target_with_access(&t.iqn, exports, t.access())
+        {
             tracing::error!(iqn = %t.iqn, error = %e, "iscsi: cannot serve the target");
             return None;
         }
