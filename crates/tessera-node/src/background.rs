@@ -34,13 +34,7 @@ fn unknown(class: &str) -> Error {
 impl Background {
     pub fn load(data_dir: &Path) -> Result<Background, StartError> {
         let path = data_dir.join("background.json");
-        let bad =
-            |e: &dyn std::fmt::Display| StartError::Catalog(format!("{}: {e}", path.display()));
-        let set = match std::fs::read_to_string(&path) {
-            Ok(t) => serde_json::from_str(&t).map_err(|e| bad(&e))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
-            Err(e) => return Err(bad(&e)),
-        };
+        let set = crate::registry::load_json(&path).map_err(StartError::Catalog)?;
         Ok(Background {
             path,
             set: Mutex::new(set),

@@ -108,9 +108,9 @@ pub enum StartError {
     #[error("cannot start reactors (is io_uring available?): {0}")]
     Reactors(std::io::Error),
     /// A catalog file of the data directory (pools.json, groups.json, nvmf.json,
-    /// background.json) cannot be read.
-    #[error("{0}")]
-    Catalog(String),
+    /// iscsi.json, background.json) cannot be read or does not decode.
+    #[error(transparent)]
+    Catalog(Error),
     /// A pool, volume or export the configuration declares cannot be created.
     #[error("creating {what} '{name}' from the config: {source}")]
     Declaration {

@@ -76,13 +76,9 @@ fn invalid(msg: String) -> Error {
 }
 
 impl Groups {
-    pub fn load(data_dir: &Path) -> Result<Groups, String> {
+    pub fn load(data_dir: &Path) -> Result<Groups, Error> {
         let path = data_dir.join("groups.json");
-        let stored: BTreeMap<String, GroupConfig> = match std::fs::read_to_string(&path) {
-            Ok(t) => serde_json::from_str(&t).map_err(|e| format!("{}: {e}", path.display()))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
-            Err(e) => return Err(format!("{}: {e}", path.display())),
-        };
+        let stored: BTreeMap<String, GroupConfig> = crate::registry::load_json(&path)?;
         let now = Instant::now();
         let groups = stored
             .into_iter()
@@ -98,13 +94,7 @@ impl Groups {
             })
             .collect();
         let volumes_path = data_dir.join("volume_qos.json");
-        let stored: BTreeMap<String, QosLimits> = match std::fs::read_to_string(&volumes_path) {
-            Ok(t) => {
-                serde_json::from_str(&t).map_err(|e| format!("{}: {e}", volumes_path.display()))?
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
-            Err(e) => return Err(format!("{}: {e}", volumes_path.display())),
-        };
+        let stored: BTreeMap<String, QosLimits> = crate::registry::load_json(&volumes_path)?;
         Ok(Groups {
             path,
             groups: Mutex::new(groups),

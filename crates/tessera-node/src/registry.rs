@@ -37,20 +37,26 @@ impl Registry {
     }
 
     pub fn load(&self) -> Result<Vec<PoolEntry>, StartError> {
-        let bad = |e: &dyn std::fmt::Display| {
-            StartError::Catalog(format!("{}: {e}", self.path.display()))
-        };
-        match std::fs::read_to_string(&self.path) {
-            Ok(t) => serde_json::from_str(&t).map_err(|e| bad(&e)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-            Err(e) => Err(bad(&e)),
-        }
+        load_json(&self.path).map_err(StartError::Catalog)
     }
 
     /// Replace the registry atomically.
     pub fn save(&self, entries: &[PoolEntry]) -> Result<(), SaveError> {
         let text = serde_json::to_string_pretty(entries).expect("registry serialises");
         write_atomic(&self.path, text.as_bytes())
+    }
+}
+
+/// Read a JSON file of the data directory (pools.json, groups.json, background.json...):
+/// a missing file is `T::default()`; the errors name the file (an unreadable file is
+/// `Error::Io` with its cause, one that does not decode `Error::Corrupt`).
+pub fn load_json<T: DeserializeOwned + Default>(path: &Path) -> Result<T, Error> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => {
+            serde_json::from_str(&t).map_err(|e| Error::Corrupt(format!("{}: {e}", path.display())))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(T::default()),
+        Err(e) => Err(Error::io(&path.display().to_string(), e)),
     }
 }
 
@@ -61,13 +67,10 @@ pub fn load_versioned<T: DeserializeOwned + Default>(
     path: &Path,
     supported: u32,
 ) -> Result<T, Error> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(T::default()),
-        Err(e) => return Err(Error::io(&path.display().to_string(), e)),
+    let Some(value) = load_json::<Option<serde_json::Value>>(path)? else {
+        return Ok(T::default());
     };
     let bad = |e: &dyn std::fmt::Display| Error::Corrupt(format!("{}: {e}", path.display()));
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(&e))?;
     // The version first: a newer file need not have this version's shape, and its
     // operator needs to hear that it is newer rather than which field is missing.
     if let Some(v) = value.get("version").and_then(serde_json::Value::as_u64) {
@@ -125,6 +128,26 @@ pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), Sav
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_json_file_missing_is_empty_garbled_is_corrupt_unreadable_is_io() {
+        let dir = std::env::temp_dir().join(format!("tessera-load-json-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("groups.json");
+        let m: std::collections::BTreeMap<String, u32> = load_json(&path).unwrap();
+        assert!(m.is_empty());
+        std::fs::write(&path, "{\"a\": 1").unwrap();
+        let e = load_json::<std::collections::BTreeMap<String, u32>>(&path).unwrap_err();
+        assert!(matches!(e, Error::Corrupt(_)), "{e:?}");
+        assert!(e.to_string().contains("groups.json"), "{e}");
+        // A directory where the file should be: read_to_string fails, the cause kept.
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let e = load_json::<std::collections::BTreeMap<String, u32>>(&path).unwrap_err();
+        assert!(matches!(e, Error::Io { .. }), "{e:?}");
+        assert!(std::error::Error::source(&e).is_some());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[derive(Debug, PartialEq, Deserialize)]
     struct File {

@@ -164,10 +164,8 @@ impl Node {
         let reactors = spawn_reactors(&rcfg).map_err(StartError::Reactors)?;
         let registry = Registry::new(&cfg.data_dir);
         let entries = registry.load()?;
-        let nvmf = crate::nvmf::NvmfState::load(&cfg.data_dir)
-            .map_err(|e| StartError::Catalog(e.to_string()))?;
-        let iscsi = crate::iscsi::IscsiState::load(&cfg.data_dir)
-            .map_err(|e| StartError::Catalog(e.to_string()))?;
+        let nvmf = crate::nvmf::NvmfState::load(&cfg.data_dir).map_err(StartError::Catalog)?;
+        let iscsi = crate::iscsi::IscsiState::load(&cfg.data_dir).map_err(StartError::Catalog)?;
         let groups = crate::groups::Groups::load(&cfg.data_dir).map_err(StartError::Catalog)?;
         let jobs = Jobs::load(&cfg.data_dir)?;
         let reactors: Vec<Arc<Mailbox>> = reactors.into_iter().map(|(m, _h)| m).collect();
