@@ -162,6 +162,8 @@ pub struct IscsiConn<T: ExportTarget> {
     state: State,
     discovery: bool,
     initiator: String,
+    /// This session in its target's count of sessions (normal sessions only).
+    session: Option<crate::target::SessionCount>,
     target_name: String,
     params: Params,
     rx_digests: Digests,
@@ -197,6 +199,7 @@ impl<T: ExportTarget> IscsiConn<T> {
             state: State::Login(Box::new(Login::new())),
             discovery: false,
             initiator: String::new(),
+            session: None,
             target_name: String::new(),
             params: Params::default(),
             rx_digests: Digests::default(),
@@ -439,6 +442,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                     warn!(protocol = "iscsi", client = %self.client, "iscsi: login refused: {e}");
                 }
                 let (class, detail) = e.status();
+                self.target.refusals.count((class, detail));
                 h[36] = class;
                 h[37] = detail;
                 let s = self.next_statsn();
@@ -475,6 +479,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         self.tx_digests = d;
         if !self.discovery {
             if let Some(t) = self.target.target(&self.target_name) {
+                self.session = Some(t.session_opened());
                 for (i, e) in t.luns.iter().enumerate() {
                     let stats = e.target.register_stats();
                     let unit = Unit {

@@ -3,7 +3,7 @@
 //! listener is [`crate::accept`].
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU16, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};
 
 use tessera_export::{Export, ExportTarget};
@@ -40,11 +40,77 @@ pub struct TargetEntry<T> {
     /// Replaced whole by [`Target::set_access`]; a login takes the one current when
     /// it names the target and keeps it to its end.
     access: RwLock<Arc<Access>>,
+    /// Normal sessions logged in to the target now (for metrics).
+    sessions: Arc<AtomicU64>,
+    /// Normal-session logins that completed, since the target was added.
+    logins: AtomicU64,
 }
 
 impl<T> TargetEntry<T> {
     pub fn access(&self) -> Arc<Access> {
         self.access.read_locked().clone()
+    }
+
+    /// Sessions logged in now.
+    pub fn sessions(&self) -> u64 {
+        self.sessions.load(Relaxed)
+    }
+
+    /// Logins that reached full feature phase, since the target was added.
+    pub fn logins(&self) -> u64 {
+        self.logins.load(Relaxed)
+    }
+
+    /// A login to this target reached full feature phase: counted until the returned
+    /// guard (kept by the connection) is dropped.
+    pub(crate) fn session_opened(&self) -> SessionCount {
+        self.logins.fetch_add(1, Relaxed);
+        self.sessions.fetch_add(1, Relaxed);
+        SessionCount(self.sessions.clone())
+    }
+}
+
+/// One logged-in session in its target's count, for as long as the connection lives.
+pub(crate) struct SessionCount(Arc<AtomicU64>);
+
+impl Drop for SessionCount {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+/// Why logins were refused, by the class of their Login Response status.
+#[derive(Default)]
+pub struct LoginRefusals {
+    /// Authentication failed: CHAP missing, wrong user or secret (status 2/1).
+    pub authentication: AtomicU64,
+    /// The initiator is not on the target's allowlist (status 2/2).
+    pub authorization: AtomicU64,
+    /// The target named does not exist here (status 2/3).
+    pub not_found: AtomicU64,
+    /// Any other refusal (a malformed or out-of-order login).
+    pub other: AtomicU64,
+}
+
+impl LoginRefusals {
+    pub(crate) fn count(&self, (class, detail): (u8, u8)) {
+        let c = match (class, detail) {
+            (2, 1) => &self.authentication,
+            (2, 2) => &self.authorization,
+            (2, 3) => &self.not_found,
+            _ => &self.other,
+        };
+        c.fetch_add(1, Relaxed);
+    }
+
+    /// (reason, count) for each class, in a fixed order.
+    pub fn figures(&self) -> [(&'static str, u64); 4] {
+        [
+            ("authentication", self.authentication.load(Relaxed)),
+            ("authorization", self.authorization.load(Relaxed)),
+            ("not_found", self.not_found.load(Relaxed)),
+            ("other", self.other.load(Relaxed)),
+        ]
     }
 }
 
@@ -54,6 +120,8 @@ pub struct Target<T> {
     /// `host:port` of every portal, as SendTargets reports them.
     portals: RwLock<Vec<String>>,
     next_tsih: AtomicU16,
+    /// Logins refused, by reason (for metrics).
+    pub refusals: LoginRefusals,
 }
 
 pub(crate) fn valid_name(n: &str) -> bool {
@@ -67,6 +135,7 @@ impl<T: ExportTarget> Target<T> {
             targets: RwLock::new(BTreeMap::new()),
             portals: RwLock::new(Vec::new()),
             next_tsih: AtomicU16::new(1),
+            refusals: LoginRefusals::default(),
         })
     }
 
@@ -110,6 +179,8 @@ impl<T: ExportTarget> Target<T> {
                 name: name.to_string(),
                 luns,
                 access: RwLock::new(Arc::new(access)),
+                sessions: Arc::default(),
+                logins: AtomicU64::new(0),
             }),
         );
         Ok(())

@@ -30,6 +30,7 @@ const VOL: u64 = 64 << 20;
 struct Served {
     _pool: Pool,
     vol: Arc<Volume>,
+    target: Arc<Target<Volume>>,
     _core: ReactorThread,
     addr: String,
 }
@@ -68,6 +69,7 @@ fn serve_with(access: Access) -> Served {
     let core = ReactorThread::start();
     let mailbox = core.mailbox.clone();
     let cap_addr = addr.clone();
+    let served = target.clone();
     std::thread::spawn(move || {
         accept_loop(
             l,
@@ -80,6 +82,7 @@ fn serve_with(access: Access) -> Served {
     Served {
         _pool: pool,
         vol,
+        target: served,
         _core: core,
         addr,
     }
@@ -273,6 +276,18 @@ fn one_way_chap_admits_the_right_secret_only() {
             "{what}: not refused as an authentication failure:\n{out}"
         );
     }
+    // What the node's metrics show (tessera_iscsi_*): one login, three refusals for
+    // authentication, and no session left once the tool is gone.
+    let t = s.target.target(IQN).unwrap();
+    assert_eq!(t.logins(), 1);
+    let refused = s.target.refusals.figures();
+    assert_eq!(refused[0], ("authentication", 3), "{refused:?}");
+    assert!(refused[1..].iter().all(|&(_, n)| n == 0), "{refused:?}");
+    let deadline = Instant::now() + std::time::Duration::from_secs(5);
+    while t.sessions() != 0 && Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(t.sessions(), 0, "a session outlived its connection");
 }
 
 #[test]
@@ -316,6 +331,7 @@ fn the_allowlist_admits_listed_initiators_only() {
     assert!(!ok, "an initiator off the list was let in:\n{out}");
     // Status 0x0202 (RFC 7143 §11.13.5).
     assert!(out.contains("Authorization failure"), "{out}");
+    assert_eq!(s.target.refusals.figures()[1], ("authorization", 1));
     // Discovery lists the target to the initiators that may log in to it only.
     let portal = format!("iscsi://{}", s.addr);
     let (ok, out) = run("iscsi-ls", &["-i", HOST1, &portal]);

@@ -289,7 +289,71 @@ pub fn render(node: &Node) -> String {
     render_proxies(&mut w, node);
     render_reactors(&mut w, node);
     render_client_limits(&mut w, node);
+    render_iscsi(&mut w, node);
     w.finish()
+}
+
+/// iSCSI targets: their LUNs (to join `tessera_volume_*` by volume), sessions and
+/// logins, and the logins refused by reason.
+fn render_iscsi(w: &mut TextWriter, node: &Node) {
+    let live = node.iscsi.target();
+    let records = node.iscsi.file().targets.clone();
+    w.family(
+        "tessera_iscsi_lun",
+        "gauge",
+        "An iSCSI target's LUN and the volume it serves (always 1).",
+    );
+    for t in &records {
+        for l in &t.luns {
+            let lun = l.lun.to_string();
+            w.sample(
+                "tessera_iscsi_lun",
+                &[
+                    ("target", t.iqn.as_str()),
+                    ("lun", lun.as_str()),
+                    ("volume", l.volume.as_str()),
+                ],
+                1,
+            );
+        }
+    }
+    let served: Vec<_> = records.iter().filter_map(|t| live.target(&t.iqn)).collect();
+    w.family(
+        "tessera_iscsi_sessions",
+        "gauge",
+        "Normal iSCSI sessions logged in to the target now.",
+    );
+    for t in &served {
+        w.sample(
+            "tessera_iscsi_sessions",
+            &[("target", t.name.as_str())],
+            t.sessions(),
+        );
+    }
+    w.family(
+        "tessera_iscsi_logins_total",
+        "counter",
+        "iSCSI logins to the target that reached full feature phase.",
+    );
+    for t in &served {
+        w.sample(
+            "tessera_iscsi_logins_total",
+            &[("target", t.name.as_str())],
+            t.logins(),
+        );
+    }
+    w.family(
+        "tessera_iscsi_login_refusals_total",
+        "counter",
+        "iSCSI logins refused: authentication (CHAP), authorization (allowlist), not_found (no such target), other (malformed or out of order).",
+    );
+    for (reason, n) in live.refusals.figures() {
+        w.sample(
+            "tessera_iscsi_login_refusals_total",
+            &[("reason", reason)],
+            n,
+        );
+    }
 }
 
 /// The client buffer budget (`[client_buffers]`) and each listener's connection cap.
