@@ -367,6 +367,9 @@ fn print_banner(node: &Node, addrs: &[String], nvmf: &[String]) {
     for a in nvmf {
         if a.starts_with("iscsi://") {
             println!("tessera: iSCSI: {a}");
+            for t in node.iscsi_list() {
+                println!("tessera: iSCSI target {}: {a}/{}/0", t.iqn, t.iqn);
+            }
         } else {
             println!("tessera: NVMe/TCP: {a}");
         }

@@ -405,6 +405,19 @@ impl NodeConfig {
                 }],
                 ..Default::default()
             },
+            // Served when `tessera up` listens for iSCSI (it does by default).
+            iscsi: IscsiConfig {
+                targets: vec![IscsiTargetDecl {
+                    iqn: default_iqn("vol0"),
+                    volumes: vec!["vol0".into()],
+                    allowed_initiators: Vec::new(),
+                    chap_user: None,
+                    chap_secret_file: None,
+                    mutual_chap_user: None,
+                    mutual_chap_secret_file: None,
+                }],
+                ..Default::default()
+            },
             ..NodeConfig::default()
         }
     }
@@ -448,6 +461,10 @@ pub struct IscsiConfig {
     /// Connections the portal serves at a time; past it a new connection is closed
     /// right after accept (logged, counted in metrics).
     pub max_connections: usize,
+    /// Declarative first setup (`[[iscsi.target]]`): targets created at start when
+    /// missing. A target that exists is left as it is (changes go through the API).
+    #[serde(rename = "target", skip_serializing_if = "Vec::is_empty")]
+    pub targets: Vec<IscsiTargetDecl>,
 }
 
 impl Default for IscsiConfig {
@@ -455,8 +472,28 @@ impl Default for IscsiConfig {
         IscsiConfig {
             listen: String::new(),
             max_connections: ISCSI_MAX_CONNECTIONS,
+            targets: Vec::new(),
         }
     }
+}
+
+/// `[[iscsi.target]]`: a target and its LUNs. CHAP secrets are named by file (readable
+/// by the node's user only, as a config file often is not), never written inline.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IscsiTargetDecl {
+    pub iqn: String,
+    /// Volumes, as LUNs 0, 1, ...
+    pub volumes: Vec<String>,
+    /// Initiator IQNs allowed to log in (empty: any).
+    #[serde(default)]
+    pub allowed_initiators: Vec<String>,
+    /// CHAP: the name initiators log in with, and the file holding their secret.
+    pub chap_user: Option<String>,
+    pub chap_secret_file: Option<PathBuf>,
+    /// Mutual CHAP: the name the target answers with, and the file of its secret.
+    pub mutual_chap_user: Option<String>,
+    pub mutual_chap_secret_file: Option<PathBuf>,
 }
 
 /// `[nvmf]` in the node configuration.
@@ -511,6 +548,11 @@ pub struct SubsystemDecl {
 /// The NQN `tessera up` exports `vol` under.
 pub fn default_nqn(vol: &str) -> String {
     format!("nqn.2024-01.io.tessera:{vol}")
+}
+
+/// The iSCSI target name `tessera up` serves `vol` under (as LUN 0).
+pub fn default_iqn(vol: &str) -> String {
+    format!("iqn.2026-11.io.tessera:{vol}")
 }
 
 #[cfg(test)]

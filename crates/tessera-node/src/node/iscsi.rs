@@ -266,6 +266,16 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
     for t in &targets {
         let _ = node.iscsi_restore(t);
     }
+    // The config's targets that do not exist yet (made persistent like any other).
+    for d in &node.cfg.iscsi.targets {
+        if node.iscsi_get(&d.iqn).is_ok() {
+            continue;
+        }
+        let r = declared_auth(d).and_then(|auth| node.iscsi_create(&d.iqn, &d.volumes, auth));
+        if let Err(e) = r {
+            tracing::error!(iqn = %d.iqn, error = %e, "iscsi: cannot create the target from the config");
+        }
+    }
     let cfg = node.cfg.iscsi.clone();
     if cfg.listen.is_empty() {
         return Vec::new();
@@ -299,4 +309,42 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
     }
     node.iscsi.portals.locked().push(local.clone());
     vec![format!("iscsi://{local}")]
+}
+
+/// What a `[[iscsi.target]]` declares about who may log in, its secrets read from their
+/// files (trimmed, as the CLI reads them). The pairs are checked as the API checks them.
+fn declared_auth(d: &crate::config::IscsiTargetDecl) -> Result<IscsiAuth, Error> {
+    let secret = |what: &str, path: &Option<std::path::PathBuf>| -> Result<Option<String>, Error> {
+        let Some(path) = path else { return Ok(None) };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(&format!("{what} {}", path.display()), e))?;
+        let text = text.trim();
+        if text.is_empty() {
+            return Err(Error::invalid(format!(
+                "{what} {} is empty",
+                path.display()
+            )));
+        }
+        Ok(Some(text.to_string()))
+    };
+    let initiator = secret("chap_secret_file", &d.chap_secret_file)?;
+    let mutual = secret("mutual_chap_secret_file", &d.mutual_chap_secret_file)?;
+    let chap = match (&d.chap_user, initiator) {
+        (None, None) if d.mutual_chap_user.is_none() && mutual.is_none() => None,
+        (Some(user), Some(secret)) => Some(IscsiChap {
+            user: user.clone(),
+            secret,
+            mutual_user: d.mutual_chap_user.clone(),
+            mutual_secret: mutual,
+        }),
+        _ => {
+            return Err(Error::invalid(
+                "chap_user and chap_secret_file go together, and mutual CHAP needs them",
+            ))
+        }
+    };
+    Ok(IscsiAuth {
+        allowed_initiators: d.allowed_initiators.clone(),
+        chap,
+    })
 }
