@@ -8,12 +8,14 @@
 //!   discovery and normal sessions).
 //! - [`scsi`]: CDB decoding, the data of INQUIRY/READ CAPACITY/MODE SENSE/REPORT LUNS,
 //!   sense data.
+//! - [`caw`]: the ranges COMPARE AND WRITE holds, shared by the connections of a volume.
 //! - [`target`]: the named targets and their LUNs, SendTargets, session handles.
 //! - [`accept`]: the listener, handing each connection to a reactor core.
 //! - [`conn`]: one connection (one session) on a reactor core: a [`tessera_io::Task`]
 //!   that does its I/O through the LUNs' per-core export handles.
 
 pub mod accept;
+pub mod caw;
 pub mod conn;
 pub mod login;
 pub mod pdu;
