@@ -27,6 +27,10 @@
 #           .proto files: needed to build Tessera at all)  [protobuf-compiler]
 #   iscsi-ls, iscsi-inq, iscsi-readcapacity16, iscsi-test-cu (libiscsi's
 #           initiator tools, which the iSCSI target's tests drive)  [libiscsi-bin]
+#   libiscsi's headers and library (the iSCSI test compiles tools/iscsi-blockio.c
+#           with cc ... -liscsi)           [libiscsi-dev; cc from gcc]
+#   tgtd, tgtadm (the Linux SCSI target framework, the reference target of
+#           bench/iscsi-conformance.sh; its service is not used)  [tgt]
 #
 # Non-interactive: never reads stdin, works with CI=true and no TTY.
 # Uses sudo (non-interactively) only when not root and sudo exists.
@@ -62,8 +66,15 @@ declare -A PKG_OF=(
   [iscsi-inq]=libiscsi-bin
   [iscsi-readcapacity16]=libiscsi-bin
   [iscsi-test-cu]=libiscsi-bin
+  [cc]=gcc
+  [tgtd]=tgt
+  [tgtadm]=tgt
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd ip nft protoc iscsi-ls iscsi-inq iscsi-readcapacity16 iscsi-test-cu)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd ip nft protoc iscsi-ls iscsi-inq iscsi-readcapacity16 iscsi-test-cu cc tgtd tgtadm)
+
+have_libiscsi_dev() {
+  [[ -f /usr/include/iscsi/iscsi.h ]]
+}
 
 have_memory_plugin() {
   have nbdkit && nbdkit memory --dump-plugin </dev/null >/dev/null 2>&1
@@ -113,6 +124,10 @@ for c in "${CMDS[@]}"; do
     want_pkgs[${PKG_OF[$c]}]=1
   fi
 done
+if ! have_libiscsi_dev; then
+  missing_cmds+=("libiscsi-dev (iscsi/iscsi.h)")
+  want_pkgs[libiscsi-dev]=1
+fi
 need_memory_plugin=0
 if ! have_memory_plugin; then
   need_memory_plugin=1
@@ -156,6 +171,7 @@ for c in "${CMDS[@]}"; do
   have "$c" || still_missing+=("$c")
 done
 have_memory_plugin || still_missing+=("nbdkit-memory-plugin")
+have_libiscsi_dev || still_missing+=("libiscsi-dev")
 if [[ "${#still_missing[@]}" -gt 0 ]]; then
   die "still missing after install: ${still_missing[*]}"
 fi
