@@ -25,8 +25,8 @@ use tessera_io::cast::{u16_of, u32_of, usize_of};
 use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag, Task};
 use tracing::{debug, info, warn};
 
-use crate::caw::CawLocks;
 use crate::login::Login;
+use crate::lu::LuShared;
 use crate::pdu::{self, *};
 use crate::scsi::{self, Command, Sense, Unit, BLOCK_SHIFT};
 use crate::target::Target;
@@ -106,7 +106,7 @@ struct Cmd {
     start: Instant,
     /// Bytes of the connection's buffer budget the command holds.
     charged: u64,
-    /// A COMPARE AND WRITE holds its range in the LUN's [`CawLocks`] (let go when the
+    /// A COMPARE AND WRITE holds its range in the LUN's [`LuShared`] (let go when the
     /// slot is freed, however the command ends).
     caw_held: bool,
 }
@@ -154,7 +154,7 @@ struct Lu<T: ExportTarget> {
     gate: Gate,
     unit: Unit,
     stats: Arc<IoStats>,
-    caw: Arc<CawLocks>,
+    caw: Arc<LuShared>,
 }
 
 enum State {
@@ -500,7 +500,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                     );
                     self.luns.push(Lu {
                         gate,
-                        caw: CawLocks::of(e.target.identity()),
+                        caw: LuShared::of(e.target.identity()),
                         vol: e.target.open(),
                         target: e.target.clone(),
                         unit,
@@ -755,7 +755,10 @@ impl<T: ExportTarget> IscsiConn<T> {
         // blocks has 0 in its one-byte count and 256 blocks of data.)
         let exact = matches!(
             cmd,
-            Command::Verify { .. } | Command::CompareAndWrite { .. } | Command::WriteSame16 { .. }
+            Command::Verify { .. }
+                | Command::CompareAndWrite { .. }
+                | Command::OrWrite { .. }
+                | Command::WriteSame16 { .. }
         );
         if exact && u64::from(edtl) != needs {
             self.free_slot(io, s);
@@ -1035,7 +1038,9 @@ impl<T: ExportTarget> IscsiConn<T> {
         }
         if c.caw_held {
             c.caw_held = false;
-            if let Command::CompareAndWrite { lba, blocks, .. } = c.cmd {
+            if let Command::CompareAndWrite { lba, blocks, .. }
+            | Command::OrWrite { lba, blocks, .. } = c.cmd
+            {
                 self.luns[c.lun].caw.release(lba, u64::from(blocks));
             }
         }
@@ -1080,7 +1085,7 @@ impl<T: ExportTarget> IscsiConn<T> {
             Command::WriteSame16 { .. } | Command::Unmap { .. } => Charge::Write(0),
             Command::SynchronizeCache { .. } => Charge::Free,
             Command::Verify { .. } => Charge::Read(self.slots[idx].cmd.read_back_len()),
-            Command::CompareAndWrite { blocks, .. } => {
+            Command::CompareAndWrite { blocks, .. } | Command::OrWrite { blocks, .. } => {
                 Charge::Write(u64::from(blocks) << BLOCK_SHIFT)
             }
             // Answered from data, without I/O: nothing to admit.
@@ -1222,7 +1227,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                 }
                 self.read_back(io, s, lba, blocks);
             }
-            Command::CompareAndWrite { lba, blocks, .. } => {
+            Command::CompareAndWrite { lba, blocks, .. } | Command::OrWrite { lba, blocks, .. } => {
                 if !scsi::in_range(lba, u64::from(blocks), capacity) {
                     return self.finish(io, s, Some(Sense::LBA_OUT_OF_RANGE));
                 }
@@ -1456,7 +1461,8 @@ impl<T: ExportTarget> IscsiConn<T> {
             }
             // FUA: the data is durable before the status, so a flush follows.
             (Command::Write { fua: true, .. }, Phase::Io)
-            | (Command::CompareAndWrite { fua: true, .. }, Phase::CawWrite) => {
+            | (Command::CompareAndWrite { fua: true, .. }, Phase::CawWrite)
+            | (Command::OrWrite { fua: true, .. }, Phase::CawWrite) => {
                 self.slots[idx].phase = Phase::FuaFlush;
                 self.submit(io, s, IoOp::Flush);
             }
@@ -1464,11 +1470,16 @@ impl<T: ExportTarget> IscsiConn<T> {
                 let sense = self.compare(idx, blocks, bytchk == 3);
                 self.finish(io, s, sense)
             }
-            (Command::CompareAndWrite { lba, blocks, .. }, Phase::Io) => {
-                if let Some(sense) = self.compare(idx, blocks, false) {
-                    return self.finish(io, s, Some(sense));
+            (Command::CompareAndWrite { lba, blocks, .. }, Phase::Io)
+            | (Command::OrWrite { lba, blocks, .. }, Phase::Io) => {
+                let or = matches!(cmd, Command::OrWrite { .. });
+                if !or {
+                    if let Some(sense) = self.compare(idx, blocks, false) {
+                        return self.finish(io, s, Some(sense));
+                    }
                 }
-                // Matched: the second half of the Data-Out buffer is written, from the
+                // COMPARE AND WRITE matched: the second half of its Data-Out buffer is
+                // written; ORWRITE: what was read OR its Data-Out. Both from the
                 // (aligned) read-back area, while the range is still held.
                 let len = usize_of(u64::from(blocks) << BLOCK_SHIFT);
                 let at = read_back_at(self.slots[idx].want);
@@ -1477,7 +1488,15 @@ impl<T: ExportTarget> IscsiConn<T> {
                         .buf
                         .as_mut()
                         .expect("compare and write data");
-                    b.as_mut_slice().copy_within(len..2 * len, at);
+                    let m = b.as_mut_slice();
+                    if or {
+                        let (data, rest) = m.split_at_mut(at);
+                        for (x, d) in rest[..len].iter_mut().zip(&data[..len]) {
+                            *x |= *d;
+                        }
+                    } else {
+                        m.copy_within(len..2 * len, at);
+                    }
                     // SAFETY: `at + len` is within the buffer (sized in on_command).
                     unsafe { b.as_mut_ptr().add(at) }
                 };
@@ -1575,7 +1594,7 @@ fn class_of(c: &Command) -> IoClass {
         Command::Unmap { .. } => IoClass::Discard,
         Command::WriteSame16 { .. } => IoClass::WriteZeroes,
         Command::Verify { .. } => IoClass::Read,
-        Command::CompareAndWrite { .. } => IoClass::Write,
+        Command::CompareAndWrite { .. } | Command::OrWrite { .. } => IoClass::Write,
         _ => IoClass::Other,
     }
 }

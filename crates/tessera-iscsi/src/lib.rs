@@ -8,16 +8,17 @@
 //!   discovery and normal sessions).
 //! - [`scsi`]: CDB decoding, the data of INQUIRY/READ CAPACITY/MODE SENSE/REPORT LUNS,
 //!   sense data.
-//! - [`caw`]: the ranges COMPARE AND WRITE holds, shared by the connections of a volume.
+//! - [`lu`]: what the connections serving one volume share: the ranges COMPARE AND
+//!   WRITE and ORWRITE hold.
 //! - [`target`]: the named targets and their LUNs, SendTargets, session handles.
 //! - [`accept`]: the listener, handing each connection to a reactor core.
 //! - [`conn`]: one connection (one session) on a reactor core: a [`tessera_io::Task`]
 //!   that does its I/O through the LUNs' per-core export handles.
 
 pub mod accept;
-pub mod caw;
 pub mod conn;
 pub mod login;
+pub mod lu;
 pub mod pdu;
 pub mod scsi;
 pub mod target;

@@ -1,11 +1,11 @@
-//! COMPARE AND WRITE's atomicity: the block ranges a COMPARE AND WRITE holds from the
-//! start of its read to the end of its write, one table per volume shared by every
-//! iSCSI connection (on every core) that serves it.
+//! What every iSCSI connection (on every core) serving one volume shares.
 //!
-//! While a range is held, another COMPARE AND WRITE, WRITE or WRITE SAME from iSCSI that
-//! overlaps it is answered BUSY (the initiator retries), so no iSCSI write lands between
-//! the compare and the write. Writes already in flight when the range is taken, and
-//! writes from NBD or NVMe/TCP, are not ordered by it.
+//! - COMPARE AND WRITE's and ORWRITE's atomicity: the block range such a command holds
+//!   from the start of its read to the end of its write. While a range is held,
+//!   another COMPARE AND WRITE, ORWRITE, WRITE or WRITE SAME from iSCSI that overlaps it
+//!   is answered BUSY (the initiator retries), so no iSCSI write lands between the read
+//!   and the write. Writes already in flight when the range is taken, and writes from
+//!   NBD or NVMe/TCP, are not ordered by it.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, Weak};
 use tessera_io::sync::MutexExt;
 
 #[derive(Default)]
-pub struct CawLocks {
+pub struct LuShared {
     /// How many ranges are held: writes look at the table only when it is non-zero, so
     /// a volume without COMPARE AND WRITE pays one atomic load per write.
     count: AtomicUsize,
@@ -25,10 +25,10 @@ fn overlap(a: (u64, u64), lba: u64, blocks: u64) -> bool {
     a.0 < lba.saturating_add(blocks) && lba < a.0.saturating_add(a.1)
 }
 
-impl CawLocks {
+impl LuShared {
     /// The table of the volume whose export target has identity `key`.
-    pub fn of(key: usize) -> Arc<CawLocks> {
-        static TABLES: Mutex<Vec<(usize, Weak<CawLocks>)>> = Mutex::new(Vec::new());
+    pub fn of(key: usize) -> Arc<LuShared> {
+        static TABLES: Mutex<Vec<(usize, Weak<LuShared>)>> = Mutex::new(Vec::new());
         let mut t = TABLES.locked();
         t.retain(|(_, w)| w.strong_count() > 0);
         if let Some(l) = t
@@ -38,7 +38,7 @@ impl CawLocks {
         {
             return l;
         }
-        let l = Arc::new(CawLocks::default());
+        let l = Arc::new(LuShared::default());
         t.push((key, Arc::downgrade(&l)));
         l
     }
@@ -78,8 +78,8 @@ mod tests {
 
     #[test]
     fn overlapping_ranges_are_refused_until_released() {
-        let l = CawLocks::of(0x1234_5678);
-        assert!(Arc::ptr_eq(&l, &CawLocks::of(0x1234_5678)));
+        let l = LuShared::of(0x1234_5678);
+        assert!(Arc::ptr_eq(&l, &LuShared::of(0x1234_5678)));
         assert!(!l.busy(0, 1000));
         assert!(l.try_take(10, 5));
         assert!(!l.try_take(14, 1));

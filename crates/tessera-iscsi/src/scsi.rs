@@ -212,6 +212,12 @@ pub enum Command {
         blocks: u32,
         fua: bool,
     },
+    /// ORWRITE(16): the blocks become what they held OR the Data-Out buffer.
+    OrWrite {
+        lba: u64,
+        blocks: u32,
+        fua: bool,
+    },
     /// GET LBA STATUS from `lba`.
     GetLbaStatus {
         lba: u64,
@@ -258,7 +264,9 @@ impl Command {
             Command::Verify { blocks, bytchk, .. } if bytchk != 0 => {
                 u64::from(blocks) << BLOCK_SHIFT
             }
-            Command::CompareAndWrite { blocks, .. } => u64::from(blocks) << BLOCK_SHIFT,
+            Command::CompareAndWrite { blocks, .. } | Command::OrWrite { blocks, .. } => {
+                u64::from(blocks) << BLOCK_SHIFT
+            }
             _ => 0,
         }
     }
@@ -277,6 +285,7 @@ impl Command {
                 blocks, bytchk: 3, ..
             } if blocks > 0 => u64::from(BLOCK_SIZE),
             Command::CompareAndWrite { blocks, .. } => u64::from(blocks) << (BLOCK_SHIFT + 1),
+            Command::OrWrite { blocks, .. } => u64::from(blocks) << BLOCK_SHIFT,
             _ => 0,
         }
     }
@@ -400,6 +409,17 @@ pub fn decode(cdb: &[u8]) -> Result<Command, Sense> {
                 return Err(Sense::INVALID_FIELD_IN_CDB);
             }
             Ok(Command::CompareAndWrite {
+                lba: get_u64(cdb, 2),
+                blocks,
+                fua,
+            })
+        }
+        0x8b => {
+            let blocks = get_u32(cdb, 10);
+            if protect != 0 || blocks > MAX_TRANSFER_BLOCKS {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::OrWrite {
                 lba: get_u64(cdb, 2),
                 blocks,
                 fua,
@@ -896,6 +916,14 @@ const SUPPORTED: &[(u8, Option<u16>, &[u8])] = &[
         None,
         &[
             0x8a, 0x18, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0,
+            0,
+        ],
+    ),
+    (
+        0x8b,
+        None,
+        &[
+            0x8b, 0x18, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0,
             0,
         ],
     ),
