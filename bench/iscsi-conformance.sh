@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 FILTER=${1:-.}
 T=${TESSERA:-target/release/tessera}
 TIMEOUT=${TIMEOUT:-60}
-[[ "$T" != target/release/tessera ]] || cargo build -q --release --bin tessera
+[[ "$T" != target/release/tessera ]] || cargo build -q --release -p tessera-cli --bin tessera
 for tool in iscsi-test-cu tgtd tgtadm; do
   command -v $tool >/dev/null || { echo "$tool is missing (scripts/install-deps.sh)" >&2; exit 1; }
 done
