@@ -28,9 +28,11 @@
 #   iscsi-ls, iscsi-inq, iscsi-readcapacity16, iscsi-test-cu (libiscsi's
 #           initiator tools, which the iSCSI target's tests drive), iscsi-perf
 #           (bench/iscsi.sh)  [libiscsi-bin]
-#   tgtd, tgtadm (the peer iSCSI target of bench/iscsi.sh)  [tgt]
-#   libiscsi's headers (bench/iscsi.sh compiles its client bench/iscsi-load.c
-#           against them)  [libiscsi-dev]
+#   tgtd, tgtadm (the peer iSCSI target of bench/iscsi.sh and
+#           bench/iscsi-conformance.sh; its service is not used)  [tgt]
+#   libiscsi's headers and library (bench/iscsi.sh compiles its client
+#           bench/iscsi-load.c, the iSCSI test tools/iscsi-blockio.c, with
+#           cc ... -liscsi)  [libiscsi-dev; cc from gcc]
 #
 # Non-interactive: never reads stdin, works with CI=true and no TTY.
 # Uses sudo (non-interactively) only when not root and sudo exists.
@@ -67,10 +69,11 @@ declare -A PKG_OF=(
   [iscsi-readcapacity16]=libiscsi-bin
   [iscsi-test-cu]=libiscsi-bin
   [iscsi-perf]=libiscsi-bin
+  [cc]=gcc
   [tgtd]=tgt
   [tgtadm]=tgt
 )
-CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd ip nft protoc iscsi-ls iscsi-inq iscsi-readcapacity16 iscsi-test-cu iscsi-perf tgtd tgtadm)
+CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh openssl nvme curl etcd ip nft protoc iscsi-ls iscsi-inq iscsi-readcapacity16 iscsi-test-cu iscsi-perf cc tgtd tgtadm)
 
 have_libiscsi_headers() {
   [[ -f /usr/include/iscsi/iscsi.h ]]

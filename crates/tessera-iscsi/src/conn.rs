@@ -26,6 +26,7 @@ use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag, Task};
 use tracing::{debug, info, warn};
 
 use crate::login::Login;
+use crate::lu::LuShared;
 use crate::pdu::{self, *};
 use crate::scsi::{self, Command, Sense, Unit, BLOCK_SHIFT};
 use crate::target::Target;
@@ -73,6 +74,8 @@ enum Phase {
     Throttled,
     /// Write done; the FUA flush is in flight.
     FuaFlush,
+    /// COMPARE AND WRITE matched: its write is in flight.
+    CawWrite,
     /// The answer is queued; the slot is released once it has been sent.
     Reply,
 }
@@ -103,6 +106,9 @@ struct Cmd {
     start: Instant,
     /// Bytes of the connection's buffer budget the command holds.
     charged: u64,
+    /// A COMPARE AND WRITE holds its range in the LUN's [`LuShared`] (let go when the
+    /// slot is freed, however the command ends).
+    caw_held: bool,
 }
 
 impl Cmd {
@@ -123,6 +129,7 @@ impl Cmd {
             abort_itt: None,
             start: Instant::now(),
             charged: 0,
+            caw_held: false,
         }
     }
 }
@@ -147,6 +154,7 @@ struct Lu<T: ExportTarget> {
     gate: Gate,
     unit: Unit,
     stats: Arc<IoStats>,
+    caw: Arc<LuShared>,
 }
 
 enum State {
@@ -497,6 +505,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                     );
                     self.luns.push(Lu {
                         gate,
+                        caw: LuShared::of(e.target.identity()),
                         vol: e.target.open(),
                         target: e.target.clone(),
                         unit,
@@ -596,7 +605,11 @@ impl<T: ExportTarget> IscsiConn<T> {
                     c.itt == rtt
                         && matches!(
                             c.phase,
-                            Phase::AwaitData | Phase::Io | Phase::Throttled | Phase::FuaFlush
+                            Phase::AwaitData
+                                | Phase::Io
+                                | Phase::Throttled
+                                | Phase::FuaFlush
+                                | Phase::CawWrite
                         )
                 });
                 match found {
@@ -741,12 +754,33 @@ impl<T: ExportTarget> IscsiConn<T> {
         // sends none): the range is unmapped, which reads back as zeros.
         let unmap_only = matches!(cmd, Command::WriteSame16 { unmap: true, .. }) && edtl == 0;
         let needs = if unmap_only { 0 } else { cmd.data_out_len() };
+        // VERIFY, COMPARE AND WRITE and WRITE SAME use their Data-Out block for block
+        // (compared, or replicated): a transfer length other than the CDB's is an
+        // invalid CDB (SBC-3 5.3, 5.42), not a residual. (A COMPARE AND WRITE of 256
+        // blocks has 0 in its one-byte count and 256 blocks of data.)
+        let exact = matches!(
+            cmd,
+            Command::Verify { .. }
+                | Command::CompareAndWrite { .. }
+                | Command::OrWrite { .. }
+                | Command::WriteSame16 { .. }
+        );
+        if exact && u64::from(edtl) != needs {
+            self.free_slot(io, s);
+            return self.respond(
+                itt,
+                scsi::CHECK_CONDITION,
+                Some(Sense::INVALID_FIELD_IN_CDB),
+                NO_RESIDUAL,
+            );
+        }
         if needs == 0 {
             // Immediate data with a command that takes none (a READ flagged as a write)
             // is ignored: the command is served as its CDB says.
             return self.execute(io, s);
         }
-        if self.luns[lun].unit.read_only {
+        let writes = !matches!(cmd, Command::Verify { .. } | Command::ModeSelect { .. });
+        if writes && self.luns[lun].unit.read_only {
             self.free_slot(io, s);
             return self.respond(
                 itt,
@@ -799,7 +833,14 @@ impl<T: ExportTarget> IscsiConn<T> {
             return self.respond(itt, BUSY, None, NO_RESIDUAL);
         }
         let imm = data.len().min(usize_of(u64::from(want)));
-        let mut buf = io.bufs.get(usize_of(u64::from(want)));
+        // Comparing commands read the medium into the same buffer, after the data.
+        let read_back = cmd.read_back_len();
+        let size = if read_back > 0 {
+            read_back_at(want) + usize_of(read_back)
+        } else {
+            usize_of(u64::from(want))
+        };
+        let mut buf = io.bufs.get(size);
         buf.as_mut_slice()[..imm].copy_from_slice(&data[..imm]);
         let c = &mut self.slots[idx];
         c.charged = u64::from(want);
@@ -1000,6 +1041,14 @@ impl<T: ExportTarget> IscsiConn<T> {
             self.budget.release(c.charged);
             c.charged = 0;
         }
+        if c.caw_held {
+            c.caw_held = false;
+            if let Command::CompareAndWrite { lba, blocks, .. }
+            | Command::OrWrite { lba, blocks, .. } = c.cmd
+            {
+                self.luns[c.lun].caw.release(lba, u64::from(blocks));
+            }
+        }
         c.phase = Phase::Free;
         self.free.push(s);
     }
@@ -1040,6 +1089,10 @@ impl<T: ExportTarget> IscsiConn<T> {
             Command::Write { blocks, .. } => Charge::Write(u64::from(blocks) << BLOCK_SHIFT),
             Command::WriteSame16 { .. } | Command::Unmap { .. } => Charge::Write(0),
             Command::SynchronizeCache { .. } => Charge::Free,
+            Command::Verify { .. } => Charge::Read(self.slots[idx].cmd.read_back_len()),
+            Command::CompareAndWrite { blocks, .. } | Command::OrWrite { blocks, .. } => {
+                Charge::Write(u64::from(blocks) << BLOCK_SHIFT)
+            }
             // Answered from data, without I/O: nothing to admit.
             _ => return self.dispatch(io, s),
         };
@@ -1123,6 +1176,75 @@ impl<T: ExportTarget> IscsiConn<T> {
                 Ok(d) => self.answer_data(io, Some(s), itt, edtl, d, m.alloc),
                 Err(e) => self.finish(io, s, Some(e)),
             },
+            Command::NoOp => self.finish(io, s, None),
+            Command::Prefetch { lba, blocks } => {
+                // Nothing to load ahead (the volume has no cache of its own); the range
+                // is checked as a read's would be.
+                let ok = scsi::in_range(lba, u64::from(blocks), capacity);
+                self.finish(io, s, (!ok).then_some(Sense::LBA_OUT_OF_RANGE))
+            }
+            Command::ModeSelect { ten, .. } => {
+                let want = usize_of(u64::from(self.slots[idx].want));
+                let r = match self.slots[idx].buf.as_ref() {
+                    Some(b) => scsi::mode_select(ten, &b.as_slice()[..want]),
+                    None => Ok(()),
+                };
+                self.finish(io, s, r.err())
+            }
+            Command::ReportOpcodes(q) => match scsi::report_opcodes(&q) {
+                Ok(d) => self.answer_data(io, Some(s), itt, edtl, d, q.alloc),
+                Err(e) => self.finish(io, s, Some(e)),
+            },
+            Command::ReadDefectData {
+                twelve,
+                format,
+                alloc,
+            } => {
+                let d = scsi::read_defect_data(twelve, format);
+                self.answer_data(io, Some(s), itt, edtl, d, alloc)
+            }
+            Command::GetLbaStatus { lba, alloc } => {
+                if lba >= capacity {
+                    return self.finish(io, s, Some(Sense::LBA_OUT_OF_RANGE));
+                }
+                // The export's own allocation map (what NBD's block status reports),
+                // as many runs as the allocation length has room for.
+                let room = usize_of(u64::from(alloc.saturating_sub(8) / 16)).clamp(1, 64);
+                let runs = self.luns[lun].target.allocation_runs(
+                    lba << BLOCK_SHIFT,
+                    (capacity - lba) << BLOCK_SHIFT,
+                    room,
+                );
+                let d = scsi::lba_status(lba, &runs, alloc);
+                self.answer_data(io, Some(s), itt, edtl, d, alloc)
+            }
+            Command::Verify {
+                lba,
+                blocks,
+                bytchk,
+            } => {
+                if !scsi::in_range(lba, u64::from(blocks), capacity) {
+                    return self.finish(io, s, Some(Sense::LBA_OUT_OF_RANGE));
+                }
+                if blocks == 0 || bytchk == 0 {
+                    // BYTCHK 0: a medium check, which a volume that reads has passed.
+                    return self.finish(io, s, None);
+                }
+                self.read_back(io, s, lba, blocks);
+            }
+            Command::CompareAndWrite { lba, blocks, .. } | Command::OrWrite { lba, blocks, .. } => {
+                if !scsi::in_range(lba, u64::from(blocks), capacity) {
+                    return self.finish(io, s, Some(Sense::LBA_OUT_OF_RANGE));
+                }
+                if blocks == 0 {
+                    return self.finish(io, s, None);
+                }
+                if !self.luns[lun].caw.try_take(lba, u64::from(blocks)) {
+                    return self.busy(io, s);
+                }
+                self.slots[idx].caw_held = true;
+                self.read_back(io, s, lba, blocks);
+            }
             Command::Read { lba, blocks, .. } => {
                 if !scsi::in_range(lba, u64::from(blocks), capacity) {
                     return self.finish(io, s, Some(Sense::LBA_OUT_OF_RANGE));
@@ -1151,6 +1273,9 @@ impl<T: ExportTarget> IscsiConn<T> {
                 }
                 if blocks == 0 {
                     return self.finish(io, s, None);
+                }
+                if self.luns[lun].caw.busy(lba, u64::from(blocks)) {
+                    return self.busy(io, s);
                 }
                 let len = blocks << BLOCK_SHIFT;
                 let buf = self.slots[idx].buf.as_ref().expect("write data").as_ptr();
@@ -1207,6 +1332,9 @@ impl<T: ExportTarget> IscsiConn<T> {
                 if !scsi::in_range(lba, u64::from(blocks), capacity) {
                     return self.finish(io, s, Some(Sense::LBA_OUT_OF_RANGE));
                 }
+                if self.luns[lun].caw.busy(lba, u64::from(blocks)) {
+                    return self.busy(io, s);
+                }
                 let zero = self.slots[idx]
                     .buf
                     .as_ref()
@@ -1262,6 +1390,52 @@ impl<T: ExportTarget> IscsiConn<T> {
         }
     }
 
+    /// BUSY for a command that cannot run now (a COMPARE AND WRITE holds its range).
+    fn busy(&mut self, io: &mut CoreIo, s: u16) {
+        let itt = self.slots[usize::from(s)].itt;
+        self.free_slot(io, s);
+        self.respond(itt, BUSY, None, NO_RESIDUAL);
+    }
+
+    /// Read `blocks` from `lba` into the slot's read-back area (after its Data-Out).
+    fn read_back(&mut self, io: &mut CoreIo, s: u16, lba: u64, blocks: u32) {
+        let idx = usize::from(s);
+        let at = read_back_at(self.slots[idx].want);
+        let Some(b) = self.slots[idx].buf.as_mut() else {
+            return self.finish(io, s, Some(Sense::INTERNAL_TARGET_FAILURE));
+        };
+        // SAFETY: the buffer has `at + blocks` blocks (sized in on_command).
+        let ptr = unsafe { b.as_mut_ptr().add(at) };
+        self.submit(
+            io,
+            s,
+            IoOp::Read {
+                offset: lba << BLOCK_SHIFT,
+                len: blocks << BLOCK_SHIFT,
+                buf: ptr,
+            },
+        );
+    }
+
+    /// Compare the slot's Data-Out (its first `blocks`, or its one block against each
+    /// block when `one_block`) with what was read back: the miscompare, if any.
+    fn compare(&self, idx: usize, blocks: u32, one_block: bool) -> Option<Sense> {
+        let c = &self.slots[idx];
+        let b = c.buf.as_ref()?.as_slice();
+        let len = usize_of(u64::from(blocks) << BLOCK_SHIFT);
+        let at = read_back_at(c.want);
+        let medium = &b[at..at + len];
+        let first = if one_block {
+            let block = &b[..usize_of(u64::from(scsi::BLOCK_SIZE))];
+            medium.chunks(block.len()).enumerate().find_map(|(i, m)| {
+                scsi::first_difference(block, m).map(|o| u32_of(i * block.len()) + o)
+            })
+        } else {
+            scsi::first_difference(&b[..len], medium)
+        };
+        first.map(Sense::miscompare)
+    }
+
     fn on_io(&mut self, io: &mut CoreIo, s: u16, res: i32) {
         self.in_io -= 1;
         let idx = usize::from(s);
@@ -1271,7 +1445,10 @@ impl<T: ExportTarget> IscsiConn<T> {
             return self.tmf_response(tmf, 0);
         }
         let cmd = self.slots[idx].cmd;
-        let write = !matches!(cmd, Command::Read { .. } | Command::SynchronizeCache { .. });
+        let write = !matches!(
+            cmd,
+            Command::Read { .. } | Command::SynchronizeCache { .. } | Command::Verify { .. }
+        );
         if res < 0 {
             return self.finish(io, s, Some(Sense::from_errno(-res, write)));
         }
@@ -1288,9 +1465,56 @@ impl<T: ExportTarget> IscsiConn<T> {
                 self.send_data_in(s, usize_of(u64::from(blocks) << BLOCK_SHIFT));
             }
             // FUA: the data is durable before the status, so a flush follows.
-            (Command::Write { fua: true, .. }, Phase::Io) => {
+            (Command::Write { fua: true, .. }, Phase::Io)
+            | (Command::CompareAndWrite { fua: true, .. }, Phase::CawWrite)
+            | (Command::OrWrite { fua: true, .. }, Phase::CawWrite) => {
                 self.slots[idx].phase = Phase::FuaFlush;
                 self.submit(io, s, IoOp::Flush);
+            }
+            (Command::Verify { blocks, bytchk, .. }, _) => {
+                let sense = self.compare(idx, blocks, bytchk == 3);
+                self.finish(io, s, sense)
+            }
+            (Command::CompareAndWrite { lba, blocks, .. }, Phase::Io)
+            | (Command::OrWrite { lba, blocks, .. }, Phase::Io) => {
+                let or = matches!(cmd, Command::OrWrite { .. });
+                if !or {
+                    if let Some(sense) = self.compare(idx, blocks, false) {
+                        return self.finish(io, s, Some(sense));
+                    }
+                }
+                // COMPARE AND WRITE matched: the second half of its Data-Out buffer is
+                // written; ORWRITE: what was read OR its Data-Out. Both from the
+                // (aligned) read-back area, while the range is still held.
+                let len = usize_of(u64::from(blocks) << BLOCK_SHIFT);
+                let at = read_back_at(self.slots[idx].want);
+                let ptr = {
+                    let b = self.slots[idx]
+                        .buf
+                        .as_mut()
+                        .expect("compare and write data");
+                    let m = b.as_mut_slice();
+                    if or {
+                        let (data, rest) = m.split_at_mut(at);
+                        for (x, d) in rest[..len].iter_mut().zip(&data[..len]) {
+                            *x |= *d;
+                        }
+                    } else {
+                        m.copy_within(len..2 * len, at);
+                    }
+                    // SAFETY: `at + len` is within the buffer (sized in on_command).
+                    unsafe { b.as_mut_ptr().add(at) }
+                };
+                self.slots[idx].phase = Phase::CawWrite;
+                self.submit(
+                    io,
+                    s,
+                    IoOp::Write {
+                        offset: lba << BLOCK_SHIFT,
+                        len: blocks << BLOCK_SHIFT,
+                        buf: ptr,
+                    },
+                );
             }
             _ => self.finish(io, s, None),
         }
@@ -1374,6 +1598,8 @@ fn class_of(c: &Command) -> IoClass {
         Command::SynchronizeCache { .. } => IoClass::Flush,
         Command::Unmap { .. } => IoClass::Discard,
         Command::WriteSame16 { .. } => IoClass::WriteZeroes,
+        Command::Verify { .. } => IoClass::Read,
+        Command::CompareAndWrite { .. } | Command::OrWrite { .. } => IoClass::Write,
         _ => IoClass::Other,
     }
 }
@@ -1387,6 +1613,12 @@ fn unit_id(name: &str, lun: usize) -> u64 {
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
     h
+}
+
+/// Where a comparing command's read-back area starts in its buffer: after `want` bytes
+/// of Data-Out, at a 4 KiB boundary (the alignment direct I/O may need).
+fn read_back_at(want: u32) -> usize {
+    usize_of(u64::from(want).next_multiple_of(4096))
 }
 
 fn dummy_unit() -> Unit {

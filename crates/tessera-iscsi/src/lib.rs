@@ -10,6 +10,8 @@
 //!   discovery and normal sessions).
 //! - [`scsi`]: CDB decoding, the data of INQUIRY/READ CAPACITY/MODE SENSE/REPORT LUNS,
 //!   sense data.
+//! - [`lu`]: what the connections serving one volume share: the ranges COMPARE AND
+//!   WRITE and ORWRITE hold.
 //! - [`target`]: the named targets and their LUNs, SendTargets, session handles.
 //! - [`accept`]: the listener, handing each connection to a reactor core.
 //! - [`conn`]: one connection (one session) on a reactor core: a [`tessera_io::Task`]
@@ -19,6 +21,7 @@ pub mod accept;
 pub mod auth;
 pub mod conn;
 pub mod login;
+pub mod lu;
 pub mod pdu;
 pub mod scsi;
 pub mod target;

@@ -22,6 +22,9 @@ pub const WRITE_SAME_CHUNK_BLOCKS: u32 = 2048;
 /// UNMAP limits (Block Limits page).
 pub const MAX_UNMAP_BLOCKS: u32 = 1 << 20;
 pub const MAX_UNMAP_DESCRIPTORS: u32 = 256;
+/// Largest COMPARE AND WRITE (the Block Limits page's MAXIMUM COMPARE AND WRITE LENGTH,
+/// its largest value): 255 blocks to compare and 255 to write.
+pub const MAX_COMPARE_AND_WRITE_BLOCKS: u32 = 255;
 
 /// SCSI status codes.
 pub const GOOD: u8 = 0x00;
@@ -33,6 +36,7 @@ pub const MEDIUM_ERROR: u8 = 0x03;
 pub const HARDWARE_ERROR: u8 = 0x04;
 pub const ILLEGAL_REQUEST: u8 = 0x05;
 pub const DATA_PROTECT: u8 = 0x07;
+pub const MISCOMPARE: u8 = 0x0e;
 
 /// Sense data: key and additional sense code/qualifier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +44,9 @@ pub struct Sense {
     pub key: u8,
     pub asc: u8,
     pub ascq: u8,
+    /// The INFORMATION field (VALID set): for a miscompare, the offset of the first
+    /// byte that differed.
+    pub info: Option<u32>,
 }
 
 impl Sense {
@@ -54,27 +61,32 @@ impl Sense {
         key: DATA_PROTECT,
         asc: 0x27,
         ascq: 0,
+        info: None,
     };
     /// Thin provisioning: the pool has no space left for the write.
     pub const SPACE_ALLOCATION_FAILED: Sense = Sense {
         key: DATA_PROTECT,
         asc: 0x27,
         ascq: 0x07,
+        info: None,
     };
     pub const READ_ERROR: Sense = Sense {
         key: MEDIUM_ERROR,
         asc: 0x11,
         ascq: 0,
+        info: None,
     };
     pub const WRITE_ERROR: Sense = Sense {
         key: MEDIUM_ERROR,
         asc: 0x0c,
         ascq: 0,
+        info: None,
     };
     pub const INTERNAL_TARGET_FAILURE: Sense = Sense {
         key: HARDWARE_ERROR,
         asc: 0x44,
         ascq: 0,
+        info: None,
     };
 
     const fn illegal(asc: u8, ascq: u8) -> Sense {
@@ -82,6 +94,18 @@ impl Sense {
             key: ILLEGAL_REQUEST,
             asc,
             ascq,
+            info: None,
+        }
+    }
+
+    /// MISCOMPARE during verify operation (VERIFY, COMPARE AND WRITE): `offset` is the
+    /// first byte of the Data-Out buffer that differed from the medium.
+    pub const fn miscompare(offset: u32) -> Sense {
+        Sense {
+            key: MISCOMPARE,
+            asc: 0x1d,
+            ascq: 0,
+            info: Some(offset),
         }
     }
 
@@ -90,6 +114,10 @@ impl Sense {
         let mut s = [0u8; 18];
         s[0] = 0x70;
         s[2] = self.key & 0x0f;
+        if let Some(info) = self.info {
+            s[0] |= 0x80; // VALID: the INFORMATION field means something
+            put_u32(&mut s, 3, info);
+        }
         s[7] = 10;
         s[12] = self.asc;
         s[13] = self.ascq;
@@ -147,13 +175,74 @@ pub enum Command {
     Unmap {
         param_len: u32,
     },
-    /// `ndob`: no data-out buffer, the blocks are zeroed (unmapped with `unmap`).
+    /// WRITE SAME(10) or (16). `ndob`: no data-out buffer, the blocks are zeroed
+    /// (unmapped with `unmap`).
     WriteSame16 {
         lba: u64,
         blocks: u32,
         unmap: bool,
         ndob: bool,
     },
+    /// START STOP UNIT and PREVENT ALLOW MEDIUM REMOVAL: a volume has no medium to
+    /// spin or eject, so both succeed without doing anything.
+    NoOp,
+    /// PRE-FETCH(10/16): the range is checked; there is no cache to load it into.
+    Prefetch {
+        lba: u64,
+        blocks: u32,
+    },
+    /// MODE SELECT(6/10) with its parameter list length.
+    ModeSelect {
+        ten: bool,
+        param_len: u32,
+    },
+    /// REPORT SUPPORTED OPERATION CODES.
+    ReportOpcodes(OpcodeQuery),
+    /// VERIFY(10/12/16). `bytchk`: 0 the medium only (nothing to compare), 1 every
+    /// block against the Data-Out buffer, 3 one Data-Out block against every block.
+    Verify {
+        lba: u64,
+        blocks: u32,
+        bytchk: u8,
+    },
+    /// COMPARE AND WRITE: the Data-Out buffer is `blocks` to compare, then `blocks` to
+    /// write where they matched.
+    CompareAndWrite {
+        lba: u64,
+        blocks: u32,
+        fua: bool,
+    },
+    /// ORWRITE(16): the blocks become what they held OR the Data-Out buffer.
+    OrWrite {
+        lba: u64,
+        blocks: u32,
+        fua: bool,
+    },
+    /// GET LBA STATUS from `lba`.
+    GetLbaStatus {
+        lba: u64,
+        alloc: u32,
+    },
+    /// READ DEFECT DATA(10/12): a volume has no defect lists; the header says so.
+    ReadDefectData {
+        twelve: bool,
+        /// Byte 2 of the CDB (REQ_PLIST, REQ_GLIST, the list format), echoed back.
+        format: u8,
+        alloc: u32,
+    },
+}
+
+/// REPORT SUPPORTED OPERATION CODES' fields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpcodeQuery {
+    /// 0: every command; 1: `opcode` (without service action); 2: `opcode` with
+    /// service action `sa`; 3: either.
+    pub options: u8,
+    pub opcode: u8,
+    pub sa: u16,
+    /// Return command timeouts descriptors.
+    pub rctd: bool,
+    pub alloc: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,12 +258,34 @@ pub struct ModeSense {
 }
 
 impl Command {
+    /// Bytes of the medium a comparing command reads to compare its data with.
+    pub fn read_back_len(&self) -> u64 {
+        match *self {
+            Command::Verify { blocks, bytchk, .. } if bytchk != 0 => {
+                u64::from(blocks) << BLOCK_SHIFT
+            }
+            Command::CompareAndWrite { blocks, .. } | Command::OrWrite { blocks, .. } => {
+                u64::from(blocks) << BLOCK_SHIFT
+            }
+            _ => 0,
+        }
+    }
+
     /// Bytes the initiator sends with the command (Data-Out) for the unit's block size.
     pub fn data_out_len(&self) -> u64 {
         match *self {
             Command::Write { blocks, .. } => u64::from(blocks) << BLOCK_SHIFT,
             Command::Unmap { param_len } => u64::from(param_len),
             Command::WriteSame16 { ndob: false, .. } => u64::from(BLOCK_SIZE),
+            Command::ModeSelect { param_len, .. } => u64::from(param_len),
+            Command::Verify {
+                blocks, bytchk: 1, ..
+            } => u64::from(blocks) << BLOCK_SHIFT,
+            Command::Verify {
+                blocks, bytchk: 3, ..
+            } if blocks > 0 => u64::from(BLOCK_SIZE),
+            Command::CompareAndWrite { blocks, .. } => u64::from(blocks) << (BLOCK_SHIFT + 1),
+            Command::OrWrite { blocks, .. } => u64::from(blocks) << BLOCK_SHIFT,
             _ => 0,
         }
     }
@@ -221,6 +332,10 @@ pub fn decode(cdb: &[u8]) -> Result<Command, Sense> {
         0x9e if cdb[1] & 0x1f == 0x10 => Ok(Command::ReadCapacity16 {
             alloc: get_u32(cdb, 10),
         }),
+        0x9e if cdb[1] & 0x1f == 0x12 => Ok(Command::GetLbaStatus {
+            lba: get_u64(cdb, 2),
+            alloc: get_u32(cdb, 10),
+        }),
         0x9e => Err(Sense::INVALID_FIELD_IN_CDB),
         // READ(6)/WRITE(6): 21-bit LBA, 0 blocks means 256; no FUA, no protection.
         0x08 | 0x0a => {
@@ -248,6 +363,132 @@ pub fn decode(cdb: &[u8]) -> Result<Command, Sense> {
         ),
         0xa8 | 0xaa => io(u64::from(get_u32(cdb, 2)), get_u32(cdb, 6), op == 0xaa),
         0x88 | 0x8a => io(get_u64(cdb, 2), get_u32(cdb, 10), op == 0x8a),
+        // WRITE AND VERIFY(10/12/16): the data written is what the volume returns (the
+        // medium has no separate verify step), so this is a write, durable before the
+        // status as FUA makes it. BYTCHK asks the target to compare the data it just
+        // wrote with itself: nothing more to check.
+        0x2e | 0xae | 0x8e => {
+            let (lba, blocks) = match op {
+                0x2e => (u64::from(get_u32(cdb, 2)), u32::from(get_u16(cdb, 7))),
+                0xae => (u64::from(get_u32(cdb, 2)), get_u32(cdb, 6)),
+                _ => (get_u64(cdb, 2), get_u32(cdb, 10)),
+            };
+            if cdb[1] & 0x06 == 0x04 {
+                return Err(Sense::INVALID_FIELD_IN_CDB); // BYTCHK 10b is reserved
+            }
+            match io(lba, blocks, true)? {
+                Command::Write { lba, blocks, .. } => Ok(Command::Write {
+                    lba,
+                    blocks,
+                    fua: true,
+                }),
+                c => Ok(c),
+            }
+        }
+        0x2f | 0xaf | 0x8f => {
+            let (lba, blocks) = match op {
+                0x2f => (u64::from(get_u32(cdb, 2)), u32::from(get_u16(cdb, 7))),
+                0xaf => (u64::from(get_u32(cdb, 2)), get_u32(cdb, 6)),
+                _ => (get_u64(cdb, 2), get_u32(cdb, 10)),
+            };
+            let bytchk = (cdb[1] >> 1) & 3;
+            // VRPROTECT needs protection information; BYTCHK 10b is reserved; a
+            // compared range is read in one go, within the transfer limit.
+            if protect != 0 || bytchk == 2 || (bytchk != 0 && blocks > MAX_TRANSFER_BLOCKS) {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::Verify {
+                lba,
+                blocks,
+                bytchk,
+            })
+        }
+        0x89 => {
+            let blocks = u32::from(cdb[13]);
+            if protect != 0 || blocks > MAX_COMPARE_AND_WRITE_BLOCKS {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::CompareAndWrite {
+                lba: get_u64(cdb, 2),
+                blocks,
+                fua,
+            })
+        }
+        0x8b => {
+            let blocks = get_u32(cdb, 10);
+            if protect != 0 || blocks > MAX_TRANSFER_BLOCKS {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::OrWrite {
+                lba: get_u64(cdb, 2),
+                blocks,
+                fua,
+            })
+        }
+        0x34 => Ok(Command::Prefetch {
+            lba: u64::from(get_u32(cdb, 2)),
+            blocks: u32::from(get_u16(cdb, 7)),
+        }),
+        0x90 => Ok(Command::Prefetch {
+            lba: get_u64(cdb, 2),
+            blocks: get_u32(cdb, 10),
+        }),
+        0x1b | 0x1e => Ok(Command::NoOp),
+        0x15 | 0x55 => {
+            // SP: saving pages is not supported (there are no saved pages).
+            if cdb[1] & 0x01 != 0 {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            let ten = op == 0x55;
+            Ok(Command::ModeSelect {
+                ten,
+                param_len: if ten {
+                    u32::from(get_u16(cdb, 7))
+                } else {
+                    u32::from(cdb[4])
+                },
+            })
+        }
+        0xa3 if cdb[1] & 0x1f == 0x0c => {
+            let options = cdb[2] & 0x07;
+            if options > 3 {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::ReportOpcodes(OpcodeQuery {
+                options,
+                opcode: cdb[3],
+                sa: get_u16(cdb, 4),
+                rctd: cdb[2] & 0x80 != 0,
+                alloc: get_u32(cdb, 6),
+            }))
+        }
+        0xa3 => Err(Sense::INVALID_FIELD_IN_CDB),
+        0x37 => Ok(Command::ReadDefectData {
+            twelve: false,
+            format: cdb[2] & 0x1f,
+            alloc: u32::from(get_u16(cdb, 7)),
+        }),
+        0xb7 => Ok(Command::ReadDefectData {
+            twelve: true,
+            format: cdb[1] & 0x1f,
+            alloc: get_u32(cdb, 6),
+        }),
+        0x41 => {
+            // WRITE SAME(10): as (16), with a 32-bit LBA and a 16-bit count, no NDOB.
+            if cdb[1] & 0x10 != 0 || protect != 0 {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            let blocks = u32::from(get_u16(cdb, 7));
+            if blocks == 0 {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::WriteSame16 {
+                lba: u64::from(get_u32(cdb, 2)),
+                blocks,
+                unmap: cdb[1] & 0x08 != 0,
+                ndob: false,
+            })
+        }
         0x35 => Ok(Command::SynchronizeCache {
             lba: u64::from(get_u32(cdb, 2)),
             blocks: u32::from(get_u16(cdb, 7)),
@@ -376,6 +617,7 @@ pub fn inquiry(u: &Unit, evpd: bool, page: u8) -> Result<Vec<u8>, Sense> {
             // Offsets below are of the whole page; the body starts at byte 4.
             let mut p = vec![0u8; 0x40];
             p[4] = 0x01; // WSNZ: WRITE SAME of 0 blocks ("to the end") is refused
+            p[5] = u8_of(MAX_COMPARE_AND_WRITE_BLOCKS);
             put_u16(&mut p, 6, 8); // optimal transfer length granularity: 4 KiB
             put_u32(&mut p, 8, MAX_TRANSFER_BLOCKS);
             put_u32(&mut p, 12, MAX_TRANSFER_BLOCKS);
@@ -392,9 +634,9 @@ pub fn inquiry(u: &Unit, evpd: bool, page: u8) -> Result<Vec<u8>, Sense> {
             b
         }
         0xb2 => {
-            // LBPU (UNMAP), LBPWS (WRITE SAME(16) with UNMAP), LBPRZ (unmapped blocks
-            // read zeros); provisioning type 2: thin.
-            vec![0x00, 0x80 | 0x40 | 0x04, 0x02, 0x00]
+            // LBPU (UNMAP), LBPWS and LBPWS10 (WRITE SAME(16) and (10) with UNMAP),
+            // LBPRZ (unmapped blocks read zeros); provisioning type 2: thin.
+            vec![0x00, 0x80 | 0x40 | 0x20 | 0x04, 0x02, 0x00]
         }
         _ => return Err(Sense::INVALID_FIELD_IN_CDB),
     };
@@ -438,6 +680,7 @@ pub fn request_sense(desc: bool) -> Vec<u8> {
             key: NO_SENSE,
             asc: 0,
             ascq: 0,
+            info: None,
         }
         .fixed()
         .to_vec()
@@ -542,6 +785,353 @@ pub fn unmap_descriptors(list: &[u8], capacity: u64) -> Result<Vec<(u64, u32)>, 
         }
     }
     Ok(out)
+}
+
+/// MODE SELECT's parameter list: the header, at most one block descriptor, pages. No
+/// mode parameter is changeable (MODE SENSE's changeable values are all zero), so a
+/// page is accepted when it repeats the current values (an initiator writing back what
+/// it read, write cache enabled as it is), and any change is refused.
+pub fn mode_select(ten: bool, list: &[u8]) -> Result<(), Sense> {
+    let header = if ten { 8 } else { 4 };
+    if list.is_empty() {
+        return Ok(());
+    }
+    if list.len() < header {
+        return Err(Sense::PARAMETER_LIST_LENGTH_ERROR);
+    }
+    let bd_len = if ten {
+        usize::from(get_u16(list, 6))
+    } else {
+        usize::from(list[3])
+    };
+    let mut at = header + bd_len;
+    if at > list.len() {
+        return Err(Sense::PARAMETER_LIST_LENGTH_ERROR);
+    }
+    match bd_len {
+        0 => {}
+        // The block length cannot change; the block count is ignored (SBC-3 lets a
+        // unit keep its capacity).
+        8 if get_u32(list, header + 4) & 0x00ff_ffff == BLOCK_SIZE => {}
+        _ => return Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST),
+    }
+    while at < list.len() {
+        if at + 2 > list.len() {
+            return Err(Sense::PARAMETER_LIST_LENGTH_ERROR);
+        }
+        // Subpage format (SPF) pages: none exist here.
+        if list[at] & 0x40 != 0 {
+            return Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
+        }
+        let page = list[at] & 0x3f;
+        let len = usize::from(list[at + 1]) + 2;
+        if at + len > list.len() {
+            return Err(Sense::PARAMETER_LIST_LENGTH_ERROR);
+        }
+        let current = match page {
+            0x08 | 0x0a => mode_page(page, 0),
+            _ => return Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST),
+        };
+        if list[at + 1..at + len] != current[1..] {
+            return Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
+        }
+        at += len;
+    }
+    Ok(())
+}
+
+/// The commands this target serves: opcode, service action (for opcodes that have
+/// them) and the CDB usage data (the bits the target looks at; byte 0 the opcode).
+const SUPPORTED: &[(u8, Option<u16>, &[u8])] = &[
+    (0x00, None, &[0x00, 0, 0, 0, 0, 0]),
+    (0x03, None, &[0x03, 0x01, 0, 0, 0xff, 0]),
+    (0x08, None, &[0x08, 0x1f, 0xff, 0xff, 0xff, 0]),
+    (0x0a, None, &[0x0a, 0x1f, 0xff, 0xff, 0xff, 0]),
+    (0x12, None, &[0x12, 0x01, 0xff, 0xff, 0xff, 0]),
+    (0x15, None, &[0x15, 0x11, 0, 0, 0xff, 0]),
+    (0x1a, None, &[0x1a, 0x08, 0xff, 0xff, 0xff, 0]),
+    (0x1b, None, &[0x1b, 0x01, 0, 0x0f, 0xf7, 0]),
+    (0x1e, None, &[0x1e, 0, 0, 0, 0x03, 0]),
+    (0x25, None, &[0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0]),
+    (
+        0x28,
+        None,
+        &[0x28, 0x18, 0xff, 0xff, 0xff, 0xff, 0, 0xff, 0xff, 0],
+    ),
+    (
+        0x2a,
+        None,
+        &[0x2a, 0x18, 0xff, 0xff, 0xff, 0xff, 0, 0xff, 0xff, 0],
+    ),
+    (
+        0x2e,
+        None,
+        &[0x2e, 0x16, 0xff, 0xff, 0xff, 0xff, 0, 0xff, 0xff, 0],
+    ),
+    (
+        0x2f,
+        None,
+        &[0x2f, 0x16, 0xff, 0xff, 0xff, 0xff, 0, 0xff, 0xff, 0],
+    ),
+    (
+        0x34,
+        None,
+        &[0x34, 0x02, 0xff, 0xff, 0xff, 0xff, 0, 0xff, 0xff, 0],
+    ),
+    (
+        0x35,
+        None,
+        &[0x35, 0x06, 0xff, 0xff, 0xff, 0xff, 0, 0xff, 0xff, 0],
+    ),
+    (0x37, None, &[0x37, 0, 0x1f, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    (
+        0x41,
+        None,
+        &[0x41, 0x08, 0xff, 0xff, 0xff, 0xff, 0, 0xff, 0xff, 0],
+    ),
+    (0x42, None, &[0x42, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    (0x55, None, &[0x55, 0x10, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    (
+        0x5a,
+        None,
+        &[0x5a, 0x08, 0xff, 0xff, 0, 0, 0, 0xff, 0xff, 0],
+    ),
+    (
+        0x88,
+        None,
+        &[
+            0x88, 0x18, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0,
+            0,
+        ],
+    ),
+    (
+        0x89,
+        None,
+        &[
+            0x89, 0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0xff, 0, 0,
+        ],
+    ),
+    (
+        0x8a,
+        None,
+        &[
+            0x8a, 0x18, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0,
+            0,
+        ],
+    ),
+    (
+        0x8b,
+        None,
+        &[
+            0x8b, 0x18, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0,
+            0,
+        ],
+    ),
+    (
+        0x8e,
+        None,
+        &[
+            0x8e, 0x16, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0,
+            0,
+        ],
+    ),
+    (
+        0x8f,
+        None,
+        &[
+            0x8f, 0x16, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0,
+            0,
+        ],
+    ),
+    (
+        0x90,
+        None,
+        &[
+            0x90, 0x02, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0,
+            0,
+        ],
+    ),
+    (
+        0x91,
+        None,
+        &[
+            0x91, 0x06, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0,
+            0,
+        ],
+    ),
+    (
+        0x93,
+        None,
+        &[
+            0x93, 0x09, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0,
+            0,
+        ],
+    ),
+    (
+        0x9e,
+        Some(0x10),
+        &[
+            0x9e, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0, 0,
+        ],
+    ),
+    (
+        0x9e,
+        Some(0x12),
+        &[
+            0x9e, 0x12, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0,
+            0,
+        ],
+    ),
+    (
+        0xa0,
+        None,
+        &[0xa0, 0, 0xff, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0, 0],
+    ),
+    (
+        0xa3,
+        Some(0x0c),
+        &[
+            0xa3, 0x0c, 0x87, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0,
+        ],
+    ),
+    (
+        0xa8,
+        None,
+        &[
+            0xa8, 0x18, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0,
+        ],
+    ),
+    (
+        0xaa,
+        None,
+        &[
+            0xaa, 0x18, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0,
+        ],
+    ),
+    (
+        0xae,
+        None,
+        &[
+            0xae, 0x16, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0,
+        ],
+    ),
+    (
+        0xaf,
+        None,
+        &[
+            0xaf, 0x16, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0,
+        ],
+    ),
+    (
+        0xb7,
+        None,
+        &[0xb7, 0x1f, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0, 0],
+    ),
+];
+
+/// The command timeouts descriptor: no nominal or recommended timeout is known (0).
+const TIMEOUTS: [u8; 12] = [0, 0x0a, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+
+/// REPORT SUPPORTED OPERATION CODES' data.
+pub fn report_opcodes(q: &OpcodeQuery) -> Result<Vec<u8>, Sense> {
+    if q.options == 0 {
+        let mut d = vec![0u8; 4];
+        for &(op, sa, usage) in SUPPORTED {
+            let mut e = [0u8; 8];
+            e[0] = op;
+            put_u16(&mut e, 2, sa.unwrap_or(0));
+            // CTDP (timeouts follow) and SERVACTV (the service action field is valid).
+            e[5] = (u8::from(q.rctd) << 1) | u8::from(sa.is_some());
+            put_u16(&mut e, 6, u16_of(usage.len()));
+            d.extend_from_slice(&e);
+            if q.rctd {
+                d.extend_from_slice(&TIMEOUTS);
+            }
+        }
+        let n = u32_of(d.len() - 4);
+        put_u32(&mut d, 0, n);
+        return Ok(d);
+    }
+    let has_sa = SUPPORTED
+        .iter()
+        .any(|&(op, sa, _)| op == q.opcode && sa.is_some());
+    // Options 1 names an opcode without service actions, 2 one with them (SPC-4
+    // 6.35.2: the other way round is an invalid field); 3 takes either.
+    match (q.options, has_sa) {
+        (1, true) | (2, false) if SUPPORTED.iter().any(|&(op, ..)| op == q.opcode) => {
+            return Err(Sense::INVALID_FIELD_IN_CDB)
+        }
+        _ => {}
+    }
+    let found = SUPPORTED.iter().find(|&&(op, sa, _)| {
+        op == q.opcode
+            && match q.options {
+                1 => sa.is_none(),
+                2 => sa == Some(q.sa),
+                _ => sa.is_none() || sa == Some(q.sa),
+            }
+    });
+    let mut d = vec![0u8; 4];
+    match found {
+        Some(&(_, _, usage)) => {
+            d[1] = (u8::from(q.rctd) << 7) | 3; // supported, as the standard says
+            put_u16(&mut d, 2, u16_of(usage.len()));
+            d.extend_from_slice(usage);
+            if q.rctd {
+                d.extend_from_slice(&TIMEOUTS);
+            }
+        }
+        None => d[1] = 1, // not supported
+    }
+    Ok(d)
+}
+
+/// GET LBA STATUS's data from `runs` ((bytes, allocated) from `lba` on, as the export
+/// reports its allocation): one descriptor per run, as many as `alloc` has room for.
+pub fn lba_status(lba: u64, runs: &[(u64, bool)], alloc: u32) -> Vec<u8> {
+    let room = usize_of_u32(alloc.saturating_sub(8)) / 16;
+    let mut d = vec![0u8; 8];
+    let mut at = lba;
+    for &(len, allocated) in runs.iter().take(room.max(1)) {
+        let blocks = len >> BLOCK_SHIFT;
+        if blocks == 0 {
+            continue;
+        }
+        let mut e = [0u8; 16];
+        put_u64(&mut e, 0, at);
+        put_u32(&mut e, 8, u32::try_from(blocks).unwrap_or(u32::MAX));
+        // Provisioning status: 0 mapped, 1 deallocated (reads zeros, LBPRZ).
+        e[12] = u8::from(!allocated);
+        d.extend_from_slice(&e);
+        at += blocks;
+    }
+    let n = u32_of(d.len() - 4);
+    put_u32(&mut d, 0, n);
+    d
+}
+
+fn usize_of_u32(v: u32) -> usize {
+    usize::try_from(v).unwrap_or(usize::MAX)
+}
+
+/// READ DEFECT DATA(10/12): the header of empty lists in the format asked for.
+pub fn read_defect_data(twelve: bool, format: u8) -> Vec<u8> {
+    // Byte 1 echoes PLISTV/GLISTV (the lists asked for are valid, and empty) and the
+    // list format.
+    let flags = format & 0x1f;
+    if twelve {
+        vec![0, flags, 0, 0, 0, 0, 0, 0]
+    } else {
+        vec![0, flags, 0, 0]
+    }
+}
+
+/// The offset of the first byte where `data` differs from `medium`, if any.
+pub fn first_difference(data: &[u8], medium: &[u8]) -> Option<u32> {
+    data.iter()
+        .zip(medium)
+        .position(|(a, b)| a != b)
+        .map(u32_of)
 }
 
 #[cfg(test)]
@@ -697,6 +1287,211 @@ mod tests {
             mode_sense(&u, &ModeSense { pc: 3, ..m }),
             Err(Sense::SAVING_NOT_SUPPORTED)
         );
+    }
+
+    #[test]
+    fn comparing_and_no_op_commands_decode() {
+        // VERIFY(10) BYTCHK 1 and (16) BYTCHK 3; BYTCHK 2 is reserved.
+        assert_eq!(
+            decode(&cdb(&[0x2f, 0x02, 0, 0, 0, 7, 0, 0, 4])),
+            Ok(Command::Verify {
+                lba: 7,
+                blocks: 4,
+                bytchk: 1
+            })
+        );
+        let mut c = cdb(&[0x8f, 0x06]);
+        put_u64(&mut c, 2, 9);
+        put_u32(&mut c, 10, 3);
+        let v = decode(&c).unwrap();
+        assert_eq!(v.data_out_len(), 512);
+        assert_eq!(v.read_back_len(), 3 * 512);
+        assert_eq!(
+            decode(&cdb(&[0x2f, 0x04, 0, 0, 0, 7, 0, 0, 4])),
+            Err(Sense::INVALID_FIELD_IN_CDB)
+        );
+        // COMPARE AND WRITE: twice the blocks of Data-Out; over the limit refused.
+        let mut c = cdb(&[0x89, 0x08]);
+        put_u64(&mut c, 2, 100);
+        c[13] = 2;
+        let caw = decode(&c).unwrap();
+        assert_eq!(
+            caw,
+            Command::CompareAndWrite {
+                lba: 100,
+                blocks: 2,
+                fua: true
+            }
+        );
+        assert_eq!(caw.data_out_len(), 2048);
+        // WRITE SAME(10) is WRITE SAME(16) with a short LBA; 0 blocks refused (WSNZ).
+        assert_eq!(
+            decode(&cdb(&[0x41, 0x08, 0, 0, 1, 0, 0, 0, 8])),
+            Ok(Command::WriteSame16 {
+                lba: 256,
+                blocks: 8,
+                unmap: true,
+                ndob: false
+            })
+        );
+        assert_eq!(
+            decode(&cdb(&[0x41, 0, 0, 0, 1, 0, 0, 0, 0])),
+            Err(Sense::INVALID_FIELD_IN_CDB)
+        );
+        // WRITE AND VERIFY is a FUA write.
+        assert_eq!(
+            decode(&cdb(&[0x2e, 0, 0, 0, 0, 1, 0, 0, 2])),
+            Ok(Command::Write {
+                lba: 1,
+                blocks: 2,
+                fua: true
+            })
+        );
+        assert_eq!(decode(&cdb(&[0x1b, 0, 0, 0, 1])), Ok(Command::NoOp));
+        assert_eq!(
+            decode(&cdb(&[0x34, 0, 0, 0, 0, 5, 0, 0, 1])),
+            Ok(Command::Prefetch { lba: 5, blocks: 1 })
+        );
+        // MODE SELECT with SP: no saved pages.
+        assert_eq!(
+            decode(&cdb(&[0x15, 0x11, 0, 0, 24])),
+            Err(Sense::INVALID_FIELD_IN_CDB)
+        );
+    }
+
+    #[test]
+    fn miscompare_sense_carries_the_offset() {
+        let s = Sense::miscompare(0x1234).fixed();
+        assert_eq!((s[0], s[2], s[12], s[13]), (0xf0, MISCOMPARE, 0x1d, 0));
+        assert_eq!(get_u32(&s, 3), 0x1234);
+        assert_eq!(Sense::LBA_OUT_OF_RANGE.fixed()[0], 0x70, "no INFORMATION");
+        assert_eq!(first_difference(b"abcd", b"abXd"), Some(2));
+        assert_eq!(first_difference(b"abcd", b"abcd"), None);
+    }
+
+    #[test]
+    fn mode_select_takes_the_current_values_only() {
+        let u = unit();
+        let m = ModeSense {
+            ten: false,
+            dbd: false,
+            pc: 0,
+            page: 0x08,
+            subpage: 0,
+            alloc: 255,
+        };
+        // What MODE SENSE(6) returned, written back (mode data length is reserved).
+        let mut list = mode_sense(&u, &m).unwrap();
+        list[0] = 0;
+        assert_eq!(mode_select(false, &list), Ok(()));
+        assert_eq!(mode_select(false, &[]), Ok(()));
+        // Write cache off: not changeable.
+        let mut off = list.clone();
+        off[4 + 8 + 2] &= !0x04;
+        assert_eq!(
+            mode_select(false, &off),
+            Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST)
+        );
+        // Another block length; a page that does not exist; a cut page.
+        let mut bl = list.clone();
+        put_u32(&mut bl, 8, 4096);
+        assert_eq!(
+            mode_select(false, &bl),
+            Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST)
+        );
+        let mut other = list.clone();
+        other[12] = 0x19;
+        assert_eq!(
+            mode_select(false, &other),
+            Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST)
+        );
+        assert_eq!(
+            mode_select(false, &list[..list.len() - 1]),
+            Err(Sense::PARAMETER_LIST_LENGTH_ERROR)
+        );
+        // MODE SELECT(10) of the control page from MODE SENSE(10).
+        let mut ten = mode_sense(
+            &u,
+            &ModeSense {
+                ten: true,
+                dbd: true,
+                page: 0x0a,
+                ..m
+            },
+        )
+        .unwrap();
+        put_u16(&mut ten, 0, 0);
+        assert_eq!(mode_select(true, &ten), Ok(()));
+    }
+
+    #[test]
+    fn supported_opcodes_all_and_one() {
+        let q = OpcodeQuery {
+            options: 0,
+            opcode: 0,
+            sa: 0,
+            rctd: false,
+            alloc: 65535,
+        };
+        let all = report_opcodes(&q).unwrap();
+        assert_eq!(usize_of_u32(get_u32(&all, 0)), all.len() - 4);
+        assert_eq!((all.len() - 4) / 8, SUPPORTED.len());
+        // Every listed command decodes (a listed opcode is one the target serves).
+        for &(op, sa, usage) in SUPPORTED {
+            assert_eq!(usage[0], op);
+            assert!([6, 10, 12, 16].contains(&usage.len()), "{op:#x}");
+            let mut c = [0u8; 16];
+            c[0] = op;
+            if let Some(sa) = sa {
+                c[1] = u8_of(usize::from(sa));
+            }
+            assert_ne!(decode(&c), Err(Sense::INVALID_OPCODE), "{op:#x}");
+        }
+        let with_t = report_opcodes(&OpcodeQuery { rctd: true, ..q }).unwrap();
+        assert_eq!(with_t.len() - 4, SUPPORTED.len() * 20);
+        // One command: READ(10) supported with its usage data; 0xff not; READ
+        // CAPACITY(16) needs its service action (options 2), not options 1.
+        let one = report_opcodes(&OpcodeQuery {
+            options: 1,
+            opcode: 0x28,
+            ..q
+        })
+        .unwrap();
+        assert_eq!((one[1], get_u16(&one, 2), one[4]), (3, 10, 0x28));
+        let none = report_opcodes(&OpcodeQuery {
+            options: 1,
+            opcode: 0xff,
+            ..q
+        })
+        .unwrap();
+        assert_eq!(none[1], 1);
+        assert_eq!(
+            report_opcodes(&OpcodeQuery {
+                options: 1,
+                opcode: 0x9e,
+                ..q
+            }),
+            Err(Sense::INVALID_FIELD_IN_CDB)
+        );
+        let rc16 = report_opcodes(&OpcodeQuery {
+            options: 2,
+            opcode: 0x9e,
+            sa: 0x10,
+            ..q
+        })
+        .unwrap();
+        assert_eq!((rc16[1], rc16[5]), (3, 0x10));
+    }
+
+    #[test]
+    fn lba_status_descriptors_follow_the_runs() {
+        let d = lba_status(100, &[(4096, true), (1 << 20, false)], 1024);
+        assert_eq!(get_u32(&d, 0), 4 + 32);
+        assert_eq!((get_u64(&d, 8), get_u32(&d, 16), d[20]), (100, 8, 0));
+        assert_eq!((get_u64(&d, 24), get_u32(&d, 32), d[36]), (108, 2048, 1));
+        // Room for one descriptor: the first run only.
+        let d = lba_status(0, &[(4096, true), (4096, false)], 24);
+        assert_eq!(d.len(), 24);
     }
 
     #[test]

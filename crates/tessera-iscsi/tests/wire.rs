@@ -427,3 +427,70 @@ fn vanished_clients_give_their_listener_slot_back() {
     c.login(IQN, false).unwrap();
     assert_eq!(c.test_unit_ready(), 0);
 }
+
+/// A command whose Data-Out all goes as immediate data: the response PDU and its data
+/// (the sense, after its 2-byte length, when the status is CHECK CONDITION).
+fn immediate(c: &mut Initiator, cdb: &[u8], data: &[u8]) -> ([u8; BHS_LEN], Vec<u8>) {
+    c.command(cdb, data.len(), false, true, data);
+    let (h, d) = c.recv().expect("SCSI response");
+    assert_eq!(h[0] & 0x3f, pdu::OP_SCSI_RESP);
+    (h, d)
+}
+
+/// MISCOMPARE with the offset of the first differing byte in INFORMATION (VALID set).
+fn assert_miscompare(h: &[u8; BHS_LEN], d: &[u8], offset: u32) {
+    assert_eq!(h[3], 0x02, "CHECK CONDITION");
+    let sense = &d[2..];
+    assert_eq!(
+        (sense[0], sense[2], sense[12]),
+        (0xf0, 0x0e, 0x1d),
+        "{sense:02x?}"
+    );
+    assert_eq!(get_u32(sense, 3), offset);
+}
+
+#[test]
+fn compare_and_write_and_verify_compare_with_the_volume() {
+    let s = serve();
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, false).unwrap();
+    assert_eq!(c.write10(10, &[b'A'; 1024]), 0);
+    // COMPARE AND WRITE of 2 blocks at LBA 10: 'A's match, 'B's are written.
+    let mut caw = [0u8; 16];
+    caw[0] = 0x89;
+    caw[2..10].copy_from_slice(&10u64.to_be_bytes());
+    caw[13] = 2;
+    let data = [[b'A'; 1024], [b'B'; 1024]].concat();
+    let (h, _) = immediate(&mut c, &caw, &data);
+    assert_eq!(h[3], 0, "COMPARE AND WRITE that matches");
+    assert_eq!(c.read10(10, 2), vec![b'B'; 1024]);
+    // A difference at byte 700: nothing is written, MISCOMPARE says where.
+    let mut data = [[b'B'; 1024], [b'C'; 1024]].concat();
+    data[700] = b'X';
+    let (h, d) = immediate(&mut c, &caw, &data);
+    assert_miscompare(&h, &d, 700);
+    assert_eq!(c.read10(10, 2), vec![b'B'; 1024]);
+    // A Data-Out other than twice the blocks is an invalid CDB.
+    let (h, d) = immediate(&mut c, &caw, &data[..1536]);
+    assert_eq!((h[3], d[2 + 2], d[2 + 12]), (0x02, 0x05, 0x24));
+
+    // VERIFY(10) with BYTCHK 1: the same blocks pass; a difference at byte 1000 is
+    // reported; BYTCHK 3 compares one block with each block of the range.
+    let mut v = [0u8; 10];
+    v[0] = 0x2f;
+    v[1] = 0x02;
+    v[2..6].copy_from_slice(&10u32.to_be_bytes());
+    v[8] = 2;
+    let (h, _) = immediate(&mut c, &v, &[b'B'; 1024]);
+    assert_eq!(h[3], 0, "VERIFY that matches");
+    let mut bad = vec![b'B'; 1024];
+    bad[1000] = 0;
+    let (h, d) = immediate(&mut c, &v, &bad);
+    assert_miscompare(&h, &d, 1000);
+    v[1] = 0x06;
+    let (h, _) = immediate(&mut c, &v, &[b'B'; 512]);
+    assert_eq!(h[3], 0, "VERIFY BYTCHK 3 that matches");
+    assert_eq!(c.write10(11, &[b'D'; 512]), 0);
+    let (h, d) = immediate(&mut c, &v, &[b'B'; 512]);
+    assert_miscompare(&h, &d, 512);
+}
