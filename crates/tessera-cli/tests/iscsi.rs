@@ -445,6 +445,7 @@ fn iscsi_chap_and_initiator_allowlist_on_a_node() {
         !log.contains(SECRET) && !log.contains(MUTUAL_SECRET),
         "a secret in the log"
     );
+}
 
 /// `tools/iscsi-blockio.c` compiled against libiscsi into this test's scratch directory,
 /// or None (the test skips) where libiscsi-dev is missing and missing tools are allowed.
