@@ -1,7 +1,7 @@
 //! Who may log in to a target: an allowlist of initiator names and CHAP (RFC 7143
 //! §12.1.3 over RFC 1994), one-way (the target authenticates the initiator) or mutual
 //! (the initiator authenticates the target as well). The exchange itself is driven by
-//! [`crate::login`]; this module holds the configuration, its checks, and the CHAP
+//! the login phase (`login.rs`); this module holds the configuration, its checks, and the CHAP
 //! arithmetic.
 //!
 //! Secrets never reach a log: [`Credentials`]' `Debug` prints the user name only.
@@ -114,7 +114,7 @@ impl Access {
     /// Refuse what cannot be configured: short or equal secrets, bad names.
     pub fn check(&self) -> Result<(), AccessError> {
         for i in &self.allowed_initiators {
-            if !crate::target::valid_name(i) {
+            if !crate::text::valid_name(i) {
                 return Err(AccessError::BadInitiator(i.clone()));
             }
         }

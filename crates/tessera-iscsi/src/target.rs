@@ -12,6 +12,7 @@ use thiserror::Error;
 
 use crate::auth::{Access, AccessError};
 use crate::login::PORTAL_GROUP_TAG;
+use crate::text::valid_name;
 
 /// LUNs per target (single-level LUN addressing as this target encodes it).
 pub const MAX_LUNS: usize = 256;
@@ -122,11 +123,6 @@ pub struct Target<T> {
     next_tsih: AtomicU16,
     /// Logins refused, by reason (for metrics).
     pub refusals: LoginRefusals,
-}
-
-pub(crate) fn valid_name(n: &str) -> bool {
-    let prefixed = ["iqn.", "eui.", "naa."].iter().any(|p| n.starts_with(p));
-    prefixed && n.len() <= 223 && n.len() > 4 && !n.chars().any(|c| c.is_whitespace())
 }
 
 impl<T: ExportTarget> Target<T> {

@@ -280,6 +280,13 @@ pub fn settle(p: &mut Params) {
     p.first_burst = p.first_burst.min(p.max_burst);
 }
 
+/// Whether `n` is an iSCSI name of a form this target takes (RFC 7143 §4.2.7: `iqn.`,
+/// `eui.` or `naa.`, at most 223 bytes, no white space).
+pub(crate) fn valid_name(n: &str) -> bool {
+    let prefixed = ["iqn.", "eui.", "naa."].iter().any(|p| n.starts_with(p));
+    prefixed && n.len() <= 223 && n.len() > 4 && !n.chars().any(|c| c.is_whitespace())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
