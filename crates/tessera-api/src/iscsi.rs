@@ -31,6 +31,8 @@ pub struct IscsiTargetInfo {
 /// `POST /v1/iscsi/targets`: a target whose LUNs 0, 1, ... are `volumes` in order, and
 /// who may log in to it (absent: any initiator, no CHAP).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+// A misspelled key ("chapp") must be an error, not a target without CHAP.
+#[serde(deny_unknown_fields)]
 pub struct CreateIscsiTarget {
     pub iqn: String,
     pub volumes: Vec<String>,
@@ -45,6 +47,8 @@ pub struct CreateIscsiTarget {
 /// CHAP settings of a target (RFC 7143 §12.1.3, MD5). Secrets are at least 12 bytes;
 /// they are kept in the node's iscsi.json (mode 0600) and never returned by the API.
 #[derive(Clone, PartialEq, Eq, Default, Serialize, Deserialize, utoipa::ToSchema)]
+// A misspelled key ("chapp") must be an error, not a target without CHAP.
+#[serde(deny_unknown_fields)]
 pub struct IscsiChap {
     /// The CHAP name the initiator must log in with (CHAP_N).
     pub user: String,
@@ -75,6 +79,8 @@ impl std::fmt::Debug for IscsiChap {
 /// `PUT /v1/iscsi/targets/IQN/auth`: who may log in to a target, replacing what was
 /// set (a field left out is cleared: no `chap` means no CHAP).
 #[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize, utoipa::ToSchema)]
+// A misspelled key ("chapp") must be an error, not a target without CHAP.
+#[serde(deny_unknown_fields)]
 pub struct IscsiAuth {
     /// Initiator names (IQNs) allowed to log in; empty or absent: any initiator.
     #[serde(default)]
@@ -92,4 +98,26 @@ pub struct IscsiChapInfo {
     /// The name the target answers mutual CHAP with; absent: one-way CHAP only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mutual_user: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_misspelled_access_key_is_refused_not_ignored() {
+        let ok = r#"{"iqn":"iqn.2026-11.io.x:t","volumes":["v"],"chap":{"user":"u","secret":"s"}}"#;
+        assert!(serde_json::from_str::<CreateIscsiTarget>(ok).is_ok());
+        for bad in [
+            r#"{"iqn":"iqn.2026-11.io.x:t","volumes":["v"],"chapp":{"user":"u","secret":"s"}}"#,
+            r#"{"iqn":"iqn.2026-11.io.x:t","volumes":["v"],"allowed_initiator":["iqn.x"]}"#,
+            r#"{"iqn":"iqn.2026-11.io.x:t","volumes":["v"],"chap":{"user":"u","secret":"s","mutual_secrt":"m"}}"#,
+        ] {
+            assert!(
+                serde_json::from_str::<CreateIscsiTarget>(bad).is_err(),
+                "accepted: {bad}"
+            );
+        }
+        assert!(serde_json::from_str::<IscsiAuth>(r#"{"chap_user":"u"}"#).is_err());
+    }
 }
