@@ -42,6 +42,9 @@ pub struct ControllerInfo {
 
 /// `POST /v1/nvmf/subsystems`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+// A misspelled key ("dhchap_secrett") must be an error, not a host without
+// authentication.
+#[serde(deny_unknown_fields)]
 pub struct CreateSubsystem {
     pub nqn: String,
     #[serde(default)]
@@ -68,6 +71,9 @@ pub struct AddNamespace {
 /// `POST /v1/nvmf/subsystems/NQN/hosts`. With `dhchap_secret` the host must
 /// authenticate (DH-HMAC-CHAP) on every queue; adding a host again replaces its secrets.
 #[derive(Clone, PartialEq, Eq, Default, Serialize, Deserialize, utoipa::ToSchema)]
+// A misspelled key ("dhchap_secrett") must be an error, not a host without
+// authentication.
+#[serde(deny_unknown_fields)]
 pub struct AddHost {
     pub nqn: String,
     /// The host's secret, `DHHC-1:0X:<base64>:` (as `nvme gen-dhchap-key` prints it).
@@ -123,4 +129,19 @@ pub struct ClusterPathInfo {
     pub size: u64,
     /// ANA state of namespace 1 through this node.
     pub ana_state: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_misspelled_host_or_subsystem_key_is_refused_not_ignored() {
+        let ok = r#"{"nqn":"nqn.2014-08.org.x:h","dhchap_secret":"DHHC-1:00:x:"}"#;
+        assert!(serde_json::from_str::<AddHost>(ok).is_ok());
+        let bad = r#"{"nqn":"nqn.2014-08.org.x:h","dhchap_secrett":"DHHC-1:00:x:"}"#;
+        assert!(serde_json::from_str::<AddHost>(bad).is_err());
+        let bad = r#"{"nqn":"nqn.2014-08.org.x:s","allow_any_hosts":true}"#;
+        assert!(serde_json::from_str::<CreateSubsystem>(bad).is_err());
+    }
 }
