@@ -17,29 +17,8 @@ const NOT_FOUND: i32 = 3;
 const CONFLICT: i32 = 4;
 const INVALID: i32 = 5;
 
-fn tool(name: &str, args: &[&str]) -> (bool, String) {
-    let o = Command::new(name)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("run {name}: {e}"));
-    let mut out = String::from_utf8_lossy(&o.stdout).into_owned();
-    out.push_str(&String::from_utf8_lossy(&o.stderr));
-    (o.status.success(), out)
-}
-
 fn code(n: &TestNode, args: &[&str]) -> Option<i32> {
     n.cli(args).status.code()
-}
-
-/// "tests N N passed failed ..." of a CUnit run summary: (passed, failed).
-fn cunit_counts(out: &str) -> Option<(u32, u32)> {
-    let line = out.lines().find(|l| l.trim_start().starts_with("tests"))?;
-    let nums: Vec<u32> = line
-        .split_whitespace()
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    (nums.len() >= 4).then(|| (nums[2], nums[3]))
 }
 
 #[test]
@@ -103,10 +82,10 @@ fn iscsi_target_served_by_the_node_and_after_a_restart() {
     c.disconnect().unwrap();
 
     let check_served = |what: &str| {
-        let (ok, out) = tool("iscsi-ls", &["-s", &format!("iscsi://{portal}")]);
+        let (ok, out) = run_tool("iscsi-ls", &["-s", &format!("iscsi://{portal}")]);
         assert!(ok, "{what}: iscsi-ls: {out}");
         assert!(out.contains(&format!("Target:{IQN}")), "{what}: {out}");
-        let (ok, out) = tool(
+        let (ok, out) = run_tool(
             "iscsi-readcapacity16",
             &[&format!("iscsi://{portal}/{IQN}/0")],
         );
@@ -115,7 +94,7 @@ fn iscsi_target_served_by_the_node_and_after_a_restart() {
             out.contains(&format!("Total size:{}", 64u64 << 20)),
             "{what}: {out}"
         );
-        let (ok, out) = tool(
+        let (ok, out) = run_tool(
             "iscsi-readcapacity16",
             &[&format!("iscsi://{portal}/{IQN}/1")],
         );
@@ -130,7 +109,7 @@ fn iscsi_target_served_by_the_node_and_after_a_restart() {
     // Conformance of the node's wiring (the crate's own tests run the wider subset):
     // reads and writes on the scratch LUN, which libiscsi overwrites.
     for t in ["SCSI.Read10", "SCSI.Write10", "SCSI.ReadCapacity16"] {
-        let (_, out) = tool(
+        let (_, out) = run_tool(
             "iscsi-test-cu",
             &[
                 "--dataloss",
@@ -161,7 +140,7 @@ fn iscsi_target_served_by_the_node_and_after_a_restart() {
         code(&node, &["iscsi", "target", "delete", IQN]),
         Some(NOT_FOUND)
     );
-    let (_, out) = tool("iscsi-ls", &["-s", &format!("iscsi://{portal}")]);
+    let (_, out) = run_tool("iscsi-ls", &["-s", &format!("iscsi://{portal}")]);
     assert!(!out.contains(IQN), "{out}");
     // The sessions the tools opened hold the LUN until the target sees their sockets
     // close (about a second after the tool exits).
@@ -307,7 +286,7 @@ fn iscsi_chap_and_initiator_allowlist_on_a_node() {
     let url = |creds: &str, iqn: &str, args: &str| format!("iscsi://{creds}{portal}/{iqn}/0{args}");
     let right = format!("alice%{SECRET}@");
     let check_chap = |what: &str| {
-        let (ok, out) = tool("iscsi-inq", &[&url(&right, CHAP_IQN, "")]);
+        let (ok, out) = run_tool("iscsi-inq", &[&url(&right, CHAP_IQN, "")]);
         assert!(
             ok && out.contains("TESSERA"),
             "{what}: the right secret: {out}"
@@ -317,7 +296,7 @@ fn iscsi_chap_and_initiator_allowlist_on_a_node() {
             ("a wrong user", format!("mallory%{SECRET}@")),
             ("no secret", String::new()),
         ] {
-            let (ok, out) = tool("iscsi-inq", &[&url(&creds, CHAP_IQN, "")]);
+            let (ok, out) = run_tool("iscsi-inq", &[&url(&creds, CHAP_IQN, "")]);
             assert!(!ok, "{what}: {case} was let in: {out}");
             assert!(
                 out.contains("Authentication failure"),
@@ -329,13 +308,13 @@ fn iscsi_chap_and_initiator_allowlist_on_a_node() {
 
     // The allowlist: host1 in, host2 refused (authorization failure) and not told the
     // target exists; the CHAP target is listed to both (its secret is checked at login).
-    let (ok, out) = tool("iscsi-inq", &["-i", HOST1, &url("", LIST_IQN, "")]);
+    let (ok, out) = run_tool("iscsi-inq", &["-i", HOST1, &url("", LIST_IQN, "")]);
     assert!(ok, "a listed initiator was refused: {out}");
-    let (ok, out) = tool("iscsi-inq", &["-i", HOST2, &url("", LIST_IQN, "")]);
+    let (ok, out) = run_tool("iscsi-inq", &["-i", HOST2, &url("", LIST_IQN, "")]);
     assert!(!ok && out.contains("Authorization failure"), "{out}");
-    let (_, out) = tool("iscsi-ls", &["-i", HOST2, &format!("iscsi://{portal}")]);
+    let (_, out) = run_tool("iscsi-ls", &["-i", HOST2, &format!("iscsi://{portal}")]);
     assert!(!out.contains(LIST_IQN) && out.contains(CHAP_IQN), "{out}");
-    let (_, out) = tool("iscsi-ls", &["-i", HOST1, &format!("iscsi://{portal}")]);
+    let (_, out) = run_tool("iscsi-ls", &["-i", HOST1, &format!("iscsi://{portal}")]);
     assert!(out.contains(LIST_IQN) && out.contains(CHAP_IQN), "{out}");
 
     // Mutual CHAP, set on the existing target, its secret read from standard input.
@@ -368,12 +347,12 @@ fn iscsi_chap_and_initiator_allowlist_on_a_node() {
         "{out}"
     );
     let mutual = |pw: &str| format!("?target_user=tessera&target_password={pw}");
-    let (ok, out) = tool(
+    let (ok, out) = run_tool(
         "iscsi-inq",
         &[&url(&right, CHAP_IQN, &mutual(MUTUAL_SECRET))],
     );
     assert!(ok, "mutual CHAP with the right secrets: {out}");
-    let (ok, out) = tool(
+    let (ok, out) = run_tool(
         "iscsi-inq",
         &[&url(&right, CHAP_IQN, &mutual("not-the-target-one"))],
     );
@@ -425,7 +404,7 @@ fn iscsi_chap_and_initiator_allowlist_on_a_node() {
     node.kill9();
     node.restart();
     check_chap("after the restart");
-    let (ok, out) = tool(
+    let (ok, out) = run_tool(
         "iscsi-inq",
         &[&url(&right, CHAP_IQN, &mutual(MUTUAL_SECRET))],
     );
@@ -434,7 +413,7 @@ fn iscsi_chap_and_initiator_allowlist_on_a_node() {
     // Opened again: any initiator, no CHAP.
     let out = node.cli_ok(&["iscsi", "target", "auth", CHAP_IQN, "--open"]);
     assert!(out.contains("initiators: any  chap: none"), "{out}");
-    let (ok, out) = tool("iscsi-inq", &[&url("", CHAP_IQN, "")]);
+    let (ok, out) = run_tool("iscsi-inq", &[&url("", CHAP_IQN, "")]);
     assert!(ok, "the opened target refused a login: {out}");
 
     // The node's log saw refused logins and configuration changes, never a secret.

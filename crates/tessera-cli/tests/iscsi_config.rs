@@ -5,19 +5,6 @@
 mod common;
 use common::*;
 
-use std::process::{Command, Stdio};
-
-fn tool(name: &str, args: &[&str]) -> (bool, String) {
-    let o = Command::new(name)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("run {name}: {e}"));
-    let mut out = String::from_utf8_lossy(&o.stdout).into_owned();
-    out.push_str(&String::from_utf8_lossy(&o.stderr));
-    (o.status.success(), out)
-}
-
 #[test]
 fn tessera_up_serves_vol0_as_an_iscsi_target() {
     if !require_tool("iscsi-readcapacity16") {
@@ -29,7 +16,7 @@ fn tessera_up_serves_vol0_as_an_iscsi_target() {
         n.iscsi_port,
         tessera_node::config::default_iqn("vol0")
     );
-    let (ok, out) = tool("iscsi-readcapacity16", &[&url]);
+    let (ok, out) = run_tool("iscsi-readcapacity16", &[&url]);
     assert!(ok, "tessera up's vol0 target did not answer:\n{out}");
     // vol0 is 4 GiB of 512-byte blocks: the last LBA is 8388607.
     assert!(
@@ -64,9 +51,9 @@ fn a_declared_target_is_created_once_with_chap_from_a_secret_file() {
         ),
     );
     let url = |creds: &str| format!("iscsi://{creds}127.0.0.1:{port}/{IQN}/0");
-    let (ok, out) = tool("iscsi-inq", &[&url(&format!("host%{SECRET}@"))]);
+    let (ok, out) = run_tool("iscsi-inq", &[&url(&format!("host%{SECRET}@"))]);
     assert!(ok, "the declared secret was refused:\n{out}");
-    let (ok, out) = tool("iscsi-inq", &[&url("")]);
+    let (ok, out) = run_tool("iscsi-inq", &[&url("")]);
     assert!(!ok, "a login without CHAP was let in:\n{out}");
     let list = n.cli_ok(&["--json", "iscsi", "target", "list"]);
     assert!(list.contains(IQN) && list.contains("\"host\""), "{list}");
@@ -75,7 +62,7 @@ fn a_declared_target_is_created_once_with_chap_from_a_secret_file() {
     // second create would fail and be logged).
     n.stop();
     n.restart();
-    let (ok, out) = tool("iscsi-inq", &[&url(&format!("host%{SECRET}@"))]);
+    let (ok, out) = run_tool("iscsi-inq", &[&url(&format!("host%{SECRET}@"))]);
     assert!(ok, "the declared target is gone after a restart:\n{out}");
     let log = std::fs::read_to_string(&n.log).unwrap_or_default();
     assert!(

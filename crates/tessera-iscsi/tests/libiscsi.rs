@@ -8,7 +8,6 @@
 //! it fails the test, so a runner without the package cannot pass silently.
 
 use std::net::TcpListener;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,7 +20,7 @@ use tessera_iscsi::target::Target;
 use tessera_pool::{Pool, PoolOptions, Volume};
 use tessera_qos::{QosLimits, VolumeQos};
 use tessera_testkit::blockio::{core, read, write};
-use tessera_testkit::node::require_tool;
+use tessera_testkit::node::{cunit_counts, require_tool, run_tool};
 use tessera_testkit::reactor::ReactorThread;
 
 const IQN: &str = "iqn.2026-11.io.tessera:test";
@@ -88,23 +87,13 @@ fn serve_with(access: Access) -> Served {
     }
 }
 
-fn run(cmd: &str, args: &[&str]) -> (bool, String) {
-    let o = Command::new(cmd).args(args).output().unwrap();
-    let out = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    (o.status.success(), out)
-}
-
 #[test]
 fn iscsi_ls_discovers_the_target_and_its_lun() {
     if !require_tool("iscsi-ls") {
         return;
     }
     let s = serve();
-    let (ok, out) = run("iscsi-ls", &["-s", &format!("iscsi://{}", s.addr)]);
+    let (ok, out) = run_tool("iscsi-ls", &["-s", &format!("iscsi://{}", s.addr)]);
     assert!(ok, "iscsi-ls failed:\n{out}");
     assert!(out.contains(IQN), "target not listed:\n{out}");
     assert!(out.contains(&s.addr), "portal not listed:\n{out}");
@@ -117,12 +106,12 @@ fn iscsi_inq_and_readcapacity16_describe_the_volume() {
         return;
     }
     let s = serve();
-    let (ok, out) = run("iscsi-inq", &[&s.url(0)]);
+    let (ok, out) = run_tool("iscsi-inq", &[&s.url(0)]);
     assert!(ok, "iscsi-inq failed:\n{out}");
     assert!(out.contains("TESSERA"), "vendor not reported:\n{out}");
-    let (ok, out) = run("iscsi-inq", &["-e", "1", "-c", "0xb2", &s.url(0)]);
+    let (ok, out) = run_tool("iscsi-inq", &["-e", "1", "-c", "0xb2", &s.url(0)]);
     assert!(ok, "iscsi-inq VPD B2 failed:\n{out}");
-    let (ok, out) = run("iscsi-readcapacity16", &[&s.url(0)]);
+    let (ok, out) = run_tool("iscsi-readcapacity16", &[&s.url(0)]);
     assert!(ok, "iscsi-readcapacity16 failed:\n{out}");
     assert!(
         out.contains(&format!("Total Size:{VOL}")) || out.contains(&VOL.to_string()),
@@ -133,9 +122,9 @@ fn iscsi_inq_and_readcapacity16_describe_the_volume() {
         "thin provisioning not reported:\n{out}"
     );
     // A LUN that does not exist, and a target that does not exist.
-    let (ok, _) = run("iscsi-readcapacity16", &[&s.url(3)]);
+    let (ok, _) = run_tool("iscsi-readcapacity16", &[&s.url(3)]);
     assert!(!ok, "a missing LUN answered READ CAPACITY");
-    let (ok, _) = run(
+    let (ok, _) = run_tool(
         "iscsi-inq",
         &[&format!("iscsi://{}/iqn.2026-11.io.tessera:nope/0", s.addr)],
     );
@@ -145,17 +134,6 @@ fn iscsi_inq_and_readcapacity16_describe_the_volume() {
     let mut h = s.vol.open_handle();
     assert_eq!(write(&mut io, &mut h, 0, &[7u8; 4096]), 0);
     assert_eq!(read(&mut io, &mut h, 0, 4096).unwrap(), vec![7u8; 4096]);
-}
-
-/// The CUnit summary line "tests N N passed failed ..." of iscsi-test-cu.
-fn cunit_counts(out: &str) -> Option<(u32, u32)> {
-    let line = out.lines().find(|l| l.trim_start().starts_with("tests"))?;
-    let nums: Vec<u32> = line
-        .split_whitespace()
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    // Run Summary: Type Total Ran Passed Failed Inactive
-    (nums.len() >= 4).then(|| (nums[2], nums[3]))
 }
 
 #[test]
@@ -186,7 +164,7 @@ fn iscsi_test_cu_block_command_subset_passes() {
         "iSCSI.iSCSIResiduals",
         "iSCSI.iSCSITMF",
     ] {
-        let (_, out) = run(
+        let (_, out) = run_tool(
             "iscsi-test-cu",
             &[
                 // Write tests only write with --dataloss; the volume is scratch.
@@ -257,7 +235,7 @@ fn one_way_chap_admits_the_right_secret_only() {
         return;
     }
     let s = serve_with(chap(false));
-    let (ok, out) = run("iscsi-inq", &[&s.chap_url(&format!("{USER}%{SECRET}"), "")]);
+    let (ok, out) = run_tool("iscsi-inq", &[&s.chap_url(&format!("{USER}%{SECRET}"), "")]);
     assert!(ok, "the right secret was refused:\n{out}");
     assert!(out.contains("TESSERA"), "no INQUIRY data:\n{out}");
     for (what, url) in [
@@ -268,7 +246,7 @@ fn one_way_chap_admits_the_right_secret_only() {
         ("a wrong user", s.chap_url(&format!("mallory%{SECRET}"), "")),
         ("no credentials", s.url(0)),
     ] {
-        let (ok, out) = run("iscsi-inq", &[&url]);
+        let (ok, out) = run_tool("iscsi-inq", &[&url]);
         assert!(!ok, "{what} was let in:\n{out}");
         // libiscsi prints the Login Response status: 0x0201.
         assert!(
@@ -298,11 +276,11 @@ fn mutual_chap_proves_the_target_to_the_initiator() {
     let s = serve_with(chap(true));
     let creds = format!("{USER}%{SECRET}");
     let good = format!("?target_user={MUTUAL_USER}&target_password={MUTUAL_SECRET}");
-    let (ok, out) = run("iscsi-inq", &[&s.chap_url(&creds, &good)]);
+    let (ok, out) = run_tool("iscsi-inq", &[&s.chap_url(&creds, &good)]);
     assert!(ok, "mutual CHAP with the right secrets failed:\n{out}");
     // The initiator holds another target secret: it must refuse the target.
     let bad = format!("?target_user={MUTUAL_USER}&target_password=not-the-target-one");
-    let (ok, out) = run("iscsi-inq", &[&s.chap_url(&creds, &bad)]);
+    let (ok, out) = run_tool("iscsi-inq", &[&s.chap_url(&creds, &bad)]);
     assert!(
         !ok,
         "the initiator accepted a target with the wrong secret:\n{out}"
@@ -312,7 +290,7 @@ fn mutual_chap_proves_the_target_to_the_initiator() {
         "refused, but not by the initiator's check of the target:\n{out}"
     );
     // One-way CHAP against a target that also has mutual credentials still works.
-    let (ok, out) = run("iscsi-inq", &[&s.chap_url(&creds, "")]);
+    let (ok, out) = run_tool("iscsi-inq", &[&s.chap_url(&creds, "")]);
     assert!(ok, "one-way CHAP failed:\n{out}");
 }
 
@@ -325,21 +303,21 @@ fn the_allowlist_admits_listed_initiators_only() {
         allowed_initiators: vec![HOST1.into()],
         chap: None,
     });
-    let (ok, out) = run("iscsi-inq", &["-i", HOST1, &s.url(0)]);
+    let (ok, out) = run_tool("iscsi-inq", &["-i", HOST1, &s.url(0)]);
     assert!(ok, "a listed initiator was refused:\n{out}");
-    let (ok, out) = run("iscsi-inq", &["-i", HOST2, &s.url(0)]);
+    let (ok, out) = run_tool("iscsi-inq", &["-i", HOST2, &s.url(0)]);
     assert!(!ok, "an initiator off the list was let in:\n{out}");
     // Status 0x0202 (RFC 7143 §11.13.5).
     assert!(out.contains("Authorization failure"), "{out}");
     assert_eq!(s.target.refusals.figures()[1], ("authorization", 1));
     // Discovery lists the target to the initiators that may log in to it only.
     let portal = format!("iscsi://{}", s.addr);
-    let (ok, out) = run("iscsi-ls", &["-i", HOST1, &portal]);
+    let (ok, out) = run_tool("iscsi-ls", &["-i", HOST1, &portal]);
     assert!(
         ok && out.contains(IQN),
         "not listed to a listed initiator:\n{out}"
     );
-    let (_, out) = run("iscsi-ls", &["-i", HOST2, &portal]);
+    let (_, out) = run_tool("iscsi-ls", &["-i", HOST2, &portal]);
     assert!(
         !out.contains(IQN),
         "listed to an initiator off the list:\n{out}"

@@ -350,6 +350,31 @@ pub fn require_tool(name: &str) -> bool {
     true
 }
 
+/// Run tool `name` with `args` (no stdin) and return whether it succeeded, with its
+/// stdout and stderr together (libiscsi's tools print their errors on either).
+pub fn run_tool(name: &str, args: &[&str]) -> (bool, String) {
+    let o = Command::new(name)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("run {name}: {e}"));
+    let mut out = String::from_utf8_lossy(&o.stdout).into_owned();
+    out.push_str(&String::from_utf8_lossy(&o.stderr));
+    (o.status.success(), out)
+}
+
+/// (passed, failed) from the CUnit run summary line "tests N N passed failed ..." that
+/// `iscsi-test-cu` prints (libiscsi's skips count as passed there).
+pub fn cunit_counts(out: &str) -> Option<(u32, u32)> {
+    let line = out.lines().find(|l| l.trim_start().starts_with("tests"))?;
+    let nums: Vec<u32> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    // Run Summary: Type Total Ran Passed Failed Inactive
+    (nums.len() >= 4).then(|| (nums[2], nums[3]))
+}
+
 /// Run a command, insist on success, return stdout.
 pub fn run_ok(cmd: &mut Command) -> String {
     let o = cmd
