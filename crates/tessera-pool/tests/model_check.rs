@@ -380,7 +380,7 @@ impl Target for PoolTarget {
         // so the pool takes it as the missing member).
         let ram = RamDevice::new(self.dev_size).unwrap();
         let start = data_start(self.layout);
-        let junk = pattern(garbage, (self.dev_size - start) as usize);
+        let junk = tessera_testkit::data::garbage(garbage, (self.dev_size - start) as usize);
         ram.write_at(start, &junk).unwrap();
         self.rams[dev] = ram;
         self.cfgs[dev] = Arc::default();

@@ -37,6 +37,19 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     stream(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), len)
 }
 
+/// `len` bytes of garbage that depend on `seed` only, eight bytes per step of the
+/// stream: for filling whole devices, where [`pattern`]'s byte per step was a quarter
+/// of the model checker's time on the runs that replace devices.
+pub fn garbage(seed: u64, len: usize) -> Vec<u8> {
+    let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        out.extend_from_slice(&r.next().to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
 /// The contents of block `i` at generation `gen` (the `gen`-th version written there):
 /// different blocks and different generations hold different data.
 pub fn block(i: usize, gen: u64, len: usize) -> Vec<u8> {
