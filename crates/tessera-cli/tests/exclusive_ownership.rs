@@ -330,7 +330,7 @@ fn a_device_labelled_for_another_pool_needs_force() {
     n.cli_ok(&["pool", "spare", "add", "m", &z, "--force"]);
     let label = std::fs::read(&z).unwrap();
     assert!(
-        label[..4096].iter().all(|&b| b == 0),
+        label[..8192].iter().all(|&b| b == 0),
         "the forced spare's label was not wiped"
     );
     n.cli_ok(&["pool", "spare", "remove", "m", &z]);

@@ -7,6 +7,14 @@ use tessera_io::cast::{u32_of, u8_of};
 pub const BLOCK: usize = 4096;
 pub const FORMAT_VERSION: u32 = 1;
 pub const DEV_DATA_START: u64 = 1 << 20;
+/// Version of device labels written with two slots (docs/format.md §1); labels of
+/// [`FORMAT_VERSION`] 1 (one slot) are read too.
+pub const LABEL_VERSION: u32 = 2;
+/// Device offsets of a device's two label slots (docs/format.md §1): generation `g` is
+/// written to slot `g % 2`, so a torn label write leaves the previous generation whole.
+pub const LABEL_SLOTS: [u64; 2] = [0, BLOCK as u64];
+/// Bytes of a device's label area (both slots): what reading or wiping a label covers.
+pub const LABEL_AREA: usize = 2 * BLOCK;
 pub const JOURNAL_OFFSET: u64 = 4096;
 pub const JOURNAL_BLOCKS: u64 = 1024;
 pub const CATALOG_MAX: usize = 1 << 20;
@@ -181,7 +189,7 @@ impl Label {
         let mut b = [0u8; BLOCK];
         let mut w = W { b: &mut b, at: 0 };
         w.put(LABEL_MAGIC);
-        w.u32(FORMAT_VERSION);
+        w.u32(LABEL_VERSION);
         w.u32(0);
         w.put(&self.uuid);
         w.u32(self.index);
@@ -202,6 +210,46 @@ impl Label {
         b
     }
 
+    /// The device offset of the slot this label's generation is written to.
+    pub fn slot(&self) -> u64 {
+        LABEL_SLOTS[usize::from(self.state_gen % 2 == 1)]
+    }
+
+    /// The label of a device's label area (its [`LABEL_AREA`] first bytes, both slots):
+    /// the valid slot of the higher generation, with that slot's offset. Slot 1 counts
+    /// only when it names the same pool and device index as a valid slot 0, or slot 0 is
+    /// not a valid label, so a stale label another use of the device left there never
+    /// wins. `Ok(None)`: neither slot holds a Tessera label; `Err`: one does, damaged
+    /// (the error of slot 0 when both are), and the other none.
+    pub fn decode_area(area: &[u8]) -> Result<Option<(Label, u64)>> {
+        if area.len() < LABEL_AREA {
+            return Err(Error::corrupt("device label area is short"));
+        }
+        let first = Label::decode(&area[..BLOCK]);
+        let second = Label::decode(&area[BLOCK..LABEL_AREA]);
+        Ok(match (first, second) {
+            (Ok(Some(a)), Ok(Some(b)))
+                if b.uuid == a.uuid && b.index == a.index && b.state_gen > a.state_gen =>
+            {
+                Some((b, LABEL_SLOTS[1]))
+            }
+            (Ok(Some(a)), _) => Some((a, LABEL_SLOTS[0])),
+            (_, Ok(Some(b))) => Some((b, LABEL_SLOTS[1])),
+            (Err(e), _) => return Err(e),
+            (Ok(None), Err(e)) => return Err(e),
+            (Ok(None), Ok(None)) => None,
+        })
+    }
+
+    /// Both slots holding this label (a new pool's first label).
+    pub fn encode_area(&self) -> Vec<u8> {
+        let b = self.encode();
+        let mut area = Vec::with_capacity(LABEL_AREA);
+        area.extend_from_slice(&b);
+        area.extend_from_slice(&b);
+        area
+    }
+
     /// `Ok(None)` when the block is not a Tessera label at all.
     pub fn decode(b: &[u8]) -> Result<Option<Label>> {
         if b.len() < BLOCK || &b[..8] != LABEL_MAGIC {
@@ -212,8 +260,8 @@ impl Label {
         }
         let mut r = R::new(&b[8..]);
         let version = r.u32()?;
-        if version != FORMAT_VERSION {
-            return Err(Error::corrupt(format!("device label has format version {version}; this Tessera reads version {FORMAT_VERSION}")));
+        if version != FORMAT_VERSION && version != LABEL_VERSION {
+            return Err(Error::corrupt(format!("device label has format version {version}; this Tessera reads versions {FORMAT_VERSION} and {LABEL_VERSION}")));
         }
         r.u32()?;
         let uuid = r.uuid()?;
@@ -860,6 +908,68 @@ mod tests {
         b[100] ^= 1;
         assert!(Label::decode(&b).is_err());
         assert_eq!(Label::decode(&[0u8; BLOCK]).unwrap(), None);
+    }
+
+    /// The label area's two slots (docs/format.md §1): the higher valid generation wins,
+    /// a torn slot falls back to the other, a stale label of another pool in slot 1 never
+    /// overrides slot 0, and version 1 labels still read.
+    #[test]
+    fn label_area_takes_the_newest_whole_slot() {
+        let l = |gen: u64, uuid: u8| Label {
+            uuid: [uuid; 16],
+            index: 2,
+            count: 4,
+            layout: LayoutCode::Raid6,
+            stripe: 16384,
+            data_len: 1 << 30,
+            unit_size: 1 << 20,
+            pool_name: "p".into(),
+            copies: 2,
+            state_gen: gen,
+            failed: gen,
+            fail_reason: [0; 64],
+        };
+        let area = |a: &[u8], b: &[u8]| [a, b].concat();
+        let zero = [0u8; BLOCK];
+        // A new pool: generation 0 in both slots.
+        let (got, slot) = Label::decode_area(&l(0, 1).encode_area()).unwrap().unwrap();
+        assert_eq!((got, slot), (l(0, 1), 0));
+        assert_eq!(l(4, 1).slot(), 0);
+        assert_eq!(l(5, 1).slot(), LABEL_SLOTS[1]);
+        // Generation 5 in slot 1 beats 4 in slot 0, and the reverse.
+        let both = area(&l(4, 1).encode(), &l(5, 1).encode());
+        assert_eq!(Label::decode_area(&both).unwrap().unwrap(), (l(5, 1), 4096));
+        let both = area(&l(6, 1).encode(), &l(5, 1).encode());
+        assert_eq!(Label::decode_area(&both).unwrap().unwrap(), (l(6, 1), 0));
+        // The write of generation 6 to slot 0 torn (its last sector old): 5 is read.
+        let mut torn = l(6, 1).encode();
+        torn[3584..].copy_from_slice(&l(4, 1).encode()[3584..]);
+        let t = area(&torn, &l(5, 1).encode());
+        assert!(Label::decode(&t[..BLOCK]).is_err());
+        assert_eq!(Label::decode_area(&t).unwrap().unwrap(), (l(5, 1), 4096));
+        // Torn slot 1 with slot 0 whole.
+        let t = area(&l(6, 1).encode(), &torn);
+        assert_eq!(Label::decode_area(&t).unwrap().unwrap(), (l(6, 1), 0));
+        // Another pool's label left in slot 1, newer: slot 0 still wins.
+        let stale = area(&l(2, 1).encode(), &l(9, 7).encode());
+        assert_eq!(Label::decode_area(&stale).unwrap().unwrap(), (l(2, 1), 0));
+        // No label at all; a damaged label with nothing else.
+        assert_eq!(Label::decode_area(&area(&zero, &zero)).unwrap(), None);
+        assert!(Label::decode_area(&area(&torn, &zero)).is_err());
+        assert!(Label::decode_area(&area(&zero, &torn)).is_err());
+        // A version 1 label (one slot, written before slot 1 existed) reads.
+        let mut v1 = l(3, 1).encode();
+        v1[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        seal(&mut v1);
+        assert_eq!(
+            Label::decode_area(&area(&v1, &zero)).unwrap().unwrap(),
+            (l(3, 1), 0)
+        );
+        // A version this Tessera does not know is refused, not skipped.
+        let mut v9 = l(3, 1).encode();
+        v9[8..12].copy_from_slice(&9u32.to_le_bytes());
+        seal(&mut v9);
+        assert!(Label::decode_area(&area(&v9, &zero)).is_err());
     }
 
     #[test]

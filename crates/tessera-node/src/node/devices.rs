@@ -33,12 +33,12 @@ fn owner_label(spec: &DeviceSpec) -> Option<String> {
         DeviceSpec::Fault { inner, .. } => return owner_label(inner),
         _ => return None,
     };
-    let mut b = vec![0u8; tessera_pool::format::BLOCK];
+    let mut b = vec![0u8; tessera_pool::format::LABEL_AREA];
     std::io::Read::read_exact(&mut std::fs::File::open(path).ok()?, &mut b).ok()?;
-    tessera_pool::format::Label::decode(&b)
+    tessera_pool::format::Label::decode_area(&b)
         .ok()
         .flatten()
-        .map(|l| l.pool_name)
+        .map(|(l, _)| l.pool_name)
 }
 
 /// Stands in for a mirror's device that could not be opened: every I/O fails with ENODEV,

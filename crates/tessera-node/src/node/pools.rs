@@ -271,7 +271,7 @@ impl Node {
         pool.shutdown()?;
         // Wipe the labels so the devices can be used again.
         for d in &pool.core.layout.devices {
-            let _ = d.write_at(0, &[0u8; 4096]);
+            let _ = d.write_at(0, &[0u8; tessera_pool::format::LABEL_AREA]);
             let _ = d.sync();
         }
         self.jobs.forget(name);

@@ -179,9 +179,9 @@ impl Node {
         if how.force {
             return Ok(());
         }
-        let mut b = vec![0u8; 4096];
+        let mut b = vec![0u8; tessera_pool::format::LABEL_AREA];
         if dev.read_at(0, &mut b).is_ok() {
-            if let Ok(Some(lab)) = tessera_pool::format::Label::decode(&b) {
+            if let Ok(Some((lab, _))) = tessera_pool::format::Label::decode_area(&b) {
                 let uuid = tessera_pool::uuid_string(&lab.uuid);
                 if uuid != p.uuid() {
                     return Err(Error::already_exists(format!(
@@ -217,7 +217,7 @@ impl Node {
         let need = slot_need(p, index);
         self.check_new_device(p, spec, &*dev, need, how)?;
         // A cleared label: the pool (re)opens it as failed, and the rebuild writes a full one.
-        dev.write_at(0, &[0u8; 4096])
+        dev.write_at(0, &[0u8; tessera_pool::format::LABEL_AREA])
             .and_then(|()| dev.sync())
             .map_err(|e| Error::io("clearing the new device's label", e))?;
         let old = self.pools.edit_entry(pool, |e| {
@@ -328,7 +328,7 @@ impl Node {
             },
         )?;
         if force {
-            dev.write_at(0, &[0u8; 4096])
+            dev.write_at(0, &[0u8; tessera_pool::format::LABEL_AREA])
                 .and_then(|()| dev.sync())
                 .map_err(|e| Error::io("wiping the spare's label", e))?;
         }

@@ -86,7 +86,12 @@ impl PoolCore {
                     fail_reason: reasons,
                     ..st.1[i].clone()
                 };
-                match d.write_at(0, &label.encode()).and_then(|()| d.sync()) {
+                // Into the slot of this generation: the other keeps the last one
+                // whole if a power loss tears this write (docs/format.md §1).
+                match d
+                    .write_at(label.slot(), &label.encode())
+                    .and_then(|()| d.sync())
+                {
                     Ok(()) => written += 1,
                     Err(_) => l.mark_failed(i, crate::layout::FailReason::Write),
                 }

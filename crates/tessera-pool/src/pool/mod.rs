@@ -235,9 +235,9 @@ impl Pool {
         }
         if !opts.force {
             for d in &devices {
-                let mut b = vec![0u8; BLOCK];
+                let mut b = vec![0u8; LABEL_AREA];
                 if d.read_at(0, &mut b).is_ok() {
-                    if let Ok(Some(l)) = Label::decode(&b) {
+                    if let Ok(Some((l, _))) = Label::decode_area(&b) {
                         return Err(Error::new(
                             ErrorKind::AlreadyExists,
                             format!("device {} already belongs to pool '{}' (uuid {}); destroy that pool first, or pass --force to overwrite it", d.describe(), l.pool_name, uuid_string(&l.uuid)),
@@ -306,7 +306,9 @@ impl Pool {
                 fail_reason: [0; 64],
             };
             labels.push(label.clone());
-            d.write_at(0, &label.encode())
+            // Both slots (docs/format.md §1): a stale label of an earlier use of the
+            // device must not be left in slot 1.
+            d.write_at(0, &label.encode_area())
                 .map_err(ioe(&format!("writing the label of {}", d.describe())))?;
         }
         let meta = MetaStore {
@@ -441,16 +443,27 @@ impl Pool {
     fn read_labels(devices: &[Arc<dyn BlockDevice>]) -> Result<(Label, Vec<Label>, Vec<usize>)> {
         let mut found = Vec::new();
         for d in devices {
-            let mut b = vec![0u8; BLOCK];
+            let mut b = vec![0u8; LABEL_AREA];
             let l = d
                 .read_at(0, &mut b)
                 .map_err(|e| Error::io(&format!("reading the label of {}", d.describe()), e))
                 .and_then(|()| {
-                    Label::decode(&b)
+                    Label::decode_area(&b)
                         .map_err(|e| Error::corrupt(format!("{}: {e}", d.describe())))?
                         .ok_or_else(|| {
                             Error::corrupt(format!("{} carries no Tessera label", d.describe()))
                         })
+                })
+                .map(|(l, slot)| {
+                    // A label found outside the slot its generation names (a version 1
+                    // label of an odd generation): copy it there first, so the next
+                    // generation's write (to the other slot) leaves a whole copy behind.
+                    if slot != l.slot() {
+                        if let Err(e) = d.write_at(l.slot(), &l.encode()).and_then(|()| d.sync()) {
+                            tracing::warn!(device = %d.describe(), error = %e, "cannot copy the label to its slot");
+                        }
+                    }
+                    l
                 });
             found.push(l);
         }
