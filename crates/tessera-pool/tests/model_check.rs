@@ -1008,3 +1008,132 @@ fn finding8_ec_degraded_crash_then_second_failure() {
         replay(6, seed, &degraded_crash_then_second_failure_ops(seed));
     }
 }
+
+/// Soak finding 9 (raid6 and ec seed 8000029, `TESSERA_MC_ALL=1`): two devices fail, and
+/// the power goes in the middle of a batch while the second failure's label is written;
+/// a label torn on one of the two healthy devices made the open refuse the pool. Fixed
+/// by the labels' two slots (docs/format.md §1). The shrinker's minimal sequence.
+fn torn_label_on_a_degraded_pool_ops() -> Vec<Op> {
+    vec![
+        Op::PowerLoss {
+            seed: 11221429319456747218,
+        },
+        Op::CreateVolume { vol: "v1".into() },
+        Op::Batch {
+            ios: vec![Io::Write {
+                vol: "v1".into(),
+                sector: 1800,
+                sectors: 24,
+                fua: false,
+            }],
+            latency_us: vec![],
+            crash_after: Some(37),
+            snapshot: None,
+        },
+        Op::PowerLoss {
+            seed: 8293992038920111359,
+        },
+        Op::PowerLoss {
+            seed: 15203412036186600449,
+        },
+        Op::Batch {
+            ios: vec![
+                Io::Write {
+                    vol: "v1".into(),
+                    sector: 1586,
+                    sectors: 12,
+                    fua: false,
+                },
+                Io::Write {
+                    vol: "v1".into(),
+                    sector: 1864,
+                    sectors: 48,
+                    fua: false,
+                },
+                Io::Write {
+                    vol: "v1".into(),
+                    sector: 1368,
+                    sectors: 40,
+                    fua: false,
+                },
+            ],
+            latency_us: vec![],
+            crash_after: None,
+            snapshot: Some(("v1".into(), "s2".into())),
+        },
+        Op::Clone {
+            snap: "s2".into(),
+            vol: "c4".into(),
+        },
+        Op::PowerLoss {
+            seed: 15664975885261434713,
+        },
+        Op::CreateVolume { vol: "v5".into() },
+        Op::Batch {
+            ios: vec![
+                Io::Write {
+                    vol: "v5".into(),
+                    sector: 1550,
+                    sectors: 7,
+                    fua: false,
+                },
+                Io::Write {
+                    vol: "v5".into(),
+                    sector: 1944,
+                    sectors: 24,
+                    fua: true,
+                },
+            ],
+            latency_us: vec![],
+            crash_after: None,
+            snapshot: Some(("v5".into(), "s6".into())),
+        },
+        Op::FailDevice { dev: 0 },
+        Op::PowerLoss {
+            seed: 11668578573278657762,
+        },
+        Op::PowerLoss {
+            seed: 6968555736164943070,
+        },
+        Op::Batch {
+            ios: vec![Io::Write {
+                vol: "c4".into(),
+                sector: 1944,
+                sectors: 48,
+                fua: false,
+            }],
+            latency_us: vec![],
+            crash_after: None,
+            snapshot: None,
+        },
+        Op::FailDevice { dev: 3 },
+        Op::Batch {
+            ios: vec![
+                Io::Read {
+                    vol: "s2".into(),
+                    sector: 1632,
+                    sectors: 32,
+                },
+                Io::Write {
+                    vol: "c4".into(),
+                    sector: 848,
+                    sectors: 48,
+                    fua: false,
+                },
+            ],
+            latency_us: vec![223, 99, 338, 85],
+            crash_after: Some(6),
+            snapshot: None,
+        },
+    ]
+}
+
+#[test]
+fn finding9_raid6_torn_label_on_a_degraded_pool() {
+    replay(5, 8000029, &torn_label_on_a_degraded_pool_ops());
+}
+
+#[test]
+fn finding9_ec_torn_label_on_a_degraded_pool() {
+    replay(6, 8000029, &torn_label_on_a_degraded_pool_ops());
+}
