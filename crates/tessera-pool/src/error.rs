@@ -35,6 +35,10 @@ pub enum Error {
     /// Metadata that does not decode or does not add up.
     #[error("{0}")]
     Corrupt(String),
+    /// Devices that do not compose into the layout asked for, or a device that cannot be
+    /// rebuilt now: invalid input, keeping the layout's own error.
+    #[error(transparent)]
+    Layout(#[from] crate::layout::LayoutError),
     /// A device or metadata I/O failed: what was being done, and the error.
     #[error("{context}: {source}")]
     Io {
@@ -80,7 +84,7 @@ impl Error {
         match self {
             Error::NotFound(_) => ErrorKind::NotFound,
             Error::AlreadyExists(_) => ErrorKind::AlreadyExists,
-            Error::InvalidInput(_) => ErrorKind::InvalidInput,
+            Error::InvalidInput(_) | Error::Layout(_) => ErrorKind::InvalidInput,
             Error::NoSpace(_) => ErrorKind::NoSpace,
             Error::Busy(_) => ErrorKind::Busy,
             Error::Corrupt(_) => ErrorKind::Corrupt,

@@ -5,6 +5,7 @@
 //! that spans several devices is split, and the pieces share one join on the core.
 
 mod copy_track;
+mod error;
 mod geometry;
 mod handle;
 mod health;
@@ -17,6 +18,7 @@ mod rebuild;
 mod sync_io;
 
 pub(crate) use copy_track::CopyTracker;
+pub use error::LayoutError;
 pub use handle::LayoutHandle;
 pub use health::DeviceHealth;
 pub use kind::LayoutKind;
