@@ -91,8 +91,8 @@ impl From<tessera_api::Invalid> for CliError {
     }
 }
 
-impl From<crate::nvmf_cmd::HostArgError> for CliError {
-    fn from(e: crate::nvmf_cmd::HostArgError) -> CliError {
+impl From<HostArgError> for CliError {
+    fn from(e: HostArgError) -> CliError {
         CliError::Rejected(Box::new(e))
     }
 }
@@ -128,3 +128,24 @@ impl From<std::io::Error> for CliError {
 }
 
 pub type Result<T> = std::result::Result<T, CliError>;
+
+/// Why the initiator's host arguments are unusable: each names the flag, and keeps what
+/// went wrong (the file's `io::Error`, the secret's parse error) as its source.
+#[derive(Debug, thiserror::Error)]
+pub enum HostArgError {
+    #[error("--{flag}-file {}: {source}", path.display())]
+    SecretFile {
+        flag: &'static str,
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("--{flag}: {source}")]
+    Secret {
+        flag: &'static str,
+        #[source]
+        source: tessera_nvmf::auth::SecretError,
+    },
+    #[error("--dhchap-ctrl-secret needs --dhchap-secret")]
+    CtrlSecretAlone,
+}

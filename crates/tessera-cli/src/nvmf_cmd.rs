@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use tessera_device::parse_size;
 use tessera_http::Endpoint;
 
-use crate::error::{CliError, Result};
+use crate::error::{CliError, HostArgError, Result};
 use crate::manage::{delete, deleted, get, send, show};
 use tessera_api::{AddHost, AddNamespace, CreateSubsystem, Deleted, SubsystemInfo};
 use tessera_nvmf::auth::Secret;
@@ -50,27 +50,6 @@ pub struct HostArgs {
     /// Read the controller's DH-HMAC-CHAP secret from a file.
     #[arg(long)]
     pub dhchap_ctrl_secret_file: Option<std::path::PathBuf>,
-}
-
-/// Why the initiator's host arguments are unusable: each names the flag, and keeps what
-/// went wrong (the file's `io::Error`, the secret's parse error) as its source.
-#[derive(Debug, thiserror::Error)]
-pub enum HostArgError {
-    #[error("--{flag}-file {}: {source}", path.display())]
-    SecretFile {
-        flag: &'static str,
-        path: std::path::PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("--{flag}: {source}")]
-    Secret {
-        flag: &'static str,
-        #[source]
-        source: tessera_nvmf::auth::SecretError,
-    },
-    #[error("--dhchap-ctrl-secret needs --dhchap-secret")]
-    CtrlSecretAlone,
 }
 
 /// A secret given inline or in a file (whose whitespace around it is ignored).

@@ -5,7 +5,6 @@
 //! that spans several devices is split, and the pieces share one join on the core.
 
 mod copy_track;
-mod error;
 mod geometry;
 mod handle;
 mod health;
@@ -17,8 +16,8 @@ mod parity_sync;
 mod rebuild;
 mod sync_io;
 
+pub use crate::error::LayoutError;
 pub(crate) use copy_track::CopyTracker;
-pub use error::LayoutError;
 pub use handle::LayoutHandle;
 pub use health::DeviceHealth;
 pub use kind::LayoutKind;
