@@ -39,14 +39,12 @@ impl TlsPolicy {
 }
 
 impl std::str::FromStr for TlsPolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = crate::Invalid;
+    fn from_str(s: &str) -> Result<Self, crate::Invalid> {
         match s {
             "required" => Ok(TlsPolicy::Required),
             "optional" => Ok(TlsPolicy::Optional),
-            _ => Err(format!(
-                "TLS policy '{s}': expected 'required' or 'optional'"
-            )),
+            _ => Err(crate::Invalid::TlsPolicy(s.to_string())),
         }
     }
 }

@@ -7,6 +7,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::Invalid;
+
 /// A layout and the parameters the user gave it. Parameters left out (`None`) depend on
 /// the number of devices, which the pool fills in: raid1's copies (one per device),
 /// raid10's copies (2), ec's k (the devices that are not parity).
@@ -57,7 +59,7 @@ impl LayoutSpec {
     /// The layout with its mirrors' copies set (`copies` of `POST /v1/pools`, the CLI's
     /// `--copies`): only for raid1 and raid10, and only when the layout does not give
     /// them already.
-    pub fn with_copies(self, copies: u32) -> Result<LayoutSpec, String> {
+    pub fn with_copies(self, copies: u32) -> Result<LayoutSpec, Invalid> {
         match self {
             LayoutSpec::Raid1 { copies: None } => Ok(LayoutSpec::Raid1 {
                 copies: Some(copies),
@@ -65,12 +67,11 @@ impl LayoutSpec {
             LayoutSpec::Raid10 { copies: None } => Ok(LayoutSpec::Raid10 {
                 copies: Some(copies),
             }),
-            LayoutSpec::Raid1 { .. } | LayoutSpec::Raid10 { .. } => Err(format!(
-                "layout '{self}' already gives its copies; copies {copies} is one too many"
-            )),
-            _ => Err(format!(
-                "copies apply to raid1 and raid10 only, not to layout '{self}'"
-            )),
+            LayoutSpec::Raid1 { .. } | LayoutSpec::Raid10 { .. } => Err(Invalid::CopiesGiven {
+                layout: self,
+                copies,
+            }),
+            _ => Err(Invalid::CopiesNotApplicable(self)),
         }
     }
 }
@@ -90,18 +91,20 @@ impl fmt::Display for LayoutSpec {
 }
 
 impl FromStr for LayoutSpec {
-    type Err = String;
+    type Err = Invalid;
 
     /// `concat`, `raid0`, `raid1[:COPIES]`, `raid10[:COPIES]`, `raid5`, `raid6`, `ec:K+M`
     /// or `ec:M`.
-    fn from_str(spec: &str) -> Result<LayoutSpec, String> {
+    fn from_str(spec: &str) -> Result<LayoutSpec, Invalid> {
         let (name, arg) = match spec.split_once(':') {
             Some((n, a)) => (n, Some(a)),
             None => (spec, None),
         };
         let num = |a: &str| {
-            a.parse::<u32>()
-                .map_err(|_| format!("bad number '{a}' in layout '{spec}'"))
+            a.parse::<u32>().map_err(|_| Invalid::LayoutNumber {
+                number: a.to_string(),
+                layout: spec.to_string(),
+            })
         };
         match (name, arg) {
             ("concat", None) => Ok(LayoutSpec::Concat),
@@ -119,20 +122,21 @@ impl FromStr for LayoutSpec {
                     k: Some(num(k)?),
                     m: num(m)?,
                 },
-                None => LayoutSpec::Ec { k: None, m: num(a)? },
+                None => LayoutSpec::Ec {
+                    k: None,
+                    m: num(a)?,
+                },
             }),
-            ("ec", None) => Err("ec needs its shape: ec:K+M (e.g. ec:4+2)".into()),
-            (_, _) => Err(format!(
-                "unknown layout '{spec}' (concat, raid0, raid1[:COPIES], raid10[:COPIES], raid5, raid6, ec:K+M)"
-            )),
+            ("ec", None) => Err(Invalid::EcShape),
+            (_, _) => Err(Invalid::UnknownLayout(spec.to_string())),
         }
     }
 }
 
 impl TryFrom<String> for LayoutSpec {
-    type Error = String;
+    type Error = Invalid;
 
-    fn try_from(s: String) -> Result<LayoutSpec, String> {
+    fn try_from(s: String) -> Result<LayoutSpec, Invalid> {
         s.parse()
     }
 }

@@ -37,6 +37,7 @@ macro_rules! wire_state {
 pub mod cluster;
 pub mod exports;
 pub mod groups;
+pub mod invalid;
 pub mod iscsi;
 pub mod jobs;
 pub mod layout;
@@ -52,6 +53,7 @@ use serde::{Deserialize, Serialize};
 pub use cluster::*;
 pub use exports::*;
 pub use groups::*;
+pub use invalid::Invalid;
 pub use iscsi::*;
 pub use jobs::*;
 pub use layout::LayoutSpec;

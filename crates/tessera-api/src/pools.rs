@@ -253,9 +253,9 @@ impl std::fmt::Display for ReplaceState {
 }
 
 impl TryFrom<String> for ReplaceState {
-    type Error = String;
+    type Error = crate::Invalid;
 
-    fn try_from(s: String) -> Result<ReplaceState, String> {
+    fn try_from(s: String) -> Result<ReplaceState, crate::Invalid> {
         if s == "rebuilding" {
             return Ok(ReplaceState::Rebuilding);
         }
@@ -270,7 +270,7 @@ impl TryFrom<String> for ReplaceState {
                 error: error.into(),
             });
         }
-        Err(format!("unknown replacement state '{s}'"))
+        Err(crate::Invalid::ReplaceState(s))
     }
 }
 

@@ -35,6 +35,10 @@ pub enum CliError {
     /// An argument the CLI checks itself is wrong.
     #[error("{0}")]
     Invalid(String),
+    /// An argument a library refused (a layout, a secret, a secret file), keeping that
+    /// library's typed error: an invalid argument, with the same message.
+    #[error(transparent)]
+    Rejected(Box<dyn std::error::Error + Send + Sync>),
     /// The command line asks for something the command does not do (a global flag it
     /// does not honour).
     #[error("{0}")]
@@ -58,7 +62,7 @@ impl CliError {
                 _ => exit::FAILURE,
             },
             CliError::Unavailable(_) => exit::UNAVAILABLE,
-            CliError::Invalid(_) => exit::INVALID,
+            CliError::Invalid(_) | CliError::Rejected(_) => exit::INVALID,
             CliError::Usage(_) => exit::USAGE,
             CliError::Degraded(_) => exit::DEGRADED,
             CliError::Failed(_) => exit::FAILURE,
@@ -81,6 +85,18 @@ impl From<tessera_load::LoadError> for CliError {
     }
 }
 
+impl From<tessera_api::Invalid> for CliError {
+    fn from(e: tessera_api::Invalid) -> CliError {
+        CliError::Rejected(Box::new(e))
+    }
+}
+
+impl From<HostArgError> for CliError {
+    fn from(e: HostArgError) -> CliError {
+        CliError::Rejected(Box::new(e))
+    }
+}
+
 /// The node runner still reports errors as text.
 impl From<String> for CliError {
     fn from(e: String) -> CliError {
@@ -95,8 +111,9 @@ impl From<tessera_node::error::StartError> for CliError {
         use tessera_node::error::{Error, StartError};
         match &e {
             StartError::Config(_)
+            | StartError::NbdTls(_)
             | StartError::Declaration {
-                source: Error::Invalid(_),
+                source: Error::Invalid(_) | Error::Rejected(_),
                 ..
             } => CliError::Invalid(e.to_string()),
             _ => CliError::Unavailable(e.to_string()),
@@ -111,3 +128,24 @@ impl From<std::io::Error> for CliError {
 }
 
 pub type Result<T> = std::result::Result<T, CliError>;
+
+/// Why the initiator's host arguments are unusable: each names the flag, and keeps what
+/// went wrong (the file's `io::Error`, the secret's parse error) as its source.
+#[derive(Debug, thiserror::Error)]
+pub enum HostArgError {
+    #[error("--{flag}-file {}: {source}", path.display())]
+    SecretFile {
+        flag: &'static str,
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("--{flag}: {source}")]
+    Secret {
+        flag: &'static str,
+        #[source]
+        source: tessera_nvmf::auth::SecretError,
+    },
+    #[error("--dhchap-ctrl-secret needs --dhchap-secret")]
+    CtrlSecretAlone,
+}

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use tessera_device::parse_size;
 use tessera_http::Endpoint;
 
-use crate::error::{CliError, Result};
+use crate::error::{CliError, HostArgError, Result};
 use crate::manage::{delete, deleted, get, send, show};
 use tessera_api::{AddHost, AddNamespace, CreateSubsystem, Deleted, SubsystemInfo};
 use tessera_nvmf::auth::Secret;
@@ -54,15 +54,19 @@ pub struct HostArgs {
 
 /// A secret given inline or in a file (whose whitespace around it is ignored).
 pub fn secret_arg(
-    flag: &str,
+    flag: &'static str,
     inline: &Option<String>,
     file: &Option<std::path::PathBuf>,
-) -> std::result::Result<Option<String>, String> {
+) -> std::result::Result<Option<String>, HostArgError> {
     match (inline, file) {
         (Some(s), _) => Ok(Some(s.trim().to_string())),
         (None, Some(p)) => std::fs::read_to_string(p)
             .map(|s| Some(s.trim().to_string()))
-            .map_err(|e| format!("--{flag}-file {}: {e}", p.display())),
+            .map_err(|source| HostArgError::SecretFile {
+                flag,
+                path: p.clone(),
+                source,
+            }),
         (None, None) => Ok(None),
     }
 }
@@ -84,7 +88,7 @@ impl HostArgs {
         CliError::Unavailable(format!("NVMe/TCP target {}{how}: {e}", self.addr()))
     }
 
-    pub fn options(&self) -> std::result::Result<Options, String> {
+    pub fn options(&self) -> std::result::Result<Options, HostArgError> {
         let mut o = Options {
             hdgst: self.hdgst,
             ddgst: self.ddgst,
@@ -93,8 +97,8 @@ impl HostArgs {
         if let Some(h) = &self.hostnqn {
             o.hostnqn = h.clone();
         }
-        let parse = |flag: &str, s: Option<String>| {
-            s.map(|s| Secret::parse(&s).map_err(|e| format!("--{flag}: {e}")))
+        let parse = |flag: &'static str, s: Option<String>| {
+            s.map(|s| Secret::parse(&s).map_err(|source| HostArgError::Secret { flag, source }))
                 .transpose()
         };
         o.dhchap_secret = parse(
@@ -114,14 +118,14 @@ impl HostArgs {
             )?,
         )?;
         if o.dhchap_ctrl_secret.is_some() && o.dhchap_secret.is_none() {
-            return Err("--dhchap-ctrl-secret needs --dhchap-secret".into());
+            return Err(HostArgError::CtrlSecretAlone);
         }
         Ok(o)
     }
 
     /// `options`, with a bad secret as an invalid-argument error.
     fn opts(&self) -> Result<Options> {
-        self.options().map_err(CliError::Invalid)
+        Ok(self.options()?)
     }
 }
 
@@ -545,14 +549,16 @@ fn subsystem(ep: &Endpoint, c: SubsystemCmd, raw: bool) -> Result<()> {
         SubsystemCmd::Host(HostCmd::Add(a)) | SubsystemCmd::AddHost(a) => {
             let body = AddHost {
                 nqn: a.host,
-                dhchap_secret: secret_arg("dhchap-secret", &a.dhchap_secret, &a.dhchap_secret_file)
-                    .map_err(CliError::Invalid)?,
+                dhchap_secret: secret_arg(
+                    "dhchap-secret",
+                    &a.dhchap_secret,
+                    &a.dhchap_secret_file,
+                )?,
                 dhchap_ctrl_secret: secret_arg(
                     "dhchap-ctrl-secret",
                     &a.dhchap_ctrl_secret,
                     &a.dhchap_ctrl_secret_file,
-                )
-                .map_err(CliError::Invalid)?,
+                )?,
                 dhchap_hash: a.dhchap_hash,
                 dhchap_dhgroup: a.dhchap_dhgroup,
             };
@@ -577,7 +583,7 @@ pub struct NvmfPerfArgs {
 }
 
 fn perf(a: NvmfPerfArgs) -> std::result::Result<(), CliError> {
-    let options = a.host.options().map_err(CliError::Invalid)?;
+    let options = a.host.options()?;
     Ok(tessera_load::nvmf_perf::run(
         a.host.addr(),
         options,

@@ -494,7 +494,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
     match c {
         PoolCmd::Create(a) => {
             // Parsed here, once: a bad layout is refused before anything is sent.
-            let layout: LayoutSpec = a.layout.parse().map_err(CliError::Invalid)?;
+            let layout: LayoutSpec = a.layout.parse()?;
             check_stripe_size(layout, a.stripe_size.as_deref())?;
             let body = CreatePool {
                 name: a.name,

@@ -29,6 +29,19 @@ impl std::fmt::Display for Placed {
 /// The failure-domain levels placement spreads over, widest first.
 pub const DEFAULT_LEVELS: &[&str] = &["zone", "rack"];
 
+/// Why no placement exists; each names the node or the numbers that fall short.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    #[error("a volume needs at least one replica")]
+    NoReplicas,
+    #[error("node '{0}' is not a live member of the cluster")]
+    NotMember(String),
+    #[error("node '{0}' has no pool to hold its replica")]
+    NoPool(String),
+    #[error("{count} replicas need {count} live nodes with a pool; the cluster has {nodes}")]
+    TooFewNodes { count: usize, nodes: usize },
+}
+
 /// Choose `count` places among `nodes`, the nodes named in `fixed` first (the owner of a
 /// new volume; the surviving replicas when one is replaced). Errors say why no placement
 /// exists (too few nodes, a node without pools).
@@ -37,9 +50,9 @@ pub fn place(
     count: usize,
     fixed: &[&str],
     levels: &[&str],
-) -> Result<Vec<Placed>, String> {
+) -> Result<Vec<Placed>, PlacementError> {
     if count == 0 {
-        return Err("a volume needs at least one replica".into());
+        return Err(PlacementError::NoReplicas);
     }
     let mut order: Vec<&NodeRecord> = nodes.iter().filter(|n| best_pool(n).is_some()).collect();
     order.sort_by(|a, b| {
@@ -52,9 +65,9 @@ pub fn place(
         let n = nodes
             .iter()
             .find(|n| n.name == *f)
-            .ok_or_else(|| format!("node '{f}' is not a live member of the cluster"))?;
+            .ok_or_else(|| PlacementError::NotMember(f.to_string()))?;
         if best_pool(n).is_none() {
-            return Err(format!("node '{f}' has no pool to hold its replica"));
+            return Err(PlacementError::NoPool(f.to_string()));
         }
         chosen.push(n);
     }
@@ -82,10 +95,10 @@ pub fn place(
         }
     }
     if chosen.len() < count {
-        return Err(format!(
-            "{count} replicas need {count} live nodes with a pool; the cluster has {}",
-            order.len()
-        ));
+        return Err(PlacementError::TooFewNodes {
+            count,
+            nodes: order.len(),
+        });
     }
     Ok(chosen
         .into_iter()
@@ -175,13 +188,19 @@ mod tests {
     #[test]
     fn clear_errors() {
         let nodes = [node("a", "z1", "r1", 900), node("b", "z2", "r2", 900)];
-        let e = place(&nodes, 3, &[], DEFAULT_LEVELS).unwrap_err();
+        let e = place(&nodes, 3, &[], DEFAULT_LEVELS)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("3 replicas need 3 live nodes"), "{e}");
-        let e = place(&nodes, 2, &["zz"], DEFAULT_LEVELS).unwrap_err();
+        let e = place(&nodes, 2, &["zz"], DEFAULT_LEVELS)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("'zz' is not a live member"), "{e}");
         let mut empty = node("e", "z3", "r3", 0);
         empty.pools.clear();
-        let e = place(&[empty], 1, &["e"], DEFAULT_LEVELS).unwrap_err();
+        let e = place(&[empty], 1, &["e"], DEFAULT_LEVELS)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no pool"), "{e}");
         assert!(place(&nodes, 0, &[], DEFAULT_LEVELS).is_err());
     }

@@ -23,6 +23,23 @@ use tessera_io::sync::RwLockExt;
 
 use crate::{BlockDevice, CoreIo, IoHandle, IoOp, Tag};
 
+/// Why a device cannot take a slot's place: it names the device and the slot's bound.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SwapError {
+    #[error("device {device} is too small: {size} bytes, this slot needs {needs}")]
+    TooSmall {
+        device: String,
+        size: u64,
+        needs: u64,
+    },
+    #[error("device {device} needs {needs}-byte alignment, this slot's I/O is aligned to {slot}")]
+    Alignment {
+        device: String,
+        needs: u32,
+        slot: u32,
+    },
+}
+
 /// A [`BlockDevice`] whose inner device can be replaced live (see the module docs).
 pub struct SwappableDevice {
     inner: RwLock<Arc<dyn BlockDevice>>,
@@ -72,22 +89,20 @@ impl SwappableDevice {
     /// datapath I/O goes to `new`; I/O in flight on the old device completes there. The
     /// reported size stays the original's. Refused when `new` is smaller than
     /// [`Self::required_size`] or needs a coarser alignment than the original.
-    pub fn swap(&self, new: Arc<dyn BlockDevice>) -> Result<(), String> {
+    pub fn swap(&self, new: Arc<dyn BlockDevice>) -> Result<(), SwapError> {
         if new.size() < self.required_size() {
-            return Err(format!(
-                "device {} is too small: {} bytes, this slot needs {}",
-                new.describe(),
-                new.size(),
-                self.required_size()
-            ));
+            return Err(SwapError::TooSmall {
+                device: new.describe(),
+                size: new.size(),
+                needs: self.required_size(),
+            });
         }
         if new.alignment() > self.alignment {
-            return Err(format!(
-                "device {} needs {}-byte alignment, this slot's I/O is aligned to {}",
-                new.describe(),
-                new.alignment(),
-                self.alignment
-            ));
+            return Err(SwapError::Alignment {
+                device: new.describe(),
+                needs: new.alignment(),
+                slot: self.alignment,
+            });
         }
         let mut cur = self.inner.write_locked();
         *cur = new;

@@ -36,28 +36,50 @@ fn is_name_char(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"-._@".contains(&b)
 }
 
+/// Why a token file is refused; a line's error names the line.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TokenFileError {
+    #[error("line {line}: the token's name {name:?} may hold only letters, digits and -._@")]
+    BadName { line: usize, name: String },
+    #[error("line {line}: a token has at least {MIN_TOKEN_LEN} characters (make one with `openssl rand -hex 32`)")]
+    TooShort { line: usize },
+    #[error("line {line}: a token may hold only letters, digits and -._~+/=")]
+    BadToken { line: usize },
+    #[error("it holds no token")]
+    NoToken,
+    #[error("other users may read it; `chmod 600` it (or 640 with a group)")]
+    OthersMayRead,
+}
+
+/// A [`TokenFileError`] of the file at `path` (inside the `io::Error` that
+/// [`TokenSet::load`] returns).
+#[derive(Debug, thiserror::Error)]
+#[error("token file {}: {source}", path.display())]
+pub struct TokenFileAt {
+    pub path: std::path::PathBuf,
+    #[source]
+    pub source: TokenFileError,
+}
+
 /// Splits a token-file line into `(identity, token)`; `line_no` names an unnamed token.
-fn parse_line(line: &str, line_no: usize) -> Result<(String, &str), String> {
+fn parse_line(line: &str, line_no: usize) -> Result<(String, &str), TokenFileError> {
     let (name, token) = match line.split_once(':') {
         Some((name, token)) => {
             if name.is_empty() || !name.bytes().all(is_name_char) {
-                return Err(format!(
-                    "line {line_no}: the token's name {name:?} may hold only letters, digits and -._@"
-                ));
+                return Err(TokenFileError::BadName {
+                    line: line_no,
+                    name: name.to_string(),
+                });
             }
             (name.to_string(), token.trim())
         }
         None => (format!("token-line-{line_no}"), line),
     };
     if token.len() < MIN_TOKEN_LEN {
-        return Err(format!(
-            "line {line_no}: a token has at least {MIN_TOKEN_LEN} characters (make one with `openssl rand -hex 32`)"
-        ));
+        return Err(TokenFileError::TooShort { line: line_no });
     }
     if !token.bytes().all(is_token_char) {
-        return Err(format!(
-            "line {line_no}: a token may hold only letters, digits and -._~+/="
-        ));
+        return Err(TokenFileError::BadToken { line: line_no });
     }
     Ok((name, token))
 }
@@ -73,7 +95,7 @@ pub fn first_token(text: &str) -> Option<&str> {
 impl TokenSet {
     /// Parses a token file's text: one token a line, `NAME:TOKEN` or `TOKEN`; blank lines
     /// and lines starting with `#` are skipped.
-    pub fn parse(text: &str) -> Result<TokenSet, String> {
+    pub fn parse(text: &str) -> Result<TokenSet, TokenFileError> {
         let mut tokens = Vec::new();
         for (i, line) in text.lines().enumerate() {
             let line = line.trim();
@@ -84,25 +106,26 @@ impl TokenSet {
             tokens.push((name, token.as_bytes().to_vec()));
         }
         if tokens.is_empty() {
-            return Err("it holds no token".into());
+            return Err(TokenFileError::NoToken);
         }
         Ok(TokenSet { tokens })
     }
 
     /// Reads a token file, which only its owner (and group) may read.
     pub fn load(path: &Path) -> io::Result<TokenSet> {
-        let invalid = |why: String| {
+        let invalid = |source: TokenFileError| {
             io::Error::new(
                 io::ErrorKind::InvalidInput,
-                format!("token file {}: {why}", path.display()),
+                TokenFileAt {
+                    path: path.to_path_buf(),
+                    source,
+                },
             )
         };
         let meta = std::fs::metadata(path)
             .map_err(|e| io::Error::new(e.kind(), format!("token file {}: {e}", path.display())))?;
         if meta.permissions().mode() & 0o007 != 0 {
-            return Err(invalid(
-                "other users may read it; `chmod 600` it (or 640 with a group)".into(),
-            ));
+            return Err(invalid(TokenFileError::OthersMayRead));
         }
         let text = std::fs::read_to_string(path)
             .map_err(|e| io::Error::new(e.kind(), format!("token file {}: {e}", path.display())))?;
@@ -199,7 +222,10 @@ mod tests {
     #[test]
     fn weak_or_malformed_token_files_are_refused() {
         assert!(TokenSet::parse("# nothing\n\n").is_err());
-        assert!(TokenSet::parse("short").unwrap_err().contains("at least"));
+        assert!(TokenSet::parse("short")
+            .unwrap_err()
+            .to_string()
+            .contains("at least"));
         assert!(TokenSet::parse(&format!("bad name:{T1}")).is_err());
         assert!(TokenSet::parse(&format!("{T1} {T2}")).is_err());
         assert_eq!(first_token(&format!("# c\nalice:{T1}\n")), Some(T1));

@@ -266,7 +266,8 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, LoadError> {
         Some(c) => format!("{}:{c}", a.layout),
         None => a.layout.clone(),
     };
-    let layout = LayoutKind::parse(&spec, stripe, devs.len()).map_err(LoadError::Invalid)?;
+    let layout = LayoutKind::parse(&spec, stripe, devs.len())
+        .map_err(|e| LoadError::Invalid(e.to_string()))?;
     let unit_size =
         parse_size(&a.unit_size).map_err(|e| LoadError::invalid(format!("--unit-size: {e}")))?;
     let pool = Arc::new(

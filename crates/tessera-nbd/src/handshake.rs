@@ -106,9 +106,21 @@ pub trait ExportCatalog: Send + Sync {
     /// description, or says why the export cannot be served now: the client gets
     /// `NBD_REP_ERR_UNKNOWN` with that message. Listing never calls this. By default the
     /// description stands.
-    fn prepare(&self, _name: &str, info: ExportInfo) -> Result<ExportInfo, String> {
+    fn prepare(&self, _name: &str, info: ExportInfo) -> Result<ExportInfo, PrepareError> {
         Ok(info)
     }
+}
+
+/// Why [`ExportCatalog::prepare`] cannot serve an export now. The client reads its message
+/// (`NBD_REP_ERR_UNKNOWN`); the catalogue's own error stays its cause.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// The catalogue knows no export of that name (any more).
+    #[error("no export named \"{0}\"")]
+    NoSuchExport(String),
+    /// The export exists but cannot be served now (its owner is unreachable, ...).
+    #[error(transparent)]
+    Unavailable(Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// The outcome of a successful negotiation: everything the transmission phase needs.
@@ -563,9 +575,9 @@ impl State<'_> {
             }
             Ok((canonical, info)) => match self.catalog.prepare(&canonical, info) {
                 Ok(info) => Ok((canonical, info)),
-                Err(msg) => Err(OptError {
+                Err(e) => Err(OptError {
                     rep: proto::REP_ERR_UNKNOWN,
-                    msg,
+                    msg: e.to_string(),
                 }),
             },
         }
@@ -1580,14 +1592,16 @@ mod tests {
                 tls_required: false,
             })
         }
-        fn prepare(&self, name: &str, info: ExportInfo) -> Result<ExportInfo, String> {
+        fn prepare(&self, name: &str, info: ExportInfo) -> Result<ExportInfo, PrepareError> {
             self.prepared.lock().unwrap().push(name.to_string());
             match name {
                 "far" => Ok(ExportInfo {
                     size: 1 << 20,
                     ..info
                 }),
-                _ => Err("the owner of \"down\" is not alive".into()),
+                _ => Err(PrepareError::Unavailable(
+                    "the owner of \"down\" is not alive".into(),
+                )),
             }
         }
     }

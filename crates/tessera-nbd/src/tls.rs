@@ -14,7 +14,7 @@
 //!   and no extra system call per request; a connection without TLS never touches this.
 
 use std::io::{self, Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -32,20 +32,72 @@ pub use rustls::{ServerConfig, ServerConnection};
 /// and tag each), so a deep queue of small requests is taken in one receive.
 const CIPHER_BUF: usize = 256 << 10;
 
-fn read_pem(path: &Path, what: &str) -> Result<Vec<u8>, String> {
-    std::fs::read(path).map_err(|e| format!("cannot read NBD TLS {what} {}: {e}", path.display()))
+/// Why an NBD listener's TLS configuration cannot be built: each names the file (and
+/// what it should hold) and keeps the error that reading or using it gave.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsConfigError {
+    #[error("cannot read NBD TLS {what} {}: {source}", path.display())]
+    Read {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The PEM does not parse.
+    #[error("NBD TLS {what} {}: {source}", path.display())]
+    Pem {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("NBD TLS {what} {} holds no PEM certificate", path.display())]
+    NoCertificate { what: &'static str, path: PathBuf },
+    #[error("NBD TLS key {} holds no PEM private key", path.display())]
+    NoKey { path: PathBuf },
+    /// rustls refuses a file's contents (a certificate, a CA, the key for the chain).
+    #[error("NBD TLS {what} {}: {source}", path.display())]
+    Refused {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: rustls::Error,
+    },
+    #[error("NBD TLS client CA {}: {source}", path.display())]
+    Verifier {
+        path: PathBuf,
+        #[source]
+        source: rustls::server::VerifierBuilderError,
+    },
+    #[error("NBD TLS: {0}")]
+    Provider(#[source] rustls::Error),
 }
 
-fn certs_of(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+fn read_pem(path: &Path, what: &'static str) -> Result<Vec<u8>, TlsConfigError> {
+    std::fs::read(path).map_err(|source| TlsConfigError::Read {
+        what,
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn certs_of(
+    path: &Path,
+    what: &'static str,
+) -> Result<Vec<CertificateDer<'static>>, TlsConfigError> {
     let pem = read_pem(path, what)?;
     let certs = rustls_pemfile::certs(&mut &pem[..])
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("NBD TLS {what} {}: {e}", path.display()))?;
+        .map_err(|source| TlsConfigError::Pem {
+            what,
+            path: path.to_path_buf(),
+            source,
+        })?;
     if certs.is_empty() {
-        return Err(format!(
-            "NBD TLS {what} {} holds no PEM certificate",
-            path.display()
-        ));
+        return Err(TlsConfigError::NoCertificate {
+            what,
+            path: path.to_path_buf(),
+        });
     }
     Ok(certs)
 }
@@ -57,34 +109,49 @@ pub fn server_config(
     cert: &Path,
     key: &Path,
     client_ca: Option<&Path>,
-) -> Result<Arc<ServerConfig>, String> {
+) -> Result<Arc<ServerConfig>, TlsConfigError> {
     let chain = certs_of(cert, "certificate")?;
     let key_pem = read_pem(key, "key")?;
     let key: PrivateKeyDer<'static> = rustls_pemfile::private_key(&mut &key_pem[..])
-        .map_err(|e| format!("NBD TLS key {}: {e}", key.display()))?
-        .ok_or_else(|| format!("NBD TLS key {} holds no PEM private key", key.display()))?;
+        .map_err(|source| TlsConfigError::Pem {
+            what: "key",
+            path: key.to_path_buf(),
+            source,
+        })?
+        .ok_or_else(|| TlsConfigError::NoKey {
+            path: key.to_path_buf(),
+        })?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
-        .map_err(|e| format!("NBD TLS: {e}"))?;
+        .map_err(TlsConfigError::Provider)?;
     let builder = match client_ca {
         Some(ca) => {
             let mut roots = RootCertStore::empty();
             for c in certs_of(ca, "client CA")? {
-                roots
-                    .add(c)
-                    .map_err(|e| format!("NBD TLS client CA {}: {e}", ca.display()))?;
+                roots.add(c).map_err(|source| TlsConfigError::Refused {
+                    what: "client CA",
+                    path: ca.to_path_buf(),
+                    source,
+                })?;
             }
             let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                 .build()
-                .map_err(|e| format!("NBD TLS client CA {}: {e}", ca.display()))?;
+                .map_err(|source| TlsConfigError::Verifier {
+                    path: ca.to_path_buf(),
+                    source,
+                })?;
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
     };
     let cfg = builder
         .with_single_cert(chain, key)
-        .map_err(|e| format!("NBD TLS certificate {}: {e}", cert.display()))?;
+        .map_err(|source| TlsConfigError::Refused {
+            what: "certificate",
+            path: cert.to_path_buf(),
+            source,
+        })?;
     Ok(Arc::new(cfg))
 }
 
@@ -423,14 +490,16 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tessera-nbd-tls-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let missing = dir.join("missing.pem");
-        let e = server_config(&missing, &missing, None).unwrap_err();
+        let e = server_config(&missing, &missing, None)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("cannot read NBD TLS certificate") && e.contains("missing.pem"),
             "{e}"
         );
         let junk = dir.join("junk.pem");
         std::fs::write(&junk, "not a certificate\n").unwrap();
-        let e = server_config(&junk, &junk, None).unwrap_err();
+        let e = server_config(&junk, &junk, None).unwrap_err().to_string();
         assert!(e.contains("holds no PEM certificate"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -75,7 +75,7 @@ impl Background {
     ) -> Result<BackgroundLimits, Error> {
         self.limits(class)?;
         if let Some(l) = &limits {
-            l.validate().map_err(Error::Invalid)?;
+            l.validate()?;
         }
         let mut set = self.lock();
         let mut next = set.clone();

@@ -32,6 +32,11 @@ pub enum Error {
     Unavailable(String),
     /// A device, a file of the data directory, a peer or etcd failed: what was being
     /// done, and the error.
+    /// A request a lower layer refused as invalid (a QoS setting, a layout), keeping
+    /// that layer's typed error (`tessera_api::Invalid`, `tessera_pool::LayoutError`):
+    /// answered like [`Error::Invalid`], with the same message.
+    #[error(transparent)]
+    Rejected(Box<dyn std::error::Error + Send + Sync>),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -73,6 +78,47 @@ impl Error {
 }
 
 /// The pool's error, variant for variant; an I/O error keeps its `io::Error` source.
+/// A request's field that a lower layer refused: the field's name, and that layer's error
+/// as the cause (kept inside [`Error::Rejected`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{field}: {source}")]
+pub struct FieldError {
+    pub field: &'static str,
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl Error {
+    /// Field `field` refused for `source`: invalid input, keeping `source`.
+    pub fn field(
+        field: &'static str,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Error {
+        Error::Rejected(Box::new(FieldError {
+            field,
+            source: source.into(),
+        }))
+    }
+}
+
+impl From<tessera_nvmf::target::TargetError> for Error {
+    fn from(e: tessera_nvmf::target::TargetError) -> Error {
+        Error::Rejected(Box::new(e))
+    }
+}
+
+impl From<tessera_api::Invalid> for Error {
+    fn from(e: tessera_api::Invalid) -> Error {
+        Error::Rejected(Box::new(e))
+    }
+}
+
+impl From<tessera_pool::layout::LayoutError> for Error {
+    fn from(e: tessera_pool::layout::LayoutError) -> Error {
+        Error::Rejected(Box::new(e))
+    }
+}
+
 impl From<tessera_pool::Error> for Error {
     fn from(e: tessera_pool::Error) -> Error {
         use tessera_pool::Error as P;
@@ -81,6 +127,7 @@ impl From<tessera_pool::Error> for Error {
             P::AlreadyExists(m) => Error::AlreadyExists(m),
             P::Busy(m) => Error::Busy(m),
             P::InvalidInput(m) => Error::Invalid(m),
+            P::Layout(e) => Error::Rejected(Box::new(e)),
             P::NoSpace(m) => Error::NoSpace(m),
             P::Corrupt(m) => Error::Corrupt(m),
             P::Io { context, source } => Error::Io {
@@ -121,6 +168,10 @@ pub enum StartError {
     /// A listener (API, NBD) cannot be started.
     #[error("{0}")]
     Listen(std::io::Error),
+    /// The NBD listener's certificate, key or client CA cannot be used: a configuration
+    /// error, keeping what reading or parsing the file gave.
+    #[error(transparent)]
+    NbdTls(tessera_nbd::tls::TlsConfigError),
 }
 
 /// A catalog file could not be saved (`registry::write_atomic`).

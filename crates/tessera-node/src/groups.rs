@@ -158,7 +158,7 @@ impl Groups {
     /// Replace a volume's limits (empty limits clear them): live at once and persistent.
     /// Returns the limits now in force.
     pub fn set_volume_qos(&self, volume: &Volume, limits: QosLimits) -> Result<QosLimits, Error> {
-        limits.validate().map_err(invalid)?;
+        limits.validate()?;
         let qos = self.volume_qos(volume);
         let mut t = self.volumes();
         // Cleared limits stay as an entry: the catalog, not limits an older version may
@@ -221,14 +221,14 @@ impl Groups {
                 "group name '{name}' must be 1-128 characters without '/'"
             )));
         }
-        limits.validate().map_err(invalid)?;
+        limits.validate()?;
         if limits.has_scheduling() {
             return Err(invalid(
                 "weight and reads_first are per volume, not per group".into(),
             ));
         }
         if let Some(s) = &step {
-            s.validate().map_err(invalid)?;
+            s.validate()?;
             if limits.is_unlimited() {
                 return Err(invalid(
                     "a stepped burst needs a limit to step above".into(),

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
+use tessera_api::IscsiChap;
 use tessera_io::sync::MutexExt;
 use tessera_iscsi::auth::{Access, Chap, Credentials};
 use tessera_iscsi::target::Target;
@@ -37,31 +38,11 @@ pub struct TargetRecord {
     /// Initiator names allowed to log in; empty: any initiator.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_initiators: Vec<String>,
-    /// CHAP the initiators must pass; absent: none.
+    /// CHAP the initiators must pass; absent: none. Kept as the API gives it (the one
+    /// definition of a target's CHAP settings, whose `Debug` redacts the secrets); the
+    /// file is mode 0600, as nvmf.json with its DH-HMAC-CHAP secrets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub chap: Option<ChapRecord>,
-}
-
-/// A target's CHAP settings as iscsi.json keeps them (the file is mode 0600, as
-/// nvmf.json with its DH-HMAC-CHAP secrets).
-#[derive(Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ChapRecord {
-    pub user: String,
-    pub secret: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mutual_user: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mutual_secret: Option<String>,
-}
-
-impl std::fmt::Debug for ChapRecord {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Whoever logs a record must not log its secrets.
-        f.debug_struct("ChapRecord")
-            .field("user", &self.user)
-            .field("mutual_user", &self.mutual_user)
-            .finish_non_exhaustive()
-    }
+    pub chap: Option<IscsiChap>,
 }
 
 impl TargetRecord {
@@ -178,7 +159,7 @@ mod tests {
             iqn: "iqn.2026-11.io.tessera:db".into(),
             luns: Vec::new(),
             allowed_initiators: vec!["iqn.2026-11.io.example:host1".into()],
-            chap: Some(ChapRecord {
+            chap: Some(IscsiChap {
                 user: "alice".into(),
                 secret: "initiator-secret-1".into(),
                 mutual_user: Some("tessera".into()),
@@ -195,6 +176,23 @@ mod tests {
             !s.contains("initiator-secret") && !s.contains("target-secret"),
             "{s}"
         );
+    }
+
+    #[test]
+    fn chap_is_written_to_iscsi_json_with_the_same_keys_as_before() {
+        // The record's CHAP is the API's `IscsiChap` now; the file keeps the names and
+        // the skipped absent fields of the node's former record type.
+        let mut r = record();
+        r.allowed_initiators.clear();
+        let text = serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            text,
+            r#"{"iqn":"iqn.2026-11.io.tessera:db","luns":[],"chap":{"user":"alice","secret":"initiator-secret-1","mutual_user":"tessera","mutual_secret":"target-secret-22"}}"#
+        );
+        let one_way = r#"{"iqn":"iqn.2026-11.io.tessera:db","luns":[],"chap":{"user":"alice","secret":"initiator-secret-1"}}"#;
+        let back: TargetRecord = serde_json::from_str(one_way).unwrap();
+        assert_eq!(back.chap.as_ref().unwrap().mutual_user, None);
+        assert_eq!(serde_json::to_string(&back).unwrap(), one_way);
     }
 
     #[test]

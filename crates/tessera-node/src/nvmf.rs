@@ -70,9 +70,9 @@ impl HostAuthRecord {
         hash: Option<&str>,
         dhgroup: Option<&str>,
     ) -> Result<HostAuthRecord, Error> {
-        Secret::parse(secret).map_err(|e| Error::invalid(format!("dhchap_secret: {e}")))?;
+        Secret::parse(secret).map_err(|e| Error::field("dhchap_secret", e))?;
         if let Some(c) = ctrl_secret {
-            Secret::parse(c).map_err(|e| Error::invalid(format!("dhchap_ctrl_secret: {e}")))?;
+            Secret::parse(c).map_err(|e| Error::field("dhchap_ctrl_secret", e))?;
             if c.trim() == secret.trim() {
                 return Err(Error::invalid(
                     "dhchap_ctrl_secret must differ from dhchap_secret (one secret for both \

@@ -144,6 +144,26 @@ fn plan(pool: &Pool) -> Vec<(u64, bool)> {
     all
 }
 
+/// Why a rebuild failed: the unit it was at and the pool's or the device's error (kept as
+/// the source), or finishing it. The job reports its message.
+#[derive(Debug, thiserror::Error)]
+enum RebuildFailure {
+    #[error("unit {unit}: {source}")]
+    FreeUnit {
+        unit: u64,
+        #[source]
+        source: tessera_pool::Error,
+    },
+    #[error("unit {unit}: {source}")]
+    Copy {
+        unit: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Finish(tessera_pool::Error),
+}
+
 fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLimits, path: &Path) {
     let t0 = Instant::now();
     let all = plan(pool);
@@ -169,7 +189,7 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     }
     let mut buf = vec![0u8; CHUNK];
     let mut since_save = 0;
-    let mut outcome: Result<bool, String> = Ok(true);
+    let mut outcome: Result<bool, RebuildFailure> = Ok(true);
     'units: for &(u, free) in all.iter().filter(|w| todo(w.0)) {
         if free {
             // A few write-zeroes: not paced by bytes, but the turn still answers a stop.
@@ -179,8 +199,8 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
             }
             match pool.rebuild_free_unit(d, u, &mut buf) {
                 Ok(n) => job.progress().job.bytes_done += n,
-                Err(e) => {
-                    outcome = Err(format!("unit {u}: {e}"));
+                Err(source) => {
+                    outcome = Err(RebuildFailure::FreeUnit { unit: u, source });
                     break 'units;
                 }
             }
@@ -198,8 +218,8 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
             let at = u * unit + off;
             match pool.core.layout.rebuild_range(d, at, &mut buf[..len]) {
                 Ok(n) => job.progress().job.bytes_done += n,
-                Err(e) => {
-                    outcome = Err(format!("unit {u}: {e}"));
+                Err(source) => {
+                    outcome = Err(RebuildFailure::Copy { unit: u, source });
                     break 'units;
                 }
             }
@@ -217,7 +237,7 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
     }
     let outcome = outcome.and_then(|complete| {
         if complete {
-            pool.finish_rebuild(d).map_err(|e| e.to_string())?;
+            pool.finish_rebuild(d).map_err(RebuildFailure::Finish)?;
         }
         Ok(complete)
     });
@@ -245,7 +265,7 @@ fn run(pool: &Pool, job: &RebuildJob, d: usize, from: u64, limits: &BackgroundLi
         Err(e) => {
             error!(pool = %job.pool, device = d, error = %e, "rebuild failed");
             p.job.state = JobState::Failed;
-            p.error = Some(e);
+            p.error = Some(e.to_string());
         }
     }
 }

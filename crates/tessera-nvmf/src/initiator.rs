@@ -27,6 +27,8 @@ pub enum Error {
     Protocol(String),
     /// In-band authentication failed (or was required and no secret was given).
     Auth(String),
+    /// The controller's ANA log does not parse (a protocol error, keeping why).
+    AnaLog(crate::nvme::AnaLogError),
 }
 
 impl std::fmt::Display for Error {
@@ -40,11 +42,20 @@ impl std::fmt::Display for Error {
             ),
             Error::Protocol(m) => write!(f, "protocol error: {m}"),
             Error::Auth(m) => write!(f, "{m}"),
+            Error::AnaLog(e) => write!(f, "protocol error: {e}"),
         }
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Io(e) => Some(e),
+            Error::AnaLog(e) => Some(e),
+            _ => None,
+        }
+    }
+}
 
 impl From<io::Error> for Error {
     fn from(e: io::Error) -> Error {
@@ -553,7 +564,7 @@ impl Controller {
             match parse_ana_log(&b) {
                 Ok(r) => return Ok(r),
                 Err(_) if len < worst.min(1 << 20) => len = worst.min(1 << 20).next_multiple_of(4),
-                Err(e) => return Err(Error::Protocol(e)),
+                Err(e) => return Err(Error::AnaLog(e)),
             }
         }
     }

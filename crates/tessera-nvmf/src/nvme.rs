@@ -765,11 +765,24 @@ pub fn ana_log(change_count: u64, groups: &[AnaGroupDesc], groups_only: bool) ->
     b
 }
 
+/// Why an ANA log page does not parse.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AnaLogError {
+    #[error("ANA log of {0} bytes (header is 16)")]
+    Short(usize),
+    #[error("ANA log: descriptor {index} runs past {len} bytes")]
+    DescriptorPastEnd { index: usize, len: usize },
+    #[error("ANA log: group {grpid} has state {state:#x}")]
+    State { grpid: u32, state: u8 },
+    #[error("ANA log: group {grpid} lists {count} NSIDs past the end")]
+    NsidsPastEnd { grpid: u32, count: usize },
+}
+
 /// Parse an ANA log page: (change count, groups). A descriptor with an unknown state or
 /// running past the buffer is an error.
-pub fn parse_ana_log(b: &[u8]) -> Result<(u64, Vec<AnaGroupDesc>), String> {
+pub fn parse_ana_log(b: &[u8]) -> Result<(u64, Vec<AnaGroupDesc>), AnaLogError> {
     if b.len() < 16 {
-        return Err(format!("ANA log of {} bytes (header is 16)", b.len()));
+        return Err(AnaLogError::Short(b.len()));
     }
     let change = le64(b, 0);
     let n = usize::from(le16(b, 8));
@@ -777,21 +790,21 @@ pub fn parse_ana_log(b: &[u8]) -> Result<(u64, Vec<AnaGroupDesc>), String> {
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
         if at + 32 > b.len() {
-            return Err(format!(
-                "ANA log: descriptor {i} runs past {} bytes",
-                b.len()
-            ));
+            return Err(AnaLogError::DescriptorPastEnd {
+                index: i,
+                len: b.len(),
+            });
         }
         let grpid = le32(b, at);
         let count = usize_of(u64::from(le32(b, at + 4)));
         let change_count = le64(b, at + 8);
-        let state = AnaState::from_u8(b[at + 16])
-            .ok_or_else(|| format!("ANA log: group {grpid} has state {:#x}", b[at + 16]))?;
+        let state = AnaState::from_u8(b[at + 16]).ok_or(AnaLogError::State {
+            grpid,
+            state: b[at + 16],
+        })?;
         at += 32;
         if at + 4 * count > b.len() {
-            return Err(format!(
-                "ANA log: group {grpid} lists {count} NSIDs past the end"
-            ));
+            return Err(AnaLogError::NsidsPastEnd { grpid, count });
         }
         let nsids = (0..count).map(|k| le32(b, at + 4 * k)).collect();
         at += 4 * count;

@@ -78,6 +78,10 @@ impl Fatal {
     }
 }
 
+/// A `Fatal` is kept as the cause of the errors that report it (the initiator's dropped
+/// connection), so it is an error itself.
+impl std::error::Error for Fatal {}
+
 impl std::fmt::Display for Fatal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let what = match self.fes {

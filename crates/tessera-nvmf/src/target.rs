@@ -29,6 +29,22 @@ use tessera_export::{Export, ExportTarget};
 use tracing::warn;
 
 use crate::auth::HostKeys;
+
+/// Why a target setting was refused; each variant names the value and its bound.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TargetError {
+    #[error("controller ID range {first}..={last} is not within 1..=0xFFEF")]
+    CntlidRange { first: u16, last: u16 },
+    #[error("{0} is not a namespace ID")]
+    Nsid(u32),
+    /// An accessible ANA state for a namespace whose data is on another node.
+    #[error("namespace {nsid} of {nqn} holds no data on this node; it cannot be {state}")]
+    NoData {
+        nqn: String,
+        nsid: u32,
+        state: &'static str,
+    },
+}
 use crate::nvme::{self, AnaGroupDesc, AnaState, DiscoveryEntry, ErrorEntry};
 
 /// The well-known NQN of the discovery subsystem.
@@ -227,11 +243,9 @@ impl<T: ExportTarget> Target<T> {
     /// reaching one subsystem through several targets (Linux native multipath across
     /// nodes) needs its controller IDs unique across them, so each node of a cluster gets
     /// a range of its own.
-    pub fn set_cntlid_range(&self, first: u16, last: u16) -> Result<(), String> {
+    pub fn set_cntlid_range(&self, first: u16, last: u16) -> Result<(), TargetError> {
         if first == 0 || first > last || last > 0xFFEF {
-            return Err(format!(
-                "controller ID range {first}..={last} is not within 1..=0xFFEF"
-            ));
+            return Err(TargetError::CntlidRange { first, last });
         }
         *self.next_cntlid.locked() = (first, first, last);
         Ok(())
@@ -388,9 +402,9 @@ impl<T: ExportTarget> Target<T> {
     /// admin queue's next tick). I/O commands see the new state from their next command.
     /// A namespace without data cannot be made accessible. The state of a subsystem or
     /// namespace not (yet) in the catalog may be set: it applies once it appears.
-    pub fn set_ana_state(&self, nqn: &str, nsid: u32, state: AnaState) -> Result<(), String> {
+    pub fn set_ana_state(&self, nqn: &str, nsid: u32, state: AnaState) -> Result<(), TargetError> {
         if nsid == 0 || nsid == u32::MAX {
-            return Err(format!("{nsid} is not a namespace ID"));
+            return Err(TargetError::Nsid(nsid));
         }
         let backed = self
             .catalog
@@ -398,10 +412,11 @@ impl<T: ExportTarget> Target<T> {
             .and_then(|s| s.namespaces.into_iter().find(|n| n.nsid == nsid))
             .map(|n| n.export.is_some());
         if backed == Some(false) && state.accessible() {
-            return Err(format!(
-                "namespace {nsid} of {nqn} holds no data on this node; it cannot be {}",
-                state.name()
-            ));
+            return Err(TargetError::NoData {
+                nqn: nqn.to_string(),
+                nsid,
+                state: state.name(),
+            });
         }
         let g = self.ana_group(nqn, nsid);
         if g.state.swap(state as u8, AcqRel) == state as u8 {

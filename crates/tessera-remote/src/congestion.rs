@@ -33,6 +33,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::CongestionError;
+
 /// Fixed-point scale of the window: 1/1024 of a command.
 const SCALE: u64 = 1024;
 /// The initial window (commands), before slow start opens it.
@@ -73,28 +75,26 @@ impl Default for CongestionConfig {
 
 impl CongestionConfig {
     /// The ceiling for a queue of `depth` commands, or why the settings are unusable.
-    pub fn ceiling(&self, depth: u16) -> Result<u16, String> {
+    pub fn ceiling(&self, depth: u16) -> Result<u16, CongestionError> {
         let max = if self.max_window == 0 {
             depth
         } else {
             self.max_window
         };
         if max > depth {
-            return Err(format!(
-                "the largest congestion window ({max}) exceeds the queue depth ({depth})"
-            ));
+            return Err(CongestionError::MaxAboveDepth { max, depth });
         }
         if self.min_window == 0 || self.min_window > max {
-            return Err(format!(
-                "the smallest congestion window must be between 1 and the largest ({max}), not {}",
-                self.min_window
-            ));
+            return Err(CongestionError::MinWindow {
+                min: self.min_window,
+                max,
+            });
         }
         if self.target_delay.is_zero() || self.target_delay > Duration::from_secs(10) {
-            return Err("the target delay must be above 0 and at most 10 s".into());
+            return Err(CongestionError::TargetDelay);
         }
         if self.min_rtt_window < Duration::from_millis(10) {
-            return Err("the minimum-RTT window must be at least 10 ms".into());
+            return Err(CongestionError::MinRttWindow);
         }
         Ok(max)
     }

@@ -57,9 +57,11 @@ use tessera_nvmf::pdu;
 use tracing::{info, warn};
 
 pub mod congestion;
+mod error;
 pub mod link;
 
 pub use congestion::CongestionConfig;
+pub use error::{CongestionError, ConnectError, LinkError, RemoteError};
 pub use link::{LinkStats, RemoteHandle};
 
 /// The URL scheme of a remote namespace.
@@ -258,11 +260,12 @@ impl RemoteDevice {
                 "remote device queue depth must be between 2 and 1024",
             ));
         }
-        if let Err(why) = cfg.congestion.ceiling(cfg.queue_depth) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("{spec}: {why}"),
-            ));
+        if let Err(source) = cfg.congestion.ceiling(cfg.queue_depth) {
+            return Err(RemoteError::Congestion {
+                spec: spec.to_string(),
+                source,
+            }
+            .into_io());
         }
         let opts = Options {
             hostnqn: cfg.hostnqn.clone(),
@@ -333,20 +336,19 @@ impl RemoteDevice {
     /// Open I/O queue `qid` on the current controller, setting a new controller up first
     /// when there is none or the current one refuses (the target restarted). Blocking:
     /// called from connect threads, never on a reactor.
-    pub(crate) fn connect_io_queue(&self, qid: u16) -> Result<Queue, String> {
+    pub(crate) fn connect_io_queue(&self, qid: u16) -> Result<Queue, ConnectError> {
         let mut admin = self.admin.locked();
-        let mut last = String::new();
+        let mut last = ConnectError::NoResult;
         for fresh in [false, true] {
             if fresh || admin.ctrl.is_none() || !self.path_usable(&mut admin) {
                 admin.ctrl = None;
                 self.reopen_admin(&mut admin)
-                    .map_err(|e| format!("connecting the admin queue: {e}"))?;
+                    .map_err(|source| ConnectError::Admin { source })?;
             }
             if qid > admin.granted {
-                return Err(format!(
-                    "the controller grants only {} I/O queues",
-                    admin.granted
-                ));
+                return Err(ConnectError::QueuesGranted {
+                    granted: admin.granted,
+                });
             }
             let cntlid = admin.ctrl.as_ref().map_or(0, |c| c.cntlid);
             let r = Queue::open(self.spec.path(admin.path), &self.opts).and_then(|mut q| {
@@ -361,7 +363,7 @@ impl RemoteDevice {
             });
             match r {
                 Ok(q) => return Ok(q),
-                Err(e) => last = format!("connecting I/O queue {qid}: {e}"),
+                Err(source) => last = ConnectError::IoQueue { qid, source },
             }
         }
         Err(last)
@@ -584,16 +586,19 @@ fn open_path(spec: &RemoteSpec, o: &Options, first: usize) -> io::Result<(Contro
     })
 }
 
+/// `e` as the `io::Error` a device operation on `spec` fails with, keeping `e` (and so
+/// the transport's own `io::Error`, or the NVMe status) as its cause.
 fn nvmf_err(spec: &RemoteSpec, e: NvmfError) -> io::Error {
-    match e {
-        NvmfError::Io(e) => io::Error::new(e.kind(), format!("{spec}: {e}")),
-        other => io::Error::other(format!("{spec}: {other}")),
+    RemoteError::Nvmf {
+        spec: spec.to_string(),
+        source: e,
     }
+    .into_io()
 }
 
+/// A command's NVMe status as the `io::Error` of `errno`, keeping the status as its cause.
 fn errno_error(errno: i32, e: NvmfError) -> io::Error {
-    let os = io::Error::from_raw_os_error(errno);
-    io::Error::new(os.kind(), format!("{e} ({os})"))
+    RemoteError::Status { errno, source: e }.into_io()
 }
 
 /// The negative errno an I/O completes with for NVMe status `s` (without the phase bit).
@@ -780,6 +785,28 @@ mod tests {
         ] {
             assert!(RemoteSpec::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_connect_failure_keeps_the_transport_error_as_its_cause() {
+        let spec = RemoteSpec::parse("nvme-tcp://127.0.0.1:4420/nqn.x").unwrap();
+        let refused = io::Error::from_raw_os_error(libc::ECONNREFUSED);
+        let e = nvmf_err(&spec, NvmfError::Io(refused));
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
+        assert!(e.to_string().starts_with(&format!("{spec}: ")), "{e}");
+        let inner = e.get_ref().and_then(|r| r.downcast_ref::<RemoteError>());
+        let Some(RemoteError::Nvmf {
+            source: NvmfError::Io(io),
+            ..
+        }) = inner
+        else {
+            panic!("not a RemoteError::Nvmf over an io::Error: {e:?}");
+        };
+        assert_eq!(io.raw_os_error(), Some(libc::ECONNREFUSED));
+
+        let q = ConnectError::Admin { source: e };
+        let src = std::error::Error::source(&q).expect("a source");
+        assert!(src.downcast_ref::<io::Error>().is_some(), "{src:?}");
     }
 
     #[test]

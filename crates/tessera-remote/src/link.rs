@@ -29,7 +29,7 @@ use tessera_nvmf::pdu::{self, Framing, Limits, Role};
 use tracing::{debug, info, warn};
 
 use crate::congestion::Window;
-use crate::{status_to_errno, RemoteDevice};
+use crate::{status_to_errno, ConnectError, LinkError, RemoteDevice};
 
 /// Receive buffer per queue: C2HData payloads stream through it into the caller's
 /// buffers, so it only has to hold whole headers.
@@ -102,7 +102,7 @@ pub struct LinkStats {
     pub waiting: u32,
 }
 
-type ConnectSlot = Arc<Mutex<Option<Result<Queue, String>>>>;
+type ConnectSlot = Arc<Mutex<Option<Result<Queue, ConnectError>>>>;
 
 struct Link {
     dev: Arc<RemoteDevice>,
@@ -471,7 +471,7 @@ impl Link {
                 let parsed = self.parse();
                 self.note_peer_waits(io);
                 if let Err(why) = parsed {
-                    return self.break_link(io, &why);
+                    return self.break_link(io, &why.to_string());
                 }
                 if let Some(status) = self.path_error.take() {
                     let why = format!(
@@ -790,17 +790,15 @@ impl Link {
     }
 
     /// The busy command `cid` names, or a protocol error.
-    fn busy_cmd(&self, cid: u16, what: &str) -> Result<Cmd, String> {
+    fn busy_cmd(&self, cid: u16, what: &'static str) -> Result<Cmd, LinkError> {
         match self.cmds.get(usize::from(cid)) {
             Some(c) if c.busy => Ok(*c),
-            _ => Err(format!(
-                "{what} for command {cid}, which is not outstanding"
-            )),
+            _ => Err(LinkError::NotOutstanding { what, cid }),
         }
     }
 
     /// Handle every complete PDU received (C2HData payloads as they arrive).
-    fn parse(&mut self) -> Result<(), String> {
+    fn parse(&mut self) -> Result<(), LinkError> {
         loop {
             let avail = self.in_end - self.in_start;
             if let Some(d) = &mut self.data_in {
@@ -831,7 +829,7 @@ impl Link {
             }
             let b = &self.inb[self.in_start..self.in_end];
             let f = pdu::check_header(Role::Host, b, &self.limits)
-                .map_err(|e| format!("bad PDU from the target: {e}"))?;
+                .map_err(|source| LinkError::BadPdu { source })?;
             if f.ch.ty == pdu::C2H_DATA {
                 if avail < f.data_off.max(f.header_end()) {
                     return Ok(());
@@ -841,16 +839,23 @@ impl Link {
                 let len = pdu::le32(b, 16);
                 let c = self.busy_cmd(cid, "C2HData")?;
                 let IoOp::Read { len: rlen, buf, .. } = c.op else {
-                    return Err(format!("C2HData for command {cid}, which is not a read"));
+                    return Err(LinkError::WrongCommand {
+                        what: "C2HData",
+                        cid,
+                        expected: "read",
+                    });
                 };
                 // Each byte of the read once, in order: a PDU starts where the previous
                 // one ended (a gap, an overlap or a byte past the end is a broken target).
                 let end = off.checked_add(len).filter(|&e| e <= rlen);
                 if len as usize != f.data_len || off != c.got || end.is_none() {
-                    return Err(format!(
-                        "C2HData {off}+{len} for read {cid} of {rlen} bytes, {} received",
-                        c.got
-                    ));
+                    return Err(LinkError::C2HDataRange {
+                        off,
+                        len,
+                        cid,
+                        rlen,
+                        got: c.got,
+                    });
                 }
                 self.cmds[usize::from(cid)].got = end.unwrap_or(rlen);
                 let success = f.ch.flags & pdu::F_DATA_SUCCESS != 0;
@@ -873,7 +878,7 @@ impl Link {
             }
             if avail < f.plen() {
                 if f.plen() > self.inb.len() / 2 {
-                    return Err(format!("PDU of {} bytes from the target", f.plen()));
+                    return Err(LinkError::PduTooLarge(f.plen()));
                 }
                 return Ok(());
             }
@@ -898,12 +903,19 @@ impl Link {
                     let len = pdu::le32(b, 16);
                     let c = self.busy_cmd(cid, "R2T")?;
                     let IoOp::Write { len: wlen, buf, .. } = c.op else {
-                        return Err(format!("R2T for command {cid}, which is not a write"));
+                        return Err(LinkError::WrongCommand {
+                            what: "R2T",
+                            cid,
+                            expected: "write",
+                        });
                     };
                     if u64::from(off) + u64::from(len) > u64::from(wlen) || len == 0 {
-                        return Err(format!(
-                            "R2T {off}+{len} outside write {cid} of {wlen} bytes"
-                        ));
+                        return Err(LinkError::R2TRange {
+                            off,
+                            len,
+                            cid,
+                            wlen,
+                        });
                     }
                     self.in_start += f.plen();
                     self.queue_h2c(cid, ttag, off, len, buf);
@@ -911,11 +923,9 @@ impl Link {
                 }
                 pdu::C2H_TERM => {
                     let (fes, fei) = pdu::parse_term(b);
-                    return Err(format!(
-                        "the target terminated the connection (FES {fes:#x}, FEI {fei:#x})"
-                    ));
+                    return Err(LinkError::Terminated { fes, fei });
                 }
-                t => return Err(format!("unexpected PDU type {t:#x} from the target")),
+                t => return Err(LinkError::UnexpectedPdu(t)),
             }
             self.in_start += f.plen();
         }
@@ -1067,7 +1077,7 @@ impl Link {
                 mailbox.complete(tag, 0);
             });
         if let Err(e) = spawned {
-            *self.connect_slot.locked() = Some(Err(format!("cannot start a connect thread: {e}")));
+            *self.connect_slot.locked() = Some(Err(ConnectError::Thread { source: e }));
             io.defer(tag);
         }
     }
@@ -1078,7 +1088,7 @@ impl Link {
             .connect_slot
             .locked()
             .take()
-            .unwrap_or_else(|| Err("no connect result".into()));
+            .unwrap_or(Err(ConnectError::NoResult));
         match r {
             Ok(q) => {
                 if self.closed {

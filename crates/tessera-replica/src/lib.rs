@@ -341,6 +341,21 @@ impl Drop for Quiesced<'_> {
     }
 }
 
+/// Why [`LegFence::before_drop`] could not record a dropped replica: the replica stays,
+/// and the I/O that failed on it fails.
+#[derive(Debug, thiserror::Error)]
+pub enum FenceError {
+    /// The node is shutting down: nothing can be recorded any more.
+    #[error("the node is stopping")]
+    Stopping,
+    /// This node no longer owns the volume (another node, or another epoch, does).
+    #[error("{0}")]
+    Lost(String),
+    /// The record could not be made within `wait`; `why` is the last attempt's failure.
+    #[error("etcd did not record the dropped replica within {wait:?}: {why}")]
+    NotRecorded { wait: Duration, why: String },
+}
+
 /// What the owner's cluster layer does around a change of a replica's sync state
 /// (docs/format.md §12 rule 4): the persister asks before it drops an in-sync replica,
 /// and says when one is in sync again.
@@ -349,7 +364,7 @@ pub trait LegFence: Send + Sync {
     /// writes. An error means the replica must not be dropped (this node no longer owns
     /// the volume, or the record could not be made in time): the I/O that failed on it
     /// fails.
-    fn before_drop(&self, volume: &str, place: &str) -> Result<(), String>;
+    fn before_drop(&self, volume: &str, place: &str) -> Result<(), FenceError>;
     /// Replica `place` of `volume` is in sync again (already recorded in the replica-set
     /// file). Must not block: it runs on the persister.
     fn after_in_sync(&self, volume: &str, place: &str);

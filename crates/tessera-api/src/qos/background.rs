@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::Invalid;
+
 /// A background class's settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -35,15 +37,26 @@ impl BackgroundLimits {
         }
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Invalid> {
         if self.bps < 4096 {
-            return Err(format!("bps: {} is below 4096 bytes per second", self.bps));
+            return Err(Invalid::BandwidthBelow {
+                field: "bps",
+                value: self.bps,
+                min: 4096,
+            });
         }
         if self.min_pct == 0 || self.min_pct > 100 {
-            return Err(format!("min_pct: {} is outside 1..=100", self.min_pct));
+            return Err(Invalid::OutsideRange {
+                field: "min_pct",
+                value: u64::from(self.min_pct),
+                min: 1,
+                max: 100,
+            });
         }
         if self.latency_target_us == Some(0) {
-            return Err("latency_target_us must be at least 1".into());
+            return Err(Invalid::Zero {
+                field: "latency_target_us",
+            });
         }
         Ok(())
     }

@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::Invalid;
+
 /// Default refilling burst: this many milliseconds of the rate.
 pub const DEFAULT_BURST_MS: u64 = 100;
 /// Default one-time burst: none.
@@ -129,14 +131,14 @@ impl QosLimits {
         self.one_time_burst_ms.unwrap_or(DEFAULT_ONE_TIME_BURST_MS)
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Invalid> {
         for (name, v) in [
             ("iops", self.iops),
             ("read_iops", self.read_iops),
             ("write_iops", self.write_iops),
         ] {
             if v == Some(0) {
-                return Err(format!("{name}: an IOPS limit must be at least 1"));
+                return Err(Invalid::ZeroIops { field: name });
             }
         }
         for (name, v) in [
@@ -145,28 +147,35 @@ impl QosLimits {
             ("write_bps", self.write_bps),
         ] {
             if v == Some(0) {
-                return Err(format!(
-                    "{name}: a bandwidth limit must be at least 1 byte per second"
-                ));
+                return Err(Invalid::ZeroBandwidth { field: name });
             }
         }
         if let Some(w) = self.weight {
             if w == 0 || w > MAX_WEIGHT {
-                return Err(format!("weight: {w} is outside 1..={MAX_WEIGHT}"));
+                return Err(Invalid::OutsideRange {
+                    field: "weight",
+                    value: u64::from(w),
+                    min: 1,
+                    max: u64::from(MAX_WEIGHT),
+                });
             }
         }
         if let Some(b) = self.burst_ms {
             if b > MAX_BURST_MS {
-                return Err(format!(
-                    "burst_ms: {b} exceeds the maximum of {MAX_BURST_MS}"
-                ));
+                return Err(Invalid::AboveMax {
+                    field: "burst_ms",
+                    value: b,
+                    max: MAX_BURST_MS,
+                });
             }
         }
         if let Some(b) = self.one_time_burst_ms {
             if b > MAX_ONE_TIME_BURST_MS {
-                return Err(format!(
-                    "one_time_burst_ms: {b} exceeds the maximum of {MAX_ONE_TIME_BURST_MS}"
-                ));
+                return Err(Invalid::AboveMax {
+                    field: "one_time_burst_ms",
+                    value: b,
+                    max: MAX_ONE_TIME_BURST_MS,
+                });
             }
         }
         Ok(())
@@ -200,21 +209,17 @@ impl QosLimits {
 
     /// Read the scheduling extension written by [`encode_sched`](Self::encode_sched)
     /// into `self`; returns the number of bytes consumed.
-    pub fn decode_sched(&mut self, bytes: &[u8]) -> Result<usize, String> {
-        let (&mask, rest) = bytes
-            .split_first()
-            .ok_or_else(|| "QoS scheduling: empty input".to_string())?;
+    pub fn decode_sched(&mut self, bytes: &[u8]) -> Result<usize, Invalid> {
+        let (&mask, rest) = bytes.split_first().ok_or(Invalid::Empty {
+            what: "QoS scheduling",
+        })?;
         if mask & !0b11 != 0 {
-            return Err(format!(
-                "QoS scheduling: reserved bits set in mask {mask:#04x}"
-            ));
+            return Err(Invalid::ReservedBits(mask));
         }
         let mut used = 1;
         self.weight = None;
         if mask & 1 != 0 {
-            let head = rest
-                .first_chunk::<4>()
-                .ok_or_else(|| "QoS scheduling: truncated weight".to_string())?;
+            let head = rest.first_chunk::<4>().ok_or(Invalid::TruncatedWeight)?;
             self.weight = Some(u32::from_le_bytes(*head));
             used += 4;
         }
@@ -224,10 +229,10 @@ impl QosLimits {
 
     /// Decode from the start of `bytes`; returns the limits and the number of
     /// bytes consumed. Truncated input is an error.
-    pub fn decode(bytes: &[u8]) -> Result<(QosLimits, usize), String> {
+    pub fn decode(bytes: &[u8]) -> Result<(QosLimits, usize), Invalid> {
         let (&mask, mut rest) = bytes
             .split_first()
-            .ok_or_else(|| "QoS limits: empty input".to_string())?;
+            .ok_or(Invalid::Empty { what: "QoS limits" })?;
         let mut fields = [None; 8];
         let mut used = 1;
         for (i, f) in fields.iter_mut().enumerate() {
@@ -235,10 +240,11 @@ impl QosLimits {
                 continue;
             }
             let Some((head, tail)) = rest.split_first_chunk::<8>() else {
-                return Err(format!(
-                    "QoS limits: truncated (field {i} needs 8 bytes at offset {used}, {} left)",
-                    rest.len()
-                ));
+                return Err(Invalid::TruncatedLimits {
+                    field: i,
+                    offset: used,
+                    left: rest.len(),
+                });
             };
             *f = Some(u64::from_le_bytes(*head));
             rest = tail;
@@ -276,7 +282,10 @@ mod tests {
             ..Default::default()
         };
         let e = l.validate().unwrap_err();
-        assert!(e.contains("an IOPS limit must be at least 1"), "{e}");
+        assert!(
+            e.to_string().contains("an IOPS limit must be at least 1"),
+            "{e}"
+        );
         let l = QosLimits {
             bps: Some(0),
             ..Default::default()

@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::Invalid;
+
 use super::QosLimits;
 
 /// The ladder's shape.
@@ -19,18 +21,24 @@ pub struct StepBurst {
 }
 
 impl StepBurst {
-    pub fn validate(&self) -> Result<(), String> {
-        if self.step_pct == 0 || self.step_pct > 1000 {
-            return Err(format!("step_pct: {} is outside 1..=1000", self.step_pct));
-        }
-        if self.max_steps == 0 || self.max_steps > 100 {
-            return Err(format!("max_steps: {} is outside 1..=100", self.max_steps));
-        }
-        if !(10..=3_600_000).contains(&self.step_ms) {
-            return Err(format!("step_ms: {} is outside 10..=3600000", self.step_ms));
-        }
+    pub fn validate(&self) -> Result<(), Invalid> {
+        let range = |field, value: u64, min, max| {
+            if (min..=max).contains(&value) {
+                Ok(())
+            } else {
+                Err(Invalid::OutsideRange {
+                    field,
+                    value,
+                    min,
+                    max,
+                })
+            }
+        };
+        range("step_pct", u64::from(self.step_pct), 1, 1000)?;
+        range("max_steps", u64::from(self.max_steps), 1, 100)?;
+        range("step_ms", self.step_ms, 10, 3_600_000)?;
         if self.credit_ms > 86_400_000 {
-            return Err(format!("credit_ms: {} exceeds one day", self.credit_ms));
+            return Err(Invalid::CreditAboveDay(self.credit_ms));
         }
         Ok(())
     }

@@ -34,7 +34,7 @@ pub fn status_of(e: &Error) -> u16 {
     match e {
         Error::NotFound(_) => 404,
         Error::AlreadyExists(_) | Error::Busy(_) => 409,
-        Error::Invalid(_) => 400,
+        Error::Invalid(_) | Error::Rejected(_) => 400,
         Error::NoSpace(_) => 507,
         Error::Corrupt(_) | Error::Io { .. } => 500,
         Error::Unavailable(_) => 503,

@@ -62,7 +62,7 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     let args = || -> Result<_, Error> {
         let mut layout = b.layout.unwrap_or_default();
         if let Some(c) = b.copies {
-            layout = layout.with_copies(c).map_err(Error::invalid)?;
+            layout = layout.with_copies(c)?;
         }
         let size = |what, s: &Option<SizeArg>| s.as_ref().map(|s| size_of(what, s)).transpose();
         let stripe = size("stripe size", &b.stripe_size)?;

@@ -252,7 +252,7 @@ impl Node {
         let nodes = m.nodes().map_err(|e| Error::io("reading the cluster", e))?;
         let me = self.cfg.node_name();
         let placed = placement::place(&nodes, count, &[me.as_str()], placement::DEFAULT_LEVELS)
-            .map_err(Error::invalid)?;
+            .map_err(|e| Error::Rejected(Box::new(e)))?;
         Ok(placed.iter().map(|p| p.to_string()).collect())
     }
 

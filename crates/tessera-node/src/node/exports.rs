@@ -47,7 +47,7 @@ impl Exports {
         let tls = match &cfg.nbd.tls {
             Some(t) => Some(
                 tessera_nbd::tls::server_config(&t.cert, &t.key, t.client_ca.as_deref())
-                    .map_err(StartError::Config)?,
+                    .map_err(StartError::NbdTls)?,
             ),
             None => None,
         };

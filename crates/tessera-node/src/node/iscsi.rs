@@ -13,7 +13,7 @@ use tessera_io::cast::u32_of;
 use tessera_io::sync::MutexExt;
 
 use crate::error::Error;
-use crate::iscsi::{ChapRecord, LunRecord, TargetRecord};
+use crate::iscsi::{LunRecord, TargetRecord};
 use crate::node::Node;
 
 /// The crate's refusals, as the API answers them.
@@ -30,28 +30,15 @@ fn from_target(e: tessera_iscsi::target::Error) -> Error {
 
 /// The access control an API call asks for, as the target record keeps it, checked the
 /// way the target checks it (initiator names, secret lengths, distinct secrets).
-fn access_record(auth: IscsiAuth) -> Result<(Vec<String>, Option<ChapRecord>), Error> {
-    let chap = match auth.chap {
-        None => None,
-        Some(IscsiChap {
-            user,
-            secret,
-            mutual_user,
-            mutual_secret,
-        }) => {
-            if mutual_user.is_some() != mutual_secret.is_some() {
-                return Err(Error::invalid(
-                    "chap: mutual_user and mutual_secret go together (mutual CHAP needs both)",
-                ));
-            }
-            Some(ChapRecord {
-                user,
-                secret,
-                mutual_user,
-                mutual_secret,
-            })
+fn access_record(auth: IscsiAuth) -> Result<(Vec<String>, Option<IscsiChap>), Error> {
+    let chap = auth.chap;
+    if let Some(c) = &chap {
+        if c.mutual_user.is_some() != c.mutual_secret.is_some() {
+            return Err(Error::invalid(
+                "chap: mutual_user and mutual_secret go together (mutual CHAP needs both)",
+            ));
         }
-    };
+    }
     let rec = TargetRecord {
         allowed_initiators: auth.allowed_initiators,
         chap,

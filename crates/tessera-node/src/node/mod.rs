@@ -316,7 +316,7 @@ impl Node {
             })();
             match created {
                 Ok(_) => {}
-                Err(source @ Error::Invalid(_)) => {
+                Err(source @ (Error::Invalid(_) | Error::Rejected(_))) => {
                     return Err(StartError::Declaration {
                         what: "pool",
                         name: p.name.clone(),

@@ -489,17 +489,13 @@ impl Node {
         }
         if rec.backing.is_none() {
             // Refuse I/O before the data goes.
-            target
-                .set_ana_state(&nqn, 1, AnaState::Inaccessible)
-                .map_err(Error::invalid)?;
+            target.set_ana_state(&nqn, 1, AnaState::Inaccessible)?;
         }
         self.nvmf.cluster_paths().insert(nqn.clone(), rec.clone());
         self.nvmf.cluster_generation.fetch_add(1, Ordering::AcqRel);
         target.subsystem_changed(&nqn);
         if rec.backing.is_some() {
-            target
-                .set_ana_state(&nqn, 1, AnaState::Optimized)
-                .map_err(Error::invalid)?;
+            target.set_ana_state(&nqn, 1, AnaState::Optimized)?;
         }
         tracing::info!(volume, subnqn = %nqn, owner = rec.backing.is_some(), size = rec.size,
                        "nvmf: cluster volume path exported");

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tessera_api::ClusterVolume;
 use tessera_cluster::{volume_key, Membership, PREFIX};
-use tessera_replica::{LegDesc, LegFence, ReplicatedVolume};
+use tessera_replica::{FenceError, LegDesc, LegFence, ReplicatedVolume};
 use tracing::{error, info, warn};
 
 use super::{Error, Node, Result};
@@ -53,9 +53,9 @@ struct SpecFence {
 }
 
 impl LegFence for SpecFence {
-    fn before_drop(&self, volume: &str, place: &str) -> std::result::Result<(), String> {
+    fn before_drop(&self, volume: &str, place: &str) -> std::result::Result<(), FenceError> {
         let Some(node) = self.node.upgrade() else {
-            return Err("the node is stopping".into());
+            return Err(FenceError::Stopping);
         };
         let wait = Duration::from_millis(node.cfg.cluster.fence_wait_ms.max(100));
         let deadline = Instant::now() + wait;
@@ -72,13 +72,11 @@ impl LegFence for SpecFence {
                 }
                 Err(SpecRefusal::Lost(why)) => {
                     node.give_up_later(volume, &why);
-                    return Err(why);
+                    return Err(FenceError::Lost(why));
                 }
                 Err(SpecRefusal::Unavailable(why)) => {
                     if Instant::now() >= deadline {
-                        return Err(format!(
-                            "etcd did not record the dropped replica within {wait:?}: {why}"
-                        ));
+                        return Err(FenceError::NotRecorded { wait, why });
                     }
                     std::thread::sleep(Duration::from_millis(200));
                 }

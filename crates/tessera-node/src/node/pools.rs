@@ -337,12 +337,12 @@ impl Node {
 
 /// The layout `spec` names, on `ndev` devices.
 pub(super) fn layout_kind(spec: LayoutSpec, stripe: u64, ndev: usize) -> Result<LayoutKind> {
-    LayoutKind::from_spec(spec, stripe, ndev).map_err(Error::invalid)
+    Ok(LayoutKind::from_spec(spec, stripe, ndev)?)
 }
 
 /// A layout as the registry and the config write it (see `LayoutSpec`).
 pub(super) fn parse_layout(text: &str) -> Result<LayoutSpec> {
-    text.parse().map_err(Error::invalid)
+    Ok(text.parse::<LayoutSpec>()?)
 }
 
 #[cfg(test)]

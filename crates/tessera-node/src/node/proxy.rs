@@ -14,7 +14,7 @@ use tessera_io::sync::MutexExt;
 use tessera_api::ClusterVolume;
 use tessera_export::log_limit::LogLimiter;
 use tessera_export::{Export, StatsRegistry, StatsSnapshot};
-use tessera_nbd::handshake::{ExportCatalog, ExportInfo};
+use tessera_nbd::handshake::{ExportCatalog, ExportInfo, PrepareError};
 use tessera_remote::{RemoteConfig, RemoteDevice, RemoteSpec};
 use tracing::{info, warn};
 
@@ -336,21 +336,26 @@ impl ExportCatalog for ExportSession<'_> {
         ExportCatalog::dirty_bitmaps(self.node, name)
     }
 
-    fn prepare(&self, name: &str, info: ExportInfo) -> std::result::Result<ExportInfo, String> {
+    fn prepare(
+        &self,
+        name: &str,
+        info: ExportInfo,
+    ) -> std::result::Result<ExportInfo, PrepareError> {
         if self.node.find_export(name).is_some() {
             return Ok(info);
         }
         // The handshake answers the client with the error's text.
+        let unavailable = |e: Error| PrepareError::Unavailable(Box::new(e));
         let spec = self
             .spec(name)
-            .map_err(|e| e.to_string())?
-            .ok_or_else(|| format!("no export named \"{name}\""))?;
+            .map_err(unavailable)?
+            .ok_or_else(|| PrepareError::NoSuchExport(name.to_string()))?;
         let proxy = self.node.open_proxy(&spec).inspect_err(|e| {
             if PROXY_LOG.admit() {
                 warn!(export = %name, owner = %spec.owner, error = %e, "nbd: cannot proxy the volume to its owner");
             }
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(unavailable)?;
         let info = self.proxy_info(&spec, proxy.size());
         *self.prepared.locked() = Some(proxy);
         Ok(info)

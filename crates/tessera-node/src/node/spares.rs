@@ -235,8 +235,9 @@ impl Node {
             0,
         );
         let slot = self.spares.slot(pool, index);
+        // The reason travels to the client as text (`ReplaceState::Recorded`).
         let swapped = match slot {
-            Some(slot) => slot.swap(dev),
+            Some(slot) => slot.swap(dev).map_err(|e| e.to_string()),
             None => Err("the pool was opened without swappable device slots".to_string()),
         };
         if let Err(why) = swapped {

@@ -208,12 +208,17 @@ impl Drop for Secret {
     }
 }
 
+/// Why a text is not a DH-HMAC-CHAP secret: `why` names the part that is wrong.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("not a DH-HMAC-CHAP secret ({why}); expected DHHC-1:0X:<base64>: as `nvme gen-dhchap-key` prints")]
+pub struct SecretError {
+    pub why: &'static str,
+}
+
 impl Secret {
-    pub fn parse(s: &str) -> Result<Secret, String> {
+    pub fn parse(s: &str) -> Result<Secret, SecretError> {
         let s = s.trim();
-        let bad = |why: &str| {
-            format!("not a DH-HMAC-CHAP secret ({why}); expected DHHC-1:0X:<base64>: as `nvme gen-dhchap-key` prints")
-        };
+        let bad = |why: &'static str| SecretError { why };
         let rest = s
             .strip_prefix("DHHC-1:")
             .ok_or_else(|| bad("no DHHC-1: prefix"))?;

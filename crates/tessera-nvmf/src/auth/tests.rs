@@ -44,7 +44,10 @@ fn secrets_parse_and_round_trip() {
 fn bad_secrets_are_refused_with_a_reason() {
     // One character of the key changed: the CRC catches it.
     let typo = SECRET_SHA256.replace("AAEC", "AAED");
-    assert!(Secret::parse(&typo).unwrap_err().contains("CRC"));
+    assert!(Secret::parse(&typo)
+        .unwrap_err()
+        .to_string()
+        .contains("CRC"));
     for bad in [
         "",
         "DHHC-1:01:AAEC",

@@ -8,12 +8,15 @@ use tessera_io::cast::usize_of;
 
 use tessera_device::BlockDevice;
 
-use super::{CopyTracker, DeviceHealth, Layout, LayoutKind, Piece};
+use super::{CopyTracker, DeviceHealth, Layout, LayoutError, LayoutKind, Piece};
 use crate::format::DEV_DATA_START;
 
 impl Layout {
     /// Compose `devices` (whose first MiB is reserved for the label) into a layout.
-    pub fn new(kind: LayoutKind, devices: Vec<Arc<dyn BlockDevice>>) -> Result<Layout, String> {
+    pub fn new(
+        kind: LayoutKind,
+        devices: Vec<Arc<dyn BlockDevice>>,
+    ) -> Result<Layout, LayoutError> {
         let usable = usable_sizes(&devices)?;
         let mut parity = None;
         let sizing = if kind.is_parity() {
@@ -194,22 +197,19 @@ impl Layout {
 
 /// Each device's usable data area (after the label, in whole 4 KiB blocks), checking the
 /// device count and that every device has some.
-fn usable_sizes(devices: &[Arc<dyn BlockDevice>]) -> Result<Vec<u64>, String> {
+fn usable_sizes(devices: &[Arc<dyn BlockDevice>]) -> Result<Vec<u64>, LayoutError> {
     if devices.is_empty() {
-        return Err("a pool needs at least one device".into());
+        return Err(LayoutError::NoDevices);
     }
     if devices.len() > 64 {
-        return Err("a pool has at most 64 devices".into());
+        return Err(LayoutError::TooManyDevices);
     }
     let usable: Vec<u64> = devices
         .iter()
         .map(|d| d.size().saturating_sub(DEV_DATA_START) & !4095)
         .collect();
     if let Some(i) = usable.iter().position(|&u| u == 0) {
-        return Err(format!(
-            "device {} is too small (a device needs more than 1 MiB)",
-            devices[i].describe()
-        ));
+        return Err(LayoutError::DeviceTooSmall(devices[i].describe()));
     }
     Ok(usable)
 }
@@ -225,7 +225,7 @@ struct Sizing {
 
 impl Sizing {
     /// Concat, raid0, raid1 and raid10 (parity layouts size themselves in `Parity::new`).
-    fn plain(kind: LayoutKind, usable: Vec<u64>) -> Result<Sizing, String> {
+    fn plain(kind: LayoutKind, usable: Vec<u64>) -> Result<Sizing, LayoutError> {
         let n = usable.len();
         let min = usable.iter().min().copied().unwrap_or(0);
         Ok(match kind {
@@ -249,19 +249,18 @@ impl Sizing {
             }
             LayoutKind::Raid1 { copies } => {
                 if copies < 2 || copies as usize != n {
-                    return Err(format!(
-                        "raid1 keeps one copy per device: copies ({copies}) must equal the number of devices ({n}), at least 2"
-                    ));
+                    return Err(LayoutError::Raid1Copies { copies, devices: n });
                 }
                 Sizing::uniform(n, min, 63, min)
             }
             LayoutKind::Raid10 { copies, stripe } => {
                 check_stripe(stripe)?;
                 if copies < 2 || !n.is_multiple_of(copies as usize) || n < 2 * copies as usize {
-                    return Err(format!(
-                        "raid10 with {copies} copies needs a multiple of {copies} devices, at least {} (got {n})",
-                        2 * copies.max(2)
-                    ));
+                    return Err(LayoutError::Raid10Devices {
+                        copies,
+                        least: 2 * copies.max(2),
+                        devices: n,
+                    });
                 }
                 let per = stripes_of(min, stripe)?;
                 let sets = (n / copies as usize) as u64;
@@ -283,21 +282,19 @@ impl Sizing {
     }
 }
 
-fn check_stripe(stripe: u64) -> Result<(), String> {
+fn check_stripe(stripe: u64) -> Result<(), LayoutError> {
     if !stripe.is_power_of_two() || !(4096..=(16 << 20)).contains(&stripe) {
-        return Err(format!(
-            "stripe size {stripe} must be a power of two between 4K and 16M"
-        ));
+        return Err(LayoutError::Stripe(stripe));
     }
     Ok(())
 }
 
 /// `min` bytes rounded down to whole stripes (checked), refusing devices smaller than one.
-fn stripes_of(min: u64, stripe: u64) -> Result<u64, String> {
+fn stripes_of(min: u64, stripe: u64) -> Result<u64, LayoutError> {
     check_stripe(stripe)?;
     let per = min & !(stripe - 1);
     if per == 0 {
-        return Err("devices are smaller than one stripe".into());
+        return Err(LayoutError::SmallerThanStripe);
     }
     Ok(per)
 }

@@ -3,6 +3,8 @@
 use tessera_api::LayoutSpec;
 use tessera_io::cast::u32_of;
 
+use super::LayoutError;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayoutKind {
     Concat,
@@ -93,13 +95,17 @@ impl LayoutKind {
     /// A layout as users write it: `concat`, `raid0`, `raid1[:COPIES]` (default: one copy
     /// per device), `raid10[:COPIES]` (default 2), `raid5`, `raid6`, `ec:K+M` (or `ec:M`,
     /// K being the other devices); `stripe` is the stripe (parity: chunk) size.
-    pub fn parse(spec: &str, stripe: u64, ndev: usize) -> Result<LayoutKind, String> {
+    pub fn parse(spec: &str, stripe: u64, ndev: usize) -> Result<LayoutKind, LayoutError> {
         LayoutKind::from_spec(spec.parse()?, stripe, ndev)
     }
 
     /// The layout `spec` names, on `ndev` devices (the parameters it leaves out are
     /// defaulted from them); `stripe` is the stripe (parity: chunk) size.
-    pub fn from_spec(spec: LayoutSpec, stripe: u64, ndev: usize) -> Result<LayoutKind, String> {
+    pub fn from_spec(
+        spec: LayoutSpec,
+        stripe: u64,
+        ndev: usize,
+    ) -> Result<LayoutKind, LayoutError> {
         Ok(match spec {
             LayoutSpec::Concat => LayoutKind::Concat,
             LayoutSpec::Raid0 => LayoutKind::Raid0 { stripe },
@@ -115,9 +121,10 @@ impl LayoutKind {
             LayoutSpec::Ec { k, m } => {
                 let k = k.unwrap_or(u32_of(ndev).saturating_sub(m));
                 if k == 0 || m == 0 || (k + m) as usize != ndev {
-                    return Err(format!(
-                        "layout '{spec}' needs k+m devices with k, m at least 1 (got {ndev} devices)"
-                    ));
+                    return Err(LayoutError::EcShape {
+                        spec,
+                        devices: ndev,
+                    });
                 }
                 LayoutKind::Ec { k, m, stripe }
             }

@@ -16,6 +16,7 @@ mod parity_sync;
 mod rebuild;
 mod sync_io;
 
+pub use crate::error::LayoutError;
 pub(crate) use copy_track::CopyTracker;
 pub use handle::LayoutHandle;
 pub use health::DeviceHealth;

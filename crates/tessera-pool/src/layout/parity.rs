@@ -22,6 +22,7 @@ pub(crate) use crate::format::{encode_header, RecordHead, StripeRecord, KIND_CHU
 
 use crate::format::DEV_DATA_START;
 use crate::layout::kind::LayoutKind;
+use crate::layout::LayoutError;
 
 /// The stripe journal: 16 MiB per device right after the label.
 pub const JOURNAL_LEN: u64 = 16 << 20;
@@ -77,45 +78,48 @@ impl Parity {
         n: usize,
         min_usable: u64,
         align: u64,
-    ) -> Result<Parity, String> {
+    ) -> Result<Parity, LayoutError> {
         let (kind_m, chunk) = (kind.parity() as usize, kind.stripe());
         if let LayoutKind::Ec { k, m, .. } = kind {
             if (k + m) as usize != n {
-                return Err(format!("ec {k}+{m} needs {} devices, got {n}", k + m));
+                return Err(LayoutError::EcDevices {
+                    k,
+                    m,
+                    need: k + m,
+                    devices: n,
+                });
             }
         }
         if !chunk.is_power_of_two() || !(4096..=MAX_CHUNK).contains(&chunk) {
-            return Err(format!(
-                "chunk (stripe) size {chunk} must be a power of two between 4K and 256K for parity layouts"
-            ));
+            return Err(LayoutError::Chunk(chunk));
         }
         if n > 64 || kind_m == 0 || n < kind_m + 2 {
-            return Err(format!(
-                "{n} devices cannot hold {kind_m} parity chunk(s) per row: at least {} devices are needed",
-                kind_m + 2
-            ));
+            return Err(LayoutError::ParityDevices {
+                devices: n,
+                parity: kind_m,
+                need: kind_m + 2,
+            });
         }
         let k = n - kind_m;
         let rows = min_usable.saturating_sub(JOURNAL_LEN) / chunk;
         if rows == 0 {
-            return Err(format!(
-                "devices are too small for a parity layout (each needs more than {} MiB)",
-                (DEV_DATA_START + JOURNAL_LEN) >> 20
+            return Err(LayoutError::ParityTooSmall(
+                (DEV_DATA_START + JOURNAL_LEN) >> 20,
             ));
         }
         // The largest record (a write to part of a row: at most every chunk of it, plus a
         // header) must fit a journal slice.
         let header = ((header_fields(n) + 4) as u64).next_multiple_of(align.max(SCAN_STEP as u64));
         if header + n as u64 * chunk > SLICE_LEN {
-            return Err(format!(
-                "a {n}-device parity layout supports chunks up to {} KiB (the stripe journal holds a whole row per record)",
-                (((SLICE_LEN - header) / n as u64).next_power_of_two() / 2) >> 10
-            ));
+            return Err(LayoutError::ChunkForJournal {
+                devices: n,
+                max_kib: (((SLICE_LEN - header) / n as u64).next_power_of_two() / 2) >> 10,
+            });
         }
         let code = match kind {
             LayoutKind::Raid5 { .. } => Code::Xor,
             LayoutKind::Raid6 { .. } => Code::Pq,
-            _ => Code::Rs(ReedSolomon::new(k, kind_m).map_err(|e| e.to_string())?),
+            _ => Code::Rs(ReedSolomon::new(k, kind_m)?),
         };
         Ok(Parity {
             k,

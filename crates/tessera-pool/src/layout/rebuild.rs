@@ -5,33 +5,31 @@ use std::io;
 use std::sync::atomic::{Ordering::Relaxed, Ordering::SeqCst};
 use tessera_io::cast::usize_of;
 
-use super::{error_reason, FailReason, Layout};
+use super::{error_reason, FailReason, Layout, LayoutError};
 
 impl Layout {
     /// Start rebuilding device `d` (failed, or a replacement): it becomes a write-only
     /// member. Its failed bit is cleared in memory only; the labels keep it failed until
     /// `finish_rebuild`, so a restart never reads it.
-    pub fn start_rebuild(&self, d: usize) -> Result<(), String> {
+    pub fn start_rebuild(&self, d: usize) -> Result<(), LayoutError> {
         if !self.kind.is_redundant() {
-            return Err("only mirrored and parity layouts can be rebuilt".into());
+            return Err(LayoutError::NotRedundant);
         }
         if d >= self.devices.len() {
-            return Err(format!("no device {d}"));
+            return Err(LayoutError::NoDevice(d));
         }
         let bit = 1u64 << d;
         if self.health.rebuilding.load(SeqCst) & bit != 0 {
-            return Err(format!("device {d} is already being rebuilt"));
+            return Err(LayoutError::AlreadyRebuilding(d));
         }
         if let Some(p) = &self.parity {
             if (self.unreadable() | bit).count_ones() as usize > p.m {
-                return Err(format!(
-                    "device {d} cannot be rebuilt: too many other devices are failed or rebuilding"
-                ));
+                return Err(LayoutError::TooManyUnreadable(d));
             }
         } else {
             let first = d - d % self.copies as usize;
             if !self.set_of(first).any(|o| o != d && self.is_readable(o)) {
-                return Err(format!("device {d} has no healthy copy to rebuild from"));
+                return Err(LayoutError::NoHealthyCopy(d));
             }
         }
         // Writes from now on reach the device; then it stops being failed.

@@ -246,7 +246,7 @@ impl Pool {
                 }
             }
         }
-        let layout = Arc::new(Layout::new(opts.layout, devices).map_err(Error::invalid)?);
+        let layout = Arc::new(Layout::new(opts.layout, devices)?);
         layout.apply_tuning(opts.tuning.journal_flush, opts.tuning.device_timeout);
         let total_units = layout.size / unit;
         if total_units >= u32::MAX as u64 {
@@ -524,7 +524,10 @@ impl Pool {
         tuning: PoolTuning,
     ) -> Result<Arc<Layout>> {
         let kind = layout_kind_of(first);
-        let layout = Arc::new(Layout::new(kind, devices).map_err(Error::corrupt)?);
+        // The labels name a layout their devices cannot hold: the labels are wrong, not
+        // the request, so this is corruption (with the layout's reason as the message).
+        let layout =
+            Arc::new(Layout::new(kind, devices).map_err(|e| Error::corrupt(e.to_string()))?);
         layout.apply_tuning(tuning.journal_flush, tuning.device_timeout);
         // Devices recorded failed stay failed: they missed writes. So do missing ones.
         for i in 0..layout.devices.len() {
@@ -833,7 +836,7 @@ impl Pool {
     /// Make device `d` of a mirror a write-only member to be rebuilt (see
     /// `Layout::start_rebuild`).
     pub fn start_rebuild(&self, d: usize) -> Result<()> {
-        self.core.layout.start_rebuild(d).map_err(Error::invalid)?;
+        self.core.layout.start_rebuild(d)?;
         // After the layout counts `d` in: zeroes written from now on reach it.
         self.core.forget_zeroed();
         Ok(())
