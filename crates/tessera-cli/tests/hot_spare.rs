@@ -56,12 +56,8 @@ fn spares(n: &TestNode) -> Vec<String> {
 /// Poll the pool's status until `f` holds or `limit` passes (then panic with the status
 /// and the node's log).
 fn wait_status(n: &TestNode, what: &str, limit: Duration, f: impl FnMut(&Value) -> bool) -> Value {
-    poll_until(limit, Duration::from_millis(100), || status(n), f).unwrap_or_else(|v| {
-        panic!(
-            "timed out waiting for {what}: {v}\nlog:\n{}",
-            n.log_text()
-        )
-    })
+    poll_until(limit, Duration::from_millis(100), || status(n), f)
+        .unwrap_or_else(|v| panic!("timed out waiting for {what}: {v}\nlog:\n{}", n.log_text()))
 }
 
 /// A pool `m` (`layout`) of `ndev` 64 MiB files, device `bad` of which vanishes

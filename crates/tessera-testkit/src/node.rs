@@ -16,8 +16,13 @@ static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// Poll `f` every 100 ms until it holds; fail the test naming `what` after `secs` seconds.
 pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    if poll_until(Duration::from_secs(secs), Duration::from_millis(100), &mut f, |&held| held)
-        .is_err()
+    if poll_until(
+        Duration::from_secs(secs),
+        Duration::from_millis(100),
+        &mut f,
+        |&held| held,
+    )
+    .is_err()
     {
         panic!("timed out waiting for {what}");
     }

@@ -1,5 +1,7 @@
 //! A full thin pool: writes that need new space fail with ENOSPC, everything else on that
 //! pool keeps working, other pools are unaffected, and trimming gives the space back.
+//! (Moved from `crates/tessera-cli/tests/enospc_isolation.rs`, which ran it through the
+//! `tessera` binary.)
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -7,7 +9,7 @@
 mod common;
 use common::*;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tessera_nbd::client::{ClientOptions, NbdClient};
@@ -25,6 +27,19 @@ fn find<'a>(list: &'a Value, name: &str) -> &'a Value {
 fn connect(n: &TestNode, export: &str) -> NbdClient {
     NbdClient::connect_tcp(&n.addr(), export, ClientOptions::default())
         .unwrap_or_else(|e| panic!("connect to {export}: {e}"))
+}
+
+/// The node still serves: its status answers, and a new client reads export `vol0` (a
+/// reactor core that died on ENOSPC would leave the read unanswered).
+fn serving(n: &TestNode) -> bool {
+    let _ = n.node().status();
+    let s = std::net::TcpStream::connect(n.addr()).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut c = NbdClient::from_stream(s, "vol0", ClientOptions::default()).expect("handshake");
+    let mut buf = vec![0u8; 4096];
+    let ok = c.read(0, &mut buf).is_ok();
+    let _ = c.disconnect();
+    ok
 }
 
 fn fill(seed: u8, len: usize) -> Vec<u8> {
@@ -64,13 +79,11 @@ fn throughput(c: &mut NbdClient, base: u64, total: u64) -> f64 {
 
 #[test]
 fn full_pool_fails_with_enospc_and_isolates_the_damage() {
-    // The device images live outside the node's own directory, whose path is only known
-    // once the node runs.
-    let scratch = temp_dir("enospc-devs");
-    let small = scratch.path().join("s.img");
-    let big = scratch.path().join("big.img");
-    let extra = format!(
-        r#"
+    // Both pools' images in the test's directory, declared in the config as an operator
+    // would.
+    let n = TestNode::with_config("enospc", 2, |dir| {
+        format!(
+            r#"
 [[pool]]
 name = "small"
 devices = ["{}:48M"]
@@ -106,11 +119,11 @@ volume = "b"
 name = "vol0"
 volume = "vol0"
 "#,
-        small.display(),
-        big.display()
-    );
-    let mut n = TestNode::start_with_config("enospc", &extra);
-    let pools = n.json(&["pool", "list"]);
+            dir.join("s.img").display(),
+            dir.join("big.img").display()
+        )
+    });
+    let pools = n.pools_json();
     let cap = find(&pools, "small")["capacity"].as_u64().unwrap();
     let unit = find(&pools, "small")["unit_size"].as_u64().unwrap();
     assert_eq!(unit, MIB);
@@ -176,7 +189,7 @@ volume = "vol0"
         "write straddling the last allocated unit of a",
     );
 
-    let st = n.json(&["status"]);
+    let st = json(n.node().status());
     let sp = find(&st["pools"], "small");
     assert_eq!(sp["free"].as_u64(), Some(0), "{sp}");
     assert_eq!(sp["allocated"].as_u64(), Some(cap), "{sp}");
@@ -249,7 +262,7 @@ volume = "vol0"
     // more than scheduling noise on a busy 2-core machine (the bound was 4x, which hid a
     // halving).
     assert!(after * 1.5 >= before, "the other pool slowed down from {before:.0} to {after:.0} MiB/s while the small pool is full");
-    assert!(n.is_running(), "node died on ENOSPC");
+    assert!(serving(&n), "node died on ENOSPC");
 
     // Trim 4 MiB of a (unit aligned), flush: new writes succeed again.
     a.trim(4 * MIB, (4 * MIB) as u32).expect("trim of a");
@@ -259,7 +272,7 @@ volume = "vol0"
         ubuf.iter().all(|&x| x == 0),
         "trimmed space of a does not read as zeros"
     );
-    let st = n.json(&["status"]);
+    let st = json(n.node().status());
     assert_eq!(
         find(&st["pools"], "small")["free"].as_u64(),
         Some(4 * MIB),
@@ -288,15 +301,15 @@ volume = "vol0"
     assert!(buf == fill(0x60, 4096));
 
     // Accounting is consistent: pool allocated == sum of its volumes.
-    let vols = n.json(&["volume", "list"]);
+    let vols = n.volumes_json();
     let sum = find(&vols, "a")["allocated"].as_u64().unwrap()
         + find(&vols, "b")["allocated"].as_u64().unwrap();
-    let st = n.json(&["status"]);
+    let st = json(n.node().status());
     assert_eq!(
         find(&st["pools"], "small")["allocated"].as_u64(),
         Some(sum),
         "small pool allocated vs volumes a+b"
     );
     assert_eq!(sum, cap);
-    assert!(n.is_running(), "node died");
+    assert!(serving(&n), "node died");
 }
