@@ -55,20 +55,9 @@ fn spares(n: &TestNode) -> Vec<String> {
 
 /// Poll the pool's status until `f` holds or `limit` passes (then panic with the status
 /// and the node's log).
-fn wait_for(n: &TestNode, what: &str, limit: Duration, mut f: impl FnMut(&Value) -> bool) -> Value {
-    let end = Instant::now() + limit;
-    loop {
-        let v = status(n);
-        if f(&v) {
-            return v;
-        }
-        assert!(
-            Instant::now() < end,
-            "timed out waiting for {what}: {v}\nlog:\n{}",
-            n.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+fn wait_status(n: &TestNode, what: &str, limit: Duration, f: impl FnMut(&Value) -> bool) -> Value {
+    poll_until(limit, Duration::from_millis(100), || status(n), f)
+        .unwrap_or_else(|v| panic!("timed out waiting for {what}: {v}\nlog:\n{}", n.log_text()))
 }
 
 /// A pool `m` (`layout`) of `ndev` 64 MiB files, device `bad` of which vanishes
@@ -185,7 +174,7 @@ fn spare_takes_over(tag: &str, layout: &str, ndev: usize, bad: usize) {
         (3..VOL as usize / BLOCK).step_by(5),
         50,
     );
-    let v = wait_for(&n, "the rebuild to finish", Duration::from_secs(60), |v| {
+    let v = wait_status(&n, "the rebuild to finish", Duration::from_secs(60), |v| {
         v["rebuild"]["state"] != "running"
     });
     assert_eq!(v["rebuild"]["state"], "done", "{v}");
@@ -242,6 +231,14 @@ fn replace_is_live() {
         Duration::from_secs(30),
         |v| v["device_states"][1]["state"] == "failed",
     );
+    // The pool table shows it: the pool degraded, the device FAILED. (The rest of what
+    // a failed mirror device does is tested in process, in
+    // crates/tessera-node/tests/raid_mirror.rs.)
+    let table = n.cli_ok(&["pool", "list"]);
+    assert!(
+        table.contains("degraded") && table.contains("FAILED"),
+        "{table}"
+    );
     // Refused: a healthy device, a smaller one.
     assert!(!n
         .cli(&[
@@ -283,7 +280,7 @@ fn replace_is_live() {
         (1..VOL as usize / BLOCK).step_by(3),
         60,
     );
-    let v = wait_for(&n, "the rebuild to finish", Duration::from_secs(60), |v| {
+    let v = wait_status(&n, "the rebuild to finish", Duration::from_secs(60), |v| {
         v["rebuild"]["state"] != "running"
     });
     assert_eq!(v["rebuild"]["state"], "done", "{v}");

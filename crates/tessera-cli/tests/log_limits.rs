@@ -109,16 +109,16 @@ fn real_clients(n: &Node) {
     h.disconnect();
 }
 
-/// Wait until the log has `what` (the disconnect lines come from the reactors).
-fn wait_for(n: &Node, what: &str) -> String {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let t = n.log_text();
-        if t.contains(what) || Instant::now() > deadline {
-            return t;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+/// Wait (bounded) until the log has `what` (the disconnect lines come from the reactors);
+/// the log as it then is, which the caller checks.
+fn wait_for_line(n: &Node, what: &str) -> String {
+    let (Ok(t) | Err(t)) = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || n.log_text(),
+        |t| t.contains(what),
+    );
+    t
 }
 
 fn flood_then_serve(format: &str) -> String {
@@ -128,7 +128,7 @@ fn flood_then_serve(format: &str) -> String {
     garbage(&n.nbd, 450);
     garbage(&n.nvmf, 450);
     real_clients(&n);
-    let text = wait_for(&n, "nvmf: host disconnected");
+    let text = wait_for_line(&n, "nvmf: host disconnected");
     let lines = text.lines().count() - before;
     // 10 lines per kind per 10 s window (two kinds), the summaries, and the four
     // session lines of the real clients.

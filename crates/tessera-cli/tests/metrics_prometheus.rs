@@ -103,14 +103,13 @@ impl Prometheus {
 
     /// Wait (bounded) until `q` evaluates to `want`; returns the last value seen.
     fn wait_for(&self, q: &str, want: f64) -> Option<f64> {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let v = self.query(q);
-            if v == Some(want) || Instant::now() > deadline {
-                return v;
-            }
-            std::thread::sleep(Duration::from_millis(250));
-        }
+        let (Ok(v) | Err(v)) = poll_until(
+            Duration::from_secs(20),
+            Duration::from_millis(250),
+            || self.query(q),
+            |v| *v == Some(want),
+        );
+        v
     }
 }
 

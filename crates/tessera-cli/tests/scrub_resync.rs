@@ -1,7 +1,8 @@
-//! Scrub that verifies and repairs mirror copies, and the resync a node starts by itself
-//! for a mirrored pool that was not shut down cleanly: one copy's file is changed behind
-//! the node's back, and the scrub (or the resync) finds the difference and makes the
-//! copies equal again.
+//! The resync a node starts by itself for a mirrored pool that was not shut down cleanly
+//! (kill -9 of the node process): one copy's file is changed behind the node's back, and
+//! the resync finds the difference and makes the copies equal again. The scrub's repair of
+//! the same damage after a clean stop is tested in process, in
+//! `crates/tessera-node/tests/scrub_mirror_repair.rs`.
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -78,7 +79,7 @@ fn corrupt_every_mib(file: &str) -> Vec<(u64, Vec<u8>)> {
 /// A repair went the right way: where the status `v` reports a repaired mismatch, no
 /// copy holds the bytes the corruption wrote (a repair from the corrupted copy to the good
 /// one would leave them in both, equal). Corrupted spots outside any report are in units
-/// no volume owns, which neither scrub nor resync reads.
+/// no volume owns, which the resync does not read.
 fn corruption_gone(v: &Value, spots: &[(u64, Vec<u8>)], files: &[&str]) {
     let ranges: Vec<(u64, u64)> = v["mismatched_ranges"]
         .as_array()
@@ -137,58 +138,6 @@ fn ranges_equal(v: &Value, a: &str, b: &str) {
 }
 
 #[test]
-fn scrub_finds_and_repairs_a_copy_changed_on_disk() {
-    let mut n = TestNode::start_with_config("scrub-repair", "");
-    let (a, b) = mirrored_pool(&n);
-    let written = volume_bytes(&n);
-    n.stop();
-    let spots = corrupt_every_mib(&b);
-    n.restart();
-    // A clean shutdown: no resync.
-    let p = json(&n, &["--json", "pool", "status", "m"]);
-    assert!(p.get("resync").is_none(), "{p}");
-
-    // Report only.
-    let v = json(
-        &n,
-        &["--json", "pool", "scrub", "m", "--no-repair", "--wait"],
-    );
-    assert_eq!(v["state"], "done", "{v}");
-    assert_eq!(v["repair"], false, "{v}");
-    let found = v["mismatched_bytes"].as_u64().unwrap();
-    assert!(found >= 4096 && found.is_multiple_of(4096), "{v}");
-    assert_eq!(v["repaired_bytes"], 0, "{v}");
-    assert_eq!(v["unreadable_bytes"], 0, "{v}");
-
-    // Repair (the default): the same bytes, now rewritten.
-    let v = json(&n, &["--json", "pool", "scrub", "m", "--wait"]);
-    assert_eq!(v["state"], "done", "{v}");
-    assert_eq!(v["mismatched_bytes"].as_u64().unwrap(), found, "{v}");
-    assert_eq!(v["repaired_bytes"].as_u64().unwrap(), found, "{v}");
-    let text = n.cli_ok(&["pool", "scrub", "m", "--status"]);
-    assert!(
-        text.contains(&format!("{found} bytes mismatched, {found} repaired")),
-        "{text}"
-    );
-    // Copies are on disk equal where they differed (after a sync: stop the node), and hold
-    // the good copy's bytes, not the corruption.
-    n.stop();
-    ranges_equal(&v, &a, &b);
-    corruption_gone(&v, &spots, &[&a, &b]);
-    n.restart();
-    assert!(
-        volume_bytes(&n) == written,
-        "the volume does not read what was written"
-    );
-    let v = json(&n, &["--json", "pool", "scrub", "m", "--wait"]);
-    assert_eq!(v["mismatched_bytes"], 0, "{v}");
-    assert_eq!(v["repaired_bytes"], 0, "{v}");
-    // The pool stayed healthy throughout.
-    let p = json(&n, &["--json", "pool", "status", "m"]);
-    assert_eq!(p["state"], "online", "{p}");
-}
-
-#[test]
 fn unclean_shutdown_of_a_mirror_starts_a_resync_that_completes() {
     let mut n = TestNode::start_with_config("resync", "");
     let (a, b) = mirrored_pool(&n);
@@ -218,6 +167,11 @@ fn unclean_shutdown_of_a_mirror_starts_a_resync_that_completes() {
     assert!(n.log_text().contains("not shut down cleanly"));
     let text = n.cli_ok(&["pool", "status", "m"]);
     assert!(text.contains("resync m done"), "{text}");
+    // The figures' line, the one `pool scrub --status` prints for a scrub too.
+    assert!(
+        text.contains(&format!("{found} bytes mismatched, {found} repaired")),
+        "{text}"
+    );
     // A clean stop after that: the next start does not resync, and the copies agree.
     n.stop();
     ranges_equal(&v, &a, &b);

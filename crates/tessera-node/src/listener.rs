@@ -11,7 +11,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tessera_io::cast::{u16_of, u32_of};
 
@@ -439,19 +439,26 @@ static CAP_LOG: LogLimiter = LogLimiter::new("nbd-connection-cap", 10, 10);
 /// Accept connections forever: each gets a handshake thread (bounded by MAX_HANDSHAKES,
 /// timed out by HANDSHAKE_TIMEOUT), then moves to a reactor core. Past `cap` open
 /// connections (handshakes included) a new one is closed at once.
+///
+/// The loop holds the node weakly: a node dropped in process (an in-process test node that
+/// is stopped and started again on its data directory) is not kept alive, with its data
+/// directory's lock, by a listener blocked in accept; a connection that arrives after
+/// that is closed.
 fn accept_loop<S: NbdSocket>(
-    node: Arc<Node>,
+    node: Weak<Node>,
     cap: Arc<ListenerCap>,
     incoming: impl Iterator<Item = io::Result<S>>,
 ) {
     accept_each(incoming, &cap, "nbd", &CAP_LOG, |s, slot| {
+        let Some(node) = node.upgrade() else {
+            return; // dropping the stream closes it
+        };
         if HANDSHAKES.fetch_add(1, Relaxed) >= MAX_HANDSHAKES {
             HANDSHAKES.fetch_sub(1, Relaxed);
             return; // dropping the stream closes it
         }
         s.set_timeouts(Some(HANDSHAKE_TIMEOUT));
         let client = s.peer();
-        let node = node.clone();
         let r = std::thread::Builder::new()
             .name("tessera-nbd-hs".into())
             .spawn(move || {
@@ -474,7 +481,7 @@ pub fn start_nbd_tcp(node: &Arc<Node>, addr: &str) -> io::Result<String> {
     let cap = node
         .exports()
         .listener_cap("nbd", local.clone(), node.cfg.nbd.max_connections);
-    let node = node.clone();
+    let node = Arc::downgrade(node);
     std::thread::Builder::new()
         .name("tessera-nbd-accept".into())
         .spawn(move || {
@@ -497,7 +504,7 @@ pub fn start_nbd_unix(node: &Arc<Node>, path: &Path) -> io::Result<()> {
     let cap = node
         .exports()
         .listener_cap("nbd", address, node.cfg.nbd.max_connections);
-    let node = node.clone();
+    let node = Arc::downgrade(node);
     std::thread::Builder::new()
         .name("tessera-nbd-accept-unix".into())
         .spawn(move || accept_loop(node, cap, l.incoming()))?;

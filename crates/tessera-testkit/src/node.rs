@@ -14,18 +14,42 @@ use tempfile::TempDir;
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
-/// A fresh, empty directory for one test, under `$TESSERA_TEST_DIR` if set (else the
-/// system's temporary directory); removed when dropped.
 /// Poll `f` every 100 ms until it holds; fail the test naming `what` after `secs` seconds.
 pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + Duration::from_secs(secs);
-    while Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
+    if poll_until(
+        Duration::from_secs(secs),
+        Duration::from_millis(100),
+        &mut f,
+        |&held| held,
+    )
+    .is_err()
+    {
+        panic!("timed out waiting for {what}");
     }
-    panic!("timed out waiting for {what}");
+}
+
+/// Take `probe()` every `every` until `done` holds for the value: `Ok` with that value,
+/// or `Err` with the last one taken once `limit` has passed (the caller says what was
+/// awaited, and whether a timeout fails the test or is what it then checks). The probe is
+/// taken at least once, and once more at the limit.
+pub fn poll_until<T>(
+    limit: Duration,
+    every: Duration,
+    mut probe: impl FnMut() -> T,
+    mut done: impl FnMut(&T) -> bool,
+) -> Result<T, T> {
+    let end = Instant::now() + limit;
+    loop {
+        let past = Instant::now() >= end;
+        let v = probe();
+        if done(&v) {
+            return Ok(v);
+        }
+        if past {
+            return Err(v);
+        }
+        std::thread::sleep(every.min(end.saturating_duration_since(Instant::now())));
+    }
 }
 
 /// Read a starting node's stdout up to its `tessera: ready` line: the banner, that line
@@ -50,6 +74,8 @@ pub fn await_ready(out: std::process::ChildStdout, limit: Duration) -> Option<St
     rx.recv_timeout(limit).ok()
 }
 
+/// A fresh, empty directory for one test, under `$TESSERA_TEST_DIR` if set (else the
+/// system's temporary directory); removed when dropped.
 pub fn temp_dir(tag: &str) -> TempDir {
     let base = std::env::var_os("TESSERA_TEST_DIR")
         .map(PathBuf::from)

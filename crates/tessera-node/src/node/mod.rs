@@ -65,8 +65,11 @@ mod spares;
 pub use spares::Spares;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
-#[cfg(test)]
-mod test_pools;
+/// RAM pools and an in-process node for tests: this crate's unit tests, and (with the
+/// `harness` feature, which only this crate's own dev-dependency turns on) its
+/// integration tests under `tests/`.
+#[cfg(any(test, feature = "harness"))]
+pub mod test_pools;
 mod volumes;
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};

@@ -35,14 +35,28 @@ pub fn ram_pool(
 /// A node started in process on data directory `dir`, with one reactor core, no pool and
 /// nothing listening (the listeners are started by `tessera run`, not by the node): for
 /// the operations that go through `Node` and its services together.
-pub fn test_node(dir: &std::path::Path) -> Arc<super::Node> {
-    let cfg = crate::config::NodeConfig {
+pub fn test_node(dir: &std::path::Path) -> Arc<crate::Node> {
+    start_node(test_config(dir, 1))
+}
+
+/// The configuration of a test node on data directory `dir` with `cores` reactor cores
+/// (not pinned: tests share the machine's cores), named `test-node`.
+pub fn test_config(dir: &std::path::Path, cores: usize) -> crate::config::NodeConfig {
+    crate::config::NodeConfig {
         data_dir: dir.to_path_buf(),
-        cores: 1,
+        cores,
         pin_cores: false,
         name: Some("test-node".into()),
         ..crate::config::NodeConfig::default()
-    };
-    let lock = crate::datadir::DataDirLock::acquire(&cfg).unwrap();
-    super::Node::start(cfg, lock).unwrap()
+    }
+}
+
+/// A node started in process with `cfg`, its data directory locked first as `tessera
+/// run` does.
+pub fn start_node(cfg: crate::config::NodeConfig) -> Arc<crate::Node> {
+    let dir = cfg.data_dir.display().to_string();
+    let lock = crate::datadir::DataDirLock::acquire(&cfg)
+        .unwrap_or_else(|e| panic!("cannot lock the test node's data directory {dir}: {e}"));
+    crate::Node::start(cfg, lock)
+        .unwrap_or_else(|e| panic!("the test node on {dir} did not start: {e}"))
 }

@@ -1,19 +1,28 @@
 //! Per-volume client I/O figures: exact totals after the clients are done, live rates and
-//! latency percentiles while they run.
+//! latency percentiles while they run. (Moved from `crates/tessera-cli/tests/volume_stats.rs`,
+//! which ran them through the `tessera` binary.)
 
 mod common;
+
+use std::time::Duration;
 
 use common::*;
 use tessera_nbd::client::{ClientOptions, NbdClient};
 
+/// What `tessera --json volume stats NAME --interval SECS` shows: the node's figures over
+/// that window, as the API serves them.
 fn stats(n: &TestNode, interval: &str) -> serde_json::Value {
-    let out = n.cli_ok(&["--json", "volume", "stats", "vol0", "--interval", interval]);
-    serde_json::from_str(&out).expect("stats JSON")
+    let secs: f64 = interval.parse().unwrap();
+    json(
+        n.node()
+            .volume_stats("vol0", Duration::from_secs_f64(secs))
+            .expect("volume stats"),
+    )
 }
 
 #[test]
 fn totals_are_exact_and_rates_are_live() {
-    let n = TestNode::start_default("stats");
+    let n = TestNode::up("stats");
     let addr = n.addr();
     // A background writer keeps the volume busy while we sample rates.
     let writer = std::thread::spawn(move || {
@@ -76,8 +85,10 @@ fn totals_are_exact_and_rates_are_live() {
     assert_eq!(t["read_bytes"].as_u64().unwrap(), 100 * 8192, "{t}");
     assert_eq!(t["others"].as_u64().unwrap(), 1, "the flush: {t}");
     assert_eq!(t["errors"].as_u64().unwrap(), 0, "{t}");
-    // An unknown volume is a clear error.
-    let o = n.cli(&["volume", "stats", "nope"]);
-    assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("not found"));
+    // An unknown volume is a clear error (the text the CLI prints).
+    let e = n
+        .node()
+        .volume_stats("nope", Duration::from_millis(10))
+        .expect_err("stats of an unknown volume");
+    assert!(e.to_string().contains("not found"), "{e}");
 }

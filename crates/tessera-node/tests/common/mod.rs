@@ -1,0 +1,235 @@
+//! The harness of `tessera-node`'s integration tests: a [`Node`] started in this process on
+//! a temporary data directory (through `node::test_pools`, the unit tests' own helpers,
+//! which the `harness` feature makes public), NBD served on 127.0.0.1 at a port the kernel
+//! picks, and the node stopped and started again on the same directory. The tests call
+//! the node's services directly, as the API routers do; what a user types stays tested
+//! end to end in `crates/tessera-cli/tests`.
+
+#![allow(dead_code, unused_imports)]
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use serde_json::Value;
+use tempfile::TempDir;
+use tessera_nbd::client::{ClientOptions, NbdClient};
+use tessera_node::{listener, Node, NodeConfig};
+
+pub use tessera_node::node::test_pools::{ram_pool, start_node, test_config, DEV_SIZE, UNIT};
+pub use tessera_testkit::data::*;
+pub use tessera_testkit::node::{path_str, temp_dir, wait_for};
+
+/// A node running in this process, in a directory of its own (removed when dropped,
+/// unless the test panicked: then it is kept for a look at the files).
+pub struct TestNode {
+    node: Option<Arc<Node>>,
+    tmp: Option<TempDir>,
+    /// The test's directory: device files go here, the data directory is `data/` in it.
+    pub dir: PathBuf,
+    pub data_dir: PathBuf,
+    cores: usize,
+    setup: Setup,
+    /// Serve NBD (on each start, at a new port: the old listener is not closed).
+    serve_nbd: bool,
+    nbd: Option<String>,
+}
+
+/// What a test node's configuration starts from.
+enum Setup {
+    /// Nothing but the data directory and the cores ([`test_config`]).
+    Bare,
+    /// `tessera up`'s embedded default: pool0 on a 4 GiB file, vol0 exported as vol0.
+    Up,
+    /// A config file in the test's directory (read again on each start).
+    File(PathBuf),
+}
+
+impl TestNode {
+    /// A node with `cores` reactor cores and no listener.
+    pub fn start(tag: &str, cores: usize) -> Self {
+        Self::start_opts(tag, cores, |_| Setup::Bare, false)
+    }
+
+    /// A node with `cores` reactor cores serving NBD on 127.0.0.1 ([`addr`](Self::addr)).
+    pub fn with_nbd(tag: &str, cores: usize) -> Self {
+        Self::start_opts(tag, cores, |_| Setup::Bare, true)
+    }
+
+    /// What `tessera up` starts (pool0 on a 4 GiB sparse file, vol0 exported as vol0, two
+    /// cores), serving NBD.
+    pub fn up(tag: &str) -> Self {
+        Self::start_opts(tag, 2, |_| Setup::Up, true)
+    }
+
+    /// A node serving NBD whose config file is `toml(DIR)` (DIR: the test's directory,
+    /// for device files) after the data directory and the cores.
+    pub fn with_config(tag: &str, cores: usize, toml: impl FnOnce(&Path) -> String) -> Self {
+        Self::start_opts(
+            tag,
+            cores,
+            |dir| {
+                let path = dir.join("tessera.toml");
+                let text = format!(
+                    "data_dir = \"{}\"\ncores = {cores}\npin_cores = false\n{}\n",
+                    dir.join("data").display(),
+                    toml(dir)
+                );
+                std::fs::write(&path, text).unwrap();
+                Setup::File(path)
+            },
+            true,
+        )
+    }
+
+    fn start_opts(
+        tag: &str,
+        cores: usize,
+        setup: impl FnOnce(&Path) -> Setup,
+        serve_nbd: bool,
+    ) -> Self {
+        let tmp = temp_dir(tag);
+        let dir = tmp.path().to_path_buf();
+        let mut n = TestNode {
+            node: None,
+            tmp: Some(tmp),
+            data_dir: dir.join("data"),
+            setup: setup(&dir),
+            dir,
+            cores,
+            serve_nbd,
+            nbd: None,
+        };
+        n.boot();
+        n
+    }
+
+    fn boot(&mut self) {
+        let cfg = match &self.setup {
+            Setup::Bare => test_config(&self.data_dir, self.cores),
+            Setup::Up => NodeConfig {
+                cores: self.cores,
+                pin_cores: false,
+                ..NodeConfig::embedded_default(&self.data_dir)
+            },
+            Setup::File(p) => NodeConfig::load(p).unwrap_or_else(|e| panic!("{e}")),
+        };
+        let node = start_node(cfg);
+        if self.serve_nbd {
+            // As `tessera run` does: listen, then tell the exports where.
+            let a = listener::start_nbd_tcp(&node, "127.0.0.1:0").expect("listen for NBD");
+            node.exports().set_nbd_addresses(vec![format!("nbd://{a}")]);
+            self.nbd = Some(a);
+        }
+        self.node = Some(node);
+    }
+
+    /// The running node.
+    pub fn node(&self) -> &Arc<Node> {
+        self.node.as_ref().expect("the test node is stopped")
+    }
+
+    /// The NBD listener's address, HOST:PORT.
+    pub fn addr(&self) -> String {
+        self.nbd.clone().expect("this test node serves no NBD")
+    }
+
+    /// `nbd://HOST:PORT/EXPORT` of this node's NBD listener.
+    pub fn uri(&self, export: &str) -> String {
+        format!("nbd://{}/{export}", self.addr())
+    }
+
+    /// Shut the node down as `tessera run` does on SIGTERM (every pool committed), and
+    /// wait until nothing holds it any more: its data directory and device files are
+    /// unlocked when it is gone. A node still held after 10 s fails the test (a thread
+    /// keeps it, so a restart in process could not lock the directory again).
+    pub fn stop(&mut self) {
+        let Some(node) = self.node.take() else {
+            return;
+        };
+        node.shutdown();
+        let gone: Weak<Node> = Arc::downgrade(&node);
+        drop(node);
+        wait_for("the stopped node to be dropped", 10, || {
+            gone.strong_count() == 0
+        });
+        self.nbd = None;
+    }
+
+    /// [`stop`](Self::stop), then start a node again on the same data directory.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.boot();
+    }
+
+    /// Keep the directory after the test.
+    pub fn keep(&mut self) {
+        if let Some(t) = self.tmp.take() {
+            let _ = t.keep();
+        }
+    }
+
+    /// An NBD client of export `export` (20 s read timeout).
+    pub fn nbd(&self, export: &str) -> NbdClient {
+        let s = std::net::TcpStream::connect(self.addr()).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        NbdClient::from_stream(s, export, ClientOptions::default()).expect("NBD handshake")
+    }
+
+    /// A file device spec `DIR/NAME:SIZE` in the test's directory.
+    pub fn file_dev(&self, name: &str, size: &str) -> String {
+        format!("{}:{size}", path_str(&self.dir.join(name)))
+    }
+
+    /// Pool `name` of `layout` (`concat`, `raid1`...) on `devices`, with the node's default
+    /// stripe and unit sizes, as `tessera pool create` asks for it.
+    pub fn create_pool(&self, name: &str, layout: &str, devices: &[String]) {
+        let layout = layout.parse().expect("layout");
+        self.node()
+            .create_pool(name, devices, layout, None, None, false)
+            .unwrap_or_else(|e| panic!("create pool {name}: {e}"));
+    }
+
+    /// Volume `name` of `size` bytes in `pool`, exported under its own name.
+    pub fn exported_volume(&self, name: &str, pool: &str, size: u64) {
+        let n = self.node();
+        n.create_volume(name, pool, size, false)
+            .unwrap_or_else(|e| panic!("create volume {name}: {e}"));
+        n.add_export(name, name, false, None)
+            .unwrap_or_else(|e| panic!("export {name}: {e}"));
+    }
+
+    /// What `GET /v1/pools/NAME` answers (`tessera --json pool status NAME`).
+    pub fn pool_json(&self, name: &str) -> Value {
+        json(self.node().pool_detail(name).expect("pool detail"))
+    }
+
+    /// What `GET /v1/pools` answers (`tessera --json pool list`).
+    pub fn pools_json(&self) -> Value {
+        json(self.node().list_pools())
+    }
+
+    /// What `GET /v1/volumes` answers (`tessera --json volume list`).
+    pub fn volumes_json(&self) -> Value {
+        json(self.node().list_volumes())
+    }
+}
+
+impl Drop for TestNode {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // Keep the files; a node that cannot be shut down must not hide the failure.
+            self.keep();
+            if let Some(n) = self.node.take() {
+                n.shutdown();
+            }
+        } else {
+            self.stop();
+        }
+    }
+}
+
+/// `v` as the JSON the management API would answer with.
+pub fn json(v: impl serde::Serialize) -> Value {
+    serde_json::to_value(v).expect("serializable")
+}
