@@ -30,13 +30,13 @@ pub enum Error {
     /// owner that is not a live member, or has no NVMe/TCP listener.
     #[error("{0}")]
     Unavailable(String),
-    /// A device, a file of the data directory, a peer or etcd failed: what was being
-    /// done, and the error.
     /// A request a lower layer refused as invalid (a QoS setting, a layout), keeping
     /// that layer's typed error (`tessera_api::Invalid`, `tessera_pool::LayoutError`):
     /// answered like [`Error::Invalid`], with the same message.
     #[error(transparent)]
     Rejected(Box<dyn std::error::Error + Send + Sync>),
+    /// A device, a file of the data directory, a peer or etcd failed: what was being
+    /// done, and the error.
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -77,7 +77,6 @@ impl Error {
     }
 }
 
-/// The pool's error, variant for variant; an I/O error keeps its `io::Error` source.
 /// A request's field that a lower layer refused: the field's name, and that layer's error
 /// as the cause (kept inside [`Error::Rejected`]).
 #[derive(Debug, thiserror::Error)]
@@ -119,6 +118,7 @@ impl From<tessera_pool::layout::LayoutError> for Error {
     }
 }
 
+/// The pool's error, variant for variant; an I/O error keeps its `io::Error` source.
 impl From<tessera_pool::Error> for Error {
     fn from(e: tessera_pool::Error) -> Error {
         use tessera_pool::Error as P;
