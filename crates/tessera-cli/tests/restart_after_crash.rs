@@ -135,11 +135,12 @@ volume = "bv"
     write_at(&n, "gv", &mut model, 3 * MIB, &pattern(42, MIB as usize));
     n.stop();
 
-    // The bad pool's device loses its label: that pool can no longer be opened.
+    // The bad pool's device loses its label (both slots, docs/format.md §1): that pool
+    // can no longer be opened.
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new().write(true).open(&bad).unwrap();
-        f.write_all_at(&[0u8; 4096], 0).unwrap();
+        f.write_all_at(&[0u8; 8192], 0).unwrap();
         f.sync_all().unwrap();
     }
     n.restart();
