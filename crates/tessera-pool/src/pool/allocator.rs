@@ -109,7 +109,10 @@ impl PoolCore {
             s = self.zero_done.wait_locked(s);
         };
         if zeroed {
-            // The reserve was used (or is empty): the zeroer tops it up.
+            // The reserve was used (or is empty): the zeroer tops it up. The flag, not
+            // the notification alone, carries the request: a zeroer that is not waiting
+            // yet (its thread not scheduled since the open) or is busy would miss it.
+            s.zeroer_wanted = true;
             self.zero_wanted.notify_one();
         }
         if zeroed && !is_zero {
@@ -327,15 +330,13 @@ impl PoolCore {
 pub(super) fn zeroer_loop(core: Arc<PoolCore>) {
     let unit = core.unit_size();
     let mut s = core.lock();
-    // Sleep until the first allocation asks for zeroed units.
-    let mut wanted = false;
     loop {
         if s.zeroer_stop {
             return;
         }
-        if !wanted || s.zeroed.len() >= ZERO_RESERVE || s.free.is_empty() {
+        // Sleep until an allocation asks for zeroed units (`State::zeroer_wanted`).
+        if !s.zeroer_wanted || s.zeroed.len() >= ZERO_RESERVE || s.free.is_empty() {
             s = core.zero_wanted.wait_locked(s);
-            wanted = true;
             continue;
         }
         let Some(p) = s.free.pop() else { continue };
@@ -357,7 +358,7 @@ pub(super) fn zeroer_loop(core: Arc<PoolCore>) {
             tracing::error!(pool = %core.name, error = %e, "zeroing a free unit failed");
             // Leave it to the allocator (which reports the error to its client) until
             // the next allocation asks again.
-            wanted = false;
+            s.zeroer_wanted = false;
         }
     }
 }

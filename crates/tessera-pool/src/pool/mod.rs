@@ -118,6 +118,9 @@ pub(crate) struct State {
     pub zero_epoch: u64,
     /// The pool is closing: the zeroer returns.
     pub zeroer_stop: bool,
+    /// An allocation asked for zeroed units (the first partial write since the open, or
+    /// one after the zeroer failed): the zeroer keeps the reserve full while set.
+    pub zeroer_wanted: bool,
     /// Parity pools: the allocation reserve (docs/format.md §3.5), units whose
     /// reservation is durable: the only units `allocate` hands out. Lowest first.
     pub reserve: VecDeque<u32>,
@@ -592,6 +595,7 @@ impl Pool {
                 zeroing: None,
                 zero_epoch: 0,
                 zeroer_stop: false,
+                zeroer_wanted: false,
                 reserve: VecDeque::new(),
                 reserving: Vec::new(),
                 reserve_wanted: false,
