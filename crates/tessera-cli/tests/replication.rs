@@ -13,6 +13,9 @@
 //!   every write acknowledged before an acknowledged flush reads back, only the activity
 //!   log's regions are reconciled (a small log: far from a full copy), and the replicas
 //!   compare equal.
+//! - The owner killed (-9) after one unflushed first write in every region, four times
+//!   the activity log's capacity: regions leave the log only once durable on every leg,
+//!   so the replicas compare equal after the restart.
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -392,6 +395,37 @@ fn the_owner_killed_under_writes_reconciles_its_activity_log_on_restart() {
             "block {i}: neither the flushed generation {g} nor the later write"
         );
     }
+    assert_same("node-b vs owner", &image(&cl.b, "replica"), &a_img);
+    assert_same("node-c vs owner", &image(&cl.c, "replica"), &a_img);
+}
+
+/// A region leaves the activity log only once its writes are durable on every replica
+/// that received them: after the owner's kill -9, restart reconciles the log's regions
+/// only, so one that had left it with a write the owner's pool had not yet committed
+/// (a first write: its allocation is in the pool's journal only after a flush) would
+/// read differently on the owner and on the replicas, for good.
+#[test]
+fn regions_leave_the_activity_log_only_once_durable_on_every_replica() {
+    let mut cl = cluster_with(
+        "repl-al-durable",
+        "",
+        "",
+        &format!("al_regions = {SMALL_AL}\n"),
+    );
+    let regions = (VOL / MIB) as usize;
+    let per_region = (MIB as usize) / BS;
+    let mut c = nbd_connect(&cl.a, "db");
+    // One acknowledged, unflushed first write in every region: four times the log's
+    // capacity, so most regions must leave it before the kill.
+    for r in 0..regions {
+        let i = r * per_region + 3;
+        c.write((i * BS) as u64, &block(i, 1, BS), false).unwrap();
+    }
+    drop(c);
+    cl.a.kill9();
+    cl.a.restart();
+    wait_for("replicas reconciled", 60, || all_in_sync(&cl.a));
+    let a_img = image(&cl.a, "db");
     assert_same("node-b vs owner", &image(&cl.b, "replica"), &a_img);
     assert_same("node-c vs owner", &image(&cl.c, "replica"), &a_img);
 }

@@ -522,28 +522,103 @@ fn resync_done(v: &ReplicatedVolume, m: &mut MetaFile, leg: usize) -> bool {
 /// that long is written again.
 const IDLE_TICK: Duration = Duration::from_secs(30);
 
+/// Whether region `r`'s writes are durable on every leg that receives writes (mask
+/// `masks`): only then may it leave the activity log (rule 4). After the owner's crash
+/// the restart reconciles the log's regions only, so a region out of the log must read
+/// the same on every leg whatever the crash lost; and a write not yet flushed may be
+/// lost on one leg and kept on another (the owner's own pool loses a first write whose
+/// allocation it had not committed; a replica's node keeps it).
+fn durable_everywhere(v: &ReplicatedVolume, r: usize, masks: u64) -> bool {
+    let written = v.written[r].load(Acquire);
+    let mut legs = in_sync(masks) | resyncing(masks);
+    while legs != 0 {
+        let l = legs.trailing_zeros() as usize;
+        legs &= legs - 1;
+        if unflushed(written, v.legs[l].flushed.load(Acquire)) {
+            return false;
+        }
+    }
+    true
+}
+
+/// Flush every leg that receives writes, as a client's FLUSH does (the local volume by
+/// a pool commit, a remote one by a FLUSH), so that the regions released so far become
+/// durable everywhere and may leave the activity log. Called when the log must shrink
+/// and its candidates are not durable yet: a client that never flushes still gets a
+/// log within its capacity. A leg whose flush fails, or whose connection broke
+/// meanwhile, keeps its flush epoch: its regions stay in the log (the datapath or
+/// [`watch_legs`] drops the leg).
+fn flush_legs(v: &ReplicatedVolume) {
+    let masks = v.masks.load(Acquire);
+    // Writes released before this are covered (as in `ReplicaCore::fan_out`'s flush).
+    let durable = v.flush_epoch.fetch_add(1, SeqCst).wrapping_add(1);
+    let mut legs = in_sync(masks) | resyncing(masks);
+    while legs != 0 {
+        let i = legs.trailing_zeros() as usize;
+        legs &= legs - 1;
+        let l = &v.legs[i];
+        let dev = match &*l.dev.read_locked() {
+            LegDev::Local(vol) => Ok(vol.clone()),
+            LegDev::Remote(Some(d)) => Err(d.clone()),
+            LegDev::Remote(None) => continue,
+        };
+        let flushed = match dev {
+            Ok(vol) => vol.sync().map_err(|e| e.to_string()),
+            // This thread is the one that moves `breaks_seen`: a break during the flush
+            // shows as a count that differs from it.
+            Err(d) => match d.sync() {
+                Ok(()) if d.breaks() == l.breaks_seen.load(Acquire) => Ok(()),
+                Ok(()) => Err("the connection broke".to_string()),
+                Err(e) => Err(e.to_string()),
+            },
+        };
+        match flushed {
+            Ok(()) => {
+                let _ = l.flushed.fetch_update(AcqRel, Acquire, |d| {
+                    unflushed(durable, d.wrapping_add(1)).then_some(durable)
+                });
+            }
+            Err(e) => warn!(volume = %v.name, leg = %l.place(), error = %e,
+                "replicated volume: flushing a replica for the activity log failed; its regions stay in the log"),
+        }
+    }
+}
+
 /// Let regions with no write in flight and none started since the last tick leave the
-/// activity log (their clear is written lazily, rule 4). True if any left.
+/// activity log once durable on every leg (flushing the legs first if some are not);
+/// their clear is written lazily, rule 4. True if any left.
 fn evict_idle(v: &ReplicatedVolume, m: &mut MetaFile, seen: &mut [u16]) -> bool {
+    let idle = |seen: u16, x: u32| {
+        x & HOT != 0 && x & INFLIGHT == 0 && (x >> STARTED_SHIFT) as u16 == seen
+    };
+    let masks = v.masks.load(Acquire);
+    if v.regions.iter().enumerate().any(|(r, w)| {
+        let x = w.load(Acquire);
+        idle(seen[r], x) && !durable_everywhere(v, r, masks)
+    }) {
+        flush_legs(v);
+    }
+    let masks = v.masks.load(Acquire);
     let mut any = false;
     for (r, w) in v.regions.iter().enumerate() {
         let x = w.load(Acquire);
-        let started = (x >> STARTED_SHIFT) as u16;
-        if x & HOT != 0
-            && x & INFLIGHT == 0
-            && started == seen[r]
+        // Durability is read between the load and the exchange: a write that starts or
+        // ends in between changes the word (its in-flight or started count).
+        if idle(seen[r], x)
+            && durable_everywhere(v, r, masks)
             && w.compare_exchange(x, x & !HOT, AcqRel, Relaxed).is_ok()
         {
             m.set_hot(r as u64, false);
             any = true;
         }
-        seen[r] = started;
+        seen[r] = (x >> STARTED_SHIFT) as u16;
     }
     any
 }
 
 /// Keep the activity log within its capacity (or empty it, closing): regions with no
-/// write in flight leave it (rule 4).
+/// write in flight and durable on every leg leave it (rule 4); when too few are, the
+/// legs are flushed first.
 fn evict(v: &ReplicatedVolume, m: &mut MetaFile, cursor: &mut u64, all: bool) {
     let cap = u64::from(m.header.al_capacity.max(1));
     let mut hot = m.count(0);
@@ -552,6 +627,18 @@ fn evict(v: &ReplicatedVolume, m: &mut MetaFile, cursor: &mut u64, all: bool) {
     }
     let target = if all { 0 } else { cap * 3 / 4 };
     let n = m.header.regions;
+    let masks = v.masks.load(Acquire);
+    let ready = (0..n)
+        .filter(|&r| crate::meta::bit(&m.hot, r))
+        .filter(|&r| {
+            v.regions[usize_of(r)].load(Acquire) & INFLIGHT == 0
+                && durable_everywhere(v, usize_of(r), masks)
+        })
+        .count() as u64;
+    if hot.saturating_sub(ready) > target {
+        flush_legs(v);
+    }
+    let masks = v.masks.load(Acquire);
     for _ in 0..n {
         if hot <= target {
             break;
@@ -563,7 +650,10 @@ fn evict(v: &ReplicatedVolume, m: &mut MetaFile, cursor: &mut u64, all: bool) {
         }
         let w = &v.regions[usize_of(r)];
         let x = w.load(Acquire);
-        if x & INFLIGHT == 0 && w.compare_exchange(x, x & !HOT, AcqRel, Relaxed).is_ok() {
+        if x & INFLIGHT == 0
+            && durable_everywhere(v, usize_of(r), masks)
+            && w.compare_exchange(x, x & !HOT, AcqRel, Relaxed).is_ok()
+        {
             m.set_hot(r, false);
             hot -= 1;
         }

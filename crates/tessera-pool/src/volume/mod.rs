@@ -450,6 +450,12 @@ impl Volume {
         self.allocated.load(Relaxed) << self.pool.unit_shift
     }
 
+    /// Make every write completed on this volume so far durable, with the thin-map
+    /// changes that find it (a pool commit). Blocks: not for a reactor thread.
+    pub fn sync(&self) -> crate::Result<()> {
+        self.pool.commit()
+    }
+
     pub fn pool_name(&self) -> &str {
         &self.pool.name
     }
