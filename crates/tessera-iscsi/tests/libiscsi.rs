@@ -199,6 +199,56 @@ fn iscsi_test_cu_block_command_subset_passes() {
     assert_eq!(failed_total, 0, "iscsi-test-cu failures:\n{report}");
 }
 
+/// libiscsi's persistent reservation tests (PERSISTENT RESERVE IN/OUT), two initiators
+/// (the second from `--initiator-name-2`) on the same LUN; every one must pass, and
+/// none may be skipped as not supported.
+#[test]
+fn iscsi_test_cu_persistent_reservations_pass() {
+    if !require_tool("iscsi-test-cu") {
+        return;
+    }
+    let s = serve();
+    let mut failed_total = 0;
+    let mut report = String::new();
+    for t in [
+        "SCSI.PrinReadKeys",
+        "SCSI.PrinServiceactionRange",
+        "SCSI.PrinReportCapabilities",
+        "SCSI.ProutRegister",
+        "SCSI.ProutReserve",
+        "SCSI.ProutClear",
+        "SCSI.ProutPreempt",
+    ] {
+        let (_, out) = run_tool(
+            "iscsi-test-cu",
+            &[
+                "--dataloss",
+                "--initiator-name",
+                "iqn.2026-11.io.tessera:pr-initiator-1",
+                "--initiator-name-2",
+                "iqn.2026-11.io.tessera:pr-initiator-2",
+                &format!("--test={t}"),
+                &s.url(0),
+            ],
+        );
+        let Some((passed, failed)) = cunit_counts(&out) else {
+            panic!("{t}: no CUnit summary:\n{out}");
+        };
+        // A target without PERSISTENT RESERVE passes these as CUnit passes, with
+        // "[SKIPPED] PROUT Not Supported" (or PRIN) in the output: count those as failures.
+        let skipped = out.matches("[SKIPPED]").count();
+        report.push_str(&format!(
+            "{t}: {passed} passed, {failed} failed, {skipped} skipped\n"
+        ));
+        if failed > 0 || skipped > 0 {
+            eprintln!("{t} output:\n{out}");
+        }
+        failed_total += usize::try_from(failed).unwrap() + skipped;
+    }
+    eprintln!("{report}");
+    assert_eq!(failed_total, 0, "iscsi-test-cu failures:\n{report}");
+}
+
 const HOST1: &str = "iqn.2026-11.io.example:host1";
 const HOST2: &str = "iqn.2026-11.io.example:host2";
 const USER: &str = "alice";
