@@ -493,7 +493,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         if !self.discovery {
             if let Some(t) = self.target.target(&self.target_name) {
                 self.session = Some(t.session_opened());
-                for (i, e) in t.luns.iter().enumerate() {
+                for ((i, e), shared) in t.luns.iter().enumerate().zip(&t.shared) {
                     let stats = e.target.register_stats();
                     let unit = Unit {
                         blocks: e.target.size() >> BLOCK_SHIFT,
@@ -510,7 +510,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                     );
                     self.luns.push(Lu {
                         gate,
-                        caw: LuShared::of(e.target.identity()),
+                        caw: shared.clone(),
                         vol: e.target.open(),
                         target: e.target.clone(),
                         unit,

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use tessera_device::{BlockDevice, RamDevice};
 use tessera_export::budget::{BufferBudget, ListenerCap};
-use tessera_export::Export;
+use tessera_export::{Export, ExportTarget};
 use tessera_iscsi::accept::accept_loop;
 use tessera_iscsi::auth::{Access, Chap, Credentials};
 use tessera_iscsi::target::Target;
@@ -247,6 +247,24 @@ fn iscsi_test_cu_persistent_reservations_pass() {
     }
     eprintln!("{report}");
     assert_eq!(failed_total, 0, "iscsi-test-cu failures:\n{report}");
+    // Registrations outlive the sessions that made them: the unit's state is the one
+    // all seven runs (one process, one login each) changed, every registration and
+    // unregistration a step of its generation.
+    // Once every connection has finished (a closed connection's task lives until its
+    // 1 s login tick has fired), only the target holds the unit's state.
+    let t = s.target.target(IQN).unwrap();
+    let deadline = Instant::now() + std::time::Duration::from_secs(5);
+    while t.sessions() != 0 && Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let unit = tessera_iscsi::lu::LuShared::of(s.vol.identity());
+    assert!(Arc::ptr_eq(&unit, &t.shared[0]));
+    let keys = unit.pr_in(tessera_iscsi::pr::READ_KEYS).unwrap();
+    let generation = u32::from_be_bytes(keys[..4].try_into().unwrap());
+    eprintln!("PRgeneration {generation}");
+    assert!(generation >= 30, "PRgeneration {generation}");
+    assert_eq!(&keys[4..8], &[0, 0, 0, 0], "registrations left: {keys:?}");
 }
 
 const HOST1: &str = "iqn.2026-11.io.example:host1";
