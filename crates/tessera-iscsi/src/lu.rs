@@ -99,14 +99,27 @@ impl LuShared {
         self.pr.locked().conflicts(n, access)
     }
 
-    /// PERSISTENT RESERVE IN: the whole data of service action `sa`.
+    /// PERSISTENT RESERVE IN: the whole data of service action `sa`. REPORT
+    /// CAPABILITIES says APTPL is supported (PTPL_C) only while a [`Persist`] is
+    /// installed.
     pub fn pr_in(&self, sa: u8) -> Result<Vec<u8>, crate::scsi::Sense> {
-        self.pr.locked().prin(sa)
+        let mut d = self.pr.locked().prin(sa)?;
+        if sa == crate::pr::REPORT_CAPABILITIES && self.persist.locked().is_none() {
+            d[2] &= !0x01;
+        }
+        Ok(d)
     }
 
     /// PERSISTENT RESERVE OUT from nexus `n`. A change is saved through the installed
     /// [`Persist`] when APTPL is (or was) set, before the command completes.
+    /// Without one installed, APTPL set is an invalid field in the parameter list
+    /// (SPC-4 §6.16.4: PTPL_C is 0).
     pub fn pr_out(&self, n: &Nexus, req: &ProutRequest) -> Result<(), PrError> {
+        if req.aptpl && self.persist.locked().is_none() {
+            return Err(PrError::Check(
+                crate::scsi::Sense::INVALID_FIELD_IN_PARAMETER_LIST,
+            ));
+        }
         let mut pr = self.pr.locked();
         let was_aptpl = pr.aptpl();
         let changed = pr.prout(n, req)?;
@@ -126,11 +139,13 @@ impl LuShared {
     }
 
     /// Restore a state [`Persist`] saved (at start, before connections serve the
-    /// unit). A state saved without APTPL (the last REGISTER cleared it) restores as
-    /// no registrations.
+    /// unit). A state saved without APTPL (the last REGISTER cleared it) restores
+    /// nothing: the unit keeps the state it has.
     pub fn load_persisted(&self, bytes: &[u8]) -> Result<(), &'static str> {
         let s = PrState::from_bytes(bytes)?;
-        let s = if s.aptpl() { s } else { PrState::default() };
+        if !s.aptpl() {
+            return Ok(());
+        }
         let mut pr = self.pr.locked();
         self.reserved.store(s.reservation_type(), Ordering::Release);
         *pr = s;
@@ -162,9 +177,6 @@ mod tests {
     fn reservations_are_shared_and_persisted_with_aptpl() {
         use crate::pr::{REGISTER, RESERVE};
         let l = LuShared::of(0x7777_0001);
-        let saved = Arc::new(Mutex::new(Vec::<Vec<u8>>::new()));
-        let s2 = saved.clone();
-        l.set_persist(Box::new(move |b| s2.locked().push(b.to_vec())));
         let (a, b) = (Nexus::new("a", [0; 6], "t"), Nexus::new("b", [0; 6], "t"));
         let req = |sa, ptype, key, sa_key, aptpl| ProutRequest {
             sa,
@@ -174,6 +186,18 @@ mod tests {
             sa_key,
             aptpl,
         };
+        // No persister: APTPL is refused, and REPORT CAPABILITIES says so (PTPL_C 0).
+        assert_eq!(l.pr_in(crate::pr::REPORT_CAPABILITIES).unwrap()[2] & 1, 0);
+        assert_eq!(
+            l.pr_out(&a, &req(REGISTER, 0, 0, 1, true)),
+            Err(PrError::Check(
+                crate::scsi::Sense::INVALID_FIELD_IN_PARAMETER_LIST
+            ))
+        );
+        let saved = Arc::new(Mutex::new(Vec::<Vec<u8>>::new()));
+        let s2 = saved.clone();
+        l.set_persist(Box::new(move |b| s2.locked().push(b.to_vec())));
+        assert_eq!(l.pr_in(crate::pr::REPORT_CAPABILITIES).unwrap()[2] & 1, 1);
         // Without APTPL nothing is saved.
         l.pr_out(&a, &req(REGISTER, 0, 0, 1, false)).unwrap();
         assert!(saved.locked().is_empty());
@@ -191,7 +215,7 @@ mod tests {
         fresh.load_persisted(&last).unwrap();
         assert!(fresh.pr_conflict(&b, Access::Write));
         assert_eq!(fresh.pr_in(1).unwrap(), l.pr_in(1).unwrap());
-        // APTPL cleared by a REGISTER: saved once more, and restores as nothing.
+        // APTPL cleared by a REGISTER: saved once more, and restores nothing.
         l.pr_out(&a, &req(REGISTER, 0, 1, 1, false)).unwrap();
         let last = saved.locked().last().cloned().unwrap();
         assert_eq!(saved.locked().len(), 3);

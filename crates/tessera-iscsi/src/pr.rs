@@ -7,6 +7,9 @@
 //! connection serving the volume; this module is the state machine alone (no locking),
 //! and the serialized form APTPL ("activate persist through power loss") saves.
 //!
+//! APTPL is accepted only where the owner installed a persister (`LuShared::set_persist`):
+//! elsewhere REPORT CAPABILITIES says PTPL_C 0 and APTPL set is an invalid field.
+//!
 //! What is not supported: SPEC_I_PT and ALL_TG_PT (REPORT CAPABILITIES says so; a
 //! REGISTER that sets either is an invalid field in the parameter list), REGISTER AND
 //! MOVE (INVALID FIELD IN CDB), unit attentions to the other I_T nexuses on preemption
@@ -421,7 +424,8 @@ impl PrState {
             }
             REPORT_CAPABILITIES => {
                 put_u16(&mut d, 0, 8);
-                // CRH, SIP_C, ATP_C 0; PTPL_C: APTPL is supported.
+                // CRH, SIP_C, ATP_C 0; PTPL_C (cleared by LuShared::pr_in when no
+                // persister is installed).
                 d[2] = 0x01;
                 // TMV: the type mask is valid; ALLOW COMMANDS 0; PTPL_A.
                 d[3] = 0x80 | u8::from(self.aptpl);
