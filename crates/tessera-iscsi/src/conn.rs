@@ -28,6 +28,7 @@ use tracing::{debug, info, warn};
 use crate::login::Login;
 use crate::lu::LuShared;
 use crate::pdu::{self, *};
+use crate::pr::{self, Nexus, PrError, ProutRequest};
 use crate::scsi::{self, Command, Sense, Unit, BLOCK_SHIFT};
 use crate::target::Target;
 use crate::text::{self, Params, TARGET_MAX_RECV_DATA_SEGMENT};
@@ -170,6 +171,8 @@ pub struct IscsiConn<T: ExportTarget> {
     state: State,
     discovery: bool,
     initiator: String,
+    /// The I_T nexus persistent reservations know this session by.
+    nexus: Nexus,
     /// This session in its target's count of sessions (normal sessions only).
     session: Option<crate::target::SessionCount>,
     target_name: String,
@@ -207,6 +210,7 @@ impl<T: ExportTarget> IscsiConn<T> {
             state: State::Login(Box::new(Login::new())),
             discovery: false,
             initiator: String::new(),
+            nexus: Nexus::default(),
             session: None,
             target_name: String::new(),
             params: Params::default(),
@@ -478,6 +482,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         self.discovery = login.discovery;
         self.initiator = login.initiator_name.unwrap_or_default();
         self.target_name = login.target_name.unwrap_or_default();
+        self.nexus = Nexus::new(&self.initiator, login.isid, &self.target_name);
         // Digests start with the first PDU after the final login response, both ways.
         let d = Digests {
             header: self.params.header_digest,
@@ -488,7 +493,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         if !self.discovery {
             if let Some(t) = self.target.target(&self.target_name) {
                 self.session = Some(t.session_opened());
-                for (i, e) in t.luns.iter().enumerate() {
+                for ((i, e), shared) in t.luns.iter().enumerate().zip(&t.shared) {
                     let stats = e.target.register_stats();
                     let unit = Unit {
                         blocks: e.target.size() >> BLOCK_SHIFT,
@@ -505,7 +510,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                     );
                     self.luns.push(Lu {
                         gate,
-                        caw: LuShared::of(e.target.identity()),
+                        caw: shared.clone(),
                         vol: e.target.open(),
                         target: e.target.clone(),
                         unit,
@@ -720,6 +725,14 @@ impl<T: ExportTarget> IscsiConn<T> {
                 };
             }
         };
+        // A reservation that forbids the command to this I_T nexus: refused before
+        // its data is asked for.
+        if self.luns[lun]
+            .caw
+            .pr_conflict(&self.nexus, pr::access_of(&cmd))
+        {
+            return self.respond(itt, pr::RESERVATION_CONFLICT, None, NO_RESIDUAL);
+        }
         let Some(s) = self.free.pop() else {
             return self.respond(itt, BUSY, None, NO_RESIDUAL);
         };
@@ -779,7 +792,12 @@ impl<T: ExportTarget> IscsiConn<T> {
             // is ignored: the command is served as its CDB says.
             return self.execute(io, s);
         }
-        let writes = !matches!(cmd, Command::Verify { .. } | Command::ModeSelect { .. });
+        let writes = !matches!(
+            cmd,
+            Command::Verify { .. }
+                | Command::ModeSelect { .. }
+                | Command::PersistentReserveOut { .. }
+        );
         if writes && self.luns[lun].unit.read_only {
             self.free_slot(io, s);
             return self.respond(
@@ -1190,6 +1208,35 @@ impl<T: ExportTarget> IscsiConn<T> {
                     None => Ok(()),
                 };
                 self.finish(io, s, r.err())
+            }
+            Command::PersistentReserveIn { sa, alloc } => match self.luns[lun].caw.pr_in(sa) {
+                Ok(d) => self.answer_data(io, Some(s), itt, edtl, d, alloc),
+                Err(e) => self.finish(io, s, Some(e)),
+            },
+            Command::PersistentReserveOut {
+                sa,
+                scope,
+                ptype,
+                param_len,
+            } => {
+                let want = usize_of(u64::from(self.slots[idx].want));
+                let params = match self.slots[idx].buf.as_ref() {
+                    Some(b) if u64::from(param_len) == u64::from(self.slots[idx].want) => {
+                        &b.as_slice()[..want]
+                    }
+                    _ => &[][..],
+                };
+                let r = ProutRequest::parse(sa, scope, ptype, params)
+                    .map_err(PrError::Check)
+                    .and_then(|req| self.luns[lun].caw.pr_out(&self.nexus, &req));
+                match r {
+                    Ok(()) => self.finish(io, s, None),
+                    Err(PrError::Check(e)) => self.finish(io, s, Some(e)),
+                    Err(PrError::Conflict) => {
+                        self.free_slot(io, s);
+                        self.respond(itt, pr::RESERVATION_CONFLICT, None, NO_RESIDUAL);
+                    }
+                }
             }
             Command::ReportOpcodes(q) => match scsi::report_opcodes(&q) {
                 Ok(d) => self.answer_data(io, Some(s), itt, edtl, d, q.alloc),

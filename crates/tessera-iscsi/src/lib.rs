@@ -11,7 +11,9 @@
 //! - [`scsi`]: CDB decoding, the data of INQUIRY/READ CAPACITY/MODE SENSE/REPORT LUNS,
 //!   sense data.
 //! - [`lu`]: what the connections serving one volume share: the ranges COMPARE AND
-//!   WRITE and ORWRITE hold.
+//!   WRITE and ORWRITE hold, and the persistent reservations.
+//! - [`pr`]: persistent reservations (PERSISTENT RESERVE IN/OUT): the state machine,
+//!   the conflict table, the form APTPL saves.
 //! - [`target`]: the named targets and their LUNs, SendTargets, session handles.
 //! - [`accept`]: the listener, handing each connection to a reactor core.
 //! - [`conn`]: one connection (one session) on a reactor core: a [`tessera_io::Task`]
@@ -23,6 +25,7 @@ pub mod conn;
 pub mod login;
 pub mod lu;
 pub mod pdu;
+pub mod pr;
 pub mod scsi;
 pub mod target;
 pub mod text;

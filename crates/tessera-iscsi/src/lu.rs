@@ -6,11 +6,20 @@
 //!   is answered BUSY (the initiator retries), so no iSCSI write lands between the read
 //!   and the write. Writes already in flight when the range is taken, and writes from
 //!   NBD or NVMe/TCP, are not ordered by it.
+//! - Persistent reservations ([`crate::pr`]): registrations and the reservation of the
+//!   unit, for every I_T nexus. Commands look at them only while a reservation exists:
+//!   a unit without one pays one atomic load per command.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use tessera_io::sync::MutexExt;
+
+use crate::pr::{Access, Nexus, PrError, PrState, ProutRequest};
+
+/// Saves the serialized reservation state ([`PrState::to_bytes`]) where it survives a
+/// restart, for the units whose last REGISTER set APTPL.
+pub type Persist = Box<dyn Fn(&[u8]) + Send + Sync>;
 
 #[derive(Default)]
 pub struct LuShared {
@@ -19,6 +28,11 @@ pub struct LuShared {
     count: AtomicUsize,
     /// Held ranges: (first block, blocks).
     held: Mutex<Vec<(u64, u64)>>,
+    /// The reservation's type, 0 while there is none: commands look at `pr` only when
+    /// it is non-zero (changed under `pr`'s lock).
+    reserved: AtomicU8,
+    pr: Mutex<PrState>,
+    persist: Mutex<Option<Persist>>,
 }
 
 fn overlap(a: (u64, u64), lba: u64, blocks: u64) -> bool {
@@ -70,6 +84,73 @@ impl LuShared {
         }
         self.held.locked().iter().any(|&r| overlap(r, lba, blocks))
     }
+
+    /// Whether a command of class `access` from nexus `n` meets a RESERVATION
+    /// CONFLICT.
+    pub fn pr_conflict(&self, n: &Nexus, access: Access) -> bool {
+        let t = self.reserved.load(Ordering::Acquire);
+        if t == 0 || access == Access::Free {
+            return false;
+        }
+        // Write Exclusive types let everyone read.
+        if access == Access::Read && matches!(t, 1 | 5 | 7) {
+            return false;
+        }
+        self.pr.locked().conflicts(n, access)
+    }
+
+    /// PERSISTENT RESERVE IN: the whole data of service action `sa`. REPORT
+    /// CAPABILITIES says APTPL is supported (PTPL_C) only while a [`Persist`] is
+    /// installed.
+    pub fn pr_in(&self, sa: u8) -> Result<Vec<u8>, crate::scsi::Sense> {
+        let mut d = self.pr.locked().prin(sa)?;
+        if sa == crate::pr::REPORT_CAPABILITIES && self.persist.locked().is_none() {
+            d[2] &= !0x01;
+        }
+        Ok(d)
+    }
+
+    /// PERSISTENT RESERVE OUT from nexus `n`. A change is saved through the installed
+    /// [`Persist`] when APTPL is (or was) set, before the command completes.
+    /// Without one installed, APTPL set is an invalid field in the parameter list
+    /// (SPC-4 §6.16.4: PTPL_C is 0).
+    pub fn pr_out(&self, n: &Nexus, req: &ProutRequest) -> Result<(), PrError> {
+        if req.aptpl && self.persist.locked().is_none() {
+            return Err(PrError::Check(
+                crate::scsi::Sense::INVALID_FIELD_IN_PARAMETER_LIST,
+            ));
+        }
+        let mut pr = self.pr.locked();
+        let was_aptpl = pr.aptpl();
+        let changed = pr.prout(n, req)?;
+        self.reserved
+            .store(pr.reservation_type(), Ordering::Release);
+        if changed && (was_aptpl || pr.aptpl()) {
+            if let Some(p) = self.persist.locked().as_ref() {
+                p(&pr.to_bytes());
+            }
+        }
+        Ok(())
+    }
+
+    /// Install what saves the reservation state when APTPL is set.
+    pub fn set_persist(&self, p: Persist) {
+        *self.persist.locked() = Some(p);
+    }
+
+    /// Restore a state [`Persist`] saved (at start, before connections serve the
+    /// unit). A state saved without APTPL (the last REGISTER cleared it) restores
+    /// nothing: the unit keeps the state it has.
+    pub fn load_persisted(&self, bytes: &[u8]) -> Result<(), &'static str> {
+        let s = PrState::from_bytes(bytes)?;
+        if !s.aptpl() {
+            return Ok(());
+        }
+        let mut pr = self.pr.locked();
+        self.reserved.store(s.reservation_type(), Ordering::Release);
+        *pr = s;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -90,5 +171,57 @@ mod tests {
         l.release(14, 1);
         l.release(15, 1);
         assert!(!l.busy(0, u64::MAX));
+    }
+
+    #[test]
+    fn reservations_are_shared_and_persisted_with_aptpl() {
+        use crate::pr::{REGISTER, RESERVE};
+        let l = LuShared::of(0x7777_0001);
+        let (a, b) = (Nexus::new("a", [0; 6], "t"), Nexus::new("b", [0; 6], "t"));
+        let req = |sa, ptype, key, sa_key, aptpl| ProutRequest {
+            sa,
+            scope: 0,
+            ptype,
+            key,
+            sa_key,
+            aptpl,
+        };
+        // No persister: APTPL is refused, and REPORT CAPABILITIES says so (PTPL_C 0).
+        assert_eq!(l.pr_in(crate::pr::REPORT_CAPABILITIES).unwrap()[2] & 1, 0);
+        assert_eq!(
+            l.pr_out(&a, &req(REGISTER, 0, 0, 1, true)),
+            Err(PrError::Check(
+                crate::scsi::Sense::INVALID_FIELD_IN_PARAMETER_LIST
+            ))
+        );
+        let saved = Arc::new(Mutex::new(Vec::<Vec<u8>>::new()));
+        let s2 = saved.clone();
+        l.set_persist(Box::new(move |b| s2.locked().push(b.to_vec())));
+        assert_eq!(l.pr_in(crate::pr::REPORT_CAPABILITIES).unwrap()[2] & 1, 1);
+        // Without APTPL nothing is saved.
+        l.pr_out(&a, &req(REGISTER, 0, 0, 1, false)).unwrap();
+        assert!(saved.locked().is_empty());
+        assert!(!l.pr_conflict(&b, Access::Write));
+        l.pr_out(&a, &req(REGISTER, 0, 1, 1, true)).unwrap();
+        l.pr_out(&a, &req(RESERVE, 3, 1, 0, false)).unwrap();
+        assert_eq!(saved.locked().len(), 2);
+        // Every connection of the volume sees the reservation.
+        let other = LuShared::of(0x7777_0001);
+        assert!(other.pr_conflict(&b, Access::Read) && !other.pr_conflict(&a, Access::Read));
+        assert!(!other.pr_conflict(&b, Access::Free));
+        // What was saved restores the reservation in a fresh unit.
+        let last = saved.locked().last().cloned().unwrap();
+        let fresh = LuShared::default();
+        fresh.load_persisted(&last).unwrap();
+        assert!(fresh.pr_conflict(&b, Access::Write));
+        assert_eq!(fresh.pr_in(1).unwrap(), l.pr_in(1).unwrap());
+        // APTPL cleared by a REGISTER: saved once more, and restores nothing.
+        l.pr_out(&a, &req(REGISTER, 0, 1, 1, false)).unwrap();
+        let last = saved.locked().last().cloned().unwrap();
+        assert_eq!(saved.locked().len(), 3);
+        let fresh = LuShared::default();
+        fresh.load_persisted(&last).unwrap();
+        assert!(!fresh.pr_conflict(&b, Access::Write));
+        assert!(fresh.load_persisted(b"junk").is_err());
     }
 }

@@ -230,6 +230,19 @@ pub enum Command {
         format: u8,
         alloc: u32,
     },
+    /// PERSISTENT RESERVE IN with service action `sa` (0..=3; others are refused).
+    PersistentReserveIn {
+        sa: u8,
+        alloc: u32,
+    },
+    /// PERSISTENT RESERVE OUT: service action, scope and type from the CDB, and the
+    /// parameter list's length.
+    PersistentReserveOut {
+        sa: u8,
+        scope: u8,
+        ptype: u8,
+        param_len: u32,
+    },
 }
 
 /// REPORT SUPPORTED OPERATION CODES' fields.
@@ -286,6 +299,7 @@ impl Command {
             } if blocks > 0 => u64::from(BLOCK_SIZE),
             Command::CompareAndWrite { blocks, .. } => u64::from(blocks) << (BLOCK_SHIFT + 1),
             Command::OrWrite { blocks, .. } => u64::from(blocks) << BLOCK_SHIFT,
+            Command::PersistentReserveOut { param_len, .. } => u64::from(param_len),
             _ => 0,
         }
     }
@@ -434,6 +448,28 @@ pub fn decode(cdb: &[u8]) -> Result<Command, Sense> {
             blocks: get_u32(cdb, 10),
         }),
         0x1b | 0x1e => Ok(Command::NoOp),
+        0x5e => {
+            let sa = cdb[1] & 0x1f;
+            if sa > crate::pr::READ_FULL_STATUS {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::PersistentReserveIn {
+                sa,
+                alloc: u32::from(get_u16(cdb, 7)),
+            })
+        }
+        0x5f => {
+            let sa = cdb[1] & 0x1f;
+            if sa > crate::pr::REGISTER_AND_MOVE {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::PersistentReserveOut {
+                sa,
+                scope: cdb[2] >> 4,
+                ptype: cdb[2] & 0x0f,
+                param_len: get_u32(cdb, 5),
+            })
+        }
         0x15 | 0x55 => {
             // SP: saving pages is not supported (there are no saved pages).
             if cdb[1] & 0x01 != 0 {
@@ -895,6 +931,47 @@ const SUPPORTED: &[(u8, Option<u16>, &[u8])] = &[
         0x5a,
         None,
         &[0x5a, 0x08, 0xff, 0xff, 0, 0, 0, 0xff, 0xff, 0],
+    ),
+    // PERSISTENT RESERVE IN (READ KEYS .. READ FULL STATUS) and OUT (REGISTER ..
+    // REGISTER AND IGNORE EXISTING KEY; not REGISTER AND MOVE).
+    (0x5e, Some(0), &[0x5e, 0x1f, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    (0x5e, Some(1), &[0x5e, 0x1f, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    (0x5e, Some(2), &[0x5e, 0x1f, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    (0x5e, Some(3), &[0x5e, 0x1f, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    (
+        0x5f,
+        Some(0),
+        &[0x5f, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    (
+        0x5f,
+        Some(1),
+        &[0x5f, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    (
+        0x5f,
+        Some(2),
+        &[0x5f, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    (
+        0x5f,
+        Some(3),
+        &[0x5f, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    (
+        0x5f,
+        Some(4),
+        &[0x5f, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    (
+        0x5f,
+        Some(5),
+        &[0x5f, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    (
+        0x5f,
+        Some(6),
+        &[0x5f, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
     ),
     (
         0x88,

@@ -12,6 +12,7 @@ use thiserror::Error;
 
 use crate::auth::{Access, AccessError};
 use crate::login::PORTAL_GROUP_TAG;
+use crate::lu::LuShared;
 use crate::text::valid_name;
 
 /// LUNs per target (single-level LUN addressing as this target encodes it).
@@ -38,6 +39,11 @@ pub enum Error {
 pub struct TargetEntry<T> {
     pub name: String,
     pub luns: Vec<Export<T>>,
+    /// What the connections serving each LUN share ([`LuShared::of`] its volume), held
+    /// for as long as the target exists: persistent reservations outlive the sessions
+    /// that made them. The owner may install a persister here
+    /// ([`LuShared::set_persist`]) and restore a saved state.
+    pub shared: Vec<Arc<LuShared>>,
     /// Replaced whole by [`Target::set_access`]; a login takes the one current when
     /// it names the target and keeps it to its end.
     access: RwLock<Arc<Access>>,
@@ -173,6 +179,10 @@ impl<T: ExportTarget> Target<T> {
             name.to_string(),
             Arc::new(TargetEntry {
                 name: name.to_string(),
+                shared: luns
+                    .iter()
+                    .map(|e| LuShared::of(e.target.identity()))
+                    .collect(),
                 luns,
                 access: RwLock::new(Arc::new(access)),
                 sessions: Arc::default(),

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use tessera_device::{BlockDevice, RamDevice};
 use tessera_export::budget::{BufferBudget, ListenerCap};
-use tessera_export::Export;
+use tessera_export::{Export, ExportTarget};
 use tessera_iscsi::accept::accept_loop;
 use tessera_iscsi::auth::{Access, Chap, Credentials};
 use tessera_iscsi::target::Target;
@@ -197,6 +197,74 @@ fn iscsi_test_cu_block_command_subset_passes() {
     }
     eprintln!("{report}");
     assert_eq!(failed_total, 0, "iscsi-test-cu failures:\n{report}");
+}
+
+/// libiscsi's persistent reservation tests (PERSISTENT RESERVE IN/OUT), two initiators
+/// (the second from `--initiator-name-2`) on the same LUN; every one must pass, and
+/// none may be skipped as not supported.
+#[test]
+fn iscsi_test_cu_persistent_reservations_pass() {
+    if !require_tool("iscsi-test-cu") {
+        return;
+    }
+    let s = serve();
+    let mut failed_total = 0;
+    let mut report = String::new();
+    for t in [
+        "SCSI.PrinReadKeys",
+        "SCSI.PrinServiceactionRange",
+        "SCSI.PrinReportCapabilities",
+        "SCSI.ProutRegister",
+        "SCSI.ProutReserve",
+        "SCSI.ProutClear",
+        "SCSI.ProutPreempt",
+    ] {
+        let (_, out) = run_tool(
+            "iscsi-test-cu",
+            &[
+                "--dataloss",
+                "--initiator-name",
+                "iqn.2026-11.io.tessera:pr-initiator-1",
+                "--initiator-name-2",
+                "iqn.2026-11.io.tessera:pr-initiator-2",
+                &format!("--test={t}"),
+                &s.url(0),
+            ],
+        );
+        let Some((passed, failed)) = cunit_counts(&out) else {
+            panic!("{t}: no CUnit summary:\n{out}");
+        };
+        // A target without PERSISTENT RESERVE passes these as CUnit passes, with
+        // "[SKIPPED] PROUT Not Supported" (or PRIN) in the output: count those as failures.
+        let skipped = out.matches("[SKIPPED]").count();
+        report.push_str(&format!(
+            "{t}: {passed} passed, {failed} failed, {skipped} skipped\n"
+        ));
+        if failed > 0 || skipped > 0 {
+            eprintln!("{t} output:\n{out}");
+        }
+        failed_total += usize::try_from(failed).unwrap() + skipped;
+    }
+    eprintln!("{report}");
+    assert_eq!(failed_total, 0, "iscsi-test-cu failures:\n{report}");
+    // Registrations outlive the sessions that made them: the unit's state is the one
+    // all seven runs (one process, one login each) changed, every registration and
+    // unregistration a step of its generation.
+    // Once every connection has finished (a closed connection's task lives until its
+    // 1 s login tick has fired), only the target holds the unit's state.
+    let t = s.target.target(IQN).unwrap();
+    let deadline = Instant::now() + std::time::Duration::from_secs(5);
+    while t.sessions() != 0 && Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let unit = tessera_iscsi::lu::LuShared::of(s.vol.identity());
+    assert!(Arc::ptr_eq(&unit, &t.shared[0]));
+    let keys = unit.pr_in(tessera_iscsi::pr::READ_KEYS).unwrap();
+    let generation = u32::from_be_bytes(keys[..4].try_into().unwrap());
+    eprintln!("PRgeneration {generation}");
+    assert!(generation >= 30, "PRgeneration {generation}");
+    assert_eq!(&keys[4..8], &[0, 0, 0, 0], "registrations left: {keys:?}");
 }
 
 const HOST1: &str = "iqn.2026-11.io.example:host1";

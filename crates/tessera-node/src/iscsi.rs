@@ -95,6 +95,9 @@ pub struct IscsiState {
     pub(crate) target: Arc<Target<NodeTarget>>,
     /// The portals (`HOST:PORT`) the listener serves.
     pub(crate) portals: Mutex<Vec<String>>,
+    /// `DATA_DIR/iscsi-pr`: each LUN's persistent reservation state, saved while its
+    /// last REGISTER set APTPL (`POOL_UUID-VOLUME_ID.tpr`, the crate's versioned form).
+    pub(crate) pr_dir: PathBuf,
 }
 
 impl IscsiState {
@@ -106,6 +109,7 @@ impl IscsiState {
             file: Mutex::new(file),
             target: Target::new(),
             portals: Mutex::new(Vec::new()),
+            pr_dir: data_dir.join("iscsi-pr"),
         })
     }
 

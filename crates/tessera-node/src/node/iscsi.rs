@@ -157,6 +157,7 @@ impl Node {
             .target()
             .add_target_with_access(iqn, exports, rec.access())
             .map_err(from_target)?;
+        self.iscsi_persist_reservations(&rec);
         let saved = self.iscsi.update(|f| {
             f.targets.push(rec.clone());
             Ok(())
@@ -198,15 +199,24 @@ impl Node {
     /// until they log out.
     pub fn iscsi_delete(&self, iqn: &str) -> Result<(), Error> {
         let _g = self.admin();
-        self.iscsi.update(|f| {
-            let before = f.targets.len();
-            f.targets.retain(|t| t.iqn != iqn);
-            if f.targets.len() == before {
+        let gone = self.iscsi.update(|f| {
+            let gone: Vec<TargetRecord> =
+                f.targets.iter().filter(|t| t.iqn == iqn).cloned().collect();
+            if gone.is_empty() {
                 return Err(Error::missing("iSCSI target", iqn));
             }
-            Ok(())
+            f.targets.retain(|t| t.iqn != iqn);
+            Ok(gone)
         })?;
         self.iscsi.target().remove_target(iqn);
+        // The LUNs' saved reservation states go with the target.
+        for l in gone.iter().flat_map(|t| &t.luns) {
+            let path = self
+                .iscsi
+                .pr_dir
+                .join(format!("{}-{}.tpr", l.pool_uuid, l.volume_id));
+            let _ = std::fs::remove_file(path);
+        }
         tracing::info!(iqn, "iscsi: target deleted");
         Ok(())
     }
@@ -241,7 +251,46 @@ impl Node {
             tracing::error!(iqn = %t.iqn, error = %e, "iscsi: cannot serve the target");
             return None;
         }
+        self.iscsi_persist_reservations(t);
         Some(())
+    }
+
+    /// APTPL for the target's LUNs: each LUN's reservation state, as saved in
+    /// `DATA_DIR/iscsi-pr` (one file per volume), is restored, and saved there from now
+    /// on whenever it changes while APTPL is set. The save runs on the reactor core
+    /// serving the PERSISTENT RESERVE OUT, before its status (rare commands, small
+    /// files); a failed save is logged and the command still succeeds.
+    fn iscsi_persist_reservations(&self, t: &TargetRecord) {
+        let Some(entry) = self.iscsi.target().target(&t.iqn) else {
+            return;
+        };
+        let dir = self.iscsi.pr_dir.clone();
+        for (l, shared) in t.luns.iter().zip(&entry.shared) {
+            let path = dir.join(format!("{}-{}.tpr", l.pool_uuid, l.volume_id));
+            match std::fs::read(&path) {
+                Ok(b) => {
+                    if let Err(e) = shared.load_persisted(&b) {
+                        tracing::error!(iqn = %t.iqn, lun = l.lun, path = %path.display(), error = e, "iscsi: saved reservation state not restored");
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::error!(iqn = %t.iqn, lun = l.lun, path = %path.display(), error = %e, "iscsi: saved reservation state not read");
+                }
+            }
+            let dir = dir.clone();
+            shared.set_persist(Box::new(move |bytes| {
+                let r = std::fs::create_dir_all(&dir)
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| {
+                        crate::registry::write_atomic_mode(&path, bytes, 0o600)
+                            .map_err(|e| e.to_string())
+                    });
+                if let Err(e) = r {
+                    tracing::error!(path = %path.display(), error = %e, "iscsi: reservation state not saved");
+                }
+            }));
+        }
     }
 }
 
