@@ -48,6 +48,12 @@ pub const PREEMPT_AND_ABORT: u8 = 5;
 pub const REGISTER_AND_IGNORE: u8 = 6;
 pub const REGISTER_AND_MOVE: u8 = 7;
 
+// `scsi::decode` accepts exactly the service actions named here.
+const _: () = assert!(
+    crate::scsi::PRIN_SERVICE_ACTIONS == READ_FULL_STATUS + 1
+        && crate::scsi::PROUT_SERVICE_ACTIONS == REGISTER_AND_MOVE + 1
+);
+
 /// The basic PERSISTENT RESERVE OUT parameter list is 24 bytes.
 pub const PROUT_PARAM_LEN: u32 = 24;
 

@@ -26,6 +26,12 @@ pub const MAX_UNMAP_DESCRIPTORS: u32 = 256;
 /// its largest value): 255 blocks to compare and 255 to write.
 pub const MAX_COMPARE_AND_WRITE_BLOCKS: u32 = 255;
 
+/// PERSISTENT RESERVE IN service actions 0 (READ KEYS) to 3 (READ FULL STATUS), and
+/// OUT 0 (REGISTER) to 7 (REGISTER AND MOVE): the range `decode` accepts (`pr` names
+/// and serves them; decoding does not depend on it).
+pub const PRIN_SERVICE_ACTIONS: u8 = 4;
+pub const PROUT_SERVICE_ACTIONS: u8 = 8;
+
 /// SCSI status codes.
 pub const GOOD: u8 = 0x00;
 pub const CHECK_CONDITION: u8 = 0x02;
@@ -450,7 +456,7 @@ pub fn decode(cdb: &[u8]) -> Result<Command, Sense> {
         0x1b | 0x1e => Ok(Command::NoOp),
         0x5e => {
             let sa = cdb[1] & 0x1f;
-            if sa > crate::pr::READ_FULL_STATUS {
+            if sa >= PRIN_SERVICE_ACTIONS {
                 return Err(Sense::INVALID_FIELD_IN_CDB);
             }
             Ok(Command::PersistentReserveIn {
@@ -460,7 +466,7 @@ pub fn decode(cdb: &[u8]) -> Result<Command, Sense> {
         }
         0x5f => {
             let sa = cdb[1] & 0x1f;
-            if sa > crate::pr::REGISTER_AND_MOVE {
+            if sa >= PROUT_SERVICE_ACTIONS {
                 return Err(Sense::INVALID_FIELD_IN_CDB);
             }
             Ok(Command::PersistentReserveOut {
