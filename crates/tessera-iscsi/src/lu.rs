@@ -18,8 +18,8 @@ use tessera_io::sync::MutexExt;
 use crate::pr::{Access, Nexus, PrError, PrState, ProutRequest};
 
 /// Saves the serialized reservation state ([`PrState::to_bytes`]) where it survives a
-/// restart, for the units whose last REGISTER set APTPL.
-pub type Persist = Box<dyn Fn(&[u8]) + Send + Sync>;
+/// restart, for the units whose last REGISTER set APTPL; an error says why it could not.
+pub type Persist = Box<dyn Fn(&[u8]) -> Result<(), String> + Send + Sync>;
 
 #[derive(Default)]
 pub struct LuShared {
@@ -111,7 +111,8 @@ impl LuShared {
     }
 
     /// PERSISTENT RESERVE OUT from nexus `n`. A change is saved through the installed
-    /// [`Persist`] when APTPL is (or was) set, before the command completes.
+    /// [`Persist`] when APTPL is (or was) set, before it takes effect and the command
+    /// completes; a failed save fails the command (INTERNAL TARGET FAILURE).
     /// Without one installed, APTPL set is an invalid field in the parameter list
     /// (SPC-4 §6.16.4: PTPL_C is 0).
     pub fn pr_out(&self, n: &Nexus, req: &ProutRequest) -> Result<(), PrError> {
@@ -121,15 +122,22 @@ impl LuShared {
             ));
         }
         let mut pr = self.pr.locked();
-        let was_aptpl = pr.aptpl();
-        let changed = pr.prout(n, req)?;
-        self.reserved
-            .store(pr.reservation_type(), Ordering::Release);
-        if changed && (was_aptpl || pr.aptpl()) {
+        // The change is made on a copy and takes effect only once saved (when APTPL
+        // asks for it): a save that fails refuses the command and changes nothing, so
+        // what the initiator was told survives a restart.
+        let mut next = pr.clone();
+        let changed = next.prout(n, req)?;
+        if changed && (pr.aptpl() || next.aptpl()) {
             if let Some(p) = self.persist.locked().as_ref() {
-                p(&pr.to_bytes());
+                if let Err(e) = p(&next.to_bytes()) {
+                    tracing::error!(error = %e, "iscsi: reservation state not saved; PERSISTENT RESERVE OUT refused");
+                    return Err(PrError::Check(crate::scsi::Sense::INTERNAL_TARGET_FAILURE));
+                }
             }
         }
+        *pr = next;
+        self.reserved
+            .store(pr.reservation_type(), Ordering::Release);
         Ok(())
     }
 
@@ -196,7 +204,10 @@ mod tests {
         );
         let saved = Arc::new(Mutex::new(Vec::<Vec<u8>>::new()));
         let s2 = saved.clone();
-        l.set_persist(Box::new(move |b| s2.locked().push(b.to_vec())));
+        l.set_persist(Box::new(move |b| {
+            s2.locked().push(b.to_vec());
+            Ok(())
+        }));
         assert_eq!(l.pr_in(crate::pr::REPORT_CAPABILITIES).unwrap()[2] & 1, 1);
         // Without APTPL nothing is saved.
         l.pr_out(&a, &req(REGISTER, 0, 0, 1, false)).unwrap();
@@ -223,5 +234,43 @@ mod tests {
         fresh.load_persisted(&last).unwrap();
         assert!(!fresh.pr_conflict(&b, Access::Write));
         assert!(fresh.load_persisted(b"junk").is_err());
+    }
+
+    #[test]
+    fn a_reservation_that_cannot_be_saved_is_refused_and_changes_nothing() {
+        use crate::pr::{REGISTER, RESERVE};
+        let l = LuShared::default();
+        let (a, b) = (Nexus::new("a", [0; 6], "t"), Nexus::new("b", [0; 6], "t"));
+        let req = |sa, ptype, key, sa_key, aptpl| ProutRequest {
+            sa,
+            scope: 0,
+            ptype,
+            key,
+            sa_key,
+            aptpl,
+        };
+        let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let f2 = fail.clone();
+        l.set_persist(Box::new(move |_| match f2.load(Ordering::SeqCst) {
+            true => Err("disk full".to_string()),
+            false => Ok(()),
+        }));
+        l.pr_out(&a, &req(REGISTER, 0, 0, 1, true)).unwrap();
+        fail.store(true, Ordering::SeqCst);
+        let keys = l.pr_in(crate::pr::READ_KEYS).unwrap();
+        assert_eq!(
+            l.pr_out(&a, &req(RESERVE, 3, 1, 0, false)),
+            Err(PrError::Check(crate::scsi::Sense::INTERNAL_TARGET_FAILURE))
+        );
+        assert!(!l.pr_conflict(&b, Access::Write), "no reservation was made");
+        assert_eq!(
+            l.pr_out(&b, &req(REGISTER, 0, 0, 2, true)),
+            Err(PrError::Check(crate::scsi::Sense::INTERNAL_TARGET_FAILURE))
+        );
+        assert_eq!(
+            l.pr_in(crate::pr::READ_KEYS).unwrap(),
+            keys,
+            "no key was added"
+        );
     }
 }

@@ -259,7 +259,7 @@ impl Node {
     /// `DATA_DIR/iscsi-pr` (one file per volume), is restored, and saved there from now
     /// on whenever it changes while APTPL is set. The save runs on the reactor core
     /// serving the PERSISTENT RESERVE OUT, before its status (rare commands, small
-    /// files); a failed save is logged and the command still succeeds.
+    /// files); a failed save fails the command and leaves the state as it was.
     fn iscsi_persist_reservations(&self, t: &TargetRecord) {
         let Some(entry) = self.iscsi.target().target(&t.iqn) else {
             return;
@@ -286,9 +286,7 @@ impl Node {
                         crate::registry::write_atomic_mode(&path, bytes, 0o600)
                             .map_err(|e| e.to_string())
                     });
-                if let Err(e) = r {
-                    tracing::error!(path = %path.display(), error = %e, "iscsi: reservation state not saved");
-                }
+                r.map_err(|e| format!("{}: {e}", path.display()))
             }));
         }
     }
