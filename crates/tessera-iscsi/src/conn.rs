@@ -35,6 +35,13 @@ use crate::text::{self, Params, TARGET_MAX_RECV_DATA_SEGMENT};
 
 /// Receive buffer: several PDUs of the largest data segment this target accepts.
 const RBUF_CAP: usize = 1 << 20;
+/// The data segment of a Login Request: at most the default MaxRecvDataSegmentLength,
+/// which is what holds during the login phase (RFC 7143 §6.1, §13.12).
+const LOGIN_MAX_DATA_SEGMENT: usize = 8192;
+/// Receive buffer of a connection still logging in: one login PDU (header, the largest
+/// AHS, data) with room to spare. The full buffer is taken only once the login is
+/// complete, so a connection that never logs in holds a few KiB, not [`RBUF_CAP`].
+const LOGIN_RBUF_CAP: usize = 16 << 10;
 /// Commands in flight per session (the CmdSN window) and slots kept for immediate
 /// commands, which the window does not count.
 const WINDOW: usize = 128;
@@ -52,8 +59,6 @@ const _: () = assert!(
     crate::target::MAX_LUNS <= GATES as usize,
     "every LUN has its two gate slots"
 );
-/// A connection that has not completed its login in this time is closed.
-const LOGIN_TIMEOUT: Duration = Duration::from_secs(15);
 /// How often the login deadline is checked: a connection that closes during its login
 /// finishes within one tick (a timer cannot be cancelled, and the task lives until its
 /// timer fired, holding its listener slot).
@@ -196,12 +201,16 @@ pub struct IscsiConn<T: ExportTarget> {
     unrecorded: StatsBatch,
     timer_armed: bool,
     started: Instant,
+    /// A connection that has not completed its login in this time is closed
+    /// ([`Target::login_timeout`]).
+    login_timeout: Duration,
     budget: ConnBudget,
 }
 
 impl<T: ExportTarget> IscsiConn<T> {
     pub fn new(_io: &mut CoreIo, fd: OwnedFd, target: Arc<Target<T>>, budget: ConnBudget) -> Self {
         let client = tessera_export::log_limit::peer_name(fd.as_raw_fd());
+        let login_timeout = target.login_timeout();
         IscsiConn {
             sock: Socket::new(fd),
             id: 0,
@@ -217,7 +226,7 @@ impl<T: ExportTarget> IscsiConn<T> {
             rx_digests: Digests::default(),
             tx_digests: Digests::default(),
             luns: Vec::new(),
-            rbuf: Some(RecvBuf::new(RBUF_CAP)),
+            rbuf: Some(RecvBuf::new(LOGIN_RBUF_CAP)),
             seq_set: false,
             slots: (0..SLOTS).map(|_| Cmd::new()).collect(),
             free: FreeList::new(SLOTS),
@@ -230,8 +239,14 @@ impl<T: ExportTarget> IscsiConn<T> {
             unrecorded: StatsBatch::with_capacity(SLOTS),
             timer_armed: false,
             started: Instant::now(),
+            login_timeout,
             budget,
         }
+    }
+
+    /// How long until the login deadline is looked at again.
+    fn login_tick(&self) -> Duration {
+        LOGIN_TICK.min(self.login_timeout / 4)
     }
 
     fn tag(&self, slot: u32) -> Tag {
@@ -343,11 +358,11 @@ impl<T: ExportTarget> IscsiConn<T> {
         };
         rbuf.filled(n);
         while !self.sock.draining {
-            let framed = match pdu::frame(
-                rbuf.unparsed(),
-                self.rx_digests,
-                usize_of(u64::from(TARGET_MAX_RECV_DATA_SEGMENT)),
-            ) {
+            let max_data = match self.state {
+                State::Login(_) => LOGIN_MAX_DATA_SEGMENT,
+                State::Full => usize_of(u64::from(TARGET_MAX_RECV_DATA_SEGMENT)),
+            };
+            let framed = match pdu::frame(rbuf.unparsed(), self.rx_digests, max_data) {
                 Ok(Some(f)) => f,
                 Ok(None) => break,
                 Err(e) => {
@@ -375,6 +390,9 @@ impl<T: ExportTarget> IscsiConn<T> {
             let data = &rbuf.received()[at..at + framed.data_len];
             self.on_pdu(io, &framed.bhs, data);
             rbuf.consume(framed.total);
+            if matches!(self.state, State::Full) && rbuf.capacity() < RBUF_CAP {
+                rbuf = grown(&rbuf, RBUF_CAP);
+            }
         }
         self.rbuf = Some(rbuf);
         self.post_recv(io);
@@ -1668,6 +1686,22 @@ fn read_back_at(want: u32) -> usize {
     usize_of(u64::from(want).next_multiple_of(4096))
 }
 
+/// A receive buffer of `cap` bytes holding what `old` has received and not parsed yet.
+fn grown(old: &RecvBuf, cap: usize) -> RecvBuf {
+    let mut b = RecvBuf::new(cap);
+    let rest = old.unparsed();
+    let (p, room) = b.room(usize::MAX);
+    assert!(
+        rest.len() <= room,
+        "a larger buffer holds what a smaller one did"
+    );
+    // SAFETY: `p` points at `room` writable bytes of the new buffer, which `rest` (in
+    // another buffer) does not overlap, and `rest.len() <= room`.
+    unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), p, rest.len()) };
+    b.filled(rest.len());
+    b
+}
+
 fn dummy_unit() -> Unit {
     Unit {
         blocks: 0,
@@ -1699,7 +1733,7 @@ impl<T: ExportTarget> Task for IscsiConn<T> {
     fn start(&mut self, io: &mut CoreIo, id: u32) {
         self.id = id;
         self.timer_armed = true;
-        io.complete_after(LOGIN_TICK, self.tag(SLOT_LOGIN_TIMER), 0);
+        io.complete_after(self.login_tick(), self.tag(SLOT_LOGIN_TIMER), 0);
         self.post_recv(io);
     }
 
@@ -1713,15 +1747,15 @@ impl<T: ExportTarget> Task for IscsiConn<T> {
                 if !matches!(self.state, State::Login(_)) || self.sock.draining {
                     return;
                 }
-                if self.started.elapsed() >= LOGIN_TIMEOUT {
+                if self.started.elapsed() >= self.login_timeout {
                     if BAD_CONN_LOG.admit() {
-                        warn!(protocol = "iscsi", client = %self.client, "iscsi: no login within {LOGIN_TIMEOUT:?}, closing");
+                        warn!(protocol = "iscsi", client = %self.client, "iscsi: no login within {:?}, closing", self.login_timeout);
                     }
                     self.sock.draining = true;
                     return;
                 }
                 self.timer_armed = true;
-                io.complete_after(LOGIN_TICK, self.tag(SLOT_LOGIN_TIMER), 0);
+                io.complete_after(self.login_tick(), self.tag(SLOT_LOGIN_TIMER), 0);
             }
             s => self.on_io(io, io_slot(s), res),
         }

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use tessera_export::{Export, ExportTarget};
 use tessera_io::sync::RwLockExt;
@@ -129,7 +130,15 @@ pub struct Target<T> {
     next_tsih: AtomicU16,
     /// Logins refused, by reason (for metrics).
     pub refusals: LoginRefusals,
+    /// A connection that has not completed its login in this many milliseconds is
+    /// closed ([`Target::set_login_timeout`]).
+    login_timeout_ms: AtomicU64,
 }
+
+/// How long a connection may take to log in before it is closed, unless
+/// [`Target::set_login_timeout`] says otherwise: the slot a half-open login holds in the
+/// listener's cap is given back after this.
+pub const DEFAULT_LOGIN_TIMEOUT: Duration = Duration::from_secs(15);
 
 impl<T: ExportTarget> Target<T> {
     pub fn new() -> Arc<Target<T>> {
@@ -138,7 +147,19 @@ impl<T: ExportTarget> Target<T> {
             portals: RwLock::new(Vec::new()),
             next_tsih: AtomicU16::new(1),
             refusals: LoginRefusals::default(),
+            login_timeout_ms: AtomicU64::new(millis(DEFAULT_LOGIN_TIMEOUT)),
         })
+    }
+
+    /// Close connections that have not completed their login within `t` (at least
+    /// 100 ms); applies to connections accepted from now on.
+    pub fn set_login_timeout(&self, t: Duration) {
+        self.login_timeout_ms.store(millis(t).max(100), Relaxed);
+    }
+
+    /// The login timeout new connections get.
+    pub fn login_timeout(&self) -> Duration {
+        Duration::from_millis(self.login_timeout_ms.load(Relaxed))
     }
 
     /// Serve `luns` (LUN 0, 1, ...) under the iSCSI name `name`. Names are compared as
@@ -259,6 +280,10 @@ impl<T: ExportTarget> Target<T> {
             }
         }
     }
+}
+
+fn millis(t: Duration) -> u64 {
+    u64::try_from(t.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
