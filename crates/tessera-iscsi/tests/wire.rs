@@ -494,3 +494,156 @@ fn compare_and_write_and_verify_compare_with_the_volume() {
     let (h, d) = immediate(&mut c, &v, &[b'B'; 512]);
     assert_miscompare(&h, &d, 512);
 }
+
+/// Read PDUs until one that is not an R2T: the Reject the target answers with.
+fn reject_after_r2ts(c: &mut Initiator) -> ([u8; BHS_LEN], Vec<u8>) {
+    loop {
+        let (h, d) = c.recv().expect("a Reject before the connection closes");
+        if h[0] & 0x3f != pdu::OP_R2T {
+            assert_eq!(h[0] & 0x3f, pdu::OP_REJECT, "answer {:#x}", h[0]);
+            return (h, d);
+        }
+    }
+}
+
+/// A WRITE(10) of `blocks` at `lba` with `imm` as immediate data; the first R2T, if
+/// `r2t` (none comes when all the data went as immediate data).
+fn start_write(c: &mut Initiator, lba: u32, blocks: u16, imm: &[u8], r2t: bool) -> (u32, u32) {
+    let mut cdb = [0u8; 10];
+    cdb[0] = 0x2a;
+    cdb[2..6].copy_from_slice(&lba.to_be_bytes());
+    cdb[7..9].copy_from_slice(&blocks.to_be_bytes());
+    c.command(&cdb, usize::from(blocks) * 512, false, true, imm);
+    if !r2t {
+        return (c.itt, 0);
+    }
+    let (h, _) = c.recv().expect("R2T");
+    assert_eq!(h[0] & 0x3f, pdu::OP_R2T);
+    assert_eq!(get_u32(&h, 16), c.itt);
+    (c.itt, get_u32(&h, 20))
+}
+
+fn data_out(itt: u32, ttt: u32, offset: u32, len: usize) -> [u8; BHS_LEN] {
+    let mut d = pdu::header(pdu::OP_DATA_OUT, FLAG_FINAL, len);
+    put_u32(&mut d, 16, itt);
+    put_u32(&mut d, 20, ttt);
+    put_u32(&mut d, 36, 0);
+    put_u32(&mut d, 40, offset);
+    d
+}
+
+/// Data beyond what the login negotiated or the command announced (FirstBurstLength
+/// 64 KiB, InitialR2T=Yes, the target's MaxRecvDataSegmentLength 256 KiB): each gets a
+/// Reject (RFC 7143 §11.17.1: Protocol Error, or Invalid PDU Field for a transfer tag
+/// that names no transfer) carrying the refused header, then the connection closes
+/// (error recovery level 0); none of the data reaches the volume; another session
+/// goes on being served throughout.
+#[test]
+fn data_beyond_what_was_negotiated_ends_only_its_connection() {
+    let s = serve();
+    let mut other = Initiator::connect(&s.addr);
+    other.login(IQN, false).unwrap();
+    let mut io = core();
+    let mut h = s.vol.open_handle();
+    let mut untouched = |lba: u64, len: usize, what: &str| {
+        let got = read(&mut io, &mut h, lba * 512, len).unwrap();
+        assert!(
+            got.iter().all(|&b| b == 0),
+            "{what}: data reached the volume"
+        );
+    };
+    let mut still_serving = |what: &str| {
+        assert_eq!(other.test_unit_ready(), 0, "after {what}");
+        assert_eq!(other.read10(0, 8).len(), 4096, "after {what}");
+    };
+
+    // Immediate data past FirstBurstLength (64 KiB + 512 of a 128 KiB write).
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, false).unwrap();
+    let imm = vec![0x5a; (64 << 10) + 512];
+    let sent = {
+        let mut cdb = [0u8; 10];
+        cdb[0] = 0x2a;
+        cdb[2..6].copy_from_slice(&1000u32.to_be_bytes());
+        cdb[7..9].copy_from_slice(&256u16.to_be_bytes());
+        c.command(&cdb, 128 << 10, false, true, &imm)
+    };
+    let (r, d) = reject_after_r2ts(&mut c);
+    assert_eq!(r[2], pdu::REJECT_PROTOCOL_ERROR);
+    assert_eq!(
+        &d[..BHS_LEN],
+        &sent[..],
+        "the Reject carries the header it refuses"
+    );
+    assert!(c.closed());
+    untouched(1000, 128 << 10, "immediate data past the first burst");
+    still_serving("immediate data past the first burst");
+
+    // Unsolicited Data-Out (InitialR2T=Yes allows none), even within FirstBurstLength.
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, false).unwrap();
+    let (itt, _) = start_write(&mut c, 2000, 128, &[0x5a; 4096], false);
+    let d = data_out(itt, pdu::RESERVED_TAG, 4096, 8192);
+    c.send(&d, &[0x5a; 8192]);
+    let (r, data) = reject_after_r2ts(&mut c);
+    assert_eq!(r[2], pdu::REJECT_INVALID_PDU_FIELD);
+    assert_eq!(&data[..BHS_LEN], &d[..]);
+    assert!(c.closed());
+    untouched(2000, 64 << 10, "unsolicited Data-Out");
+    still_serving("unsolicited Data-Out");
+
+    // A Data-Out longer than MaxRecvDataSegmentLength: refused from its header.
+    let mut c = Initiator::connect(&s.addr);
+    c.login(IQN, false).unwrap();
+    let (itt, ttt) = start_write(&mut c, 3000, 2048, &[], true);
+    let d = data_out(itt, ttt, 0, (256 << 10) + 512);
+    c.s.write_all(&d).unwrap();
+    let (r, data) = reject_after_r2ts(&mut c);
+    assert_eq!(r[2], pdu::REJECT_PROTOCOL_ERROR);
+    assert_eq!(&data[..BHS_LEN], &d[..]);
+    assert!(c.closed());
+    untouched(3000, 1 << 20, "a Data-Out over MaxRecvDataSegmentLength");
+    still_serving("a Data-Out over MaxRecvDataSegmentLength");
+
+    // Data-Out past the command's expected transfer length: 8 KiB for a 4 KiB write,
+    // and 512 bytes at offset 4096 of it.
+    for (offset, len) in [(0u32, 8192usize), (4096, 512)] {
+        let mut c = Initiator::connect(&s.addr);
+        c.login(IQN, false).unwrap();
+        let (itt, ttt) = start_write(&mut c, 4000, 8, &[], true);
+        let d = data_out(itt, ttt, offset, len);
+        c.send(&d, &vec![0x5a; len]);
+        let (r, data) = reject_after_r2ts(&mut c);
+        assert_eq!(
+            r[2],
+            pdu::REJECT_PROTOCOL_ERROR,
+            "offset {offset} length {len}"
+        );
+        assert_eq!(&data[..BHS_LEN], &d[..]);
+        assert!(c.closed());
+        untouched(4000, 16 << 10, "Data-Out past the transfer length");
+        still_serving("Data-Out past the transfer length");
+    }
+
+    // Data-Out for a transfer tag no R2T gave, or for another command's tag.
+    for wrong in ["TTT", "ITT"] {
+        let mut c = Initiator::connect(&s.addr);
+        c.login(IQN, false).unwrap();
+        let (itt, ttt) = start_write(&mut c, 5000, 8, &[], true);
+        let d = match wrong {
+            "TTT" => data_out(itt, ttt.wrapping_add(7), 0, 4096),
+            _ => data_out(itt.wrapping_add(100), ttt, 0, 4096),
+        };
+        c.send(&d, &[0x5a; 4096]);
+        let (r, data) = reject_after_r2ts(&mut c);
+        assert_eq!(r[2], pdu::REJECT_INVALID_PDU_FIELD, "unknown {wrong}");
+        assert_eq!(&data[..BHS_LEN], &d[..]);
+        assert!(c.closed());
+        untouched(5000, 4096, "Data-Out for an unknown tag");
+        still_serving("Data-Out for an unknown tag");
+    }
+    // The session that stayed still writes and reads.
+    let data = pattern(21, 64 << 10);
+    assert_eq!(other.write10(6000, &data), 0);
+    assert!(other.read10(6000, 128) == data);
+}
