@@ -743,6 +743,19 @@ impl<T: ExportTarget> IscsiConn<T> {
                 };
             }
         };
+        // A unit attention for this I_T nexus (a PERSISTENT RESERVE OUT of another
+        // nexus preempted or released it): reported once, instead of the command.
+        // INQUIRY, REPORT LUNS and REQUEST SENSE neither report nor clear it (SAM-5
+        // §5.14; REQUEST SENSE does not return it here).
+        let exempt = matches!(
+            cmd,
+            Command::Inquiry { .. } | Command::ReportLuns { .. } | Command::RequestSense { .. }
+        );
+        if !exempt {
+            if let Some(ua) = self.luns[lun].caw.take_unit_attention(&self.nexus) {
+                return self.respond(itt, scsi::CHECK_CONDITION, Some(ua), NO_RESIDUAL);
+            }
+        }
         // A reservation that forbids the command to this I_T nexus: refused before
         // its data is asked for.
         if self.luns[lun]

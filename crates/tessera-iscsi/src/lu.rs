@@ -11,6 +11,8 @@
 //!   a unit without one pays one atomic load per command.
 
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+
+use crate::scsi::Sense;
 use std::sync::{Arc, Mutex, Weak};
 
 use tessera_io::sync::MutexExt;
@@ -33,7 +35,16 @@ pub struct LuShared {
     reserved: AtomicU8,
     pr: Mutex<PrState>,
     persist: Mutex<Option<Persist>>,
+    /// Unit attentions not yet reported, oldest first, at most one per I_T nexus and
+    /// sense ([`LuShared::take_unit_attention`]); commands look at the list only while
+    /// `attentions` is non-zero.
+    attentions: AtomicUsize,
+    pending: Mutex<Vec<(Nexus, Sense)>>,
 }
+
+/// Unit attentions kept at most (the oldest go first past it): a bound on what
+/// nexuses that never come back can leave behind.
+const MAX_ATTENTIONS: usize = 4096;
 
 fn overlap(a: (u64, u64), lba: u64, blocks: u64) -> bool {
     a.0 < lba.saturating_add(blocks) && lba < a.0.saturating_add(a.1)
@@ -135,10 +146,35 @@ impl LuShared {
                 }
             }
         }
-        *pr = next;
+        let before = std::mem::replace(&mut *pr, next);
         self.reserved
             .store(pr.reservation_type(), Ordering::Release);
+        let ua = pr.attentions(&before, n, req);
+        if !ua.is_empty() {
+            let mut p = self.pending.locked();
+            for a in ua {
+                if !p.contains(&a) {
+                    p.push(a);
+                }
+            }
+            let over = p.len().saturating_sub(MAX_ATTENTIONS);
+            p.drain(..over);
+            self.attentions.store(p.len(), Ordering::Release);
+        }
         Ok(())
+    }
+
+    /// The oldest unit attention waiting for nexus `n`, taken: the next command of
+    /// that nexus reports it (CHECK CONDITION, UNIT ATTENTION) instead of running.
+    pub fn take_unit_attention(&self, n: &Nexus) -> Option<Sense> {
+        if self.attentions.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut p = self.pending.locked();
+        let i = p.iter().position(|(x, _)| x == n)?;
+        let (_, sense) = p.remove(i);
+        self.attentions.store(p.len(), Ordering::Release);
+        Some(sense)
     }
 
     /// Install what saves the reservation state when APTPL is set.
@@ -193,6 +229,7 @@ mod tests {
             key,
             sa_key,
             aptpl,
+            ..ProutRequest::default()
         };
         // No persister: APTPL is refused, and REPORT CAPABILITIES says so (PTPL_C 0).
         assert_eq!(l.pr_in(crate::pr::REPORT_CAPABILITIES).unwrap()[2] & 1, 0);
@@ -237,6 +274,47 @@ mod tests {
     }
 
     #[test]
+    fn unit_attentions_are_reported_once_to_each_affected_nexus() {
+        use crate::pr::{
+            CLEAR, PREEMPT, REGISTER, REGISTRATIONS_PREEMPTED, RESERVATIONS_PREEMPTED, RESERVE,
+        };
+        let l = LuShared::default();
+        let (a, b, c) = (
+            Nexus::new("a", [0; 6], "t"),
+            Nexus::new("b", [0; 6], "t"),
+            Nexus::new("c", [0; 6], "t"),
+        );
+        let req = |sa, ptype, key, sa_key| ProutRequest {
+            sa,
+            ptype,
+            key,
+            sa_key,
+            ..ProutRequest::default()
+        };
+        for (n, k) in [(&a, 1), (&b, 2), (&c, 3)] {
+            l.pr_out(n, &req(REGISTER, 0, 0, k)).unwrap();
+        }
+        assert_eq!(l.take_unit_attention(&b), None);
+        l.pr_out(&a, &req(RESERVE, 3, 1, 0)).unwrap();
+        l.pr_out(&a, &req(PREEMPT, 3, 1, 2)).unwrap();
+        l.pr_out(&a, &req(CLEAR, 0, 1, 0)).unwrap();
+        // b: preempted, then cleared (it was no longer registered at the CLEAR).
+        assert_eq!(l.take_unit_attention(&b), Some(REGISTRATIONS_PREEMPTED));
+        assert_eq!(l.take_unit_attention(&b), None);
+        assert_eq!(l.take_unit_attention(&c), Some(RESERVATIONS_PREEMPTED));
+        assert_eq!(l.take_unit_attention(&c), None);
+        assert_eq!(
+            l.take_unit_attention(&a),
+            None,
+            "not to the nexus that acted"
+        );
+        // A refused PERSISTENT RESERVE OUT establishes nothing.
+        l.pr_out(&b, &req(REGISTER, 0, 0, 2)).unwrap();
+        assert!(l.pr_out(&a, &req(CLEAR, 0, 9, 0)).is_err());
+        assert_eq!(l.take_unit_attention(&b), None);
+    }
+
+    #[test]
     fn a_reservation_that_cannot_be_saved_is_refused_and_changes_nothing() {
         use crate::pr::{REGISTER, RESERVE};
         let l = LuShared::default();
@@ -248,6 +326,7 @@ mod tests {
             key,
             sa_key,
             aptpl,
+            ..ProutRequest::default()
         };
         let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let f2 = fail.clone();

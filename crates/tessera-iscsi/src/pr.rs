@@ -10,11 +10,18 @@
 //! APTPL is accepted only where the owner installed a persister (`LuShared::set_persist`):
 //! elsewhere REPORT CAPABILITIES says PTPL_C 0 and APTPL set is an invalid field.
 //!
+//! Unit attentions: what a PERSISTENT RESERVE OUT does to other I_T nexuses' standing
+//! ([`PrState::attentions`]: REGISTRATIONS PREEMPTED, RESERVATIONS PREEMPTED,
+//! RESERVATIONS RELEASED) is queued in the unit's `LuShared` and reported once, to the
+//! next command of each such nexus.
+//!
+//! REGISTER AND MOVE takes an iSCSI TransportID of format 01b (name and ISID: an
+//! initiator port) and relative target port 1 (the one this target has).
+//!
 //! What is not supported: SPEC_I_PT and ALL_TG_PT (REPORT CAPABILITIES says so; a
-//! REGISTER that sets either is an invalid field in the parameter list), REGISTER AND
-//! MOVE (INVALID FIELD IN CDB), unit attentions to the other I_T nexuses on preemption
-//! and release, and the aborting half of PREEMPT AND ABORT (it preempts, the tasks of
-//! the preempted nexuses run to completion).
+//! REGISTER that sets either is an invalid field in the parameter list), and the
+//! aborting half of PREEMPT AND ABORT (it preempts, the tasks of the preempted nexuses
+//! run to completion).
 
 use tessera_io::cast::{u16_of, u32_of};
 
@@ -56,6 +63,27 @@ const _: () = assert!(
 
 /// The basic PERSISTENT RESERVE OUT parameter list is 24 bytes.
 pub const PROUT_PARAM_LEN: u32 = 24;
+
+/// Sense key UNIT ATTENTION.
+pub const UNIT_ATTENTION: u8 = 0x06;
+
+const fn attention(ascq: u8) -> Sense {
+    Sense {
+        key: UNIT_ATTENTION,
+        asc: 0x2a,
+        ascq,
+        info: None,
+    }
+}
+
+/// RESERVATIONS PREEMPTED (2A/03): a CLEAR, to every other registrant.
+pub const RESERVATIONS_PREEMPTED: Sense = attention(0x03);
+/// RESERVATIONS RELEASED (2A/04): a Registrants Only or All Registrants reservation
+/// released, to every other registrant.
+pub const RESERVATIONS_RELEASED: Sense = attention(0x04);
+/// REGISTRATIONS PREEMPTED (2A/05): a PREEMPT (AND ABORT) removed the nexus's
+/// registration.
+pub const REGISTRATIONS_PREEMPTED: Sense = attention(0x05);
 
 /// INVALID RELEASE OF PERSISTENT RESERVATION.
 pub const INVALID_RELEASE: Sense = Sense {
@@ -169,7 +197,7 @@ pub struct PrState {
 }
 
 /// A PERSISTENT RESERVE OUT, as decoded from its CDB and parameter list.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ProutRequest {
     pub sa: u8,
     pub scope: u8,
@@ -177,15 +205,39 @@ pub struct ProutRequest {
     pub key: u64,
     pub sa_key: u64,
     pub aptpl: bool,
+    /// REGISTER AND MOVE: the initiator port its TransportID names (the destination
+    /// I_T nexus is that port on the issuing nexus's target port), and UNREG.
+    pub move_to: Option<String>,
+    pub unreg: bool,
+}
+
+/// The initiator port an iSCSI TransportID of format 01b names, as [`Nexus`] spells it
+/// (`name,i,0x<isid>`, the ISID in lower case); `None` for anything else.
+pub fn transport_id_port(t: &[u8]) -> Option<String> {
+    if t.len() < 4 || t[0] != 0x45 {
+        return None;
+    }
+    let len = usize::from(get_u16(t, 2));
+    let body = t.get(4..4 + len)?;
+    let end = body.iter().position(|&b| b == 0)?;
+    let s = std::str::from_utf8(&body[..end]).ok()?;
+    let at = s.to_ascii_lowercase().find(",i,0x")?;
+    let (name, isid) = (&s[..at], &s[at + 5..]);
+    if name.is_empty() || isid.len() != 12 || !isid.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    Some(format!("{name},i,0x{}", isid.to_ascii_lowercase()))
 }
 
 impl ProutRequest {
-    /// Decode the basic parameter list `params` (the whole list the CDB announced: a
-    /// shorter or longer one is a parameter list length error).
+    /// Decode the parameter list `params` (the whole list the CDB announced: a shorter
+    /// or longer one is a parameter list length error): the basic 24 bytes, or for
+    /// REGISTER AND MOVE its 24-byte header and the TransportID.
     pub fn parse(sa: u8, scope: u8, ptype: u8, params: &[u8]) -> Result<ProutRequest, Sense> {
-        if sa >= REGISTER_AND_MOVE {
-            // REGISTER AND MOVE is not supported (its parameter list names the nexus
-            // to move to by TransportID).
+        if sa == REGISTER_AND_MOVE {
+            return Self::parse_move(scope, ptype, params);
+        }
+        if sa > REGISTER_AND_MOVE {
             return Err(Sense::INVALID_FIELD_IN_CDB);
         }
         if params.len() != usize::try_from(PROUT_PARAM_LEN).unwrap_or(24) {
@@ -202,6 +254,36 @@ impl ProutRequest {
             key: get_u64(params, 0),
             sa_key: get_u64(params, 8),
             aptpl: params[20] & 0x01 != 0,
+            ..ProutRequest::default()
+        })
+    }
+
+    /// REGISTER AND MOVE's parameter list (SPC-4 §6.16.4): keys, UNREG and APTPL in
+    /// byte 17, the relative target port in 18..20, the TransportID's length in 20..24
+    /// and the TransportID.
+    fn parse_move(scope: u8, ptype: u8, params: &[u8]) -> Result<ProutRequest, Sense> {
+        if params.len() < 24 {
+            return Err(Sense::PARAMETER_LIST_LENGTH_ERROR);
+        }
+        let tid_len = usize::try_from(get_u32(params, 20)).unwrap_or(usize::MAX);
+        if params.len() - 24 != tid_len {
+            return Err(Sense::PARAMETER_LIST_LENGTH_ERROR);
+        }
+        // The one target port of this target is relative port 1.
+        if get_u16(params, 18) != 1 {
+            return Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
+        }
+        let port =
+            transport_id_port(&params[24..]).ok_or(Sense::INVALID_FIELD_IN_PARAMETER_LIST)?;
+        Ok(ProutRequest {
+            sa: REGISTER_AND_MOVE,
+            scope,
+            ptype,
+            key: get_u64(params, 0),
+            sa_key: get_u64(params, 8),
+            aptpl: params[17] & 0x01 != 0,
+            move_to: Some(port),
+            unreg: params[17] & 0x02 != 0,
         })
     }
 }
@@ -293,7 +375,7 @@ impl PrState {
                 self.generation = self.generation.wrapping_add(1);
                 return Ok(true);
             }
-            RESERVE | RELEASE | CLEAR | PREEMPT | PREEMPT_AND_ABORT => {}
+            RESERVE | RELEASE | CLEAR | PREEMPT | PREEMPT_AND_ABORT | REGISTER_AND_MOVE => {}
             _ => return Err(PrError::Check(Sense::INVALID_FIELD_IN_CDB)),
         }
         // Everything else needs the nexus registered, with its key.
@@ -335,10 +417,118 @@ impl PrState {
                 self.generation = self.generation.wrapping_add(1);
                 Ok(true)
             }
+            REGISTER_AND_MOVE => self.register_and_move(n, req),
             // PREEMPT AND ABORT preempts as PREEMPT does; the preempted nexuses' tasks
             // are not aborted (they run to completion).
             _ => self.preempt(n, req, scope_type_ok),
         }
+    }
+
+    /// REGISTER AND MOVE (SPC-4 §5.13.8): the reservation holder (`n`, with its key)
+    /// registers the I_T nexus of the TransportID with the service action key (one
+    /// registered already keeps its key), makes it the holder of the reservation, same
+    /// type and scope, and with UNREG drops its own registration.
+    fn register_and_move(&mut self, n: &Nexus, req: &ProutRequest) -> Result<bool, PrError> {
+        let Some(port) = &req.move_to else {
+            return Err(PrError::Check(Sense::INVALID_FIELD_IN_PARAMETER_LIST));
+        };
+        // Only the holder of a reservation of one holder moves it.
+        match &self.resv {
+            Some(Reservation {
+                holder: Some(h), ..
+            }) if h == n => {}
+            _ => return Err(PrError::Conflict),
+        }
+        if req.sa_key == 0 {
+            return Err(PrError::Check(Sense::INVALID_FIELD_IN_PARAMETER_LIST));
+        }
+        let dest = Nexus {
+            initiator: port.clone(),
+            target: n.target.clone(),
+        };
+        if dest == *n {
+            return Err(PrError::Check(Sense::INVALID_FIELD_IN_PARAMETER_LIST));
+        }
+        if self.key_of(&dest).is_none() {
+            self.regs.push(Registration {
+                nexus: dest.clone(),
+                key: req.sa_key,
+            });
+        }
+        if let Some(r) = &mut self.resv {
+            r.holder = Some(dest);
+        }
+        if req.unreg {
+            self.regs.retain(|r| r.nexus != *n);
+        }
+        self.aptpl = req.aptpl;
+        self.generation = self.generation.wrapping_add(1);
+        Ok(true)
+    }
+
+    /// The unit attentions a PERSISTENT RESERVE OUT `req` from `n` that turned `before`
+    /// into `self` establishes for other I_T nexuses (SPC-4 §5.13.11): CLEAR, RESERVATIONS
+    /// PREEMPTED to every other nexus that was registered; PREEMPT and PREEMPT AND ABORT,
+    /// REGISTRATIONS PREEMPTED to every nexus whose registration it removed; RELEASE of a
+    /// Registrants Only or All Registrants reservation, RESERVATIONS RELEASED to every
+    /// other registrant; the holder of a Registrants Only reservation unregistering
+    /// (which releases it), RESERVATIONS RELEASED to every remaining registrant.
+    pub fn attentions(
+        &self,
+        before: &PrState,
+        n: &Nexus,
+        req: &ProutRequest,
+    ) -> Vec<(Nexus, Sense)> {
+        let others = |s: &PrState| -> Vec<Nexus> {
+            s.regs
+                .iter()
+                .filter(|r| r.nexus != *n)
+                .map(|r| r.nexus.clone())
+                .collect()
+        };
+        let mut out: Vec<(Nexus, Sense)> = Vec::new();
+        match req.sa {
+            CLEAR => {
+                for x in others(before) {
+                    out.push((x, RESERVATIONS_PREEMPTED));
+                }
+            }
+            PREEMPT | PREEMPT_AND_ABORT => {
+                for x in others(before) {
+                    if self.key_of(&x).is_none() {
+                        out.push((x, REGISTRATIONS_PREEMPTED));
+                    }
+                }
+            }
+            // The holder unregistering out of a Registrants Only reservation ends it
+            // (an All Registrants one stays while a registrant remains).
+            REGISTER | REGISTER_AND_IGNORE => {
+                let released =
+                    before.resv.as_ref().is_some_and(|r| {
+                        matches!(r.ptype, WRITE_EXCLUSIVE_RO | EXCLUSIVE_ACCESS_RO)
+                    }) && self.resv.is_none();
+                if released {
+                    for x in others(self) {
+                        out.push((x, RESERVATIONS_RELEASED));
+                    }
+                }
+            }
+            RELEASE => {
+                let released = before
+                    .resv
+                    .as_ref()
+                    .is_some_and(|r| matches!(r.ptype, 5..=8))
+                    && self.resv.is_none();
+                if released {
+                    for x in others(self) {
+                        out.push((x, RESERVATIONS_RELEASED));
+                    }
+                }
+            }
+            _ => {}
+        }
+        out.dedup_by(|a, b| a.0 == b.0);
+        out
     }
 
     fn preempt(
@@ -574,6 +764,7 @@ mod tests {
             key,
             sa_key,
             aptpl: false,
+            ..ProutRequest::default()
         }
     }
 
@@ -750,7 +941,7 @@ mod tests {
         );
         assert_eq!(
             ProutRequest::parse(REGISTER_AND_MOVE, 0, 0, &p),
-            Err(Sense::INVALID_FIELD_IN_CDB)
+            Err(Sense::PARAMETER_LIST_LENGTH_ERROR)
         );
         let s = PrState::default();
         let c = s.prin(REPORT_CAPABILITIES).unwrap();
@@ -758,6 +949,197 @@ mod tests {
         for sa in 4..0x20 {
             assert_eq!(s.prin(sa), Err(Sense::INVALID_FIELD_IN_CDB));
         }
+    }
+
+    #[test]
+    fn unit_attentions_go_to_the_nexuses_an_action_affected() {
+        let (a, b, c, d) = (nx("a"), nx("b"), nx("c"), nx("d"));
+        let setup = |ptype: u8| {
+            let mut s = PrState::default();
+            s.prout(&a, &req(REGISTER, 0, 0, 1)).unwrap();
+            s.prout(&b, &req(REGISTER, 0, 0, 2)).unwrap();
+            s.prout(&c, &req(REGISTER, 0, 0, 2)).unwrap();
+            s.prout(&d, &req(REGISTER, 0, 0, 4)).unwrap();
+            if ptype != 0 {
+                s.prout(&a, &req(RESERVE, ptype, 1, 0)).unwrap();
+            }
+            s
+        };
+        let run = |s: &mut PrState, n: &Nexus, r: ProutRequest| {
+            let before = s.clone();
+            s.prout(n, &r).unwrap();
+            s.attentions(&before, n, &r)
+        };
+        // CLEAR: every other registrant, reservation or not.
+        for t in [0, EXCLUSIVE_ACCESS] {
+            let mut s = setup(t);
+            assert_eq!(
+                run(&mut s, &a, req(CLEAR, 0, 1, 0)),
+                vec![
+                    (b.clone(), RESERVATIONS_PREEMPTED),
+                    (c.clone(), RESERVATIONS_PREEMPTED),
+                    (d.clone(), RESERVATIONS_PREEMPTED)
+                ]
+            );
+        }
+        // PREEMPT (AND ABORT) of key 2: the two nexuses registered with it, not d; with
+        // or without a reservation, and taking the reservation over.
+        for (sa, t, holder) in [
+            (PREEMPT, 0, &a),
+            (PREEMPT_AND_ABORT, EXCLUSIVE_ACCESS, &a),
+            (PREEMPT, WRITE_EXCLUSIVE, &d),
+        ] {
+            let mut s = setup(0);
+            if t != 0 {
+                let k = if *holder == a { 1 } else { 4 };
+                s.prout(holder, &req(RESERVE, t, k, 0)).unwrap();
+            }
+            let by = if *holder == a { &d } else { &a };
+            let k = if *by == a { 1 } else { 4 };
+            assert_eq!(
+                run(&mut s, by, req(sa, EXCLUSIVE_ACCESS, k, 2)),
+                vec![
+                    (b.clone(), REGISTRATIONS_PREEMPTED),
+                    (c.clone(), REGISTRATIONS_PREEMPTED)
+                ],
+                "sa {sa} type {t}"
+            );
+        }
+        // Preempting the holder's key: the holder loses its registration.
+        let mut s = setup(EXCLUSIVE_ACCESS);
+        assert_eq!(
+            run(&mut s, &d, req(PREEMPT, WRITE_EXCLUSIVE, 4, 1)),
+            vec![(a.clone(), REGISTRATIONS_PREEMPTED)]
+        );
+        // RELEASE: only of the Registrants Only and All Registrants types, to every
+        // other registrant.
+        for t in [1, 3, 5, 6, 7, 8] {
+            let mut s = setup(t);
+            let got = run(&mut s, &a, req(RELEASE, t, 1, 0));
+            if matches!(t, 5..=8) {
+                let want: Vec<_> = [&b, &c, &d]
+                    .into_iter()
+                    .map(|x| (x.clone(), RESERVATIONS_RELEASED))
+                    .collect();
+                assert_eq!(got, want, "type {t}");
+            } else {
+                assert!(got.is_empty(), "type {t}");
+            }
+        }
+        // A RELEASE that releases nothing (not the holder): none.
+        let mut s = setup(WRITE_EXCLUSIVE_RO);
+        assert!(run(&mut s, &b, req(RELEASE, WRITE_EXCLUSIVE_RO, 2, 0)).is_empty());
+        // The holder of a Registrants Only reservation unregistering releases it.
+        for t in [1, 3, 5, 6, 7, 8] {
+            let mut s = setup(t);
+            let got = run(&mut s, &a, req(REGISTER, 0, 1, 0));
+            assert_eq!(
+                got.len(),
+                if matches!(t, 5 | 6) { 3 } else { 0 },
+                "type {t}"
+            );
+        }
+        // REGISTER, RESERVE: none.
+        let mut s = setup(0);
+        assert!(run(&mut s, &a, req(RESERVE, EXCLUSIVE_ACCESS, 1, 0)).is_empty());
+        assert!(run(&mut s, &b, req(REGISTER, 0, 2, 7)).is_empty());
+    }
+
+    /// REGISTER AND MOVE's parameter list: keys, UNREG/APTPL, relative target port 1,
+    /// an iSCSI TransportID (format 01b) naming `port`.
+    fn move_params(key: u64, sa_key: u64, unreg: bool, rel_port: u16, port: &str) -> Vec<u8> {
+        let mut t = port.as_bytes().to_vec();
+        t.push(0);
+        t.resize(t.len().next_multiple_of(4).max(20), 0);
+        let mut p = vec![0u8; 24];
+        put_u64(&mut p, 0, key);
+        put_u64(&mut p, 8, sa_key);
+        p[17] = if unreg { 0x02 } else { 0 };
+        put_u16(&mut p, 18, rel_port);
+        put_u32(&mut p, 20, u32_of(t.len() + 4));
+        p.extend_from_slice(&[0x45, 0]);
+        p.extend_from_slice(&u16_of(t.len()).to_be_bytes());
+        p.extend_from_slice(&t);
+        p
+    }
+
+    #[test]
+    fn register_and_move_hands_the_reservation_to_the_transport_id() {
+        let (a, b, c) = (nx("iqn.a"), nx("iqn.b"), nx("iqn.c"));
+        let parse = |p: &[u8]| ProutRequest::parse(REGISTER_AND_MOVE, 0, EXCLUSIVE_ACCESS, p);
+        // The ISID may come in upper case.
+        let b_port = b
+            .initiator
+            .to_uppercase()
+            .replace("IQN.B,I,0X", "iqn.b,i,0x");
+        let r = parse(&move_params(1, 9, false, 1, &b_port)).unwrap();
+        assert_eq!(r.move_to.as_deref(), Some(b.initiator.as_str()));
+        let mut s = PrState::default();
+        s.prout(&a, &req(REGISTER, 0, 0, 1)).unwrap();
+        s.prout(&c, &req(REGISTER, 0, 0, 3)).unwrap();
+        // No reservation to move: conflict.
+        assert_eq!(s.prout(&a, &r), Err(PrError::Conflict));
+        s.prout(&a, &req(RESERVE, EXCLUSIVE_ACCESS, 1, 0)).unwrap();
+        // Not the holder, or the wrong key: conflict.
+        let from_c = parse(&move_params(3, 9, false, 1, &b.initiator)).unwrap();
+        assert_eq!(s.prout(&c, &from_c), Err(PrError::Conflict));
+        let wrong_key = parse(&move_params(2, 9, false, 1, &b.initiator)).unwrap();
+        assert_eq!(s.prout(&a, &wrong_key), Err(PrError::Conflict));
+        // Key 0, or the holder itself: invalid.
+        for bad in [
+            move_params(1, 0, false, 1, &b.initiator),
+            move_params(1, 9, false, 1, &a.initiator),
+        ] {
+            assert_eq!(
+                s.prout(&a, &parse(&bad).unwrap()),
+                Err(PrError::Check(Sense::INVALID_FIELD_IN_PARAMETER_LIST))
+            );
+        }
+        let g = s.generation();
+        assert_eq!(s.prout(&a, &r), Ok(true));
+        assert_eq!(s.generation(), g + 1);
+        assert_eq!(keys(&s), vec![1, 3, 9]);
+        let d = s.prin(READ_RESERVATION).unwrap();
+        assert_eq!((get_u64(&d, 8), d[21]), (9, EXCLUSIVE_ACCESS));
+        assert!(!s.conflicts(&b, Access::Write));
+        assert!(s.conflicts(&a, Access::Read), "a holds nothing now");
+        // Moved on to c (registered already: it keeps its key), a unregistering.
+        let to_c = parse(&move_params(9, 5, true, 1, &c.initiator)).unwrap();
+        assert_eq!(s.prout(&a, &to_c), Err(PrError::Conflict));
+        let mut s2 = s.clone();
+        let back_to_a = parse(&move_params(9, 5, true, 1, &a.initiator)).unwrap();
+        assert_eq!(s2.prout(&b, &back_to_a), Ok(true));
+        assert_eq!(keys(&s2), vec![1, 3], "b unregistered, a kept key 1");
+        assert!(!s2.conflicts(&a, Access::Write));
+        // An All Registrants reservation has no holder to move.
+        let mut t = PrState::default();
+        t.prout(&a, &req(REGISTER, 0, 0, 1)).unwrap();
+        t.prout(&a, &req(RESERVE, EXCLUSIVE_ACCESS_AR, 1, 0))
+            .unwrap();
+        assert_eq!(t.prout(&a, &r), Err(PrError::Conflict));
+        // The parameter list: its length, the relative port, the TransportID.
+        let ok = move_params(1, 9, false, 1, &b.initiator);
+        assert_eq!(parse(&ok[..30]), Err(Sense::PARAMETER_LIST_LENGTH_ERROR));
+        assert_eq!(parse(&ok[..20]), Err(Sense::PARAMETER_LIST_LENGTH_ERROR));
+        assert_eq!(
+            parse(&move_params(1, 9, false, 2, &b.initiator)),
+            Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST)
+        );
+        for port in [
+            "iqn.b",
+            "iqn.b,i,0x12",
+            ",i,0x00023d000001",
+            "iqn.b,t,0x0001",
+        ] {
+            assert_eq!(
+                parse(&move_params(1, 9, false, 1, port)),
+                Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST),
+                "{port}"
+            );
+        }
+        let mut format0 = ok.clone();
+        format0[24] = 0x05;
+        assert_eq!(parse(&format0), Err(Sense::INVALID_FIELD_IN_PARAMETER_LIST));
     }
 
     #[test]

@@ -83,6 +83,9 @@ struct Initiator {
     digests: Digests,
     cmdsn: u32,
     itt: u32,
+    /// The last byte of the ISID: sessions with different ones are different I_T
+    /// nexuses.
+    isid: u8,
 }
 
 impl Initiator {
@@ -94,6 +97,7 @@ impl Initiator {
             digests: Digests::default(),
             cmdsn: 1,
             itt: 1,
+            isid: 1,
         }
     }
 
@@ -141,7 +145,7 @@ impl Initiator {
             0x80 | 0x04 | 0x03,
             keys.len(),
         );
-        h[8..14].copy_from_slice(&[0x80, 0, 0, 0, 0, 1]);
+        h[8..14].copy_from_slice(&[0x80, 0, 0, 0, 0, self.isid]);
         put_u32(&mut h, 16, 0);
         put_u32(&mut h, 24, self.cmdsn);
         self.send(&h, keys.as_bytes());
@@ -646,4 +650,89 @@ fn data_beyond_what_was_negotiated_ends_only_its_connection() {
     let data = pattern(21, 64 << 10);
     assert_eq!(other.write10(6000, &data), 0);
     assert!(other.read10(6000, 128) == data);
+}
+
+/// PERSISTENT RESERVE OUT with service action `sa`, type `ptype`, the basic parameter
+/// list (key, service action key): the SCSI status.
+fn prout(c: &mut Initiator, sa: u8, ptype: u8, key: u64, sa_key: u64) -> u8 {
+    let mut cdb = [0u8; 10];
+    cdb[0] = 0x5f;
+    cdb[1] = sa;
+    cdb[2] = ptype;
+    cdb[8] = 24;
+    let mut p = [0u8; 24];
+    p[..8].copy_from_slice(&key.to_be_bytes());
+    p[8..16].copy_from_slice(&sa_key.to_be_bytes());
+    immediate(c, &cdb, &p).0[3]
+}
+
+/// TEST UNIT READY: the status and (sense key, ASC, ASCQ) of a CHECK CONDITION.
+fn tur_sense(c: &mut Initiator) -> (u8, Option<(u8, u8, u8)>) {
+    c.command(&[0u8; 6], 0, false, false, &[]);
+    let (h, d) = c.recv().expect("answer to TEST UNIT READY");
+    assert_eq!(h[0] & 0x3f, pdu::OP_SCSI_RESP);
+    let sense = (h[3] == 0x02).then(|| (d[2 + 2] & 0x0f, d[2 + 12], d[2 + 13]));
+    (h[3], sense)
+}
+
+/// The unit attentions persistent reservations establish reach the next command of
+/// each affected session once, and not the session that acted; INQUIRY does not take
+/// them.
+#[test]
+fn reservation_unit_attentions_reach_the_other_sessions_once() {
+    let s = serve();
+    let mut sessions: Vec<Initiator> = (1..=3u8)
+        .map(|i| {
+            let mut c = Initiator::connect(&s.addr);
+            c.isid = i;
+            c.login(IQN, false).unwrap();
+            c
+        })
+        .collect();
+    for (i, c) in sessions.iter_mut().enumerate() {
+        let key = u64::try_from(i).unwrap() + 1;
+        assert_eq!(prout(c, 0, 0, 0, key), 0, "REGISTER");
+    }
+    let [a, b, c] = &mut sessions[..] else {
+        unreachable!()
+    };
+    // a reserves Exclusive Access, then preempts b's key.
+    assert_eq!(prout(a, 1, 3, 1, 0), 0, "RESERVE");
+    assert_eq!(prout(a, 4, 3, 1, 2), 0, "PREEMPT");
+    // INQUIRY neither reports nor clears it.
+    b.command(&[0x12, 0, 0, 0, 36, 0], 36, true, false, &[]);
+    let (h, _) = b.recv().expect("INQUIRY data");
+    assert_eq!(h[0] & 0x3f, pdu::OP_DATA_IN);
+    assert_eq!(
+        tur_sense(b),
+        (0x02, Some((0x06, 0x2a, 0x05))),
+        "REGISTRATIONS PREEMPTED"
+    );
+    // Once: the next TEST UNIT READY is GOOD.
+    assert_eq!(tur_sense(b), (0, None));
+    assert_eq!(tur_sense(c), (0, None), "c was not preempted");
+    assert_eq!(tur_sense(a), (0, None));
+    // CLEAR: every other registrant (c) is told RESERVATIONS PREEMPTED.
+    assert_eq!(prout(a, 3, 0, 1, 0), 0, "CLEAR");
+    assert_eq!(
+        tur_sense(c),
+        (0x02, Some((0x06, 0x2a, 0x03))),
+        "RESERVATIONS PREEMPTED"
+    );
+    assert_eq!(tur_sense(c), (0, None));
+    assert_eq!(tur_sense(b), (0, None), "b was not registered at the CLEAR");
+    assert_eq!(tur_sense(a), (0, None));
+    // RELEASE of a Write Exclusive, Registrants Only reservation: RESERVATIONS RELEASED
+    // to the other registrants.
+    assert_eq!(prout(a, 0, 0, 0, 1), 0);
+    assert_eq!(prout(b, 0, 0, 0, 2), 0);
+    assert_eq!(prout(a, 1, 5, 1, 0), 0, "RESERVE");
+    assert_eq!(prout(a, 2, 5, 1, 0), 0, "RELEASE");
+    assert_eq!(
+        tur_sense(b),
+        (0x02, Some((0x06, 0x2a, 0x04))),
+        "RESERVATIONS RELEASED"
+    );
+    assert_eq!(tur_sense(b), (0, None));
+    assert_eq!(tur_sense(c), (0, None), "c is not registered");
 }
