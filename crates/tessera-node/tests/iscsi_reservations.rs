@@ -20,6 +20,7 @@ fn req(sa: u8, ptype: u8, key: u64, sa_key: u64, aptpl: bool) -> ProutRequest {
         key,
         sa_key,
         aptpl,
+        ..ProutRequest::default()
     }
 }
 
