@@ -201,6 +201,18 @@ impl LuShared {
 mod tests {
     use super::*;
 
+    /// A PERSISTENT RESERVE OUT request of service action `sa` (scope 0).
+    fn req(sa: u8, ptype: u8, key: u64, sa_key: u64, aptpl: bool) -> ProutRequest {
+        ProutRequest {
+            sa,
+            ptype,
+            key,
+            sa_key,
+            aptpl,
+            ..ProutRequest::default()
+        }
+    }
+
     #[test]
     fn overlapping_ranges_are_refused_until_released() {
         let l = LuShared::of(0x1234_5678);
@@ -222,15 +234,6 @@ mod tests {
         use crate::pr::{REGISTER, RESERVE};
         let l = LuShared::of(0x7777_0001);
         let (a, b) = (Nexus::new("a", [0; 6], "t"), Nexus::new("b", [0; 6], "t"));
-        let req = |sa, ptype, key, sa_key, aptpl| ProutRequest {
-            sa,
-            scope: 0,
-            ptype,
-            key,
-            sa_key,
-            aptpl,
-            ..ProutRequest::default()
-        };
         // No persister: APTPL is refused, and REPORT CAPABILITIES says so (PTPL_C 0).
         assert_eq!(l.pr_in(crate::pr::REPORT_CAPABILITIES).unwrap()[2] & 1, 0);
         assert_eq!(
@@ -284,20 +287,13 @@ mod tests {
             Nexus::new("b", [0; 6], "t"),
             Nexus::new("c", [0; 6], "t"),
         );
-        let req = |sa, ptype, key, sa_key| ProutRequest {
-            sa,
-            ptype,
-            key,
-            sa_key,
-            ..ProutRequest::default()
-        };
         for (n, k) in [(&a, 1), (&b, 2), (&c, 3)] {
-            l.pr_out(n, &req(REGISTER, 0, 0, k)).unwrap();
+            l.pr_out(n, &req(REGISTER, 0, 0, k, false)).unwrap();
         }
         assert_eq!(l.take_unit_attention(&b), None);
-        l.pr_out(&a, &req(RESERVE, 3, 1, 0)).unwrap();
-        l.pr_out(&a, &req(PREEMPT, 3, 1, 2)).unwrap();
-        l.pr_out(&a, &req(CLEAR, 0, 1, 0)).unwrap();
+        l.pr_out(&a, &req(RESERVE, 3, 1, 0, false)).unwrap();
+        l.pr_out(&a, &req(PREEMPT, 3, 1, 2, false)).unwrap();
+        l.pr_out(&a, &req(CLEAR, 0, 1, 0, false)).unwrap();
         // b: preempted, then cleared (it was no longer registered at the CLEAR).
         assert_eq!(l.take_unit_attention(&b), Some(REGISTRATIONS_PREEMPTED));
         assert_eq!(l.take_unit_attention(&b), None);
@@ -309,8 +305,8 @@ mod tests {
             "not to the nexus that acted"
         );
         // A refused PERSISTENT RESERVE OUT establishes nothing.
-        l.pr_out(&b, &req(REGISTER, 0, 0, 2)).unwrap();
-        assert!(l.pr_out(&a, &req(CLEAR, 0, 9, 0)).is_err());
+        l.pr_out(&b, &req(REGISTER, 0, 0, 2, false)).unwrap();
+        assert!(l.pr_out(&a, &req(CLEAR, 0, 9, 0, false)).is_err());
         assert_eq!(l.take_unit_attention(&b), None);
     }
 
@@ -319,15 +315,6 @@ mod tests {
         use crate::pr::{REGISTER, RESERVE};
         let l = LuShared::default();
         let (a, b) = (Nexus::new("a", [0; 6], "t"), Nexus::new("b", [0; 6], "t"));
-        let req = |sa, ptype, key, sa_key, aptpl| ProutRequest {
-            sa,
-            scope: 0,
-            ptype,
-            key,
-            sa_key,
-            aptpl,
-            ..ProutRequest::default()
-        };
         let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let f2 = fail.clone();
         l.set_persist(Box::new(move |_| match f2.load(Ordering::SeqCst) {

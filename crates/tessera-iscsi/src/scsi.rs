@@ -939,7 +939,7 @@ const SUPPORTED: &[(u8, Option<u16>, &[u8])] = &[
         &[0x5a, 0x08, 0xff, 0xff, 0, 0, 0, 0xff, 0xff, 0],
     ),
     // PERSISTENT RESERVE IN (READ KEYS .. READ FULL STATUS) and OUT (REGISTER ..
-    // REGISTER AND IGNORE EXISTING KEY; not REGISTER AND MOVE).
+    // REGISTER AND MOVE).
     (0x5e, Some(0), &[0x5e, 0x1f, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
     (0x5e, Some(1), &[0x5e, 0x1f, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
     (0x5e, Some(2), &[0x5e, 0x1f, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
@@ -977,6 +977,11 @@ const SUPPORTED: &[(u8, Option<u16>, &[u8])] = &[
     (
         0x5f,
         Some(6),
+        &[0x5f, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    (
+        0x5f,
+        Some(7),
         &[0x5f, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
     ),
     (
