@@ -311,6 +311,24 @@ mod tests {
     }
 
     #[test]
+    fn registrations_are_bounded() {
+        use crate::pr::{INSUFFICIENT_REGISTRATION_RESOURCES, MAX_REGISTRATIONS, REGISTER};
+        let l = LuShared::default();
+        let nexus = |i: usize| Nexus::new(&format!("i{i}"), [0; 6], "t");
+        for i in 0..MAX_REGISTRATIONS {
+            l.pr_out(&nexus(i), &req(REGISTER, 0, 0, 1, false)).unwrap();
+        }
+        let over = nexus(MAX_REGISTRATIONS);
+        assert_eq!(
+            l.pr_out(&over, &req(REGISTER, 0, 0, 1, false)),
+            Err(PrError::Check(INSUFFICIENT_REGISTRATION_RESOURCES))
+        );
+        // One that leaves makes room again.
+        l.pr_out(&nexus(0), &req(REGISTER, 0, 1, 0, false)).unwrap();
+        l.pr_out(&over, &req(REGISTER, 0, 0, 1, false)).unwrap();
+    }
+
+    #[test]
     fn a_reservation_that_cannot_be_saved_is_refused_and_changes_nothing() {
         use crate::pr::{REGISTER, RESERVE};
         let l = LuShared::default();

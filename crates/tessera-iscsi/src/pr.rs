@@ -86,6 +86,17 @@ pub const RESERVATIONS_RELEASED: Sense = attention(0x04);
 pub const REGISTRATIONS_PREEMPTED: Sense = attention(0x05);
 
 /// INVALID RELEASE OF PERSISTENT RESERVATION.
+/// Registrations one unit keeps at most: they outlive the sessions that made them, so an
+/// initiator logging in under ever new ISIDs could otherwise grow them without bound.
+pub const MAX_REGISTRATIONS: usize = 1024;
+/// A REGISTER past [`MAX_REGISTRATIONS`] (SPC-4: INSUFFICIENT REGISTRATION RESOURCES).
+pub const INSUFFICIENT_REGISTRATION_RESOURCES: Sense = Sense {
+    key: crate::scsi::ILLEGAL_REQUEST,
+    asc: 0x55,
+    ascq: 0x04,
+    info: None,
+};
+
 pub const INVALID_RELEASE: Sense = Sense {
     key: crate::scsi::ILLEGAL_REQUEST,
     asc: 0x26,
@@ -359,6 +370,9 @@ impl PrState {
                     None if req.sa == REGISTER && req.key != 0 => return Err(PrError::Conflict),
                     // Unregistering a nexus that is not registered: nothing to do.
                     None if req.sa_key == 0 => return Ok(false),
+                    None if self.regs.len() >= MAX_REGISTRATIONS => {
+                        return Err(PrError::Check(INSUFFICIENT_REGISTRATION_RESOURCES))
+                    }
                     None => self.regs.push(Registration {
                         nexus: n.clone(),
                         key: req.sa_key,
@@ -450,6 +464,9 @@ impl PrState {
             return Err(PrError::Check(Sense::INVALID_FIELD_IN_PARAMETER_LIST));
         }
         if self.key_of(&dest).is_none() {
+            if self.regs.len() >= MAX_REGISTRATIONS {
+                return Err(PrError::Check(INSUFFICIENT_REGISTRATION_RESOURCES));
+            }
             self.regs.push(Registration {
                 nexus: dest.clone(),
                 key: req.sa_key,
