@@ -502,6 +502,8 @@ pub struct Summary {
     pub errors: u64,
     /// The first failed I/O's error, when any failed.
     pub first_error: Option<String>,
+    /// Parity pools: what the row writes of the measured run waited for.
+    pub parity: Option<tessera_pool::parity::ParityTotals>,
     hist: Histogram,
 }
 
@@ -558,8 +560,19 @@ fn show_progress(
     reports
 }
 
+/// The parity datapath's figures of the subject's pool, if it is a parity pool.
+fn parity_totals(subject: &Subject) -> Option<tessera_pool::parity::ParityTotals> {
+    subject.pool.as_ref()?.core.layout.parity_totals()
+}
+
 /// Add up the cores' reports.
-fn summarize(a: &BenchArgs, subject: &Subject, bs: u64, reports: &[Report]) -> Summary {
+fn summarize(
+    a: &BenchArgs,
+    subject: &Subject,
+    bs: u64,
+    reports: &[Report],
+    parity: Option<tessera_pool::parity::ParityTotals>,
+) -> Summary {
     let mut hist = Histogram::default();
     let (mut ios, mut bytes, mut errors, mut cpu, mut wall) =
         (0u64, 0u64, 0u64, Duration::ZERO, Duration::ZERO);
@@ -602,6 +615,7 @@ fn summarize(a: &BenchArgs, subject: &Subject, bs: u64, reports: &[Report]) -> S
         errors,
         first_error: (errors > 0)
             .then(|| std::io::Error::from_raw_os_error(first_error).to_string()),
+        parity,
         hist,
     }
 }
@@ -627,6 +641,19 @@ pub fn print_summary(s: &Summary) {
         println!("errors:     {} (first: {e})", s.errors);
     }
     report::print_result(s.iops, s.mibps, &s.hist, s.cpu_ns_per_io, s.errors);
+    if let Some(p) = &s.parity {
+        // Per row write: how often it found its row locked or its journal slice full
+        // (each a retry one reactor round later), and how often a journal slice's lock
+        // was held by another core.
+        let per = |n: u64| n as f64 / p.row_writes.max(1) as f64;
+        println!(
+            "PARITY row_writes={} lock_waits_per_write={:.3} journal_waits_per_write={:.3} ring_contended_per_write={:.3}",
+            p.row_writes,
+            per(p.lock_waits),
+            per(p.journal_waits),
+            per(p.ring_contended)
+        );
+    }
 }
 
 /// The run's outcome from its figures.
@@ -662,6 +689,8 @@ pub fn run_with(a: BenchArgs, tick: &mut dyn FnMut(&Tick)) -> Result<Summary, Lo
     if let Some(d) = a.fail_device {
         fail_device(&subject, d)?;
     }
+    // The prefill's row writes are not the run's.
+    let parity_before = parity_totals(&subject);
     let cfg = ReactorConfig {
         cores: a.cores,
         busy_poll: a.busy_poll,
@@ -701,5 +730,14 @@ pub fn run_with(a: BenchArgs, tick: &mut dyn FnMut(&Tick)) -> Result<Summary, Lo
     for (_, h) in reactors {
         let _ = h.join();
     }
-    Ok(summarize(&a, &subject, bs, &reports))
+    let parity = parity_totals(&subject).map(|after| {
+        let before = parity_before.unwrap_or_default();
+        tessera_pool::parity::ParityTotals {
+            row_writes: after.row_writes - before.row_writes,
+            lock_waits: after.lock_waits - before.lock_waits,
+            journal_waits: after.journal_waits - before.journal_waits,
+            ring_contended: after.ring_contended - before.ring_contended,
+        }
+    });
+    Ok(summarize(&a, &subject, bs, &reports, parity))
 }

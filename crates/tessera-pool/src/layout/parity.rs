@@ -10,9 +10,12 @@
 //! *version*, which orders the row's journal records for recovery (format §2.1).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering::AcqRel, Ordering::Acquire, Ordering::Release};
+use std::sync::atomic::{
+    AtomicU64, Ordering::AcqRel, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+};
 use std::sync::{Mutex, OnceLock};
 use tessera_io::cast::{u32_of, usize_of};
+use tessera_io::counters::{CounterRegistry, Counters};
 use tessera_io::sync::MutexExt;
 
 use tessera_parity::{pq_gen, pq_recover, pq_update, xor_into, xor_parity, ReedSolomon};
@@ -63,11 +66,72 @@ pub struct Parity {
     /// The pool's UUID, stamped into journal records (set once the pool knows it).
     pub(crate) uuid: OnceLock<[u8; 16]>,
     /// The journal's slices, each a ring shared (under a short lock) by the writers of
-    /// its rows.
-    rings: Box<[Mutex<Ring>]>,
+    /// its rows; each on cache lines of its own, so that cores writing different slices
+    /// do not contend for one line.
+    rings: Box<[SliceLock]>,
     /// Journal block: a record's header takes one, its payload starts at the next. 512,
     /// or the devices' largest logical block size (O_DIRECT alignment).
     pub block: u64,
+    /// What the row engines of every core waited for (`ParityCounters`), summed when read.
+    pub(crate) counters: CounterRegistry<ParityCounters>,
+}
+
+/// One core's row engine's figures: how its row writes went and what they waited for.
+/// Written by that core alone (plain loads and stores), summed when read
+/// (`Layout::parity_totals`).
+#[derive(Default)]
+#[repr(align(64))]
+pub(crate) struct ParityCounters {
+    row_writes: AtomicU64,
+    lock_waits: AtomicU64,
+    journal_waits: AtomicU64,
+    ring_contended: AtomicU64,
+}
+
+/// The parity datapath's figures since the layout opened (every core's summed).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ParityTotals {
+    /// Row writes finished.
+    pub row_writes: u64,
+    /// Rounds a row operation waited because another one held its row's lock.
+    pub lock_waits: u64,
+    /// Rounds a row write waited because its journal slice was full of unfinished writes.
+    pub journal_waits: u64,
+    /// Journal-slice allocations or releases that found the slice's lock held by
+    /// another core.
+    pub ring_contended: u64,
+}
+
+/// Which figure of `ParityCounters` an event adds to.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum ParityEvent {
+    RowWrite,
+    LockWait,
+    JournalWait,
+    RingContended,
+}
+
+impl ParityCounters {
+    #[inline]
+    pub(crate) fn count(&self, e: ParityEvent) {
+        let a = match e {
+            ParityEvent::RowWrite => &self.row_writes,
+            ParityEvent::LockWait => &self.lock_waits,
+            ParityEvent::JournalWait => &self.journal_waits,
+            ParityEvent::RingContended => &self.ring_contended,
+        };
+        a.store(a.load(Relaxed).wrapping_add(1), Relaxed);
+    }
+}
+
+impl Counters for ParityCounters {
+    type Totals = ParityTotals;
+    fn add_to(&self, t: &mut ParityTotals) {
+        t.row_writes += self.row_writes.load(Relaxed);
+        t.lock_waits += self.lock_waits.load(Relaxed);
+        t.journal_waits += self.journal_waits.load(Relaxed);
+        t.ring_contended += self.ring_contended.load(Relaxed);
+    }
 }
 
 impl Parity {
@@ -131,8 +195,11 @@ impl Parity {
             code,
             locks: (0..LOCKS).map(|_| AtomicU64::new(0)).collect(),
             uuid: OnceLock::new(),
-            rings: (0..SLICES).map(|s| Mutex::new(Ring::new(s))).collect(),
+            rings: (0..SLICES)
+                .map(|s| SliceLock(Mutex::new(Ring::new(s))))
+                .collect(),
             block: align.max(SCAN_STEP as u64).next_power_of_two(),
+            counters: CounterRegistry::default(),
         })
     }
 
@@ -221,7 +288,25 @@ impl Parity {
     /// The journal ring row `r` writes its records in.
     #[inline]
     pub(crate) fn ring(&self, r: u64) -> std::sync::MutexGuard<'_, Ring> {
-        self.rings[(r % SLICES) as usize].locked()
+        self.rings[(r % SLICES) as usize].0.locked()
+    }
+
+    /// `ring`, counting in `c` when another core holds the slice's lock.
+    #[inline]
+    pub(crate) fn ring_counted(
+        &self,
+        r: u64,
+        c: &ParityCounters,
+    ) -> std::sync::MutexGuard<'_, Ring> {
+        let m = &self.rings[(r % SLICES) as usize].0;
+        match m.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                c.count(ParityEvent::RingContended);
+                m.locked()
+            }
+        }
     }
 
     // ---- the code ----------------------------------------------------------------------
@@ -301,6 +386,11 @@ impl Drop for RowGuard<'_> {
 }
 
 // ---- journal ring ----------------------------------------------------------------------
+
+/// A journal slice's ring under its lock, alone on its cache lines (two, since
+/// x86 prefetches lines in adjacent pairs).
+#[repr(align(128))]
+struct SliceLock(Mutex<Ring>);
 
 /// One writer's slice of the journal, used as a ring: records are placed in order and a
 /// record is not overwritten until the row write it protects has finished.

@@ -38,6 +38,12 @@ impl Layout {
         self.parity.as_ref().expect("a parity layout")
     }
 
+    /// The parity datapath's figures (row writes, and the rounds they waited for a row
+    /// lock or journal space), every core's summed; None for other layouts.
+    pub fn parity_totals(&self) -> Option<crate::layout::parity::ParityTotals> {
+        self.parity.as_ref().map(|p| p.counters.snapshot())
+    }
+
     /// Read `[lo, hi)` of every shard of row `r` into `buf` (n × (hi−lo) bytes), the
     /// unreadable ones rebuilt from the others. Caller holds the row lock.
     fn read_row_sync(&self, r: u64, lo: u64, hi: u64, buf: &mut [u8]) -> io::Result<()> {

@@ -83,7 +83,7 @@ impl Engine {
                 .sum()
         };
         let rec_len = hl + payload;
-        let (at, rid, watermark) = p.ring(row).alloc(rec_len)?;
+        let (at, rid, watermark) = p.ring_counted(row, &self.counters).alloc(rec_len)?;
         op.ring_id = Some(rid);
         if op.rmw.is_none()
             && op

@@ -41,7 +41,7 @@ use std::sync::{Arc, Weak};
 use tessera_io::buf::AlignedBuf;
 use tessera_io::{Continuation, CoreIo, IoOp, Tag};
 
-use crate::layout::parity::{Parity, MAX_CHUNK};
+use crate::layout::parity::{Parity, ParityCounters, ParityEvent, MAX_CHUNK};
 use crate::layout::{reason_of, Layout};
 use tessera_io::cast::{u32_of, usize_of};
 
@@ -240,6 +240,16 @@ pub(crate) struct Engine {
     st: RefCell<State>,
     pending: RefCell<VecDeque<Event>>,
     active: Cell<bool>,
+    /// This core's figures (`Parity::counters`), handed back when the engine goes.
+    counters: Arc<ParityCounters>,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Some(l) = self.layout.upgrade() {
+            l.parity_geo().counters.unregister(&self.counters);
+        }
+    }
 }
 
 /// The engine of `layout` on this core (created on first use).
@@ -283,6 +293,7 @@ pub(crate) fn engine_for(io: &mut CoreIo, layout: &Arc<Layout>) -> Rc<Engine> {
         }),
         pending: RefCell::new(VecDeque::new()),
         active: Cell::new(false),
+        counters: layout.parity_geo().counters.register(),
     });
     let id = io.register_hook(e.clone());
     e.hook.set(id);
@@ -467,7 +478,10 @@ impl Engine {
         let State { ops, free, .. } = st;
         let op = &mut ops[id as usize];
         if let Some(r) = op.ring_id.take() {
-            p.ring(op.row).release(r);
+            p.ring_counted(op.row, &self.counters).release(r);
+        }
+        if op.write {
+            self.counters.count(ParityEvent::RowWrite);
         }
         if op.tries > 0 {
             p.unlock(op.row, op.version);

@@ -6,6 +6,7 @@ use tessera_io::{CoreIo, IoOp, Tag};
 
 use super::{DevOp, Engine, Mode, Phase, RowOp, State, MAX_TRIES};
 use crate::layout::parity::Parity;
+use crate::layout::parity::ParityEvent;
 use crate::layout::Layout;
 use tessera_io::cast::{u32_of, usize_of};
 
@@ -26,6 +27,7 @@ impl Engine {
                         }
                         None => {
                             // Held by another request: try again next round.
+                            self.counters.count(ParityEvent::LockWait);
                             io.defer_hook(hook, id as u64);
                             return;
                         }
@@ -78,6 +80,7 @@ impl Engine {
                     match self.journal(io, l, p, st, id, hook) {
                         None => {
                             // The journal slice is full of unfinished writes: next round.
+                            self.counters.count(ParityEvent::JournalWait);
                             io.defer_hook(hook, id as u64);
                             return;
                         }
