@@ -647,9 +647,21 @@ impl<T: ExportTarget> IscsiConn<T> {
                     None => 1,
                 }
             }
-            // ABORT TASK SET, CLEAR TASK SET, LUN RESET, TARGET WARM RESET: commands
-            // run to completion here (no I/O is cancelled) and nothing else is held.
-            2 | 3 | 5 | 6 => 0,
+            // ABORT TASK SET, CLEAR TASK SET: commands run to completion here (no I/O
+            // is cancelled) and nothing else is held.
+            2 | 3 => 0,
+            // LUN RESET, TARGET WARM RESET: as above, and the SPC-2 reservation of the
+            // unit (of every unit of the target) ends, whoever held it (SPC-2 §5.5.1;
+            // persistent reservations survive resets).
+            5 | 6 => {
+                let lun = pdu::lun_of(bhs.lun_raw()).map(usize::from);
+                for (i, l) in self.luns.iter().enumerate() {
+                    if function == 6 || lun == Some(i) {
+                        l.caw.drop_legacy(None);
+                    }
+                }
+                0
+            }
             // CLEAR ACA, TARGET COLD RESET, TASK REASSIGN: not supported.
             _ => 5,
         };
@@ -758,9 +770,9 @@ impl<T: ExportTarget> IscsiConn<T> {
         }
         // A reservation that forbids the command to this I_T nexus: refused before
         // its data is asked for.
-        if self.luns[lun]
-            .caw
-            .pr_conflict(&self.nexus, pr::access_of(&cmd))
+        let caw = &self.luns[lun].caw;
+        if caw.legacy_conflict(&self.nexus, &cmd)
+            || caw.pr_conflict(&self.nexus, pr::access_of(&cmd))
         {
             return self.respond(itt, pr::RESERVATION_CONFLICT, None, NO_RESIDUAL);
         }
@@ -1196,6 +1208,22 @@ impl<T: ExportTarget> IscsiConn<T> {
         let capacity = self.luns[lun].target.size() >> BLOCK_SHIFT;
         match cmd {
             Command::TestUnitReady => self.finish(io, s, None),
+            Command::Reserve6 | Command::Release6 => {
+                let caw = &self.luns[lun].caw;
+                let r = if cmd == Command::Reserve6 {
+                    caw.reserve6(&self.nexus)
+                } else {
+                    caw.release6(&self.nexus)
+                };
+                match r {
+                    Ok(()) => self.finish(io, s, None),
+                    Err(PrError::Check(e)) => self.finish(io, s, Some(e)),
+                    Err(PrError::Conflict) => {
+                        self.free_slot(io, s);
+                        self.respond(itt, pr::RESERVATION_CONFLICT, None, NO_RESIDUAL);
+                    }
+                }
+            }
             Command::Inquiry { evpd, page, alloc } => match scsi::inquiry(&unit, evpd, page) {
                 Ok(d) => self.answer_data(io, Some(s), itt, edtl, d, alloc),
                 Err(e) => self.finish(io, s, Some(e)),
@@ -1724,6 +1752,19 @@ fn dummy_unit() -> Unit {
     }
 }
 
+impl<T: ExportTarget> IscsiConn<T> {
+    /// The session is over (its one connection shut down): its I_T nexus is lost, and
+    /// with it the SPC-2 reservation it held (persistent ones stay). As soon as the
+    /// socket shuts, not when the task is dropped, which waits for its timer.
+    fn end_nexus(&self) {
+        if matches!(self.state, State::Full) {
+            for l in &self.luns {
+                l.caw.drop_legacy(Some(&self.nexus));
+            }
+        }
+    }
+}
+
 impl<T: ExportTarget> Drop for IscsiConn<T> {
     fn drop(&mut self) {
         if matches!(self.state, State::Full) {
@@ -1736,6 +1777,7 @@ impl<T: ExportTarget> Drop for IscsiConn<T> {
                 "iscsi: session closed"
             );
         }
+        self.end_nexus();
         for l in self.luns.drain(..) {
             l.target.unregister_stats(&l.stats);
         }
@@ -1783,7 +1825,9 @@ impl<T: ExportTarget> Task for IscsiConn<T> {
         }
         self.send(io);
         let idle = self.in_io == 0 && self.outq.is_empty() && self.sending.is_empty();
-        self.sock.shut_down_when_idle(idle);
+        if self.sock.shut_down_when_idle(idle) {
+            self.end_nexus();
+        }
     }
 
     fn finished(&self) -> bool {

@@ -9,8 +9,11 @@
 //! - Persistent reservations ([`crate::pr`]): registrations and the reservation of the
 //!   unit, for every I_T nexus. Commands look at them only while a reservation exists:
 //!   a unit without one pays one atomic load per command.
+//! - The SPC-2 reservation (RESERVE(6) / RELEASE(6)): the one I_T nexus that holds the
+//!   whole unit, until it releases it, its session ends, or a LUN or target reset.
+//!   Also one atomic load per command while there is none.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 
 use crate::scsi::Sense;
 use std::sync::{Arc, Mutex, Weak};
@@ -18,6 +21,7 @@ use std::sync::{Arc, Mutex, Weak};
 use tessera_io::sync::MutexExt;
 
 use crate::pr::{Access, Nexus, PrError, PrState, ProutRequest};
+use crate::scsi::Command;
 
 /// Saves the serialized reservation state ([`PrState::to_bytes`]) where it survives a
 /// restart, for the units whose last REGISTER set APTPL; an error says why it could not.
@@ -40,6 +44,24 @@ pub struct LuShared {
     /// `attentions` is non-zero.
     attentions: AtomicUsize,
     pending: Mutex<Vec<(Nexus, Sense)>>,
+    /// Whether `legacy` holds a nexus (changed under its lock).
+    legacy_held: AtomicBool,
+    /// The holder of the SPC-2 reservation.
+    legacy: Mutex<Option<Nexus>>,
+}
+
+/// What an SPC-2 reservation lets other I_T nexuses do: only what tells them about the
+/// unit (SPC-2 §5.5.1), and RELEASE(6), which does nothing for them. Everything else,
+/// persistent reservation commands included (SPC-3 §5.6.3), meets RESERVATION CONFLICT.
+fn allowed_under_legacy(c: &Command) -> bool {
+    matches!(
+        c,
+        Command::Inquiry { .. }
+            | Command::ReportLuns { .. }
+            | Command::RequestSense { .. }
+            | Command::ReportOpcodes(_)
+            | Command::Release6
+    )
 }
 
 /// Unit attentions kept at most (the oldest go first past it): a bound on what
@@ -108,6 +130,72 @@ impl LuShared {
             return false;
         }
         self.pr.locked().conflicts(n, access)
+    }
+
+    /// Whether command `c` from nexus `n` meets the SPC-2 reservation of another nexus;
+    /// and, while one is held, every persistent reservation command, from the holder
+    /// too (SPC-3 §5.6.3).
+    pub fn legacy_conflict(&self, n: &Nexus, c: &Command) -> bool {
+        if !self.legacy_held.load(Ordering::Acquire) {
+            return false;
+        }
+        let holder = self.legacy.locked();
+        match holder.as_ref() {
+            None => false,
+            Some(_)
+                if matches!(
+                    c,
+                    Command::PersistentReserveIn { .. } | Command::PersistentReserveOut { .. }
+                ) =>
+            {
+                true
+            }
+            Some(h) => h != n && !allowed_under_legacy(c),
+        }
+    }
+
+    /// RESERVE(6) from nexus `n`: the unit becomes `n`'s (again, if it was). Refused
+    /// (RESERVATION CONFLICT) while another nexus holds it, and while any nexus is
+    /// registered for persistent reservations (SPC-3 §5.6.3: the two kinds exclude each
+    /// other).
+    pub fn reserve6(&self, n: &Nexus) -> Result<(), PrError> {
+        let pr = self.pr.locked();
+        if pr.has_registrations() {
+            return Err(PrError::Conflict);
+        }
+        let mut holder = self.legacy.locked();
+        match holder.as_ref() {
+            Some(h) if h != n => Err(PrError::Conflict),
+            _ => {
+                *holder = Some(n.clone());
+                self.legacy_held.store(true, Ordering::Release);
+                Ok(())
+            }
+        }
+    }
+
+    /// RELEASE(6) from nexus `n`: ends `n`'s reservation; from any other nexus, or with
+    /// none held, it does nothing (and succeeds). Refused while nexuses are registered
+    /// for persistent reservations.
+    pub fn release6(&self, n: &Nexus) -> Result<(), PrError> {
+        if self.pr.locked().has_registrations() {
+            return Err(PrError::Conflict);
+        }
+        self.drop_legacy(Some(n));
+        Ok(())
+    }
+
+    /// End the SPC-2 reservation: `n`'s only (its session ended), or whoever holds it
+    /// (`None`: a LUN or target reset).
+    pub fn drop_legacy(&self, n: Option<&Nexus>) {
+        if !self.legacy_held.load(Ordering::Acquire) {
+            return;
+        }
+        let mut holder = self.legacy.locked();
+        if n.is_none() || holder.as_ref() == n {
+            *holder = None;
+            self.legacy_held.store(false, Ordering::Release);
+        }
     }
 
     /// PERSISTENT RESERVE IN: the whole data of service action `sa`. REPORT
@@ -211,6 +299,66 @@ mod tests {
             aptpl,
             ..ProutRequest::default()
         }
+    }
+
+    #[test]
+    fn an_spc2_reservation_excludes_other_nexuses_until_it_ends() {
+        let u = LuShared::default();
+        let (a, b) = (Nexus::new("a", [0; 6], "t"), Nexus::new("b", [0; 6], "t"));
+        let read = Command::Read {
+            lba: 0,
+            blocks: 1,
+            fua: false,
+        };
+        let mode = Command::ModeSense(crate::scsi::ModeSense {
+            ten: false,
+            dbd: false,
+            pc: 0,
+            page: 0x3f,
+            subpage: 0,
+            alloc: 255,
+        });
+        let prin = Command::PersistentReserveIn { sa: 0, alloc: 8 };
+        // Nothing held: nothing conflicts.
+        assert!(!u.legacy_conflict(&b, &read));
+        u.reserve6(&a).unwrap();
+        u.reserve6(&a).unwrap(); // the holder may reserve again
+        assert_eq!(u.reserve6(&b), Err(PrError::Conflict));
+        // The holder does anything; the others only learn about the unit.
+        assert!(!u.legacy_conflict(&a, &read) && !u.legacy_conflict(&a, &mode));
+        assert!(u.legacy_conflict(&b, &read) && u.legacy_conflict(&b, &mode));
+        assert!(!u.legacy_conflict(&b, &Command::Release6));
+        // Persistent reservation commands conflict for everyone meanwhile.
+        assert!(u.legacy_conflict(&a, &prin) && u.legacy_conflict(&b, &prin));
+        // Another nexus's RELEASE does nothing; the holder's ends it.
+        u.release6(&b).unwrap();
+        assert!(u.legacy_conflict(&b, &read));
+        u.release6(&a).unwrap();
+        assert!(!u.legacy_conflict(&b, &read));
+        // A session that ends takes its reservation with it; another's does not.
+        u.reserve6(&b).unwrap();
+        u.drop_legacy(Some(&a));
+        assert!(u.legacy_conflict(&a, &read));
+        u.drop_legacy(Some(&b));
+        assert!(!u.legacy_conflict(&a, &read));
+        // A reset ends it whoever holds it.
+        u.reserve6(&a).unwrap();
+        u.drop_legacy(None);
+        u.reserve6(&b).unwrap();
+    }
+
+    #[test]
+    fn spc2_and_persistent_reservations_exclude_each_other() {
+        let u = LuShared::default();
+        let (a, b) = (Nexus::new("a", [0; 6], "t"), Nexus::new("b", [0; 6], "t"));
+        u.pr_out(&a, &req(crate::pr::REGISTER, 0, 0, 7, false))
+            .unwrap();
+        // A registration anywhere: RESERVE(6) and RELEASE(6) conflict for everyone.
+        assert_eq!(u.reserve6(&b), Err(PrError::Conflict));
+        assert_eq!(u.release6(&a), Err(PrError::Conflict));
+        u.pr_out(&a, &req(crate::pr::REGISTER, 0, 7, 0, false))
+            .unwrap();
+        u.reserve6(&b).unwrap();
     }
 
     #[test]

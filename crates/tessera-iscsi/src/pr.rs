@@ -73,6 +73,7 @@ const fn attention(ascq: u8) -> Sense {
         asc: 0x2a,
         ascq,
         info: None,
+        field: None,
     }
 }
 
@@ -95,6 +96,7 @@ pub const INSUFFICIENT_REGISTRATION_RESOURCES: Sense = Sense {
     asc: 0x55,
     ascq: 0x04,
     info: None,
+    field: None,
 };
 
 pub const INVALID_RELEASE: Sense = Sense {
@@ -102,6 +104,7 @@ pub const INVALID_RELEASE: Sense = Sense {
     asc: 0x26,
     ascq: 0x04,
     info: None,
+    field: None,
 };
 
 fn valid_type(t: u8) -> bool {
@@ -157,7 +160,9 @@ pub fn access_of(c: &Command) -> Access {
         | Command::RequestSense { .. }
         | Command::ReportOpcodes(_)
         | Command::PersistentReserveIn { .. }
-        | Command::PersistentReserveOut { .. } => Access::Free,
+        | Command::PersistentReserveOut { .. }
+        | Command::Reserve6
+        | Command::Release6 => Access::Free,
         Command::Read { .. }
         | Command::Verify { .. }
         | Command::Prefetch { .. }
@@ -311,6 +316,11 @@ impl PrState {
 
     pub fn aptpl(&self) -> bool {
         self.aptpl
+    }
+
+    /// Whether any I_T nexus is registered.
+    pub fn has_registrations(&self) -> bool {
+        !self.regs.is_empty()
     }
 
     fn key_of(&self, n: &Nexus) -> Option<u64> {

@@ -53,6 +53,9 @@ pub struct Sense {
     /// The INFORMATION field (VALID set): for a miscompare, the offset of the first
     /// byte that differed.
     pub info: Option<u32>,
+    /// Sense-key specific field pointer (SKSV set, SPC-4 §4.5.2.4.2): the CDB byte and
+    /// the bit of the field found invalid.
+    pub field: Option<(u16, u8)>,
 }
 
 impl Sense {
@@ -68,6 +71,7 @@ impl Sense {
         asc: 0x27,
         ascq: 0,
         info: None,
+        field: None,
     };
     /// Thin provisioning: the pool has no space left for the write.
     pub const SPACE_ALLOCATION_FAILED: Sense = Sense {
@@ -75,24 +79,28 @@ impl Sense {
         asc: 0x27,
         ascq: 0x07,
         info: None,
+        field: None,
     };
     pub const READ_ERROR: Sense = Sense {
         key: MEDIUM_ERROR,
         asc: 0x11,
         ascq: 0,
         info: None,
+        field: None,
     };
     pub const WRITE_ERROR: Sense = Sense {
         key: MEDIUM_ERROR,
         asc: 0x0c,
         ascq: 0,
         info: None,
+        field: None,
     };
     pub const INTERNAL_TARGET_FAILURE: Sense = Sense {
         key: HARDWARE_ERROR,
         asc: 0x44,
         ascq: 0,
         info: None,
+        field: None,
     };
 
     const fn illegal(asc: u8, ascq: u8) -> Sense {
@@ -101,6 +109,7 @@ impl Sense {
             asc,
             ascq,
             info: None,
+            field: None,
         }
     }
 
@@ -112,6 +121,20 @@ impl Sense {
             asc: 0x1d,
             ascq: 0,
             info: Some(offset),
+            field: None,
+        }
+    }
+
+    /// INVALID FIELD IN CDB, pointing at bit `bit` of CDB byte `byte` (the field's most
+    /// significant bit). An initiator tells "this field" from "this command is not
+    /// supported" by it (libiscsi does, for service-action commands).
+    pub const fn invalid_cdb_field(byte: u16, bit: u8) -> Sense {
+        Sense {
+            key: ILLEGAL_REQUEST,
+            asc: 0x24,
+            ascq: 0,
+            info: None,
+            field: Some((byte, bit)),
         }
     }
 
@@ -127,6 +150,11 @@ impl Sense {
         s[7] = 10;
         s[12] = self.asc;
         s[13] = self.ascq;
+        if let Some((byte, bit)) = self.field {
+            // SKSV, C/D (a CDB field), BPV (the bit pointer is valid).
+            s[15] = 0x80 | 0x40 | 0x08 | (bit & 0x07);
+            put_u16(&mut s, 16, byte);
+        }
         s
     }
 
@@ -189,6 +217,10 @@ pub enum Command {
         unmap: bool,
         ndob: bool,
     },
+    /// RESERVE(6): an SPC-2 reservation of the whole unit for this I_T nexus.
+    Reserve6,
+    /// RELEASE(6): the SPC-2 reservation this I_T nexus holds, if any, ends.
+    Release6,
     /// START STOP UNIT and PREVENT ALLOW MEDIUM REMOVAL: a volume has no medium to
     /// spin or eject, so both succeed without doing anything.
     NoOp,
@@ -333,6 +365,11 @@ pub fn decode(cdb: &[u8]) -> Result<Command, Sense> {
     };
     match op {
         0x00 => Ok(Command::TestUnitReady),
+        // RESERVE(6) / RELEASE(6): the obsolete third-party and extent forms (byte 1)
+        // are not served.
+        0x16 | 0x17 if cdb[1] & 0x1f != 0 => Err(Sense::INVALID_FIELD_IN_CDB),
+        0x16 => Ok(Command::Reserve6),
+        0x17 => Ok(Command::Release6),
         0x03 => Ok(Command::RequestSense {
             desc: cdb[1] & 1 != 0,
             alloc: u32::from(cdb[4]),
@@ -723,6 +760,7 @@ pub fn request_sense(desc: bool) -> Vec<u8> {
             asc: 0,
             ascq: 0,
             info: None,
+            field: None,
         }
         .fixed()
         .to_vec()
@@ -891,6 +929,8 @@ const SUPPORTED: &[(u8, Option<u16>, &[u8])] = &[
     (0x0a, None, &[0x0a, 0x1f, 0xff, 0xff, 0xff, 0]),
     (0x12, None, &[0x12, 0x01, 0xff, 0xff, 0xff, 0]),
     (0x15, None, &[0x15, 0x11, 0, 0, 0xff, 0]),
+    (0x16, None, &[0x16, 0, 0, 0, 0, 0]),
+    (0x17, None, &[0x17, 0, 0, 0, 0, 0]),
     (0x1a, None, &[0x1a, 0x08, 0xff, 0xff, 0xff, 0]),
     (0x1b, None, &[0x1b, 0x01, 0, 0x0f, 0xf7, 0]),
     (0x1e, None, &[0x1e, 0, 0, 0, 0x03, 0]),
@@ -1147,7 +1187,9 @@ pub fn report_opcodes(q: &OpcodeQuery) -> Result<Vec<u8>, Sense> {
     // 6.35.2: the other way round is an invalid field); 3 takes either.
     match (q.options, has_sa) {
         (1, true) | (2, false) if SUPPORTED.iter().any(|&(op, ..)| op == q.opcode) => {
-            return Err(Sense::INVALID_FIELD_IN_CDB)
+            // The REPORTING OPTIONS field (byte 2, bits 2..0) is what is wrong, not the
+            // command: say so, or the initiator reads "not supported".
+            return Err(Sense::invalid_cdb_field(2, 2));
         }
         _ => {}
     }
@@ -1513,6 +1555,28 @@ mod tests {
     }
 
     #[test]
+    fn a_wrong_reporting_option_points_at_its_field() {
+        // TEST UNIT READY has no service actions: asking for one (options 2) is a bad
+        // field, said with a pointer to it (byte 2, bits 2..0), not "not supported".
+        let q = OpcodeQuery {
+            options: 2,
+            opcode: 0x00,
+            sa: 0,
+            rctd: false,
+            alloc: 512,
+        };
+        let s = report_opcodes(&q).unwrap_err().fixed();
+        assert_eq!((s[2], s[12], s[13]), (ILLEGAL_REQUEST, 0x24, 0));
+        assert_eq!(&s[15..18], &[0x80 | 0x40 | 0x08 | 2, 0, 2]);
+        // Other senses carry no field pointer.
+        assert_eq!(&Sense::INVALID_FIELD_IN_CDB.fixed()[15..18], &[0, 0, 0]);
+        // RESERVE(6) / RELEASE(6) decode; their third-party forms do not.
+        assert_eq!(decode(&cdb(&[0x16, 0, 0, 0, 0, 0])), Ok(Command::Reserve6));
+        assert_eq!(decode(&cdb(&[0x17, 0, 0, 0, 0, 0])), Ok(Command::Release6));
+        assert!(decode(&cdb(&[0x16, 0x10, 0, 0, 0, 0])).is_err());
+    }
+
+    #[test]
     fn supported_opcodes_all_and_one() {
         let q = OpcodeQuery {
             options: 0,
@@ -1559,7 +1623,7 @@ mod tests {
                 opcode: 0x9e,
                 ..q
             }),
-            Err(Sense::INVALID_FIELD_IN_CDB)
+            Err(Sense::invalid_cdb_field(2, 2))
         );
         let rc16 = report_opcodes(&OpcodeQuery {
             options: 2,

@@ -136,6 +136,46 @@ fn iscsi_inq_and_readcapacity16_describe_the_volume() {
     assert_eq!(read(&mut io, &mut h, 0, 4096).unwrap(), vec![7u8; 4096]);
 }
 
+/// One `iscsi-test-cu --test=TEST` run against `url` with `--dataloss` (write tests
+/// only write with it; the volume is scratch) and the given initiator names (the second
+/// for the tests that need two initiators): CUnit's counts, the lines libiscsi marked
+/// "[SKIPPED]", and the whole output.
+struct CuRun {
+    passed: u32,
+    failed: u32,
+    skipped: Vec<String>,
+    out: String,
+}
+
+fn test_cu(url: &str, test: &str, initiators: &[&str]) -> CuRun {
+    let mut args = vec!["--dataloss".to_string()];
+    for (flag, name) in ["--initiator-name", "--initiator-name-2"]
+        .iter()
+        .zip(initiators)
+    {
+        args.push(flag.to_string());
+        args.push(name.to_string());
+    }
+    args.push(format!("--test={test}"));
+    args.push(url.to_string());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (_, out) = run_tool("iscsi-test-cu", &args);
+    let Some((passed, failed)) = cunit_counts(&out) else {
+        panic!("{test}: no CUnit summary:\n{out}");
+    };
+    let skipped = out
+        .lines()
+        .filter(|l| l.contains("[SKIPPED]"))
+        .map(|l| l.trim().to_string())
+        .collect();
+    CuRun {
+        passed,
+        failed,
+        skipped,
+        out,
+    }
+}
+
 #[test]
 fn iscsi_test_cu_block_command_subset_passes() {
     if !require_tool("iscsi-test-cu") {
@@ -164,39 +204,61 @@ fn iscsi_test_cu_block_command_subset_passes() {
         "iSCSI.iSCSIResiduals",
         "iSCSI.iSCSITMF",
     ] {
-        let (_, out) = run_tool(
-            "iscsi-test-cu",
-            &[
-                // Write tests only write with --dataloss; the volume is scratch.
-                "--dataloss",
-                "--initiator-name",
-                "iqn.2026-11.io.tessera:test-initiator",
-                &format!("--test={t}"),
-                &s.url(0),
-            ],
-        );
-        let Some((passed, failed)) = cunit_counts(&out) else {
-            panic!("{t}: no CUnit summary:\n{out}");
-        };
+        let r = test_cu(&s.url(0), t, &["iqn.2026-11.io.tessera:test-initiator"]);
         // CUnit counts a test libiscsi skipped (the target lacks the command) as
         // passed: say how many of the passes were skips ("Test: X ...    [SKIPPED]";
         // a skip notice after "passed" belongs to the teardown's probes).
-        let skipped = out
-            .lines()
-            .filter_map(|l| l.trim_start().strip_prefix("Test:"))
+        let skipped = r
+            .skipped
+            .iter()
+            .filter_map(|l| l.strip_prefix("Test:"))
             .filter_map(|l| l.split_once("..."))
             .filter(|(_, r)| r.trim_start().starts_with("[SKIPPED]"))
             .count();
         report.push_str(&format!(
-            "{t}: {passed} passed (of which {skipped} skipped), {failed} failed\n"
+            "{t}: {} passed (of which {skipped} skipped), {} failed\n",
+            r.passed, r.failed
         ));
-        if failed > 0 {
-            eprintln!("{t} output:\n{out}");
+        if r.failed > 0 {
+            eprintln!("{t} output:\n{}", r.out);
         }
-        failed_total += failed;
+        failed_total += r.failed;
     }
     eprintln!("{report}");
     assert_eq!(failed_total, 0, "iscsi-test-cu failures:\n{report}");
+}
+
+/// The two initiator names of the tests that need a second I_T nexus.
+const PR_INITIATORS: [&str; 2] = [
+    "iqn.2026-11.io.tessera:pr-initiator-1",
+    "iqn.2026-11.io.tessera:pr-initiator-2",
+];
+
+/// Run each of `tests` with two initiators; every one must pass, and none may be
+/// skipped ("[SKIPPED] ... not supported" is how libiscsi passes a target that lacks
+/// the command) except where a line names one of `may_skip`. Returns the report.
+fn all_pass_unskipped(url: &str, tests: &[&str], may_skip: &[&str]) -> String {
+    let mut failed_total = 0;
+    let mut report = String::new();
+    for t in tests {
+        let r = test_cu(url, t, &PR_INITIATORS);
+        let skipped = r
+            .skipped
+            .iter()
+            .filter(|l| !may_skip.iter().any(|m| l.contains(m)))
+            .count();
+        report.push_str(&format!(
+            "{t}: {} passed, {} failed, {skipped} skipped\n",
+            r.passed, r.failed
+        ));
+        if r.failed > 0 || skipped > 0 {
+            eprintln!("{t} output:\n{}", r.out);
+        }
+        failed_total += usize::try_from(r.failed).unwrap() + skipped;
+    }
+    eprintln!("{report}");
+    assert_eq!(failed_total, 0, "iscsi-test-cu failures:\n{report}");
+    report
 }
 
 /// libiscsi's persistent reservation tests (PERSISTENT RESERVE IN/OUT), two initiators
@@ -208,45 +270,19 @@ fn iscsi_test_cu_persistent_reservations_pass() {
         return;
     }
     let s = serve();
-    let mut failed_total = 0;
-    let mut report = String::new();
-    for t in [
-        "SCSI.PrinReadKeys",
-        "SCSI.PrinServiceactionRange",
-        "SCSI.PrinReportCapabilities",
-        "SCSI.ProutRegister",
-        "SCSI.ProutReserve",
-        "SCSI.ProutClear",
-        "SCSI.ProutPreempt",
-    ] {
-        let (_, out) = run_tool(
-            "iscsi-test-cu",
-            &[
-                "--dataloss",
-                "--initiator-name",
-                "iqn.2026-11.io.tessera:pr-initiator-1",
-                "--initiator-name-2",
-                "iqn.2026-11.io.tessera:pr-initiator-2",
-                &format!("--test={t}"),
-                &s.url(0),
-            ],
-        );
-        let Some((passed, failed)) = cunit_counts(&out) else {
-            panic!("{t}: no CUnit summary:\n{out}");
-        };
-        // A target without PERSISTENT RESERVE passes these as CUnit passes, with
-        // "[SKIPPED] PROUT Not Supported" (or PRIN) in the output: count those as failures.
-        let skipped = out.matches("[SKIPPED]").count();
-        report.push_str(&format!(
-            "{t}: {passed} passed, {failed} failed, {skipped} skipped\n"
-        ));
-        if failed > 0 || skipped > 0 {
-            eprintln!("{t} output:\n{out}");
-        }
-        failed_total += usize::try_from(failed).unwrap() + skipped;
-    }
-    eprintln!("{report}");
-    assert_eq!(failed_total, 0, "iscsi-test-cu failures:\n{report}");
+    all_pass_unskipped(
+        &s.url(0),
+        &[
+            "SCSI.PrinReadKeys",
+            "SCSI.PrinServiceactionRange",
+            "SCSI.PrinReportCapabilities",
+            "SCSI.ProutRegister",
+            "SCSI.ProutReserve",
+            "SCSI.ProutClear",
+            "SCSI.ProutPreempt",
+        ],
+        &[],
+    );
     // Registrations outlive the sessions that made them: the unit's state is the one
     // all seven runs (one process, one login each) changed, every registration and
     // unregistration a step of its generation.
@@ -265,6 +301,23 @@ fn iscsi_test_cu_persistent_reservations_pass() {
     eprintln!("PRgeneration {generation}");
     assert!(generation >= 30, "PRgeneration {generation}");
     assert_eq!(&keys[4..8], &[0, 0, 0, 0], "registrations left: {keys:?}");
+}
+
+/// SPC-2 reservations (RESERVE(6) / RELEASE(6)) across two initiators, released by
+/// RELEASE, logout, a dropped connection, LUN RESET and TARGET WARM RESET; and REPORT
+/// SUPPORTED OPERATION CODES one command at a time, for every opcode it lists. TARGET
+/// COLD RESET is not supported (libiscsi skips that one test, saying so).
+#[test]
+fn iscsi_test_cu_reserve6_and_supported_opcodes_pass() {
+    if !require_tool("iscsi-test-cu") {
+        return;
+    }
+    let s = serve();
+    all_pass_unskipped(
+        &s.url(0),
+        &["SCSI.Reserve6", "SCSI.ReportSupportedOpcodes"],
+        &["ColdReset"],
+    );
 }
 
 const HOST1: &str = "iqn.2026-11.io.example:host1";
