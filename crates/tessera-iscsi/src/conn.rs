@@ -205,10 +205,19 @@ pub struct IscsiConn<T: ExportTarget> {
     /// ([`Target::login_timeout`]).
     login_timeout: Duration,
     budget: ConnBudget,
+    /// This connection's place among its listener's connections still logging in
+    /// (`crate::accept::LoginGate`), given up once the login completes.
+    login_ticket: Option<crate::accept::LoginTicket>,
 }
 
 impl<T: ExportTarget> IscsiConn<T> {
-    pub fn new(_io: &mut CoreIo, fd: OwnedFd, target: Arc<Target<T>>, budget: ConnBudget) -> Self {
+    pub fn new(
+        _io: &mut CoreIo,
+        fd: OwnedFd,
+        target: Arc<Target<T>>,
+        budget: ConnBudget,
+        login_ticket: Option<crate::accept::LoginTicket>,
+    ) -> Self {
         let client = tessera_export::log_limit::peer_name(fd.as_raw_fd());
         let login_timeout = target.login_timeout();
         IscsiConn {
@@ -241,6 +250,7 @@ impl<T: ExportTarget> IscsiConn<T> {
             started: Instant::now(),
             login_timeout,
             budget,
+            login_ticket,
         }
     }
 
@@ -491,6 +501,7 @@ impl<T: ExportTarget> IscsiConn<T> {
             let State::Login(login) = std::mem::replace(&mut self.state, State::Full) else {
                 return;
             };
+            self.login_ticket = None;
             self.enter_full_feature(io, *login);
         }
     }

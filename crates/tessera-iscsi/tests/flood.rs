@@ -3,10 +3,12 @@
 //! does I/O. Alone in its test binary, so the process's resident memory measures what
 //! the flood costs the target.
 //!
-//! What it holds the target to: connections past the listener's cap are closed at
-//! once; a Login PDU announcing more than the login phase's 8192-byte data segment is
-//! closed at once; half-open logins are closed after the login timeout; the good
-//! client is served at the latest once the flood's slots are given back; the resident
+//! What it holds the target to: a Login PDU announcing more than the login phase's
+//! 8192-byte data segment is closed at once; at most the listener's login bound
+//! ([`LoginGate::bound_for`]) of connections are logging in at any time, a new one
+//! closing the oldest, so the flood never fills the listener's cap; the good client is
+//! served at once while the flood's logins hold their places, and while a flood goes
+//! on; the half-open logins left are closed after the login timeout; the resident
 //! memory the flood adds stays within [`RSS_BOUND`].
 
 use std::io::{Read, Write};
@@ -17,7 +19,7 @@ use std::time::{Duration, Instant};
 use tessera_device::{BlockDevice, RamDevice};
 use tessera_export::budget::{BufferBudget, ListenerCap};
 use tessera_export::Export;
-use tessera_iscsi::accept::accept_loop;
+use tessera_iscsi::accept::{accept_gated, LoginGate};
 use tessera_iscsi::pdu::{self, get_u32, put_u32, Digests, BHS_LEN, FLAG_FINAL};
 use tessera_iscsi::target::Target;
 use tessera_pool::{Pool, PoolOptions};
@@ -175,11 +177,19 @@ fn a_login_flood_is_capped_timed_out_and_bounded_in_memory() {
     let mailbox = core.mailbox.clone();
     let cap = ListenerCap::new("iscsi", addr.clone(), CAP);
     let listener_cap = cap.clone();
+    let bound = LoginGate::bound_for(CAP);
+    let gate = LoginGate::new(bound);
+    let listener_gate = gate.clone();
     let t2 = target.clone();
     std::thread::spawn(move || {
-        accept_loop(l, t2, listener_cap, BufferBudget::unlimited(), move || {
-            mailbox.clone()
-        })
+        accept_gated(
+            l,
+            t2,
+            listener_cap,
+            &listener_gate,
+            BufferBudget::unlimited(),
+            move || mailbox.clone(),
+        )
     });
 
     // Unflooded, the good client is served (and its session's memory is counted before
@@ -213,37 +223,45 @@ fn a_login_flood_is_capped_timed_out_and_bounded_in_memory() {
         }
         flood.push((kind, s));
     }
-    // Let the accept thread catch up: each silent or half login holds a slot or was
-    // refused (the oversized ones may have been closed already).
+    // Let the accept thread catch up. Every flood connection was admitted to its login
+    // or, while the listener was full, refused; all but `bound` of the admitted ones
+    // were closed to make room for newer ones (the oversized ones by their own fault).
+    // A closed connection's task gives its slot back within its login tick.
     let t = Instant::now();
-    while cap.open() + usize::try_from(cap.refused()).unwrap() < FLOOD - OVERSIZED {
+    loop {
+        let seen = gate.evicted() + cap.refused() + u64::try_from(gate.logging_in()).unwrap();
+        if seen >= u64::try_from(FLOOD - OVERSIZED).unwrap() && cap.open() <= bound {
+            break;
+        }
         assert!(
             t.elapsed() < Duration::from_secs(5),
-            "accepted {} refused {}",
+            "evicted {}, logging in {}, slots held {}, refused {}",
+            gate.evicted(),
+            gate.logging_in(),
             cap.open(),
             cap.refused()
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    std::thread::sleep(Duration::from_millis(100));
     let peak = rss();
     eprintln!(
-        "flood of {FLOOD} connected in {:?}: {} held slots, {} refused; RSS {} KiB -> {} KiB (+{} KiB, {} KiB per held slot)",
+        "flood of {FLOOD} connected in {:?}: {} logging in, {} closed for newer ones, {} refused at the cap, {} slots held after {:?}; RSS {} KiB -> {} KiB (+{} KiB)",
         t0.elapsed(),
-        cap.open(),
+        gate.logging_in(),
+        gate.evicted(),
         cap.refused(),
+        cap.open(),
+        t.elapsed(),
         before >> 10,
         peak >> 10,
         peak.saturating_sub(before) >> 10,
-        (peak.saturating_sub(before) >> 10) / u64::try_from(cap.open().max(1)).unwrap()
     );
-    // Past the cap, connections were refused (the oversized logins closed at once give
-    // their slots to later ones, so more than the cap got one in turn).
-    assert!(cap.open() <= CAP);
-    assert!(cap.refused() > 0);
+    // The flood keeps its login places only, far from the listener's cap.
+    assert!(gate.logging_in() <= bound);
+    assert!(gate.evicted() > 0);
 
-    // The oversized logins, and every connection past the cap, are closed long before
-    // the login timeout; the silent and half logins that got a slot are not.
+    // The oversized logins, and every login closed for a newer one, are closed long
+    // before the login timeout; at most `bound` silent and half logins stay.
     let quick = Duration::from_secs(1);
     let t = Instant::now();
     let mut open_after_quick = Vec::new();
@@ -258,8 +276,8 @@ fn a_login_flood_is_capped_timed_out_and_bounded_in_memory() {
         open_after_quick.push(s);
     }
     assert!(
-        open_after_quick.len() <= CAP,
-        "{} flood connections still open",
+        open_after_quick.len() <= bound,
+        "{} flood connections still open (bound {bound})",
         open_after_quick.len()
     );
     eprintln!(
@@ -267,51 +285,63 @@ fn a_login_flood_is_capped_timed_out_and_bounded_in_memory() {
         open_after_quick.len(),
         t0.elapsed()
     );
-
-    // Fill the slots the oversized logins gave back with more silent connections, so
-    // the cap is full when the good client comes.
-    let t = Instant::now();
-    while cap.open() < CAP {
-        let refused = cap.refused();
-        let open = cap.open();
-        open_after_quick.push(TcpStream::connect(&addr).unwrap());
-        while cap.open() == open && cap.refused() == refused {
-            assert!(t.elapsed() < Duration::from_secs(1), "top-up not accepted");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
     let filled = Instant::now();
-    eprintln!(
-        "cap full ({} slots) {:?} after the flood started",
-        cap.open(),
-        t0.elapsed()
-    );
 
-    // The good client, while silent and half logins fill the cap: served once their
-    // slots come back, no later than the login timeout (plus its check tick and slack)
-    // after they connected.
+    // The good client, while the flood's half-open logins hold every login place:
+    // served at once (its login closes the oldest of them), not after the timeout.
     let t = Instant::now();
-    let bound = (LOGIN_TIMEOUT + Duration::from_secs(3)).saturating_sub(t0.elapsed());
+    good_client(&addr).unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "good client took {:?}",
+        t.elapsed()
+    );
+    eprintln!("good client served in {:?} beside the flood", t.elapsed());
+
+    // And while a slow flood of silent connections goes on, 100 a second: in the login
+    // timeout that is more than the listener's cap, which it would fill and keep full
+    // (every new client refused until the oldest timed out); the login bound keeps it
+    // to its places, and the good client is served at once.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flooder = {
+        let (addr, stop) = (addr.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && held.len() < 1000 {
+                if let Ok(s) = TcpStream::connect(&addr) {
+                    held.push(s);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            held.len()
+        })
+    };
+    // Long enough for the slow flood to have filled the cap without the bound.
+    std::thread::sleep(LOGIN_TIMEOUT / 2 + Duration::from_millis(500));
+    let t = Instant::now();
     let mut tries = 0;
     loop {
         tries += 1;
         match good_client(&addr) {
             Ok(()) => break,
             Err(e) => assert!(
-                t.elapsed() < bound,
-                "good client not served in {:?} ({tries} tries): {e}",
+                t.elapsed() < Duration::from_secs(1),
+                "good client not served during a flood in {:?} ({tries} tries): {e}",
                 t.elapsed()
             ),
         }
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(50));
     }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let flooded = flooder.join().unwrap();
     eprintln!(
-        "good client served {:?} after the flood connected ({tries} tries)",
-        t0.elapsed()
+        "good client served in {:?} ({tries} tries) during a slow flood of {flooded} connections ({} refused at the cap in all)",
+        t.elapsed(),
+        cap.refused()
     );
 
-    // Every half-open login is closed within the timeout (plus slack), counted from
-    // when the last one connected, and its slot is given back.
+    // Every half-open login left is closed within the timeout (plus slack), counted
+    // from when the flood ended, and its slot is given back.
     for mut s in open_after_quick {
         let left = (LOGIN_TIMEOUT + Duration::from_secs(3)).saturating_sub(filled.elapsed());
         assert!(
@@ -327,7 +357,7 @@ fn a_login_flood_is_capped_timed_out_and_bounded_in_memory() {
     let t = Instant::now();
     while cap.open() > 0 {
         assert!(
-            t.elapsed() < Duration::from_secs(3),
+            t.elapsed() < LOGIN_TIMEOUT + Duration::from_secs(3),
             "{} slots still held",
             cap.open()
         );

@@ -461,6 +461,10 @@ pub struct IscsiConfig {
     /// Connections the portal serves at a time; past it a new connection is closed
     /// right after accept (logged, counted in metrics).
     pub max_connections: usize,
+    /// A connection that has not completed its login this many milliseconds after it
+    /// was accepted is closed. Besides, at most a quarter of `max_connections` (4 to
+    /// 64) may be logging in at once: a newer one closes the oldest.
+    pub login_timeout_ms: u64,
     /// Declarative first setup (`[[iscsi.target]]`): targets created at start when
     /// missing. A target that exists is left as it is (changes go through the API).
     #[serde(rename = "target", skip_serializing_if = "Vec::is_empty")]
@@ -472,6 +476,10 @@ impl Default for IscsiConfig {
         IscsiConfig {
             listen: String::new(),
             max_connections: ISCSI_MAX_CONNECTIONS,
+            login_timeout_ms: u64::try_from(
+                tessera_iscsi::target::DEFAULT_LOGIN_TIMEOUT.as_millis(),
+            )
+            .unwrap_or(15_000),
             targets: Vec::new(),
         }
     }

@@ -327,6 +327,9 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
         .unwrap_or(cfg.listen.clone());
     let target = node.iscsi.target().clone();
     target.add_portal(local.clone());
+    target.set_login_timeout(std::time::Duration::from_millis(
+        cfg.login_timeout_ms.max(1),
+    ));
     let cap = node
         .exports()
         .listener_cap("iscsi", local.clone(), cfg.max_connections);
