@@ -74,11 +74,14 @@ cc -O2 -pthread -o "$WORK/memcpy-ceiling" bench/memcpy-ceiling.c || die "cc fail
 # field NAME LINE: the value of NAME=... in a RESULT line.
 field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<" $2"; }
 
-# point ARGS...: one engine run; prints "iops cpu_ns p50 p999" (or "- - - -").
+# point ARGS...: one engine run; prints "iops cpu_ns p50 p999" (or "- - - -"). A parity
+# pool's PARITY line (what its row writes waited for) is kept in $WORK/parity, labelled
+# with $POINT_LABEL.
 point() {
-  local line
-  line="$(timeout $((TIME + 120)) "$TESSERA" bench "$@" --qd "$QD" --time "$TIME" 2>"$WORK/err" |
-    grep '^RESULT' | head -1 || true)"
+  local out line
+  out="$(timeout $((TIME + 120)) "$TESSERA" bench "$@" --qd "$QD" --time "$TIME" 2>"$WORK/err" || true)"
+  line="$(grep '^RESULT' <<<"$out" | head -1 || true)"
+  grep '^PARITY' <<<"$out" | head -1 | sed "s/^PARITY/${POINT_LABEL:-?}/" >>"$WORK/parity" || true
   if [[ -z "$line" || "$(field errors "$line")" != 0 ]]; then
     log "FAILED: tessera bench $* ($(tail -1 "$WORK/err" 2>/dev/null))"
     echo "- - - -"
@@ -134,7 +137,7 @@ for i in "${!ROW_LABELS[@]}"; do
   cells=()
   first_iops="" first_cpu="" last=""
   for c in "${CORE_LIST[@]}"; do
-    read -r iops cpu p50 p999 <<<"$(point "${args[@]}" --cores "$c")"
+    read -r iops cpu p50 p999 <<<"$(POINT_LABEL="$label cores=$c" point "${args[@]}" --cores "$c")"
     log "$label cores=$c iops=$iops cpu_ns=$cpu p50_us=$p50 p999_us=$p999"
     cells+=("$(human "$iops")")
     [[ -z "$first_iops" ]] && { first_iops="$iops"; first_cpu="$cpu"; }
@@ -149,6 +152,18 @@ for i in "${!ROW_LABELS[@]}"; do
   printf ' %s |\n' "$summary"
 done
 echo
+
+if [[ -s "$WORK/parity" ]]; then
+  echo "## Parity rows: per row write, reactor rounds waited for a row lock, for journal space, and slice locks found held by another core"
+  echo
+  printf '| row | cores | lock waits | journal waits | slice lock contended |\n|---|---|---|---|---|\n'
+  while read -r label cores rest; do
+    printf '| %s | %s | %s | %s | %s |\n' "$label" "${cores#cores=}" \
+      "$(field lock_waits_per_write "$rest")" "$(field journal_waits_per_write "$rest")" \
+      "$(field ring_contended_per_write "$rest")"
+  done <"$WORK/parity"
+  echo
+fi
 
 echo "## Memory-copy ceiling: 4 KiB random copies into (write) or out of (read) a 1 GiB region, per second"
 echo "## (bench/memcpy-ceiling.c; what RAM-device I/O cannot exceed, one copy per device I/O)"
