@@ -84,6 +84,20 @@ pub fn load_versioned<T: DeserializeOwned + Default>(
     serde_json::from_value(value).map_err(|e| bad(&e))
 }
 
+/// Make directory `dir` if it is missing, durably: its entry in the parent directory is
+/// fsynced, so a file later written into it (and fsynced there) cannot vanish with the
+/// directory after a power loss.
+pub fn create_dir_durable(dir: &Path) -> std::io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir)?;
+    if let Some(parent) = dir.parent() {
+        std::fs::File::open(parent)?.sync_all()?;
+    }
+    Ok(())
+}
+
 /// Replace the file at `path` atomically: write a temporary file, fsync, rename, fsync
 /// the directory. Shared by every JSON file the node keeps in its data directory.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SaveError> {
@@ -128,6 +142,23 @@ pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), Sav
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_durable_directory_is_made_once_and_a_file_in_the_way_is_an_error() {
+        let base = std::env::temp_dir().join(format!("tessera-dir-durable-{}", std::process::id()));
+        let dir = base.join("iscsi-pr");
+        create_dir_durable(&dir).unwrap();
+        assert!(dir.is_dir());
+        write_atomic_mode(&dir.join("a.tpr"), b"x", 0o600).unwrap();
+        // Again: nothing changes, what is in it stays.
+        create_dir_durable(&dir).unwrap();
+        assert_eq!(std::fs::read(dir.join("a.tpr")).unwrap(), b"x");
+        // A file where the directory should be.
+        let blocked = base.join("blocked");
+        std::fs::write(&blocked, b"").unwrap();
+        assert!(create_dir_durable(&blocked).is_err());
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 
     #[test]
     fn a_json_file_missing_is_empty_garbled_is_corrupt_unreadable_is_io() {

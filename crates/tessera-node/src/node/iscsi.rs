@@ -280,7 +280,7 @@ impl Node {
             }
             let dir = dir.clone();
             shared.set_persist(Box::new(move |bytes| {
-                let r = std::fs::create_dir_all(&dir)
+                let r = crate::registry::create_dir_durable(&dir)
                     .map_err(|e| e.to_string())
                     .and_then(|()| {
                         crate::registry::write_atomic_mode(&path, bytes, 0o600)
