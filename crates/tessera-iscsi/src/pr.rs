@@ -156,6 +156,7 @@ pub fn access_of(c: &Command) -> Access {
         | Command::ReportLuns { .. }
         | Command::RequestSense { .. }
         | Command::ReportOpcodes(_)
+        | Command::ReportTargetPortGroups { .. }
         | Command::PersistentReserveIn { .. }
         | Command::PersistentReserveOut { .. } => Access::Free,
         Command::Read { .. }
