@@ -407,16 +407,6 @@ impl Node {
             .collect();
         a.set_other_groups(others);
     }
-
-    /// This node's iSCSI cluster paths: (volume, owner, size).
-    pub fn iscsi_cluster_paths(&self) -> Vec<(String, bool, u64)> {
-        self.iscsi
-            .cluster
-            .locked()
-            .iter()
-            .map(|(v, a)| (v.clone(), a.state() == alua::ACTIVE_OPTIMIZED, a.size))
-            .collect()
-    }
 }
 
 /// Serve the persisted targets and start the listener (`[iscsi] listen`, "" = none). A
