@@ -321,7 +321,7 @@ impl Node {
         size: u64,
     ) -> Result<String, Error> {
         let iqn = crate::iscsi::cluster_iqn(volume);
-        if size == 0 || size % 512 != 0 {
+        if size == 0 || !size.is_multiple_of(512) {
             return Err(Error::invalid(format!(
                 "a cluster path's size must be a positive multiple of 512 (got {size})"
             )));
