@@ -25,6 +25,7 @@ use tessera_io::cast::{u16_of, u32_of, usize_of};
 use tessera_io::{AlignedBuf, CoreIo, IoOp, Tag, Task};
 use tracing::{debug, info, warn};
 
+use crate::alua::{self, Alua};
 use crate::login::Login;
 use crate::lu::LuShared;
 use crate::pdu::{self, *};
@@ -151,16 +152,34 @@ struct Out {
     last: bool,
 }
 
-/// A LUN as this connection sees it: this core's handle, the unit's description and
-/// the connection's stats block.
+/// A LUN as this connection sees it: its backing (none on an ALUA standby port), the
+/// unit's description and what the connections serving it share.
 struct Lu<T: ExportTarget> {
+    back: Option<Back<T>>,
+    unit: Unit,
+    caw: Arc<LuShared>,
+}
+
+/// The volume behind a LUN: this core's handle, QoS admission and the connection's
+/// stats block.
+struct Back<T: ExportTarget> {
     target: Arc<T>,
     vol: T::Handle,
     /// QoS admission for the LUN's volume (limits, group, shares).
     gate: Gate,
-    unit: Unit,
     stats: Arc<IoStats>,
-    caw: Arc<LuShared>,
+}
+
+impl<T: ExportTarget> Lu<T> {
+    fn back(&self) -> &Back<T> {
+        self.back
+            .as_ref()
+            .expect("media access reaches only a backed LUN")
+    }
+
+    fn gate_idle(&self) -> bool {
+        self.back.as_ref().is_none_or(|b| b.gate.is_idle())
+    }
 }
 
 enum State {
@@ -185,6 +204,12 @@ pub struct IscsiConn<T: ExportTarget> {
     rx_digests: Digests,
     tx_digests: Digests,
     luns: Vec<Lu<T>>,
+    /// A cluster target served with ALUA: its state, and the generations of its
+    /// states and backing this connection last saw (a change of the former is reported
+    /// once as a unit attention; one of the latter re-opens LUN 0's backing).
+    alua: Option<Arc<Alua<T>>>,
+    alua_states_seen: u64,
+    alua_backing_seen: u64,
     /// Taken out while its PDUs are handled (the handlers read their data from it).
     rbuf: Option<RecvBuf>,
     /// The first Login Request set the sequence numbers.
@@ -235,6 +260,9 @@ impl<T: ExportTarget> IscsiConn<T> {
             rx_digests: Digests::default(),
             tx_digests: Digests::default(),
             luns: Vec::new(),
+            alua: None,
+            alua_states_seen: 0,
+            alua_backing_seen: 0,
             rbuf: Some(RecvBuf::new(LOGIN_RBUF_CAP)),
             seq_set: false,
             slots: (0..SLOTS).map(|_| Cmd::new()).collect(),
@@ -522,28 +550,37 @@ impl<T: ExportTarget> IscsiConn<T> {
         if !self.discovery {
             if let Some(t) = self.target.target(&self.target_name) {
                 self.session = Some(t.session_opened());
+                if let Some(a) = &t.alua {
+                    // One LUN, the same unit on every node's port.
+                    self.alua_states_seen = a.states_generation();
+                    self.alua_backing_seen = a.backing_generation();
+                    let back = a.export().map(|e| self.open_back(io, &e, 0));
+                    self.luns.push(Lu {
+                        back,
+                        unit: Unit {
+                            blocks: a.size >> BLOCK_SHIFT,
+                            read_only: false,
+                            serial: format!("{:016x}", unit_id(&t.name, 0)),
+                            id: unit_id(&t.name, 0),
+                            port: Some((a.rel_port, a.group)),
+                        },
+                        caw: a.shared.clone(),
+                    });
+                    self.alua = Some(a.clone());
+                }
                 for ((i, e), shared) in t.luns.iter().enumerate().zip(&t.shared) {
-                    let stats = e.target.register_stats();
                     let unit = Unit {
                         blocks: e.target.size() >> BLOCK_SHIFT,
                         read_only: e.target.read_only(),
                         serial: format!("{:016x}", unit_id(&t.name, i)),
                         id: unit_id(&t.name, i),
+                        port: None,
                     };
-                    let i = u32_of(self.luns.len());
-                    let gate = Gate::new(
-                        io,
-                        &e.qos,
-                        self.tag(SLOT_GATE - 2 * i),
-                        self.tag(SLOT_GATE - 2 * i - 1),
-                    );
+                    let back = self.open_back(io, e, self.luns.len());
                     self.luns.push(Lu {
-                        gate,
+                        back: Some(back),
                         caw: shared.clone(),
-                        vol: e.target.open(),
-                        target: e.target.clone(),
                         unit,
-                        stats,
                     });
                 }
             }
@@ -558,6 +595,71 @@ impl<T: ExportTarget> IscsiConn<T> {
             data_digest = self.params.data_digest,
             "iscsi: login complete"
         );
+    }
+
+    /// This core's way into export `e`, serving LUN index `i`.
+    fn open_back(&mut self, io: &mut CoreIo, e: &tessera_export::Export<T>, i: usize) -> Back<T> {
+        let i = u32_of(i);
+        let gate = Gate::new(
+            io,
+            &e.qos,
+            self.tag(SLOT_GATE - 2 * i),
+            self.tag(SLOT_GATE - 2 * i - 1),
+        );
+        Back {
+            gate,
+            stats: e.target.register_stats(),
+            vol: e.target.open(),
+            target: e.target.clone(),
+        }
+    }
+
+    /// ALUA: what LUN 0 of a cluster target answers instead of running `cmd`, if
+    /// anything. A change of the groups' states is reported first, once (unless the
+    /// command is one that never reports unit attentions); a port in standby refuses
+    /// what it may not serve. A backing that changed is re-opened once nothing of this
+    /// connection is in flight; until then media access is told the port is in
+    /// transition (the host retries).
+    fn alua_refusal(&mut self, io: &mut CoreIo, cmd: &Command, exempt: bool) -> Option<Sense> {
+        let a = self.alua.clone()?;
+        if !exempt {
+            let g = a.states_generation();
+            if g != self.alua_states_seen {
+                self.alua_states_seen = g;
+                return Some(alua::STATE_CHANGED);
+            }
+        }
+        let b = a.backing_generation();
+        if b != self.alua_backing_seen && self.quiet() {
+            self.alua_backing_seen = b;
+            let now = io.now();
+            let luns = &self.luns;
+            self.unrecorded.flush(now, |n| {
+                luns.get(n).and_then(|l| l.back.as_ref()).map(|b| &*b.stats)
+            });
+            if let Some(old) = self.luns[0].back.take() {
+                old.target.unregister_stats(&old.stats);
+            }
+            let back = a.export().map(|e| self.open_back(io, &e, 0));
+            self.luns[0].back = back;
+        }
+        if cmd.allowed_in_standby() {
+            return None;
+        }
+        if a.state() != alua::ACTIVE_OPTIMIZED {
+            return Some(alua::STANDBY_SENSE);
+        }
+        if b != self.alua_backing_seen || self.luns[0].back.is_none() {
+            return Some(alua::TRANSITION_SENSE);
+        }
+        None
+    }
+
+    /// Nothing of this connection is in flight or waiting: no command holds a slot.
+    fn quiet(&self) -> bool {
+        self.in_io == 0
+            && self.slots.iter().all(|c| matches!(c.phase, Phase::Free))
+            && self.luns.iter().all(|l| l.gate_idle())
     }
 
     fn on_nop_out(&mut self, bhs: &Bhs, data: &[u8]) {
@@ -778,6 +880,9 @@ impl<T: ExportTarget> IscsiConn<T> {
             if let Some(ua) = self.luns[lun].caw.take_unit_attention(&self.nexus) {
                 return self.respond(itt, scsi::CHECK_CONDITION, Some(ua), NO_RESIDUAL);
             }
+        }
+        if let Some(sense) = self.alua_refusal(io, &cmd, exempt) {
+            return self.respond(itt, scsi::CHECK_CONDITION, Some(sense), NO_RESIDUAL);
         }
         // A reservation that forbids the command to this I_T nexus: refused before
         // its data is asked for.
@@ -1149,7 +1254,14 @@ impl<T: ExportTarget> IscsiConn<T> {
         self.in_io += 1;
         // SAFETY: a Read or Write buffer is the slot's `buf`, which stays with the slot
         // (not released, not reused) until the slot's I/O completes in on_io.
-        unsafe { self.luns[lun].vol.submit(io, op, tag) };
+        unsafe {
+            self.luns[lun]
+                .back
+                .as_mut()
+                .expect("a backed LUN")
+                .vol
+                .submit(io, op, tag)
+        };
     }
 
     /// A decoded command whose data (if any) has arrived: I/O commands pass the LUN's
@@ -1169,7 +1281,20 @@ impl<T: ExportTarget> IscsiConn<T> {
             _ => return self.dispatch(io, s),
         };
         let lun = self.slots[idx].lun;
-        if self.luns[lun].gate.offer(io, s, charge) {
+        // ALUA: the port may have turned standby (or changed its backing) while the
+        // command's data came.
+        if let Some(a) = &self.alua {
+            if a.state() != alua::ACTIVE_OPTIMIZED {
+                return self.finish(io, s, Some(alua::STANDBY_SENSE));
+            }
+            if a.backing_generation() != self.alua_backing_seen || self.luns[lun].back.is_none() {
+                return self.finish(io, s, Some(alua::TRANSITION_SENSE));
+            }
+        }
+        let Some(back) = self.luns[lun].back.as_mut() else {
+            return self.finish(io, s, Some(alua::STANDBY_SENSE));
+        };
+        if back.gate.offer(io, s, charge) {
             return self.dispatch(io, s);
         }
         self.slots[idx].phase = Phase::Throttled;
@@ -1181,21 +1306,34 @@ impl<T: ExportTarget> IscsiConn<T> {
         if i >= self.luns.len() {
             return;
         }
+        if self.luns[i].back.is_none() {
+            return;
+        }
         if self.sock.dead {
             // Nobody to answer: what the gate holds is dropped.
             let mut held = Vec::new();
-            self.luns[i].gate.drain(&mut held);
+            self.luns[i]
+                .back
+                .as_mut()
+                .expect("backed")
+                .gate
+                .drain(&mut held);
             for s in held {
                 self.free_slot(io, s);
             }
         }
         let mut out: Vec<Released> = Vec::new();
         let tag = self.tag(slot);
-        self.luns[i].gate.wake(io, tag, &mut out);
+        self.luns[i]
+            .back
+            .as_mut()
+            .expect("backed")
+            .gate
+            .wake(io, tag, &mut out);
         for r in out {
             let idx = usize::from(r.slot);
             if r.throttled {
-                add_throttled(&self.luns[i].stats, self.slots[idx].start, io.now());
+                add_throttled(&self.luns[i].back().stats, self.slots[idx].start, io.now());
             }
             if let Some(tmf) = self.slots[idx].abort_itt.take() {
                 // Aborted while held: it never reaches the volume.
@@ -1216,7 +1354,10 @@ impl<T: ExportTarget> IscsiConn<T> {
             (c.cmd, c.lun, c.itt, c.edtl)
         };
         let unit = self.luns[lun].unit.clone();
-        let capacity = self.luns[lun].target.size() >> BLOCK_SHIFT;
+        let capacity = self.luns[lun]
+            .back
+            .as_ref()
+            .map_or(unit.blocks, |b| b.target.size() >> BLOCK_SHIFT);
         match cmd {
             Command::TestUnitReady => self.finish(io, s, None),
             Command::Reserve6 | Command::Release6 => {
@@ -1308,7 +1449,14 @@ impl<T: ExportTarget> IscsiConn<T> {
                     }
                 }
             }
-            Command::ReportOpcodes(q) => match scsi::report_opcodes(&q) {
+            Command::ReportTargetPortGroups { extended, alloc } => match &self.alua {
+                Some(a) => {
+                    let d = alua::report_target_port_groups(&a.groups(), extended);
+                    self.answer_data(io, Some(s), itt, edtl, d, alloc)
+                }
+                None => self.finish(io, s, Some(Sense::INVALID_OPCODE)),
+            },
+            Command::ReportOpcodes(q) => match scsi::report_opcodes(&q, self.alua.is_some()) {
                 Ok(d) => self.answer_data(io, Some(s), itt, edtl, d, q.alloc),
                 Err(e) => self.finish(io, s, Some(e)),
             },
@@ -1327,7 +1475,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                 // The export's own allocation map (what NBD's block status reports),
                 // as many runs as the allocation length has room for.
                 let room = usize_of(u64::from(alloc.saturating_sub(8) / 16)).clamp(1, 64);
-                let runs = self.luns[lun].target.allocation_runs(
+                let runs = self.luns[lun].back().target.allocation_runs(
                     lba << BLOCK_SHIFT,
                     (capacity - lba) << BLOCK_SHIFT,
                     room,
@@ -1440,7 +1588,14 @@ impl<T: ExportTarget> IscsiConn<T> {
                         may_unmap: true,
                     };
                     // SAFETY: a write-zeroes carries no buffer.
-                    unsafe { self.luns[lun].vol.submit(io, op, child) };
+                    unsafe {
+                        self.luns[lun]
+                            .back
+                            .as_mut()
+                            .expect("a backed LUN")
+                            .vol
+                            .submit(io, op, child)
+                    };
                 }
             }
             Command::WriteSame16 {
@@ -1500,7 +1655,14 @@ impl<T: ExportTarget> IscsiConn<T> {
                     };
                     // SAFETY: every part reads from the slot's buffer, which stays
                     // with the slot until the joined completion arrives in on_io.
-                    unsafe { self.luns[lun].vol.submit(io, op, child) };
+                    unsafe {
+                        self.luns[lun]
+                            .back
+                            .as_mut()
+                            .expect("a backed LUN")
+                            .vol
+                            .submit(io, op, child)
+                    };
                     at += n;
                 }
             }
@@ -1760,6 +1922,7 @@ fn dummy_unit() -> Unit {
         read_only: true,
         serial: String::new(),
         id: 0,
+        port: None,
     }
 }
 
@@ -1789,8 +1952,8 @@ impl<T: ExportTarget> Drop for IscsiConn<T> {
             );
         }
         self.end_nexus();
-        for l in self.luns.drain(..) {
-            l.target.unregister_stats(&l.stats);
+        for b in self.luns.drain(..).filter_map(|l| l.back) {
+            b.target.unregister_stats(&b.stats);
         }
     }
 }
@@ -1829,8 +1992,9 @@ impl<T: ExportTarget> Task for IscsiConn<T> {
 
     fn flush(&mut self, io: &mut CoreIo) {
         let luns = &self.luns;
-        self.unrecorded
-            .flush(io.now(), |n| luns.get(n).map(|l| &*l.stats));
+        self.unrecorded.flush(io.now(), |n| {
+            luns.get(n).and_then(|l| l.back.as_ref()).map(|b| &*b.stats)
+        });
         if self.outq.is_empty() && self.sending.is_empty() {
             self.update_window();
         }
@@ -1845,6 +2009,6 @@ impl<T: ExportTarget> Task for IscsiConn<T> {
         self.sock.is_closed()
             && self.in_io == 0
             && !self.timer_armed
-            && self.luns.iter().all(|l| l.gate.is_idle())
+            && self.luns.iter().all(|l| l.gate_idle())
     }
 }

@@ -14,12 +14,15 @@
 //!   WRITE and ORWRITE hold, and the persistent reservations.
 //! - [`pr`]: persistent reservations (PERSISTENT RESERVE IN/OUT): the state machine,
 //!   the conflict table, the form APTPL saves.
+//! - [`alua`]: asymmetric access (implicit ALUA) for a target several nodes serve:
+//!   target port groups, their states, REPORT TARGET PORT GROUPS.
 //! - [`target`]: the named targets and their LUNs, SendTargets, session handles.
 //! - [`accept`]: the listener, handing each connection to a reactor core.
 //! - [`conn`]: one connection (one session) on a reactor core: a [`tessera_io::Task`]
 //!   that does its I/O through the LUNs' per-core export handles.
 
 pub mod accept;
+pub mod alua;
 pub mod auth;
 pub mod conn;
 pub mod login;

@@ -60,6 +60,7 @@ fn allowed_under_legacy(c: &Command) -> bool {
             | Command::ReportLuns { .. }
             | Command::RequestSense { .. }
             | Command::ReportOpcodes(_)
+            | Command::ReportTargetPortGroups { .. }
             | Command::Release6
     )
 }

@@ -159,6 +159,7 @@ pub fn access_of(c: &Command) -> Access {
         | Command::ReportLuns { .. }
         | Command::RequestSense { .. }
         | Command::ReportOpcodes(_)
+        | Command::ReportTargetPortGroups { .. }
         | Command::PersistentReserveIn { .. }
         | Command::PersistentReserveOut { .. }
         | Command::Reserve6

@@ -38,9 +38,11 @@ pub const CHECK_CONDITION: u8 = 0x02;
 
 /// Sense keys.
 pub const NO_SENSE: u8 = 0x00;
+pub const NOT_READY: u8 = 0x02;
 pub const MEDIUM_ERROR: u8 = 0x03;
 pub const HARDWARE_ERROR: u8 = 0x04;
 pub const ILLEGAL_REQUEST: u8 = 0x05;
+pub const UNIT_ATTENTION: u8 = 0x06;
 pub const DATA_PROTECT: u8 = 0x07;
 pub const MISCOMPARE: u8 = 0x0e;
 
@@ -236,6 +238,12 @@ pub enum Command {
     },
     /// REPORT SUPPORTED OPERATION CODES.
     ReportOpcodes(OpcodeQuery),
+    /// REPORT TARGET PORT GROUPS (MAINTENANCE IN, service action 0Ah): `extended`
+    /// asks for the extended header (PARAMETER DATA FORMAT 001b).
+    ReportTargetPortGroups {
+        extended: bool,
+        alloc: u32,
+    },
     /// VERIFY(10/12/16). `bytchk`: 0 the medium only (nothing to compare), 1 every
     /// block against the Data-Out buffer, 3 one Data-Out block against every block.
     Verify {
@@ -541,6 +549,16 @@ pub fn decode(cdb: &[u8]) -> Result<Command, Sense> {
                 alloc: get_u32(cdb, 6),
             }))
         }
+        0xa3 if cdb[1] & 0x1f == 0x0a => {
+            let format = cdb[1] >> 5;
+            if format > 1 {
+                return Err(Sense::INVALID_FIELD_IN_CDB);
+            }
+            Ok(Command::ReportTargetPortGroups {
+                extended: format == 1,
+                alloc: get_u32(cdb, 6),
+            })
+        }
         0xa3 => Err(Sense::INVALID_FIELD_IN_CDB),
         0x37 => Ok(Command::ReadDefectData {
             twelve: false,
@@ -647,6 +665,34 @@ pub struct Unit {
     pub serial: String,
     /// A 64-bit value unique to the unit (target name and LUN), for the NAA designator.
     pub id: u64,
+    /// ALUA ([`crate::alua`]): this port's relative target port identifier and target
+    /// port group. With it, INQUIRY reports implicit ALUA (TPGS 01b) and the Device
+    /// Identification page designates the port and its group.
+    pub port: Option<(u16, u16)>,
+}
+
+impl Command {
+    /// Whether the command may run on a port in the standby state (SPC-4 §5.16.2.4.5,
+    /// as implemented: INQUIRY, REPORT LUNS, REPORT SUPPORTED OPERATION CODES, REPORT
+    /// TARGET PORT GROUPS, REQUEST SENSE, MODE SENSE/SELECT, PERSISTENT RESERVE
+    /// IN/OUT, and READ CAPACITY, which hosts read on every path). Every other command
+    /// (media access, TEST UNIT READY included) is refused there.
+    pub fn allowed_in_standby(&self) -> bool {
+        matches!(
+            self,
+            Command::Inquiry { .. }
+                | Command::ReportLuns { .. }
+                | Command::ReportOpcodes(_)
+                | Command::ReportTargetPortGroups { .. }
+                | Command::RequestSense { .. }
+                | Command::ModeSense(_)
+                | Command::ModeSelect { .. }
+                | Command::PersistentReserveIn { .. }
+                | Command::PersistentReserveOut { .. }
+                | Command::ReadCapacity10
+                | Command::ReadCapacity16 { .. }
+        )
+    }
 }
 
 const VENDOR: &[u8; 8] = b"TESSERA ";
@@ -660,6 +706,9 @@ pub fn inquiry(u: &Unit, evpd: bool, page: u8) -> Result<Vec<u8>, Sense> {
         d[2] = 0x06; // SPC-4
         d[3] = 0x12; // HISUP, response data format 2
         d[4] = 96 - 5;
+        if u.port.is_some() {
+            d[5] = 0x10; // TPGS 01b: implicit ALUA
+        }
         d[7] = 0x02; // CMDQUE
         d[8..16].copy_from_slice(VENDOR);
         d[16..32].copy_from_slice(PRODUCT);
@@ -689,6 +738,15 @@ pub fn inquiry(u: &Unit, evpd: bool, page: u8) -> Result<Vec<u8>, Sense> {
             v.extend_from_slice(&[0x02, 0x01, 0x00, u8_of(8 + s.len())]);
             v.extend_from_slice(VENDOR);
             v.extend_from_slice(s);
+            if let Some((rel_port, group)) = u.port {
+                // iSCSI (protocol identifier 5), binary, PIV, associated with the
+                // target port: relative target port (type 4), target port group
+                // (type 5).
+                for (kind, value) in [(0x04u8, rel_port), (0x05, group)] {
+                    v.extend_from_slice(&[0x51, 0x80 | 0x10 | kind, 0x00, 0x04, 0, 0]);
+                    v.extend_from_slice(&value.to_be_bytes());
+                }
+            }
             v
         }
         0xb0 => {
@@ -1115,6 +1173,12 @@ const SUPPORTED: &[(u8, Option<u16>, &[u8])] = &[
         None,
         &[0xa0, 0, 0xff, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0, 0],
     ),
+    // REPORT TARGET PORT GROUPS: listed for ALUA targets only (see `report_opcodes`).
+    (
+        0xa3,
+        Some(0x0a),
+        &[0xa3, 0xea, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0, 0],
+    ),
     (
         0xa3,
         Some(0x0c),
@@ -1161,10 +1225,16 @@ const SUPPORTED: &[(u8, Option<u16>, &[u8])] = &[
 const TIMEOUTS: [u8; 12] = [0, 0x0a, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
 
 /// REPORT SUPPORTED OPERATION CODES' data.
-pub fn report_opcodes(q: &OpcodeQuery) -> Result<Vec<u8>, Sense> {
+pub fn report_opcodes(q: &OpcodeQuery, alua: bool) -> Result<Vec<u8>, Sense> {
+    // REPORT TARGET PORT GROUPS is served by ALUA targets only.
+    let supported: Vec<(u8, Option<u16>, &[u8])> = SUPPORTED
+        .iter()
+        .copied()
+        .filter(|&(op, sa, _)| alua || (op, sa) != (0xa3, Some(0x0a)))
+        .collect();
     if q.options == 0 {
         let mut d = vec![0u8; 4];
-        for &(op, sa, usage) in SUPPORTED {
+        for &(op, sa, usage) in &supported {
             let mut e = [0u8; 8];
             e[0] = op;
             put_u16(&mut e, 2, sa.unwrap_or(0));
@@ -1180,20 +1250,20 @@ pub fn report_opcodes(q: &OpcodeQuery) -> Result<Vec<u8>, Sense> {
         put_u32(&mut d, 0, n);
         return Ok(d);
     }
-    let has_sa = SUPPORTED
+    let has_sa = supported
         .iter()
         .any(|&(op, sa, _)| op == q.opcode && sa.is_some());
     // Options 1 names an opcode without service actions, 2 one with them (SPC-4
     // 6.35.2: the other way round is an invalid field); 3 takes either.
     match (q.options, has_sa) {
-        (1, true) | (2, false) if SUPPORTED.iter().any(|&(op, ..)| op == q.opcode) => {
+        (1, true) | (2, false) if supported.iter().any(|&(op, ..)| op == q.opcode) => {
             // The REPORTING OPTIONS field (byte 2, bits 2..0) is what is wrong, not the
             // command: say so, or the initiator reads "not supported".
             return Err(Sense::invalid_cdb_field(2, 2));
         }
         _ => {}
     }
-    let found = SUPPORTED.iter().find(|&&(op, sa, _)| {
+    let found = supported.iter().find(|&&(op, sa, _)| {
         op == q.opcode
             && match q.options {
                 1 => sa.is_none(),
@@ -1270,6 +1340,7 @@ mod tests {
 
     fn unit() -> Unit {
         Unit {
+            port: None,
             blocks: 16384,
             read_only: false,
             serial: "abc".into(),
@@ -1565,7 +1636,7 @@ mod tests {
             rctd: false,
             alloc: 512,
         };
-        let s = report_opcodes(&q).unwrap_err().fixed();
+        let s = report_opcodes(&q, false).unwrap_err().fixed();
         assert_eq!((s[2], s[12], s[13]), (ILLEGAL_REQUEST, 0x24, 0));
         assert_eq!(&s[15..18], &[0x80 | 0x40 | 0x08 | 2, 0, 2]);
         // Other senses carry no field pointer.
@@ -1577,6 +1648,53 @@ mod tests {
     }
 
     #[test]
+    fn alua_port_data_and_report_target_port_groups_decode() {
+        // INQUIRY: TPGS only with a port; VPD 83h gains the port and group designators.
+        let plain = inquiry(&unit(), false, 0).unwrap();
+        assert_eq!(plain[5] & 0x30, 0);
+        let u = Unit {
+            port: Some((0x1234, 0x5678)),
+            ..unit()
+        };
+        assert_eq!(inquiry(&u, false, 0).unwrap()[5] & 0x30, 0x10);
+        let without = inquiry(&unit(), true, 0x83).unwrap();
+        let with = inquiry(&u, true, 0x83).unwrap();
+        assert_eq!(with.len(), without.len() + 16);
+        assert_eq!(usize::from(get_u16(&with, 2)), with.len() - 4);
+        let extra = &with[without.len()..];
+        assert_eq!(extra[..8], [0x51, 0x94, 0, 4, 0, 0, 0x12, 0x34]);
+        assert_eq!(extra[8..], [0x51, 0x95, 0, 4, 0, 0, 0x56, 0x78]);
+        // REPORT TARGET PORT GROUPS: both parameter data formats; others refused.
+        let mut c = cdb(&[0xa3, 0x0a]);
+        put_u32(&mut c, 6, 1024);
+        assert_eq!(
+            decode(&c),
+            Ok(Command::ReportTargetPortGroups {
+                extended: false,
+                alloc: 1024
+            })
+        );
+        c[1] = 0x2a;
+        assert!(matches!(
+            decode(&c),
+            Ok(Command::ReportTargetPortGroups { extended: true, .. })
+        ));
+        c[1] = 0x4a;
+        assert_eq!(decode(&c), Err(Sense::INVALID_FIELD_IN_CDB));
+        // What a standby port serves.
+        for ok in [0x12u8, 0xa0, 0x03, 0x1a, 0x5a, 0x25, 0x5e] {
+            let mut c = cdb(&[ok]);
+            put_u32(&mut c, 6, 64);
+            let cmd = decode(&c).unwrap();
+            assert!(cmd.allowed_in_standby(), "{ok:#x}");
+        }
+        for refused in [0x00u8, 0x28, 0x2a, 0x35, 0x88, 0x8a, 0x42, 0x1b] {
+            let cmd = decode(&cdb(&[refused])).unwrap();
+            assert!(!cmd.allowed_in_standby(), "{refused:#x}");
+        }
+    }
+
+    #[test]
     fn supported_opcodes_all_and_one() {
         let q = OpcodeQuery {
             options: 0,
@@ -1585,9 +1703,12 @@ mod tests {
             rctd: false,
             alloc: 65535,
         };
-        let all = report_opcodes(&q).unwrap();
+        let all = report_opcodes(&q, false).unwrap();
         assert_eq!(usize_of_u32(get_u32(&all, 0)), all.len() - 4);
-        assert_eq!((all.len() - 4) / 8, SUPPORTED.len());
+        assert_eq!((all.len() - 4) / 8, SUPPORTED.len() - 1);
+        // An ALUA target lists REPORT TARGET PORT GROUPS too.
+        let alua = report_opcodes(&q, true).unwrap();
+        assert_eq!((alua.len() - 4) / 8, SUPPORTED.len());
         // Every listed command decodes (a listed opcode is one the target serves).
         for &(op, sa, usage) in SUPPORTED {
             assert_eq!(usage[0], op);
@@ -1599,38 +1720,50 @@ mod tests {
             }
             assert_ne!(decode(&c), Err(Sense::INVALID_OPCODE), "{op:#x}");
         }
-        let with_t = report_opcodes(&OpcodeQuery { rctd: true, ..q }).unwrap();
-        assert_eq!(with_t.len() - 4, SUPPORTED.len() * 20);
+        let with_t = report_opcodes(&OpcodeQuery { rctd: true, ..q }, false).unwrap();
+        assert_eq!(with_t.len() - 4, (SUPPORTED.len() - 1) * 20);
         // One command: READ(10) supported with its usage data; 0xff not; READ
         // CAPACITY(16) needs its service action (options 2), not options 1.
-        let one = report_opcodes(&OpcodeQuery {
-            options: 1,
-            opcode: 0x28,
-            ..q
-        })
+        let one = report_opcodes(
+            &OpcodeQuery {
+                options: 1,
+                opcode: 0x28,
+                ..q
+            },
+            false,
+        )
         .unwrap();
         assert_eq!((one[1], get_u16(&one, 2), one[4]), (3, 10, 0x28));
-        let none = report_opcodes(&OpcodeQuery {
-            options: 1,
-            opcode: 0xff,
-            ..q
-        })
+        let none = report_opcodes(
+            &OpcodeQuery {
+                options: 1,
+                opcode: 0xff,
+                ..q
+            },
+            false,
+        )
         .unwrap();
         assert_eq!(none[1], 1);
         assert_eq!(
-            report_opcodes(&OpcodeQuery {
-                options: 1,
-                opcode: 0x9e,
-                ..q
-            }),
+            report_opcodes(
+                &OpcodeQuery {
+                    options: 1,
+                    opcode: 0x9e,
+                    ..q
+                },
+                false
+            ),
             Err(Sense::invalid_cdb_field(2, 2))
         );
-        let rc16 = report_opcodes(&OpcodeQuery {
-            options: 2,
-            opcode: 0x9e,
-            sa: 0x10,
-            ..q
-        })
+        let rc16 = report_opcodes(
+            &OpcodeQuery {
+                options: 2,
+                opcode: 0x9e,
+                sa: 0x10,
+                ..q
+            },
+            false,
+        )
         .unwrap();
         assert_eq!((rc16[1], rc16[5]), (3, 0x10));
     }

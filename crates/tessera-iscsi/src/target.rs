@@ -11,6 +11,7 @@ use tessera_export::{Export, ExportTarget};
 use tessera_io::sync::RwLockExt;
 use thiserror::Error;
 
+use crate::alua::Alua;
 use crate::auth::{Access, AccessError};
 use crate::login::PORTAL_GROUP_TAG;
 use crate::lu::LuShared;
@@ -45,6 +46,9 @@ pub struct TargetEntry<T> {
     /// that made them. The owner may install a persister here
     /// ([`LuShared::set_persist`]) and restore a saved state.
     pub shared: Vec<Arc<LuShared>>,
+    /// A cluster target served with ALUA ([`crate::alua`]): its one LUN is the
+    /// [`Alua`]'s (backed or not as its state says) and `luns` is empty.
+    pub alua: Option<Arc<Alua<T>>>,
     /// Replaced whole by [`Target::set_access`]; a login takes the one current when
     /// it names the target and keeps it to its end.
     access: RwLock<Arc<Access>>,
@@ -205,7 +209,35 @@ impl<T: ExportTarget> Target<T> {
                     .map(|e| LuShared::of(e.target.identity()))
                     .collect(),
                 luns,
+                alua: None,
                 access: RwLock::new(Arc::new(access)),
+                sessions: Arc::default(),
+                logins: AtomicU64::new(0),
+            }),
+        );
+        Ok(())
+    }
+
+    /// Serve `name` with ALUA: LUN 0 is `alua`'s, active/optimized and backed by the
+    /// volume or standby without data, as `alua` says from one command to the next.
+    /// Open to any initiator (a cluster volume's paths are reached like its NVMe/TCP
+    /// ones).
+    pub fn add_alua_target(&self, name: &str, alua: Arc<Alua<T>>) -> Result<(), Error> {
+        if !valid_name(name) {
+            return Err(Error::InvalidName(name.to_string()));
+        }
+        let mut t = self.targets.write_locked();
+        if t.contains_key(name) {
+            return Err(Error::Exists(name.to_string()));
+        }
+        t.insert(
+            name.to_string(),
+            Arc::new(TargetEntry {
+                name: name.to_string(),
+                shared: vec![alua.shared.clone()],
+                luns: Vec::new(),
+                alua: Some(alua),
+                access: RwLock::new(Arc::new(Access::default())),
                 sessions: Arc::default(),
                 logins: AtomicU64::new(0),
             }),

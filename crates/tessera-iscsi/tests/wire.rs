@@ -3,7 +3,9 @@
 //! the reverse (a write large enough for immediate data and several R2Ts, with header
 //! and data digests on), and hostile input (PDUs before login, an unknown target, an
 //! oversized data segment, a bad data digest) ends only the connection that sent it;
-//! the export's QoS limits hold the LUN's I/O.
+//! the export's QoS limits hold the LUN's I/O; an ALUA target's standby port refuses
+//! media access, reports a change of state once per session, and serves the volume
+//! once active.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -14,6 +16,7 @@ use tessera_device::{BlockDevice, RamDevice};
 use tessera_export::budget::{BufferBudget, ListenerCap};
 use tessera_export::Export;
 use tessera_iscsi::accept::accept_loop;
+use tessera_iscsi::alua::{self, Alua, PortGroup};
 use tessera_iscsi::pdu::{self, get_u32, put_u32, Digests, BHS_LEN, FLAG_FINAL};
 use tessera_iscsi::target::Target;
 use tessera_iscsi::text;
@@ -735,4 +738,154 @@ fn reservation_unit_attentions_reach_the_other_sessions_once() {
     );
     assert_eq!(tur_sense(b), (0, None));
     assert_eq!(tur_sense(c), (0, None), "c is not registered");
+}
+
+const ALUA_IQN: &str = "iqn.2026-11.io.tessera:cluster:wire";
+
+/// Served: an ALUA target (this port group 7, standby; group 3 active/optimized) beside
+/// the plain one, and what makes group 7 active.
+fn serve_alua() -> (Served, Arc<Alua<Volume>>, Export<Volume>) {
+    let s = serve();
+    let export = Export {
+        target: s.vol.clone(),
+        qos: Arc::new(VolumeQos::new(QosLimits::default(), Instant::now())),
+    };
+    let a = Alua::new(7, 7, VOL);
+    a.set_other_groups(vec![PortGroup {
+        id: 3,
+        rel_port: 3,
+        state: alua::ACTIVE_OPTIMIZED,
+    }]);
+    (s, a, export)
+}
+
+/// A command answered with a status only (no Data-In): the status and (sense key, ASC,
+/// ASCQ) of a CHECK CONDITION.
+fn status_of(c: &mut Initiator, cdb: &[u8], edtl: usize, read: bool) -> (u8, Option<(u8, u8, u8)>) {
+    c.command(cdb, edtl, read, false, &[]);
+    let (h, d) = c.recv().expect("an answer");
+    assert_eq!(h[0] & 0x3f, pdu::OP_SCSI_RESP, "answered with a status");
+    let sense = (h[3] == 0x02).then(|| (d[2 + 2] & 0x0f, d[2 + 12], d[2 + 13]));
+    (h[3], sense)
+}
+
+/// The Data-In of a command that succeeds.
+fn data_of(c: &mut Initiator, cdb: &[u8], edtl: usize) -> Vec<u8> {
+    c.command(cdb, edtl, true, false, &[]);
+    let mut out = Vec::new();
+    loop {
+        let (h, d) = c.recv().expect("Data-In");
+        assert_eq!(
+            h[0] & 0x3f,
+            pdu::OP_DATA_IN,
+            "{cdb:02x?} answered without data"
+        );
+        out.extend_from_slice(&d);
+        if h[1] & 0x01 != 0 {
+            assert_eq!(h[3], 0, "{cdb:02x?} status");
+            return out;
+        }
+    }
+}
+
+/// REPORT TARGET PORT GROUPS (extended header): (group, state) of each descriptor.
+fn rtpg(c: &mut Initiator) -> Vec<(u16, u8)> {
+    let d = data_of(c, &[0xa3, 0x2a, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0], 256);
+    assert_eq!(d[4], 0x10, "extended header");
+    d[8..]
+        .chunks(12)
+        .map(|g| (u16::from_be_bytes([g[2], g[3]]), g[0] & 0x0f))
+        .collect()
+}
+
+const STANDBY: (u8, Option<(u8, u8, u8)>) = (0x02, Some((0x02, 0x04, 0x0b)));
+const STATE_CHANGED: (u8, Option<(u8, u8, u8)>) = (0x02, Some((0x06, 0x2a, 0x06)));
+const READ8: [u8; 10] = [0x28, 0, 0, 0, 0, 0x10, 0, 0, 8, 0];
+
+/// An ALUA target: a standby port refuses media access before any data moves and
+/// answers what it may; a change of state is one unit attention per session; turned
+/// active it serves the volume, turned standby again it refuses it.
+#[test]
+fn alua_standby_sense_unit_attention_and_flips() {
+    let (s, a, export) = serve_alua();
+    // A listener of its own, serving the ALUA target and a plain one of the same volume.
+    let target = Target::new();
+    target.add_alua_target(ALUA_IQN, a.clone()).unwrap();
+    target.add_target(IQN, vec![export.clone()]).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let reactor = ReactorThread::start();
+    let mailbox = reactor.mailbox.clone();
+    let cap = ListenerCap::new("iscsi", addr.clone(), 8);
+    std::thread::spawn(move || {
+        accept_loop(l, target, cap, BufferBudget::unlimited(), move || {
+            mailbox.clone()
+        })
+    });
+    let mut c = Initiator::connect(&addr);
+    c.login(ALUA_IQN, false).unwrap();
+    // Standby: media access and TEST UNIT READY refused, the rest answered.
+    assert_eq!(status_of(&mut c, &[0u8; 6], 0, false), STANDBY);
+    assert_eq!(status_of(&mut c, &READ8, 4096, true), STANDBY);
+    assert_eq!(
+        c.write10(0x10, &[0xab; 4096]),
+        0x02,
+        "no R2T, CHECK CONDITION"
+    );
+    assert_eq!(
+        status_of(&mut c, &[0x35, 0, 0, 0, 0, 0, 0, 0, 0, 0], 0, false),
+        STANDBY
+    );
+    let inq = data_of(&mut c, &[0x12, 0, 0, 0, 96, 0], 96);
+    assert_eq!(inq[5] & 0x30, 0x10, "TPGS: implicit");
+    let cap10 = data_of(&mut c, &[0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0], 8);
+    assert_eq!(
+        u64::from(u32::from_be_bytes(cap10[..4].try_into().unwrap())),
+        VOL / 512 - 1
+    );
+    assert_eq!(rtpg(&mut c), vec![(3, 0), (7, 2)]);
+
+    // Active: one unit attention, then the volume.
+    a.set_active(export.clone());
+    assert_eq!(status_of(&mut c, &[0u8; 6], 0, false), STATE_CHANGED);
+    assert_eq!(status_of(&mut c, &[0u8; 6], 0, false), (0, None), "once");
+    assert_eq!(rtpg(&mut c), vec![(3, 2), (7, 0)], "one owner");
+    let data = pattern(7, 4096);
+    assert_eq!(c.write10(0x10, &data), 0, "WRITE(10) on the active port");
+    assert_eq!(c.read10(0x10, 8), data);
+    let mut io = core();
+    let mut h = s.vol.open_handle();
+    let back = read(&mut io, &mut h, 0x10 * 512, data.len()).unwrap();
+    assert!(back == data, "the write reached the volume");
+    // A session that logs in now sees no attention: its first TEST UNIT READY is GOOD.
+    let mut d = Initiator::connect(&addr);
+    d.isid = 2;
+    d.login(ALUA_IQN, false).unwrap();
+    assert_eq!(status_of(&mut d, &[0u8; 6], 0, false), (0, None));
+
+    // Standby again: both sessions told once, then refused.
+    a.set_standby();
+    for x in [&mut c, &mut d] {
+        // INQUIRY neither reports nor takes it.
+        data_of(x, &[0x12, 0, 0, 0, 96, 0], 96);
+        assert_eq!(status_of(x, &READ8, 4096, true), STATE_CHANGED);
+        assert_eq!(status_of(x, &READ8, 4096, true), STANDBY);
+    }
+    assert_eq!(rtpg(&mut c), vec![(3, 2), (7, 2)]);
+    // A plain target has no target port groups.
+    let mut p = Initiator::connect(&addr);
+    p.isid = 3;
+    p.login(IQN, false).unwrap();
+    let plain_inq = data_of(&mut p, &[0x12, 0, 0, 0, 96, 0], 96);
+    assert_eq!(plain_inq[5] & 0x30, 0);
+    assert_eq!(
+        status_of(
+            &mut p,
+            &[0xa3, 0x0a, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0],
+            256,
+            true
+        ),
+        (0x02, Some((0x05, 0x20, 0x00)))
+    );
+    drop(reactor);
 }

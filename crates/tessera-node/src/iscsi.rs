@@ -6,12 +6,14 @@
 //! may hold LUNs from several pools (as NVMe subsystems do, `crate::nvmf`). A LUN names
 //! its volume by pool UUID and volume ID, stable for the volume's life.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use tessera_api::IscsiChap;
 use tessera_io::sync::MutexExt;
+use tessera_iscsi::alua::Alua;
 use tessera_iscsi::auth::{Access, Chap, Credentials};
 use tessera_iscsi::target::Target;
 
@@ -98,6 +100,20 @@ pub struct IscsiState {
     /// `DATA_DIR/iscsi-pr`: each LUN's persistent reservation state, saved while its
     /// last REGISTER set APTPL (`POOL_UUID-VOLUME_ID.tpr`, the crate's versioned form).
     pub(crate) pr_dir: PathBuf,
+    /// The ALUA state of each cluster volume's target on this node, by volume name
+    /// (`node::iscsi`, "cluster paths"): in memory only, the cluster declares them again
+    /// after a restart.
+    pub(crate) cluster: Mutex<BTreeMap<String, Arc<Alua<NodeTarget>>>>,
+}
+
+/// The prefix of the targets the cluster serves (one per cluster volume, on every node
+/// that holds a replica); a user's target cannot take a name under it.
+pub const CLUSTER_IQN_PREFIX: &str = "iqn.2026-11.io.tessera:cluster:";
+
+/// The target of cluster volume `volume`, the same on every node (as its NVMe/TCP
+/// subsystem, `nqn.2026-11.io.tessera:cluster:VOLUME`).
+pub fn cluster_iqn(volume: &str) -> String {
+    format!("{CLUSTER_IQN_PREFIX}{volume}")
 }
 
 impl IscsiState {
@@ -110,6 +126,7 @@ impl IscsiState {
             target: Target::new(),
             portals: Mutex::new(Vec::new()),
             pr_dir: data_dir.join("iscsi-pr"),
+            cluster: Mutex::new(BTreeMap::new()),
         })
     }
 

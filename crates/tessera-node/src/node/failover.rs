@@ -410,9 +410,10 @@ impl Node {
 
     /// A replica holder serves a standby NVMe/TCP path of the volume, and every holder's
     /// discovery lists the other holders' paths, so a multipath host finds them all and
-    /// the owner's is the optimized one.
+    /// the owner's is the optimized one. Likewise over iSCSI: a standby path, and every
+    /// holder's REPORT TARGET PORT GROUPS lists the others' groups with their states.
     fn advertise_paths(&self, spec: &ClusterVolume, addrs: &BTreeMap<String, String>) {
-        if !self.cfg.nvmf.enabled {
+        if !self.cfg.nvmf.enabled && !self.iscsi_serves() {
             return;
         }
         let me = self.cfg.node_name();
@@ -421,6 +422,10 @@ impl Node {
         }
         if spec.owner != me && self.cluster.owned_epoch(&spec.name).is_none() {
             self.set_cluster_path(&spec.name, false, spec.size);
+        }
+        self.set_iscsi_groups(spec);
+        if !self.cfg.nvmf.enabled {
+            return;
         }
         let others: Vec<String> = spec
             .replicas

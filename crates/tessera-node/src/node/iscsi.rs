@@ -11,6 +11,7 @@ use std::sync::Arc;
 use tessera_api::{IscsiAuth, IscsiChap, IscsiChapInfo, IscsiLunInfo, IscsiTargetInfo};
 use tessera_io::cast::u32_of;
 use tessera_io::sync::MutexExt;
+use tessera_iscsi::alua::{self, Alua};
 
 use crate::error::Error;
 use crate::iscsi::{LunRecord, TargetRecord};
@@ -115,6 +116,13 @@ impl Node {
         auth: IscsiAuth,
     ) -> Result<IscsiTargetInfo, Error> {
         let _g = self.admin();
+        if iqn.starts_with(crate::iscsi::CLUSTER_IQN_PREFIX) {
+            return Err(Error::invalid(format!(
+                "target names starting with '{}' are the cluster's (each cluster volume is \
+                 served under one on every node holding a replica)",
+                crate::iscsi::CLUSTER_IQN_PREFIX
+            )));
+        }
         let (allowed_initiators, chap) = access_record(auth)?;
         if self.iscsi.file().targets.iter().any(|t| t.iqn == iqn) {
             return Err(Error::already_exists(format!(
@@ -289,6 +297,115 @@ impl Node {
                 r.map_err(|e| format!("{}: {e}", path.display()))
             }));
         }
+    }
+}
+
+impl Node {
+    /// Whether this node serves iSCSI (`[iscsi] listen` is set): cluster volumes then
+    /// get an iSCSI path here too.
+    pub(super) fn iscsi_serves(&self) -> bool {
+        !self.cfg.iscsi.listen.is_empty()
+    }
+
+    /// This node's iSCSI path of cluster volume `volume` (docs/iscsi.md "ALUA"): target
+    /// `iqn.2026-11.io.tessera:cluster:VOLUME`, LUN 0, this node's port in target port
+    /// group [`alua::group_of`] of its name. As owner, the LUN is backed by the local
+    /// volume and the group is active/optimized (the data attached first); otherwise
+    /// the group is standby (before the data goes) and the LUN holds no data. `size`
+    /// (bytes) is the volume's, the same on every path. In memory only, like the
+    /// NVMe/TCP cluster paths. Returns the target name.
+    pub(super) fn set_iscsi_cluster_path(
+        &self,
+        volume: &str,
+        owner: bool,
+        size: u64,
+    ) -> Result<String, Error> {
+        let iqn = crate::iscsi::cluster_iqn(volume);
+        if size == 0 || !size.is_multiple_of(512) {
+            return Err(Error::invalid(format!(
+                "a cluster path's size must be a positive multiple of 512 (got {size})"
+            )));
+        }
+        let group = alua::group_of(&self.cfg.node_name());
+        let (a, fresh) = {
+            let mut m = self.iscsi.cluster.locked();
+            match m.get(volume) {
+                Some(a) if a.size == size => (a.clone(), false),
+                _ => {
+                    let a = Alua::new(group, group, size);
+                    m.insert(volume.to_string(), a.clone());
+                    (a, true)
+                }
+            }
+        };
+        if owner {
+            if a.state() != alua::ACTIVE_OPTIMIZED || a.export().is_none() {
+                let (_, v) = self.pools().find_volume(volume)?;
+                if let Some(why) = self.replicas().blocked(&v) {
+                    return Err(Error::busy(format!(
+                        "volume '{volume}' cannot be served: {why}"
+                    )));
+                }
+                if v.size() != size {
+                    return Err(Error::invalid(format!(
+                        "volume '{volume}' is {} bytes here; its other paths report {size}",
+                        v.size()
+                    )));
+                }
+                a.set_active(self.export_of(&v));
+                tracing::info!(volume, iqn = %iqn, group, "iscsi: cluster path active/optimized");
+            }
+        } else if a.state() != alua::STANDBY || a.export().is_some() {
+            a.set_standby();
+            tracing::info!(volume, iqn = %iqn, group, "iscsi: cluster path standby");
+        }
+        if fresh {
+            // A size change replaces the unit: sessions of the old one keep it until
+            // they log out (it is standby without data, or the old volume's).
+            let target = self.iscsi.target();
+            if let Some(old) = target.target(&iqn).and_then(|t| t.alua.clone()) {
+                old.set_standby();
+                target.remove_target(&iqn);
+            }
+            target
+                .add_alua_target(&iqn, a)
+                .map_err(|e| Error::invalid(e.to_string()))?;
+            tracing::info!(volume, iqn = %iqn, group, owner, size, "iscsi: cluster volume path exported");
+        }
+        Ok(iqn)
+    }
+
+    /// The other replica holders' groups of cluster volume `spec` as this node reports
+    /// them: the owner's active/optimized, the others standby.
+    pub(super) fn set_iscsi_groups(&self, spec: &tessera_api::ClusterVolume) {
+        let Some(a) = self.iscsi.cluster.locked().get(&spec.name).cloned() else {
+            return;
+        };
+        let me = self.cfg.node_name();
+        let mut nodes: Vec<&str> = spec
+            .replicas
+            .iter()
+            .map(|p| p.split(':').next().unwrap_or(p))
+            .filter(|n| *n != me)
+            .collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        let others = nodes
+            .into_iter()
+            .map(|n| {
+                let g = alua::group_of(n);
+                alua::PortGroup {
+                    id: g,
+                    rel_port: g,
+                    state: if n == spec.owner {
+                        alua::ACTIVE_OPTIMIZED
+                    } else {
+                        alua::STANDBY
+                    },
+                }
+            })
+            .collect();
+        a.set_other_groups(others);
     }
 }
 

@@ -219,7 +219,15 @@ impl Node {
     /// ANA, docs/architecture.md "NVMe/TCP target"): Optimized and backed by the local
     /// replica on the owner, Inaccessible without data elsewhere. Changed only when it
     /// differs (a change sends hosts an ANA notice).
+    ///
+    /// On a node serving iSCSI, the volume's iSCSI path follows the same way
+    /// ([`Node::set_iscsi_cluster_path`]: active/optimized or standby, ALUA).
     pub(super) fn set_cluster_path(&self, volume: &str, owner: bool, size: u64) {
+        if self.iscsi_serves() {
+            if let Err(e) = self.set_iscsi_cluster_path(volume, owner, size) {
+                warn!(volume = %volume, owner, error = %e, "cannot set the volume's iSCSI cluster path");
+            }
+        }
         if !self.cfg.nvmf.enabled {
             return;
         }
