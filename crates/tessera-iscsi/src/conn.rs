@@ -231,8 +231,8 @@ pub struct IscsiConn<T: ExportTarget> {
     login_timeout: Duration,
     budget: ConnBudget,
     /// This connection's place among its listener's connections still logging in
-    /// (`crate::accept::LoginGate`), given up once the login completes.
-    login_ticket: Option<crate::accept::LoginTicket>,
+    /// (`crate::login_gate::LoginGate`), given up once the login completes.
+    login_ticket: Option<crate::login_gate::LoginTicket>,
 }
 
 impl<T: ExportTarget> IscsiConn<T> {
@@ -241,7 +241,7 @@ impl<T: ExportTarget> IscsiConn<T> {
         fd: OwnedFd,
         target: Arc<Target<T>>,
         budget: ConnBudget,
-        login_ticket: Option<crate::accept::LoginTicket>,
+        login_ticket: Option<crate::login_gate::LoginTicket>,
     ) -> Self {
         let client = tessera_export::log_limit::peer_name(fd.as_raw_fd());
         let login_timeout = target.login_timeout();

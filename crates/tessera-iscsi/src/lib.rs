@@ -26,6 +26,7 @@ pub mod alua;
 pub mod auth;
 pub mod conn;
 pub mod login;
+pub mod login_gate;
 pub mod lu;
 pub mod pdu;
 pub mod pr;
