@@ -19,6 +19,14 @@
  *       acknowledged (GOOD), and what it saw on the way. Exit status 1 if a write finds
  *       no path within 60 s, or on any other error.
  *
+ *   iscsi-alua pr URL KEY [TYPE]
+ *       REGISTER reservation key KEY (hex), and with TYPE, RESERVE that type with it;
+ *       prints "register status S key K ascq A" (and "reserve ...").
+ *
+ *   iscsi-alua prshow URL
+ *       PERSISTENT RESERVE IN: "keys N KEY..." (READ KEYS, hex) and "reservation
+ *       RESERVED KEY TYPE" (READ RESERVATION), or "prin status ..." when refused.
+ *
  * URL is iscsi://HOST:PORT/IQN/LUN; blocks are 512 bytes (8 LBAs per 4 KiB).
  *
  * Build: cc -O2 -o iscsi-alua tools/iscsi-alua.c -liscsi
@@ -402,11 +410,72 @@ static int writer(int blocks, const char *stop, char **urls, int n)
 	return 0;
 }
 
+/* REGISTER KEY, then (type > 0) RESERVE `type` with it, through `url`. */
+static int pr(const char *url, const char *key, int type)
+{
+	struct path p = {.url = url};
+	if (login(&p) != 0)
+		die("login");
+	uint64_t k = strtoull(key, NULL, 16);
+	struct scsi_persistent_reserve_out_basic reg = {.service_action_reservation_key = k};
+	print_result("register", iscsi_persistent_reserve_out_sync(
+					 p.iscsi, p.lun, SCSI_PERSISTENT_RESERVE_REGISTER, 0, 0, &reg));
+	if (type > 0) {
+		struct scsi_persistent_reserve_out_basic res = {.reservation_key = k};
+		print_result("reserve",
+			     iscsi_persistent_reserve_out_sync(p.iscsi, p.lun,
+							       SCSI_PERSISTENT_RESERVE_RESERVE, 0,
+							       type, &res));
+	}
+	iscsi_logout_sync(p.iscsi);
+	drop(&p);
+	return 0;
+}
+
+/* READ KEYS and READ RESERVATION through `url`. */
+static int prshow(const char *url)
+{
+	struct path p = {.url = url};
+	if (login(&p) != 0)
+		die("login");
+	struct scsi_task *t = iscsi_persistent_reserve_in_sync(
+		p.iscsi, p.lun, SCSI_PERSISTENT_RESERVE_READ_KEYS, 4096);
+	if (t == NULL || t->status != SCSI_STATUS_GOOD) {
+		print_result("prin", t);
+	} else {
+		struct scsi_persistent_reserve_in_read_keys *rk = scsi_datain_unmarshall(t);
+		if (rk == NULL)
+			die("read keys");
+		printf("keys %d", rk->num_keys);
+		for (int i = 0; i < rk->num_keys; i++)
+			printf(" %llx", (unsigned long long)rk->keys[i]);
+		printf("\n");
+		scsi_free_scsi_task(t);
+		t = iscsi_persistent_reserve_in_sync(p.iscsi, p.lun,
+						     SCSI_PERSISTENT_RESERVE_READ_RESERVATION, 4096);
+		if (t == NULL || t->status != SCSI_STATUS_GOOD)
+			die("read reservation");
+		struct scsi_persistent_reserve_in_read_reservation *rr = scsi_datain_unmarshall(t);
+		if (rr == NULL)
+			die("read reservation");
+		printf("reservation %d %llx %d\n", rr->reserved,
+		       (unsigned long long)rr->reservation_key, rr->pr_type);
+		scsi_free_scsi_task(t);
+	}
+	iscsi_logout_sync(p.iscsi);
+	drop(&p);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	if (argc == 3 && strcmp(argv[1], "probe") == 0)
 		return probe(argv[2]);
+	if ((argc == 4 || argc == 5) && strcmp(argv[1], "pr") == 0)
+		return pr(argv[2], argv[3], argc == 5 ? atoi(argv[4]) : 0);
+	if (argc == 3 && strcmp(argv[1], "prshow") == 0)
+		return prshow(argv[2]);
 	if (argc >= 5 && argc - 4 <= MAX_PATHS && strcmp(argv[1], "write") == 0) {
 		int blocks = atoi(argv[2]);
 		if (blocks <= 0)

@@ -84,6 +84,11 @@ pub struct ClusterVolume {
     /// create (after a takeover, or a create cut off) deletes its copies and removes it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_intent: Option<SnapshotIntent>,
+    /// The volume's iSCSI persistent reservation state (registrations and the
+    /// reservation; docs/format.md §15's bytes, in hex), saved by the owner at every
+    /// change so that it follows the volume to a new owner; absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iscsi_pr: Option<String>,
 }
 
 /// A snapshot create in progress on a replicated volume (docs/format.md §12).

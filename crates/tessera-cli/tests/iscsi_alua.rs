@@ -317,6 +317,27 @@ fn alua_groups_flip_when_the_owner_is_killed_and_writes_follow() {
     distinct.dedup();
     assert_eq!(distinct.len(), 3, "a group per node: {group_of:?}");
 
+    // Persistent reservations are served by the owner's path, and saved with the
+    // volume's spec so that they follow it; a standby path refuses them. (A key is
+    // registered, not reserved: a reservation would refuse the writer's sessions.)
+    let pr = |args: &[&str]| -> String {
+        let (ok, out) = run_tool(alua.to_str().unwrap(), args);
+        assert!(ok, "iscsi-alua {args:?}: {out}");
+        out
+    };
+    let out = pr(&["pr", &url(ports[0]), "ab12"]);
+    assert!(out.contains("register status 0 "), "{out}");
+    assert!(pr(&["prshow", &url(ports[0])]).contains("keys 1 ab12"));
+    let standby = pr(&["prshow", &url(ports[1])]);
+    assert!(
+        standby.contains("prin status 2 key 2 ascq 0x040b"),
+        "a standby path refuses PERSISTENT RESERVE IN: {standby}"
+    );
+    assert!(
+        spec_of(&e, "db").is_some_and(|s| s.iscsi_pr.is_some()),
+        "the registration is in the volume's spec"
+    );
+
     // The host writes through every path, node-b's (standby) first.
     let dir = temp_dir("alua-writer");
     let stop = dir.path().join("stop");
@@ -486,6 +507,26 @@ fn alua_groups_flip_when_the_owner_is_killed_and_writes_follow() {
             assert_eq!(p.result("read"), STANDBY_SENSE, "{}", p.text);
         }
     }
+
+    // The registration made on node-a's path followed the volume to its new owner; a
+    // reservation taken there is saved with the volume as well.
+    let carried = pr(&["prshow", &url(ports[owner_i])]);
+    assert!(carried.contains("keys 1 ab12"), "{carried}");
+    assert!(carried.contains("reservation 0 "), "{carried}");
+    let before = spec_of(&e, "db").and_then(|s| s.iscsi_pr);
+    let out = pr(&["pr", &url(ports[owner_i]), "cd34", "1"]);
+    assert!(
+        out.contains("register status 0 ") && out.contains("reserve status 0 "),
+        "{out}"
+    );
+    let shown = pr(&["prshow", &url(ports[owner_i])]);
+    assert!(shown.contains("keys 2 ab12 cd34"), "{shown}");
+    assert!(shown.contains("reservation 1 cd34 1"), "{shown}");
+    let after = spec_of(&e, "db").and_then(|s| s.iscsi_pr);
+    assert!(
+        after.is_some() && after != before,
+        "the spec holds the new state"
+    );
 
     // Every acknowledged write reads back over the new owner: each block holds the
     // round of its last acknowledged write (the writer goes block by block).

@@ -194,6 +194,7 @@ fn any_node_serves_the_owners_volume_over_nbd() {
         out_of_sync: Vec::new(),
         lost: Vec::new(),
         snapshot_intent: None,
+        iscsi_pr: None,
     };
     let kv = tessera_cluster::Etcd::new(&etcd.endpoints(), Duration::from_secs(2)).unwrap();
     kv.put(
@@ -420,6 +421,7 @@ fn proxied_connections_that_come_and_go_leave_nothing_behind() {
         out_of_sync: Vec::new(),
         lost: Vec::new(),
         snapshot_intent: None,
+        iscsi_pr: None,
     };
     let kv = tessera_cluster::Etcd::new(&etcd.endpoints(), Duration::from_secs(2)).unwrap();
     kv.put(

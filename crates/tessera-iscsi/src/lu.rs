@@ -46,6 +46,8 @@ pub struct LuShared {
     pending: Mutex<Vec<(Nexus, Sense)>>,
     /// Whether `legacy` holds a nexus (changed under its lock).
     legacy_held: AtomicBool,
+    /// The state is carried (`set_carried`): saved at every change, APTPL or not.
+    carried: AtomicBool,
     /// The holder of the SPC-2 reservation.
     legacy: Mutex<Option<Nexus>>,
 }
@@ -227,7 +229,7 @@ impl LuShared {
         // what the initiator was told survives a restart.
         let mut next = pr.clone();
         let changed = next.prout(n, req)?;
-        if changed && (pr.aptpl() || next.aptpl()) {
+        if changed && (self.carried.load(Ordering::Acquire) || pr.aptpl() || next.aptpl()) {
             if let Some(p) = self.persist.locked().as_ref() {
                 if let Err(e) = p(&next.to_bytes()) {
                     tracing::error!(error = %e, "iscsi: reservation state not saved; PERSISTENT RESERVE OUT refused");
@@ -269,6 +271,31 @@ impl LuShared {
     /// Install what saves the reservation state when APTPL is set.
     pub fn set_persist(&self, p: Persist) {
         *self.persist.locked() = Some(p);
+    }
+
+    /// Install what saves the reservation state at every change, APTPL set or not: a
+    /// state that must follow its unit to another target (a cluster volume's, to its
+    /// next owner), where a failover is not a power loss and registrations survive it.
+    pub fn set_carried(&self, p: Persist) {
+        *self.persist.locked() = Some(p);
+        self.carried.store(true, Ordering::Release);
+    }
+
+    /// Replace the reservation state with `bytes` ([`PrState::to_bytes`]; empty: no
+    /// registration, no reservation), whatever its APTPL: a carried state taken over.
+    /// Unit attentions pending for the old state's nexuses are dropped.
+    pub fn restore(&self, bytes: &[u8]) -> Result<(), &'static str> {
+        let s = if bytes.is_empty() {
+            PrState::default()
+        } else {
+            PrState::from_bytes(bytes)?
+        };
+        let mut pr = self.pr.locked();
+        self.reserved.store(s.reservation_type(), Ordering::Release);
+        *pr = s;
+        self.pending.locked().clear();
+        self.attentions.store(0, Ordering::Release);
+        Ok(())
     }
 
     /// Restore a state [`Persist`] saved (at start, before connections serve the
@@ -346,6 +373,37 @@ mod tests {
         u.reserve6(&a).unwrap();
         u.drop_legacy(None);
         u.reserve6(&b).unwrap();
+    }
+
+    #[test]
+    fn a_carried_state_is_saved_at_every_change_and_restored_whole() {
+        use std::sync::Arc as StdArc;
+        let u = LuShared::default();
+        let saved: StdArc<Mutex<Vec<Vec<u8>>>> = StdArc::default();
+        let s2 = saved.clone();
+        u.set_carried(Box::new(move |b| {
+            s2.locked().push(b.to_vec());
+            Ok(())
+        }));
+        let a = Nexus::new("a", [0; 6], "t");
+        // No APTPL: saved all the same.
+        u.pr_out(&a, &req(crate::pr::REGISTER, 0, 0, 7, false))
+            .unwrap();
+        u.pr_out(&a, &req(crate::pr::RESERVE, 3, 7, 0, false))
+            .unwrap();
+        assert_eq!(saved.locked().len(), 2);
+        // Another unit takes the last state over whole, APTPL clear or not.
+        let other = LuShared::default();
+        other.restore(saved.locked().last().unwrap()).unwrap();
+        assert_eq!(
+            other.pr_in(crate::pr::READ_KEYS).unwrap(),
+            u.pr_in(crate::pr::READ_KEYS).unwrap()
+        );
+        assert!(other.pr_conflict(&Nexus::new("b", [0; 6], "t"), Access::Write));
+        // An empty state clears it.
+        other.restore(&[]).unwrap();
+        assert!(!other.pr_conflict(&Nexus::new("b", [0; 6], "t"), Access::Write));
+        assert!(other.restore(b"garbage").is_err());
     }
 
     #[test]

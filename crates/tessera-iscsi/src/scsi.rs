@@ -674,9 +674,11 @@ pub struct Unit {
 impl Command {
     /// Whether the command may run on a port in the standby state (SPC-4 §5.16.2.4.5,
     /// as implemented: INQUIRY, REPORT LUNS, REPORT SUPPORTED OPERATION CODES, REPORT
-    /// TARGET PORT GROUPS, REQUEST SENSE, MODE SENSE/SELECT, PERSISTENT RESERVE
-    /// IN/OUT, and READ CAPACITY, which hosts read on every path). Every other command
-    /// (media access, TEST UNIT READY included) is refused there.
+    /// TARGET PORT GROUPS, REQUEST SENSE, MODE SENSE/SELECT, and READ CAPACITY, which
+    /// hosts read on every path). Every other command (media access, TEST UNIT READY
+    /// included) is refused there; so are PERSISTENT RESERVE IN/OUT, which SPC-4 lets
+    /// a standby port serve, because the unit's reservation state lives with its owner
+    /// (the active port) and follows the volume from there.
     pub fn allowed_in_standby(&self) -> bool {
         matches!(
             self,
@@ -687,8 +689,6 @@ impl Command {
                 | Command::RequestSense { .. }
                 | Command::ModeSense(_)
                 | Command::ModeSelect { .. }
-                | Command::PersistentReserveIn { .. }
-                | Command::PersistentReserveOut { .. }
                 | Command::ReadCapacity10
                 | Command::ReadCapacity16 { .. }
         )
@@ -1682,13 +1682,15 @@ mod tests {
         c[1] = 0x4a;
         assert_eq!(decode(&c), Err(Sense::INVALID_FIELD_IN_CDB));
         // What a standby port serves.
-        for ok in [0x12u8, 0xa0, 0x03, 0x1a, 0x5a, 0x25, 0x5e] {
+        for ok in [0x12u8, 0xa0, 0x03, 0x1a, 0x5a, 0x25] {
             let mut c = cdb(&[ok]);
             put_u32(&mut c, 6, 64);
             let cmd = decode(&c).unwrap();
             assert!(cmd.allowed_in_standby(), "{ok:#x}");
         }
-        for refused in [0x00u8, 0x28, 0x2a, 0x35, 0x88, 0x8a, 0x42, 0x1b] {
+        // Persistent reservations are served where the unit's state lives, the active
+        // port (it follows the volume to its next owner).
+        for refused in [0x00u8, 0x28, 0x2a, 0x35, 0x88, 0x8a, 0x42, 0x1b, 0x5e, 0x5f] {
             let cmd = decode(&cdb(&[refused])).unwrap();
             assert!(!cmd.allowed_in_standby(), "{refused:#x}");
         }

@@ -277,6 +277,7 @@ impl Node {
             out_of_sync: Vec::new(),
             lost: Vec::new(),
             snapshot_intent: None,
+            iscsi_pr: None,
         };
         let value = serde_json::to_vec(&spec).map_err(|e| Error::invalid(e.to_string()))?;
         match m.etcd().create(&volume_key(name), &value, 0) {
@@ -312,6 +313,7 @@ impl Node {
                         out_of_sync: Vec::new(),
                         lost: Vec::new(),
                         snapshot_intent: None,
+                        iscsi_pr: None,
                     };
                     let value = serde_json::to_vec(&spec).unwrap_or_default();
                     m.etcd().create(&key, &value, 0)

@@ -352,6 +352,7 @@ impl Node {
                         v.size()
                     )));
                 }
+                self.carry_in_reservations(volume, &a);
                 a.set_active(self.export_of(&v));
                 tracing::info!(volume, iqn = %iqn, group, "iscsi: cluster path active/optimized");
             }
@@ -360,6 +361,7 @@ impl Node {
             tracing::info!(volume, iqn = %iqn, group, "iscsi: cluster path standby");
         }
         if fresh {
+            self.carry_out_reservations(volume, &a);
             // A size change replaces the unit: sessions of the old one keep it until
             // they log out (it is standby without data, or the old volume's).
             let target = self.iscsi.target();
@@ -373,6 +375,56 @@ impl Node {
             tracing::info!(volume, iqn = %iqn, group, owner, size, "iscsi: cluster volume path exported");
         }
         Ok(iqn)
+    }
+
+    /// A node that becomes the owner of cluster volume `volume` takes its iSCSI
+    /// reservation state from the volume's spec (`ClusterVolume::iscsi_pr`, saved there
+    /// by the owners before it): registrations and the reservation follow the volume, as
+    /// they would a controller failover of an array. No state there: none here either.
+    /// A spec that cannot be read keeps what this node had (logged).
+    fn carry_in_reservations(&self, volume: &str, a: &Alua<crate::target::NodeTarget>) {
+        let Some(m) = self.cluster.membership() else {
+            return;
+        };
+        let bytes = match self.read_spec(m, volume) {
+            Ok(Some((spec, _))) => spec.iscsi_pr.as_deref().map_or(Ok(Vec::new()), from_hex),
+            Ok(None) => Ok(Vec::new()),
+            Err(e) => {
+                tracing::error!(volume, error = %e, "iscsi: reservation state of the cluster volume not read; the local one stays");
+                return;
+            }
+        };
+        if let Err(e) = bytes.and_then(|b| a.shared.restore(&b)) {
+            tracing::error!(
+                volume,
+                error = e,
+                "iscsi: reservation state in the volume's spec not restored; none is kept"
+            );
+            let _ = a.shared.restore(&[]);
+        }
+    }
+
+    /// Every change to cluster volume `volume`'s reservation state is saved in its spec
+    /// by the owner (fenced by its epoch, `edit_owned_spec`) before the PERSISTENT
+    /// RESERVE OUT completes; a save that fails (etcd unreachable, ownership lost) fails
+    /// the command and changes nothing. The save runs on the reactor serving the
+    /// command (one etcd round trip; the commands are rare).
+    fn carry_out_reservations(&self, volume: &str, a: &Alua<crate::target::NodeTarget>) {
+        let Some(node) = self.self_ref.get().cloned() else {
+            return;
+        };
+        let volume = volume.to_string();
+        a.shared.set_carried(Box::new(move |bytes| {
+            let node = node
+                .upgrade()
+                .ok_or_else(|| "the node is stopping".to_string())?;
+            let hex = to_hex(bytes);
+            node.edit_owned_spec(&volume, |spec| spec.iscsi_pr = Some(hex.clone()))
+                .map_err(|e| match e {
+                    super::ownership::SpecRefusal::Lost(why)
+                    | super::ownership::SpecRefusal::Unavailable(why) => why,
+                })
+        }));
     }
 
     /// The other replica holders' groups of cluster volume `spec` as this node reports
@@ -501,4 +553,20 @@ fn declared_auth(d: &crate::config::IscsiTargetDecl) -> Result<IscsiAuth, Error>
         allowed_initiators: d.allowed_initiators.clone(),
         chap,
     })
+}
+
+/// Lower-case hex of `bytes` (the reservation state in a volume's spec).
+fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The bytes of [`to_hex`]'s text.
+fn from_hex(s: &str) -> Result<Vec<u8>, &'static str> {
+    if !s.len().is_multiple_of(2) {
+        return Err("odd length");
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(|_| "not hex"))
+        .collect()
 }
