@@ -1,8 +1,12 @@
-//! Live device replacement and hot spares, on file devices: a device of a raid1 (and of a
-//! raid5) pool vanishes while clients write; the node puts the pool's hot spare in its
-//! place by itself and rebuilds onto it, without a restart; every byte reads back, and
-//! after a restart the spare is a member. `pool replace` is live too. Every wait is
-//! bounded by a deadline; the node listens on 127.0.0.1 only.
+//! Live device replacement and hot spares, on file devices: a device of a raid5 pool
+//! vanishes while clients write; the node puts the pool's hot spare in its place by
+//! itself and rebuilds onto it, without a restart; every byte reads back, and after a
+//! restart the spare is a member. `pool replace` is live too, and the pool table a user
+//! sees shows the failed device. Every wait is bounded by a deadline; the node listens on
+//! 127.0.0.1 only. The same takeover in a raid1 pool is tested in process, in
+//! `crates/tessera-node/tests/hot_spare.rs`; the raid5 one stays here because its restart
+//! needs a new process: a node dropped in process leaves a parity pool's devices open
+//! (locked), so a second node in the same process cannot open the pool.
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -205,11 +209,6 @@ fn spare_takes_over(tag: &str, layout: &str, ndev: usize, bad: usize) {
     assert!(v["spares"].as_array().unwrap().is_empty(), "{v}");
     verify(&n, &model);
     eprintln!("{tag}: {:.1} s", t0.elapsed().as_secs_f64());
-}
-
-#[test]
-fn raid1_hot_spare_replaces_vanished_device() {
-    spare_takes_over("hot-spare-raid1", "raid1", 2, 0);
 }
 
 #[test]
