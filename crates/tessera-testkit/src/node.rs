@@ -435,6 +435,11 @@ pub fn path_str(p: &Path) -> String {
     p.display().to_string()
 }
 
+/// Is the measured `got` within `tol` (a fraction: 0.05 is 5%) of `want`?
+pub fn within(got: f64, want: f64, tol: f64) -> bool {
+    (got - want).abs() <= want * tol
+}
+
 /// Figures from one `tessera nbd-perf` run.
 pub struct PerfResult {
     pub iops: f64,
