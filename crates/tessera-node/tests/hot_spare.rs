@@ -1,11 +1,12 @@
-//! Hot spares, on file devices: a device of a raid1 pool vanishes while clients write;
-//! the node puts the pool's hot spare in its place by itself and rebuilds onto it,
-//! without a restart; every byte reads back, and after a restart the spare is a member.
-//! The spares are added, listed and removed through the node's service, as the API does.
-//! Every wait is bounded by a deadline; NBD listens on 127.0.0.1 only. (Moved from
+//! Live device replacement and hot spares, on file devices: a device of a raid1 pool
+//! vanishes while clients write; the node puts the pool's hot spare in its place by
+//! itself and rebuilds onto it, without a restart; every byte reads back, and after a
+//! restart the spare is a member. The spares are added, listed and removed through the
+//! node's service, as the API does. A replacement (`pool replace`) is live too. Every
+//! wait is bounded by a deadline; NBD listens on 127.0.0.1 only. (Moved from
 //! `crates/tessera-cli/tests/hot_spare.rs`, which keeps the raid5 takeover, whose restart
 //! needs a new process (a parity pool's devices stay open after an in-process node is
-//! dropped), and `pool replace` with the pool table a user sees.)
+//! dropped), and the pool table and `pool replace` output a user sees.)
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -241,4 +242,60 @@ fn spare_takes_over(tag: &str, layout: &str, ndev: usize, bad: usize) {
 #[test]
 fn raid1_hot_spare_replaces_vanished_device() {
     spare_takes_over("hot-spare-raid1", "raid1", 2, 0);
+}
+
+/// `pool replace` takes effect at once: the rebuild onto the new device runs and
+/// completes without a restart, and then the new device alone serves every byte.
+#[test]
+fn replace_is_live() {
+    let t0 = Instant::now();
+    let (mut n, mut model) = setup("replace-live", "raid1", 2, 1);
+    let d = path_str(&n.dir);
+    write_until(
+        &n,
+        &mut model,
+        "device 1 to fail",
+        Duration::from_secs(30),
+        |v| v["device_states"][1]["state"] == "failed",
+    );
+    let node = n.node().clone();
+    // Refused: a healthy device, a smaller one.
+    assert!(node
+        .replace_device("m", 0, &format!("{d}/c.img:64M"), false)
+        .is_err());
+    assert!(node
+        .replace_device("m", 1, &format!("{d}/s.img:16M"), false)
+        .is_err());
+    let r = json(
+        node.replace_device("m", 1, &format!("{d}/c.img:64M"), false)
+            .expect("replace device 1"),
+    );
+    assert_eq!(r["state"], "rebuilding", "{r}");
+    assert_eq!(r["live"], true, "{r}");
+    drop(node);
+    let v = status(&n);
+    assert!(dev_is(&v, 1, "c.img"), "{v}");
+    assert_eq!(v["rebuild"]["device"], 1, "{v}");
+    write_blocks(
+        &mut n.nbd("v"),
+        &mut model,
+        (1..VOL as usize / BLOCK).step_by(3),
+        60,
+    );
+    let v = wait_status(&n, "the rebuild to finish", Duration::from_secs(60), |v| {
+        v["rebuild"]["state"] != "running"
+    });
+    assert_eq!(v["rebuild"]["state"], "done", "{v}");
+    assert_eq!(v["state"], "online", "{v}");
+    verify(&n, &model);
+    // The new device alone serves every byte: the old copy (device 0) can go.
+    n.stop();
+    std::fs::remove_file(n.dir.join("d0.img")).unwrap();
+    n.restart();
+    let v = status(&n);
+    assert_eq!(v["device_states"][0]["state"], "failed", "{v}");
+    assert_eq!(v["device_states"][1]["state"], "online", "{v}");
+    assert!(dev_is(&v, 1, "c.img"), "{v}");
+    verify(&n, &model);
+    eprintln!("replace-live: {:.1} s", t0.elapsed().as_secs_f64());
 }
