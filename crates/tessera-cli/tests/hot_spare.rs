@@ -1,8 +1,13 @@
-//! Live device replacement and hot spares, on file devices: a device of a raid1 (and of a
-//! raid5) pool vanishes while clients write; the node puts the pool's hot spare in its
-//! place by itself and rebuilds onto it, without a restart; every byte reads back, and
-//! after a restart the spare is a member. `pool replace` is live too. Every wait is
-//! bounded by a deadline; the node listens on 127.0.0.1 only.
+//! Live device replacement and hot spares, on file devices: a device of a raid5 pool
+//! vanishes while clients write; the node puts the pool's hot spare in its place by
+//! itself and rebuilds onto it, without a restart; every byte reads back, and after a
+//! restart the spare is a member. The pool table a user sees shows a failed device, and
+//! `pool replace` starts the rebuild onto its replacement. Every wait is bounded by a
+//! deadline; the node listens on 127.0.0.1 only. The same takeover in a raid1 pool, and
+//! what a live replacement does, are tested in process, in
+//! `crates/tessera-node/tests/hot_spare.rs`; the raid5 takeover stays here because its
+//! restart needs a new process: a node dropped in process leaves a parity pool's devices
+//! open (locked), so a second node in the same process cannot open the pool.
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -208,21 +213,19 @@ fn spare_takes_over(tag: &str, layout: &str, ndev: usize, bad: usize) {
 }
 
 #[test]
-fn raid1_hot_spare_replaces_vanished_device() {
-    spare_takes_over("hot-spare-raid1", "raid1", 2, 0);
-}
-
-#[test]
 fn raid5_hot_spare_replaces_vanished_device() {
     spare_takes_over("hot-spare-raid5", "raid5", 4, 1);
 }
 
-/// `pool replace` takes effect at once: the rebuild onto the new device runs and
-/// completes without a restart.
+/// What a user sees of a failed device and types to replace it: the pool table shows
+/// the pool degraded and the device FAILED, and `pool replace` says the rebuild runs,
+/// which `pool status` shows. (The replacement's refusals, the rebuild to its end, and
+/// the new device serving alone after a restart are tested in process, in
+/// `crates/tessera-node/tests/hot_spare.rs`, `replace_is_live`.)
 #[test]
 fn replace_is_live() {
     let t0 = Instant::now();
-    let (mut n, mut model) = setup("replace-live", "raid1", 2, 1);
+    let (n, mut model) = setup("replace-live", "raid1", 2, 1);
     let d = path_str(&n.dir);
     write_until(
         &n,
@@ -239,29 +242,6 @@ fn replace_is_live() {
         table.contains("degraded") && table.contains("FAILED"),
         "{table}"
     );
-    // Refused: a healthy device, a smaller one.
-    assert!(!n
-        .cli(&[
-            "pool",
-            "replace",
-            "m",
-            "--device",
-            "0",
-            &format!("{d}/c.img:64M")
-        ])
-        .status
-        .success());
-    assert!(!n
-        .cli(&[
-            "pool",
-            "replace",
-            "m",
-            "--device",
-            "1",
-            &format!("{d}/s.img:16M")
-        ])
-        .status
-        .success());
     let out = n.cli_ok(&[
         "pool",
         "replace",
@@ -274,26 +254,5 @@ fn replace_is_live() {
     let v = status(&n);
     assert!(dev_is(&v, 1, "c.img"), "{v}");
     assert_eq!(v["rebuild"]["device"], 1, "{v}");
-    write_blocks(
-        &mut connect(&n),
-        &mut model,
-        (1..VOL as usize / BLOCK).step_by(3),
-        60,
-    );
-    let v = wait_status(&n, "the rebuild to finish", Duration::from_secs(60), |v| {
-        v["rebuild"]["state"] != "running"
-    });
-    assert_eq!(v["rebuild"]["state"], "done", "{v}");
-    assert_eq!(v["state"], "online", "{v}");
-    verify(&n, &model);
-    // The new device alone serves every byte: the old copy (device 0) can go.
-    n.stop();
-    std::fs::remove_file(n.dir.join("d0.img")).unwrap();
-    n.restart();
-    let v = status(&n);
-    assert_eq!(v["device_states"][0]["state"], "failed", "{v}");
-    assert_eq!(v["device_states"][1]["state"], "online", "{v}");
-    assert!(dev_is(&v, 1, "c.img"), "{v}");
-    verify(&n, &model);
     eprintln!("replace-live: {:.1} s", t0.elapsed().as_secs_f64());
 }

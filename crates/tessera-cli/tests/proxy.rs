@@ -364,17 +364,6 @@ fn any_node_serves_the_owners_volume_over_nbd() {
     verify_generations(&b, "own", &own_model, BS);
 }
 
-/// The resident set of process `pid`, in bytes.
-fn rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS");
-    kb << 10
-}
-
 fn hooks(n: &TestNode) -> u64 {
     let m = metrics(n);
     sample(&m, "tessera_reactor_hooks").unwrap_or_else(|| panic!("no hook count:\n{m}")) as u64
@@ -448,7 +437,7 @@ fn proxied_connections_that_come_and_go_leave_nothing_behind() {
     for _ in 0..WARM_UP {
         cycle();
     }
-    let rss_warm = rss(b.pid());
+    let rss_warm = vm_rss(b.pid());
     for _ in WARM_UP..CYCLES {
         cycle();
     }
@@ -457,7 +446,7 @@ fn proxied_connections_that_come_and_go_leave_nothing_behind() {
     wait_for("node-b's hook count back to where it was", 30, || {
         hooks(&b) <= base_hooks
     });
-    let grown = rss(b.pid()).saturating_sub(rss_warm);
+    let grown = vm_rss(b.pid()).saturating_sub(rss_warm);
     let per_cycle = grown / (CYCLES - WARM_UP) as u64;
     eprintln!(
         "{CYCLES} cycles in {cycled:?}; node-b RSS grew {} KiB after warm-up ({per_cycle} B per cycle); hooks {}",

@@ -13,10 +13,6 @@ fn perf(n: &TestNode, pattern: &str, secs: u64) -> (f64, f64) {
     (r.iops, r.mibps)
 }
 
-fn within(got: f64, want: f64, tol: f64) -> bool {
-    (got - want).abs() <= want * tol
-}
-
 #[test]
 fn limits_hold_change_live_and_persist() {
     let mut n = TestNode::start_default("qos");

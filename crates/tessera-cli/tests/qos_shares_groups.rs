@@ -16,10 +16,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.locked()
 }
 
-fn within(got: f64, want: f64, tol: f64) -> bool {
-    (got - want).abs() <= want * tol
-}
-
 const TWO_VOLUMES: &str = r#"
 [[pool]]
 name = "p"

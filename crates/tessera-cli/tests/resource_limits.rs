@@ -91,18 +91,6 @@ volume = "v"
     }
 }
 
-/// The node's resident memory (VmRSS), bytes.
-fn rss(n: &TestNode) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{}/status", n.pid())).expect("node status");
-    let kb: u64 = s
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .expect("VmRSS in /proc/PID/status");
-    kb * 1024
-}
-
 /// One sample of the metrics listener without labels, or with exactly `labels`.
 fn metric(addr: &str, name: &str, labels: &str) -> Option<f64> {
     let mut s = TcpStream::connect(addr).ok()?;
@@ -121,7 +109,7 @@ fn metric(addr: &str, name: &str, labels: &str) -> Option<f64> {
 fn wait_within(n: &TestNode, limit: u64, what: &str, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let r = rss(n);
+        let r = vm_rss(n.pid());
         assert!(
             r <= limit,
             "{what}: node RSS {} MiB, over the {} MiB its budget allows",
@@ -179,7 +167,7 @@ fn reads_keep_working(n: &TestNode, c: &mut NbdClient, at: u64, rounds: usize, l
             got == want,
             "read {i} of the well-behaved client: wrong data"
         );
-        let r = rss(n);
+        let r = vm_rss(n.pid());
         assert!(
             r <= limit,
             "node RSS {} MiB, over the {} MiB its budget allows",
@@ -228,7 +216,7 @@ fn nbd_clients_that_never_read_stay_within_the_buffer_budget() {
     good.write(at, &pattern(at, MIB as usize), false).unwrap();
     good.flush().unwrap();
     reads_keep_working(n, &mut good, at, 4, u64::MAX);
-    let base = rss(n);
+    let base = vm_rss(n.pid());
 
     // One client asking for 256 MiB of reads and reading nothing: it holds its
     // per-connection budget, plus the one request a connection is always admitted.
@@ -319,7 +307,7 @@ fn nvmf_queues_that_never_read_stay_within_the_buffer_budget() {
     good.write(at, &pattern(at, MIB as usize), false).unwrap();
     good.flush().unwrap();
     reads_keep_working(n, &mut good, at, 4, u64::MAX);
-    let base = rss(n);
+    let base = vm_rss(n.pid());
 
     // Two I/O queues, each sent 128 reads of 1 MiB (the largest transfer) and reading
     // nothing: each holds its budget; the rest wait for it without buffers.

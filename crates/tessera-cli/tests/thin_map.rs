@@ -1,7 +1,9 @@
 //! A thin volume's map costs memory in proportion to the space written, not to the
 //! virtual size: a 1 PiB volume on a 2 GiB file pool (accepted only with --force beyond
-//! the default overcommit ratio), 1 GiB written, and the node's RSS stays small, before
-//! and after a restart.
+//! the default overcommit ratio), 1 GiB written, and the node process's RSS stays small,
+//! before and after a restart. `pool create --overcommit` and `pool update --overcommit`
+//! as a user types them are checked here too; what the ratio allows and refuses, and its
+//! persistence, are tested in process, in `crates/tessera-node/tests/thin_map.rs`.
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -17,18 +19,6 @@ const MIB: u64 = 1 << 20;
 const PIB: u64 = 1 << 50;
 /// Scattered 1 MiB writes: each in a map leaf of its own.
 const SCATTERED: u64 = 512;
-
-/// Resident memory of process `pid`, in bytes.
-fn vm_rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .expect("VmRSS in /proc/PID/status");
-    kib << 10
-}
 
 /// What the test writes: 512 MiB from offset 0, and 512 single units spread over the
 /// whole petabyte (so 513 map leaves).
@@ -86,7 +76,6 @@ fn petabyte_volume_costs_memory_by_allocation() {
     let img = format!("{}:2G", path_str(&n.dir.join("p.img")));
     n.cli_ok(&["pool", "create", "p", &img]);
     let cap = pool_status(&n)["capacity"].as_u64().unwrap();
-    assert_eq!(pool_status(&n)["overcommit"].as_f64(), Some(20.0));
     // A ratio chosen at creation; a bad one creates nothing.
     let q = format!("{}:256M", path_str(&n.dir.join("q.img")));
     n.cli_ok(&["pool", "create", "q", &q, "--overcommit", "2.5"]);
@@ -115,12 +104,6 @@ fn petabyte_volume_costs_memory_by_allocation() {
         "volume", "create", "big", "--pool", "p", "--size", "1P", "--force",
     ]);
     n.cli_ok(&["export", "add", "big", "--volume", "big"]);
-    assert_eq!(pool_status(&n)["provisioned"].as_u64(), Some(PIB));
-    // Growth beyond the ratio is refused too, and allowed with --force.
-    assert!(!n
-        .cli(&["volume", "resize", "big", "--size", "1025T"])
-        .status
-        .success());
     let after_create = vm_rss(n.pid());
 
     let mut c = connect(&n);
@@ -155,17 +138,12 @@ fn petabyte_volume_costs_memory_by_allocation() {
         "1 GiB written to a 1 PiB volume grew the RSS from {base} to {grown}"
     );
 
-    // The ratio is the node's setting per pool: it survives a restart, like the data.
+    // `pool update --overcommit`, and a resize it allows; the data survives a restart.
     n.cli_ok(&["pool", "update", "p", "--overcommit", "600000"]);
     n.cli_ok(&["volume", "resize", "big", "--size", "1025T"]);
     n.stop();
     n.restart();
     assert_eq!(pool_status(&n)["overcommit"].as_f64(), Some(600000.0));
-    assert_eq!(
-        n.json(&["pool", "status", "q"])["overcommit"].as_f64(),
-        Some(2.5)
-    );
-    assert_eq!(pool_status(&n)["provisioned"].as_u64(), Some(1025 << 40));
     verify(&n, "after a restart");
     let restarted = vm_rss(n.pid());
     eprintln!("RSS after the restart: {} KiB", restarted >> 10);
@@ -173,9 +151,4 @@ fn petabyte_volume_costs_memory_by_allocation() {
         restarted < base + 64 * MIB,
         "after a restart the node holds {restarted} bytes (empty pool: {base})"
     );
-    // Over the new ratio (1025 TiB is 512,500x of 2 GiB; 600,000x allows ~1.14 PiB).
-    assert!(!n
-        .cli(&["volume", "create", "more", "--pool", "p", "--size", "200T"])
-        .status
-        .success());
 }

@@ -40,11 +40,9 @@ const LOGIN_TIMEOUT: Duration = Duration::from_secs(3);
 /// connection was accepted: 128 MiB at this cap.
 const RSS_BOUND: u64 = 24 << 20;
 
+/// This process's resident memory, bytes.
 fn rss() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kib << 10
+    tessera_testkit::node::vm_rss(std::process::id())
 }
 
 /// The resident size once two readings 250 ms apart differ by less than 256 KiB (at

@@ -13,6 +13,8 @@
 //! - [`node`]: run a real `tessera` node process on loopback, talk to it with the CLI,
 //!   restart it, kill it.
 //! - [`etcd`]: a real etcd, one member or three, for cluster tests.
+//! - [`mirror`]: one copy of a mirror damaged behind the node's back, and the checks that
+//!   a scrub's or a resync's repair undid it.
 //! - [`proxy`]: a TCP relay that adds delay and/or a bandwidth limit to one path.
 //! - [`reactor`]: one reactor core in a thread, stopped on drop.
 
@@ -20,6 +22,7 @@ pub mod blockio;
 pub mod data;
 pub mod devices;
 pub mod etcd;
+pub mod mirror;
 pub mod model_check;
 pub mod netns;
 pub mod node;

@@ -417,8 +417,27 @@ pub fn run_ok(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// Resident memory (VmRSS) of process `pid`, in bytes: a node's, or this process's
+/// (`std::process::id()`).
+pub fn vm_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_else(|e| panic!("/proc/{pid}/status: {e}"));
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS in /proc/PID/status");
+    kib << 10
+}
+
 pub fn path_str(p: &Path) -> String {
     p.display().to_string()
+}
+
+/// Is the measured `got` within `tol` (a fraction: 0.05 is 5%) of `want`?
+pub fn within(got: f64, want: f64, tol: f64) -> bool {
+    (got - want).abs() <= want * tol
 }
 
 /// Figures from one `tessera nbd-perf` run.

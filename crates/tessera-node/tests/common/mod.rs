@@ -3,12 +3,13 @@
 //! which the `harness` feature makes public), NBD served on 127.0.0.1 at a port the kernel
 //! picks, and the node stopped and started again on the same directory. The tests call
 //! the node's services directly, as the API routers do; what a user types stays tested
-//! end to end in `crates/tessera-cli/tests`.
+//! end to end in `crates/tessera-cli/tests`. What the nodes of a test binary log (info
+//! and up, as `tessera run` logs by default) is kept: [`log_text`].
 
 #![allow(dead_code, unused_imports)]
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -18,7 +19,7 @@ use tessera_node::{listener, Node, NodeConfig};
 
 pub use tessera_node::node::test_pools::{ram_pool, start_node, test_config, DEV_SIZE, UNIT};
 pub use tessera_testkit::data::*;
-pub use tessera_testkit::node::{path_str, temp_dir, wait_for};
+pub use tessera_testkit::node::{path_str, poll_until, temp_dir, wait_for};
 
 /// A node running in this process, in a directory of its own (removed when dropped,
 /// unless the test panicked: then it is kept for a look at the files).
@@ -88,6 +89,7 @@ impl TestNode {
         setup: impl FnOnce(&Path) -> Setup,
         serve_nbd: bool,
     ) -> Self {
+        capture_log();
         let tmp = temp_dir(tag);
         let dir = tmp.path().to_path_buf();
         let mut n = TestNode {
@@ -232,4 +234,49 @@ impl Drop for TestNode {
 /// `v` as the JSON the management API would answer with.
 pub fn json(v: impl serde::Serialize) -> Value {
     serde_json::to_value(v).expect("serializable")
+}
+
+/// The log lines of this test binary's nodes, kept since the first node started.
+static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+
+/// Where the log goes: a shared buffer.
+#[derive(Clone)]
+struct LogBuffer(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogBuffer {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(b);
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Log the process's tracing events at info and up into [`LOG`] (once per process).
+fn capture_log() {
+    LOG.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let w = LogBuffer(buf.clone());
+        // Another subscriber set first (none here) would only leave the buffer empty.
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || w.clone())
+            .try_init();
+        buf
+    });
+}
+
+/// Everything this test binary's nodes have logged so far: the lines of every test that
+/// ran in it, so a test looks for lines that name its own devices or directory.
+pub fn log_text() -> String {
+    let Some(buf) = LOG.get() else {
+        return String::new();
+    };
+    String::from_utf8_lossy(&buf.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
 }
