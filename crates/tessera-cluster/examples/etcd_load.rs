@@ -96,6 +96,7 @@ fn spec(i: usize, nodes: usize) -> Vec<u8> {
         out_of_sync: Vec::new(),
         lost: Vec::new(),
         snapshot_intent: None,
+        iscsi_pr: None,
     };
     serde_json::to_vec(&s).unwrap()
 }
