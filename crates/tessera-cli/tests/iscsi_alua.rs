@@ -227,18 +227,22 @@ fn alua_groups_flip_when_the_owner_is_killed_and_writes_follow() {
     };
     let etcd = EtcdCluster::start("alua", 1);
     let ports: Vec<u16> = NAMES.iter().map(|_| free_port()).collect();
+    let metrics: Vec<String> = NAMES
+        .iter()
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
     let mut nodes: Vec<TestNode> = NAMES
         .iter()
         .zip(["z1", "z2", "z3"])
-        .zip(&ports)
-        .map(|((n, z), p)| {
+        .zip(ports.iter().zip(&metrics))
+        .map(|((n, z), (p, m))| {
             cluster_member(
                 &format!("alua-{n}"),
                 n,
                 z,
                 &etcd,
                 256,
-                &format!("[iscsi]\nlisten = \"127.0.0.1:{p}\"\n"),
+                &format!("[iscsi]\nlisten = \"127.0.0.1:{p}\"\n[metrics]\nlisten = \"{m}\"\n"),
             )
         })
         .collect();
@@ -506,6 +510,40 @@ fn alua_groups_flip_when_the_owner_is_killed_and_writes_follow() {
         } else {
             assert_eq!(p.result("read"), STANDBY_SENSE, "{}", p.text);
         }
+    }
+
+    // Each survivor's /metrics names the cluster target's LUN and its group's state.
+    for (i, state) in [(owner_i, 0), (other_i, 2)] {
+        let (code, text) = http_get(&metrics[i], "/metrics").expect("metrics");
+        assert_eq!(code, 200);
+        let target = format!("target=\"{IQN}\"");
+        // The value of `family`'s sample for the cluster target.
+        let value = |family: &str| -> Option<u64> {
+            text.lines()
+                .find(|l| l.starts_with(&format!("{family}{{")) && l.contains(&target))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse().ok())
+        };
+        let iscsi_lines = || {
+            text.lines()
+                .filter(|l| l.contains("iscsi"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        assert_eq!(
+            value("tessera_iscsi_alua_state"),
+            Some(state),
+            "{}: {}",
+            NAMES[i],
+            iscsi_lines()
+        );
+        assert_eq!(value("tessera_iscsi_lun"), Some(1), "{}", iscsi_lines());
+        // Both survivors were probed, and the new owner also served the writer.
+        assert!(
+            value("tessera_iscsi_logins_total").is_some_and(|n| n >= 1),
+            "{}",
+            iscsi_lines()
+        );
     }
 
     // The registration made on node-a's path followed the volume to its new owner; a

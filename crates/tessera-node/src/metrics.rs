@@ -10,6 +10,7 @@ use std::fmt::Write as _;
 
 use tessera_api::{PoolEntry, PoolInfo};
 use tessera_io::hist::Histogram;
+use tessera_io::sync::MutexExt;
 use tessera_io::CoreTime;
 use tessera_pool::{DeviceTotals, StatsSnapshot};
 
@@ -317,7 +318,31 @@ fn render_iscsi(w: &mut TextWriter, node: &Node) {
             );
         }
     }
-    let served: Vec<_> = records.iter().filter_map(|t| live.target(&t.iqn)).collect();
+    // The cluster volumes' targets (ALUA, in memory; their LUN 0 is the volume).
+    let cluster: Vec<(String, String, u8)> = node
+        .iscsi
+        .cluster
+        .locked()
+        .iter()
+        .map(|(v, a)| (crate::iscsi::cluster_iqn(v), v.clone(), a.state()))
+        .collect();
+    for (iqn, volume, _) in &cluster {
+        w.sample(
+            "tessera_iscsi_lun",
+            &[
+                ("target", iqn.as_str()),
+                ("lun", "0"),
+                ("volume", volume.as_str()),
+            ],
+            1,
+        );
+    }
+    let served: Vec<_> = records
+        .iter()
+        .map(|t| t.iqn.as_str())
+        .chain(cluster.iter().map(|(iqn, ..)| iqn.as_str()))
+        .filter_map(|iqn| live.target(iqn))
+        .collect();
     w.family(
         "tessera_iscsi_sessions",
         "gauge",
@@ -340,6 +365,18 @@ fn render_iscsi(w: &mut TextWriter, node: &Node) {
             "tessera_iscsi_logins_total",
             &[("target", t.name.as_str())],
             t.logins(),
+        );
+    }
+    w.family(
+        "tessera_iscsi_alua_state",
+        "gauge",
+        "A cluster volume's iSCSI target port group on this node: its asymmetric access state (0 active/optimized, 2 standby).",
+    );
+    for (iqn, _, state) in &cluster {
+        w.sample(
+            "tessera_iscsi_alua_state",
+            &[("target", iqn.as_str())],
+            u64::from(*state),
         );
     }
     w.family(
