@@ -766,8 +766,10 @@ fn allocating_units_never_waits_on_the_cores_own_row_locks() {
         .expect("allocation deadlocked (or took over 2 minutes)");
 }
 
-/// A core's parity engine gives its device handles back once its pool is gone (the next
-/// engine created on the core sweeps), so a deleted pool's devices are not held open.
+/// A core's parity engine gives its device handles back as soon as the last layout
+/// handle on the core using it is gone (before: only when the next engine created on the
+/// core swept, so a deleted pool's devices stayed open until then), and the core goes on
+/// serving other parity layouts.
 #[test]
 fn a_gone_pools_engine_releases_its_devices() {
     let mut io = core();
@@ -782,10 +784,13 @@ fn a_gone_pools_engine_releases_its_devices() {
         let mut h = l.open_handle();
         assert_eq!(write(&mut io, &mut h, 0, &[7u8; 4096]), 0);
     }
-    assert!(
-        Arc::strong_count(&ram[0]) > 1,
-        "the engine holds a handle while alive"
-    );
+    for r in &ram {
+        assert_eq!(
+            Arc::strong_count(r),
+            1,
+            "the engine let go of the devices with its last handle"
+        );
+    }
     let other: Vec<Arc<dyn BlockDevice>> = (0..3)
         .map(|_| RamDevice::new(DEV_SIZE).unwrap() as Arc<dyn BlockDevice>)
         .collect();
@@ -1039,4 +1044,64 @@ fn a_torn_label_write_on_a_healthy_device_leaves_a_degraded_pool_readable() {
         drop(h);
         pool.shutdown().unwrap();
     }
+}
+
+/// A parity pool that served writes on a core gives its devices back when it is
+/// dropped, although the core keeps its row engine for the rest of its life: a new pool
+/// takes the same files at once. (The engine used to keep its device handles, and with
+/// them the files' locks, until the core next opened a parity engine: after a pool
+/// delete, a node refused the same devices to a new pool as "in use by" itself.)
+#[test]
+fn a_dropped_parity_pool_gives_its_devices_back() {
+    use tessera_device::FileDevice;
+    let dir = tessera_testkit::node::temp_dir("parity-release");
+    let paths: Vec<_> = (0..4)
+        .map(|i| dir.path().join(format!("d{i}.img")))
+        .collect();
+    let open = || -> std::io::Result<Vec<Arc<dyn BlockDevice>>> {
+        paths
+            .iter()
+            .map(|p| FileDevice::open(p, Some(DEV_SIZE)).map(|d| d as Arc<dyn BlockDevice>))
+            .collect()
+    };
+    let opts = || PoolOptions {
+        layout: LayoutKind::Raid5 { stripe: 16 << 10 },
+        unit_size: 1 << 20,
+        force: true,
+        ..PoolOptions::default()
+    };
+    let mut io = tessera_testkit::blockio::core();
+    // O_DIRECT files: the buffers are aligned.
+    let mut data = tessera_io::AlignedBuf::zeroed(64 << 10);
+    data.as_mut_slice().copy_from_slice(&pattern(7, 64 << 10));
+    let write = |io: &mut CoreIo, h: &mut dyn IoHandle| {
+        let op = IoOp::Write {
+            offset: 0,
+            len: 64 << 10,
+            buf: data.as_ptr(),
+        };
+        tessera_testkit::blockio::run(io, h, op)
+    };
+    let pool = Pool::create("p", open().unwrap(), opts()).unwrap();
+    let v = pool.create_volume("v", 4 << 20).unwrap();
+    let mut h = v.open_handle();
+    assert_eq!(write(&mut io, &mut h), 0);
+    drop(h);
+    drop(v);
+    drop(pool);
+    // `io`, the core, lives on with its engine.
+    let again = open().expect("the devices are free once the pool is gone");
+    let pool = Pool::create("q", again, opts()).unwrap();
+    // And the core serves the new pool through a parity engine of its own.
+    let v = pool.create_volume("w", 4 << 20).unwrap();
+    let mut h = v.open_handle();
+    assert_eq!(write(&mut io, &mut h), 0);
+    let mut back = tessera_io::AlignedBuf::zeroed(64 << 10);
+    let op = IoOp::Read {
+        offset: 0,
+        len: 64 << 10,
+        buf: back.as_mut_ptr(),
+    };
+    assert_eq!(tessera_testkit::blockio::run(&mut io, &mut h, op), 0);
+    assert!(back.as_slice() == data.as_slice());
 }

@@ -40,6 +40,14 @@ pub struct LayoutHandle {
     engine: Option<Rc<crate::layout::parity_io::Engine>>,
 }
 
+impl Drop for LayoutHandle {
+    fn drop(&mut self) {
+        if let Some(e) = self.engine.take() {
+            e.release_user();
+        }
+    }
+}
+
 /// Mirror error handling on a core: mark the device failed, then fail a read over to
 /// another healthy copy (read synchronously: this is the rare path, taken once per
 /// in-flight read when a device fails; later reads skip the device), or let a write

@@ -242,6 +242,13 @@ pub(crate) struct Engine {
     active: Cell<bool>,
     /// This core's figures (`Parity::counters`), handed back when the engine goes.
     counters: Arc<ParityCounters>,
+    /// Layout handles on this core using the engine. When the last one goes and no
+    /// request is left, the engine gives its device handles back: they hold the devices
+    /// open (a file device's lock with them), and the core keeps the engine itself (its
+    /// hook) after the layout is gone, so a pool deleted or closed would otherwise keep
+    /// its devices until the core next opens a parity engine. A handle opened later
+    /// takes them again (`engine_for`).
+    users: Cell<usize>,
 }
 
 impl Drop for Engine {
@@ -261,6 +268,12 @@ pub(crate) fn engine_for(io: &mut CoreIo, layout: &Arc<Layout>) -> Rc<Engine> {
         .and_then(|b| b.downcast_ref::<(Rc<Engine>, Weak<Layout>)>())
     {
         if std::ptr::eq(w.as_ptr(), Arc::as_ptr(layout)) && w.strong_count() > 0 {
+            if let Ok(mut st) = e.st.try_borrow_mut() {
+                if st.handles.is_empty() {
+                    st.handles = layout.device_handles();
+                }
+            }
+            e.users.set(e.users.get() + 1);
             return e.clone();
         }
     }
@@ -294,6 +307,7 @@ pub(crate) fn engine_for(io: &mut CoreIo, layout: &Arc<Layout>) -> Rc<Engine> {
         pending: RefCell::new(VecDeque::new()),
         active: Cell::new(false),
         counters: layout.parity_geo().counters.register(),
+        users: Cell::new(1),
     });
     let id = io.register_hook(e.clone());
     e.hook.set(id);
@@ -346,6 +360,30 @@ impl Continuation for Engine {
 }
 
 impl Engine {
+    /// A layout handle of this core is done with the engine (`LayoutHandle`'s drop).
+    pub(crate) fn release_user(&self) {
+        self.users.set(self.users.get().saturating_sub(1));
+        self.give_back_devices_if_unused();
+    }
+
+    /// With no layout handle using the engine and nothing in flight, let go of the
+    /// device handles (see `users`).
+    fn give_back_devices_if_unused(&self) {
+        if self.users.get() != 0 || self.active.get() || !self.pending.borrow().is_empty() {
+            return;
+        }
+        let Ok(mut st) = self.st.try_borrow_mut() else {
+            return;
+        };
+        let idle = st.ops.len() == st.free.len()
+            && !st.flushing_busy
+            && st.flushing.is_empty()
+            && st.flush_next.is_empty();
+        if idle {
+            st.handles.clear();
+        }
+    }
+
     /// Take a request (queued when the engine is busy; its buffer is used until it
     /// completes).
     ///
@@ -448,6 +486,10 @@ impl Engine {
             }
         }
         self.active.set(false);
+        // The last handle went while requests were in flight: they are done now.
+        if self.users.get() == 0 {
+            self.give_back_devices_if_unused();
+        }
     }
 
     fn new_op(&self, st: &mut State, parent: Tag, row: u64, write: bool) -> u32 {
