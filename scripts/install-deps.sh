@@ -25,6 +25,9 @@
 #         the package's service is not used)  [etcd-server]
 #   protoc (the build script of the etcd-client crate compiles etcd's
 #           .proto files: needed to build Tessera at all)  [protobuf-compiler]
+#   protobuf's well-known types (google/protobuf/descriptor.proto, which
+#           etcd's .proto files import; protobuf-compiler only recommends
+#           them, and we install without recommends)  [libprotobuf-dev]
 #   iscsi-ls, iscsi-inq, iscsi-readcapacity16, iscsi-test-cu (libiscsi's
 #           initiator tools, which the iSCSI target's tests drive), iscsi-perf
 #           (bench/iscsi.sh)  [libiscsi-bin]
@@ -77,6 +80,10 @@ CMDS=(fio qemu-img qemu-io qemu-nbd nbdinfo nbdcopy nbdkit prometheus nbdsh open
 
 have_libiscsi_headers() {
   [[ -f /usr/include/iscsi/iscsi.h ]]
+}
+
+have_protobuf_includes() {
+  [[ -f /usr/include/google/protobuf/descriptor.proto ]]
 }
 
 have_memory_plugin() {
@@ -138,8 +145,14 @@ if ! have_libiscsi_headers; then
   want_pkgs[libiscsi-dev]=1
 fi
 
-if [[ "${#missing_cmds[@]}" -eq 0 && "$need_memory_plugin" -eq 0 && "$need_headers" -eq 0 ]]; then
-  log "all tools present: ${CMDS[*]} + nbdkit memory plugin + libiscsi headers"
+need_protos=0
+if ! have_protobuf_includes; then
+  need_protos=1
+  want_pkgs[libprotobuf-dev]=1
+fi
+
+if [[ "${#missing_cmds[@]}" -eq 0 && "$need_memory_plugin" -eq 0 && "$need_headers" -eq 0 && "$need_protos" -eq 0 ]]; then
+  log "all tools present: ${CMDS[*]} + nbdkit memory plugin + libiscsi headers + protobuf includes"
 else
   if [[ "${#missing_cmds[@]}" -gt 0 ]]; then
     log "missing commands: ${missing_cmds[*]}"
@@ -149,6 +162,9 @@ else
   fi
   if [[ "$need_headers" -eq 1 ]]; then
     log "missing: libiscsi headers"
+  fi
+  if [[ "$need_protos" -eq 1 ]]; then
+    log "missing: protobuf's well-known .proto files"
   fi
 
   if ! have apt-get; then
@@ -179,6 +195,7 @@ for c in "${CMDS[@]}"; do
 done
 have_memory_plugin || still_missing+=("nbdkit-memory-plugin")
 have_libiscsi_headers || still_missing+=("libiscsi-dev")
+have_protobuf_includes || still_missing+=("libprotobuf-dev")
 if [[ "${#still_missing[@]}" -gt 0 ]]; then
   die "still missing after install: ${still_missing[*]}"
 fi

@@ -86,13 +86,66 @@ pub fn temp_dir(tag: &str) -> TempDir {
         .expect("create a temporary directory")
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago.
+/// A TCP port on 127.0.0.1 that was free a moment ago and that no other test (in this
+/// process or another) gets from here while this process lives.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    let (low, high) = ports_outside_the_ephemeral_range();
+    let span = u32::from(high - low) + 1;
+    let start = std::process::id().wrapping_mul(7919) ^ SEQ.fetch_add(1, Ordering::Relaxed);
+    for i in 0..span {
+        let port = low + u16::try_from((start.wrapping_add(i)) % span).expect("below span");
+        if let Some(lock) = reserve_port(port) {
+            RESERVED_PORTS
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(lock);
+            return port;
+        }
+    }
+    panic!("no free port in {low}..={high} for a test node");
+}
+
+/// Ports handed out by [`free_port`]: each one's lock file stays locked (and so reserved
+/// from other tests) until this test process exits.
+static RESERVED_PORTS: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
+
+/// The ports tests pick from: below the kernel's ephemeral range, so that no outgoing
+/// connection (a client of another test, etcd's peers) takes a port between the moment
+/// a test picks it and the moment its node binds it. That race made a node start with
+/// its NVMe/TCP listener off ("Address already in use") and its test talk to another
+/// test's node.
+fn ports_outside_the_ephemeral_range() -> (u16, u16) {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    if ephemeral_low > 12_000 {
+        (10_000, ephemeral_low - 1)
+    } else {
+        // The ephemeral range starts low (a tuned machine): take ports above it.
+        (61_000, 65_000)
+    }
+}
+
+/// Reserve `port` across test processes (an exclusive `flock` on a file named after
+/// it; released by the kernel when the process ends, however it ends) if nothing
+/// listens on it now.
+fn reserve_port(port: u16) -> Option<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let dir = std::env::temp_dir().join("tessera-test-ports");
+    std::fs::create_dir_all(&dir).ok()?;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(port.to_string()))
+        .ok()?;
+    // SAFETY: flock on a file descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return None;
+    }
+    TcpListener::bind(("127.0.0.1", port)).ok()?;
+    Some(f)
 }
 
 /// The `tessera` binary a test runs: `CARGO_BIN_EXE_tessera` in `tessera-cli`'s tests.
@@ -329,6 +382,29 @@ impl<B: Binary> TestNode<B> {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// A test failed with this node up: say whether the node was still running and show
+    /// the end of its log, so that a failure in CI (whose directories are gone) can be
+    /// understood from its output alone.
+    fn report_on_panic(&mut self) {
+        const TAIL_LINES: usize = 40;
+        let state = match self.child.as_mut().map(|c| c.try_wait()) {
+            None => "not running (stopped by the test)".to_string(),
+            Some(Ok(None)) => "still running".to_string(),
+            Some(Ok(Some(status))) => format!("exited on its own: {status}"),
+            Some(Err(e)) => format!("state unknown: {e}"),
+        };
+        let log = self.log_text();
+        let lines: Vec<&str> = log.lines().collect();
+        let tail = &lines[lines.len().saturating_sub(TAIL_LINES)..];
+        eprintln!(
+            "--- node {} ({state}); last {} lines of {}:\n{}\n---",
+            self.dir.display(),
+            tail.len(),
+            self.log.display(),
+            tail.join("\n")
+        );
+    }
+
     /// Keep the directory after the test (for debugging).
     pub fn keep(&mut self) {
         self.keep = true;
@@ -337,6 +413,9 @@ impl<B: Binary> TestNode<B> {
 
 impl<B: Binary> Drop for TestNode<B> {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.report_on_panic();
+        }
         self.kill9();
         if let Some(tmp) = self.tmp.take() {
             if self.keep || std::thread::panicking() {
