@@ -113,14 +113,15 @@ static RESERVED_PORTS: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::
 /// connection (a client of another test, etcd's peers) takes a port between the moment
 /// a test picks it and the moment its node binds it. That race made a node start with
 /// its NVMe/TCP listener off ("Address already in use") and its test talk to another
-/// test's node.
+/// test's node. It starts above the well-known ports our defaults use (NBD's 10809,
+/// iSCSI's 3260, NVMe/TCP's 4420, etcd's 2379), which tests that run defaults bind.
 fn ports_outside_the_ephemeral_range() -> (u16, u16) {
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
         .unwrap_or(32768);
-    if ephemeral_low > 12_000 {
-        (10_000, ephemeral_low - 1)
+    if ephemeral_low > 13_000 {
+        (11_000, ephemeral_low - 1)
     } else {
         // The ephemeral range starts low (a tuned machine): take ports above it.
         (61_000, 65_000)
