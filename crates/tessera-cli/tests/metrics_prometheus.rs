@@ -264,3 +264,96 @@ fn prometheus_scrapes_what_clients_did_and_readyz_follows_the_pools() {
         Some(3.0)
     );
 }
+
+/// The access-pattern figures: a stream read in one 1 GiB region, random reads in a
+/// second, and writes walked forward with gaps in a third, each from its own
+/// connection, come out labelled sequential, random and monotonic.
+#[test]
+fn access_patterns_are_counted_by_region() {
+    const N: u64 = 300;
+    const G: u64 = 1 << 30;
+    let mport = free_port();
+    let maddr = format!("127.0.0.1:{mport}");
+    let n = TestNode::start_with_config(
+        "metrics-patterns",
+        &format!(
+            "[metrics]\nlisten = \"{maddr}\"\n\
+             [[pool]]\nname = \"p0\"\ndevices = [\"ram:256M\"]\n\
+             [[volume]]\nname = \"v0\"\npool = \"p0\"\nsize = \"4G\"\n\
+             [[export]]\nname = \"v0\"\nvolume = \"v0\"\n"
+        ),
+    );
+    let connect = || NbdClient::connect_tcp(&n.addr(), "v0", ClientOptions::default()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut c = connect();
+    for i in 0..N {
+        c.read(i * 4096, &mut buf).unwrap();
+    }
+    c.disconnect().unwrap();
+    let mut c = connect();
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for _ in 0..N {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.read(G + (x % (G / 4096)) * 4096, &mut buf).unwrap();
+    }
+    c.disconnect().unwrap();
+    // 60 writes 2 MiB apart (60 units of space at most: the pool has 256 MiB).
+    let mut c = connect();
+    for i in 0..60 {
+        c.write(2 * G + i * (2 << 20), &buf, false).unwrap();
+    }
+    c.disconnect().unwrap();
+
+    let series = |what: &str, pattern: &str| {
+        format!("tessera_volume_{what}{{pool=\"p0\",volume=\"v0\",pattern=\"{pattern}\"}}")
+    };
+    // A closing connection's handle adds its counts: wait until every request shows.
+    let mut text = String::new();
+    wait_for("every request to be counted by pattern", 20, || {
+        text = http_get(&maddr, "/metrics").unwrap().1;
+        let sum = |what: &str| -> f64 {
+            ["unknown", "sequential", "monotonic", "random"]
+                .iter()
+                .map(|p| sample(&text, &series(what, p)).unwrap_or(0.0))
+                .sum()
+        };
+        sum("read_pattern_requests_total") == 2.0 * N as f64
+            && sum("write_pattern_requests_total") == 60.0
+    });
+    let get = |what: &str, p: &str| sample(&text, &series(what, p)).unwrap();
+    // Each region's first 7 requests have too little history to be labelled.
+    assert_eq!(
+        get("read_pattern_requests_total", "unknown"),
+        14.0,
+        "{text}"
+    );
+    assert_eq!(
+        get("write_pattern_requests_total", "unknown"),
+        7.0,
+        "{text}"
+    );
+    // The stream: every other read.
+    assert_eq!(
+        get("read_pattern_requests_total", "sequential"),
+        (N - 7) as f64
+    );
+    assert_eq!(
+        get("read_pattern_bytes_total", "sequential"),
+        ((N - 7) * 4096) as f64
+    );
+    // The random reads: random, but for windows that happen to go forward 12 times in 16.
+    let random = get("read_pattern_requests_total", "random");
+    assert!(
+        random >= 0.8 * (N - 7) as f64,
+        "random reads {random}\n{text}"
+    );
+    assert_eq!(
+        random + get("read_pattern_requests_total", "monotonic"),
+        (N - 7) as f64
+    );
+    // The forward walk: monotonic.
+    assert_eq!(get("write_pattern_requests_total", "monotonic"), 53.0);
+    assert_eq!(get("write_pattern_bytes_total", "monotonic"), 53.0 * 4096.0);
+}

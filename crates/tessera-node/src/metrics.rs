@@ -12,6 +12,7 @@ use tessera_api::{PoolEntry, PoolInfo};
 use tessera_io::hist::Histogram;
 use tessera_io::sync::MutexExt;
 use tessera_io::CoreTime;
+use tessera_pool::pattern::{Direction, Pattern, PatternCounts};
 use tessera_pool::{DeviceTotals, StatsSnapshot};
 
 use crate::Node;
@@ -216,6 +217,22 @@ struct VolumeFigures {
     size: u64,
     allocated: u64,
     stats: StatsSnapshot,
+    patterns: PatternCounts,
+}
+
+/// One sample per access pattern (`tessera_pool::pattern`), labelled `pattern`.
+fn per_pattern(counts: &PatternCounts, d: Direction, bytes: bool) -> Vec<Sample<'static>> {
+    Pattern::ALL
+        .into_iter()
+        .map(|p| {
+            let n = if bytes {
+                counts.bytes_of(d, p)
+            } else {
+                counts.requests_of(d, p)
+            };
+            (Some(("pattern", p.name())), count(n))
+        })
+        .collect()
 }
 
 /// The client operation counts by their `op` label.
@@ -278,6 +295,7 @@ pub fn render(node: &Node) -> String {
                 size: v.size(),
                 allocated: v.allocated_bytes(),
                 stats: v.stats(),
+                patterns: v.pattern_counts(),
             })
         })
         .collect();
@@ -612,6 +630,30 @@ const VOLUME_FAMILIES: &[Family<VolumeFigures>] = &[
                 (Some(("op", "write")), Value::Histogram(&v.stats.write_latency)),
             ]
         },
+    },
+    Family {
+        name: "tessera_volume_read_pattern_requests_total",
+        kind: "counter",
+        help: "Reads by the access pattern of their 1 GiB region as the core that served them saw it then (sequential, monotonic, random; unknown while a region has too little history).",
+        samples: |v| per_pattern(&v.patterns, Direction::Read, false),
+    },
+    Family {
+        name: "tessera_volume_read_pattern_bytes_total",
+        kind: "counter",
+        help: "Bytes read, by the access pattern of their region.",
+        samples: |v| per_pattern(&v.patterns, Direction::Read, true),
+    },
+    Family {
+        name: "tessera_volume_write_pattern_requests_total",
+        kind: "counter",
+        help: "Writes by the access pattern of their 1 GiB region (sequential, monotonic, random, unknown).",
+        samples: |v| per_pattern(&v.patterns, Direction::Write, false),
+    },
+    Family {
+        name: "tessera_volume_write_pattern_bytes_total",
+        kind: "counter",
+        help: "Bytes written, by the access pattern of their region.",
+        samples: |v| per_pattern(&v.patterns, Direction::Write, true),
     },
     Family {
         name: "tessera_volume_size_bytes",

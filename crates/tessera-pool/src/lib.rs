@@ -21,6 +21,7 @@ pub mod format;
 mod inflight;
 pub mod layout;
 pub mod meta;
+pub mod pattern;
 pub use layout::parity;
 pub mod pool;
 mod presence;

@@ -26,6 +26,7 @@ use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
 use crate::inflight::{inflight_for, CoreInflight};
 use crate::layout::LayoutHandle;
+use crate::pattern::{Direction, HandlePatterns, PatternCounts, PatternTotals};
 use crate::pool::PoolCore;
 use tessera_io::cast::{u32_of, usize_of};
 
@@ -278,6 +279,9 @@ pub struct Volume {
     open_handles: AtomicUsize,
     deleted: AtomicBool,
     stats: StatsRegistry,
+    /// Requests by the access pattern of their region (`crate::pattern`), as the
+    /// handles add them.
+    patterns: PatternTotals,
     /// QoS limits found in pool metadata written before QoS moved to the node's catalog
     /// (docs/format.md §3.2, legacy). Written back by every checkpoint until the node has
     /// taken them into its catalog ([`Volume::clear_legacy_qos`]), so a crash in between
@@ -321,6 +325,7 @@ impl Volume {
             open_handles: AtomicUsize::new(0),
             deleted: AtomicBool::new(false),
             stats: StatsRegistry::default(),
+            patterns: PatternTotals::default(),
             legacy_qos: Mutex::new(
                 (legacy_qos != tessera_qos::QosLimits::default()).then_some(legacy_qos),
             ),
@@ -584,6 +589,12 @@ impl Volume {
         self.stats.snapshot()
     }
 
+    /// Requests and bytes by access pattern: those of closed handles, and of open ones
+    /// up to [`crate::pattern::FLUSH_EVERY`] requests each.
+    pub fn pattern_counts(&self) -> PatternCounts {
+        self.patterns.snapshot()
+    }
+
     /// A datapath handle for the calling core.
     pub fn open_handle(self: &Arc<Self>) -> VolumeHandle {
         self.open_handles.fetch_add(1, Relaxed);
@@ -601,6 +612,7 @@ impl Volume {
             read_runs: Vec::new(),
             inflight: None,
             epoch: 0,
+            patterns: Box::default(),
         }
     }
 }
@@ -625,10 +637,14 @@ pub struct VolumeHandle {
     inflight: Option<std::rc::Rc<CoreInflight>>,
     /// The token of the request being submitted (the epoch it counts under).
     epoch: u64,
+    /// This handle's access-pattern detectors (`crate::pattern`; about 6 KiB, boxed
+    /// to keep the handle small where it is moved by value).
+    patterns: Box<HandlePatterns>,
 }
 
 impl Drop for VolumeHandle {
     fn drop(&mut self) {
+        self.patterns.flush(&self.vol.patterns);
         self.vol.open_handles.fetch_sub(1, Relaxed);
     }
 }
@@ -640,11 +656,19 @@ impl VolumeHandle {
 
     /// True when no byte of `[offset, offset+len)` has space, so it reads as zeros without
     /// device I/O. Uses this core's cached map: no lock, no shared write, no allocation.
+    /// A caller that finds a hole answers the read itself, without `submit`: the read is
+    /// noted by the access-pattern detector here instead (a stream over a sparse
+    /// volume is still a stream).
     pub fn is_hole(&mut self, offset: u64, len: u64) -> bool {
         self.refresh();
         let last = (offset + len.max(1) - 1) >> self.shift;
-        ((offset >> self.shift)..=last)
-            .all(|u| self.map.get(u) == HOLE && self.chain.iter().all(|m| m.get(u) == HOLE))
+        let hole = ((offset >> self.shift)..=last)
+            .all(|u| self.map.get(u) == HOLE && self.chain.iter().all(|m| m.get(u) == HOLE));
+        if hole {
+            self.patterns
+                .observe(Direction::Read, offset, len, &self.vol.patterns);
+        }
+        hole
     }
 
     #[inline]
@@ -805,6 +829,18 @@ impl IoHandle for VolumeHandle {
         }
         if self.read_only && !matches!(op, IoOp::Read { .. }) {
             return io.complete(tag, -libc::EROFS);
+        }
+        // Nothing acts on the label yet; the cache tier and readahead will.
+        match op {
+            IoOp::Read { .. } => {
+                self.patterns
+                    .observe(Direction::Read, offset, len, &self.vol.patterns);
+            }
+            IoOp::Write { .. } => {
+                self.patterns
+                    .observe(Direction::Write, offset, len, &self.vol.patterns);
+            }
+            _ => {}
         }
         // Counted in flight from before the map is looked at until it completes: a
         // snapshot or a release of units waits for it (`inflight`).
