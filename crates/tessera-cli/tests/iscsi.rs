@@ -426,31 +426,12 @@ fn iscsi_chap_and_initiator_allowlist_on_a_node() {
     );
 }
 
-/// `tools/iscsi-blockio.c` compiled against libiscsi into this test's scratch directory,
-/// or None (the test skips) where libiscsi-dev is missing and missing tools are allowed.
+/// `tools/iscsi-blockio.c`, built for this test (None: the test skips).
 fn blockio() -> Option<std::path::PathBuf> {
-    if !require_tool("cc") {
-        return None;
-    }
-    let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("iscsi-blockio-{}", std::process::id()));
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/iscsi-blockio.c");
-    let o = Command::new("cc")
-        .args(["-O2", "-Wall", "-o"])
-        .arg(&out)
-        .arg(&src)
-        .arg("-liscsi")
-        .output()
-        .expect("run cc");
-    if !o.status.success() {
-        let why = String::from_utf8_lossy(&o.stderr).into_owned();
-        if std::env::var_os("TESSERA_ALLOW_MISSING_TOOLS").is_some() {
-            eprintln!("skipping: tools/iscsi-blockio.c does not build (libiscsi-dev?): {why}");
-            return None;
-        }
-        panic!("tools/iscsi-blockio.c does not build: run scripts/install-deps.sh (libiscsi-dev)\n{why}");
-    }
-    Some(out)
+    libiscsi_tool(
+        "iscsi-blockio",
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")),
+    )
 }
 
 /// `got` is `want` byte for byte; otherwise the first offset where they differ.

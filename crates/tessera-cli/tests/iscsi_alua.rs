@@ -37,30 +37,9 @@ const VOL_BLOCKS: u64 = (64 << 20) / 512;
 const BLOCKS: usize = 512;
 const BS: usize = 4096;
 
-/// A C tool of `tools/` compiled against libiscsi into this test's scratch directory, or
-/// None (the test skips) where libiscsi-dev is missing and missing tools are allowed.
+/// A C tool of `tools/`, built for this test (None: the test skips).
 fn tool(name: &str) -> Option<PathBuf> {
-    if !require_tool("cc") {
-        return None;
-    }
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../tools/{name}.c"));
-    let o = Command::new("cc")
-        .args(["-O2", "-Wall", "-o"])
-        .arg(&out)
-        .arg(&src)
-        .arg("-liscsi")
-        .output()
-        .expect("run cc");
-    if !o.status.success() {
-        let why = String::from_utf8_lossy(&o.stderr).into_owned();
-        if std::env::var_os("TESSERA_ALLOW_MISSING_TOOLS").is_some() {
-            eprintln!("skipping: tools/{name}.c does not build (libiscsi-dev?): {why}");
-            return None;
-        }
-        panic!("tools/{name}.c does not build: run scripts/install-deps.sh (libiscsi-dev)\n{why}");
-    }
-    Some(out)
+    libiscsi_tool(name, Path::new(env!("CARGO_TARGET_TMPDIR")))
 }
 
 fn etcd_client(etcd: &EtcdCluster) -> Etcd {

@@ -102,8 +102,7 @@ impl Drop for Prometheus {
 
 /// The value of one sample line of the node's own /metrics text.
 fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    metric_sample(text, series)
 }
 
 #[test]

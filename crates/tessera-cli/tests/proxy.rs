@@ -21,8 +21,6 @@
 mod common;
 use common::*;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -65,19 +63,13 @@ fn metrics_addr(n: &TestNode) -> String {
 }
 
 fn metrics(n: &TestNode) -> String {
-    let addr = metrics_addr(n);
-    let mut s = TcpStream::connect(&addr).expect("metrics listener");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    raw
+    http_get(&metrics_addr(n), "/metrics")
+        .expect("metrics listener")
+        .1
 }
 
-/// The value of the sample `series` (name and labels exactly as printed).
 fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+    metric_sample(text, series)
 }
 
 /// Run `cmd`, killing it after `secs` seconds (every load here stops by itself).

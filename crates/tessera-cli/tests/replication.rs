@@ -160,17 +160,7 @@ fn state_of(a: &TestNode, place: &str) -> serde_json::Value {
 
 /// The owner's Prometheus text.
 fn scrape(addr: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("metrics listener");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
+    http_get(addr, "/metrics").expect("metrics listener").1
 }
 
 /// Write generation 1 over the first 16 MiB (quick on a loaded machine), then wait for

@@ -1248,20 +1248,19 @@ impl<T: ExportTarget> IscsiConn<T> {
         self.respond(itt, status, sense, residual);
     }
 
+    /// This core's handle to LUN `lun`'s volume: I/O reaches only LUNs with data here
+    /// (a standby ALUA port answers before it asks).
+    fn backed_handle(&mut self, lun: usize) -> &mut T::Handle {
+        &mut self.luns[lun].back.as_mut().expect("a backed LUN").vol
+    }
+
     fn submit(&mut self, io: &mut CoreIo, s: u16, op: IoOp) {
         let lun = self.slots[usize::from(s)].lun;
         let tag = self.tag(u32::from(s));
         self.in_io += 1;
         // SAFETY: a Read or Write buffer is the slot's `buf`, which stays with the slot
         // (not released, not reused) until the slot's I/O completes in on_io.
-        unsafe {
-            self.luns[lun]
-                .back
-                .as_mut()
-                .expect("a backed LUN")
-                .vol
-                .submit(io, op, tag)
-        };
+        unsafe { self.backed_handle(lun).submit(io, op, tag) };
     }
 
     /// A decoded command whose data (if any) has arrived: I/O commands pass the LUN's
@@ -1588,14 +1587,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                         may_unmap: true,
                     };
                     // SAFETY: a write-zeroes carries no buffer.
-                    unsafe {
-                        self.luns[lun]
-                            .back
-                            .as_mut()
-                            .expect("a backed LUN")
-                            .vol
-                            .submit(io, op, child)
-                    };
+                    unsafe { self.backed_handle(lun).submit(io, op, child) };
                 }
             }
             Command::WriteSame16 {
@@ -1655,14 +1647,7 @@ impl<T: ExportTarget> IscsiConn<T> {
                     };
                     // SAFETY: every part reads from the slot's buffer, which stays
                     // with the slot until the joined completion arrives in on_io.
-                    unsafe {
-                        self.luns[lun]
-                            .back
-                            .as_mut()
-                            .expect("a backed LUN")
-                            .vol
-                            .submit(io, op, child)
-                    };
+                    unsafe { self.backed_handle(lun).submit(io, op, child) };
                     at += n;
                 }
             }

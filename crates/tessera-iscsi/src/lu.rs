@@ -318,17 +318,6 @@ mod tests {
     use super::*;
 
     /// A PERSISTENT RESERVE OUT request of service action `sa` (scope 0).
-    fn req(sa: u8, ptype: u8, key: u64, sa_key: u64, aptpl: bool) -> ProutRequest {
-        ProutRequest {
-            sa,
-            ptype,
-            key,
-            sa_key,
-            aptpl,
-            ..ProutRequest::default()
-        }
-    }
-
     #[test]
     fn an_spc2_reservation_excludes_other_nexuses_until_it_ends() {
         let u = LuShared::default();
@@ -387,9 +376,12 @@ mod tests {
         }));
         let a = Nexus::new("a", [0; 6], "t");
         // No APTPL: saved all the same.
-        u.pr_out(&a, &req(crate::pr::REGISTER, 0, 0, 7, false))
-            .unwrap();
-        u.pr_out(&a, &req(crate::pr::RESERVE, 3, 7, 0, false))
+        u.pr_out(
+            &a,
+            &ProutRequest::basic(crate::pr::REGISTER, 0, 0, 7, false),
+        )
+        .unwrap();
+        u.pr_out(&a, &ProutRequest::basic(crate::pr::RESERVE, 3, 7, 0, false))
             .unwrap();
         assert_eq!(saved.locked().len(), 2);
         // Another unit takes the last state over whole, APTPL clear or not.
@@ -410,13 +402,19 @@ mod tests {
     fn spc2_and_persistent_reservations_exclude_each_other() {
         let u = LuShared::default();
         let (a, b) = (Nexus::new("a", [0; 6], "t"), Nexus::new("b", [0; 6], "t"));
-        u.pr_out(&a, &req(crate::pr::REGISTER, 0, 0, 7, false))
-            .unwrap();
+        u.pr_out(
+            &a,
+            &ProutRequest::basic(crate::pr::REGISTER, 0, 0, 7, false),
+        )
+        .unwrap();
         // A registration anywhere: RESERVE(6) and RELEASE(6) conflict for everyone.
         assert_eq!(u.reserve6(&b), Err(PrError::Conflict));
         assert_eq!(u.release6(&a), Err(PrError::Conflict));
-        u.pr_out(&a, &req(crate::pr::REGISTER, 0, 7, 0, false))
-            .unwrap();
+        u.pr_out(
+            &a,
+            &ProutRequest::basic(crate::pr::REGISTER, 0, 7, 0, false),
+        )
+        .unwrap();
         u.reserve6(&b).unwrap();
     }
 
@@ -444,7 +442,7 @@ mod tests {
         // No persister: APTPL is refused, and REPORT CAPABILITIES says so (PTPL_C 0).
         assert_eq!(l.pr_in(crate::pr::REPORT_CAPABILITIES).unwrap()[2] & 1, 0);
         assert_eq!(
-            l.pr_out(&a, &req(REGISTER, 0, 0, 1, true)),
+            l.pr_out(&a, &ProutRequest::basic(REGISTER, 0, 0, 1, true)),
             Err(PrError::Check(
                 crate::scsi::Sense::INVALID_FIELD_IN_PARAMETER_LIST
             ))
@@ -457,11 +455,14 @@ mod tests {
         }));
         assert_eq!(l.pr_in(crate::pr::REPORT_CAPABILITIES).unwrap()[2] & 1, 1);
         // Without APTPL nothing is saved.
-        l.pr_out(&a, &req(REGISTER, 0, 0, 1, false)).unwrap();
+        l.pr_out(&a, &ProutRequest::basic(REGISTER, 0, 0, 1, false))
+            .unwrap();
         assert!(saved.locked().is_empty());
         assert!(!l.pr_conflict(&b, Access::Write));
-        l.pr_out(&a, &req(REGISTER, 0, 1, 1, true)).unwrap();
-        l.pr_out(&a, &req(RESERVE, 3, 1, 0, false)).unwrap();
+        l.pr_out(&a, &ProutRequest::basic(REGISTER, 0, 1, 1, true))
+            .unwrap();
+        l.pr_out(&a, &ProutRequest::basic(RESERVE, 3, 1, 0, false))
+            .unwrap();
         assert_eq!(saved.locked().len(), 2);
         // Every connection of the volume sees the reservation.
         let other = LuShared::of(0x7777_0001);
@@ -474,7 +475,8 @@ mod tests {
         assert!(fresh.pr_conflict(&b, Access::Write));
         assert_eq!(fresh.pr_in(1).unwrap(), l.pr_in(1).unwrap());
         // APTPL cleared by a REGISTER: saved once more, and restores nothing.
-        l.pr_out(&a, &req(REGISTER, 0, 1, 1, false)).unwrap();
+        l.pr_out(&a, &ProutRequest::basic(REGISTER, 0, 1, 1, false))
+            .unwrap();
         let last = saved.locked().last().cloned().unwrap();
         assert_eq!(saved.locked().len(), 3);
         let fresh = LuShared::default();
@@ -495,12 +497,16 @@ mod tests {
             Nexus::new("c", [0; 6], "t"),
         );
         for (n, k) in [(&a, 1), (&b, 2), (&c, 3)] {
-            l.pr_out(n, &req(REGISTER, 0, 0, k, false)).unwrap();
+            l.pr_out(n, &ProutRequest::basic(REGISTER, 0, 0, k, false))
+                .unwrap();
         }
         assert_eq!(l.take_unit_attention(&b), None);
-        l.pr_out(&a, &req(RESERVE, 3, 1, 0, false)).unwrap();
-        l.pr_out(&a, &req(PREEMPT, 3, 1, 2, false)).unwrap();
-        l.pr_out(&a, &req(CLEAR, 0, 1, 0, false)).unwrap();
+        l.pr_out(&a, &ProutRequest::basic(RESERVE, 3, 1, 0, false))
+            .unwrap();
+        l.pr_out(&a, &ProutRequest::basic(PREEMPT, 3, 1, 2, false))
+            .unwrap();
+        l.pr_out(&a, &ProutRequest::basic(CLEAR, 0, 1, 0, false))
+            .unwrap();
         // b: preempted, then cleared (it was no longer registered at the CLEAR).
         assert_eq!(l.take_unit_attention(&b), Some(REGISTRATIONS_PREEMPTED));
         assert_eq!(l.take_unit_attention(&b), None);
@@ -512,8 +518,11 @@ mod tests {
             "not to the nexus that acted"
         );
         // A refused PERSISTENT RESERVE OUT establishes nothing.
-        l.pr_out(&b, &req(REGISTER, 0, 0, 2, false)).unwrap();
-        assert!(l.pr_out(&a, &req(CLEAR, 0, 9, 0, false)).is_err());
+        l.pr_out(&b, &ProutRequest::basic(REGISTER, 0, 0, 2, false))
+            .unwrap();
+        assert!(l
+            .pr_out(&a, &ProutRequest::basic(CLEAR, 0, 9, 0, false))
+            .is_err());
         assert_eq!(l.take_unit_attention(&b), None);
     }
 
@@ -523,16 +532,19 @@ mod tests {
         let l = LuShared::default();
         let nexus = |i: usize| Nexus::new(&format!("i{i}"), [0; 6], "t");
         for i in 0..MAX_REGISTRATIONS {
-            l.pr_out(&nexus(i), &req(REGISTER, 0, 0, 1, false)).unwrap();
+            l.pr_out(&nexus(i), &ProutRequest::basic(REGISTER, 0, 0, 1, false))
+                .unwrap();
         }
         let over = nexus(MAX_REGISTRATIONS);
         assert_eq!(
-            l.pr_out(&over, &req(REGISTER, 0, 0, 1, false)),
+            l.pr_out(&over, &ProutRequest::basic(REGISTER, 0, 0, 1, false)),
             Err(PrError::Check(INSUFFICIENT_REGISTRATION_RESOURCES))
         );
         // One that leaves makes room again.
-        l.pr_out(&nexus(0), &req(REGISTER, 0, 1, 0, false)).unwrap();
-        l.pr_out(&over, &req(REGISTER, 0, 0, 1, false)).unwrap();
+        l.pr_out(&nexus(0), &ProutRequest::basic(REGISTER, 0, 1, 0, false))
+            .unwrap();
+        l.pr_out(&over, &ProutRequest::basic(REGISTER, 0, 0, 1, false))
+            .unwrap();
     }
 
     #[test]
@@ -546,16 +558,17 @@ mod tests {
             true => Err("disk full".to_string()),
             false => Ok(()),
         }));
-        l.pr_out(&a, &req(REGISTER, 0, 0, 1, true)).unwrap();
+        l.pr_out(&a, &ProutRequest::basic(REGISTER, 0, 0, 1, true))
+            .unwrap();
         fail.store(true, Ordering::SeqCst);
         let keys = l.pr_in(crate::pr::READ_KEYS).unwrap();
         assert_eq!(
-            l.pr_out(&a, &req(RESERVE, 3, 1, 0, false)),
+            l.pr_out(&a, &ProutRequest::basic(RESERVE, 3, 1, 0, false)),
             Err(PrError::Check(crate::scsi::Sense::INTERNAL_TARGET_FAILURE))
         );
         assert!(!l.pr_conflict(&b, Access::Write), "no reservation was made");
         assert_eq!(
-            l.pr_out(&b, &req(REGISTER, 0, 0, 2, true)),
+            l.pr_out(&b, &ProutRequest::basic(REGISTER, 0, 0, 2, true)),
             Err(PrError::Check(crate::scsi::Sense::INTERNAL_TARGET_FAILURE))
         );
         assert_eq!(

@@ -247,6 +247,20 @@ pub fn transport_id_port(t: &[u8]) -> Option<String> {
 }
 
 impl ProutRequest {
+    /// A request of service action `sa` with the basic parameter list's fields (scope
+    /// LU, no REGISTER AND MOVE parts): what a caller that does not come from a CDB
+    /// (the node restoring state, tests) builds.
+    pub fn basic(sa: u8, ptype: u8, key: u64, sa_key: u64, aptpl: bool) -> ProutRequest {
+        ProutRequest {
+            sa,
+            ptype,
+            key,
+            sa_key,
+            aptpl,
+            ..ProutRequest::default()
+        }
+    }
+
     /// Decode the parameter list `params` (the whole list the CDB announced: a shorter
     /// or longer one is a parameter list length error): the basic 24 bytes, or for
     /// REGISTER AND MOVE its 24-byte header and the TransportID.
@@ -785,15 +799,7 @@ mod tests {
     }
 
     fn req(sa: u8, ptype: u8, key: u64, sa_key: u64) -> ProutRequest {
-        ProutRequest {
-            sa,
-            scope: 0,
-            ptype,
-            key,
-            sa_key,
-            aptpl: false,
-            ..ProutRequest::default()
-        }
+        ProutRequest::basic(sa, ptype, key, sa_key, false)
     }
 
     fn keys(s: &PrState) -> Vec<u64> {

@@ -196,26 +196,11 @@ impl<T: ExportTarget> Target<T> {
             name: name.to_string(),
             source,
         })?;
-        let mut t = self.targets.write_locked();
-        if t.contains_key(name) {
-            return Err(Error::Exists(name.to_string()));
-        }
-        t.insert(
-            name.to_string(),
-            Arc::new(TargetEntry {
-                name: name.to_string(),
-                shared: luns
-                    .iter()
-                    .map(|e| LuShared::of(e.target.identity()))
-                    .collect(),
-                luns,
-                alua: None,
-                access: RwLock::new(Arc::new(access)),
-                sessions: Arc::default(),
-                logins: AtomicU64::new(0),
-            }),
-        );
-        Ok(())
+        let shared = luns
+            .iter()
+            .map(|e| LuShared::of(e.target.identity()))
+            .collect();
+        self.insert_entry(name, shared, luns, None, access)
     }
 
     /// Serve `name` with ALUA: LUN 0 is `alua`'s, active/optimized and backed by the
@@ -226,6 +211,19 @@ impl<T: ExportTarget> Target<T> {
         if !valid_name(name) {
             return Err(Error::InvalidName(name.to_string()));
         }
+        let shared = vec![alua.shared.clone()];
+        self.insert_entry(name, shared, Vec::new(), Some(alua), Access::default())
+    }
+
+    /// Add a checked target under `name` unless one has that name.
+    fn insert_entry(
+        &self,
+        name: &str,
+        shared: Vec<Arc<LuShared>>,
+        luns: Vec<Export<T>>,
+        alua: Option<Arc<Alua<T>>>,
+        access: Access,
+    ) -> Result<(), Error> {
         let mut t = self.targets.write_locked();
         if t.contains_key(name) {
             return Err(Error::Exists(name.to_string()));
@@ -234,10 +232,10 @@ impl<T: ExportTarget> Target<T> {
             name.to_string(),
             Arc::new(TargetEntry {
                 name: name.to_string(),
-                shared: vec![alua.shared.clone()],
-                luns: Vec::new(),
-                alua: Some(alua),
-                access: RwLock::new(Arc::new(Access::default())),
+                shared,
+                luns,
+                alua,
+                access: RwLock::new(Arc::new(access)),
                 sessions: Arc::default(),
                 logins: AtomicU64::new(0),
             }),

@@ -12,18 +12,6 @@ use tessera_iscsi::pr::{
 
 const IQN: &str = "iqn.2026-11.io.tessera:pr";
 
-fn req(sa: u8, ptype: u8, key: u64, sa_key: u64, aptpl: bool) -> ProutRequest {
-    ProutRequest {
-        sa,
-        scope: 0,
-        ptype,
-        key,
-        sa_key,
-        aptpl,
-        ..ProutRequest::default()
-    }
-}
-
 #[test]
 fn aptpl_state_survives_a_restart() {
     let mut n = TestNode::up("iscsi-pr");
@@ -34,10 +22,13 @@ fn aptpl_state_survives_a_restart() {
     let b = Nexus::new("iqn.2026-11.io.example:b", [0, 2, 0x3d, 0, 0, 2], IQN);
     let unit = |n: &TestNode| n.node().iscsi.target().target(IQN).unwrap().shared[0].clone();
     let u = unit(&n);
-    u.pr_out(&a, &req(REGISTER, 0, 0, 0xa1, true)).unwrap();
+    u.pr_out(&a, &ProutRequest::basic(REGISTER, 0, 0, 0xa1, true))
+        .unwrap();
     // APTPL is the last REGISTER's (SPC-4 §5.13.5).
-    u.pr_out(&b, &req(REGISTER, 0, 0, 0xb2, true)).unwrap();
-    u.pr_out(&a, &req(RESERVE, 3, 0xa1, 0, false)).unwrap();
+    u.pr_out(&b, &ProutRequest::basic(REGISTER, 0, 0, 0xb2, true))
+        .unwrap();
+    u.pr_out(&a, &ProutRequest::basic(RESERVE, 3, 0xa1, 0, false))
+        .unwrap();
     let (keys, resv) = (
         u.pr_in(READ_KEYS).unwrap(),
         u.pr_in(READ_RESERVATION).unwrap(),
@@ -54,11 +45,12 @@ fn aptpl_state_survives_a_restart() {
     assert_eq!(u.pr_in(READ_RESERVATION).unwrap(), resv);
     // b's registration came back too: it may not reserve while a holds the unit.
     assert_eq!(
-        u.pr_out(&b, &req(RESERVE, 3, 0xb2, 0, false)),
+        u.pr_out(&b, &ProutRequest::basic(RESERVE, 3, 0xb2, 0, false)),
         Err(PrError::Conflict)
     );
     // A REGISTER without APTPL: what is saved restores nothing.
-    u.pr_out(&b, &req(REGISTER, 0, 0xb2, 0xb3, false)).unwrap();
+    u.pr_out(&b, &ProutRequest::basic(REGISTER, 0, 0xb2, 0xb3, false))
+        .unwrap();
     drop(u);
     n.restart();
     tessera_node::node::iscsi::start(n.node());

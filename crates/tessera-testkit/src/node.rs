@@ -437,6 +437,33 @@ pub fn cli_stdout(args: &[&str], o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// A C tool of the workspace's `tools/` (`tools/NAME.c`) compiled against libiscsi into
+/// `scratch`, or None (the test skips) where it cannot be built and missing tools are
+/// allowed (TESSERA_ALLOW_MISSING_TOOLS); otherwise a build failure fails the test.
+pub fn libiscsi_tool(name: &str, scratch: &Path) -> Option<PathBuf> {
+    if !require_tool("cc") {
+        return None;
+    }
+    let out = scratch.join(format!("{name}-{}", std::process::id()));
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../tools/{name}.c"));
+    let o = Command::new("cc")
+        .args(["-O2", "-Wall", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .arg("-liscsi")
+        .output()
+        .expect("run cc");
+    if !o.status.success() {
+        let why = String::from_utf8_lossy(&o.stderr).into_owned();
+        if std::env::var_os("TESSERA_ALLOW_MISSING_TOOLS").is_some() {
+            eprintln!("skipping: tools/{name}.c does not build (libiscsi-dev?): {why}");
+            return None;
+        }
+        panic!("tools/{name}.c does not build: run scripts/install-deps.sh (libiscsi-dev)\n{why}");
+    }
+    Some(out)
+}
+
 /// Is an external tool installed? Tests that need one fail loudly when it is missing
 /// (scripts/install-deps.sh installs them), unless TESSERA_ALLOW_MISSING_TOOLS is set.
 pub fn require_tool(name: &str) -> bool {
@@ -601,6 +628,18 @@ pub fn result_fields(
             (k.to_string(), v.parse().expect("number"))
         })
         .collect()
+}
+
+/// The value of the sample `series` (metric name and labels exactly as printed) in a
+/// Prometheus text exposition.
+pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
 }
 
 /// `GET path` from the HTTP/1.0 listener at `addr` (a node's `/metrics`): the status

@@ -5,8 +5,9 @@
 
 pub use tessera_testkit::data::*;
 pub use tessera_testkit::node::{
-    await_ready, cli_stdout, cunit_counts, free_port, http_get, path_str, poll_until, require_tool,
-    result_fields, run_ok, run_tool, temp_dir, vm_rss, wait_for, within, Binary, PerfResult,
+    await_ready, cli_stdout, cunit_counts, free_port, http_get, libiscsi_tool, metric_sample,
+    path_str, poll_until, require_tool, result_fields, run_ok, run_tool, temp_dir, vm_rss,
+    wait_for, within, Binary, PerfResult,
 };
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_tessera");
