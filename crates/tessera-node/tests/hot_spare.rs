@@ -1,12 +1,13 @@
-//! Live device replacement and hot spares, on file devices: a device of a raid1 pool
-//! vanishes while clients write; the node puts the pool's hot spare in its place by
-//! itself and rebuilds onto it, without a restart; every byte reads back, and after a
-//! restart the spare is a member. The spares are added, listed and removed through the
-//! node's service, as the API does. A replacement (`pool replace`) is live too. Every
-//! wait is bounded by a deadline; NBD listens on 127.0.0.1 only. (Moved from
-//! `crates/tessera-cli/tests/hot_spare.rs`, which keeps the raid5 takeover, whose restart
-//! needs a new process (a parity pool's devices stay open after an in-process node is
-//! dropped), and the pool table and `pool replace` output a user sees.)
+//! Live device replacement and hot spares, on file devices: a device of a raid1 or
+//! raid5 pool vanishes while clients write; the node puts the pool's hot spare in its
+//! place by itself and rebuilds onto it, without a restart; every byte reads back, and
+//! after a restart (a new node in this process, on the same directory) the spare is a
+//! member. The spares are added, listed and removed through the node's service, as the
+//! API does. A replacement (`pool replace`) is live too. Every wait is bounded by a
+//! deadline; NBD listens on 127.0.0.1 only. (Moved from
+//! `crates/tessera-cli/tests/hot_spare.rs`, which keeps the pool table and `pool
+//! replace` output a user sees. The raid5 takeover moved last: its restart needed the
+//! parity engines to give their device handles back when a node is dropped, db1a35b.)
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -242,6 +243,11 @@ fn spare_takes_over(tag: &str, layout: &str, ndev: usize, bad: usize) {
 #[test]
 fn raid1_hot_spare_replaces_vanished_device() {
     spare_takes_over("hot-spare-raid1", "raid1", 2, 0);
+}
+
+#[test]
+fn raid5_hot_spare_replaces_vanished_device() {
+    spare_takes_over("hot-spare-raid5", "raid5", 4, 1);
 }
 
 /// `pool replace` takes effect at once: the rebuild onto the new device runs and
