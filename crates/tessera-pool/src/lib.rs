@@ -13,6 +13,7 @@
 //! - `inflight`: volume requests in flight per core, which snapshots and releases of
 //!   units wait for.
 
+pub mod cache_policy;
 pub mod chain;
 mod changes;
 pub mod devstats;
