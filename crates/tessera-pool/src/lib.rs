@@ -10,10 +10,13 @@
 //! - [`pool`]: allocation, commits, volume and export management.
 //! - [`volume`]: the thin map and the per-core volume datapath.
 //! - [`chain`]: snapshots and clones; `changes`: what changed since a snapshot.
+//! - [`cache_tier`]: a cache on faster devices in front of the pool's own (issue 24),
+//!   with [`cache_policy`] deciding what stays in it.
 //! - `inflight`: volume requests in flight per core, which snapshots and releases of
 //!   units wait for.
 
 pub mod cache_policy;
+pub mod cache_tier;
 pub mod chain;
 mod changes;
 pub mod devstats;

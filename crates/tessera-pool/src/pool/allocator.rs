@@ -137,6 +137,7 @@ impl PoolCore {
         p: u32,
     ) -> u32 {
         s.owners[p as usize] = (vol.layer(), u32_of(unit));
+        self.uncache_unit(p);
         self.presence.set_full(p);
         s.records.push(Record {
             pool_unit: p,
@@ -250,6 +251,7 @@ impl PoolCore {
     pub(crate) fn free_unit(&self, s: &mut State, map: &UnitMap, u: u64, p: u32) {
         map.set(u, HOLE);
         s.owners[usize_of(u64::from(p))] = (OWNER_FREE, 0);
+        self.uncache_unit(p);
         s.pending_free.push(p);
         s.partial.remove(&p);
         self.presence.set_full(p);

@@ -167,6 +167,7 @@ impl PoolCore {
             self.presence.make_partial(p);
             s.partial.insert(p);
             s.owners[p as usize] = (vol.layer(), u32_of(unit));
+            self.uncache_unit(p);
             map.set(unit, p);
             vol.allocated.fetch_add(1, Relaxed);
         }

@@ -11,6 +11,7 @@
 mod allocator;
 mod catalog;
 mod committer;
+mod cache;
 mod first_write_plan;
 
 pub(crate) use allocator::{NEEDS_REDIRECT, NEEDS_RESERVE};
@@ -22,7 +23,7 @@ pub use tessera_io::units::human_bytes;
 use allocator::zeroer_loop;
 use catalog::provisioned;
 use committer::{committer_loop, JournalCursor};
-use tessera_io::sync::MutexExt;
+use tessera_io::sync::{MutexExt, RwLockExt};
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
@@ -173,6 +174,10 @@ pub struct PoolCore {
     /// Requests in flight on the volumes, per core: what a release of units (and a
     /// snapshot) waits for (`inflight`).
     pub(crate) inflight: Arc<crate::inflight::IoEpochs>,
+    /// The cache tier, if the pool has one (`cache`); `cache_gen` changes whenever it
+    /// is attached or detached, and the datapath handles look it up again then.
+    pub(crate) cache: std::sync::RwLock<Option<Arc<crate::cache_tier::CacheTier>>>,
+    pub(crate) cache_gen: std::sync::atomic::AtomicU64,
 }
 
 pub struct Pool {
@@ -219,6 +224,19 @@ impl PoolCore {
 
     pub fn unit_size(&self) -> u64 {
         1 << self.unit_shift
+    }
+
+    /// The cache tier, if there is one.
+    pub fn cache_tier(&self) -> Option<Arc<crate::cache_tier::CacheTier>> {
+        self.cache.read_locked().clone()
+    }
+
+    /// Pool unit `p` changes owner (allocated or freed): what the cache tier holds of it
+    /// belongs to the previous owner's data.
+    pub(crate) fn uncache_unit(&self, p: u32) {
+        if let Some(t) = self.cache.read_locked().as_ref() {
+            t.invalidate(u64::from(p) << self.unit_shift, self.unit_size());
+        }
     }
 }
 
@@ -625,6 +643,8 @@ impl Pool {
             zero_done: Condvar::new(),
             overcommit: std::sync::atomic::AtomicU64::new(DEFAULT_OVERCOMMIT.to_bits()),
             inflight: crate::inflight::IoEpochs::new(),
+            cache: std::sync::RwLock::new(None),
+            cache_gen: std::sync::atomic::AtomicU64::new(0),
         });
         {
             let mut s = core.lock();

@@ -25,7 +25,7 @@ pub use tessera_export::{IoClass, IoStats, StatsSnapshot};
 use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
 use crate::inflight::{inflight_for, CoreInflight};
-use crate::layout::LayoutHandle;
+use crate::cache_tier::TierHandle;
 use crate::pattern::{Direction, HandlePatterns, PatternCounts, PatternTotals};
 use crate::pool::PoolCore;
 use tessera_io::cast::{u32_of, usize_of};
@@ -605,7 +605,7 @@ impl Volume {
             read_only: self.is_snapshot(),
             chain: self.ancestor_maps(),
             map,
-            layout: self.pool.layout.open_handle(),
+            layout: TierHandle::new(&self.pool),
             shift: self.pool.unit_shift,
             vol: self.clone(),
             first_writes: None,
@@ -627,7 +627,8 @@ pub struct VolumeHandle {
     /// A snapshot's handle: every change is refused (fixed for a volume's life).
     read_only: bool,
     gen: u64,
-    layout: LayoutHandle,
+    /// The pool's layout, through its cache tier when it has one.
+    layout: TierHandle,
     shift: u32,
     /// This core's first-write engine of the pool (`volume::first_write`), found on first use.
     first_writes: Option<std::rc::Rc<first_write::FirstWrites>>,
@@ -830,18 +831,19 @@ impl IoHandle for VolumeHandle {
         if self.read_only && !matches!(op, IoOp::Read { .. }) {
             return io.complete(tag, -libc::EROFS);
         }
-        // Nothing acts on the label yet; the cache tier and readahead will.
-        match op {
+        // A stream bypasses the cache tier's admission (`cache_tier`).
+        let label = match op {
             IoOp::Read { .. } => {
                 self.patterns
-                    .observe(Direction::Read, offset, len, &self.vol.patterns);
+                    .observe(Direction::Read, offset, len, &self.vol.patterns)
             }
             IoOp::Write { .. } => {
                 self.patterns
-                    .observe(Direction::Write, offset, len, &self.vol.patterns);
+                    .observe(Direction::Write, offset, len, &self.vol.patterns)
             }
-            _ => {}
-        }
+            _ => crate::pattern::Pattern::Unknown,
+        };
+        self.layout.sequential = label == crate::pattern::Pattern::Sequential;
         // Counted in flight from before the map is looked at until it completes: a
         // snapshot or a release of units waits for it (`inflight`).
         if self.inflight.is_none() {

@@ -1,0 +1,625 @@
+//! A pool's cache tier (issue 24): 1 MiB units of the pool's logical address space kept
+//! on faster devices, found through an index in RAM (docs/format.md §16).
+//!
+//! - [`CacheTier`]: the slots, their index and the policy (`crate::cache_policy`'s 2Q),
+//!   sharded by unit so cores rarely meet on one lock; the counters `pool cache show`
+//!   and the metrics print.
+//! - `handle`: the per-core datapath ([`TierHandle`]), which every volume request goes
+//!   through; a pool without a cache pays one atomic load per request there.
+//!
+//! Modes: write-through (writes go to both tiers and are acknowledged when both have
+//! them), write-around (writes go to the pool's devices only and invalidate what the
+//! cache holds), pass-through (the cache is not used). The pool's devices always hold
+//! every acknowledged write, so the index lives in RAM only: a restart starts cold.
+//!
+//! What keeps a read from returning stale bytes: a block of a slot is marked valid only
+//! by the one writer of the slot (a fill after a read miss, or a write-through write),
+//! which holds the slot's lock while its bytes are in flight, and only when the slot's
+//! generation did not change meanwhile. Every other write to the unit (write-around, a
+//! write that found the slot locked, a discard, a unit changing owner) bumps the
+//! generation and clears the blocks it touches both when it starts and when it ends, so
+//! a fill that read the pool's devices before such a write landed never validates what
+//! it read. A slot is reused for another unit only when no read of it and no writer is
+//! in flight.
+
+mod handle;
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tessera_device::BlockDevice;
+use tessera_io::sync::MutexExt;
+
+use crate::cache_policy::{Outcome, TwoQ};
+use crate::format::{DEV_DATA_START, BLOCK};
+use crate::layout::{Layout, LayoutKind};
+use crate::{Error, Result};
+
+pub use handle::TierHandle;
+
+/// Bytes of the pool's address space one slot caches.
+pub const CACHE_UNIT: u64 = 1 << CACHE_UNIT_SHIFT;
+pub const CACHE_UNIT_SHIFT: u32 = 20;
+/// Validity is tracked per 4 KiB block: 256 bits per slot.
+const BLOCK_SHIFT: u32 = 12;
+/// The cache label's magic (docs/format.md §16).
+pub const CACHE_MAGIC: &[u8; 8] = b"TSRCACH1";
+/// A tier needs this many slots at least (the policy's queues need four per shard).
+const MIN_SLOTS: u64 = 8;
+
+/// How the tier treats writes (docs/format.md §16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheMode {
+    WriteThrough = 0,
+    WriteAround = 1,
+    PassThrough = 2,
+}
+
+impl CacheMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheMode::WriteThrough => "write-through",
+            CacheMode::WriteAround => "write-around",
+            CacheMode::PassThrough => "pass-through",
+        }
+    }
+
+    /// A mode as the user writes it.
+    pub fn parse(s: &str) -> Result<CacheMode> {
+        Ok(match s {
+            "write-through" | "writethrough" | "wt" => CacheMode::WriteThrough,
+            "write-around" | "writearound" | "wa" => CacheMode::WriteAround,
+            "pass-through" | "passthrough" | "pt" => CacheMode::PassThrough,
+            "write-back" | "writeback" | "wb" => {
+                return Err(Error::invalid(
+                    "cache mode write-back is not implemented yet (it needs the cache index on \
+                     the cache devices, docs/format.md §16): use write-through, write-around \
+                     or pass-through",
+                ))
+            }
+            other => {
+                return Err(Error::invalid(format!(
+                    "unknown cache mode '{other}': write-through, write-around or pass-through"
+                )))
+            }
+        })
+    }
+
+    fn from_u8(b: u8) -> CacheMode {
+        match b {
+            0 => CacheMode::WriteThrough,
+            1 => CacheMode::WriteAround,
+            _ => CacheMode::PassThrough,
+        }
+    }
+}
+
+/// One slot's state. Guarded by its shard's lock.
+#[derive(Clone, Copy)]
+struct Slot {
+    /// The unit it caches (meaningful while `mapped`).
+    key: u64,
+    mapped: bool,
+    /// Blocks whose bytes on the cache device are the unit's current bytes.
+    valid: [u64; 4],
+    /// Bumped by every change to the unit that does not go through the slot's writer.
+    gen: u64,
+    /// Reads of the slot in flight.
+    pins: u32,
+    /// A writer (fill or write-through) is in flight.
+    locked: bool,
+}
+
+const EMPTY_SLOT: Slot = Slot {
+    key: 0,
+    mapped: false,
+    valid: [0; 4],
+    gen: 0,
+    pins: 0,
+    locked: false,
+};
+
+impl Slot {
+    fn all_valid(&self, b0: u64, b1: u64) -> bool {
+        (b0..=b1).all(|b| self.valid[(b >> 6) as usize] & (1 << (b & 63)) != 0)
+    }
+    fn set_valid(&mut self, b0: u64, b1: u64, on: bool) {
+        for b in b0..=b1 {
+            let w = &mut self.valid[(b >> 6) as usize];
+            if on {
+                *w |= 1 << (b & 63);
+            } else {
+                *w &= !(1 << (b & 63));
+            }
+        }
+    }
+    fn valid_blocks(&self) -> u32 {
+        self.valid.iter().map(|w| w.count_ones()).sum()
+    }
+}
+
+/// A share of the slots and the policy over them: unit `k` belongs to shard
+/// `k % shards`, slot `s` to shard `s % shards`.
+struct Shard {
+    policy: TwoQ,
+    slot_of: HashMap<u64, u32>,
+    /// Local indices of slots that cache nothing (some may still be pinned).
+    free: Vec<u32>,
+    slots: Vec<Slot>,
+}
+
+/// What a read of one unit's blocks does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReadPlan {
+    /// Read the cache slot (pinned until `end_hit`).
+    Hit { slot: u32 },
+    /// Read the pool's devices, then write what was read to the slot (locked until
+    /// `end_write`) and validate it if `gen` still holds.
+    Fill { slot: u32, gen: u64 },
+    /// Read the pool's devices only.
+    Backing,
+}
+
+/// What a write of one unit's blocks does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WritePlan {
+    /// Write both tiers; the slot is locked until `end_write`.
+    Both { slot: u32, gen: u64 },
+    /// Write the pool's devices only; the blocks were invalidated (and are again by
+    /// `invalidate` when the write ends).
+    Backing,
+}
+
+/// Counters of one tier, since it was attached.
+#[derive(Default)]
+pub struct CacheCounters {
+    pub read_hits: AtomicU64,
+    pub read_misses: AtomicU64,
+    pub read_hit_bytes: AtomicU64,
+    pub read_miss_bytes: AtomicU64,
+    pub write_hits: AtomicU64,
+    pub write_misses: AtomicU64,
+    /// Units given a slot.
+    pub promotions: AtomicU64,
+    /// Units that lost their slot to another.
+    pub evictions: AtomicU64,
+    /// Bytes written into the cache by fills after read misses.
+    pub fill_bytes: AtomicU64,
+    /// Bytes of requests the detector called sequential, which did not go into the cache.
+    pub bypassed_bytes: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+/// What `pool cache show` prints.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CacheStatus {
+    pub mode: String,
+    /// "ok", "degraded" (a mirrored tier lost a device) or "failed" (uncached).
+    pub state: String,
+    pub devices: usize,
+    pub capacity: u64,
+    pub slots: u64,
+    pub cached_units: u64,
+    pub valid_bytes: u64,
+    /// Always 0 in the modes this version has.
+    pub dirty_bytes: u64,
+    pub read_hits: u64,
+    pub read_misses: u64,
+    pub read_hit_bytes: u64,
+    pub read_miss_bytes: u64,
+    pub write_hits: u64,
+    pub write_misses: u64,
+    pub promotions: u64,
+    pub evictions: u64,
+    pub fill_bytes: u64,
+    pub bypassed_bytes: u64,
+    pub errors: u64,
+    /// RAM the index and the policy take.
+    pub ram_bytes: u64,
+}
+
+/// A pool's cache tier.
+pub struct CacheTier {
+    /// Over the cache devices: concat for one, raid1 for two.
+    pub(crate) layout: Arc<Layout>,
+    mode: AtomicU8,
+    shards: Box<[Mutex<Shard>]>,
+    slots: u64,
+    /// The tier's devices failed (an I/O error the layout could not hide): uncached.
+    failed: AtomicBool,
+    /// Detached from its pool: no new request uses it.
+    detached: AtomicBool,
+    /// Operations of the datapath in flight (a detach waits for them).
+    inflight: AtomicU64,
+    pub counters: CacheCounters,
+}
+
+impl CacheTier {
+    /// A tier over `devices` (already labelled) for a pool, starting empty.
+    pub fn new(devices: Vec<Arc<dyn BlockDevice>>, mode: CacheMode) -> Result<CacheTier> {
+        let kind = match devices.len() {
+            1 => LayoutKind::Concat,
+            2 => LayoutKind::Raid1 { copies: 2 },
+            0 => return Err(Error::invalid("a cache needs one or two devices")),
+            n => {
+                return Err(Error::invalid(format!(
+                    "a cache has one device or two mirrored ones, not {n}"
+                )))
+            }
+        };
+        let layout = Arc::new(Layout::new(kind, devices)?);
+        let slots = layout.size >> CACHE_UNIT_SHIFT;
+        if slots < MIN_SLOTS {
+            return Err(Error::invalid(format!(
+                "a cache device needs at least {} MiB (1 MiB label and {MIN_SLOTS} slots of 1 MiB)",
+                MIN_SLOTS + 1
+            )));
+        }
+        // Enough shards that cores rarely meet, few enough that each has room for the
+        // policy's queues.
+        let mut n = 16u64;
+        while n > 1 && slots / n < 16 {
+            n /= 2;
+        }
+        let shards = (0..n)
+            .map(|i| {
+                let count = (slots - i).div_ceil(n);
+                let cap = usize::try_from(count).expect("slots fit usize").max(4);
+                Mutex::new(Shard {
+                    policy: TwoQ::new(cap),
+                    slot_of: HashMap::with_capacity(cap),
+                    free: (0..u32::try_from(count).expect("fewer than 2^32 slots"))
+                        .rev()
+                        .collect(),
+                    slots: vec![EMPTY_SLOT; cap],
+                })
+            })
+            .collect();
+        Ok(CacheTier {
+            layout,
+            mode: AtomicU8::new(mode as u8),
+            shards,
+            slots,
+            failed: AtomicBool::new(false),
+            detached: AtomicBool::new(false),
+            inflight: AtomicU64::new(0),
+            counters: CacheCounters::default(),
+        })
+    }
+
+    pub fn mode(&self) -> CacheMode {
+        CacheMode::from_u8(self.mode.load(Relaxed))
+    }
+
+    /// Switch modes online. Into pass-through the index is emptied: writes no longer
+    /// keep it current, so nothing in it may be trusted afterwards.
+    pub fn set_mode(&self, mode: CacheMode) {
+        self.mode.store(mode as u8, Release);
+        if mode == CacheMode::PassThrough {
+            self.invalidate_all();
+        }
+    }
+
+    /// True when requests should not use the tier at all.
+    #[inline]
+    pub(crate) fn bypassed(&self) -> bool {
+        self.failed.load(Relaxed)
+            || self.detached.load(Relaxed)
+            || self.mode.load(Relaxed) == CacheMode::PassThrough as u8
+    }
+
+    pub fn failed(&self) -> bool {
+        self.failed.load(Relaxed)
+    }
+
+    /// An I/O error the cache layout could not hide: the tier goes uncached (nothing is
+    /// lost: the pool's devices have every write) and empties its index.
+    pub(crate) fn fail(&self) {
+        self.counters.errors.fetch_add(1, Relaxed);
+        if !self.failed.swap(true, Relaxed) {
+            tracing::error!("cache tier failed: the pool goes on uncached");
+            self.invalidate_all();
+        }
+    }
+
+    fn shard_of(&self, key: u64) -> (usize, u64) {
+        let n = self.shards.len() as u64;
+        (usize::try_from(key % n).expect("fits"), n)
+    }
+
+    /// Device-layout offset of slot `local` of shard `shard`.
+    pub(crate) fn slot_offset(&self, shard: usize, local: u32) -> u64 {
+        let n = self.shards.len() as u64;
+        (u64::from(local) * n + shard as u64) << CACHE_UNIT_SHIFT
+    }
+
+    /// A free slot of the shard that no read or writer still uses.
+    fn take_slot(sh: &mut Shard) -> Option<u32> {
+        let i = sh
+            .free
+            .iter()
+            .rposition(|&s| sh.slots[s as usize].pins == 0 && !sh.slots[s as usize].locked)?;
+        Some(sh.free.swap_remove(i))
+    }
+
+    /// Unit `key` leaves the cache: its slot is free (reused once idle).
+    fn drop_key(&self, sh: &mut Shard, key: u64) {
+        if let Some(s) = sh.slot_of.remove(&key) {
+            let slot = &mut sh.slots[s as usize];
+            slot.mapped = false;
+            slot.valid = [0; 4];
+            slot.gen += 1;
+            sh.free.push(s);
+            self.counters.evictions.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Give `key` a slot (policy already admitted it).
+    fn map_key(&self, sh: &mut Shard, key: u64) -> Option<u32> {
+        if let Some(&s) = sh.slot_of.get(&key) {
+            return Some(s);
+        }
+        let s = Self::take_slot(sh)?;
+        let slot = &mut sh.slots[s as usize];
+        slot.key = key;
+        slot.mapped = true;
+        slot.valid = [0; 4];
+        slot.gen += 1;
+        sh.slot_of.insert(key, s);
+        self.counters.promotions.fetch_add(1, Relaxed);
+        Some(s)
+    }
+
+    /// The plan for reading blocks `b0..=b1` of unit `key`; `sequential`: the detector
+    /// calls the request part of a stream (it is not admitted).
+    pub(crate) fn plan_read(&self, key: u64, b0: u64, b1: u64, sequential: bool) -> ReadPlan {
+        let (i, _) = self.shard_of(key);
+        let mut sh = self.shards[i].locked();
+        if self.bypassed() {
+            return ReadPlan::Backing;
+        }
+        let outcome = sh.policy.access(key, sequential);
+        let slot = match outcome {
+            Outcome::Hit => sh.slot_of.get(&key).copied().or_else(|| self.map_key(&mut sh, key)),
+            Outcome::Miss { admitted: true, evicted } => {
+                if let Some(k) = evicted {
+                    self.drop_key(&mut sh, k);
+                }
+                self.map_key(&mut sh, key)
+            }
+            Outcome::Miss { admitted: false, .. } => None,
+        };
+        let Some(s) = slot else {
+            return ReadPlan::Backing;
+        };
+        let st = &mut sh.slots[s as usize];
+        if st.all_valid(b0, b1) {
+            st.pins += 1;
+            self.inflight.fetch_add(1, Relaxed);
+            return ReadPlan::Hit { slot: s };
+        }
+        if st.locked {
+            return ReadPlan::Backing;
+        }
+        st.locked = true;
+        self.inflight.fetch_add(1, Relaxed);
+        ReadPlan::Fill { slot: s, gen: st.gen }
+    }
+
+    /// A hit's read of the slot ended.
+    pub(crate) fn end_hit(&self, key: u64, slot: u32) {
+        let (i, _) = self.shard_of(key);
+        self.shards[i].locked().slots[slot as usize].pins -= 1;
+        self.inflight.fetch_sub(1, Relaxed);
+    }
+
+    /// The plan for writing blocks `touch0..=touch1` of unit `key`, of which `full`
+    /// (a block range, possibly empty) are written whole. Blocks touched are invalid
+    /// from now on unless the write goes to both tiers and ends undisturbed.
+    pub(crate) fn plan_write(
+        &self,
+        key: u64,
+        touch: (u64, u64),
+        full: Option<(u64, u64)>,
+        sequential: bool,
+    ) -> WritePlan {
+        let (i, _) = self.shard_of(key);
+        let mut sh = self.shards[i].locked();
+        let admit = full.is_some() && !sequential && self.mode() == CacheMode::WriteThrough;
+        let mut slot = sh.slot_of.get(&key).copied();
+        if slot.is_some() {
+            self.counters.write_hits.fetch_add(1, Relaxed);
+        } else {
+            self.counters.write_misses.fetch_add(1, Relaxed);
+        }
+        if admit && !self.bypassed() {
+            match sh.policy.access(key, false) {
+                Outcome::Hit => {}
+                Outcome::Miss { admitted, evicted } => {
+                    if let Some(k) = evicted {
+                        self.drop_key(&mut sh, k);
+                    }
+                    if admitted {
+                        slot = self.map_key(&mut sh, key);
+                    }
+                }
+            }
+        }
+        let Some(s) = slot else {
+            return WritePlan::Backing;
+        };
+        let st = &mut sh.slots[s as usize];
+        st.gen += 1;
+        st.set_valid(touch.0, touch.1, false);
+        if admit && !st.locked && !self.bypassed() {
+            st.locked = true;
+            self.inflight.fetch_add(1, Relaxed);
+            return WritePlan::Both { slot: s, gen: st.gen };
+        }
+        WritePlan::Backing
+    }
+
+    /// A slot's writer ended: blocks `b0..=b1` (if any) become valid when it succeeded
+    /// and no other change reached the unit meanwhile.
+    pub(crate) fn end_write(&self, key: u64, slot: u32, gen: u64, blocks: Option<(u64, u64)>, ok: bool) {
+        let (i, _) = self.shard_of(key);
+        let mut sh = self.shards[i].locked();
+        let st = &mut sh.slots[slot as usize];
+        st.locked = false;
+        if let (true, Some((b0, b1))) = (ok, blocks) {
+            if st.gen == gen && st.mapped && st.key == key {
+                st.set_valid(b0, b1, true);
+            }
+        }
+        drop(sh);
+        self.inflight.fetch_sub(1, Relaxed);
+    }
+
+    /// `[offset, offset + len)` of the pool changed other than through a slot's writer:
+    /// what the cache holds of it is no longer valid.
+    pub fn invalidate(&self, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let end = offset + len;
+        let mut key = offset >> CACHE_UNIT_SHIFT;
+        while key << CACHE_UNIT_SHIFT < end {
+            let base = key << CACHE_UNIT_SHIFT;
+            let b0 = (offset.max(base) - base) >> BLOCK_SHIFT;
+            let b1 = ((end.min(base + CACHE_UNIT) - 1) - base) >> BLOCK_SHIFT;
+            let (i, _) = self.shard_of(key);
+            let mut sh = self.shards[i].locked();
+            if let Some(&s) = sh.slot_of.get(&key) {
+                let st = &mut sh.slots[s as usize];
+                st.gen += 1;
+                st.set_valid(b0, b1, false);
+            }
+            key += 1;
+        }
+    }
+
+    fn invalidate_all(&self) {
+        for sh in self.shards.iter() {
+            let mut sh = sh.locked();
+            for st in sh.slots.iter_mut() {
+                st.gen += 1;
+                st.valid = [0; 4];
+            }
+        }
+    }
+
+    /// Stop using the tier and wait (up to `timeout`) for its operations in flight.
+    pub(crate) fn detach(&self, timeout: Duration) -> bool {
+        for sh in self.shards.iter() {
+            let _g = sh.locked();
+            self.detached.store(true, Release);
+        }
+        let t = std::time::Instant::now();
+        while self.inflight.load(Acquire) > 0 {
+            if t.elapsed() > timeout {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    pub fn status(&self) -> CacheStatus {
+        let mut cached = 0u64;
+        let mut valid = 0u64;
+        let mut ram = 0u64;
+        for sh in self.shards.iter() {
+            let sh = sh.locked();
+            cached += sh.slot_of.len() as u64;
+            valid += sh
+                .slots
+                .iter()
+                .filter(|s| s.mapped)
+                .map(|s| u64::from(s.valid_blocks()))
+                .sum::<u64>();
+            ram += (sh.policy.state_bytes()
+                + sh.slot_of.capacity() * (std::mem::size_of::<(u64, u32)>() + 1)
+                + sh.slots.capacity() * std::mem::size_of::<Slot>()
+                + sh.free.capacity() * 4) as u64;
+        }
+        let c = &self.counters;
+        let failed_devs = self.layout.health.failed.load(Relaxed).count_ones();
+        CacheStatus {
+            mode: self.mode().name().to_string(),
+            state: if self.failed() {
+                "failed"
+            } else if failed_devs > 0 {
+                "degraded"
+            } else {
+                "ok"
+            }
+            .to_string(),
+            devices: self.layout.devices.len(),
+            capacity: self.slots << CACHE_UNIT_SHIFT,
+            slots: self.slots,
+            cached_units: cached,
+            valid_bytes: valid << BLOCK_SHIFT,
+            dirty_bytes: 0,
+            read_hits: c.read_hits.load(Relaxed),
+            read_misses: c.read_misses.load(Relaxed),
+            read_hit_bytes: c.read_hit_bytes.load(Relaxed),
+            read_miss_bytes: c.read_miss_bytes.load(Relaxed),
+            write_hits: c.write_hits.load(Relaxed),
+            write_misses: c.write_misses.load(Relaxed),
+            promotions: c.promotions.load(Relaxed),
+            evictions: c.evictions.load(Relaxed),
+            fill_bytes: c.fill_bytes.load(Relaxed),
+            bypassed_bytes: c.bypassed_bytes.load(Relaxed),
+            errors: c.errors.load(Relaxed),
+            ram_bytes: ram,
+        }
+    }
+}
+
+/// The cache label of device `index` of `count` for pool `uuid` (docs/format.md §16).
+pub fn encode_label(uuid: &[u8; 16], index: u32, count: u32) -> Vec<u8> {
+    let mut b = vec![0u8; BLOCK];
+    b[..8].copy_from_slice(CACHE_MAGIC);
+    b[8..12].copy_from_slice(&1u32.to_le_bytes());
+    b[16..32].copy_from_slice(uuid);
+    b[32..36].copy_from_slice(&index.to_le_bytes());
+    b[36..40].copy_from_slice(&count.to_le_bytes());
+    b[40..48].copy_from_slice(&CACHE_UNIT.to_le_bytes());
+    let crc = crate::format::crc(&b[..BLOCK - 4]);
+    b[BLOCK - 4..].copy_from_slice(&crc.to_le_bytes());
+    b
+}
+
+/// What a device's first 4 KiB say about it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceClaim {
+    /// No label of ours.
+    Blank,
+    /// Part of a pool (a device label, docs/format.md §1).
+    PoolDevice,
+    /// A cache device of the pool with this UUID.
+    CacheOf([u8; 16]),
+}
+
+/// Read a device's first block and say who claims it.
+pub fn device_claim(dev: &dyn BlockDevice) -> Result<DeviceClaim> {
+    let mut b = vec![0u8; BLOCK];
+    dev.read_at(0, &mut b)
+        .map_err(|e| Error::io("reading a cache device's label", e))?;
+    if &b[..8] == crate::format::LABEL_MAGIC {
+        return Ok(DeviceClaim::PoolDevice);
+    }
+    if &b[..8] == CACHE_MAGIC && crate::format::crc(&b[..BLOCK - 4]).to_le_bytes() == b[BLOCK - 4..] {
+        let mut u = [0u8; 16];
+        u.copy_from_slice(&b[16..32]);
+        return Ok(DeviceClaim::CacheOf(u));
+    }
+    Ok(DeviceClaim::Blank)
+}
+
+/// Device offset where slot data starts (the first MiB is the label's).
+pub const CACHE_DATA_START: u64 = DEV_DATA_START;
+
