@@ -161,6 +161,65 @@ pub struct CreatePool {
     /// times the capacity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overcommit: Option<f64>,
+    /// A cache tier on faster devices (one, or two that mirror each other).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cache: Vec<String>,
+    /// The cache's mode: write-through (default), write-around or pass-through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_mode: Option<String>,
+}
+
+/// `POST /v1/pools/NAME/cache`: give the pool a cache tier.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CacheRequest {
+    /// One device spec, or two (mirrored).
+    pub devices: Vec<String>,
+    /// write-through (default), write-around or pass-through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// Take devices that carry another pool's cache label.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
+}
+
+/// `PATCH /v1/pools/NAME/cache`: switch the mode online.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CacheModeRequest {
+    pub mode: String,
+}
+
+/// `GET /v1/pools/NAME/cache`: the tier and its counters since it was attached (or
+/// since the node started).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CacheInfo {
+    pub pool: String,
+    pub devices: Vec<String>,
+    pub mode: String,
+    /// ok, degraded (a mirrored tier lost a device), failed (requests go uncached), or
+    /// missing (the registry lists devices that could not be opened at start).
+    pub state: String,
+    pub capacity: u64,
+    pub cached_units: u64,
+    pub valid_bytes: u64,
+    pub dirty_bytes: u64,
+    pub read_hits: u64,
+    pub read_misses: u64,
+    /// read_hits / (read_hits + read_misses), 0 before any read.
+    pub read_hit_ratio: f64,
+    pub read_hit_bytes: u64,
+    pub read_miss_bytes: u64,
+    pub write_hits: u64,
+    pub write_misses: u64,
+    pub write_hit_ratio: f64,
+    pub promotions: u64,
+    pub evictions: u64,
+    pub fill_bytes: u64,
+    /// Bytes of requests the access-pattern detector called sequential, kept out of the
+    /// cache.
+    pub bypassed_bytes: u64,
+    pub errors: u64,
+    /// RAM the tier's index and policy take.
+    pub ram_bytes: u64,
 }
 
 /// `PATCH /v1/pools/NAME`: fields left out stay as they are.

@@ -5,9 +5,9 @@ use clap::{Args, Subcommand};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tessera_api::{
-    CreatePool, Deleted, JobProgress, JobState, LayoutSpec, PoolEntry, PoolInfo, RebuildRequest,
-    RebuildStatus, ReplaceReply, ReplaceRequest, ScrubRequest, ScrubStatus, SizeArg, SpareList,
-    SpareRequest, UpdatePool, JOB_DONE, JOB_RUNNING,
+    CacheInfo, CacheModeRequest, CacheRequest, CreatePool, Deleted, JobProgress, JobState,
+    LayoutSpec, PoolEntry, PoolInfo, RebuildRequest, RebuildStatus, ReplaceReply, ReplaceRequest,
+    ScrubRequest, ScrubStatus, SizeArg, SpareList, SpareRequest, UpdatePool, JOB_DONE, JOB_RUNNING,
 };
 use tessera_http::Endpoint;
 use tessera_io::cast::{u64_of_f64, usize_of};
@@ -54,6 +54,13 @@ pub struct PoolCreateArgs {
     /// pool's capacity (default 20; `volume create --force` goes beyond).
     #[arg(long)]
     overcommit: Option<f64>,
+    /// A cache tier on faster devices: one device, or two (comma separated) that
+    /// mirror each other.
+    #[arg(long, value_delimiter = ',')]
+    cache: Vec<String>,
+    /// The cache's mode: write-through (default), write-around or pass-through.
+    #[arg(long)]
+    cache_mode: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -124,6 +131,10 @@ pub enum PoolCmd {
     /// spare in its place and rebuilds onto it by itself.
     #[command(subcommand)]
     Spare(SpareCmd),
+    /// A pool's cache tier on faster devices: reads (and, in write-through, writes) of
+    /// data that is not streamed are kept there in 1 MiB units.
+    #[command(subcommand)]
+    Cache(CacheCmd),
     /// Scrub a pool: re-read every allocated unit and the metadata in the background
     /// (scrub class limits, backing off when client latency rises); on a mirror, compare
     /// the copies and rewrite those that differ from the first readable copy.
@@ -166,6 +177,80 @@ pub enum SpareCmd {
     Remove(SpareMember),
     /// List a pool's hot spares (in the order they are used).
     List(PoolName),
+}
+
+#[derive(Args, Debug)]
+pub struct CacheAddArgs {
+    /// Name of the pool.
+    name: String,
+    /// One device, or two that mirror each other.
+    #[arg(required = true, num_args = 1..=2)]
+    devices: Vec<String>,
+    /// write-through (default), write-around or pass-through.
+    #[arg(long)]
+    mode: Option<String>,
+    /// Take devices that carry another pool's cache label.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CacheModeArgs {
+    /// Name of the pool.
+    name: String,
+    /// write-through, write-around or pass-through.
+    mode: String,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CacheCmd {
+    /// Give a pool a cache tier (it starts empty).
+    Add(CacheAddArgs),
+    /// Remove a pool's cache tier: the pool goes on uncached, nothing is lost.
+    Remove(PoolName),
+    /// The cache's mode, state, hit ratios and counters.
+    Show(PoolName),
+    /// Switch the cache's mode online.
+    Mode(CacheModeArgs),
+}
+
+fn print_cache(c: &CacheInfo) {
+    println!(
+        "pool {}: cache {} ({}), {} on {}",
+        c.pool,
+        c.mode,
+        c.state,
+        bytes(c.capacity),
+        c.devices.join(", ")
+    );
+    println!(
+        "  reads:  {:.1}% hits ({} hits, {} misses; {} from the cache)",
+        100.0 * c.read_hit_ratio,
+        c.read_hits,
+        c.read_misses,
+        bytes(c.read_hit_bytes)
+    );
+    println!(
+        "  writes: {:.1}% to cached units ({} of {})",
+        100.0 * c.write_hit_ratio,
+        c.write_hits,
+        c.write_hits + c.write_misses
+    );
+    println!(
+        "  {} units cached ({} valid, {} dirty); {} promotions, {} evictions, {} filled",
+        c.cached_units,
+        bytes(c.valid_bytes),
+        bytes(c.dirty_bytes),
+        c.promotions,
+        c.evictions,
+        bytes(c.fill_bytes)
+    );
+    println!(
+        "  {} of sequential I/O bypassed; {} errors; index {} of RAM",
+        bytes(c.bypassed_bytes),
+        c.errors,
+        bytes(c.ram_bytes)
+    );
 }
 
 /// `--wait` of the job subcommands.
@@ -505,6 +590,8 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
                 unit_size: a.unit_size.map(SizeArg::from),
                 force: a.force,
                 overcommit: a.overcommit,
+                cache: a.cache,
+                cache_mode: a.cache_mode,
             };
             let v: PoolInfo = send(ep, "POST", "/v1/pools", &body)?;
             show(&v, raw, |v| {
@@ -566,6 +653,27 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
                 SpareCmd::List(PoolName { name }) => get(ep, &spares(&name))?,
             };
             show(&v, raw, print_spares);
+        }
+        PoolCmd::Cache(c) => {
+            let path = |name: &str| format!("/v1/pools/{name}/cache");
+            let v: CacheInfo = match c {
+                CacheCmd::Add(a) => send(
+                    ep,
+                    "POST",
+                    &path(&a.name),
+                    &CacheRequest {
+                        devices: a.devices,
+                        mode: a.mode,
+                        force: a.force,
+                    },
+                )?,
+                CacheCmd::Remove(PoolName { name }) => delete(ep, &path(&name))?,
+                CacheCmd::Show(PoolName { name }) => get(ep, &path(&name))?,
+                CacheCmd::Mode(CacheModeArgs { name, mode }) => {
+                    send(ep, "PATCH", &path(&name), &CacheModeRequest { mode })?
+                }
+            };
+            show(&v, raw, print_cache);
         }
         PoolCmd::Scrub(c) => scrub(ep, c, raw)?,
         PoolCmd::Rebuild(c) => rebuild(ep, c, raw)?,

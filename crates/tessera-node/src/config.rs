@@ -300,6 +300,11 @@ pub struct PoolDecl {
     pub layout: String,
     pub stripe_size: Option<String>,
     pub unit_size: Option<String>,
+    /// A cache tier (one device, or two mirrored), given when the pool is created.
+    #[serde(default)]
+    pub cache: Vec<String>,
+    /// write-through (default), write-around or pass-through.
+    pub cache_mode: Option<String>,
 }
 
 fn default_layout() -> String {
@@ -384,6 +389,8 @@ impl NodeConfig {
                 layout: "concat".into(),
                 stripe_size: None,
                 unit_size: None,
+                cache: Vec::new(),
+                cache_mode: None,
             }],
             volumes: vec![VolumeDecl {
                 name: "vol0".into(),

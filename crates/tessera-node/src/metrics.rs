@@ -679,6 +679,20 @@ fn render_volumes(w: &mut TextWriter, vols: &[VolumeFigures]) {
 struct PoolRow {
     entry: PoolEntry,
     totals: StatsSnapshot,
+    /// Its cache tier, if it has one.
+    cache: Option<tessera_api::CacheInfo>,
+}
+
+/// Samples of a pool's cache tier, labelled `kind`; none without a cache.
+fn cache_kinds<const N: usize>(
+    p: &PoolRow,
+    f: fn(&tessera_api::CacheInfo) -> [(&'static str, u64); N],
+) -> Vec<Sample<'static>> {
+    p.cache.as_ref().map_or(vec![], |c| {
+        f(c).into_iter()
+            .map(|(k, n)| (Some(("kind", k)), count(n)))
+            .collect()
+    })
 }
 
 impl PoolRow {
@@ -736,6 +750,62 @@ const POOL_FAMILIES: &[Family<PoolRow>] = &[
         help: "Bytes of the pool held by volumes.",
         samples: |p| p.online().map_or(vec![], |(i, _)| single(count(i.allocated))),
     },
+    Family {
+        name: "tessera_pool_cache_requests_total",
+        kind: "counter",
+        help: "Request pieces (one per 1 MiB cache unit touched) the pool's cache tier saw: read_hit, read_miss, write_hit (to a cached unit), write_miss.",
+        samples: |p| {
+            cache_kinds(p, |c| {
+                [
+                    ("read_hit", c.read_hits),
+                    ("read_miss", c.read_misses),
+                    ("write_hit", c.write_hits),
+                    ("write_miss", c.write_misses),
+                ]
+            })
+        },
+    },
+    Family {
+        name: "tessera_pool_cache_bytes_total",
+        kind: "counter",
+        help: "Bytes through the cache tier: read_hit (served by the cache), read_miss (by the pool's devices), fill (written into the cache after a miss), bypassed (sequential I/O kept out of it).",
+        samples: |p| {
+            cache_kinds(p, |c| {
+                [
+                    ("read_hit", c.read_hit_bytes),
+                    ("read_miss", c.read_miss_bytes),
+                    ("fill", c.fill_bytes),
+                    ("bypassed", c.bypassed_bytes),
+                ]
+            })
+        },
+    },
+    Family {
+        name: "tessera_pool_cache_units_total",
+        kind: "counter",
+        help: "Cache units that got a slot (promotion) and that lost it to another (eviction).",
+        samples: |p| cache_kinds(p, |c| [("promotion", c.promotions), ("eviction", c.evictions)]),
+    },
+    Family {
+        name: "tessera_pool_cache_bytes",
+        kind: "gauge",
+        help: "The cache tier's capacity, bytes holding valid data, and dirty bytes (not yet on the pool's devices; always 0 in write-through, write-around and pass-through).",
+        samples: |p| {
+            cache_kinds(p, |c| {
+                [
+                    ("capacity", c.capacity),
+                    ("valid", c.valid_bytes),
+                    ("dirty", c.dirty_bytes),
+                ]
+            })
+        },
+    },
+    Family {
+        name: "tessera_pool_cache_errors_total",
+        kind: "counter",
+        help: "I/O errors of the cache devices that the tier could not hide (the first one makes it go uncached).",
+        samples: |p| p.cache.as_ref().map_or(vec![], |c| single(count(c.errors))),
+    },
 ];
 
 fn render_pools(w: &mut TextWriter, node: &Node, vols: &[VolumeFigures]) {
@@ -762,6 +832,10 @@ fn render_pools(w: &mut TextWriter, node: &Node, vols: &[VolumeFigures]) {
             totals: match &entry {
                 PoolEntry::Online(p) => totals(&p.name),
                 PoolEntry::Offline(_) => StatsSnapshot::default(),
+            },
+            cache: match &entry {
+                PoolEntry::Online(p) => node.pool_cache(&p.name).ok(),
+                PoolEntry::Offline(_) => None,
             },
             entry,
         })

@@ -23,6 +23,12 @@ pub struct PoolEntry {
     /// (`tessera_pool::DEFAULT_OVERCOMMIT`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overcommit: Option<f64>,
+    /// The pool's cache tier (device specs), absent when none (docs/format.md §16).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cache: Vec<String>,
+    /// The cache's mode; absent: write-through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_mode: Option<String>,
 }
 
 pub struct Registry {

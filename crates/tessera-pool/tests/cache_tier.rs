@@ -2,6 +2,9 @@
 //! unaligned requests, the units changing owner and a failed cache device, every read
 //! returns the last bytes written; and reads of cached data come from the cache.
 
+// Test sizes are small constants: their casts to usize do not truncate.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 
 use std::sync::Arc;
@@ -20,7 +23,11 @@ fn cached_pool(cache_mib: u64, mode: CacheMode) -> (Arc<Pool>, Arc<FaultConfig>,
     cached_pool_on(256, cache_mib, mode)
 }
 
-fn cached_pool_on(pool_mib: u64, cache_mib: u64, mode: CacheMode) -> (Arc<Pool>, Arc<FaultConfig>, Arc<RamDevice>) {
+fn cached_pool_on(
+    pool_mib: u64,
+    cache_mib: u64,
+    mode: CacheMode,
+) -> (Arc<Pool>, Arc<FaultConfig>, Arc<RamDevice>) {
     let dev: Arc<dyn BlockDevice> = RamDevice::new(pool_mib * MIB).unwrap();
     let pool = Arc::new(Pool::create("p", vec![dev], PoolOptions::default()).unwrap());
     let ram = RamDevice::new((cache_mib + 1) * MIB).unwrap();
@@ -35,7 +42,14 @@ fn status(p: &Pool) -> CacheStatus {
 
 /// Random reads and writes (whole blocks, unaligned sectors, across unit edges) over
 /// `model`, checked as they go.
-fn churn(io: &mut CoreIo, h: &mut VolumeHandle, model: &mut [u8], rng: &mut Rng, ops: usize, what: &str) {
+fn churn(
+    io: &mut CoreIo,
+    h: &mut VolumeHandle,
+    model: &mut [u8],
+    rng: &mut Rng,
+    ops: usize,
+    what: &str,
+) {
     let size = model.len() as u64;
     for i in 0..ops {
         let len = match rng.below(4) {
@@ -53,14 +67,21 @@ fn churn(io: &mut CoreIo, h: &mut VolumeHandle, model: &mut [u8], rng: &mut Rng,
             model[o..o + l].copy_from_slice(&data);
         } else {
             let got = read(io, h, off, l).unwrap();
-            assert!(got == model[o..o + l], "{what}: op {i}: read of {len} at {off} differs from the model");
+            assert!(
+                got == model[o..o + l],
+                "{what}: op {i}: read of {len} at {off} differs from the model"
+            );
         }
     }
 }
 
 #[test]
 fn every_mode_reads_back_the_last_write_and_hits_come_from_the_cache() {
-    for mode in [CacheMode::WriteThrough, CacheMode::WriteAround, CacheMode::PassThrough] {
+    for mode in [
+        CacheMode::WriteThrough,
+        CacheMode::WriteAround,
+        CacheMode::PassThrough,
+    ] {
         let what = mode.name();
         let (pool, _, _) = cached_pool(16, mode);
         let size = 32 * MIB;
@@ -76,7 +97,10 @@ fn every_mode_reads_back_the_last_write_and_hits_come_from_the_cache() {
             for u in [3u64, 9, 17] {
                 let off = u * MIB + 8192;
                 let got = read(&mut io, &mut h, off, 64 << 10).unwrap();
-                assert!(got == model[off as usize..off as usize + (64 << 10)], "{what}: hot read");
+                assert!(
+                    got == model[off as usize..off as usize + (64 << 10)],
+                    "{what}: hot read"
+                );
             }
         }
         verify_all(&mut io, &mut h, &model, what);
@@ -112,10 +136,24 @@ fn mode_switches_under_load_keep_reads_right() {
         CacheMode::WriteThrough,
     ];
     for (i, m) in modes.into_iter().enumerate() {
-        churn(&mut io, &mut h, &mut model, &mut rng, 800, &format!("before switch {i}"));
+        churn(
+            &mut io,
+            &mut h,
+            &mut model,
+            &mut rng,
+            800,
+            &format!("before switch {i}"),
+        );
         pool.set_cache_mode(m).unwrap();
     }
-    churn(&mut io, &mut h, &mut model, &mut rng, 800, "after the switches");
+    churn(
+        &mut io,
+        &mut h,
+        &mut model,
+        &mut rng,
+        800,
+        "after the switches",
+    );
     verify_all(&mut io, &mut h, &model, "after the switches");
     assert!(status(&pool).read_hits > 0);
 }
@@ -135,7 +173,10 @@ fn a_unit_given_to_another_volume_never_shows_the_old_owners_cached_data() {
         // Written out of order (a stream would bypass the cache) and read twice.
         for u in [5u64, 1, 7, 3, 0, 6, 2, 4] {
             let o = (u * MIB) as usize;
-            assert_eq!(write(&mut io, &mut h, u * MIB, &secret[o..o + MIB as usize]), 0);
+            assert_eq!(
+                write(&mut io, &mut h, u * MIB, &secret[o..o + MIB as usize]),
+                0
+            );
         }
         for _ in 0..2 {
             verify_all(&mut io, &mut h, &secret, "a");
@@ -158,7 +199,10 @@ fn a_unit_given_to_another_volume_never_shows_the_old_owners_cached_data() {
         model[off as usize..off as usize + 4096].copy_from_slice(&d);
     }
     let b_units = pool.allocated_units();
-    assert!(a_units.iter().all(|u| b_units.contains(u)), "a: {a_units:?}, b: {b_units:?}");
+    assert!(
+        a_units.iter().all(|u| b_units.contains(u)),
+        "a: {a_units:?}, b: {b_units:?}"
+    );
     for _ in 0..2 {
         verify_all(&mut io, &mut h, &model, "b after a's units were reused");
     }
@@ -182,7 +226,14 @@ fn a_failed_cache_device_loses_nothing() {
         assert!(status(&pool).read_hits > 0);
         inject(&cfg, Fault::FailReads);
         inject(&cfg, Fault::FailWrites);
-        churn(&mut io, &mut h, &mut model, &mut rng, 1500, &format!("{what}, cache failed"));
+        churn(
+            &mut io,
+            &mut h,
+            &mut model,
+            &mut rng,
+            1500,
+            &format!("{what}, cache failed"),
+        );
         verify_all(&mut io, &mut h, &model, what);
         let s = status(&pool);
         assert_eq!(s.state, "failed", "{what}: {s:?}");
@@ -197,21 +248,35 @@ fn attach_refuses_pool_devices_and_other_pools_caches_and_detach_frees_the_devic
     let other: Arc<dyn BlockDevice> = RamDevice::new(64 * MIB).unwrap();
     let pool2 = Pool::create("q", vec![other], PoolOptions::default()).unwrap();
     // A pool's own device is refused, even forced.
-    let e = pool.attach_cache(vec![dev.clone()], CacheMode::WriteThrough, false, false).unwrap_err();
+    let e = pool
+        .attach_cache(vec![dev.clone()], CacheMode::WriteThrough, false, false)
+        .unwrap_err();
     assert!(e.to_string().contains("pool's device label"), "{e}");
     let c: Arc<dyn BlockDevice> = RamDevice::new(32 * MIB).unwrap();
-    pool2.attach_cache(vec![c.clone()], CacheMode::WriteThrough, false, false).unwrap();
-    assert!(pool2.attach_cache(vec![c.clone()], CacheMode::WriteThrough, false, false).is_err());
-    let e = pool.attach_cache(vec![c.clone()], CacheMode::WriteThrough, false, false).unwrap_err();
+    pool2
+        .attach_cache(vec![c.clone()], CacheMode::WriteThrough, false, false)
+        .unwrap();
+    assert!(pool2
+        .attach_cache(vec![c.clone()], CacheMode::WriteThrough, false, false)
+        .is_err());
+    let e = pool
+        .attach_cache(vec![c.clone()], CacheMode::WriteThrough, false, false)
+        .unwrap_err();
     assert!(e.to_string().contains("another pool's cache"), "{e}");
     // Too small, too many, write-back.
     let tiny: Arc<dyn BlockDevice> = RamDevice::new(4 * MIB).unwrap();
-    assert!(pool.attach_cache(vec![tiny], CacheMode::WriteThrough, false, false).is_err());
-    assert!(CacheMode::parse("write-back").unwrap_err().to_string().contains("not implemented"));
+    assert!(pool
+        .attach_cache(vec![tiny], CacheMode::WriteThrough, false, false)
+        .is_err());
+    assert!(CacheMode::parse("write-back")
+        .unwrap_err()
+        .to_string()
+        .contains("not implemented"));
     let devs = pool2.detach_cache().unwrap();
     assert_eq!(devs.len(), 1);
     assert!(pool2.cache_status().is_none());
-    pool.attach_cache(vec![c], CacheMode::WriteAround, false, false).unwrap();
+    pool.attach_cache(vec![c], CacheMode::WriteAround, false, false)
+        .unwrap();
     assert_eq!(status(&pool).mode, "write-around");
 }
 
@@ -222,7 +287,8 @@ fn a_mirrored_cache_survives_one_device() {
     let pool = Pool::create("p", vec![dev], PoolOptions::default()).unwrap();
     let ram = ram_devices(2, 17 * MIB);
     let (devs, cfgs) = wrap(&ram);
-    pool.attach_cache(devs, CacheMode::WriteThrough, false, false).unwrap();
+    pool.attach_cache(devs, CacheMode::WriteThrough, false, false)
+        .unwrap();
     let size = 24 * MIB;
     let v = pool.create_volume("v", size).unwrap();
     let mut io = core();
@@ -232,7 +298,14 @@ fn a_mirrored_cache_survives_one_device() {
     let mut rng = Rng(77);
     churn(&mut io, &mut h, &mut model, &mut rng, 1000, "both");
     inject(&cfgs[1], Fault::Vanish);
-    churn(&mut io, &mut h, &mut model, &mut rng, 2000, "one cache device gone");
+    churn(
+        &mut io,
+        &mut h,
+        &mut model,
+        &mut rng,
+        2000,
+        "one cache device gone",
+    );
     verify_all(&mut io, &mut h, &model, "mirrored");
     let s = pool.cache_status().unwrap();
     assert_eq!(s.state, "degraded", "{s:?}");

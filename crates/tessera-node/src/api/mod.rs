@@ -121,6 +121,7 @@ async fn no_route(method: axum::http::Method, uri: Uri) -> Response {
         pools::rebuild_status, pools::rebuild_start, pools::rebuild_stop,
         pools::replace, pools::spares_list, pools::spares_add, pools::spares_remove,
         pools::scrub_status, pools::scrub_start, pools::scrub_stop, pools::resync_status,
+        pools::cache_show, pools::cache_add, pools::cache_mode, pools::cache_remove,
         volumes::list, volumes::create, volumes::detail, volumes::resize, volumes::delete,
         volumes::qos_get, volumes::qos_put, volumes::qos_clear, volumes::stats,
         volumes::replica_create, volumes::replica_delete, volumes::volume_replica_add,

@@ -7,9 +7,9 @@ use axum::routing::{get, post};
 use axum::Router;
 use std::sync::Arc;
 use tessera_api::{
-    CreatePool, Deleted, ErrorReply, PoolEntry, PoolInfo, RebuildRequest, RebuildStatus,
-    ReplaceReply, ReplaceRequest, ScrubRequest, ScrubStatus, SizeArg, SpareList, SpareRequest,
-    UpdatePool,
+    CacheInfo, CacheModeRequest, CacheRequest, CreatePool, Deleted, ErrorReply, PoolEntry,
+    PoolInfo, RebuildRequest, RebuildStatus, ReplaceReply, ReplaceRequest, ScrubRequest,
+    ScrubStatus, SizeArg, SpareList, SpareRequest, UpdatePool,
 };
 use tessera_http::Response;
 
@@ -38,6 +38,13 @@ pub fn routes() -> Router<Arc<Node>> {
             get(scrub_status).post(scrub_start).delete(scrub_stop),
         )
         .route("/v1/pools/{name}/resync", get(resync_status))
+        .route(
+            "/v1/pools/{name}/cache",
+            get(cache_show)
+                .post(cache_add)
+                .patch(cache_mode)
+                .delete(cache_remove),
+        )
 }
 
 #[utoipa::path(get, path = "/v1/pools", tag = "pools",
@@ -53,7 +60,7 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     let b: CreatePool = match body(
         &bytes,
         "pool",
-        "name, devices, layout, copies, stripe_size, unit_size, force, overcommit",
+        "name, devices, layout, copies, stripe_size, unit_size, force, overcommit, cache, cache_mode",
     ) {
         Ok(b) => b,
         Err(r) => return r,
@@ -89,6 +96,24 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
                     },
                 ),
                 None => Ok(info),
+            })
+            .and_then(|info| {
+                if b.cache.is_empty() {
+                    return Ok(info);
+                }
+                let req = CacheRequest {
+                    devices: b.cache.clone(),
+                    mode: b.cache_mode.clone(),
+                    force: b.force,
+                };
+                // A pool asked for with a cache that cannot be had is not left behind.
+                match n.add_pool_cache(&info.name, &req) {
+                    Ok(_) => n.pool_detail(&info.name),
+                    Err(e) => {
+                        let _ = n.destroy_pool(&info.name);
+                        Err(e)
+                    }
+                }
             });
         reply(created, 201)
     })
@@ -308,4 +333,47 @@ pub async fn resync_status(State(node): NodeState, Path(name): Path<String>) -> 
         )
     })
     .await
+}
+
+#[utoipa::path(get, path = "/v1/pools/{name}/cache", tag = "pools",
+    params(("name" = String, Path)),
+    responses((status = 200, body = CacheInfo), (status = 404, body = ErrorReply)))]
+pub async fn cache_show(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.pool_cache(&name), 200)).await
+}
+
+#[utoipa::path(post, path = "/v1/pools/{name}/cache", tag = "pools",
+    params(("name" = String, Path)), request_body = CacheRequest,
+    responses((status = 201, body = CacheInfo), (status = "4XX", body = ErrorReply)))]
+pub async fn cache_add(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
+    match body::<CacheRequest>(&bytes, "cache", "devices, mode, force") {
+        Ok(b) => with_node(node, move |n| reply(n.add_pool_cache(&name, &b), 201)).await,
+        Err(r) => r,
+    }
+}
+
+#[utoipa::path(patch, path = "/v1/pools/{name}/cache", tag = "pools",
+    params(("name" = String, Path)), request_body = CacheModeRequest,
+    responses((status = 200, body = CacheInfo), (status = "4XX", body = ErrorReply)))]
+pub async fn cache_mode(
+    State(node): NodeState,
+    Path(name): Path<String>,
+    bytes: Bytes,
+) -> Response {
+    match body::<CacheModeRequest>(&bytes, "cache mode", "mode") {
+        Ok(b) => {
+            with_node(node, move |n| {
+                reply(n.set_pool_cache_mode(&name, &b.mode), 200)
+            })
+            .await
+        }
+        Err(r) => r,
+    }
+}
+
+#[utoipa::path(delete, path = "/v1/pools/{name}/cache", tag = "pools",
+    params(("name" = String, Path)),
+    responses((status = 200, body = CacheInfo), (status = "4XX", body = ErrorReply)))]
+pub async fn cache_remove(State(node): NodeState, Path(name): Path<String>) -> Response {
+    with_node(node, move |n| reply(n.remove_pool_cache(&name), 200)).await
 }

@@ -54,6 +54,7 @@ mod lineage;
 pub mod nvmf;
 mod ownership;
 pub use nvmf::ClusterPath;
+mod pool_cache;
 mod pools;
 pub use pools::Pools;
 pub mod proxy;
@@ -245,6 +246,8 @@ impl Node {
 
     fn restore_pool(&self, e: &PoolEntry) -> Result<(Pool, Vec<Arc<SwappableDevice>>)> {
         let (p, slots) = self.open_pool(e)?;
+        let recreated = p.core.layout.devices.iter().any(|d| d.is_volatile());
+        self.restore_pool_cache(&p, e, recreated);
         let ratio = e.overcommit.unwrap_or(tessera_pool::DEFAULT_OVERCOMMIT);
         if let Err(err) = p.set_overcommit(ratio) {
             warn!(pool = %e.name, error = %err, "bad overcommit ratio in the registry: using the default");
@@ -315,7 +318,16 @@ impl Node {
                 let stripe = size("stripe size", &p.stripe_size).transpose()?;
                 let unit = size("unit size", &p.unit_size).transpose()?;
                 let layout = parse_layout(&p.layout)?;
-                self.create_pool(&p.name, &p.devices, layout, stripe, unit, false)
+                self.create_pool(&p.name, &p.devices, layout, stripe, unit, false)?;
+                if !p.cache.is_empty() {
+                    let req = tessera_api::CacheRequest {
+                        devices: p.cache.clone(),
+                        mode: p.cache_mode.clone(),
+                        force: false,
+                    };
+                    self.add_pool_cache(&p.name, &req)?;
+                }
+                Ok(())
             })();
             match created {
                 Ok(_) => {}

@@ -143,6 +143,11 @@ impl Pools {
         r
     }
 
+    /// Pool `name`'s registry entry, if it has one.
+    pub(super) fn entry(&self, name: &str) -> Option<RegistryEntry> {
+        self.entries().iter().find(|e| e.name == name).cloned()
+    }
+
     /// The registry's entries, to read (their changes go through `record`, `forget` and
     /// `edit_entry`).
     pub(super) fn entries(&self) -> MutexGuard<'_, Vec<RegistryEntry>> {
@@ -157,6 +162,7 @@ impl Pools {
                 e.devices
                     .iter()
                     .chain(&e.spares)
+                    .chain(&e.cache)
                     .any(|x| spec_path(x).as_ref() == Some(path))
             })
             .map(|e| e.name.clone())
@@ -241,6 +247,8 @@ impl Node {
             unit_size,
             spares: Vec::new(),
             overcommit: None,
+            cache: Vec::new(),
+            cache_mode: None,
         };
         self.pools.record(entry)?;
         let v = self.pool_info(&pool);
@@ -267,6 +275,9 @@ impl Node {
             return Err(Error::busy(format!(
                 "pool '{name}' still has {n} volume(s); delete them first"
             )));
+        }
+        if pool.cache_status().is_some() {
+            pool.detach_cache()?;
         }
         pool.shutdown()?;
         // Wipe the labels so the devices can be used again.

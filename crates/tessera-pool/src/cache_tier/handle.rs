@@ -17,17 +17,19 @@ use tessera_io::buf::AlignedBuf;
 use tessera_io::cast::{u32_of, usize_of};
 use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
+use super::CacheSlot;
 use super::{CacheTier, ReadPlan, WritePlan, BLOCK_SHIFT, CACHE_UNIT, CACHE_UNIT_SHIFT};
 use crate::layout::{Layout, LayoutHandle};
-use crate::pool::PoolCore;
 
 /// The pool's layout handle, and the pool's cache tier's when it has one.
 pub struct TierHandle {
     backing: LayoutHandle,
-    core: Arc<PoolCore>,
-    /// `PoolCore::cache_gen` when `cache` was looked up.
+    layout: Arc<Layout>,
+    slot: Arc<CacheSlot>,
+    /// `CacheSlot::gen` when `cache` was looked up.
     gen: u64,
-    cache: Option<CacheSide>,
+    /// Boxed: a handle without a cache stays small (replica legs hold handles by value).
+    cache: Option<Box<CacheSide>>,
     /// The access-pattern detector called the request being submitted sequential: it
     /// is not admitted to the cache (a stream is read once).
     pub(crate) sequential: bool,
@@ -40,10 +42,11 @@ struct CacheSide {
 }
 
 impl TierHandle {
-    pub(crate) fn new(core: &Arc<PoolCore>) -> TierHandle {
+    pub(crate) fn new(layout: &Arc<Layout>, slot: &Arc<CacheSlot>) -> TierHandle {
         TierHandle {
-            backing: core.layout.open_handle(),
-            core: core.clone(),
+            backing: layout.open_handle(),
+            layout: layout.clone(),
+            slot: slot.clone(),
             gen: u64::MAX,
             cache: None,
             sequential: false,
@@ -53,13 +56,15 @@ impl TierHandle {
     /// Pick up a cache attached or detached since the last request.
     #[inline]
     fn refresh(&mut self, io: &mut CoreIo) {
-        let g = self.core.cache_gen.load(Acquire);
+        let g = self.slot.gen.load(Acquire);
         if g != self.gen {
             self.gen = g;
-            self.cache = self.core.cache_tier().map(|tier| CacheSide {
-                handle: tier.layout.open_handle(),
-                hook: CacheHook::for_core(io, &tier, &self.core.layout),
-                tier,
+            self.cache = self.slot.get().map(|tier| {
+                Box::new(CacheSide {
+                    handle: tier.layout.open_handle(),
+                    hook: CacheHook::for_core(io, &tier, &self.layout),
+                    tier,
+                })
             });
         }
     }
@@ -94,18 +99,22 @@ impl TierHandle {
                             buf,
                         });
                         let t = io.tracked(Tag::NO_PARENT, 1, side.hook.id.get(), ctx);
-                        let op = IoOp::Read { offset: at, len, buf };
+                        let op = IoOp::Read {
+                            offset: at,
+                            len,
+                            buf,
+                        };
                         // SAFETY: `buf` is the caller's, alive until `tag` completes, which
                         // happens only after this read ended (`CacheHook::on_done`).
                         unsafe { side.handle.submit(io, op, t) }
                     }
-                    ReadPlan::Fill { slot, gen } => {
+                    ReadPlan::Fill { slot } => {
                         c.read_misses.fetch_add(1, Relaxed);
                         c.read_miss_bytes.fetch_add(u64::from(len), Relaxed);
                         let ctx = side.hook.push(Op::Miss {
                             key,
                             slot,
-                            gen,
+                            claimed: (b0, b1),
                             parent: tag,
                             offset,
                             len,
@@ -134,7 +143,7 @@ impl TierHandle {
                     c.bypassed_bytes.fetch_add(u64::from(len), Relaxed);
                 }
                 match tier.plan_write(key, touch, full, self.sequential) {
-                    WritePlan::Both { slot, gen } => {
+                    WritePlan::Both { slot } => {
                         let (b0, b1) = full.expect("planned with whole blocks");
                         let (shard, local) = slot_parts(tier, key, slot);
                         let unit_off = offset & (CACHE_UNIT - 1);
@@ -143,7 +152,6 @@ impl TierHandle {
                         let ctx = side.hook.push(Op::Both {
                             key,
                             slot,
-                            gen,
                             blocks: (b0, b1),
                             parent: tag,
                             left: 2,
@@ -291,11 +299,11 @@ enum Op {
         len: u32,
         buf: *mut u8,
     },
-    /// A read of the pool's devices whose blocks then fill the (locked) slot.
+    /// A read of the pool's devices whose blocks (claimed) then fill the slot.
     Miss {
         key: u64,
         slot: u32,
-        gen: u64,
+        claimed: (u64, u64),
         parent: Tag,
         offset: u64,
         len: u32,
@@ -305,7 +313,8 @@ enum Op {
     Fill {
         key: u64,
         slot: u32,
-        gen: u64,
+        claimed: (u64, u64),
+        /// The whole blocks of the read, which are written.
         blocks: (u64, u64),
         at: u64,
         data: AlignedBuf,
@@ -315,7 +324,7 @@ enum Op {
     Both {
         key: u64,
         slot: u32,
-        gen: u64,
+        /// Claimed and written.
         blocks: (u64, u64),
         parent: Tag,
         left: u8,
@@ -323,7 +332,11 @@ enum Op {
         cache_ok: bool,
     },
     /// A change to the pool's devices only.
-    Around { offset: u64, len: u64, parent: Tag },
+    Around {
+        offset: u64,
+        len: u64,
+        parent: Tag,
+    },
     /// A read of the pool's devices after the cache failed it.
     Retry {
         parent: Tag,
@@ -431,11 +444,14 @@ impl CacheHook {
                         ..
                     } => {
                         *submitted = true;
-                        Some((true, IoOp::Write {
-                            offset: *at,
-                            len: u32_of(((blocks.1 - blocks.0) + 1) << BLOCK_SHIFT),
-                            buf: data.as_ptr(),
-                        }))
+                        Some((
+                            true,
+                            IoOp::Write {
+                                offset: *at,
+                                len: u32_of(((blocks.1 - blocks.0) + 1) << BLOCK_SHIFT),
+                                buf: data.as_ptr(),
+                            },
+                        ))
                     }
                     Op::Retry {
                         offset,
@@ -445,11 +461,14 @@ impl CacheHook {
                         ..
                     } => {
                         *submitted = true;
-                        Some((false, IoOp::Read {
-                            offset: *offset,
-                            len: *len,
-                            buf: *buf,
-                        }))
+                        Some((
+                            false,
+                            IoOp::Read {
+                                offset: *offset,
+                                len: *len,
+                                buf: *buf,
+                            },
+                        ))
                     }
                     _ => None,
                 }
@@ -523,7 +542,7 @@ impl Continuation for CacheHook {
                 let Op::Miss {
                     key,
                     slot,
-                    gen,
+                    claimed,
                     parent,
                     offset,
                     len,
@@ -547,7 +566,7 @@ impl Continuation for CacheHook {
                         ops[i as usize] = Op::Fill {
                             key,
                             slot,
-                            gen,
+                            claimed,
                             blocks: (b0, b1),
                             at: tier.slot_offset(shard, slot) + (b0 << BLOCK_SHIFT),
                             data,
@@ -560,7 +579,7 @@ impl Continuation for CacheHook {
                         drop(ops);
                         self.take(i);
                         if let Some(t) = &tier {
-                            t.end_write(key, slot, gen, None, false);
+                            t.end_write(key, slot, claimed, None);
                         }
                     }
                 }
@@ -609,25 +628,25 @@ impl Continuation for CacheHook {
             Op::Miss {
                 key,
                 slot,
-                gen,
+                claimed,
                 parent,
                 ..
             } => {
                 if let Some(t) = &tier {
-                    t.end_write(key, slot, gen, None, false);
+                    t.end_write(key, slot, claimed, None);
                 }
                 io.complete(parent, res);
             }
             Op::Fill {
                 key,
                 slot,
-                gen,
+                claimed,
                 blocks,
                 data,
                 ..
             } => {
                 if let Some(t) = &tier {
-                    t.end_write(key, slot, gen, Some(blocks), res >= 0);
+                    t.end_write(key, slot, claimed, (res >= 0).then_some(blocks));
                     if res < 0 {
                         t.fail();
                     } else {
@@ -641,7 +660,6 @@ impl Continuation for CacheHook {
             Op::Both {
                 key,
                 slot,
-                gen,
                 blocks,
                 parent,
                 backing_res,
@@ -649,7 +667,8 @@ impl Continuation for CacheHook {
                 ..
             } => {
                 if let Some(t) = &tier {
-                    t.end_write(key, slot, gen, Some(blocks), cache_ok && backing_res >= 0);
+                    let ok = cache_ok && backing_res >= 0;
+                    t.end_write(key, slot, blocks, ok.then_some(blocks));
                     if !cache_ok {
                         t.fail();
                     }

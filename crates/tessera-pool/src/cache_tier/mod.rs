@@ -12,14 +12,16 @@
 //! cache holds), pass-through (the cache is not used). The pool's devices always hold
 //! every acknowledged write, so the index lives in RAM only: a restart starts cold.
 //!
-//! What keeps a read from returning stale bytes: a block of a slot is marked valid only
-//! by the one writer of the slot (a fill after a read miss, or a write-through write),
-//! which holds the slot's lock while its bytes are in flight, and only when the slot's
-//! generation did not change meanwhile. Every other write to the unit (write-around, a
-//! write that found the slot locked, a discard, a unit changing owner) bumps the
-//! generation and clears the blocks it touches both when it starts and when it ends, so
-//! a fill that read the pool's devices before such a write landed never validates what
-//! it read. A slot is reused for another unit only when no read of it and no writer is
+//! What keeps a read from returning stale bytes: a 4 KiB block of a slot is marked valid
+//! only by a writer of the slot (a fill after a read miss, or a write-through write) that
+//! claimed the block before its bytes went out, and only if no other change touched the
+//! block while the claim was held. Claims are per block, so writers of different blocks
+//! of one unit run side by side; a request that finds its blocks claimed goes to the
+//! pool's devices only. Every change that does not go through a claim (write-around, a
+//! write whose blocks were claimed, a discard, a unit changing owner) clears the blocks it
+//! touches, and spoils the claims on them, both when it starts and when it ends, so a
+//! fill that read the pool's devices before such a write landed never validates what it
+//! read. A slot is reused for another unit only when no read of it and no claim on it is
 //! in flight.
 
 mod handle;
@@ -31,10 +33,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tessera_device::BlockDevice;
-use tessera_io::sync::MutexExt;
+use tessera_io::sync::{MutexExt, RwLockExt};
 
 use crate::cache_policy::{Outcome, TwoQ};
-use crate::format::{DEV_DATA_START, BLOCK};
+use crate::format::{BLOCK, DEV_DATA_START};
 use crate::layout::{Layout, LayoutKind};
 use crate::{Error, Result};
 
@@ -104,40 +106,84 @@ struct Slot {
     key: u64,
     mapped: bool,
     /// Blocks whose bytes on the cache device are the unit's current bytes.
-    valid: [u64; 4],
-    /// Bumped by every change to the unit that does not go through the slot's writer.
-    gen: u64,
+    valid: Blocks,
+    /// Blocks a writer (fill or write-through) has bytes in flight for.
+    claimed: Blocks,
+    /// Claimed blocks some other change touched meanwhile: not validated at the end.
+    spoiled: Blocks,
     /// Reads of the slot in flight.
     pins: u32,
-    /// A writer (fill or write-through) is in flight.
-    locked: bool,
+}
+
+/// A set of a unit's 256 blocks.
+type Blocks = [u64; 4];
+
+const NONE: Blocks = [0; 4];
+
+/// Blocks `b0..=b1`.
+fn span(b0: u64, b1: u64) -> Blocks {
+    let mut m = NONE;
+    for (w, word) in m.iter_mut().enumerate() {
+        let lo = (w as u64) * 64;
+        let (a, b) = (b0.max(lo), b1.min(lo + 63));
+        if a <= b {
+            let bits = b - a + 1;
+            *word = if bits == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << bits) - 1) << (a - lo)
+            };
+        }
+    }
+    m
+}
+
+fn and(a: Blocks, b: Blocks) -> Blocks {
+    [a[0] & b[0], a[1] & b[1], a[2] & b[2], a[3] & b[3]]
+}
+fn or(a: Blocks, b: Blocks) -> Blocks {
+    [a[0] | b[0], a[1] | b[1], a[2] | b[2], a[3] | b[3]]
+}
+fn minus(a: Blocks, b: Blocks) -> Blocks {
+    [a[0] & !b[0], a[1] & !b[1], a[2] & !b[2], a[3] & !b[3]]
+}
+fn is_empty(a: Blocks) -> bool {
+    a == NONE
 }
 
 const EMPTY_SLOT: Slot = Slot {
     key: 0,
     mapped: false,
-    valid: [0; 4],
-    gen: 0,
+    valid: NONE,
+    claimed: NONE,
+    spoiled: NONE,
     pins: 0,
-    locked: false,
 };
 
 impl Slot {
     fn all_valid(&self, b0: u64, b1: u64) -> bool {
-        (b0..=b1).all(|b| self.valid[(b >> 6) as usize] & (1 << (b & 63)) != 0)
-    }
-    fn set_valid(&mut self, b0: u64, b1: u64, on: bool) {
-        for b in b0..=b1 {
-            let w = &mut self.valid[(b >> 6) as usize];
-            if on {
-                *w |= 1 << (b & 63);
-            } else {
-                *w &= !(1 << (b & 63));
-            }
-        }
+        let m = span(b0, b1);
+        and(self.valid, m) == m
     }
     fn valid_blocks(&self) -> u32 {
         self.valid.iter().map(|w| w.count_ones()).sum()
+    }
+    /// A change that does not go through a claim touches `m`.
+    fn touch(&mut self, m: Blocks) {
+        self.valid = minus(self.valid, m);
+        self.spoiled = or(self.spoiled, and(self.claimed, m));
+    }
+    /// Claim `m` for a writer, if no one holds any of it.
+    fn claim(&mut self, m: Blocks) -> bool {
+        if !is_empty(and(self.claimed, m)) {
+            return false;
+        }
+        self.claimed = or(self.claimed, m);
+        self.spoiled = minus(self.spoiled, m);
+        true
+    }
+    fn idle(&self) -> bool {
+        self.pins == 0 && is_empty(self.claimed)
     }
 }
 
@@ -156,9 +202,9 @@ struct Shard {
 pub(crate) enum ReadPlan {
     /// Read the cache slot (pinned until `end_hit`).
     Hit { slot: u32 },
-    /// Read the pool's devices, then write what was read to the slot (locked until
-    /// `end_write`) and validate it if `gen` still holds.
-    Fill { slot: u32, gen: u64 },
+    /// Read the pool's devices, then write what was read to the slot (the blocks are
+    /// claimed until `end_write`).
+    Fill { slot: u32 },
     /// Read the pool's devices only.
     Backing,
 }
@@ -166,8 +212,8 @@ pub(crate) enum ReadPlan {
 /// What a write of one unit's blocks does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum WritePlan {
-    /// Write both tiers; the slot is locked until `end_write`.
-    Both { slot: u32, gen: u64 },
+    /// Write both tiers; the whole blocks are claimed until `end_write`.
+    Both { slot: u32 },
     /// Write the pool's devices only; the blocks were invalidated (and are again by
     /// `invalidate` when the write ends).
     Backing,
@@ -219,6 +265,20 @@ pub struct CacheStatus {
     pub errors: u64,
     /// RAM the index and the policy take.
     pub ram_bytes: u64,
+}
+
+/// Where a pool keeps its cache tier: the tier, if any, and a generation that changes
+/// whenever one is attached or detached (the datapath handles look it up again then).
+#[derive(Default)]
+pub struct CacheSlot {
+    pub(crate) tier: std::sync::RwLock<Option<Arc<CacheTier>>>,
+    pub(crate) gen: AtomicU64,
+}
+
+impl CacheSlot {
+    pub fn get(&self) -> Option<Arc<CacheTier>> {
+        self.tier.read_locked().clone()
+    }
 }
 
 /// A pool's cache tier.
@@ -338,10 +398,7 @@ impl CacheTier {
 
     /// A free slot of the shard that no read or writer still uses.
     fn take_slot(sh: &mut Shard) -> Option<u32> {
-        let i = sh
-            .free
-            .iter()
-            .rposition(|&s| sh.slots[s as usize].pins == 0 && !sh.slots[s as usize].locked)?;
+        let i = sh.free.iter().rposition(|&s| sh.slots[s as usize].idle())?;
         Some(sh.free.swap_remove(i))
     }
 
@@ -350,8 +407,7 @@ impl CacheTier {
         if let Some(s) = sh.slot_of.remove(&key) {
             let slot = &mut sh.slots[s as usize];
             slot.mapped = false;
-            slot.valid = [0; 4];
-            slot.gen += 1;
+            slot.touch(span(0, 255));
             sh.free.push(s);
             self.counters.evictions.fetch_add(1, Relaxed);
         }
@@ -366,8 +422,7 @@ impl CacheTier {
         let slot = &mut sh.slots[s as usize];
         slot.key = key;
         slot.mapped = true;
-        slot.valid = [0; 4];
-        slot.gen += 1;
+        slot.valid = NONE;
         sh.slot_of.insert(key, s);
         self.counters.promotions.fetch_add(1, Relaxed);
         Some(s)
@@ -383,14 +438,23 @@ impl CacheTier {
         }
         let outcome = sh.policy.access(key, sequential);
         let slot = match outcome {
-            Outcome::Hit => sh.slot_of.get(&key).copied().or_else(|| self.map_key(&mut sh, key)),
-            Outcome::Miss { admitted: true, evicted } => {
+            Outcome::Hit => sh
+                .slot_of
+                .get(&key)
+                .copied()
+                .or_else(|| self.map_key(&mut sh, key)),
+            Outcome::Miss {
+                admitted: true,
+                evicted,
+            } => {
                 if let Some(k) = evicted {
                     self.drop_key(&mut sh, k);
                 }
                 self.map_key(&mut sh, key)
             }
-            Outcome::Miss { admitted: false, .. } => None,
+            Outcome::Miss {
+                admitted: false, ..
+            } => None,
         };
         let Some(s) = slot else {
             return ReadPlan::Backing;
@@ -401,12 +465,11 @@ impl CacheTier {
             self.inflight.fetch_add(1, Relaxed);
             return ReadPlan::Hit { slot: s };
         }
-        if st.locked {
+        if !st.claim(span(b0, b1)) {
             return ReadPlan::Backing;
         }
-        st.locked = true;
         self.inflight.fetch_add(1, Relaxed);
-        ReadPlan::Fill { slot: s, gen: st.gen }
+        ReadPlan::Fill { slot: s }
     }
 
     /// A hit's read of the slot ended.
@@ -452,28 +515,39 @@ impl CacheTier {
             return WritePlan::Backing;
         };
         let st = &mut sh.slots[s as usize];
-        st.gen += 1;
-        st.set_valid(touch.0, touch.1, false);
-        if admit && !st.locked && !self.bypassed() {
-            st.locked = true;
+        let whole = full.map_or(NONE, |(a, b)| span(a, b));
+        if admit && !self.bypassed() && st.claim(whole) {
+            // The partial blocks at the edges are not written to the cache.
+            st.touch(minus(span(touch.0, touch.1), whole));
+            st.valid = minus(st.valid, whole);
             self.inflight.fetch_add(1, Relaxed);
-            return WritePlan::Both { slot: s, gen: st.gen };
+            return WritePlan::Both { slot: s };
         }
+        st.touch(span(touch.0, touch.1));
         WritePlan::Backing
     }
 
-    /// A slot's writer ended: blocks `b0..=b1` (if any) become valid when it succeeded
-    /// and no other change reached the unit meanwhile.
-    pub(crate) fn end_write(&self, key: u64, slot: u32, gen: u64, blocks: Option<(u64, u64)>, ok: bool) {
+    /// A slot's writer ended: it releases its claim on `claimed`; the blocks `written`
+    /// (within it) become valid when no other change touched them meanwhile.
+    pub(crate) fn end_write(
+        &self,
+        key: u64,
+        slot: u32,
+        claimed: (u64, u64),
+        written: Option<(u64, u64)>,
+    ) {
         let (i, _) = self.shard_of(key);
         let mut sh = self.shards[i].locked();
         let st = &mut sh.slots[slot as usize];
-        st.locked = false;
-        if let (true, Some((b0, b1))) = (ok, blocks) {
-            if st.gen == gen && st.mapped && st.key == key {
-                st.set_valid(b0, b1, true);
+        let c = span(claimed.0, claimed.1);
+        if let Some((b0, b1)) = written {
+            if st.mapped && st.key == key {
+                let good = minus(and(span(b0, b1), c), st.spoiled);
+                st.valid = or(st.valid, good);
             }
         }
+        st.claimed = minus(st.claimed, c);
+        st.spoiled = minus(st.spoiled, c);
         drop(sh);
         self.inflight.fetch_sub(1, Relaxed);
     }
@@ -493,9 +567,7 @@ impl CacheTier {
             let (i, _) = self.shard_of(key);
             let mut sh = self.shards[i].locked();
             if let Some(&s) = sh.slot_of.get(&key) {
-                let st = &mut sh.slots[s as usize];
-                st.gen += 1;
-                st.set_valid(b0, b1, false);
+                sh.slots[s as usize].touch(span(b0, b1));
             }
             key += 1;
         }
@@ -505,8 +577,7 @@ impl CacheTier {
         for sh in self.shards.iter() {
             let mut sh = sh.locked();
             for st in sh.slots.iter_mut() {
-                st.gen += 1;
-                st.valid = [0; 4];
+                st.touch(span(0, 255));
             }
         }
     }
@@ -612,7 +683,8 @@ pub fn device_claim(dev: &dyn BlockDevice) -> Result<DeviceClaim> {
     if &b[..8] == crate::format::LABEL_MAGIC {
         return Ok(DeviceClaim::PoolDevice);
     }
-    if &b[..8] == CACHE_MAGIC && crate::format::crc(&b[..BLOCK - 4]).to_le_bytes() == b[BLOCK - 4..] {
+    if &b[..8] == CACHE_MAGIC && crate::format::crc(&b[..BLOCK - 4]).to_le_bytes() == b[BLOCK - 4..]
+    {
         let mut u = [0u8; 16];
         u.copy_from_slice(&b[16..32]);
         return Ok(DeviceClaim::CacheOf(u));
@@ -623,3 +695,91 @@ pub fn device_claim(dev: &dyn BlockDevice) -> Result<DeviceClaim> {
 /// Device offset where slot data starts (the first MiB is the label's).
 pub const CACHE_DATA_START: u64 = DEV_DATA_START;
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_device::RamDevice;
+
+    fn tier() -> CacheTier {
+        let d: Arc<dyn BlockDevice> = RamDevice::new(40 << 20).unwrap();
+        CacheTier::new(vec![d], CacheMode::WriteThrough).unwrap()
+    }
+
+    /// Reads of unit 5, blocks 0..=3, until the unit is admitted and filled.
+    fn fill(t: &CacheTier) -> u32 {
+        loop {
+            if let ReadPlan::Fill { slot } = t.plan_read(5, 0, 3, false) {
+                return slot;
+            }
+        }
+    }
+
+    /// The race a write-around (or any write the cache does not take) runs against a
+    /// fill: the fill read the pool's devices before the write landed, and must not
+    /// validate what it read, whether the write started before its end or ended before.
+    #[test]
+    fn a_change_during_a_fill_spoils_it() {
+        let t = tier();
+        let s = fill(&t);
+        t.invalidate(5 << 20, 4096); // block 0 changes meanwhile
+        t.end_write(5, s, (0, 3), Some((0, 3)));
+        // Blocks 1..=3 are valid, block 0 is not.
+        assert_eq!(t.plan_read(5, 1, 3, false), ReadPlan::Hit { slot: s });
+        t.end_hit(5, s);
+        assert_eq!(t.plan_read(5, 0, 0, false), ReadPlan::Fill { slot: s });
+        t.end_write(5, s, (0, 0), None);
+    }
+
+    /// Writers of different blocks of one unit run side by side and both validate; a
+    /// writer of claimed blocks goes to the pool's devices and spoils the claim.
+    #[test]
+    fn claims_are_per_block() {
+        let t = tier();
+        let s = fill(&t);
+        let WritePlan::Both { slot } = t.plan_write(5, (8, 9), Some((8, 9)), false) else {
+            panic!("a write of other blocks was not taken");
+        };
+        assert_eq!(slot, s);
+        // Blocks 2..=3 are claimed by the fill: this write may not take them.
+        assert_eq!(
+            t.plan_write(5, (3, 4), Some((3, 4)), false),
+            WritePlan::Backing
+        );
+        t.end_write(5, s, (8, 9), Some((8, 9)));
+        t.end_write(5, s, (0, 3), Some((0, 3)));
+        assert_eq!(t.plan_read(5, 8, 9, false), ReadPlan::Hit { slot: s });
+        t.end_hit(5, s);
+        assert_eq!(t.plan_read(5, 0, 2, false), ReadPlan::Hit { slot: s });
+        t.end_hit(5, s);
+        // Block 3 was spoiled by the write that went around.
+        assert!(matches!(t.plan_read(5, 3, 3, false), ReadPlan::Fill { .. }));
+    }
+
+    /// A slot is not given to another unit while a read of it or a claim on it is in
+    /// flight.
+    #[test]
+    fn busy_slots_are_not_reused() {
+        let d: Arc<dyn BlockDevice> = RamDevice::new(9 << 20).unwrap();
+        let t = CacheTier::new(vec![d], CacheMode::WriteThrough).unwrap();
+        assert_eq!(t.shards.len(), 1);
+        let s = fill(&t);
+        t.end_write(5, s, (0, 3), Some((0, 3)));
+        assert_eq!(t.plan_read(5, 0, 3, false), ReadPlan::Hit { slot: s });
+        // Many other units come and go; unit 5's slot is pinned by the hit.
+        for k in 100..200 {
+            if let ReadPlan::Fill { slot } = t.plan_read(k, 0, 0, false) {
+                assert_ne!(slot, s, "a pinned slot was reused");
+                t.end_write(k, slot, (0, 0), None);
+            }
+        }
+        t.end_hit(5, s);
+    }
+
+    #[test]
+    fn spans() {
+        assert_eq!(span(0, 0), [1, 0, 0, 0]);
+        assert_eq!(span(0, 255), [u64::MAX; 4]);
+        assert_eq!(span(63, 64), [1 << 63, 1, 0, 0]);
+        assert_eq!(span(130, 130), [0, 0, 1 << 2, 0]);
+    }
+}

@@ -8,7 +8,9 @@ use tessera_device::BlockDevice;
 use tessera_io::sync::RwLockExt;
 
 use super::Pool;
-use crate::cache_tier::{device_claim, encode_label, CacheMode, CacheStatus, CacheTier, DeviceClaim};
+use crate::cache_tier::{
+    device_claim, encode_label, CacheMode, CacheStatus, CacheTier, DeviceClaim,
+};
 use crate::{Error, Result};
 
 /// How long a detach waits for the tier's operations in flight.
@@ -38,7 +40,7 @@ impl Pool {
         force: bool,
         reopen: bool,
     ) -> Result<()> {
-        let mut slot = self.core.cache.write_locked();
+        let mut slot = self.core.cache.tier.write_locked();
         if slot.is_some() {
             return Err(Error::AlreadyExists(format!(
                 "pool '{}' already has a cache: remove it first",
@@ -54,17 +56,24 @@ impl Pool {
                 if !force || reopen {
                     return Err(Error::invalid(format!(
                         "cache device {i} cannot be used: {why}{}",
-                        if reopen { "" } else { " (force to overwrite it)" }
+                        if reopen {
+                            ""
+                        } else {
+                            " (force to overwrite it)"
+                        }
                     )));
                 }
             }
-            d.write_at(0, &encode_label(&uuid, u32::try_from(i).unwrap_or(u32::MAX), count))
-                .and_then(|()| d.sync())
-                .map_err(|e| Error::io("writing a cache label", e))?;
+            d.write_at(
+                0,
+                &encode_label(&uuid, u32::try_from(i).unwrap_or(u32::MAX), count),
+            )
+            .and_then(|()| d.sync())
+            .map_err(|e| Error::io("writing a cache label", e))?;
         }
         let tier = CacheTier::new(devices, mode)?;
         *slot = Some(Arc::new(tier));
-        self.core.cache_gen.fetch_add(1, Release);
+        self.core.cache.gen.fetch_add(1, Release);
         Ok(())
     }
 
@@ -72,10 +81,11 @@ impl Pool {
     /// are waited for (the pool's devices have every write, so nothing is lost) and the
     /// devices' cache labels are cleared. Returns the devices it had.
     pub fn detach_cache(&self) -> Result<Vec<Arc<dyn BlockDevice>>> {
-        let tier = self.core.cache.write_locked().take().ok_or_else(|| {
-            Error::NotFound(format!("pool '{}' has no cache", self.core.name))
-        })?;
-        self.core.cache_gen.fetch_add(1, Release);
+        let tier =
+            self.core.cache.tier.write_locked().take().ok_or_else(|| {
+                Error::NotFound(format!("pool '{}' has no cache", self.core.name))
+            })?;
+        self.core.cache.gen.fetch_add(1, Release);
         if !tier.detach(DETACH_WAIT) {
             tracing::warn!(pool = %self.core.name, "cache operations still in flight after the wait; their results are ignored");
         }
@@ -92,9 +102,10 @@ impl Pool {
     }
 
     pub fn set_cache_mode(&self, mode: CacheMode) -> Result<()> {
-        let tier = self.core.cache_tier().ok_or_else(|| {
-            Error::NotFound(format!("pool '{}' has no cache", self.core.name))
-        })?;
+        let tier = self
+            .core
+            .cache_tier()
+            .ok_or_else(|| Error::NotFound(format!("pool '{}' has no cache", self.core.name)))?;
         tier.set_mode(mode);
         Ok(())
     }

@@ -9,9 +9,9 @@
 //! first write into a snapshot chain's unit).
 
 mod allocator;
+mod cache;
 mod catalog;
 mod committer;
-mod cache;
 mod first_write_plan;
 
 pub(crate) use allocator::{NEEDS_REDIRECT, NEEDS_RESERVE};
@@ -23,7 +23,7 @@ pub use tessera_io::units::human_bytes;
 use allocator::zeroer_loop;
 use catalog::provisioned;
 use committer::{committer_loop, JournalCursor};
-use tessera_io::sync::{MutexExt, RwLockExt};
+use tessera_io::sync::MutexExt;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
@@ -174,10 +174,8 @@ pub struct PoolCore {
     /// Requests in flight on the volumes, per core: what a release of units (and a
     /// snapshot) waits for (`inflight`).
     pub(crate) inflight: Arc<crate::inflight::IoEpochs>,
-    /// The cache tier, if the pool has one (`cache`); `cache_gen` changes whenever it
-    /// is attached or detached, and the datapath handles look it up again then.
-    pub(crate) cache: std::sync::RwLock<Option<Arc<crate::cache_tier::CacheTier>>>,
-    pub(crate) cache_gen: std::sync::atomic::AtomicU64,
+    /// The cache tier, if the pool has one (`cache`).
+    pub(crate) cache: Arc<crate::cache_tier::CacheSlot>,
 }
 
 pub struct Pool {
@@ -228,13 +226,13 @@ impl PoolCore {
 
     /// The cache tier, if there is one.
     pub fn cache_tier(&self) -> Option<Arc<crate::cache_tier::CacheTier>> {
-        self.cache.read_locked().clone()
+        self.cache.get()
     }
 
     /// Pool unit `p` changes owner (allocated or freed): what the cache tier holds of it
     /// belongs to the previous owner's data.
     pub(crate) fn uncache_unit(&self, p: u32) {
-        if let Some(t) = self.cache.read_locked().as_ref() {
+        if let Some(t) = self.cache.get() {
             t.invalidate(u64::from(p) << self.unit_shift, self.unit_size());
         }
     }
@@ -643,8 +641,7 @@ impl Pool {
             zero_done: Condvar::new(),
             overcommit: std::sync::atomic::AtomicU64::new(DEFAULT_OVERCOMMIT.to_bits()),
             inflight: crate::inflight::IoEpochs::new(),
-            cache: std::sync::RwLock::new(None),
-            cache_gen: std::sync::atomic::AtomicU64::new(0),
+            cache: Arc::default(),
         });
         {
             let mut s = core.lock();

@@ -24,8 +24,8 @@ use tessera_export::{ExportHandle, ExportTarget, StatsRegistry};
 pub use tessera_export::{IoClass, IoStats, StatsSnapshot};
 use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 
-use crate::inflight::{inflight_for, CoreInflight};
 use crate::cache_tier::TierHandle;
+use crate::inflight::{inflight_for, CoreInflight};
 use crate::pattern::{Direction, HandlePatterns, PatternCounts, PatternTotals};
 use crate::pool::PoolCore;
 use tessera_io::cast::{u32_of, usize_of};
@@ -605,7 +605,7 @@ impl Volume {
             read_only: self.is_snapshot(),
             chain: self.ancestor_maps(),
             map,
-            layout: TierHandle::new(&self.pool),
+            layout: TierHandle::new(&self.pool.layout, &self.pool.cache),
             shift: self.pool.unit_shift,
             vol: self.clone(),
             first_writes: None,

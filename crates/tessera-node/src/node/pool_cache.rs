@@ -1,0 +1,197 @@
+//! Pools' cache tiers (issue 24): `pool cache add|remove|show|mode`, the cache given at
+//! `pool create`, and the tier brought back at start from the registry
+//! (docs/format.md §5, §16). The datapath is `tessera_pool::cache_tier`.
+
+use std::sync::Arc;
+
+use tessera_api::{CacheInfo, CacheRequest};
+use tessera_device::BlockDevice;
+use tessera_pool::cache_tier::{CacheMode, CacheStatus};
+use tessera_pool::Pool;
+use tracing::{info, warn};
+
+use super::devices::{canonical_spec, open_devices, spec_path};
+use super::{Error, Node, Result};
+use crate::registry::PoolEntry as RegistryEntry;
+
+fn ratio(hits: u64, misses: u64) -> f64 {
+    if hits + misses == 0 {
+        0.0
+    } else {
+        hits as f64 / (hits + misses) as f64
+    }
+}
+
+/// The API's view of a tier's status.
+fn cache_info(pool: &str, devices: Vec<String>, s: CacheStatus) -> CacheInfo {
+    CacheInfo {
+        pool: pool.to_string(),
+        devices,
+        read_hit_ratio: ratio(s.read_hits, s.read_misses),
+        write_hit_ratio: ratio(s.write_hits, s.write_misses),
+        mode: s.mode,
+        state: s.state,
+        capacity: s.capacity,
+        cached_units: s.cached_units,
+        valid_bytes: s.valid_bytes,
+        dirty_bytes: s.dirty_bytes,
+        read_hits: s.read_hits,
+        read_misses: s.read_misses,
+        read_hit_bytes: s.read_hit_bytes,
+        read_miss_bytes: s.read_miss_bytes,
+        write_hits: s.write_hits,
+        write_misses: s.write_misses,
+        promotions: s.promotions,
+        evictions: s.evictions,
+        fill_bytes: s.fill_bytes,
+        bypassed_bytes: s.bypassed_bytes,
+        errors: s.errors,
+        ram_bytes: s.ram_bytes,
+    }
+}
+
+impl Node {
+    /// `GET /v1/pools/NAME/cache`.
+    pub fn pool_cache(&self, name: &str) -> Result<CacheInfo> {
+        let p = self.pools().get(name)?;
+        let entry = self.pools().entry(name);
+        let devices = entry.as_ref().map(|e| e.cache.clone()).unwrap_or_default();
+        match p.cache_status() {
+            Some(s) => Ok(cache_info(name, devices, s)),
+            None if !devices.is_empty() => Ok(CacheInfo {
+                pool: name.to_string(),
+                mode: entry
+                    .and_then(|e| e.cache_mode)
+                    .unwrap_or_else(|| CacheMode::WriteThrough.name().to_string()),
+                state: "missing".to_string(),
+                devices,
+                ..CacheInfo::default()
+            }),
+            None => Err(Error::not_found(format!("pool '{name}' has no cache"))),
+        }
+    }
+
+    /// `POST /v1/pools/NAME/cache`: give pool `name` a cache tier.
+    pub fn add_pool_cache(&self, name: &str, req: &CacheRequest) -> Result<CacheInfo> {
+        let _g = self.admin();
+        let p = self.pools().get(name)?;
+        let mode = CacheMode::parse(req.mode.as_deref().unwrap_or("write-through"))?;
+        let canon = self.check_cache_devices(name, &req.devices)?;
+        let devs = open_devices(&req.devices)?;
+        p.attach_cache(devs, mode, req.force, false)?;
+        let recorded = self.pools().edit_entry(name, |e| {
+            e.cache = canon.clone();
+            e.cache_mode = Some(mode.name().to_string());
+            Ok(())
+        });
+        if let Err(e) = recorded {
+            let _ = p.detach_cache();
+            return Err(e);
+        }
+        info!(pool = %name, devices = ?canon, mode = mode.name(), "cache tier added");
+        self.pool_cache(name)
+    }
+
+    /// `DELETE /v1/pools/NAME/cache`: the pool goes on uncached.
+    pub fn remove_pool_cache(&self, name: &str) -> Result<CacheInfo> {
+        let _g = self.admin();
+        let p = self.pools().get(name)?;
+        let before = self.pool_cache(name)?;
+        if p.cache_status().is_some() {
+            p.detach_cache()?;
+        }
+        self.pools().edit_entry(name, |e| {
+            e.cache.clear();
+            e.cache_mode = None;
+            Ok(())
+        })?;
+        info!(pool = %name, "cache tier removed");
+        Ok(before)
+    }
+
+    /// `PATCH /v1/pools/NAME/cache`: switch modes online.
+    pub fn set_pool_cache_mode(&self, name: &str, mode: &str) -> Result<CacheInfo> {
+        let _g = self.admin();
+        let p = self.pools().get(name)?;
+        let mode = CacheMode::parse(mode)?;
+        p.set_cache_mode(mode)?;
+        self.pools().edit_entry(name, |e| {
+            e.cache_mode = Some(mode.name().to_string());
+            Ok(())
+        })?;
+        info!(pool = %name, mode = mode.name(), "cache mode set");
+        self.pool_cache(name)
+    }
+
+    /// The cache devices' canonical specs, after checking that none is a device or
+    /// spare of a pool or another pool's cache, and that none is listed twice.
+    fn check_cache_devices(&self, pool: &str, devices: &[String]) -> Result<Vec<String>> {
+        if devices.is_empty() || devices.len() > 2 {
+            return Err(Error::invalid(format!(
+                "a cache has one device or two mirrored ones, not {}",
+                devices.len()
+            )));
+        }
+        let canon: Vec<String> = devices.iter().map(|d| canonical_spec(d)).collect();
+        let paths: Vec<_> = canon.iter().filter_map(|d| spec_path(d)).collect();
+        if paths.len() == 2 && paths[0] == paths[1] {
+            return Err(Error::invalid("the two cache devices are the same file"));
+        }
+        for e in self.pools().entries().iter() {
+            for path in &paths {
+                let uses = |l: &Vec<String>| l.iter().any(|x| spec_path(x).as_ref() == Some(path));
+                let what = if uses(&e.devices) {
+                    "a device of"
+                } else if uses(&e.spares) {
+                    "a hot spare of"
+                } else if uses(&e.cache) {
+                    "the cache of"
+                } else {
+                    continue;
+                };
+                if e.name == pool && what == "the cache of" {
+                    return Err(Error::already_exists(format!(
+                        "pool '{pool}' already has a cache"
+                    )));
+                }
+                return Err(Error::already_exists(format!(
+                    "device {} is already {what} pool '{}'",
+                    path.display(),
+                    e.name
+                )));
+            }
+        }
+        Ok(canon)
+    }
+
+    /// At start: bring back the cache tier the registry lists for an opened pool. A
+    /// cache that cannot be opened leaves the pool uncached (nothing is lost: the tier
+    /// never holds the only copy), with the reason logged and shown as "missing".
+    pub(super) fn restore_pool_cache(&self, p: &Pool, e: &RegistryEntry, recreated: bool) {
+        if e.cache.is_empty() {
+            return;
+        }
+        let mode = e
+            .cache_mode
+            .as_deref()
+            .map(CacheMode::parse)
+            .transpose()
+            .unwrap_or_else(|err| {
+                warn!(pool = %e.name, error = %err, "bad cache mode in the registry: write-through");
+                None
+            })
+            .unwrap_or(CacheMode::WriteThrough);
+        let attached = open_devices(&e.cache).and_then(|devs: Vec<Arc<dyn BlockDevice>>| {
+            // A pool recreated on volatile devices has a new UUID: its cache is
+            // labelled afresh.
+            p.attach_cache(devs, mode, recreated, !recreated)
+                .map_err(Error::from)
+        });
+        match attached {
+            Ok(()) => info!(pool = %e.name, mode = mode.name(), "cache tier attached (cold)"),
+            Err(err) => {
+                warn!(pool = %e.name, error = %err, "the pool's cache cannot be opened: it runs uncached")
+            }
+        }
+    }
+}
