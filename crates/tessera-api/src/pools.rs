@@ -167,6 +167,9 @@ pub struct CreatePool {
     /// The cache's mode: write-through (default), write-around or pass-through.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_mode: Option<String>,
+    /// The cache unit: a power of two from 16K to 1M (default 1M).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_unit: Option<SizeArg>,
 }
 
 /// `POST /v1/pools/NAME/cache`: give the pool a cache tier.
@@ -180,6 +183,10 @@ pub struct CacheRequest {
     /// Take devices that carry another pool's cache label.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub force: bool,
+    /// The cache unit: a power of two from 16K to 1M (default 1M). Smaller units keep
+    /// scattered hot blocks in less cache, at more RAM per GiB of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unit: Option<SizeArg>,
 }
 
 /// `PATCH /v1/pools/NAME/cache`: switch the mode online.
@@ -199,6 +206,7 @@ pub struct CacheInfo {
     /// missing (the registry lists devices that could not be opened at start).
     pub state: String,
     pub capacity: u64,
+    pub unit_size: u64,
     pub cached_units: u64,
     pub valid_bytes: u64,
     pub dirty_bytes: u64,

@@ -61,6 +61,10 @@ pub struct PoolCreateArgs {
     /// The cache's mode: write-through (default), write-around or pass-through.
     #[arg(long)]
     cache_mode: Option<String>,
+    /// The cache unit: a power of two from 16K to 1M (default 1M). Smaller units keep
+    /// scattered hot blocks in less cache, at more RAM per GiB of cache.
+    #[arg(long)]
+    cache_unit: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -192,6 +196,10 @@ pub struct CacheAddArgs {
     /// Take devices that carry another pool's cache label.
     #[arg(long)]
     force: bool,
+    /// The cache unit: a power of two from 16K to 1M (default 1M). Smaller units keep
+    /// scattered hot blocks in less cache, at more RAM per GiB of cache.
+    #[arg(long)]
+    unit: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -216,11 +224,12 @@ pub enum CacheCmd {
 
 fn print_cache(c: &CacheInfo) {
     println!(
-        "pool {}: cache {} ({}), {} on {}",
+        "pool {}: cache {} ({}), {} in units of {} on {}",
         c.pool,
         c.mode,
         c.state,
         bytes(c.capacity),
+        bytes(c.unit_size),
         c.devices.join(", ")
     );
     println!(
@@ -592,6 +601,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
                 overcommit: a.overcommit,
                 cache: a.cache,
                 cache_mode: a.cache_mode,
+                cache_unit: a.cache_unit.map(SizeArg::from),
             };
             let v: PoolInfo = send(ep, "POST", "/v1/pools", &body)?;
             show(&v, raw, |v| {
@@ -665,6 +675,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
                         devices: a.devices,
                         mode: a.mode,
                         force: a.force,
+                        unit: a.unit.map(SizeArg::from),
                     },
                 )?,
                 CacheCmd::Remove(PoolName { name }) => delete(ep, &path(&name))?,

@@ -313,10 +313,44 @@ fn cli_and_api_manage_the_cache_and_a_restart_keeps_it() {
         combined(&o)
     );
     n.cli_ok(&["pool", "cache", "mode", "p", "write-through"]);
+    // A pool created with a cache of 16 KiB units; a unit out of range is refused.
+    let o = n.cli(&[
+        "pool",
+        "create",
+        "r",
+        &format!("{d}/r.img:64M"),
+        "--cache",
+        &format!("{d}/rc.img:24M"),
+        "--cache-unit",
+        "8K",
+    ]);
+    assert!(
+        !o.status.success() && combined(&o).contains("16K to 1M"),
+        "{}",
+        combined(&o)
+    );
+    assert!(
+        !n.cli(&["pool", "show", "r"]).status.success(),
+        "a pool refused its cache was left behind"
+    );
+    n.cli_ok(&[
+        "pool",
+        "create",
+        "r",
+        &format!("{d}/r.img:64M"),
+        "--cache",
+        &format!("{d}/rc.img:24M"),
+        "--cache-unit",
+        "16K",
+    ]);
+    let c = cache(&n, "r");
+    assert_eq!(u(&c, "unit_size"), 16 << 10, "{c}");
+    assert_eq!(u(&c, "capacity"), 23 << 20, "{c}");
     // A restart brings the tier back from the registry, cold.
     let mut n = n;
     n.stop();
     n.restart();
+    assert_eq!(u(&cache(&n, "r"), "unit_size"), 16 << 10);
     let c = cache(&n, "p");
     assert_eq!(c["mode"], "write-through", "{c}");
     assert_eq!(c["state"], "ok", "{c}");

@@ -305,6 +305,8 @@ pub struct PoolDecl {
     pub cache: Vec<String>,
     /// write-through (default), write-around or pass-through.
     pub cache_mode: Option<String>,
+    /// The cache unit, 16K..1M (default 1M).
+    pub cache_unit: Option<String>,
 }
 
 fn default_layout() -> String {
@@ -391,6 +393,7 @@ impl NodeConfig {
                 unit_size: None,
                 cache: Vec::new(),
                 cache_mode: None,
+                cache_unit: None,
             }],
             volumes: vec![VolumeDecl {
                 name: "vol0".into(),

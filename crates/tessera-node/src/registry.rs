@@ -29,6 +29,9 @@ pub struct PoolEntry {
     /// The cache's mode; absent: write-through.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_mode: Option<String>,
+    /// The cache unit in bytes; absent: 1 MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_unit: Option<u64>,
 }
 
 pub struct Registry {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use common::*;
 use tessera_device::{BlockDevice, FaultConfig, RamDevice};
 use tessera_io::CoreIo;
-use tessera_pool::cache_tier::{CacheMode, CacheStatus};
+use tessera_pool::cache_tier::{CacheMode, CacheStatus, CACHE_UNIT};
 use tessera_pool::{Pool, PoolOptions, VolumeHandle};
 
 const MIB: u64 = 1 << 20;
@@ -20,19 +20,20 @@ const MIB: u64 = 1 << 20;
 /// A pool on a RAM device with a cache of `cache_mib` MiB of slots on a RAM device
 /// behind a fault device (to fail it).
 fn cached_pool(cache_mib: u64, mode: CacheMode) -> (Arc<Pool>, Arc<FaultConfig>, Arc<RamDevice>) {
-    cached_pool_on(256, cache_mib, mode)
+    cached_pool_on(256, cache_mib, mode, CACHE_UNIT)
 }
 
 fn cached_pool_on(
     pool_mib: u64,
     cache_mib: u64,
     mode: CacheMode,
+    unit: u64,
 ) -> (Arc<Pool>, Arc<FaultConfig>, Arc<RamDevice>) {
     let dev: Arc<dyn BlockDevice> = RamDevice::new(pool_mib * MIB).unwrap();
     let pool = Arc::new(Pool::create("p", vec![dev], PoolOptions::default()).unwrap());
     let ram = RamDevice::new((cache_mib + 1) * MIB).unwrap();
     let (devs, cfgs) = wrap(std::slice::from_ref(&ram));
-    pool.attach_cache(devs, mode, false, false).unwrap();
+    pool.attach_cache(devs, mode, unit, false, false).unwrap();
     (pool, cfgs[0].clone(), ram)
 }
 
@@ -77,13 +78,19 @@ fn churn(
 
 #[test]
 fn every_mode_reads_back_the_last_write_and_hits_come_from_the_cache() {
-    for mode in [
+    let modes = [
         CacheMode::WriteThrough,
         CacheMode::WriteAround,
         CacheMode::PassThrough,
-    ] {
-        let what = mode.name();
-        let (pool, _, _) = cached_pool(16, mode);
+    ];
+    // The default unit, and the smallest (more units than blocks a request touches).
+    let small = [
+        (CacheMode::WriteThrough, 16 << 10),
+        (CacheMode::WriteAround, 16 << 10),
+    ];
+    for (mode, unit) in modes.into_iter().map(|m| (m, CACHE_UNIT)).chain(small) {
+        let what = &format!("{} with {} KiB units", mode.name(), unit >> 10);
+        let (pool, _, _) = cached_pool_on(256, 16, mode, unit);
         let size = 32 * MIB;
         let v = pool.create_volume("v", size).unwrap();
         let mut io = core();
@@ -164,7 +171,7 @@ fn mode_switches_under_load_keep_reads_right() {
 fn a_unit_given_to_another_volume_never_shows_the_old_owners_cached_data() {
     // A small pool, so that 'b' below must take every unit 'a' had, and a cache larger
     // than it, so that nothing of 'a' is evicted before.
-    let (pool, _, _) = cached_pool_on(48, 64, CacheMode::WriteThrough);
+    let (pool, _, _) = cached_pool_on(48, 64, CacheMode::WriteThrough, CACHE_UNIT);
     let mut io = core();
     let a = pool.create_volume("a", 8 * MIB).unwrap();
     let secret = pattern(0xa, (8 * MIB) as usize);
@@ -249,24 +256,54 @@ fn attach_refuses_pool_devices_and_other_pools_caches_and_detach_frees_the_devic
     let pool2 = Pool::create("q", vec![other], PoolOptions::default()).unwrap();
     // A pool's own device is refused, even forced.
     let e = pool
-        .attach_cache(vec![dev.clone()], CacheMode::WriteThrough, false, false)
+        .attach_cache(
+            vec![dev.clone()],
+            CacheMode::WriteThrough,
+            CACHE_UNIT,
+            false,
+            false,
+        )
         .unwrap_err();
     assert!(e.to_string().contains("pool's device label"), "{e}");
     let c: Arc<dyn BlockDevice> = RamDevice::new(32 * MIB).unwrap();
     pool2
-        .attach_cache(vec![c.clone()], CacheMode::WriteThrough, false, false)
+        .attach_cache(
+            vec![c.clone()],
+            CacheMode::WriteThrough,
+            CACHE_UNIT,
+            false,
+            false,
+        )
         .unwrap();
     assert!(pool2
-        .attach_cache(vec![c.clone()], CacheMode::WriteThrough, false, false)
+        .attach_cache(
+            vec![c.clone()],
+            CacheMode::WriteThrough,
+            CACHE_UNIT,
+            false,
+            false
+        )
         .is_err());
     let e = pool
-        .attach_cache(vec![c.clone()], CacheMode::WriteThrough, false, false)
+        .attach_cache(
+            vec![c.clone()],
+            CacheMode::WriteThrough,
+            CACHE_UNIT,
+            false,
+            false,
+        )
         .unwrap_err();
     assert!(e.to_string().contains("another pool's cache"), "{e}");
     // Too small, too many, write-back.
     let tiny: Arc<dyn BlockDevice> = RamDevice::new(4 * MIB).unwrap();
     assert!(pool
-        .attach_cache(vec![tiny], CacheMode::WriteThrough, false, false)
+        .attach_cache(
+            vec![tiny],
+            CacheMode::WriteThrough,
+            CACHE_UNIT,
+            false,
+            false
+        )
         .is_err());
     assert!(CacheMode::parse("write-back")
         .unwrap_err()
@@ -275,7 +312,7 @@ fn attach_refuses_pool_devices_and_other_pools_caches_and_detach_frees_the_devic
     let devs = pool2.detach_cache().unwrap();
     assert_eq!(devs.len(), 1);
     assert!(pool2.cache_status().is_none());
-    pool.attach_cache(vec![c], CacheMode::WriteAround, false, false)
+    pool.attach_cache(vec![c], CacheMode::WriteAround, CACHE_UNIT, false, false)
         .unwrap();
     assert_eq!(status(&pool).mode, "write-around");
 }
@@ -287,7 +324,7 @@ fn a_mirrored_cache_survives_one_device() {
     let pool = Pool::create("p", vec![dev], PoolOptions::default()).unwrap();
     let ram = ram_devices(2, 17 * MIB);
     let (devs, cfgs) = wrap(&ram);
-    pool.attach_cache(devs, CacheMode::WriteThrough, false, false)
+    pool.attach_cache(devs, CacheMode::WriteThrough, CACHE_UNIT, false, false)
         .unwrap();
     let size = 24 * MIB;
     let v = pool.create_volume("v", size).unwrap();

@@ -60,7 +60,7 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     let b: CreatePool = match body(
         &bytes,
         "pool",
-        "name, devices, layout, copies, stripe_size, unit_size, force, overcommit, cache, cache_mode",
+        "name, devices, layout, copies, stripe_size, unit_size, force, overcommit, cache, cache_mode, cache_unit",
     ) {
         Ok(b) => b,
         Err(r) => return r,
@@ -105,6 +105,7 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
                     devices: b.cache.clone(),
                     mode: b.cache_mode.clone(),
                     force: b.force,
+                    unit: b.cache_unit.clone(),
                 };
                 // A pool asked for with a cache that cannot be had is not left behind.
                 match n.add_pool_cache(&info.name, &req) {
@@ -346,7 +347,7 @@ pub async fn cache_show(State(node): NodeState, Path(name): Path<String>) -> Res
     params(("name" = String, Path)), request_body = CacheRequest,
     responses((status = 201, body = CacheInfo), (status = "4XX", body = ErrorReply)))]
 pub async fn cache_add(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
-    match body::<CacheRequest>(&bytes, "cache", "devices, mode, force") {
+    match body::<CacheRequest>(&bytes, "cache", "devices, mode, force, unit") {
         Ok(b) => with_node(node, move |n| reply(n.add_pool_cache(&name, &b), 201)).await,
         Err(r) => r,
     }

@@ -324,6 +324,7 @@ impl Node {
                         devices: p.cache.clone(),
                         mode: p.cache_mode.clone(),
                         force: false,
+                        unit: p.cache_unit.clone().map(tessera_api::SizeArg::Text),
                     };
                     self.add_pool_cache(&p.name, &req)?;
                 }

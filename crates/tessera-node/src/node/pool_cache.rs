@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use tessera_api::{CacheInfo, CacheRequest};
 use tessera_device::BlockDevice;
-use tessera_pool::cache_tier::{CacheMode, CacheStatus};
+use tessera_pool::cache_tier::{CacheMode, CacheStatus, CACHE_UNIT};
 use tessera_pool::Pool;
 use tracing::{info, warn};
 
@@ -32,6 +32,7 @@ fn cache_info(pool: &str, devices: Vec<String>, s: CacheStatus) -> CacheInfo {
         mode: s.mode,
         state: s.state,
         capacity: s.capacity,
+        unit_size: s.unit_size,
         cached_units: s.cached_units,
         valid_bytes: s.valid_bytes,
         dirty_bytes: s.dirty_bytes,
@@ -76,12 +77,19 @@ impl Node {
         let _g = self.admin();
         let p = self.pools().get(name)?;
         let mode = CacheMode::parse(req.mode.as_deref().unwrap_or("write-through"))?;
+        let unit = match &req.unit {
+            None => CACHE_UNIT,
+            Some(u) => tessera_device::parse_size(&u.as_text())
+                .map_err(|e| Error::invalid(format!("cache unit: {e}")))?,
+        };
+        tessera_pool::cache_tier::check_unit(unit)?;
         let canon = self.check_cache_devices(name, &req.devices)?;
         let devs = open_devices(&req.devices)?;
-        p.attach_cache(devs, mode, req.force, false)?;
+        p.attach_cache(devs, mode, unit, req.force, false)?;
         let recorded = self.pools().edit_entry(name, |e| {
             e.cache = canon.clone();
             e.cache_mode = Some(mode.name().to_string());
+            e.cache_unit = (unit != CACHE_UNIT).then_some(unit);
             Ok(())
         });
         if let Err(e) = recorded {
@@ -103,6 +111,7 @@ impl Node {
         self.pools().edit_entry(name, |e| {
             e.cache.clear();
             e.cache_mode = None;
+            e.cache_unit = None;
             Ok(())
         })?;
         info!(pool = %name, "cache tier removed");
@@ -184,7 +193,8 @@ impl Node {
         let attached = open_devices(&e.cache).and_then(|devs: Vec<Arc<dyn BlockDevice>>| {
             // A pool recreated on volatile devices has a new UUID: its cache is
             // labelled afresh.
-            p.attach_cache(devs, mode, recreated, !recreated)
+            let unit = e.cache_unit.unwrap_or(CACHE_UNIT);
+            p.attach_cache(devs, mode, unit, recreated, !recreated)
                 .map_err(Error::from)
         });
         match attached {

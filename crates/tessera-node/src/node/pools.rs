@@ -249,6 +249,7 @@ impl Node {
             overcommit: None,
             cache: Vec::new(),
             cache_mode: None,
+            cache_unit: None,
         };
         self.pools.record(entry)?;
         let v = self.pool_info(&pool);

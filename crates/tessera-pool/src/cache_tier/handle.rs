@@ -18,7 +18,7 @@ use tessera_io::cast::{u32_of, usize_of};
 use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use super::CacheSlot;
-use super::{CacheTier, ReadPlan, WritePlan, BLOCK_SHIFT, CACHE_UNIT, CACHE_UNIT_SHIFT};
+use super::{CacheTier, ReadPlan, WritePlan, BLOCK_SHIFT};
 use crate::layout::{Layout, LayoutHandle};
 
 /// The pool's layout handle, and the pool's cache tier's when it has one.
@@ -80,16 +80,17 @@ impl TierHandle {
         };
         let tier = &side.tier;
         let c = &tier.counters;
+        let (shift, mask) = (tier.unit_shift, tier.unit_mask());
         match op {
             IoOp::Read { offset, len, buf } => {
-                let key = offset >> CACHE_UNIT_SHIFT;
-                let (b0, b1) = blocks_touched(offset, u64::from(len));
+                let key = offset >> shift;
+                let (b0, b1) = blocks_touched(offset & mask, u64::from(len));
                 match tier.plan_read(key, b0, b1, self.sequential) {
                     ReadPlan::Hit { slot } => {
                         c.read_hits.fetch_add(1, Relaxed);
                         c.read_hit_bytes.fetch_add(u64::from(len), Relaxed);
                         let (shard, local) = slot_parts(tier, key, slot);
-                        let at = tier.slot_offset(shard, local) + (offset & (CACHE_UNIT - 1));
+                        let at = tier.slot_offset(shard, local) + (offset & mask);
                         let ctx = side.hook.push(Op::Hit {
                             key,
                             slot,
@@ -136,9 +137,9 @@ impl TierHandle {
                 }
             }
             IoOp::Write { offset, len, buf } => {
-                let key = offset >> CACHE_UNIT_SHIFT;
-                let touch = blocks_touched(offset, u64::from(len));
-                let full = blocks_whole(offset, u64::from(len));
+                let key = offset >> shift;
+                let touch = blocks_touched(offset & mask, u64::from(len));
+                let full = blocks_whole(offset & mask, u64::from(len));
                 if self.sequential {
                     c.bypassed_bytes.fetch_add(u64::from(len), Relaxed);
                 }
@@ -146,7 +147,7 @@ impl TierHandle {
                     WritePlan::Both { slot } => {
                         let (b0, b1) = full.expect("planned with whole blocks");
                         let (shard, local) = slot_parts(tier, key, slot);
-                        let unit_off = offset & (CACHE_UNIT - 1);
+                        let unit_off = offset & mask;
                         let skip = (b0 << BLOCK_SHIFT) - unit_off;
                         let clen = (b1 - b0 + 1) << BLOCK_SHIFT;
                         let ctx = side.hook.push(Op::Both {
@@ -209,15 +210,13 @@ impl TierHandle {
     }
 }
 
-/// The blocks a range touches (in its unit).
-fn blocks_touched(offset: u64, len: u64) -> (u64, u64) {
-    let u = offset & (CACHE_UNIT - 1);
+/// The blocks a range at `u` in its unit touches.
+fn blocks_touched(u: u64, len: u64) -> (u64, u64) {
     (u >> BLOCK_SHIFT, (u + len.max(1) - 1) >> BLOCK_SHIFT)
 }
 
-/// The blocks a range covers whole (in its unit), if any.
-fn blocks_whole(offset: u64, len: u64) -> Option<(u64, u64)> {
-    let u = offset & (CACHE_UNIT - 1);
+/// The blocks a range at `u` in its unit covers whole, if any.
+fn blocks_whole(u: u64, len: u64) -> Option<(u64, u64)> {
     let b0 = u.div_ceil(1 << BLOCK_SHIFT);
     let end = (u + len) >> BLOCK_SHIFT;
     (end > b0).then(|| (b0, end - 1))
@@ -244,8 +243,9 @@ impl IoHandle for TierHandle {
             // SAFETY: no buffer.
             IoOp::Flush => return unsafe { self.backing.submit(io, op, tag) },
         };
-        let first = offset >> CACHE_UNIT_SHIFT;
-        let last = (offset + len.max(1) - 1) >> CACHE_UNIT_SHIFT;
+        let shift = self.cache.as_ref().map_or(20, |s| s.tier.unit_shift);
+        let first = offset >> shift;
+        let last = (offset + len.max(1) - 1) >> shift;
         if first == last || matches!(op, IoOp::Discard { .. } | IoOp::WriteZeroes { .. }) {
             // SAFETY: our caller upholds the contract.
             return unsafe { self.submit_piece(io, op, tag) };
@@ -254,7 +254,7 @@ impl IoHandle for TierHandle {
         let mut at = offset;
         let end = offset + len;
         while at < end {
-            let seg = (((at >> CACHE_UNIT_SHIFT) + 1) << CACHE_UNIT_SHIFT).min(end) - at;
+            let seg = (((at >> shift) + 1) << shift).min(end) - at;
             let skip = usize_of(at - offset);
             let piece = match op {
                 IoOp::Read { buf, .. } => IoOp::Read {
@@ -551,10 +551,13 @@ impl Continuation for CacheHook {
                 else {
                     unreachable!()
                 };
-                match blocks_whole(offset, u64::from(len)) {
+                let whole = tier
+                    .as_ref()
+                    .and_then(|t| blocks_whole(offset & t.unit_mask(), u64::from(len)));
+                match whole {
                     Some((b0, b1)) if tier.is_some() => {
                         let tier = tier.expect("checked");
-                        let unit_off = offset & (CACHE_UNIT - 1);
+                        let unit_off = offset & tier.unit_mask();
                         let skip = usize_of((b0 << BLOCK_SHIFT) - unit_off);
                         let n = usize_of((b1 - b0 + 1) << BLOCK_SHIFT);
                         let mut data = AlignedBuf::zeroed(n);

@@ -42,9 +42,12 @@ use crate::{Error, Result};
 
 pub use handle::TierHandle;
 
-/// Bytes of the pool's address space one slot caches.
-pub const CACHE_UNIT: u64 = 1 << CACHE_UNIT_SHIFT;
-pub const CACHE_UNIT_SHIFT: u32 = 20;
+/// Bytes of the pool's address space one slot caches, by default: 1 MiB. A tier may use
+/// smaller units, down to `MIN_UNIT` (`CacheTier::new`): scattered hot blocks waste less
+/// of the cache, at more RAM per GiB of it.
+pub const CACHE_UNIT: u64 = 1 << 20;
+/// The smallest cache unit: 16 KiB.
+pub const MIN_UNIT: u64 = 16 << 10;
 /// Validity is tracked per 4 KiB block: 256 bits per slot.
 const BLOCK_SHIFT: u32 = 12;
 /// The cache label's magic (docs/format.md §16).
@@ -247,6 +250,7 @@ pub struct CacheStatus {
     pub state: String,
     pub devices: usize,
     pub capacity: u64,
+    pub unit_size: u64,
     pub slots: u64,
     pub cached_units: u64,
     pub valid_bytes: u64,
@@ -288,6 +292,8 @@ pub struct CacheTier {
     mode: AtomicU8,
     shards: Box<[Mutex<Shard>]>,
     slots: u64,
+    /// log2 of the cache unit (16 KiB to 1 MiB; each holds up to 256 blocks of 4 KiB).
+    pub(crate) unit_shift: u32,
     /// The tier's devices failed (an I/O error the layout could not hide): uncached.
     failed: AtomicBool,
     /// Detached from its pool: no new request uses it.
@@ -298,8 +304,15 @@ pub struct CacheTier {
 }
 
 impl CacheTier {
-    /// A tier over `devices` (already labelled) for a pool, starting empty.
-    pub fn new(devices: Vec<Arc<dyn BlockDevice>>, mode: CacheMode) -> Result<CacheTier> {
+    /// A tier over `devices` (already labelled) for a pool, with cache units of `unit`
+    /// bytes (a power of two from `MIN_UNIT` to `CACHE_UNIT`), starting empty.
+    pub fn new(
+        devices: Vec<Arc<dyn BlockDevice>>,
+        mode: CacheMode,
+        unit: u64,
+    ) -> Result<CacheTier> {
+        check_unit(unit)?;
+        let unit_shift = unit.trailing_zeros();
         let kind = match devices.len() {
             1 => LayoutKind::Concat,
             2 => LayoutKind::Raid1 { copies: 2 },
@@ -311,11 +324,11 @@ impl CacheTier {
             }
         };
         let layout = Arc::new(Layout::new(kind, devices)?);
-        let slots = layout.size >> CACHE_UNIT_SHIFT;
+        let slots = layout.size >> unit_shift;
         if slots < MIN_SLOTS {
             return Err(Error::invalid(format!(
-                "a cache device needs at least {} MiB (1 MiB label and {MIN_SLOTS} slots of 1 MiB)",
-                MIN_SLOTS + 1
+                "a cache device needs more than 1 MiB (its label) plus {MIN_SLOTS} cache units of {}",
+                tessera_device::format_size(unit)
             )));
         }
         // Enough shards that cores rarely meet, few enough that each has room for the
@@ -343,6 +356,7 @@ impl CacheTier {
             mode: AtomicU8::new(mode as u8),
             shards,
             slots,
+            unit_shift,
             failed: AtomicBool::new(false),
             detached: AtomicBool::new(false),
             inflight: AtomicU64::new(0),
@@ -393,7 +407,17 @@ impl CacheTier {
     /// Device-layout offset of slot `local` of shard `shard`.
     pub(crate) fn slot_offset(&self, shard: usize, local: u32) -> u64 {
         let n = self.shards.len() as u64;
-        (u64::from(local) * n + shard as u64) << CACHE_UNIT_SHIFT
+        (u64::from(local) * n + shard as u64) << self.unit_shift
+    }
+
+    /// Offset within a cache unit.
+    #[inline]
+    pub(crate) fn unit_mask(&self) -> u64 {
+        (1u64 << self.unit_shift) - 1
+    }
+
+    pub fn unit_size(&self) -> u64 {
+        1 << self.unit_shift
     }
 
     /// A free slot of the shard that no read or writer still uses.
@@ -559,11 +583,12 @@ impl CacheTier {
             return;
         }
         let end = offset + len;
-        let mut key = offset >> CACHE_UNIT_SHIFT;
-        while key << CACHE_UNIT_SHIFT < end {
-            let base = key << CACHE_UNIT_SHIFT;
+        let shift = self.unit_shift;
+        let mut key = offset >> shift;
+        while key << shift < end {
+            let base = key << shift;
             let b0 = (offset.max(base) - base) >> BLOCK_SHIFT;
-            let b1 = ((end.min(base + CACHE_UNIT) - 1) - base) >> BLOCK_SHIFT;
+            let b1 = ((end.min(base + (1 << shift)) - 1) - base) >> BLOCK_SHIFT;
             let (i, _) = self.shard_of(key);
             let mut sh = self.shards[i].locked();
             if let Some(&s) = sh.slot_of.get(&key) {
@@ -629,7 +654,8 @@ impl CacheTier {
             }
             .to_string(),
             devices: self.layout.devices.len(),
-            capacity: self.slots << CACHE_UNIT_SHIFT,
+            capacity: self.slots << self.unit_shift,
+            unit_size: 1 << self.unit_shift,
             slots: self.slots,
             cached_units: cached,
             valid_bytes: valid << BLOCK_SHIFT,
@@ -650,15 +676,26 @@ impl CacheTier {
     }
 }
 
+/// A cache unit size this version takes.
+pub fn check_unit(unit: u64) -> Result<()> {
+    if !unit.is_power_of_two() || !(MIN_UNIT..=CACHE_UNIT).contains(&unit) {
+        return Err(Error::invalid(format!(
+            "cache unit {} is not a power of two from 16K to 1M",
+            tessera_device::format_size(unit)
+        )));
+    }
+    Ok(())
+}
+
 /// The cache label of device `index` of `count` for pool `uuid` (docs/format.md §16).
-pub fn encode_label(uuid: &[u8; 16], index: u32, count: u32) -> Vec<u8> {
+pub fn encode_label(uuid: &[u8; 16], index: u32, count: u32, unit: u64) -> Vec<u8> {
     let mut b = vec![0u8; BLOCK];
     b[..8].copy_from_slice(CACHE_MAGIC);
     b[8..12].copy_from_slice(&1u32.to_le_bytes());
     b[16..32].copy_from_slice(uuid);
     b[32..36].copy_from_slice(&index.to_le_bytes());
     b[36..40].copy_from_slice(&count.to_le_bytes());
-    b[40..48].copy_from_slice(&CACHE_UNIT.to_le_bytes());
+    b[40..48].copy_from_slice(&unit.to_le_bytes());
     let crc = crate::format::crc(&b[..BLOCK - 4]);
     b[BLOCK - 4..].copy_from_slice(&crc.to_le_bytes());
     b
@@ -702,7 +739,7 @@ mod tests {
 
     fn tier() -> CacheTier {
         let d: Arc<dyn BlockDevice> = RamDevice::new(40 << 20).unwrap();
-        CacheTier::new(vec![d], CacheMode::WriteThrough).unwrap()
+        CacheTier::new(vec![d], CacheMode::WriteThrough, CACHE_UNIT).unwrap()
     }
 
     /// Reads of unit 5, blocks 0..=3, until the unit is admitted and filled.
@@ -760,7 +797,7 @@ mod tests {
     #[test]
     fn busy_slots_are_not_reused() {
         let d: Arc<dyn BlockDevice> = RamDevice::new(9 << 20).unwrap();
-        let t = CacheTier::new(vec![d], CacheMode::WriteThrough).unwrap();
+        let t = CacheTier::new(vec![d], CacheMode::WriteThrough, CACHE_UNIT).unwrap();
         assert_eq!(t.shards.len(), 1);
         let s = fill(&t);
         t.end_write(5, s, (0, 3), Some((0, 3)));

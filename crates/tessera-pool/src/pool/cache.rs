@@ -32,14 +32,17 @@ impl Pool {
     /// each is labelled for this pool (docs/format.md §16) and the tier starts empty.
     /// A device that carries a pool's label or another pool's cache label is refused
     /// unless `force`. `reopen`: the devices are this pool's cache from an earlier run
-    /// (their labels must say so, except on volatile devices, which lost theirs).
+    /// (their labels must say so, except on volatile devices, which lost theirs). `unit`:
+    /// the cache unit, 16 KiB to 1 MiB (`cache_tier::CACHE_UNIT` by default).
     pub fn attach_cache(
         &self,
         devices: Vec<Arc<dyn BlockDevice>>,
         mode: CacheMode,
+        unit: u64,
         force: bool,
         reopen: bool,
     ) -> Result<()> {
+        crate::cache_tier::check_unit(unit)?;
         let mut slot = self.core.cache.tier.write_locked();
         if slot.is_some() {
             return Err(Error::AlreadyExists(format!(
@@ -66,12 +69,12 @@ impl Pool {
             }
             d.write_at(
                 0,
-                &encode_label(&uuid, u32::try_from(i).unwrap_or(u32::MAX), count),
+                &encode_label(&uuid, u32::try_from(i).unwrap_or(u32::MAX), count, unit),
             )
             .and_then(|()| d.sync())
             .map_err(|e| Error::io("writing a cache label", e))?;
         }
-        let tier = CacheTier::new(devices, mode)?;
+        let tier = CacheTier::new(devices, mode, unit)?;
         *slot = Some(Arc::new(tier));
         self.core.cache.gen.fetch_add(1, Release);
         Ok(())
