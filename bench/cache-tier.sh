@@ -10,6 +10,9 @@
 #   3. a 4 KiB random-read pass over a hot range, then a sequential scan of four times the
 #      cache, then the hot range again: the cache's hit ratio before and after the scan
 #      (the scan is bypassed: the access-pattern detector calls it sequential).
+#   4. sequential 128 KiB reads at QD1: the slow pool alone, and with the cache, which
+#      reads ahead of the stream; and the zipf run's read amplification (bytes read from
+#      the slow device per byte the client read: readahead must not fire on random I/O).
 #
 # The zipf run is made with the default 1 MiB cache unit and with UNIT (16K by default):
 # fio's zipf scatters its hot blocks (it hashes the ranks), so 1 MiB units hold many
@@ -39,7 +42,7 @@ for _ in $(seq 200); do
     sleep 0.1
 done
 t() { "$TESSERA" --api "unix:$dir/api.sock" "$@" >/dev/null; }
-size=$((WS_MIB + 64))M
+size=$((WS_MIB + 320))M
 t pool create slow "fault:$dir/slow.img:${size};latency_us=$LATENCY_US"
 t pool create cached "fault:$dir/cached.img:${size};latency_us=$LATENCY_US" \
     --cache "ram:$((CACHE_MIB + 1))M"
@@ -49,6 +52,10 @@ t pool create fast "ram:${size}"
 for p in slow cached small fast; do
     t volume create "v$p" --pool "$p" --size "${WS_MIB}M"
     t export add "v$p" --volume "v$p"
+done
+for p in slow cached; do
+    t volume create "s$p" --pool "$p" --size 256M
+    t export add "s$p" --volume "s$p"
 done
 
 # fio over NBD; prints "IOPS mean_us"
@@ -61,10 +68,14 @@ fio_run() { # name uri extra...
 }
 uri() { echo "nbd://127.0.0.1:$PORT/v$1"; }
 hits() { "$TESSERA" --api "unix:$dir/api.sock" pool cache show "${1:-cached}" --json |
-    python3 -c 'import json,sys; c=json.load(sys.stdin); print(c["read_hits"], c["read_misses"])'; }
+    python3 -c 'import json,sys; c=json.load(sys.stdin); print(c["read_hits"], c["read_misses"], *([c["read_hit_bytes"], c["read_miss_bytes"], c["prefetch_bytes"]] if len(sys.argv) > 1 else []))' ${2:-}; }
 
 echo "cache-tier: capacity tier ${LATENCY_US} us per I/O, cache ${CACHE_MIB} MiB (RAM), working set ${WS_MIB} MiB"
 echo "prefilling (sequential 1 MiB writes: bypass the cache)..."
+for p in sslow scached; do
+    fio --name=fill --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/$p" --rw=write --bs=1M --iodepth=8 \
+        --size=256M >/dev/null
+done
 for p in slow cached small fast; do
     fio --name=fill --ioengine=nbd --uri="$(uri $p)" --rw=write --bs=1M --iodepth=8 \
         --size="${WS_MIB}M" >/dev/null
@@ -74,12 +85,14 @@ zipf=(--rw=randread --random_distribution=zipf:1.1 --iodepth=16 --size="${WS_MIB
     --time_based --runtime="$RUNTIME")
 read -r slow_iops slow_lat < <(fio_run zipf-slow "$(uri slow)" "${zipf[@]}")
 fio_run zipf-warm "$(uri cached)" "${zipf[@]}" >/dev/null
-read -r h0 m0 < <(hits)
+read -r h0 m0 hb0 mb0 pb0 < <(hits cached bytes)
 read -r cached_iops cached_lat < <(fio_run zipf-cached "$(uri cached)" "${zipf[@]}")
-read -r h1 m1 < <(hits)
+read -r h1 m1 hb1 mb1 pb1 < <(hits cached bytes)
 ratio=$(python3 -c "print('%.2f' % ($cached_iops / max($slow_iops, 1)))")
 hit=$(python3 -c "print('%.1f' % (100 * ($h1 - $h0) / max(1, $h1 - $h0 + $m1 - $m0)))")
 echo "zipf(1.1) randread QD16: slow pool ${slow_iops} IOPS (${slow_lat} us), with cache (1M units) ${cached_iops} IOPS (${cached_lat} us, ${hit}% hits): ${ratio}x"
+amp=$(python3 -c "print('%.3f' % (($mb1 - $mb0 + $pb1 - $pb0) / max(1, $hb1 - $hb0 + $mb1 - $mb0)))")
+echo "zipf(1.1) randread: bytes read from the slow device per byte read by the client: ${amp} (misses only; $((pb1 - pb0)) bytes read ahead)"
 fio_run zipf-warm-small "$(uri small)" "${zipf[@]}" >/dev/null
 read -r h0 m0 < <(hits small)
 read -r small_iops small_lat < <(fio_run zipf-small "$(uri small)" "${zipf[@]}")
@@ -119,5 +132,9 @@ after = (a3 - a2) / max(1, a3 - a2 + b3 - b2)
 print("scan resistance: hot-set hit ratio %.3f before a %s scan, %.3f after (%.2fx)"
       % (before, "4x-cache", after, after / max(before, 1e-9)))
 EOF
+seq=(--rw=read --bs=128k --iodepth=1 --size=256M --time_based --runtime="$RUNTIME")
+read -r sq_slow _ < <(fio_run seq-slow "nbd://127.0.0.1:$PORT/sslow" "${seq[@]}")
+read -r sq_cached _ < <(fio_run seq-cached "nbd://127.0.0.1:$PORT/scached" "${seq[@]}")
+python3 -c "print('sequential 128K read QD1: slow pool %.1f MiB/s, with cache and readahead %.1f MiB/s: %.2fx' % ($sq_slow / 8, $sq_cached / 8, $sq_cached / max($sq_slow, 1)))"
 "$TESSERA" --api "unix:$dir/api.sock" pool cache show cached
 "$TESSERA" --api "unix:$dir/api.sock" pool cache show small

@@ -225,6 +225,8 @@ pub struct CacheInfo {
     /// Bytes of requests the access-pattern detector called sequential, kept out of the
     /// cache.
     pub bypassed_bytes: u64,
+    /// Bytes read ahead of sequential readers into the cache.
+    pub prefetch_bytes: u64,
     pub errors: u64,
     /// RAM the tier's index and policy take.
     pub ram_bytes: u64,

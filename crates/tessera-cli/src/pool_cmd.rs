@@ -255,8 +255,9 @@ fn print_cache(c: &CacheInfo) {
         bytes(c.fill_bytes)
     );
     println!(
-        "  {} of sequential I/O bypassed; {} errors; index {} of RAM",
+        "  {} of sequential I/O bypassed, {} read ahead; {} errors; index {} of RAM",
         bytes(c.bypassed_bytes),
+        bytes(c.prefetch_bytes),
         c.errors,
         bytes(c.ram_bytes)
     );

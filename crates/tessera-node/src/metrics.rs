@@ -768,7 +768,7 @@ const POOL_FAMILIES: &[Family<PoolRow>] = &[
     Family {
         name: "tessera_pool_cache_bytes_total",
         kind: "counter",
-        help: "Bytes through the cache tier: read_hit (served by the cache), read_miss (by the pool's devices), fill (written into the cache after a miss), bypassed (sequential I/O kept out of it).",
+        help: "Bytes through the cache tier: read_hit (served by the cache), read_miss (by the pool's devices), fill (written into the cache after a miss), bypassed (sequential I/O kept out of it), prefetch (read ahead of sequential readers into it).",
         samples: |p| {
             cache_kinds(p, |c| {
                 [
@@ -776,6 +776,7 @@ const POOL_FAMILIES: &[Family<PoolRow>] = &[
                     ("read_miss", c.read_miss_bytes),
                     ("fill", c.fill_bytes),
                     ("bypassed", c.bypassed_bytes),
+                    ("prefetch", c.prefetch_bytes),
                 ]
             })
         },

@@ -156,6 +156,46 @@ impl TwoQ {
         }
     }
 
+    /// Readahead wants unit `key` in the cache. It never displaces the hot set: it takes
+    /// a free place, or the oldest recent unit's (which leaves without becoming a ghost:
+    /// a stream's units are not reuse), and is refused when neither exists or the unit is
+    /// a ghost (its next access decides). A unit cached already is a hit, and not moved.
+    pub fn prefetch(&mut self, key: u64) -> Outcome {
+        match self
+            .index
+            .get(&key)
+            .map(|&i| self.entries[i as usize].queue)
+        {
+            Some(Queue::Recent | Queue::Frequent) => return Outcome::Hit,
+            Some(Queue::Ghost) => {
+                return Outcome::Miss {
+                    admitted: false,
+                    evicted: None,
+                }
+            }
+            None => {}
+        }
+        let mut evicted = None;
+        if self.cached() >= self.capacity {
+            let tail = self.lists[Queue::Recent as usize].tail;
+            if tail == NIL {
+                return Outcome::Miss {
+                    admitted: false,
+                    evicted: None,
+                };
+            }
+            evicted = Some(self.entries[tail as usize].key);
+            self.unlink(tail);
+            self.release(tail);
+        }
+        let i = self.alloc(key);
+        self.push_head(Queue::Recent, i);
+        Outcome::Miss {
+            admitted: true,
+            evicted,
+        }
+    }
+
     /// Free one unit's place if the cache is full: the oldest recent unit while recent
     /// holds more than its share (it becomes a ghost), else the least recently used
     /// frequent one. Returns the unit that left.
@@ -247,6 +287,33 @@ impl TwoQ {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefetch_never_displaces_the_frequent_units() {
+        let mut q = TwoQ::new(8);
+        // 0 and 1 become frequent: seen, pushed out to the ghosts by 8 and 9, seen again.
+        for k in 0..10 {
+            q.access(k, false);
+        }
+        assert_eq!(q.access(0, false), miss(true, Some(2)));
+        assert_eq!(q.access(1, false), miss(true, Some(3)));
+        for k in 100..200 {
+            let o = q.prefetch(k);
+            assert!(
+                matches!(o, Outcome::Miss { admitted: true, .. }),
+                "{k}: {o:?}"
+            );
+        }
+        assert!(
+            q.contains(0) && q.contains(1),
+            "readahead displaced the hot set"
+        );
+        assert_eq!(q.prefetch(199), Outcome::Hit);
+        assert_eq!(q.prefetch(0), Outcome::Hit);
+        assert_eq!(q.cached(), 8);
+        // A ghost is left to its next access.
+        assert_eq!(q.prefetch(2), miss(false, None));
+    }
 
     fn miss(admitted: bool, evicted: Option<u64>) -> Outcome {
         Outcome::Miss { admitted, evicted }

@@ -348,3 +348,40 @@ fn a_mirrored_cache_survives_one_device() {
     assert_eq!(s.state, "degraded", "{s:?}");
     assert!(s.read_hits > 0);
 }
+
+/// A sequential reader gets the units ahead of it read into the cache (readahead), and
+/// a write into a unit ahead of it is what it reads there.
+#[test]
+fn sequential_readers_are_read_ahead_and_see_writes_ahead_of_them() {
+    let (pool, _, _) = cached_pool(32, CacheMode::WriteAround);
+    let size = 24 * MIB;
+    let v = pool.create_volume("v", size).unwrap();
+    let mut io = core();
+    let mut h = v.open_handle();
+    // Written around the cache: nothing of it is cached.
+    let mut model = pattern(21, size as usize);
+    assert_eq!(write(&mut io, &mut h, 0, &model), 0);
+    pool.set_cache_mode(CacheMode::WriteThrough).unwrap();
+    assert_eq!(status(&pool).valid_bytes, 0);
+    let chunk: u64 = 128 << 10;
+    let mut k = 0;
+    for off in (0..size).step_by(chunk as usize) {
+        if off % (2 * MIB) == 0 && off + 3 * MIB < size {
+            // Into the unit two ahead, which readahead may hold already.
+            let at = off + 2 * MIB + 4096 * (k % 7);
+            let d = pattern(1000 + k, 8192);
+            assert_eq!(write(&mut io, &mut h, at, &d), 0);
+            model[at as usize..at as usize + 8192].copy_from_slice(&d);
+            k += 1;
+        }
+        let got = read(&mut io, &mut h, off, chunk as usize).unwrap();
+        assert!(
+            got == model[off as usize..(off + chunk) as usize],
+            "read at {off}"
+        );
+    }
+    let s = status(&pool);
+    assert!(s.prefetch_bytes >= 16 * MIB, "{s:?}");
+    assert!(s.read_hits > 3 * s.read_misses, "{s:?}");
+    verify_all(&mut io, &mut h, &model, "after the stream");
+}

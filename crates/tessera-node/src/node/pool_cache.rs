@@ -46,6 +46,7 @@ fn cache_info(pool: &str, devices: Vec<String>, s: CacheStatus) -> CacheInfo {
         evictions: s.evictions,
         fill_bytes: s.fill_bytes,
         bypassed_bytes: s.bypassed_bytes,
+        prefetch_bytes: s.prefetch_bytes,
         errors: s.errors,
         ram_bytes: s.ram_bytes,
     }

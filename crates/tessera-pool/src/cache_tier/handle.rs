@@ -191,6 +191,51 @@ impl TierHandle {
         }
     }
 
+    /// Whether requests use a cache tier now (readahead goes into it).
+    #[inline]
+    pub(crate) fn caching(&self) -> bool {
+        self.cache.as_ref().is_some_and(|s| !s.tier.bypassed())
+    }
+
+    /// Read `[offset, offset + len)` of the pool into the cache, ahead of a stream: every
+    /// cache unit in it that is not cached whole and not being written is read from the
+    /// pool's devices whole, then filled like a miss. Nothing waits for it.
+    pub(crate) fn prefetch(&mut self, io: &mut CoreIo, offset: u64, len: u64) {
+        let Some(side) = self.cache.as_mut() else {
+            return;
+        };
+        let tier = &side.tier;
+        let shift = tier.unit_shift;
+        let unit = 1u64 << shift;
+        let blocks = (unit >> BLOCK_SHIFT) - 1;
+        let mut key = offset >> shift;
+        while key << shift < offset + len {
+            if let Some(slot) = tier.plan_prefetch(key) {
+                let (shard, _) = tier.shard_of(key);
+                let mut data = AlignedBuf::zeroed(usize_of(unit));
+                let buf = data.as_mut_ptr();
+                let ctx = side.hook.push(Op::Ahead {
+                    key,
+                    slot,
+                    blocks: (0, blocks),
+                    at: tier.slot_offset(shard, slot),
+                    data,
+                });
+                let t = io.tracked(Tag::NO_PARENT, 1, side.hook.id.get(), ctx);
+                let op = IoOp::Read {
+                    offset: key << shift,
+                    len: u32_of(unit),
+                    buf,
+                };
+                // SAFETY: the buffer is the operation's own, kept in the hook's table
+                // until the operation ends (moving the `AlignedBuf` does not move its
+                // heap allocation).
+                unsafe { self.backing.submit(io, op, t) };
+            }
+            key += 1;
+        }
+    }
+
     /// A change that goes to the pool's devices only: what the cache holds of the range
     /// is invalidated again when it ends (a fill that read the old bytes meanwhile must
     /// not validate them).
@@ -336,6 +381,15 @@ enum Op {
         offset: u64,
         len: u64,
         parent: Tag,
+    },
+    /// Readahead: a whole unit read from the pool's devices into `data`, which then
+    /// fills the (claimed) slot.
+    Ahead {
+        key: u64,
+        slot: u32,
+        blocks: (u64, u64),
+        at: u64,
+        data: AlignedBuf,
     },
     /// A read of the pool's devices after the cache failed it.
     Retry {
@@ -589,6 +643,35 @@ impl Continuation for CacheHook {
                 io.complete(parent, 0);
                 return;
             }
+            Op::Ahead { .. } if res >= 0 => {
+                let Op::Ahead {
+                    key,
+                    slot,
+                    blocks,
+                    at,
+                    data,
+                } = std::mem::replace(&mut ops[i as usize], Op::Free)
+                else {
+                    unreachable!()
+                };
+                if let Some(t) = &tier {
+                    t.counters
+                        .prefetch_bytes
+                        .fetch_add((blocks.1 + 1) << BLOCK_SHIFT, Relaxed);
+                }
+                ops[i as usize] = Op::Fill {
+                    key,
+                    slot,
+                    claimed: blocks,
+                    blocks,
+                    at,
+                    data,
+                    submitted: false,
+                };
+                drop(ops);
+                self.enqueue(io, i);
+                return;
+            }
             Op::Hit { .. } if res < 0 => {
                 let Op::Hit {
                     key,
@@ -689,6 +772,14 @@ impl Continuation for CacheHook {
                 io.complete(parent, res);
             }
             Op::Retry { parent, .. } => io.complete(parent, res),
+            // A readahead whose read failed: nothing waits for it.
+            Op::Ahead {
+                key, slot, blocks, ..
+            } => {
+                if let Some(t) = &tier {
+                    t.end_write(key, slot, blocks, None);
+                }
+            }
             Op::Free => {}
         }
     }

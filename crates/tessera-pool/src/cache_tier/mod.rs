@@ -239,6 +239,8 @@ pub struct CacheCounters {
     pub fill_bytes: AtomicU64,
     /// Bytes of requests the detector called sequential, which did not go into the cache.
     pub bypassed_bytes: AtomicU64,
+    /// Bytes read ahead of sequential streams into the cache.
+    pub prefetch_bytes: AtomicU64,
     pub errors: AtomicU64,
 }
 
@@ -266,6 +268,7 @@ pub struct CacheStatus {
     pub evictions: u64,
     pub fill_bytes: u64,
     pub bypassed_bytes: u64,
+    pub prefetch_bytes: u64,
     pub errors: u64,
     /// RAM the index and the policy take.
     pub ram_bytes: u64,
@@ -496,6 +499,44 @@ impl CacheTier {
         ReadPlan::Fill { slot: s }
     }
 
+    /// Readahead of unit `key`: a slot with every block claimed for it, or `None` (the
+    /// unit is cached whole already, or being written, or the policy refuses it, or no
+    /// slot is idle). The policy never lets readahead displace the hot set
+    /// (`TwoQ::prefetch`).
+    pub(crate) fn plan_prefetch(&self, key: u64) -> Option<u32> {
+        let (i, _) = self.shard_of(key);
+        let mut sh = self.shards[i].locked();
+        if self.bypassed() {
+            return None;
+        }
+        let slot = match sh.policy.prefetch(key) {
+            Outcome::Hit => sh
+                .slot_of
+                .get(&key)
+                .copied()
+                .or_else(|| self.map_key(&mut sh, key)),
+            Outcome::Miss {
+                admitted: true,
+                evicted,
+            } => {
+                if let Some(k) = evicted {
+                    self.drop_key(&mut sh, k);
+                }
+                self.map_key(&mut sh, key)
+            }
+            Outcome::Miss {
+                admitted: false, ..
+            } => None,
+        }?;
+        let all = span(0, (1 << (self.unit_shift - BLOCK_SHIFT)) - 1);
+        let st = &mut sh.slots[slot as usize];
+        if and(st.valid, all) == all || !st.claim(all) {
+            return None;
+        }
+        self.inflight.fetch_add(1, Relaxed);
+        Some(slot)
+    }
+
     /// A hit's read of the slot ended.
     pub(crate) fn end_hit(&self, key: u64, slot: u32) {
         let (i, _) = self.shard_of(key);
@@ -670,6 +711,7 @@ impl CacheTier {
             evictions: c.evictions.load(Relaxed),
             fill_bytes: c.fill_bytes.load(Relaxed),
             bypassed_bytes: c.bypassed_bytes.load(Relaxed),
+            prefetch_bytes: c.prefetch_bytes.load(Relaxed),
             errors: c.errors.load(Relaxed),
             ram_bytes: ram,
         }

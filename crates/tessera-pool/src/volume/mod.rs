@@ -613,9 +613,14 @@ impl Volume {
             inflight: None,
             epoch: 0,
             patterns: Box::default(),
+            ra_next: 0,
         }
     }
 }
+
+/// How far ahead of a sequential reader a handle reads into the pool's cache tier:
+/// enough to cover a slow device's latency at the rate a stream consumes the cache.
+const READAHEAD: u64 = 4 << 20;
 
 /// One core's handle to a volume.
 pub struct VolumeHandle {
@@ -641,6 +646,8 @@ pub struct VolumeHandle {
     /// This handle's access-pattern detectors (`crate::pattern`; about 6 KiB, boxed
     /// to keep the handle small where it is moved by value).
     patterns: Box<HandlePatterns>,
+    /// Readahead: the first volume unit not yet asked for.
+    ra_next: u64,
 }
 
 impl Drop for VolumeHandle {
@@ -843,7 +850,8 @@ impl IoHandle for VolumeHandle {
             }
             _ => crate::pattern::Pattern::Unknown,
         };
-        self.layout.sequential = label == crate::pattern::Pattern::Sequential;
+        let sequential = label == crate::pattern::Pattern::Sequential;
+        self.layout.sequential = sequential;
         // Counted in flight from before the map is looked at until it completes: a
         // snapshot or a release of units waits for it (`inflight`).
         if self.inflight.is_none() {
@@ -889,7 +897,10 @@ impl IoHandle for VolumeHandle {
                             )
                         };
                     }
-                })
+                });
+                if sequential && self.chain.is_empty() && self.layout.caching() {
+                    self.read_ahead(io, offset + len);
+                }
             }
             IoOp::Write { buf, .. } => {
                 self.for_units(io, offset, len, tag, |h, io, u, at, seg, roff, t| {
@@ -970,6 +981,27 @@ impl VolumeHandle {
             // SAFETY: the submitter keeps `b` alive until `t` completes.
             unsafe { h.first_write(io, u, at, seg, b, t) }
         });
+    }
+
+    /// A sequential reader reached `end`: ask the cache tier for the volume units up to
+    /// `READAHEAD` beyond it that were not asked for yet (holes and units in a chain are
+    /// skipped; a stream that jumps starts over from where it is).
+    fn read_ahead(&mut self, io: &mut CoreIo, end: u64) {
+        let cur = (end - 1) >> self.shift;
+        let last = (cur + (READAHEAD >> self.shift).max(1)).min(self.map.len().saturating_sub(1));
+        let first = if self.ra_next > cur && self.ra_next <= last + 1 {
+            self.ra_next
+        } else {
+            cur + 1
+        };
+        for u in first..=last {
+            let p = self.map.get(u);
+            if p != HOLE {
+                self.layout
+                    .prefetch(io, u64::from(p) << self.shift, 1 << self.shift);
+            }
+        }
+        self.ra_next = last + 1;
     }
 
     /// Release every unit wholly inside the range; partial units are left alone
