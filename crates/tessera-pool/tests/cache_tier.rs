@@ -254,7 +254,8 @@ fn attach_refuses_pool_devices_and_other_pools_caches_and_detach_frees_the_devic
     let pool = Pool::create("p", vec![dev.clone()], PoolOptions::default()).unwrap();
     let other: Arc<dyn BlockDevice> = RamDevice::new(64 * MIB).unwrap();
     let pool2 = Pool::create("q", vec![other], PoolOptions::default()).unwrap();
-    // A pool's own device is refused, even forced.
+    // A device with a pool label is refused (unless forced; the node also refuses its
+    // own pools' devices by path, forced or not).
     let e = pool
         .attach_cache(
             vec![dev.clone()],
