@@ -12,7 +12,7 @@ use std::sync::Arc;
 use common::*;
 use tessera_device::{BlockDevice, FaultConfig, RamDevice};
 use tessera_io::CoreIo;
-use tessera_pool::cache_tier::{CacheMode, CacheStatus, CACHE_UNIT};
+use tessera_pool::cache_tier::{CacheInfo, CacheMode, CACHE_UNIT};
 use tessera_pool::{Pool, PoolOptions, VolumeHandle};
 
 const MIB: u64 = 1 << 20;
@@ -37,7 +37,7 @@ fn cached_pool_on(
     (pool, cfgs[0].clone(), ram)
 }
 
-fn status(p: &Pool) -> CacheStatus {
+fn status(p: &Pool) -> CacheInfo {
     p.cache_status().expect("a cache")
 }
 

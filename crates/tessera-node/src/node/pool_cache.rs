@@ -6,51 +6,13 @@ use std::sync::Arc;
 
 use tessera_api::{CacheInfo, CacheRequest};
 use tessera_device::BlockDevice;
-use tessera_pool::cache_tier::{CacheMode, CacheStatus, CACHE_UNIT};
+use tessera_pool::cache_tier::{CacheMode, CACHE_UNIT};
 use tessera_pool::Pool;
 use tracing::{info, warn};
 
 use super::devices::{canonical_spec, open_devices, spec_path};
 use super::{Error, Node, Result};
 use crate::registry::PoolEntry as RegistryEntry;
-
-fn ratio(hits: u64, misses: u64) -> f64 {
-    if hits + misses == 0 {
-        0.0
-    } else {
-        hits as f64 / (hits + misses) as f64
-    }
-}
-
-/// The API's view of a tier's status.
-fn cache_info(pool: &str, devices: Vec<String>, s: CacheStatus) -> CacheInfo {
-    CacheInfo {
-        pool: pool.to_string(),
-        devices,
-        read_hit_ratio: ratio(s.read_hits, s.read_misses),
-        write_hit_ratio: ratio(s.write_hits, s.write_misses),
-        mode: s.mode,
-        state: s.state,
-        capacity: s.capacity,
-        unit_size: s.unit_size,
-        cached_units: s.cached_units,
-        valid_bytes: s.valid_bytes,
-        dirty_bytes: s.dirty_bytes,
-        read_hits: s.read_hits,
-        read_misses: s.read_misses,
-        read_hit_bytes: s.read_hit_bytes,
-        read_miss_bytes: s.read_miss_bytes,
-        write_hits: s.write_hits,
-        write_misses: s.write_misses,
-        promotions: s.promotions,
-        evictions: s.evictions,
-        fill_bytes: s.fill_bytes,
-        bypassed_bytes: s.bypassed_bytes,
-        prefetch_bytes: s.prefetch_bytes,
-        errors: s.errors,
-        ram_bytes: s.ram_bytes,
-    }
-}
 
 impl Node {
     /// `GET /v1/pools/NAME/cache`.
@@ -59,7 +21,11 @@ impl Node {
         let entry = self.pools().entry(name);
         let devices = entry.as_ref().map(|e| e.cache.clone()).unwrap_or_default();
         match p.cache_status() {
-            Some(s) => Ok(cache_info(name, devices, s)),
+            Some(s) => Ok(CacheInfo {
+                pool: name.to_string(),
+                devices,
+                ..s
+            }),
             None if !devices.is_empty() => Ok(CacheInfo {
                 pool: name.to_string(),
                 mode: entry

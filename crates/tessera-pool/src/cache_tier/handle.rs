@@ -364,6 +364,8 @@ enum Op {
         at: u64,
         data: AlignedBuf,
         submitted: bool,
+        /// A readahead's (its buffer counts against the tier's budget).
+        ahead: bool,
     },
     /// A write going to both tiers.
     Both {
@@ -628,6 +630,7 @@ impl Continuation for CacheHook {
                             at: tier.slot_offset(shard, slot) + (b0 << BLOCK_SHIFT),
                             data,
                             submitted: false,
+                            ahead: false,
                         };
                         drop(ops);
                         self.enqueue(io, i);
@@ -667,6 +670,7 @@ impl Continuation for CacheHook {
                     at,
                     data,
                     submitted: false,
+                    ahead: true,
                 };
                 drop(ops);
                 self.enqueue(io, i);
@@ -729,9 +733,13 @@ impl Continuation for CacheHook {
                 claimed,
                 blocks,
                 data,
+                ahead,
                 ..
             } => {
                 if let Some(t) = &tier {
+                    if ahead {
+                        t.end_prefetch();
+                    }
                     t.end_write(key, slot, claimed, (res >= 0).then_some(blocks));
                     if res < 0 {
                         t.fail();
@@ -777,6 +785,7 @@ impl Continuation for CacheHook {
                 key, slot, blocks, ..
             } => {
                 if let Some(t) = &tier {
+                    t.end_prefetch();
                     t.end_write(key, slot, blocks, None);
                 }
             }

@@ -3,7 +3,7 @@
 //!
 //! - [`CacheTier`]: the slots, their index and the policy (`crate::cache_policy`'s 2Q),
 //!   sharded by unit so cores rarely meet on one lock; the counters `pool cache show`
-//!   and the metrics print.
+//!   and the metrics print (`tessera_api::CacheInfo`).
 //! - `handle`: the per-core datapath ([`TierHandle`]), which every volume request goes
 //!   through; a pool without a cache pays one atomic load per request there.
 //!
@@ -39,6 +39,7 @@ use crate::cache_policy::{Outcome, TwoQ};
 use crate::format::{BLOCK, DEV_DATA_START};
 use crate::layout::{Layout, LayoutKind};
 use crate::{Error, Result};
+pub use tessera_api::CacheInfo;
 
 pub use handle::TierHandle;
 
@@ -52,6 +53,8 @@ pub const MIN_UNIT: u64 = 16 << 10;
 const BLOCK_SHIFT: u32 = 12;
 /// The cache label's magic (docs/format.md §16).
 pub const CACHE_MAGIC: &[u8; 8] = b"TSRCACH1";
+/// RAM a tier's readahead buffers may hold at once.
+const PREFETCH_BUDGET: u64 = 64 << 20;
 /// A tier needs this many slots at least (the policy's queues need four per shard).
 const MIN_SLOTS: u64 = 8;
 
@@ -244,36 +247,6 @@ pub struct CacheCounters {
     pub errors: AtomicU64,
 }
 
-/// What `pool cache show` prints.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct CacheStatus {
-    pub mode: String,
-    /// "ok", "degraded" (a mirrored tier lost a device) or "failed" (uncached).
-    pub state: String,
-    pub devices: usize,
-    pub capacity: u64,
-    pub unit_size: u64,
-    pub slots: u64,
-    pub cached_units: u64,
-    pub valid_bytes: u64,
-    /// Always 0 in the modes this version has.
-    pub dirty_bytes: u64,
-    pub read_hits: u64,
-    pub read_misses: u64,
-    pub read_hit_bytes: u64,
-    pub read_miss_bytes: u64,
-    pub write_hits: u64,
-    pub write_misses: u64,
-    pub promotions: u64,
-    pub evictions: u64,
-    pub fill_bytes: u64,
-    pub bypassed_bytes: u64,
-    pub prefetch_bytes: u64,
-    pub errors: u64,
-    /// RAM the index and the policy take.
-    pub ram_bytes: u64,
-}
-
 /// Where a pool keeps its cache tier: the tier, if any, and a generation that changes
 /// whenever one is attached or detached (the datapath handles look it up again then).
 #[derive(Default)]
@@ -303,6 +276,9 @@ pub struct CacheTier {
     detached: AtomicBool,
     /// Operations of the datapath in flight (a detach waits for them).
     inflight: AtomicU64,
+    /// Bytes of readahead buffers in flight, up to `PREFETCH_BUDGET`: however fast
+    /// clients stream, readahead holds no more RAM than this per tier.
+    prefetching: AtomicU64,
     pub counters: CacheCounters,
 }
 
@@ -363,6 +339,7 @@ impl CacheTier {
             failed: AtomicBool::new(false),
             detached: AtomicBool::new(false),
             inflight: AtomicU64::new(0),
+            prefetching: AtomicU64::new(0),
             counters: CacheCounters::default(),
         })
     }
@@ -464,26 +441,7 @@ impl CacheTier {
             return ReadPlan::Backing;
         }
         let outcome = sh.policy.access(key, sequential);
-        let slot = match outcome {
-            Outcome::Hit => sh
-                .slot_of
-                .get(&key)
-                .copied()
-                .or_else(|| self.map_key(&mut sh, key)),
-            Outcome::Miss {
-                admitted: true,
-                evicted,
-            } => {
-                if let Some(k) = evicted {
-                    self.drop_key(&mut sh, k);
-                }
-                self.map_key(&mut sh, key)
-            }
-            Outcome::Miss {
-                admitted: false, ..
-            } => None,
-        };
-        let Some(s) = slot else {
+        let Some(s) = self.slot_for(&mut sh, key, outcome) else {
             return ReadPlan::Backing;
         };
         let st = &mut sh.slots[s as usize];
@@ -509,32 +467,48 @@ impl CacheTier {
         if self.bypassed() {
             return None;
         }
-        let slot = match sh.policy.prefetch(key) {
-            Outcome::Hit => sh
-                .slot_of
-                .get(&key)
-                .copied()
-                .or_else(|| self.map_key(&mut sh, key)),
-            Outcome::Miss {
-                admitted: true,
-                evicted,
-            } => {
-                if let Some(k) = evicted {
-                    self.drop_key(&mut sh, k);
-                }
-                self.map_key(&mut sh, key)
-            }
-            Outcome::Miss {
-                admitted: false, ..
-            } => None,
-        }?;
+        if self.prefetching.load(Relaxed) >= PREFETCH_BUDGET {
+            return None;
+        }
+        let outcome = sh.policy.prefetch(key);
+        let slot = self.slot_for(&mut sh, key, outcome)?;
         let all = span(0, (1 << (self.unit_shift - BLOCK_SHIFT)) - 1);
         let st = &mut sh.slots[slot as usize];
         if and(st.valid, all) == all || !st.claim(all) {
             return None;
         }
         self.inflight.fetch_add(1, Relaxed);
+        self.prefetching.fetch_add(self.unit_size(), Relaxed);
         Some(slot)
+    }
+
+    /// A readahead's buffer was given back.
+    pub(crate) fn end_prefetch(&self) {
+        self.prefetching.fetch_sub(self.unit_size(), Relaxed);
+    }
+
+    /// The slot of unit `key` after the policy's `outcome` for it: the one it has, or a
+    /// new one when the policy admitted it (the evicted unit's slot freed first).
+    fn slot_for(&self, sh: &mut Shard, key: u64, outcome: Outcome) -> Option<u32> {
+        match outcome {
+            Outcome::Hit => sh
+                .slot_of
+                .get(&key)
+                .copied()
+                .or_else(|| self.map_key(sh, key)),
+            Outcome::Miss {
+                admitted: true,
+                evicted,
+            } => {
+                if let Some(k) = evicted {
+                    self.drop_key(sh, k);
+                }
+                self.map_key(sh, key)
+            }
+            Outcome::Miss {
+                admitted: false, ..
+            } => None,
+        }
     }
 
     /// A hit's read of the slot ended.
@@ -664,7 +638,8 @@ impl CacheTier {
         true
     }
 
-    pub fn status(&self) -> CacheStatus {
+    /// What `pool cache show` prints (the node adds the pool's name and device specs).
+    pub fn status(&self) -> CacheInfo {
         let mut cached = 0u64;
         let mut valid = 0u64;
         let mut ram = 0u64;
@@ -684,7 +659,18 @@ impl CacheTier {
         }
         let c = &self.counters;
         let failed_devs = self.layout.health.failed.load(Relaxed).count_ones();
-        CacheStatus {
+        let ratio = |hits: u64, misses: u64| {
+            if hits + misses == 0 {
+                0.0
+            } else {
+                hits as f64 / (hits + misses) as f64
+            }
+        };
+        CacheInfo {
+            pool: String::new(),
+            devices: Vec::new(),
+            read_hit_ratio: ratio(c.read_hits.load(Relaxed), c.read_misses.load(Relaxed)),
+            write_hit_ratio: ratio(c.write_hits.load(Relaxed), c.write_misses.load(Relaxed)),
             mode: self.mode().name().to_string(),
             state: if self.failed() {
                 "failed"
@@ -694,10 +680,8 @@ impl CacheTier {
                 "ok"
             }
             .to_string(),
-            devices: self.layout.devices.len(),
             capacity: self.slots << self.unit_shift,
             unit_size: 1 << self.unit_shift,
-            slots: self.slots,
             cached_units: cached,
             valid_bytes: valid << BLOCK_SHIFT,
             dirty_bytes: 0,

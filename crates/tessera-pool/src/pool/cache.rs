@@ -8,9 +8,7 @@ use tessera_device::BlockDevice;
 use tessera_io::sync::RwLockExt;
 
 use super::Pool;
-use crate::cache_tier::{
-    device_claim, encode_label, CacheMode, CacheStatus, CacheTier, DeviceClaim,
-};
+use crate::cache_tier::{device_claim, encode_label, CacheInfo, CacheMode, CacheTier, DeviceClaim};
 use crate::{Error, Result};
 
 /// How long a detach waits for the tier's operations in flight.
@@ -113,7 +111,7 @@ impl Pool {
         Ok(())
     }
 
-    pub fn cache_status(&self) -> Option<CacheStatus> {
+    pub fn cache_status(&self) -> Option<CacheInfo> {
         self.core.cache_tier().map(|t| t.status())
     }
 }
