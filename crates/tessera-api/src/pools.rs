@@ -164,7 +164,7 @@ pub struct CreatePool {
     /// A cache tier on faster devices (one, or two that mirror each other).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cache: Vec<String>,
-    /// The cache's mode: write-through (default), write-around or pass-through.
+    /// The cache's mode: write-through (default), write-around, pass-through or write-back.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_mode: Option<String>,
     /// The cache unit: a power of two from 16K to 1M (default 1M).
@@ -177,7 +177,7 @@ pub struct CreatePool {
 pub struct CacheRequest {
     /// One device spec, or two (mirrored).
     pub devices: Vec<String>,
-    /// write-through (default), write-around or pass-through.
+    /// write-through (default), write-around, pass-through or write-back.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
     /// Take devices that carry another pool's cache label.
@@ -193,6 +193,10 @@ pub struct CacheRequest {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CacheModeRequest {
     pub mode: String,
+    /// Into write-back on one cache device (its failure would lose the writes only it
+    /// holds).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 
 /// `GET /v1/pools/NAME/cache`: the tier and its counters since it was attached (or
@@ -202,14 +206,21 @@ pub struct CacheInfo {
     pub pool: String,
     pub devices: Vec<String>,
     pub mode: String,
-    /// ok, degraded (a mirrored tier lost a device), failed (requests go uncached), or
-    /// missing (the registry lists devices that could not be opened at start).
+    /// ok, degraded (a mirrored tier lost a device), draining (a switch out of
+    /// write-back: dirty data is being copied to the pool's devices first), failed
+    /// (requests go uncached), "failed, dirty data lost" (write-back data that was on
+    /// the failed devices only: reads of it fail), or missing (the registry lists
+    /// devices that could not be opened at start).
     pub state: String,
     pub capacity: u64,
     pub unit_size: u64,
     pub cached_units: u64,
     pub valid_bytes: u64,
+    /// Write-back: bytes the pool's devices do not have yet.
     pub dirty_bytes: u64,
+    /// Write-back: bytes the cleaner copied to the pool's devices.
+    #[serde(default)]
+    pub cleaned_bytes: u64,
     pub read_hits: u64,
     pub read_misses: u64,
     /// read_hits / (read_hits + read_misses), 0 before any read.

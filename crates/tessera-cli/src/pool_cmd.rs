@@ -58,7 +58,7 @@ pub struct PoolCreateArgs {
     /// mirror each other.
     #[arg(long, value_delimiter = ',')]
     cache: Vec<String>,
-    /// The cache's mode: write-through (default), write-around or pass-through.
+    /// The cache's mode: write-through (default), write-around, pass-through or write-back.
     #[arg(long)]
     cache_mode: Option<String>,
     /// The cache unit: a power of two from 16K to 1M (default 1M). Smaller units keep
@@ -190,10 +190,11 @@ pub struct CacheAddArgs {
     /// One device, or two that mirror each other.
     #[arg(required = true, num_args = 1..=2)]
     devices: Vec<String>,
-    /// write-through (default), write-around or pass-through.
+    /// write-through (default), write-around, pass-through or write-back.
     #[arg(long)]
     mode: Option<String>,
-    /// Take devices that carry another pool's cache label.
+    /// Take devices that carry another pool's cache label; allow write-back on one
+    /// device.
     #[arg(long)]
     force: bool,
     /// The cache unit: a power of two from 16K to 1M (default 1M). Smaller units keep
@@ -206,16 +207,30 @@ pub struct CacheAddArgs {
 pub struct CacheModeArgs {
     /// Name of the pool.
     name: String,
-    /// write-through, write-around or pass-through.
+    /// write-through, write-around, pass-through or write-back. Out of write-back the
+    /// dirty data drains first (`pool cache show` says "draining" and how much is left).
     mode: String,
+    /// Write-back on one cache device (if it fails, the writes only it holds are lost).
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CacheRemoveArgs {
+    /// Name of the pool.
+    name: String,
+    /// Give up a write-back cache that cannot be opened (what only it held is lost).
+    #[arg(long)]
+    force: bool,
 }
 
 #[derive(Subcommand, Debug)]
 pub enum CacheCmd {
     /// Give a pool a cache tier (it starts empty).
     Add(CacheAddArgs),
-    /// Remove a pool's cache tier: the pool goes on uncached, nothing is lost.
-    Remove(PoolName),
+    /// Remove a pool's cache tier: the pool goes on uncached, nothing is lost (a
+    /// write-back cache must be switched to write-through and drained first).
+    Remove(CacheRemoveArgs),
     /// The cache's mode, state, hit ratios and counters.
     Show(PoolName),
     /// Switch the cache's mode online.
@@ -254,6 +269,13 @@ fn print_cache(c: &CacheInfo) {
         c.evictions,
         bytes(c.fill_bytes)
     );
+    if c.mode == "write-back" || c.dirty_bytes > 0 || c.cleaned_bytes > 0 {
+        println!(
+            "  write-back: {} dirty, {} cleaned to the pool's devices",
+            bytes(c.dirty_bytes),
+            bytes(c.cleaned_bytes)
+        );
+    }
     println!(
         "  {} of sequential I/O bypassed, {} read ahead; {} errors; index {} of RAM",
         bytes(c.bypassed_bytes),
@@ -679,10 +701,13 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
                         unit: a.unit.map(SizeArg::from),
                     },
                 )?,
-                CacheCmd::Remove(PoolName { name }) => delete(ep, &path(&name))?,
+                CacheCmd::Remove(CacheRemoveArgs { name, force }) => {
+                    let q = if force { "?force=true" } else { "" };
+                    delete(ep, &format!("{}{q}", path(&name)))?
+                }
                 CacheCmd::Show(PoolName { name }) => get(ep, &path(&name))?,
-                CacheCmd::Mode(CacheModeArgs { name, mode }) => {
-                    send(ep, "PATCH", &path(&name), &CacheModeRequest { mode })?
+                CacheCmd::Mode(CacheModeArgs { name, mode, force }) => {
+                    send(ep, "PATCH", &path(&name), &CacheModeRequest { mode, force })?
                 }
             };
             show(&v, raw, print_cache);

@@ -344,7 +344,9 @@ impl Reactor {
                 continue;
             }
             let next_timer = self.io.fire_timers();
-            if self.io.has_ready() {
+            // A timer's owner may have completed something or deferred work (a request
+            // parked until a later round): either way there is work, no sleeping.
+            if self.io.has_ready() || self.io.has_deferred() {
                 continue;
             }
             // Poll briefly before sleeping (hybrid polling). A pending timer (a keep-alive

@@ -1,7 +1,7 @@
 //! Tests of the per-core runtime itself: joins, continuations, deferral, timers, ring
 //! completions and completions sent from other threads.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -300,4 +300,79 @@ fn another_thread_completes_a_task_tag_through_the_mailbox() {
     }
     thread.join().expect("reactor thread");
     assert_eq!(*seen.lock().unwrap(), vec![(5, 42), (6, -3)]);
+}
+
+/// Defers its second step from its timer's completion; the second step completes the
+/// task's tag.
+struct DeferOnTimer {
+    id: Cell<u32>,
+    task: Cell<u32>,
+}
+
+impl Continuation for DeferOnTimer {
+    fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32) {
+        self.on_done(io, parent, op, ctx, res)
+    }
+
+    fn on_done(&self, io: &mut CoreIo, _parent: Tag, _op: IoOp, ctx: u64, _res: i32) {
+        match ctx {
+            1 => io.defer_hook(self.id.get(), 2),
+            _ => io.complete(Tag::task(self.task.get(), 0), 7),
+        }
+    }
+}
+
+/// A task whose only work is a timer whose continuation defers the rest.
+struct TimerThenDefer {
+    seen: Arc<Mutex<Vec<(u32, i32)>>>,
+}
+
+impl Task for TimerThenDefer {
+    fn start(&mut self, io: &mut CoreIo, id: u32) {
+        let h = Rc::new(DeferOnTimer {
+            id: Cell::new(0),
+            task: Cell::new(id),
+        });
+        let hid = io.register_hook(h.clone());
+        h.id.set(hid);
+        let t = io.tracked(Tag::NO_PARENT, 1, hid, 1);
+        io.complete_after(Duration::from_millis(2), t, 0);
+    }
+    fn on_complete(&mut self, _io: &mut CoreIo, slot: u32, res: i32) {
+        self.seen.lock().unwrap().push((slot, res));
+    }
+    fn finished(&self) -> bool {
+        !self.seen.lock().unwrap().is_empty()
+    }
+}
+
+/// Work deferred by a timer's continuation runs without any other event waking the
+/// reactor (it used to go to sleep right after firing the timer, with the deferred work
+/// stranded: a write-back request parked for the cleaner never came back).
+#[test]
+fn work_deferred_from_a_timer_runs_without_another_wakeup() {
+    let cfg = ReactorConfig {
+        pin: false,
+        exit_when_idle: true,
+        poll_window: Duration::ZERO,
+        ..ReactorConfig::default()
+    };
+    let mut reactors = spawn_reactors(&cfg).expect("reactor");
+    let (mailbox, thread) = reactors.pop().expect("one core");
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    mailbox.spawn(Box::new(move |_io: &mut CoreIo| {
+        Box::new(TimerThenDefer { seen: s2 }) as Box<dyn Task>
+    }));
+    let t0 = Instant::now();
+    while !thread.is_finished() && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let finished = thread.is_finished();
+    if !finished {
+        mailbox.send(Msg::Stop);
+    }
+    thread.join().unwrap();
+    assert!(finished, "the deferred step never ran");
+    assert_eq!(*seen.lock().unwrap(), vec![(0, 7)]);
 }

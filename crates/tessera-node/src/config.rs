@@ -303,7 +303,7 @@ pub struct PoolDecl {
     /// A cache tier (one device, or two mirrored), given when the pool is created.
     #[serde(default)]
     pub cache: Vec<String>,
-    /// write-through (default), write-around or pass-through.
+    /// write-through (default), write-around, pass-through or write-back.
     pub cache_mode: Option<String>,
     /// The cache unit, 16K..1M (default 1M).
     pub cache_unit: Option<String>,

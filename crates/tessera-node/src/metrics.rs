@@ -768,7 +768,7 @@ const POOL_FAMILIES: &[Family<PoolRow>] = &[
     Family {
         name: "tessera_pool_cache_bytes_total",
         kind: "counter",
-        help: "Bytes through the cache tier: read_hit (served by the cache), read_miss (by the pool's devices), fill (written into the cache after a miss), bypassed (sequential I/O kept out of it), prefetch (read ahead of sequential readers into it).",
+        help: "Bytes through the cache tier: read_hit (served by the cache), read_miss (by the pool's devices), fill (written into the cache after a miss), bypassed (sequential I/O kept out of it), prefetch (read ahead of sequential readers into it), cleaned (write-back data copied to the pool's devices).",
         samples: |p| {
             cache_kinds(p, |c| {
                 [
@@ -777,6 +777,7 @@ const POOL_FAMILIES: &[Family<PoolRow>] = &[
                     ("fill", c.fill_bytes),
                     ("bypassed", c.bypassed_bytes),
                     ("prefetch", c.prefetch_bytes),
+                    ("cleaned", c.cleaned_bytes),
                 ]
             })
         },
@@ -790,7 +791,7 @@ const POOL_FAMILIES: &[Family<PoolRow>] = &[
     Family {
         name: "tessera_pool_cache_bytes",
         kind: "gauge",
-        help: "The cache tier's capacity, bytes holding valid data, and dirty bytes (not yet on the pool's devices; always 0 in write-through, write-around and pass-through).",
+        help: "The cache tier's capacity, bytes holding valid data, and dirty bytes (write-back data not yet on the pool's devices).",
         samples: |p| {
             cache_kinds(p, |c| {
                 [

@@ -31,7 +31,8 @@ fn cached_pool_on(
 ) -> (Arc<Pool>, Arc<FaultConfig>, Arc<RamDevice>) {
     let dev: Arc<dyn BlockDevice> = RamDevice::new(pool_mib * MIB).unwrap();
     let pool = Arc::new(Pool::create("p", vec![dev], PoolOptions::default()).unwrap());
-    let ram = RamDevice::new((cache_mib + 1) * MIB).unwrap();
+    // The label's MiB and the slot records' MiB, then the slots.
+    let ram = RamDevice::new((cache_mib + 2) * MIB).unwrap();
     let (devs, cfgs) = wrap(std::slice::from_ref(&ram));
     pool.attach_cache(devs, mode, unit, false, false).unwrap();
     (pool, cfgs[0].clone(), ram)
@@ -151,7 +152,7 @@ fn mode_switches_under_load_keep_reads_right() {
             800,
             &format!("before switch {i}"),
         );
-        pool.set_cache_mode(m).unwrap();
+        pool.set_cache_mode(m, false).unwrap();
     }
     churn(
         &mut io,
@@ -306,10 +307,12 @@ fn attach_refuses_pool_devices_and_other_pools_caches_and_detach_frees_the_devic
             false
         )
         .is_err());
-    assert!(CacheMode::parse("write-back")
+    // Write-back keeps the only copy of writes: never on a device that forgets them.
+    let err = pool2
+        .set_cache_mode(CacheMode::WriteBack, true)
         .unwrap_err()
-        .to_string()
-        .contains("not implemented"));
+        .to_string();
+    assert!(err.contains("keep their data across a restart"), "{err}");
     let devs = pool2.detach_cache().unwrap();
     assert_eq!(devs.len(), 1);
     assert!(pool2.cache_status().is_none());
@@ -362,7 +365,7 @@ fn sequential_readers_are_read_ahead_and_see_writes_ahead_of_them() {
     // Written around the cache: nothing of it is cached.
     let mut model = pattern(21, size as usize);
     assert_eq!(write(&mut io, &mut h, 0, &model), 0);
-    pool.set_cache_mode(CacheMode::WriteThrough).unwrap();
+    pool.set_cache_mode(CacheMode::WriteThrough, false).unwrap();
     assert_eq!(status(&pool).valid_bytes, 0);
     let chunk: u64 = 128 << 10;
     let mut k = 0;

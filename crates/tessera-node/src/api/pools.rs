@@ -361,10 +361,10 @@ pub async fn cache_mode(
     Path(name): Path<String>,
     bytes: Bytes,
 ) -> Response {
-    match body::<CacheModeRequest>(&bytes, "cache mode", "mode") {
+    match body::<CacheModeRequest>(&bytes, "cache mode", "mode, force") {
         Ok(b) => {
             with_node(node, move |n| {
-                reply(n.set_pool_cache_mode(&name, &b.mode), 200)
+                reply(n.set_pool_cache_mode(&name, &b.mode, b.force), 200)
             })
             .await
         }
@@ -372,9 +372,25 @@ pub async fn cache_mode(
     }
 }
 
+/// `DELETE /v1/pools/NAME/cache?force=true`: give up a write-back cache that cannot be
+/// opened (its data is lost).
+#[derive(serde::Deserialize, utoipa::IntoParams)]
+pub struct CacheRemoveQuery {
+    /// Accept the loss of a missing write-back cache's data.
+    #[serde(default)]
+    force: bool,
+}
+
 #[utoipa::path(delete, path = "/v1/pools/{name}/cache", tag = "pools",
-    params(("name" = String, Path)),
+    params(("name" = String, Path), CacheRemoveQuery),
     responses((status = 200, body = CacheInfo), (status = "4XX", body = ErrorReply)))]
-pub async fn cache_remove(State(node): NodeState, Path(name): Path<String>) -> Response {
-    with_node(node, move |n| reply(n.remove_pool_cache(&name), 200)).await
+pub async fn cache_remove(
+    State(node): NodeState,
+    Path(name): Path<String>,
+    Query(q): Query<CacheRemoveQuery>,
+) -> Response {
+    with_node(node, move |n| {
+        reply(n.remove_pool_cache(&name, q.force), 200)
+    })
+    .await
 }

@@ -67,13 +67,34 @@ impl Node {
         self.pool_cache(name)
     }
 
-    /// `DELETE /v1/pools/NAME/cache`: the pool goes on uncached.
-    pub fn remove_pool_cache(&self, name: &str) -> Result<CacheInfo> {
+    /// `DELETE /v1/pools/NAME/cache`: the pool goes on uncached. A write-back tier that
+    /// could not be opened (its volumes fail I/O meanwhile) is given up only with
+    /// `force`: what it held that the pool's devices did not is lost.
+    pub fn remove_pool_cache(&self, name: &str, force: bool) -> Result<CacheInfo> {
         let _g = self.admin();
         let p = self.pools().get(name)?;
         let before = self.pool_cache(name)?;
-        if p.cache_status().is_some() {
+        if let Some(c) = p.cache_status() {
+            if c.mode == CacheMode::WriteBack.name() {
+                // Drain first (the registry records the new mode at once, as a mode
+                // switch does): the removal waits for the drain a while.
+                p.set_cache_mode(CacheMode::WriteThrough, false)?;
+                self.pools().edit_entry(name, |e| {
+                    e.cache_mode = Some(CacheMode::WriteThrough.name().to_string());
+                    Ok(())
+                })?;
+            }
             p.detach_cache()?;
+        } else if p.cache_lost() {
+            if !force {
+                return Err(Error::busy(format!(
+                    "pool '{name}' had a write-back cache that cannot be opened: it may hold \
+                     the newest bytes of any volume, which fail I/O until it is back. Bring \
+                     its devices back and restart, or remove it with force to accept the loss"
+                )));
+            }
+            warn!(pool = %name, "write-back cache given up: its volumes serve the pool's devices' bytes");
+            p.accept_cache_loss();
         }
         self.pools().edit_entry(name, |e| {
             e.cache.clear();
@@ -85,12 +106,14 @@ impl Node {
         Ok(before)
     }
 
-    /// `PATCH /v1/pools/NAME/cache`: switch modes online.
-    pub fn set_pool_cache_mode(&self, name: &str, mode: &str) -> Result<CacheInfo> {
+    /// `PATCH /v1/pools/NAME/cache`: switch modes online (out of write-back, the dirty
+    /// data drains first; the registry records the new mode at once, and an open drains
+    /// whatever the records still say is dirty).
+    pub fn set_pool_cache_mode(&self, name: &str, mode: &str, force: bool) -> Result<CacheInfo> {
         let _g = self.admin();
         let p = self.pools().get(name)?;
         let mode = CacheMode::parse(mode)?;
-        p.set_cache_mode(mode)?;
+        p.set_cache_mode(mode, force)?;
         self.pools().edit_entry(name, |e| {
             e.cache_mode = Some(mode.name().to_string());
             Ok(())
@@ -165,7 +188,13 @@ impl Node {
                 .map_err(Error::from)
         });
         match attached {
-            Ok(()) => info!(pool = %e.name, mode = mode.name(), "cache tier attached (cold)"),
+            Ok(()) => info!(pool = %e.name, mode = mode.name(), "cache tier attached"),
+            Err(err) if mode == CacheMode::WriteBack => {
+                // Any unit may have its newest bytes there: serving the pool's devices'
+                // bytes would serve stale data.
+                tracing::error!(pool = %e.name, error = %err, "the pool's write-back cache cannot be opened: its volumes fail I/O until it is back (or `pool cache remove --force`)");
+                p.mark_cache_lost();
+            }
             Err(err) => {
                 warn!(pool = %e.name, error = %err, "the pool's cache cannot be opened: it runs uncached")
             }

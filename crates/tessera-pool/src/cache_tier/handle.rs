@@ -62,7 +62,7 @@ impl TierHandle {
             self.cache = self.slot.get().map(|tier| {
                 Box::new(CacheSide {
                     handle: tier.layout.open_handle(),
-                    hook: CacheHook::for_core(io, &tier, &self.layout),
+                    hook: CacheHook::for_core(io, &tier, &self.layout, &self.slot),
                     tier,
                 })
             });
@@ -125,6 +125,48 @@ impl TierHandle {
                         // SAFETY: as above.
                         unsafe { self.backing.submit(io, op, t) }
                     }
+                    ReadPlan::Mixed { slot, valid } => {
+                        c.read_hits.fetch_add(1, Relaxed);
+                        c.read_hit_bytes.fetch_add(u64::from(len), Relaxed);
+                        let (shard, local) = slot_parts(tier, key, slot);
+                        let slot_at = tier.slot_offset(shard, local);
+                        let runs = mixed_runs(offset & mask, u64::from(len), valid);
+                        let ctx = side.hook.push(Op::Mixed {
+                            key,
+                            slot,
+                            parent: tag,
+                            left: u32_of(runs.len()),
+                            res: 0,
+                        });
+                        let id = side.hook.id.get();
+                        let base = offset & !mask;
+                        for (from_cache, at, n) in runs {
+                            let t = io.tracked(Tag::NO_PARENT, 1, id, ctx);
+                            let skip = usize_of(at - (offset & mask));
+                            // SAFETY: `at..at + n` lies inside the request's range.
+                            let b = unsafe { buf.add(skip) };
+                            let len = u32_of(n);
+                            // SAFETY: the caller's buffer stays alive until `tag`
+                            // completes, after every part ended (`Op::Mixed`).
+                            unsafe {
+                                if from_cache {
+                                    let op = IoOp::Read {
+                                        offset: slot_at + at,
+                                        len,
+                                        buf: b,
+                                    };
+                                    side.handle.submit(io, op, t)
+                                } else {
+                                    let op = IoOp::Read {
+                                        offset: base + at,
+                                        len,
+                                        buf: b,
+                                    };
+                                    self.backing.submit(io, op, t)
+                                }
+                            }
+                        }
+                    }
                     ReadPlan::Backing => {
                         c.read_misses.fetch_add(1, Relaxed);
                         c.read_miss_bytes.fetch_add(u64::from(len), Relaxed);
@@ -175,6 +217,31 @@ impl TierHandle {
                             side.handle.submit(io, cop, tc);
                         }
                     }
+                    WritePlan::Back { slot } => {
+                        let (b0, b1) = full.expect("planned with whole blocks");
+                        let (shard, local) = slot_parts(tier, key, slot);
+                        let ctx = side.hook.push(Op::Back {
+                            key,
+                            slot,
+                            blocks: (b0, b1),
+                            parent: tag,
+                            buf,
+                            recorded: false,
+                        });
+                        let t = io.tracked(Tag::NO_PARENT, 1, side.hook.id.get(), ctx);
+                        let cop = IoOp::Write {
+                            offset: tier.slot_offset(shard, local) + (b0 << BLOCK_SHIFT),
+                            len,
+                            buf,
+                        };
+                        // SAFETY: the caller's buffer stays alive until `tag` completes,
+                        // after the write and its record.
+                        unsafe { side.handle.submit(io, cop, t) }
+                    }
+                    WritePlan::Busy => {
+                        // SAFETY: as above.
+                        unsafe { side.hook.wait(io, op, tag) }
+                    }
                     WritePlan::Backing => {
                         // SAFETY: as above.
                         unsafe { self.submit_around(io, op, offset, u64::from(len), tag) }
@@ -182,6 +249,10 @@ impl TierHandle {
                 }
             }
             IoOp::Discard { offset, len } | IoOp::WriteZeroes { offset, len, .. } => {
+                if tier.wb_active() && tier.holds(offset, len) {
+                    // SAFETY: no buffer.
+                    return unsafe { side.hook.wait(io, op, tag) };
+                }
                 tier.invalidate(offset, len);
                 // SAFETY: no buffer.
                 unsafe { self.submit_around(io, op, offset, len, tag) }
@@ -236,6 +307,34 @@ impl TierHandle {
         }
     }
 
+    /// A request to a pool whose write-back tier failed with dirty data: reads of lost
+    /// blocks fail, as do writes that cover one only in part; the rest go to the pool's
+    /// devices, and a write heals the lost blocks it covers whole when it ends.
+    ///
+    /// # Safety
+    /// As [`IoHandle::submit`].
+    unsafe fn submit_lost(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
+        let side = self.cache.as_ref().expect("called with a cache");
+        let (offset, len, read) = match op {
+            IoOp::Read { offset, len, .. } => (offset, u64::from(len), true),
+            IoOp::Write { offset, len, .. } => (offset, u64::from(len), false),
+            IoOp::Discard { offset, len } | IoOp::WriteZeroes { offset, len, .. } => {
+                (offset, len, false)
+            }
+            // SAFETY: no buffer.
+            IoOp::Flush => return unsafe { self.backing.submit(io, op, tag) },
+        };
+        if side.tier.lost_conflict(offset, len, read) {
+            return io.complete(tag, -libc::EIO);
+        }
+        if read {
+            // SAFETY: our caller upholds the contract.
+            return unsafe { self.backing.submit(io, op, tag) };
+        }
+        // SAFETY: our caller upholds the contract.
+        unsafe { self.submit_around(io, op, offset, len, tag) }
+    }
+
     /// A change that goes to the pool's devices only: what the cache holds of the range
     /// is invalidated again when it ends (a fill that read the old bytes meanwhile must
     /// not validate them).
@@ -253,6 +352,26 @@ impl TierHandle {
         // SAFETY: our caller upholds the contract.
         unsafe { self.backing.submit(io, op, t) }
     }
+}
+
+/// The parts of a read of `len` bytes at `u` in its unit: runs of blocks the slot holds
+/// (`valid`) and runs it does not, as (from the cache, offset in the unit, bytes).
+fn mixed_runs(u: u64, len: u64, valid: super::Blocks) -> Vec<(bool, u64, u64)> {
+    let bsize = 1u64 << BLOCK_SHIFT;
+    let end = u + len;
+    let mut runs: Vec<(bool, u64, u64)> = Vec::new();
+    let mut at = u;
+    while at < end {
+        let b = at >> BLOCK_SHIFT;
+        let next = ((b + 1) * bsize).min(end);
+        let cached = valid[usize_of(b / 64)] >> (b % 64) & 1 == 1;
+        match runs.last_mut() {
+            Some((c, _, n)) if *c == cached => *n += next - at,
+            _ => runs.push((cached, at, next - at)),
+        }
+        at = next;
+    }
+    runs
 }
 
 /// The blocks a range at `u` in its unit touches.
@@ -275,8 +394,16 @@ impl IoHandle for TierHandle {
     #[inline]
     unsafe fn submit(&mut self, io: &mut CoreIo, op: IoOp, tag: Tag) {
         self.refresh(io);
+        if self.slot.lost.load(Relaxed) {
+            // A write-back cache that could not be opened: any unit may have data there.
+            return io.complete(tag, -libc::EIO);
+        }
         let bypass = self.cache.as_ref().is_none_or(|s| s.tier.bypassed());
         if bypass {
+            if self.cache.as_ref().is_some_and(|s| s.tier.lost()) {
+                // SAFETY: our caller upholds the contract.
+                return unsafe { self.submit_lost(io, op, tag) };
+            }
             // SAFETY: our caller upholds the contract.
             return unsafe { self.backing.submit(io, op, tag) };
         }
@@ -331,6 +458,8 @@ impl IoHandle for TierHandle {
 const CACHE_PART: u64 = 1 << 32;
 /// The deferred call that submits queued follow-up steps.
 const DRAIN: u64 = u64::MAX;
+/// How long a request that waits for the cleaner pauses before it is planned again.
+const WAIT: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// A cache operation in flight on a core.
 enum Op {
@@ -393,6 +522,32 @@ enum Op {
         at: u64,
         data: AlignedBuf,
     },
+    /// A write-back write: its whole blocks go to the slot, then the slot's record is
+    /// written (`recorded` from then), then the client is answered.
+    Back {
+        key: u64,
+        slot: u32,
+        blocks: (u64, u64),
+        parent: Tag,
+        /// The client's bytes (alive until `parent` completes).
+        buf: *const u8,
+        recorded: bool,
+    },
+    /// A read whose parts come from the slot (pinned) and from the pool's devices.
+    Mixed {
+        key: u64,
+        slot: u32,
+        parent: Tag,
+        left: u32,
+        res: i32,
+    },
+    /// A request that waits for the cleaner (write-back rules): submitted again after a
+    /// short pause.
+    Wait {
+        op: IoOp,
+        parent: Tag,
+        due: bool,
+    },
     /// A read of the pool's devices after the cache failed it.
     Retry {
         parent: Tag,
@@ -414,10 +569,18 @@ struct CacheHook {
     /// Handles for the queued steps: the cache's and the pool's (made when needed).
     handles: RefCell<Option<(LayoutHandle, LayoutHandle)>>,
     backing: Weak<Layout>,
+    /// Where waiting requests are submitted again (made when needed).
+    again: RefCell<Option<TierHandle>>,
+    slot: Weak<CacheSlot>,
 }
 
 impl CacheHook {
-    fn for_core(io: &mut CoreIo, tier: &Arc<CacheTier>, backing: &Arc<Layout>) -> Rc<CacheHook> {
+    fn for_core(
+        io: &mut CoreIo,
+        tier: &Arc<CacheTier>,
+        backing: &Arc<Layout>,
+        slot: &Arc<CacheSlot>,
+    ) -> Rc<CacheHook> {
         let key = Arc::as_ptr(tier) as usize ^ 0x6361_6368;
         let known = io
             .locals
@@ -437,6 +600,8 @@ impl CacheHook {
             queue: RefCell::new(VecDeque::new()),
             handles: RefCell::new(None),
             backing: Arc::downgrade(backing),
+            again: RefCell::new(None),
+            slot: Arc::downgrade(slot),
         });
         h.id.set(io.register_hook(h.clone()));
         if let Some(old) = io.locals.insert(key, Box::new(h.clone())) {
@@ -459,6 +624,20 @@ impl CacheHook {
                 (ops.len() - 1) as u64
             }
         }
+    }
+
+    /// Park `op` (of request `parent`) for a short while, then submit it again.
+    ///
+    /// # Safety
+    /// As [`IoHandle::submit`]: `op`'s buffer stays alive until `parent` completes.
+    unsafe fn wait(&self, io: &mut CoreIo, op: IoOp, parent: Tag) {
+        let ctx = self.push(Op::Wait {
+            op,
+            parent,
+            due: false,
+        });
+        let t = io.tracked(Tag::NO_PARENT, 1, self.id.get(), ctx);
+        io.complete_after(WAIT, t, 0);
     }
 
     fn take(&self, i: u32) -> Op {
@@ -489,6 +668,25 @@ impl CacheHook {
             let Some(i) = self.queue.borrow_mut().pop_front() else {
                 break;
             };
+            if matches!(self.ops.borrow()[i as usize], Op::Wait { .. }) {
+                let Op::Wait { op, parent, .. } = self.take(i) else {
+                    unreachable!("checked")
+                };
+                let mut again = self.again.borrow_mut();
+                if again.is_none() {
+                    match self.slot.upgrade() {
+                        Some(slot) => *again = Some(TierHandle::new(&backing, &slot)),
+                        None => {
+                            io.complete(parent, -libc::ESHUTDOWN);
+                            continue;
+                        }
+                    }
+                }
+                let h = again.as_mut().expect("made above");
+                // SAFETY: the request's buffer is alive until `parent` completes.
+                unsafe { h.submit(io, op, parent) };
+                continue;
+            }
             let step = {
                 let mut ops = self.ops.borrow_mut();
                 match &mut ops[i as usize] {
@@ -555,7 +753,7 @@ impl CacheHook {
     fn fail_queued(&self, io: &mut CoreIo) {
         let queued: Vec<u32> = self.queue.borrow_mut().drain(..).collect();
         for i in queued {
-            if let Op::Retry { parent, .. } = self.take(i) {
+            if let Op::Retry { parent, .. } | Op::Wait { parent, .. } = self.take(i) {
                 io.complete(parent, -libc::EIO);
             }
         }
@@ -571,6 +769,7 @@ impl Continuation for CacheHook {
         if ctx == DRAIN {
             return self.drain(io);
         }
+        let mut res = res;
         let i = u32_of(ctx & (CACHE_PART - 1));
         let cache_part = ctx & CACHE_PART != 0;
         let tier = self.tier.upgrade();
@@ -590,6 +789,59 @@ impl Continuation for CacheHook {
                 *left -= 1;
                 if *left > 0 {
                     return;
+                }
+            }
+            Op::Wait { due, .. } => {
+                *due = true;
+                drop(ops);
+                self.enqueue(io, i);
+                return;
+            }
+            Op::Mixed { left, res: r, .. } => {
+                if res < 0 && *r == 0 {
+                    *r = res;
+                }
+                *left -= 1;
+                if *left > 0 {
+                    return;
+                }
+                res = *r;
+            }
+            Op::Back {
+                key,
+                slot,
+                blocks,
+                buf,
+                recorded,
+                ..
+            } if !*recorded && res >= 0 => {
+                let (key, slot, blocks, buf) = (*key, *slot, *blocks, *buf);
+                let bsize = 1usize << BLOCK_SHIFT;
+                let crcs: Vec<u32> = (0..usize_of(blocks.1 - blocks.0 + 1))
+                    .map(|k| {
+                        // SAFETY: the client's bytes, `blocks` whole blocks of them, are
+                        // alive until its request completes, which has not happened.
+                        let b = unsafe { std::slice::from_raw_parts(buf.add(k * bsize), bsize) };
+                        crate::format::crc(b)
+                    })
+                    .collect();
+                let noted = tier
+                    .as_ref()
+                    .and_then(|t| t.note_dirty(key, slot, blocks, &crcs));
+                if let (Some(g), Some(t)) = (noted, &tier) {
+                    if let Some(rc) = io.remote_completer() {
+                        *recorded = true;
+                        drop(ops);
+                        let tt = io.tracked(Tag::NO_PARENT, 1, self.id.get(), u64::from(i));
+                        t.request_record(g, Some((rc, tt)));
+                        return;
+                    }
+                    // A core without a mailbox (a tool or test driving its own): the
+                    // record is written here.
+                    if t.write_records_of(&[g], false).is_err() {
+                        t.fail();
+                        res = -libc::EIO;
+                    }
                 }
             }
             Op::Miss { .. } if res >= 0 => {
@@ -691,6 +943,14 @@ impl Continuation for CacheHook {
                 if let Some(t) = &tier {
                     t.end_hit(key, slot);
                     t.fail();
+                    if t.lost() && t.lost_conflict(offset, u64::from(len), true) {
+                        // Write-back data that only the cache had: the pool's devices
+                        // have older bytes, which must not be served.
+                        drop(ops);
+                        self.take(i);
+                        io.complete(parent, -libc::EIO);
+                        return;
+                    }
                 }
                 ops[i as usize] = Op::Retry {
                     parent,
@@ -776,6 +1036,40 @@ impl Continuation for CacheHook {
             } => {
                 if let Some(t) = &tier {
                     t.invalidate(offset, len);
+                    if t.lost() && res >= 0 {
+                        t.heal(offset, len);
+                    }
+                }
+                io.complete(parent, res);
+            }
+            Op::Back {
+                key,
+                slot,
+                blocks,
+                parent,
+                recorded,
+                ..
+            } => {
+                if let Some(t) = &tier {
+                    if res < 0 && !recorded {
+                        // The cache devices refused the data.
+                        t.fail();
+                    }
+                    t.end_back(key, slot, blocks, res >= 0);
+                }
+                io.complete(parent, res.min(0));
+            }
+            Op::Wait { parent, .. } => io.complete(parent, -libc::EIO),
+            Op::Mixed {
+                key, slot, parent, ..
+            } => {
+                if let Some(t) = &tier {
+                    t.end_hit(key, slot);
+                    if res < 0 {
+                        // A part failed: the cache's (the pool's devices do not have
+                        // those bytes) or the pool's; either way the read fails.
+                        t.counters.errors.fetch_add(1, Relaxed);
+                    }
                 }
                 io.complete(parent, res);
             }

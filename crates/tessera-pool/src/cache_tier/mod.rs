@@ -24,7 +24,10 @@
 //! read. A slot is reused for another unit only when no read of it and no claim on it is
 //! in flight.
 
+mod cleaner;
 mod handle;
+mod records;
+mod writeback;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
@@ -39,6 +42,7 @@ use crate::cache_policy::{Outcome, TwoQ};
 use crate::format::{BLOCK, DEV_DATA_START};
 use crate::layout::{Layout, LayoutKind};
 use crate::{Error, Result};
+use records::Geometry;
 pub use tessera_api::CacheInfo;
 
 pub use handle::TierHandle;
@@ -64,6 +68,7 @@ pub enum CacheMode {
     WriteThrough = 0,
     WriteAround = 1,
     PassThrough = 2,
+    WriteBack = 3,
 }
 
 impl CacheMode {
@@ -72,6 +77,7 @@ impl CacheMode {
             CacheMode::WriteThrough => "write-through",
             CacheMode::WriteAround => "write-around",
             CacheMode::PassThrough => "pass-through",
+            CacheMode::WriteBack => "write-back",
         }
     }
 
@@ -81,16 +87,11 @@ impl CacheMode {
             "write-through" | "writethrough" | "wt" => CacheMode::WriteThrough,
             "write-around" | "writearound" | "wa" => CacheMode::WriteAround,
             "pass-through" | "passthrough" | "pt" => CacheMode::PassThrough,
-            "write-back" | "writeback" | "wb" => {
-                return Err(Error::invalid(
-                    "cache mode write-back is not implemented yet (it needs the cache index on \
-                     the cache devices, docs/format.md §16): use write-through, write-around \
-                     or pass-through",
-                ))
-            }
+            "write-back" | "writeback" | "wb" => CacheMode::WriteBack,
             other => {
                 return Err(Error::invalid(format!(
-                    "unknown cache mode '{other}': write-through, write-around or pass-through"
+                    "unknown cache mode '{other}': write-through, write-around, pass-through \
+                     or write-back"
                 )))
             }
         })
@@ -100,6 +101,7 @@ impl CacheMode {
         match b {
             0 => CacheMode::WriteThrough,
             1 => CacheMode::WriteAround,
+            3 => CacheMode::WriteBack,
             _ => CacheMode::PassThrough,
         }
     }
@@ -119,6 +121,19 @@ struct Slot {
     spoiled: Blocks,
     /// Reads of the slot in flight.
     pins: u32,
+    /// Write-back: blocks whose bytes the pool's devices may not have (a subset of
+    /// `valid` while the tier works).
+    dirty: Blocks,
+    /// Blocks a record on the cache devices may still say are dirty (a superset of
+    /// `dirty`: a clean record is only trusted once synced). Until it is empty the slot
+    /// is not given to another unit, and nothing but the slot changes those blocks.
+    durable_dirty: Blocks,
+    /// The unit was freed by its volume with dirty blocks here: the slot keeps its record
+    /// as it was until the commit that frees the unit is durable (`release_units`).
+    freed: bool,
+    /// The policy let the unit go while it had dirty blocks: the slot is freed once the
+    /// cleaner cleaned it.
+    evicted: bool,
 }
 
 /// A set of a unit's 256 blocks.
@@ -156,6 +171,10 @@ fn minus(a: Blocks, b: Blocks) -> Blocks {
 fn is_empty(a: Blocks) -> bool {
     a == NONE
 }
+/// How many blocks `m` holds.
+fn count_of(m: Blocks) -> u64 {
+    m.iter().map(|w| u64::from(w.count_ones())).sum()
+}
 
 const EMPTY_SLOT: Slot = Slot {
     key: 0,
@@ -164,6 +183,10 @@ const EMPTY_SLOT: Slot = Slot {
     claimed: NONE,
     spoiled: NONE,
     pins: 0,
+    dirty: NONE,
+    durable_dirty: NONE,
+    freed: false,
+    evicted: false,
 };
 
 impl Slot {
@@ -189,7 +212,14 @@ impl Slot {
         true
     }
     fn idle(&self) -> bool {
-        self.pins == 0 && is_empty(self.claimed)
+        self.pins == 0
+            && is_empty(self.claimed)
+            && is_empty(self.dirty)
+            && is_empty(self.durable_dirty)
+            && !self.freed
+    }
+    fn dirty_blocks(&self) -> u64 {
+        self.dirty.iter().map(|w| u64::from(w.count_ones())).sum()
     }
 }
 
@@ -201,6 +231,10 @@ struct Shard {
     /// Local indices of slots that cache nothing (some may still be pinned).
     free: Vec<u32>,
     slots: Vec<Slot>,
+    /// Write-back: the CRC32C of each block of a slot with dirty blocks (by local slot).
+    crcs: HashMap<u32, Box<[u32]>>,
+    /// Slots of units freed with dirty blocks, waiting for `release_units`.
+    freed_of: HashMap<u64, u32>,
 }
 
 /// What a read of one unit's blocks does.
@@ -213,6 +247,10 @@ pub(crate) enum ReadPlan {
     Fill { slot: u32 },
     /// Read the pool's devices only.
     Backing,
+    /// Write-back: the range has dirty blocks but the slot does not hold all of it:
+    /// the blocks in `valid` are read from the slot (pinned until `end_hit`), the others
+    /// from the pool's devices.
+    Mixed { slot: u32, valid: Blocks },
 }
 
 /// What a write of one unit's blocks does.
@@ -223,6 +261,12 @@ pub(crate) enum WritePlan {
     /// Write the pool's devices only; the blocks were invalidated (and are again by
     /// `invalidate` when the write ends).
     Backing,
+    /// Write-back: write the cache only (the whole blocks are claimed); the write is
+    /// acknowledged once the slot's record is written (`note_dirty`, `end_write`).
+    Back { slot: u32 },
+    /// Write-back: the write touches blocks that are dirty or being written and cannot
+    /// go to the cache whole; try again shortly.
+    Busy,
 }
 
 /// Counters of one tier, since it was attached.
@@ -244,6 +288,8 @@ pub struct CacheCounters {
     pub bypassed_bytes: AtomicU64,
     /// Bytes read ahead of sequential streams into the cache.
     pub prefetch_bytes: AtomicU64,
+    /// Bytes the cleaner copied from the cache to the pool's devices (write-back).
+    pub cleaned_bytes: AtomicU64,
     pub errors: AtomicU64,
 }
 
@@ -253,6 +299,9 @@ pub struct CacheCounters {
 pub struct CacheSlot {
     pub(crate) tier: std::sync::RwLock<Option<Arc<CacheTier>>>,
     pub(crate) gen: AtomicU64,
+    /// A write-back tier the pool had could not be opened: every request fails until
+    /// it is back or its loss is accepted (docs/format.md §16).
+    pub(crate) lost: AtomicBool,
 }
 
 impl CacheSlot {
@@ -280,6 +329,40 @@ pub struct CacheTier {
     /// clients stream, readahead holds no more RAM than this per tier.
     prefetching: AtomicU64,
     pub counters: CacheCounters,
+    /// Where records and slots lie (docs/format.md §16).
+    pub(crate) geo: Geometry,
+    /// The label's epoch: records of another one are stale.
+    pub(crate) epoch: u64,
+    /// Dirty blocks of mapped slots (what the cleaner has to do).
+    dirty_blocks: AtomicU64,
+    /// Mapped slots with a dirty block (none of them can take another unit).
+    dirty_slots: AtomicU64,
+    /// Write-back writes in flight (a switch out of write-back waits for them).
+    wb_inflight: AtomicU64,
+    /// The mode is no longer write-back but dirty data remains: it is drained first.
+    draining: AtomicBool,
+    /// The tier failed with dirty data on it: reads of those blocks fail.
+    lost: AtomicBool,
+    /// One record writer at a time (`records::write_record_blocks`).
+    record_io: Mutex<()>,
+    records_tx: Mutex<Option<std::sync::mpsc::Sender<records::RecordRequest>>>,
+    /// The record writer and the cleaner.
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// Set when the tier goes away: its threads stop.
+    stop: AtomicBool,
+    /// Units whose dirty blocks hold up a request: cleaned first.
+    urgent: Mutex<Vec<u64>>,
+    /// Some slot's record is dirtier than the slot, or an evicted slot waits to be
+    /// freed: the cleaner's next pass looks for them (`tidy_records`).
+    tidy: AtomicBool,
+    /// Background cleaning paused (`Pool::pause_cache_cleaner`); drains and requests
+    /// waiting for a unit are still served.
+    cleaner_paused: AtomicBool,
+    /// Wakes the cleaner.
+    wake: (Mutex<bool>, std::sync::Condvar),
+    /// Held (shared) by a cleaner pass, (exclusively) by `release_units`: a freed unit's
+    /// blocks are never written to the pool's devices after it is released.
+    gate: std::sync::RwLock<()>,
 }
 
 impl CacheTier {
@@ -289,6 +372,7 @@ impl CacheTier {
         devices: Vec<Arc<dyn BlockDevice>>,
         mode: CacheMode,
         unit: u64,
+        epoch: u64,
     ) -> Result<CacheTier> {
         check_unit(unit)?;
         let unit_shift = unit.trailing_zeros();
@@ -303,10 +387,12 @@ impl CacheTier {
             }
         };
         let layout = Arc::new(Layout::new(kind, devices)?);
-        let slots = layout.size >> unit_shift;
+        let geo = Geometry::new(layout.size, unit_shift);
+        let slots = geo.slots;
         if slots < MIN_SLOTS {
             return Err(Error::invalid(format!(
-                "a cache device needs more than 1 MiB (its label) plus {MIN_SLOTS} cache units of {}",
+                "a cache device needs more than 1 MiB (its label) plus its slot records plus \
+                 {MIN_SLOTS} cache units of {}",
                 tessera_device::format_size(unit)
             )));
         }
@@ -327,6 +413,8 @@ impl CacheTier {
                         .rev()
                         .collect(),
                     slots: vec![EMPTY_SLOT; cap],
+                    crcs: HashMap::new(),
+                    freed_of: HashMap::new(),
                 })
             })
             .collect();
@@ -341,6 +429,22 @@ impl CacheTier {
             inflight: AtomicU64::new(0),
             prefetching: AtomicU64::new(0),
             counters: CacheCounters::default(),
+            geo,
+            epoch,
+            dirty_blocks: AtomicU64::new(0),
+            dirty_slots: AtomicU64::new(0),
+            wb_inflight: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+            lost: AtomicBool::new(false),
+            record_io: Mutex::new(()),
+            records_tx: Mutex::new(None),
+            threads: Mutex::new(Vec::new()),
+            stop: AtomicBool::new(false),
+            urgent: Mutex::new(Vec::new()),
+            tidy: AtomicBool::new(false),
+            cleaner_paused: AtomicBool::new(false),
+            wake: (Mutex::new(false), std::sync::Condvar::new()),
+            gate: std::sync::RwLock::new(()),
         })
     }
 
@@ -349,10 +453,22 @@ impl CacheTier {
     }
 
     /// Switch modes online. Into pass-through the index is emptied: writes no longer
-    /// keep it current, so nothing in it may be trusted afterwards.
+    /// keep it current, so nothing in it may be trusted afterwards. Out of write-back,
+    /// the dirty data is drained first (`draining`): until it is, writes to cached units
+    /// go to both tiers and the cleaner runs at full speed; the new mode takes over when
+    /// nothing is dirty.
     pub fn set_mode(&self, mode: CacheMode) {
+        let guards: Vec<_> = self.shards.iter().map(|s| s.locked()).collect();
+        let was_wb = self.wb_active();
         self.mode.store(mode as u8, Release);
-        if mode == CacheMode::PassThrough {
+        let drain = mode != CacheMode::WriteBack
+            && was_wb
+            && (self.dirty_blocks.load(Acquire) > 0 || self.wb_inflight.load(Acquire) > 0);
+        self.draining.store(drain, Release);
+        drop(guards);
+        if drain {
+            self.wake_cleaner();
+        } else if mode == CacheMode::PassThrough {
             self.invalidate_all();
         }
     }
@@ -362,7 +478,21 @@ impl CacheTier {
     pub(crate) fn bypassed(&self) -> bool {
         self.failed.load(Relaxed)
             || self.detached.load(Relaxed)
-            || self.mode.load(Relaxed) == CacheMode::PassThrough as u8
+            || (self.mode.load(Relaxed) == CacheMode::PassThrough as u8
+                && !self.draining.load(Relaxed))
+    }
+
+    /// Write-back rules apply: the mode is write-back, or dirty data from it is being
+    /// drained.
+    #[inline]
+    pub(crate) fn wb_active(&self) -> bool {
+        self.mode.load(Relaxed) == CacheMode::WriteBack as u8 || self.draining.load(Relaxed)
+    }
+
+    /// The tier failed with dirty data on it: some reads must fail (`lost_conflict`).
+    #[inline]
+    pub(crate) fn lost(&self) -> bool {
+        self.lost.load(Relaxed)
     }
 
     pub fn failed(&self) -> bool {
@@ -374,7 +504,18 @@ impl CacheTier {
     pub(crate) fn fail(&self) {
         self.counters.errors.fetch_add(1, Relaxed);
         if !self.failed.swap(true, Relaxed) {
-            tracing::error!("cache tier failed: the pool goes on uncached");
+            let dirty = self.dirty_blocks.load(Acquire);
+            if dirty > 0 {
+                // The dirty bits stay: they say which blocks now fail to read.
+                self.lost.store(true, Release);
+                tracing::error!(
+                    dirty_bytes = dirty << BLOCK_SHIFT,
+                    "write-back cache tier failed with dirty data: reads of it fail until \
+                     it is written again; the rest of the pool goes on uncached"
+                );
+            } else {
+                tracing::error!("cache tier failed: the pool goes on uncached");
+            }
             self.invalidate_all();
         }
     }
@@ -386,8 +527,13 @@ impl CacheTier {
 
     /// Device-layout offset of slot `local` of shard `shard`.
     pub(crate) fn slot_offset(&self, shard: usize, local: u32) -> u64 {
+        self.geo.meta_len + (self.global(shard, local) << self.unit_shift)
+    }
+
+    /// The global index of slot `local` of shard `shard` (its place on the devices).
+    pub(crate) fn global(&self, shard: usize, local: u32) -> u64 {
         let n = self.shards.len() as u64;
-        (u64::from(local) * n + shard as u64) << self.unit_shift
+        u64::from(local) * n + shard as u64
     }
 
     /// Offset within a cache unit.
@@ -406,26 +552,41 @@ impl CacheTier {
         Some(sh.free.swap_remove(i))
     }
 
-    /// Unit `key` leaves the cache: its slot is free (reused once idle).
+    /// Unit `key` leaves the cache: its slot is free (reused once idle). A slot with
+    /// dirty blocks stays mapped, marked evicted, until the cleaner has cleaned it.
     fn drop_key(&self, sh: &mut Shard, key: u64) {
-        if let Some(s) = sh.slot_of.remove(&key) {
-            let slot = &mut sh.slots[s as usize];
-            slot.mapped = false;
-            slot.touch(span(0, 255));
-            sh.free.push(s);
-            self.counters.evictions.fetch_add(1, Relaxed);
+        let Some(&s) = sh.slot_of.get(&key) else {
+            return;
+        };
+        let slot = &mut sh.slots[s as usize];
+        // Write-back: a slot with dirty blocks, or whose record may still name some
+        // (another slot must not take the unit then: after a crash the older record
+        // would be read back), or with a write-back write in flight (its bytes will be
+        // the only copy), is freed by the cleaner later.
+        if !is_empty(slot.durable_dirty) || (self.wb_active() && !is_empty(slot.claimed)) {
+            slot.evicted = true;
+            self.tidy.store(true, Relaxed);
+            return;
         }
+        sh.slot_of.remove(&key);
+        slot.mapped = false;
+        slot.evicted = false;
+        slot.touch(span(0, 255));
+        sh.free.push(s);
+        self.counters.evictions.fetch_add(1, Relaxed);
     }
 
     /// Give `key` a slot (policy already admitted it).
     fn map_key(&self, sh: &mut Shard, key: u64) -> Option<u32> {
         if let Some(&s) = sh.slot_of.get(&key) {
+            sh.slots[s as usize].evicted = false;
             return Some(s);
         }
         let s = Self::take_slot(sh)?;
         let slot = &mut sh.slots[s as usize];
         slot.key = key;
         slot.mapped = true;
+        slot.evicted = false;
         slot.valid = NONE;
         sh.slot_of.insert(key, s);
         self.counters.promotions.fetch_add(1, Relaxed);
@@ -440,8 +601,31 @@ impl CacheTier {
         if self.bypassed() {
             return ReadPlan::Backing;
         }
+        if self.wb_active() {
+            // Dirty blocks the read needs but the slot does not hold all of it: the
+            // pool's devices have older bytes of those, so each block comes from where
+            // its current bytes are.
+            if let Some(&s) = sh.slot_of.get(&key) {
+                let st = &mut sh.slots[s as usize];
+                let m = span(b0, b1);
+                if !st.all_valid(b0, b1) && !is_empty(and(st.dirty, m)) {
+                    st.pins += 1;
+                    self.inflight.fetch_add(1, Relaxed);
+                    return ReadPlan::Mixed {
+                        slot: s,
+                        valid: st.valid,
+                    };
+                }
+            }
+        }
         let outcome = sh.policy.access(key, sequential);
-        let Some(s) = self.slot_for(&mut sh, key, outcome) else {
+        // A unit with a slot is read from it whatever the policy says: the policy may
+        // have let it go while its slot still holds write-back data (evicted, or read
+        // back at an open), which the pool's devices do not have.
+        let Some(s) = self
+            .slot_for(&mut sh, key, outcome)
+            .or_else(|| sh.slot_of.get(&key).copied())
+        else {
             return ReadPlan::Backing;
         };
         let st = &mut sh.slots[s as usize];
@@ -474,7 +658,8 @@ impl CacheTier {
         let slot = self.slot_for(&mut sh, key, outcome)?;
         let all = span(0, (1 << (self.unit_shift - BLOCK_SHIFT)) - 1);
         let st = &mut sh.slots[slot as usize];
-        if and(st.valid, all) == all || !st.claim(all) {
+        // Never over dirty blocks: the pool's devices have older bytes.
+        if and(st.valid, all) == all || !is_empty(st.dirty) || !st.claim(all) {
             return None;
         }
         self.inflight.fetch_add(1, Relaxed);
@@ -528,6 +713,9 @@ impl CacheTier {
         full: Option<(u64, u64)>,
         sequential: bool,
     ) -> WritePlan {
+        if self.wb_active() && !self.bypassed() {
+            return self.plan_write_back(key, touch, full, sequential);
+        }
         let (i, _) = self.shard_of(key);
         let mut sh = self.shards[i].locked();
         let admit = full.is_some() && !sequential && self.mode() == CacheMode::WriteThrough;
@@ -583,6 +771,16 @@ impl CacheTier {
             if st.mapped && st.key == key {
                 let good = minus(and(span(b0, b1), c), st.spoiled);
                 st.valid = or(st.valid, good);
+                // Written to both tiers while draining: the pool's devices have them.
+                let cleaned = and(st.dirty, good);
+                if !is_empty(cleaned) {
+                    st.dirty = minus(st.dirty, cleaned);
+                    self.dirty_blocks.fetch_sub(count_of(cleaned), Relaxed);
+                    if is_empty(st.dirty) {
+                        self.dirty_slots.fetch_sub(1, Relaxed);
+                    }
+                    self.tidy.store(true, Relaxed);
+                }
             }
         }
         st.claimed = minus(st.claimed, c);
@@ -645,6 +843,11 @@ impl CacheTier {
         let mut ram = 0u64;
         for sh in self.shards.iter() {
             let sh = sh.locked();
+            ram += sh
+                .crcs
+                .values()
+                .map(|c| (c.len() * 4 + 16) as u64)
+                .sum::<u64>();
             cached += sh.slot_of.len() as u64;
             valid += sh
                 .slots
@@ -672,8 +875,12 @@ impl CacheTier {
             read_hit_ratio: ratio(c.read_hits.load(Relaxed), c.read_misses.load(Relaxed)),
             write_hit_ratio: ratio(c.write_hits.load(Relaxed), c.write_misses.load(Relaxed)),
             mode: self.mode().name().to_string(),
-            state: if self.failed() {
+            state: if self.lost() {
+                "failed, dirty data lost"
+            } else if self.failed() {
                 "failed"
+            } else if self.draining.load(Relaxed) {
+                "draining"
             } else if failed_devs > 0 {
                 "degraded"
             } else {
@@ -684,7 +891,8 @@ impl CacheTier {
             unit_size: 1 << self.unit_shift,
             cached_units: cached,
             valid_bytes: valid << BLOCK_SHIFT,
-            dirty_bytes: 0,
+            dirty_bytes: self.dirty_blocks.load(Relaxed) << BLOCK_SHIFT,
+            cleaned_bytes: c.cleaned_bytes.load(Relaxed),
             read_hits: c.read_hits.load(Relaxed),
             read_misses: c.read_misses.load(Relaxed),
             read_hit_bytes: c.read_hit_bytes.load(Relaxed),
@@ -714,17 +922,67 @@ pub fn check_unit(unit: u64) -> Result<()> {
 }
 
 /// The cache label of device `index` of `count` for pool `uuid` (docs/format.md §16).
-pub fn encode_label(uuid: &[u8; 16], index: u32, count: u32, unit: u64) -> Vec<u8> {
+pub fn encode_label(
+    uuid: &[u8; 16],
+    index: u32,
+    count: u32,
+    unit: u64,
+    epoch: u64,
+    meta_len: u64,
+    slots: u64,
+) -> Vec<u8> {
     let mut b = vec![0u8; BLOCK];
     b[..8].copy_from_slice(CACHE_MAGIC);
-    b[8..12].copy_from_slice(&1u32.to_le_bytes());
+    b[8..12].copy_from_slice(&LABEL_VERSION.to_le_bytes());
     b[16..32].copy_from_slice(uuid);
     b[32..36].copy_from_slice(&index.to_le_bytes());
     b[36..40].copy_from_slice(&count.to_le_bytes());
     b[40..48].copy_from_slice(&unit.to_le_bytes());
+    b[48..56].copy_from_slice(&epoch.to_le_bytes());
+    b[56..64].copy_from_slice(&meta_len.to_le_bytes());
+    b[64..72].copy_from_slice(&slots.to_le_bytes());
     let crc = crate::format::crc(&b[..BLOCK - 4]);
     b[BLOCK - 4..].copy_from_slice(&crc.to_le_bytes());
     b
+}
+
+/// The cache label's version: 2 has the epoch and the record area.
+const LABEL_VERSION: u32 = 2;
+
+/// A cache label's fields (docs/format.md §16).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheLabel {
+    pub uuid: [u8; 16],
+    pub version: u32,
+    pub unit: u64,
+    /// 0 for a version 1 label (no records).
+    pub epoch: u64,
+    pub meta_len: u64,
+    pub slots: u64,
+}
+
+/// The cache label on `dev`, if it has a good one.
+pub fn read_label(dev: &dyn BlockDevice) -> Result<Option<CacheLabel>> {
+    let mut b = vec![0u8; BLOCK];
+    dev.read_at(0, &mut b)
+        .map_err(|e| Error::io("reading a cache device's label", e))?;
+    if &b[..8] != CACHE_MAGIC || crate::format::crc(&b[..BLOCK - 4]).to_le_bytes() != b[BLOCK - 4..]
+    {
+        return Ok(None);
+    }
+    let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+    let version = u32::from_le_bytes(b[8..12].try_into().expect("4 bytes"));
+    let mut uuid = [0u8; 16];
+    uuid.copy_from_slice(&b[16..32]);
+    let v2 = version >= 2;
+    Ok(Some(CacheLabel {
+        uuid,
+        version,
+        unit: u64_at(40),
+        epoch: if v2 { u64_at(48) } else { 0 },
+        meta_len: if v2 { u64_at(56) } else { 0 },
+        slots: if v2 { u64_at(64) } else { 0 },
+    }))
 }
 
 /// What a device's first 4 KiB say about it.
@@ -765,7 +1023,7 @@ mod tests {
 
     fn tier() -> CacheTier {
         let d: Arc<dyn BlockDevice> = RamDevice::new(40 << 20).unwrap();
-        CacheTier::new(vec![d], CacheMode::WriteThrough, CACHE_UNIT).unwrap()
+        CacheTier::new(vec![d], CacheMode::WriteThrough, CACHE_UNIT, 1).unwrap()
     }
 
     /// Reads of unit 5, blocks 0..=3, until the unit is admitted and filled.
@@ -822,8 +1080,8 @@ mod tests {
     /// flight.
     #[test]
     fn busy_slots_are_not_reused() {
-        let d: Arc<dyn BlockDevice> = RamDevice::new(9 << 20).unwrap();
-        let t = CacheTier::new(vec![d], CacheMode::WriteThrough, CACHE_UNIT).unwrap();
+        let d: Arc<dyn BlockDevice> = RamDevice::new(10 << 20).unwrap();
+        let t = CacheTier::new(vec![d], CacheMode::WriteThrough, CACHE_UNIT, 1).unwrap();
         assert_eq!(t.shards.len(), 1);
         let s = fill(&t);
         t.end_write(5, s, (0, 3), Some((0, 3)));

@@ -251,7 +251,7 @@ impl PoolCore {
     pub(crate) fn free_unit(&self, s: &mut State, map: &UnitMap, u: u64, p: u32) {
         map.set(u, HOLE);
         s.owners[usize_of(u64::from(p))] = (OWNER_FREE, 0);
-        self.uncache_unit(p);
+        self.cache_unit_freed(p);
         s.pending_free.push(p);
         s.partial.remove(&p);
         self.presence.set_full(p);
@@ -312,6 +312,17 @@ impl PoolCore {
     }
 
     pub(super) fn release(&self, freed: Vec<u32>, durable: bool) {
+        if durable && !freed.is_empty() {
+            // Write-back records of freed units go before the units can be reused.
+            if let Some(t) = self.cache.get() {
+                let unit = self.unit_size();
+                let ranges: Vec<(u64, u64)> = freed
+                    .iter()
+                    .map(|&p| (u64::from(p) << self.unit_shift, unit))
+                    .collect();
+                t.release_units(&ranges);
+            }
+        }
         let mut s = self.lock();
         if durable {
             s.free.extend(freed);

@@ -49,6 +49,16 @@ impl PoolCore {
     /// the FLUSH or FUA it answers) waits for the record too.
     pub(super) fn sync_devices(&self, what: &str) -> Result<()> {
         self.layout.sync().map_err(|e| Error::io(what, e))?;
+        // Write-back: acknowledged writes whose only copy is on the cache devices (data
+        // and slot records) become durable with the pool's own.
+        if let Some(t) = self.cache.get() {
+            if t.wb_active() && !t.failed() {
+                if let Err(e) = t.layout.sync() {
+                    t.fail();
+                    return Err(Error::io("syncing the cache devices", e));
+                }
+            }
+        }
         self.persist_device_state()
     }
 

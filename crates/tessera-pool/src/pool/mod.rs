@@ -236,6 +236,24 @@ impl PoolCore {
             t.invalidate(u64::from(p) << self.unit_shift, self.unit_size());
         }
     }
+
+    /// Pool unit `p` was freed by its volume: what the cache holds of it is garbage,
+    /// and dirty write-back data of it is dropped once the free is durable (`release`).
+    pub(crate) fn cache_unit_freed(&self, p: u32) {
+        if let Some(t) = self.cache.get() {
+            t.unit_freed(u64::from(p) << self.unit_shift, self.unit_size());
+        }
+    }
+
+    /// Whether the pool unit at byte `offset` belongs to a volume (not free, not in the
+    /// allocation reserve).
+    pub(crate) fn unit_owned(&self, offset: u64) -> bool {
+        let s = self.lock();
+        let p = usize::try_from(offset >> self.unit_shift).unwrap_or(usize::MAX);
+        s.owners
+            .get(p)
+            .is_some_and(|&(o, _)| o != OWNER_FREE && o != OWNER_RESERVED)
+    }
 }
 
 impl Pool {

@@ -24,7 +24,7 @@ use tessera_io::cast::{u32_of, usize_of};
 use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use super::{Volume, HOLE};
-use crate::layout::LayoutHandle;
+use crate::cache_tier::TierHandle;
 use crate::pool::PoolCore;
 use crate::pool::{BlockRun, ChainRead, FirstWritePlan};
 
@@ -85,7 +85,9 @@ pub(crate) struct FirstWrites {
     slots: RefCell<Vec<Slot>>,
     free: RefCell<Vec<u32>>,
     /// Layout handles for this engine's own I/O (one per nesting level in use).
-    layouts: RefCell<Vec<LayoutHandle>>,
+    /// Handles of the pool's datapath below the thin map (through its cache tier, whose
+    /// write-back data a merge must see).
+    layouts: RefCell<Vec<TierHandle>>,
     /// Scratch lists of the operations of one phase (submitted after the borrows end;
     /// one per nesting level in use, as a synchronous completion may start the next
     /// phase while one is being submitted).
@@ -425,7 +427,7 @@ impl FirstWrites {
             .layouts
             .borrow_mut()
             .pop()
-            .unwrap_or_else(|| pool.layout.open_handle());
+            .unwrap_or_else(|| TierHandle::new(&pool.layout, &pool.cache));
         // SAFETY: forwarded to the caller.
         unsafe { h.submit(io, op, tag) };
         self.layouts.borrow_mut().push(h);
