@@ -11,6 +11,10 @@
 #     device; the cleaner drains in the background). The figures: the burst against
 #     "fast", the lowest second and the last third against "slow" (no cliff below it).
 #
+# The slow device is slow on both faces: the datapath (latency_us) and the synchronous
+# face the cleaner's copies and syncs use (sync_latency_us), so cleaning costs what it
+# would on a real slow device.
+#
 # Each volume is written whole first (sequential 1 MiB writes, which bypass the cache)
 # so that no allocation is measured. The node runs on one reactor core (CORES).
 #
@@ -36,8 +40,8 @@ for _ in $(seq 200); do
 done
 t() { "$TESSERA" --api "unix:$dir/api.sock" "$@" >/dev/null; }
 size=$((SPAN_MIB + 320))M
-t pool create slow "fault:$dir/slow.img:${size};latency_us=$LATENCY_US"
-t pool create wb "fault:$dir/wb.img:${size};latency_us=$LATENCY_US" \
+t pool create slow "fault:$dir/slow.img:${size};latency_us=$LATENCY_US;sync_latency_us=$LATENCY_US"
+t pool create wb "fault:$dir/wb.img:${size};latency_us=$LATENCY_US;sync_latency_us=$LATENCY_US" \
     --cache "$dir/c0.img:$((CACHE_MIB + 2))M,$dir/c1.img:$((CACHE_MIB + 2))M" \
     --cache-mode write-back --cache-unit "$UNIT"
 t pool create fast "$dir/fast.img:${size}"

@@ -6,7 +6,10 @@
 //! runs. Reading them costs uncontended loads; this device is for tests, not production.
 //!
 //! Spec keys (`fault:INNER;key=value;...`, see [`FaultConfig::set`]):
-//! - `latency_us=N`: every completion is N µs late;
+//! - `latency_us=N`: every datapath completion is N µs late;
+//! - `sync_latency_us=N`: every call of the synchronous face (metadata, background copies
+//!   such as a cache tier's cleaner, rebuilds) sleeps N µs first, so that a device made
+//!   slow on purpose is slow for its background work too;
 //! - `error_ppm=N`: random EIO on the datapath at N parts per million;
 //! - `fail_read=A-B`, `fail_write=A-B`: EIO for I/O touching the byte range [A, B);
 //! - `fail_flush=1`: every flush fails with EIO (and its cache is not written back), while
@@ -41,6 +44,8 @@ pub struct FaultConfig {
     pub error_ppm: AtomicU64,
     /// Latency added to every completion, in microseconds.
     pub latency_us: AtomicU64,
+    /// Latency added to every call of the synchronous face, in microseconds.
+    pub sync_latency_us: AtomicU64,
     /// The device is gone: everything fails with ENODEV.
     pub vanished: AtomicBool,
     /// Vanish once this many I/Os have been submitted (0 = never).
@@ -103,6 +108,7 @@ impl FaultConfig {
         let num = || crate::parse_size(value).map_err(|_| bad());
         match key {
             "latency_us" => self.latency_us.store(num()?, Relaxed),
+            "sync_latency_us" => self.sync_latency_us.store(num()?, Relaxed),
             "error_ppm" => self.error_ppm.store(num()?, Relaxed),
             "fail_read" | "fail_write" => {
                 let (a, b) = value.split_once('-').ok_or_else(bad)?;
@@ -118,7 +124,7 @@ impl FaultConfig {
             "vanish_after_ms" => self.vanish_after_ms.store(num()?, Relaxed),
             "stall_ms" => self.stall_ms.store(num()?, Relaxed),
             "stall_after_ms" => self.stall_after_ms.store(num()?, Relaxed),
-            _ => return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("fault device: unknown setting '{key}' (latency_us, error_ppm, fail_read=A-B, fail_write=A-B, fail_flush, vanish_after_ios, vanish_after_ms, stall_ms, stall_after_ms)"))),
+            _ => return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("fault device: unknown setting '{key}' (latency_us, sync_latency_us, error_ppm, fail_read=A-B, fail_write=A-B, fail_flush, vanish_after_ios, vanish_after_ms, stall_ms, stall_after_ms)"))),
         }
         Ok(())
     }
@@ -155,7 +161,8 @@ impl FaultDevice {
 
     /// The synchronous face of a stall: the calling thread waits as long as an I/O would.
     fn sync_stall(&self) {
-        let d = self.stall_delay();
+        let d =
+            self.stall_delay() + Duration::from_micros(self.config.sync_latency_us.load(Relaxed));
         if !d.is_zero() {
             std::thread::sleep(d);
         }

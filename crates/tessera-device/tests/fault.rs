@@ -102,6 +102,32 @@ fn latency_is_added_to_completions() {
 }
 
 #[test]
+fn sync_latency_slows_the_synchronous_face_only() {
+    let (dev, cfg, _io) = setup();
+    let buf = vec![7u8; 4096];
+    // Without the knob, the datapath's latency leaves the synchronous face alone.
+    cfg.latency_us.store(50_000, Relaxed);
+    let t = Instant::now();
+    dev.write_at(0, &buf).unwrap();
+    assert!(t.elapsed() < Duration::from_millis(50), "{:?}", t.elapsed());
+    cfg.latency_us.store(0, Relaxed);
+    cfg.set("sync_latency_us", "20000").unwrap();
+    for call in 0..3 {
+        let t = Instant::now();
+        match call {
+            0 => dev.write_at(0, &buf).unwrap(),
+            1 => dev.read_at(0, &mut vec![0u8; 4096]).unwrap(),
+            _ => dev.sync().unwrap(),
+        }
+        assert!(
+            t.elapsed() >= Duration::from_millis(20),
+            "call {call}: {:?}",
+            t.elapsed()
+        );
+    }
+}
+
+#[test]
 fn a_vanished_device_fails_everything() {
     let (dev, cfg, mut io) = setup();
     let mut h = dev.clone().open_handle();

@@ -7,10 +7,11 @@
 //!
 //! `cargo run --release -p tessera-pool --example cache_policy_replay [-- CACHE_UNITS]`
 //!
-//! Tessera's policy runs twice: 2Q alone, and 2Q with the access-pattern detector's
-//! bypass (requests the detector labels sequential are not admitted), as the cache tier
-//! will run it. Offsets given to the detector are the units' (unit << 20), one request
-//! per unit access.
+//! Tessera's policy runs as 2Q alone, 2Q with the access-pattern detector's bypass
+//! (requests the detector labels sequential are not admitted), as the cache tier runs
+//! it, and with an admission threshold (nhit: a full cache admits a unit at its N-th
+//! miss) with and without the detector. Offsets given to the detector are the units'
+//! (unit << 20), one request per unit access.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -134,6 +135,19 @@ fn main() {
             q2.access(k, seq) == Outcome::Hit
         })
         .collect();
+    // The admission threshold (nhit) without and with the detector.
+    let nhit = |n: u8, detect: bool| -> Vec<bool> {
+        let mut q = TwoQ::with_admit_hits(cache, n);
+        let mut det = Detector::default();
+        trace
+            .iter()
+            .map(|&k| {
+                let seq = detect && det.observe(k << 20, 1 << 20) == Pattern::Sequential;
+                q.access(k, seq) == Outcome::Hit
+            })
+            .collect()
+    };
+    let (n2, n3, n2d) = (nhit(2, false), nhit(3, false), nhit(2, true));
 
     println!(
         "cache {cache} units, working set {working}, zipf 1.1, scan {} units, windows of {window} accesses",
@@ -143,6 +157,9 @@ fn main() {
         ("lru", &lru_hits),
         ("2q", &q_hits),
         ("2q+detector", &q2_hits),
+        ("2q+nhit2", &n2),
+        ("2q+nhit3", &n3),
+        ("2q+detector+nhit2", &n2d),
     ] {
         let (b, a) = (ratio(hits, &before), ratio(hits, &after));
         println!(

@@ -10,7 +10,11 @@
 //! - hits in `frequent` move a unit to its head; its tail is what goes when `recent` is
 //!   within its share;
 //! - a request the access-pattern detector (`crate::pattern`) calls sequential may
-//!   bypass admission altogether (bcache's sequential cutoff): a stream is read once.
+//!   bypass admission altogether (bcache's sequential cutoff): a stream is read once;
+//! - with an admission threshold N above 1 (Open CAS's "nhit"), a full cache admits a
+//!   unit only at its N-th miss: until then it is remembered as a ghost with a count, so
+//!   units read once (a scan the detector missed, a random one-off) never displace
+//!   anything. A cache with free room admits at the first miss whatever N is.
 //!
 //! State: a 24-byte list entry (key, links, queue) and a hash-map slot per cached unit
 //! and per ghost key (half as many as units), allocated up front for a full cache.
@@ -37,6 +41,8 @@ struct Entry {
     prev: u32,
     next: u32,
     queue: Queue,
+    /// Misses seen while a ghost (for the admission threshold); fits the padding.
+    hits: u8,
 }
 
 /// A doubly linked list threaded through the arena: head is the most recent.
@@ -69,6 +75,8 @@ pub enum Outcome {
 /// The policy for a cache of `capacity` units (keys are unit numbers).
 pub struct TwoQ {
     capacity: usize,
+    /// Misses a unit needs before a full cache admits it (1: the first).
+    admit_hits: u8,
     recent_share: usize,
     ghost_share: usize,
     entries: Vec<Entry>,
@@ -79,10 +87,16 @@ pub struct TwoQ {
 
 impl TwoQ {
     pub fn new(capacity: usize) -> TwoQ {
+        TwoQ::with_admit_hits(capacity, 1)
+    }
+
+    /// A policy whose full cache admits a unit at its `admit_hits`-th miss (at least 1).
+    pub fn with_admit_hits(capacity: usize, admit_hits: u8) -> TwoQ {
         assert!(capacity >= 4, "a cache of at least 4 units");
         let ghost_share = capacity / 2;
         TwoQ {
             capacity,
+            admit_hits: admit_hits.max(1),
             recent_share: capacity / 4,
             ghost_share,
             entries: Vec::with_capacity(capacity + ghost_share + 1),
@@ -130,6 +144,17 @@ impl TwoQ {
                             evicted: None,
                         };
                     }
+                    let e = &mut self.entries[i as usize];
+                    e.hits = e.hits.saturating_add(1);
+                    if e.hits < self.admit_hits && self.cached() >= self.capacity {
+                        // Not yet seen often enough to displace anything: counted only.
+                        self.unlink(i);
+                        self.push_head(Queue::Ghost, i);
+                        return Outcome::Miss {
+                            admitted: false,
+                            evicted: None,
+                        };
+                    }
                     // Seen again after leaving: reuse. It goes to the main LRU.
                     self.unlink(i);
                     let evicted = self.make_room();
@@ -144,6 +169,16 @@ impl TwoQ {
                 admitted: false,
                 evicted: None,
             },
+            None if self.admit_hits > 1 && self.cached() >= self.capacity => {
+                // A full cache with an admission threshold: the first miss is counted.
+                let i = self.alloc(key);
+                self.entries[i as usize].hits = 1;
+                self.push_ghost(i);
+                Outcome::Miss {
+                    admitted: false,
+                    evicted: None,
+                }
+            }
             None => {
                 let evicted = self.make_room();
                 let i = self.alloc(key);
@@ -153,6 +188,16 @@ impl TwoQ {
                     evicted,
                 }
             }
+        }
+    }
+
+    /// Make entry `i` the newest ghost, forgetting the oldest beyond the ghosts' share.
+    fn push_ghost(&mut self, i: u32) {
+        self.push_head(Queue::Ghost, i);
+        if self.lists[Queue::Ghost as usize].len > self.ghost_share {
+            let g = self.lists[Queue::Ghost as usize].tail;
+            self.unlink(g);
+            self.release(g);
         }
     }
 
@@ -207,12 +252,9 @@ impl TwoQ {
         if recent.len > self.recent_share || self.lists[Queue::Frequent as usize].len == 0 {
             let i = recent.tail;
             self.unlink(i);
-            self.push_head(Queue::Ghost, i);
-            if self.lists[Queue::Ghost as usize].len > self.ghost_share {
-                let g = self.lists[Queue::Ghost as usize].tail;
-                self.unlink(g);
-                self.release(g);
-            }
+            // It was cached once: that counts as its first miss.
+            self.entries[i as usize].hits = 1;
+            self.push_ghost(i);
             Some(self.entries[i as usize].key)
         } else {
             let i = self.lists[Queue::Frequent as usize].tail;
@@ -229,6 +271,7 @@ impl TwoQ {
             prev: NIL,
             next: NIL,
             queue: Queue::Recent,
+            hits: 0,
         };
         let i = match self.free.pop() {
             Some(i) => {
@@ -317,6 +360,32 @@ mod tests {
 
     fn miss(admitted: bool, evicted: Option<u64>) -> Outcome {
         Outcome::Miss { admitted, evicted }
+    }
+
+    #[test]
+    fn a_full_cache_with_a_threshold_admits_at_the_nth_miss() {
+        let mut q = TwoQ::with_admit_hits(8, 3);
+        // Room: admitted at once whatever the threshold.
+        for k in 0..8 {
+            assert_eq!(q.access(k, false), miss(true, None));
+        }
+        // Full: counted twice, admitted at the third miss, displacing the oldest.
+        assert_eq!(q.access(100, false), miss(false, None));
+        assert_eq!(q.access(100, false), miss(false, None));
+        assert!(!q.contains(100));
+        assert_eq!(q.access(100, false), miss(true, Some(0)));
+        assert!(q.contains(100) && q.access(100, false) == Outcome::Hit);
+        // A one-time scan displaces nothing.
+        for k in 1000..1100 {
+            assert_eq!(q.access(k, false), miss(false, None));
+        }
+        assert_eq!(q.cached(), 8);
+        for k in 1..8 {
+            assert!(q.contains(k), "{k} kept through the scan");
+        }
+        // A bypassed request is never counted.
+        assert_eq!(q.access(200, true), miss(false, None));
+        assert!(!q.contains(200));
     }
 
     #[test]

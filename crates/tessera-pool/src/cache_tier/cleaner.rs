@@ -4,9 +4,17 @@
 //!
 //! How hard it works is the controller's call, on the share of the cache that is dirty:
 //! a trickle in the background while little is, more copies in parallel as it fills,
-//! everything it has while a mode switch drains the tier or a request waits for a unit
-//! (`urgent`). Writes that find no clean slot go to the pool's devices directly, so a
-//! cache full of dirty data costs the pool no more than its capacity tier's own speed.
+//! everything it has while a mode switch drains the tier. Writes that find no clean slot
+//! go to the pool's devices directly, so a cache full of dirty data costs the pool no
+//! more than its capacity tier's own speed.
+//!
+//! A request that waits for a unit's dirty blocks (an overwrite of a dirty block, an
+//! unaligned write, a discard: `urgent`) is served by a second thread, the urgent
+//! cleaner, which copies only those blocks: its wait is one copy and two syncs, never
+//! the rest of a background pass. Background passes are kept short (a few copies per
+//! worker) so that a block they claimed is not held long either. The two threads'
+//! copies overlap; from clearing dirty bits to the synced records that say so they take
+//! turns (`clean_commit`).
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -41,17 +49,20 @@ pub(crate) struct Effort {
 /// bursts, and rewrites of hot blocks stay in it. Above, it copies in parallel, and
 /// with half the cache dirty (or a drain, or a request waiting) as fast as it can.
 pub(crate) fn effort(dirty: u64, capacity: u64, hurry: bool) -> Effort {
+    // Blocks a pass gives each worker: a pass (and so the time a block it claimed is
+    // held from a waiting request) is a few device latencies long.
+    const PER_WORKER: u64 = 32;
     let share = dirty as f64 / capacity.max(1) as f64;
     if hurry || share >= 0.5 {
         Effort {
             workers: 16,
-            blocks: 4096,
+            blocks: 16 * PER_WORKER,
             pause: Duration::ZERO,
         }
     } else if share >= 0.1 {
         Effort {
             workers: 4,
-            blocks: 1024,
+            blocks: 4 * PER_WORKER,
             pause: Duration::ZERO,
         }
     } else {
@@ -65,12 +76,44 @@ pub(crate) fn effort(dirty: u64, capacity: u64, hurry: bool) -> Effort {
 
 pub(super) fn start(tier: &Arc<CacheTier>, backing: &Arc<Layout>) {
     let weak = Arc::downgrade(tier);
-    let backing = backing.clone();
+    let bulk = backing.clone();
     let h = std::thread::Builder::new()
         .name("cache-cleaner".into())
-        .spawn(move || cleaner_loop(weak, backing))
+        .spawn(move || cleaner_loop(weak, bulk))
         .expect("spawning the cache cleaner");
     tier.threads.locked().push(h);
+    let weak = Arc::downgrade(tier);
+    let backing = backing.clone();
+    let h = std::thread::Builder::new()
+        .name("cache-urgent".into())
+        .spawn(move || urgent_loop(weak, backing))
+        .expect("spawning the cache's urgent cleaner");
+    tier.threads.locked().push(h);
+}
+
+/// The urgent cleaner: whenever a request asks (`ask_clean`), the units it waits for.
+/// Blocks a background pass holds are left to it; the request asks again on its retry.
+fn urgent_loop(tier: Weak<CacheTier>, backing: Arc<Layout>) {
+    loop {
+        {
+            let Some(t) = tier.upgrade() else { return };
+            if t.stop.load(Acquire) {
+                return;
+            }
+            if !t.failed() {
+                t.urgent_pass(&backing);
+            }
+            let (m, cv) = &t.urgent_wake;
+            let mut woken = m.locked();
+            if !*woken {
+                woken = cv
+                    .wait_timeout(woken, Duration::from_millis(100))
+                    .map(|(g, _)| g)
+                    .unwrap_or_else(|e| e.into_inner().0);
+            }
+            *woken = false;
+        }
+    }
 }
 
 fn cleaner_loop(tier: Weak<CacheTier>, backing: Arc<Layout>) {
@@ -108,11 +151,9 @@ impl CacheTier {
         self.tidy_records();
         let dirty = self.dirty_blocks.load(Acquire);
         if dirty == 0 {
-            self.urgent.locked().clear();
             return Some(Duration::from_millis(50));
         }
-        let urgent: Vec<u64> = std::mem::take(&mut *self.urgent.locked());
-        let hurry = self.draining.load(Relaxed) || !urgent.is_empty();
+        let hurry = self.draining.load(Relaxed);
         if !hurry && self.cleaner_paused.load(Relaxed) {
             return Some(Duration::from_millis(50));
         }
@@ -122,23 +163,12 @@ impl CacheTier {
         let capacity = self.geo.slots * self.geo.blocks as u64;
         let by_slots = self.dirty_slots.load(Relaxed) * self.geo.blocks as u64;
         let e = effort(dirty.max(by_slots), capacity, hurry);
-        let _gate = self.gate.read_locked();
+        let gate = self.gate.read_locked();
         let mut items = Vec::new();
         let mut taken = 0u64;
-        for key in urgent {
-            let (i, _) = self.shard_of(key);
-            let mut sh = self.shards[i].locked();
-            if let Some(&s) = sh.slot_of.get(&key) {
-                taken += Self::claim_dirty(&mut sh.slots[s as usize], i, s, &mut items);
-            }
-        }
         let n = self.shards.len();
         let mut visited = 0usize;
-        // Paused: only what requests wait for (and a drain). Requests waiting: only what
-        // they wait for, so that their wait is one copy and one sync, not a batch.
-        let scan =
-            (!self.cleaner_paused.load(Relaxed) || self.draining.load(Relaxed)) && items.is_empty();
-        while scan && taken < e.blocks && visited < n {
+        while taken < e.blocks && visited < n {
             let i = *cursor % n;
             *cursor = cursor.wrapping_add(1);
             visited += 1;
@@ -161,14 +191,52 @@ impl CacheTier {
         if items.is_empty() {
             return Some(Duration::from_millis(1));
         }
-        self.copy_out(backing, &mut items, e.workers);
+        self.clean_items(backing, &mut items, e.workers, gate);
+        Some(e.pause)
+    }
+
+    /// What requests wait for (`urgent`): only those units' dirty blocks, at once.
+    fn urgent_pass(&self, backing: &Layout) {
+        let urgent: Vec<u64> = std::mem::take(&mut *self.urgent.locked());
+        if urgent.is_empty() {
+            return;
+        }
+        let gate = self.gate.read_locked();
+        let mut items = Vec::new();
+        for key in urgent {
+            let (i, _) = self.shard_of(key);
+            let mut sh = self.shards[i].locked();
+            if let Some(&s) = sh.slot_of.get(&key) {
+                Self::claim_dirty(&mut sh.slots[s as usize], i, s, &mut items);
+            }
+        }
+        if items.is_empty() {
+            return;
+        }
+        let workers = items.len().min(16);
+        self.clean_items(backing, &mut items, workers, gate);
+    }
+
+    /// Copy `items` (claimed) to the pool's devices with `workers` copies in flight,
+    /// sync them, then clear the blocks' dirty bits and rewrite and sync the records of
+    /// slots left clean. `gate` (held shared since the claims) goes once the dirty bits
+    /// are settled.
+    fn clean_items(
+        &self,
+        backing: &Layout,
+        items: &mut [Item],
+        workers: usize,
+        gate: std::sync::RwLockReadGuard<'_, ()>,
+    ) {
+        self.copy_out(backing, items, workers);
         let synced = backing.sync();
         if let Err(err) = &synced {
             tracing::error!(error = %err, "syncing the pool's devices after cleaning failed");
         }
+        let commit = self.clean_commit.locked();
         let mut rewrite = Vec::new();
         let mut cleaned = 0u64;
-        for it in &items {
+        for it in items.iter() {
             let mut sh = self.shards[it.shard].locked();
             let st = &mut sh.slots[it.local as usize];
             st.claimed = minus(st.claimed, it.blocks);
@@ -194,9 +262,9 @@ impl CacheTier {
         self.counters
             .cleaned_bytes
             .fetch_add(cleaned << BLOCK_SHIFT, Relaxed);
-        drop(_gate);
+        drop(gate);
         self.rewrite_clean(&rewrite);
-        Some(e.pause)
+        drop(commit);
     }
 
     /// Claim slot `s`'s dirty blocks nobody holds; returns how many.
@@ -227,11 +295,12 @@ impl CacheTier {
         std::thread::scope(|sc| {
             for _ in 0..workers.min(items_ro.len()) {
                 sc.spawn(|| {
-                    let mut buf = vec![0u8; 1usize << self.unit_shift];
+                    // Aligned for O_DIRECT: an unaligned write costs the device a read.
+                    let mut buf = tessera_io::buf::AlignedBuf::zeroed(1usize << self.unit_shift);
                     loop {
                         let k = next.fetch_add(1, Ordering::Relaxed);
                         let Some(it) = items_ro.get(k) else { break };
-                        let ok = self.copy_item(backing, it, &mut buf);
+                        let ok = self.copy_item(backing, it, buf.as_mut_slice());
                         *results[k].locked() = ok;
                     }
                 });
@@ -294,6 +363,7 @@ impl CacheTier {
         if !self.tidy.swap(false, Relaxed) {
             return;
         }
+        let _commit = self.clean_commit.locked();
         let mut done = Vec::new();
         let mut again = false;
         for (i, sh) in self.shards.iter().enumerate() {

@@ -360,6 +360,12 @@ pub struct CacheTier {
     cleaner_paused: AtomicBool,
     /// Wakes the cleaner.
     wake: (Mutex<bool>, std::sync::Condvar),
+    /// Wakes the urgent cleaner (a request waits for a unit).
+    urgent_wake: (Mutex<bool>, std::sync::Condvar),
+    /// Held from clearing dirty bits to the synced records that say so
+    /// (`records_clean`): with two cleaners, one's records must never be taken as
+    /// durable for bits the other cleared after they were built.
+    clean_commit: Mutex<()>,
     /// Held (shared) by a cleaner pass, (exclusively) by `release_units`: a freed unit's
     /// blocks are never written to the pool's devices after it is released.
     gate: std::sync::RwLock<()>,
@@ -444,6 +450,8 @@ impl CacheTier {
             tidy: AtomicBool::new(false),
             cleaner_paused: AtomicBool::new(false),
             wake: (Mutex::new(false), std::sync::Condvar::new()),
+            urgent_wake: (Mutex::new(false), std::sync::Condvar::new()),
+            clean_commit: Mutex::new(()),
             gate: std::sync::RwLock::new(()),
         })
     }

@@ -4,10 +4,12 @@
 //! so a later write of a record block always carries every earlier change to it.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use tessera_io::buf::AlignedBuf;
 use tessera_io::sync::MutexExt;
 use tessera_io::{RemoteCompleter, Tag};
 
@@ -172,11 +174,25 @@ pub(super) fn writer_loop(tier: Weak<CacheTier>, rx: Receiver<RecordRequest>) {
 impl CacheTier {
     /// Write record blocks `blocks`, each built from RAM as it is now. One writer at a
     /// time (`record_io`), so blocks reach the devices in the order they were built.
+    ///
+    /// A batch for scattered slots names scattered blocks: runs of adjacent blocks are
+    /// written as one write each, up to `RECORD_WRITERS` runs at once, from a buffer
+    /// aligned for O_DIRECT (an unaligned one costs the device a read before each
+    /// write), so a batch costs about one device write, not one per block.
     pub(crate) fn write_record_blocks(&self, blocks: &BTreeSet<u64>) -> std::io::Result<()> {
+        /// Runs of one batch written at once.
+        const RECORD_WRITERS: usize = 8;
+        if blocks.is_empty() {
+            return Ok(());
+        }
         let _one = self.record_io.locked();
-        let mut buf = vec![0u8; BLOCK];
-        for &j in blocks {
-            buf.fill(0);
+        let list: Vec<u64> = blocks.iter().copied().collect();
+        let mut buf = AlignedBuf::zeroed(list.len() * BLOCK);
+        for (n, chunk) in buf.as_mut_slice()[..list.len() * BLOCK]
+            .chunks_mut(BLOCK)
+            .enumerate()
+        {
+            let j = list[n];
             for i in 0..PER_BLOCK {
                 let q = j * PER_BLOCK + i;
                 let s = q / self.geo.groups;
@@ -185,11 +201,42 @@ impl CacheTier {
                 }
                 let at = usize::try_from(i).expect("small") * SECTOR;
                 let group = u32::try_from(q % self.geo.groups).expect("small");
-                self.encode_record(s, group, &mut buf[at..at + SECTOR]);
+                self.encode_record(s, group, &mut chunk[at..at + SECTOR]);
             }
-            self.layout.write_at(j * BLOCK as u64, &buf)?;
         }
-        Ok(())
+        // Runs: (first block, index of it in `list`, blocks).
+        let mut runs: Vec<(u64, usize, usize)> = Vec::new();
+        for (n, &j) in list.iter().enumerate() {
+            match runs.last_mut() {
+                Some((first, _, len)) if *first + *len as u64 == j => *len += 1,
+                _ => runs.push((j, n, 1)),
+            }
+        }
+        let bytes = buf.as_slice();
+        let write = |&(first, at, len): &(u64, usize, usize)| {
+            self.layout
+                .write_at(first * BLOCK as u64, &bytes[at * BLOCK..(at + len) * BLOCK])
+        };
+        if runs.len() == 1 {
+            return write(&runs[0]);
+        }
+        let next = AtomicUsize::new(0);
+        let failed: std::sync::Mutex<Option<std::io::Error>> = std::sync::Mutex::new(None);
+        std::thread::scope(|sc| {
+            for _ in 0..runs.len().min(RECORD_WRITERS) {
+                sc.spawn(|| loop {
+                    let k = next.fetch_add(1, Relaxed);
+                    let Some(run) = runs.get(k) else { break };
+                    if let Err(e) = write(run) {
+                        failed.locked().get_or_insert(e);
+                    }
+                });
+            }
+        });
+        match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Write the record blocks of `slots` (global indices) and, with `sync`, sync the

@@ -183,7 +183,8 @@ impl CacheTier {
         !keys.is_empty()
     }
 
-    /// A request waits for unit `key`'s dirty blocks: the cleaner takes it first.
+    /// A request waits for unit `key`'s dirty blocks: the urgent cleaner takes it, apart
+    /// from the background passes, so the wait is one copy and two syncs.
     pub(crate) fn ask_clean(&self, key: u64) {
         {
             let mut u = self.urgent.locked();
@@ -191,7 +192,13 @@ impl CacheTier {
                 u.push(key);
             }
         }
-        self.wake_cleaner();
+        self.wake_urgent();
+    }
+
+    fn wake_urgent(&self) {
+        let (m, cv) = &self.urgent_wake;
+        *m.locked() = true;
+        cv.notify_one();
     }
 
     pub(crate) fn wake_cleaner(&self) {
@@ -464,6 +471,7 @@ impl CacheTier {
         self.stop.store(true, Release);
         self.records_tx.locked().take();
         self.wake_cleaner();
+        self.wake_urgent();
         let threads = std::mem::take(&mut *self.threads.locked());
         for h in threads {
             let _ = h.join();
