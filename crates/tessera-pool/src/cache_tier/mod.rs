@@ -235,6 +235,8 @@ struct Shard {
     crcs: HashMap<u32, Box<[u32]>>,
     /// Slots of units freed with dirty blocks, waiting for `release_units`.
     freed_of: HashMap<u64, u32>,
+    /// Write-back: where the next search for a clean slot to take starts (a clock hand).
+    hand: usize,
 }
 
 /// What a read of one unit's blocks does.
@@ -421,6 +423,7 @@ impl CacheTier {
                     slots: vec![EMPTY_SLOT; cap],
                     crcs: HashMap::new(),
                     freed_of: HashMap::new(),
+                    hand: 0,
                 })
             })
             .collect();

@@ -70,7 +70,11 @@ impl CacheTier {
                 }
                 None => {
                     let outcome = sh.policy.access(key, false);
+                    // The policy's victim may be dirty (kept until cleaned): then any
+                    // clean, idle slot does, so that the write is not sent to the slow
+                    // tier while the cleaner keeps up.
                     self.slot_for(&mut sh, key, outcome)
+                        .or_else(|| self.steal_clean(&mut sh, key))
                 }
             };
             if slot.is_none() {
@@ -110,6 +114,38 @@ impl CacheTier {
         }
         st.valid = minus(st.valid, t);
         WritePlan::Both { slot: s }
+    }
+
+    /// Write-back, no free slot and the policy's victim was dirty: take a mapped slot
+    /// that is clean and idle for unit `key`, outside the policy's queues like a free
+    /// slot's (`evicted`: freed once cleaned). The policy may still count the unit it
+    /// cached as cached; its next access maps it again. A clock hand bounds the search.
+    fn steal_clean(&self, sh: &mut super::Shard, key: u64) -> Option<u32> {
+        /// Slots looked at per attempt: a cache full of dirty data costs a write little.
+        const LOOK: usize = 64;
+        let n = sh.slots.len();
+        for k in 0..LOOK.min(n) {
+            let s = (sh.hand + k) % n;
+            let st = &sh.slots[s];
+            if !(st.mapped && st.idle()) {
+                continue;
+            }
+            sh.hand = (s + 1) % n;
+            let old = st.key;
+            sh.slot_of.remove(&old);
+            let st = &mut sh.slots[s];
+            st.touch(span(0, 255));
+            st.key = key;
+            st.evicted = true;
+            st.valid = NONE;
+            let s = u32::try_from(s).expect("fewer than 2^32 slots");
+            sh.slot_of.insert(key, s);
+            self.counters.evictions.fetch_add(1, Relaxed);
+            self.counters.promotions.fetch_add(1, Relaxed);
+            return Some(s);
+        }
+        sh.hand = (sh.hand + LOOK) % n.max(1);
+        None
     }
 
     /// A write-back write's bytes are in slot `slot` (of unit `key`): blocks `blocks`,
