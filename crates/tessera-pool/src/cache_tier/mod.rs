@@ -1046,6 +1046,42 @@ mod tests {
         }
     }
 
+    /// Write-back with no free slot: when the policy's victim is dirty (it keeps its slot
+    /// until cleaned), a write takes another slot that is clean and idle rather than
+    /// going to the pool's devices.
+    #[test]
+    fn a_write_back_write_takes_a_clean_slot_when_the_victim_is_dirty() {
+        let d: Arc<dyn BlockDevice> = RamDevice::new(40 << 20).unwrap();
+        let t = CacheTier::new(vec![d], CacheMode::WriteBack, CACHE_UNIT, 1).unwrap();
+        // Units of shard 0 only (unit k * m); n of them fill its slots.
+        let m = t.shards.len() as u64;
+        let n = t.shards[0].locked().slots.len() as u64;
+        // Reads fill every slot with a clean unit, in the policy's FIFO in this order.
+        for k in (0..n).map(|k| k * m) {
+            let ReadPlan::Fill { slot } = t.plan_read(k, 0, 0, false) else {
+                panic!("unit {k} was not filled");
+            };
+            t.end_write(k, slot, (0, 0), Some((0, 0)));
+        }
+        // The oldest, the policy's next victim, gets dirty.
+        let WritePlan::Back { slot: s0 } = t.plan_write(0, (1, 1), Some((1, 1)), false) else {
+            panic!("a write-back write of a cached unit was not taken");
+        };
+        assert!(t.note_dirty(0, s0, (1, 1), &[7]).is_some());
+        t.end_back(0, s0, (1, 1), true);
+        // A new unit: its victim (unit 0) is dirty, another slot is taken.
+        let new = (n + 5) * m;
+        let WritePlan::Back { slot } = t.plan_write(new, (0, 0), Some((0, 0)), false) else {
+            panic!("a write-back write went to the slow tier with clean slots at hand");
+        };
+        assert_ne!(slot, s0, "the dirty slot was given away");
+        assert!(t.note_dirty(new, slot, (0, 0), &[9]).is_some());
+        t.end_back(new, slot, (0, 0), true);
+        // Unit 0 is still read from its slot (its dirty block is only there).
+        assert_eq!(t.plan_read(0, 1, 1, false), ReadPlan::Hit { slot: s0 });
+        t.end_hit(0, s0);
+    }
+
     /// The race a write-around (or any write the cache does not take) runs against a
     /// fill: the fill read the pool's devices before the write landed, and must not
     /// validate what it read, whether the write started before its end or ended before.
