@@ -34,13 +34,9 @@ CORES=${CORES:-1}
 WS_MIB=$((CACHE_MIB * 4))
 dir=$(mktemp -d "${TMPDIR:-/tmp}/tessera-cache-bench.XXXXXX")
 # The node's iSCSI and NVMe/TCP listeners are not used here.
-"$TESSERA" up --data-dir "$dir" --nbd "127.0.0.1:$PORT" --cores "$CORES" >"$dir/node.log" 2>&1 &
-pid=$!
-trap 'kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; rm -rf "$dir"' EXIT
-for _ in $(seq 200); do
-    [[ -S "$dir/api.sock" ]] && "$TESSERA" --api "unix:$dir/api.sock" pool list >/dev/null 2>&1 && break
-    sleep 0.1
-done
+# shellcheck source=bench/lib.sh
+source bench/lib.sh
+start_node "$dir" "$PORT" "$CORES"
 t() { "$TESSERA" --api "unix:$dir/api.sock" "$@" >/dev/null; }
 size=$((WS_MIB + 320))M
 t pool create slow "fault:$dir/slow.img:${size};latency_us=$LATENCY_US"

@@ -75,19 +75,24 @@ pub(crate) fn effort(dirty: u64, capacity: u64, hurry: bool) -> Effort {
 }
 
 pub(super) fn start(tier: &Arc<CacheTier>, backing: &Arc<Layout>) {
-    let weak = Arc::downgrade(tier);
-    let bulk = backing.clone();
-    let h = std::thread::Builder::new()
-        .name("cache-cleaner".into())
-        .spawn(move || cleaner_loop(weak, bulk))
-        .expect("spawning the cache cleaner");
-    tier.threads.locked().push(h);
+    spawn(tier, backing, "cache-cleaner", cleaner_loop);
+    spawn(tier, backing, "cache-urgent", urgent_loop);
+}
+
+/// A thread of the tier named `name` running `body`; it holds the tier weakly (it ends
+/// when the tier goes) and is joined when the tier stops.
+fn spawn(
+    tier: &Arc<CacheTier>,
+    backing: &Arc<Layout>,
+    name: &str,
+    body: fn(Weak<CacheTier>, Arc<Layout>),
+) {
     let weak = Arc::downgrade(tier);
     let backing = backing.clone();
     let h = std::thread::Builder::new()
-        .name("cache-urgent".into())
-        .spawn(move || urgent_loop(weak, backing))
-        .expect("spawning the cache's urgent cleaner");
+        .name(name.into())
+        .spawn(move || body(weak, backing))
+        .unwrap_or_else(|e| panic!("spawning the cache tier's thread {name}: {e}"));
     tier.threads.locked().push(h);
 }
 

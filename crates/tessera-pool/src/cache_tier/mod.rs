@@ -594,14 +594,21 @@ impl CacheTier {
             return Some(s);
         }
         let s = Self::take_slot(sh)?;
+        self.assign_slot(sh, s, key, false);
+        Some(s)
+    }
+
+    /// Free slot `s` now holds unit `key`, with no valid block yet. `outside_policy`: a
+    /// write-back write took it and the policy does not count the unit as cached, so
+    /// the slot is freed again once cleaned (`evicted`).
+    fn assign_slot(&self, sh: &mut Shard, s: u32, key: u64, outside_policy: bool) {
         let slot = &mut sh.slots[s as usize];
         slot.key = key;
         slot.mapped = true;
-        slot.evicted = false;
+        slot.evicted = outside_policy;
         slot.valid = NONE;
         sh.slot_of.insert(key, s);
         self.counters.promotions.fetch_add(1, Relaxed);
-        Some(s)
     }
 
     /// The plan for reading blocks `b0..=b1` of unit `key`; `sequential`: the detector

@@ -59,13 +59,7 @@ impl CacheTier {
             // waits for the cleaner. With none free, the policy picks a unit to evict.
             slot = match Self::take_slot(&mut sh) {
                 Some(s) => {
-                    let st = &mut sh.slots[s as usize];
-                    st.key = key;
-                    st.mapped = true;
-                    st.evicted = true;
-                    st.valid = NONE;
-                    sh.slot_of.insert(key, s);
-                    self.counters.promotions.fetch_add(1, Relaxed);
+                    self.assign_slot(&mut sh, s, key, true);
                     Some(s)
                 }
                 None => {
@@ -133,15 +127,10 @@ impl CacheTier {
             sh.hand = (s + 1) % n;
             let old = st.key;
             sh.slot_of.remove(&old);
-            let st = &mut sh.slots[s];
-            st.touch(span(0, 255));
-            st.key = key;
-            st.evicted = true;
-            st.valid = NONE;
-            let s = u32::try_from(s).expect("fewer than 2^32 slots");
-            sh.slot_of.insert(key, s);
+            sh.slots[s].touch(span(0, 255));
             self.counters.evictions.fetch_add(1, Relaxed);
-            self.counters.promotions.fetch_add(1, Relaxed);
+            let s = u32::try_from(s).expect("fewer than 2^32 slots");
+            self.assign_slot(sh, s, key, true);
             return Some(s);
         }
         sh.hand = (sh.hand + LOOK) % n.max(1);
