@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Soak the pool model checker (crates/tessera-pool/tests/model_check.rs): run batches of
+# Soak the pool model checker (crates/tessera-pool/tests/pool/model_check.rs): run batches of
 # seeds on every layout until the time is up, JOBS batches at once, then print how many
 # seeds and operations ran per layout and every failing seed (each failure prints its
 # minimal replayable sequence in the log).
@@ -14,7 +14,7 @@
 # makes I/Os overlap, the commit thread's interval), so batches run several per core.
 #
 # Replay one failure: TESSERA_MC_SEED=N cargo test --release -p tessera-pool \
-#   --test model_check model_check_LAYOUT -- --nocapture
+#   --test pool model_check::model_check_LAYOUT -- --nocapture
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -23,7 +23,7 @@ if [[ ${1:-} == --batch ]]; then
   l=$2 first=$3
   ((EPOCHSECONDS < SOAK_END)) || exit 0
   TESSERA_MC_FIRST_SEED=$first TESSERA_MC_SEEDS=$BATCH TESSERA_MC_ALL=${ALL:-0} \
-    "$SOAK_BIN" "model_check_${l}" --exact --nocapture >"$SOAK_DIR/$l-$first.out" 2>&1 || true
+    "$SOAK_BIN" "model_check::model_check_${l}" --exact --nocapture >"$SOAK_DIR/$l-$first.out" 2>&1 || true
   exit 0
 fi
 
@@ -37,10 +37,10 @@ JOBS=${JOBS:-$(($(nproc) * 3))}
 mkdir -p "$(dirname "$LOG")"
 : >"$LOG"
 
-cargo test --release -p tessera-pool --test model_check --no-run >/dev/null 2>&1 ||
-  cargo test --release -p tessera-pool --test model_check --no-run
-SOAK_BIN=$(cargo test --release -p tessera-pool --test model_check --no-run 2>&1 |
-  grep -o 'target/release/deps/model_check-[0-9a-f]*' | tail -1)
+cargo test --release -p tessera-pool --test pool --no-run >/dev/null 2>&1 ||
+  cargo test --release -p tessera-pool --test pool --no-run
+SOAK_BIN=$(cargo test --release -p tessera-pool --test pool --no-run 2>&1 |
+  grep -o 'target/release/deps/pool-[0-9a-f]*' | tail -1)
 SOAK_DIR=$(mktemp -d)
 trap 'rm -rf "$SOAK_DIR"' EXIT
 SOAK_END=$((EPOCHSECONDS + DURATION))

@@ -1,7 +1,7 @@
 //! A deterministic, seeded model checker for block storage (issue 20, the harness).
 //!
 //! The engine knows nothing about pools: a [`Target`] (implemented by the test that owns
-//! the system under test, e.g. `tessera-pool/tests/model_check.rs`) carries out the
+//! the system under test, e.g. `tessera-pool/tests/pool/model_check.rs`) carries out the
 //! operations, and this module
 //! - generates them from a seed ([`Generator`]) according to what exists now,
 //! - writes data that says what it is ([`stamp`]: every 512-byte sector carries the

@@ -1,0 +1,16 @@
+//! `tessera-node`'s integration tests: nodes started in this process, their services
+//! called as the API routers call them, NBD on 127.0.0.1 (see `common`). What a user
+//! types stays tested end to end in `crates/tessera-cli/tests`.
+//!
+//! One binary, one module per subject: every test binary costs CI a link with thin LTO.
+//! `cargo test --release -p tessera-node --test node hot_spare` runs one module.
+
+mod common;
+mod hot_spare;
+mod iscsi_reservations;
+mod raid_mirror;
+mod scrub_background;
+mod scrub_mirror_repair;
+mod snapshot_rollback;
+mod thin_map;
+mod volume_stats;
