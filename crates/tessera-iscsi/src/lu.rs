@@ -24,8 +24,12 @@ use crate::pr::{Access, Nexus, PrError, PrState, ProutRequest};
 use crate::scsi::Command;
 
 /// Saves the serialized reservation state ([`PrState::to_bytes`]) where it survives a
-/// restart, for the units whose last REGISTER set APTPL; an error says why it could not.
-pub type Persist = Box<dyn Fn(&[u8]) -> Result<(), String> + Send + Sync>;
+/// restart, for the units whose last REGISTER set APTPL; an error says why it could not
+/// (the caller's own error type, kept as it is: the target only logs it).
+pub type Persist = Box<dyn Fn(&[u8]) -> Result<(), PersistError> + Send + Sync>;
+
+/// Why a [`Persist`] could not save the state.
+pub type PersistError = Box<dyn std::error::Error + Send + Sync>;
 
 #[derive(Default)]
 pub struct LuShared {
@@ -555,7 +559,7 @@ mod tests {
         let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let f2 = fail.clone();
         l.set_persist(Box::new(move |_| match f2.load(Ordering::SeqCst) {
-            true => Err("disk full".to_string()),
+            true => Err("disk full".into()),
             false => Ok(()),
         }));
         l.pr_out(&a, &ProutRequest::basic(REGISTER, 0, 0, 1, true))

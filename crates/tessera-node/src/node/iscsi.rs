@@ -288,13 +288,14 @@ impl Node {
             }
             let dir = dir.clone();
             shared.set_persist(Box::new(move |bytes| {
-                let r = crate::registry::create_dir_durable(&dir)
-                    .map_err(|e| e.to_string())
-                    .and_then(|()| {
-                        crate::registry::write_atomic_mode(&path, bytes, 0o600)
-                            .map_err(|e| e.to_string())
-                    });
-                r.map_err(|e| format!("{}: {e}", path.display()))
+                crate::registry::create_dir_durable(&dir).map_err(|source| {
+                    crate::error::SaveError {
+                        path: dir.clone(),
+                        source,
+                    }
+                })?;
+                crate::registry::write_atomic_mode(&path, bytes, 0o600)?;
+                Ok(())
             }));
         }
     }
@@ -415,14 +416,12 @@ impl Node {
         };
         let volume = volume.to_string();
         a.shared.set_carried(Box::new(move |bytes| {
-            let node = node
-                .upgrade()
-                .ok_or_else(|| "the node is stopping".to_string())?;
+            let node = node.upgrade().ok_or("the node is stopping")?;
             let hex = to_hex(bytes);
             node.edit_owned_spec(&volume, |spec| spec.iscsi_pr = Some(hex.clone()))
                 .map_err(|e| match e {
                     super::ownership::SpecRefusal::Lost(why)
-                    | super::ownership::SpecRefusal::Unavailable(why) => why,
+                    | super::ownership::SpecRefusal::Unavailable(why) => why.into(),
                 })
         }));
     }
