@@ -170,6 +170,9 @@ pub struct CreatePool {
     /// The cache unit: a power of two from 16K to 1M (default 1M).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_unit: Option<SizeArg>,
+    /// Misses a unit needs before a full cache admits it (default 1: the first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_admit_hits: Option<u8>,
 }
 
 /// `POST /v1/pools/NAME/cache`: give the pool a cache tier.
@@ -187,6 +190,11 @@ pub struct CacheRequest {
     /// scattered hot blocks in less cache, at more RAM per GiB of it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unit: Option<SizeArg>,
+    /// Misses a unit needs before a full cache admits it (Open CAS's nhit; default 1,
+    /// the first). 2 or 3 keep units read once (a scan the detector did not call
+    /// sequential) out of a full cache, and admit the hot ones a miss or two later.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admit_hits: Option<u8>,
 }
 
 /// `PATCH /v1/pools/NAME/cache`: switch the mode online.
@@ -206,6 +214,9 @@ pub struct CacheInfo {
     pub pool: String,
     pub devices: Vec<String>,
     pub mode: String,
+    /// Misses a unit needs before the full cache admits it (1: the first).
+    #[serde(default)]
+    pub admit_hits: u8,
     /// ok, degraded (a mirrored tier lost a device), draining (a switch out of
     /// write-back: dirty data is being copied to the pool's devices first), failed
     /// (requests go uncached), "failed, dirty data lost" (write-back data that was on

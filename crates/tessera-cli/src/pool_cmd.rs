@@ -65,6 +65,10 @@ pub struct PoolCreateArgs {
     /// scattered hot blocks in less cache, at more RAM per GiB of cache.
     #[arg(long)]
     cache_unit: Option<String>,
+    /// Misses a unit needs before a full cache admits it (default 1: the first); 2 or
+    /// 3 keep units read once out of a full cache.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..))]
+    cache_admit_hits: Option<u8>,
 }
 
 #[derive(Args, Debug)]
@@ -201,6 +205,10 @@ pub struct CacheAddArgs {
     /// scattered hot blocks in less cache, at more RAM per GiB of cache.
     #[arg(long)]
     unit: Option<String>,
+    /// Misses a unit needs before a full cache admits it (default 1: the first); 2 or
+    /// 3 keep units read once out of a full cache.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..))]
+    admit_hits: Option<u8>,
 }
 
 #[derive(Args, Debug)]
@@ -269,6 +277,12 @@ fn print_cache(c: &CacheInfo) {
         c.evictions,
         bytes(c.fill_bytes)
     );
+    if c.admit_hits > 1 {
+        println!(
+            "  a full cache admits a unit at its miss number {}",
+            c.admit_hits
+        );
+    }
     if c.mode == "write-back" || c.dirty_bytes > 0 || c.cleaned_bytes > 0 {
         println!(
             "  write-back: {} dirty, {} cleaned to the pool's devices",
@@ -625,6 +639,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
                 cache: a.cache,
                 cache_mode: a.cache_mode,
                 cache_unit: a.cache_unit.map(SizeArg::from),
+                cache_admit_hits: a.cache_admit_hits,
             };
             let v: PoolInfo = send(ep, "POST", "/v1/pools", &body)?;
             show(&v, raw, |v| {
@@ -699,6 +714,7 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
                         mode: a.mode,
                         force: a.force,
                         unit: a.unit.map(SizeArg::from),
+                        admit_hits: a.admit_hits,
                     },
                 )?,
                 CacheCmd::Remove(CacheRemoveArgs { name, force }) => {

@@ -307,6 +307,8 @@ pub struct PoolDecl {
     pub cache_mode: Option<String>,
     /// The cache unit, 16K..1M (default 1M).
     pub cache_unit: Option<String>,
+    /// Misses a unit needs before the full cache admits it (default 1: the first).
+    pub cache_admit_hits: Option<u8>,
 }
 
 fn default_layout() -> String {
@@ -394,6 +396,7 @@ impl NodeConfig {
                 cache: Vec::new(),
                 cache_mode: None,
                 cache_unit: None,
+                cache_admit_hits: None,
             }],
             volumes: vec![VolumeDecl {
                 name: "vol0".into(),

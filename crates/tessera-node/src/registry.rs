@@ -32,6 +32,9 @@ pub struct PoolEntry {
     /// The cache unit in bytes; absent: 1 MiB.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_unit: Option<u64>,
+    /// Misses a unit needs before the full cache admits it; absent: 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_admit_hits: Option<u8>,
 }
 
 pub struct Registry {

@@ -106,6 +106,17 @@ impl TwoQ {
         }
     }
 
+    /// Misses a unit needs before a full cache admits it.
+    pub fn admit_hits(&self) -> u8 {
+        self.admit_hits
+    }
+
+    /// Change how many misses a full cache waits for (at least 1); the misses the queues
+    /// already counted stay counted.
+    pub fn set_admit_hits(&mut self, admit_hits: u8) {
+        self.admit_hits = admit_hits.max(1);
+    }
+
     /// Bytes of RAM the policy's state takes (its entries and its index's table, as
     /// allocated).
     pub fn state_bytes(&self) -> usize {

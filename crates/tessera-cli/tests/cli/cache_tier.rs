@@ -397,3 +397,35 @@ fn cli_and_api_manage_the_cache_and_a_restart_keeps_it() {
     assert_eq!(cache(&n, "q")["state"], "ok");
     assert!(!n.cli(&["pool", "cache", "show", "p"]).status.success());
 }
+
+#[test]
+fn admit_hits_is_set_at_create_and_add_shown_and_kept_across_a_restart() {
+    let mut n = TestNode::start_with_config("cache-admit-hits", "");
+    let d = path_str(&n.dir);
+    n.cli_ok(&[
+        "pool",
+        "create",
+        "p",
+        &format!("{d}/p.img:160M"),
+        "--cache",
+        &format!("{d}/c0.img:48M"),
+        "--cache-admit-hits",
+        "3",
+    ]);
+    assert_eq!(cache(&n, "p")["admit_hits"], 3);
+    let text = n.cli_ok(&["pool", "cache", "show", "p"]);
+    assert!(text.contains("at its miss number 3"), "{text}");
+    n.stop();
+    n.restart();
+    assert_eq!(cache(&n, "p")["admit_hits"], 3, "kept across a restart");
+    // 0 is refused before anything changes; the default is 1.
+    let o = n.cli(&["pool", "cache", "add", "q", "ram:48M", "--admit-hits", "0"]);
+    assert!(!o.status.success(), "{}", combined(&o));
+    n.cli_ok(&["pool", "cache", "remove", "p"]);
+    n.cli_ok(&["pool", "cache", "add", "p", &format!("{d}/c1.img:48M")]);
+    assert_eq!(cache(&n, "p")["admit_hits"], 1);
+    n.cli_ok(&["pool", "cache", "remove", "p"]);
+    let c2 = format!("{d}/c2.img:48M");
+    n.cli_ok(&["pool", "cache", "add", "p", &c2, "--admit-hits", "2"]);
+    assert_eq!(cache(&n, "p")["admit_hits"], 2);
+}

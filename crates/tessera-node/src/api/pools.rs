@@ -60,7 +60,7 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     let b: CreatePool = match body(
         &bytes,
         "pool",
-        "name, devices, layout, copies, stripe_size, unit_size, force, overcommit, cache, cache_mode, cache_unit",
+        "name, devices, layout, copies, stripe_size, unit_size, force, overcommit, cache, cache_mode, cache_unit, cache_admit_hits",
     ) {
         Ok(b) => b,
         Err(r) => return r,
@@ -106,6 +106,7 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
                     mode: b.cache_mode.clone(),
                     force: b.force,
                     unit: b.cache_unit.clone(),
+                    admit_hits: b.cache_admit_hits,
                 };
                 // A pool asked for with a cache that cannot be had is not left behind.
                 match n.add_pool_cache(&info.name, &req) {

@@ -325,6 +325,7 @@ impl Node {
                         mode: p.cache_mode.clone(),
                         force: false,
                         unit: p.cache_unit.clone().map(tessera_api::SizeArg::Text),
+                        admit_hits: p.cache_admit_hits,
                     };
                     self.add_pool_cache(&p.name, &req)?;
                 }

@@ -50,15 +50,27 @@ impl Node {
                 .map_err(|e| Error::invalid(format!("cache unit: {e}")))?,
         };
         tessera_pool::cache_tier::check_unit(unit)?;
+        let admit_hits = req.admit_hits.unwrap_or(1);
+        if admit_hits == 0 {
+            return Err(Error::invalid(
+                "cache admit hits: 1 (admit at the first miss) or more",
+            ));
+        }
         let canon = self.check_cache_devices(name, &req.devices)?;
         let devs = open_devices(&req.devices)?;
         p.attach_cache(devs, mode, unit, req.force, false)?;
-        let recorded = self.pools().edit_entry(name, |e| {
-            e.cache = canon.clone();
-            e.cache_mode = Some(mode.name().to_string());
-            e.cache_unit = (unit != CACHE_UNIT).then_some(unit);
-            Ok(())
-        });
+        let recorded = p
+            .set_cache_admit_hits(admit_hits)
+            .map_err(Error::from)
+            .and_then(|()| {
+                self.pools().edit_entry(name, |e| {
+                    e.cache = canon.clone();
+                    e.cache_mode = Some(mode.name().to_string());
+                    e.cache_unit = (unit != CACHE_UNIT).then_some(unit);
+                    e.cache_admit_hits = (admit_hits != 1).then_some(admit_hits);
+                    Ok(())
+                })
+            });
         if let Err(e) = recorded {
             let _ = p.detach_cache();
             return Err(e);
@@ -100,6 +112,7 @@ impl Node {
             e.cache.clear();
             e.cache_mode = None;
             e.cache_unit = None;
+            e.cache_admit_hits = None;
             Ok(())
         })?;
         info!(pool = %name, "cache tier removed");
@@ -184,7 +197,8 @@ impl Node {
             // A pool recreated on volatile devices has a new UUID: its cache is
             // labelled afresh.
             let unit = e.cache_unit.unwrap_or(CACHE_UNIT);
-            p.attach_cache(devs, mode, unit, recreated, !recreated)
+            p.attach_cache(devs, mode, unit, recreated, !recreated)?;
+            p.set_cache_admit_hits(e.cache_admit_hits.unwrap_or(1))
                 .map_err(Error::from)
         });
         match attached {

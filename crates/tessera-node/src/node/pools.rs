@@ -250,6 +250,7 @@ impl Node {
             cache: Vec::new(),
             cache_mode: None,
             cache_unit: None,
+            cache_admit_hits: None,
         };
         self.pools.record(entry)?;
         let v = self.pool_info(&pool);

@@ -854,8 +854,18 @@ impl CacheTier {
         true
     }
 
+    /// Misses a unit needs before a full cache admits it (Open CAS's nhit; 1, the
+    /// default, admits at the first). A higher count keeps units read once or twice out
+    /// of a full cache, at the cost of admitting the hot ones later.
+    pub fn set_admit_hits(&self, admit_hits: u8) {
+        for sh in self.shards.iter() {
+            sh.locked().policy.set_admit_hits(admit_hits);
+        }
+    }
+
     /// What `pool cache show` prints (the node adds the pool's name and device specs).
     pub fn status(&self) -> CacheInfo {
+        let admit_hits = self.shards[0].locked().policy.admit_hits();
         let mut cached = 0u64;
         let mut valid = 0u64;
         let mut ram = 0u64;
@@ -890,6 +900,7 @@ impl CacheTier {
         CacheInfo {
             pool: String::new(),
             devices: Vec::new(),
+            admit_hits,
             read_hit_ratio: ratio(c.read_hits.load(Relaxed), c.read_misses.load(Relaxed)),
             write_hit_ratio: ratio(c.write_hits.load(Relaxed), c.write_misses.load(Relaxed)),
             mode: self.mode().name().to_string(),

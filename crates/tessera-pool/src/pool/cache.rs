@@ -208,6 +208,22 @@ impl Pool {
         Ok(devs)
     }
 
+    /// How many misses a unit needs before the full cache admits it (at least 1; see
+    /// [`CacheTier::set_admit_hits`]).
+    pub fn set_cache_admit_hits(&self, admit_hits: u8) -> Result<()> {
+        let tier = self
+            .core
+            .cache_tier()
+            .ok_or_else(|| Error::NotFound(format!("pool '{}' has no cache", self.core.name)))?;
+        if admit_hits == 0 {
+            return Err(Error::invalid(
+                "cache admit hits: 1 (admit at the first miss) or more",
+            ));
+        }
+        tier.set_admit_hits(admit_hits);
+        Ok(())
+    }
+
     /// Switch the tier's mode online. Into write-back, as `attach_cache` checks (one
     /// device needs `force`). Out of it, the dirty data drains in the background first
     /// (`pool cache show` says "draining" and how much is left).

@@ -389,3 +389,75 @@ fn sequential_readers_are_read_ahead_and_see_writes_ahead_of_them() {
     assert!(s.read_hits > 3 * s.read_misses, "{s:?}");
     verify_all(&mut io, &mut h, &model, "after the stream");
 }
+
+#[test]
+fn a_full_cache_with_admit_hits_admits_a_unit_at_its_nth_miss() {
+    let (pool, _, _) = cached_pool(16, CacheMode::WriteThrough);
+    assert_eq!(
+        status(&pool).admit_hits,
+        1,
+        "the default admits at the first miss"
+    );
+    assert!(pool.set_cache_admit_hits(0).is_err(), "0 misses is refused");
+    let size = 64 * MIB;
+    let v = pool.create_volume("v", size).unwrap();
+    let mut io = core();
+    let mut h = v.open_handle();
+    let model = pattern(11, size as usize);
+    // Writing 64 units through a cache of fewer fills it (write-through admits them).
+    assert_eq!(write(&mut io, &mut h, 0, &model), 0);
+    let full = status(&pool);
+    assert_eq!(
+        full.cached_units,
+        full.capacity / full.unit_size,
+        "{full:?}"
+    );
+    // One 4 KiB read of `unit`, checked; whether it hit the cache.
+    let read_unit = |io: &mut CoreIo, h: &mut VolumeHandle, unit: u64| {
+        let hits = status(&pool).read_hits;
+        let off = unit * MIB + 4096 * (unit % 7);
+        let got = read(io, h, off, 4096).unwrap();
+        assert!(
+            got == model[off as usize..off as usize + 4096],
+            "unit {unit}"
+        );
+        status(&pool).read_hits > hits
+    };
+    // The first unit (from the top) the cache does not hold: its first miss.
+    let first_miss = |io: &mut CoreIo, h: &mut VolumeHandle, from: u64| {
+        (from..64)
+            .find(|&u| !read_unit(io, h, u))
+            .expect("a unit the cache does not hold")
+    };
+    pool.set_cache_admit_hits(3).unwrap();
+    assert_eq!(status(&pool).admit_hits, 3);
+    let before = status(&pool).promotions;
+    let new = first_miss(&mut io, &mut h, 0);
+    assert_eq!(
+        status(&pool).promotions,
+        before,
+        "miss 1 of unit {new}: counted only"
+    );
+    assert!(!read_unit(&mut io, &mut h, new), "miss 2");
+    assert_eq!(
+        status(&pool).promotions,
+        before,
+        "miss 2 of unit {new}: counted only"
+    );
+    assert!(!read_unit(&mut io, &mut h, new), "miss 3");
+    assert_eq!(
+        status(&pool).promotions,
+        before + 1,
+        "miss 3 of unit {new}: admitted"
+    );
+    assert!(read_unit(&mut io, &mut h, new), "admitted: a hit now");
+    // Back to the default: a unit is admitted at its first miss again.
+    pool.set_cache_admit_hits(1).unwrap();
+    let next = first_miss(&mut io, &mut h, new + 1);
+    assert_eq!(
+        status(&pool).promotions,
+        before + 2,
+        "unit {next}: admitted at once"
+    );
+    assert!(read_unit(&mut io, &mut h, next), "unit {next}: a hit now");
+}
