@@ -1,6 +1,6 @@
 //! Scrub in the "scrub" background class: it reads every allocated unit and the
 //! metadata, and reports unreadable ranges. (Moved from
-//! `crates/tessera-cli/tests/cli/scrub_background.rs`, which keeps the class limits' persistence
+//! `crates/tessera-cli/tests/measured/scrub_background.rs`, which keeps the class limits' persistence
 //! across a kill -9 and the scrub's back-off for clients.)
 
 use crate::common;
@@ -78,7 +78,7 @@ fn scrub_reads_allocated_units_and_reports_unreadable_ones() {
     assert!(v["errors"][0].as_str().unwrap().contains("unit"), "{v}");
     assert_eq!(v["metadata_findings"].as_array().unwrap().len(), 0, "{v}");
     // (The human form, the bar and the findings' line, is checked by the back-off test in
-    // crates/tessera-cli/tests/cli/scrub_background.rs.)
+    // crates/tessera-cli/tests/measured/scrub_background.rs.)
     // Unknown pool: a clear error.
     let e = start_scrub(&n, "nope").expect_err("a scrub of an unknown pool");
     assert!(e.to_string().contains("not found"), "{e}");

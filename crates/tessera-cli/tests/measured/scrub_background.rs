@@ -25,6 +25,7 @@ fn wait_done(n: &TestNode, pool: &str) -> Value {
 
 #[test]
 fn background_class_limits_persist_and_scrub_backs_off_for_clients() {
+    let _alone = crate::alone();
     let mut n = TestNode::start_default("scrub-bg");
     // Class settings: validated, persistent, resettable.
     let bad = n.cli(&["background", "set", "scrub", "--bw", "1K"]);

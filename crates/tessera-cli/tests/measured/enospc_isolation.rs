@@ -64,6 +64,7 @@ fn throughput(c: &mut NbdClient, base: u64, total: u64) -> f64 {
 
 #[test]
 fn full_pool_fails_with_enospc_and_isolates_the_damage() {
+    let _alone = crate::alone();
     // The device images live outside the node's own directory, whose path is only known
     // once the node runs.
     let scratch = temp_dir("enospc-devs");
