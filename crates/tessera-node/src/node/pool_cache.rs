@@ -51,11 +51,7 @@ impl Node {
         };
         tessera_pool::cache_tier::check_unit(unit)?;
         let admit_hits = req.admit_hits.unwrap_or(1);
-        if admit_hits == 0 {
-            return Err(Error::invalid(
-                "cache admit hits: 1 (admit at the first miss) or more",
-            ));
-        }
+        tessera_pool::cache_tier::check_admit_hits(admit_hits)?;
         let canon = self.check_cache_devices(name, &req.devices)?;
         let devs = open_devices(&req.devices)?;
         p.attach_cache(devs, mode, unit, req.force, false)?;

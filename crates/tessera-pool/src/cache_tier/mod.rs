@@ -950,6 +950,16 @@ pub fn check_unit(unit: u64) -> Result<()> {
     Ok(())
 }
 
+/// Refuse an admission threshold of 0 misses (1 admits at the first).
+pub fn check_admit_hits(admit_hits: u8) -> Result<()> {
+    if admit_hits == 0 {
+        return Err(Error::invalid(
+            "cache admit hits: 1 (admit at the first miss) or more",
+        ));
+    }
+    Ok(())
+}
+
 /// The cache label of device `index` of `count` for pool `uuid` (docs/format.md §16).
 pub fn encode_label(
     uuid: &[u8; 16],

@@ -161,10 +161,7 @@ impl Pool {
     pub fn detach_cache(&self) -> Result<Vec<Arc<dyn BlockDevice>>> {
         let slot = self.core.cache.tier.write_locked();
         let Some(t) = slot.as_ref() else {
-            return Err(Error::NotFound(format!(
-                "pool '{}' has no cache",
-                self.core.name
-            )));
+            return Err(self.no_cache());
         };
         if t.mode() == CacheMode::WriteBack {
             return Err(Error::Busy(format!(
@@ -208,18 +205,20 @@ impl Pool {
         Ok(devs)
     }
 
+    /// The attached cache tier, or the error that says the pool has none.
+    fn tier(&self) -> Result<Arc<CacheTier>> {
+        self.core.cache_tier().ok_or_else(|| self.no_cache())
+    }
+
+    fn no_cache(&self) -> Error {
+        Error::NotFound(format!("pool '{}' has no cache", self.core.name))
+    }
+
     /// How many misses a unit needs before the full cache admits it (at least 1; see
     /// [`CacheTier::set_admit_hits`]).
     pub fn set_cache_admit_hits(&self, admit_hits: u8) -> Result<()> {
-        let tier = self
-            .core
-            .cache_tier()
-            .ok_or_else(|| Error::NotFound(format!("pool '{}' has no cache", self.core.name)))?;
-        if admit_hits == 0 {
-            return Err(Error::invalid(
-                "cache admit hits: 1 (admit at the first miss) or more",
-            ));
-        }
+        let tier = self.tier()?;
+        crate::cache_tier::check_admit_hits(admit_hits)?;
         tier.set_admit_hits(admit_hits);
         Ok(())
     }
@@ -228,10 +227,7 @@ impl Pool {
     /// device needs `force`). Out of it, the dirty data drains in the background first
     /// (`pool cache show` says "draining" and how much is left).
     pub fn set_cache_mode(&self, mode: CacheMode, force: bool) -> Result<()> {
-        let tier = self
-            .core
-            .cache_tier()
-            .ok_or_else(|| Error::NotFound(format!("pool '{}' has no cache", self.core.name)))?;
+        let tier = self.tier()?;
         if mode == CacheMode::WriteBack {
             check_write_back(&tier.layout.devices, force)?;
             if tier.failed() {
