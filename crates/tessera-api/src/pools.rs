@@ -94,6 +94,43 @@ pub struct PoolInfo {
     /// The running or last resync after an unclean shutdown (only in `GET /v1/pools/NAME`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resync: Option<ScrubStatus>,
+    /// Deduplication, when the pool deduplicates (`pool create --dedup`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dedup: Option<DedupInfo>,
+}
+
+/// A dedup pool's figures (docs/format.md §17). Counters count since the pool was opened.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct DedupInfo {
+    /// Bytes the volumes' map entries reference (what they would take without dedup;
+    /// zero blocks and holes excluded).
+    pub logical_bytes: u64,
+    /// Bytes of store blocks referenced: what the data takes.
+    pub physical_bytes: u64,
+    /// `logical_bytes / physical_bytes` (1 when nothing is stored).
+    pub ratio: f64,
+    /// Bytes of store units held (referenced, free, and freed but not yet committed).
+    pub store_bytes: u64,
+    /// Blocks written that shared a stored block.
+    pub hits: u64,
+    /// Blocks written that took a new store block.
+    pub new_blocks: u64,
+    /// All-zero blocks written (stored as holes, never looked up).
+    pub zero_blocks: u64,
+    /// Index candidates whose bytes differed from the block written.
+    pub compare_mismatches: u64,
+    /// Index lookups, and those its RAM filter answered with no I/O.
+    pub index_lookups: u64,
+    pub index_filtered: u64,
+    /// Lookups whose 16-bit short fingerprint matched an entry whose full one did not.
+    pub short_collisions: u64,
+    pub index_entries: u64,
+    pub index_buckets: u64,
+    /// The index's bytes on the pool's devices, and its RAM (short fingerprints).
+    pub index_device_bytes: u64,
+    pub index_ram_bytes: u64,
+    /// RAM held by map and refcount pages.
+    pub page_ram_bytes: u64,
 }
 
 impl PoolInfo {
@@ -173,6 +210,9 @@ pub struct CreatePool {
     /// Misses a unit needs before a full cache admits it (default 1: the first).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_admit_hits: Option<u8>,
+    /// Deduplicate the volumes created in it (docs/format.md §17).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dedup: bool,
 }
 
 /// `POST /v1/pools/NAME/cache`: give the pool a cache tier.

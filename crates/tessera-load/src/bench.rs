@@ -86,6 +86,29 @@ pub struct BenchArgs {
     /// `parity_journal_flush = false`), to measure what power-loss safety costs.
     #[arg(long)]
     no_journal_flush: bool,
+    /// Make the pool a dedup pool (docs/format.md §17): the volume target's blocks are
+    /// fingerprinted and shared. Use with --dedupe-percentage, or every write carries
+    /// the same bytes.
+    #[arg(long)]
+    dedup: bool,
+    /// Stamp each 4 KiB block written with a unique number, except this percentage,
+    /// which repeat one of 64 blocks (as fio's `dedupe_percentage`); the prefill is then
+    /// all unique. Without it every write carries the same bytes.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100))]
+    dedupe_percentage: Option<u32>,
+}
+
+/// Stamps for `--dedupe-percentage`: unique ones count up from a per-core base; the 64
+/// repeated contents have the top bit set.
+const REPEATED: u64 = 1 << 63;
+
+/// Stamp each 4 KiB block of `b` with `next()`.
+fn stamp_blocks(b: &mut [u8], mut next: impl FnMut() -> u64) {
+    for blk in b.chunks_mut(4096) {
+        if blk.len() >= 8 {
+            blk[..8].copy_from_slice(&next().to_le_bytes());
+        }
+    }
 }
 
 struct Report {
@@ -124,6 +147,9 @@ struct BenchTask {
     r: Option<Report>,
     tx: Sender<Report>,
     unreported: u64,
+    /// `--dedupe-percentage`, and this core's next unique stamp.
+    dedupe: Option<u64>,
+    stamp: u64,
 }
 
 impl BenchTask {
@@ -144,6 +170,18 @@ impl BenchTask {
             b
         };
         let offset = self.base + block * self.bs;
+        if let (true, Some(pct)) = (write, self.dedupe) {
+            let (rng, stamp) = (&mut self.rng, &mut self.stamp);
+            stamp_blocks(self.bufs[slot].as_mut_slice(), || {
+                let r = rng.next_u64();
+                if r % 100 < pct {
+                    REPEATED | ((r >> 32) % 64)
+                } else {
+                    *stamp += 1;
+                    *stamp
+                }
+            });
+        }
         let buf = self.bufs[slot].as_mut_ptr();
         if write {
             IoOp::Write {
@@ -282,6 +320,7 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, LoadError> {
                     journal_flush: !a.no_journal_flush,
                     ..Default::default()
                 },
+                dedup: a.dedup,
             },
         )
         .map_err(|source| LoadError::Setup {
@@ -329,13 +368,20 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, LoadError> {
 }
 
 /// Write the whole range once so reads hit real data (and volumes have their space).
-fn prefill(s: &Subject) -> Result<(), LoadError> {
+fn prefill(s: &Subject, unique: bool) -> Result<(), LoadError> {
     let mut io =
         CoreIo::new(0, 256, None).map_err(|e| LoadError::io("setting up an io_uring", e))?;
     let mut h = (s.open)();
     let chunk = 1u64 << 20;
-    let mut buf = AlignedBuf::zeroed(usize_of(chunk));
-    fill_payload(buf.as_mut_slice());
+    // One buffer per write in flight: with `unique`, each is stamped before its write.
+    let mut bufs: Vec<AlignedBuf> = (0..16)
+        .map(|_| {
+            let mut b = AlignedBuf::zeroed(usize_of(chunk));
+            fill_payload(b.as_mut_slice());
+            b
+        })
+        .collect();
+    let mut stamp = 0u64;
     let mut off = 0;
     let mut err = 0;
     let t0 = Instant::now();
@@ -344,6 +390,13 @@ fn prefill(s: &Subject) -> Result<(), LoadError> {
         let mut n = 0;
         while n < 16 && off < s.len {
             let len = chunk.min(s.len - off);
+            let buf = &mut bufs[usize_of(u64::from(n))];
+            if unique {
+                stamp_blocks(buf.as_mut_slice(), || {
+                    stamp += 1;
+                    stamp
+                });
+            }
             // SAFETY: `buf` is only read by these writes and outlives the drain below.
             unsafe {
                 h.submit(
@@ -467,6 +520,9 @@ impl BenchTask {
             }),
             tx,
             unreported: 0,
+            dedupe: a.dedupe_percentage.map(u64::from),
+            // Above every prefill stamp (which count from 1).
+            stamp: (core as u64 + 1) << 48,
         }
     }
 }
@@ -684,7 +740,7 @@ pub fn run_with(a: BenchArgs, tick: &mut dyn FnMut(&Tick)) -> Result<Summary, Lo
         return Err(LoadError::invalid("target is smaller than one block"));
     }
     if !a.no_prefill {
-        prefill(&subject)?;
+        prefill(&subject, a.dedupe_percentage.is_some())?;
     }
     if let Some(d) = a.fail_device {
         fail_device(&subject, d)?;

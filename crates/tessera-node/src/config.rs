@@ -309,6 +309,9 @@ pub struct PoolDecl {
     pub cache_unit: Option<String>,
     /// Misses a unit needs before the full cache admits it (default 1: the first).
     pub cache_admit_hits: Option<u8>,
+    /// Deduplicate the pool's volumes (docs/format.md §17).
+    #[serde(default)]
+    pub dedup: bool,
 }
 
 fn default_layout() -> String {
@@ -397,6 +400,7 @@ impl NodeConfig {
                 cache_mode: None,
                 cache_unit: None,
                 cache_admit_hits: None,
+                dedup: false,
             }],
             volumes: vec![VolumeDecl {
                 name: "vol0".into(),

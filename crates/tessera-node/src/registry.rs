@@ -35,6 +35,10 @@ pub struct PoolEntry {
     /// Misses a unit needs before the full cache admits it; absent: 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_admit_hits: Option<u8>,
+    /// The pool deduplicates (its catalog says so too; the registry needs it to recreate
+    /// a pool on volatile devices as it was).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dedup: bool,
 }
 
 pub struct Registry {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_device::{BlockDevice, RamDevice};
-use tessera_pool::dedup::{Fingerprint, FingerprintIndex};
+use tessera_pool::dedup::{Fingerprint, FingerprintIndex, OnDevice};
 
 fn fp(i: u64, salt: u64) -> Fingerprint {
     // Distinct, well spread fingerprints without hashing 4 KiB per entry.
@@ -30,7 +30,7 @@ fn main() {
     let buckets = FingerprintIndex::buckets_for(entries);
     let dev: Arc<dyn BlockDevice> =
         RamDevice::new(FingerprintIndex::device_bytes(buckets)).expect("RAM device");
-    let idx = FingerprintIndex::open(dev, 0, buckets).expect("open");
+    let idx = FingerprintIndex::open(Arc::new(OnDevice(dev)), 0, buckets).expect("open");
     let t = Instant::now();
     for i in 0..entries {
         idx.insert(fp(i, 0), i).expect("insert");

@@ -45,6 +45,12 @@ impl Pool {
     pub fn create_snapshots(&self, what: &[(Arc<Volume>, String)]) -> Result<Vec<Arc<Volume>>> {
         for (i, (vol, name)) in what.iter().enumerate() {
             crate::pool::validate_name("snapshot", name)?;
+            if vol.block_mapped() {
+                return Err(Error::invalid(format!(
+                    "'{}' is a dedup volume: snapshots of dedup volumes are not available yet",
+                    vol.name
+                )));
+            }
             if vol.is_snapshot() {
                 return Err(Error::invalid(format!(
                     "'{}' is a snapshot already; clone it to get a volume",
@@ -328,6 +334,14 @@ impl Pool {
                 crate::format::OWNER_RESERVED,
             ]
             .contains(&layer)
+            {
+                continue;
+            }
+            // Dedup units (docs/format.md §17; `Pool::verify_dedup` checks their use).
+            let block_mapped: BTreeSet<u32> = BTreeSet::new();
+            if crate::dedup::store::is_dedup_owner((layer, u), &block_mapped)
+                || (u & crate::dedup::store::MAP_UNIT != 0
+                    && layers.get(&layer).is_some_and(|v| v.block_mapped()))
             {
                 continue;
             }

@@ -25,6 +25,9 @@ pub const CATALOG_VERSION: u32 = 3;
 /// when the pool has a snapshot, a clone or a partial unit, so pools that use none stay
 /// readable by software that knows version 3.
 pub const CATALOG_VERSION_CHAIN: u32 = 4;
+/// Version 5 adds the pool flags word and the dedup index size after the exports (§17);
+/// written only by dedup pools.
+pub const CATALOG_VERSION_DEDUP: u32 = 5;
 /// Journal records with this layer id are presence records (§3.4), not ownership.
 pub const PRESENCE_RECORD: u32 = 0xFFFF_FFFE;
 /// Bytes of a partial unit's presence bitmap: at most 256 blocks per unit.
@@ -32,6 +35,10 @@ pub const PRESENCE_BYTES: usize = 32;
 /// Chain record kind flags.
 pub const CHAIN_SNAPSHOT: u8 = 1;
 pub const CHAIN_HIDDEN: u8 = 2;
+/// A dedup volume: its units are map units (§17).
+pub const CHAIN_BLOCK_MAPPED: u8 = 4;
+/// Pool flags word bit: new volumes are block-mapped (§17).
+const POOL_FLAG_DEDUP: u32 = 1;
 pub const RECORDS_PER_BLOCK: usize = (BLOCK - 4 - 40) / 12;
 pub const OWNER_FREE: u32 = 0;
 pub const OWNER_META: u32 = u32::MAX;
@@ -525,6 +532,10 @@ pub struct Catalog {
     pub exports: Vec<ExportRecord>,
     /// Partial units (§3.4): pool unit and presence bitmap.
     pub partial: Vec<(u32, [u8; PRESENCE_BYTES])>,
+    /// Dedup is on: new volumes are block-mapped (version 5, §17).
+    pub dedup: bool,
+    /// Buckets of the fingerprint index, 0 for none (version 5).
+    pub index_buckets: u64,
 }
 
 impl Catalog {
@@ -534,7 +545,11 @@ impl Catalog {
                 .volumes
                 .iter()
                 .any(|v| v.chain != ChainRecord::plain(v.id));
-        let version = if chained {
+        let dedup = self.dedup || self.index_buckets > 0;
+        let chained = chained || dedup;
+        let version = if dedup {
+            CATALOG_VERSION_DEDUP
+        } else if chained {
             CATALOG_VERSION_CHAIN
         } else {
             CATALOG_VERSION
@@ -570,6 +585,11 @@ impl Catalog {
             let read_only = if e.read_only { EXPORT_READ_ONLY } else { 0 };
             v.push(read_only | tls);
         }
+        if dedup {
+            let flags = if self.dedup { POOL_FLAG_DEDUP } else { 0 };
+            v.extend_from_slice(&flags.to_le_bytes());
+            v.extend_from_slice(&self.index_buckets.to_le_bytes());
+        }
         if chained {
             v.extend_from_slice(&u32_of(self.partial.len()).to_le_bytes());
             for (p, bits) in &self.partial {
@@ -589,7 +609,7 @@ impl Catalog {
     pub fn decode(b: &[u8]) -> Result<Catalog> {
         let mut r = R::new(b);
         let version = r.u32()?;
-        if !(1..=CATALOG_VERSION_CHAIN).contains(&version) {
+        if !(1..=CATALOG_VERSION_DEDUP).contains(&version) {
             return Err(Error::corrupt(format!(
                 "catalog version {version} is not supported"
             )));
@@ -614,7 +634,12 @@ impl Catalog {
             }
             let chain = if version >= CATALOG_VERSION_CHAIN {
                 let flags = r.u8()?;
-                if flags & !(CHAIN_SNAPSHOT | CHAIN_HIDDEN) != 0 {
+                let known = if version >= CATALOG_VERSION_DEDUP {
+                    CHAIN_SNAPSHOT | CHAIN_HIDDEN | CHAIN_BLOCK_MAPPED
+                } else {
+                    CHAIN_SNAPSHOT | CHAIN_HIDDEN
+                };
+                if flags & !known != 0 {
                     return Err(Error::corrupt(format!(
                         "volume {name}: chain flags {flags:#04x} are not defined"
                     )));
@@ -660,6 +685,17 @@ impl Catalog {
                 tls_required,
             });
         }
+        let (mut dedup, mut index_buckets) = (false, 0);
+        if version >= CATALOG_VERSION_DEDUP {
+            let flags = r.u32()?;
+            if flags & !POOL_FLAG_DEDUP != 0 {
+                return Err(Error::corrupt(format!(
+                    "pool flags {flags:#x} are not defined"
+                )));
+            }
+            dedup = flags & POOL_FLAG_DEDUP != 0;
+            index_buckets = r.u64()?;
+        }
         let mut partial = Vec::new();
         if version >= CATALOG_VERSION_CHAIN {
             let np = r.u32()? as usize;
@@ -676,6 +712,8 @@ impl Catalog {
             volumes,
             exports,
             partial,
+            dedup,
+            index_buckets,
         })
     }
 }
@@ -1013,6 +1051,7 @@ mod tests {
                 tls_required: None,
             }],
             partial: Vec::new(),
+            ..Default::default()
         };
         let b = c.encode().unwrap();
         assert_eq!(Catalog::decode(&b).unwrap(), c);
@@ -1038,6 +1077,7 @@ mod tests {
                     tls_required: tls,
                 }],
                 partial: Vec::new(),
+                ..Default::default()
             };
             let mut b = c.encode().unwrap();
             assert_eq!(*b.last().unwrap(), byte);
@@ -1065,6 +1105,7 @@ mod tests {
             volumes: vec![vol(1, ChainRecord::plain(1))],
             exports: Vec::new(),
             partial: Vec::new(),
+            ..Default::default()
         };
         let b = c.encode().unwrap();
         assert_eq!(b[..4], CATALOG_VERSION.to_le_bytes());
@@ -1099,6 +1140,47 @@ mod tests {
         assert_eq!(bad[at], 0);
         bad[at] = 4;
         assert!(Catalog::decode(&bad).is_err());
+    }
+
+    #[test]
+    fn dedup_catalogs_are_version_5_and_carry_the_block_mapped_flag() {
+        let mut c = Catalog {
+            next_volume_id: 3,
+            volumes: vec![VolumeRecord {
+                id: 2,
+                size: 1 << 30,
+                created: 1,
+                name: "d".into(),
+                qos: Default::default(),
+                chain: ChainRecord {
+                    flags: CHAIN_BLOCK_MAPPED,
+                    layer: 2,
+                    parent: 0,
+                },
+            }],
+            dedup: true,
+            index_buckets: 391,
+            ..Default::default()
+        };
+        let b = c.encode().unwrap();
+        assert_eq!(b[..4], CATALOG_VERSION_DEDUP.to_le_bytes());
+        assert_eq!(Catalog::decode(&b).unwrap(), c);
+        for cut in 0..b.len() {
+            assert!(Catalog::decode(&b[..cut]).is_err());
+        }
+        // Undefined pool flags are refused: the flags word follows the empty export list.
+        let mut bad = b.clone();
+        let at = b.len() - 4 - 8 - 4;
+        assert_eq!(bad[at], 1);
+        bad[at] = 3;
+        assert!(Catalog::decode(&bad).is_err());
+        c.dedup = false;
+        let b = c.encode().unwrap();
+        assert_eq!(
+            b[..4],
+            CATALOG_VERSION_DEDUP.to_le_bytes(),
+            "the index is still there"
+        );
     }
 
     #[test]

@@ -60,7 +60,7 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     let b: CreatePool = match body(
         &bytes,
         "pool",
-        "name, devices, layout, copies, stripe_size, unit_size, force, overcommit, cache, cache_mode, cache_unit, cache_admit_hits",
+        "name, devices, layout, copies, stripe_size, unit_size, force, overcommit, cache, cache_mode, cache_unit, cache_admit_hits, dedup",
     ) {
         Ok(b) => b,
         Err(r) => return r,
@@ -96,6 +96,15 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
                     },
                 ),
                 None => Ok(info),
+            })
+            .and_then(|info| {
+                if !b.dedup {
+                    return Ok(info);
+                }
+                // A pool asked for with dedup that cannot have it is not left behind.
+                n.enable_pool_dedup(&info.name).inspect_err(|_| {
+                    let _ = n.destroy_pool(&info.name);
+                })
             })
             .and_then(|info| {
                 if b.cache.is_empty() {

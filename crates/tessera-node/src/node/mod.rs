@@ -292,6 +292,7 @@ impl Node {
                     unit_size: e.unit_size,
                     force: true,
                     tuning: pool_tuning(&self.cfg),
+                    dedup: e.dedup,
                 },
             )?;
             fit_slots(&p, &slots);
@@ -319,6 +320,9 @@ impl Node {
                 let unit = size("unit size", &p.unit_size).transpose()?;
                 let layout = parse_layout(&p.layout)?;
                 self.create_pool(&p.name, &p.devices, layout, stripe, unit, false)?;
+                if p.dedup {
+                    self.enable_pool_dedup(&p.name)?;
+                }
                 if !p.cache.is_empty() {
                     let req = tessera_api::CacheRequest {
                         devices: p.cache.clone(),

@@ -233,6 +233,7 @@ impl Node {
                 unit_size,
                 force,
                 tuning: pool_tuning(&self.cfg),
+                dedup: false,
             },
         )?;
         fit_slots(&pool, &slots);
@@ -251,12 +252,27 @@ impl Node {
             cache_mode: None,
             cache_unit: None,
             cache_admit_hits: None,
+            dedup: false,
         };
         self.pools.record(entry)?;
         let v = self.pool_info(&pool);
         self.pools.insert(Arc::new(pool));
         self.spares.set_slots(name, slots);
         Ok(v)
+    }
+
+    /// Turn deduplication on for a pool (docs/format.md §17): its volumes created from
+    /// now on are deduplicated.
+    pub fn enable_pool_dedup(&self, name: &str) -> Result<PoolInfo> {
+        let _g = self.admin();
+        let p = self.pools.get(name)?;
+        p.enable_dedup()?;
+        self.pools.edit_entry(name, |e| {
+            e.dedup = true;
+            Ok(())
+        })?;
+        info!(pool = %name, "dedup on");
+        Ok(self.pool_info(&p))
     }
 
     pub fn destroy_pool(&self, name: &str) -> Result<()> {

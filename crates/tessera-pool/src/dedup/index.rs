@@ -17,6 +17,28 @@ use tessera_device::BlockDevice;
 use tessera_io::sync::MutexExt;
 use tessera_io::AlignedBuf;
 
+/// Where the buckets live: a byte range of a device, or of a pool's index units.
+pub trait BucketArea: Send + Sync {
+    fn size(&self) -> u64;
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()>;
+}
+
+/// An index on a plain block device (tools, tests and the benchmark).
+pub struct OnDevice(pub Arc<dyn BlockDevice>);
+
+impl BucketArea for OnDevice {
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.0.read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        self.0.write_at(offset, buf)
+    }
+}
+
 /// Bytes of a bucket.
 pub const BUCKET: usize = 4096;
 /// Entries a bucket holds: a 16-byte header, 24-byte entries, the CRC in the last 4 bytes.
@@ -85,7 +107,7 @@ struct Counters {
 type Entry = (Fingerprint, u64);
 
 pub struct FingerprintIndex {
-    dev: Arc<dyn BlockDevice>,
+    dev: Arc<dyn BucketArea>,
     offset: u64,
     buckets: u64,
     /// Per bucket, its entries' short fingerprints in entry order. The lock also keeps
@@ -109,7 +131,7 @@ impl FingerprintIndex {
     /// Open the index of `buckets` buckets at byte `offset` of `dev`: every bucket is
     /// read and its short fingerprints kept. A bucket never written, torn or foreign is
     /// empty (and rewritten whole by its next insert).
-    pub fn open(dev: Arc<dyn BlockDevice>, offset: u64, buckets: u64) -> io::Result<Self> {
+    pub fn open(dev: Arc<dyn BucketArea>, offset: u64, buckets: u64) -> io::Result<Self> {
         let end = buckets
             .checked_mul(BUCKET as u64)
             .and_then(|b| b.checked_add(offset));
@@ -297,7 +319,7 @@ mod tests {
     fn index(buckets: u64) -> (Arc<dyn BlockDevice>, FingerprintIndex) {
         let dev: Arc<dyn BlockDevice> =
             RamDevice::new(4096 + FingerprintIndex::device_bytes(buckets)).unwrap();
-        let idx = FingerprintIndex::open(dev.clone(), 4096, buckets).unwrap();
+        let idx = FingerprintIndex::open(Arc::new(OnDevice(dev.clone())), 4096, buckets).unwrap();
         (dev, idx)
     }
 
@@ -386,7 +408,7 @@ mod tests {
         assert!(idx.remove(fps[3], 1003).unwrap());
         assert!(!idx.remove(fps[3], 1003).unwrap(), "gone already");
         drop(idx);
-        let idx = FingerprintIndex::open(dev.clone(), 4096, 8).unwrap();
+        let idx = FingerprintIndex::open(Arc::new(OnDevice(dev.clone())), 4096, 8).unwrap();
         assert_eq!(idx.entries(), 63);
         for (i, fp) in fps.iter().enumerate() {
             let want = if i == 3 {
@@ -400,7 +422,7 @@ mod tests {
         let torn = fps[0].bucket(8);
         dev.write_at(4096 + torn * BUCKET as u64 + 100, &[0xAB; 8])
             .unwrap();
-        let idx = FingerprintIndex::open(dev, 4096, 8).unwrap();
+        let idx = FingerprintIndex::open(Arc::new(OnDevice(dev)), 4096, 8).unwrap();
         assert_eq!(idx.stats().bad_buckets, 1);
         let lost = fps.iter().filter(|f| f.bucket(8) == torn).count() as u64;
         let removed_there = u64::from(fps[3].bucket(8) == torn);
@@ -414,11 +436,11 @@ mod tests {
     #[test]
     fn an_index_that_does_not_fit_its_device_is_refused() {
         let dev: Arc<dyn BlockDevice> = RamDevice::new(1 << 20).unwrap();
-        let e = FingerprintIndex::open(dev.clone(), 4096, 256)
+        let e = FingerprintIndex::open(Arc::new(OnDevice(dev.clone())), 4096, 256)
             .err()
             .unwrap();
         assert!(e.to_string().contains("does not fit"), "{e}");
-        assert!(FingerprintIndex::open(dev, 0, 0).is_err());
+        assert!(FingerprintIndex::open(Arc::new(OnDevice(dev)), 0, 0).is_err());
     }
 
     #[test]

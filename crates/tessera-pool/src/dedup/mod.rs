@@ -1,7 +1,11 @@
-//! Deduplication (issue 25, docs/format.md §17). Built so far: the block fingerprint and
-//! the fingerprint index with its RAM filter. The block-mapped volumes, the store with its
-//! reference counts and the write path that uses them come next, on this format.
+//! Deduplication (issue 25, docs/format.md §17): the block fingerprint and the
+//! fingerprint index with its RAM filter (`index`), the bytes of map and refcount pages
+//! (`pages`), and a dedup pool's metadata with its commit (`store`). The datapath of
+//! block-mapped volumes is `volume::dedup_io`.
 
 pub mod index;
+pub mod pages;
+pub mod store;
 
-pub use index::{Fingerprint, FingerprintIndex, IndexStats};
+pub use index::{BucketArea, Fingerprint, FingerprintIndex, IndexStats, OnDevice};
+pub use store::{DedupCore, DedupStats};

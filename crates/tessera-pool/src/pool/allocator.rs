@@ -127,6 +127,38 @@ impl PoolCore {
         (s, Ok(p))
     }
 
+    /// A free unit owned from now on by (`owner`, `second`): a dedup pool's store, map,
+    /// refcount or index unit (docs/format.md §17). Its old bytes are never read as
+    /// data: every page in it validates by CRC, pool uuid, number and generation, and a
+    /// store block is read only once a map entry names it, after it was written. Dedup
+    /// pools have no parity, so no reserve is involved.
+    pub(crate) fn alloc_owned(&self, owner: u32, second: u32) -> std::result::Result<u32, i32> {
+        let s = self.lock();
+        let (mut s, p) = self.take_free(s, false);
+        let p = p?;
+        s.owners[p as usize] = (owner, second);
+        self.uncache_unit(p);
+        s.records.push(Record {
+            pool_unit: p,
+            volume_id: owner,
+            volume_unit: second,
+        });
+        Ok(p)
+    }
+
+    /// Give unit `p` (owned by something other than a volume's unit map) back, free once
+    /// the commit that records it is durable.
+    pub(crate) fn free_owned(&self, s: &mut State, p: u32) {
+        s.owners[p as usize] = (OWNER_FREE, 0);
+        self.cache_unit_freed(p);
+        s.pending_free.push(p);
+        s.records.push(Record {
+            pool_unit: p,
+            volume_id: OWNER_FREE,
+            volume_unit: 0,
+        });
+    }
+
     /// Record pool unit `p` as `vol`'s unit `unit` (a full unit) and publish it.
     pub(super) fn map_allocated(
         &self,

@@ -48,6 +48,12 @@ impl Pool {
         reopen: bool,
     ) -> Result<()> {
         crate::cache_tier::check_unit(unit)?;
+        if self.core.dedup().is_some() {
+            return Err(Error::invalid(format!(
+                "pool '{}' deduplicates: a cache tier on a dedup pool is not available yet",
+                self.core.name
+            )));
+        }
         let mut slot = self.core.cache.tier.write_locked();
         if slot.is_some() {
             return Err(Error::AlreadyExists(format!(

@@ -42,6 +42,8 @@ impl State {
                 .collect(),
             exports: self.exports.clone(),
             partial: Vec::new(),
+            dedup: false,
+            index_buckets: 0,
         }
     }
 }
@@ -148,9 +150,19 @@ impl Pool {
                 UnitMap::new(size.div_ceil(self.core.unit_size())),
                 Default::default(),
             );
+            if self.core.dedup().is_some() {
+                // A dedup pool's volumes are block-mapped (docs/format.md §17).
+                let mut chain = crate::format::ChainRecord::plain(id);
+                chain.flags |= crate::format::CHAIN_BLOCK_MAPPED;
+                vol.set_chain(chain, None);
+            }
             s.volumes.insert(id, vol.clone());
             vol
         };
+        if let Some(d) = self.core.dedup() {
+            // After the pool lock: the dedup lock is always taken first.
+            d.add_layer(vol.id);
+        }
         if let Err(e) = self.core.checkpoint() {
             self.core.lock().volumes.remove(&vol.id);
             return Err(e);
@@ -219,6 +231,15 @@ impl Pool {
             // A snapshot that other volumes read through is hidden, not removed; a
             // volume's removal may free hidden snapshots it was the last reader of.
             self.delete_in_chain(&mut s, vol);
+        }
+        if let Some(d) = self.core.dedup().filter(|_| vol.block_mapped()) {
+            // Its references go (blocks no other volume shares are freed by the next
+            // commit), then its map units. The dedup lock is taken before the pool's.
+            let units = d.remove_layer(vol.layer());
+            let mut s = self.core.lock();
+            for p in units {
+                self.core.free_owned(&mut s, p);
+            }
         }
         self.core.checkpoint()
     }

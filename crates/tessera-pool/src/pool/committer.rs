@@ -127,7 +127,10 @@ impl PoolCore {
     pub fn commit(&self) -> Result<()> {
         self.persist_device_state()?;
         let mut cur = self.journal();
-        let (records, freed) = {
+        // Dedup pages before the owner records: every unit a page names was allocated
+        // (and recorded) before the page changed, so it is in these records.
+        let pages = self.dedup().map(|d| d.take_dirty());
+        let (mut records, freed) = {
             let mut s = self.lock();
             for v in s.volumes.values() {
                 if v.compact_wanted.swap(false, Relaxed) {
@@ -141,17 +144,34 @@ impl PoolCore {
             )
         };
         let freed = self.zero_freed(freed);
+        if records.is_empty() && pages.as_ref().is_some_and(|p| !p.is_empty()) {
+            // Pages become valid with a journal block of this commit: there must be one.
+            records.push(Record {
+                pool_unit: u32::MAX,
+                volume_id: OWNER_FREE,
+                volume_unit: 0,
+            });
+        }
         let blocks = records.len().div_ceil(RECORDS_PER_BLOCK) as u64;
         if cur.force_checkpoint
             || cur.next_seq + blocks - cur.ckpt_seq > self.meta.sb.journal_blocks
         {
+            // The pages go with the checkpoint, which takes them again.
+            if let (Some(d), Some(p)) = (self.dedup(), pages) {
+                d.pages_done(p, false);
+            }
             // The snapshot taken by the checkpoint contains these records' effects; it
             // makes the reservations durable too (and hands them to the reserve).
             let r = self.checkpoint_locked(&mut cur);
             self.release(freed, r.is_ok());
             return r;
         }
+        let gen = cur.next_seq + blocks - 1;
         let r = (|| {
+            if let (Some(d), Some(p)) = (self.dedup(), &pages) {
+                d.write_batch(p, gen)
+                    .map_err(|e| Error::io("writing dedup map and refcount pages", e))?;
+            }
             self.sync_devices("syncing data devices")?;
             if !records.is_empty() {
                 self.meta
@@ -166,11 +186,14 @@ impl PoolCore {
                 cur.next_seq += blocks;
                 self.release(freed, true);
                 self.reservation_done(true);
+                self.dedup_pages_done(pages, true);
                 Ok(())
             }
             Err(e) => {
                 // Keep the changes in memory; the next commit writes a full checkpoint.
                 cur.force_checkpoint = true;
+                self.dedup_pages_done(pages, false);
+                records.retain(|r| r.pool_unit != u32::MAX);
                 self.lock().records.splice(0..0, records);
                 self.release(freed, false);
                 self.reservation_done(false);
@@ -223,6 +246,8 @@ impl PoolCore {
 
     /// A checkpoint with `flags` (`CKPT_FLAG_CLEAN` only from `Pool::shutdown`).
     pub(super) fn checkpoint_flags(&self, cur: &mut JournalCursor, flags: u32) -> Result<()> {
+        // Dedup pages first, then the owners (see `commit`).
+        let pages = self.dedup().map(|d| d.take_dirty());
         // Snapshot first, sync data second: every unit the snapshot maps was zeroed or
         // written before the snapshot, so the sync covers it.
         let (catalog, owners) = {
@@ -230,6 +255,10 @@ impl PoolCore {
             self.top_up_reserve(&mut s);
             s.records.clear();
             let mut catalog = s.catalog();
+            if let Some(d) = self.dedup() {
+                catalog.dedup = true;
+                catalog.index_buckets = d.buckets;
+            }
             catalog.partial = s
                 .partial
                 .iter()
@@ -242,6 +271,11 @@ impl PoolCore {
         // A full ring ahead: no block of an earlier, possibly unfinished commit can match.
         let journal_seq = cur.next_seq + self.meta.sb.journal_blocks;
         let r = (|| {
+            if let (Some(d), Some(p)) = (self.dedup(), &pages) {
+                // Valid once this checkpoint is the newest (docs/format.md §17).
+                d.write_batch(p, journal_seq - 1)
+                    .map_err(|e| Error::io("writing dedup map and refcount pages", e))?;
+            }
             self.sync_devices("syncing data devices")?;
             self.meta
                 .write_checkpoint(slot_a, flags, generation, journal_seq, &catalog, &owners)
@@ -256,13 +290,30 @@ impl PoolCore {
                 cur.newest_is_a = slot_a;
                 cur.force_checkpoint = false;
                 self.reservation_done(true);
+                self.dedup_pages_done(pages, true);
                 Ok(())
             }
             Err(e) => {
                 cur.force_checkpoint = true;
                 self.reservation_done(false);
+                self.dedup_pages_done(pages, false);
                 Err(e)
             }
+        }
+    }
+
+    /// A commit or checkpoint that wrote `pages` ended. The store blocks it freed are
+    /// usable once no request that began before can still reach them (the drain, as
+    /// for units in `zero_freed`); where this thread's own core has such requests, they
+    /// stay pending for a later commit.
+    fn dedup_pages_done(&self, pages: Option<crate::dedup::store::PageBatch>, durable: bool) {
+        let (Some(d), Some(p)) = (self.dedup(), pages) else {
+            return;
+        };
+        let freed = d.pages_done(p, durable);
+        if !freed.is_empty() {
+            let drained = self.inflight.drain(|_| ());
+            d.release_free(freed, drained);
         }
     }
 
@@ -335,6 +386,11 @@ fn commit_requests(core: &PoolCore, rx: &Receiver<CommitRequest>) {
         };
         for (rc, tag) in waiters {
             rc.complete(tag, res);
+        }
+        // The fingerprint index is advisory: its new entries are written after the
+        // waiters are answered, off every FLUSH's path.
+        if let Some(d) = core.dedup() {
+            d.flush_index();
         }
         if stop {
             return;

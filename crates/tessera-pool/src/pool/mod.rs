@@ -66,6 +66,8 @@ pub struct PoolOptions {
     pub force: bool,
     /// How it behaves while open.
     pub tuning: PoolTuning,
+    /// Deduplicate (docs/format.md §17): see [`Pool::enable_dedup`].
+    pub dedup: bool,
 }
 
 impl Default for PoolOptions {
@@ -75,6 +77,7 @@ impl Default for PoolOptions {
             unit_size: DEFAULT_UNIT_SIZE,
             force: false,
             tuning: PoolTuning::default(),
+            dedup: false,
         }
     }
 }
@@ -176,6 +179,9 @@ pub struct PoolCore {
     pub(crate) inflight: Arc<crate::inflight::IoEpochs>,
     /// The cache tier, if the pool has one (`cache`).
     pub(crate) cache: Arc<crate::cache_tier::CacheSlot>,
+    /// A dedup pool's metadata (`dedup::store`), set once when dedup is turned on or the
+    /// pool is opened.
+    pub(crate) dedup: std::sync::OnceLock<Arc<crate::dedup::DedupCore>>,
 }
 
 pub struct Pool {
@@ -218,6 +224,11 @@ pub fn uuid_string(u: &Uuid) -> String {
 impl PoolCore {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.locked()
+    }
+
+    /// The dedup metadata of a dedup pool.
+    pub fn dedup(&self) -> Option<&Arc<crate::dedup::DedupCore>> {
+        self.dedup.get()
     }
 
     pub fn unit_size(&self) -> u64 {
@@ -377,6 +388,9 @@ impl Pool {
             // Fill the allocation reserve (docs/format.md §3.5) before the first write.
             pool.core.checkpoint()?;
         }
+        if opts.dedup {
+            pool.enable_dedup()?;
+        }
         Ok(pool)
     }
 
@@ -403,6 +417,7 @@ impl Pool {
         let mut owners = ck.owners;
         let total = owners.len();
         let mut catalog = ck.catalog;
+        let dedup = (catalog.dedup || catalog.index_buckets > 0).then_some(catalog.index_buckets);
         let mut partial: BTreeMap<u32, [u8; PRESENCE_BYTES]> =
             std::mem::take(&mut catalog.partial).into_iter().collect();
         let next_seq = meta.replay(ck.header.journal_seq, |r| {
@@ -412,6 +427,15 @@ impl Pool {
             }
         })?;
         catalog.partial = partial.into_iter().collect();
+        let dedup_units = dedup.map(|_| {
+            let layers = catalog
+                .volumes
+                .iter()
+                .filter(|v| v.chain.flags & crate::format::CHAIN_BLOCK_MAPPED != 0)
+                .map(|v| v.chain.layer)
+                .collect();
+            crate::dedup::store::DedupUnits::from_owners(&owners, &layers)
+        });
         let clean = ck.header.flags & crate::format::CKPT_FLAG_CLEAN != 0;
         if !clean && meta.layout.parity.is_some() {
             Self::zero_reserved(&first.pool_name, &meta, &owners)?;
@@ -430,6 +454,19 @@ impl Pool {
         }
         pool.was_clean
             .store(clean, std::sync::atomic::Ordering::Relaxed);
+        if let (Some(buckets), Some(units)) = (dedup, dedup_units) {
+            // Pages are valid up to the last journal block replayed (docs/format.md §17).
+            let d = crate::dedup::DedupCore::open(
+                pool.core.layout.clone(),
+                pool.core.uuid,
+                pool.core.unit_shift,
+                units,
+                buckets,
+                next_seq - 1,
+            )
+            .map_err(|e| Error::io("opening the dedup metadata", e))?;
+            let _ = pool.core.dedup.set(Arc::new(d));
+        }
         // Fold the replayed journal into a fresh checkpoint (and skip a journal lap).
         // It has no clean flag: until the next clean shutdown the pool counts as open.
         pool.core.checkpoint()?;
@@ -660,6 +697,7 @@ impl Pool {
             overcommit: std::sync::atomic::AtomicU64::new(DEFAULT_OVERCOMMIT.to_bits()),
             inflight: crate::inflight::IoEpochs::new(),
             cache: Arc::default(),
+            dedup: std::sync::OnceLock::new(),
         });
         {
             let mut s = core.lock();
@@ -698,6 +736,12 @@ impl Pool {
                 .collect();
             let mut free = Vec::new();
             let parity = core.layout.parity.is_some();
+            let block_mapped: std::collections::BTreeSet<u32> = catalog
+                .volumes
+                .iter()
+                .filter(|v| v.chain.flags & crate::format::CHAIN_BLOCK_MAPPED != 0)
+                .map(|v| v.chain.layer)
+                .collect();
             for (p, o) in owners.iter_mut().enumerate() {
                 if p < meta_units {
                     *o = (OWNER_META, 0);
@@ -707,6 +751,9 @@ impl Pool {
                     // Zeroed by `open_with` after an unclean shutdown.
                     *o = (OWNER_RESERVED, 0);
                     s.reserve.push_back(u32_of(p));
+                    continue;
+                }
+                if crate::dedup::store::is_dedup_owner(*o, &block_mapped) {
                     continue;
                 }
                 match maps.get(&o.0) {
@@ -768,6 +815,94 @@ impl Pool {
         &self.core.name
     }
 
+    /// Turn deduplication on (docs/format.md §17): volumes created from now on are
+    /// block-mapped; volumes that exist stay as they are. Takes the fingerprint index's
+    /// units (0.6% of the capacity). Refused on parity layouts, with a cache tier, and
+    /// at unit sizes other than 1 MiB: the first cut does not handle them.
+    pub fn enable_dedup(&self) -> Result<()> {
+        let core = &self.core;
+        if core.dedup().is_some() {
+            return Ok(());
+        }
+        if core.layout.parity.is_some() {
+            return Err(Error::invalid(
+                "dedup is not available on parity layouts (raid5, raid6, ec) yet; use \
+                 concat, raid0, raid1 or raid10",
+            ));
+        }
+        if core.cache.get().is_some() {
+            return Err(Error::invalid(
+                "dedup is not available on a pool with a cache tier yet; remove the cache first",
+            ));
+        }
+        if core.unit_size() != crate::dedup::store::DEDUP_UNIT {
+            return Err(Error::invalid(format!(
+                "dedup needs the default 1 MiB allocation unit; this pool has {}",
+                tessera_io::units::human_bytes(core.unit_size())
+            )));
+        }
+        let capacity = core.meta.sb.total_units * core.unit_size();
+        let (nunits, buckets) = crate::dedup::DedupCore::index_size(capacity);
+        let mut units = crate::dedup::store::DedupUnits::default();
+        let mut taken = Vec::new();
+        let r = (|| {
+            for i in 0..nunits {
+                let i = u32_of(i);
+                let p = core
+                    .alloc_owned(crate::dedup::store::OWNER_INDEX, i)
+                    .map_err(|_| {
+                        Error::new(
+                            ErrorKind::NoSpace,
+                            format!("no space for the dedup index ({nunits} MiB)"),
+                        )
+                    })?;
+                taken.push(p);
+                // An index starts empty: old bytes must not look like buckets.
+                core.layout
+                    .write_zeroes_at(u64::from(p) << core.unit_shift, core.unit_size())
+                    .map_err(|e| Error::io("zeroing the dedup index", e))?;
+                units.index.insert(i, p);
+            }
+            crate::dedup::DedupCore::open(
+                core.layout.clone(),
+                core.uuid,
+                core.unit_shift,
+                units,
+                buckets,
+                0,
+            )
+            .map_err(|e| Error::io("opening the dedup index", e))
+        })();
+        let d = match r {
+            Ok(d) => d,
+            Err(e) => {
+                let mut s = core.lock();
+                for p in taken {
+                    core.free_owned(&mut s, p);
+                }
+                return Err(e);
+            }
+        };
+        let _ = core.dedup.set(Arc::new(d));
+        core.checkpoint()
+    }
+
+    /// Whether dedup is on.
+    pub fn dedup_enabled(&self) -> bool {
+        self.core.dedup().is_some()
+    }
+
+    /// Dedup figures, when dedup is on.
+    pub fn dedup_stats(&self) -> Option<crate::dedup::DedupStats> {
+        self.core.dedup().map(|d| d.stats())
+    }
+
+    /// Dedup metadata problems (counts against references): empty when none or when
+    /// dedup is off.
+    pub fn verify_dedup(&self) -> Vec<String> {
+        self.core.dedup().map_or_else(Vec::new, |d| d.verify())
+    }
+
     /// The pool's UUID, as `status().uuid` shows it (without taking the pool's lock).
     pub fn uuid(&self) -> String {
         uuid_string(&self.core.uuid)
@@ -776,6 +911,8 @@ impl Pool {
     /// The pool as the API shows it. What the pool does not know is left empty for the
     /// node to fill in: `spares`, `rebuild`, `resync`.
     pub fn status(&self) -> PoolInfo {
+        // Before the pool lock: the dedup lock is always taken first.
+        let dedup = self.dedup_stats();
         let s = self.core.lock();
         let unit = self.core.unit_size();
         let sb = &self.core.meta.sb;
@@ -837,6 +974,28 @@ impl Pool {
             overcommit: self.overcommit(),
             spares: Vec::new(),
             rebuild: None,
+            dedup: dedup.map(|d| tessera_api::DedupInfo {
+                logical_bytes: d.logical_bytes,
+                physical_bytes: d.physical_bytes,
+                ratio: if d.physical_bytes == 0 {
+                    1.0
+                } else {
+                    d.logical_bytes as f64 / d.physical_bytes as f64
+                },
+                store_bytes: d.store_bytes,
+                hits: d.hits,
+                new_blocks: d.new_blocks,
+                zero_blocks: d.zero_blocks,
+                compare_mismatches: d.compare_mismatches,
+                index_lookups: d.index.lookups,
+                index_filtered: d.index.filtered,
+                short_collisions: d.index.short_collisions,
+                index_entries: d.index_entries,
+                index_buckets: d.index_buckets,
+                index_device_bytes: crate::dedup::FingerprintIndex::device_bytes(d.index_buckets),
+                index_ram_bytes: d.index_ram_bytes,
+                page_ram_bytes: d.page_ram_bytes,
+            }),
             resync: None,
         }
     }
@@ -1003,7 +1162,11 @@ impl Pool {
 
     /// Commit now (used by tests and at shutdown).
     pub fn commit(&self) -> Result<()> {
-        self.core.commit()
+        self.core.commit()?;
+        if let Some(d) = self.core.dedup() {
+            d.flush_index();
+        }
+        Ok(())
     }
 
     /// Stop the zeroer and wait for it: once a pool is closed, nothing of it may write
@@ -1023,7 +1186,7 @@ impl Pool {
         if let Some(h) = self.committer.locked().take() {
             let _ = h.join();
         }
-        self.core.commit()?;
+        self.commit()?;
         // Every write is on every copy: record it (docs/format.md §3.2, clean-shutdown
         // flag). Writes that arrive after this point are not covered by it.
         let mut cur = self.core.journal();

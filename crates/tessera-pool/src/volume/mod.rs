@@ -11,6 +11,7 @@
 //! published (Release/Acquire), and a unit is zeroed before it is published, so no reader
 //! ever sees another volume's old data.
 
+mod dedup_io;
 mod first_write;
 
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
@@ -296,6 +297,8 @@ pub struct Volume {
     snapshot: AtomicBool,
     /// A deleted snapshot kept because some volume still reads through it.
     hidden: AtomicBool,
+    /// A dedup volume (chain flag `CHAIN_BLOCK_MAPPED`), fixed at creation.
+    block_mapped: AtomicBool,
     /// While a snapshot of this volume is being taken: the first epoch (`inflight`) whose
     /// writes wait until the snapshot has its map, so that none lands in what becomes
     /// the snapshot's units; `u64::MAX` otherwise. See [`Volume::held`].
@@ -333,6 +336,7 @@ impl Volume {
             parent: RwLock::new(None),
             snapshot: AtomicBool::new(false),
             hidden: AtomicBool::new(false),
+            block_mapped: AtomicBool::new(false),
             hold_from: AtomicU64::new(u64::MAX),
             pool,
         })
@@ -346,12 +350,21 @@ impl Volume {
             .store(chain.flags & crate::format::CHAIN_SNAPSHOT != 0, Release);
         self.hidden
             .store(chain.flags & crate::format::CHAIN_HIDDEN != 0, Release);
+        self.block_mapped.store(
+            chain.flags & crate::format::CHAIN_BLOCK_MAPPED != 0,
+            Release,
+        );
         *self.parent.write_locked() = parent;
     }
 
     pub(crate) fn chain_record(&self) -> ChainRecord {
         ChainRecord {
-            flags: crate::presence::chain_flags(self.is_snapshot(), self.is_hidden()),
+            flags: crate::presence::chain_flags(self.is_snapshot(), self.is_hidden())
+                | if self.block_mapped() {
+                    crate::format::CHAIN_BLOCK_MAPPED
+                } else {
+                    0
+                },
             layer: self.layer(),
             parent: self.parent_id().unwrap_or(0),
         }
@@ -452,6 +465,10 @@ impl Volume {
 
     /// Bytes of pool space this volume holds.
     pub fn allocated_bytes(&self) -> u64 {
+        if let Some(d) = self.pool.dedup().filter(|_| self.block_mapped()) {
+            // A dedup volume's referenced blocks (shared ones counted in full).
+            return d.layer_bytes(self.layer());
+        }
         self.allocated.load(Relaxed) << self.pool.unit_shift
     }
 
@@ -516,6 +533,13 @@ impl Volume {
     /// Regions without a map leaf are skipped whole: a huge sparse range costs one step
     /// per 4096 units.
     pub fn allocation_runs(&self, offset: u64, len: u64, max_runs: usize) -> Vec<(u64, bool)> {
+        if let Some(d) = self.pool.dedup().filter(|_| self.block_mapped()) {
+            let len = offset
+                .saturating_add(len)
+                .min(self.size())
+                .saturating_sub(offset);
+            return d.allocation_runs(self.layer(), offset, len, max_runs);
+        }
         if self.parent().is_some() {
             return self.chain_allocation_runs(offset, len, max_runs);
         }
@@ -614,7 +638,14 @@ impl Volume {
             epoch: 0,
             patterns: Box::default(),
             ra_next: 0,
+            dedup: self.block_mapped() && self.pool.dedup().is_some(),
         }
+    }
+
+    /// A dedup volume (docs/format.md §17): its blocks are references to the pool's
+    /// dedup store.
+    pub fn block_mapped(&self) -> bool {
+        self.block_mapped.load(Acquire)
     }
 }
 
@@ -648,6 +679,9 @@ pub struct VolumeHandle {
     patterns: Box<HandlePatterns>,
     /// Readahead: the first volume unit not yet asked for.
     ra_next: u64,
+    /// A block-mapped volume of a dedup pool: requests go to `dedup_io` (a flag, beside
+    /// `read_only`: the handle's size matters where it is held by value).
+    dedup: bool,
 }
 
 impl Drop for VolumeHandle {
@@ -670,8 +704,11 @@ impl VolumeHandle {
     pub fn is_hole(&mut self, offset: u64, len: u64) -> bool {
         self.refresh();
         let last = (offset + len.max(1) - 1) >> self.shift;
-        let hole = ((offset >> self.shift)..=last)
-            .all(|u| self.map.get(u) == HOLE && self.chain.iter().all(|m| m.get(u) == HOLE));
+        let hole = match self.vol.pool.dedup().filter(|_| self.dedup) {
+            Some(d) => d.is_hole(self.vol.layer(), offset, len.max(1)),
+            None => ((offset >> self.shift)..=last)
+                .all(|u| self.map.get(u) == HOLE && self.chain.iter().all(|m| m.get(u) == HOLE)),
+        };
         if hole {
             self.patterns
                 .observe(Direction::Read, offset, len, &self.vol.patterns);
@@ -863,6 +900,14 @@ impl IoHandle for VolumeHandle {
             (epoch, counter.track(io, tag, epoch))
         };
         self.epoch = epoch;
+        if self.dedup {
+            let pool = self.vol.pool.clone();
+            let d = pool
+                .dedup()
+                .expect("set before any block-mapped volume exists");
+            // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.
+            return unsafe { self.submit_dedup(io, d, op, tag) };
+        }
         self.refresh();
         if self.vol.held(epoch) && !matches!(op, IoOp::Read { .. }) {
             // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.

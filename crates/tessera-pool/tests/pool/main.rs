@@ -10,6 +10,7 @@ mod cache_tier;
 mod cache_write_back;
 mod common;
 mod crash_consistency;
+mod dedup;
 mod inflight;
 mod mirror_rebuild_free;
 mod model_check;

@@ -1,0 +1,1003 @@
+//! A dedup pool's metadata (docs/format.md §17): the store of 4 KiB blocks with their
+//! reference counts, the map of every block-mapped layer, and the fingerprint index.
+//!
+//! Everything here changes under one lock ([`DedupCore::state`]) and in RAM first; the
+//! commit thread makes it durable by writing the dirty map and refcount pages as shadow
+//! pages (`take_dirty` / `pages_done`) that its journal block makes valid. This first
+//! cut keeps every map and refcount page resident (8 bytes per mapped 4 KiB block and
+//! 4 bytes per store block); bounded page caches come next (docs/format.md §17, "RAM").
+//!
+//! Lock order: this lock, then the pool's (allocating a unit for the store or a map).
+//! The commit thread takes this lock before the pool's too.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tessera_io::cast::usize_of;
+use tessera_io::sync::MutexExt;
+use tessera_io::AlignedBuf;
+
+use super::index::{BucketArea, Fingerprint, FingerprintIndex};
+use super::pages::{self, PageId, ABSENT, COUNTS, MAP_ENTRIES, PAGES_PER_UNIT, PAIR};
+use crate::format::{Uuid, BLOCK};
+use crate::layout::Layout;
+
+/// Owner-table ids of dedup units (docs/format.md §17).
+pub const OWNER_STORE: u32 = 0xFFFF_FFFC;
+pub const OWNER_REFCOUNT: u32 = 0xFFFF_FFFB;
+pub const OWNER_INDEX: u32 = 0xFFFF_FFFA;
+/// The second owner field of a block-mapped layer's map unit `k` is `MAP_UNIT | k`.
+pub const MAP_UNIT: u32 = 0x8000_0000;
+
+/// Bytes of a dedup block.
+pub const DBLOCK: u64 = BLOCK as u64;
+/// Blocks per store unit and per map page (dedup pools have 1 MiB units).
+pub const BLOCKS_PER_UNIT: u64 = MAP_ENTRIES as u64;
+/// The one unit size dedup supports in this cut.
+pub const DEDUP_UNIT: u64 = BLOCKS_PER_UNIT * DBLOCK;
+
+/// Which slot of a page holds its newest durable copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    None,
+    A,
+    B,
+}
+
+impl Slot {
+    /// The slot a new copy goes to: never the newest durable one.
+    fn other(self) -> Slot {
+        match self {
+            Slot::B => Slot::A,
+            _ => Slot::B,
+        }
+    }
+}
+
+struct MapPage {
+    entries: Box<[u64; MAP_ENTRIES]>,
+    slot: Slot,
+}
+
+/// One block-mapped layer's map.
+#[derive(Default)]
+struct LayerMap {
+    /// Map unit `k` → pool unit.
+    units: BTreeMap<u32, u32>,
+    /// Volume unit → its page (only pages ever written).
+    pages: BTreeMap<u32, MapPage>,
+    dirty: BTreeSet<u32>,
+    /// Entries that reference a store block.
+    mapped: u64,
+}
+
+struct CountPage {
+    counts: Box<[u32; COUNTS]>,
+    slot: Slot,
+}
+
+pub(crate) struct State {
+    /// Store unit `s` → pool unit.
+    store_units: Vec<u32>,
+    /// Refcount pages, by page number.
+    count_pages: Vec<CountPage>,
+    /// Refcount unit `r` → pool unit.
+    count_units: Vec<u32>,
+    dirty_counts: BTreeSet<u32>,
+    /// Free store blocks, popped from the end (kept descending: lowest first).
+    free: Vec<u64>,
+    /// Blocks whose count reached zero since the last commit: free once it is durable.
+    pending_free: Vec<u64>,
+    layers: HashMap<u32, LayerMap>,
+    /// Index entries not on the device yet (the commit thread writes them).
+    pending_index: HashMap<u128, u64>,
+    /// Store blocks referenced.
+    used: u64,
+}
+
+/// What a dedup pool did since it was opened.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub hits: AtomicU64,
+    pub new_blocks: AtomicU64,
+    pub zero_blocks: AtomicU64,
+    /// Candidates whose bytes differed (a fingerprint match that was not a duplicate, or
+    /// a stale index entry).
+    pub compare_mismatches: AtomicU64,
+}
+
+/// A summary for `pool show` and the metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DedupStats {
+    /// Map entries that reference a store block, over every layer, in bytes.
+    pub logical_bytes: u64,
+    /// Store blocks referenced, in bytes.
+    pub physical_bytes: u64,
+    /// Store units, in bytes (referenced, free and waiting for a commit).
+    pub store_bytes: u64,
+    pub hits: u64,
+    pub new_blocks: u64,
+    pub zero_blocks: u64,
+    pub compare_mismatches: u64,
+    pub index: super::IndexStats,
+    pub index_entries: u64,
+    pub index_buckets: u64,
+    pub index_ram_bytes: u64,
+    /// Map and refcount pages held in RAM.
+    pub page_ram_bytes: u64,
+}
+
+pub struct DedupCore {
+    pub(crate) state: Mutex<State>,
+    pub(crate) index: FingerprintIndex,
+    pub(crate) buckets: u64,
+    pub(crate) counters: Counters,
+    pub(crate) layout: Arc<Layout>,
+    uuid: Uuid,
+    shift: u32,
+}
+
+/// How a block of a write is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// Already stored at this PBA; its count was raised for this write.
+    Shared(u64),
+    /// Written to this newly taken PBA (count raised at publication).
+    New(u64, u128),
+    /// All zeros: no block.
+    Zero,
+}
+
+/// Dirty pages taken by a commit: written, then reported back with `pages_done`.
+#[derive(Default)]
+pub(crate) struct PageBatch {
+    items: Vec<BatchItem>,
+    /// Blocks freed by the changes in this batch.
+    pub(crate) freed: Vec<u64>,
+}
+
+struct BatchItem {
+    /// Layer and volume unit of a map page, or `None` and the refcount page number.
+    layer: Option<u32>,
+    number: u32,
+    slot: Slot,
+    offset: u64,
+    content: Content,
+}
+
+enum Content {
+    Map(Box<[u64; MAP_ENTRIES]>),
+    Counts(Box<[u32; COUNTS]>),
+}
+
+impl PageBatch {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+}
+
+/// The pool's index units as one byte range.
+pub(crate) struct IndexArea {
+    pub layout: Arc<Layout>,
+    pub units: Vec<u32>,
+    pub shift: u32,
+}
+
+impl IndexArea {
+    fn each(
+        &self,
+        offset: u64,
+        len: usize,
+        mut f: impl FnMut(u64, usize, usize) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let unit = 1u64 << self.shift;
+        let mut done = 0usize;
+        while done < len {
+            let at = offset + done as u64;
+            let i = usize_of(at >> self.shift);
+            let p = *self.units.get(i).ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, "beyond the index units")
+            })?;
+            let within = at & (unit - 1);
+            let n = (len - done).min(usize_of(unit - within));
+            f((u64::from(p) << self.shift) + within, done, n)?;
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+impl BucketArea for IndexArea {
+    fn size(&self) -> u64 {
+        (self.units.len() as u64) << self.shift
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let len = buf.len();
+        self.each(offset, len, |at, from, n| {
+            self.layout.read_at(at, &mut buf[from..from + n])
+        })
+    }
+    fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        self.each(offset, buf.len(), |at, from, n| {
+            self.layout.write_at(at, &buf[from..from + n])
+        })
+    }
+}
+
+/// What a loaded pool's owner table says about its dedup units.
+#[derive(Default)]
+pub(crate) struct DedupUnits {
+    pub store: BTreeMap<u32, u32>,
+    pub counts: BTreeMap<u32, u32>,
+    pub index: BTreeMap<u32, u32>,
+    /// Layer → map unit `k` → pool unit.
+    pub maps: HashMap<u32, BTreeMap<u32, u32>>,
+}
+
+fn pba_of(entry: u64) -> Option<u64> {
+    (entry >= 2).then(|| entry - 2)
+}
+
+fn invalid(what: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what)
+}
+
+impl DedupCore {
+    /// Open the dedup metadata of a pool: read every map and refcount page of `units`
+    /// (valid when no newer than journal sequence `durable`) and the index.
+    pub(crate) fn open(
+        layout: Arc<Layout>,
+        uuid: Uuid,
+        shift: u32,
+        units: DedupUnits,
+        buckets: u64,
+        durable: u64,
+    ) -> io::Result<DedupCore> {
+        let unit = 1u64 << shift;
+        if unit != DEDUP_UNIT {
+            return Err(invalid(format!(
+                "dedup needs 1 MiB units, this pool has {unit}"
+            )));
+        }
+        let dense = |m: &BTreeMap<u32, u32>, what: &str| -> io::Result<Vec<u32>> {
+            m.iter()
+                .enumerate()
+                .map(|(i, (&k, &p))| {
+                    if k as usize == i {
+                        Ok(p)
+                    } else {
+                        Err(invalid(format!(
+                            "{what} unit {i} is missing from the owner table"
+                        )))
+                    }
+                })
+                .collect()
+        };
+        let store_units = dense(&units.store, "store")?;
+        let count_units = dense(&units.counts, "refcount")?;
+        let index_units = dense(&units.index, "index")?;
+        let mut buf = AlignedBuf::zeroed(usize_of(unit));
+        // Refcount pages: one per 1000 store blocks.
+        let blocks = store_units.len() as u64 * BLOCKS_PER_UNIT;
+        let npages = blocks.div_ceil(COUNTS as u64);
+        let mut count_pages = Vec::new();
+        for (r, &p) in count_units.iter().enumerate() {
+            layout.read_at(u64::from(p) << shift, buf.as_mut_slice())?;
+            for i in 0..PAGES_PER_UNIT {
+                let number = r as u64 * PAGES_PER_UNIT + i;
+                if number >= npages {
+                    break;
+                }
+                let id = PageId {
+                    refcount: true,
+                    layer: 0,
+                    number: u32::try_from(number).expect("page numbers fit u32"),
+                };
+                let pair = &buf.as_slice()[usize_of(i * PAIR)..usize_of((i + 1) * PAIR)];
+                count_pages.push(match pages::newest(pair, id, &uuid, durable) {
+                    Some((b, bytes)) => CountPage {
+                        counts: pages::decode_counts(bytes),
+                        slot: if b { Slot::B } else { Slot::A },
+                    },
+                    None => CountPage {
+                        counts: Box::new([0; COUNTS]),
+                        slot: Slot::None,
+                    },
+                });
+            }
+        }
+        while (count_pages.len() as u64) < npages {
+            // A page whose unit was never allocated: no block of it was ever counted.
+            count_pages.push(CountPage {
+                counts: Box::new([0; COUNTS]),
+                slot: Slot::None,
+            });
+        }
+        let mut layers = HashMap::new();
+        for (layer, map_units) in units.maps {
+            let mut lm = LayerMap {
+                units: map_units.clone(),
+                ..Default::default()
+            };
+            for (&k, &p) in &map_units {
+                layout.read_at(u64::from(p) << shift, buf.as_mut_slice())?;
+                for i in 0..PAGES_PER_UNIT {
+                    let vunit = u64::from(k) * PAGES_PER_UNIT + i;
+                    let Ok(vunit) = u32::try_from(vunit) else {
+                        break;
+                    };
+                    let id = PageId {
+                        refcount: false,
+                        layer,
+                        number: vunit,
+                    };
+                    let pair = &buf.as_slice()[usize_of(i * PAIR)..usize_of((i + 1) * PAIR)];
+                    if let Some((b, bytes)) = pages::newest(pair, id, &uuid, durable) {
+                        let entries = pages::decode_map(bytes);
+                        lm.mapped +=
+                            entries.iter().filter(|&&e| pba_of(e).is_some()).count() as u64;
+                        lm.pages.insert(
+                            vunit,
+                            MapPage {
+                                entries,
+                                slot: if b { Slot::B } else { Slot::A },
+                            },
+                        );
+                    }
+                }
+            }
+            layers.insert(layer, lm);
+        }
+        let mut st = State {
+            store_units,
+            count_pages,
+            count_units,
+            dirty_counts: BTreeSet::new(),
+            free: Vec::new(),
+            pending_free: Vec::new(),
+            layers,
+            pending_index: HashMap::new(),
+            used: 0,
+        };
+        // The counts are checked against the maps: a crash can leave neither more nor
+        // fewer references than the counts say (both change in one commit), so any
+        // difference is damage, repaired here towards the maps (a block the maps
+        // reference is never freed; one they do not is).
+        let mut refs = vec![0u32; usize_of(blocks)];
+        for lm in st.layers.values() {
+            for page in lm.pages.values() {
+                for &e in page.entries.iter() {
+                    if let Some(pba) = pba_of(e) {
+                        let r = refs.get_mut(usize_of(pba)).ok_or_else(|| {
+                            invalid(format!(
+                                "a map entry references block {pba}, beyond the store"
+                            ))
+                        })?;
+                        *r += 1;
+                    }
+                }
+            }
+        }
+        let mut repaired = 0u64;
+        for pba in (0..blocks).rev() {
+            let (page, i) = (usize_of(pba / COUNTS as u64), usize_of(pba % COUNTS as u64));
+            let want = refs[usize_of(pba)];
+            if st.count_pages[page].counts[i] != want {
+                st.count_pages[page].counts[i] = want;
+                st.dirty_counts.insert(u32::try_from(page).expect("fits"));
+                repaired += 1;
+            }
+            if want == 0 {
+                st.free.push(pba);
+            } else {
+                st.used += 1;
+            }
+        }
+        if repaired > 0 {
+            tracing::warn!(
+                blocks = repaired,
+                "dedup reference counts repaired from the maps"
+            );
+        }
+        let area = IndexArea {
+            layout: layout.clone(),
+            units: index_units,
+            shift,
+        };
+        let index = FingerprintIndex::open(Arc::new(area), 0, buckets)?;
+        Ok(DedupCore {
+            state: Mutex::new(st),
+            index,
+            buckets,
+            counters: Counters::default(),
+            layout,
+            uuid,
+            shift,
+        })
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.locked()
+    }
+
+    /// Index units a pool of `capacity` bytes needs, and its bucket count: one entry per
+    /// 4 KiB block of the capacity.
+    pub(crate) fn index_size(capacity: u64) -> (u64, u64) {
+        let buckets = FingerprintIndex::buckets_for(capacity / DBLOCK);
+        let units = FingerprintIndex::device_bytes(buckets).div_ceil(DEDUP_UNIT);
+        (units, buckets)
+    }
+
+    /// A new block-mapped layer (a new volume).
+    pub(crate) fn add_layer(&self, layer: u32) {
+        self.lock().layers.entry(layer).or_default();
+    }
+
+    /// Referenced bytes of `layer`.
+    pub(crate) fn layer_bytes(&self, layer: u32) -> u64 {
+        self.lock()
+            .layers
+            .get(&layer)
+            .map_or(0, |l| l.mapped * DBLOCK)
+    }
+
+    pub fn stats(&self) -> DedupStats {
+        let st = self.lock();
+        let logical: u64 = st.layers.values().map(|l| l.mapped).sum();
+        let pages: u64 = st.layers.values().map(|l| l.pages.len() as u64).sum();
+        let c = &self.counters;
+        DedupStats {
+            logical_bytes: logical * DBLOCK,
+            physical_bytes: st.used * DBLOCK,
+            store_bytes: st.store_units.len() as u64 * DEDUP_UNIT,
+            hits: c.hits.load(Relaxed),
+            new_blocks: c.new_blocks.load(Relaxed),
+            zero_blocks: c.zero_blocks.load(Relaxed),
+            compare_mismatches: c.compare_mismatches.load(Relaxed),
+            index: self.index.stats(),
+            index_entries: self.index.entries(),
+            index_buckets: self.buckets,
+            index_ram_bytes: self.index.ram_bytes(),
+            page_ram_bytes: pages * (MAP_ENTRIES as u64 * 8)
+                + st.count_pages.len() as u64 * (COUNTS as u64 * 4),
+        }
+    }
+
+    /// The pool byte offset of store block `pba`.
+    pub(crate) fn pba_offset(&self, st: &State, pba: u64) -> u64 {
+        let s = usize_of(pba / BLOCKS_PER_UNIT);
+        (u64::from(st.store_units[s]) << self.shift) + (pba % BLOCKS_PER_UNIT) * DBLOCK
+    }
+
+    /// The entry of block `vblock` of `layer` ([`ABSENT`] when none).
+    pub(crate) fn entry(st: &State, layer: u32, vblock: u64) -> u64 {
+        let Ok(vunit) = u32::try_from(vblock / BLOCKS_PER_UNIT) else {
+            return ABSENT;
+        };
+        st.layers
+            .get(&layer)
+            .and_then(|l| l.pages.get(&vunit))
+            .map_or(ABSENT, |p| p.entries[usize_of(vblock % BLOCKS_PER_UNIT)])
+    }
+
+    /// Where block `vblock` of `layer` reads from: a pool offset, or `None` for zeros.
+    pub(crate) fn resolve(&self, st: &State, layer: u32, vblock: u64) -> Option<u64> {
+        pba_of(Self::entry(st, layer, vblock)).map(|pba| self.pba_offset(st, pba))
+    }
+
+    fn count_mut(st: &mut State, pba: u64) -> &mut u32 {
+        let page = pba / COUNTS as u64;
+        st.dirty_counts
+            .insert(u32::try_from(page).expect("page numbers fit u32"));
+        &mut st.count_pages[usize_of(page)].counts[usize_of(pba % COUNTS as u64)]
+    }
+
+    fn count(st: &State, pba: u64) -> u32 {
+        st.count_pages[usize_of(pba / COUNTS as u64)].counts[usize_of(pba % COUNTS as u64)]
+    }
+
+    /// Add one reference to `pba`.
+    fn reference(st: &mut State, pba: u64) {
+        let c = Self::count_mut(st, pba);
+        *c += 1;
+        if *c == 1 {
+            st.used += 1;
+        }
+    }
+
+    /// Drop one reference to `pba`; the last one frees it (after the next commit).
+    fn unreference(st: &mut State, pba: u64) {
+        let c = Self::count_mut(st, pba);
+        debug_assert!(*c > 0, "a reference dropped from an unreferenced block");
+        *c = c.saturating_sub(1);
+        if *c == 0 {
+            st.used -= 1;
+            st.pending_free.push(pba);
+        }
+    }
+
+    /// A store block that holds exactly `block`, with one more reference taken for the
+    /// caller, when the index knows one. The bytes of each candidate are compared (the
+    /// index is only a hint); runs on the caller's thread (sync reads).
+    pub(crate) fn share(
+        &self,
+        fp: Fingerprint,
+        block: &[u8],
+        scratch: &mut AlignedBuf,
+    ) -> Option<u64> {
+        let pending = self.lock().pending_index.get(&fp.0).copied();
+        let mut candidates: Vec<u64> = pending.into_iter().collect();
+        if let Ok(found) = self.index.candidates(fp) {
+            candidates.extend(found.into_iter().filter(|c| Some(*c) != pending));
+        }
+        for pba in candidates {
+            // Under the lock from the check to the new reference: a block with a count
+            // cannot be freed (nor reused) meanwhile, and its bytes never change while
+            // it is referenced.
+            let mut st = self.lock();
+            if pba >= st.store_units.len() as u64 * BLOCKS_PER_UNIT || Self::count(&st, pba) == 0 {
+                continue;
+            }
+            let at = self.pba_offset(&st, pba);
+            let buf = &mut scratch.as_mut_slice()[..BLOCK];
+            if self.layout.read_at(at, buf).is_err() {
+                continue;
+            }
+            if buf == block {
+                Self::reference(&mut st, pba);
+                self.counters.hits.fetch_add(1, Relaxed);
+                return Some(pba);
+            }
+            self.counters.compare_mismatches.fetch_add(1, Relaxed);
+        }
+        None
+    }
+
+    /// `n` free store blocks, as consecutive as the free list gives them; a new store
+    /// unit is taken from the pool (`alloc_unit`) when the list runs dry.
+    pub(crate) fn take_blocks(
+        &self,
+        n: usize,
+        alloc_unit: &dyn Fn(u32, u32) -> Result<u32, i32>,
+    ) -> Result<Vec<u64>, i32> {
+        let mut st = self.lock();
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            if let Some(pba) = st.free.pop() {
+                out.push(pba);
+                continue;
+            }
+            let s = u32::try_from(st.store_units.len()).map_err(|_| -libc::ENOSPC)?;
+            let p = match alloc_unit(OWNER_STORE, s) {
+                Ok(p) => p,
+                Err(e) => {
+                    // Give back what was taken: nothing references it.
+                    st.free.extend(out.into_iter().rev());
+                    return Err(e);
+                }
+            };
+            st.store_units.push(p);
+            let first = u64::from(s) * BLOCKS_PER_UNIT;
+            st.free.extend((first..first + BLOCKS_PER_UNIT).rev());
+            let blocks = st.store_units.len() as u64 * BLOCKS_PER_UNIT;
+            while (st.count_pages.len() as u64) * (COUNTS as u64) < blocks {
+                st.count_pages.push(CountPage {
+                    counts: Box::new([0; COUNTS]),
+                    slot: Slot::None,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Give back blocks taken for a write that failed: they were never published.
+    pub(crate) fn untake(&self, blocks: &[u64]) {
+        let mut st = self.lock();
+        st.free.extend(blocks.iter().rev());
+    }
+
+    /// Make sure `layer` has the map unit that holds volume unit `vunit`'s page and the
+    /// refcount units for every store block: allocating either takes a pool unit.
+    fn ensure_units(
+        st: &mut State,
+        layer: u32,
+        vunit: u32,
+        alloc_unit: &dyn Fn(u32, u32) -> Result<u32, i32>,
+    ) -> Result<(), i32> {
+        let k = u32::try_from(u64::from(vunit) / PAGES_PER_UNIT).expect("fits");
+        let lm = st.layers.get_mut(&layer).ok_or(-libc::ESHUTDOWN)?;
+        if let std::collections::btree_map::Entry::Vacant(e) = lm.units.entry(k) {
+            e.insert(alloc_unit(layer, MAP_UNIT | k)?);
+        }
+        let pages = st.count_pages.len() as u64;
+        while (st.count_units.len() as u64) * PAGES_PER_UNIT < pages {
+            let r = u32::try_from(st.count_units.len()).map_err(|_| -libc::ENOSPC)?;
+            let p = alloc_unit(OWNER_REFCOUNT, r)?;
+            st.count_units.push(p);
+        }
+        Ok(())
+    }
+
+    /// Publish a write of `placements` at blocks `first..` of `layer`: each entry now
+    /// names its block, the blocks they named lose a reference, new blocks gain theirs
+    /// and enter the index. Shared blocks already hold the reference `share` took.
+    pub(crate) fn publish(
+        &self,
+        layer: u32,
+        first: u64,
+        placements: &[Placement],
+        alloc_unit: &dyn Fn(u32, u32) -> Result<u32, i32>,
+    ) -> Result<(), i32> {
+        let mut st = self.lock();
+        // Units first, so that a failure changes nothing.
+        let mut last = None;
+        for i in 0..placements.len() as u64 {
+            let vunit = u32::try_from((first + i) / BLOCKS_PER_UNIT).map_err(|_| -libc::EINVAL)?;
+            if last != Some(vunit) {
+                Self::ensure_units(&mut st, layer, vunit, alloc_unit)?;
+                last = Some(vunit);
+            }
+        }
+        for (i, pl) in placements.iter().enumerate() {
+            let value = match *pl {
+                Placement::Shared(pba) => pba + 2,
+                Placement::New(pba, fp) => {
+                    Self::reference(&mut st, pba);
+                    st.pending_index.insert(fp, pba);
+                    pba + 2
+                }
+                Placement::Zero => ABSENT,
+            };
+            let old = Self::set_entry(&mut st, layer, first + i as u64, value);
+            if let Some(pba) = pba_of(old) {
+                Self::unreference(&mut st, pba);
+            }
+        }
+        Ok(())
+    }
+
+    /// Set one entry; returns the old one. Counts the layer's mapped entries.
+    fn set_entry(st: &mut State, layer: u32, vblock: u64, value: u64) -> u64 {
+        let vunit = u32::try_from(vblock / BLOCKS_PER_UNIT).expect("checked by the caller");
+        let Some(lm) = st.layers.get_mut(&layer) else {
+            return ABSENT;
+        };
+        let page = lm.pages.entry(vunit).or_insert_with(|| MapPage {
+            entries: Box::new([ABSENT; MAP_ENTRIES]),
+            slot: Slot::None,
+        });
+        let e = &mut page.entries[usize_of(vblock % BLOCKS_PER_UNIT)];
+        let old = std::mem::replace(e, value);
+        if old != value {
+            lm.dirty.insert(vunit);
+            lm.mapped =
+                lm.mapped + u64::from(pba_of(value).is_some()) - u64::from(pba_of(old).is_some());
+        }
+        old
+    }
+
+    /// Drop a write's shared references again (it failed).
+    pub(crate) fn unshare(&self, placements: &[Placement]) {
+        let mut st = self.lock();
+        for pl in placements {
+            if let Placement::Shared(pba) = *pl {
+                Self::unreference(&mut st, pba);
+            }
+        }
+    }
+
+    /// Blocks `first..first+n` of `layer` read as zeros from now on (TRIM, write-zeroes,
+    /// a shrink): their references are dropped. Only pages that exist are visited.
+    pub(crate) fn clear(&self, layer: u32, first: u64, n: u64) {
+        let mut st = self.lock();
+        let end = first + n;
+        let (Ok(u0), u1) = (
+            u32::try_from(first / BLOCKS_PER_UNIT),
+            u32::try_from((end - 1) / BLOCKS_PER_UNIT).unwrap_or(u32::MAX),
+        ) else {
+            return;
+        };
+        let vunits: Vec<u32> = match st.layers.get(&layer) {
+            Some(lm) => lm.pages.range(u0..=u1).map(|(&v, _)| v).collect(),
+            None => return,
+        };
+        for v in vunits {
+            let base = u64::from(v) * BLOCKS_PER_UNIT;
+            for b in base.max(first)..(base + BLOCKS_PER_UNIT).min(end) {
+                if Self::entry(&st, layer, b) != ABSENT {
+                    let old = Self::set_entry(&mut st, layer, b, ABSENT);
+                    if let Some(pba) = pba_of(old) {
+                        Self::unreference(&mut st, pba);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forget a deleted layer: every reference it holds is dropped; returns its map
+    /// units for the pool to free.
+    pub(crate) fn remove_layer(&self, layer: u32) -> Vec<u32> {
+        let mut st = self.lock();
+        let Some(lm) = st.layers.remove(&layer) else {
+            return Vec::new();
+        };
+        for page in lm.pages.values() {
+            for &e in page.entries.iter() {
+                if let Some(pba) = pba_of(e) {
+                    Self::unreference(&mut st, pba);
+                }
+            }
+        }
+        lm.units.into_values().collect()
+    }
+
+    /// Whether every block of `[offset, offset+len)` of `layer` reads as zeros.
+    pub(crate) fn is_hole(&self, layer: u32, offset: u64, len: u64) -> bool {
+        let st = self.lock();
+        (offset / DBLOCK..=(offset + len - 1) / DBLOCK)
+            .all(|b| pba_of(Self::entry(&st, layer, b)).is_none())
+    }
+
+    /// Runs of `(length, referenced)` over `[offset, offset+len)` of `layer`, at most
+    /// `max_runs` (block status for NBD and `qemu-img map`).
+    pub(crate) fn allocation_runs(
+        &self,
+        layer: u32,
+        offset: u64,
+        len: u64,
+        max_runs: usize,
+    ) -> Vec<(u64, bool)> {
+        let st = self.lock();
+        let mut runs: Vec<(u64, bool)> = Vec::new();
+        let end = offset + len;
+        let mut at = offset;
+        while at < end && runs.len() <= max_runs {
+            let b = at / DBLOCK;
+            let next = ((b + 1) * DBLOCK).min(end);
+            let mapped = pba_of(Self::entry(&st, layer, b)).is_some();
+            match runs.last_mut() {
+                Some((l, m)) if *m == mapped => *l += next - at,
+                _ => runs.push((next - at, mapped)),
+            }
+            at = next;
+        }
+        runs.truncate(max_runs.max(1));
+        runs
+    }
+
+    /// Take the dirty pages and the blocks freed so far, for a commit. The pages are
+    /// encoded by [`DedupCore::write_batch`] with the commit's generation.
+    pub(crate) fn take_dirty(&self) -> PageBatch {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let mut batch = PageBatch {
+            items: Vec::new(),
+            freed: std::mem::take(&mut st.pending_free),
+        };
+        for (&layer, lm) in st.layers.iter_mut() {
+            for v in std::mem::take(&mut lm.dirty) {
+                let (Some(page), Some(&unit)) = (
+                    lm.pages.get(&v),
+                    lm.units
+                        .get(&u32::try_from(u64::from(v) / PAGES_PER_UNIT).expect("fits")),
+                ) else {
+                    continue;
+                };
+                let slot = page.slot.other();
+                batch.items.push(BatchItem {
+                    layer: Some(layer),
+                    number: v,
+                    slot,
+                    offset: self.page_offset(unit, u64::from(v), slot),
+                    content: Content::Map(page.entries.clone()),
+                });
+            }
+        }
+        for n in std::mem::take(&mut st.dirty_counts) {
+            let unit = st.count_units[usize_of(u64::from(n) / PAGES_PER_UNIT)];
+            let page = &st.count_pages[n as usize];
+            let slot = page.slot.other();
+            batch.items.push(BatchItem {
+                layer: None,
+                number: n,
+                slot,
+                offset: self.page_offset(unit, u64::from(n), slot),
+                content: Content::Counts(page.counts.clone()),
+            });
+        }
+        batch
+    }
+
+    fn page_offset(&self, unit: u32, number: u64, slot: Slot) -> u64 {
+        (u64::from(unit) << self.shift)
+            + (number % PAGES_PER_UNIT) * PAIR
+            + if slot == Slot::B { DBLOCK } else { 0 }
+    }
+
+    /// Write a batch's pages with generation `gen` (not synced: the commit syncs).
+    pub(crate) fn write_batch(&self, batch: &PageBatch, gen: u64) -> io::Result<()> {
+        let mut buf = AlignedBuf::zeroed(BLOCK);
+        for it in &batch.items {
+            let bytes = match &it.content {
+                Content::Map(e) => pages::encode_map(
+                    PageId {
+                        refcount: false,
+                        layer: it.layer.expect("map pages have a layer"),
+                        number: it.number,
+                    },
+                    gen,
+                    &self.uuid,
+                    e,
+                ),
+                Content::Counts(c) => pages::encode_counts(
+                    PageId {
+                        refcount: true,
+                        layer: 0,
+                        number: it.number,
+                    },
+                    gen,
+                    &self.uuid,
+                    c,
+                ),
+            };
+            buf.as_mut_slice()[..BLOCK].copy_from_slice(&bytes);
+            self.layout.write_at(it.offset, &buf.as_slice()[..BLOCK])?;
+        }
+        Ok(())
+    }
+
+    /// The commit that wrote `batch` ended: on success each page's newest durable copy is
+    /// the slot just written and the freed blocks are handed back (`release_free`); on
+    /// failure the pages are dirty again (the next commit rewrites the same slots) and
+    /// the blocks stay pending.
+    pub(crate) fn pages_done(&self, batch: PageBatch, durable: bool) -> Vec<u64> {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        for it in batch.items {
+            match it.layer {
+                Some(layer) => {
+                    if let Some(lm) = st.layers.get_mut(&layer) {
+                        if let Some(p) = lm.pages.get_mut(&it.number) {
+                            if durable {
+                                p.slot = it.slot;
+                            } else {
+                                lm.dirty.insert(it.number);
+                            }
+                        }
+                    }
+                }
+                None => {
+                    if durable {
+                        st.count_pages[it.number as usize].slot = it.slot;
+                    } else {
+                        st.dirty_counts.insert(it.number);
+                    }
+                }
+            }
+        }
+        if durable {
+            batch.freed
+        } else {
+            st.pending_free.extend(batch.freed);
+            Vec::new()
+        }
+    }
+
+    /// Freed blocks whose freeing is durable and that no request in flight can reach
+    /// any more: free for new writes.
+    pub(crate) fn release_free(&self, freed: Vec<u64>, usable: bool) {
+        if freed.is_empty() {
+            return;
+        }
+        let mut st = self.lock();
+        if usable {
+            st.free.extend(freed);
+            st.free.sort_unstable_by(|a, b| b.cmp(a));
+        } else {
+            st.pending_free.extend(freed);
+        }
+    }
+
+    /// Write the index entries of new blocks (the commit thread, after a commit). An
+    /// entry whose block was freed meanwhile is written anyway: the byte comparison of a
+    /// later lookup tolerates it.
+    pub(crate) fn flush_index(&self) {
+        let pending: Vec<(u128, u64)> = self
+            .lock()
+            .pending_index
+            .iter()
+            .map(|(&f, &p)| (f, p))
+            .collect();
+        for (fp, pba) in pending {
+            if let Err(e) = self.index.insert(Fingerprint(fp), pba) {
+                tracing::warn!(error = %e, "cannot write a dedup index bucket; the entry stays in memory");
+                return;
+            }
+            let mut st = self.lock();
+            if st.pending_index.get(&fp) == Some(&pba) {
+                st.pending_index.remove(&fp);
+            }
+        }
+    }
+
+    /// Problems the metadata has (empty when none): every count equals the references
+    /// the maps hold, and every referenced block lies in the store.
+    pub fn verify(&self) -> Vec<String> {
+        let st = self.lock();
+        let blocks = st.store_units.len() as u64 * BLOCKS_PER_UNIT;
+        let mut refs = vec![0u32; usize_of(blocks)];
+        let mut out = Vec::new();
+        for (layer, lm) in &st.layers {
+            for (v, page) in &lm.pages {
+                for (i, &e) in page.entries.iter().enumerate() {
+                    if let Some(pba) = pba_of(e) {
+                        match refs.get_mut(usize_of(pba)) {
+                            Some(r) => *r += 1,
+                            None => out.push(format!(
+                                "layer {layer} block {} references {pba}, beyond the store",
+                                u64::from(*v) * BLOCKS_PER_UNIT + i as u64
+                            )),
+                        }
+                    }
+                }
+            }
+        }
+        for (pba, &want) in refs.iter().enumerate() {
+            let have = Self::count(&st, pba as u64);
+            if have != want {
+                out.push(format!(
+                    "store block {pba}: count {have}, referenced {want} times"
+                ));
+            }
+        }
+        out
+    }
+}
+
+/// Whether `b` (a whole block) is all zeros.
+pub(crate) fn is_zero(b: &[u8]) -> bool {
+    let words = b.chunks_exact(8);
+    let rest = words.remainder();
+    words.into_iter().all(|c| c == [0u8; 8]) && rest.iter().all(|&x| x == 0)
+}
+
+/// Whether owner-table entry `o` is a dedup unit of a pool whose block-mapped layers are
+/// `layers` (a map unit of a layer no volume has any more is not: it is free).
+pub(crate) fn is_dedup_owner(o: (u32, u32), layers: &std::collections::BTreeSet<u32>) -> bool {
+    matches!(o.0, OWNER_STORE | OWNER_REFCOUNT | OWNER_INDEX)
+        || (o.1 & MAP_UNIT != 0 && layers.contains(&o.0))
+}
+
+impl DedupUnits {
+    /// The dedup units of an owner table.
+    pub(crate) fn from_owners(
+        owners: &[(u32, u32)],
+        layers: &std::collections::BTreeSet<u32>,
+    ) -> DedupUnits {
+        let mut u = DedupUnits::default();
+        for (p, &o) in owners.iter().enumerate() {
+            let p = u32::try_from(p).expect("unit numbers fit u32");
+            match o.0 {
+                OWNER_STORE => {
+                    u.store.insert(o.1, p);
+                }
+                OWNER_REFCOUNT => {
+                    u.counts.insert(o.1, p);
+                }
+                OWNER_INDEX => {
+                    u.index.insert(o.1, p);
+                }
+                l if o.1 & MAP_UNIT != 0 && layers.contains(&l) => {
+                    u.maps.entry(l).or_default().insert(o.1 & !MAP_UNIT, p);
+                }
+                _ => {}
+            }
+        }
+        for &l in layers {
+            u.maps.entry(l).or_default();
+        }
+        u
+    }
+}

@@ -1,0 +1,458 @@
+//! The datapath of block-mapped (dedup) volumes (docs/format.md §17).
+//!
+//! A read looks its blocks' map entries up under the dedup lock and reads each run of
+//! store blocks through the layout's asynchronous datapath (holes read as zeros). A
+//! write fingerprints each 4 KiB block: an all-zero block becomes a hole, a block the
+//! index knows (confirmed by comparing the stored bytes) takes one more reference, and
+//! the rest get new store blocks, written asynchronously; only when those writes have
+//! completed are the new map entries published (`DedupCore::publish`), so a reader on
+//! any core sees either the old block or the whole new one, never a half-written one.
+//! Sub-block edges are read, merged and written whole.
+//!
+//! Index buckets and compared blocks are read synchronously on the reactor: dedup pools
+//! have no parity (whose row locks, held by this core's writes, such a read could wait
+//! for) and no cache tier (which the synchronous reads would not see).
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::sync::{Arc, Weak};
+
+use tessera_io::cast::{u32_of, usize_of};
+use tessera_io::{AlignedBuf, Continuation, CoreIo, IoHandle, IoOp, Tag};
+
+use super::VolumeHandle;
+use crate::dedup::store::{is_zero, DedupCore, Placement, DBLOCK};
+use crate::dedup::Fingerprint;
+use crate::format::BLOCK;
+use crate::pool::PoolCore;
+
+/// A write whose new blocks are being written: published when they all complete.
+struct PendingWrite {
+    dedup: Arc<DedupCore>,
+    pool: Arc<PoolCore>,
+    layer: u32,
+    first: u64,
+    placements: Vec<Placement>,
+    /// Merged edge blocks the writes read from (alive until they complete).
+    _edges: Vec<AlignedBuf>,
+}
+
+/// The dedup write engine of one pool on one core (in the core's `locals`).
+pub(crate) struct DedupWrites {
+    hook: Cell<u32>,
+    slots: RefCell<Vec<Option<PendingWrite>>>,
+    free: RefCell<Vec<u32>>,
+    /// A block for comparisons with stored blocks.
+    scratch: RefCell<AlignedBuf>,
+}
+
+fn engine_for(io: &mut CoreIo, pool: &Arc<PoolCore>) -> Rc<DedupWrites> {
+    let key = Arc::as_ptr(pool) as usize ^ 0x6465_6475;
+    if let Some((e, w)) = io
+        .locals
+        .get(&key)
+        .and_then(|b| b.downcast_ref::<(Rc<DedupWrites>, Weak<PoolCore>)>())
+    {
+        if std::ptr::eq(w.as_ptr(), Arc::as_ptr(pool)) && w.strong_count() > 0 {
+            return e.clone();
+        }
+    }
+    let e = Rc::new(DedupWrites {
+        hook: Cell::new(0),
+        slots: RefCell::new(Vec::new()),
+        free: RefCell::new(Vec::new()),
+        scratch: RefCell::new(AlignedBuf::zeroed(BLOCK)),
+    });
+    let id = io.register_hook(e.clone());
+    e.hook.set(id);
+    let old = io
+        .locals
+        .insert(key, Box::new((e.clone(), Arc::downgrade(pool))));
+    // An engine of a pool that is gone (its address reused): its hook goes.
+    if let Some(old) = old.and_then(|b| b.downcast::<(Rc<DedupWrites>, Weak<PoolCore>)>().ok()) {
+        io.release_hook(old.0.hook.get());
+    }
+    e
+}
+
+impl Continuation for DedupWrites {
+    fn on_error(&self, io: &mut CoreIo, parent: Tag, op: IoOp, ctx: u64, res: i32) {
+        self.on_done(io, parent, op, ctx, res)
+    }
+
+    fn on_done(&self, io: &mut CoreIo, parent: Tag, _op: IoOp, ctx: u64, res: i32) {
+        let w = self.slots.borrow_mut()[usize_of(ctx)]
+            .take()
+            .expect("a pending write completes once");
+        self.free.borrow_mut().push(u32_of(ctx));
+        io.complete(parent, finish(&w, res));
+    }
+}
+
+/// End a write whose data writes ended with `res`: publish it, or give its blocks back.
+fn finish(w: &PendingWrite, res: i32) -> i32 {
+    let res = if res < 0 {
+        res
+    } else {
+        let alloc = |o: u32, s: u32| w.pool.alloc_owned(o, s);
+        match w.dedup.publish(w.layer, w.first, &w.placements, &alloc) {
+            Ok(()) => return 0,
+            Err(e) => e,
+        }
+    };
+    let new: Vec<u64> = w
+        .placements
+        .iter()
+        .filter_map(|p| match *p {
+            Placement::New(pba, _) => Some(pba),
+            _ => None,
+        })
+        .collect();
+    w.dedup.untake(&new);
+    w.dedup.unshare(&w.placements);
+    res
+}
+
+impl VolumeHandle {
+    /// A request to a block-mapped volume (bounds, read-only and the request's token
+    /// already checked and taken by `submit`).
+    ///
+    /// # Safety
+    /// As [`IoHandle::submit`]: the request's buffer stays valid until `tag` completes.
+    pub(super) unsafe fn submit_dedup(
+        &mut self,
+        io: &mut CoreIo,
+        d: &Arc<DedupCore>,
+        op: IoOp,
+        tag: Tag,
+    ) {
+        let layer = self.vol.layer();
+        match op {
+            IoOp::Read { offset, len, buf } => {
+                // SAFETY: our caller's contract.
+                unsafe { self.read_dedup(io, d, layer, offset, u64::from(len), buf, tag) }
+            }
+            IoOp::Write { offset, len, buf } => {
+                let pool = self.vol.pool.clone();
+                // SAFETY: as above.
+                unsafe { write_dedup(self, io, d, &pool, layer, offset, u64::from(len), buf, tag) }
+            }
+            IoOp::Discard { offset, len } => {
+                // Whole blocks only: a discard is a hint.
+                let first = offset.div_ceil(DBLOCK);
+                let end = (offset + len) / DBLOCK;
+                if end > first {
+                    d.clear(layer, first, end - first);
+                }
+                io.complete(tag, 0);
+            }
+            IoOp::WriteZeroes { offset, len, .. } => {
+                let r = zero_range(d, &self.vol.pool, layer, offset, len);
+                io.complete(tag, r);
+            }
+            IoOp::Flush => unreachable!("handled by submit"),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn read_dedup(
+        &mut self,
+        io: &mut CoreIo,
+        d: &DedupCore,
+        layer: u32,
+        offset: u64,
+        len: u64,
+        buf: *mut u8,
+        tag: Tag,
+    ) {
+        let unit = DBLOCK * crate::dedup::store::BLOCKS_PER_UNIT;
+        // (pool offset, length, offset in the buffer)
+        let mut runs: Vec<(u64, u64, u64)> = Vec::new();
+        {
+            let st = d.lock();
+            let end = offset + len;
+            let mut at = offset;
+            while at < end {
+                let b = at / DBLOCK;
+                let next = ((b + 1) * DBLOCK).min(end);
+                let n = next - at;
+                let boff = at - offset;
+                match d.resolve(&st, layer, b) {
+                    None => {
+                        // SAFETY: boff + n <= len, within the submitter's buffer.
+                        unsafe { std::ptr::write_bytes(buf.add(usize_of(boff)), 0, usize_of(n)) };
+                    }
+                    Some(po) => {
+                        let po = po + at % DBLOCK;
+                        match runs.last_mut() {
+                            Some(r)
+                                if r.0 + r.1 == po
+                                    && r.2 + r.1 == boff
+                                    && !po.is_multiple_of(unit) =>
+                            {
+                                r.1 += n
+                            }
+                            _ => runs.push((po, n, boff)),
+                        }
+                    }
+                }
+                at = next;
+            }
+        }
+        if runs.is_empty() {
+            return io.complete(tag, 0);
+        }
+        let t = io.join(tag, u32_of(runs.len()));
+        for (po, n, boff) in runs {
+            // SAFETY: the run lies in the submitter's buffer, kept alive until `tag`
+            // (which `t` completes) completes.
+            unsafe {
+                self.layout.submit(
+                    io,
+                    IoOp::Read {
+                        offset: po,
+                        len: u32_of(n),
+                        buf: buf.add(usize_of(boff)),
+                    },
+                    t,
+                )
+            };
+        }
+    }
+}
+
+/// The current bytes of block `vblock` of `layer` into `out` (zeros for a hole).
+fn read_block(d: &DedupCore, layer: u32, vblock: u64, out: &mut [u8]) -> Result<(), i32> {
+    let at = {
+        let st = d.lock();
+        d.resolve(&st, layer, vblock)
+    };
+    match at {
+        None => {
+            out.fill(0);
+            Ok(())
+        }
+        Some(po) => d
+            .layout
+            .read_at(po, out)
+            .map_err(|e| -e.raw_os_error().unwrap_or(libc::EIO)),
+    }
+}
+
+/// How to store one whole block: a hole, a shared block, or a new one (PBA taken later).
+fn place(d: &DedupCore, block: &[u8], scratch: &mut AlignedBuf) -> Placement {
+    if is_zero(block) {
+        d.counters
+            .zero_blocks
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return Placement::Zero;
+    }
+    let fp = Fingerprint::of(block);
+    match d.share(fp, block, scratch) {
+        Some(pba) => Placement::Shared(pba),
+        None => Placement::New(u64::MAX, fp.0),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn write_dedup(
+    h: &mut VolumeHandle,
+    io: &mut CoreIo,
+    d: &Arc<DedupCore>,
+    pool: &Arc<PoolCore>,
+    layer: u32,
+    offset: u64,
+    len: u64,
+    buf: *const u8,
+    tag: Tag,
+) {
+    let engine = engine_for(io, pool);
+    let first = offset / DBLOCK;
+    let last = (offset + len - 1) / DBLOCK;
+    // Each block's bytes: the client's, or for a partial edge block the merged block.
+    let mut edges: Vec<AlignedBuf> = Vec::new();
+    let mut sources: Vec<*const u8> = Vec::with_capacity(usize_of(last - first + 1));
+    for b in first..=last {
+        let start = b * DBLOCK;
+        if start >= offset && start + DBLOCK <= offset + len {
+            // SAFETY: the block lies within the submitter's buffer.
+            sources.push(unsafe { buf.add(usize_of(start - offset)) });
+            continue;
+        }
+        let mut m = AlignedBuf::zeroed(BLOCK);
+        if let Err(e) = read_block(d, layer, b, &mut m.as_mut_slice()[..BLOCK]) {
+            return io.complete(tag, e);
+        }
+        let lo = offset.max(start);
+        let hi = (offset + len).min(start + DBLOCK);
+        // SAFETY: [lo, hi) lies within the submitter's buffer.
+        let client = unsafe {
+            std::slice::from_raw_parts(buf.add(usize_of(lo - offset)), usize_of(hi - lo))
+        };
+        m.as_mut_slice()[usize_of(lo - start)..usize_of(hi - start)].copy_from_slice(client);
+        sources.push(m.as_ptr());
+        edges.push(m);
+    }
+    let mut placements: Vec<Placement> = {
+        let mut scratch = engine.scratch.borrow_mut();
+        sources
+            .iter()
+            .map(|&s| {
+                // SAFETY: each source is a whole block, in the submitter's buffer or in
+                // `edges`, both alive for this call.
+                let block = unsafe { std::slice::from_raw_parts(s, BLOCK) };
+                place(d, block, &mut scratch)
+            })
+            .collect()
+    };
+    let fresh = placements
+        .iter()
+        .filter(|p| matches!(p, Placement::New(..)))
+        .count();
+    let alloc = |o: u32, s: u32| pool.alloc_owned(o, s);
+    if fresh > 0 {
+        match d.take_blocks(fresh, &alloc) {
+            Ok(pbas) => {
+                let mut it = pbas.into_iter();
+                for p in placements.iter_mut() {
+                    if let Placement::New(pba, _) = p {
+                        *pba = it.next().expect("one per new block");
+                    }
+                }
+            }
+            Err(e) => {
+                d.unshare(&placements);
+                return io.complete(tag, e);
+            }
+        }
+    }
+    d.counters
+        .new_blocks
+        .fetch_add(fresh as u64, std::sync::atomic::Ordering::Relaxed);
+    if fresh == 0 {
+        let r = match d.publish(layer, first, &placements, &alloc) {
+            Ok(()) => 0,
+            Err(e) => {
+                d.unshare(&placements);
+                e
+            }
+        };
+        return io.complete(tag, r);
+    }
+    // Runs of new blocks: consecutive store blocks (one store unit) from consecutive
+    // source bytes become one write.
+    let mut runs: Vec<(u64, u64, *const u8)> = Vec::new();
+    {
+        let st = d.lock();
+        for (i, p) in placements.iter().enumerate() {
+            let Placement::New(pba, _) = *p else { continue };
+            let po = d.pba_offset(&st, pba);
+            let src = sources[i];
+            match runs.last_mut() {
+                Some(r)
+                    if r.0 + r.1 == po
+                        && r.2.wrapping_add(usize_of(r.1)) == src
+                        && pba % crate::dedup::store::BLOCKS_PER_UNIT != 0 =>
+                {
+                    r.1 += DBLOCK
+                }
+                _ => runs.push((po, DBLOCK, src)),
+            }
+        }
+    }
+    let slot = {
+        let w = PendingWrite {
+            dedup: d.clone(),
+            pool: pool.clone(),
+            layer,
+            first,
+            placements,
+            _edges: edges,
+        };
+        let mut slots = engine.slots.borrow_mut();
+        match engine.free.borrow_mut().pop() {
+            Some(i) => {
+                slots[i as usize] = Some(w);
+                i
+            }
+            None => {
+                slots.push(Some(w));
+                u32_of(slots.len() - 1)
+            }
+        }
+    };
+    let t = io.tracked(tag, u32_of(runs.len()), engine.hook.get(), u64::from(slot));
+    for (po, n, src) in runs {
+        // SAFETY: the bytes are the submitter's (alive until `tag` completes, which waits
+        // for `t`) or an edge block the pending write holds until then.
+        unsafe {
+            h.layout.submit(
+                io,
+                IoOp::Write {
+                    offset: po,
+                    len: u32_of(n),
+                    buf: src,
+                },
+                t,
+            )
+        };
+    }
+}
+
+/// Write-zeroes: whole blocks become holes; partial edge blocks are merged and stored
+/// like any write (synchronously: rare, and never on a parity layout).
+fn zero_range(d: &DedupCore, pool: &Arc<PoolCore>, layer: u32, offset: u64, len: u64) -> i32 {
+    let first_full = offset.div_ceil(DBLOCK);
+    let end_full = (offset + len) / DBLOCK;
+    if end_full > first_full {
+        d.clear(layer, first_full, end_full - first_full);
+    }
+    let (fb, lb) = (offset / DBLOCK, (offset + len - 1) / DBLOCK);
+    let partial = |b: u64| b * DBLOCK < offset || (b + 1) * DBLOCK > offset + len;
+    let mut edges = Vec::new();
+    if partial(fb) {
+        edges.push(fb);
+    }
+    if lb != fb && partial(lb) {
+        edges.push(lb);
+    }
+    let mut block = AlignedBuf::zeroed(BLOCK);
+    let mut scratch = AlignedBuf::zeroed(BLOCK);
+    let alloc = |o: u32, s: u32| pool.alloc_owned(o, s);
+    for b in edges {
+        let start = b * DBLOCK;
+        let m = &mut block.as_mut_slice()[..BLOCK];
+        if let Err(e) = read_block(d, layer, b, m) {
+            return e;
+        }
+        let lo = offset.max(start);
+        let hi = (offset + len).min(start + DBLOCK);
+        m[usize_of(lo - start)..usize_of(hi - start)].fill(0);
+        let mut pl = place(d, m, &mut scratch);
+        if let Placement::New(pba, _) = &mut pl {
+            match d.take_blocks(1, &alloc) {
+                Ok(v) => *pba = v[0],
+                Err(e) => return e,
+            }
+            let po = {
+                let st = d.lock();
+                d.pba_offset(&st, *pba)
+            };
+            if let Err(e) = d.layout.write_at(po, m) {
+                d.untake(&[*pba]);
+                return -e.raw_os_error().unwrap_or(libc::EIO);
+            }
+            d.counters
+                .new_blocks
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if let Err(e) = d.publish(layer, b, &[pl], &alloc) {
+            if let Placement::New(pba, _) = pl {
+                d.untake(&[pba]);
+            }
+            d.unshare(&[pl]);
+            return e;
+        }
+    }
+    0
+}

@@ -1,0 +1,377 @@
+//! Dedup pools (issue 25, docs/format.md §17), driven in process: identical blocks of
+//! several volumes are stored once and read back; overwrites, TRIM and deletes drop
+//! references and give a block back exactly when its last reference goes; maps, counts
+//! and index survive a reopen; power loss during writes, overwrites, trims and deletes
+//! loses no flushed block and leaks no reference.
+
+#![allow(clippy::cast_possible_truncation)]
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use common::*;
+use tessera_device::BlockDevice;
+use tessera_io::IoOp;
+use tessera_pool::{LayoutKind, Pool, PoolOptions};
+
+const BLK: u64 = 4096;
+const MIB: u64 = 1 << 20;
+
+fn dedup_opts(layout: LayoutKind) -> PoolOptions {
+    PoolOptions {
+        layout,
+        dedup: true,
+        ..PoolOptions::default()
+    }
+}
+
+fn ram_pool(layout: LayoutKind, ndev: usize) -> (Pool, Vec<Arc<tessera_device::RamDevice>>) {
+    let ram = ram_devices(ndev, 64 * MIB);
+    let devs: Vec<Arc<dyn BlockDevice>> = ram
+        .iter()
+        .map(|d| d.clone() as Arc<dyn BlockDevice>)
+        .collect();
+    (Pool::create("p", devs, dedup_opts(layout)).unwrap(), ram)
+}
+
+fn reopen(ram: &[Arc<tessera_device::RamDevice>]) -> Pool {
+    Pool::open(
+        ram.iter()
+            .map(|d| d.clone() as Arc<dyn BlockDevice>)
+            .collect(),
+    )
+    .unwrap()
+}
+
+fn trim(io: &mut tessera_io::CoreIo, h: &mut dyn tessera_io::IoHandle, offset: u64, len: u64) {
+    assert_eq!(run(io, h, IoOp::Discard { offset, len }), 0);
+}
+
+#[test]
+fn identical_blocks_of_several_volumes_are_stored_once_and_read_back() {
+    let (pool, _ram) = ram_pool(LayoutKind::Raid0 { stripe: 65536 }, 2);
+    let shared = pattern(11, MIB as usize);
+    let mut io = core();
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        let v = pool.create_volume(name, 8 * MIB).unwrap();
+        assert!(v.block_mapped());
+        let mut h = v.open_handle();
+        // The same MiB at a different place in each, and one block of its own.
+        assert_eq!(write(&mut io, &mut h, i as u64 * MIB, &shared), 0);
+        assert_eq!(
+            write(
+                &mut io,
+                &mut h,
+                7 * MIB,
+                &pattern(100 + i as u64, BLK as usize)
+            ),
+            0
+        );
+    }
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        let v = pool.volume(name).unwrap();
+        let mut h = v.open_handle();
+        assert!(read(&mut io, &mut h, i as u64 * MIB, MIB as usize).unwrap() == shared);
+        assert_eq!(
+            read(&mut io, &mut h, 7 * MIB, BLK as usize).unwrap(),
+            pattern(100 + i as u64, BLK as usize)
+        );
+        // Never written: zeros, and a hole for block status.
+        assert!(is_zero(&read(&mut io, &mut h, 5 * MIB, 64 << 10).unwrap()));
+        assert_eq!(v.allocated_bytes(), MIB + BLK);
+        assert_eq!(
+            v.allocation_runs(7 * MIB - BLK, 2 * BLK, 8),
+            vec![(BLK, false), (BLK, true)]
+        );
+    }
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!(st.logical_bytes, 3 * (MIB + BLK));
+    assert_eq!(
+        st.physical_bytes,
+        MIB + 3 * BLK,
+        "the shared MiB is stored once"
+    );
+    assert_eq!(st.hits, 2 * 256);
+    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
+    assert!(
+        pool.verify_chains().is_empty(),
+        "{:?}",
+        pool.verify_chains()
+    );
+}
+
+#[test]
+fn an_overwrite_in_one_volume_leaves_the_others_unchanged() {
+    let (pool, _ram) = ram_pool(LayoutKind::Concat, 1);
+    let data = pattern(5, 256 << 10);
+    let mut io = core();
+    let a = pool.create_volume("a", 4 * MIB).unwrap();
+    let b = pool.create_volume("b", 4 * MIB).unwrap();
+    let (mut ha, mut hb) = (a.open_handle(), b.open_handle());
+    assert_eq!(write(&mut io, &mut ha, 0, &data), 0);
+    assert_eq!(write(&mut io, &mut hb, 0, &data), 0);
+    // A whole block, and 512 bytes inside another (merged with the stored block).
+    let new = pattern(6, BLK as usize);
+    assert_eq!(write(&mut io, &mut ha, 3 * BLK, &new), 0);
+    assert_eq!(write(&mut io, &mut ha, 9 * BLK + 512, &new[..512]), 0);
+    let mut want_a = data.clone();
+    want_a[3 * BLK as usize..4 * BLK as usize].copy_from_slice(&new);
+    want_a[9 * BLK as usize + 512..9 * BLK as usize + 1024].copy_from_slice(&new[..512]);
+    assert!(read(&mut io, &mut ha, 0, data.len()).unwrap() == want_a);
+    assert!(read(&mut io, &mut hb, 0, data.len()).unwrap() == data);
+    // A write of zeros is a hole, and drops its reference.
+    assert_eq!(write(&mut io, &mut hb, 0, &vec![0u8; BLK as usize]), 0);
+    assert!(is_zero(&read(&mut io, &mut hb, 0, BLK as usize).unwrap()));
+    assert!(read(&mut io, &mut ha, 0, BLK as usize).unwrap() == data[..BLK as usize]);
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!(
+        st.physical_bytes,
+        66 * BLK,
+        "64 shared blocks and a's two new ones"
+    );
+    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
+}
+
+#[test]
+fn trim_and_delete_give_blocks_back_exactly_when_the_last_reference_goes() {
+    let (pool, _ram) = ram_pool(LayoutKind::Raid1 { copies: 2 }, 2);
+    let data = pattern(9, MIB as usize);
+    let mut io = core();
+    let a = pool.create_volume("a", 4 * MIB).unwrap();
+    let b = pool.create_volume("b", 4 * MIB).unwrap();
+    {
+        let (mut ha, mut hb) = (a.open_handle(), b.open_handle());
+        assert_eq!(write(&mut io, &mut ha, 0, &data), 0);
+        assert_eq!(write(&mut io, &mut hb, MIB, &data), 0);
+        trim(&mut io, &mut ha, 0, MIB);
+        assert!(is_zero(&read(&mut io, &mut ha, 0, MIB as usize).unwrap()));
+        assert!(read(&mut io, &mut hb, MIB, MIB as usize).unwrap() == data);
+    }
+    pool.commit().unwrap();
+    assert_eq!(
+        pool.dedup_stats().unwrap().physical_bytes,
+        MIB,
+        "b still references the blocks"
+    );
+    let store = pool.dedup_stats().unwrap().store_bytes;
+    pool.delete_volume(&b).unwrap();
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!((st.physical_bytes, st.logical_bytes), (0, 0));
+    // The freed blocks are used again: new data takes no new store unit.
+    let mut ha = a.open_handle();
+    assert_eq!(
+        write(&mut io, &mut ha, 2 * MIB, &pattern(10, MIB as usize)),
+        0
+    );
+    assert_eq!(pool.dedup_stats().unwrap().store_bytes, store);
+    assert!(read(&mut io, &mut ha, 2 * MIB, MIB as usize).unwrap() == pattern(10, MIB as usize));
+    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
+    assert!(
+        pool.verify_chains().is_empty(),
+        "{:?}",
+        pool.verify_chains()
+    );
+}
+
+#[test]
+fn maps_counts_and_index_survive_a_reopen() {
+    let (pool, ram) = ram_pool(LayoutKind::Concat, 1);
+    let data = pattern(21, 512 << 10);
+    let mut io = core();
+    {
+        let v = pool.create_volume("v", 4 * MIB).unwrap();
+        let mut h = v.open_handle();
+        assert_eq!(write(&mut io, &mut h, 0, &data), 0);
+        assert_eq!(write(&mut io, &mut h, 2 * MIB, &data), 0);
+    }
+    let before = pool.dedup_stats().unwrap();
+    pool.shutdown().unwrap();
+    drop(pool);
+    let pool = reopen(&ram);
+    assert!(pool.dedup_enabled());
+    let after = pool.dedup_stats().unwrap();
+    assert_eq!(
+        (
+            after.logical_bytes,
+            after.physical_bytes,
+            after.index_entries
+        ),
+        (before.logical_bytes, before.physical_bytes, 128)
+    );
+    let v = pool.volume("v").unwrap();
+    let mut h = v.open_handle();
+    assert!(read(&mut io, &mut h, 0, data.len()).unwrap() == data);
+    assert!(read(&mut io, &mut h, 2 * MIB, data.len()).unwrap() == data);
+    // The index was reloaded: the same data in a new volume is found, not stored.
+    let w = pool.create_volume("w", 4 * MIB).unwrap();
+    let mut hw = w.open_handle();
+    assert_eq!(write(&mut io, &mut hw, 0, &data), 0);
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!(st.physical_bytes, before.physical_bytes);
+    assert_eq!(st.hits, 128);
+    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
+}
+
+#[test]
+fn what_dedup_does_not_do_yet_is_refused_clearly() {
+    let ram = ram_devices(3, 64 * MIB);
+    let devs: Vec<Arc<dyn BlockDevice>> = ram
+        .iter()
+        .map(|d| d.clone() as Arc<dyn BlockDevice>)
+        .collect();
+    let e = Pool::create("p", devs, dedup_opts(LayoutKind::Raid5 { stripe: 65536 }))
+        .err()
+        .expect("parity refused");
+    assert!(e.to_string().contains("parity"), "{e}");
+    let (pool, _ram) = ram_pool(LayoutKind::Concat, 1);
+    let v = pool.create_volume("v", 4 * MIB).unwrap();
+    let e = pool
+        .create_snapshot(&v, "s")
+        .err()
+        .expect("snapshot refused");
+    assert!(e.to_string().contains("dedup"), "{e}");
+}
+
+/// One step of the crash workload's contents: a few distinct blocks, so that most
+/// writes share.
+fn content(rng: &mut Rng) -> Vec<u8> {
+    match rng.next() % 8 {
+        0 => vec![0u8; BLK as usize],
+        k => pattern(k, BLK as usize),
+    }
+}
+
+type Durable = HashMap<(usize, u64), Option<Vec<u8>>>;
+
+/// Writes (mostly duplicates), overwrites, trims, a delete and re-create of the second
+/// volume, and flushes; `durable` learns what a crash must keep.
+fn workload(pool: &Pool, rng: &mut Rng, steps: usize, durable: &mut Durable) {
+    let mut io = core();
+    let mut pending: Durable = HashMap::new();
+    let blocks = 2 * MIB / BLK;
+    for _ in 0..steps {
+        let vi = (rng.next() % 2) as usize;
+        let name = ["x", "y"][vi];
+        let Some(v) = pool.volume(name) else {
+            pool.create_volume(name, 2 * MIB).unwrap();
+            pool.commit().unwrap();
+            for b in 0..blocks {
+                durable.insert((vi, b), Some(vec![0u8; BLK as usize]));
+                pending.remove(&(vi, b));
+            }
+            continue;
+        };
+        let mut h = v.open_handle();
+        match rng.next() % 20 {
+            0..=13 => {
+                let b = rng.next() % (blocks - 3);
+                let n = 1 + rng.next() % 3;
+                let mut data = Vec::new();
+                for _ in 0..n {
+                    data.extend(content(rng));
+                }
+                assert_eq!(write(&mut io, &mut h, b * BLK, &data), 0);
+                for i in 0..n {
+                    let s = (i * BLK) as usize;
+                    pending.insert((vi, b + i), Some(data[s..s + BLK as usize].to_vec()));
+                }
+            }
+            14..=15 => {
+                let b = rng.next() % (blocks - 8);
+                trim(&mut io, &mut h, b * BLK, 8 * BLK);
+                for i in 0..8 {
+                    pending.insert((vi, b + i), Some(vec![0u8; BLK as usize]));
+                }
+            }
+            16 if vi == 1 => {
+                drop(h);
+                pool.delete_volume(&v).unwrap();
+                // A delete checkpoints: durable at once, with everything before it.
+                for (k, val) in pending.drain() {
+                    durable.insert(k, val);
+                }
+                durable.retain(|k, _| k.0 != 1);
+            }
+            _ => {
+                assert_eq!(flush(&mut io, &mut h), 0);
+                for (k, val) in pending.drain() {
+                    durable.insert(k, val);
+                }
+            }
+        }
+    }
+    for (k, _) in pending.drain() {
+        durable.insert(k, None);
+    }
+}
+
+fn verify(pool: &Pool, durable: &Durable, what: &str) {
+    let mut io = core();
+    for (vi, name) in ["x", "y"].iter().enumerate() {
+        let Some(v) = pool.volume(name) else {
+            assert!(
+                durable.keys().all(|k| k.0 != vi),
+                "{what}: volume {name} lost"
+            );
+            continue;
+        };
+        let mut h = v.open_handle();
+        for b in 0..v.size() / BLK {
+            let got = read(&mut io, &mut h, b * BLK, BLK as usize).unwrap();
+            match durable.get(&(vi, b)) {
+                Some(Some(want)) => {
+                    assert!(&got == want, "{what}: flushed block {b} of {name} lost")
+                }
+                Some(None) => {}
+                None => assert!(
+                    is_zero(&got),
+                    "{what}: never-written block {b} of {name} not zero"
+                ),
+            }
+        }
+    }
+    let problems = pool.verify_dedup();
+    assert!(problems.is_empty(), "{what}: {problems:?}");
+    let problems = pool.verify_chains();
+    assert!(problems.is_empty(), "{what}: {problems:?}");
+}
+
+#[test]
+fn power_loss_during_dedup_writes_trims_and_deletes_loses_nothing_flushed_and_leaks_nothing() {
+    for seed in 1..=10u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let devs: Vec<Arc<CrashDevice>> = (0..2).map(|_| CrashDevice::new(24 * MIB)).collect();
+        let as_block = |d: &[Arc<CrashDevice>]| -> Vec<Arc<dyn BlockDevice>> {
+            d.iter()
+                .map(|d| d.clone() as Arc<dyn BlockDevice>)
+                .collect()
+        };
+        let layout = if seed % 2 == 0 {
+            LayoutKind::Raid1 { copies: 2 }
+        } else {
+            LayoutKind::Raid0 { stripe: 65536 }
+        };
+        let pool = Pool::create("p", as_block(&devs), dedup_opts(layout)).unwrap();
+        pool.create_volume("x", 2 * MIB).unwrap();
+        pool.create_volume("y", 2 * MIB).unwrap();
+        let mut durable = Durable::new();
+        workload(&pool, &mut rng, 300, &mut durable);
+        let images: Vec<Vec<u8>> = devs.iter().map(|d| d.crash_image(rng.next())).collect();
+        drop(pool);
+        let devs2: Vec<Arc<CrashDevice>> =
+            images.into_iter().map(CrashDevice::from_image).collect();
+        let pool2 = Pool::open(as_block(&devs2)).unwrap_or_else(|e| {
+            panic!("seed {seed}: dedup pool does not open after a power loss: {e}")
+        });
+        verify(&pool2, &durable, &format!("seed {seed}, first crash"));
+        workload(&pool2, &mut rng, 200, &mut durable);
+        let images: Vec<Vec<u8>> = devs2.iter().map(|d| d.crash_image(rng.next())).collect();
+        drop(pool2);
+        let devs3: Vec<Arc<CrashDevice>> =
+            images.into_iter().map(CrashDevice::from_image).collect();
+        let pool3 = Pool::open(as_block(&devs3)).unwrap();
+        verify(&pool3, &durable, &format!("seed {seed}, second crash"));
+    }
+}
