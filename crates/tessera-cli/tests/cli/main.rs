@@ -13,6 +13,7 @@ mod cli_consistency;
 mod cluster;
 mod common;
 mod crash_kill9;
+mod dedup;
 mod etcd_tls;
 mod exclusive_ownership;
 mod failover;

@@ -93,6 +93,9 @@ pub(crate) struct State {
     layers: HashMap<u32, LayerMap>,
     /// Index entries not on the device yet (the commit thread writes them).
     pending_index: HashMap<u128, u64>,
+    /// Fingerprints of new blocks being written (taken, not yet published): a write of
+    /// the same bytes waits for them to be published, then shares them.
+    in_flight: HashMap<u128, u64>,
     /// Store blocks referenced.
     used: u64,
 }
@@ -359,6 +362,7 @@ impl DedupCore {
             pending_free: Vec::new(),
             layers,
             pending_index: HashMap::new(),
+            in_flight: HashMap::new(),
             used: 0,
         };
         // The counts are checked against the maps: a crash can leave neither more nor
@@ -518,6 +522,32 @@ impl DedupCore {
         }
     }
 
+    /// Whether a block with fingerprint `fp` is being written as a new block now.
+    pub(crate) fn writing(&self, fp: u128) -> bool {
+        self.lock().in_flight.contains_key(&fp)
+    }
+
+    /// Note the new blocks of a write in flight (`placements` with their PBAs).
+    pub(crate) fn begin_new(&self, placements: &[Placement]) {
+        let mut st = self.lock();
+        for p in placements {
+            if let Placement::New(pba, fp) = *p {
+                st.in_flight.entry(fp).or_insert(pba);
+            }
+        }
+    }
+
+    /// The new blocks of a write are published or given back.
+    fn end_new(st: &mut State, placements: &[Placement]) {
+        for p in placements {
+            if let Placement::New(pba, fp) = *p {
+                if st.in_flight.get(&fp) == Some(&pba) {
+                    st.in_flight.remove(&fp);
+                }
+            }
+        }
+    }
+
     /// A store block that holds exactly `block`, with one more reference taken for the
     /// caller, when the index knows one. The bytes of each candidate are compared (the
     /// index is only a hint); runs on the caller's thread (sync reads).
@@ -547,7 +577,6 @@ impl DedupCore {
             }
             if buf == block {
                 Self::reference(&mut st, pba);
-                self.counters.hits.fetch_add(1, Relaxed);
                 return Some(pba);
             }
             self.counters.compare_mismatches.fetch_add(1, Relaxed);
@@ -592,10 +621,15 @@ impl DedupCore {
         Ok(out)
     }
 
-    /// Give back blocks taken for a write that failed: they were never published.
-    pub(crate) fn untake(&self, blocks: &[u64]) {
+    /// Give back the new blocks of a write that failed: they were never published.
+    pub(crate) fn untake(&self, placements: &[Placement]) {
         let mut st = self.lock();
-        st.free.extend(blocks.iter().rev());
+        Self::end_new(&mut st, placements);
+        for p in placements.iter().rev() {
+            if let Placement::New(pba, _) = *p {
+                st.free.push(pba);
+            }
+        }
     }
 
     /// Make sure `layer` has the map unit that holds volume unit `vunit`'s page and the
@@ -631,6 +665,7 @@ impl DedupCore {
         alloc_unit: &dyn Fn(u32, u32) -> Result<u32, i32>,
     ) -> Result<(), i32> {
         let mut st = self.lock();
+        Self::end_new(&mut st, placements);
         // Units first, so that a failure changes nothing.
         let mut last = None;
         for i in 0..placements.len() as u64 {

@@ -9,19 +9,26 @@
 //! any core sees either the old block or the whole new one, never a half-written one.
 //! Sub-block edges are read, merged and written whole.
 //!
+//! A write of a block whose bytes a write in flight is storing as a new block (a client
+//! that writes the same data twice in quick succession, as fio's `dedupe_percentage`
+//! does) waits for that one to be published and then shares it: it is deferred to the
+//! core's next round, for at most `MAX_WAITS` rounds.
+//!
 //! Index buckets and compared blocks are read synchronously on the reactor: dedup pools
 //! have no parity (whose row locks, held by this core's writes, such a read could wait
 //! for) and no cache tier (which the synchronous reads would not see).
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Weak};
 
 use tessera_io::cast::{u32_of, usize_of};
 use tessera_io::{AlignedBuf, Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use super::VolumeHandle;
-use crate::dedup::store::{is_zero, DedupCore, Placement, DBLOCK};
+use crate::cache_tier::TierHandle;
+use crate::dedup::store::{is_zero, DedupCore, Placement, BLOCKS_PER_UNIT, DBLOCK};
 use crate::dedup::Fingerprint;
 use crate::format::BLOCK;
 use crate::pool::PoolCore;
@@ -37,13 +44,52 @@ struct PendingWrite {
     _edges: Vec<AlignedBuf>,
 }
 
-/// The dedup write engine of one pool on one core (in the core's `locals`).
+/// A write deferred because a block of it is being stored by another write.
+struct Waiting {
+    dedup: Arc<DedupCore>,
+    pool: Arc<PoolCore>,
+    layer: u32,
+    offset: u64,
+    len: u64,
+    /// The client's bytes (alive until `tag` completes).
+    buf: *const u8,
+    tag: Tag,
+    rounds: u32,
+}
+
+/// Rounds a write waits for an identical block in flight before storing its own copy.
+const MAX_WAITS: u32 = 100_000;
+/// Hook contexts of deferred writes carry this bit; those of pending writes do not.
+const WAIT_CTX: u64 = 1 << 63;
+
+/// The dedup write engine of one pool on one core (in the core's `locals`). Borrows of
+/// its cells are never held across a submission or a completion.
 pub(crate) struct DedupWrites {
     hook: Cell<u32>,
     slots: RefCell<Vec<Option<PendingWrite>>>,
     free: RefCell<Vec<u32>>,
+    waiting: RefCell<Vec<Option<Waiting>>>,
+    waiting_free: RefCell<Vec<u32>>,
+    /// Layout handles for retried writes (one per nesting level in use: a layout may
+    /// complete synchronously, into a hook that retries another write).
+    layouts: RefCell<Vec<TierHandle>>,
     /// A block for comparisons with stored blocks.
     scratch: RefCell<AlignedBuf>,
+}
+
+/// Put `v` in a free slot of `slab`; its index.
+fn slab_put<T>(slab: &RefCell<Vec<Option<T>>>, free: &RefCell<Vec<u32>>, v: T) -> u32 {
+    let mut slots = slab.borrow_mut();
+    match free.borrow_mut().pop() {
+        Some(i) => {
+            slots[i as usize] = Some(v);
+            i
+        }
+        None => {
+            slots.push(Some(v));
+            u32_of(slots.len() - 1)
+        }
+    }
 }
 
 fn engine_for(io: &mut CoreIo, pool: &Arc<PoolCore>) -> Rc<DedupWrites> {
@@ -61,6 +107,9 @@ fn engine_for(io: &mut CoreIo, pool: &Arc<PoolCore>) -> Rc<DedupWrites> {
         hook: Cell::new(0),
         slots: RefCell::new(Vec::new()),
         free: RefCell::new(Vec::new()),
+        waiting: RefCell::new(Vec::new()),
+        waiting_free: RefCell::new(Vec::new()),
+        layouts: RefCell::new(Vec::new()),
         scratch: RefCell::new(AlignedBuf::zeroed(BLOCK)),
     });
     let id = io.register_hook(e.clone());
@@ -68,8 +117,12 @@ fn engine_for(io: &mut CoreIo, pool: &Arc<PoolCore>) -> Rc<DedupWrites> {
     let old = io
         .locals
         .insert(key, Box::new((e.clone(), Arc::downgrade(pool))));
-    // An engine of a pool that is gone (its address reused): its hook goes.
+    // An engine of a pool that is gone (its address reused): its hook goes, and its
+    // layout handles with it.
     if let Some(old) = old.and_then(|b| b.downcast::<(Rc<DedupWrites>, Weak<PoolCore>)>().ok()) {
+        if let Ok(mut l) = old.0.layouts.try_borrow_mut() {
+            l.clear();
+        }
         io.release_hook(old.0.hook.get());
     }
     e
@@ -81,6 +134,30 @@ impl Continuation for DedupWrites {
     }
 
     fn on_done(&self, io: &mut CoreIo, parent: Tag, _op: IoOp, ctx: u64, res: i32) {
+        if ctx & WAIT_CTX != 0 {
+            let i = ctx & !WAIT_CTX;
+            let w = self.waiting.borrow_mut()[usize_of(i)]
+                .take()
+                .expect("a deferred write is retried once");
+            self.waiting_free.borrow_mut().push(u32_of(i));
+            let taken = self.layouts.borrow_mut().pop();
+            let mut layout =
+                taken.unwrap_or_else(|| TierHandle::new(&w.pool.layout, &w.pool.cache));
+            // SAFETY: the client's buffer stays valid until `w.tag` completes.
+            unsafe {
+                write_dedup(
+                    io,
+                    &w.dedup,
+                    &w.pool,
+                    &mut layout,
+                    (w.layer, w.offset, w.len, w.buf),
+                    w.tag,
+                    w.rounds + 1,
+                )
+            };
+            self.layouts.borrow_mut().push(layout);
+            return;
+        }
         let w = self.slots.borrow_mut()[usize_of(ctx)]
             .take()
             .expect("a pending write completes once");
@@ -100,15 +177,7 @@ fn finish(w: &PendingWrite, res: i32) -> i32 {
             Err(e) => e,
         }
     };
-    let new: Vec<u64> = w
-        .placements
-        .iter()
-        .filter_map(|p| match *p {
-            Placement::New(pba, _) => Some(pba),
-            _ => None,
-        })
-        .collect();
-    w.dedup.untake(&new);
+    w.dedup.untake(&w.placements);
     w.dedup.unshare(&w.placements);
     res
 }
@@ -135,7 +204,17 @@ impl VolumeHandle {
             IoOp::Write { offset, len, buf } => {
                 let pool = self.vol.pool.clone();
                 // SAFETY: as above.
-                unsafe { write_dedup(self, io, d, &pool, layer, offset, u64::from(len), buf, tag) }
+                unsafe {
+                    write_dedup(
+                        io,
+                        d,
+                        &pool,
+                        &mut self.layout,
+                        (layer, offset, u64::from(len), buf),
+                        tag,
+                        0,
+                    )
+                }
             }
             IoOp::Discard { offset, len } => {
                 // Whole blocks only: a discard is a hint.
@@ -239,32 +318,35 @@ fn read_block(d: &DedupCore, layer: u32, vblock: u64, out: &mut [u8]) -> Result<
     }
 }
 
-/// How to store one whole block: a hole, a shared block, or a new one (PBA taken later).
-fn place(d: &DedupCore, block: &[u8], scratch: &mut AlignedBuf) -> Placement {
+/// How to store one whole block: a hole, a shared block, or a new one (PBA taken later);
+/// `None` when `wait` and the same bytes are being stored by a write in flight.
+fn place(d: &DedupCore, block: &[u8], scratch: &mut AlignedBuf, wait: bool) -> Option<Placement> {
     if is_zero(block) {
-        d.counters
-            .zero_blocks
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        return Placement::Zero;
+        return Some(Placement::Zero);
     }
     let fp = Fingerprint::of(block);
-    match d.share(fp, block, scratch) {
+    if wait && d.writing(fp.0) {
+        return None;
+    }
+    Some(match d.share(fp, block, scratch) {
         Some(pba) => Placement::Shared(pba),
         None => Placement::New(u64::MAX, fp.0),
-    }
+    })
 }
 
-#[allow(clippy::too_many_arguments)]
+/// A write of `len` bytes at `offset` of `layer` from `buf`, through `layout`; `rounds`:
+/// how often it has waited for an identical block in flight so far.
+///
+/// # Safety
+/// `buf` holds `len` bytes that stay valid and unchanged until `tag` completes.
 unsafe fn write_dedup(
-    h: &mut VolumeHandle,
     io: &mut CoreIo,
     d: &Arc<DedupCore>,
     pool: &Arc<PoolCore>,
-    layer: u32,
-    offset: u64,
-    len: u64,
-    buf: *const u8,
+    layout: &mut TierHandle,
+    (layer, offset, len, buf): (u32, u64, u64, *const u8),
     tag: Tag,
+    rounds: u32,
 ) {
     let engine = engine_for(io, pool);
     let first = offset / DBLOCK;
@@ -293,42 +375,47 @@ unsafe fn write_dedup(
         sources.push(m.as_ptr());
         edges.push(m);
     }
-    let mut placements: Vec<Placement> = {
+    let mut placements: Vec<Placement> = Vec::with_capacity(sources.len());
+    {
         let mut scratch = engine.scratch.borrow_mut();
-        sources
-            .iter()
-            .map(|&s| {
-                // SAFETY: each source is a whole block, in the submitter's buffer or in
-                // `edges`, both alive for this call.
-                let block = unsafe { std::slice::from_raw_parts(s, BLOCK) };
-                place(d, block, &mut scratch)
-            })
-            .collect()
-    };
-    let fresh = placements
-        .iter()
-        .filter(|p| matches!(p, Placement::New(..)))
-        .count();
-    let alloc = |o: u32, s: u32| pool.alloc_owned(o, s);
-    if fresh > 0 {
-        match d.take_blocks(fresh, &alloc) {
-            Ok(pbas) => {
-                let mut it = pbas.into_iter();
-                for p in placements.iter_mut() {
-                    if let Placement::New(pba, _) = p {
-                        *pba = it.next().expect("one per new block");
-                    }
+        for &s in &sources {
+            // SAFETY: each source is a whole block, in the submitter's buffer or in
+            // `edges`, both alive for this call.
+            let block = unsafe { std::slice::from_raw_parts(s, BLOCK) };
+            match place(d, block, &mut scratch, rounds < MAX_WAITS) {
+                Some(p) => placements.push(p),
+                None => {
+                    // The same bytes are being stored: try again next round (the
+                    // references taken so far go back meanwhile).
+                    d.unshare(&placements);
+                    drop(scratch);
+                    let w = Waiting {
+                        dedup: d.clone(),
+                        pool: pool.clone(),
+                        layer,
+                        offset,
+                        len,
+                        buf,
+                        tag,
+                        rounds,
+                    };
+                    let i = slab_put(&engine.waiting, &engine.waiting_free, w);
+                    io.defer_hook(engine.hook.get(), WAIT_CTX | u64::from(i));
+                    return;
                 }
-            }
-            Err(e) => {
-                d.unshare(&placements);
-                return io.complete(tag, e);
             }
         }
     }
+    let count = |f: fn(&Placement) -> bool| placements.iter().filter(|p| f(p)).count() as u64;
+    let fresh = count(|p| matches!(p, Placement::New(..)));
     d.counters
-        .new_blocks
-        .fetch_add(fresh as u64, std::sync::atomic::Ordering::Relaxed);
+        .hits
+        .fetch_add(count(|p| matches!(p, Placement::Shared(_))), Relaxed);
+    d.counters
+        .zero_blocks
+        .fetch_add(count(|p| *p == Placement::Zero), Relaxed);
+    d.counters.new_blocks.fetch_add(fresh, Relaxed);
+    let alloc = |o: u32, s: u32| pool.alloc_owned(o, s);
     if fresh == 0 {
         let r = match d.publish(layer, first, &placements, &alloc) {
             Ok(()) => 0,
@@ -338,6 +425,21 @@ unsafe fn write_dedup(
             }
         };
         return io.complete(tag, r);
+    }
+    match d.take_blocks(usize_of(fresh), &alloc) {
+        Ok(pbas) => {
+            let mut it = pbas.into_iter();
+            for p in placements.iter_mut() {
+                if let Placement::New(pba, _) = p {
+                    *pba = it.next().expect("one per new block");
+                }
+            }
+            d.begin_new(&placements);
+        }
+        Err(e) => {
+            d.unshare(&placements);
+            return io.complete(tag, e);
+        }
     }
     // Runs of new blocks: consecutive store blocks (one store unit) from consecutive
     // source bytes become one write.
@@ -352,7 +454,7 @@ unsafe fn write_dedup(
                 Some(r)
                     if r.0 + r.1 == po
                         && r.2.wrapping_add(usize_of(r.1)) == src
-                        && pba % crate::dedup::store::BLOCKS_PER_UNIT != 0 =>
+                        && pba % BLOCKS_PER_UNIT != 0 =>
                 {
                     r.1 += DBLOCK
                 }
@@ -360,33 +462,21 @@ unsafe fn write_dedup(
             }
         }
     }
-    let slot = {
-        let w = PendingWrite {
-            dedup: d.clone(),
-            pool: pool.clone(),
-            layer,
-            first,
-            placements,
-            _edges: edges,
-        };
-        let mut slots = engine.slots.borrow_mut();
-        match engine.free.borrow_mut().pop() {
-            Some(i) => {
-                slots[i as usize] = Some(w);
-                i
-            }
-            None => {
-                slots.push(Some(w));
-                u32_of(slots.len() - 1)
-            }
-        }
+    let w = PendingWrite {
+        dedup: d.clone(),
+        pool: pool.clone(),
+        layer,
+        first,
+        placements,
+        _edges: edges,
     };
+    let slot = slab_put(&engine.slots, &engine.free, w);
     let t = io.tracked(tag, u32_of(runs.len()), engine.hook.get(), u64::from(slot));
     for (po, n, src) in runs {
         // SAFETY: the bytes are the submitter's (alive until `tag` completes, which waits
         // for `t`) or an edge block the pending write holds until then.
         unsafe {
-            h.layout.submit(
+            layout.submit(
                 io,
                 IoOp::Write {
                     offset: po,
@@ -428,7 +518,14 @@ fn zero_range(d: &DedupCore, pool: &Arc<PoolCore>, layer: u32, offset: u64, len:
         let lo = offset.max(start);
         let hi = (offset + len).min(start + DBLOCK);
         m[usize_of(lo - start)..usize_of(hi - start)].fill(0);
-        let mut pl = place(d, m, &mut scratch);
+        let mut pl =
+            place(d, m, &mut scratch, false).expect("a write that does not wait is placed");
+        let counter = match pl {
+            Placement::Shared(_) => &d.counters.hits,
+            Placement::Zero => &d.counters.zero_blocks,
+            Placement::New(..) => &d.counters.new_blocks,
+        };
+        counter.fetch_add(1, Relaxed);
         if let Placement::New(pba, _) = &mut pl {
             match d.take_blocks(1, &alloc) {
                 Ok(v) => *pba = v[0],
@@ -439,17 +536,12 @@ fn zero_range(d: &DedupCore, pool: &Arc<PoolCore>, layer: u32, offset: u64, len:
                 d.pba_offset(&st, *pba)
             };
             if let Err(e) = d.layout.write_at(po, m) {
-                d.untake(&[*pba]);
+                d.untake(&[Placement::New(*pba, 0)]);
                 return -e.raw_os_error().unwrap_or(libc::EIO);
             }
-            d.counters
-                .new_blocks
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         if let Err(e) = d.publish(layer, b, &[pl], &alloc) {
-            if let Placement::New(pba, _) = pl {
-                d.untake(&[pba]);
-            }
+            d.untake(&[pl]);
             d.unshare(&[pl]);
             return e;
         }

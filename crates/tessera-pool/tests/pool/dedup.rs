@@ -375,3 +375,42 @@ fn power_loss_during_dedup_writes_trims_and_deletes_loses_nothing_flushed_and_le
         verify(&pool3, &durable, &format!("seed {seed}, second crash"));
     }
 }
+
+#[test]
+fn a_block_written_twice_at_once_is_stored_once() {
+    // Device writes take 2 ms: the second write arrives while the first one's new block
+    // is still being written, and waits for it instead of storing a second copy.
+    let ram = ram_devices(1, 64 * MIB);
+    let (devs, cfgs) = wrap(&ram);
+    let pool = Pool::create("p", devs, dedup_opts(LayoutKind::Concat)).unwrap();
+    let v = pool.create_volume("v", 4 * MIB).unwrap();
+    cfgs[0].set("latency_us", "2000").unwrap();
+    let mut h = v.open_handle();
+    let mut io = core();
+    let data = pattern(31, BLK as usize);
+    let mut results = Vec::new();
+    for (i, at) in [0u64, 5 * BLK, 9 * BLK].iter().enumerate() {
+        // SAFETY: `data` outlives the completions drained below.
+        unsafe {
+            tessera_io::IoHandle::submit(
+                &mut h,
+                &mut io,
+                IoOp::Write {
+                    offset: *at,
+                    len: BLK as u32,
+                    buf: data.as_ptr(),
+                },
+                tessera_io::Tag::task(0, i as u32),
+            )
+        };
+    }
+    io.run_until_idle(|_, _, r| results.push(r));
+    assert_eq!(results, vec![0, 0, 0]);
+    cfgs[0].set("latency_us", "0").unwrap();
+    for at in [0u64, 5 * BLK, 9 * BLK] {
+        assert!(read(&mut io, &mut h, at, BLK as usize).unwrap() == data);
+    }
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!((st.physical_bytes, st.hits, st.new_blocks), (BLK, 2, 1), "{st:?}");
+    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
+}

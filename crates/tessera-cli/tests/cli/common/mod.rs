@@ -207,3 +207,37 @@ pub fn spawn_fio_randwrite(
         .spawn()
         .expect("start fio")
 }
+
+/// `nbdinfo --map URI` as `(offset, length, type)`, adjacent runs of one type merged.
+pub fn nbdinfo_map(uri: &str) -> Vec<(u64, u64, u32)> {
+    let text = run_ok(std::process::Command::new("nbdinfo").arg("--map").arg(uri));
+    let mut out: Vec<(u64, u64, u32)> = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        assert!(
+            f.len() >= 3,
+            "unparsable nbdinfo --map line {line:?} in:\n{text}"
+        );
+        let parse = |s: &str| {
+            s.parse::<u64>()
+                .unwrap_or_else(|_| panic!("bad number {s:?} in {line:?}"))
+        };
+        let (off, len, ty) = (parse(f[0]), parse(f[1]), parse(f[2]) as u32);
+        match out.last_mut() {
+            Some(last) if last.2 == ty && last.0 + last.1 == off => last.1 += len,
+            Some(last) => {
+                assert_eq!(
+                    last.0 + last.1,
+                    off,
+                    "gap or overlap in nbdinfo --map output:\n{text}"
+                );
+                out.push((off, len, ty));
+            }
+            None => {
+                assert_eq!(off, 0, "nbdinfo --map does not start at 0:\n{text}");
+                out.push((off, len, ty));
+            }
+        }
+    }
+    out
+}
