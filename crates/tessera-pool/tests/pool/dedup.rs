@@ -411,6 +411,10 @@ fn a_block_written_twice_at_once_is_stored_once() {
         assert!(read(&mut io, &mut h, at, BLK as usize).unwrap() == data);
     }
     let st = pool.dedup_stats().unwrap();
-    assert_eq!((st.physical_bytes, st.hits, st.new_blocks), (BLK, 2, 1), "{st:?}");
+    assert_eq!(
+        (st.physical_bytes, st.hits, st.new_blocks),
+        (BLK, 2, 1),
+        "{st:?}"
+    );
     assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
 }
