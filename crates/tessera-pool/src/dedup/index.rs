@@ -211,6 +211,35 @@ impl FingerprintIndex {
         Ok(())
     }
 
+    /// Record many entries: each bucket is read and written once for all of its new
+    /// entries (the commit thread's batches). Entries of the same block drop the older
+    /// ones of it in their bucket. Returns the first error; the entries of buckets not
+    /// written are lost, which only costs shares.
+    pub fn insert_batch(&self, mut new: Vec<(Fingerprint, u64)>) -> io::Result<()> {
+        new.sort_unstable_by_key(|e| e.0.bucket(self.buckets));
+        for group in new.chunk_by(|a, b| a.0.bucket(self.buckets) == b.0.bucket(self.buckets)) {
+            let b = group[0].0.bucket(self.buckets);
+            let mut shorts = self.shorts[slot(b)].locked();
+            let mut entries = self.read_bucket(b)?;
+            for &(fp, pba) in group {
+                if entries.contains(&(fp, pba)) {
+                    continue;
+                }
+                // A block's older contents (overwritten in place) are stale.
+                entries.retain(|e| e.1 != pba);
+                if entries.len() == PER_BUCKET {
+                    entries.remove(0);
+                    self.counters.dropped.fetch_add(1, Relaxed);
+                }
+                entries.push((fp, pba));
+                self.counters.inserts.fetch_add(1, Relaxed);
+            }
+            self.write_bucket(b, &entries)?;
+            *shorts = entries.iter().map(|e| e.0.short()).collect();
+        }
+        Ok(())
+    }
+
     /// Forget that `pba` holds `fp` (the block was freed). Whether there was such an entry.
     pub fn remove(&self, fp: Fingerprint, pba: u64) -> io::Result<bool> {
         let b = fp.bucket(self.buckets);

@@ -35,6 +35,10 @@ pub const MAP_UNIT: u32 = 0x8000_0000;
 pub const DBLOCK: u64 = BLOCK as u64;
 /// Blocks per store unit and per map page (dedup pools have 1 MiB units).
 pub const BLOCKS_PER_UNIT: u64 = MAP_ENTRIES as u64;
+/// Free store blocks below which a write asks for an early commit (when blocks freed
+/// since the last one wait for it): 64 MiB of writes.
+const REFILL_BELOW: usize = 16384;
+
 /// The one unit size dedup supports in this cut.
 pub const DEDUP_UNIT: u64 = BLOCKS_PER_UNIT * DBLOCK;
 
@@ -61,13 +65,35 @@ struct MapPage {
     slot: Slot,
 }
 
+/// Blocks per region of the gain detector (1 GiB).
+const GAIN_REGION_BLOCKS: u64 = 1 << 18;
+/// Lookups a region's verdict is based on.
+const GAIN_WINDOW: u32 = 4096;
+/// While a region skips, one write in this many is still looked up (to see a change).
+const GAIN_SAMPLE: u32 = 64;
+
+/// Whether dedup pays in one region of a layer: over each window of `GAIN_WINDOW`
+/// lookups, a region whose lookups found a stored block for under 1% of them skips
+/// fingerprinting for small random writes until a later window finds more (the seed's
+/// access-pattern detection: small random I/O where dedup is not gaining is not
+/// deduplicated).
+#[derive(Default)]
+struct Gain {
+    lookups: u32,
+    hits: u32,
+    skipping: bool,
+    writes: u32,
+}
+
 /// One block-mapped layer's map.
 #[derive(Default)]
 struct LayerMap {
     /// Map unit `k` → pool unit.
     units: BTreeMap<u32, u32>,
     /// Volume unit → its page (only pages ever written).
-    pages: BTreeMap<u32, MapPage>,
+    pages: HashMap<u32, MapPage, FpBuild>,
+    /// Per region of `GAIN_REGION_BLOCKS`, whether dedup is paying there.
+    gain: HashMap<u64, Gain, FpBuild>,
     dirty: BTreeSet<u32>,
     /// Entries that reference a store block.
     mapped: u64,
@@ -76,6 +102,54 @@ struct LayerMap {
 struct CountPage {
     counts: Box<[u32; COUNTS]>,
     slot: Slot,
+}
+
+/// Fingerprints are uniformly random and PBAs are dense: their own low bits hash them
+/// (the default SipHash cost more than the rest of a lookup).
+#[derive(Default)]
+pub(crate) struct FpHasher(u64);
+
+impl std::hash::Hasher for FpHasher {
+    fn finish(&self) -> u64 {
+        // Spread dense PBAs over the table's high bits too.
+        self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes.iter().take(8) {
+            self.0 = (self.0 << 8) | u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 = u64::try_from(v & u128::from(u64::MAX)).expect("masked to 64 bits");
+    }
+}
+
+type FpBuild = std::hash::BuildHasherDefault<FpHasher>;
+type FpMap<V> = HashMap<u128, V, FpBuild>;
+
+/// The fingerprint of a block written without one (the gain detector skipped it).
+pub(crate) const UNHASHED: u128 = 0;
+
+/// Record that `pba` now holds `fp` for the index (replacing its older pending entry).
+fn note_index(st: &mut State, fp: u128, pba: u64) {
+    if fp == UNHASHED {
+        // Its new bytes are not known: its pending entry (if any) is stale.
+        if let Some(old) = st.pending_by_pba.remove(&pba) {
+            if st.pending_index.get(&old) == Some(&pba) {
+                st.pending_index.remove(&old);
+            }
+        }
+        return;
+    }
+    if let Some(old) = st.pending_by_pba.insert(pba, fp) {
+        if old != fp && st.pending_index.get(&old) == Some(&pba) {
+            st.pending_index.remove(&old);
+        }
+    }
+    st.pending_index.insert(fp, pba);
 }
 
 pub(crate) struct State {
@@ -90,12 +164,19 @@ pub(crate) struct State {
     free: Vec<u64>,
     /// Blocks whose count reached zero since the last commit: free once it is durable.
     pending_free: Vec<u64>,
-    layers: HashMap<u32, LayerMap>,
-    /// Index entries not on the device yet (the commit thread writes them).
-    pending_index: HashMap<u128, u64>,
+    layers: HashMap<u32, LayerMap, FpBuild>,
+    /// Index entries not on the device yet (the commit thread writes them), and the
+    /// same by block: a block's newer contents replace its older pending entry, so this
+    /// never holds more entries than the store has blocks.
+    pending_index: FpMap<u64>,
+    pending_by_pba: HashMap<u64, u128, FpBuild>,
     /// Fingerprints of new blocks being written (taken, not yet published): a write of
     /// the same bytes waits for them to be published, then shares them.
-    in_flight: HashMap<u128, u64>,
+    in_flight: FpMap<u64>,
+    /// Blocks being overwritten in place (`Placement::InPlace`): never shared meanwhile.
+    overwriting: std::collections::HashSet<u64>,
+    /// A commit was asked for because free blocks ran low (cleared by the commit).
+    refill_asked: bool,
     /// Store blocks referenced.
     used: u64,
 }
@@ -106,6 +187,9 @@ pub(crate) struct Counters {
     pub hits: AtomicU64,
     pub new_blocks: AtomicU64,
     pub zero_blocks: AtomicU64,
+    /// Blocks written without a lookup: the gain detector found their region not
+    /// gaining from dedup.
+    pub skipped_blocks: AtomicU64,
     /// Candidates whose bytes differed (a fingerprint match that was not a duplicate, or
     /// a stale index entry).
     pub compare_mismatches: AtomicU64,
@@ -123,6 +207,9 @@ pub struct DedupStats {
     pub hits: u64,
     pub new_blocks: u64,
     pub zero_blocks: u64,
+    pub skipped_blocks: u64,
+    /// Regions (1 GiB of a volume) that skip fingerprinting now.
+    pub skipping_regions: u64,
     pub compare_mismatches: u64,
     pub index: super::IndexStats,
     pub index_entries: u64,
@@ -149,6 +236,9 @@ pub(crate) enum Placement {
     Shared(u64),
     /// Written to this newly taken PBA (count raised at publication).
     New(u64, u128),
+    /// Written over this PBA, which only this block referenced (no count changes):
+    /// a random overwrite of unshared data costs no new block and no metadata.
+    InPlace(u64, u128),
     /// All zeros: no block.
     Zero,
 }
@@ -318,7 +408,7 @@ impl DedupCore {
                 slot: Slot::None,
             });
         }
-        let mut layers = HashMap::new();
+        let mut layers: HashMap<u32, LayerMap, FpBuild> = HashMap::default();
         for (layer, map_units) in units.maps {
             let mut lm = LayerMap {
                 units: map_units.clone(),
@@ -361,8 +451,11 @@ impl DedupCore {
             free: Vec::new(),
             pending_free: Vec::new(),
             layers,
-            pending_index: HashMap::new(),
-            in_flight: HashMap::new(),
+            pending_index: FpMap::default(),
+            pending_by_pba: HashMap::default(),
+            in_flight: FpMap::default(),
+            overwriting: std::collections::HashSet::new(),
+            refill_asked: false,
             used: 0,
         };
         // The counts are checked against the maps: a crash can leave neither more nor
@@ -459,6 +552,12 @@ impl DedupCore {
             hits: c.hits.load(Relaxed),
             new_blocks: c.new_blocks.load(Relaxed),
             zero_blocks: c.zero_blocks.load(Relaxed),
+            skipped_blocks: c.skipped_blocks.load(Relaxed),
+            skipping_regions: st
+                .layers
+                .values()
+                .map(|l| l.gain.values().filter(|g| g.skipping).count() as u64)
+                .sum(),
             compare_mismatches: c.compare_mismatches.load(Relaxed),
             index: self.index.stats(),
             index_entries: self.index.entries(),
@@ -484,6 +583,47 @@ impl DedupCore {
             .get(&layer)
             .and_then(|l| l.pages.get(&vunit))
             .map_or(ABSENT, |p| p.entries[usize_of(vblock % BLOCKS_PER_UNIT)])
+    }
+
+    /// Whether a small random write at `vblock` of `layer` skips fingerprinting now (its
+    /// region is not gaining from dedup, and this write is not a sample).
+    pub(crate) fn skips(&self, layer: u32, vblock: u64) -> bool {
+        let mut st = self.lock();
+        let Some(lm) = st.layers.get_mut(&layer) else {
+            return false;
+        };
+        let g = lm.gain.entry(vblock / GAIN_REGION_BLOCKS).or_default();
+        if !g.skipping {
+            return false;
+        }
+        g.writes = g.writes.wrapping_add(1);
+        g.writes % GAIN_SAMPLE != 0
+    }
+
+    /// A write at `vblock` of `layer` looked `lookups` blocks up and shared `hits`.
+    pub(crate) fn note_gain(&self, layer: u32, vblock: u64, lookups: u32, hits: u32) {
+        if lookups == 0 {
+            return;
+        }
+        let mut st = self.lock();
+        let Some(lm) = st.layers.get_mut(&layer) else {
+            return;
+        };
+        let g = lm.gain.entry(vblock / GAIN_REGION_BLOCKS).or_default();
+        g.lookups += lookups;
+        g.hits += hits;
+        // A skipping region decides on its samples: as many as a window has writes
+        // sampled, so it comes back as fast as it went.
+        let window = if g.skipping {
+            GAIN_WINDOW / GAIN_SAMPLE
+        } else {
+            GAIN_WINDOW
+        };
+        if g.lookups >= window {
+            g.skipping = g.hits * 100 < g.lookups;
+            g.lookups = 0;
+            g.hits = 0;
+        }
     }
 
     /// Where block `vblock` of `layer` reads from: a pool offset, or `None` for zeros.
@@ -527,12 +667,39 @@ impl DedupCore {
         self.lock().in_flight.contains_key(&fp)
     }
 
+    /// Turn each new block of a write at `first..` of `layer` whose entry references a
+    /// block nothing else does into an overwrite of that block in place.
+    pub(crate) fn claim_in_place(&self, layer: u32, first: u64, placements: &mut [Placement]) {
+        let mut st = self.lock();
+        for (i, p) in placements.iter_mut().enumerate() {
+            let Placement::New(_, fp) = *p else { continue };
+            let Some(old) = pba_of(Self::entry(&st, layer, first + i as u64)) else {
+                continue;
+            };
+            if Self::count(&st, old) == 1 && st.overwriting.insert(old) {
+                *p = Placement::InPlace(old, fp);
+            }
+        }
+    }
+
+    /// Whether free blocks run low while freed ones wait for a commit: the caller asks
+    /// the commit thread for one (once until it ran).
+    pub(crate) fn wants_refill(&self) -> bool {
+        let mut st = self.lock();
+        let low = st.free.len() < REFILL_BELOW && !st.pending_free.is_empty();
+        let ask = low && !st.refill_asked;
+        st.refill_asked |= ask;
+        ask
+    }
+
     /// Note the new blocks of a write in flight (`placements` with their PBAs).
     pub(crate) fn begin_new(&self, placements: &[Placement]) {
         let mut st = self.lock();
         for p in placements {
             if let Placement::New(pba, fp) = *p {
-                st.in_flight.entry(fp).or_insert(pba);
+                if fp != UNHASHED {
+                    st.in_flight.entry(fp).or_insert(pba);
+                }
             }
         }
     }
@@ -540,10 +707,14 @@ impl DedupCore {
     /// The new blocks of a write are published or given back.
     fn end_new(st: &mut State, placements: &[Placement]) {
         for p in placements {
-            if let Placement::New(pba, fp) = *p {
-                if st.in_flight.get(&fp) == Some(&pba) {
+            match *p {
+                Placement::New(pba, fp) if st.in_flight.get(&fp) == Some(&pba) => {
                     st.in_flight.remove(&fp);
                 }
+                Placement::InPlace(pba, _) => {
+                    st.overwriting.remove(&pba);
+                }
+                _ => {}
             }
         }
     }
@@ -567,7 +738,10 @@ impl DedupCore {
             // cannot be freed (nor reused) meanwhile, and its bytes never change while
             // it is referenced.
             let mut st = self.lock();
-            if pba >= st.store_units.len() as u64 * BLOCKS_PER_UNIT || Self::count(&st, pba) == 0 {
+            if pba >= st.store_units.len() as u64 * BLOCKS_PER_UNIT
+                || Self::count(&st, pba) == 0
+                || st.overwriting.contains(&pba)
+            {
                 continue;
             }
             let at = self.pba_offset(&st, pba);
@@ -625,9 +799,15 @@ impl DedupCore {
     pub(crate) fn untake(&self, placements: &[Placement]) {
         let mut st = self.lock();
         Self::end_new(&mut st, placements);
+        // An overwrite in place that failed leaves its block as the device has it, like
+        // a failed write of a plain volume; its old index entry may be stale, which the
+        // byte comparison tolerates.
         for p in placements.iter().rev() {
+            // (A block not given its PBA yet has none to give back.)
             if let Placement::New(pba, _) = *p {
-                st.free.push(pba);
+                if pba != u64::MAX {
+                    st.free.push(pba);
+                }
             }
         }
     }
@@ -680,8 +860,16 @@ impl DedupCore {
                 Placement::Shared(pba) => pba + 2,
                 Placement::New(pba, fp) => {
                     Self::reference(&mut st, pba);
-                    st.pending_index.insert(fp, pba);
+                    note_index(&mut st, fp, pba);
                     pba + 2
+                }
+                Placement::InPlace(pba, fp) => {
+                    // Still this block's entry (a write published meanwhile may have
+                    // replaced it, and freed the block): then it now holds `fp`.
+                    if Self::entry(&st, layer, first + i as u64) == pba + 2 {
+                        note_index(&mut st, fp, pba);
+                    }
+                    continue;
                 }
                 Placement::Zero => ABSENT,
             };
@@ -735,7 +923,15 @@ impl DedupCore {
             return;
         };
         let vunits: Vec<u32> = match st.layers.get(&layer) {
-            Some(lm) => lm.pages.range(u0..=u1).map(|(&v, _)| v).collect(),
+            Some(lm) if u64::from(u1 - u0) < lm.pages.len() as u64 => {
+                (u0..=u1).filter(|v| lm.pages.contains_key(v)).collect()
+            }
+            Some(lm) => lm
+                .pages
+                .keys()
+                .copied()
+                .filter(|v| (u0..=u1).contains(v))
+                .collect(),
             None => return,
         };
         for v in vunits {
@@ -890,6 +1086,7 @@ impl DedupCore {
     pub(crate) fn pages_done(&self, batch: PageBatch, durable: bool) -> Vec<u64> {
         let mut guard = self.lock();
         let st = &mut *guard;
+        st.refill_asked = false;
         for it in batch.items {
             match it.layer {
                 Some(layer) => {
@@ -939,20 +1136,27 @@ impl DedupCore {
     /// entry whose block was freed meanwhile is written anyway: the byte comparison of a
     /// later lookup tolerates it.
     pub(crate) fn flush_index(&self) {
-        let pending: Vec<(u128, u64)> = self
-            .lock()
-            .pending_index
-            .iter()
-            .map(|(&f, &p)| (f, p))
-            .collect();
+        let pending: Vec<(Fingerprint, u64)> = {
+            let st = self.lock();
+            st.pending_index
+                .iter()
+                .map(|(&f, &p)| (Fingerprint(f), p))
+                .collect()
+        };
+        if pending.is_empty() {
+            return;
+        }
+        if let Err(e) = self.index.insert_batch(pending.clone()) {
+            tracing::warn!(error = %e, "cannot write dedup index buckets; entries stay in memory");
+            return;
+        }
+        let mut st = self.lock();
         for (fp, pba) in pending {
-            if let Err(e) = self.index.insert(Fingerprint(fp), pba) {
-                tracing::warn!(error = %e, "cannot write a dedup index bucket; the entry stays in memory");
-                return;
+            if st.pending_index.get(&fp.0) == Some(&pba) {
+                st.pending_index.remove(&fp.0);
             }
-            let mut st = self.lock();
-            if st.pending_index.get(&fp) == Some(&pba) {
-                st.pending_index.remove(&fp);
+            if st.pending_by_pba.get(&pba) == Some(&fp.0) {
+                st.pending_by_pba.remove(&pba);
             }
         }
     }

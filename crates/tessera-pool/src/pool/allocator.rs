@@ -146,6 +146,12 @@ impl PoolCore {
         Ok(p)
     }
 
+    /// Ask the commit thread for a commit soon (a dedup pool's freed blocks are waiting
+    /// for one while free blocks run low).
+    pub(crate) fn request_refill(&self) {
+        let _ = self.commit_tx.locked().send(CommitRequest::Refill);
+    }
+
     /// Give unit `p` (owned by something other than a volume's unit map) back, free once
     /// the commit that records it is durable.
     pub(crate) fn free_owned(&self, s: &mut State, p: u32) {

@@ -28,7 +28,7 @@ use tessera_io::{AlignedBuf, Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use super::VolumeHandle;
 use crate::cache_tier::TierHandle;
-use crate::dedup::store::{is_zero, DedupCore, Placement, BLOCKS_PER_UNIT, DBLOCK};
+use crate::dedup::store::{is_zero, DedupCore, Placement, BLOCKS_PER_UNIT, DBLOCK, UNHASHED};
 use crate::dedup::Fingerprint;
 use crate::format::BLOCK;
 use crate::pool::PoolCore;
@@ -56,6 +56,9 @@ struct Waiting {
     tag: Tag,
     rounds: u32,
 }
+
+/// Writes up to this size count as small for the gain detector.
+const SMALL_WRITE: u32 = 64 << 10;
 
 /// Rounds a write waits for an identical block in flight before storing its own copy.
 const MAX_WAITS: u32 = 100_000;
@@ -151,8 +154,7 @@ impl Continuation for DedupWrites {
                     &w.pool,
                     &mut layout,
                     (w.layer, w.offset, w.len, w.buf),
-                    w.tag,
-                    w.rounds + 1,
+                    (w.tag, w.rounds + 1, false),
                 )
             };
             self.layouts.borrow_mut().push(layout);
@@ -203,6 +205,8 @@ impl VolumeHandle {
             }
             IoOp::Write { offset, len, buf } => {
                 let pool = self.vol.pool.clone();
+                // Small and not sequential: the gain detector may skip it.
+                let random = !self.layout.sequential && len <= SMALL_WRITE;
                 // SAFETY: as above.
                 unsafe {
                     write_dedup(
@@ -211,8 +215,7 @@ impl VolumeHandle {
                         &pool,
                         &mut self.layout,
                         (layer, offset, u64::from(len), buf),
-                        tag,
-                        0,
+                        (tag, 0, random),
                     )
                 }
             }
@@ -320,9 +323,20 @@ fn read_block(d: &DedupCore, layer: u32, vblock: u64, out: &mut [u8]) -> Result<
 
 /// How to store one whole block: a hole, a shared block, or a new one (PBA taken later);
 /// `None` when `wait` and the same bytes are being stored by a write in flight.
-fn place(d: &DedupCore, block: &[u8], scratch: &mut AlignedBuf, wait: bool) -> Option<Placement> {
+/// With `skip` (the gain detector's verdict) a non-zero block is stored without a
+/// lookup.
+fn place(
+    d: &DedupCore,
+    block: &[u8],
+    scratch: &mut AlignedBuf,
+    wait: bool,
+    skip: bool,
+) -> Option<Placement> {
     if is_zero(block) {
         return Some(Placement::Zero);
+    }
+    if skip {
+        return Some(Placement::New(u64::MAX, UNHASHED));
     }
     let fp = Fingerprint::of(block);
     if wait && d.writing(fp.0) {
@@ -335,7 +349,9 @@ fn place(d: &DedupCore, block: &[u8], scratch: &mut AlignedBuf, wait: bool) -> O
 }
 
 /// A write of `len` bytes at `offset` of `layer` from `buf`, through `layout`; `rounds`:
-/// how often it has waited for an identical block in flight so far.
+/// how often it has waited for an identical block in flight so far (a retried write is
+/// never skipped); `random`: a small write the access-pattern detector did not call
+/// sequential, which the gain detector may skip.
 ///
 /// # Safety
 /// `buf` holds `len` bytes that stay valid and unchanged until `tag` completes.
@@ -345,10 +361,10 @@ unsafe fn write_dedup(
     pool: &Arc<PoolCore>,
     layout: &mut TierHandle,
     (layer, offset, len, buf): (u32, u64, u64, *const u8),
-    tag: Tag,
-    rounds: u32,
+    (tag, rounds, random): (Tag, u32, bool),
 ) {
     let engine = engine_for(io, pool);
+    let skip = random && rounds == 0 && d.skips(layer, offset / DBLOCK);
     let first = offset / DBLOCK;
     let last = (offset + len - 1) / DBLOCK;
     // Each block's bytes: the client's, or for a partial edge block the merged block.
@@ -382,7 +398,7 @@ unsafe fn write_dedup(
             // SAFETY: each source is a whole block, in the submitter's buffer or in
             // `edges`, both alive for this call.
             let block = unsafe { std::slice::from_raw_parts(s, BLOCK) };
-            match place(d, block, &mut scratch, rounds < MAX_WAITS) {
+            match place(d, block, &mut scratch, rounds < MAX_WAITS, skip) {
                 Some(p) => placements.push(p),
                 None => {
                     // The same bytes are being stored: try again next round (the
@@ -415,6 +431,14 @@ unsafe fn write_dedup(
         .zero_blocks
         .fetch_add(count(|p| *p == Placement::Zero), Relaxed);
     d.counters.new_blocks.fetch_add(fresh, Relaxed);
+    let unhashed = count(|p| matches!(p, Placement::New(_, UNHASHED)));
+    if skip {
+        d.counters.skipped_blocks.fetch_add(unhashed, Relaxed);
+    } else {
+        let looked = count(|p| matches!(p, Placement::New(..) | Placement::Shared(_)));
+        let shared = count(|p| matches!(p, Placement::Shared(_)));
+        d.note_gain(layer, first, u32_of(looked), u32_of(shared));
+    }
     let alloc = |o: u32, s: u32| pool.alloc_owned(o, s);
     if fresh == 0 {
         let r = match d.publish(layer, first, &placements, &alloc) {
@@ -426,7 +450,16 @@ unsafe fn write_dedup(
         };
         return io.complete(tag, r);
     }
-    match d.take_blocks(usize_of(fresh), &alloc) {
+    // Unshared blocks are overwritten where they are.
+    d.claim_in_place(layer, first, &mut placements);
+    let fresh = placements
+        .iter()
+        .filter(|p| matches!(p, Placement::New(..)))
+        .count();
+    if d.wants_refill() {
+        pool.request_refill();
+    }
+    match d.take_blocks(fresh, &alloc) {
         Ok(pbas) => {
             let mut it = pbas.into_iter();
             for p in placements.iter_mut() {
@@ -437,6 +470,7 @@ unsafe fn write_dedup(
             d.begin_new(&placements);
         }
         Err(e) => {
+            d.untake(&placements);
             d.unshare(&placements);
             return io.complete(tag, e);
         }
@@ -447,7 +481,9 @@ unsafe fn write_dedup(
     {
         let st = d.lock();
         for (i, p) in placements.iter().enumerate() {
-            let Placement::New(pba, _) = *p else { continue };
+            let (Placement::New(pba, _) | Placement::InPlace(pba, _)) = *p else {
+                continue;
+            };
             let po = d.pba_offset(&st, pba);
             let src = sources[i];
             match runs.last_mut() {
@@ -519,11 +555,11 @@ fn zero_range(d: &DedupCore, pool: &Arc<PoolCore>, layer: u32, offset: u64, len:
         let hi = (offset + len).min(start + DBLOCK);
         m[usize_of(lo - start)..usize_of(hi - start)].fill(0);
         let mut pl =
-            place(d, m, &mut scratch, false).expect("a write that does not wait is placed");
+            place(d, m, &mut scratch, false, false).expect("a write that does not wait is placed");
         let counter = match pl {
             Placement::Shared(_) => &d.counters.hits,
             Placement::Zero => &d.counters.zero_blocks,
-            Placement::New(..) => &d.counters.new_blocks,
+            Placement::New(..) | Placement::InPlace(..) => &d.counters.new_blocks,
         };
         counter.fetch_add(1, Relaxed);
         if let Placement::New(pba, _) = &mut pl {

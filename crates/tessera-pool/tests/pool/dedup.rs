@@ -237,8 +237,10 @@ fn what_dedup_does_not_do_yet_is_refused_clearly() {
 /// One step of the crash workload's contents: a few distinct blocks, so that most
 /// writes share.
 fn content(rng: &mut Rng) -> Vec<u8> {
-    match rng.next() % 8 {
+    match rng.next() % 10 {
         0 => vec![0u8; BLK as usize],
+        // Unique blocks: their overwrites are made in place.
+        8 | 9 => pattern(rng.next(), BLK as usize),
         k => pattern(k, BLK as usize),
     }
 }
@@ -415,6 +417,99 @@ fn a_block_written_twice_at_once_is_stored_once() {
         (st.physical_bytes, st.hits, st.new_blocks),
         (BLK, 2, 1),
         "{st:?}"
+    );
+    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
+}
+
+#[test]
+fn an_unshared_block_is_overwritten_in_place_and_a_shared_one_never_is() {
+    let (pool, _ram) = ram_pool(LayoutKind::Concat, 1);
+    let mut io = core();
+    let a = pool.create_volume("a", 4 * MIB).unwrap();
+    let b = pool.create_volume("b", 4 * MIB).unwrap();
+    let (mut ha, mut hb) = (a.open_handle(), b.open_handle());
+    let (p, q, r) = (
+        pattern(1, BLK as usize),
+        pattern(2, BLK as usize),
+        pattern(3, BLK as usize),
+    );
+    assert_eq!(write(&mut io, &mut ha, 0, &p), 0);
+    assert_eq!(write(&mut io, &mut hb, 0, &p), 0);
+    // Shared: a's new bytes go to a new block, b keeps P.
+    assert_eq!(write(&mut io, &mut ha, 0, &q), 0);
+    assert!(read(&mut io, &mut hb, 0, BLK as usize).unwrap() == p);
+    let store = pool.dedup_stats().unwrap();
+    assert_eq!(store.physical_bytes, 2 * BLK);
+    // Unshared now: overwritten where it is, many times over, with no new block and no
+    // block waiting for a commit.
+    for i in 0..100u64 {
+        let d = if i % 2 == 0 { &r } else { &q };
+        assert_eq!(write(&mut io, &mut ha, 0, d), 0);
+    }
+    assert!(read(&mut io, &mut ha, 0, BLK as usize).unwrap() == q);
+    assert!(read(&mut io, &mut hb, 0, BLK as usize).unwrap() == p);
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!(
+        (st.physical_bytes, st.store_bytes),
+        (2 * BLK, store.store_bytes)
+    );
+    // The overwritten block's new bytes are found by the next writer of them.
+    let c = pool.create_volume("c", 4 * MIB).unwrap();
+    let mut hc = c.open_handle();
+    assert_eq!(write(&mut io, &mut hc, 0, &q), 0);
+    assert_eq!(pool.dedup_stats().unwrap().physical_bytes, 2 * BLK);
+    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
+}
+
+#[test]
+fn random_writes_that_find_no_duplicates_stop_being_fingerprinted_and_streams_never_do() {
+    let (pool, _ram) = ram_pool(LayoutKind::Concat, 1);
+    let v = pool.create_volume("v", 32 * MIB).unwrap();
+    let mut h = v.open_handle();
+    let mut io = core();
+    let mut rng = Rng(5);
+    let blocks = 32 * MIB / BLK;
+    let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
+    // Unique blocks at random places: after a window of lookups that found nothing,
+    // the region skips fingerprinting (one write in 64 still looks up).
+    for i in 0..6000u64 {
+        let b = rng.next() % blocks;
+        let data = pattern(1000 + i, BLK as usize);
+        assert_eq!(write(&mut io, &mut h, b * BLK, &data), 0);
+        model.insert(b, data);
+    }
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!(st.skipping_regions, 1, "{st:?}");
+    assert!(st.skipped_blocks > 1500, "{st:?}");
+    for (b, want) in &model {
+        assert!(
+            read(&mut io, &mut h, b * BLK, BLK as usize).unwrap() == *want,
+            "block {b}"
+        );
+    }
+    // A stream in the same (skipping) region is looked up all the same: a copy of data
+    // stored elsewhere is shared.
+    let src = pattern(4242, MIB as usize);
+    let w = pool.create_volume("w", 4 * MIB).unwrap();
+    let mut hw = w.open_handle();
+    assert_eq!(write(&mut io, &mut hw, 0, &src), 0);
+    let before = pool.dedup_stats().unwrap().hits;
+    for i in 0..256u64 {
+        let s = (i * BLK) as usize;
+        assert_eq!(
+            write(
+                &mut io,
+                &mut h,
+                16 * MIB + i * BLK,
+                &src[s..s + BLK as usize]
+            ),
+            0
+        );
+    }
+    let hits = pool.dedup_stats().unwrap().hits - before;
+    assert!(
+        hits > 200,
+        "a sequential copy shared only {hits} of 256 blocks"
     );
     assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
 }
