@@ -222,7 +222,11 @@ pub fn nbdinfo_map(uri: &str) -> Vec<(u64, u64, u32)> {
             s.parse::<u64>()
                 .unwrap_or_else(|_| panic!("bad number {s:?} in {line:?}"))
         };
-        let (off, len, ty) = (parse(f[0]), parse(f[1]), parse(f[2]) as u32);
+        let (off, len, ty) = (
+            parse(f[0]),
+            parse(f[1]),
+            u32::try_from(parse(f[2])).expect("a block status type fits u32"),
+        );
         match out.last_mut() {
             Some(last) if last.2 == ty && last.0 + last.1 == off => last.1 += len,
             Some(last) => {
