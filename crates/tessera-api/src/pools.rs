@@ -117,6 +117,11 @@ pub struct DedupInfo {
     pub new_blocks: u64,
     /// All-zero blocks written (stored as holes, never looked up).
     pub zero_blocks: u64,
+    /// Blocks written without a lookup: small random writes in regions where lookups
+    /// were finding nothing (the gain detector).
+    pub skipped_blocks: u64,
+    /// Regions (1 GiB of a volume) that skip lookups now.
+    pub skipping_regions: u64,
     /// Index candidates whose bytes differed from the block written.
     pub compare_mismatches: u64,
     /// Index lookups, and those its RAM filter answered with no I/O.

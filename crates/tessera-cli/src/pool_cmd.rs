@@ -614,13 +614,15 @@ fn print_pool_status(v: &PoolInfo) {
     }
     if let Some(d) = &v.dedup {
         println!(
-            "  dedup: {} logical in {} stored (ratio {:.2}); {} shared, {} new, {} zero blocks written",
+            "  dedup: {} logical in {} stored (ratio {:.2}); {} shared, {} new, {} zero blocks written; {} not looked up ({} regions not gaining)",
             bytes(d.logical_bytes),
             bytes(d.physical_bytes),
             d.ratio,
             d.hits,
             d.new_blocks,
             d.zero_blocks,
+            d.skipped_blocks,
+            d.skipping_regions,
         );
         println!(
             "  dedup index: {} entries in {} buckets, {} on disk, {} RAM; {} lookups, {} answered from RAM, {} short-fingerprint collisions",

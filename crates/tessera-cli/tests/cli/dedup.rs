@@ -51,7 +51,7 @@ fn identical_data_in_two_volumes_is_stored_once_and_survives_a_kill() {
     assert_eq!(u(&st, "hits"), 2048, "{st}");
     let shown = n.cli_ok(&["pool", "show", "p"]);
     assert!(
-        shown.contains("dedup: 16.0 MiB logical in 8.0 MiB stored (ratio 2.00)"),
+        shown.contains("dedup: 16.0 MiB logical in 8.0 MiB stored (ratio 2.00); 2048 shared"),
         "{shown}"
     );
     // Block status: data where written, a hole after it.

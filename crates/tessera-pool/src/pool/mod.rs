@@ -986,6 +986,8 @@ impl Pool {
                 hits: d.hits,
                 new_blocks: d.new_blocks,
                 zero_blocks: d.zero_blocks,
+                skipped_blocks: d.skipped_blocks,
+                skipping_regions: d.skipping_regions,
                 compare_mismatches: d.compare_mismatches,
                 index_lookups: d.index.lookups,
                 index_filtered: d.index.filtered,
