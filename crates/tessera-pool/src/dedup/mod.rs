@@ -8,4 +8,4 @@ pub mod pages;
 pub mod store;
 
 pub use index::{BucketArea, Fingerprint, FingerprintIndex, IndexStats, OnDevice};
-pub use store::{DedupCore, DedupStats};
+pub use store::DedupCore;

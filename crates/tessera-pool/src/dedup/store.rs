@@ -195,30 +195,6 @@ pub(crate) struct Counters {
     pub compare_mismatches: AtomicU64,
 }
 
-/// A summary for `pool show` and the metrics.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DedupStats {
-    /// Map entries that reference a store block, over every layer, in bytes.
-    pub logical_bytes: u64,
-    /// Store blocks referenced, in bytes.
-    pub physical_bytes: u64,
-    /// Store units, in bytes (referenced, free and waiting for a commit).
-    pub store_bytes: u64,
-    pub hits: u64,
-    pub new_blocks: u64,
-    pub zero_blocks: u64,
-    pub skipped_blocks: u64,
-    /// Regions (1 GiB of a volume) that skip fingerprinting now.
-    pub skipping_regions: u64,
-    pub compare_mismatches: u64,
-    pub index: super::IndexStats,
-    pub index_entries: u64,
-    pub index_buckets: u64,
-    pub index_ram_bytes: u64,
-    /// Map and refcount pages held in RAM.
-    pub page_ram_bytes: u64,
-}
-
 pub struct DedupCore {
     pub(crate) state: Mutex<State>,
     pub(crate) index: FingerprintIndex,
@@ -540,14 +516,22 @@ impl DedupCore {
             .map_or(0, |l| l.mapped * DBLOCK)
     }
 
-    pub fn stats(&self) -> DedupStats {
+    /// What `pool show` and the API report (one type: the API's).
+    pub fn stats(&self) -> tessera_api::DedupInfo {
         let st = self.lock();
-        let logical: u64 = st.layers.values().map(|l| l.mapped).sum();
+        let logical = st.layers.values().map(|l| l.mapped).sum::<u64>() * DBLOCK;
+        let physical = st.used * DBLOCK;
         let pages: u64 = st.layers.values().map(|l| l.pages.len() as u64).sum();
         let c = &self.counters;
-        DedupStats {
-            logical_bytes: logical * DBLOCK,
-            physical_bytes: st.used * DBLOCK,
+        let index = self.index.stats();
+        tessera_api::DedupInfo {
+            logical_bytes: logical,
+            physical_bytes: physical,
+            ratio: if physical == 0 {
+                1.0
+            } else {
+                logical as f64 / physical as f64
+            },
             store_bytes: st.store_units.len() as u64 * DEDUP_UNIT,
             hits: c.hits.load(Relaxed),
             new_blocks: c.new_blocks.load(Relaxed),
@@ -559,9 +543,12 @@ impl DedupCore {
                 .map(|l| l.gain.values().filter(|g| g.skipping).count() as u64)
                 .sum(),
             compare_mismatches: c.compare_mismatches.load(Relaxed),
-            index: self.index.stats(),
+            index_lookups: index.lookups,
+            index_filtered: index.filtered,
+            short_collisions: index.short_collisions,
             index_entries: self.index.entries(),
             index_buckets: self.buckets,
+            index_device_bytes: FingerprintIndex::device_bytes(self.buckets),
             index_ram_bytes: self.index.ram_bytes(),
             page_ram_bytes: pages * (MAP_ENTRIES as u64 * 8)
                 + st.count_pages.len() as u64 * (COUNTS as u64 * 4),

@@ -893,7 +893,7 @@ impl Pool {
     }
 
     /// Dedup figures, when dedup is on.
-    pub fn dedup_stats(&self) -> Option<crate::dedup::DedupStats> {
+    pub fn dedup_stats(&self) -> Option<tessera_api::DedupInfo> {
         self.core.dedup().map(|d| d.stats())
     }
 
@@ -974,30 +974,7 @@ impl Pool {
             overcommit: self.overcommit(),
             spares: Vec::new(),
             rebuild: None,
-            dedup: dedup.map(|d| tessera_api::DedupInfo {
-                logical_bytes: d.logical_bytes,
-                physical_bytes: d.physical_bytes,
-                ratio: if d.physical_bytes == 0 {
-                    1.0
-                } else {
-                    d.logical_bytes as f64 / d.physical_bytes as f64
-                },
-                store_bytes: d.store_bytes,
-                hits: d.hits,
-                new_blocks: d.new_blocks,
-                zero_blocks: d.zero_blocks,
-                skipped_blocks: d.skipped_blocks,
-                skipping_regions: d.skipping_regions,
-                compare_mismatches: d.compare_mismatches,
-                index_lookups: d.index.lookups,
-                index_filtered: d.index.filtered,
-                short_collisions: d.index.short_collisions,
-                index_entries: d.index_entries,
-                index_buckets: d.index_buckets,
-                index_device_bytes: crate::dedup::FingerprintIndex::device_bytes(d.index_buckets),
-                index_ram_bytes: d.index_ram_bytes,
-                page_ram_bytes: d.page_ram_bytes,
-            }),
+            dedup,
             resync: None,
         }
     }
