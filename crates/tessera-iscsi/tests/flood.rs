@@ -60,10 +60,34 @@ fn settled_rss() -> u64 {
     }
 }
 
+/// What went wrong for [`good_client`].
+#[derive(Debug, thiserror::Error)]
+enum ClientFailed {
+    /// The socket failed at `step` (connect, send, recv).
+    #[error("{step}: {source}")]
+    Io {
+        step: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The target refused the login; the first bytes of its answer.
+    #[error("login refused: {0:02x?}")]
+    LoginRefused([u8; 4]),
+    /// A command got an answer other than its data and a good status.
+    #[error("opcode {opcode:#x} status {status:#x}")]
+    Unexpected { opcode: u8, status: u8 },
+    #[error("read back differs")]
+    ReadBackDiffers,
+}
+
+fn io_failed(step: &'static str) -> impl FnOnce(std::io::Error) -> ClientFailed {
+    move |source| ClientFailed::Io { step, source }
+}
+
 /// Log in (operational stage straight to full feature), then a WRITE(10) of 8 KiB of
 /// immediate data and a READ(10) of it back. Errors name what went wrong.
-fn good_client(addr: &str) -> Result<(), String> {
-    let mut s = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+fn good_client(addr: &str) -> Result<(), ClientFailed> {
+    let mut s = TcpStream::connect(addr).map_err(io_failed("connect"))?;
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let keys = format!(
         "InitiatorName=iqn.2026-11.io.tessera:flood-good\0SessionType=Normal\0\
@@ -80,21 +104,21 @@ fn good_client(addr: &str) -> Result<(), String> {
     let d = Digests::default();
     let send = |s: &mut TcpStream, h: &[u8; BHS_LEN], data: &[u8]| {
         s.write_all(&pdu::encode(h, data, d))
-            .map_err(|e| format!("send: {e}"))
+            .map_err(io_failed("send"))
     };
-    let recv = |s: &mut TcpStream| -> Result<([u8; BHS_LEN], Vec<u8>), String> {
+    let recv = |s: &mut TcpStream| -> Result<([u8; BHS_LEN], Vec<u8>), ClientFailed> {
         let mut h = [0u8; BHS_LEN];
-        s.read_exact(&mut h).map_err(|e| format!("recv: {e}"))?;
+        s.read_exact(&mut h).map_err(io_failed("recv"))?;
         let len = (usize::from(h[5]) << 16) | (usize::from(h[6]) << 8) | usize::from(h[7]);
         let mut data = vec![0u8; pdu::padded(len)];
-        s.read_exact(&mut data).map_err(|e| format!("recv: {e}"))?;
+        s.read_exact(&mut data).map_err(io_failed("recv"))?;
         data.truncate(len);
         Ok((h, data))
     };
     send(&mut s, &h, keys.as_bytes())?;
     let (r, _) = recv(&mut s)?;
     if r[0] & 0x3f != pdu::OP_LOGIN_RESP || r[36] != 0 || r[1] & 0x83 != 0x83 {
-        return Err(format!("login refused: {:02x?}", &r[..4]));
+        return Err(ClientFailed::LoginRefused([r[0], r[1], r[2], r[3]]));
     }
     let data: Vec<u8> = (0..8192u32)
         .map(|i| u8::try_from((i * 7 + 3) % 251).unwrap())
@@ -124,11 +148,16 @@ fn good_client(addr: &str) -> Result<(), String> {
                         break;
                     }
                 }
-                op => return Err(format!("opcode {op:#x} status {:#x}", r[3])),
+                opcode => {
+                    return Err(ClientFailed::Unexpected {
+                        opcode,
+                        status: r[3],
+                    })
+                }
             }
         }
         if !write && got != data {
-            return Err("read back differs".into());
+            return Err(ClientFailed::ReadBackDiffers);
         }
     }
     Ok(())

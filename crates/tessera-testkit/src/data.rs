@@ -79,23 +79,35 @@ pub fn stamped(block: u64, gen: u64) -> Vec<u8> {
     b
 }
 
+/// What is wrong with a block that should hold a [`stamped`] generation.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadBlock {
+    /// The header names another block: data written at another offset.
+    #[error("holds the header of block {block} (generation {gen:#x})")]
+    Misplaced { block: u64, gen: u64 },
+    /// The header is right but the rest differs from that generation's pattern.
+    #[error("header says generation {gen:#x} but {bytes_wrong} bytes differ from its pattern (torn or mixed write)")]
+    Torn { gen: u64, bytes_wrong: usize },
+}
+
 /// Which generation a [`stamped`] block read back at `block` holds (0: zeros), or what
 /// is wrong with it.
-pub fn decode_stamped(block: u64, data: &[u8]) -> Result<u64, String> {
+pub fn decode_stamped(block: u64, data: &[u8]) -> Result<u64, BadBlock> {
     if is_zero(data) {
         return Ok(0);
     }
     let b = u64::from_le_bytes(data[0..8].try_into().expect("8 bytes"));
     let g = u64::from_le_bytes(data[8..16].try_into().expect("8 bytes"));
     if b != block {
-        return Err(format!("holds the header of block {b} (generation {g:#x})"));
+        return Err(BadBlock::Misplaced { block: b, gen: g });
     }
     let good = stamped(block, g);
     if data != good.as_slice() {
         let bad = data.iter().zip(&good).filter(|(a, b)| a != b).count();
-        return Err(format!(
-            "header says generation {g:#x} but {bad} bytes differ from its pattern (torn or mixed write)"
-        ));
+        return Err(BadBlock::Torn {
+            gen: g,
+            bytes_wrong: bad,
+        });
     }
     Ok(g)
 }

@@ -23,14 +23,32 @@ fn ip(args: &[&str]) -> std::io::Result<std::process::Output> {
         .output()
 }
 
-fn sh_ok(what: &str, o: std::io::Result<std::process::Output>) -> Result<(), String> {
+/// A command that setting a namespace up or cutting it off needs, failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CommandFailed {
+    /// It could not be started.
+    #[error("{what}: {source}")]
+    Spawn {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// It ran and failed; what it said on stderr.
+    #[error("{what}: {stderr}")]
+    Status { what: &'static str, stderr: String },
+}
+
+fn sh_ok(
+    what: &'static str,
+    o: std::io::Result<std::process::Output>,
+) -> Result<(), CommandFailed> {
     match o {
         Ok(o) if o.status.success() => Ok(()),
-        Ok(o) => Err(format!(
-            "{what}: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        )),
-        Err(e) => Err(format!("{what}: {e}")),
+        Ok(o) => Err(CommandFailed::Status {
+            what,
+            stderr: String::from_utf8_lossy(&o.stderr).trim().to_string(),
+        }),
+        Err(source) => Err(CommandFailed::Spawn { what, source }),
     }
 }
 

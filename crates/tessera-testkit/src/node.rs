@@ -15,15 +15,13 @@ use tempfile::TempDir;
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// Poll `f` every 100 ms until it holds; fail the test naming `what` after `secs` seconds.
-pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    if poll_until(
-        Duration::from_secs(secs),
-        Duration::from_millis(100),
-        &mut f,
-        |&held| held,
-    )
-    .is_err()
-    {
+pub fn wait_for(what: &str, secs: u64, f: impl FnMut() -> bool) {
+    wait_for_every(what, secs, Duration::from_millis(100), f);
+}
+
+/// [`wait_for`], polling every `every` (for conditions that change within milliseconds).
+pub fn wait_for_every(what: &str, secs: u64, every: Duration, mut f: impl FnMut() -> bool) {
+    if poll_until(Duration::from_secs(secs), every, &mut f, |&held| held).is_err() {
         panic!("timed out waiting for {what}");
     }
 }

@@ -52,45 +52,6 @@ impl BlockState {
 /// Block number -> state, for one region or all of them.
 type State = HashMap<u64, BlockState>;
 
-fn xorshift(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
-
-/// The 4 KiB pattern of (block, generation): the block number and generation in the
-/// first 16 bytes, then a stream seeded by both.
-fn pattern(block: u64, gen: Gen) -> Vec<u8> {
-    let mut b = Vec::with_capacity(BLOCK as usize);
-    b.extend_from_slice(&block.to_le_bytes());
-    b.extend_from_slice(&gen.to_le_bytes());
-    let mut x =
-        (block.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ gen.wrapping_mul(0xc2b2_ae3d_27d4_eb4f)) | 1;
-    while b.len() < BLOCK as usize {
-        b.extend_from_slice(&xorshift(&mut x).to_le_bytes());
-    }
-    b
-}
-
-/// Which generation a block read back holds, or a description of the garbage.
-fn decode(block: u64, data: &[u8]) -> Result<Gen, String> {
-    if data.iter().all(|&x| x == 0) {
-        return Ok(0);
-    }
-    let b = u64::from_le_bytes(data[0..8].try_into().unwrap());
-    let g = u64::from_le_bytes(data[8..16].try_into().unwrap());
-    if b != block {
-        return Err(format!("holds the header of block {b} (generation {g:#x})"));
-    }
-    if data != pattern(block, g).as_slice() {
-        let good = pattern(block, g);
-        let bad = data.iter().zip(&good).filter(|(a, b)| a != b).count();
-        return Err(format!("header says generation {g:#x} but {bad} bytes differ from its pattern (torn or mixed write)"));
-    }
-    Ok(g)
-}
-
 fn connect(n: &TestNode) -> NbdClient {
     let s = TcpStream::connect(n.addr()).expect("connect");
     s.set_nodelay(true).unwrap();
@@ -116,19 +77,19 @@ fn writer(
     stop: Arc<AtomicBool>,
     acked_is_durable: bool,
 ) -> WriterResult {
-    let mut rng = (0x1234_5678_9abc_def1u64 ^ (t << 48) ^ (cycle << 32)) | 1;
+    let mut rng = Rng((0x1234_5678_9abc_def1u64 ^ (t << 48) ^ (cycle << 32)) | 1);
     let first = t * BLOCKS_PER_REGION;
     let mut since_flush: Vec<u64> = Vec::new();
     let (mut writes, mut flushes, mut seq) = (0u64, 0u64, 0u64);
     let mut error = None;
     while !stop.load(Ordering::Relaxed) {
         seq += 1;
-        let block = first + xorshift(&mut rng) % BLOCKS_PER_REGION;
+        let block = first + rng.next() % BLOCKS_PER_REGION;
         let gen: Gen = ((cycle + 1) << 40) | (t << 32) | seq;
         // Recorded before sending: once sent, it may land whatever happens next.
         state.entry(block).or_default().later.push(gen);
         let fua = seq % 13 == 0;
-        if let Err(e) = c.write(block * BLOCK, &pattern(block, gen), fua) {
+        if let Err(e) = c.write(block * BLOCK, &stamped(block, gen), fua) {
             error = Some(format!("write: {e}"));
             break;
         }
@@ -184,7 +145,7 @@ fn verify(n: &TestNode, state: &mut State, when: &str) -> (u64, u64) {
         for (i, data) in buf.chunks(BLOCK as usize).enumerate() {
             let block = off / BLOCK + i as u64;
             let st = state.get(&block).cloned().unwrap_or_default();
-            match decode(block, data) {
+            match decode_stamped(block, data) {
                 Ok(g) if st.allows(g) => {
                     if st.durable != 0 {
                         checked_durable += 1;
@@ -402,7 +363,7 @@ fn write_back_node() -> (TestNode, State) {
     for off in (0..THREADS * REGION).step_by(chunk as usize) {
         let mut buf = Vec::with_capacity(chunk as usize);
         for b in off / BLOCK..(off + chunk) / BLOCK {
-            buf.extend_from_slice(&pattern(b, PREFILL));
+            buf.extend_from_slice(&stamped(b, PREFILL));
             state.insert(
                 b,
                 BlockState {

@@ -177,28 +177,42 @@ struct Op {
     acked: bool,
 }
 
+/// A block whose final content the history does not allow.
+#[derive(Debug, thiserror::Error)]
+enum HistoryViolation {
+    #[error("block {block} reads zeros but write {acked:?} was acknowledged")]
+    LostWrite { block: u64, acked: Op },
+    #[error("block {block} holds stamp {stamp:#x}, which no client wrote there")]
+    NeverWritten { block: u64, stamp: u64 },
+    #[error(
+        "block {block} holds {holds:?}, but {newer:?} started after it ended and was acknowledged"
+    )]
+    Stale { block: u64, holds: Op, newer: Op },
+}
+
 /// Check the final content against the history (see the module documentation).
-fn check_history(history: &[Op], final_stamps: &[u64]) -> Result<(), String> {
+fn check_history(history: &[Op], final_stamps: &[u64]) -> Result<(), HistoryViolation> {
     for (b, &f) in final_stamps.iter().enumerate() {
         let b = b as u64;
         let acked: Vec<&Op> = history.iter().filter(|o| o.block == b && o.acked).collect();
         if f == 0 {
             if let Some(o) = acked.first() {
-                return Err(format!(
-                    "block {b} reads zeros but write {o:?} was acknowledged"
-                ));
+                return Err(HistoryViolation::LostWrite {
+                    block: b,
+                    acked: **o,
+                });
             }
             continue;
         }
         let Some(w) = history.iter().find(|o| o.block == b && o.stamp == f) else {
-            return Err(format!(
-                "block {b} holds stamp {f:#x}, which no client wrote there"
-            ));
+            return Err(HistoryViolation::NeverWritten { block: b, stamp: f });
         };
         if let Some(newer) = acked.iter().find(|o| o.start > w.end) {
-            return Err(format!(
-                "block {b} holds {w:?}, but {newer:?} started after it ended and was acknowledged"
-            ));
+            return Err(HistoryViolation::Stale {
+                block: b,
+                holds: *w,
+                newer: **newer,
+            });
         }
     }
     Ok(())

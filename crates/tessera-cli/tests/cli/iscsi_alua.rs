@@ -117,9 +117,16 @@ fn groups(words: &[&str]) -> Vec<Group> {
         .collect()
 }
 
-/// What `iscsi-alua probe` saw on `url`; Err with its output when it failed (no such
-/// target yet, say).
-fn probe(alua: &Path, url: &str) -> Result<Probe, String> {
+/// `iscsi-alua probe` failed (no such target yet, say): what it printed.
+#[derive(Debug, thiserror::Error)]
+#[error("iscsi-alua probe {url}:\n{output}")]
+struct ProbeFailed {
+    url: String,
+    output: String,
+}
+
+/// What `iscsi-alua probe` saw on `url`.
+fn probe(alua: &Path, url: &str) -> Result<Probe, ProbeFailed> {
     let o = Command::new(alua)
         .args(["probe", url])
         .stdin(Stdio::null())
@@ -131,7 +138,10 @@ fn probe(alua: &Path, url: &str) -> Result<Probe, String> {
         String::from_utf8_lossy(&o.stderr)
     );
     if !o.status.success() {
-        return Err(format!("iscsi-alua probe {url}:\n{text}"));
+        return Err(ProbeFailed {
+            url: url.to_string(),
+            output: text,
+        });
     }
     let mut p = Probe {
         text: text.clone(),
@@ -172,7 +182,7 @@ fn probe_until(
         let last = match probe(alua, &url(port)) {
             Ok(p) if ok(&p) => return p,
             Ok(p) => p.text,
-            Err(e) => e,
+            Err(e) => e.to_string(),
         };
         assert!(
             Instant::now() < end,

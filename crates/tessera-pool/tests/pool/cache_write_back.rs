@@ -11,18 +11,21 @@ use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use tessera_device::{BlockDevice, CrashDevice, FaultConfig, FaultDevice, PowerSwitch};
 use tessera_io::{CoreIo, IoOp};
 use tessera_pool::cache_tier::{CacheInfo, CacheMode};
 use tessera_pool::{Pool, PoolOptions, VolumeHandle};
+use tessera_testkit::node::wait_for_every;
 
 const MIB: u64 = 1 << 20;
 const BLK: u64 = 4096;
 /// Cache units of 64 KiB: many slots in a small cache.
 const CUNIT: u64 = 64 << 10;
+/// How often a wait polls the tier's state: the cleaner's steps take milliseconds.
+const FAST: Duration = Duration::from_millis(5);
 
 struct Rig {
     pool: Pool,
@@ -83,14 +86,6 @@ fn current(d: &CrashDevice) -> Vec<u8> {
 
 fn status(p: &Pool) -> CacheInfo {
     p.cache_status().expect("a cache")
-}
-
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(secs), "timed out: {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// Random whole-block writes (mostly), unaligned writes, discards and reads over
@@ -172,7 +167,7 @@ fn write_back_reads_back_every_write_and_drains_to_the_pool() {
         .set_cache_mode(CacheMode::WriteThrough, false)
         .unwrap();
     churn(&mut io, &mut h, &mut model, &mut rng, 500);
-    wait_for("the drain", 60, || {
+    wait_for_every("the drain", 60, FAST, || {
         let s = status(&r.pool);
         s.dirty_bytes == 0 && s.state == "ok"
     });
@@ -268,7 +263,7 @@ fn kill_9_in_write_back_loses_no_acknowledged_write() {
         r2.pool
             .set_cache_mode(CacheMode::WriteThrough, false)
             .unwrap();
-        wait_for("the drain", 60, || status(&r2.pool).dirty_bytes == 0);
+        wait_for_every("the drain", 60, FAST, || status(&r2.pool).dirty_bytes == 0);
         r2.pool.detach_cache().unwrap();
         check_all(&mut io, &mut h, &model, &format!("seed {seed}: drained"));
     }
@@ -485,7 +480,7 @@ fn a_failed_write_back_cache_fails_only_reads_of_what_it_lost() {
     // Clean data first (on the pool's devices), then dirty data at 1 MiB.
     pool.set_cache_mode(CacheMode::WriteAround, false).unwrap();
     assert_eq!(write(&mut io, &mut h, 0, &pattern(5, 64 << 10)), 0);
-    wait_for("write-around", 10, || status(&pool).state == "ok");
+    wait_for_every("write-around", 10, FAST, || status(&pool).state == "ok");
     pool.set_cache_mode(CacheMode::WriteBack, true).unwrap();
     assert_eq!(write(&mut io, &mut h, MIB, &pattern(6, 8192)), 0);
     assert!(status(&pool).dirty_bytes >= 8192);

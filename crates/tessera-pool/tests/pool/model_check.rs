@@ -25,7 +25,7 @@ use tessera_device::{BlockDevice, FaultConfig, FaultDevice, RamDevice};
 use tessera_io::{CoreIo, IoHandle, IoOp, Tag};
 use tessera_pool::format::DEV_DATA_START;
 use tessera_pool::{LayoutKind, Pool, PoolOptions, ScrubFindings};
-use tessera_testkit::model_check::{self, Config, Io, IoResults, Kind, Op, Target};
+use tessera_testkit::model_check::{self, Config, Io, IoResults, Kind, Op, Target, TargetError};
 
 const UNIT: u64 = 64 << 10;
 const VOL_SIZE: u64 = 1 << 20;
@@ -109,8 +109,11 @@ fn data_start(layout: LayoutKind) -> u64 {
     DEV_DATA_START + if layout.is_parity() { 16 << 20 } else { 0 }
 }
 
-fn err<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> String + '_ {
-    move |e| format!("{what}: {e}")
+/// `what` failed with the pool's (or the layout's) error, kept as the source.
+fn err<E: std::error::Error + Send + Sync + 'static>(
+    what: &str,
+) -> impl FnOnce(E) -> TargetError + '_ {
+    TargetError::failed(what)
 }
 
 impl PoolTarget {
@@ -170,14 +173,14 @@ impl PoolTarget {
         self.pool.as_ref().expect("open")
     }
 
-    fn vol(&self, name: &str) -> Result<Arc<tessera_pool::Volume>, String> {
+    fn vol(&self, name: &str) -> Result<Arc<tessera_pool::Volume>, TargetError> {
         self.pool()
             .volume(name)
-            .ok_or_else(|| format!("volume {name} missing"))
+            .ok_or_else(|| TargetError::Missing(name.to_string()))
     }
 
     /// Scrub the metadata units and every allocated unit (as the node's scrub job does).
-    fn scrub_pass(&self, repair: bool) -> Result<ScrubFindings, String> {
+    fn scrub_pass(&self, repair: bool) -> Result<ScrubFindings, TargetError> {
         let pool = self.pool();
         // Track writes once for the whole pass, as the node's scrub job does (a mirror's
         // scrub_range switches tracking on, and waits its grace, when nothing holds it).
@@ -194,7 +197,7 @@ impl PoolTarget {
         Ok(f)
     }
 
-    fn open(&mut self) -> Result<(), String> {
+    fn open(&mut self) -> Result<(), TargetError> {
         self.pool = Some(Pool::open(self.devs.clone()).map_err(err("reopen"))?);
         Ok(())
     }
@@ -213,35 +216,38 @@ impl Target for PoolTarget {
     fn devices(&self) -> usize {
         self.rams.len()
     }
-    fn create_volume(&mut self, vol: &str) -> Result<(), String> {
+    fn create_volume(&mut self, vol: &str) -> Result<(), TargetError> {
         self.pool()
             .create_volume(vol, VOL_SIZE)
             .map(|_| ())
             .map_err(err("create volume"))
     }
-    fn delete_volume(&mut self, vol: &str) -> Result<(), String> {
+    fn delete_volume(&mut self, vol: &str) -> Result<(), TargetError> {
         let v = self.vol(vol)?;
         self.pool().delete_volume(&v).map_err(err("delete"))
     }
-    fn snapshot(&mut self, vol: &str, snap: &str) -> Result<(), String> {
+    fn snapshot(&mut self, vol: &str, snap: &str) -> Result<(), TargetError> {
         let v = self.vol(vol)?;
         self.pool()
             .create_snapshot(&v, snap)
             .map(|_| ())
             .map_err(err("snapshot"))
     }
-    fn clone_snapshot(&mut self, snap: &str, vol: &str) -> Result<(), String> {
+    fn clone_snapshot(&mut self, snap: &str, vol: &str) -> Result<(), TargetError> {
         let s = self.vol(snap)?;
         self.pool()
             .clone_snapshot(&s, vol, true)
             .map(|_| ())
             .map_err(err("clone"))
     }
-    fn rollback(&mut self, vol: &str, snap: &str) -> Result<(), String> {
+    fn rollback(&mut self, vol: &str, snap: &str) -> Result<(), TargetError> {
         let v = self.vol(vol)?;
         let s = self.vol(snap)?;
         if !v.ancestors().iter().any(|a| Arc::ptr_eq(a, &s)) {
-            return Err(format!("not an ancestor: {snap} of {vol}"));
+            return Err(TargetError::NotAncestor {
+                vol: vol.to_string(),
+                snap: snap.to_string(),
+            });
         }
         self.pool().rollback_volume(&v, &s).map_err(err("rollback"))
     }
@@ -252,7 +258,7 @@ impl Target for PoolTarget {
         latency_us: &[u64],
         crash_after: Option<u64>,
         snapshot: Option<(&str, &str)>,
-    ) -> (IoResults, Result<(), String>) {
+    ) -> (IoResults, Result<(), TargetError>) {
         let sec = model_check::SECTOR as u64;
         let mut handles = Vec::new();
         for io in ios {
@@ -350,29 +356,35 @@ impl Target for PoolTarget {
             .collect();
         (res, snapped)
     }
-    fn flush(&mut self, vol: &str) -> Result<(), String> {
+    fn flush(&mut self, vol: &str) -> Result<(), TargetError> {
         let mut h = self.vol(vol)?.open_handle();
         match flush(&mut self.io, &mut h) {
             0 => Ok(()),
-            r => Err(format!("flush {vol} failed: {r}")),
+            errno => Err(TargetError::Errno {
+                what: format!("flush {vol}"),
+                errno,
+            }),
         }
     }
-    fn read_volume(&mut self, vol: &str) -> Result<Vec<u8>, String> {
+    fn read_volume(&mut self, vol: &str) -> Result<Vec<u8>, TargetError> {
         let mut h = self.vol(vol)?.open_handle();
         let mut out = Vec::with_capacity(VOL_SIZE as usize);
         let chunk = 256 << 10;
         for off in (0..VOL_SIZE).step_by(chunk) {
-            let got = read(&mut self.io, &mut h, off, chunk)
-                .map_err(|r| format!("read {vol} at {off} failed: {r}"))?;
+            let got =
+                read(&mut self.io, &mut h, off, chunk).map_err(|errno| TargetError::Errno {
+                    what: format!("read {vol} at {off}"),
+                    errno,
+                })?;
             out.extend_from_slice(&got);
         }
         Ok(out)
     }
-    fn fail_device(&mut self, dev: usize) -> Result<(), String> {
+    fn fail_device(&mut self, dev: usize) -> Result<(), TargetError> {
         self.cfgs[dev].vanish();
         Ok(())
     }
-    fn replace_device(&mut self, dev: usize, garbage: u64) -> Result<(), String> {
+    fn replace_device(&mut self, dev: usize, garbage: u64) -> Result<(), TargetError> {
         let pool = self.pool.take().expect("open");
         pool.shutdown().map_err(err("shutdown"))?;
         drop(pool);
@@ -389,20 +401,23 @@ impl Target for PoolTarget {
         // As the node's rebuild job does: the free units' rows too.
         rebuild_as_the_node_does(self.pool(), dev).map_err(err("rebuild"))
     }
-    fn scrub(&mut self) -> Result<(), String> {
+    fn scrub(&mut self) -> Result<(), TargetError> {
         self.scrub_pass(false).and_then(|f| {
             if f.mismatched != 0 || f.unreadable != 0 {
-                Err(format!(
-                    "scrub found {} bytes mismatched, {} unreadable: {:?}",
-                    f.mismatched, f.unreadable, f.ranges
-                ))
+                Err(TargetError::Inconsistent {
+                    check: "scrub",
+                    finding: format!(
+                        "{} bytes mismatched, {} unreadable: {:?}",
+                        f.mismatched, f.unreadable, f.ranges
+                    ),
+                })
             } else {
                 Ok(())
             }
         })
     }
 
-    fn power_loss(&mut self, seed: u64) -> Result<(), String> {
+    fn power_loss(&mut self, seed: u64) -> Result<(), TargetError> {
         // The moment of the crash: no device I/O lands from here on (the pool's own
         // threads included), then each cache keeps a random part of its unflushed writes.
         if self.commit_first {
@@ -435,24 +450,30 @@ impl Target for PoolTarget {
         }
         Ok(())
     }
-    fn reopen(&mut self) -> Result<(), String> {
+    fn reopen(&mut self) -> Result<(), TargetError> {
         let pool = self.pool.take().expect("open");
         pool.shutdown().map_err(err("shutdown"))?;
         drop(pool);
         self.open()
     }
-    fn self_check(&mut self) -> Result<(), String> {
+    fn self_check(&mut self) -> Result<(), TargetError> {
         let pool = self.pool();
         let chains = pool.verify_chains();
         if !chains.is_empty() {
-            return Err(format!("chain checks: {chains:?}"));
+            return Err(TargetError::Inconsistent {
+                check: "chain checks",
+                finding: format!("{chains:?}"),
+            });
         }
         let st = pool.status();
         if st.allocated + st.free != st.capacity {
-            return Err(format!(
-                "space: allocated {} + free {} != capacity {}",
-                st.allocated, st.free, st.capacity
-            ));
+            return Err(TargetError::Inconsistent {
+                check: "space",
+                finding: format!(
+                    "allocated {} + free {} != capacity {}",
+                    st.allocated, st.free, st.capacity
+                ),
+            });
         }
         Ok(())
     }
