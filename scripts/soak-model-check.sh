@@ -31,7 +31,7 @@ DURATION=${1:-1800}
 BATCH=${2:-20}
 # First seed of round 0 (a new soak can start past the seeds an earlier one ran).
 BASE=${BASE:-1000000}
-LAYOUTS=${LAYOUTS:-"concat raid0 raid1 raid10 raid5 raid6 ec"}
+LAYOUTS=${LAYOUTS:-"concat raid0 raid1 raid10 raid5 raid6 ec dedup_concat dedup_raid1"}
 LOG=${LOG:-target/soak-model-check.log}
 JOBS=${JOBS:-$(($(nproc) * 3))}
 mkdir -p "$(dirname "$LOG")"

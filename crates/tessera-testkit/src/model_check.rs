@@ -186,6 +186,15 @@ pub enum Io {
         sector: u64,
         sectors: u64,
     },
+    /// A write of what volume `from` holds at the same sectors (where the model knows
+    /// one value; a fresh stamp where it does not): identical blocks for a
+    /// deduplicating target to find ([`Kind::Duplicate`]).
+    Copy {
+        vol: Name,
+        sector: u64,
+        sectors: u64,
+        from: Name,
+    },
 }
 
 impl Io {
@@ -194,7 +203,8 @@ impl Io {
             Io::Write { vol, .. }
             | Io::Zero { vol, .. }
             | Io::Trim { vol, .. }
-            | Io::Read { vol, .. } => vol,
+            | Io::Read { vol, .. }
+            | Io::Copy { vol, .. } => vol,
         }
     }
     pub fn range(&self) -> (u64, u64) {
@@ -209,6 +219,9 @@ impl Io {
                 sector, sectors, ..
             }
             | Io::Read {
+                sector, sectors, ..
+            }
+            | Io::Copy {
                 sector, sectors, ..
             } => (sector, sectors),
         }
@@ -251,6 +264,15 @@ impl fmt::Debug for Io {
             } => write!(
                 f,
                 "Io::Read {{ vol: {vol:?}.into(), sector: {sector}, sectors: {sectors} }}"
+            ),
+            Io::Copy {
+                vol,
+                sector,
+                sectors,
+                from,
+            } => write!(
+                f,
+                "Io::Copy {{ vol: {vol:?}.into(), sector: {sector}, sectors: {sectors}, from: {from:?}.into() }}"
             ),
         }
     }
@@ -383,6 +405,10 @@ pub enum Kind {
     /// failed), as a device behind a loose cable does: the pool must still know it
     /// missed writes.
     Revive,
+    /// Writes that copy another volume's blocks ([`Io::Copy`]), for deduplicating
+    /// targets. Not in [`Kind::ALL`]: it adds nothing where identical blocks are stored
+    /// twice anyway, and the seeds of the other layouts stay the sequences they were.
+    Duplicate,
 }
 
 impl Kind {
@@ -878,6 +904,23 @@ impl Generator {
                 sector,
                 sectors,
             },
+            _ if self.on(Kind::Duplicate) && self.rng.below(2) == 0 => {
+                let others: Vec<&Name> = m.vols.keys().filter(|n| **n != vol).collect();
+                match self.pick(&others).cloned() {
+                    Some(from) => Io::Copy {
+                        vol,
+                        sector,
+                        sectors,
+                        from,
+                    },
+                    None => Io::Write {
+                        vol,
+                        sector,
+                        sectors,
+                        fua: false,
+                    },
+                }
+            }
             _ if self.on(Kind::Write) => Io::Write {
                 vol,
                 sector,
@@ -1011,6 +1054,10 @@ fn valid(m: &Model, op: &Op) -> bool {
                 has(io.vol())
                     && s + n <= m.vols[io.vol()].sectors()
                     && (matches!(io, Io::Read { .. }) || !is_snap(io.vol()))
+                    && match io {
+                        Io::Copy { from, .. } => has(from) && s + n <= m.vols[from].sectors(),
+                        _ => true,
+                    }
             }) && snapshot
                 .as_ref()
                 .is_none_or(|(v, s)| has(v) && !is_snap(v) && !has(s))
@@ -1087,6 +1134,39 @@ pub fn step(m: &mut Model, t: &mut dyn Target, op: &Op) -> Result<bool, Violatio
                         data.push(d);
                         vals.push(v);
                     }
+                    Io::Copy {
+                        vol,
+                        sector,
+                        sectors,
+                        from,
+                    } => {
+                        // What `from` reads now where that is one value (the bytes it
+                        // holds), else a write of this volume's own.
+                        let lineage = m.vols[vol].lineage;
+                        let known: Vec<Option<Val>> = (0..*sectors)
+                            .map(
+                                |i| match m.vols[from].sectors[usize_of(sector + i)].now[..] {
+                                    [one] => Some(one),
+                                    _ => None,
+                                },
+                            )
+                            .collect();
+                        let v: Vec<Val> = known
+                            .into_iter()
+                            .map(|k| {
+                                k.unwrap_or_else(|| Val::Stamp {
+                                    lineage,
+                                    gen: m.gen(),
+                                })
+                            })
+                            .collect();
+                        let mut d = Vec::with_capacity(usize_of(*sectors) * SECTOR);
+                        for (i, val) in v.iter().enumerate() {
+                            d.extend_from_slice(&stamp(*val, sector + i as u64));
+                        }
+                        data.push(d);
+                        vals.push(v);
+                    }
                     Io::Zero { sectors, .. } => {
                         data.push(Vec::new());
                         vals.push(vec![Val::Zero; usize_of(*sectors)]);
@@ -1112,7 +1192,7 @@ pub fn step(m: &mut Model, t: &mut dyn Target, op: &Op) -> Result<bool, Violatio
                     for i in 0..n {
                         let sec = &mut sm.sectors[usize_of(first + i)];
                         let val = match io {
-                            Io::Write { .. } | Io::Zero { .. } => v[usize_of(i)],
+                            Io::Write { .. } | Io::Zero { .. } | Io::Copy { .. } => v[usize_of(i)],
                             Io::Trim { .. } => Val::Zero,
                             Io::Read { .. } => continue,
                         };
@@ -1143,7 +1223,9 @@ pub fn step(m: &mut Model, t: &mut dyn Target, op: &Op) -> Result<bool, Violatio
                     Io::Write {
                         vol, sector, fua, ..
                     } => m.apply_write(vol, *sector, v, ok, *fua),
-                    Io::Zero { vol, sector, .. } => m.apply_write(vol, *sector, v, ok, false),
+                    Io::Zero { vol, sector, .. } | Io::Copy { vol, sector, .. } => {
+                        m.apply_write(vol, *sector, v, ok, false);
+                    }
                     Io::Trim {
                         vol,
                         sector,
@@ -1613,7 +1695,7 @@ mod tests {
                         res.push(Ok(v[bytes].to_vec()));
                         continue;
                     }
-                    Io::Write { .. } => v[bytes].copy_from_slice(d),
+                    Io::Write { .. } | Io::Copy { .. } => v[bytes].copy_from_slice(d),
                     Io::Zero { .. } | Io::Trim { .. } => v[bytes].fill(0),
                 }
                 if let Some(lost) = self.lose_sector.filter(|s| (first..first + n).contains(s)) {

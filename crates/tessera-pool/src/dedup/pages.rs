@@ -69,6 +69,19 @@ pub fn encode_counts(id: PageId, gen: u64, uuid: &Uuid, counts: &[u32; COUNTS]) 
 /// The generation of slot `b` when it is a valid copy of page `id` of pool `uuid` no
 /// newer than `durable` (docs/format.md §17).
 pub fn valid_gen(b: &[u8], id: PageId, uuid: &Uuid, durable: u64) -> Option<u64> {
+    whole_gen(b, id, uuid).filter(|&g| g <= durable)
+}
+
+/// Whether slot `b` is a whole copy of page `id` of pool `uuid` written by a commit
+/// newer than `durable`: one whose journal block a power loss took. Such a slot must be
+/// erased before the journal's sequence reaches its generation, which would make it
+/// valid (docs/format.md §17).
+pub fn is_future(b: &[u8], id: PageId, uuid: &Uuid, durable: u64) -> bool {
+    whole_gen(b, id, uuid).is_some_and(|g| g > durable)
+}
+
+/// The generation of slot `b` when it is a whole copy of page `id` of pool `uuid`.
+fn whole_gen(b: &[u8], id: PageId, uuid: &Uuid) -> Option<u64> {
     if b.len() < BLOCK {
         return None;
     }
@@ -80,8 +93,7 @@ pub fn valid_gen(b: &[u8], id: PageId, uuid: &Uuid, durable: u64) -> Option<u64>
         && b[BLOCK - 4..BLOCK] == crc
         && u32_at(8) == id.layer
         && u32_at(12) == id.number
-        && &b[24..40] == uuid
-        && gen <= durable)
+        && &b[24..40] == uuid)
         .then_some(gen)
 }
 

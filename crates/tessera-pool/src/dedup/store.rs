@@ -175,6 +175,14 @@ pub(crate) struct State {
     in_flight: FpMap<u64>,
     /// Blocks being overwritten in place (`Placement::InPlace`): never shared meanwhile.
     overwriting: std::collections::HashSet<u64>,
+    /// Blocks whose count dropped (and stayed above zero) since the dirty pages were
+    /// last taken, and those whose drop the commit in flight (or a failed one) carries.
+    /// The durable maps may still reference such a block more often than its count
+    /// says: overwritten in place now, a power loss would bring back a map entry that
+    /// reads the new bytes. So it is not overwritten in place until that commit is
+    /// durable.
+    released: std::collections::HashSet<u64>,
+    releasing: std::collections::HashSet<u64>,
     /// A commit was asked for because free blocks ran low (cleared by the commit).
     refill_asked: bool,
     /// Store blocks referenced.
@@ -352,19 +360,32 @@ impl DedupCore {
         let blocks = store_units.len() as u64 * BLOCKS_PER_UNIT;
         let npages = blocks.div_ceil(COUNTS as u64);
         let mut count_pages = Vec::new();
+        // Slots written by a commit that a power loss took (device offsets): erased
+        // below, before any commit of this open reaches their generation.
+        let mut future = Vec::new();
+        let mut note_future = |pair: &[u8], id: PageId, at: u64| {
+            for (half, slot) in pair.chunks(BLOCK).enumerate() {
+                if pages::is_future(slot, id, &uuid, durable) {
+                    future.push(at + half as u64 * DBLOCK);
+                }
+            }
+        };
         for (r, &p) in count_units.iter().enumerate() {
-            layout.read_at(u64::from(p) << shift, buf.as_mut_slice())?;
+            let base = u64::from(p) << shift;
+            layout.read_at(base, buf.as_mut_slice())?;
             for i in 0..PAGES_PER_UNIT {
                 let number = r as u64 * PAGES_PER_UNIT + i;
-                if number >= npages {
-                    break;
-                }
                 let id = PageId {
                     refcount: true,
                     layer: 0,
                     number: u32::try_from(number).expect("page numbers fit u32"),
                 };
                 let pair = &buf.as_slice()[usize_of(i * PAIR)..usize_of((i + 1) * PAIR)];
+                // Pages past the store's end too: the lost commit may have grown it.
+                note_future(pair, id, base + i * PAIR);
+                if number >= npages {
+                    continue;
+                }
                 count_pages.push(match pages::newest(pair, id, &uuid, durable) {
                     Some((b, bytes)) => CountPage {
                         counts: pages::decode_counts(bytes),
@@ -391,7 +412,8 @@ impl DedupCore {
                 ..Default::default()
             };
             for (&k, &p) in &map_units {
-                layout.read_at(u64::from(p) << shift, buf.as_mut_slice())?;
+                let base = u64::from(p) << shift;
+                layout.read_at(base, buf.as_mut_slice())?;
                 for i in 0..PAGES_PER_UNIT {
                     let vunit = u64::from(k) * PAGES_PER_UNIT + i;
                     let Ok(vunit) = u32::try_from(vunit) else {
@@ -403,6 +425,7 @@ impl DedupCore {
                         number: vunit,
                     };
                     let pair = &buf.as_slice()[usize_of(i * PAIR)..usize_of((i + 1) * PAIR)];
+                    note_future(pair, id, base + i * PAIR);
                     if let Some((b, bytes)) = pages::newest(pair, id, &uuid, durable) {
                         let entries = pages::decode_map(bytes);
                         lm.mapped +=
@@ -419,6 +442,18 @@ impl DedupCore {
             }
             layers.insert(layer, lm);
         }
+        if !future.is_empty() {
+            // Made durable before the pool writes its first journal block of this open
+            // (the caller opens the dedup store before it commits anything).
+            for &at in &future {
+                layout.write_zeroes_at(at, DBLOCK)?;
+            }
+            layout.sync()?;
+            tracing::info!(
+                slots = future.len(),
+                "dedup pages of a commit lost at a power loss erased"
+            );
+        }
         let mut st = State {
             store_units,
             count_pages,
@@ -431,6 +466,8 @@ impl DedupCore {
             pending_by_pba: HashMap::default(),
             in_flight: FpMap::default(),
             overwriting: std::collections::HashSet::new(),
+            released: std::collections::HashSet::new(),
+            releasing: std::collections::HashSet::new(),
             refill_asked: false,
             used: 0,
         };
@@ -646,6 +683,8 @@ impl DedupCore {
         if *c == 0 {
             st.used -= 1;
             st.pending_free.push(pba);
+        } else {
+            st.released.insert(pba);
         }
     }
 
@@ -663,7 +702,11 @@ impl DedupCore {
             let Some(old) = pba_of(Self::entry(&st, layer, first + i as u64)) else {
                 continue;
             };
-            if Self::count(&st, old) == 1 && st.overwriting.insert(old) {
+            if Self::count(&st, old) == 1
+                && !st.released.contains(&old)
+                && !st.releasing.contains(&old)
+                && st.overwriting.insert(old)
+            {
                 *p = Placement::InPlace(old, fp);
             }
         }
@@ -994,6 +1037,9 @@ impl DedupCore {
             items: Vec::new(),
             freed: std::mem::take(&mut st.pending_free),
         };
+        // The drops this batch makes durable (with those of a failed batch before it).
+        let released = std::mem::take(&mut st.released);
+        st.releasing.extend(released);
         for (&layer, lm) in st.layers.iter_mut() {
             for v in std::mem::take(&mut lm.dirty) {
                 let (Some(page), Some(&unit)) = (
@@ -1074,6 +1120,9 @@ impl DedupCore {
         let mut guard = self.lock();
         let st = &mut *guard;
         st.refill_asked = false;
+        if durable {
+            st.releasing.clear();
+        }
         for it in batch.items {
             match it.layer {
                 Some(layer) => {

@@ -132,9 +132,24 @@ impl PoolCore {
     /// data: every page in it validates by CRC, pool uuid, number and generation, and a
     /// store block is read only once a map entry names it, after it was written. Dedup
     /// pools have no parity, so no reserve is involved.
+    ///
+    /// It is zeroed (on every copy) all the same
+    /// - on a mirror, as a first write's partial unit is (`plan_first_write` says why):
+    ///   the copies of a free unit may differ (a replacement's old bytes), and the blocks
+    ///   not yet written would differ between the copies of an allocated unit, which a
+    ///   scrub reports as damage;
+    /// - when it is a map or refcount unit, on every layout: a commit that a power loss
+    ///   undid may have written pages into this unit under this very owner, with a
+    ///   generation the journal has not reached yet, which would become valid once it
+    ///   does (a page this owner never rewrites; `DedupCore::open` erases such pages in
+    ///   the units it owns). These units are few: one per 256 MiB of a volume, or per
+    ///   512 MiB of store.
     pub(crate) fn alloc_owned(&self, owner: u32, second: u32) -> std::result::Result<u32, i32> {
+        use crate::dedup::store::{MAP_UNIT, OWNER_REFCOUNT};
+        // A map unit is owned by its layer, `second` being `MAP_UNIT | k`.
+        let pages = owner == OWNER_REFCOUNT || second & MAP_UNIT != 0;
         let s = self.lock();
-        let (mut s, p) = self.take_free(s, false);
+        let (mut s, p) = self.take_free(s, pages || self.layout.kind.is_mirror());
         let p = p?;
         s.owners[p as usize] = (owner, second);
         self.uncache_unit(p);
