@@ -24,6 +24,10 @@ use super::pages::{self, PageId, ABSENT, COUNTS, MAP_ENTRIES, PAGES_PER_UNIT, PA
 use crate::format::{Uuid, BLOCK};
 use crate::layout::Layout;
 
+/// What `publish` answers when a block the write merged was changed by another write
+/// meanwhile: write again (not an errno; never reaches a client).
+pub(crate) const MERGE_CONFLICT: i32 = -(1 << 20);
+
 /// Owner-table ids of dedup units (docs/format.md §17).
 pub const OWNER_STORE: u32 = 0xFFFF_FFFC;
 pub const OWNER_REFCOUNT: u32 = 0xFFFF_FFFB;
@@ -183,6 +187,11 @@ pub(crate) struct State {
     /// durable.
     released: std::collections::HashSet<u64>,
     releasing: std::collections::HashSet<u64>,
+    /// Blocks (layer, block) a write is merging now: read, merged with the client's
+    /// part of it, stored whole. Another write of part of such a block waits for it
+    /// (both would merge into the same old bytes, and the second to publish would undo
+    /// the first), and none overwrites it in place.
+    merging: std::collections::HashSet<(u32, u64)>,
     /// A commit was asked for because free blocks ran low (cleared by the commit).
     refill_asked: bool,
     /// Store blocks referenced.
@@ -468,6 +477,7 @@ impl DedupCore {
             overwriting: std::collections::HashSet::new(),
             released: std::collections::HashSet::new(),
             releasing: std::collections::HashSet::new(),
+            merging: std::collections::HashSet::new(),
             refill_asked: false,
             used: 0,
         };
@@ -703,6 +713,7 @@ impl DedupCore {
                 continue;
             };
             if Self::count(&st, old) == 1
+                && !st.merging.contains(&(layer, first + i as u64))
                 && !st.released.contains(&old)
                 && !st.releasing.contains(&old)
                 && st.overwriting.insert(old)
@@ -867,14 +878,26 @@ impl DedupCore {
     /// Publish a write of `placements` at blocks `first..` of `layer`: each entry now
     /// names its block, the blocks they named lose a reference, new blocks gain theirs
     /// and enter the index. Shared blocks already hold the reference `share` took.
+    ///
+    /// `merged`: the merged blocks of the write (`begin_merge`) and the entries they
+    /// were merged from. When one of those entries changed meanwhile (a write of the
+    /// whole block published), nothing is done and the result is [`MERGE_CONFLICT`]: the
+    /// caller gives its blocks back and writes again, merging with the new bytes.
     pub(crate) fn publish(
         &self,
         layer: u32,
         first: u64,
         placements: &[Placement],
+        merged: &[(u64, u64)],
         alloc_unit: &dyn Fn(u32, u32) -> Result<u32, i32>,
     ) -> Result<(), i32> {
         let mut st = self.lock();
+        if merged
+            .iter()
+            .any(|&(b, was)| Self::entry(&st, layer, b) != was)
+        {
+            return Err(MERGE_CONFLICT);
+        }
         Self::end_new(&mut st, placements);
         // Units first, so that a failure changes nothing.
         let mut last = None;
@@ -909,6 +932,41 @@ impl DedupCore {
             }
         }
         Ok(())
+    }
+
+    /// Start merging the partial blocks `vblocks` of `layer` (at most two: a write's
+    /// edges): the entries they are merged from, for `publish` to check; None when one
+    /// of them is being merged by another write, or overwritten in place (its bytes are
+    /// changing): the caller waits a round and tries again.
+    pub(crate) fn begin_merge(&self, layer: u32, vblocks: &[u64]) -> Option<Vec<(u64, u64)>> {
+        let mut st = self.lock();
+        for &b in vblocks {
+            let busy = st.merging.contains(&(layer, b))
+                || pba_of(Self::entry(&st, layer, b)).is_some_and(|p| st.overwriting.contains(&p));
+            if busy {
+                return None;
+            }
+        }
+        Some(
+            vblocks
+                .iter()
+                .map(|&b| {
+                    st.merging.insert((layer, b));
+                    (b, Self::entry(&st, layer, b))
+                })
+                .collect(),
+        )
+    }
+
+    /// The write that merged `merged` (from `begin_merge`) has ended, published or not.
+    pub(crate) fn end_merge(&self, layer: u32, merged: &[(u64, u64)]) {
+        if merged.is_empty() {
+            return;
+        }
+        let mut st = self.lock();
+        for &(b, _) in merged {
+            st.merging.remove(&(layer, b));
+        }
     }
 
     /// Set one entry; returns the old one. Counts the layer's mapped entries.

@@ -7,7 +7,11 @@
 //! the rest get new store blocks, written asynchronously; only when those writes have
 //! completed are the new map entries published (`DedupCore::publish`), so a reader on
 //! any core sees either the old block or the whole new one, never a half-written one.
-//! Sub-block edges are read, merged and written whole.
+//! Sub-block edges are read, merged and written whole, one write at a time per block
+//! (`DedupCore::begin_merge`; a second waits a round): two merges from the same old bytes
+//! would lose the first one's part. A whole-block write that publishes while a merge of
+//! the block is in flight makes that merge write again (`publish` checks the entry it
+//! merged from). A write-zeroes' partial edges are writes of zeros through this path.
 //!
 //! A write of a block whose bytes a write in flight is storing as a new block (a client
 //! that writes the same data twice in quick succession, as fio's `dedupe_percentage`
@@ -28,7 +32,9 @@ use tessera_io::{AlignedBuf, Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use super::VolumeHandle;
 use crate::cache_tier::TierHandle;
-use crate::dedup::store::{is_zero, DedupCore, Placement, BLOCKS_PER_UNIT, DBLOCK, UNHASHED};
+use crate::dedup::store::{
+    is_zero, DedupCore, Placement, BLOCKS_PER_UNIT, DBLOCK, MERGE_CONFLICT, UNHASHED,
+};
 use crate::dedup::Fingerprint;
 use crate::format::BLOCK;
 use crate::pool::PoolCore;
@@ -42,6 +48,13 @@ struct PendingWrite {
     placements: Vec<Placement>,
     /// Merged edge blocks the writes read from (alive until they complete).
     _edges: Vec<AlignedBuf>,
+    /// The blocks merged and the entries they were merged from (`begin_merge`).
+    merged: Vec<(u64, u64)>,
+    /// The request, to write it again when a merged block changed meanwhile.
+    offset: u64,
+    len: u64,
+    buf: *const u8,
+    rounds: u32,
 }
 
 /// A write deferred because a block of it is being stored by another write.
@@ -164,23 +177,48 @@ impl Continuation for DedupWrites {
             .take()
             .expect("a pending write completes once");
         self.free.borrow_mut().push(u32_of(ctx));
-        io.complete(parent, finish(&w, res));
+        let res = finish(&w, res);
+        if res == MERGE_CONFLICT {
+            // A block it merged was rewritten meanwhile: merge again with the new bytes.
+            let again = Waiting {
+                dedup: w.dedup.clone(),
+                pool: w.pool.clone(),
+                layer: w.layer,
+                offset: w.offset,
+                len: w.len,
+                buf: w.buf,
+                tag: parent,
+                rounds: w.rounds,
+            };
+            let i = slab_put(&self.waiting, &self.waiting_free, again);
+            io.defer_hook(self.hook.get(), WAIT_CTX | u64::from(i));
+            return;
+        }
+        io.complete(parent, res);
     }
 }
 
-/// End a write whose data writes ended with `res`: publish it, or give its blocks back.
+/// End a write whose data writes ended with `res`: publish it, or give its blocks back
+/// ([`MERGE_CONFLICT`]: write it again).
 fn finish(w: &PendingWrite, res: i32) -> i32 {
     let res = if res < 0 {
         res
     } else {
         let alloc = |o: u32, s: u32| w.pool.alloc_owned(o, s);
-        match w.dedup.publish(w.layer, w.first, &w.placements, &alloc) {
-            Ok(()) => return 0,
+        match w
+            .dedup
+            .publish(w.layer, w.first, &w.placements, &w.merged, &alloc)
+        {
+            Ok(()) => {
+                w.dedup.end_merge(w.layer, &w.merged);
+                return 0;
+            }
             Err(e) => e,
         }
     };
     w.dedup.untake(&w.placements);
     w.dedup.unshare(&w.placements);
+    w.dedup.end_merge(w.layer, &w.merged);
     res
 }
 
@@ -229,8 +267,32 @@ impl VolumeHandle {
                 io.complete(tag, 0);
             }
             IoOp::WriteZeroes { offset, len, .. } => {
-                let r = zero_range(d, &self.vol.pool, layer, offset, len);
-                io.complete(tag, r);
+                // Whole blocks become holes; the partial edges are writes of zeros,
+                // merged (one at a time per block) like any partial write.
+                let first_full = offset.div_ceil(DBLOCK);
+                let end_full = (offset + len) / DBLOCK;
+                if end_full > first_full {
+                    d.clear(layer, first_full, end_full - first_full);
+                }
+                let pieces = partial_pieces(offset, len);
+                if pieces.is_empty() {
+                    return io.complete(tag, 0);
+                }
+                let t = io.join(tag, u32_of(pieces.len() as u64));
+                let pool = self.vol.pool.clone();
+                for (at, n) in pieces {
+                    // SAFETY: `ZEROS` is static, and each piece is at most one block.
+                    unsafe {
+                        write_dedup(
+                            io,
+                            d,
+                            &pool,
+                            &mut self.layout,
+                            (layer, at, n, ZEROS.as_ptr()),
+                            (t, 0, false),
+                        )
+                    }
+                }
             }
             IoOp::Flush => unreachable!("handled by submit"),
         }
@@ -367,6 +429,36 @@ unsafe fn write_dedup(
     let skip = random && rounds == 0 && d.skips(layer, offset / DBLOCK);
     let first = offset / DBLOCK;
     let last = (offset + len - 1) / DBLOCK;
+    let wait = |io: &mut CoreIo| {
+        let w = Waiting {
+            dedup: d.clone(),
+            pool: pool.clone(),
+            layer,
+            offset,
+            len,
+            buf,
+            tag,
+            rounds,
+        };
+        let i = slab_put(&engine.waiting, &engine.waiting_free, w);
+        io.defer_hook(engine.hook.get(), WAIT_CTX | u64::from(i));
+    };
+    // Partial edge blocks are merged: one write at a time per block.
+    let partial = |b: u64| b * DBLOCK < offset || (b + 1) * DBLOCK > offset + len;
+    let edge_blocks: Vec<u64> = [first, last]
+        .into_iter()
+        .enumerate()
+        .filter(|&(i, b)| partial(b) && (i == 0 || b != first))
+        .map(|(_, b)| b)
+        .collect();
+    let merged = if edge_blocks.is_empty() {
+        Vec::new()
+    } else {
+        match d.begin_merge(layer, &edge_blocks) {
+            Some(m) => m,
+            None => return wait(io),
+        }
+    };
     // Each block's bytes: the client's, or for a partial edge block the merged block.
     let mut edges: Vec<AlignedBuf> = Vec::new();
     let mut sources: Vec<*const u8> = Vec::with_capacity(usize_of(last - first + 1));
@@ -379,6 +471,7 @@ unsafe fn write_dedup(
         }
         let mut m = AlignedBuf::zeroed(BLOCK);
         if let Err(e) = read_block(d, layer, b, &mut m.as_mut_slice()[..BLOCK]) {
+            d.end_merge(layer, &merged);
             return io.complete(tag, e);
         }
         let lo = offset.max(start);
@@ -404,20 +497,9 @@ unsafe fn write_dedup(
                     // The same bytes are being stored: try again next round (the
                     // references taken so far go back meanwhile).
                     d.unshare(&placements);
+                    d.end_merge(layer, &merged);
                     drop(scratch);
-                    let w = Waiting {
-                        dedup: d.clone(),
-                        pool: pool.clone(),
-                        layer,
-                        offset,
-                        len,
-                        buf,
-                        tag,
-                        rounds,
-                    };
-                    let i = slab_put(&engine.waiting, &engine.waiting_free, w);
-                    io.defer_hook(engine.hook.get(), WAIT_CTX | u64::from(i));
-                    return;
+                    return wait(io);
                 }
             }
         }
@@ -441,14 +523,16 @@ unsafe fn write_dedup(
     }
     let alloc = |o: u32, s: u32| pool.alloc_owned(o, s);
     if fresh == 0 {
-        let r = match d.publish(layer, first, &placements, &alloc) {
-            Ok(()) => 0,
-            Err(e) => {
-                d.unshare(&placements);
-                e
-            }
+        let r = d.publish(layer, first, &placements, &merged, &alloc);
+        if r.is_err() {
+            d.unshare(&placements);
+        }
+        d.end_merge(layer, &merged);
+        return match r {
+            Ok(()) => io.complete(tag, 0),
+            Err(MERGE_CONFLICT) => wait(io),
+            Err(e) => io.complete(tag, e),
         };
-        return io.complete(tag, r);
     }
     // Unshared blocks are overwritten where they are.
     d.claim_in_place(layer, first, &mut placements);
@@ -472,6 +556,7 @@ unsafe fn write_dedup(
         Err(e) => {
             d.untake(&placements);
             d.unshare(&placements);
+            d.end_merge(layer, &merged);
             return io.complete(tag, e);
         }
     }
@@ -505,6 +590,11 @@ unsafe fn write_dedup(
         first,
         placements,
         _edges: edges,
+        merged,
+        offset,
+        len,
+        buf,
+        rounds,
     };
     let slot = slab_put(&engine.slots, &engine.free, w);
     let t = io.tracked(tag, u32_of(runs.len()), engine.hook.get(), u64::from(slot));
@@ -525,62 +615,28 @@ unsafe fn write_dedup(
     }
 }
 
-/// Write-zeroes: whole blocks become holes; partial edge blocks are merged and stored
-/// like any write (synchronously: rare, and never on a parity layout).
-fn zero_range(d: &DedupCore, pool: &Arc<PoolCore>, layer: u32, offset: u64, len: u64) -> i32 {
-    let first_full = offset.div_ceil(DBLOCK);
-    let end_full = (offset + len) / DBLOCK;
-    if end_full > first_full {
-        d.clear(layer, first_full, end_full - first_full);
-    }
-    let (fb, lb) = (offset / DBLOCK, (offset + len - 1) / DBLOCK);
-    let partial = |b: u64| b * DBLOCK < offset || (b + 1) * DBLOCK > offset + len;
-    let mut edges = Vec::new();
-    if partial(fb) {
-        edges.push(fb);
-    }
-    if lb != fb && partial(lb) {
-        edges.push(lb);
-    }
-    let mut block = AlignedBuf::zeroed(BLOCK);
-    let mut scratch = AlignedBuf::zeroed(BLOCK);
-    let alloc = |o: u32, s: u32| pool.alloc_owned(o, s);
-    for b in edges {
-        let start = b * DBLOCK;
-        let m = &mut block.as_mut_slice()[..BLOCK];
-        if let Err(e) = read_block(d, layer, b, m) {
-            return e;
-        }
-        let lo = offset.max(start);
-        let hi = (offset + len).min(start + DBLOCK);
-        m[usize_of(lo - start)..usize_of(hi - start)].fill(0);
-        let mut pl =
-            place(d, m, &mut scratch, false, false).expect("a write that does not wait is placed");
-        let counter = match pl {
-            Placement::Shared(_) => &d.counters.hits,
-            Placement::Zero => &d.counters.zero_blocks,
-            Placement::New(..) | Placement::InPlace(..) => &d.counters.new_blocks,
+/// The bytes of a zeroed part of a block (a write-zeroes' partial edges are written
+/// from here).
+static ZEROS: [u8; BLOCK] = [0; BLOCK];
+
+/// The partial edge blocks of `len` bytes at `offset`, as (offset, length) pieces.
+fn partial_pieces(offset: u64, len: u64) -> Vec<(u64, u64)> {
+    let end = offset + len;
+    let (fb, lb) = (offset / DBLOCK, (end - 1) / DBLOCK);
+    let partial = |b: u64| b * DBLOCK < offset || (b + 1) * DBLOCK > end;
+    if fb == lb {
+        return if partial(fb) {
+            vec![(offset, len)]
+        } else {
+            Vec::new()
         };
-        counter.fetch_add(1, Relaxed);
-        if let Placement::New(pba, _) = &mut pl {
-            match d.take_blocks(1, &alloc) {
-                Ok(v) => *pba = v[0],
-                Err(e) => return e,
-            }
-            let po = {
-                let st = d.lock();
-                d.pba_offset(&st, *pba)
-            };
-            if let Err(e) = d.layout.write_at(po, m) {
-                d.untake(&[Placement::New(*pba, 0)]);
-                return -e.raw_os_error().unwrap_or(libc::EIO);
-            }
-        }
-        if let Err(e) = d.publish(layer, b, &[pl], &alloc) {
-            d.untake(&[pl]);
-            d.unshare(&[pl]);
-            return e;
-        }
     }
-    0
+    let mut v = Vec::new();
+    if partial(fb) {
+        v.push((offset, (fb + 1) * DBLOCK - offset));
+    }
+    if partial(lb) {
+        v.push((lb * DBLOCK, end - lb * DBLOCK));
+    }
+    v
 }

@@ -692,6 +692,42 @@ fn replay_dedup_mirror_replacement_then_store_unit() {
     );
 }
 
+/// Issue 25 (dedup seed 8326, both layouts): two writes of different sectors of one
+/// 4 KiB block at once both merged into the block's old bytes, and the second to publish
+/// undid the first. Merges of a block now go one at a time.
+#[test]
+fn replay_dedup_two_partial_writes_of_one_block() {
+    replay_on(
+        "dedup-concat",
+        LayoutKind::Concat,
+        2,
+        true,
+        8326,
+        &[
+            Op::CreateVolume { vol: "v1".into() },
+            Op::Batch {
+                ios: vec![
+                    Io::Write {
+                        vol: "v1".into(),
+                        sector: 1043,
+                        sectors: 1,
+                        fua: false,
+                    },
+                    Io::Write {
+                        vol: "v1".into(),
+                        sector: 1040,
+                        sectors: 2,
+                        fua: false,
+                    },
+                ],
+                latency_us: vec![143, 366],
+                crash_after: None,
+                snapshot: None,
+            },
+        ],
+    );
+}
+
 /// Issue 20 item 2 on mirrors (raid1 seed 3001 with `TESSERA_MC_ALL=1`): a garbage
 /// replacement is rebuilt, then a first write after a snapshot allocates a partial unit
 /// from a free unit whose copies differ; the scrub must find the copies equal.
