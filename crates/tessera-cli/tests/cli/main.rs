@@ -24,7 +24,6 @@ mod iscsi;
 mod iscsi_alua;
 mod iscsi_config;
 mod log_limits;
-mod malformed_input;
 mod metrics_prometheus;
 mod nbd_tls;
 mod nbd_unaligned;

@@ -280,3 +280,34 @@ pub fn log_text() -> String {
     };
     String::from_utf8_lossy(&buf.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
 }
+
+impl TestNode {
+    /// Fail the test (saying `what`) unless every reactor core of the node still runs the
+    /// tasks sent to it: in process, a node that "died" is a core whose thread panicked
+    /// (a crash of the whole node takes the test binary with it). Checked by running a
+    /// no-op task on each core, 10 s at most.
+    pub fn assert_alive(&self, what: &str) {
+        for (core, mb) in self.node().reactors.iter().enumerate() {
+            let (tx, rx) = std::sync::mpsc::channel();
+            mb.spawn(Box::new(move |_io| {
+                let _ = tx.send(());
+                Box::new(NoTask) as Box<dyn tessera_io::reactor::Task>
+            }));
+            assert!(
+                rx.recv_timeout(Duration::from_secs(10)).is_ok(),
+                "{what}: reactor core {core} runs no task"
+            );
+        }
+    }
+}
+
+/// A task that is done as soon as it is installed ([`TestNode::assert_alive`]).
+struct NoTask;
+
+impl tessera_io::reactor::Task for NoTask {
+    fn start(&mut self, _io: &mut tessera_io::CoreIo, _id: u32) {}
+    fn on_complete(&mut self, _io: &mut tessera_io::CoreIo, _slot: u32, _res: i32) {}
+    fn finished(&self) -> bool {
+        true
+    }
+}
