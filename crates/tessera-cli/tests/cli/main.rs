@@ -26,7 +26,6 @@ mod iscsi_config;
 mod log_limits;
 mod metrics_prometheus;
 mod nbd_tls;
-mod nbd_unaligned;
 mod nvmf_ana;
 mod nvmf_auth;
 mod nvmf_interop;

@@ -9,6 +9,7 @@ mod common;
 mod hot_spare;
 mod iscsi_reservations;
 mod malformed_input;
+mod nbd_unaligned;
 mod raid_mirror;
 mod scrub_background;
 mod scrub_mirror_repair;
