@@ -7,6 +7,7 @@
 
 mod common;
 mod hot_spare;
+mod interop_clients;
 mod iscsi_reservations;
 mod malformed_input;
 mod nbd_unaligned;
