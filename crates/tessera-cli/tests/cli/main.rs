@@ -28,7 +28,6 @@ mod metrics_prometheus;
 mod nbd_tls;
 mod nvmf_ana;
 mod nvmf_auth;
-mod nvmf_interop;
 mod proxy;
 mod raid_parity;
 mod raid_rebuild;

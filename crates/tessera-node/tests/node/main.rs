@@ -11,6 +11,8 @@ mod interop_clients;
 mod iscsi_reservations;
 mod malformed_input;
 mod nbd_unaligned;
+mod nvmf_auth;
+mod nvmf_interop;
 mod raid_mirror;
 mod scrub_background;
 mod scrub_mirror_repair;

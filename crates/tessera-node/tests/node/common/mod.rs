@@ -160,7 +160,14 @@ impl TestNode {
 
     /// [`stop`](Self::stop), then start a node again on the same data directory.
     pub fn restart(&mut self) {
+        // Once its device files are unlocked: a connection that was open on a core (NBD,
+        // NVMe/TCP and iSCSI connections live on the reactors, which outlive the node)
+        // holds its volume's devices, and so their locks, until the core sees it close.
+        let files = self.node.as_deref().map(device_files).unwrap_or_default();
         self.stop();
+        wait_for("the stopped node's device files to be unlocked", 10, || {
+            files.iter().all(|f| unlocked(f))
+        });
         self.boot();
     }
 
@@ -310,4 +317,52 @@ impl tessera_io::reactor::Task for NoTask {
     fn finished(&self) -> bool {
         true
     }
+}
+
+impl TestNode {
+    /// Start NVMe/TCP as `tessera run` does (`node::nvmf::start`: the config's declared
+    /// subsystems, then a listener on each of `[nvmf]`'s ports; a port that cannot be
+    /// bound is logged and skipped); the I/O port's address, HOST:PORT. Again after each
+    /// restart: a stopped node's listeners stay bound (their threads block in accept), so
+    /// the node's config should listen on port 0 and the test take the new address.
+    pub fn serve_nvmf(&self) -> String {
+        let addrs = tessera_node::node::nvmf::start(self.node());
+        addrs
+            .iter()
+            .find(|a| !a.ends_with("(discovery)"))
+            .and_then(|a| a.strip_prefix("nvme+tcp://"))
+            .unwrap_or_else(|| panic!("no NVMe/TCP I/O port among {addrs:?}"))
+            .to_string()
+    }
+}
+
+/// The regular files among the devices of `node`'s pools (specs `PATH` or `PATH:SIZE`).
+fn device_files(node: &Node) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for p in node.list_pools() {
+        // An offline pool holds no device.
+        let tessera_api::PoolEntry::Online(info) = p else {
+            continue;
+        };
+        for spec in info.devices {
+            let path = match spec.rsplit_once(':') {
+                Some((path, _size)) if !Path::new(&spec).exists() => PathBuf::from(path),
+                _ => PathBuf::from(&spec),
+            };
+            if path.is_file() {
+                files.push(path);
+            }
+        }
+    }
+    files
+}
+
+/// Whether no one holds `file`'s `flock` (a pool's device lock): taken and let go at once.
+fn unlocked(file: &Path) -> bool {
+    use std::os::fd::AsRawFd;
+    let Ok(f) = std::fs::File::open(file) else {
+        return true;
+    };
+    // SAFETY: flock on a descriptor this function owns; closing it lets the lock go.
+    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
 }
