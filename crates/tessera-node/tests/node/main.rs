@@ -8,6 +8,8 @@
 mod common;
 mod hot_spare;
 mod interop_clients;
+mod iscsi;
+mod iscsi_config;
 mod iscsi_reservations;
 mod malformed_input;
 mod nbd_unaligned;

@@ -334,6 +334,18 @@ impl TestNode {
             .unwrap_or_else(|| panic!("no NVMe/TCP I/O port among {addrs:?}"))
             .to_string()
     }
+
+    /// Start iSCSI as `tessera run` does (`node::iscsi::start`: the persisted targets, the
+    /// config's declared ones, then the portal `[iscsi] listen` names); the portal's
+    /// address, HOST:PORT. Again after each restart, as for [`serve_nvmf`](Self::serve_nvmf).
+    pub fn serve_iscsi(&self) -> String {
+        let addrs = tessera_node::node::iscsi::start(self.node());
+        addrs
+            .iter()
+            .find_map(|a| a.strip_prefix("iscsi://"))
+            .unwrap_or_else(|| panic!("no iSCSI portal among {addrs:?}"))
+            .to_string()
+    }
 }
 
 /// The regular files among the devices of `node`'s pools (specs `PATH` or `PATH:SIZE`).
