@@ -6,7 +6,7 @@
 
 use std::net::TcpListener;
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use tessera_export::accept::accept_each;
 use tessera_export::budget::{BufferBudget, ListenerCap};
@@ -36,6 +36,20 @@ pub fn accept_loop<T: ExportTarget>(
     accept_gated(l, target, cap, &gate, budget, next)
 }
 
+/// [`accept_loop`] holding the target weakly: a target dropped by its owner (a node in
+/// process stopped and started again, whose target holds its volumes) is not kept alive
+/// by a listener blocked in accept. A connection that arrives once it is gone is closed.
+pub fn accept_loop_weak<T: ExportTarget>(
+    l: TcpListener,
+    target: Weak<Target<T>>,
+    cap: Arc<ListenerCap>,
+    budget: Arc<BufferBudget>,
+    next: impl Fn() -> Arc<Mailbox> + Send + 'static,
+) {
+    let gate = LoginGate::new(LoginGate::bound_for(cap.max()));
+    accept_with(l, || target.upgrade(), cap, &gate, budget, next)
+}
+
 /// [`accept_loop`] with the listener's [`LoginGate`] given (a test looks at it).
 pub fn accept_gated<T: ExportTarget>(
     l: TcpListener,
@@ -45,11 +59,26 @@ pub fn accept_gated<T: ExportTarget>(
     budget: Arc<BufferBudget>,
     next: impl Fn() -> Arc<Mailbox> + Send + 'static,
 ) {
+    accept_with(l, || Some(target.clone()), cap, gate, budget, next)
+}
+
+/// The accept loop, taking the target from `target` for each connection (None: the
+/// connection is closed).
+fn accept_with<T: ExportTarget>(
+    l: TcpListener,
+    target: impl Fn() -> Option<Arc<Target<T>>>,
+    cap: Arc<ListenerCap>,
+    gate: &Arc<LoginGate>,
+    budget: Arc<BufferBudget>,
+    next: impl Fn() -> Arc<Mailbox> + Send + 'static,
+) {
     accept_each(l.incoming(), &cap, "iscsi", &CAP_LOG, |s, slot| {
+        let Some(t) = target() else {
+            return; // dropping the stream closes it
+        };
         let _ = s.set_nodelay(true);
         let ticket = gate.admit(&s);
         let fd: OwnedFd = s.into();
-        let t = target.clone();
         let b = budget.conn(Some(slot));
         next().spawn(Box::new(move |io| {
             Box::new(crate::conn::IscsiConn::new(io, fd, t, b, ticket))

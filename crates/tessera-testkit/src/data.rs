@@ -112,6 +112,18 @@ pub fn decode_stamped(block: u64, data: &[u8]) -> Result<u64, BadBlock> {
     Ok(g)
 }
 
+/// Fail the test unless `got` is `want`, naming `what` and the first byte that differs
+/// (not the whole buffers, which may be megabytes).
+pub fn assert_same_bytes(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: length differs");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: first difference at byte {i} ({:#04x} != expected {:#04x})",
+            got[i], want[i]
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::is_zero;

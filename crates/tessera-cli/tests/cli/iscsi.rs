@@ -1,9 +1,12 @@
 //! iSCSI on a node, end to end with libiscsi's tools: a target made through the CLI is
 //! found by SendTargets discovery, reports its volume's size, passes a small
 //! `iscsi-test-cu` subset, serves what NBD wrote, refuses the management operations that
-//! would pull its volume away, and is served again after a kill -9 and a restart; and
-//! access control (CHAP one-way and mutual, initiator allowlist) set through the CLI as
-//! an operator would, met by libiscsi's initiator, with no secret in any output or log.
+//! would pull its volume away (the CLI's exit codes and messages), and is served again
+//! after a kill -9 and a restart; and access control (CHAP one-way and mutual, initiator
+//! allowlist) set through the CLI as an operator would (secret files, standard input),
+//! met by libiscsi's initiator, with no secret in any output or log. The same bytes over
+//! iSCSI, NBD and NVMe/TCP are checked on an in-process node:
+//! `crates/tessera-node/tests/node/iscsi.rs`.
 
 use crate::common;
 use common::*;
@@ -424,132 +427,4 @@ fn iscsi_chap_and_initiator_allowlist_on_a_node() {
         !log.contains(SECRET) && !log.contains(MUTUAL_SECRET),
         "a secret in the log"
     );
-}
-
-/// `tools/iscsi-blockio.c`, built for this test (None: the test skips).
-fn blockio() -> Option<std::path::PathBuf> {
-    libiscsi_tool(
-        "iscsi-blockio",
-        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")),
-    )
-}
-
-/// `got` is `want` byte for byte; otherwise the first offset where they differ.
-fn assert_bytes(what: &str, got: &[u8], want: &[u8]) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        panic!(
-            "{what}: first difference at byte {i}: {:#04x}, expected {:#04x}",
-            got[i], want[i]
-        );
-    }
-}
-
-/// Data crosses the protocols byte for byte: what NBD writes (nbdcopy, libnbd) reads
-/// back over iSCSI (libiscsi's READ(16)), what iSCSI writes (WRITE(16)) reads back over
-/// NBD, and the same both ways with NVMe/TCP. The NVMe/TCP side is Tessera's own
-/// initiator (`tessera_nvmf::initiator`): there is no kernel or other NVMe/TCP host here.
-#[test]
-fn iscsi_nbd_and_nvme_tcp_see_the_same_bytes() {
-    use tessera_nvmf::initiator::{Controller, Options};
-    if !require_tool("nbdcopy") {
-        return;
-    }
-    let Some(blockio) = blockio() else { return };
-    let (ip, np, dp) = (free_port(), free_port(), free_port());
-    let node = TestNode::start_with_config(
-        "iscsi-cross",
-        &format!(
-            "[iscsi]\nlisten = \"127.0.0.1:{ip}\"\n[nvmf]\nlisten = \"127.0.0.1:{np}\"\ndiscovery = \"127.0.0.1:{dp}\"\n"
-        ),
-    );
-    const SIZE: usize = 16 << 20;
-    const NQN: &str = "nqn.2026-11.io.tessera.test:cross";
-    let img = format!("{}:64M", node.dir.join("p.img").display());
-    node.cli_ok(&["pool", "create", "p", &img]);
-    node.cli_ok(&["volume", "create", "v", "--pool", "p", "--size", "16M"]);
-    node.cli_ok(&["export", "add", "v", "--volume", "v"]);
-    node.cli_ok(&["iscsi", "target", "create", IQN, "--volume", "v"]);
-    node.cli_ok(&[
-        "nvmf",
-        "subsystem",
-        "add",
-        NQN,
-        "--volume",
-        "v",
-        "--allow-any-host",
-    ]);
-    let lun = format!("iscsi://127.0.0.1:{ip}/{IQN}/0");
-    let nbd = node.uri("v");
-    let file = |name: &str| node.dir.join(name);
-    let run = |cmd: &mut Command| {
-        let o = cmd.stdin(Stdio::null()).output().expect("run");
-        assert!(
-            o.status.success(),
-            "{cmd:?}: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-    };
-
-    // NBD writes the whole volume; iSCSI reads it back.
-    let a = pattern(11, SIZE);
-    std::fs::write(file("a"), &a).unwrap();
-    run(Command::new("nbdcopy")
-        .arg("--flush")
-        .arg(file("a"))
-        .arg(&nbd));
-    run(Command::new(&blockio)
-        .args(["read", &lun, "0", &SIZE.to_string()])
-        .arg(file("a.iscsi")));
-    assert_bytes("NBD -> iSCSI", &std::fs::read(file("a.iscsi")).unwrap(), &a);
-
-    // iSCSI writes 3 MiB at an offset that is not 4 KiB-aligned (the blocks are 512
-    // bytes); NBD reads the whole volume: that range is iSCSI's data, the rest NBD's.
-    let (off, len) = ((5 << 20) + 3 * 512, 3 << 20);
-    let b = pattern(22, len);
-    std::fs::write(file("b"), &b).unwrap();
-    run(Command::new(&blockio)
-        .args(["write", &lun, &off.to_string()])
-        .arg(file("b")));
-    run(Command::new("nbdcopy").arg(&nbd).arg(file("all.nbd")));
-    let mut want = a.clone();
-    want[off..off + len].copy_from_slice(&b);
-    assert_bytes(
-        "iSCSI -> NBD",
-        &std::fs::read(file("all.nbd")).unwrap(),
-        &want,
-    );
-
-    // NVMe/TCP reads what iSCSI wrote, then writes a range iSCSI reads back.
-    let mut c = Controller::connect(&format!("127.0.0.1:{np}"), NQN, &Options::default(), 1)
-        .expect("NVMe/TCP connect");
-    let chunk = 128 << 10;
-    let mut got = Vec::with_capacity(len);
-    // From the 512-byte block of `off` on: NVMe/TCP's LBAs are 512 bytes too.
-    for at in (off..off + len).step_by(chunk) {
-        let n = chunk.min(off + len - at);
-        let (lba, blocks) = (
-            u64::try_from(at / 512).unwrap(),
-            u32::try_from(n / 512).unwrap(),
-        );
-        got.extend(c.read(0, 1, lba, blocks, 512).unwrap());
-    }
-    assert_bytes("iSCSI -> NVMe/TCP", &got, &b);
-    let (noff, nlen) = (12 << 20, 1 << 20);
-    let d = pattern(33, nlen);
-    for (i, part) in d.chunks(chunk).enumerate() {
-        let lba = u64::try_from((noff + i * chunk) / 512).unwrap();
-        c.write(0, 1, lba, part, 512).unwrap();
-    }
-    c.flush(0, 1).unwrap();
-    run(Command::new(&blockio)
-        .args(["read", &lun, &noff.to_string(), &nlen.to_string()])
-        .arg(file("d.iscsi")));
-    assert_bytes(
-        "NVMe/TCP -> iSCSI",
-        &std::fs::read(file("d.iscsi")).unwrap(),
-        &d,
-    );
-    let _ = std::fs::remove_file(&blockio);
 }

@@ -502,12 +502,13 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
         .exports()
         .listener_cap("iscsi", local.clone(), cfg.max_connections);
     let budget = node.exports().buffers().clone();
-    let n = node.clone();
+    // The node and its target (which holds the LUNs' volumes) held weakly, as the NBD
+    // listeners hold the node: a node dropped in process releases its pools.
+    let next = node.reactor_picker();
+    let target = Arc::downgrade(&target);
     let spawned = std::thread::Builder::new()
         .name("tessera-iscsi-accept".into())
-        .spawn(move || {
-            tessera_iscsi::accept::accept_loop(l, target, cap, budget, move || n.next_reactor())
-        });
+        .spawn(move || tessera_iscsi::accept::accept_loop_weak(l, target, cap, budget, next));
     if let Err(e) = spawned {
         tracing::error!(addr = %local, error = %e, "iscsi: cannot start the accept thread");
         return Vec::new();

@@ -418,6 +418,20 @@ impl Node {
         self.reactors[i].clone()
     }
 
+    /// [`next_reactor`](Self::next_reactor) for an accept thread, holding the node weakly
+    /// as the NBD listeners do: a node dropped in process (an in-process test node that is
+    /// stopped and started again on its data directory) is not kept alive, with its data
+    /// directory's lock, by a listener blocked in accept. A connection that arrives after
+    /// that goes to the old node's first core, where its target finds nothing to serve.
+    pub(crate) fn reactor_picker(self: &Arc<Self>) -> impl Fn() -> Arc<Mailbox> + Send + 'static {
+        let node = Arc::downgrade(self);
+        let first = self.reactors[0].clone();
+        move || {
+            node.upgrade()
+                .map_or_else(|| first.clone(), |n| n.next_reactor())
+        }
+    }
+
     pub fn status(&self) -> NodeStatus {
         let pools = self.pools().list();
         let (mut cap, mut alloc, mut vols) = (0u64, 0u64, 0usize);

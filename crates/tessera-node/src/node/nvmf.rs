@@ -606,7 +606,7 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
             portid: u16_of(i + 1),
             io,
         });
-        let n = node.clone();
+        let next = node.reactor_picker();
         let t = target.clone();
         let cap = node
             .exports()
@@ -614,9 +614,7 @@ pub fn start(node: &Arc<Node>) -> Vec<String> {
         let budget = node.exports().buffers().clone();
         let spawned = std::thread::Builder::new()
             .name("tessera-nvmf-accept".into())
-            .spawn(move || {
-                tessera_nvmf::accept::accept_loop(l, t, cap, budget, move || n.next_reactor())
-            });
+            .spawn(move || tessera_nvmf::accept::accept_loop(l, t, cap, budget, next));
         if let Err(e) = spawned {
             tracing::error!(addr = %local, error = %e, "nvmf: cannot start the accept thread");
             continue;

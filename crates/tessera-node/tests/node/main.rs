@@ -7,7 +7,14 @@
 
 mod common;
 mod hot_spare;
+mod interop_clients;
+mod iscsi;
+mod iscsi_config;
 mod iscsi_reservations;
+mod malformed_input;
+mod nbd_unaligned;
+mod nvmf_auth;
+mod nvmf_interop;
 mod raid_mirror;
 mod scrub_background;
 mod scrub_mirror_repair;

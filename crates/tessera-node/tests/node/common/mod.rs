@@ -160,7 +160,14 @@ impl TestNode {
 
     /// [`stop`](Self::stop), then start a node again on the same data directory.
     pub fn restart(&mut self) {
+        // Once its device files are unlocked: a connection that was open on a core (NBD,
+        // NVMe/TCP and iSCSI connections live on the reactors, which outlive the node)
+        // holds its volume's devices, and so their locks, until the core sees it close.
+        let files = self.node.as_deref().map(device_files).unwrap_or_default();
         self.stop();
+        wait_for("the stopped node's device files to be unlocked", 10, || {
+            files.iter().all(|f| unlocked(f))
+        });
         self.boot();
     }
 
@@ -279,4 +286,95 @@ pub fn log_text() -> String {
         return String::new();
     };
     String::from_utf8_lossy(&buf.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+}
+
+impl TestNode {
+    /// Fail the test (saying `what`) unless every reactor core of the node still runs the
+    /// tasks sent to it: in process, a node that "died" is a core whose thread panicked
+    /// (a crash of the whole node takes the test binary with it). Checked by running a
+    /// no-op task on each core, 10 s at most.
+    pub fn assert_alive(&self, what: &str) {
+        for (core, mb) in self.node().reactors.iter().enumerate() {
+            let (tx, rx) = std::sync::mpsc::channel();
+            mb.spawn(Box::new(move |_io| {
+                let _ = tx.send(());
+                Box::new(NoTask) as Box<dyn tessera_io::reactor::Task>
+            }));
+            assert!(
+                rx.recv_timeout(Duration::from_secs(10)).is_ok(),
+                "{what}: reactor core {core} runs no task"
+            );
+        }
+    }
+}
+
+/// A task that is done as soon as it is installed ([`TestNode::assert_alive`]).
+struct NoTask;
+
+impl tessera_io::reactor::Task for NoTask {
+    fn start(&mut self, _io: &mut tessera_io::CoreIo, _id: u32) {}
+    fn on_complete(&mut self, _io: &mut tessera_io::CoreIo, _slot: u32, _res: i32) {}
+    fn finished(&self) -> bool {
+        true
+    }
+}
+
+impl TestNode {
+    /// Start NVMe/TCP as `tessera run` does (`node::nvmf::start`: the config's declared
+    /// subsystems, then a listener on each of `[nvmf]`'s ports; a port that cannot be
+    /// bound is logged and skipped); the I/O port's address, HOST:PORT. Again after each
+    /// restart: a stopped node's listeners stay bound (their threads block in accept), so
+    /// the node's config should listen on port 0 and the test take the new address.
+    pub fn serve_nvmf(&self) -> String {
+        let addrs = tessera_node::node::nvmf::start(self.node());
+        addrs
+            .iter()
+            .find(|a| !a.ends_with("(discovery)"))
+            .and_then(|a| a.strip_prefix("nvme+tcp://"))
+            .unwrap_or_else(|| panic!("no NVMe/TCP I/O port among {addrs:?}"))
+            .to_string()
+    }
+
+    /// Start iSCSI as `tessera run` does (`node::iscsi::start`: the persisted targets, the
+    /// config's declared ones, then the portal `[iscsi] listen` names); the portal's
+    /// address, HOST:PORT. Again after each restart, as for [`serve_nvmf`](Self::serve_nvmf).
+    pub fn serve_iscsi(&self) -> String {
+        let addrs = tessera_node::node::iscsi::start(self.node());
+        addrs
+            .iter()
+            .find_map(|a| a.strip_prefix("iscsi://"))
+            .unwrap_or_else(|| panic!("no iSCSI portal among {addrs:?}"))
+            .to_string()
+    }
+}
+
+/// The regular files among the devices of `node`'s pools (specs `PATH` or `PATH:SIZE`).
+fn device_files(node: &Node) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for p in node.list_pools() {
+        // An offline pool holds no device.
+        let tessera_api::PoolEntry::Online(info) = p else {
+            continue;
+        };
+        for spec in info.devices {
+            let path = match spec.rsplit_once(':') {
+                Some((path, _size)) if !Path::new(&spec).exists() => PathBuf::from(path),
+                _ => PathBuf::from(&spec),
+            };
+            if path.is_file() {
+                files.push(path);
+            }
+        }
+    }
+    files
+}
+
+/// Whether no one holds `file`'s `flock` (a pool's device lock): taken and let go at once.
+fn unlocked(file: &Path) -> bool {
+    use std::os::fd::AsRawFd;
+    let Ok(f) = std::fs::File::open(file) else {
+        return true;
+    };
+    // SAFETY: flock on a descriptor this function owns; closing it lets the lock go.
+    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
 }

@@ -1,4 +1,4 @@
-# Unaligned NBD requests against a model (run by tests/cli/nbd_unaligned.rs with nbd:// URI).
+# Unaligned NBD requests against a model (run by tessera-node/tests/node/nbd_unaligned.rs with nbd:// URI).
 import nbd, random, sys, threading
 uri = sys.argv[1]
 SPAN = 1 << 20

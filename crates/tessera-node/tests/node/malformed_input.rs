@@ -1,7 +1,9 @@
-//! Hostile and broken NBD clients against a running node: malformed handshakes, malformed
-//! transmission-phase requests, clients that vanish mid-request, idle and slow clients.
-//! The node must answer by the spec (error replies or a closed connection), never hang,
-//! never stop serving other clients, and never die.
+//! Hostile and broken NBD clients against a node's NBD listener: malformed handshakes,
+//! malformed transmission-phase requests, clients that vanish mid-request, idle and slow
+//! clients. The node must answer by the spec (error replies or a closed connection), never
+//! hang, never stop serving other clients, and never die (every reactor core still runs:
+//! [`TestNode::assert_alive`]). The node is `tessera up`'s (vol0, 4 GiB), in process.
+//! (Moved from `crates/tessera-cli/tests/cli/malformed_input.rs`.)
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -161,7 +163,7 @@ fn fresh_client_works(n: &TestNode, offset: u64, seed: u8) {
 
 #[test]
 fn garbage_client_flags_close_the_connection() {
-    let mut n = TestNode::start_default("mal-flags");
+    let n = TestNode::up("mal-flags");
     // Garbage where the 4-byte client flags belong (unknown flag bits set).
     let mut s = raw(&n);
     greeting(&mut s);
@@ -181,12 +183,12 @@ fn garbage_client_flags_close_the_connection() {
         "the server said more than its greeting to an HTTP client: {got:02x?}"
     );
     fresh_client_works(&n, 0, 1);
-    assert!(n.is_running(), "node died");
+    n.assert_alive("node died");
 }
 
 #[test]
 fn bad_option_magic_closes_the_connection() {
-    let mut n = TestNode::start_default("mal-optmagic");
+    let n = TestNode::up("mal-optmagic");
     let mut s = raw_handshake_start(&n);
     s.write_all(&option_bytes(0x1122_3344_5566_7788, proto::OPT_GO, 0, &[]))
         .unwrap();
@@ -215,12 +217,12 @@ fn bad_option_magic_closes_the_connection() {
     .unwrap();
     assert_closed(&mut s, "second option with bad magic");
     fresh_client_works(&n, 0, 2);
-    assert!(n.is_running(), "node died");
+    n.assert_alive("node died");
 }
 
 #[test]
 fn huge_option_length_does_not_hang() {
-    let mut n = TestNode::start_default("mal-optlen");
+    let n = TestNode::up("mal-optlen");
     for opt in [
         proto::OPT_GO,
         proto::OPT_EXPORT_NAME,
@@ -255,12 +257,12 @@ fn huge_option_length_does_not_hang() {
         );
     }
     fresh_client_works(&n, 0, 3);
-    assert!(n.is_running(), "node died");
+    n.assert_alive("node died");
 }
 
 #[test]
 fn unknown_option_is_unsupported_and_go_still_works() {
-    let mut n = TestNode::start_default("mal-unknown-opt");
+    let n = TestNode::up("mal-unknown-opt");
     let mut s = raw_handshake_start(&n);
     s.write_all(&option_bytes(proto::IHAVEOPT, 0x1234, 5, b"hello"))
         .unwrap();
@@ -358,7 +360,7 @@ fn unknown_option_is_unsupported_and_go_still_works() {
     let mut back = vec![0u8; 4096];
     s.read_exact(&mut back).expect("read payload");
     assert!(back == data, "read back different data");
-    assert!(n.is_running(), "node died");
+    n.assert_alive("node died");
 }
 
 /// Send one raw request and return its reply's NBD error (0 = success).
@@ -553,7 +555,7 @@ fn transmission_errors(n: &TestNode, opts: ClientOptions) {
 
 #[test]
 fn malformed_requests_get_errors_and_the_connection_survives() {
-    let mut n = TestNode::start_default("mal-tx");
+    let n = TestNode::up("mal-tx");
     transmission_errors(&n, ClientOptions::default());
     transmission_errors(
         &n,
@@ -563,12 +565,12 @@ fn malformed_requests_get_errors_and_the_connection_survives() {
         },
     );
     fresh_client_works(&n, 1 << 20, 18);
-    assert!(n.is_running(), "node died");
+    n.assert_alive("node died");
 }
 
 #[test]
 fn client_vanishing_mid_write_payload_does_not_disturb_others() {
-    let mut n = TestNode::start_default("mal-vanish");
+    let n = TestNode::up("mal-vanish");
     // A client connected before the bad ones, which must keep working throughout.
     let mut bystander = client(&n, ClientOptions::default());
     io_works(&mut bystander, 64 << 20, 1);
@@ -645,12 +647,12 @@ fn client_vanishing_mid_write_payload_does_not_disturb_others() {
         );
     }
     drop(stalled);
-    assert!(n.is_running(), "node died");
+    n.assert_alive("node died");
 }
 
 #[test]
 fn idle_and_slow_clients_do_not_block_normal_ones() {
-    let mut n = TestNode::start_default("mal-slow");
+    let n = TestNode::up("mal-slow");
     // 50 connections that say nothing at all.
     let idle: Vec<TcpStream> = (0..50).map(|_| raw(&n)).collect();
     // 20 that finish the handshake and then idle in the transmission phase.
@@ -744,5 +746,5 @@ fn idle_and_slow_clients_do_not_block_normal_ones() {
     drop(idle);
     drop(idle_tx);
     fresh_client_works(&n, 32 << 20, 9);
-    assert!(n.is_running(), "node died");
+    n.assert_alive("node died");
 }

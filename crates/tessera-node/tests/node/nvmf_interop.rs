@@ -1,7 +1,9 @@
-//! NVMe/TCP through the project's initiator against a real node (loopback): identify
-//! consistent with the volume, data crossing between NVMe/TCP and NBD, digests, several
-//! queues, deallocate as holes, keep-alive teardown, bad PDUs, host allowlist, restart
-//! persistence.
+//! NVMe/TCP through the project's initiator against a node started in process, its
+//! NVMe/TCP target started as `tessera run` starts it (loopback): identify consistent
+//! with the volume, data crossing between NVMe/TCP and NBD, digests, several queues,
+//! deallocate as holes, keep-alive teardown, bad PDUs, host allowlist, restart
+//! persistence. The subsystems are made through the node's services, as the API's
+//! `nvmf subsystem add` does. (Moved from `crates/tessera-cli/tests/cli/nvmf_interop.rs`.)
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -13,10 +15,12 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use tessera_api::LayoutSpec;
 use tessera_nbd::client::{ClientOptions, NbdClient};
 use tessera_nvmf::initiator::{self, Controller, Error, Options, Queue};
 use tessera_nvmf::nvme::{self, Sqe};
 use tessera_nvmf::pdu;
+use tessera_testkit::node::free_port;
 
 const NQN: &str = "nqn.2024-01.io.tessera.test:v";
 const LBA: u32 = 512;
@@ -28,28 +32,46 @@ struct Setup {
 }
 
 fn setup(tag: &str, extra_hosts: &str) -> Setup {
-    let (p1, p2) = (free_port(), free_port());
-    let node = TestNode::start_with_config(
-        tag,
-        &format!("[nvmf]\nlisten = \"127.0.0.1:{p1}\"\ndiscovery = \"127.0.0.1:{p2}\"\n"),
-    );
+    // The I/O port on port 0, the discovery port on a free one: two listeners, as the
+    // CLI test's two free ports gave. After a restart the I/O port is a new one (the
+    // stopped node's listener is still bound), and the discovery port cannot be bound
+    // again (logged; no test uses discovery after a restart).
+    let disc = format!("127.0.0.1:{}", free_port());
+    let node = TestNode::with_config(tag, 2, |_| {
+        format!("[nvmf]\nlisten = \"127.0.0.1:0\"\ndiscovery = \"{disc}\"\n")
+    });
+    let io = node.serve_nvmf();
     // A file-backed pool, so that data and volumes survive a restart.
-    let img = format!("{}:256M", node.dir.join("p.img").display());
-    node.cli_ok(&["pool", "create", "p", &img]);
-    node.cli_ok(&["volume", "create", "v", "--pool", "p", "--size", "64M"]);
-    node.cli_ok(&["export", "add", "v", "--volume", "v"]);
-    let mut args = vec!["nvmf", "subsystem", "add", NQN, "--volume", "v"];
-    if extra_hosts.is_empty() {
-        args.push("--allow-any-host");
+    let n = node.node();
+    n.create_pool(
+        "p",
+        &[node.file_dev("p.img", "256M")],
+        LayoutSpec::default(),
+        None,
+        None,
+        false,
+    )
+    .expect("create pool p");
+    node.exported_volume("v", "p", 64 << 20);
+    // `tessera nvmf subsystem add NQN --volume v (--allow-any-host | --host HOST)`.
+    let hosts: Vec<String> = if extra_hosts.is_empty() {
+        Vec::new()
     } else {
-        args.extend(["--host", extra_hosts]);
-    }
-    node.cli_ok(&args);
-    Setup {
-        node,
-        io: format!("127.0.0.1:{p1}"),
-        disc: format!("127.0.0.1:{p2}"),
-    }
+        vec![extra_hosts.to_string()]
+    };
+    n.nvmf_add_subsystem(NQN, extra_hosts.is_empty(), &hosts)
+        .expect("add the subsystem");
+    n.nvmf_add_namespace(NQN, "v", 0).expect("add namespace v");
+    Setup { node, io, disc }
+}
+
+/// Connected controllers of the test's subsystem (`tessera --json nvmf subsystem list`).
+fn controllers(s: &Setup) -> usize {
+    s.node
+        .node()
+        .nvmf_get(NQN)
+        .expect("the subsystem")
+        .controllers
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
@@ -318,13 +340,13 @@ fn keep_alive_timeout_tears_down_an_idle_controller() {
     // queue is closed.
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let ctrls = s.node.cli_ok(&["--json", "nvmf", "subsystem", "list"]);
-        if ctrls.contains("\"controllers\": 0") {
+        let ctrls = controllers(&s);
+        if ctrls == 0 {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "the idle controller outlived its keep-alive timeout by 15 s: {ctrls}"
+            "the idle controller outlived its keep-alive timeout by 15 s: {ctrls} controllers"
         );
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -333,8 +355,7 @@ fn keep_alive_timeout_tears_down_an_idle_controller() {
         c.read(1, 1, 0, 8, LBA).is_err(),
         "I/O queue survived the timeout"
     );
-    let ctrls = s.node.cli_ok(&["--json", "nvmf", "subsystem", "list"]);
-    assert!(ctrls.contains("\"controllers\": 0"), "{ctrls}");
+    assert_eq!(controllers(&s), 0);
 }
 
 #[test]
@@ -362,9 +383,10 @@ fn host_allowlist_and_persistence_across_restart() {
     c.flush(0, 1).unwrap();
     c.disconnect();
     // The volume is refused deletion while it is a namespace.
-    assert!(!s.node.cli(&["volume", "delete", "v"]).status.success());
-    s.node.stop();
+    assert!(s.node.node().delete_volume("v").is_err());
     s.node.restart();
+    // As `tessera run` does: NVMe/TCP is served again (on a new I/O port).
+    s.io = s.node.serve_nvmf();
     // The subsystem, its namespace, its hosts and the data are back.
     let mut c = Controller::connect(&s.io, NQN, &me, 1).unwrap();
     assert_eq!(c.namespaces().unwrap(), vec![1]);

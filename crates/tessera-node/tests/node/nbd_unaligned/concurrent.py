@@ -1,4 +1,4 @@
-# Overlapping unaligned and aligned writes from several connections (tests/cli/nbd_unaligned.rs).
+# Overlapping unaligned and aligned writes from several connections (tessera-node/tests/node/nbd_unaligned.rs).
 import nbd, random, sys, threading
 uri = sys.argv[1]
 CONNS, ROUNDS, PAGE, PAGES = 4, 12, 4096, 48

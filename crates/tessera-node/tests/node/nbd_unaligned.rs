@@ -3,11 +3,13 @@
 //! 1-byte and odd-sized reads, writes, write-zeroes and trims at odd offsets checked
 //! against a model; a client that did ask for block sizes still gets EINVAL; and
 //! overlapping unaligned and aligned writes from several connections, after which no byte
-//! outside any write's range may have changed.
+//! outside any write's range may have changed. Against `tessera up`'s node (vol0), in
+//! process; the scripts are in `nbd_unaligned/`. (Moved from `crates/tessera-cli/tests/cli`.)
 
 use crate::common;
 use common::*;
 use std::process::Command;
+use tessera_testkit::node::{require_tool, run_ok};
 
 /// The Python that has the `nbd` module (python3-libnbd installs it for the system's).
 fn python() -> &'static str {
@@ -36,7 +38,7 @@ fn unaligned_requests_match_a_model() {
     if !require_tool("nbdsh") {
         return;
     }
-    let node = TestNode::start_default("nbd-unaligned");
+    let node = TestNode::up("nbd-unaligned");
     run_script(
         &node,
         include_str!("nbd_unaligned/unaligned.py"),
@@ -49,7 +51,7 @@ fn concurrent_unaligned_writes_lose_no_byte() {
     if !require_tool("nbdsh") {
         return;
     }
-    let node = TestNode::start_default("nbd-unaligned-conc");
+    let node = TestNode::up("nbd-unaligned-conc");
     run_script(
         &node,
         include_str!("nbd_unaligned/concurrent.py"),
