@@ -12,5 +12,6 @@ mod raid_mirror;
 mod scrub_background;
 mod scrub_mirror_repair;
 mod snapshot_rollback;
+mod snapshots;
 mod thin_map;
 mod volume_stats;

@@ -280,3 +280,6 @@ pub fn log_text() -> String {
     };
     String::from_utf8_lossy(&buf.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
 }
+
+mod volume_io;
+pub use volume_io::*;
