@@ -7,7 +7,7 @@ use std::marker::PhantomData;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
@@ -522,6 +522,52 @@ pub fn run_ok(cmd: &mut Command) -> String {
         String::from_utf8_lossy(&o.stderr)
     );
     String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Run `cmd` with stdout/stderr captured in files under `dir`, for at most `secs`: on
+/// timeout it is killed and `Err` carries what it printed (a hung node fails the test
+/// instead of hanging it).
+pub fn run_bounded(cmd: &mut Command, dir: &Path, secs: u64) -> Result<Output, String> {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let k = N.fetch_add(1, Ordering::Relaxed);
+    let (out, err) = (
+        dir.join(format!("cmd-{k}.out")),
+        dir.join(format!("cmd-{k}.err")),
+    );
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break Some(st);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stdout = std::fs::read(&out).unwrap_or_default();
+    let stderr = std::fs::read(&err).unwrap_or_default();
+    let _ = std::fs::remove_file(&out);
+    let _ = std::fs::remove_file(&err);
+    match status {
+        Some(status) => Ok(Output {
+            status,
+            stdout,
+            stderr,
+        }),
+        None => Err(format!(
+            "{cmd:?} did not finish within {secs} s (killed); it printed:\n{}{}",
+            String::from_utf8_lossy(&stdout),
+            String::from_utf8_lossy(&stderr)
+        )),
+    }
 }
 
 /// Resident memory (VmRSS) of process `pid`, in bytes: a node's, or this process's

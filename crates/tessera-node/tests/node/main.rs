@@ -9,6 +9,7 @@ mod common;
 mod hot_spare;
 mod iscsi_reservations;
 mod raid_mirror;
+mod raid_parity;
 mod scrub_background;
 mod scrub_mirror_repair;
 mod snapshot_rollback;

@@ -283,3 +283,5 @@ pub fn log_text() -> String {
 
 mod volume_io;
 pub use volume_io::*;
+mod fio;
+pub use fio::*;
