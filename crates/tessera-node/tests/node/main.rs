@@ -10,6 +10,7 @@ mod hot_spare;
 mod iscsi_reservations;
 mod raid_mirror;
 mod raid_parity;
+mod raid_rebuild;
 mod scrub_background;
 mod scrub_mirror_repair;
 mod snapshot_rollback;
