@@ -11,6 +11,7 @@ mod iscsi_reservations;
 mod raid_mirror;
 mod raid_parity;
 mod raid_rebuild;
+mod restart_persistence;
 mod scrub_background;
 mod scrub_mirror_repair;
 mod snapshot_rollback;
