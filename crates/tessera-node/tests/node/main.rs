@@ -5,6 +5,7 @@
 //! One binary, one module per subject: every test binary costs CI a link with thin LTO.
 //! `cargo test --release -p tessera-node --test node hot_spare` runs one module.
 
+mod cache_tier;
 mod common;
 mod hot_spare;
 mod iscsi_reservations;
