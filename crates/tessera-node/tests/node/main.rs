@@ -7,6 +7,7 @@
 
 mod cache_tier;
 mod common;
+mod dedup;
 mod hot_spare;
 mod iscsi_reservations;
 mod raid_mirror;

@@ -6,8 +6,8 @@
 pub use tessera_testkit::data::*;
 pub use tessera_testkit::node::{
     await_ready, cli_stdout, cunit_counts, free_port, http_get, libiscsi_tool, metric_sample,
-    path_str, poll_until, require_tool, result_fields, run_ok, run_tool, temp_dir, vm_rss,
-    wait_for, within, Binary, PerfResult,
+    nbdinfo_map, path_str, poll_until, require_tool, result_fields, run_ok, run_tool, temp_dir,
+    vm_rss, wait_for, within, Binary, PerfResult,
 };
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_tessera");
@@ -206,42 +206,4 @@ pub fn spawn_fio_randwrite(
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("start fio")
-}
-
-/// `nbdinfo --map URI` as `(offset, length, type)`, adjacent runs of one type merged.
-pub fn nbdinfo_map(uri: &str) -> Vec<(u64, u64, u32)> {
-    let text = run_ok(std::process::Command::new("nbdinfo").arg("--map").arg(uri));
-    let mut out: Vec<(u64, u64, u32)> = Vec::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        assert!(
-            f.len() >= 3,
-            "unparsable nbdinfo --map line {line:?} in:\n{text}"
-        );
-        let parse = |s: &str| {
-            s.parse::<u64>()
-                .unwrap_or_else(|_| panic!("bad number {s:?} in {line:?}"))
-        };
-        let (off, len, ty) = (
-            parse(f[0]),
-            parse(f[1]),
-            u32::try_from(parse(f[2])).expect("a block status type fits u32"),
-        );
-        match out.last_mut() {
-            Some(last) if last.2 == ty && last.0 + last.1 == off => last.1 += len,
-            Some(last) => {
-                assert_eq!(
-                    last.0 + last.1,
-                    off,
-                    "gap or overlap in nbdinfo --map output:\n{text}"
-                );
-                out.push((off, len, ty));
-            }
-            None => {
-                assert_eq!(off, 0, "nbdinfo --map does not start at 0:\n{text}");
-                out.push((off, len, ty));
-            }
-        }
-    }
-    out
 }
