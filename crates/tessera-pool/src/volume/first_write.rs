@@ -415,31 +415,7 @@ impl FirstWrites {
 
     fn done(&self, io: &mut CoreIo, idx: u32, res: i32) {
         let parent = self.release(idx);
-        self.give_back_layouts_if_idle();
         io.complete(parent, res);
-    }
-
-    /// No slot in use: let go of the layout handles. They hold the pool's devices open
-    /// (a file device's lock with them), and the core keeps this engine after the pool
-    /// is gone, so a pool closed with its node (a restart in process) or deleted would
-    /// otherwise keep its devices until this core next makes a first-write engine. The
-    /// next first write opens a handle again (`submit_layout`): once per burst, beside
-    /// the copy of a unit's old blocks that a first write is.
-    fn give_back_layouts_if_idle(&self) {
-        if !self.idle() {
-            return;
-        }
-        if let Ok(mut l) = self.layouts.try_borrow_mut() {
-            l.clear();
-        }
-    }
-
-    /// Every slot is free (false while one of the lists is borrowed: not known).
-    fn idle(&self) -> bool {
-        match (self.free.try_borrow(), self.slots.try_borrow()) {
-            (Ok(f), Ok(s)) => f.len() == s.len(),
-            _ => false,
-        }
     }
 
     /// Submit `op` through one of this engine's layout handles.
@@ -454,11 +430,7 @@ impl FirstWrites {
             .unwrap_or_else(|| TierHandle::new(&pool.layout, &pool.cache));
         // SAFETY: forwarded to the caller.
         unsafe { h.submit(io, op, tag) };
-        // The operation may have completed the last slot already (synchronously), while
-        // `h` was out of the list: then it goes too.
-        if !self.idle() {
-            self.layouts.borrow_mut().push(h);
-        }
+        self.layouts.borrow_mut().push(h);
     }
 }
 
