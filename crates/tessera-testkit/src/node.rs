@@ -7,7 +7,7 @@ use std::marker::PhantomData;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
@@ -522,6 +522,103 @@ pub fn run_ok(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// `nbdinfo --map URI` as `(offset, length, type)`, adjacent runs of one type merged.
+pub fn nbdinfo_map(uri: &str) -> Vec<(u64, u64, u32)> {
+    let text = run_ok(Command::new("nbdinfo").arg("--map").arg(uri));
+    let mut out: Vec<(u64, u64, u32)> = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        assert!(
+            f.len() >= 3,
+            "unparsable nbdinfo --map line {line:?} in:\n{text}"
+        );
+        let parse = |s: &str| {
+            s.parse::<u64>()
+                .unwrap_or_else(|_| panic!("bad number {s:?} in {line:?}"))
+        };
+        let (off, len, ty) = (
+            parse(f[0]),
+            parse(f[1]),
+            u32::try_from(parse(f[2])).expect("a block status type fits u32"),
+        );
+        match out.last_mut() {
+            Some(last) if last.2 == ty && last.0 + last.1 == off => last.1 += len,
+            Some(last) => {
+                assert_eq!(
+                    last.0 + last.1,
+                    off,
+                    "gap or overlap in nbdinfo --map output:\n{text}"
+                );
+                out.push((off, len, ty));
+            }
+            None => {
+                assert_eq!(off, 0, "nbdinfo --map does not start at 0:\n{text}");
+                out.push((off, len, ty));
+            }
+        }
+    }
+    out
+}
+
+/// A command [`run_bounded`] killed at its time limit, and what it printed.
+#[derive(Debug, thiserror::Error)]
+#[error("{cmd} did not finish within {secs} s (killed); it printed:\n{printed}")]
+pub struct TimedOut {
+    pub cmd: String,
+    pub secs: u64,
+    pub printed: String,
+}
+
+/// Run `cmd` with stdout/stderr captured in files under `dir`, for at most `secs`: on
+/// timeout it is killed and the error carries what it printed (a hung node fails the
+/// test instead of hanging it).
+pub fn run_bounded(cmd: &mut Command, dir: &Path, secs: u64) -> Result<Output, TimedOut> {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let k = N.fetch_add(1, Ordering::Relaxed);
+    let (out, err) = (
+        dir.join(format!("cmd-{k}.out")),
+        dir.join(format!("cmd-{k}.err")),
+    );
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break Some(st);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stdout = std::fs::read(&out).unwrap_or_default();
+    let stderr = std::fs::read(&err).unwrap_or_default();
+    let _ = std::fs::remove_file(&out);
+    let _ = std::fs::remove_file(&err);
+    match status {
+        Some(status) => Ok(Output {
+            status,
+            stdout,
+            stderr,
+        }),
+        None => Err(TimedOut {
+            cmd: format!("{cmd:?}"),
+            secs,
+            printed: format!(
+                "{}{}",
+                String::from_utf8_lossy(&stdout),
+                String::from_utf8_lossy(&stderr)
+            ),
+        }),
+    }
+}
+
 /// Resident memory (VmRSS) of process `pid`, in bytes: a node's, or this process's
 /// (`std::process::id()`).
 pub fn vm_rss(pid: u32) -> u64 {
@@ -657,42 +754,4 @@ pub fn http_get(addr: &str, path: &str) -> std::io::Result<(u16, String)> {
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
     Ok((status, body.to_string()))
-}
-
-/// `nbdinfo --map URI` as `(offset, length, type)`, adjacent runs of one type merged.
-pub fn nbdinfo_map(uri: &str) -> Vec<(u64, u64, u32)> {
-    let text = run_ok(Command::new("nbdinfo").arg("--map").arg(uri));
-    let mut out: Vec<(u64, u64, u32)> = Vec::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        assert!(
-            f.len() >= 3,
-            "unparsable nbdinfo --map line {line:?} in:\n{text}"
-        );
-        let parse = |s: &str| {
-            s.parse::<u64>()
-                .unwrap_or_else(|_| panic!("bad number {s:?} in {line:?}"))
-        };
-        let (off, len, ty) = (
-            parse(f[0]),
-            parse(f[1]),
-            u32::try_from(parse(f[2])).expect("a block status type fits u32"),
-        );
-        match out.last_mut() {
-            Some(last) if last.2 == ty && last.0 + last.1 == off => last.1 += len,
-            Some(last) => {
-                assert_eq!(
-                    last.0 + last.1,
-                    off,
-                    "gap or overlap in nbdinfo --map output:\n{text}"
-                );
-                out.push((off, len, ty));
-            }
-            None => {
-                assert_eq!(off, 0, "nbdinfo --map does not start at 0:\n{text}");
-                out.push((off, len, ty));
-            }
-        }
-    }
-    out
 }

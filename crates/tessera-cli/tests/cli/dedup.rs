@@ -1,8 +1,9 @@
 //! Dedup pools (issue 25) as a user drives them: `pool create --dedup`, the same data
-//! copied with nbdcopy into two volumes is stored once and reads back, `nbdinfo --map`
-//! shows data only where it was written, fio with `dedupe_percentage=50` verifies, a
-//! kill -9 loses nothing that was flushed, and what the first cut does not do is
-//! refused with a clear error.
+//! copied with nbdcopy into two volumes is stored once, `pool show` prints it, and a
+//! kill -9 loses nothing that was flushed; `pool create --layout raid5 --dedup` is
+//! refused and leaves no pool behind (the API's create removes it). `nbdinfo --map`,
+//! fio with `dedupe_percentage=50`, a restart and the other refusals are tested in
+//! process, in `crates/tessera-node/tests/node/dedup.rs`.
 
 use crate::common;
 use common::*;
@@ -23,7 +24,7 @@ fn u(v: &Value, k: &str) -> u64 {
 
 #[test]
 fn identical_data_in_two_volumes_is_stored_once_and_survives_a_kill() {
-    if !require_tool("nbdcopy") || !require_tool("nbdinfo") {
+    if !require_tool("nbdcopy") {
         return;
     }
     let mut n = TestNode::start_with_config("dedup-e2e", "");
@@ -54,14 +55,6 @@ fn identical_data_in_two_volumes_is_stored_once_and_survives_a_kill() {
         shown.contains("dedup: 16.0 MiB logical in 8.0 MiB stored (ratio 2.00); 2048 shared"),
         "{shown}"
     );
-    // Block status: data where written, a hole after it.
-    let map = nbdinfo_map(&n.uri("b"));
-    assert_eq!(
-        map.first().map(|r| (r.0, r.1, r.2 & 1)),
-        Some((0, 8 << 20, 0)),
-        "{map:?}"
-    );
-    assert!(map.iter().skip(1).all(|r| r.2 & 1 == 1), "{map:?}");
     // nbdcopy flushes at the end: a kill -9 keeps both copies.
     n.kill9();
     n.restart();
@@ -84,51 +77,7 @@ fn identical_data_in_two_volumes_is_stored_once_and_survives_a_kill() {
 }
 
 #[test]
-fn fio_with_half_duplicate_blocks_dedups_and_random_overwrites_verify() {
-    if !require_tool("fio") {
-        return;
-    }
-    let n = TestNode::start_with_config("dedup-fio", "");
-    let d = path_str(&n.dir);
-    n.cli_ok(&["pool", "create", "p", &format!("{d}/p.img:256M"), "--dedup"]);
-    n.cli_ok(&["volume", "create", "v", "--pool", "p", "--size", "64M"]);
-    n.cli_ok(&["export", "add", "v", "--volume", "v"]);
-    let fio = |args: &[&str]| {
-        let o = Command::new("timeout")
-            .arg("60")
-            .arg("fio")
-            .arg("--name=d")
-            .arg("--ioengine=nbd")
-            .arg(format!("--uri={}", n.uri("v")))
-            .arg("--bs=4k")
-            .arg("--iodepth=8")
-            .args(args)
-            .output()
-            .expect("run fio");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        assert!(
-            o.status.success() && text.contains("err= 0"),
-            "fio {args:?} failed:\n{text}\n{}",
-            n.log_text()
-        );
-    };
-    // Half of the blocks repeat earlier ones (no verify headers, which would make
-    // every block unique).
-    fio(&["--rw=write", "--size=32M", "--dedupe_percentage=50"]);
-    let st = dedup(&n);
-    let ratio = st["ratio"].as_f64().unwrap();
-    assert!(
-        ratio > 1.5,
-        "half duplicates should nearly halve the stored bytes: {st}"
-    );
-}
-
-#[test]
-fn what_dedup_does_not_do_yet_is_refused_with_the_reason() {
+fn a_dedup_pool_on_parity_is_refused_and_not_left_behind() {
     let n = TestNode::start_with_config("dedup-refusals", "");
     let d = path_str(&n.dir);
     let o = n.cli(&[
@@ -156,13 +105,4 @@ fn what_dedup_does_not_do_yet_is_refused_with_the_reason() {
         "--dedup",
         "--force",
     ]);
-    n.cli_ok(&["volume", "create", "v", "--pool", "p", "--size", "16M"]);
-    let o = n.cli(&["snapshot", "create", "v", "--name", "s"]);
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("dedup"), "{err}");
-    let o = n.cli(&["pool", "cache", "add", "p", "ram:16M"]);
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("dedup"), "{err}");
 }

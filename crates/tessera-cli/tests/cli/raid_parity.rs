@@ -1,7 +1,6 @@
-//! Parity pools (raid5 / raid6) through a real node, its CLI and NBD, on file devices:
+//! Parity pools (raid5) through a real node, its CLI and NBD, on file devices, where the
+//! node process is killed (SIGKILL):
 //!
-//! - fio writes and verifies (crc32c) over NBD on a raid6 pool while one device vanishes
-//!   mid-run: no error, the pool is degraded, and a second verify-only pass agrees;
 //! - a raid5 device is lost, replaced by a file full of other data, and the rebuild onto
 //!   it is killed with SIGKILL mid-way: it resumes from its cursor, completes, every byte
 //!   reads back, a new volume's first writes into units that were free read zeros around
@@ -10,6 +9,9 @@
 //! - the write hole at node level: SIGKILL under a 4 KiB random write load, then a restart
 //!   with one data device failing every read: each block reads back as a version that was
 //!   acknowledged (or was in flight) at the kill, never as garbage.
+//!
+//! fio's verify on a raid6 pool with a device vanishing mid-run is tested in process, in
+//! `crates/tessera-node/tests/node/raid_parity.rs`.
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -19,14 +21,14 @@ use common::*;
 
 use std::collections::HashMap;
 use std::net::TcpStream;
-use std::path::Path;
-use std::process::{Command, Output, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tessera_nbd::client::{ClientOptions, NbdClient};
+use tessera_testkit::node::run_bounded;
 
 const MIB: u64 = 1 << 20;
 
@@ -47,22 +49,6 @@ fn pool(n: &TestNode, name: &str) -> Value {
 fn rebuild_json(n: &TestNode, name: &str) -> Value {
     let out = cli(n, &["--json", "pool", "rebuild", name, "--status"]);
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("invalid JSON ({e}): {out}"))
-}
-
-/// Poll `pool list --json` until `pred` holds for pool `name`, for at most `secs`.
-fn wait_pool(n: &TestNode, name: &str, secs: u64, what: &str, pred: impl Fn(&Value) -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        let p = pool(n, name);
-        if pred(&p) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not reached within {secs} s: {p}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
 }
 
 /// Change the spec of device `index` of pool `name` in DATA_DIR/pools.json (node stopped):
@@ -97,41 +83,13 @@ fn xorshift(x: &mut u64) -> u64 {
     *x
 }
 
-/// The 4 KiB pattern of (block, generation): block number and generation in the first
-/// 16 bytes, then a stream seeded by both. Generation 0 is all zeros (never written).
+/// The 4 KiB block of (block, generation): the test kit's [`stamped`] pattern;
+/// generation 0 is all zeros (never written).
 fn pattern(block: u64, gen: u64) -> Vec<u8> {
     if gen == 0 {
         return vec![0; 4096];
     }
-    let mut b = Vec::with_capacity(4096);
-    b.extend_from_slice(&block.to_le_bytes());
-    b.extend_from_slice(&gen.to_le_bytes());
-    let mut x =
-        (block.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ gen.wrapping_mul(0xc2b2_ae3d_27d4_eb4f)) | 1;
-    while b.len() < 4096 {
-        b.extend_from_slice(&xorshift(&mut x).to_le_bytes());
-    }
-    b
-}
-
-/// Which generation a 4 KiB block holds, or a description of the garbage.
-fn decode(block: u64, data: &[u8]) -> Result<u64, String> {
-    if data.iter().all(|&x| x == 0) {
-        return Ok(0);
-    }
-    let b = u64::from_le_bytes(data[0..8].try_into().unwrap());
-    let g = u64::from_le_bytes(data[8..16].try_into().unwrap());
-    if b != block {
-        return Err(format!("holds the header of block {b} (generation {g:#x})"));
-    }
-    let good = pattern(block, g);
-    if data != good.as_slice() {
-        let bad = data.iter().zip(&good).filter(|(a, b)| a != b).count();
-        return Err(format!(
-            "header says generation {g:#x} but {bad} bytes differ from its pattern (torn, mixed or wrongly reconstructed)"
-        ));
-    }
-    Ok(g)
+    stamped(block, gen)
 }
 
 /// Write 4 KiB blocks `first..first + count` with generations `gen(block)`, 64 KiB per
@@ -167,7 +125,7 @@ fn verify_model(n: &TestNode, export: &str, model: &[u64], when: &str) {
         for (i, data) in buf.chunks(4096).enumerate() {
             let blk = b + i as u64;
             let want = model[blk as usize];
-            match decode(blk, data) {
+            match decode_stamped(blk, data) {
                 Ok(g) if g == want => {}
                 Ok(g) => failures.push(format!(
                     "block {blk}: generation {g:#x}, expected {want:#x}"
@@ -186,61 +144,6 @@ fn verify_model(n: &TestNode, export: &str, model: &[u64], when: &str) {
             n.log_text()
         );
     }
-}
-
-/// Run `cmd` with stdout/stderr captured in files under `dir`, for at most `secs`: on
-/// timeout it is killed and `Err` carries what it printed.
-fn run_bounded(cmd: &mut Command, dir: &Path, secs: u64) -> Result<Output, String> {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let k = N.fetch_add(1, Ordering::Relaxed);
-    let (out, err) = (
-        dir.join(format!("cmd-{k}.out")),
-        dir.join(format!("cmd-{k}.err")),
-    );
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out).unwrap())
-        .stderr(std::fs::File::create(&err).unwrap())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break Some(st);
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let stdout = std::fs::read(&out).unwrap_or_default();
-    let stderr = std::fs::read(&err).unwrap_or_default();
-    let _ = std::fs::remove_file(&out);
-    let _ = std::fs::remove_file(&err);
-    match status {
-        Some(status) => Ok(Output {
-            status,
-            stdout,
-            stderr,
-        }),
-        None => Err(format!(
-            "{cmd:?} did not finish within {secs} s (killed); it printed:\n{}{}",
-            String::from_utf8_lossy(&stdout),
-            String::from_utf8_lossy(&stderr)
-        )),
-    }
-}
-
-/// Is the node's management API still answering (within 5 s)?
-fn api_answers(n: &TestNode) -> bool {
-    run_bounded(
-        Command::new(BIN).args(["--api", &n.api(), "status"]),
-        &n.dir,
-        5,
-    )
-    .is_ok_and(|o| o.status.success())
 }
 
 /// `tessera --api ... ARGS`, insisting on success within `secs` (the harness's
@@ -265,156 +168,7 @@ fn cli(n: &TestNode, args: &[&str]) -> String {
     cli_t(n, 30, args)
 }
 
-fn combined(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn assert_fio_clean(what: &str, o: &Output, n: &TestNode) {
-    let text = combined(o);
-    assert!(
-        o.status.success(),
-        "{what}: fio failed ({}):\n{text}\nnode log:\n{}",
-        o.status,
-        n.log_text()
-    );
-    let bad: Vec<&str> = text
-        .lines()
-        .filter(|l| l.contains("verify:") || l.contains("verify failed") || l.contains("bad magic"))
-        .collect();
-    assert!(
-        bad.is_empty(),
-        "{what}: fio reported verify failures:\n{}",
-        bad.join("\n")
-    );
-    assert!(
-        text.contains("err= 0"),
-        "{what}: fio did not report err= 0:\n{text}"
-    );
-}
-
-// ------------------------------------------------ a. fio verify on raid6 --
-
-/// fio over NBD: 4 KiB random writes with crc32c verify headers over 32 MiB, paced at
-/// `FIO_IOPS` so that the write phase lasts ~5.5 s whatever the machine, then the in-job
-/// read-back verify.
-const FIO_IOPS: u32 = 1500;
-/// Device 2 vanishes this long after the pool opened it (~2.5 s into fio's write phase).
-const VANISH_MS: u64 = 3000;
-
-fn fio_cmd(n: &TestNode, uri: &str) -> Command {
-    let mut c = Command::new("fio");
-    c.current_dir(&n.dir) // verify state files land here
-        .arg("--name=raid6")
-        .arg("--ioengine=nbd")
-        .arg(format!("--uri={uri}"))
-        .arg("--rw=randwrite")
-        .arg("--bs=4k")
-        .arg("--size=32M")
-        .arg("--iodepth=16")
-        .arg("--verify=crc32c")
-        .arg("--verify_fatal=1")
-        .arg("--randrepeat=1")
-        .arg("--group_reporting")
-        .arg("--timeout=40");
-    c
-}
-
-/// Run fio for at most 45 s; a fio that does not finish means the node stopped answering
-/// its NBD requests, which the failure says (and whether the API still answers).
-fn fio_bounded(n: &TestNode, cmd: &mut Command, what: &str) -> Output {
-    run_bounded(cmd, &n.dir, 45).unwrap_or_else(|e| {
-        panic!(
-            "{what}: {e}\nthe node stopped answering NBD requests; its management API {}\nnode log:\n{}",
-            if api_answers(n) { "still answers" } else { "does not answer either (hung)" },
-            n.log_text()
-        )
-    })
-}
-
-#[test]
-fn fio_verify_over_nbd_on_raid6_with_a_device_failing_mid_run() {
-    if !require_tool("fio") {
-        return;
-    }
-    let n = TestNode::start_with_config("raid6-fio", "");
-    let d = path_str(&n.dir);
-    let mut devs: Vec<String> = (0..5).map(|i| format!("{d}/d{i}.img:64M")).collect();
-    devs[2] = format!("fault:{d}/d2.img:64M;vanish_after_ms={VANISH_MS}");
-    let mut args = vec![
-        "pool",
-        "create",
-        "p6",
-        "--layout",
-        "raid6",
-        "--stripe-size",
-        "64K",
-    ];
-    args.extend(devs.iter().map(String::as_str));
-    let opened = Instant::now();
-    cli(&n, &args);
-    cli(
-        &n,
-        &["volume", "create", "v", "--pool", "p6", "--size", "64M"],
-    );
-    cli(&n, &["export", "add", "v", "--volume", "v"]);
-    let p = pool(&n, "p6");
-    assert_eq!(p["layout"], "raid6", "{p}");
-    assert_eq!(p["parity"], 2, "{p}");
-    assert_eq!(p["state"], "online", "{p}");
-
-    let uri = n.uri("v");
-    let started = opened.elapsed();
-    assert!(
-        started < Duration::from_millis(VANISH_MS - 500),
-        "setup took {started:?}: fio would start after the device vanished"
-    );
-    let o = fio_bounded(
-        &n,
-        fio_cmd(&n, &uri)
-            .arg(format!("--rate_iops={FIO_IOPS}"))
-            .arg("--do_verify=1"),
-        "write+verify pass",
-    );
-    let ended = opened.elapsed();
-    assert_fio_clean("write+verify pass", &o, &n);
-    assert!(
-        ended > Duration::from_millis(VANISH_MS + 1000),
-        "fio ended {ended:?} after the pool opened: the device vanished after it, not during it"
-    );
-    eprintln!(
-        "fio ran from {started:?} to {ended:?} after the pool opened; device 2 vanished at {VANISH_MS} ms"
-    );
-
-    // The failure was seen by the datapath (or at the latest by the commit thread's sync).
-    wait_pool(&n, "p6", 15, "device 2 failed", |p| {
-        p["state"] == "degraded"
-    });
-    let p = pool(&n, "p6");
-    assert_eq!(p["device_states"][2]["state"], "failed", "{p}");
-    for i in [0, 1, 3, 4] {
-        assert_eq!(p["device_states"][i]["state"], "online", "{p}");
-    }
-
-    // A separate verify-only pass over the same layout, on a fresh connection, degraded.
-    let o = fio_bounded(
-        &n,
-        fio_cmd(&n, &uri).arg("--verify_only"),
-        "verify-only pass",
-    );
-    assert_fio_clean("verify-only pass", &o, &n);
-    assert!(
-        combined(&o).contains("READ:"),
-        "verify-only pass did not read:\n{}",
-        combined(&o)
-    );
-    assert_eq!(pool(&n, "p6")["state"], "degraded");
-}
-
-// ------------------------------------ b. kill -9 during a parity rebuild --
+// ------------------------------------ a. kill -9 during a parity rebuild --
 
 const B_BLOCKS: u64 = (40 * MIB) / 4096;
 
@@ -608,7 +362,7 @@ fn kill9_during_parity_rebuild_resumes_and_completes() {
     );
 }
 
-// ------------------------------------------------- c. the write hole --
+// ------------------------------------------------- b. the write hole --
 
 const C_THREADS: u64 = 6;
 /// Each writer owns one region of the volume.
@@ -820,7 +574,7 @@ fn write_hole_cycle(n: &mut TestNode, cycle: u64, failing: usize) {
         for (i, data) in buf.chunks(4096).enumerate() {
             let blk = b + i as u64;
             let st = &state[&blk];
-            match decode(blk, data) {
+            match decode_stamped(blk, data) {
                 // Acknowledged writes are all there (a write in flight may or may not be).
                 Ok(g) if g == st.acked || Some(g) == st.in_flight => {
                     if g != st.durable {

@@ -1,5 +1,7 @@
-//! The catalog (pools, volumes, exports) and flushed data survive a clean stop and a
-//! SIGKILL; management operations refuse what would lose data and give space back.
+//! The catalog (pools, volumes, exports), flushed data, a volume's delete and a pool's
+//! destroy survive a SIGKILL of the node process. The same over a clean stop, and the
+//! refusals of deletes and destroys that would lose data, are tested in process, in
+//! `crates/tessera-node/tests/node/restart_persistence.rs`.
 
 // Test code: the values cast here are the test's own small sizes, offsets and counts.
 #![allow(clippy::cast_possible_truncation)]
@@ -7,40 +9,10 @@
 use crate::common;
 use common::*;
 
-use std::time::{Duration, Instant};
-
 use serde_json::Value;
 use tessera_nbd::client::{ClientOptions, NbdClient};
 
 const MIB: u64 = 1 << 20;
-
-/// Exit codes of `tessera --help`: the node has no such object / refuses a conflict.
-const NOT_FOUND: i32 = 3;
-const CONFLICT: i32 = 4;
-
-/// Run a CLI command that must fail with exit code `code`; returns its stderr (checked for
-/// the error format).
-fn cli_err(n: &TestNode, args: &[&str], code: i32) -> String {
-    let o = n.cli(args);
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert_eq!(
-        o.status.code(),
-        Some(code),
-        "tessera {args:?} should fail with exit code {code}; stdout: {stdout} stderr: {stderr}"
-    );
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(
-        lines.len(),
-        1,
-        "tessera {args:?}: expected one line on stderr, got {stderr:?}"
-    );
-    assert!(
-        lines[0].starts_with("tessera: error:"),
-        "tessera {args:?}: stderr {stderr:?}"
-    );
-    stderr
-}
 
 /// Project a list from the API onto the fields that must survive a restart, keyed by name.
 fn project(list: &Value, fields: &[&str]) -> Vec<Value> {
@@ -147,28 +119,6 @@ fn export_size(n: &TestNode, export: &str) -> u64 {
     connect(n, export).size()
 }
 
-/// Wait until no connection holds `volume` open (disconnects are processed asynchronously).
-fn wait_no_connections(n: &TestNode, volume: &str) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let v = n.json(&["volume", "list"]);
-        let c = v
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|x| x["name"] == volume)
-            .map(|x| x["connections"].as_u64().unwrap_or(0));
-        if c == Some(0) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "volume {volume} still has {c:?} connections 5 s after every client disconnected"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn pool_allocated(n: &TestNode, pool: &str) -> u64 {
     let v = n.json(&["pool", "list"]);
     v.as_array()
@@ -189,7 +139,7 @@ fn names(list: &Value) -> Vec<String> {
 }
 
 #[test]
-fn catalog_and_data_survive_stop_and_kill9() {
+fn catalog_and_data_survive_kill9() {
     let mut n = TestNode::start_default("persist");
     let dir = n.dir.clone();
     let p1 = format!("{}:256M", dir.join("p1.img").display());
@@ -207,17 +157,6 @@ fn catalog_and_data_survive_stop_and_kill9() {
         "--stripe-size",
         "64K",
     ]);
-    let pools = n.json(&["pool", "list"]);
-    let p2 = pools
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["name"] == "p2")
-        .expect("p2 listed");
-    assert_eq!(p2["layout"], "raid0");
-    assert_eq!(p2["stripe_size"], 64 * 1024);
-    assert_eq!(p2["devices"].as_array().map(|d| d.len()), Some(2));
-
     n.cli_ok(&["volume", "create", "va", "--pool", "pool0", "--size", "64M"]);
     n.cli_ok(&["volume", "create", "vb", "--pool", "p1", "--size", "100M"]);
     n.cli_ok(&["volume", "create", "vc", "--pool", "p2", "--size", "128M"]);
@@ -245,50 +184,12 @@ fn catalog_and_data_survive_stop_and_kill9() {
             x.0 = "eb";
         }
     }
-    let mut ro = connect(&n, "eb");
-    let err = ro
-        .write(0, &[1u8; 4096], false)
-        .expect_err("write to a read-only export succeeded");
-    assert_eq!(
-        err.raw_os_error(),
-        Some(libc::EPERM),
-        "write to a read-only export: {err}"
-    );
-    drop(ro);
-
     // Grow vc and write in the new space.
     n.cli_ok(&["volume", "resize", "vc", "--size", "192M"]);
     assert_eq!(export_size(&n, "ec"), 192 * MIB);
     w.push(("ec", 160 * MIB, 128 * 1024, 8));
     write_all(&n, &w[w.len() - 1..].to_vec());
-    verify_all(&n, &w, "before restart");
-
-    // Clean stop (SIGTERM) and restart.
-    let before = catalog(&n);
-    assert_eq!(before.pools.len(), 3, "{:?}", before.pools);
-    assert_eq!(before.volumes.len(), 4, "{:?}", before.volumes);
-    assert_eq!(before.exports.len(), 4, "{:?}", before.exports);
-    n.stop();
-    n.restart();
-    assert_same_catalog(&before, &catalog(&n), "after SIGTERM + restart");
-    verify_all(&n, &w, "after SIGTERM + restart");
-    assert_eq!(export_size(&n, "ec"), 192 * MIB);
-    let exports = n.json(&["export", "list"]);
-    let eb = exports
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["name"] == "eb")
-        .unwrap();
-    assert_eq!(eb["read_only"], true);
-    let mut ro = connect(&n, "eb");
-    assert_eq!(
-        ro.write(0, &[1u8; 4096], false)
-            .expect_err("read-only export writable after restart")
-            .raw_os_error(),
-        Some(libc::EPERM)
-    );
-    drop(ro);
+    verify_all(&n, &w, "before the kills");
 
     // More changes, then SIGKILL: catalog changes are durable once the CLI returns, data
     // once flushed.
@@ -335,89 +236,27 @@ fn catalog_and_data_survive_stop_and_kill9() {
 }
 
 #[test]
-fn deleting_an_exported_volume_fails_and_delete_gives_space_back() {
+fn a_volume_delete_survives_kill9() {
     let mut n = TestNode::start_default("persist-del");
     n.cli_ok(&[
         "volume", "create", "vx", "--pool", "pool0", "--size", "256M",
     ]);
     n.cli_ok(&["export", "add", "ex", "--volume", "vx"]);
     let base = pool_allocated(&n, "pool0");
-
-    // 8 units' worth of data (plus a partial unit).
     let mut c = connect(&n, "ex");
     for i in 0..8u64 {
         c.write(i * 16 * MIB, &pattern(i, MIB as usize), false)
             .unwrap();
     }
-    c.write(200 * MIB + 4096, &pattern(99, 4096), false)
-        .unwrap();
     c.flush().unwrap();
-    let used = pool_allocated(&n, "pool0");
-    assert_eq!(
-        used - base,
-        9 * MIB,
-        "pool0 allocated went from {base} to {used} after writing 9 units"
-    );
-    let vols = n.json(&["volume", "list"]);
-    let vx = vols
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == "vx")
-        .unwrap();
-    assert_eq!(vx["allocated"], 9 * MIB);
-
-    // Exported (and connected): refused, with a message that says why.
-    let err = cli_err(&n, &["volume", "delete", "vx"], CONFLICT);
-    assert!(
-        err.contains("vx")
-            && (err.contains("export") || err.contains("busy") || err.contains("connection")),
-        "unclear error: {err}"
-    );
     c.disconnect().unwrap();
-    wait_no_connections(&n, "vx");
-    // Exported, no connection: still refused, and the message names the export.
-    let err = cli_err(&n, &["volume", "delete", "vx"], CONFLICT);
-    assert!(
-        err.contains("vx") && err.contains("export"),
-        "unclear error: {err}"
-    );
-    assert!(
-        names(&n.json(&["volume", "list"])).contains(&"vx".to_string()),
-        "vx vanished after a refused delete"
-    );
-    assert_eq!(
-        pool_allocated(&n, "pool0"),
-        used,
-        "a refused delete changed the allocation"
-    );
-
     n.cli_ok(&["export", "remove", "ex"]);
-    assert!(!names(&n.json(&["export", "list"])).contains(&"ex".to_string()));
     n.cli_ok(&["volume", "delete", "vx"]);
-    assert!(!names(&n.json(&["volume", "list"])).contains(&"vx".to_string()));
-    assert_eq!(
-        pool_allocated(&n, "pool0"),
-        base,
-        "space not given back after volume delete"
-    );
-    let st = n.json(&["status"]);
-    assert_eq!(st["allocated"].as_u64(), Some(base));
 
-    // Deleting again: not found, clear error.
-    let err = cli_err(&n, &["volume", "delete", "vx"], NOT_FOUND);
-    assert!(err.contains("vx"), "{err}");
-
-    // The freed space is reusable, and the deletion survives a SIGKILL.
+    // The freed space is reused, and the deletion survives a SIGKILL.
     n.cli_ok(&["volume", "create", "vy", "--pool", "pool0", "--size", "64M"]);
     n.cli_ok(&["export", "add", "ey", "--volume", "vy"]);
     let mut c = connect(&n, "ey");
-    let mut b = vec![0u8; MIB as usize];
-    c.read(0, &mut b).unwrap();
-    assert!(
-        b.iter().all(|&x| x == 0),
-        "a new volume shows data of a deleted one"
-    );
     c.write(0, &pattern(7, 4096), false).unwrap();
     c.flush().unwrap();
     drop(c);
@@ -433,49 +272,11 @@ fn deleting_an_exported_volume_fails_and_delete_gives_space_back() {
 }
 
 #[test]
-fn pool_destroy_refuses_pools_with_volumes_and_stays_destroyed() {
+fn a_pool_destroy_survives_kill9() {
     let mut n = TestNode::start_default("persist-destroy");
-    let dir = n.dir.clone();
-    let pd = format!("{}:64M", dir.join("pd.img").display());
-    let pk = format!("{}:64M", dir.join("pk.img").display());
-    n.cli_ok(&["pool", "create", "pd", &pd]);
+    let pk = format!("{}:64M", n.dir.join("pk.img").display());
     n.cli_ok(&["pool", "create", "pk", &pk, "--layout", "concat"]);
-    n.cli_ok(&["volume", "create", "vd", "--pool", "pd", "--size", "32M"]);
     n.cli_ok(&["volume", "create", "vk", "--pool", "pk", "--size", "32M"]);
-
-    let err = cli_err(&n, &["pool", "destroy", "pd"], CONFLICT);
-    assert!(
-        err.contains("pd") && err.contains("volume"),
-        "unclear error: {err}"
-    );
-    assert!(
-        names(&n.json(&["pool", "list"])).contains(&"pd".to_string()),
-        "pd vanished after a refused destroy"
-    );
-    assert!(
-        names(&n.json(&["volume", "list"])).contains(&"vd".to_string()),
-        "vd vanished after a refused destroy"
-    );
-
-    // Destroy pd, then a clean restart.
-    n.cli_ok(&["volume", "delete", "vd"]);
-    n.cli_ok(&["pool", "destroy", "pd"]);
-    assert!(!names(&n.json(&["pool", "list"])).contains(&"pd".to_string()));
-    n.stop();
-    n.restart();
-    let pools = names(&n.json(&["pool", "list"]));
-    assert!(
-        !pools.contains(&"pd".to_string()),
-        "destroyed pool pd is back after restart: {pools:?}"
-    );
-    assert!(
-        pools.contains(&"pk".to_string()) && pools.contains(&"pool0".to_string()),
-        "{pools:?}"
-    );
-
-    // Destroy pk, then SIGKILL.
-    let err = cli_err(&n, &["pool", "destroy", "pk"], CONFLICT);
-    assert!(err.contains("pk"), "{err}");
     n.cli_ok(&["volume", "delete", "vk"]);
     n.cli_ok(&["pool", "destroy", "pk"]);
     n.kill9();
@@ -488,8 +289,5 @@ fn pool_destroy_refuses_pools_with_volumes_and_stays_destroyed() {
     );
     let st = n.json(&["status"]);
     assert_eq!(st["pools"].as_array().map(|p| p.len()), Some(1), "{st}");
-    // Destroying a pool that does not exist is an error too.
-    let err = cli_err(&n, &["pool", "destroy", "pd"], NOT_FOUND);
-    assert!(err.contains("pd"), "{err}");
     assert!(n.is_running());
 }

@@ -10,10 +10,6 @@ use crate::common;
 use common::*;
 use tessera_testkit::mirror::{corrupt_every_mib, corruption_gone, ranges_equal};
 
-use std::time::{Duration, Instant};
-
-use serde_json::Value;
-
 const MIB: u64 = 1 << 20;
 
 /// A raid1 pool `m` of two 64 MiB files with a 32 MiB volume `v` (exported), every MiB of
@@ -30,25 +26,6 @@ fn mirrored_pool(n: &TestNode) -> (String, String) {
     c.flush().unwrap();
     c.disconnect().unwrap();
     (a, b)
-}
-
-/// `tessera --json pool scrub POOL [--no-repair] --wait`: start a scrub, and its status
-/// once it has ended.
-fn scrub_wait(n: &TestNode, pool: &str, repair: bool) -> Value {
-    let node = n.node();
-    let p = node.pools().get(pool).expect("pool");
-    node.jobs()
-        .start_scrub(&p, repair)
-        .expect("start the scrub");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let v = json(node.jobs().scrub_status(&p).expect("scrub status"));
-        if v["state"] != "running" {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "scrub did not finish: {v}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// The volume's whole content, as a client reads it.

@@ -1,7 +1,7 @@
 //! Rollback of a volume to a snapshot (refused while the volume is exported), group
 //! snapshots, and a clone of something that is not a snapshot. (Moved from
-//! `crates/tessera-cli/tests/cli/snapshots.rs`, which keeps the tests with external NBD
-//! clients and a kill -9.)
+//! `crates/tessera-cli/tests/cli/snapshots.rs`, which keeps the kill -9 tests; the rest
+//! of that file is in `snapshots.rs`.)
 
 // Test code sizes buffers from its own small constants.
 #![allow(clippy::cast_possible_truncation)]
@@ -11,28 +11,6 @@ use common::*;
 
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 32 * MIB;
-
-/// Write `data` at `off` of export `export` and flush; the same bytes go into `model`.
-fn write_at(n: &TestNode, export: &str, model: &mut [u8], off: u64, data: &[u8]) {
-    let mut c = n.nbd(export);
-    c.write(off, data, false).unwrap();
-    c.flush().unwrap();
-    c.disconnect().unwrap();
-    let at = usize::try_from(off).unwrap();
-    model[at..at + data.len()].copy_from_slice(data);
-}
-
-/// Every byte of export `export`, read in 4 MiB requests.
-fn read_all(n: &TestNode, export: &str) -> Vec<u8> {
-    let mut c = n.nbd(export);
-    let size = usize::try_from(c.size()).unwrap();
-    let mut buf = vec![0u8; size];
-    for (i, chunk) in buf.chunks_mut(4 << 20).enumerate() {
-        c.read(i as u64 * (4 << 20), chunk).unwrap();
-    }
-    c.disconnect().unwrap();
-    buf
-}
 
 #[test]
 fn rollback_is_refused_while_exported_and_restores_the_snapshot() {

@@ -378,3 +378,8 @@ fn unlocked(file: &Path) -> bool {
     // SAFETY: flock on a descriptor this function owns; closing it lets the lock go.
     unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
 }
+
+mod volume_io;
+pub use volume_io::*;
+mod fio;
+pub use fio::*;
