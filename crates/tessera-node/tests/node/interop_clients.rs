@@ -28,14 +28,6 @@ fn run(cmd: &mut Command) -> Output {
         .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
 }
 
-fn combined(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// `qemu-io -f raw URI -c CMD ...`, insisting on exit 0 and no pattern mismatch.
 fn qemu_io(uri: &str, read_only: bool, cmds: &[&str]) -> String {
     let mut c = Command::new("qemu-io");
@@ -99,28 +91,6 @@ fn fio_cmd(n: &TestNode, uri: &str) -> Command {
         .arg("--randrepeat=1")
         .arg("--group_reporting");
     c
-}
-
-fn assert_fio_clean(what: &str, o: &Output) {
-    let text = combined(o);
-    assert!(
-        o.status.success(),
-        "{what}: fio failed ({}):\n{text}",
-        o.status
-    );
-    let bad: Vec<&str> = text
-        .lines()
-        .filter(|l| l.contains("verify:") || l.contains("verify failed") || l.contains("bad magic"))
-        .collect();
-    assert!(
-        bad.is_empty(),
-        "{what}: fio reported verify failures:\n{}",
-        bad.join("\n")
-    );
-    assert!(
-        text.contains("err= 0"),
-        "{what}: fio did not report err= 0:\n{text}"
-    );
 }
 
 #[test]
