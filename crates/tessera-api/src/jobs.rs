@@ -66,8 +66,29 @@ pub struct ScrubStatus {
     pub mismatched_ranges: Vec<Range>,
     pub errors: Vec<String>,
     pub metadata_findings: Vec<String>,
+    /// A dedup pool's metadata check, run after the data (absent on other pools, and
+    /// while the data is being scrubbed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dedup: Option<DedupScrubInfo>,
     #[serde(flatten)]
     pub progress: JobProgress,
+}
+
+/// What a scrub found in a dedup pool's metadata (docs/format.md §17, "Scrub").
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct DedupScrubInfo {
+    /// Store blocks whose reference count differed from the references to them (each
+    /// is also a metadata finding), and how many of those the scrub set right.
+    pub count_errors: u64,
+    pub counts_repaired: u64,
+    /// Fingerprint index buckets and entries read back.
+    pub index_buckets_checked: u64,
+    pub index_entries_checked: u64,
+    /// Entries naming a block that is free or holds other bytes now (an overwrite in
+    /// place leaves its block's old entry behind). Harmless: every candidate is compared
+    /// before it is shared; a repairing scrub removes them.
+    pub stale_index_entries: u64,
+    pub index_entries_removed: u64,
 }
 
 /// `GET /v1/pools/NAME/rebuild`.

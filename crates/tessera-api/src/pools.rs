@@ -102,6 +102,10 @@ pub struct PoolInfo {
 /// A dedup pool's figures (docs/format.md §17). Counters count since the pool was opened.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DedupInfo {
+    /// Whether writes are deduplicated now (`pool update --dedup on|off`). Off, blocks
+    /// already shared stay shared, new writes are stored without a lookup, and new
+    /// volumes are plain.
+    pub enabled: bool,
     /// Bytes the volumes' map entries reference (what they would take without dedup;
     /// zero blocks and holes excluded).
     pub logical_bytes: u64,
@@ -120,6 +124,8 @@ pub struct DedupInfo {
     /// Blocks written without a lookup: small random writes in regions where lookups
     /// were finding nothing (the gain detector).
     pub skipped_blocks: u64,
+    /// Blocks written without a lookup because dedup was off.
+    pub off_blocks: u64,
     /// Regions (1 GiB of a volume) that skip lookups now.
     pub skipping_regions: u64,
     /// Index candidates whose bytes differed from the block written.
@@ -305,6 +311,11 @@ pub struct UpdatePool {
     /// New overcommit ratio (above 0; volumes already beyond it stay).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overcommit: Option<f64>,
+    /// Turn deduplication on or off. On takes the fingerprint index's space the first
+    /// time (refused on layouts and pools that cannot have dedup). Off stops looking up
+    /// new writes and makes new volumes plain; blocks already shared stay shared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dedup: Option<bool>,
 }
 
 /// `GET/POST/DELETE /v1/pools/NAME/spares`.

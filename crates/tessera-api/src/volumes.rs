@@ -49,6 +49,10 @@ pub struct VolumeInfo {
     /// A replicated volume's replicas (absent for a volume of this node only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<Vec<ReplicaInfo>>,
+    /// A dedup volume: its blocks are references into its pool's dedup store
+    /// (docs/format.md §17). Its writes are looked up while the pool has dedup on.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dedup: bool,
 }
 
 /// One replica of a replicated volume.
@@ -141,6 +145,12 @@ pub struct CreateVolume {
     /// Create it even if the pool's volumes then exceed its overcommit ratio.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub force: bool,
+    /// Whether it deduplicates: left out, it follows its pool (a pool with dedup on makes
+    /// dedup volumes); `false` opts a volume of a dedup pool out (a plain thin volume,
+    /// for data that does not repeat); `true` is refused where the pool has dedup off.
+    /// Not with `replicas` or `replica_count`: replicas follow their pools.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dedup: Option<bool>,
 }
 
 /// `PATCH /v1/volumes/NAME`.

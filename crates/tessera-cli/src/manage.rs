@@ -230,6 +230,12 @@ fn print_volumes(vols: &[VolumeInfo]) {
 /// One volume, and its replicas when it is replicated.
 fn print_volume(v: &VolumeInfo) {
     print_volumes(std::slice::from_ref(v));
+    if v.dedup {
+        println!(
+            "dedup volume: identical blocks share storage across pool {}",
+            v.pool
+        );
+    }
     let Some(reps) = &v.replicas else { return };
     println!();
     let mut rows = vec![vec![
@@ -319,6 +325,10 @@ pub struct VolumeCreateArgs {
     /// Go beyond the pool's overcommit ratio (`pool update --overcommit` changes it).
     #[arg(long)]
     pub force: bool,
+    /// In a pool with dedup on, make a plain volume whose writes are never looked up
+    /// (for data that does not repeat: databases, encrypted or compressed files).
+    #[arg(long, conflicts_with = "replicas")]
+    pub no_dedup: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -466,6 +476,7 @@ pub fn volume(ep: &Endpoint, c: VolumeCmd, raw: bool) -> Result<()> {
                 },
                 replica_count: count,
                 force: a.force,
+                dedup: a.no_dedup.then_some(false),
             };
             let v: VolumeInfo = send(ep, "POST", "/v1/volumes", &body)?;
             if chosen && !raw {

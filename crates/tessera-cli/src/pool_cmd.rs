@@ -78,13 +78,21 @@ pub struct PoolCreateArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("change").required(true).multiple(true)
+    .args(["overcommit", "dedup"])))]
 pub struct PoolUpdateArgs {
     /// Name of the pool.
     name: String,
     /// Overcommit ratio: the volumes' virtual sizes may add up to this many times the
     /// pool's capacity (above 0; volumes already beyond it stay).
-    #[arg(long, required = true)]
+    #[arg(long)]
     overcommit: Option<f64>,
+    /// Deduplication: `on` looks new writes up and makes new volumes dedup volumes (the
+    /// first time it takes the fingerprint index's space, 0.6% of the capacity); `off`
+    /// stores new writes without a lookup and makes new volumes plain, and keeps what
+    /// is shared shared.
+    #[arg(long, value_parser = ["on", "off"])]
+    dedup: Option<String>,
 }
 
 /// `pool show` (`pool status`).
@@ -501,6 +509,17 @@ fn scrub_line(v: &ScrubStatus) -> String {
 
 fn print_scrub(v: &ScrubStatus) {
     println!("{}", scrub_line(v));
+    if let Some(d) = &v.dedup {
+        println!(
+            "  dedup: {} reference counts wrong ({} repaired); {} index entries in {} buckets checked, {} stale ({} removed)",
+            d.count_errors,
+            d.counts_repaired,
+            d.index_entries_checked,
+            d.index_buckets_checked,
+            d.stale_index_entries,
+            d.index_entries_removed,
+        );
+    }
     for e in v.metadata_findings.iter().chain(&v.errors) {
         println!("  {e}");
     }
@@ -613,8 +632,17 @@ fn print_pool_status(v: &PoolInfo) {
         println!("  {}", scrub_line(r));
     }
     if let Some(d) = &v.dedup {
+        // Off: what is shared stays shared, new writes are not looked up.
+        let off = if d.enabled {
+            String::new()
+        } else {
+            format!(
+                " (off: {} blocks written since without a lookup)",
+                d.off_blocks
+            )
+        };
         println!(
-            "  dedup: {} logical in {} stored (ratio {:.2}); {} shared, {} new, {} zero blocks written; {} not looked up ({} regions not gaining)",
+            "  dedup{off}: {} logical in {} stored (ratio {:.2}); {} shared, {} new, {} zero blocks written; {} not looked up ({} regions not gaining)",
             bytes(d.logical_bytes),
             bytes(d.physical_bytes),
             d.ratio,
@@ -691,8 +719,15 @@ pub fn pool(ep: &Endpoint, c: PoolCmd, raw: bool) -> Result<()> {
             let v: Deleted = delete(ep, &format!("/v1/pools/{name}"))?;
             deleted(&v, raw, &format!("pool {name}"));
         }
-        PoolCmd::Update(PoolUpdateArgs { name, overcommit }) => {
-            let body = UpdatePool { overcommit };
+        PoolCmd::Update(PoolUpdateArgs {
+            name,
+            overcommit,
+            dedup,
+        }) => {
+            let body = UpdatePool {
+                overcommit,
+                dedup: dedup.map(|d| d == "on"),
+            };
             let v: PoolInfo = send(ep, "PATCH", &format!("/v1/pools/{name}"), &body)?;
             show(&v, raw, print_pool_status);
         }

@@ -324,6 +324,9 @@ pub struct VolumeDecl {
     pub name: String,
     pub pool: String,
     pub size: String,
+    /// `false` opts a volume of a dedup pool out (a plain volume); absent: as its pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dedup: Option<bool>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -406,6 +409,7 @@ impl NodeConfig {
                 name: "vol0".into(),
                 pool: "pool0".into(),
                 size: "4G".into(),
+                dedup: None,
             }],
             exports: vec![ExportDecl {
                 name: "vol0".into(),

@@ -44,6 +44,8 @@ pub struct Progress {
     found: ScrubFindings,
     errors: Vec<String>,
     metadata: Vec<String>,
+    /// The dedup metadata check's figures, once it ran.
+    dedup: Option<tessera_api::DedupScrubInfo>,
 }
 
 impl AsMut<Figures> for Progress {
@@ -74,6 +76,7 @@ impl ScrubJob {
                 .collect(),
             errors: p.errors.clone(),
             metadata_findings: p.metadata.clone(),
+            dedup: p.dedup.clone(),
             progress: p.job.progress(p.class),
         }
     }
@@ -115,6 +118,7 @@ fn spawn(
             found: ScrubFindings::default(),
             errors: Vec::new(),
             metadata: Vec::new(),
+            dedup: None,
         },
     ));
     let j = job.clone();
@@ -186,6 +190,17 @@ fn run(pool: &Pool, job: &ScrubJob, limits: &BackgroundLimits, class: &str, repa
             job.progress().job.bytes_done += len as u64;
         }
         job.progress().job.units_done += 1;
+    }
+    // The dedup metadata after the data: on a mirror, the blocks the index entries are
+    // checked against have been made equal first.
+    if !stopped {
+        if let Some((info, findings)) = pool.scrub_dedup(repair, &|| job.stopping()) {
+            stopped = job.stopping();
+            let mut p = job.progress();
+            let room = MAX_REPORTED.saturating_sub(p.metadata.len());
+            p.metadata.extend(findings.into_iter().take(room));
+            p.dedup = Some(info);
+        }
     }
     let mut p = job.progress();
     p.job.elapsed = t0.elapsed();

@@ -39,7 +39,7 @@ pub use format::ExportRecord;
 pub use layout::{Layout, LayoutHandle, LayoutKind};
 pub use pool::{
     human_bytes, random_uuid, uuid_string, validate_name, validate_overcommit, Pool, PoolOptions,
-    PoolTuning, DEFAULT_OVERCOMMIT, DEFAULT_UNIT_SIZE,
+    PoolTuning, VolumeOptions, DEFAULT_OVERCOMMIT, DEFAULT_UNIT_SIZE,
 };
 pub use scrub::ScrubFindings;
 pub use volume::{IoClass, IoStats, StatsSnapshot, Volume, VolumeHandle, HOLE};

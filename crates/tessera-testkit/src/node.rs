@@ -330,6 +330,17 @@ impl<B: Binary> TestNode<B> {
         cli_stdout(args, &self.cli(args))
     }
 
+    /// Run the CLI and insist that it fails; returns stderr (the error text).
+    pub fn cli_fails(&self, args: &[&str]) -> String {
+        let o = self.cli(args);
+        assert!(
+            !o.status.success(),
+            "tessera {args:?} should have been refused; stdout: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    }
+
     /// Run the CLI with `--json` and parse its answer.
     pub fn json(&self, args: &[&str]) -> serde_json::Value {
         let mut a = args.to_vec();

@@ -55,9 +55,31 @@ fn identical_data_in_two_volumes_is_stored_once_and_survives_a_kill() {
         shown.contains("dedup: 16.0 MiB logical in 8.0 MiB stored (ratio 2.00); 2048 shared"),
         "{shown}"
     );
-    // nbdcopy flushes at the end: a kill -9 keeps both copies.
+    // Per-volume opt-out, and dedup off for the pool: both as the user types them.
+    n.cli_ok(&[
+        "volume",
+        "create",
+        "c",
+        "--pool",
+        "p",
+        "--size",
+        "16M",
+        "--no-dedup",
+    ]);
+    assert!(!n.cli_ok(&["volume", "show", "c"]).contains("dedup"));
+    assert!(n.cli_ok(&["volume", "show", "a"]).contains("dedup volume"));
+    let err = n.cli_fails(&["pool", "update", "p"]);
+    assert!(
+        err.contains("--overcommit") && err.contains("--dedup"),
+        "{err}"
+    );
+    let shown = n.cli_ok(&["pool", "update", "p", "--dedup", "off"]);
+    assert!(shown.contains("dedup (off: 0 blocks"), "{shown}");
+    // nbdcopy flushes at the end: a kill -9 keeps both copies (and dedup off).
     n.kill9();
     n.restart();
+    let shown = n.cli_ok(&["pool", "show", "p"]);
+    assert!(shown.contains("dedup (off"), "{shown}");
     for v in ["a", "b"] {
         let back = n.dir.join(format!("{v}.bin"));
         run_ok(Command::new("nbdcopy").arg(n.uri(v)).arg(&back));

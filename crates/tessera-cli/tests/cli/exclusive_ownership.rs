@@ -92,18 +92,6 @@ fn run_refused(args: &[&str]) -> Refusal {
     }
 }
 
-/// A CLI command that must fail; returns its stderr.
-fn cli_fails(n: &TestNode, args: &[&str]) -> String {
-    let o = n.cli(args);
-    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(
-        !o.status.success(),
-        "tessera {args:?} should have been refused; stdout: {}",
-        String::from_utf8_lossy(&o.stdout)
-    );
-    stderr
-}
-
 fn pool_names(n: &TestNode) -> Vec<String> {
     let v = n.json(&["pool", "list"]);
     v.as_array()
@@ -235,9 +223,9 @@ fn two_pools_cannot_claim_one_device() {
     let dotted = format!("{d}/./shared.img");
     let link = format!("{d}/link.img");
     for dev in [&shared, &dotted, &link] {
-        let e = cli_fails(&a, &["pool", "create", "p2", dev]);
+        let e = a.cli_fails(&["pool", "create", "p2", dev]);
         assert!(e.contains("shared.img") || e.contains(dev.as_str()), "{e}");
-        let e = cli_fails(&a, &["pool", "create", "p2", dev, "--force"]);
+        let e = a.cli_fails(&["pool", "create", "p2", dev, "--force"]);
         assert!(
             e.contains("in use") || e.contains("already used by a pool"),
             "{dev} --force: {e}"
@@ -247,19 +235,16 @@ fn two_pools_cannot_claim_one_device() {
     // pool next to a fresh device, with --force.
     let hard = format!("{d}/hard.img");
     std::fs::hard_link(&shared, &hard).unwrap();
-    let e = cli_fails(
-        &a,
-        &[
-            "pool",
-            "create",
-            "p3",
-            "--layout",
-            "raid1",
-            &format!("{d}/fresh.img:64M"),
-            &hard,
-            "--force",
-        ],
-    );
+    let e = a.cli_fails(&[
+        "pool",
+        "create",
+        "p3",
+        "--layout",
+        "raid1",
+        &format!("{d}/fresh.img:64M"),
+        &hard,
+        "--force",
+    ]);
     assert!(
         e.contains("hard.img is in use") && e.contains("pool 'p1'"),
         "{e}"
@@ -268,12 +253,12 @@ fn two_pools_cannot_claim_one_device() {
 
     // Another node, its own data directory: the file is held by A's process.
     let b = TestNode::start_with_config("own-dev-b", "[nvmf]\nenabled = false\n");
-    let e = cli_fails(&b, &["pool", "create", "q", &shared]);
+    let e = b.cli_fails(&["pool", "create", "q", &shared]);
     assert!(
         e.contains("p1"),
         "the error should name the owning pool: {e}"
     );
-    let e = cli_fails(&b, &["pool", "create", "q", &shared, "--force"]);
+    let e = b.cli_fails(&["pool", "create", "q", &shared, "--force"]);
     assert!(
         e.contains("in use") && e.contains(&format!("process {}", a.pid())),
         "the error should say the device is in use, and by whom: {e}"
@@ -305,7 +290,7 @@ fn a_device_labelled_for_another_pool_needs_force() {
     let mut n = TestNode::start_with_config("own-label", "[nvmf]\nenabled = false\n");
     let d = path_str(&n.dir);
     // pool create: refused, naming the pool; --force takes it.
-    let e = cli_fails(&n, &["pool", "create", "new", &x]);
+    let e = n.cli_fails(&["pool", "create", "new", &x]);
     assert!(e.contains("'other'") && e.contains("--force"), "{e}");
     n.cli_ok(&["pool", "create", "new", &x, "--force"]);
 
@@ -325,7 +310,7 @@ fn a_device_labelled_for_another_pool_needs_force() {
     // pool spare add: refused, naming the pool; --force takes it and wipes its label. (On
     // the healthy pool: a degraded one takes a new spare into a rebuild at once, and the
     // remove below would race it.)
-    let e = cli_fails(&n, &["pool", "spare", "add", "m", &z]);
+    let e = n.cli_fails(&["pool", "spare", "add", "m", &z]);
     assert!(e.contains("'other3'") && e.contains("--force"), "{e}");
     n.cli_ok(&["pool", "spare", "add", "m", &z, "--force"]);
     let label = std::fs::read(&z).unwrap();
@@ -342,7 +327,7 @@ fn a_device_labelled_for_another_pool_needs_force() {
 
     // pool replace: refused, naming the pool; --force takes it, and the rebuild onto it
     // restores every byte.
-    let e = cli_fails(&n, &["pool", "replace", "m", "--device", "1", &y]);
+    let e = n.cli_fails(&["pool", "replace", "m", "--device", "1", &y]);
     assert!(e.contains("'other2'") && e.contains("--force"), "{e}");
     let out = n.cli_ok(&["pool", "replace", "m", "--device", "1", &y, "--force"]);
     assert!(out.contains("rebuilding"), "{out}");

@@ -666,13 +666,6 @@ fn copied_to(a: &TestNode, place: &str) -> u64 {
         .unwrap()
 }
 
-/// The CLI's error text for a command that must fail.
-fn cli_fails(n: &TestNode, args: &[&str]) -> String {
-    let o = n.cli(args);
-    assert!(!o.status.success(), "{args:?} should fail");
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
 #[test]
 fn a_new_replica_gets_a_copy_of_the_allocated_space_only_while_fio_writes() {
     if !require_tool("fio") {
@@ -725,10 +718,10 @@ fn a_new_replica_gets_a_copy_of_the_allocated_space_only_while_fio_writes() {
         ],
     );
     std::thread::sleep(Duration::from_secs(1));
-    let e = cli_fails(&a, &["volume", "replica", "add", "db", "node-a:p"]);
+    let e = a.cli_fails(&["volume", "replica", "add", "db", "node-a:p"]);
     assert!(e.contains("another node"), "{e}");
     a.cli_ok(&["volume", "replica", "add", "db", "node-c:p"]);
-    let e = cli_fails(&a, &["volume", "replica", "add", "db", "node-c:p"]);
+    let e = a.cli_fails(&["volume", "replica", "add", "db", "node-c:p"]);
     assert!(e.contains("already has a replica"), "{e}");
     assert_eq!(replicas(&a).len(), 3);
     wait_for("node-c in sync", 60, || {
@@ -755,7 +748,7 @@ fn a_new_replica_gets_a_copy_of_the_allocated_space_only_while_fio_writes() {
     verify_written(&a, &model);
 
     // Removing: the owner's own replica stays; node-b's goes, durably, volume and all.
-    let e = cli_fails(&a, &["volume", "replica", "remove", "db", "local:p"]);
+    let e = a.cli_fails(&["volume", "replica", "remove", "db", "local:p"]);
     assert!(e.contains("owner's own"), "{e}");
     b.cli_ok(&["export", "delete", "replica"]);
     let r = a.json(&["volume", "replica", "remove", "db", "node-b:p"]);
@@ -795,7 +788,7 @@ fn a_local_volume_becomes_replicated_when_a_replica_is_added() {
     write_generations(&mut nbd, &mut model, 8 * per_mib..10 * per_mib, 1, BS);
     drop(nbd);
     // In use: refused, with what to do.
-    let e = cli_fails(&a, &["volume", "replica", "add", "db", "node-b:p"]);
+    let e = a.cli_fails(&["volume", "replica", "add", "db", "node-b:p"]);
     assert!(e.contains("in use") && e.contains("exported as db"), "{e}");
     assert!(a.json(&["volume", "show", "db"])["replicas"].is_null());
     a.cli_ok(&["export", "delete", "db"]);
@@ -1027,9 +1020,10 @@ fn snapshots_of_a_replicated_volume_are_one_point_on_every_replica() {
     );
     // Refused clearly: a rollback of the replicated volume, a snapshot of a replica on
     // its holder.
-    let e = cli_fails(&cl.a, &["volume", "rollback", "db", "--to", "s1"]);
+    let e = cl.a.cli_fails(&["volume", "rollback", "db", "--to", "s1"]);
     assert!(e.contains("clone the snapshot"), "{e}");
-    let e = cli_fails(&cl.b, &["snapshot", "create", "db.node-a", "--name", "x"]);
+    let e =
+        cl.b.cli_fails(&["snapshot", "create", "db.node-a", "--name", "x"]);
     assert!(e.contains("held for node 'node-a'"), "{e}");
     // Deleting at the owner deletes every copy.
     let d = cl.a.json(&["snapshot", "delete", "s2"]);

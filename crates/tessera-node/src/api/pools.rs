@@ -93,6 +93,7 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
                     &info.name,
                     &UpdatePool {
                         overcommit: Some(r),
+                        ..UpdatePool::default()
                     },
                 ),
                 None => Ok(info),
@@ -135,7 +136,7 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     request_body = UpdatePool,
     responses((status = 200, body = PoolInfo), (status = "4XX", body = ErrorReply)))]
 pub async fn update(State(node): NodeState, Path(name): Path<String>, bytes: Bytes) -> Response {
-    match body::<UpdatePool>(&bytes, "pool update", "overcommit") {
+    match body::<UpdatePool>(&bytes, "pool update", "overcommit, dedup") {
         Ok(b) => with_node(node, move |n| reply(n.update_pool(&name, &b), 200)).await,
         Err(r) => r,
     }

@@ -12,6 +12,7 @@ use tessera_api::{
     ReplicaTarget, ResizeVolume, SizeArg, VolumeInfo, VolumeStats,
 };
 use tessera_http::Response;
+use tessera_pool::VolumeOptions;
 
 use super::{body, reply, with_node, NodeState};
 use crate::error::Error;
@@ -68,11 +69,16 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
     match body::<CreateVolume>(
         &bytes,
         "volume",
-        "name, pool, size, replicas, replica_count, force",
+        "name, pool, size, replicas, replica_count, force, dedup",
     ) {
         Ok(b) => {
             with_node(node, move |n| {
                 let made = size(&b.size).and_then(|s| {
+                    if b.dedup.is_some() && (b.replica_count.is_some() || !b.replicas.is_empty()) {
+                        return Err(Error::invalid(
+                            "dedup is chosen per pool for a replicated volume: leave it out",
+                        ));
+                    }
                     if let Some(count) = b.replica_count {
                         if !b.pool.is_empty() || !b.replicas.is_empty() {
                             return Err(Error::invalid(
@@ -82,7 +88,11 @@ pub async fn create(State(node): NodeState, bytes: Bytes) -> Response {
                         let places = n.place_replicas(usize::try_from(count).unwrap_or(0))?;
                         n.create_replicated_volume(&b.name, s, &places, b.force)
                     } else if b.replicas.is_empty() {
-                        n.create_volume(&b.name, &b.pool, s, b.force)
+                        let opts = VolumeOptions {
+                            force: b.force,
+                            dedup: b.dedup,
+                        };
+                        n.create_volume_opts(&b.name, &b.pool, s, opts)
                     } else if !b.pool.is_empty() {
                         Err(Error::invalid(
                             "give either pool or replicas (NODE:POOL each), not both",

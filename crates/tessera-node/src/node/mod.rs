@@ -359,7 +359,13 @@ impl Node {
                 continue;
             }
             size_arg("volume size", &v.size)
-                .and_then(|size| self.create_volume(&v.name, &v.pool, size, false))
+                .and_then(|size| {
+                    let opts = tessera_pool::VolumeOptions {
+                        force: false,
+                        dedup: v.dedup,
+                    };
+                    self.create_volume_opts(&v.name, &v.pool, size, opts)
+                })
                 .map_err(|source| StartError::Declaration {
                     what: "volume",
                     name: v.name.clone(),

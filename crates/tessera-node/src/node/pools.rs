@@ -311,10 +311,18 @@ impl Node {
     }
 
     /// Change what can be changed of a pool (`PATCH /v1/pools/NAME`): its overcommit
-    /// ratio, live and in the registry.
+    /// ratio and whether it deduplicates, live and in the registry.
     pub fn update_pool(&self, name: &str, u: &UpdatePool) -> Result<PoolInfo> {
         let _g = self.admin();
         let p = self.pools.get(name)?;
+        if let Some(on) = u.dedup {
+            p.set_dedup(on)?;
+            self.pools.edit_entry(name, |e| {
+                e.dedup = on;
+                Ok(())
+            })?;
+            info!(pool = %name, "dedup {}", if on { "on" } else { "off" });
+        }
         if let Some(r) = u.overcommit {
             tessera_pool::validate_overcommit(r)?;
             self.pools.edit_entry(name, |e| {

@@ -363,7 +363,11 @@ impl Node {
         let opts = self.replica_options()?;
         // In a cluster, the name is claimed there first (create-only in etcd).
         self.claim_volume_spec(name, size, replicas)?;
-        let local = match p.create_volume_opts(name, size, force) {
+        let vopts = tessera_pool::VolumeOptions {
+            force,
+            ..Default::default()
+        };
+        let local = match p.create_volume_opts(name, size, vopts) {
             Ok(v) => v,
             Err(e) => {
                 self.release_volume_spec(name);

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use tessera_io::cast::DurationU64;
 
 use tessera_api::{IoTotals, LatencyWindow, VolumeInfo, VolumeStats};
-use tessera_pool::{Pool, Volume};
+use tessera_pool::{Pool, Volume, VolumeOptions};
 use tessera_qos::QosLimits;
 
 use super::{Error, Node, Result};
@@ -19,6 +19,22 @@ impl Node {
         size: u64,
         force: bool,
     ) -> Result<VolumeInfo> {
+        let opts = VolumeOptions {
+            force,
+            ..VolumeOptions::default()
+        };
+        self.create_volume_opts(name, pool, size, opts)
+    }
+
+    /// [`Node::create_volume`] with every option (`dedup`: whether a volume of a dedup
+    /// pool deduplicates).
+    pub fn create_volume_opts(
+        &self,
+        name: &str,
+        pool: &str,
+        size: u64,
+        opts: VolumeOptions,
+    ) -> Result<VolumeInfo> {
         let _g = self.admin();
         if self.pools().find_volume(name).is_ok() {
             return Err(Error::already_exists(format!(
@@ -30,7 +46,7 @@ impl Node {
         } else {
             self.pools().get(pool)?
         };
-        let v = p.create_volume_opts(name, size, force)?;
+        let v = p.create_volume_opts(name, size, opts)?;
         Ok(self.volume_info(&p, &v))
     }
 
@@ -115,6 +131,7 @@ impl Node {
             replicas: self.replicas.infos(v),
             snapshot: v.is_snapshot(),
             parent: v.listed_parent().map(|p| p.name.clone()),
+            dedup: v.block_mapped(),
         }
     }
 

@@ -27,7 +27,11 @@ fn create_pool(n: &TestNode, name: &str, dev: &str, overcommit: Option<f64>) {
     )
     .unwrap_or_else(|e| panic!("create pool {name}: {e}"));
     if overcommit.is_some() {
-        node.update_pool(name, &UpdatePool { overcommit })
+        let u = UpdatePool {
+            overcommit,
+            ..UpdatePool::default()
+        };
+        node.update_pool(name, &u)
             .unwrap_or_else(|e| panic!("set the ratio of {name}: {e}"));
     }
 }
@@ -64,6 +68,7 @@ fn overcommit_ratio_bounds_provisioning_and_persists() {
         "p",
         &UpdatePool {
             overcommit: Some(600000.0),
+            ..UpdatePool::default()
         },
     )
     .expect("raise the ratio");

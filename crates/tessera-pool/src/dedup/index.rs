@@ -240,6 +240,16 @@ impl FingerprintIndex {
         Ok(())
     }
 
+    /// Buckets of the index.
+    pub fn bucket_count(&self) -> u64 {
+        self.buckets
+    }
+
+    /// The entries of bucket `b` as the device has them (the scrub's walk).
+    pub fn bucket_entries(&self, b: u64) -> io::Result<Vec<(Fingerprint, u64)>> {
+        self.read_bucket(b)
+    }
+
     /// Forget that `pba` holds `fp` (the block was freed). Whether there was such an entry.
     pub fn remove(&self, fp: Fingerprint, pba: u64) -> io::Result<bool> {
         let b = fp.bucket(self.buckets);

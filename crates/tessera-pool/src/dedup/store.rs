@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tessera_io::cast::usize_of;
@@ -192,6 +192,10 @@ pub(crate) struct State {
     /// (both would merge into the same old bytes, and the second to publish would undo
     /// the first), and none overwrites it in place.
     merging: std::collections::HashSet<(u32, u64)>,
+    /// References taken by writes in flight (`share`: counted, not yet in a map), by
+    /// block. Every count equals the map references plus these whenever the lock is
+    /// free, which is what the scrub checks on a live pool.
+    sharing: HashMap<u64, u32, FpBuild>,
     /// A commit was asked for because free blocks ran low (cleared by the commit).
     refill_asked: bool,
     /// Store blocks referenced.
@@ -207,6 +211,8 @@ pub(crate) struct Counters {
     /// Blocks written without a lookup: the gain detector found their region not
     /// gaining from dedup.
     pub skipped_blocks: AtomicU64,
+    /// Blocks written without a lookup because dedup was off (`pool update --dedup off`).
+    pub off_blocks: AtomicU64,
     /// Candidates whose bytes differed (a fingerprint match that was not a duplicate, or
     /// a stale index entry).
     pub compare_mismatches: AtomicU64,
@@ -220,6 +226,10 @@ pub struct DedupCore {
     pub(crate) layout: Arc<Layout>,
     uuid: Uuid,
     shift: u32,
+    /// Whether writes look their blocks up and new volumes are block-mapped (the catalog's
+    /// pool flag bit 0). Off, the store, the maps and the index stay: shared blocks stay
+    /// shared, and writes store their blocks without a lookup.
+    active: AtomicBool,
 }
 
 /// How a block of a write is stored.
@@ -478,6 +488,7 @@ impl DedupCore {
             released: std::collections::HashSet::new(),
             releasing: std::collections::HashSet::new(),
             merging: std::collections::HashSet::new(),
+            sharing: HashMap::default(),
             refill_asked: false,
             used: 0,
         };
@@ -535,7 +546,17 @@ impl DedupCore {
             layout,
             uuid,
             shift,
+            active: AtomicBool::new(true),
         })
+    }
+
+    /// Whether dedup is on (see `active`).
+    pub(crate) fn active(&self) -> bool {
+        self.active.load(Relaxed)
+    }
+
+    pub(crate) fn set_active(&self, on: bool) {
+        self.active.store(on, Relaxed)
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
@@ -572,6 +593,7 @@ impl DedupCore {
         let c = &self.counters;
         let index = self.index.stats();
         tessera_api::DedupInfo {
+            enabled: self.active(),
             logical_bytes: logical,
             physical_bytes: physical,
             ratio: if physical == 0 {
@@ -584,6 +606,7 @@ impl DedupCore {
             new_blocks: c.new_blocks.load(Relaxed),
             zero_blocks: c.zero_blocks.load(Relaxed),
             skipped_blocks: c.skipped_blocks.load(Relaxed),
+            off_blocks: c.off_blocks.load(Relaxed),
             skipping_regions: st
                 .layers
                 .values()
@@ -698,6 +721,16 @@ impl DedupCore {
         }
     }
 
+    /// A reference `share` took is published or dropped.
+    fn shared_done(st: &mut State, pba: u64) {
+        if let Some(n) = st.sharing.get_mut(&pba) {
+            *n -= 1;
+            if *n == 0 {
+                st.sharing.remove(&pba);
+            }
+        }
+    }
+
     /// Whether a block with fingerprint `fp` is being written as a new block now.
     pub(crate) fn writing(&self, fp: u128) -> bool {
         self.lock().in_flight.contains_key(&fp)
@@ -792,6 +825,7 @@ impl DedupCore {
             }
             if buf == block {
                 Self::reference(&mut st, pba);
+                *st.sharing.entry(pba).or_default() += 1;
                 return Some(pba);
             }
             self.counters.compare_mismatches.fetch_add(1, Relaxed);
@@ -910,7 +944,10 @@ impl DedupCore {
         }
         for (i, pl) in placements.iter().enumerate() {
             let value = match *pl {
-                Placement::Shared(pba) => pba + 2,
+                Placement::Shared(pba) => {
+                    Self::shared_done(&mut st, pba);
+                    pba + 2
+                }
                 Placement::New(pba, fp) => {
                     Self::reference(&mut st, pba);
                     note_index(&mut st, fp, pba);
@@ -994,6 +1031,7 @@ impl DedupCore {
         let mut st = self.lock();
         for pl in placements {
             if let Placement::Shared(pba) = *pl {
+                Self::shared_done(&mut st, pba);
                 Self::unreference(&mut st, pba);
             }
         }
@@ -1253,6 +1291,114 @@ impl DedupCore {
                 st.pending_by_pba.remove(&pba);
             }
         }
+    }
+
+    /// The scrub's check of the reference counts on a live pool: each count must equal
+    /// the map references to its block plus those writes in flight took (`sharing`).
+    /// Returns the blocks whose count differed, as findings, and how many were repaired
+    /// (`repair`): a count below its references (the block could be freed while a
+    /// volume still reads it) is raised, and the block taken out of the free lists; a
+    /// count above them (a leak) is lowered, freeing the block after the next commit
+    /// when nothing references it. Holds the dedup lock for one pass over the maps.
+    pub(crate) fn scrub_counts(&self, repair: bool) -> (Vec<String>, u64) {
+        let mut st = self.lock();
+        let blocks = st.store_units.len() as u64 * BLOCKS_PER_UNIT;
+        let mut want = vec![0u32; usize_of(blocks)];
+        for lm in st.layers.values() {
+            for page in lm.pages.values() {
+                for pba in page.entries.iter().filter_map(|&e| pba_of(e)) {
+                    if let Some(w) = want.get_mut(usize_of(pba)) {
+                        *w += 1;
+                    }
+                }
+            }
+        }
+        for (&pba, &n) in &st.sharing {
+            if let Some(w) = want.get_mut(usize_of(pba)) {
+                *w += n;
+            }
+        }
+        let (mut found, mut repaired) = (Vec::new(), 0);
+        for (pba, &w) in want.iter().enumerate() {
+            let pba = pba as u64;
+            let have = Self::count(&st, pba);
+            if have == w {
+                continue;
+            }
+            found.push(format!(
+                "dedup store block {pba}: reference count {have}, referenced {w} times{}",
+                if repair { " (repaired)" } else { "" }
+            ));
+            if !repair {
+                continue;
+            }
+            repaired += 1;
+            if have < w {
+                if have == 0 {
+                    // Free or about to be: it must not be handed out again.
+                    st.free.retain(|&p| p != pba);
+                    st.pending_free.retain(|&p| p != pba);
+                }
+                for _ in have..w {
+                    Self::reference(&mut st, pba);
+                }
+            } else {
+                for _ in w..have {
+                    Self::unreference(&mut st, pba);
+                }
+            }
+        }
+        (found, repaired)
+    }
+
+    /// Damage for the scrub's tests: set `pba`'s count to `count`, as a bug would, and
+    /// (at 0) put it on the free list. The store block `vblock` of `layer` references.
+    #[cfg(test)]
+    pub(crate) fn damage_count(&self, layer: u32, vblock: u64, count: u32) -> u64 {
+        let mut st = self.lock();
+        let pba = pba_of(Self::entry(&st, layer, vblock)).expect("a mapped block");
+        let was = std::mem::replace(Self::count_mut(&mut st, pba), count);
+        if count == 0 && was > 0 {
+            st.used -= 1;
+            st.free.push(pba);
+        }
+        pba
+    }
+
+    /// Whether `pba` is on a free list (the scrub's tests).
+    #[cfg(test)]
+    pub(crate) fn is_free(&self, pba: u64) -> bool {
+        let st = self.lock();
+        st.free.contains(&pba) || st.pending_free.contains(&pba)
+    }
+
+    /// The pool offset of store block `pba` while it is referenced (`None`: free).
+    pub(crate) fn live_offset(&self, pba: u64) -> Option<u64> {
+        let st = self.lock();
+        let live = pba < st.store_units.len() as u64 * BLOCKS_PER_UNIT && Self::count(&st, pba) > 0;
+        live.then(|| self.pba_offset(&st, pba))
+    }
+
+    /// Whether store block `pba` is referenced and holds bytes with fingerprint `fp`
+    /// now (`None`: it is being overwritten in place, so it cannot be told). Reads it
+    /// under the lock, as `share` does: a referenced block cannot change or be freed
+    /// meanwhile.
+    pub(crate) fn holds(
+        &self,
+        pba: u64,
+        fp: Fingerprint,
+        scratch: &mut AlignedBuf,
+    ) -> Option<bool> {
+        let st = self.lock();
+        if pba >= st.store_units.len() as u64 * BLOCKS_PER_UNIT || Self::count(&st, pba) == 0 {
+            return Some(false);
+        }
+        if st.overwriting.contains(&pba) {
+            return None;
+        }
+        let buf = &mut scratch.as_mut_slice()[..BLOCK];
+        self.layout.read_at(self.pba_offset(&st, pba), buf).ok()?;
+        Some(Fingerprint::of(buf) == fp)
     }
 
     /// Problems the metadata has (empty when none): every count equals the references

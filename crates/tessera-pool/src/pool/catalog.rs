@@ -1,7 +1,7 @@
 //! The pool's catalog: volumes and exports by name and id, their sizes against the
 //! overcommit ratio, and the names and sizes the control plane may use.
 
-use super::{human_bytes, now_secs, Pool, State};
+use super::{human_bytes, now_secs, Pool, State, VolumeOptions};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::*;
 use crate::volume::{UnitMap, Volume};
@@ -123,13 +123,32 @@ impl Pool {
     /// Create a thin volume of `size` bytes (a multiple of 512). No space is taken yet.
     /// Refused beyond the pool's overcommit ratio.
     pub fn create_volume(&self, name: &str, size: u64) -> Result<Arc<Volume>> {
-        self.create_volume_opts(name, size, false)
+        self.create_volume_opts(name, size, VolumeOptions::default())
     }
 
-    /// [`Pool::create_volume`]; `force` creates it beyond the overcommit ratio.
-    pub fn create_volume_opts(&self, name: &str, size: u64, force: bool) -> Result<Arc<Volume>> {
+    /// [`Pool::create_volume`] with options: beyond the overcommit ratio, and whether it
+    /// deduplicates.
+    pub fn create_volume_opts(
+        &self,
+        name: &str,
+        size: u64,
+        opts: VolumeOptions,
+    ) -> Result<Arc<Volume>> {
         validate_name("volume", name)?;
         validate_volume_size(size, self.core.unit_size())?;
+        let dedup_on = self.dedup_enabled();
+        let block_mapped = match opts.dedup {
+            None => dedup_on,
+            Some(false) => false,
+            Some(true) if dedup_on => true,
+            Some(true) => {
+                return Err(Error::invalid(format!(
+                    "pool '{}' does not deduplicate; turn dedup on first (`tessera pool \
+                     update {} --dedup on`)",
+                    self.core.name, self.core.name
+                )))
+            }
+        };
         let vol = {
             let mut s = self.core.lock();
             s.name_free(name)?;
@@ -137,7 +156,7 @@ impl Pool {
                 &s,
                 &format!("volume '{name}' of {}", human_bytes(size)),
                 size,
-                force,
+                opts.force,
             )?;
             let id = s.next_volume_id;
             s.next_volume_id += 1;
@@ -150,8 +169,8 @@ impl Pool {
                 UnitMap::new(size.div_ceil(self.core.unit_size())),
                 Default::default(),
             );
-            if self.core.dedup().is_some() {
-                // A dedup pool's volumes are block-mapped (docs/format.md §17).
+            if block_mapped {
+                // A dedup volume's blocks are references (docs/format.md §17).
                 let mut chain = crate::format::ChainRecord::plain(id);
                 chain.flags |= crate::format::CHAIN_BLOCK_MAPPED;
                 vol.set_chain(chain, None);
@@ -159,7 +178,7 @@ impl Pool {
             s.volumes.insert(id, vol.clone());
             vol
         };
-        if let Some(d) = self.core.dedup() {
+        if let Some(d) = self.core.dedup().filter(|_| block_mapped) {
             // After the pool lock: the dedup lock is always taken first.
             d.add_layer(vol.id);
         }

@@ -256,7 +256,7 @@ impl PoolCore {
             s.records.clear();
             let mut catalog = s.catalog();
             if let Some(d) = self.dedup() {
-                catalog.dedup = true;
+                catalog.dedup = d.active();
                 catalog.index_buckets = d.buckets;
             }
             catalog.partial = s

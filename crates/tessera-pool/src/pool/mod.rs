@@ -70,6 +70,18 @@ pub struct PoolOptions {
     pub dedup: bool,
 }
 
+/// How a new volume is made ([`Pool::create_volume_opts`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VolumeOptions {
+    /// Create it even beyond the pool's overcommit ratio.
+    pub force: bool,
+    /// Whether it deduplicates (docs/format.md §17): `None` follows the pool (a dedup
+    /// pool with dedup on makes block-mapped volumes); `Some(false)` opts a volume of a
+    /// dedup pool out (a plain thin volume); `Some(true)` is refused where the pool does
+    /// not deduplicate now.
+    pub dedup: Option<bool>,
+}
+
 impl Default for PoolOptions {
     fn default() -> Self {
         PoolOptions {
@@ -418,6 +430,7 @@ impl Pool {
         let total = owners.len();
         let mut catalog = ck.catalog;
         let dedup = (catalog.dedup || catalog.index_buckets > 0).then_some(catalog.index_buckets);
+        let dedup_on = catalog.dedup;
         let mut partial: BTreeMap<u32, [u8; PRESENCE_BYTES]> =
             std::mem::take(&mut catalog.partial).into_iter().collect();
         let next_seq = meta.replay(ck.header.journal_seq, |r| {
@@ -465,6 +478,7 @@ impl Pool {
                 next_seq - 1,
             )
             .map_err(|e| Error::io("opening the dedup metadata", e))?;
+            d.set_active(dedup_on);
             let _ = pool.core.dedup.set(Arc::new(d));
         }
         // Fold the replayed journal into a fresh checkpoint (and skip a journal lap).
@@ -887,14 +901,43 @@ impl Pool {
         core.checkpoint()
     }
 
-    /// Whether dedup is on.
-    pub fn dedup_enabled(&self) -> bool {
-        self.core.dedup().is_some()
+    /// Turn deduplication on or off (`pool update --dedup on|off`), durable when this
+    /// returns. On, the first time, is [`Pool::enable_dedup`]. Off keeps the store, the
+    /// maps and the index: blocks already shared stay shared and dedup volumes stay
+    /// readable and writable, but writes store their blocks without a lookup and new
+    /// volumes are plain. On again looks writes up again (blocks written while off are
+    /// not in the index, so they are not found for sharing).
+    pub fn set_dedup(&self, on: bool) -> Result<()> {
+        match self.core.dedup() {
+            None if on => self.enable_dedup(),
+            None => Ok(()),
+            Some(d) if d.active() == on => Ok(()),
+            Some(d) => {
+                d.set_active(on);
+                self.core.checkpoint().inspect_err(|_| d.set_active(!on))
+            }
+        }
     }
 
-    /// Dedup figures, when dedup is on.
+    /// Whether dedup is on: new volumes are block-mapped and writes are looked up.
+    pub fn dedup_enabled(&self) -> bool {
+        self.core.dedup().is_some_and(|d| d.active())
+    }
+
+    /// Dedup figures, when the pool has dedup metadata (on, or off after being on).
     pub fn dedup_stats(&self) -> Option<tessera_api::DedupInfo> {
         self.core.dedup().map(|d| d.stats())
+    }
+
+    /// The scrub of a dedup pool's metadata (`None` on other pools): reference counts
+    /// against the maps and index entries against their blocks, repaired with `repair`;
+    /// the index walk ends early when `stop` says so. The findings are the damage found.
+    pub fn scrub_dedup(
+        &self,
+        repair: bool,
+        stop: &dyn Fn() -> bool,
+    ) -> Option<(tessera_api::DedupScrubInfo, Vec<String>)> {
+        self.core.dedup().map(|d| d.scrub(repair, stop))
     }
 
     /// Dedup metadata problems (counts against references): empty when none or when

@@ -310,7 +310,9 @@ impl VolumeHandle {
         tag: Tag,
     ) {
         let unit = DBLOCK * crate::dedup::store::BLOCKS_PER_UNIT;
-        // (pool offset, length, offset in the buffer)
+        // Runs of (pool offset, length, offset in the buffer): the first apart, so that
+        // a read of one run (every 4 KiB read) allocates nothing and needs no join.
+        let mut first: Option<(u64, u64, u64)> = None;
         let mut runs: Vec<(u64, u64, u64)> = Vec::new();
         {
             let st = d.lock();
@@ -328,7 +330,12 @@ impl VolumeHandle {
                     }
                     Some(po) => {
                         let po = po + at % DBLOCK;
-                        match runs.last_mut() {
+                        let last = if runs.is_empty() {
+                            first.as_mut()
+                        } else {
+                            runs.last_mut()
+                        };
+                        match last {
                             Some(r)
                                 if r.0 + r.1 == po
                                     && r.2 + r.1 == boff
@@ -336,18 +343,23 @@ impl VolumeHandle {
                             {
                                 r.1 += n
                             }
-                            _ => runs.push((po, n, boff)),
+                            Some(_) => runs.push((po, n, boff)),
+                            None => first = Some((po, n, boff)),
                         }
                     }
                 }
                 at = next;
             }
         }
-        if runs.is_empty() {
+        let Some(one) = first else {
             return io.complete(tag, 0);
-        }
-        let t = io.join(tag, u32_of(runs.len()));
-        for (po, n, boff) in runs {
+        };
+        let t = if runs.is_empty() {
+            tag
+        } else {
+            io.join(tag, u32_of(runs.len() + 1))
+        };
+        for (po, n, boff) in std::iter::once(one).chain(runs) {
             // SAFETY: the run lies in the submitter's buffer, kept alive until `tag`
             // (which `t` completes) completes.
             unsafe {
@@ -426,7 +438,9 @@ unsafe fn write_dedup(
     (tag, rounds, random): (Tag, u32, bool),
 ) {
     let engine = engine_for(io, pool);
-    let skip = random && rounds == 0 && d.skips(layer, offset / DBLOCK);
+    // Dedup off: stored without a lookup, like a region the gain detector skips.
+    let off = !d.active();
+    let skip = off || (random && rounds == 0 && d.skips(layer, offset / DBLOCK));
     let first = offset / DBLOCK;
     let last = (offset + len - 1) / DBLOCK;
     let wait = |io: &mut CoreIo| {
@@ -514,7 +528,9 @@ unsafe fn write_dedup(
         .fetch_add(count(|p| *p == Placement::Zero), Relaxed);
     d.counters.new_blocks.fetch_add(fresh, Relaxed);
     let unhashed = count(|p| matches!(p, Placement::New(_, UNHASHED)));
-    if skip {
+    if off {
+        d.counters.off_blocks.fetch_add(unhashed, Relaxed);
+    } else if skip {
         d.counters.skipped_blocks.fetch_add(unhashed, Relaxed);
     } else {
         let looked = count(|p| matches!(p, Placement::New(..) | Placement::Shared(_)));

@@ -1290,7 +1290,15 @@ mod tests {
         assert_eq!(b.size(), 8 * cap);
         pool.resize_volume_opts(&b, 9 * cap, true).unwrap();
         assert_eq!(b.size(), 9 * cap);
-        pool.create_volume_opts("c", 1 << 50, true).unwrap();
+        pool.create_volume_opts(
+            "c",
+            1 << 50,
+            crate::VolumeOptions {
+                force: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         assert_eq!(pool.status().provisioned, 21 * cap + (1 << 50));
         assert!(pool.set_overcommit(0.0).is_err());
         assert!(pool.set_overcommit(f64::NAN).is_err());
@@ -1462,7 +1470,16 @@ mod tests {
     fn allocation_runs_of_a_huge_sparse_volume() {
         let dev: Arc<dyn BlockDevice> = RamDevice::new(64 << 20).unwrap();
         let pool = Pool::create("p", vec![dev], PoolOptions::default()).unwrap();
-        let vol = pool.create_volume_opts("v", 1 << 50, true).unwrap();
+        let vol = pool
+            .create_volume_opts(
+                "v",
+                1 << 50,
+                crate::VolumeOptions {
+                    force: true,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
         let unit = 1u64 << 20;
         for u in [0u64, 1, 1 << 29] {
             pool.core.allocate(&vol, u, true).unwrap();

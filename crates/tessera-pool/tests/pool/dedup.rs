@@ -215,6 +215,124 @@ fn maps_counts_and_index_survive_a_reopen() {
 }
 
 #[test]
+fn dedup_turned_off_keeps_shared_blocks_and_stops_looking_up_and_on_again_shares_again() {
+    let (pool, ram) = ram_pool(LayoutKind::Concat, 1);
+    let data = pattern(31, 256 << 10);
+    let mut io = core();
+    let a = pool.create_volume("a", 4 * MIB).unwrap();
+    let b = pool.create_volume("b", 4 * MIB).unwrap();
+    let (mut ha, mut hb) = (a.open_handle(), b.open_handle());
+    assert_eq!(write(&mut io, &mut ha, 0, &data), 0);
+    assert_eq!(write(&mut io, &mut hb, 0, &data), 0);
+    let shared = pool.dedup_stats().unwrap();
+    assert_eq!(shared.physical_bytes, data.len() as u64);
+
+    pool.set_dedup(false).unwrap();
+    assert!(!pool.dedup_enabled());
+    let st = pool.dedup_stats().expect("the metadata stays");
+    assert!(!st.enabled);
+    // A new volume is plain; the old ones stay dedup volumes.
+    let c = pool.create_volume("c", 4 * MIB).unwrap();
+    assert!(!c.block_mapped() && a.block_mapped());
+    let e = pool
+        .create_volume_opts(
+            "d",
+            4 * MIB,
+            tessera_pool::VolumeOptions {
+                dedup: Some(true),
+                ..Default::default()
+            },
+        )
+        .err()
+        .expect("a dedup volume of a pool with dedup off");
+    assert!(e.to_string().contains("dedup on"), "{e}");
+    // The same bytes again, in an old volume: stored, not looked up.
+    assert_eq!(write(&mut io, &mut ha, 2 * MIB, &data), 0);
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!(st.physical_bytes, 2 * data.len() as u64);
+    assert_eq!(st.off_blocks, data.len() as u64 / BLK);
+    assert_eq!(st.hits, shared.hits);
+    // Overwriting one copy of a shared block leaves the other.
+    assert_eq!(write(&mut io, &mut hb, 0, &pattern(32, 4096)), 0);
+    assert!(read(&mut io, &mut ha, 0, data.len()).unwrap() == data);
+    assert!(read(&mut io, &mut ha, 2 * MIB, data.len()).unwrap() == data);
+
+    // Off is durable.
+    drop((ha, hb, a, b, c));
+    pool.shutdown().unwrap();
+    drop(pool);
+    let pool = reopen(&ram);
+    assert!(!pool.dedup_enabled());
+    assert!(!pool.volume("c").unwrap().block_mapped());
+    assert!(pool.volume("a").unwrap().block_mapped());
+
+    // On again: writes are looked up again (what was stored while off is not in the
+    // index; what was stored before is).
+    pool.set_dedup(true).unwrap();
+    let before = pool.dedup_stats().unwrap();
+    let w = pool.create_volume("w", 4 * MIB).unwrap();
+    assert!(w.block_mapped());
+    let mut hw = w.open_handle();
+    assert_eq!(write(&mut io, &mut hw, 0, &data), 0);
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!(st.physical_bytes, before.physical_bytes);
+    assert_eq!(st.hits, data.len() as u64 / BLK);
+    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
+    drop((hw, w));
+    pool.shutdown().unwrap();
+    drop(pool);
+    assert!(reopen(&ram).dedup_enabled());
+}
+
+#[test]
+fn a_volume_opted_out_of_dedup_is_plain_and_stays_so() {
+    let (pool, ram) = ram_pool(LayoutKind::Raid1 { copies: 2 }, 2);
+    let data = pattern(41, 512 << 10);
+    let mut io = core();
+    let d = pool.create_volume("d", 4 * MIB).unwrap();
+    let opt_out = tessera_pool::VolumeOptions {
+        dedup: Some(false),
+        ..Default::default()
+    };
+    let p = pool.create_volume_opts("p", 4 * MIB, opt_out).unwrap();
+    assert!(d.block_mapped() && !p.block_mapped());
+    let (mut hd, mut hp) = (d.open_handle(), p.open_handle());
+    assert_eq!(write(&mut io, &mut hd, 0, &data), 0);
+    assert_eq!(write(&mut io, &mut hp, 0, &data), 0);
+    assert_eq!(write(&mut io, &mut hp, MIB, &data), 0);
+    // The plain volume's writes never reach the dedup store; it owns whole units.
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!(
+        (st.logical_bytes, st.physical_bytes),
+        (data.len() as u64, data.len() as u64)
+    );
+    assert_eq!(st.hits, 0);
+    assert_eq!(p.allocated_bytes(), 2 * MIB);
+    // A plain volume of a dedup pool takes snapshots as any plain volume does.
+    let s = pool.create_snapshot(&p, "s").unwrap();
+    assert_eq!(write(&mut io, &mut hp, 0, &pattern(42, 4096)), 0);
+    let mut hs = s.open_handle();
+    assert!(read(&mut io, &mut hs, 0, data.len()).unwrap() == data);
+    drop((hd, hp, hs, d, p, s));
+    pool.shutdown().unwrap();
+    drop(pool);
+    let pool = reopen(&ram);
+    let p = pool.volume("p").unwrap();
+    assert!(!p.block_mapped() && pool.volume("d").unwrap().block_mapped());
+    let mut hp = p.open_handle();
+    assert!(read(&mut io, &mut hp, MIB, data.len()).unwrap() == data);
+    let mut want = data.clone();
+    want[..4096].copy_from_slice(&pattern(42, 4096));
+    assert!(read(&mut io, &mut hp, 0, data.len()).unwrap() == want);
+    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
+    assert!(
+        pool.verify_chains().is_empty(),
+        "{:?}",
+        pool.verify_chains()
+    );
+}
+
+#[test]
 fn what_dedup_does_not_do_yet_is_refused_clearly() {
     let ram = ram_devices(3, 64 * MIB);
     let devs: Vec<Arc<dyn BlockDevice>> = ram

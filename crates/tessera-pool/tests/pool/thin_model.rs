@@ -124,7 +124,16 @@ proptest! {
 fn unwritten_ranges_read_zero_and_need_no_space() {
     let pool = pool(LayoutKind::Concat);
     // Larger than the pool (thin), and than the default overcommit ratio allows.
-    let vol = pool.create_volume_opts("v", 1 << 30, true).unwrap();
+    let vol = pool
+        .create_volume_opts(
+            "v",
+            1 << 30,
+            tessera_pool::VolumeOptions {
+                force: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
     let mut h = vol.open_handle();
     let mut io = core();
     assert!(read(&mut io, &mut h, 512 << 20, 65536)
