@@ -6,8 +6,10 @@
 #   scripts/test.sh -- --nocapture
 #
 # Steps: install external tools (fio, qemu-utils, libnbd-bin, nbdkit), build
-# the release binaries (the integration tests spawn target/release/tessera),
-# then run the workspace tests in release mode.
+# the binaries (the integration tests spawn target/ci/tessera), then run the
+# workspace tests. Both use the `ci` profile (Cargo.toml): release optimisation
+# without cross-crate LTO, which every test binary's link repeated and which took
+# most of CI's time; `cargo test --release` runs the same tests against LTO builds.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,7 +38,7 @@ step_done "toolchain"
 # Integration tests that live outside the tessera-cli crate cannot use
 # CARGO_BIN_EXE_tessera; tell them where the built binary is.
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
-export TESSERA="${TESSERA:-$TARGET_DIR/release/tessera}"
+export TESSERA="${TESSERA:-$TARGET_DIR/ci/tessera}"
 
 section "format and lints (cargo fmt --check, cargo clippy -D warnings)"
 cargo fmt --all -- --check
@@ -49,12 +51,12 @@ python3 scripts/import-cycles.py
 python3 scripts/check-doc-paths.py
 step_done "format and lints"
 
-section "build (cargo build --release --workspace --bins)"
-cargo build --release --workspace --bins
+section "build (cargo build --profile ci --workspace --bins)"
+cargo build --profile ci --workspace --bins
 step_done "build"
 
-section "test (cargo test --release --workspace $*)"
-cargo test --release --workspace "$@"
+section "test (cargo test --profile ci --workspace $*)"
+cargo test --profile ci --workspace "$@"
 step_done "test"
 
 section "all tests passed in $((SECONDS - START))s"
