@@ -42,6 +42,8 @@ pub const BLOCKS_PER_UNIT: u64 = MAP_ENTRIES as u64;
 /// Free store blocks below which a write asks for an early commit (when blocks freed
 /// since the last one wait for it): 64 MiB of writes.
 const REFILL_BELOW: usize = 16384;
+/// Stale index entries queued for the commit thread to drop (64 KiB of RAM at most).
+const STALE_QUEUE: usize = 4096;
 
 /// The one unit size dedup supports in this cut.
 pub const DEDUP_UNIT: u64 = BLOCKS_PER_UNIT * DBLOCK;
@@ -174,6 +176,10 @@ pub(crate) struct State {
     /// never holds more entries than the store has blocks.
     pending_index: FpMap<u64>,
     pending_by_pba: HashMap<u64, u128, FpBuild>,
+    /// Device index entries a lookup found stale (their block referenced, steady, and
+    /// holding other bytes: an overwrite in place leaves its block's old entry behind):
+    /// `flush_index` drops them. At most `STALE_QUEUE`; the scrub finds the rest.
+    stale_index: Vec<(u128, u64)>,
     /// Fingerprints of new blocks being written (taken, not yet published): a write of
     /// the same bytes waits for them to be published, then shares them.
     in_flight: FpMap<u64>,
@@ -483,6 +489,7 @@ impl DedupCore {
             layers,
             pending_index: FpMap::default(),
             pending_by_pba: HashMap::default(),
+            stale_index: Vec::new(),
             in_flight: FpMap::default(),
             overwriting: std::collections::HashSet::new(),
             released: std::collections::HashSet::new(),
@@ -829,6 +836,9 @@ impl DedupCore {
                 return Some(pba);
             }
             self.counters.compare_mismatches.fetch_add(1, Relaxed);
+            if Some(pba) != pending && st.stale_index.len() < STALE_QUEUE {
+                st.stale_index.push((fp.0, pba));
+            }
         }
         None
     }
@@ -1268,6 +1278,14 @@ impl DedupCore {
     /// entry whose block was freed meanwhile is written anyway: the byte comparison of a
     /// later lookup tolerates it.
     pub(crate) fn flush_index(&self) {
+        // Stale entries go first: a block freed and written again meanwhile may hold the
+        // same bytes again, and its new entry (pending now) must survive.
+        let stale = std::mem::take(&mut self.lock().stale_index);
+        for (fp, pba) in stale {
+            if let Err(e) = self.index.remove(Fingerprint(fp), pba) {
+                tracing::warn!(error = %e, "cannot drop a stale dedup index entry");
+            }
+        }
         let pending: Vec<(Fingerprint, u64)> = {
             let st = self.lock();
             st.pending_index

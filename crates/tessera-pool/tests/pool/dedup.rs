@@ -333,6 +333,39 @@ fn a_volume_opted_out_of_dedup_is_plain_and_stays_so() {
 }
 
 #[test]
+fn a_stale_index_entry_a_lookup_finds_is_dropped_by_the_next_commit() {
+    let (pool, _ram) = ram_pool(LayoutKind::Concat, 1);
+    let mut io = core();
+    let (old, new) = (pattern(51, 4096), pattern(52, 4096));
+    let a = pool.create_volume("a", 4 * MIB).unwrap();
+    let mut ha = a.open_handle();
+    assert_eq!(write(&mut io, &mut ha, 0, &old), 0);
+    pool.commit().unwrap();
+    // Overwritten in place: the index still says the block holds `old`.
+    assert_eq!(write(&mut io, &mut ha, 0, &new), 0);
+    pool.commit().unwrap();
+    let never = || false;
+    let (info, _) = pool.scrub_dedup(false, &never).unwrap();
+    assert_eq!(info.stale_index_entries, 1);
+    // `old` again elsewhere: the lookup finds the stale entry, compares, stores anew,
+    // and queues the entry; the next commit drops it.
+    let b = pool.create_volume("b", 4 * MIB).unwrap();
+    let mut hb = b.open_handle();
+    assert_eq!(write(&mut io, &mut hb, 0, &old), 0);
+    assert_eq!(pool.dedup_stats().unwrap().compare_mismatches, 1);
+    pool.commit().unwrap();
+    let (info, _) = pool.scrub_dedup(false, &never).unwrap();
+    assert_eq!(info.stale_index_entries, 0, "{info:?}");
+    // And the new entry of `old` (b's block) is there: a third copy shares it.
+    let c = pool.create_volume("c", 4 * MIB).unwrap();
+    let mut hc = c.open_handle();
+    assert_eq!(write(&mut io, &mut hc, 0, &old), 0);
+    assert_eq!(pool.dedup_stats().unwrap().hits, 1);
+    assert!(read(&mut io, &mut ha, 0, 4096).unwrap() == new);
+    assert!(read(&mut io, &mut hc, 0, 4096).unwrap() == old);
+}
+
+#[test]
 fn what_dedup_does_not_do_yet_is_refused_clearly() {
     let ram = ram_devices(3, 64 * MIB);
     let devs: Vec<Arc<dyn BlockDevice>> = ram
