@@ -1240,6 +1240,13 @@ impl Drop for Pool {
         let _ = self.core.commit_tx.locked().send(CommitRequest::Stop);
         // Break the volume → pool reference cycle.
         self.core.lock().volumes.clear();
+        // The commit thread holds the pool's core, and with it the devices and their
+        // locks: a pool dropped gives its devices back when the drop returns, not when
+        // that thread next runs (on a loaded machine, a new pool on the same files was
+        // refused them as "in use").
+        if let Some(h) = self.committer.locked().take() {
+            let _ = h.join();
+        }
     }
 }
 
