@@ -19,6 +19,7 @@ pub mod cache_policy;
 pub mod cache_tier;
 pub mod chain;
 mod changes;
+mod core_engine;
 pub mod dedup;
 pub mod devstats;
 pub mod error;

@@ -23,15 +23,15 @@
 //! for) and no cache tier (which the synchronous reads would not see).
 
 use std::cell::{Cell, RefCell};
-use std::rc::Rc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use tessera_io::cast::{u32_of, usize_of};
 use tessera_io::{AlignedBuf, Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use super::VolumeHandle;
 use crate::cache_tier::TierHandle;
+use crate::core_engine::{core_engine, CoreEngine};
 use crate::dedup::store::{
     is_zero, DedupCore, Placement, BLOCKS_PER_UNIT, DBLOCK, MERGE_CONFLICT, UNHASHED,
 };
@@ -108,40 +108,34 @@ fn slab_put<T>(slab: &RefCell<Vec<Option<T>>>, free: &RefCell<Vec<u32>>, v: T) -
     }
 }
 
-fn engine_for(io: &mut CoreIo, pool: &Arc<PoolCore>) -> Rc<DedupWrites> {
-    let key = Arc::as_ptr(pool) as usize ^ 0x6465_6475;
-    if let Some((e, w)) = io
-        .locals
-        .get(&key)
-        .and_then(|b| b.downcast_ref::<(Rc<DedupWrites>, Weak<PoolCore>)>())
-    {
-        if std::ptr::eq(w.as_ptr(), Arc::as_ptr(pool)) && w.strong_count() > 0 {
-            return e.clone();
+impl CoreEngine for DedupWrites {
+    type Owner = PoolCore;
+    const TAG: usize = 0x6465_6475;
+
+    fn create(_pool: &Arc<PoolCore>) -> Self {
+        DedupWrites {
+            hook: Cell::new(0),
+            slots: RefCell::new(Vec::new()),
+            free: RefCell::new(Vec::new()),
+            waiting: RefCell::new(Vec::new()),
+            waiting_free: RefCell::new(Vec::new()),
+            layouts: RefCell::new(Vec::new()),
+            scratch: RefCell::new(AlignedBuf::zeroed(BLOCK)),
         }
     }
-    let e = Rc::new(DedupWrites {
-        hook: Cell::new(0),
-        slots: RefCell::new(Vec::new()),
-        free: RefCell::new(Vec::new()),
-        waiting: RefCell::new(Vec::new()),
-        waiting_free: RefCell::new(Vec::new()),
-        layouts: RefCell::new(Vec::new()),
-        scratch: RefCell::new(AlignedBuf::zeroed(BLOCK)),
-    });
-    let id = io.register_hook(e.clone());
-    e.hook.set(id);
-    let old = io
-        .locals
-        .insert(key, Box::new((e.clone(), Arc::downgrade(pool))));
-    // An engine of a pool that is gone (its address reused): its hook goes, and its
-    // layout handles with it.
-    if let Some(old) = old.and_then(|b| b.downcast::<(Rc<DedupWrites>, Weak<PoolCore>)>().ok()) {
-        if let Ok(mut l) = old.0.layouts.try_borrow_mut() {
+
+    fn set_hook(&self, id: u32) {
+        self.hook.set(id)
+    }
+
+    /// Its pending and deferred writes hold the pool: none is left once the pool is
+    /// gone, so the hook goes too.
+    fn retire(&self) -> Option<u32> {
+        if let Ok(mut l) = self.layouts.try_borrow_mut() {
             l.clear();
         }
-        io.release_hook(old.0.hook.get());
+        Some(self.hook.get())
     }
-    e
 }
 
 impl Continuation for DedupWrites {
@@ -437,7 +431,7 @@ unsafe fn write_dedup(
     (layer, offset, len, buf): (u32, u64, u64, *const u8),
     (tag, rounds, random): (Tag, u32, bool),
 ) {
-    let engine = engine_for(io, pool);
+    let engine = core_engine::<DedupWrites>(io, pool);
     // Dedup off: stored without a lookup, like a region the gain detector skips.
     let off = !d.active();
     let skip = off || (random && rounds == 0 && d.skips(layer, offset / DBLOCK));

@@ -17,14 +17,14 @@
 //! (whose writes may wait for a row lock this very core's I/O holds) take it too.
 
 use std::cell::{Cell, RefCell};
-use std::rc::Rc;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use tessera_io::cast::{u32_of, usize_of};
 use tessera_io::{Continuation, CoreIo, IoHandle, IoOp, Tag};
 
 use super::{Volume, HOLE};
 use crate::cache_tier::TierHandle;
+use crate::core_engine::CoreEngine;
 use crate::pool::PoolCore;
 use crate::pool::{BlockRun, ChainRead, FirstWritePlan};
 
@@ -94,43 +94,30 @@ pub(crate) struct FirstWrites {
     ops: RefCell<Vec<Vec<IoOp>>>,
 }
 
-/// The first-write engine of `pool` on this core.
-pub(crate) fn first_writes_for(io: &mut CoreIo, pool: &Arc<PoolCore>) -> Rc<FirstWrites> {
-    let key = Arc::as_ptr(pool) as usize ^ 0x6669_7273;
-    if let Some((e, w)) = io
-        .locals
-        .get(&key)
-        .and_then(|b| b.downcast_ref::<(Rc<FirstWrites>, Weak<PoolCore>)>())
-    {
-        if std::ptr::eq(w.as_ptr(), Arc::as_ptr(pool)) && w.strong_count() > 0 {
-            return e.clone();
+impl CoreEngine for FirstWrites {
+    type Owner = PoolCore;
+    const TAG: usize = 0x6669_7273;
+
+    fn create(_pool: &Arc<PoolCore>) -> Self {
+        FirstWrites {
+            hook: Cell::new(0),
+            slots: RefCell::new(Vec::new()),
+            free: RefCell::new(Vec::new()),
+            layouts: RefCell::new(Vec::new()),
+            ops: RefCell::new(Vec::new()),
         }
     }
-    // Engines of pools that are gone give their layout handles back; the core's hook
-    // table keeps only their empty shell.
-    io.locals.retain(
-        |_, b| match b.downcast_ref::<(Rc<FirstWrites>, Weak<PoolCore>)>() {
-            Some((e, w)) if w.strong_count() == 0 => {
-                if let Ok(mut l) = e.layouts.try_borrow_mut() {
-                    l.clear();
-                }
-                false
-            }
-            _ => true,
-        },
-    );
-    let e = Rc::new(FirstWrites {
-        hook: Cell::new(0),
-        slots: RefCell::new(Vec::new()),
-        free: RefCell::new(Vec::new()),
-        layouts: RefCell::new(Vec::new()),
-        ops: RefCell::new(Vec::new()),
-    });
-    let id = io.register_hook(e.clone());
-    e.hook.set(id);
-    io.locals
-        .insert(key, Box::new((e.clone(), Arc::downgrade(pool))));
-    e
+
+    fn set_hook(&self, id: u32) {
+        self.hook.set(id)
+    }
+
+    fn retire(&self) -> Option<u32> {
+        if let Ok(mut l) = self.layouts.try_borrow_mut() {
+            l.clear();
+        }
+        None
+    }
 }
 
 impl FirstWrites {

@@ -1172,7 +1172,8 @@ impl VolumeHandle {
         let engine = match &self.first_writes {
             Some(e) => e.clone(),
             None => {
-                let e = first_write::first_writes_for(io, &self.vol.pool);
+                let e =
+                    crate::core_engine::core_engine::<first_write::FirstWrites>(io, &self.vol.pool);
                 self.first_writes = Some(e.clone());
                 e
             }

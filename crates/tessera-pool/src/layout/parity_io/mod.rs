@@ -261,59 +261,58 @@ impl Drop for Engine {
 
 /// The engine of `layout` on this core (created on first use).
 pub(crate) fn engine_for(io: &mut CoreIo, layout: &Arc<Layout>) -> Rc<Engine> {
-    let key = Arc::as_ptr(layout) as usize ^ 0x7061_7269;
-    if let Some((e, w)) = io
-        .locals
-        .get(&key)
-        .and_then(|b| b.downcast_ref::<(Rc<Engine>, Weak<Layout>)>())
-    {
-        if std::ptr::eq(w.as_ptr(), Arc::as_ptr(layout)) && w.strong_count() > 0 {
-            if let Ok(mut st) = e.st.try_borrow_mut() {
-                if st.handles.is_empty() {
-                    st.handles = layout.device_handles();
-                }
-            }
-            e.users.set(e.users.get() + 1);
-            return e.clone();
+    crate::core_engine::core_engine::<Engine>(io, layout)
+}
+
+impl crate::core_engine::CoreEngine for Engine {
+    type Owner = Layout;
+    const TAG: usize = 0x7061_7269;
+
+    fn create(layout: &Arc<Layout>) -> Self {
+        Engine {
+            layout: Arc::downgrade(layout),
+            hook: Cell::new(0),
+            st: RefCell::new(State {
+                handles: layout.device_handles(),
+                ops: Vec::new(),
+                free: Vec::new(),
+                zeros: AlignedBuf::zeroed(usize_of(MAX_CHUNK)),
+                flushing: Vec::new(),
+                flushing_busy: false,
+                flush_next: Vec::new(),
+                flush_next_devs: 0,
+            }),
+            pending: RefCell::new(VecDeque::new()),
+            active: Cell::new(false),
+            counters: layout.parity_geo().counters.register(),
+            users: Cell::new(1),
         }
     }
-    // Engines of layouts that are gone (pools closed or deleted) give their device
-    // handles back; the core's hook table keeps only their empty shell.
-    io.locals.retain(
-        |_, b| match b.downcast_ref::<(Rc<Engine>, Weak<Layout>)>() {
-            Some((e, w)) if w.strong_count() == 0 => {
-                if let Ok(mut st) = e.st.try_borrow_mut() {
-                    st.handles.clear();
-                    st.ops.clear();
-                }
-                false
+
+    fn set_hook(&self, id: u32) {
+        self.hook.set(id)
+    }
+
+    /// A new user: the device handles given back when the last one went are taken
+    /// again.
+    fn reused(&self, layout: &Arc<Layout>) {
+        if let Ok(mut st) = self.st.try_borrow_mut() {
+            if st.handles.is_empty() {
+                st.handles = layout.device_handles();
             }
-            _ => true,
-        },
-    );
-    let e = Rc::new(Engine {
-        layout: Arc::downgrade(layout),
-        hook: Cell::new(0),
-        st: RefCell::new(State {
-            handles: layout.device_handles(),
-            ops: Vec::new(),
-            free: Vec::new(),
-            zeros: AlignedBuf::zeroed(usize_of(MAX_CHUNK)),
-            flushing: Vec::new(),
-            flushing_busy: false,
-            flush_next: Vec::new(),
-            flush_next_devs: 0,
-        }),
-        pending: RefCell::new(VecDeque::new()),
-        active: Cell::new(false),
-        counters: layout.parity_geo().counters.register(),
-        users: Cell::new(1),
-    });
-    let id = io.register_hook(e.clone());
-    e.hook.set(id);
-    io.locals
-        .insert(key, Box::new((e.clone(), Arc::downgrade(layout))));
-    e
+        }
+        self.users.set(self.users.get() + 1);
+    }
+
+    /// Completions may still reach it after its layout is gone (`on_error` checks):
+    /// the hook stays.
+    fn retire(&self) -> Option<u32> {
+        if let Ok(mut st) = self.st.try_borrow_mut() {
+            st.handles.clear();
+            st.ops.clear();
+        }
+        None
+    }
 }
 
 impl Continuation for Engine {
