@@ -39,6 +39,18 @@ fn dedup(n: &TestNode) -> Value {
     v["dedup"].clone()
 }
 
+/// `nbdcopy --flush SRC` into each export of `volumes` (flushed: a restart keeps it).
+fn copy_into(n: &TestNode, src: &std::path::Path, volumes: &[&str]) {
+    for v in volumes {
+        run_ok(
+            Command::new("nbdcopy")
+                .arg("--flush")
+                .arg(src)
+                .arg(n.uri(v)),
+        );
+    }
+}
+
 fn u(v: &Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"))
 }
@@ -57,14 +69,7 @@ fn identical_data_in_two_volumes_is_stored_once_and_survives_a_restart() {
     // 8 MiB of data (no zero blocks), copied into a at 0 and into b whole.
     let src = n.dir.join("src.bin");
     std::fs::write(&src, pattern(77, 8 << 20)).unwrap();
-    for v in ["a", "b"] {
-        run_ok(
-            Command::new("nbdcopy")
-                .arg("--flush")
-                .arg(&src)
-                .arg(n.uri(v)),
-        );
-    }
+    copy_into(&n, &src, &["a", "b"]);
     let st = dedup(&n);
     assert_eq!(u(&st, "logical_bytes"), 16 << 20, "{st}");
     assert_eq!(u(&st, "physical_bytes"), 8 << 20, "stored once: {st}");
@@ -201,14 +206,7 @@ fn dedup_off_and_on_and_a_volume_opted_out_survive_a_restart() {
     node.add_export("c", "c", false, None).expect("export c");
     let src = n.dir.join("src.bin");
     std::fs::write(&src, pattern(78, 4 << 20)).unwrap();
-    for v in ["a", "c"] {
-        run_ok(
-            Command::new("nbdcopy")
-                .arg("--flush")
-                .arg(&src)
-                .arg(n.uri(v)),
-        );
-    }
+    copy_into(&n, &src, &["a", "c"]);
     // The opted-out volume's bytes never reach the dedup store.
     let st = dedup(&n);
     assert_eq!(u(&st, "logical_bytes"), 4 << 20, "{st}");

@@ -45,6 +45,16 @@ fn reopen(ram: &[Arc<tessera_device::RamDevice>]) -> Pool {
     .unwrap()
 }
 
+/// The dedup counts match the maps, and the snapshot chains are whole.
+fn assert_metadata_clean(pool: &Pool) {
+    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
+    assert!(
+        pool.verify_chains().is_empty(),
+        "{:?}",
+        pool.verify_chains()
+    );
+}
+
 fn trim(io: &mut tessera_io::CoreIo, h: &mut dyn tessera_io::IoHandle, offset: u64, len: u64) {
     assert_eq!(run(io, h, IoOp::Discard { offset, len }), 0);
 }
@@ -94,12 +104,7 @@ fn identical_blocks_of_several_volumes_are_stored_once_and_read_back() {
         "the shared MiB is stored once"
     );
     assert_eq!(st.hits, 2 * 256);
-    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
-    assert!(
-        pool.verify_chains().is_empty(),
-        "{:?}",
-        pool.verify_chains()
-    );
+    assert_metadata_clean(&pool);
 }
 
 #[test]
@@ -167,12 +172,7 @@ fn trim_and_delete_give_blocks_back_exactly_when_the_last_reference_goes() {
     );
     assert_eq!(pool.dedup_stats().unwrap().store_bytes, store);
     assert!(read(&mut io, &mut ha, 2 * MIB, MIB as usize).unwrap() == pattern(10, MIB as usize));
-    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
-    assert!(
-        pool.verify_chains().is_empty(),
-        "{:?}",
-        pool.verify_chains()
-    );
+    assert_metadata_clean(&pool);
 }
 
 #[test]
@@ -324,12 +324,7 @@ fn a_volume_opted_out_of_dedup_is_plain_and_stays_so() {
     let mut want = data.clone();
     want[..4096].copy_from_slice(&pattern(42, 4096));
     assert!(read(&mut io, &mut hp, 0, data.len()).unwrap() == want);
-    assert!(pool.verify_dedup().is_empty(), "{:?}", pool.verify_dedup());
-    assert!(
-        pool.verify_chains().is_empty(),
-        "{:?}",
-        pool.verify_chains()
-    );
+    assert_metadata_clean(&pool);
 }
 
 #[test]
