@@ -15,8 +15,8 @@ use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{ChainRecord, CHAIN_SNAPSHOT, OWNER_FREE};
-use crate::pool::{now_secs, Pool, PoolCore, State};
+use crate::format::{ChainRecord, CHAIN_BLOCK_MAPPED, CHAIN_SNAPSHOT, OWNER_FREE};
+use crate::pool::{now_secs, LayerChore, Pool, PoolCore, State};
 use crate::volume::{UnitMap, Volume, HOLE};
 use tessera_api::SnapshotInfo;
 use tessera_io::cast::u32_of;
@@ -45,12 +45,6 @@ impl Pool {
     pub fn create_snapshots(&self, what: &[(Arc<Volume>, String)]) -> Result<Vec<Arc<Volume>>> {
         for (i, (vol, name)) in what.iter().enumerate() {
             crate::pool::validate_name("snapshot", name)?;
-            if vol.block_mapped() {
-                return Err(Error::invalid(format!(
-                    "'{}' is a dedup volume: snapshots of dedup volumes are not available yet",
-                    vol.name
-                )));
-            }
             if vol.is_snapshot() {
                 return Err(Error::invalid(format!(
                     "'{}' is a snapshot already; clone it to get a volume",
@@ -79,6 +73,35 @@ impl Pool {
                 vol.hold_from(u64::MAX);
             }
         };
+        // Ids for the snapshots and the volumes' new layers, taken first: a dedup
+        // volume's new layer must read through the snapshot's in the dedup metadata
+        // before the volume switches to it (a read meanwhile would find nothing), and
+        // the dedup lock comes before the pool's.
+        let first_id = {
+            let mut s = self.core.lock();
+            let id = s.next_volume_id;
+            s.next_volume_id += 2 * u32_of(what.len() as u64);
+            id
+        };
+        let dedup_layers: Vec<(u32, u32)> = what
+            .iter()
+            .enumerate()
+            .filter(|(_, (v, _))| v.block_mapped())
+            .map(|(i, (v, _))| (first_id + 2 * u32_of(i as u64) + 1, v.layer()))
+            .collect();
+        let d = self.core.dedup().filter(|_| !dedup_layers.is_empty());
+        if let Some(d) = d {
+            for &(new, old) in &dedup_layers {
+                d.add_layer(new, Some(old));
+            }
+        }
+        let unused = || {
+            if let Some(d) = d {
+                for &(new, _) in &dedup_layers {
+                    d.remove_layer(new);
+                }
+            }
+        };
         let quiesce = || {
             self.core.inflight.drain(|next| {
                 for (vol, _) in what {
@@ -96,11 +119,19 @@ impl Pool {
                     ));
                 }
             }
+            if dedup_layers
+                .iter()
+                .any(|&(_, old)| !what.iter().any(|(v, _)| v.layer() == old))
+            {
+                return Err(Error::new(
+                    ErrorKind::Busy,
+                    "a snapshot of the same volume was taken meanwhile; try again",
+                ));
+            }
             let mut made = Vec::new();
-            for (vol, name) in what {
-                let id = s.next_volume_id;
+            for (i, (vol, name)) in what.iter().enumerate() {
+                let id = first_id + 2 * u32_of(i as u64);
                 let layer = id + 1;
-                s.next_volume_id += 2;
                 let snap = Volume::new(
                     self.core.clone(),
                     id,
@@ -112,7 +143,12 @@ impl Pool {
                 );
                 snap.set_chain(
                     ChainRecord {
-                        flags: CHAIN_SNAPSHOT,
+                        flags: CHAIN_SNAPSHOT
+                            | if vol.block_mapped() {
+                                CHAIN_BLOCK_MAPPED
+                            } else {
+                                0
+                            },
                         layer: vol.layer(),
                         parent: 0,
                     },
@@ -131,6 +167,9 @@ impl Pool {
             Ok(made)
         });
         release();
+        if made.is_err() {
+            unused();
+        }
         made
     }
 
@@ -149,45 +188,58 @@ impl Pool {
                 snap.name
             )));
         }
-        self.core.change_and_checkpoint(|s| {
-            s.name_free(name)?;
-            if !s.volumes.contains_key(&snap.id) {
-                return Err(Error::new(
-                    ErrorKind::NotFound,
-                    format!("snapshot '{}' not found", snap.name),
-                ));
-            }
-            self.check_overcommit(
-                s,
-                &format!(
-                    "clone '{name}' of {}",
-                    crate::pool::human_bytes(snap.size())
-                ),
-                snap.size(),
-                force,
-            )?;
-            let id = s.next_volume_id;
-            s.next_volume_id += 1;
-            let vol = Volume::new(
-                self.core.clone(),
-                id,
-                name.to_string(),
-                snap.size(),
-                now_secs(),
-                UnitMap::new(snap.size().div_ceil(self.core.unit_size())),
-                Default::default(),
-            );
-            vol.set_chain(
-                ChainRecord {
-                    flags: 0,
-                    layer: id,
-                    parent: snap.id,
-                },
-                Some(snap.clone()),
-            );
-            s.volumes.insert(id, vol.clone());
-            Ok(vol)
-        })
+        let made = self.core.change_then_checkpoint(
+            || (),
+            |s| {
+                s.name_free(name)?;
+                if !s.volumes.contains_key(&snap.id) {
+                    return Err(Error::new(
+                        ErrorKind::NotFound,
+                        format!("snapshot '{}' not found", snap.name),
+                    ));
+                }
+                self.check_overcommit(
+                    s,
+                    &format!(
+                        "clone '{name}' of {}",
+                        crate::pool::human_bytes(snap.size())
+                    ),
+                    snap.size(),
+                    force,
+                )?;
+                let id = s.next_volume_id;
+                s.next_volume_id += 1;
+                let vol = Volume::new(
+                    self.core.clone(),
+                    id,
+                    name.to_string(),
+                    snap.size(),
+                    now_secs(),
+                    UnitMap::new(snap.size().div_ceil(self.core.unit_size())),
+                    Default::default(),
+                );
+                vol.set_chain(
+                    ChainRecord {
+                        flags: if snap.block_mapped() {
+                            CHAIN_BLOCK_MAPPED
+                        } else {
+                            0
+                        },
+                        layer: id,
+                        parent: snap.id,
+                    },
+                    Some(snap.clone()),
+                );
+                s.volumes.insert(id, vol.clone());
+                Ok(vol)
+            },
+            |vol| {
+                if let Some(d) = self.core.dedup().filter(|_| vol.block_mapped()) {
+                    d.add_layer(vol.layer(), Some(snap.layer()));
+                }
+            },
+        );
+        made
     }
 
     /// Give volume `vol` the contents of its snapshot `snap` back: its own units are
@@ -213,25 +265,36 @@ impl Pool {
                 snap.name, vol.name
             )));
         }
-        self.core.change_and_checkpoint(|s| {
-            if let Some(e) = s.exports.iter().find(|e| e.volume_id == vol.id) {
-                return Err(Error::new(
-                    ErrorKind::Busy,
-                    format!(
-                        "volume '{}' is exported as '{}'; remove the export before a rollback",
-                        vol.name, e.name
-                    ),
-                ));
-            }
-            let old_parent = vol.parent();
-            free_own_units(&self.core, s, vol);
-            let units = vol.size().div_ceil(self.core.unit_size());
-            vol.take_new_layer(vol.layer(), snap.clone(), UnitMap::new(units));
-            if let Some(p) = old_parent {
-                drop_unneeded(&self.core, s, &p);
-            }
-            Ok(())
-        })
+        self.core.change_then_checkpoint(
+            || (),
+            |s| {
+                if let Some(e) = s.exports.iter().find(|e| e.volume_id == vol.id) {
+                    return Err(Error::new(
+                        ErrorKind::Busy,
+                        format!(
+                            "volume '{}' is exported as '{}'; remove the export before a rollback",
+                            vol.name, e.name
+                        ),
+                    ));
+                }
+                let old_parent = vol.parent();
+                free_own_units(&self.core, s, vol);
+                let units = vol.size().div_ceil(self.core.unit_size());
+                vol.take_new_layer(vol.layer(), snap.clone(), UnitMap::new(units));
+                if let Some(p) = old_parent {
+                    drop_unneeded(&self.core, s, &p);
+                }
+                Ok(())
+            },
+            |()| {
+                // The layer's entries are dropped (`free_own_units`), then it reads
+                // through the snapshot.
+                self.core.apply_layer_chores();
+                if let Some(d) = self.core.dedup().filter(|_| vol.block_mapped()) {
+                    d.add_layer(vol.layer(), Some(snap.layer()));
+                }
+            },
+        )
     }
 
     /// Delete a volume, snapshot or clone that no other volume reads through, or hide a
@@ -261,7 +324,9 @@ impl Pool {
     pub fn snapshots(&self) -> Vec<SnapshotInfo> {
         let s = self.core.lock();
         let unit = self.core.unit_size();
-        s.volumes
+        let mut dedup_layers = Vec::new();
+        let mut list: Vec<SnapshotInfo> = s
+            .volumes
             .values()
             .filter(|v| v.is_snapshot() && !v.is_hidden())
             .map(|v| {
@@ -277,6 +342,11 @@ impl Pool {
                     .collect();
                 let unread = unread_units(&self.core, v, &children).len() as u64;
                 let own = v.allocated.load(Relaxed);
+                if v.block_mapped() {
+                    // Counted below, under the dedup lock (taken before the pool's).
+                    let readers: Vec<u32> = children.iter().map(|c| c.layer()).collect();
+                    dedup_layers.push((v.id, v.layer(), readers));
+                }
                 SnapshotInfo {
                     name: v.name.clone(),
                     pool: self.core.name.clone(),
@@ -291,15 +361,30 @@ impl Pool {
                     missing: Vec::new(),
                 }
             })
-            .collect()
+            .collect();
+        drop(s);
+        if let Some(d) = self.core.dedup() {
+            // A dedup snapshot's own blocks: exclusive where no other entry references
+            // the block (shared with its volume, a clone or other data otherwise).
+            for (id, layer, readers) in dedup_layers {
+                let all = d.layer_bytes(layer);
+                let exclusive = d.exclusive_bytes(layer, &readers);
+                if let Some(i) = list.iter_mut().find(|i| i.id == id) {
+                    i.exclusive = exclusive;
+                    i.shared = all.saturating_sub(exclusive);
+                }
+            }
+        }
+        list
     }
 
     /// The byte ranges of `to` that may differ from snapshot `from`, an ancestor of
     /// `to` (an older snapshot of the same volume, or the snapshot a clone was made
     /// from): every block some member of the chain between them wrote. Sorted, merged.
     pub fn changed_extents(&self, from: &Arc<Volume>, to: &Arc<Volume>) -> Result<Vec<(u64, u64)>> {
-        // Under the lock: no write is redirected, no snapshot taken while it is read.
-        let _s = self.core.lock();
+        // Under the lock: no write is redirected, no snapshot taken while it is read (a
+        // dedup chain is read under the dedup lock, which comes before the pool's).
+        let _s = (!to.block_mapped()).then(|| self.core.lock());
         let runs = to
             .changed_runs(from.id, 0, to.size(), usize::MAX)
             .ok_or_else(|| {
@@ -383,8 +468,37 @@ impl Pool {
     }
 }
 
-/// Free every unit `vol` owns (it is being deleted or rolled back).
+impl PoolCore {
+    /// Make the dedup maps follow the catalog changes queued in `layer_chores` (taken
+    /// under the pool lock, applied under the dedup lock, then the map units of removed
+    /// layers freed under the pool lock again).
+    pub(crate) fn apply_layer_chores(&self) {
+        let chores = std::mem::take(&mut self.lock().layer_chores);
+        let Some(d) = self.dedup() else {
+            return;
+        };
+        let mut units = Vec::new();
+        for c in chores {
+            match c {
+                LayerChore::Remove(layer) => units.extend(d.remove_layer(layer)),
+                LayerChore::Covered(layer, children) => d.drop_covered(layer, &children),
+            }
+        }
+        if !units.is_empty() {
+            let mut s = self.lock();
+            for p in units {
+                self.free_owned(&mut s, p);
+            }
+        }
+    }
+}
+
+/// Free every unit `vol` owns (it is being deleted or rolled back); a block-mapped
+/// volume's references and map units go with `apply_layer_chores`.
 fn free_own_units(core: &PoolCore, s: &mut State, vol: &Volume) {
+    if vol.block_mapped() {
+        s.layer_chores.push(LayerChore::Remove(vol.layer()));
+    }
     let map = vol.current_map();
     let mapped: Vec<(u64, u32)> = map.mapped_in(0, map.len()).collect();
     for (u, p) in mapped {
@@ -417,6 +531,10 @@ fn drop_unneeded(core: &PoolCore, s: &mut State, snap: &Arc<Volume>) {
         }
         let children = children_of(s, v.id);
         if !children.is_empty() {
+            if v.block_mapped() {
+                let layers = children.iter().map(|c| c.layer()).collect();
+                s.layer_chores.push(LayerChore::Covered(v.layer(), layers));
+            }
             let map = v.current_map();
             for (u, p) in unread_units(core, &v, &children) {
                 core.free_unit(s, &map, u, p);

@@ -64,6 +64,22 @@ impl Volume {
         len: u64,
         max_runs: usize,
     ) -> Option<Vec<(u64, bool)>> {
+        if let Some(d) = self.pool.dedup().filter(|_| self.block_mapped()) {
+            // Blocks some layer between them has an entry of its own for.
+            let mut layers = vec![self.layer()];
+            for a in self.ancestors() {
+                if a.id == base {
+                    let end = offset.saturating_add(len).min(self.size());
+                    let len = end.saturating_sub(offset);
+                    if len == 0 {
+                        return Some(Vec::new());
+                    }
+                    return Some(d.changed_runs(&layers, offset, len, max_runs));
+                }
+                layers.push(a.layer());
+            }
+            return None;
+        }
         let maps = self.layers_since(base)?;
         let pres = &self.pool.presence;
         let shift = self.pool.unit_shift;

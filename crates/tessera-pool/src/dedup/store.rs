@@ -20,7 +20,7 @@ use tessera_io::sync::MutexExt;
 use tessera_io::AlignedBuf;
 
 use super::index::{BucketArea, Fingerprint, FingerprintIndex};
-use super::pages::{self, PageId, ABSENT, COUNTS, MAP_ENTRIES, PAGES_PER_UNIT, PAIR};
+use super::pages::{self, PageId, ABSENT, COUNTS, MAP_ENTRIES, PAGES_PER_UNIT, PAIR, ZERO};
 use crate::format::{Uuid, BLOCK};
 use crate::layout::Layout;
 
@@ -171,6 +171,10 @@ pub(crate) struct State {
     /// Blocks whose count reached zero since the last commit: free once it is durable.
     pending_free: Vec<u64>,
     layers: HashMap<u32, LayerMap, FpBuild>,
+    /// Layer → the layer it reads through where it has no entry (its volume's parent
+    /// snapshot's layer, docs/format.md §3.4): absent entries fall through, a `ZERO`
+    /// entry stops there.
+    parents: HashMap<u32, u32, FpBuild>,
     /// Index entries not on the device yet (the commit thread writes them), and the
     /// same by block: a block's newer contents replace its older pending entry, so this
     /// never holds more entries than the store has blocks.
@@ -487,6 +491,7 @@ impl DedupCore {
             free: Vec::new(),
             pending_free: Vec::new(),
             layers,
+            parents: HashMap::default(),
             pending_index: FpMap::default(),
             pending_by_pba: HashMap::default(),
             stale_index: Vec::new(),
@@ -578,9 +583,15 @@ impl DedupCore {
         (units, buckets)
     }
 
-    /// A new block-mapped layer (a new volume).
-    pub(crate) fn add_layer(&self, layer: u32) {
-        self.lock().layers.entry(layer).or_default();
+    /// A block-mapped layer (a new volume, a snapshot's volume's new layer, a clone, or
+    /// one loaded at open) that reads through `parent` where it has no entry.
+    pub(crate) fn add_layer(&self, layer: u32, parent: Option<u32>) {
+        let mut st = self.lock();
+        st.layers.entry(layer).or_default();
+        match parent {
+            Some(p) => st.parents.insert(layer, p),
+            None => st.parents.remove(&layer),
+        };
     }
 
     /// Referenced bytes of `layer`.
@@ -690,9 +701,35 @@ impl DedupCore {
         }
     }
 
-    /// Where block `vblock` of `layer` reads from: a pool offset, or `None` for zeros.
+    /// The entry block `vblock` of `layer` reads: its own, or where it has none, its
+    /// parent layer's, and so on up the chain ([`ABSENT`] when no layer has one).
+    pub(crate) fn chained(st: &State, layer: u32, vblock: u64) -> u64 {
+        let mut at = layer;
+        loop {
+            let e = Self::entry(st, at, vblock);
+            if e != ABSENT {
+                return e;
+            }
+            match st.parents.get(&at) {
+                Some(&p) => at = p,
+                None => return ABSENT,
+            }
+        }
+    }
+
+    /// `layer` and the layers it reads through, nearest first.
+    fn chain_of(st: &State, layer: u32) -> Vec<u32> {
+        let mut out = vec![layer];
+        while let Some(&p) = st.parents.get(out.last().expect("not empty")) {
+            out.push(p);
+        }
+        out
+    }
+
+    /// Where block `vblock` of `layer` reads from (through its chain): a pool offset,
+    /// or `None` for zeros.
     pub(crate) fn resolve(&self, st: &State, layer: u32, vblock: u64) -> Option<u64> {
-        pba_of(Self::entry(st, layer, vblock)).map(|pba| self.pba_offset(st, pba))
+        pba_of(Self::chained(st, layer, vblock)).map(|pba| self.pba_offset(st, pba))
     }
 
     fn count_mut(st: &mut State, pba: u64) -> &mut u32 {
@@ -971,6 +1008,8 @@ impl DedupCore {
                     }
                     continue;
                 }
+                // Over a parent's block, a hole must not read through to it.
+                Placement::Zero if st.parents.contains_key(&layer) => ZERO,
                 Placement::Zero => ABSENT,
             };
             let old = Self::set_entry(&mut st, layer, first + i as u64, value);
@@ -1048,45 +1087,71 @@ impl DedupCore {
     }
 
     /// Blocks `first..first+n` of `layer` read as zeros from now on (TRIM, write-zeroes,
-    /// a shrink): their references are dropped. Only pages that exist are visited.
-    pub(crate) fn clear(&self, layer: u32, first: u64, n: u64) {
+    /// a shrink): their references are dropped, and where the layer's chain has a block
+    /// below, a `ZERO` entry hides it. Only pages that exist in the chain are visited.
+    /// A `ZERO` entry may need a new map page, so a map unit (`alloc_unit`); when none
+    /// can be had nothing changes.
+    pub(crate) fn clear(
+        &self,
+        layer: u32,
+        first: u64,
+        n: u64,
+        alloc_unit: &dyn Fn(u32, u32) -> Result<u32, i32>,
+    ) -> Result<(), i32> {
         let mut st = self.lock();
         let end = first + n;
         let (Ok(u0), u1) = (
             u32::try_from(first / BLOCKS_PER_UNIT),
             u32::try_from((end - 1) / BLOCKS_PER_UNIT).unwrap_or(u32::MAX),
         ) else {
-            return;
+            return Ok(());
         };
-        let vunits: Vec<u32> = match st.layers.get(&layer) {
-            Some(lm) if u64::from(u1 - u0) < lm.pages.len() as u64 => {
-                (u0..=u1).filter(|v| lm.pages.contains_key(v)).collect()
-            }
-            Some(lm) => lm
-                .pages
-                .keys()
-                .copied()
-                .filter(|v| (u0..=u1).contains(v))
-                .collect(),
-            None => return,
-        };
-        for v in vunits {
-            let base = u64::from(v) * BLOCKS_PER_UNIT;
-            for b in base.max(first)..(base + BLOCKS_PER_UNIT).min(end) {
-                if Self::entry(&st, layer, b) != ABSENT {
-                    let old = Self::set_entry(&mut st, layer, b, ABSENT);
-                    if let Some(pba) = pba_of(old) {
-                        Self::unreference(&mut st, pba);
-                    }
+        let chain = Self::chain_of(&st, layer);
+        let mut vunits = BTreeSet::new();
+        for l in &chain {
+            match st.layers.get(l) {
+                Some(lm) if u64::from(u1 - u0) < lm.pages.len() as u64 => {
+                    vunits.extend((u0..=u1).filter(|v| lm.pages.contains_key(v)))
                 }
+                Some(lm) => {
+                    vunits.extend(lm.pages.keys().copied().filter(|v| (u0..=u1).contains(v)))
+                }
+                None => {}
             }
         }
+        let parent = chain.get(1).copied();
+        let mut changes = Vec::new();
+        for v in vunits {
+            let base = u64::from(v) * BLOCKS_PER_UNIT;
+            let mut zeroed = false;
+            for b in base.max(first)..(base + BLOCKS_PER_UNIT).min(end) {
+                let below = parent.is_some_and(|p| pba_of(Self::chained(&st, p, b)).is_some());
+                let value = if below { ZERO } else { ABSENT };
+                if Self::entry(&st, layer, b) != value {
+                    changes.push((b, value));
+                    zeroed |= value == ZERO;
+                }
+            }
+            if zeroed {
+                // Its page must reach the device: units first, so a failure changes
+                // nothing.
+                Self::ensure_units(&mut st, layer, v, alloc_unit)?;
+            }
+        }
+        for (b, value) in changes {
+            let old = Self::set_entry(&mut st, layer, b, value);
+            if let Some(pba) = pba_of(old) {
+                Self::unreference(&mut st, pba);
+            }
+        }
+        Ok(())
     }
 
     /// Forget a deleted layer: every reference it holds is dropped; returns its map
     /// units for the pool to free.
     pub(crate) fn remove_layer(&self, layer: u32) -> Vec<u32> {
         let mut st = self.lock();
+        st.parents.remove(&layer);
         let Some(lm) = st.layers.remove(&layer) else {
             return Vec::new();
         };
@@ -1100,11 +1165,94 @@ impl DedupCore {
         lm.units.into_values().collect()
     }
 
+    /// A hidden snapshot's layer gives back the references no child reads any more:
+    /// those of blocks every one of `children` (the layers reading through it) has an
+    /// entry of its own for (docs/format.md §3.4, "Deleting").
+    pub(crate) fn drop_covered(&self, layer: u32, children: &[u32]) {
+        let mut st = self.lock();
+        let Some(lm) = st.layers.get(&layer) else {
+            return;
+        };
+        let mut covered = Vec::new();
+        for (&v, page) in &lm.pages {
+            let base = u64::from(v) * BLOCKS_PER_UNIT;
+            for (i, &e) in page.entries.iter().enumerate() {
+                let b = base + i as u64;
+                if e != ABSENT && children.iter().all(|&c| Self::entry(&st, c, b) != ABSENT) {
+                    covered.push(b);
+                }
+            }
+        }
+        for b in covered {
+            let old = Self::set_entry(&mut st, layer, b, ABSENT);
+            if let Some(pba) = pba_of(old) {
+                Self::unreference(&mut st, pba);
+            }
+        }
+    }
+
+    /// Bytes of `layer`'s blocks that deleting it would give back: blocks no other
+    /// entry references and none of `children` (the layers reading through it) reads.
+    pub(crate) fn exclusive_bytes(&self, layer: u32, children: &[u32]) -> u64 {
+        let st = self.lock();
+        let Some(lm) = st.layers.get(&layer) else {
+            return 0;
+        };
+        let mut n = 0u64;
+        for (&v, page) in &lm.pages {
+            let base = u64::from(v) * BLOCKS_PER_UNIT;
+            for (i, &e) in page.entries.iter().enumerate() {
+                let b = base + i as u64;
+                if pba_of(e).is_some_and(|pba| Self::count(&st, pba) == 1)
+                    && children.iter().all(|&c| Self::entry(&st, c, b) != ABSENT)
+                {
+                    n += 1;
+                }
+            }
+        }
+        n * DBLOCK
+    }
+
+    /// Runs of `(length, changed)` over `[offset, offset+len)`: a block is changed when
+    /// one of `layers` has an entry of its own for it (the layers between a volume and
+    /// an older snapshot of it), at most `max_runs`.
+    pub(crate) fn changed_runs(
+        &self,
+        layers: &[u32],
+        offset: u64,
+        len: u64,
+        max_runs: usize,
+    ) -> Vec<(u64, bool)> {
+        let st = self.lock();
+        Self::runs(offset, len, max_runs, |b| {
+            layers.iter().any(|&l| Self::entry(&st, l, b) != ABSENT)
+        })
+    }
+
+    /// Runs of `(length, f(block))` over `[offset, offset+len)`, at most `max_runs`.
+    fn runs(offset: u64, len: u64, max_runs: usize, f: impl Fn(u64) -> bool) -> Vec<(u64, bool)> {
+        let mut runs: Vec<(u64, bool)> = Vec::new();
+        let end = offset + len;
+        let mut at = offset;
+        while at < end && runs.len() <= max_runs {
+            let b = at / DBLOCK;
+            let next = ((b + 1) * DBLOCK).min(end);
+            let v = f(b);
+            match runs.last_mut() {
+                Some((l, m)) if *m == v => *l += next - at,
+                _ => runs.push((next - at, v)),
+            }
+            at = next;
+        }
+        runs.truncate(max_runs.max(1));
+        runs
+    }
+
     /// Whether every block of `[offset, offset+len)` of `layer` reads as zeros.
     pub(crate) fn is_hole(&self, layer: u32, offset: u64, len: u64) -> bool {
         let st = self.lock();
         (offset / DBLOCK..=(offset + len - 1) / DBLOCK)
-            .all(|b| pba_of(Self::entry(&st, layer, b)).is_none())
+            .all(|b| pba_of(Self::chained(&st, layer, b)).is_none())
     }
 
     /// Runs of `(length, referenced)` over `[offset, offset+len)` of `layer`, at most
@@ -1117,21 +1265,9 @@ impl DedupCore {
         max_runs: usize,
     ) -> Vec<(u64, bool)> {
         let st = self.lock();
-        let mut runs: Vec<(u64, bool)> = Vec::new();
-        let end = offset + len;
-        let mut at = offset;
-        while at < end && runs.len() <= max_runs {
-            let b = at / DBLOCK;
-            let next = ((b + 1) * DBLOCK).min(end);
-            let mapped = pba_of(Self::entry(&st, layer, b)).is_some();
-            match runs.last_mut() {
-                Some((l, m)) if *m == mapped => *l += next - at,
-                _ => runs.push((next - at, mapped)),
-            }
-            at = next;
-        }
-        runs.truncate(max_runs.max(1));
-        runs
+        Self::runs(offset, len, max_runs, |b| {
+            pba_of(Self::chained(&st, layer, b)).is_some()
+        })
     }
 
     /// Take the dirty pages and the blocks freed so far, for a commit. The pages are

@@ -180,7 +180,7 @@ impl Pool {
         };
         if let Some(d) = self.core.dedup().filter(|_| block_mapped) {
             // After the pool lock: the dedup lock is always taken first.
-            d.add_layer(vol.id);
+            d.add_layer(vol.id, None);
         }
         if let Err(e) = self.core.checkpoint() {
             self.core.lock().volumes.remove(&vol.id);
@@ -236,31 +236,27 @@ impl Pool {
                 format!("volume '{}' is busy: {open} open connection(s)", vol.name),
             ));
         }
-        {
-            let mut s = self.core.lock();
-            if let Some(e) = s.exports.iter().find(|e| e.volume_id == vol.id) {
-                return Err(Error::new(
-                    ErrorKind::Busy,
-                    format!(
-                        "volume '{}' is exported as '{}'; remove the export first",
-                        vol.name, e.name
-                    ),
-                ));
-            }
-            // A snapshot that other volumes read through is hidden, not removed; a
-            // volume's removal may free hidden snapshots it was the last reader of.
-            self.delete_in_chain(&mut s, vol);
-        }
-        if let Some(d) = self.core.dedup().filter(|_| vol.block_mapped()) {
-            // Its references go (blocks no other volume shares are freed by the next
-            // commit), then its map units. The dedup lock is taken before the pool's.
-            let units = d.remove_layer(vol.layer());
-            let mut s = self.core.lock();
-            for p in units {
-                self.core.free_owned(&mut s, p);
-            }
-        }
-        self.core.checkpoint()
+        self.core.change_then_checkpoint(
+            || (),
+            |s| {
+                if let Some(e) = s.exports.iter().find(|e| e.volume_id == vol.id) {
+                    return Err(Error::new(
+                        ErrorKind::Busy,
+                        format!(
+                            "volume '{}' is exported as '{}'; remove the export first",
+                            vol.name, e.name
+                        ),
+                    ));
+                }
+                // A snapshot that other volumes read through is hidden, not removed; a
+                // volume's removal may free hidden snapshots it was the last reader of.
+                self.delete_in_chain(s, vol);
+                Ok(())
+            },
+            // A dedup layer's references go (blocks no other layer shares are freed
+            // once the checkpoint is durable), then its map units.
+            |()| self.core.apply_layer_chores(),
+        )
     }
 
     pub fn exports(&self) -> Vec<ExportRecord> {

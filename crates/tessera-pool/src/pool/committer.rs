@@ -202,27 +202,34 @@ impl PoolCore {
         }
     }
 
-    /// Apply the catalog change `f` and write a checkpoint, with no commit in between:
-    /// a commit could otherwise make durable thin-map records that name a layer only
-    /// the new catalog knows (a snapshot's volume writing into its new layer).
-    pub(crate) fn change_and_checkpoint<T>(
-        &self,
-        f: impl FnOnce(&mut State) -> Result<T>,
-    ) -> Result<T> {
-        self.quiesce_change_and_checkpoint(|| (), f)
-    }
-
-    /// [`PoolCore::change_and_checkpoint`], with `quiesce` run first, outside the pool
-    /// lock (it may wait for requests in flight, which may need that lock) and inside
-    /// the journal lock (no commit, which waits for requests too, runs meanwhile).
+    /// Apply the catalog change `f` and write a checkpoint, with no commit in between
+    /// (a commit could otherwise make durable thin-map records that name a layer only
+    /// the new catalog knows: a snapshot's volume writing into its new layer), with
+    /// `quiesce` run first, outside the pool lock (it may wait for requests in flight,
+    /// which may need that lock) and inside the journal lock (no commit, which waits
+    /// for requests too, runs meanwhile).
     pub(crate) fn quiesce_change_and_checkpoint<T>(
         &self,
         quiesce: impl FnOnce(),
         f: impl FnOnce(&mut State) -> Result<T>,
     ) -> Result<T> {
+        self.change_then_checkpoint(quiesce, f, |_| ())
+    }
+
+    /// [`PoolCore::quiesce_change_and_checkpoint`], with `after` run once `f` succeeded,
+    /// outside the pool lock and before the checkpoint: the dedup metadata of the
+    /// change (whose lock comes before the pool's), so that the checkpoint records both
+    /// and no commit makes one durable without the other.
+    pub(crate) fn change_then_checkpoint<T>(
+        &self,
+        quiesce: impl FnOnce(),
+        f: impl FnOnce(&mut State) -> Result<T>,
+        after: impl FnOnce(&T),
+    ) -> Result<T> {
         let mut cur = self.journal();
         quiesce();
         let out = f(&mut self.lock())?;
+        after(&out);
         let freed = std::mem::take(&mut self.lock().pending_free);
         let freed = self.zero_freed(freed);
         let r = self.checkpoint_locked(&mut cur);

@@ -163,6 +163,19 @@ pub(crate) struct State {
     /// Blocks of partial units that a first write in flight is filling (bit per block,
     /// memory only): no other write takes them until it completes (`chain.rs`).
     pub copying: std::collections::HashMap<u32, [u64; 4]>,
+    /// Changes of block-mapped layers that a catalog change (a delete, a rollback) made
+    /// and the dedup metadata still has to follow: applied outside this lock, whose
+    /// order comes after the dedup lock (`PoolCore::apply_layer_chores`).
+    pub layer_chores: Vec<LayerChore>,
+}
+
+/// A change to the dedup maps that follows a catalog change (see `State::layer_chores`).
+#[derive(Debug)]
+pub(crate) enum LayerChore {
+    /// The layer is gone: its references are dropped and its map units freed.
+    Remove(u32),
+    /// A hidden snapshot's layer gives back what every child (these layers) covers.
+    Covered(u32, Vec<u32>),
 }
 
 /// Shared between the control plane, the commit thread and every volume handle.
@@ -479,6 +492,18 @@ impl Pool {
             )
             .map_err(|e| Error::io("opening the dedup metadata", e))?;
             d.set_active(dedup_on);
+            // Each block-mapped layer reads through its volume's parent's layer.
+            let chains: Vec<(u32, Option<u32>)> = pool
+                .core
+                .lock()
+                .volumes
+                .values()
+                .filter(|v| v.block_mapped())
+                .map(|v| (v.layer(), v.parent().map(|p| p.layer())))
+                .collect();
+            for (layer, parent) in chains {
+                d.add_layer(layer, parent);
+            }
             let _ = pool.core.dedup.set(Arc::new(d));
         }
         // Fold the replayed journal into a fresh checkpoint (and skip a journal lap).
@@ -676,6 +701,7 @@ impl Pool {
                 owners: Vec::new(),
                 free: Vec::new(),
                 pending_free: Vec::new(),
+                layer_chores: Vec::new(),
                 zeroed: VecDeque::new(),
                 zeroing: None,
                 zero_epoch: 0,

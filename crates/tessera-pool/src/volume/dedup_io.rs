@@ -18,6 +18,12 @@
 //! does) waits for that one to be published and then shares it: it is deferred to the
 //! core's next round, for at most `MAX_WAITS` rounds.
 //!
+//! A volume of a chain (docs/format.md §3.4) reads through its parent's layer where its
+//! own has no entry (`DedupCore::chained`); its writes go to its own layer only, so a
+//! snapshot's blocks are never overwritten in place (their entries are in another
+//! layer). While a snapshot of the volume is being taken, a change that began after the
+//! drain waits (`Held`, retried each round) and then goes to the volume's new layer.
+//!
 //! Index buckets and compared blocks are read synchronously on the reactor: dedup pools
 //! have no parity (whose row locks, held by this core's writes, such a read could wait
 //! for) and no cache tier (which the synchronous reads would not see).
@@ -29,7 +35,7 @@ use std::sync::Arc;
 use tessera_io::cast::{u32_of, usize_of};
 use tessera_io::{AlignedBuf, Continuation, CoreIo, IoHandle, IoOp, Tag};
 
-use super::VolumeHandle;
+use super::{Volume, VolumeHandle};
 use crate::cache_tier::TierHandle;
 use crate::core_engine::{core_engine, CoreEngine};
 use crate::dedup::store::{
@@ -70,6 +76,16 @@ struct Waiting {
     rounds: u32,
 }
 
+/// A change that began while a snapshot of its volume is being taken: it waits until
+/// the volume has its new layer.
+struct Held {
+    vol: Arc<Volume>,
+    dedup: Arc<DedupCore>,
+    op: IoOp,
+    epoch: u64,
+    tag: Tag,
+}
+
 /// Writes up to this size count as small for the gain detector.
 const SMALL_WRITE: u32 = 64 << 10;
 
@@ -77,6 +93,8 @@ const SMALL_WRITE: u32 = 64 << 10;
 const MAX_WAITS: u32 = 100_000;
 /// Hook contexts of deferred writes carry this bit; those of pending writes do not.
 const WAIT_CTX: u64 = 1 << 63;
+/// Hook contexts of held changes carry this bit.
+const HELD_CTX: u64 = 1 << 62;
 
 /// The dedup write engine of one pool on one core (in the core's `locals`). Borrows of
 /// its cells are never held across a submission or a completion.
@@ -86,6 +104,8 @@ pub(crate) struct DedupWrites {
     free: RefCell<Vec<u32>>,
     waiting: RefCell<Vec<Option<Waiting>>>,
     waiting_free: RefCell<Vec<u32>>,
+    held: RefCell<Vec<Option<Held>>>,
+    held_free: RefCell<Vec<u32>>,
     /// Layout handles for retried writes (one per nesting level in use: a layout may
     /// complete synchronously, into a hook that retries another write).
     layouts: RefCell<Vec<TierHandle>>,
@@ -119,6 +139,8 @@ impl CoreEngine for DedupWrites {
             free: RefCell::new(Vec::new()),
             waiting: RefCell::new(Vec::new()),
             waiting_free: RefCell::new(Vec::new()),
+            held: RefCell::new(Vec::new()),
+            held_free: RefCell::new(Vec::new()),
             layouts: RefCell::new(Vec::new()),
             scratch: RefCell::new(AlignedBuf::zeroed(BLOCK)),
         }
@@ -144,6 +166,36 @@ impl Continuation for DedupWrites {
     }
 
     fn on_done(&self, io: &mut CoreIo, parent: Tag, _op: IoOp, ctx: u64, res: i32) {
+        if ctx & HELD_CTX != 0 {
+            let i = ctx & !HELD_CTX;
+            let h = self.held.borrow_mut()[usize_of(i)]
+                .take()
+                .expect("a held change is retried once");
+            self.held_free.borrow_mut().push(u32_of(i));
+            if h.vol.held(h.epoch) {
+                let i = slab_put(&self.held, &self.held_free, h);
+                io.defer_hook(self.hook.get(), HELD_CTX | u64::from(i));
+                return;
+            }
+            let pool = h.vol.pool.clone();
+            let taken = self.layouts.borrow_mut().pop();
+            let mut layout = taken.unwrap_or_else(|| TierHandle::new(&pool.layout, &pool.cache));
+            // SAFETY: the client's buffer stays valid until `h.tag` completes.
+            unsafe {
+                dedup_op(
+                    io,
+                    &h.dedup,
+                    &pool,
+                    &mut layout,
+                    h.vol.layer(),
+                    h.op,
+                    h.tag,
+                    false,
+                )
+            };
+            self.layouts.borrow_mut().push(layout);
+            return;
+        }
         if ctx & WAIT_CTX != 0 {
             let i = ctx & !WAIT_CTX;
             let w = self.waiting.borrow_mut()[usize_of(i)]
@@ -229,145 +281,195 @@ impl VolumeHandle {
         op: IoOp,
         tag: Tag,
     ) {
-        let layer = self.vol.layer();
-        match op {
-            IoOp::Read { offset, len, buf } => {
-                // SAFETY: our caller's contract.
-                unsafe { self.read_dedup(io, d, layer, offset, u64::from(len), buf, tag) }
+        if self.vol.held(self.epoch) && !matches!(op, IoOp::Read { .. }) {
+            // A snapshot of the volume is being taken: wait for its new layer.
+            let engine = core_engine::<DedupWrites>(io, &self.vol.pool);
+            let h = Held {
+                vol: self.vol.clone(),
+                dedup: d.clone(),
+                op,
+                epoch: self.epoch,
+                tag,
+            };
+            let i = slab_put(&engine.held, &engine.held_free, h);
+            return io.defer_hook(engine.hook.get(), HELD_CTX | u64::from(i));
+        }
+        // Small and not sequential: the gain detector may skip it.
+        let random = !self.layout.sequential;
+        // SAFETY: our caller's contract.
+        unsafe {
+            dedup_op(
+                io,
+                d,
+                &self.vol.pool,
+                &mut self.layout,
+                self.vol.layer(),
+                op,
+                tag,
+                random,
+            )
+        }
+    }
+}
+
+/// Request `op` to block-mapped `layer` (a volume's current layer) through `layout`;
+/// `random`: the access-pattern detector did not call it sequential.
+///
+/// # Safety
+/// As [`IoHandle::submit`]: the request's buffer stays valid until `tag` completes.
+#[allow(clippy::too_many_arguments)]
+unsafe fn dedup_op(
+    io: &mut CoreIo,
+    d: &Arc<DedupCore>,
+    pool: &Arc<PoolCore>,
+    layout: &mut TierHandle,
+    layer: u32,
+    op: IoOp,
+    tag: Tag,
+    random: bool,
+) {
+    match op {
+        IoOp::Read { offset, len, buf } => {
+            // SAFETY: our caller's contract.
+            unsafe { read_dedup(io, d, layout, layer, offset, u64::from(len), buf, tag) }
+        }
+        IoOp::Write { offset, len, buf } => {
+            // SAFETY: as above.
+            unsafe {
+                write_dedup(
+                    io,
+                    d,
+                    pool,
+                    layout,
+                    (layer, offset, u64::from(len), buf),
+                    (tag, 0, random && len <= SMALL_WRITE),
+                )
             }
-            IoOp::Write { offset, len, buf } => {
-                let pool = self.vol.pool.clone();
-                // Small and not sequential: the gain detector may skip it.
-                let random = !self.layout.sequential && len <= SMALL_WRITE;
-                // SAFETY: as above.
+        }
+        IoOp::Discard { offset, len } => {
+            // Whole blocks only: a discard is a hint.
+            let first = offset.div_ceil(DBLOCK);
+            let end = (offset + len) / DBLOCK;
+            let alloc = |o: u32, s: u32| pool.alloc_owned(o, s);
+            let r = if end > first {
+                d.clear(layer, first, end - first, &alloc)
+            } else {
+                Ok(())
+            };
+            io.complete(tag, r.err().unwrap_or(0));
+        }
+        IoOp::WriteZeroes { offset, len, .. } => {
+            // Whole blocks become holes; the partial edges are writes of zeros,
+            // merged (one at a time per block) like any partial write.
+            let first_full = offset.div_ceil(DBLOCK);
+            let end_full = (offset + len) / DBLOCK;
+            if end_full > first_full {
+                let alloc = |o: u32, s: u32| pool.alloc_owned(o, s);
+                if let Err(e) = d.clear(layer, first_full, end_full - first_full, &alloc) {
+                    return io.complete(tag, e);
+                }
+            }
+            let pieces = partial_pieces(offset, len);
+            if pieces.is_empty() {
+                return io.complete(tag, 0);
+            }
+            let t = io.join(tag, u32_of(pieces.len() as u64));
+            for (at, n) in pieces {
+                // SAFETY: `ZEROS` is static, and each piece is at most one block.
                 unsafe {
                     write_dedup(
                         io,
                         d,
-                        &pool,
-                        &mut self.layout,
-                        (layer, offset, u64::from(len), buf),
-                        (tag, 0, random),
+                        pool,
+                        layout,
+                        (layer, at, n, ZEROS.as_ptr()),
+                        (t, 0, false),
                     )
                 }
             }
-            IoOp::Discard { offset, len } => {
-                // Whole blocks only: a discard is a hint.
-                let first = offset.div_ceil(DBLOCK);
-                let end = (offset + len) / DBLOCK;
-                if end > first {
-                    d.clear(layer, first, end - first);
+        }
+        IoOp::Flush => unreachable!("handled by submit"),
+    }
+}
+
+/// A read of block-mapped `layer`: runs of store blocks through `layout`, zeros for
+/// holes.
+///
+/// # Safety
+/// As [`IoHandle::submit`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn read_dedup(
+    io: &mut CoreIo,
+    d: &DedupCore,
+    layout: &mut TierHandle,
+    layer: u32,
+    offset: u64,
+    len: u64,
+    buf: *mut u8,
+    tag: Tag,
+) {
+    let unit = DBLOCK * crate::dedup::store::BLOCKS_PER_UNIT;
+    // Runs of (pool offset, length, offset in the buffer): the first apart, so that
+    // a read of one run (every 4 KiB read) allocates nothing and needs no join.
+    let mut first: Option<(u64, u64, u64)> = None;
+    let mut runs: Vec<(u64, u64, u64)> = Vec::new();
+    {
+        let st = d.lock();
+        let end = offset + len;
+        let mut at = offset;
+        while at < end {
+            let b = at / DBLOCK;
+            let next = ((b + 1) * DBLOCK).min(end);
+            let n = next - at;
+            let boff = at - offset;
+            match d.resolve(&st, layer, b) {
+                None => {
+                    // SAFETY: boff + n <= len, within the submitter's buffer.
+                    unsafe { std::ptr::write_bytes(buf.add(usize_of(boff)), 0, usize_of(n)) };
                 }
-                io.complete(tag, 0);
-            }
-            IoOp::WriteZeroes { offset, len, .. } => {
-                // Whole blocks become holes; the partial edges are writes of zeros,
-                // merged (one at a time per block) like any partial write.
-                let first_full = offset.div_ceil(DBLOCK);
-                let end_full = (offset + len) / DBLOCK;
-                if end_full > first_full {
-                    d.clear(layer, first_full, end_full - first_full);
-                }
-                let pieces = partial_pieces(offset, len);
-                if pieces.is_empty() {
-                    return io.complete(tag, 0);
-                }
-                let t = io.join(tag, u32_of(pieces.len() as u64));
-                let pool = self.vol.pool.clone();
-                for (at, n) in pieces {
-                    // SAFETY: `ZEROS` is static, and each piece is at most one block.
-                    unsafe {
-                        write_dedup(
-                            io,
-                            d,
-                            &pool,
-                            &mut self.layout,
-                            (layer, at, n, ZEROS.as_ptr()),
-                            (t, 0, false),
-                        )
+                Some(po) => {
+                    let po = po + at % DBLOCK;
+                    let last = if runs.is_empty() {
+                        first.as_mut()
+                    } else {
+                        runs.last_mut()
+                    };
+                    match last {
+                        Some(r)
+                            if r.0 + r.1 == po && r.2 + r.1 == boff && !po.is_multiple_of(unit) =>
+                        {
+                            r.1 += n
+                        }
+                        Some(_) => runs.push((po, n, boff)),
+                        None => first = Some((po, n, boff)),
                     }
                 }
             }
-            IoOp::Flush => unreachable!("handled by submit"),
+            at = next;
         }
     }
-
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn read_dedup(
-        &mut self,
-        io: &mut CoreIo,
-        d: &DedupCore,
-        layer: u32,
-        offset: u64,
-        len: u64,
-        buf: *mut u8,
-        tag: Tag,
-    ) {
-        let unit = DBLOCK * crate::dedup::store::BLOCKS_PER_UNIT;
-        // Runs of (pool offset, length, offset in the buffer): the first apart, so that
-        // a read of one run (every 4 KiB read) allocates nothing and needs no join.
-        let mut first: Option<(u64, u64, u64)> = None;
-        let mut runs: Vec<(u64, u64, u64)> = Vec::new();
-        {
-            let st = d.lock();
-            let end = offset + len;
-            let mut at = offset;
-            while at < end {
-                let b = at / DBLOCK;
-                let next = ((b + 1) * DBLOCK).min(end);
-                let n = next - at;
-                let boff = at - offset;
-                match d.resolve(&st, layer, b) {
-                    None => {
-                        // SAFETY: boff + n <= len, within the submitter's buffer.
-                        unsafe { std::ptr::write_bytes(buf.add(usize_of(boff)), 0, usize_of(n)) };
-                    }
-                    Some(po) => {
-                        let po = po + at % DBLOCK;
-                        let last = if runs.is_empty() {
-                            first.as_mut()
-                        } else {
-                            runs.last_mut()
-                        };
-                        match last {
-                            Some(r)
-                                if r.0 + r.1 == po
-                                    && r.2 + r.1 == boff
-                                    && !po.is_multiple_of(unit) =>
-                            {
-                                r.1 += n
-                            }
-                            Some(_) => runs.push((po, n, boff)),
-                            None => first = Some((po, n, boff)),
-                        }
-                    }
-                }
-                at = next;
-            }
-        }
-        let Some(one) = first else {
-            return io.complete(tag, 0);
+    let Some(one) = first else {
+        return io.complete(tag, 0);
+    };
+    let t = if runs.is_empty() {
+        tag
+    } else {
+        io.join(tag, u32_of(runs.len() + 1))
+    };
+    for (po, n, boff) in std::iter::once(one).chain(runs) {
+        // SAFETY: the run lies in the submitter's buffer, kept alive until `tag`
+        // (which `t` completes) completes.
+        unsafe {
+            layout.submit(
+                io,
+                IoOp::Read {
+                    offset: po,
+                    len: u32_of(n),
+                    buf: buf.add(usize_of(boff)),
+                },
+                t,
+            )
         };
-        let t = if runs.is_empty() {
-            tag
-        } else {
-            io.join(tag, u32_of(runs.len() + 1))
-        };
-        for (po, n, boff) in std::iter::once(one).chain(runs) {
-            // SAFETY: the run lies in the submitter's buffer, kept alive until `tag`
-            // (which `t` completes) completes.
-            unsafe {
-                self.layout.submit(
-                    io,
-                    IoOp::Read {
-                        offset: po,
-                        len: u32_of(n),
-                        buf: buf.add(usize_of(boff)),
-                    },
-                    t,
-                )
-            };
-        }
     }
 }
 

@@ -11,6 +11,7 @@ mod cache_write_back;
 mod common;
 mod crash_consistency;
 mod dedup;
+mod dedup_chains;
 mod inflight;
 mod mirror_rebuild_free;
 mod model_check;
