@@ -139,6 +139,15 @@ type FpMap<V> = HashMap<u128, V, FpBuild>;
 /// The fingerprint of a block written without one (the gain detector skipped it).
 pub(crate) const UNHASHED: u128 = 0;
 
+/// Slots of `State::recent` (a power of two; 24 bytes each: 96 KiB).
+const RECENT_SLOTS: usize = 4096;
+
+/// The `recent` slot of fingerprint `fp` (bits the bucket number and the short
+/// fingerprint do not use).
+fn recent_slot(fp: u128) -> usize {
+    usize_of(u64::try_from(fp >> 96).expect("32 bits")) & (RECENT_SLOTS - 1)
+}
+
 /// Record that `pba` now holds `fp` for the index (replacing its older pending entry).
 fn note_index(st: &mut State, fp: u128, pba: u64) {
     if fp == UNHASHED {
@@ -156,6 +165,7 @@ fn note_index(st: &mut State, fp: u128, pba: u64) {
         }
     }
     st.pending_index.insert(fp, pba);
+    st.recent[recent_slot(fp)] = (fp, pba);
 }
 
 pub(crate) struct State {
@@ -179,6 +189,9 @@ pub(crate) struct State {
     /// same by block: a block's newer contents replace its older pending entry, so this
     /// never holds more entries than the store has blocks.
     pending_index: FpMap<u64>,
+    /// Blocks shared or stored lately, by fingerprint (direct-mapped, `RECENT_SLOTS`;
+    /// `UNHASHED` = empty): a hint like the index, tried before its bucket is read.
+    recent: Box<[(u128, u64)]>,
     pending_by_pba: HashMap<u64, u128, FpBuild>,
     /// Device index entries a lookup found stale (their block referenced, steady, and
     /// holding other bytes: an overwrite in place leaves its block's old entry behind):
@@ -493,6 +506,7 @@ impl DedupCore {
             layers,
             parents: HashMap::default(),
             pending_index: FpMap::default(),
+            recent: vec![(UNHASHED, 0); RECENT_SLOTS].into_boxed_slice(),
             pending_by_pba: HashMap::default(),
             stale_index: Vec::new(),
             in_flight: FpMap::default(),
@@ -839,45 +853,77 @@ impl DedupCore {
 
     /// A store block that holds exactly `block`, with one more reference taken for the
     /// caller, when the index knows one. The bytes of each candidate are compared (the
-    /// index is only a hint); runs on the caller's thread (sync reads).
+    /// index is only a hint); runs on the caller's thread (sync reads). The index's
+    /// entries not written yet and the recently shared or stored blocks (`recent`) are
+    /// tried first: a block written again and again is found without a bucket read.
     pub(crate) fn share(
         &self,
         fp: Fingerprint,
         block: &[u8],
         scratch: &mut AlignedBuf,
     ) -> Option<u64> {
-        let pending = self.lock().pending_index.get(&fp.0).copied();
-        let mut candidates: Vec<u64> = pending.into_iter().collect();
-        if let Ok(found) = self.index.candidates(fp) {
-            candidates.extend(found.into_iter().filter(|c| Some(*c) != pending));
-        }
-        for pba in candidates {
-            // Under the lock from the check to the new reference: a block with a count
-            // cannot be freed (nor reused) meanwhile, and its bytes never change while
-            // it is referenced.
-            let mut st = self.lock();
-            if pba >= st.store_units.len() as u64 * BLOCKS_PER_UNIT
-                || Self::count(&st, pba) == 0
-                || st.overwriting.contains(&pba)
-            {
-                continue;
-            }
-            let at = self.pba_offset(&st, pba);
-            let buf = &mut scratch.as_mut_slice()[..BLOCK];
-            if self.layout.read_at(at, buf).is_err() {
-                continue;
-            }
-            if buf == block {
-                Self::reference(&mut st, pba);
-                *st.sharing.entry(pba).or_default() += 1;
+        let (pending, recent) = {
+            let st = self.lock();
+            let r = st.recent[recent_slot(fp.0)];
+            (
+                st.pending_index.get(&fp.0).copied(),
+                (r.0 == fp.0).then_some(r.1),
+            )
+        };
+        let recent = recent.filter(|r| Some(*r) != pending);
+        for pba in pending.into_iter().chain(recent) {
+            if self.try_share(fp, pba, block, scratch, Some(pba) == pending) {
                 return Some(pba);
             }
-            self.counters.compare_mismatches.fetch_add(1, Relaxed);
-            if Some(pba) != pending && st.stale_index.len() < STALE_QUEUE {
-                st.stale_index.push((fp.0, pba));
-            }
         }
-        None
+        let found = self.index.candidates(fp).ok()?;
+        found
+            .into_iter()
+            .filter(|&c| Some(c) != pending && Some(c) != recent)
+            .find(|&pba| self.try_share(fp, pba, block, scratch, false))
+    }
+
+    /// Take a reference to `pba` when it holds exactly `block` (fingerprint `fp`); a
+    /// candidate that does not is forgotten by `recent`, and queued as a stale index
+    /// entry unless it came from the entries not written yet (`pending`).
+    fn try_share(
+        &self,
+        fp: Fingerprint,
+        pba: u64,
+        block: &[u8],
+        scratch: &mut AlignedBuf,
+        pending: bool,
+    ) -> bool {
+        // Under the lock from the check to the new reference: a block with a count
+        // cannot be freed (nor reused) meanwhile, and its bytes never change while it
+        // is referenced.
+        let mut st = self.lock();
+        if pba >= st.store_units.len() as u64 * BLOCKS_PER_UNIT
+            || Self::count(&st, pba) == 0
+            || st.overwriting.contains(&pba)
+        {
+            return false;
+        }
+        let at = self.pba_offset(&st, pba);
+        let buf = &mut scratch.as_mut_slice()[..BLOCK];
+        if self.layout.read_at(at, buf).is_err() {
+            return false;
+        }
+        let slot = recent_slot(fp.0);
+        if buf == block {
+            Self::reference(&mut st, pba);
+            *st.sharing.entry(pba).or_default() += 1;
+            st.recent[slot] = (fp.0, pba);
+            return true;
+        }
+        self.counters.compare_mismatches.fetch_add(1, Relaxed);
+        if st.recent[slot] == (fp.0, pba) {
+            st.recent[slot] = (UNHASHED, 0);
+        }
+        if !pending && st.stale_index.len() < STALE_QUEUE {
+            st.stale_index.push((fp.0, pba));
+        }
+        false
     }
 
     /// `n` free store blocks, as consecutive as the free list gives them; a new store

@@ -713,3 +713,48 @@ fn a_block_another_volume_dropped_is_not_overwritten_in_place_before_the_drop_is
     }
     drop(pool);
 }
+
+/// A block written again and again is found without reading its index bucket (the
+/// recently used blocks are tried first); when such a block is overwritten in place,
+/// the stale hint costs one comparison and the bucket is read again.
+#[test]
+fn a_block_written_again_is_found_without_a_bucket_read_and_a_stale_hint_is_dropped() {
+    let (pool, _ram) = ram_pool(LayoutKind::Concat, 1);
+    let mut io = core();
+    let x = pattern(61, BLK as usize);
+    let a = pool.create_volume("a", 4 * MIB).unwrap();
+    let b = pool.create_volume("b", 4 * MIB).unwrap();
+    let (mut ha, mut hb) = (a.open_handle(), b.open_handle());
+    assert_eq!(write(&mut io, &mut ha, 0, &x), 0);
+    // The index entry is on the device now, not pending.
+    pool.commit().unwrap();
+    let reads = |pool: &Pool| pool.dedup_stats().unwrap().index_lookups;
+    let before = reads(&pool);
+    for i in 0..16 {
+        assert_eq!(write(&mut io, &mut hb, i * BLK, &x), 0);
+    }
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!(st.hits, 16);
+    assert_eq!(st.index_lookups, before, "found without the index");
+    assert_eq!(st.physical_bytes, BLK);
+    // b drops its references; a's block is then overwritten in place with other bytes:
+    // the hint for x is stale, and x is stored anew.
+    trim(&mut io, &mut hb, 0, 16 * BLK);
+    pool.commit().unwrap();
+    assert_eq!(write(&mut io, &mut ha, 0, &pattern(62, BLK as usize)), 0);
+    let mismatches = pool.dedup_stats().unwrap().compare_mismatches;
+    assert_eq!(write(&mut io, &mut hb, 0, &x), 0);
+    let st = pool.dedup_stats().unwrap();
+    assert_eq!(
+        st.compare_mismatches,
+        mismatches + 1,
+        "the stale hint was compared"
+    );
+    assert_eq!(st.physical_bytes, 2 * BLK);
+    assert_eq!(read(&mut io, &mut hb, 0, BLK as usize).unwrap(), x);
+    assert_eq!(
+        read(&mut io, &mut ha, 0, BLK as usize).unwrap(),
+        pattern(62, BLK as usize)
+    );
+    assert_metadata_clean(&pool);
+}
