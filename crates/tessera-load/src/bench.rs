@@ -86,6 +86,10 @@ pub struct BenchArgs {
     /// `parity_journal_flush = false`), to measure what power-loss safety costs.
     #[arg(long)]
     no_journal_flush: bool,
+    /// Volumes of a pool without a cache: no readahead for sequential readers (the
+    /// node's `readahead = false`), to measure what it gives.
+    #[arg(long)]
+    no_readahead: bool,
     /// Make the pool a dedup pool (docs/format.md §17): the volume target's blocks are
     /// fingerprinted and shared. Use with --dedupe-percentage, or every write carries
     /// the same bytes.
@@ -318,6 +322,7 @@ fn build_subject(a: &BenchArgs) -> Result<Subject, LoadError> {
                 force: true,
                 tuning: tessera_pool::PoolTuning {
                     journal_flush: !a.no_journal_flush,
+                    readahead: !a.no_readahead,
                     ..Default::default()
                 },
                 dedup: a.dedup,

@@ -35,6 +35,11 @@ pub struct NodeConfig {
     /// group of row writes on devices that keep data (files, block devices; never RAM).
     /// Off, the hole stays closed for a process crash only.
     pub parity_journal_flush: bool,
+    /// Sequential readers of volumes in pools without a cache tier are read ahead of,
+    /// 4 MiB into buffers of their connection (at most 32 MiB per pool per core; only
+    /// while the volume has one connection, and not on devices that answer at once).
+    /// Default on.
+    pub readahead: bool,
     pub api: ApiConfig,
     pub nbd: NbdConfig,
     pub nvmf: NvmfConfig,
@@ -351,6 +356,7 @@ impl Default for NodeConfig {
             pin_cores: true,
             device_timeout_ms: tessera_pool::layout::DEFAULT_DEVICE_TIMEOUT.millis_u64(),
             parity_journal_flush: true,
+            readahead: true,
             api: ApiConfig::default(),
             nbd: NbdConfig::default(),
             nvmf: NvmfConfig::default(),

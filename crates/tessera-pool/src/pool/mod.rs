@@ -106,6 +106,9 @@ pub struct PoolTuning {
     /// devices with a volatile write cache. Off, it is closed for a process crash only
     /// (devices with power-loss protection make the flush nearly free anyway).
     pub journal_flush: bool,
+    /// Sequential readers of a pool without a cache tier are read ahead of into
+    /// buffers of their handles (the node's `readahead`; `volume::readahead`).
+    pub readahead: bool,
 }
 
 impl Default for PoolTuning {
@@ -113,6 +116,7 @@ impl Default for PoolTuning {
         PoolTuning {
             device_timeout: crate::layout::DEFAULT_DEVICE_TIMEOUT,
             journal_flush: true,
+            readahead: true,
         }
     }
 }
@@ -207,6 +211,8 @@ pub struct PoolCore {
     /// A dedup pool's metadata (`dedup::store`), set once when dedup is turned on or the
     /// pool is opened.
     pub(crate) dedup: std::sync::OnceLock<Arc<crate::dedup::DedupCore>>,
+    /// `PoolTuning::readahead`.
+    pub(crate) readahead: std::sync::atomic::AtomicBool,
 }
 
 pub struct Pool {
@@ -416,6 +422,9 @@ impl Pool {
         if opts.dedup {
             pool.enable_dedup()?;
         }
+        pool.core
+            .readahead
+            .store(opts.tuning.readahead, std::sync::atomic::Ordering::Relaxed);
         Ok(pool)
     }
 
@@ -509,6 +518,9 @@ impl Pool {
         // Fold the replayed journal into a fresh checkpoint (and skip a journal lap).
         // It has no clean flag: until the next clean shutdown the pool counts as open.
         pool.core.checkpoint()?;
+        pool.core
+            .readahead
+            .store(tuning.readahead, std::sync::atomic::Ordering::Relaxed);
         Ok(pool)
     }
 
@@ -738,6 +750,7 @@ impl Pool {
             inflight: crate::inflight::IoEpochs::new(),
             cache: Arc::default(),
             dedup: std::sync::OnceLock::new(),
+            readahead: std::sync::atomic::AtomicBool::new(true),
         });
         {
             let mut s = core.lock();

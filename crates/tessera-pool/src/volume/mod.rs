@@ -13,6 +13,7 @@
 
 mod dedup_io;
 mod first_write;
+mod readahead;
 
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize};
@@ -278,6 +279,11 @@ pub struct Volume {
     /// reactor that released it: a compaction copies the top-level array).
     pub(crate) compact_wanted: AtomicBool,
     open_handles: AtomicUsize,
+    /// Handles ever opened (readahead buffers are good only while no other handle was).
+    opens: AtomicU64,
+    /// Reads served from readahead buffers, and their bytes (`volume::readahead`).
+    pub(crate) readahead_hits: AtomicU64,
+    pub(crate) readahead_bytes: AtomicU64,
     deleted: AtomicBool,
     stats: StatsRegistry,
     /// Requests by the access pattern of their region (`crate::pattern`), as the
@@ -326,6 +332,9 @@ impl Volume {
             allocated: AtomicU64::new(0),
             compact_wanted: AtomicBool::new(false),
             open_handles: AtomicUsize::new(0),
+            opens: AtomicU64::new(0),
+            readahead_hits: AtomicU64::new(0),
+            readahead_bytes: AtomicU64::new(0),
             deleted: AtomicBool::new(false),
             stats: StatsRegistry::default(),
             patterns: PatternTotals::default(),
@@ -486,6 +495,19 @@ impl Volume {
         self.open_handles.load(Relaxed)
     }
 
+    /// Handles opened so far (ever).
+    pub(crate) fn opens(&self) -> u64 {
+        self.opens.load(Relaxed)
+    }
+
+    /// Reads served from readahead buffers (pools without a cache tier), and their bytes.
+    pub fn readahead_served(&self) -> (u64, u64) {
+        (
+            self.readahead_hits.load(Relaxed),
+            self.readahead_bytes.load(Relaxed),
+        )
+    }
+
     pub(crate) fn is_deleted(&self) -> bool {
         self.deleted.load(Acquire)
     }
@@ -621,13 +643,14 @@ impl Volume {
 
     /// A datapath handle for the calling core.
     pub fn open_handle(self: &Arc<Self>) -> VolumeHandle {
+        self.opens.fetch_add(1, Relaxed);
         self.open_handles.fetch_add(1, Relaxed);
         let gen = self.map_gen.load(Acquire);
         let map = self.current_map();
         VolumeHandle {
             gen,
             read_only: self.is_snapshot(),
-            chain: self.ancestor_maps(),
+            chain: self.ancestor_maps().into_boxed_slice(),
             map,
             layout: TierHandle::new(&self.pool.layout, &self.pool.cache),
             shift: self.pool.unit_shift,
@@ -638,6 +661,7 @@ impl Volume {
             epoch: 0,
             patterns: Box::default(),
             ra_next: 0,
+            ra: None,
             dedup: self.block_mapped() && self.pool.dedup().is_some(),
         }
     }
@@ -658,8 +682,9 @@ pub struct VolumeHandle {
     vol: Arc<Volume>,
     map: Arc<UnitMap>,
     /// The ancestors' maps, nearest first (empty for a volume outside any chain, whose
-    /// datapath is then exactly the plain one).
-    chain: Vec<Arc<UnitMap>>,
+    /// datapath is then exactly the plain one). Boxed: the handle's size matters where
+    /// it is held by value.
+    chain: Box<[Arc<UnitMap>]>,
     /// A snapshot's handle: every change is refused (fixed for a volume's life).
     read_only: bool,
     gen: u64,
@@ -679,6 +704,9 @@ pub struct VolumeHandle {
     patterns: Box<HandlePatterns>,
     /// Readahead: the first volume unit not yet asked for.
     ra_next: u64,
+    /// Readahead into buffers of its own, on a pool without a cache tier
+    /// (`volume::readahead`).
+    ra: Option<std::rc::Rc<std::cell::RefCell<readahead::Stream>>>,
     /// A block-mapped volume of a dedup pool: requests go to `dedup_io` (a flag, beside
     /// `read_only`: the handle's size matters where it is held by value).
     dedup: bool,
@@ -721,7 +749,7 @@ impl VolumeHandle {
         let g = self.vol.map_gen.load(Acquire);
         if g != self.gen {
             self.map = self.vol.current_map();
-            self.chain = self.vol.ancestor_maps();
+            self.chain = self.vol.ancestor_maps().into_boxed_slice();
             self.gen = g;
         }
     }
@@ -909,42 +937,28 @@ impl IoHandle for VolumeHandle {
             return unsafe { self.submit_dedup(io, d, op, tag) };
         }
         self.refresh();
+        if !matches!(op, IoOp::Read { .. }) && self.ra.is_some() {
+            self.readahead_invalidate(offset, len);
+        }
         if self.vol.held(epoch) && !matches!(op, IoOp::Read { .. }) {
             // SAFETY: our caller upholds `IoHandle::submit`'s contract for `op`'s buffer.
             return unsafe { self.submit_held(io, op, tag) };
         }
         match op {
             IoOp::Read { buf, .. } => {
-                self.for_units(io, offset, len, tag, |h, io, u, at, seg, roff, t| {
-                    // SAFETY: roff + seg <= len, within the submitter's buffer.
-                    let b = unsafe { buf.add(usize_of(roff)) };
-                    if !h.chain.is_empty() {
-                        return h.read_chained(io, u, at, seg, b, t);
+                let caching = self.layout.caching();
+                if !caching && self.readahead_serve(io, offset, len, buf, tag) {
+                    if sequential {
+                        self.readahead_extend(io, offset + len);
                     }
-                    let p = h.map.get(u);
-                    if p == HOLE {
-                        // SAFETY: as above.
-                        unsafe { std::ptr::write_bytes(b, 0, usize_of(seg)) };
-                        io.complete(t, 0);
-                    } else {
-                        let off = h.pool_offset(p, at);
-                        // SAFETY: `b` is in the submitter's buffer (above), kept alive by our caller
-                        // until `t` completes.
-                        unsafe {
-                            h.layout.submit(
-                                io,
-                                IoOp::Read {
-                                    offset: off,
-                                    len: u32_of(seg),
-                                    buf: b,
-                                },
-                                t,
-                            )
-                        };
-                    }
-                });
-                if sequential && self.chain.is_empty() && self.layout.caching() {
+                    return;
+                }
+                // SAFETY: our caller upholds `IoHandle::submit`'s contract for `buf`.
+                unsafe { self.read_volume(io, offset, len, buf, tag) };
+                if sequential && caching && self.chain.is_empty() {
                     self.read_ahead(io, offset + len);
+                } else if sequential && !caching && len <= readahead::MAX_READ {
+                    self.readahead_extend(io, offset + len);
                 }
             }
             IoOp::Write { buf, .. } => {
@@ -1003,6 +1017,49 @@ impl IoHandle for VolumeHandle {
 }
 
 impl VolumeHandle {
+    /// Read `[offset, offset+len)` of the volume into `buf` (through its chain, holes
+    /// as zeros).
+    ///
+    /// # Safety
+    /// As [`IoHandle::submit`]: `buf` holds `len` bytes, valid until `tag` completes.
+    unsafe fn read_volume(
+        &mut self,
+        io: &mut CoreIo,
+        offset: u64,
+        len: u64,
+        buf: *mut u8,
+        tag: Tag,
+    ) {
+        self.for_units(io, offset, len, tag, |h, io, u, at, seg, roff, t| {
+            // SAFETY: roff + seg <= len, within the submitter's buffer.
+            let b = unsafe { buf.add(usize_of(roff)) };
+            if !h.chain.is_empty() {
+                return h.read_chained(io, u, at, seg, b, t);
+            }
+            let p = h.map.get(u);
+            if p == HOLE {
+                // SAFETY: as above.
+                unsafe { std::ptr::write_bytes(b, 0, usize_of(seg)) };
+                io.complete(t, 0);
+            } else {
+                let off = h.pool_offset(p, at);
+                // SAFETY: `b` is in the submitter's buffer (above), kept alive by our
+                // caller until `t` completes.
+                unsafe {
+                    h.layout.submit(
+                        io,
+                        IoOp::Read {
+                            offset: off,
+                            len: u32_of(seg),
+                            buf: b,
+                        },
+                        t,
+                    )
+                };
+            }
+        });
+    }
+
     /// A change that began while a snapshot of the volume is being taken: it waits in
     /// the first-write path (which retries it each round until the snapshot has its
     /// map) and then goes to the volume's new layer. A discard is dropped (it is

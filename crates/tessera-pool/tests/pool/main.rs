@@ -20,6 +20,7 @@ mod parity_rebuild_free;
 mod raid_mirror;
 mod raid_parity;
 mod raid_rebuild;
+mod readahead;
 mod scrub_repair;
 mod snapshots;
 mod thin_model;
