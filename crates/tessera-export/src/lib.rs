@@ -123,6 +123,13 @@ pub trait ExportHandle: 'static {
     /// True when no byte of `[offset, offset+len)` has backing space, so it reads as
     /// zeros without I/O. Must be cheap: no lock, no shared write, no allocation.
     fn is_hole(&mut self, offset: u64, len: u64) -> bool;
+
+    /// Whether a read at `offset` should go before writes waiting for a QoS share
+    /// round (`Charge::ReadFirst`): its region's recent reads look random. Asked only
+    /// while writes wait; must be as cheap as `is_hole`. None by default.
+    fn reads_first_at(&self, _offset: u64) -> bool {
+        false
+    }
 }
 
 /// A target as a protocol serves it: the target and the QoS state its connections are

@@ -1293,6 +1293,15 @@ impl<T: ExportTarget> IscsiConn<T> {
         let Some(back) = self.luns[lun].back.as_mut() else {
             return self.finish(io, s, Some(alua::STANDBY_SENSE));
         };
+        // While writes wait for a share round, a random read goes before them.
+        let charge = match (charge, &self.slots[idx].cmd) {
+            (Charge::Read(b), Command::Read { lba, .. })
+                if back.gate.has_deferred() && back.vol.reads_first_at(lba << BLOCK_SHIFT) =>
+            {
+                Charge::ReadFirst(b)
+            }
+            (c, _) => c,
+        };
         if back.gate.offer(io, s, charge) {
             return self.dispatch(io, s);
         }

@@ -1034,6 +1034,10 @@ impl<T: ExportTarget> NbdConn<T> {
     fn admit_or_park(&mut self, io: &mut CoreIo, s: u16) {
         let sl = &self.slots[s as usize];
         let charge = match sl.cmd {
+            // While writes wait for a share round, a random read goes before them.
+            CMD_READ if self.gate.has_deferred() && self.vol.reads_first_at(sl.offset) => {
+                Charge::ReadFirst(sl.len as u64)
+            }
             CMD_READ => Charge::Read(sl.len as u64),
             CMD_WRITE => Charge::Write(sl.len as u64),
             CMD_TRIM | CMD_WRITE_ZEROES => Charge::Write(0),

@@ -183,4 +183,14 @@ impl ExportHandle for NodeHandle {
             NodeHandle::Proxy(_) => false,
         }
     }
+
+    #[inline]
+    fn reads_first_at(&self, offset: u64) -> bool {
+        match self {
+            NodeHandle::Local(h) => ExportHandle::reads_first_at(h, offset),
+            // A replicated volume's reads are served by a leg the handle picks per
+            // request; its legs' detectors are not consulted here.
+            NodeHandle::Replicated(_) | NodeHandle::Proxy(_) => false,
+        }
+    }
 }

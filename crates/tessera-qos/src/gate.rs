@@ -31,6 +31,10 @@ pub enum Charge {
     Free,
     /// A read of this many bytes.
     Read(u64),
+    /// A read of this many bytes that goes before writes waiting for a share round: the
+    /// access-pattern detector calls its region random (a random read waits on a device
+    /// while a write is absorbed; seed 004's QoS puts such reads first).
+    ReadFirst(u64),
     /// A write of this many bytes (0 for trims and write-zeroes: they count as
     /// an operation, not as bandwidth).
     Write(u64),
@@ -41,7 +45,7 @@ impl Charge {
     fn limited(self) -> Option<(bool, u64)> {
         match self {
             Charge::Free => None,
-            Charge::Read(b) => Some((false, b)),
+            Charge::Read(b) | Charge::ReadFirst(b) => Some((false, b)),
             Charge::Write(b) => Some((true, b)),
         }
     }
@@ -236,19 +240,20 @@ impl Gate {
 
     /// Offer a request: `true` means dispatch it now; `false` means the gate
     /// holds it and will hand it back from [`wake`](Self::wake). A
-    /// connection's requests leave in order, except that with reads-first a
-    /// read may pass writes waiting for a share round.
+    /// connection's requests leave in order, except that a read that goes first (the
+    /// volume's reads-first, or [`Charge::ReadFirst`]) passes writes waiting for a share
+    /// round: it is dispatched now if its share allows, else queued before them.
     pub fn offer(&mut self, io: &mut CoreIo, slot: u16, charge: Charge) -> bool {
         self.refresh(io);
         if self.held.is_empty() {
             match self.limits(charge, io.now()) {
                 Ok(()) => {
-                    let read = matches!(charge, Charge::Read(_));
-                    let may_pass = self.deferred.is_empty() || (self.reads_first && read);
+                    let first = self.goes_first(charge);
+                    let may_pass = self.deferred.is_empty() || first;
                     if may_pass && self.share(io, charge) {
                         return true;
                     }
-                    self.deferred.push_back(Held {
+                    self.defer(Held {
                         slot,
                         charge,
                         throttled: false,
@@ -265,6 +270,36 @@ impl Gate {
             throttled: true,
         });
         false
+    }
+
+    /// Queue `h` for a share round: a read that goes first after the reads already
+    /// queued first, before the rest; anything else last.
+    fn defer(&mut self, h: Held) {
+        if self.goes_first(h.charge) {
+            let at = self
+                .deferred
+                .iter()
+                .position(|d| !self.goes_first(d.charge))
+                .unwrap_or(self.deferred.len());
+            self.deferred.insert(at, h);
+        } else {
+            self.deferred.push_back(h);
+        }
+    }
+
+    /// Whether a request of `charge` passes writes waiting for a share round.
+    fn goes_first(&self, charge: Charge) -> bool {
+        match charge {
+            Charge::ReadFirst(_) => true,
+            Charge::Read(_) => self.reads_first,
+            _ => false,
+        }
+    }
+
+    /// Requests wait for a share round: a read offered now is worth asking whether it
+    /// goes first (see [`Charge::ReadFirst`]; the question costs the caller a lookup).
+    pub fn has_deferred(&self) -> bool {
+        !self.deferred.is_empty()
     }
 
     /// The timer or round tag completed (`tag` says which): hand back, in
@@ -300,7 +335,7 @@ impl Gate {
                     throttled: true,
                 });
             } else {
-                self.deferred.push_back(h);
+                self.defer(h);
                 self.arm_round(io);
             }
         }
@@ -331,5 +366,47 @@ impl Drop for Gate {
     fn drop(&mut self) {
         self.qos.add_share_figures(self.shares);
         self.sched.borrow_mut().unregister(self.flow);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::QosLimits;
+
+    fn qos() -> Arc<VolumeQos> {
+        Arc::new(VolumeQos::new(QosLimits::default(), Instant::now()))
+    }
+
+    /// With writes waiting for a share round, a read marked first is queued before them
+    /// (after earlier such reads); a plain read waits behind them.
+    #[test]
+    fn a_read_first_passes_writes_waiting_for_a_round() {
+        let mut io = CoreIo::new(0, 64, None).expect("io_uring");
+        let (a, b) = (qos(), qos());
+        let mut ga = Gate::new(&mut io, &a, Tag::task(0, 1), Tag::task(0, 2));
+        let mut gb = Gate::new(&mut io, &b, Tag::task(1, 1), Tag::task(1, 2));
+        // Another volume active on the core: shares apply.
+        assert!(gb.offer(&mut io, 0, Charge::Write(4096)));
+        let mut slot = 0u16;
+        while ga.offer(&mut io, slot, Charge::Write(128 << 10)) {
+            slot += 1;
+            assert!(slot < 10_000, "a write was never deferred");
+        }
+        let writes: Vec<u16> = (slot..slot + 3).collect();
+        for &w in &writes[1..] {
+            assert!(!ga.offer(&mut io, w, Charge::Write(128 << 10)));
+        }
+        assert!(ga.has_deferred());
+        assert!(!ga.offer(&mut io, 900, Charge::Read(4096)));
+        assert!(!ga.offer(&mut io, 901, Charge::ReadFirst(4096)));
+        assert!(!ga.offer(&mut io, 902, Charge::ReadFirst(4096)));
+        assert!(!ga.offer(&mut io, 903, Charge::Write(4096)));
+        let mut order = Vec::new();
+        ga.drain(&mut order);
+        let mut want = vec![901, 902];
+        want.extend(&writes);
+        want.extend([900, 903]);
+        assert_eq!(order, want);
     }
 }

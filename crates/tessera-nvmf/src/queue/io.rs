@@ -80,9 +80,19 @@ impl<T: ExportTarget> NvmfQueue<T> {
             _ => Charge::Free,
         };
         let ns = sl.ns;
+        let slba = sl.sqe.slba();
         let Some(n) = self.ns.get_mut(ns) else {
             // Flush of every namespace: no limit applies.
             return self.dispatch_io(io, s);
+        };
+        // While writes wait for a share round, a random read goes before them.
+        let charge = match (charge, &n.backing) {
+            (Charge::Read(b), Some(back))
+                if n.gate.has_deferred() && back.vol.reads_first_at(slba << target::LBA_SHIFT) =>
+            {
+                Charge::ReadFirst(b)
+            }
+            (c, _) => c,
         };
         if n.gate.offer(io, s, charge) {
             return self.dispatch_io(io, s);

@@ -1307,6 +1307,12 @@ impl ExportHandle for VolumeHandle {
     fn is_hole(&mut self, offset: u64, len: u64) -> bool {
         VolumeHandle::is_hole(self, offset, len)
     }
+
+    /// A read of a region this handle's detector calls random goes first (seed 004's
+    /// QoS: random reads before writes).
+    fn reads_first_at(&self, offset: u64) -> bool {
+        self.patterns.label_at(Direction::Read, offset) == crate::pattern::Pattern::Random
+    }
 }
 
 #[cfg(test)]
