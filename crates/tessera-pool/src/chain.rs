@@ -268,15 +268,7 @@ impl Pool {
         self.core.change_then_checkpoint(
             || (),
             |s| {
-                if let Some(e) = s.exports.iter().find(|e| e.volume_id == vol.id) {
-                    return Err(Error::new(
-                        ErrorKind::Busy,
-                        format!(
-                            "volume '{}' is exported as '{}'; remove the export before a rollback",
-                            vol.name, e.name
-                        ),
-                    ));
-                }
+                s.not_exported(vol, "before a rollback")?;
                 let old_parent = vol.parent();
                 free_own_units(&self.core, s, vol);
                 let units = vol.size().div_ceil(self.core.unit_size());

@@ -25,6 +25,21 @@ impl State {
         Ok(())
     }
 
+    /// Refuse a change to `vol` while an export serves it (`when`: what the message
+    /// says to remove the export before).
+    pub(crate) fn not_exported(&self, vol: &Volume, when: &str) -> Result<()> {
+        match self.exports.iter().find(|e| e.volume_id == vol.id) {
+            Some(e) => Err(Error::new(
+                ErrorKind::Busy,
+                format!(
+                    "volume '{}' is exported as '{}'; remove the export {when}",
+                    vol.name, e.name
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
     pub(super) fn catalog(&self) -> Catalog {
         Catalog {
             next_volume_id: self.next_volume_id,
@@ -239,15 +254,7 @@ impl Pool {
         self.core.change_then_checkpoint(
             || (),
             |s| {
-                if let Some(e) = s.exports.iter().find(|e| e.volume_id == vol.id) {
-                    return Err(Error::new(
-                        ErrorKind::Busy,
-                        format!(
-                            "volume '{}' is exported as '{}'; remove the export first",
-                            vol.name, e.name
-                        ),
-                    ));
-                }
+                s.not_exported(vol, "first")?;
                 // A snapshot that other volumes read through is hidden, not removed; a
                 // volume's removal may free hidden snapshots it was the last reader of.
                 self.delete_in_chain(s, vol);

@@ -807,26 +807,9 @@ impl VolumeHandle {
             // SAFETY: pos - at + (next - pos) <= seg: inside this unit's part of the
             // submitter's buffer.
             let pb = unsafe { b.add(usize_of(pos - at)) };
-            if src == HOLE {
-                // SAFETY: as above.
-                unsafe { std::ptr::write_bytes(pb, 0, usize_of(next - pos)) };
-                io.complete(t, 0);
-            } else {
-                let off = self.pool_offset(src, pos);
-                // SAFETY: `pb` spans `next - pos` bytes of the submitter's buffer, which
-                // it keeps alive until the request completes (`IoHandle::submit`).
-                unsafe {
-                    self.layout.submit(
-                        io,
-                        IoOp::Read {
-                            offset: off,
-                            len: u32_of(next - pos),
-                            buf: pb,
-                        },
-                        t,
-                    )
-                };
-            }
+            // SAFETY: `pb` spans `next - pos` bytes of the submitter's buffer, which it
+            // keeps alive until the request completes (`IoHandle::submit`).
+            unsafe { self.read_piece(io, src, pos, next - pos, pb, t) };
             pos = next;
         }
         self.read_runs = runs;
@@ -1037,27 +1020,46 @@ impl VolumeHandle {
                 return h.read_chained(io, u, at, seg, b, t);
             }
             let p = h.map.get(u);
-            if p == HOLE {
-                // SAFETY: as above.
-                unsafe { std::ptr::write_bytes(b, 0, usize_of(seg)) };
-                io.complete(t, 0);
-            } else {
-                let off = h.pool_offset(p, at);
-                // SAFETY: `b` is in the submitter's buffer (above), kept alive by our
-                // caller until `t` completes.
-                unsafe {
-                    h.layout.submit(
-                        io,
-                        IoOp::Read {
-                            offset: off,
-                            len: u32_of(seg),
-                            buf: b,
-                        },
-                        t,
-                    )
-                };
-            }
+            // SAFETY: `b` is in the submitter's buffer (above), kept alive by our
+            // caller until `t` completes.
+            unsafe { h.read_piece(io, p, at, seg, b, t) };
         });
+    }
+
+    /// Read `len` bytes at volume offset `at` from pool unit `p` into `buf` (zeros for
+    /// a `HOLE`), completing `t`.
+    ///
+    /// # Safety
+    /// `buf` holds `len` bytes, valid until `t` completes.
+    #[inline]
+    unsafe fn read_piece(
+        &mut self,
+        io: &mut CoreIo,
+        p: u32,
+        at: u64,
+        len: u64,
+        buf: *mut u8,
+        t: Tag,
+    ) {
+        if p == HOLE {
+            // SAFETY: our caller's contract.
+            unsafe { std::ptr::write_bytes(buf, 0, usize_of(len)) };
+            io.complete(t, 0);
+            return;
+        }
+        let offset = self.pool_offset(p, at);
+        // SAFETY: as above.
+        unsafe {
+            self.layout.submit(
+                io,
+                IoOp::Read {
+                    offset,
+                    len: u32_of(len),
+                    buf,
+                },
+                t,
+            )
+        };
     }
 
     /// A change that began while a snapshot of the volume is being taken: it waits in
