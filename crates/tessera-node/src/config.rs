@@ -40,6 +40,10 @@ pub struct NodeConfig {
     /// while the volume has one connection, and not on devices that answer at once).
     /// Default on.
     pub readahead: bool,
+    /// Under the QoS share scheduler, a read of a region whose recent reads look random
+    /// goes before its connection's writes that wait for a share round (seed 004's QoS;
+    /// NBD, NVMe/TCP and iSCSI). Default on.
+    pub random_reads_first: bool,
     pub api: ApiConfig,
     pub nbd: NbdConfig,
     pub nvmf: NvmfConfig,
@@ -357,6 +361,7 @@ impl Default for NodeConfig {
             device_timeout_ms: tessera_pool::layout::DEFAULT_DEVICE_TIMEOUT.millis_u64(),
             parity_journal_flush: true,
             readahead: true,
+            random_reads_first: true,
             api: ApiConfig::default(),
             nbd: NbdConfig::default(),
             nvmf: NvmfConfig::default(),

@@ -137,12 +137,13 @@ pub struct Node {
 pub const SPARE_TICK: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// How this node's pools behave while open (`device_timeout_ms`, `parity_journal_flush`,
-/// `readahead`).
+/// `readahead`, `random_reads_first`).
 pub(crate) fn pool_tuning(cfg: &NodeConfig) -> tessera_pool::PoolTuning {
     tessera_pool::PoolTuning {
         device_timeout: std::time::Duration::from_millis(cfg.device_timeout_ms.max(1)),
         journal_flush: cfg.parity_journal_flush,
         readahead: cfg.readahead,
+        random_reads_first: cfg.random_reads_first,
     }
 }
 

@@ -109,6 +109,10 @@ pub struct PoolTuning {
     /// Sequential readers of a pool without a cache tier are read ahead of into
     /// buffers of their handles (the node's `readahead`; `volume::readahead`).
     pub readahead: bool,
+    /// Under the QoS share scheduler, a read of a region its handle's detector calls
+    /// random goes before the connection's writes waiting for a share round (the node's
+    /// `random_reads_first`; seed 004's QoS).
+    pub random_reads_first: bool,
 }
 
 impl Default for PoolTuning {
@@ -117,6 +121,7 @@ impl Default for PoolTuning {
             device_timeout: crate::layout::DEFAULT_DEVICE_TIMEOUT,
             journal_flush: true,
             readahead: true,
+            random_reads_first: true,
         }
     }
 }
@@ -213,6 +218,8 @@ pub struct PoolCore {
     pub(crate) dedup: std::sync::OnceLock<Arc<crate::dedup::DedupCore>>,
     /// `PoolTuning::readahead`.
     pub(crate) readahead: std::sync::atomic::AtomicBool,
+    /// `PoolTuning::random_reads_first`.
+    pub(crate) random_reads_first: std::sync::atomic::AtomicBool,
 }
 
 pub struct Pool {
@@ -253,6 +260,14 @@ pub fn uuid_string(u: &Uuid) -> String {
 }
 
 impl PoolCore {
+    /// The switches of `tuning` the datapath reads while the pool is open.
+    fn apply_tuning(&self, tuning: &PoolTuning) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.readahead.store(tuning.readahead, Relaxed);
+        self.random_reads_first
+            .store(tuning.random_reads_first, Relaxed);
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.locked()
     }
@@ -422,9 +437,7 @@ impl Pool {
         if opts.dedup {
             pool.enable_dedup()?;
         }
-        pool.core
-            .readahead
-            .store(opts.tuning.readahead, std::sync::atomic::Ordering::Relaxed);
+        pool.core.apply_tuning(&opts.tuning);
         Ok(pool)
     }
 
@@ -518,9 +531,7 @@ impl Pool {
         // Fold the replayed journal into a fresh checkpoint (and skip a journal lap).
         // It has no clean flag: until the next clean shutdown the pool counts as open.
         pool.core.checkpoint()?;
-        pool.core
-            .readahead
-            .store(tuning.readahead, std::sync::atomic::Ordering::Relaxed);
+        pool.core.apply_tuning(&tuning);
         Ok(pool)
     }
 
@@ -751,6 +762,7 @@ impl Pool {
             cache: Arc::default(),
             dedup: std::sync::OnceLock::new(),
             readahead: std::sync::atomic::AtomicBool::new(true),
+            random_reads_first: std::sync::atomic::AtomicBool::new(true),
         });
         {
             let mut s = core.lock();

@@ -1313,7 +1313,8 @@ impl ExportHandle for VolumeHandle {
     /// A read of a region this handle's detector calls random goes first (seed 004's
     /// QoS: random reads before writes).
     fn reads_first_at(&self, offset: u64) -> bool {
-        self.patterns.label_at(Direction::Read, offset) == crate::pattern::Pattern::Random
+        self.vol.pool.random_reads_first.load(Relaxed)
+            && self.patterns.label_at(Direction::Read, offset) == crate::pattern::Pattern::Random
     }
 }
 
