@@ -218,6 +218,8 @@ struct VolumeFigures {
     allocated: u64,
     stats: StatsSnapshot,
     patterns: PatternCounts,
+    /// Reads served from readahead buffers (pools without a cache tier), and their bytes.
+    readahead: (u64, u64),
 }
 
 /// One sample per access pattern (`tessera_pool::pattern`), labelled `pattern`.
@@ -296,6 +298,7 @@ pub fn render(node: &Node) -> String {
                 allocated: v.allocated_bytes(),
                 stats: v.stats(),
                 patterns: v.pattern_counts(),
+                readahead: v.readahead_served(),
             })
         })
         .collect();
@@ -654,6 +657,18 @@ const VOLUME_FAMILIES: &[Family<VolumeFigures>] = &[
         kind: "counter",
         help: "Bytes written, by the access pattern of their region.",
         samples: |v| per_pattern(&v.patterns, Direction::Write, true),
+    },
+    Family {
+        name: "tessera_volume_readahead_reads_total",
+        kind: "counter",
+        help: "Reads served whole from readahead buffers (a sequential reader of a pool without a cache tier; node config `readahead`).",
+        samples: |v| single(count(v.readahead.0)),
+    },
+    Family {
+        name: "tessera_volume_readahead_bytes_total",
+        kind: "counter",
+        help: "Bytes of reads served from readahead buffers.",
+        samples: |v| single(count(v.readahead.1)),
     },
     Family {
         name: "tessera_volume_size_bytes",

@@ -355,4 +355,9 @@ fn access_patterns_are_counted_by_region() {
     // The forward walk: monotonic.
     assert_eq!(get("write_pattern_requests_total", "monotonic"), 53.0);
     assert_eq!(get("write_pattern_bytes_total", "monotonic"), 53.0 * 4096.0);
+    // The stream was read from RAM, which answers at once: nothing was read ahead.
+    for what in ["reads", "bytes"] {
+        let name = format!("tessera_volume_readahead_{what}_total{{pool=\"p0\",volume=\"v0\"}}");
+        assert_eq!(sample(&text, &name), Some(0.0), "{text}");
+    }
 }
