@@ -24,6 +24,14 @@ use super::pages::{self, PageId, ABSENT, COUNTS, MAP_ENTRIES, PAGES_PER_UNIT, PA
 use crate::format::{Uuid, BLOCK};
 use crate::layout::Layout;
 
+/// Map pages a scan of a whole layer (removal, `drop_covered`, `exclusive_bytes`)
+/// handles per hold of the dedup lock, which every dedup write takes: 64 pages of 256
+/// entries, tens of microseconds.
+const SCAN_CHUNK_PAGES: usize = 64;
+/// Steps (a block, or a volume unit without pages) a range scan (block status, changed
+/// extents) takes per hold of the dedup lock.
+const SCAN_STEPS: usize = 1 << 14;
+
 /// What `publish` answers when a block the write merged was changed by another write
 /// meanwhile: write again (not an errno; never reaches a client).
 pub(crate) const MERGE_CONFLICT: i32 = -(1 << 20);
@@ -1196,15 +1204,25 @@ impl DedupCore {
     /// Forget a deleted layer: every reference it holds is dropped; returns its map
     /// units for the pool to free.
     pub(crate) fn remove_layer(&self, layer: u32) -> Vec<u32> {
-        let mut st = self.lock();
-        st.parents.remove(&layer);
-        let Some(lm) = st.layers.remove(&layer) else {
-            return Vec::new();
+        let lm = {
+            let mut st = self.lock();
+            st.parents.remove(&layer);
+            let Some(lm) = st.layers.remove(&layer) else {
+                return Vec::new();
+            };
+            lm
         };
-        for page in lm.pages.values() {
-            for &e in page.entries.iter() {
-                if let Some(pba) = pba_of(e) {
-                    Self::unreference(&mut st, pba);
+        // No reader finds the layer any more; its references go a chunk of pages per
+        // lock hold (the callers hold off commits until the checkpoint that records the
+        // removal, `PoolCore::change_then_checkpoint`).
+        let pages: Vec<&MapPage> = lm.pages.values().collect();
+        for chunk in pages.chunks(SCAN_CHUNK_PAGES) {
+            let mut st = self.lock();
+            for page in chunk {
+                for &e in page.entries.iter() {
+                    if let Some(pba) = pba_of(e) {
+                        Self::unreference(&mut st, pba);
+                    }
                 }
             }
         }
@@ -1215,44 +1233,65 @@ impl DedupCore {
     /// those of blocks every one of `children` (the layers reading through it) has an
     /// entry of its own for (docs/format.md §3.4, "Deleting").
     pub(crate) fn drop_covered(&self, layer: u32, children: &[u32]) {
-        let mut st = self.lock();
-        let Some(lm) = st.layers.get(&layer) else {
+        // Each block is decided under the lock, a chunk of pages per hold: a child's
+        // entry, once there, goes only with a catalog change, which waits for this one.
+        let Some(keys) = self.page_keys(layer) else {
             return;
         };
-        let mut covered = Vec::new();
-        for (&v, page) in &lm.pages {
-            let base = u64::from(v) * BLOCKS_PER_UNIT;
-            for (i, &e) in page.entries.iter().enumerate() {
-                let b = base + i as u64;
-                if e != ABSENT && children.iter().all(|&c| Self::entry(&st, c, b) != ABSENT) {
-                    covered.push(b);
+        for chunk in keys.chunks(SCAN_CHUNK_PAGES) {
+            let mut st = self.lock();
+            for &v in chunk {
+                let base = u64::from(v) * BLOCKS_PER_UNIT;
+                let Some(page) = st.layers.get(&layer).and_then(|lm| lm.pages.get(&v)) else {
+                    continue;
+                };
+                let covered: Vec<u64> = (base..)
+                    .zip(page.entries.iter())
+                    .filter(|&(b, &e)| {
+                        e != ABSENT && children.iter().all(|&c| Self::entry(&st, c, b) != ABSENT)
+                    })
+                    .map(|(b, _)| b)
+                    .collect();
+                for b in covered {
+                    let old = Self::set_entry(&mut st, layer, b, ABSENT);
+                    if let Some(pba) = pba_of(old) {
+                        Self::unreference(&mut st, pba);
+                    }
                 }
-            }
-        }
-        for b in covered {
-            let old = Self::set_entry(&mut st, layer, b, ABSENT);
-            if let Some(pba) = pba_of(old) {
-                Self::unreference(&mut st, pba);
             }
         }
     }
 
+    /// The volume units `layer` has map pages for, or `None` for no such layer.
+    fn page_keys(&self, layer: u32) -> Option<Vec<u32>> {
+        let st = self.lock();
+        st.layers
+            .get(&layer)
+            .map(|lm| lm.pages.keys().copied().collect())
+    }
+
     /// Bytes of `layer`'s blocks that deleting it would give back: blocks no other
     /// entry references and none of `children` (the layers reading through it) reads.
+    /// Counted a chunk of pages per lock hold, so writes going on meanwhile may make it
+    /// a little off (it is a figure for `snapshot list`).
     pub(crate) fn exclusive_bytes(&self, layer: u32, children: &[u32]) -> u64 {
-        let st = self.lock();
-        let Some(lm) = st.layers.get(&layer) else {
+        let Some(keys) = self.page_keys(layer) else {
             return 0;
         };
         let mut n = 0u64;
-        for (&v, page) in &lm.pages {
-            let base = u64::from(v) * BLOCKS_PER_UNIT;
-            for (i, &e) in page.entries.iter().enumerate() {
-                let b = base + i as u64;
-                if pba_of(e).is_some_and(|pba| Self::count(&st, pba) == 1)
-                    && children.iter().all(|&c| Self::entry(&st, c, b) != ABSENT)
-                {
-                    n += 1;
+        for chunk in keys.chunks(SCAN_CHUNK_PAGES) {
+            let st = self.lock();
+            for &v in chunk {
+                let base = u64::from(v) * BLOCKS_PER_UNIT;
+                let Some(page) = st.layers.get(&layer).and_then(|lm| lm.pages.get(&v)) else {
+                    continue;
+                };
+                for (b, &e) in (base..).zip(page.entries.iter()) {
+                    if pba_of(e).is_some_and(|pba| Self::count(&st, pba) == 1)
+                        && children.iter().all(|&c| Self::entry(&st, c, b) != ABSENT)
+                    {
+                        n += 1;
+                    }
                 }
             }
         }
@@ -1269,29 +1308,95 @@ impl DedupCore {
         len: u64,
         max_runs: usize,
     ) -> Vec<(u64, bool)> {
-        let st = self.lock();
-        Self::runs(offset, len, max_runs, |b| {
-            layers.iter().any(|&l| Self::entry(&st, l, b) != ABSENT)
+        self.runs(layers, offset, len, max_runs, |st, b| {
+            layers.iter().any(|&l| Self::entry(st, l, b) != ABSENT)
         })
     }
 
-    /// Runs of `(length, f(block))` over `[offset, offset+len)`, at most `max_runs`.
-    fn runs(offset: u64, len: u64, max_runs: usize, f: impl Fn(u64) -> bool) -> Vec<(u64, bool)> {
+    /// Runs of `(length, f(block))` over `[offset, offset+len)`, at most `max_runs`,
+    /// where `f` is false for every block of a volume unit none of `layers` has a map
+    /// page for (the scan jumps over such units). The lock is given back every
+    /// `SCAN_STEPS` steps: a scan of a large volume (block status, changed extents) must
+    /// not hold up the pool's dedup writes.
+    fn runs(
+        &self,
+        layers: &[u32],
+        offset: u64,
+        len: u64,
+        max_runs: usize,
+        f: impl Fn(&State, u64) -> bool,
+    ) -> Vec<(u64, bool)> {
+        const UNIT: u64 = BLOCKS_PER_UNIT * DBLOCK;
         let mut runs: Vec<(u64, bool)> = Vec::new();
-        let end = offset + len;
+        let end = offset.saturating_add(len);
+        if end == offset {
+            return runs;
+        }
+        let paged = self.paged_units(layers, offset / UNIT, (end - 1) / UNIT);
+        let mut next = 0;
         let mut at = offset;
         while at < end && runs.len() <= max_runs {
-            let b = at / DBLOCK;
-            let next = ((b + 1) * DBLOCK).min(end);
-            let v = f(b);
-            match runs.last_mut() {
-                Some((l, m)) if *m == v => *l += next - at,
-                _ => runs.push((next - at, v)),
+            let st = self.lock();
+            for _ in 0..SCAN_STEPS {
+                if at >= end || runs.len() > max_runs {
+                    break;
+                }
+                let b = at / DBLOCK;
+                let vunit = b / BLOCKS_PER_UNIT;
+                while paged.get(next).is_some_and(|&u| u < vunit) {
+                    next += 1;
+                }
+                let (to, v) = if paged.get(next) == Some(&vunit) {
+                    (((b + 1) * DBLOCK).min(end), f(&st, b))
+                } else {
+                    // Up to the next unit with a page, or the end.
+                    (paged.get(next).map_or(end, |&u| (u * UNIT).min(end)), false)
+                };
+                match runs.last_mut() {
+                    Some((l, m)) if *m == v => *l += to - at,
+                    _ => runs.push((to - at, v)),
+                }
+                at = to;
             }
-            at = next;
         }
         runs.truncate(max_runs.max(1));
         runs
+    }
+
+    /// The volume units `u0..=u1` for which some layer of `layers` has a map page,
+    /// ascending. Costs the smaller of the range and the layers' page counts, a chunk
+    /// of lookups per lock hold.
+    fn paged_units(&self, layers: &[u32], u0: u64, u1: u64) -> Vec<u64> {
+        let mut out = BTreeSet::new();
+        for &l in layers {
+            let pages = self
+                .lock()
+                .layers
+                .get(&l)
+                .map_or(0, |lm| lm.pages.len() as u64);
+            if u1 - u0 < pages {
+                let mut u = u0;
+                while u <= u1 {
+                    let st = self.lock();
+                    let Some(lm) = st.layers.get(&l) else {
+                        break;
+                    };
+                    let stop = u.saturating_add(SCAN_STEPS as u64).min(u1 + 1);
+                    out.extend(
+                        (u..stop)
+                            .filter(|&v| u32::try_from(v).is_ok_and(|v| lm.pages.contains_key(&v))),
+                    );
+                    u = stop;
+                }
+            } else if let Some(keys) = self.page_keys(l) {
+                out.extend(
+                    keys.into_iter()
+                        .map(u64::from)
+                        .filter(|v| (u0..=u1).contains(v)),
+                );
+            }
+        }
+        out.into_iter().collect()
     }
 
     /// Whether every block of `[offset, offset+len)` of `layer` reads as zeros.
@@ -1310,9 +1415,9 @@ impl DedupCore {
         len: u64,
         max_runs: usize,
     ) -> Vec<(u64, bool)> {
-        let st = self.lock();
-        Self::runs(offset, len, max_runs, |b| {
-            pba_of(Self::chained(&st, layer, b)).is_some()
+        let chain = Self::chain_of(&self.lock(), layer);
+        self.runs(&chain, offset, len, max_runs, |st, b| {
+            pba_of(Self::chained(st, layer, b)).is_some()
         })
     }
 

@@ -199,3 +199,104 @@ fn a_rollback_gives_the_snapshot_back_and_frees_what_was_written_since() {
     assert!(read(&mut io, &mut hs, 0, a.len()).unwrap() == a);
     assert_metadata_clean(&pool);
 }
+
+/// Runs of `(length, allocated)` over `[from, to)` for the 4 KiB blocks at `blocks`
+/// (sorted byte offsets), as `allocation_runs` answers them.
+fn expected_runs(blocks: &[u64], from: u64, to: u64) -> Vec<(u64, bool)> {
+    let mut runs: Vec<(u64, bool)> = Vec::new();
+    let mut push = |len: u64, v: bool| match runs.last_mut() {
+        Some((l, m)) if *m == v => *l += len,
+        _ if len > 0 => runs.push((len, v)),
+        _ => {}
+    };
+    let mut at = from;
+    for &b in blocks.iter().filter(|&&b| b + BLK > from && b < to) {
+        push(b.max(at) - at, false);
+        let e = (b + BLK).min(to);
+        push(e - b.max(at), true);
+        at = e;
+    }
+    push(to - at, false);
+    runs
+}
+
+/// Block status and changed extents of a huge, sparse dedup volume: the scan jumps over
+/// volume units with no map page (it visited every 4 KiB block under the pool's dedup
+/// lock before: 2.7 s for 1 TiB, during which every dedup write of the pool waited),
+/// and gives the same runs, cut to `max_runs`, from any starting point.
+#[test]
+fn block_status_of_a_huge_sparse_dedup_volume_jumps_over_unwritten_units() {
+    const TIB: u64 = 1 << 40;
+    const GIB: u64 = 1 << 30;
+    let (pool, _ram) = ram_pool(LayoutKind::Concat, 1);
+    let mut io = core();
+    let v = pool
+        .create_volume_opts(
+            "v",
+            64 * TIB,
+            tessera_pool::VolumeOptions {
+                force: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let mut hv = v.open_handle();
+    let mut blocks = vec![
+        0,
+        MIB - BLK,
+        MIB + 2 * BLK,
+        5 * GIB + 3 * BLK,
+        40 * TIB,
+        64 * TIB - BLK,
+    ];
+    for (i, &b) in blocks.iter().enumerate() {
+        assert_eq!(
+            write(&mut io, &mut hv, b, &pattern(40 + i as u64, BLK as usize)),
+            0
+        );
+    }
+    let s = pool.create_snapshot(&v, "s").unwrap();
+    // After the snapshot: a new block, a block written again, a TRIM over the
+    // snapshot's block 0 (a zero entry: not allocated, but changed).
+    assert_eq!(
+        write(&mut io, &mut hv, 7 * GIB, &pattern(50, BLK as usize)),
+        0
+    );
+    assert_eq!(
+        write(&mut io, &mut hv, MIB + 2 * BLK, &pattern(51, BLK as usize)),
+        0
+    );
+    trim(&mut io, &mut hv, 0, BLK);
+    let snap_blocks = blocks.clone();
+    blocks.retain(|&b| b != 0);
+    blocks.push(7 * GIB);
+    blocks.sort_unstable();
+    for (vol, want) in [(&v, &blocks), (&s, &snap_blocks)] {
+        assert_eq!(
+            vol.allocation_runs(0, 64 * TIB, 64),
+            expected_runs(want, 0, 64 * TIB)
+        );
+        // From the middle of units, cut short, and over a range with no page at all.
+        for (from, to) in [
+            (MIB - 2 * BLK, 6 * GIB),
+            (BLK, MIB + 3 * BLK),
+            (41 * TIB, 64 * TIB),
+            (2 * TIB, 3 * TIB),
+        ] {
+            assert_eq!(
+                vol.allocation_runs(from, to - from, 64),
+                expected_runs(want, from, to),
+                "{from}..{to}"
+            );
+        }
+        let all = expected_runs(want, 0, 64 * TIB);
+        assert_eq!(vol.allocation_runs(0, 64 * TIB, 3), all[..3].to_vec());
+    }
+    assert_eq!(
+        pool.changed_extents(&s, &v).unwrap(),
+        vec![(0, BLK), (MIB + 2 * BLK, BLK), (7 * GIB, BLK)]
+    );
+    // The snapshot figures and its deletion scan its pages, a chunk per lock hold.
+    pool.delete_volume(&s).unwrap();
+    assert_metadata_clean(&pool);
+}
