@@ -3,18 +3,19 @@
 //! records one block at a time, each built from the slots' state in RAM at that moment,
 //! so a later write of a record block always carries every earlier change to it.
 
+use std::cell::RefCell;
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tessera_io::buf::AlignedBuf;
 use tessera_io::sync::MutexExt;
-use tessera_io::{RemoteCompleter, Tag};
+use tessera_io::{CoreIo, IoHandle, IoOp, RemoteCompleter, Tag};
 
 use super::CacheTier;
 use crate::format::{crc, BLOCK};
+use crate::layout::Layout;
 
 const MIB: u64 = 1 << 20;
 /// Magic of a slot record.
@@ -128,6 +129,54 @@ pub(crate) struct RecordRequest {
     pub waiter: Option<(RemoteCompleter, Tag)>,
 }
 
+/// Write runs `(first block, index of it in bytes, blocks)` of `bytes` to `layout`,
+/// up to `RUNS_IN_FLIGHT` at once, every copy of a mirror at once, through an io_uring
+/// of the calling thread (record writes come from the record writer, the cleaners and
+/// the control plane, one at a time: `record_io`). Before, a batch spawned threads that
+/// wrote the copies one after the other: 1.3 ms for a batch of 8 scattered records on
+/// two mirrored files, which held write-back writes to ~5,700 a second.
+fn write_runs(
+    layout: &Arc<Layout>,
+    bytes: &[u8],
+    runs: &[(u64, usize, usize)],
+) -> std::io::Result<()> {
+    /// Runs submitted before waiting for them (the ring's size).
+    const RUNS_IN_FLIGHT: usize = 32;
+    thread_local! {
+        static RING: RefCell<Option<CoreIo>> = const { RefCell::new(None) };
+    }
+    RING.with(|ring| {
+        let mut ring = ring.borrow_mut();
+        if ring.is_none() {
+            *ring = Some(CoreIo::new(0, RUNS_IN_FLIGHT as u32 * 2, None)?);
+        }
+        let io = ring.as_mut().expect("set above");
+        let mut handle = layout.open_handle();
+        let mut failed = 0;
+        for wave in runs.chunks(RUNS_IN_FLIGHT) {
+            for (k, &(first, at, len)) in wave.iter().enumerate() {
+                let op = IoOp::Write {
+                    offset: first * BLOCK as u64,
+                    len: u32::try_from(len * BLOCK).expect("a batch is far below 4 GiB"),
+                    buf: bytes[at * BLOCK..(at + len) * BLOCK].as_ptr(),
+                };
+                let tag = Tag::task(0, u32::try_from(k).expect("small"));
+                // SAFETY: `bytes` outlives the write: the wave is waited for below.
+                unsafe { handle.submit(io, op, tag) };
+            }
+            io.run_until_idle(|_, _, res| {
+                if res < 0 && failed == 0 {
+                    failed = res;
+                }
+            });
+        }
+        if failed < 0 {
+            return Err(std::io::Error::from_raw_os_error(-failed));
+        }
+        Ok(())
+    })
+}
+
 /// The record writer's loop: each batch of requests writes each record block asked for
 /// once, then completes the requests' waiters.
 pub(super) fn writer_loop(tier: Weak<CacheTier>, rx: Receiver<RecordRequest>) {
@@ -176,12 +225,10 @@ impl CacheTier {
     /// time (`record_io`), so blocks reach the devices in the order they were built.
     ///
     /// A batch for scattered slots names scattered blocks: runs of adjacent blocks are
-    /// written as one write each, up to `RECORD_WRITERS` runs at once, from a buffer
-    /// aligned for O_DIRECT (an unaligned one costs the device a read before each
-    /// write), so a batch costs about one device write, not one per block.
+    /// written as one write each, all at once (`write_runs`), from a buffer aligned for
+    /// O_DIRECT (an unaligned one costs the device a read before each write), so a
+    /// batch costs about one device write, not one per block.
     pub(crate) fn write_record_blocks(&self, blocks: &BTreeSet<u64>) -> std::io::Result<()> {
-        /// Runs of one batch written at once.
-        const RECORD_WRITERS: usize = 8;
         if blocks.is_empty() {
             return Ok(());
         }
@@ -212,31 +259,7 @@ impl CacheTier {
                 _ => runs.push((j, n, 1)),
             }
         }
-        let bytes = buf.as_slice();
-        let write = |&(first, at, len): &(u64, usize, usize)| {
-            self.layout
-                .write_at(first * BLOCK as u64, &bytes[at * BLOCK..(at + len) * BLOCK])
-        };
-        if runs.len() == 1 {
-            return write(&runs[0]);
-        }
-        let next = AtomicUsize::new(0);
-        let failed: std::sync::Mutex<Option<std::io::Error>> = std::sync::Mutex::new(None);
-        std::thread::scope(|sc| {
-            for _ in 0..runs.len().min(RECORD_WRITERS) {
-                sc.spawn(|| loop {
-                    let k = next.fetch_add(1, Relaxed);
-                    let Some(run) = runs.get(k) else { break };
-                    if let Err(e) = write(run) {
-                        failed.locked().get_or_insert(e);
-                    }
-                });
-            }
-        });
-        match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        write_runs(&self.layout, buf.as_slice(), &runs)
     }
 
     /// Write the record blocks of `slots` (global indices) and, with `sync`, sync the
