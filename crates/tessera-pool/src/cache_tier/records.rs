@@ -141,19 +141,19 @@ fn write_runs(
     runs: &[(u64, usize, usize)],
 ) -> std::io::Result<()> {
     /// Runs submitted before waiting for them (the ring's size).
-    const RUNS_IN_FLIGHT: usize = 32;
+    const RUNS_IN_FLIGHT: u32 = 32;
     thread_local! {
         static RING: RefCell<Option<CoreIo>> = const { RefCell::new(None) };
     }
     RING.with(|ring| {
         let mut ring = ring.borrow_mut();
         if ring.is_none() {
-            *ring = Some(CoreIo::new(0, RUNS_IN_FLIGHT as u32 * 2, None)?);
+            *ring = Some(CoreIo::new(0, RUNS_IN_FLIGHT * 2, None)?);
         }
         let io = ring.as_mut().expect("set above");
         let mut handle = layout.open_handle();
         let mut failed = 0;
-        for wave in runs.chunks(RUNS_IN_FLIGHT) {
+        for wave in runs.chunks(RUNS_IN_FLIGHT as usize) {
             for (k, &(first, at, len)) in wave.iter().enumerate() {
                 let op = IoOp::Write {
                     offset: first * BLOCK as u64,
