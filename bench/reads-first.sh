@@ -82,8 +82,15 @@ PY
 }
 
 # (Command substitution waits for each node to be gone before the next one starts.)
-on=$(run_with true)
-off=$(run_with false)
+# FIRST=false runs the arrival-order node first (to tell the order of the runs apart
+# from the setting).
+if [[ ${FIRST:-true} == false ]]; then
+    off=$(run_with false)
+    on=$(run_with true)
+else
+    on=$(run_with true)
+    off=$(run_with false)
+fi
 read -r on_r50 on_r99 on_w50 on_w99 on_b on_a <<<"$on"
 read -r off_r50 off_r99 off_w50 off_w99 off_b off_a <<<"$off"
 printf '%-24s %12s %12s %8s\n' "B (mixed client)" "reads first" "arrival order" "ratio"
