@@ -12,6 +12,9 @@
 # Usage (root or a user who may run the node):
 #   TESSERA=target/release/tessera RUNTIME=10 bench/readahead.sh
 set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=bench/lib.sh
+source bench/lib.sh
 TESSERA=${TESSERA:-target/release/tessera}
 RUNTIME=${RUNTIME:-10}
 LATENCY_US=${LATENCY_US:-2000}
@@ -25,22 +28,7 @@ echo "readahead: a file behind the fault device with ${LATENCY_US} us per I/O, f
 run_with() { # readahead=true|false
     local dir
     dir=$(mktemp -d "${TMPDIR:-/tmp}/tessera-ra-bench.XXXXXX")
-    cat >"$dir/tessera.toml" <<CFG
-data_dir = "$dir"
-cores = $CORES
-readahead = $1
-[nbd]
-listen = ["127.0.0.1:$PORT"]
-[nvmf]
-enabled = false
-CFG
-    "$TESSERA" node --config "$dir/tessera.toml" >"$dir/node.log" 2>&1 &
-    local pid=$!
-    for _ in $(seq 200); do
-        [[ -S "$dir/api.sock" ]] && "$TESSERA" --api "unix:$dir/api.sock" pool list >/dev/null 2>&1 && break
-        kill -0 "$pid" 2>/dev/null || { cat "$dir/node.log" >&2; exit 1; }
-        sleep 0.1
-    done
+    start_node_with "$dir" "$PORT" "$CORES" "readahead = $1"
     t() { "$TESSERA" --api "unix:$dir/api.sock" "$@" >/dev/null; }
     t pool create slow "fault:$dir/slow.img:512M;latency_us=$LATENCY_US"
     t volume create v --pool slow --size 256M
@@ -59,9 +47,6 @@ seq = json.load(open(f"{d}/seq.json"))["jobs"][0]["read"]
 rnd = json.load(open(f"{d}/rand.json"))["jobs"][0]["read"]
 print("%.1f %d" % (seq["bw_bytes"] / 2**20, rnd["iops"]))
 PY
-    kill "$pid"
-    wait "$pid" 2>/dev/null || true
-    rm -rf "$dir"
 }
 
 # (Command substitution waits for each node to be gone before the next one starts.)

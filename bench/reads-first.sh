@@ -12,6 +12,9 @@
 # Usage (root or a user who may run the node):
 #   TESSERA=target/release/tessera RUNTIME=10 bench/reads-first.sh
 set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=bench/lib.sh
+source bench/lib.sh
 TESSERA=${TESSERA:-target/release/tessera}
 RUNTIME=${RUNTIME:-10}
 PORT=${PORT:-10873}
@@ -28,22 +31,7 @@ if (( $(nproc) > 1 )); then PIN=(taskset -c "1-$(( $(nproc) - 1 ))"); fi
 run_with() { # random_reads_first=true|false
     local dir
     dir=$(mktemp -d "${TMPDIR:-/tmp}/tessera-rf-bench.XXXXXX")
-    cat >"$dir/tessera.toml" <<CFG
-data_dir = "$dir"
-cores = 1
-random_reads_first = $1
-[nbd]
-listen = ["127.0.0.1:$PORT"]
-[nvmf]
-enabled = false
-CFG
-    "$TESSERA" node --config "$dir/tessera.toml" >"$dir/node.log" 2>&1 &
-    local pid=$!
-    for _ in $(seq 200); do
-        [[ -S "$dir/api.sock" ]] && "$TESSERA" --api "unix:$dir/api.sock" pool list >/dev/null 2>&1 && break
-        kill -0 "$pid" 2>/dev/null || { cat "$dir/node.log" >&2; exit 1; }
-        sleep 0.1
-    done
+    start_node_with "$dir" "$PORT" 1 "random_reads_first = $1"
     t() { "$TESSERA" --api "unix:$dir/api.sock" "$@" >/dev/null; }
     t pool create p ram:2G
     for v in a b; do
@@ -76,9 +64,6 @@ print("%.1f %.1f %.1f %.1f %d %d" % (
     pct(b["write"], "50.000000"), pct(b["write"], "99.000000"),
     b["read"]["iops"] + b["write"]["iops"], a_iops))
 PY
-    kill "$pid"
-    wait "$pid" 2>/dev/null || true
-    rm -rf "$dir"
 }
 
 # (Command substitution waits for each node to be gone before the next one starts.)
